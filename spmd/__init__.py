@@ -1,0 +1,12 @@
+"""spmd: a compiler-style SPMD graph partitioner for PyTorch.
+
+    mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+    compiled = spmd.compile(model, mesh, example_inputs=(tokens,))
+    out = compiled(*compiled.shard_inputs(tokens))
+"""
+from spmd.api import compile, init_mesh, plan
+from spmd.errors import SpmdError, SpmdInternalError
+from spmd.mesh import MeshSpec
+from spmd.passes.enumerate_strategies import UnknownOpWarning
+
+__all__ = ["compile", "plan", "init_mesh", "MeshSpec", "SpmdError", "SpmdInternalError", "UnknownOpWarning"]

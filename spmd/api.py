@@ -1,0 +1,80 @@
+"""The public entry points: `init_mesh` and `compile`."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from spmd.errors import SpmdError
+from spmd.mesh import MeshSpec
+from spmd.passes.enumerate_strategies import Pins
+from spmd.pipeline import Compilation, run_pipeline
+
+
+def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str | None = None):
+    """Start the process group if needed (NCCL on CUDA, gloo on CPU) and return a torch DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(shape)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise SpmdError("init_mesh: no process group and no torchrun environment (RANK unset). What to do: "
+                            f"launch with `torchrun --nproc-per-node {torch.Size(shape).numel()} script.py`.")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    need = 1
+    for s in shape:
+        need *= s
+    if need != world:
+        raise SpmdError(f"init_mesh: mesh {shape} needs {need} processes but the world has {world}. What to do: "
+                        f"launch with `torchrun --nproc-per-node {need}` or choose a mesh whose sizes multiply to {world}.")
+    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(axis_names))
+
+
+def _check_mesh(mesh) -> None:
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
+                        "What to do: build the mesh over all ranks (spmd.init_mesh).")
+
+
+def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placements: dict | None = None,
+            param_placements: dict | None = None, out_placements: dict | Sequence | None = None,
+            mesh_spec: MeshSpec | None = None, dump_dir: str | None = None):
+    """Partition `model` over `mesh` and return this rank's `CompiledModule`.
+
+    example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for).
+    in_placements / param_placements: pins by input argument name / parameter FQN, each a list with one
+    placement per mesh axis. out_placements: pins by output index. mesh_spec: the link and device
+    profiles to plan with (default: those of the mesh's backend).
+    """
+    from spmd.runtime.compiled import CompiledModule
+
+    _check_mesh(mesh)
+    spec = mesh_spec or MeshSpec.from_device_mesh(mesh)
+    if tuple(spec.shape) != tuple(mesh.shape):
+        raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
+    if isinstance(out_placements, (list, tuple)):
+        out_placements = dict(enumerate(out_placements))
+    pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
+    rank = mesh.get_rank() if dist.is_initialized() else 0
+    groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups), dump_dir)
+    return CompiledModule(c)
+
+
+def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
+         param_placements=None, out_placements=None, dump_dir: str | None = None):
+    """Run the pipeline up to the plan with no processes at all; returns the `Plan`."""
+    if isinstance(out_placements, (list, tuple)):
+        out_placements = dict(enumerate(out_placements))
+    pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins), dump_dir).plan

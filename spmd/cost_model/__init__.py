@@ -1,0 +1,1 @@
+"""Costs (communication per mesh axis, compute) and the placement solver."""

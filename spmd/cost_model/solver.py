@@ -1,0 +1,73 @@
+"""A small 0-1 program builder over scipy's HiGHS `milp`.
+
+Columns are either binary choice variables or continuous edge variables in [0, 1]; rows are equalities.
+The placement problem uses the Alpa-style marginal form: for an edge u -> v the edge variables
+e[a, r] (producer spec a, consumer spec r) have row sums equal to u's choice of a and column sums equal
+to v's choice of r, so with binary choices exactly one e[a, r] is 1 and its cost is the resharding.
+That form's LP relaxation is tight enough that HiGHS proves optimality in well under a second on
+transformer graphs (see bench/), where the textbook product linearization takes minutes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import LinearConstraint, milp
+from scipy.sparse import csr_array
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    values: np.ndarray
+    objective: float
+    lower_bound: float
+    gap: float
+    seconds: float
+    status: str
+    n_binary: int
+    n_continuous: int
+    n_rows: int
+
+
+class IlpBuilder:
+    def __init__(self):
+        self.cost: list[float] = []
+        self.integral: list[int] = []
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._vals: list[float] = []
+        self._rhs: list[float] = []
+
+    def add_var(self, cost: float, binary: bool) -> int:
+        self.cost.append(float(cost))
+        self.integral.append(1 if binary else 0)
+        return len(self.cost) - 1
+
+    def add_cost(self, col: int, cost: float) -> None:
+        self.cost[col] += float(cost)
+
+    def add_eq(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        row = len(self._rhs)
+        for col, coef in terms:
+            self._rows.append(row)
+            self._cols.append(col)
+            self._vals.append(coef)
+        self._rhs.append(float(rhs))
+
+    def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6) -> IlpResult:
+        n = len(self.cost)
+        t0 = time.perf_counter()
+        a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
+        rhs = np.asarray(self._rhs)
+        res = milp(np.asarray(self.cost), constraints=LinearConstraint(a, rhs, rhs),
+                   integrality=np.asarray(self.integral), bounds=(0, 1),
+                   options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap, "presolve": True})
+        seconds = time.perf_counter() - t0
+        if res.x is None:
+            return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), seconds, res.message,
+                             sum(self.integral), n - sum(self.integral), len(self._rhs))
+        bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
+        gap = 0.0 if res.fun <= 0 else max(0.0, (res.fun - bound) / abs(res.fun))
+        return IlpResult(res.x, float(res.fun), bound, gap, seconds, res.message,
+                         sum(self.integral), n - sum(self.integral), len(self._rhs))

@@ -1,0 +1,54 @@
+"""The two kinds of failure.
+
+`SpmdError`: the model or the constraints cannot be partitioned as asked; the message says what, where
+(node, ATen op, the user's source line), why, and what to do.
+`SpmdInternalError`: a pass broke an invariant; it carries the graph dump for the bug report.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.fx as fx
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(fx.__file__)))
+
+
+class SpmdError(Exception):
+    """The model or the user's constraints cannot be partitioned as asked."""
+
+
+class SpmdInternalError(RuntimeError):
+    """A pass broke an invariant. `graph_dump` holds the graph it was working on."""
+
+    def __init__(self, message: str, graph_dump: str = ""):
+        super().__init__(message + ("\n\n--- graph ---\n" + graph_dump if graph_dump else ""))
+        self.graph_dump = graph_dump
+
+
+def user_source_line(node: fx.Node) -> str:
+    """The innermost frame of `node`'s stack trace outside torch: the user's `file:line  code`."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.strip().splitlines()
+    best = ""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if not line.startswith("File "):
+            continue
+        try:
+            path = line.split('"')[1]
+            lineno = line.split("line ")[1].split(",")[0]
+        except IndexError:
+            continue
+        if os.path.abspath(path).startswith(_TORCH_DIR):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        best = f"{path}:{lineno}  {code}".rstrip()
+    return best or "<no source location>"
+
+
+def describe_node(node: fx.Node) -> str:
+    """`node 'addmm_3' (aten.addmm.default) at models.py:54  q = self.q_proj(x)`"""
+    target = getattr(node.target, "__name__", str(node.target))
+    if hasattr(node.target, "_schema"):
+        target = str(node.target).replace("aten::", "aten.")
+    return f"node '{node.name}' ({target}) at {user_source_line(node)}"

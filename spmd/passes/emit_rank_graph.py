@@ -1,0 +1,56 @@
+"""emit_rank_graph: the graph one rank runs, on its local shards.
+
+Before: the graph from `insert_collectives` (global shapes, steps naming mesh axes). After: a plain
+GraphModule for rank `rank`: shape arguments of views and factories rewritten to local shapes, each
+step bound to this rank's process group name, axis size and coordinate. Its code is what
+`compiled.code` prints.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from spmd.runtime.collectives import STEP_FUNCTIONS
+from spmd.specs import local_shape
+
+aten = torch.ops.aten
+
+# op -> index of its shape argument that must become the local shape of the output.
+SHAPE_ARG = {
+    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+    aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
+    aten.view_copy.default: 1, aten.expand_copy.default: 1,
+}
+
+
+def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...]) -> fx.GraphModule:
+    coord = mesh.coordinate(rank)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in global_gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        env[node] = new
+        if node.op != "call_function":
+            continue
+        if node.target in STEP_FUNCTIONS.values():
+            kwargs = dict(new.kwargs)
+            axis = kwargs.pop("mesh_axis")
+            world = mesh.shape[axis]
+            if node.target in (STEP_FUNCTIONS["shard_local"],):
+                kwargs.update(index=coord[axis], world=world)
+            elif node.target is STEP_FUNCTIONS["partial_local"]:
+                kwargs.update(index=coord[axis])
+            else:
+                kwargs.update(group=group_names[axis], world=world)
+            new.kwargs = kwargs
+        elif node.target in SHAPE_ARG:
+            i = SHAPE_ARG[node.target]
+            val = node.meta["val"]
+            local = local_shape(tuple(val.shape), node.meta["spmd_placements"][0], mesh.shape)
+            args = list(new.args)
+            old = list(args[i])
+            args[i] = [(-1 if o == -1 else s) for o, s in zip(old, local)] if len(old) == len(local) else list(local)
+            new.args = tuple(args)
+    gm = fx.GraphModule(global_gm, graph)
+    gm.recompile()
+    return gm

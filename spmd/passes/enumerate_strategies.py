@@ -1,0 +1,189 @@
+"""enumerate_strategies: every node gets its candidate (input placements -> output placements) list.
+
+Before: a traced graph with `TensorInfo` per node and a `MeshSpec`. After: a `StrategyTable` mapping
+each node name (plus one `output_k` sink per graph output) to its strategies and the values it reads;
+uneven splits are excluded, ops without a rule fall back to all-Replicate with a warning. Pins (user
+inputs, parameters by FQN, outputs) restrict the choice of their node.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from spmd.errors import SpmdError, describe_node
+from spmd.passes.rules import RULES, RuleInput, expand_single_dim
+from spmd.passes.rules import dtensor_adapter
+from spmd.passes.rules.dtensor_adapter import TensorArg, op_name
+from spmd.passes.trace_module import TracedGraph
+from spmd.specs import Placements, Strategy, TensorInfo, all_placements, is_even, placements_str
+
+Value = tuple[str, int]  # (producing node name, output index)
+
+
+class UnknownOpWarning(UserWarning):
+    """An op had no sharding rule and runs replicated on every rank."""
+
+
+@dataclass
+class NodeStrategies:
+    strategies: list[Strategy]
+    inputs: tuple[Value, ...]  # the values read, aligned with Strategy.inputs
+    outputs: tuple[TensorInfo | None, ...]
+    source: str  # dtensor | spmd | fallback | placeholder | output | follow
+    excluded: int = 0  # strategies dropped as uneven
+
+
+@dataclass
+class StrategyTable:
+    nodes: dict[str, NodeStrategies] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)  # node descriptions that fell back to Replicate
+
+    def output_candidates(self, value: Value) -> list[Placements]:
+        name, idx = value
+        seen: dict[Placements, None] = {}
+        for s in self.nodes[name].strategies:
+            seen.setdefault(s.outputs[idx], None)
+        return list(seen)
+
+
+@dataclass(frozen=True)
+class Pins:
+    """User constraints: placements for inputs (by argument name), parameters/buffers (by FQN), outputs."""
+
+    inputs: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)  # output index -> placements
+
+
+def _tensor_inputs(node: fx.Node, info: dict) -> tuple[Value, ...]:
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return tuple((a.name, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo))
+
+
+def _check_pin(ps, node_desc: str, what: str, mesh) -> Placements:
+    ps = tuple(ps)
+    if len(ps) != mesh.ndim:
+        raise SpmdError(f"pin for {what} has {len(ps)} placements but the mesh {mesh} has {mesh.ndim} axes "
+                        f"({node_desc}). What to do: give one placement per mesh axis.")
+    return ps
+
+
+def _restrict(ns: NodeStrategies, pin: Placements, what: str, node_desc: str, mesh) -> None:
+    kept = [s for s in ns.strategies if s.outputs[0] == pin]
+    if not kept:
+        shape = ns.outputs[0].shape if ns.outputs and ns.outputs[0] else "?"
+        raise SpmdError(
+            f"pin {placements_str(pin)} for {what} cannot be met: {node_desc} has shape {shape}, and on mesh "
+            f"{mesh} that placement is uneven or out of range (uneven shards are excluded). What to do: pin "
+            "a placement whose sharded dims divide by the mesh axis sizes, or change the input size."
+        )
+    ns.strategies = kept
+
+
+def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) -> StrategyTable:
+    pins = pins or Pins()
+    info = traced.tensor_info
+    table = StrategyTable()
+    by_ph = traced.input_by_placeholder()
+    used_pins: set[str] = set()
+
+    def even(s: Strategy, outs, ins) -> bool:
+        return all(ps is None or o is None or is_even(o.shape, ps, mesh.shape) for ps, o in zip(s.outputs, outs)) \
+            and all(is_even(i.shape, ps, mesh.shape) for ps, i in zip(s.inputs, ins))
+
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            t = info[node.name]
+            cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
+            ns = NodeStrategies([Strategy((ps,), ()) for ps in cands], (), (t,), "placeholder")
+            gi = by_ph[node.name]
+            book = pins.inputs if gi.kind == "input" else pins.params
+            if gi.name in book:
+                used_pins.add(gi.name)
+                _restrict(ns, _check_pin(book[gi.name], gi.name, gi.kind + " " + repr(gi.name), mesh),
+                          f"{gi.kind} {gi.name!r}", f"placeholder '{node.name}'", mesh)
+            table.nodes[node.name] = ns
+            continue
+        if node.op == "output":
+            outs, _ = tree_flatten(node.args[0])
+            for k, a in enumerate(outs):
+                if not isinstance(a, fx.Node) or not isinstance(info.get(a.name), TensorInfo):
+                    continue
+                t = info[a.name]
+                cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
+                ns = NodeStrategies([Strategy((), (ps,)) for ps in cands], ((a.name, 0),), (), "output")
+                if k in pins.outputs:
+                    pin = _check_pin(pins.outputs[k], f"output {k}", f"output {k}", mesh)
+                    kept = [s for s in ns.strategies if s.inputs[0] == pin]
+                    if not kept:
+                        raise SpmdError(f"pin {placements_str(pin)} for output {k} (shape {t.shape}) is uneven or "
+                                        f"out of range on mesh {mesh}. What to do: pin an even placement.")
+                    ns.strategies = kept
+                table.nodes[f"output_{k}"] = ns
+            continue
+        if node.op != "call_function":
+            raise SpmdError(f"enumerate_strategies: unsupported node kind {node.op} ({describe_node(node)})")
+
+        node_info = info.get(node.name)
+        outs = node_info if isinstance(node_info, tuple) else (node_info,)
+        if node.target is operator.getitem:
+            src, idx = node.args
+            value = (src.name, idx)
+            cands = table.output_candidates(value)
+            table.nodes[node.name] = NodeStrategies([Strategy((ps,), (ps,)) for ps in cands], (value,),
+                                                    outs, "follow")
+            continue
+
+        inputs = _tensor_inputs(node, info)
+        in_infos = tuple(info[v[0]] for v in inputs)
+        counter = iter(range(len(inputs)))
+
+        def mark(a):
+            if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo):
+                return TensorArg(next(counter))
+            return a
+
+        m_args, m_kwargs = tree_map(mark, (tuple(node.args), dict(node.kwargs)))
+        strategies, source = None, "spmd"
+        error = None
+        try:
+            if node.target in RULES:
+                r_args, r_kwargs = tree_map(lambda a: in_infos[a.index] if isinstance(a, TensorArg) else a,
+                                            (m_args, m_kwargs), is_leaf=lambda a: isinstance(a, TensorArg))
+                single = RULES[node.target](RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
+                strategies = expand_single_dim(single, len(outs), mesh.ndim)
+            else:
+                cands = {j: table.output_candidates(v) for j, v in enumerate(inputs)}
+                strategies = dtensor_adapter.strategies(node.target, m_args, m_kwargs, dict(enumerate(in_infos)),
+                                                        cands, outs, mesh)
+                source = "dtensor"
+        except Exception as e:  # a rule that cannot handle these args: replicate, and say so
+            error = e
+            strategies = None
+        rep = (torch.distributed.tensor.Replicate(),) * mesh.ndim
+        if strategies is None:
+            where = describe_node(node)
+            reason = f"its rule failed ({type(error).__name__}: {error})" if error else "it has no sharding rule"
+            warnings.warn(UnknownOpWarning(
+                f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: add a "
+                f"rule in spmd/passes/rules/ with @rule({op_name(node.target)})."), stacklevel=2)
+            table.fallbacks.append(where)
+            strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
+            source = "fallback"
+        kept = [s for s in strategies if len(s.inputs) == len(inputs) and even(s, outs, in_infos)]
+        if not kept:
+            kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
+        table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(strategies) - len(kept))
+
+    unknown = set(pins.inputs) | set(pins.params)
+    unknown -= used_pins
+    if unknown:
+        known = sorted(i.name for i in traced.inputs)
+        raise SpmdError(f"pins name {sorted(unknown)}, which are not inputs or parameters of the model. "
+                        f"Known names: {known[:20]}{' ...' if len(known) > 20 else ''}")
+    return table

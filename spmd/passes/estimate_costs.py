@@ -1,0 +1,75 @@
+"""estimate_costs: price every strategy of every node and every resharding edge.
+
+Before: a `StrategyTable`. After: a `CostTable` with the compute seconds of each (node, strategy) on
+local shards, and an edge-cost function (seconds to turn one placement of a value into another) whose
+steps come from the one redistribute planner, so the solver prices exactly what will run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from spmd.cost_model.comm import steps_cost
+from spmd.cost_model.compute import compute_cost
+from spmd.passes.enumerate_strategies import StrategyTable, Value
+from spmd.passes.trace_module import TracedGraph
+from spmd.redistribute import Step, plan_redistribute
+from spmd.specs import Placements, TensorInfo, local_shape
+
+
+@dataclass
+class CostTable:
+    mesh: object
+    value_info: dict[Value, TensorInfo]
+    node_costs: dict[str, list[float]] = field(default_factory=dict)
+    _edges: dict = field(default_factory=dict)
+
+    def redistribute(self, value: Value, src: Placements, dst: Placements) -> tuple[Step, ...]:
+        info = self.value_info[value]
+        key = (info, src, dst)
+        if key not in self._edges:
+            steps = plan_redistribute(src, dst, info, self.mesh)
+            self._edges[key] = (steps, steps_cost(steps, self.mesh))
+        return self._edges[key][0]
+
+    def edge_cost(self, value: Value, src: Placements, dst: Placements) -> float:
+        if src == dst:
+            return 0.0
+        self.redistribute(value, src, dst)
+        return self._edges[(self.value_info[value], src, dst)][1]
+
+
+def _local(info: TensorInfo, ps: Placements, mesh_shape) -> TensorInfo:
+    return TensorInfo(local_shape(info.shape, ps, mesh_shape), info.dtype)
+
+
+def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh) -> CostTable:
+    nodes = {n.name: n for n in traced.graph.nodes}
+    value_info: dict[Value, TensorInfo] = {}
+    for name, info in traced.tensor_info.items():
+        if isinstance(info, TensorInfo):
+            value_info[(name, 0)] = info
+        else:
+            for k, i in enumerate(info):
+                if i is not None:
+                    value_info[(name, k)] = i
+    costs = CostTable(mesh, value_info)
+    for name, ns in table.nodes.items():
+        node = nodes.get(name)
+        if node is None or node.op != "call_function" or ns.source == "follow":
+            costs.node_costs[name] = [0.0] * len(ns.strategies)
+            continue
+        in_infos = [value_info[v] for v in ns.inputs]
+        row = []
+        for s in ns.strategies:
+            ins = [_local(i, ps, mesh.shape) for i, ps in zip(in_infos, s.inputs)]
+            outs = [_local(o, ps, mesh.shape) for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
+            it = iter(ins)
+            args, kwargs = tree_map(
+                lambda a: next(it).shape if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo) else a,
+                (tuple(node.args), dict(node.kwargs)))
+            row.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device))
+        costs.node_costs[name] = row
+    return costs

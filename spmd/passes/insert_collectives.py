@@ -1,0 +1,102 @@
+"""insert_collectives: make every resharding in the plan an explicit node.
+
+Before: the traced graph and a solved `Plan`. After: a new GraphModule (global shapes still in its
+args) where each consumer reads its input in the placements its strategy needs: every plan edge became
+a chain of step nodes calling `spmd.runtime.collectives`, with `mesh_axis` naming the axis. Chains are
+shared between consumers that need the same (value, placements). Every node carries
+`meta["spmd_placements"]` (per output) for the emitter and the dumps.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from spmd.errors import SpmdInternalError
+from spmd.plan import Plan
+from spmd.passes.trace_module import TracedGraph
+from spmd.runtime.collectives import STEP_FUNCTIONS
+from spmd.specs import TensorInfo
+
+
+def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
+    src_graph = traced.graph
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    edge_by_slot = {(e.consumer, e.slot): e for e in plan.edges}
+    shared: dict[tuple, fx.Node] = {}
+
+    def resharded(consumer: str, slot: int, node: fx.Node) -> fx.Node:
+        edge = edge_by_slot.get((consumer, slot))
+        if edge is None:
+            return node
+        key = (edge.value, edge.dst)
+        if key in shared:
+            return shared[key]
+        cur = node
+        placements = list(edge.src)
+        for step in edge.steps:
+            fn = STEP_FUNCTIONS[step.kind]
+            cur = graph.create_node("call_function", fn, (cur,), {**step.call_kwargs(), "mesh_axis": step.axis},
+                                    name=f"{step.kind}_{edge.value[0]}")
+            placements[step.axis] = _after(step, placements[step.axis])
+            cur.meta["spmd_placements"] = (tuple(placements),)
+            cur.meta["spmd_step"] = step
+            cur.meta["val"] = node.meta.get("val")
+            cur.meta["stack_trace"] = node.meta.get("stack_trace")
+        if tuple(placements) != tuple(edge.dst):
+            raise SpmdInternalError(f"steps for {edge.value} end in {placements}, not {edge.dst}",
+                                    str(traced.gm.code))
+        shared[key] = cur
+        return cur
+
+    for node in src_graph.nodes:
+        if node.op == "placeholder":
+            new = graph.placeholder(node.name)
+            new.meta = dict(node.meta)
+            new.meta["spmd_placements"] = plan.choices[node.name].outputs
+            env[node.name] = new
+            continue
+        if node.op == "output":
+            outs, spec = tree_flatten(node.args[0])
+            new_outs, k = [], 0
+            for a in outs:
+                if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
+                    new_outs.append(resharded(f"output_{k}", 0, env[a.name]))
+                else:
+                    new_outs.append(env[a.name] if isinstance(a, fx.Node) else a)
+                k += 1
+            graph.output(tuple(new_outs))
+            continue
+        slot = iter(range(1 << 30))
+
+        def remap(a):
+            if not isinstance(a, fx.Node):
+                return a
+            if node.target is not operator.getitem and isinstance(traced.tensor_info.get(a.name), TensorInfo):
+                return resharded(node.name, next(slot), env[a.name])
+            if node.target is operator.getitem:
+                next(slot)
+            return env[a.name]
+
+        args = fx.node.map_aggregate(tuple(node.args), remap)
+        kwargs = fx.node.map_aggregate(dict(node.kwargs), remap)
+        new = graph.create_node("call_function", node.target, args, kwargs, name=node.name)
+        if new.name != node.name:
+            raise SpmdInternalError(f"node name {node.name} taken in the new graph", str(graph))
+        new.meta = dict(node.meta)
+        new.meta["spmd_placements"] = plan.choices[node.name].outputs
+        env[node.name] = new
+    gm = fx.GraphModule(traced.gm, graph)
+    return gm
+
+
+def _after(step, old):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if step.kind in ("all_reduce", "all_gather"):
+        return Replicate()
+    if step.kind in ("reduce_scatter", "all_to_all", "shard_local"):
+        return Shard(step.dst_dim)
+    return Partial(step.reduce_op)

@@ -1,0 +1,131 @@
+"""The one place that touches DTensor's private sharding-rule registry (torch 2.13).
+
+DTensor registers ~1,100 ATen overloads in two formats; both are queried offline on a DeviceMesh built
+without a process group:
+  * single-dim rules (`op_single_dim_strategy_funcs`): placements for one mesh axis, which we expand to
+    the N-D mesh ourselves (`expand_single_dim`), exactly as DTensor does at run time;
+  * strategy functions (`op_strategy_funcs`): given each input's candidate specs, they return every
+    acceptable (input specs -> output specs) choice.
+A torch upgrade that moves these internals should only need this file to change.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor._api import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor.placement_types import Shard
+from torch.utils._pytree import tree_map
+
+from spmd.passes.rules import expand_single_dim
+from spmd.specs import Placements, Strategy, TensorInfo
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op) -> bool:
+    prop = _propagator()
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
+
+
+@functools.lru_cache(maxsize=16)
+def offline_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh with no process group behind it: enough for DTensor's rules, never for running."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape),
+                      mesh_dim_names=names, _init_backend=False, _rank=0)
+
+
+def _meta(info: TensorInfo) -> TensorMeta:
+    return TensorMeta(torch.Size(info.shape), torch.empty(info.shape, device="meta").stride(), info.dtype)
+
+
+def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
+               candidates: dict[int, list[Placements]], outputs: tuple[TensorInfo | None, ...],
+               mesh) -> list[Strategy] | None:
+    """DTensor's strategies for `op`, or None when DTensor has no rule.
+
+    `args`/`kwargs` hold `TensorArg(j)` markers where the j-th tensor input goes; `arg_infos[j]` is its
+    shape/dtype and `candidates[j]` the placements its producer can deliver.
+    """
+    prop = _propagator()
+    info = prop.op_single_dim_strategy_funcs.get(op)
+    func = prop.op_strategy_funcs.get(op)
+    if info is None and func is None:
+        return None
+    dmesh = offline_mesh(mesh.shape, mesh.axis_names)
+    rep = (Replicate(),) * mesh.ndim
+
+    def to_strategy(x, single: bool):
+        if isinstance(x, TensorArg):
+            metas = _meta(arg_infos[x.index])
+            specs = [rep] if single else candidates[x.index]
+            return OpStrategy([OpSpec(DTensorSpec(dmesh, ps, metas)) for ps in specs])
+        return x
+
+    is_leaf = lambda x: isinstance(x, TensorArg)  # noqa: E731
+    if info is not None:
+        schema_info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        s_args = tree_map(lambda x: to_strategy(x, True), args, is_leaf=is_leaf)
+        s_kwargs = tree_map(lambda x: to_strategy(x, True), kwargs, is_leaf=is_leaf)
+        schema = OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info)
+        n_out = len(outputs)
+        out_meta = None if n_out == 0 else (_meta(outputs[0]) if n_out == 1 and outputs[0] is not None else
+                                           tuple(_meta(o) if o is not None else None for o in outputs))
+        single = info.func(op, schema.args_meta, schema.kwargs_meta)
+        single = _insert_single_dim_replication_strategy([list(r) for r in single], n_out, len(arg_infos), out_meta)
+        single = _fill_single_dim_strategy_placeholders({Shard(0)}, single)
+        return [s for s in expand_single_dim(single, n_out, mesh.ndim) if _plain(s)]
+
+    schema_info = prop.op_to_schema_info.get(op)
+    s_args = tree_map(lambda x: to_strategy(x, False), args, is_leaf=is_leaf)
+    s_kwargs = tree_map(lambda x: to_strategy(x, False), kwargs, is_leaf=is_leaf)
+    result = func(OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info))
+    if isinstance(result, TupleStrategy):
+        return None
+    out = []
+    for spec in result.strategies:
+        outs = spec.output_specs
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        out_ps = tuple(o.placements if o is not None else None for o in outs)
+        if spec.input_specs is None:
+            in_ps = tuple(out_ps[0] for _ in arg_infos)
+        else:
+            in_ps = tuple(s.placements for s in spec.input_specs)
+        strategy = Strategy(out_ps, in_ps)
+        if _plain(strategy):
+            out.append(strategy)
+    return out
+
+
+def _plain(s: Strategy) -> bool:
+    """Only DTensor's public placements. Its private ones (_StridedShard, _MaskPartial for vocab-parallel
+    embedding) need rank-dependent local ops we do not emit yet (TODO: issue 4 covers more rules)."""
+    return all(type(p) in (Shard, Replicate, Partial) for ps in s.outputs + s.inputs if ps is not None for p in ps)
+
+
+class TensorArg:
+    """Marker for the j-th tensor input inside an op's args while querying rules."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"TensorArg({self.index})"
+
+
+def op_name(op: Any) -> str:
+    return str(op).replace("aten::", "aten.")

@@ -1,0 +1,107 @@
+"""solve_placements: choose one strategy per node minimizing compute + resharding cost, exactly.
+
+Before: a `StrategyTable` and its `CostTable`. After: a `Plan` with one strategy per node and the
+redistribute steps of every edge. Deterministic (same graph, mesh and pins give the same plan on every
+rank). Nodes that merely follow their single input (views, getitem) add no variables: their choice is
+the producer's choice re-labelled.
+"""
+from __future__ import annotations
+
+from spmd.cost_model.solver import IlpBuilder
+from spmd.errors import SpmdError, SpmdInternalError
+from spmd.passes.enumerate_strategies import StrategyTable, Value
+from spmd.passes.estimate_costs import CostTable
+from spmd.plan import Edge, Plan
+from spmd.specs import Placements
+
+Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
+
+
+def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
+    if len(ns.inputs) != 1 or ns.source in ("placeholder", "output"):
+        return False
+    by_input: dict[Placements, int] = {}
+    for s in ns.strategies:
+        if s.inputs[0] in by_input:
+            return False
+        by_input[s.inputs[0]] = 1
+    return set(by_input) == set(producer_specs)
+
+
+def solve_placements(table: StrategyTable, costs: CostTable, time_limit: float = 60.0) -> Plan:
+    ilp = IlpBuilder()
+    node_expr: dict[str, list[Expr]] = {}
+    value_expr: dict[Value, dict[Placements, Expr]] = {}
+
+    def publish(name: str) -> None:
+        ns = table.nodes[name]
+        for k in range(len(ns.outputs)):
+            groups: dict[Placements, list[int]] = {}
+            for s, expr in zip(ns.strategies, node_expr[name]):
+                if s.outputs[k] is not None:
+                    groups.setdefault(s.outputs[k], []).extend(expr)
+            value_expr[(name, k)] = {ps: tuple(cols) for ps, cols in groups.items()}
+
+    for name, ns in table.nodes.items():
+        node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
+        if ns.source != "placeholder" and ns.inputs and _is_follower(ns, value_expr[ns.inputs[0]]):
+            src = value_expr[ns.inputs[0]]
+            node_expr[name] = [src[s.inputs[0]] for s in ns.strategies]
+            for expr, c in zip(node_expr[name], node_cost):
+                for col in expr:
+                    ilp.add_cost(col, c)
+            publish(name)
+            continue
+        if not ns.strategies:
+            raise SpmdInternalError(f"node {name} has no strategy")
+        cols = [ilp.add_var(c, binary=True) for c in node_cost]
+        ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        node_expr[name] = [(c,) for c in cols]
+        for j, value in enumerate(ns.inputs):
+            producer = value_expr[value]
+            needed: dict[Placements, list[int]] = {}
+            for s, col in zip(ns.strategies, cols):
+                needed.setdefault(s.inputs[j], []).append(col)
+            if len(producer) == 1:
+                (a,) = producer
+                for r, rcols in needed.items():
+                    for col in rcols:
+                        ilp.add_cost(col, costs.edge_cost(value, a, r))
+            elif len(needed) == 1:
+                (r,) = needed
+                for a, acols in producer.items():
+                    for col in acols:
+                        ilp.add_cost(col, costs.edge_cost(value, a, r))
+            else:
+                e = {(a, r): ilp.add_var(costs.edge_cost(value, a, r), binary=False)
+                     for a in producer for r in needed}
+                for a, acols in producer.items():
+                    ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
+                for r, rcols in needed.items():
+                    ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
+        publish(name)
+
+    result = ilp.solve(time_limit=time_limit)
+    if result.objective == float("inf"):
+        raise SpmdError(f"solve_placements: the solver found no plan ({result.status}).")
+    x = result.values
+    choices, chosen_cost = {}, {}
+    for name, ns in table.nodes.items():
+        picked = [i for i, expr in enumerate(node_expr[name]) if sum(x[c] for c in expr) > 0.5]
+        if len(picked) != 1:
+            raise SpmdInternalError(f"solve_placements: node {name} has {len(picked)} chosen strategies")
+        choices[name] = ns.strategies[picked[0]]
+        chosen_cost[name] = costs.node_costs.get(name, [0.0] * len(ns.strategies))[picked[0]]
+
+    edges = []
+    for name, ns in table.nodes.items():
+        for j, value in enumerate(ns.inputs):
+            src = choices[value[0]].outputs[value[1]]
+            dst = choices[name].inputs[j]
+            if src != dst:
+                steps = costs.redistribute(value, src, dst)
+                edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst)))
+    stats = {"binary": result.n_binary, "continuous": result.n_continuous, "rows": result.n_rows,
+             "status": result.status}
+    return Plan(costs.mesh, choices, chosen_cost, edges, result.objective, result.lower_bound, result.gap,
+                result.seconds, stats)

@@ -1,0 +1,101 @@
+"""trace_module: nn.Module + example inputs -> ATen-level FX graph.
+
+Before: an eager module and example inputs. After: a `TracedGraph` whose FX graph has core-ATen nodes
+(scaled_dot_product_attention kept whole), `meta["val"]` (shape, dtype) on every tensor node, the user's
+stack trace on every call, and one placeholder per parameter, buffer and user input, named in `inputs`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from spmd.errors import SpmdError
+from spmd.specs import TensorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class GraphInput:
+    """One placeholder: `kind` is parameter | buffer | constant | input; `name` its FQN or argument name."""
+
+    placeholder: str
+    kind: str
+    name: str
+
+
+@dataclass
+class TracedGraph:
+    gm: fx.GraphModule
+    inputs: tuple[GraphInput, ...]
+    state: dict[str, torch.Tensor]  # FQN -> full tensor of every parameter, buffer and constant
+    out_spec: Any  # pytree spec to rebuild the user's output structure
+    in_spec: Any = None
+    tensor_info: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def input_by_placeholder(self) -> dict[str, GraphInput]:
+        return {i.placeholder: i for i in self.inputs}
+
+
+def _decomposition_table():
+    table = torch.export.default_decompositions()
+    # SDPA has a sharding rule of its own and its CPU decomposition breaks on GPT-2 (see NOTES).
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+    return table
+
+
+def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(val.shape), val.dtype)
+    if isinstance(val, (tuple, list)):
+        return tuple(TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        ep = ep.run_decompositions(_decomposition_table())
+    except Exception as e:  # torch's own message says which line failed to trace
+        raise SpmdError(
+            f"trace_module: torch.export could not trace {type(model).__name__}: {e}\n"
+            "What to do: make the forward traceable by torch.export (no data-dependent Python control "
+            "flow; for transformers models pass use_cache=False)."
+        ) from e
+
+    sig = ep.graph_signature
+    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+             InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    inputs = []
+    for spec in sig.input_specs:
+        if spec.kind not in kinds:
+            raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
+        name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
+        inputs.append(GraphInput(spec.arg.name, kinds[spec.kind], name))
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise SpmdError(
+                f"trace_module: the model mutates state ({spec.kind.name} of {spec.target}); in-place updates of "
+                "buffers are not supported yet. What to do: compute the new value as an output instead."
+            )
+
+    state: dict[str, torch.Tensor] = {}
+    state.update(dict(model.named_parameters(remove_duplicate=False)))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    state.update(ep.constants)
+    gm = ep.graph_module
+    tensor_info = {}
+    for node in gm.graph.nodes:
+        info = tensor_info_of(node)
+        if info is not None:
+            tensor_info[node.name] = info
+    call_sig = ep.module_call_graph[0].signature
+    return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
+                       call_sig.out_spec, call_sig.in_spec, tensor_info)

@@ -1,0 +1,105 @@
+"""The compiler pipeline: one tuple, read top to bottom.
+
+    nn.Module ──trace_module──▶ ATen FX graph ──enumerate_strategies──▶ candidates per node
+       ──estimate_costs──▶ compute + resharding costs ──solve_placements──▶ Plan
+       ──insert_collectives──▶ global graph with explicit steps ──emit_rank_graph──▶ this rank's graph
+
+Per-compilation state lives in a `Compilation` object, never in module globals, so two compilations in
+one process never interfere. After every pass the annotated graph can be dumped (SPMD_DUMP=dir).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spmd.dump import Dumper, format_graph
+from spmd.passes.emit_rank_graph import emit_rank_graph
+from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
+from spmd.passes.estimate_costs import estimate_costs
+from spmd.passes.insert_collectives import insert_collectives
+from spmd.passes.solve_placements import solve_placements
+from spmd.passes.trace_module import trace_module
+from spmd.specs import placements_str
+
+
+@dataclass
+class Compilation:
+    """Everything one compilation knows; each pass reads some fields and fills one."""
+
+    model: torch.nn.Module
+    example_inputs: tuple
+    mesh: Any  # MeshSpec
+    pins: Pins = field(default_factory=Pins)
+    rank: int | None = None  # None: plan only, emit nothing
+    group_names: tuple[str, ...] = ()
+    traced: Any = None
+    strategies: Any = None
+    costs: Any = None
+    plan: Any = None
+    global_gm: Any = None
+    rank_gm: Any = None
+
+
+def _specs(node) -> str:
+    ps = node.meta.get("spmd_placements")
+    if not ps:
+        return ""
+    return ", ".join(placements_str(p) for p in ps if p is not None)
+
+
+def _dump_strategies(c: Compilation) -> str:
+    return format_graph(c.traced.graph, lambda n: (
+        f"{len(c.strategies.nodes[n.name].strategies)} strategies ({c.strategies.nodes[n.name].source})"
+        if n.name in c.strategies.nodes else ""))
+
+
+def _dump_costs(c: Compilation) -> str:
+    def note(n):
+        row = c.costs.node_costs.get(n.name)
+        return f"compute {min(row) * 1e6:.1f}..{max(row) * 1e6:.1f} us" if row else ""
+    return format_graph(c.traced.graph, note)
+
+
+def _dump_plan(c: Compilation) -> str:
+    def note(n):
+        s = c.plan.choices.get(n.name)
+        if s is None:
+            return ""
+        outs = ", ".join(placements_str(p) for p in s.outputs if p is not None)
+        return f"{outs}  {c.plan.node_costs.get(n.name, 0.0) * 1e6:.1f} us"
+    return format_graph(c.traced.graph, note) + "\n" + str(c.plan) + "\n"
+
+
+# (name, run, dump). Why each sits where it does:
+PIPELINE: tuple[tuple[str, Callable, Callable], ...] = (
+    # ATen graph first: every later pass reasons about core ATen ops with static shapes.
+    ("trace_module", lambda c: setattr(c, "traced", trace_module(c.model, c.example_inputs)),
+     lambda c: format_graph(c.traced.graph, lambda n: str(c.traced.tensor_info.get(n.name, "")))),
+    # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
+    ("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins)),
+     _dump_strategies),
+    # Costs for every candidate and edge, from the same redistribute planner codegen uses.
+    ("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh)),
+     _dump_costs),
+    # One global choice (ILP); deterministic, so every rank gets the same plan without talking.
+    ("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs)), _dump_plan),
+    # Structural passes from here: explicit steps, then this rank's local graph.
+    ("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
+     lambda c: format_graph(c.global_gm.graph, _specs)),
+    ("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank, c.group_names)),
+     lambda c: c.rank_gm.code),
+)
+
+
+def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
+    dump = Dumper(dump_dir or os.environ.get("SPMD_DUMP"))
+    for name, run, render in PIPELINE:
+        if c.rank is None and name == "emit_rank_graph":
+            break
+        run(c)
+        if dump.directory:
+            dump(name, render(c))
+    return c

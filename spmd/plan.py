@@ -1,0 +1,82 @@
+"""The solved plan: one strategy per node, the resharding on every edge, and what it costs."""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from spmd.redistribute import Step
+from spmd.specs import Placements, Strategy, placements_str
+
+Value = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`value` flows into input slot `slot` of `consumer`, resharded from `src` to `dst` by `steps`."""
+
+    value: Value
+    consumer: str
+    slot: int
+    src: Placements
+    dst: Placements
+    steps: tuple[Step, ...]
+    cost: float
+
+
+@dataclass
+class Plan:
+    mesh: object  # MeshSpec
+    choices: dict[str, Strategy]
+    node_costs: dict[str, float]
+    edges: list[Edge]
+    objective: float
+    lower_bound: float
+    gap: float
+    solve_seconds: float
+    stats: dict = field(default_factory=dict)
+
+    def output_placements(self, value: Value) -> Placements:
+        name, idx = value
+        return self.choices[name].outputs[idx]
+
+    def collectives(self) -> list[tuple[Edge, Step]]:
+        return [(e, s) for e in self.edges for s in e.steps if s.is_collective]
+
+    def collective_summary(self) -> Counter:
+        """(kind, mesh axis name) -> count."""
+        return Counter((s.kind, self.mesh.axis_names[s.axis]) for _, s in self.collectives())
+
+    @property
+    def comm_cost(self) -> float:
+        return sum(e.cost for e in self.edges)
+
+    @property
+    def compute_cost(self) -> float:
+        return sum(self.node_costs.values())
+
+    def fingerprint(self) -> str:
+        text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        lines = [f"Plan on mesh {self.mesh}: estimated {self.objective * 1e3:.3f} ms per call "
+                 f"(compute {self.compute_cost * 1e3:.3f} ms, communication {self.comm_cost * 1e3:.3f} ms); "
+                 f"lower bound {self.lower_bound * 1e3:.3f} ms, gap {self.gap:.2%}, solved in {self.solve_seconds:.2f} s"]
+        incoming: dict[str, list[Edge]] = {}
+        for e in self.edges:
+            incoming.setdefault(e.consumer, []).append(e)
+        width = max((len(n) for n in self.choices), default=4)
+        for name, s in self.choices.items():
+            outs = ", ".join(placements_str(p) for p in s.outputs if p is not None) or "-"
+            lines.append(f"  {name:<{width}}  {outs:<16} {self.node_costs.get(name, 0.0) * 1e6:9.1f} us")
+            for e in incoming.get(name, []):
+                steps = ", ".join(str(st) for st in e.steps)
+                lines.append(f"  {'':<{width}}    <- {e.value[0]}: {placements_str(e.src)} -> {placements_str(e.dst)}"
+                             f"  {steps}  {e.cost * 1e6:.1f} us")
+        summary = self.collective_summary()
+        if summary:
+            lines.append("  collectives: " + ", ".join(f"{k} on {a}: {c}" for (k, a), c in sorted(summary.items())))
+        else:
+            lines.append("  collectives: none")
+        return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""The per-axis redistribute steps as functions the generated per-rank graphs call.
+
+Each wraps torch's functional collectives (`torch.ops._c10d_functional`, which run on NCCL and gloo)
+on the process group of one mesh axis, named by `group`; `world` is that axis's size and `index` this
+rank's coordinate on it. Collectives work on dim 0, so other dims are moved there and back.
+"""
+from __future__ import annotations
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(t)
+
+
+def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
+    if reduce_op == "avg":  # not every backend has AVG: sum, then scale
+        return _wait(_c10d.all_reduce(x.contiguous(), "sum", group)) / world
+    return _wait(_c10d.all_reduce(x.contiguous(), reduce_op, group))
+
+
+def all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
+    y = _wait(_c10d.all_gather_into_tensor(x.contiguous(), world, group))
+    return y if dim == 0 else torch.cat(y.chunk(world, 0), dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: str, world: int) -> torch.Tensor:
+    if dim != 0:
+        x = torch.cat(x.chunk(world, dim), 0)
+    op = "sum" if reduce_op == "avg" else reduce_op
+    y = _wait(_c10d.reduce_scatter_tensor(x.contiguous(), op, world, group))
+    return y / world if reduce_op == "avg" else y
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, world: int) -> torch.Tensor:
+    """Sharded on `src_dim` -> sharded on `dst_dim`: block j (chunk j along dst_dim) goes to rank j."""
+    blocks = torch.cat(x.chunk(world, dst_dim), 0).contiguous()
+    rows = [blocks.shape[0] // world] * world
+    y = _wait(_c10d.all_to_all_single(blocks, rows, rows, group))
+    return y if src_dim == 0 else torch.cat(y.chunk(world, 0), src_dim)
+
+
+def shard_local(x: torch.Tensor, dim: int, index: int, world: int) -> torch.Tensor:
+    """Replicate -> Shard(dim): keep this rank's piece (no communication)."""
+    return x.chunk(world, dim)[index].contiguous()
+
+
+def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
+    """Replicate -> Partial: for sum, index 0 keeps the value and the others hold zeros."""
+    if reduce_op == "sum" and index != 0:
+        return torch.zeros_like(x)
+    return x
+
+
+STEP_FUNCTIONS = {
+    "all_reduce": all_reduce,
+    "all_gather": all_gather,
+    "reduce_scatter": reduce_scatter,
+    "all_to_all": all_to_all,
+    "shard_local": shard_local,
+    "partial_local": partial_local,
+}

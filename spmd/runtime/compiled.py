@@ -1,0 +1,94 @@
+"""`CompiledModule`: this rank's generated graph plus its local parameter shards."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from spmd.errors import SpmdError
+from spmd.runtime.distribute import gather_full, local_shard
+from spmd.specs import local_shape, placements_str
+
+
+class CompiledModule(nn.Module):
+    """Runs one rank's graph. Parameters are this rank's shards, as ordinary `nn.Parameter`s.
+
+    `compiled(*local_inputs)` takes local shards of the user inputs (see `shard_inputs`) and returns
+    local shards of the outputs (see `gather_outputs`). `plan` and `code` show what was decided.
+    """
+
+    def __init__(self, compilation):
+        super().__init__()
+        c = compilation
+        self.plan = c.plan
+        self.mesh_spec = c.mesh
+        self.rank = c.rank
+        self.coord = c.mesh.coordinate(c.rank)
+        self.group_names = c.group_names
+        self.graph_module = c.rank_gm
+        self._out_spec = c.traced.out_spec
+        self._param_names: dict[str, str] = {}  # FQN -> attribute name
+        self._order: list[tuple[str, str]] = []  # (kind, FQN or input name) per placeholder
+        self._input_specs: list[tuple[str, tuple, tuple]] = []  # (name, placements, global shape)
+        for gi in c.traced.inputs:
+            ps = c.plan.choices[gi.placeholder].outputs[0]
+            info = c.traced.tensor_info[gi.placeholder]
+            if gi.kind == "input":
+                self._input_specs.append((gi.name, ps, info.shape))
+                self._order.append(("input", gi.name))
+                continue
+            full = c.traced.state[gi.name]
+            local = local_shard(full, ps, c.mesh.shape, self.coord).clone()
+            attr = gi.name.replace(".", "__")
+            if gi.kind == "parameter":
+                self.register_parameter(attr, nn.Parameter(local, requires_grad=full.requires_grad))
+            else:
+                self.register_buffer(attr, local)
+            self._param_names[gi.name] = attr
+            self._order.append(("state", attr))
+
+    @property
+    def code(self) -> str:
+        """This rank's generated Python (collectives visible)."""
+        return self.graph_module.code
+
+    def input_placements(self) -> dict[str, tuple]:
+        return {name: ps for name, ps, _ in self._input_specs}
+
+    def shard_inputs(self, *full_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Cut full inputs (the same on every rank) into this rank's local shards."""
+        return tuple(local_shard(t, ps, self.mesh_spec.shape, self.coord)
+                     for t, (_, ps, _) in zip(full_inputs, self._input_specs))
+
+    def gather_outputs(self, outputs):
+        """Full outputs on every rank from this rank's local output shards."""
+        flat, spec = tree_flatten(outputs)
+        full = []
+        for k, t in enumerate(flat):
+            ps = self.plan.choices.get(f"output_{k}")
+            full.append(gather_full(t, ps.inputs[0], self.mesh_spec, self.coord, self.group_names)
+                        if ps is not None and isinstance(t, torch.Tensor) else t)
+        return tree_unflatten(full, spec)
+
+    def _check_inputs(self, inputs: tuple) -> None:
+        if len(inputs) != len(self._input_specs):
+            raise SpmdError(f"compiled model takes {len(self._input_specs)} inputs "
+                            f"({[n for n, _, _ in self._input_specs]}), got {len(inputs)}")
+        problems = []
+        for t, (name, ps, shape) in zip(inputs, self._input_specs):
+            want = local_shape(shape, ps, self.mesh_spec.shape)
+            if tuple(t.shape) != want:
+                problems.append(f"  input {name!r}: expected local shape {list(want)} (global {list(shape)} laid "
+                                f"out as {placements_str(ps)} on mesh {self.mesh_spec}), got {list(t.shape)}")
+        if problems:
+            raise SpmdError("wrong local input shape on rank "
+                            f"{self.rank}:\n" + "\n".join(problems) +
+                            "\nWhat to do: pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it), "
+                            "or recompile with example inputs of this size.")
+
+    def forward(self, *inputs: torch.Tensor):
+        self._check_inputs(inputs)
+        it = iter(inputs)
+        args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
+        flat = self.graph_module(*args)
+        return tree_unflatten(list(flat), self._out_spec)

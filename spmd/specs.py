@@ -1,0 +1,129 @@
+"""Sharding specs: one DTensor placement per mesh axis, plus the global shape they split.
+
+Semantics by equivalence (see docs/placements.md):
+  Shard(d) on axis i    the tensor is the concatenation along dim d of the ranks' local tensors, in
+                        rank order along axis i (axes sharding the same dim nest left to right);
+  Replicate() on axis i every rank along axis i holds the same values;
+  Partial(op) on axis i the tensor is the `op`-reduction (sum, avg, max, min) over axis i of the
+                        ranks' local tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+Placements = tuple[Placement, ...]
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return str(p)
+
+
+def placements_str(ps: Placements) -> str:
+    return "[" + ", ".join(placement_str(p) for p in ps) + "]"
+
+
+def is_replicated(ps: Placements) -> bool:
+    return all(isinstance(p, Replicate) for p in ps)
+
+
+def has_partial(ps: Placements) -> bool:
+    return any(isinstance(p, Partial) for p in ps)
+
+
+def shard_factor(ps: Placements, mesh_shape: tuple[int, ...], dim: int) -> int:
+    """How many pieces dim `dim` is cut into by `ps`."""
+    return math.prod(n for p, n in zip(ps, mesh_shape) if isinstance(p, Shard) and p.dim == dim)
+
+
+def local_shape(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape each rank holds (specs here are always even: see `is_even`)."""
+    return tuple(s // shard_factor(ps, mesh_shape, d) for d, s in enumerate(shape))
+
+
+def is_even(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """Every sharded dim divides evenly (uneven shards are excluded from the strategy space)."""
+    for d, s in enumerate(shape):
+        f = shard_factor(ps, mesh_shape, d)
+        if f > 1 and s % f:
+            return False
+    return all(not isinstance(p, Shard) or p.dim < len(shape) for p in ps)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Global shape and dtype of one value in the graph."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingSpec:
+    """A value's layout on the mesh: global `tensor` info plus one placement per mesh axis."""
+
+    placements: Placements
+    tensor: TensorInfo
+
+    def __post_init__(self):
+        ps = tuple(self.placements)
+        object.__setattr__(self, "placements", ps)
+        for p in ps:
+            if not isinstance(p, (Shard, Replicate, Partial)):
+                raise TypeError(f"placements must be Shard/Replicate/Partial, got {p!r}")
+            if isinstance(p, Shard) and not 0 <= p.dim < len(self.tensor.shape):
+                raise ValueError(f"{p} is out of range for a tensor of shape {self.tensor.shape}")
+
+    def local_shape(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return local_shape(self.tensor.shape, self.placements, mesh_shape)
+
+    def __str__(self) -> str:
+        return placements_str(self.placements)
+
+
+def all_placements(ndim_tensor: int, mesh_ndim: int, partial: bool = False) -> list[Placements]:
+    """Every combination of R / S(d) (and P(sum) if asked) over the mesh axes."""
+    import itertools
+
+    choices: list[Placement] = [Replicate()] + [Shard(d) for d in range(ndim_tensor)]
+    if partial:
+        choices.append(Partial())
+    return [tuple(c) for c in itertools.product(choices, repeat=mesh_ndim)]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run a node: the placements it needs on each tensor input and produces on each output.
+
+    `inputs[j]` is for the j-th tensor argument (pytree order of args then kwargs); `outputs[k]` for the
+    k-th output (None where that output is not a tensor).
+    """
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(placements_str(p) for p in self.inputs)
+        outs = ", ".join(placements_str(p) if p is not None else "-" for p in self.outputs)
+        return f"({ins}) -> {outs}"
