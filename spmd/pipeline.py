@@ -10,6 +10,7 @@ one process never interfere. After every pass the annotated graph can be dumped 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ class Compilation:
     plan: Any = None
     global_gm: Any = None
     rank_gm: Any = None
+    timings: dict = field(default_factory=dict)  # pass name -> seconds
 
 
 def _specs(node) -> str:
@@ -99,7 +101,9 @@ def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
     for name, run, render in PIPELINE:
         if c.rank is None and name == "emit_rank_graph":
             break
+        t0 = time.perf_counter()
         run(c)
+        c.timings[name] = time.perf_counter() - t0
         if dump.directory:
             dump(name, render(c))
     return c

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial
 from torch.utils._pytree import tree_flatten, tree_map
 
 from spmd.errors import SpmdError, describe_node
@@ -63,6 +64,20 @@ class Pins:
 def _tensor_inputs(node: fx.Node, info: dict) -> tuple[Value, ...]:
     leaves, _ = tree_flatten((node.args, node.kwargs))
     return tuple((a.name, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo))
+
+
+def _partials(cands: list[Placements]) -> set:
+    return {(axis, p) for ps in cands for axis, p in enumerate(ps) if isinstance(p, Partial)}
+
+
+def _partials_available(s: Strategy, producible: list[set]) -> bool:
+    """Drop strategies that need a non-sum Partial input its producer never makes: R -> P(avg/max/min)
+    is legal but never pays, and such strategies multiply the search space (add has 10 per axis)."""
+    for ps, avail in zip(s.inputs, producible):
+        for axis, p in enumerate(ps):
+            if isinstance(p, Partial) and p.reduce_op != "sum" and (axis, p) not in avail:
+                return False
+    return True
 
 
 def _check_pin(ps, node_desc: str, what: str, mesh) -> Placements:
@@ -175,7 +190,9 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
             table.fallbacks.append(where)
             strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
             source = "fallback"
-        kept = [s for s in strategies if len(s.inputs) == len(inputs) and even(s, outs, in_infos)]
+        producible = [_partials(table.output_candidates(v)) for v in inputs]
+        kept = [s for s in strategies if len(s.inputs) == len(inputs) and even(s, outs, in_infos)
+                and _partials_available(s, producible)]
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
         table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(strategies) - len(kept))

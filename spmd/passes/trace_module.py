@@ -59,6 +59,18 @@ def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
     return None
 
 
+# Runtime checks of global metadata: on local shards they would fail, and the trace already proved them.
+_ASSERTIONS = {torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+               torch.ops.aten.sym_constrain_range_for_size.default}
+
+
+def _drop_assertions(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     try:
         ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
@@ -70,6 +82,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             "flow; for transformers models pass use_cache=False)."
         ) from e
 
+    _drop_assertions(ep.graph_module)
     sig = ep.graph_signature
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}

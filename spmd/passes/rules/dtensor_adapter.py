@@ -75,10 +75,15 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
         return x
 
     is_leaf = lambda x: isinstance(x, TensorArg)  # noqa: E731
+
+    def tuple_lists(x):  # DTensor wants a list of tensors (cat, stack) as one TupleStrategy
+        if isinstance(x, (list, tuple)) and x and all(isinstance(c, OpStrategy) for c in x):
+            return TupleStrategy(tuple(x))
+        return x
     if info is not None:
         schema_info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
-        s_args = tree_map(lambda x: to_strategy(x, True), args, is_leaf=is_leaf)
-        s_kwargs = tree_map(lambda x: to_strategy(x, True), kwargs, is_leaf=is_leaf)
+        s_args = [tuple_lists(a) for a in tree_map(lambda x: to_strategy(x, True), args, is_leaf=is_leaf)]
+        s_kwargs = {k: tuple_lists(v) for k, v in tree_map(lambda x: to_strategy(x, True), kwargs, is_leaf=is_leaf).items()}
         schema = OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info)
         n_out = len(outputs)
         out_meta = None if n_out == 0 else (_meta(outputs[0]) if n_out == 1 and outputs[0] is not None else
@@ -89,8 +94,8 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
         return [s for s in expand_single_dim(single, n_out, mesh.ndim) if _plain(s)]
 
     schema_info = prop.op_to_schema_info.get(op)
-    s_args = tree_map(lambda x: to_strategy(x, False), args, is_leaf=is_leaf)
-    s_kwargs = tree_map(lambda x: to_strategy(x, False), kwargs, is_leaf=is_leaf)
+    s_args = [tuple_lists(a) for a in tree_map(lambda x: to_strategy(x, False), args, is_leaf=is_leaf)]
+    s_kwargs = {k: tuple_lists(v) for k, v in tree_map(lambda x: to_strategy(x, False), kwargs, is_leaf=is_leaf).items()}
     result = func(OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info))
     if isinstance(result, TupleStrategy):
         return None
