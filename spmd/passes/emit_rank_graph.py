@@ -43,7 +43,11 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             else:
                 kwargs.update(group=group_names[axis], world=world)
             new.kwargs = kwargs
-        elif node.target in SHAPE_ARG:
+        if node.target is aten.view.default:
+            # Local tensors can be laid out differently from the traced run (collectives return
+            # contiguous tensors, kernels pick layouts by shape), so a view may need a copy: reshape.
+            new.target = aten.reshape.default
+        if node.target in SHAPE_ARG:
             i = SHAPE_ARG[node.target]
             val = node.meta["val"]
             local = local_shape(tuple(val.shape), node.meta["spmd_placements"][0], mesh.shape)
