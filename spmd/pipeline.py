@@ -87,7 +87,8 @@ PIPELINE: tuple[tuple[str, Callable, Callable], ...] = (
     ("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh)),
      _dump_costs),
     # One global choice (ILP); deterministic, so every rank gets the same plan without talking.
-    ("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs)), _dump_plan),
+    ("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels())),
+     _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     ("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
      lambda c: format_graph(c.global_gm.graph, _specs)),

@@ -35,6 +35,7 @@ class Plan:
     gap: float
     solve_seconds: float
     stats: dict = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter FQN / input name
 
     def output_placements(self, value: Value) -> Placements:
         name, idx = value
@@ -60,19 +61,28 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
+        """Inputs and parameters with their placements, then every op that costs something, with the
+        collectives feeding it; views and other free followers are left out (see the dumps for all)."""
         lines = [f"Plan on mesh {self.mesh}: estimated {self.objective * 1e3:.3f} ms per call "
                  f"(compute {self.compute_cost * 1e3:.3f} ms, communication {self.comm_cost * 1e3:.3f} ms); "
                  f"lower bound {self.lower_bound * 1e3:.3f} ms, gap {self.gap:.2%}, solved in {self.solve_seconds:.2f} s"]
         incoming: dict[str, list[Edge]] = {}
         for e in self.edges:
             incoming.setdefault(e.consumer, []).append(e)
-        width = max((len(n) for n in self.choices), default=4)
+        width = max((len(self.labels.get(n, n)) for n in self.choices), default=4)
+        lines.append("  inputs and parameters:")
         for name, s in self.choices.items():
+            if name in self.labels:
+                lines.append(f"    {self.labels[name]:<{width}}  {placements_str(s.outputs[0])}")
+        lines.append("  ops (placements of outputs, compute per rank; <- resharding of an input):")
+        for name, s in self.choices.items():
+            if name in self.labels or (self.node_costs.get(name, 0.0) == 0.0 and name not in incoming):
+                continue
             outs = ", ".join(placements_str(p) for p in s.outputs if p is not None) or "-"
-            lines.append(f"  {name:<{width}}  {outs:<16} {self.node_costs.get(name, 0.0) * 1e6:9.1f} us")
+            lines.append(f"    {name:<{width}}  {outs:<16} {self.node_costs.get(name, 0.0) * 1e6:9.1f} us")
             for e in incoming.get(name, []):
                 steps = ", ".join(str(st) for st in e.steps)
-                lines.append(f"  {'':<{width}}    <- {e.value[0]}: {placements_str(e.src)} -> {placements_str(e.dst)}"
+                lines.append(f"    {'':<{width}}    <- {self.labels.get(e.value[0], e.value[0])}: {placements_str(e.src)} -> {placements_str(e.dst)}"
                              f"  {steps}  {e.cost * 1e6:.1f} us")
         summary = self.collective_summary()
         if summary:

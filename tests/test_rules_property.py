@@ -389,6 +389,11 @@ def check_strategy(node: fx.Node, s: Strategy, traced: TracedGraph, values: dict
         torch.testing.assert_close(got, full, **TOL, msg=lambda m: f"{what}, output {k}:\n{m}")
 
 
+def _all_even(case: Case) -> bool:
+    shapes = [spec[1] if spec and spec[0] == "index" else spec for spec in case.inputs]
+    return all(n % 4 == 0 for shape in shapes for n in shape if n != 1)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 @RUN
 @given(data=st.data())
@@ -403,7 +408,8 @@ def test_every_strategy_matches_the_unsharded_op(name, data):
     info = traced.tensor_info
     for mesh_shape in MESHES:
         table = strategies_of(case, mesh_shape)
-        assert not table.fallbacks, table.fallbacks
+        if _all_even(case):  # a rule may give up on uneven candidates (see the xfail below), never on even ones
+            assert not table.fallbacks, table.fallbacks
         for node in calls:
             ns = table.nodes[node.name]
             outs = info[node.name] if isinstance(info[node.name], tuple) else (info[node.name],)

@@ -8,7 +8,7 @@ with B the bytes each rank holds *before* the step:
     all_gather      a +   (n-1)   * B / b      (each rank receives the n-1 other shards)
     all_to_all      a +   (n-1)/n * B / b
     local slice     copy of the kept 1/n into a contiguous buffer, at the device's memory bandwidth
-    partial_local   free (non-zero index ranks zero their copy; noise)
+    partial_local   ranks other than index 0 write zeros (sum): one pass over the local bytes
 
 Gathers and scatters on a dim other than 0 also pay a local copy (collectives work on dim 0), priced at
 the device's memory bandwidth.
@@ -32,6 +32,8 @@ def step_cost(step, mesh) -> float:
         wire = (n - 1) / n * B
     elif step.kind == "shard_local":
         return B / n / mesh.device.memory_bandwidth
+    elif step.kind == "partial_local":
+        return B / mesh.device.memory_bandwidth if step.reduce_op == "sum" else 0.0
     else:
         return 0.0
     copy = 0.0

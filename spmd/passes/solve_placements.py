@@ -28,7 +28,8 @@ def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
     return set(by_input) == set(producer_specs)
 
 
-def solve_placements(table: StrategyTable, costs: CostTable, time_limit: float = 60.0) -> Plan:
+def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
+                     time_limit: float = 60.0) -> Plan:
     ilp = IlpBuilder()
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
@@ -104,4 +105,4 @@ def solve_placements(table: StrategyTable, costs: CostTable, time_limit: float =
     stats = {"binary": result.n_binary, "continuous": result.n_continuous, "rows": result.n_rows,
              "status": result.status}
     return Plan(costs.mesh, choices, chosen_cost, edges, result.objective, result.lower_bound, result.gap,
-                result.seconds, stats)
+                result.seconds, stats, dict(labels or {}))

@@ -39,6 +39,10 @@ class TracedGraph:
     def graph(self) -> fx.Graph:
         return self.gm.graph
 
+    def labels(self) -> dict[str, str]:
+        """placeholder name -> parameter/buffer FQN or user input name."""
+        return {i.placeholder: i.name for i in self.inputs}
+
     def input_by_placeholder(self) -> dict[str, GraphInput]:
         return {i.placeholder: i for i in self.inputs}
 
