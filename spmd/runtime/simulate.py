@@ -1,0 +1,87 @@
+"""Run every rank's generated graph in ONE process, in lockstep: a numerical oracle for whole plans.
+
+The rank graphs of a plan have the same nodes in the same order (they differ in baked coordinates), so
+we step through them together; ordinary nodes run per rank, and each collective step is computed from
+all its group's inputs (the ranks that share every coordinate but the step's axis). No process group is
+needed, so tests can check many plans (random pins included) quickly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from spmd.passes.emit_rank_graph import emit_rank_graph
+from spmd.runtime import collectives as C
+from spmd.runtime.distribute import local_shard
+
+_REDUCE = {"sum": lambda ts: sum(ts[1:], ts[0]), "avg": lambda ts: sum(ts[1:], ts[0]) / len(ts),
+           "max": lambda ts: torch.stack(ts).amax(0), "min": lambda ts: torch.stack(ts).amin(0)}
+
+
+def _groups(mesh, axis: int) -> list[list[int]]:
+    """Ranks along `axis`, ordered by their coordinate on it; one list per fixed other coordinates."""
+    by_rest: dict[tuple, list[tuple[int, int]]] = {}
+    for rank in range(mesh.size):
+        coord = mesh.coordinate(rank)
+        by_rest.setdefault(coord[:axis] + coord[axis + 1:], []).append((coord[axis], rank))
+    return [[r for _, r in sorted(members)] for members in by_rest.values()]
+
+
+def _collective(fn, values: list, kwargs: dict, mesh, axis: int) -> list:
+    out = [None] * len(values)
+    for group in _groups(mesh, axis):
+        xs = [values[r] for r in group]
+        n = len(group)
+        for i, r in enumerate(group):
+            if fn is C.all_reduce:
+                out[r] = _REDUCE[kwargs["reduce_op"]](xs)
+            elif fn is C.all_gather:
+                out[r] = torch.cat(xs, kwargs["dim"])
+            elif fn is C.reduce_scatter:
+                out[r] = _REDUCE[kwargs["reduce_op"]](xs).chunk(n, kwargs["dim"])[i]
+            elif fn is C.all_to_all:
+                out[r] = torch.cat([x.chunk(n, kwargs["dst_dim"])[i] for x in xs], kwargs["src_dim"])
+            else:
+                raise NotImplementedError(fn)
+    return out
+
+
+def simulate(compilation, full_inputs: tuple) -> list:
+    """Each rank's flat outputs for full `inputs`, computed by stepping all rank graphs together.
+
+    `compilation` is a `spmd.pipeline.Compilation` that ran through `insert_collectives`.
+    """
+    c = compilation
+    mesh = c.mesh
+    names = tuple(f"sim-axis{i}" for i in range(mesh.ndim))
+    graphs = [emit_rank_graph(c.global_gm, mesh, r, names) for r in range(mesh.size)]
+    by_placeholder = c.traced.input_by_placeholder()
+    user = iter(full_inputs)
+    envs: list[dict[str, object]] = [{} for _ in graphs]
+
+    def lookup(env):
+        return lambda a: env[a.name] if isinstance(a, fx.Node) else a
+
+    for nodes in zip(*(list(g.graph.nodes) for g in graphs)):  # rank graphs align node by node
+        node = nodes[0]
+        if node.op == "placeholder":
+            gi = by_placeholder[node.name]
+            full = next(user) if gi.kind == "input" else c.traced.state[gi.name]
+            ps = c.plan.choices[node.name].outputs[0]
+            for r, env in enumerate(envs):
+                env[node.name] = local_shard(full.detach(), ps, mesh.shape, mesh.coordinate(r))
+            continue
+        if node.op == "output":
+            return [fx.node.map_aggregate(n.args[0], lookup(env)) for n, env in zip(nodes, envs)]
+        args = [fx.node.map_aggregate(n.args, lookup(env)) for n, env in zip(nodes, envs)]
+        kwargs = [fx.node.map_aggregate(dict(n.kwargs), lookup(env)) for n, env in zip(nodes, envs)]
+        if node.target in (C.all_reduce, C.all_gather, C.reduce_scatter, C.all_to_all):
+            kw = dict(kwargs[0])
+            axis = names.index(kw.pop("group"))
+            kw.pop("world")
+            results = _collective(node.target, [a[0] for a in args], kw, mesh, axis)
+        else:
+            results = [node.target(*a, **kw) for a, kw in zip(args, kwargs)]
+        for env, value in zip(envs, results):
+            env[node.name] = value
+    raise AssertionError("graph without output")
