@@ -65,7 +65,10 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups), dump_dir)
+    device = None
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device), dump_dir)
     return CompiledModule(c)
 
 

@@ -36,6 +36,7 @@ class Compilation:
     pins: Pins = field(default_factory=Pins)
     rank: int | None = None  # None: plan only, emit nothing
     group_names: tuple[str, ...] = ()
+    device: torch.device | None = None  # where this rank runs (None: wherever the model's tensors are)
     traced: Any = None
     strategies: Any = None
     costs: Any = None
@@ -53,9 +54,13 @@ def _specs(node) -> str:
 
 
 def _dump_strategies(c: Compilation) -> str:
-    return format_graph(c.traced.graph, lambda n: (
-        f"{len(c.strategies.nodes[n.name].strategies)} strategies ({c.strategies.nodes[n.name].source})"
-        if n.name in c.strategies.nodes else ""))
+    def note(n):
+        ns = c.strategies.nodes.get(n.name)
+        if ns is None:
+            return ""
+        uneven = f", {ns.excluded} excluded as uneven" if ns.excluded else ""
+        return f"{len(ns.strategies)} strategies ({ns.source}{uneven})"
+    return format_graph(c.traced.graph, note)
 
 
 def _dump_costs(c: Compilation) -> str:
@@ -92,7 +97,7 @@ PIPELINE: tuple[tuple[str, Callable, Callable], ...] = (
     # Structural passes from here: explicit steps, then this rank's local graph.
     ("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
      lambda c: format_graph(c.global_gm.graph, _specs)),
-    ("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank, c.group_names)),
+    ("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank, c.group_names, c.device)),
      lambda c: c.rank_gm.code),
 )
 

@@ -23,7 +23,10 @@ SHAPE_ARG = {
 }
 
 
-def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...]) -> fx.GraphModule:
+def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],
+                    device: torch.device | None = None) -> fx.GraphModule:
+    """`device`: where this rank runs; factory ops traced on another device of the same type (say
+    cuda:0 while this rank owns cuda:3) are moved to it."""
     coord = mesh.coordinate(rank)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -32,6 +35,9 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
         env[node] = new
         if node.op != "call_function":
             continue
+        traced_device = new.kwargs.get("device")
+        if device is not None and isinstance(traced_device, torch.device) and traced_device.type == device.type:
+            new.kwargs = {**new.kwargs, "device": device}
         if node.target in STEP_FUNCTIONS.values():
             kwargs = dict(new.kwargs)
             axis = kwargs.pop("mesh_axis")

@@ -191,11 +191,11 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
             strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
             source = "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
-        kept = [s for s in strategies if len(s.inputs) == len(inputs) and even(s, outs, in_infos)
-                and _partials_available(s, producible)]
+        usable = [s for s in strategies if len(s.inputs) == len(inputs) and _partials_available(s, producible)]
+        kept = [s for s in usable if even(s, outs, in_infos)]
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
-        table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(strategies) - len(kept))
+        table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(usable) - len(kept))
 
     unknown = set(pins.inputs) | set(pins.params)
     unknown -= used_pins
