@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.errors import SpmdInternalError
-from spmd.specs import Placements, TensorInfo, is_even, local_shape, placements_str
+from spmd.specs import Placements, TensorInfo, local_shape, placements_str
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +105,12 @@ def _legal(cur, axis: int, dims) -> bool:
 @functools.lru_cache(maxsize=65536)
 def _shortest_from(src: Placements, tensor: TensorInfo, mesh) -> dict:
     """Dijkstra over layouts from `src`: layout -> (cost, steps). Edges are single legal per-axis steps
-    between even layouts; Partial appears only where `src` has it or a target axis asks for it."""
+    between even layouts. Partial layouts appear only where `src` has them, or as Partial(sum) (the only
+    one a consumer asks for from a Replicate input)."""
     from spmd.cost_model.comm import step_cost
 
     ndim = len(tensor.shape)
+    partials = {Partial("sum")} | {p for p in src if isinstance(p, Partial)}
     options = [Replicate()] + [Shard(d) for d in range(ndim)]
     best: dict = {src: (0.0, ())}
     heap = [(0.0, 0, src)]
@@ -121,7 +123,7 @@ def _shortest_from(src: Placements, tensor: TensorInfo, mesh) -> dict:
         done.add(cur)
         shape = local_shape(tensor.shape, cur, mesh.shape)
         for axis in range(len(cur)):
-            targets = options + [Partial(op) for op in ("sum", "avg", "max", "min")] if not isinstance(cur[axis], Partial) else options
+            targets = options if isinstance(cur[axis], Partial) else options + list(partials)
             for target in targets:
                 if target == cur[axis]:
                     continue
@@ -129,14 +131,21 @@ def _shortest_from(src: Placements, tensor: TensorInfo, mesh) -> dict:
                 if move is None or not _legal(cur, axis, move[1:3]):
                     continue
                 nxt = cur[:axis] + (target,) + cur[axis + 1:]
-                if not is_even(tensor.shape, nxt, mesh.shape):
+                if nxt in done:
                     continue
+                if isinstance(target, Shard) and shape[target.dim] % mesh.shape[axis]:
+                    continue  # would cut the (local) dim unevenly
                 step = Step(move[0], axis, move[1], move[2], move[3], shape, tensor.dtype.itemsize)
                 c = cost + step_cost(step, mesh)
                 if nxt not in best or c < best[nxt][0] - 1e-15:
                     best[nxt] = (c, best[cur][1] + (step,))
                     heapq.heappush(heap, (c, next(counter), nxt))
     return best
+
+
+def shortest_redistributions(src: Placements, tensor: TensorInfo, mesh) -> dict:
+    """layout -> (seconds, steps) for every layout reachable from `src`."""
+    return _shortest_from(tuple(src), tensor, mesh)
 
 
 def plan_redistribute(src: Placements, dst: Placements, tensor: TensorInfo, mesh) -> tuple[Step, ...]:

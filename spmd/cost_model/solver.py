@@ -38,6 +38,7 @@ class IlpBuilder:
         self._cols: list[int] = []
         self._vals: list[float] = []
         self._rhs: list[float] = []
+        self._lower: list[float] = []
 
     def add_var(self, cost: float, binary: bool) -> int:
         self.cost.append(float(cost))
@@ -48,19 +49,25 @@ class IlpBuilder:
         self.cost[col] += float(cost)
 
     def add_eq(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        self._add_row(terms, rhs, rhs)
+
+    def add_le(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        self._add_row(terms, -np.inf, rhs)
+
+    def _add_row(self, terms, lower: float, upper: float) -> None:
         row = len(self._rhs)
         for col, coef in terms:
             self._rows.append(row)
             self._cols.append(col)
             self._vals.append(coef)
-        self._rhs.append(float(rhs))
+        self._lower.append(float(lower))
+        self._rhs.append(float(upper))
 
     def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6) -> IlpResult:
         n = len(self.cost)
         t0 = time.perf_counter()
         a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
-        rhs = np.asarray(self._rhs)
-        res = milp(np.asarray(self.cost), constraints=LinearConstraint(a, rhs, rhs),
+        res = milp(np.asarray(self.cost), constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)),
                    integrality=np.asarray(self.integral), bounds=(0, 1),
                    options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap, "presolve": True})
         seconds = time.perf_counter() - t0

@@ -37,6 +37,11 @@ class NodeStrategies:
     outputs: tuple[TensorInfo | None, ...]
     source: str  # dtensor | spmd | fallback | placeholder | output | follow
     excluded: int = 0  # strategies dropped as uneven
+    tie: str | None = None  # another node whose placements this one must equal (grad <-> parameter)
+
+    def key(self, s: Strategy) -> Placements:
+        """The placements a tie compares: a placeholder's output, a sink's input."""
+        return s.inputs[0] if self.source == "output" else s.outputs[0]
 
 
 @dataclass
@@ -105,6 +110,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
     info = traced.tensor_info
     table = StrategyTable()
     by_ph = traced.input_by_placeholder()
+    by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer", "input")}
+    kinds = traced.output_kinds()
     used_pins: set[str] = set()
 
     def even(s: Strategy, outs, ins) -> bool:
@@ -117,6 +124,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
             cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
             ns = NodeStrategies([Strategy((ps,), ()) for ps in cands], (), (t,), "placeholder")
             gi = by_ph[node.name]
+            if gi.kind == "tangent":  # the incoming gradient arrives laid out like its output
+                ns.tie = gi.name
             book = pins.inputs if gi.kind == "input" else pins.params
             if gi.name in book:
                 used_pins.add(gi.name)
@@ -132,6 +141,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
                 t = info[a.name]
                 cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
                 ns = NodeStrategies([Strategy((), (ps,)) for ps in cands], ((a.name, 0),), (), "output")
+                if kinds[k].kind == "grad":  # gradients land in their parameter's own placements
+                    ns.tie = by_fqn[kinds[k].name]
                 if k in pins.outputs:
                     pin = _check_pin(pins.outputs[k], f"output {k}", f"output {k}", mesh)
                     kept = [s for s in ns.strategies if s.inputs[0] == pin]

@@ -15,7 +15,7 @@ from spmd.cost_model.comm import steps_cost
 from spmd.cost_model.compute import compute_cost
 from spmd.passes.enumerate_strategies import StrategyTable, Value
 from spmd.passes.trace_module import TracedGraph
-from spmd.redistribute import Step, plan_redistribute
+from spmd.redistribute import Step, plan_redistribute, shortest_redistributions
 from spmd.specs import Placements, TensorInfo, local_shape
 
 
@@ -24,21 +24,23 @@ class CostTable:
     mesh: object
     value_info: dict[Value, TensorInfo]
     node_costs: dict[str, list[float]] = field(default_factory=dict)
-    _edges: dict = field(default_factory=dict)
+    _paths: dict = field(default_factory=dict)
+
+    def paths_from(self, value: Value, src: Placements) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
+        """Every layout `value` can reach from `src`: layout -> (seconds, steps)."""
+        key = (self.value_info[value], src)
+        found = self._paths.get(key)
+        if found is None:
+            found = self._paths[key] = shortest_redistributions(src, self.value_info[value], self.mesh)
+        return found
 
     def redistribute(self, value: Value, src: Placements, dst: Placements) -> tuple[Step, ...]:
-        info = self.value_info[value]
-        key = (info, src, dst)
-        if key not in self._edges:
-            steps = plan_redistribute(src, dst, info, self.mesh)
-            self._edges[key] = (steps, steps_cost(steps, self.mesh))
-        return self._edges[key][0]
+        return plan_redistribute(src, dst, self.value_info[value], self.mesh) if src != dst else ()
 
     def edge_cost(self, value: Value, src: Placements, dst: Placements) -> float:
         if src == dst:
             return 0.0
-        self.redistribute(value, src, dst)
-        return self._edges[(self.value_info[value], src, dst)][1]
+        return self.paths_from(value, src)[dst][0]
 
 
 def _local(info: TensorInfo, ps: Placements, mesh_shape) -> TensorInfo:

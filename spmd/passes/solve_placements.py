@@ -28,6 +28,13 @@ def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
     return set(by_input) == set(producer_specs)
 
 
+def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
+    out: dict[Placements, list[int]] = {}
+    for s, expr in zip(ns.strategies, exprs):
+        out.setdefault(ns.key(s), []).extend(expr)
+    return out
+
+
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
                      time_limit: float = 60.0) -> Plan:
     ilp = IlpBuilder()
@@ -63,24 +70,33 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             needed: dict[Placements, list[int]] = {}
             for s, col in zip(ns.strategies, cols):
                 needed.setdefault(s.inputs[j], []).append(col)
+            rows = {a: costs.paths_from(value, a) for a in producer}  # a -> {r: (seconds, steps)}
+            cost = lambda a, r: 0.0 if a == r else rows[a][r][0]  # noqa: E731
             if len(producer) == 1:
                 (a,) = producer
                 for r, rcols in needed.items():
                     for col in rcols:
-                        ilp.add_cost(col, costs.edge_cost(value, a, r))
+                        ilp.add_cost(col, cost(a, r))
             elif len(needed) == 1:
                 (r,) = needed
                 for a, acols in producer.items():
                     for col in acols:
-                        ilp.add_cost(col, costs.edge_cost(value, a, r))
+                        ilp.add_cost(col, cost(a, r))
             else:
-                e = {(a, r): ilp.add_var(costs.edge_cost(value, a, r), binary=False)
-                     for a in producer for r in needed}
+                e = {(a, r): ilp.add_var(cost(a, r), binary=False) for a in producer for r in needed}
                 for a, acols in producer.items():
                     ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
                 for r, rcols in needed.items():
                     ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
         publish(name)
+
+    for name, ns in table.nodes.items():  # ties: both nodes pick the same placements
+        if ns.tie is None:
+            continue
+        other = table.nodes[ns.tie]
+        mine, theirs = _by_key(ns, node_expr[name]), _by_key(other, node_expr[ns.tie])
+        for ps in set(mine) | set(theirs):
+            ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
 
     result = ilp.solve(time_limit=time_limit)
     if result.objective == float("inf"):

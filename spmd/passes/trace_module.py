@@ -19,9 +19,18 @@ from spmd.specs import TensorInfo
 
 @dataclass(frozen=True, slots=True)
 class GraphInput:
-    """One placeholder: `kind` is parameter | buffer | constant | input; `name` its FQN or argument name."""
+    """One placeholder: `kind` is parameter | buffer | constant | input | tangent; `name` its FQN, the
+    argument name, or for a tangent the name of the output sink it is the gradient of (`output_k`)."""
 
     placeholder: str
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GraphOutput:
+    """One flat graph output: `kind` output (the user's) | grad (of parameter/input `name`)."""
+
     kind: str
     name: str
 
@@ -34,6 +43,12 @@ class TracedGraph:
     out_spec: Any  # pytree spec to rebuild the user's output structure
     in_spec: Any = None
     tensor_info: dict[str, TensorInfo] = field(default_factory=dict)
+    outputs: tuple[GraphOutput, ...] = ()  # empty: every flat output is the user's
+    joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
+
+    def output_kinds(self) -> list[GraphOutput]:
+        flat = [n for n in self.graph.nodes if n.op == "output"][0].args[0]
+        return list(self.outputs) or [GraphOutput("output", f"output_{k}") for k in range(len(flat))]
 
     @property
     def graph(self) -> fx.Graph:

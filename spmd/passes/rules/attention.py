@@ -1,8 +1,9 @@
-"""scaled_dot_product_attention (DTensor has no rule for the CPU kernels).
+"""Scaled dot-product attention, forward and backward (DTensor has no rule for the CPU kernels).
 
-q, k, v are [batch, heads, seq, head_dim]; attention mixes seq positions and head_dim, never batches
-or heads, so along one mesh axis all three may be sharded together on batch (dim 0) or on heads (dim 1).
-A mask follows where it has that dim, else stays replicated (it broadcasts).
+q, k, v are [batch, heads, seq, head_dim] (logsumexp [batch, heads, seq]); attention mixes seq positions
+and head_dim, never batches or heads, so along one mesh axis every tensor may be sharded together on
+batch (dim 0) or on heads (dim 1). A mask follows where it has that dim, else stays replicated (it
+broadcasts).
 """
 from __future__ import annotations
 
@@ -13,16 +14,32 @@ from spmd.passes.rules import RuleInput, rule
 
 aten = torch.ops.aten
 
+_CPU_FLASH = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_OPS = [aten.scaled_dot_product_attention.default]
+_OPS += [op.default for op in (_CPU_FLASH, _CPU_FLASH_BWD) if op is not None]
 
-@rule(aten.scaled_dot_product_attention.default)
+
+def _mask_placement(mask, q, d: int):
+    offset = len(q.shape) - len(mask.shape)
+    md = d - offset
+    return Shard(md) if md >= 0 and mask.shape[md] == q.shape[d] else Replicate()
+
+
+@rule(*_OPS)
 def sdpa(inp: RuleInput) -> list[list]:
-    q = inp.inputs[0]
+    """Batch- or head-parallel: every 3-D/4-D tensor (q, k, v, out, grads, logsumexp) on the same dim."""
+    q = next(i for i in inp.inputs if len(i.shape) == 4)
+    mask = inp.kwargs.get("attn_mask")
+    if inp.op is aten.scaled_dot_product_attention.default and len(inp.args) > 3:
+        mask = inp.args[3]
     rows = []
     for d in (0, 1):
-        row = [Shard(d), Shard(d), Shard(d), Shard(d)]
-        for extra in inp.inputs[3:]:  # attn_mask, broadcast against [B, H, Sq, Sk]
-            offset = len(q.shape) - len(extra.shape)
-            md = d - offset
-            row.append(Shard(md) if md >= 0 and extra.shape[md] == q.shape[d] else Replicate())
+        row = [Shard(d) for _ in inp.outputs]
+        for t in inp.inputs:
+            if mask is not None and t is mask:
+                row.append(_mask_placement(t, q, d))
+            else:
+                row.append(Shard(d))
         rows.append(row)
     return rows

@@ -1,0 +1,125 @@
+"""trace_joint: nn.Module (+ loss) + example inputs -> the joint forward+backward ATen graph.
+
+Before: an eager module, example inputs and optionally a loss function. After: a `TracedGraph` like
+`trace_module`'s, with `joint=True`: its outputs are the forward outputs (the loss, when a loss_fn is
+given) followed by one gradient per trainable parameter (`GraphOutput("grad", fqn)`); one `tangent`
+placeholder per forward output carries the incoming gradient; every node has
+`meta["partitioner_tag"]` (is_forward / is_backward) and the user's stack trace.
+
+How: torch.export first (non-strict, keeps the user's source lines), then AOTAutograd's
+`aot_export_joint_with_descriptors` over the exported module with core-ATen decompositions, inside
+`preserve_node_meta` so forward and backward nodes keep the stack trace of the line they came from.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from spmd.errors import SpmdError
+from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, _drop_assertions, tensor_info_of
+
+_PREFIX = "model."
+
+
+class WithLoss(torch.nn.Module):
+    """`forward(*inputs, *targets) = loss_fn(model(*inputs), *targets)`."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, n_targets: int):
+        super().__init__()
+        self.model, self.loss_fn, self.n_targets = model, loss_fn, n_targets
+
+    def forward(self, *args):
+        inputs, targets = args[: len(args) - self.n_targets], args[len(args) - self.n_targets:]
+        return self.loss_fn(self.model(*inputs), *targets)
+
+
+def loss_targets(loss_fn) -> int:
+    """How many trailing inputs are targets: the loss function's required positional parameters - 1."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return max(1, len(required) - 1)
+
+
+def _decompositions():
+    return torch._decomp.core_aten_decompositions()
+
+
+def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
+    wrapped = WithLoss(model, loss_fn, loss_targets(loss_fn)) if loss_fn is not None else None
+    root = wrapped if wrapped is not None else model
+    try:
+        ep = torch.export.export(root, tuple(example_inputs), strict=False)
+        out_spec = ep.module_call_graph[0].signature.out_spec
+        exported = ep.module()
+        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
+            joint = aot_export_joint_with_descriptors(stack, exported, tuple(example_inputs),
+                                                      decompositions=_decompositions())
+            gm = joint.graph_module
+    except Exception as e:
+        raise SpmdError(
+            f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
+            "What to do: make the forward traceable by torch.export (no data-dependent Python control flow)."
+        ) from e
+
+    prefix = _PREFIX if wrapped is not None else ""
+    strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
+    arg_names = _argument_names(model, len(example_inputs), wrapped is not None)
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        kind = type(desc).__name__
+        if kind == "ParamAOTInput":
+            inputs.append(GraphInput(node.name, "parameter", strip(desc.target)))
+        elif kind == "BufferAOTInput":
+            inputs.append(GraphInput(node.name, "buffer", strip(desc.target)))
+        elif kind == "PlainAOTInput":
+            inputs.append(GraphInput(node.name, "input", arg_names[desc.idx]))
+        elif kind == "TangentAOTInput" and type(desc.output).__name__ == "PlainAOTOutput":
+            inputs.append(GraphInput(node.name, "tangent", f"output_{desc.output.idx}"))
+        else:
+            raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
+                            "this model; inputs that are mutated or tensor subclasses are not supported yet.")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = []
+    for k, desc in enumerate(out_node.meta.get("desc") or []):
+        kind = type(desc).__name__
+        if desc is None:  # the gradient of an input that does not require one
+            outputs.append(GraphOutput("none", ""))
+        elif kind == "PlainAOTOutput":
+            outputs.append(GraphOutput("output", f"output_{desc.idx}"))
+        elif kind == "GradAOTOutput":
+            outputs.append(GraphOutput("grad", strip(getattr(desc.grad_of, "target", None) or str(desc.grad_of))))
+        else:
+            raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model mutates its inputs "
+                            "or buffers. What to do: return the new value instead of updating in place.")
+    _drop_assertions(gm)
+    state = {}
+    state.update({strip(k): v for k, v in root.named_parameters(remove_duplicate=False)})
+    state.update({strip(k): v for k, v in root.named_buffers(remove_duplicate=False)})
+    tensor_info = {}
+    for node in gm.graph.nodes:
+        info = tensor_info_of(node)
+        if info is not None:
+            tensor_info[node.name] = info
+    return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
+                       None, tensor_info, tuple(outputs), joint=True)
+
+
+def _argument_names(model: torch.nn.Module, n: int, with_loss: bool) -> list[str]:
+    try:
+        names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        names = []
+    names = names[:n]
+    k = len(names)
+    return names + [f"target{i - k}" if with_loss else f"arg{i}" for i in range(k, n)]
