@@ -44,13 +44,18 @@ def _check_mesh(mesh) -> None:
 
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placements: dict | None = None,
             param_placements: dict | None = None, out_placements: dict | Sequence | None = None,
-            mesh_spec: MeshSpec | None = None, dump_dir: str | None = None):
+            mesh_spec: MeshSpec | None = None, dump_dir: str | None = None, loss_fn=None,
+            training: bool | None = None):
     """Partition `model` over `mesh` and return this rank's `CompiledModule`.
 
     example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for).
     in_placements / param_placements: pins by input argument name / parameter FQN, each a list with one
     placement per mesh axis. out_placements: pins by output index. mesh_spec: the link and device
     profiles to plan with (default: those of the mesh's backend).
+    loss_fn: `loss_fn(model(*inputs), *targets)`: the trailing inputs are targets (as many as loss_fn has
+    required parameters after the first); `compiled(*inputs, *targets)` returns the loss.
+    training: compile the joint forward+backward graph so outputs support `.backward()` (default: True
+    when a loss_fn is given).
     """
     from spmd.runtime.compiled import CompiledModule
 
@@ -68,16 +73,23 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     device = None
     if mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device), dump_dir)
+    training = loss_fn is not None if training is None else training
+    if loss_fn is not None and not training:
+        raise SpmdError("compile: a loss_fn only makes sense with training=True")
+    c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device,
+                                 training=training, loss_fn=loss_fn), dump_dir)
     return CompiledModule(c)
 
 
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
-         param_placements=None, out_placements=None, dump_dir: str | None = None):
+         param_placements=None, out_placements=None, dump_dir: str | None = None, loss_fn=None,
+         training: bool | None = None):
     """Run the pipeline up to the plan with no processes at all; returns the `Plan`."""
     if isinstance(out_placements, (list, tuple)):
         out_placements = dict(enumerate(out_placements))
     pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins), dump_dir).plan
+    training = loss_fn is not None if training is None else training
+    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn),
+                        dump_dir).plan

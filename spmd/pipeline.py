@@ -22,6 +22,8 @@ from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
+from spmd.passes.split_joint_graph import split_joint_graph
+from spmd.passes.trace_joint import trace_joint
 from spmd.passes.trace_module import trace_module
 from spmd.specs import placements_str
 
@@ -37,12 +39,15 @@ class Compilation:
     rank: int | None = None  # None: plan only, emit nothing
     group_names: tuple[str, ...] = ()
     device: torch.device | None = None  # where this rank runs (None: wherever the model's tensors are)
+    training: bool = False  # trace the joint forward+backward graph
+    loss_fn: Any = None
     traced: Any = None
     strategies: Any = None
     costs: Any = None
     plan: Any = None
     global_gm: Any = None
     rank_gm: Any = None
+    split: Any = None  # SplitGraphs (training)
     timings: dict = field(default_factory=dict)  # pass name -> seconds
 
 
@@ -80,36 +85,60 @@ def _dump_plan(c: Compilation) -> str:
     return format_graph(c.traced.graph, note) + "\n" + str(c.plan) + "\n"
 
 
-# (name, run, dump). Why each sits where it does:
-PIPELINE: tuple[tuple[str, Callable, Callable], ...] = (
-    # ATen graph first: every later pass reasons about core ATen ops with static shapes.
-    ("trace_module", lambda c: setattr(c, "traced", trace_module(c.model, c.example_inputs)),
-     lambda c: format_graph(c.traced.graph, lambda n: str(c.traced.tensor_info.get(n.name, "")))),
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Compilation], None]
+    dump: Callable[[Compilation], str]
+    when: Callable[[Compilation], bool] = lambda c: True
+
+
+def _forward_only(c: Compilation) -> bool:
+    return not c.training
+
+
+def _has_rank(c: Compilation) -> bool:
+    return c.rank is not None
+
+
+# Why each pass sits where it does:
+PIPELINE: tuple[Pass, ...] = (
+    # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
+    # the joint forward+backward graph; after that, both take the same road.
+    Pass("trace_module", lambda c: setattr(c, "traced", trace_module(c.model, c.example_inputs)),
+         lambda c: format_graph(c.traced.graph, lambda n: str(c.traced.tensor_info.get(n.name, ""))), _forward_only),
+    Pass("trace_joint", lambda c: setattr(c, "traced", trace_joint(c.model, c.example_inputs, c.loss_fn)),
+         lambda c: format_graph(c.traced.graph, lambda n: f"{c.traced.tensor_info.get(n.name, '')} "
+                                f"{n.meta.get('partitioner_tag', '')}"), lambda c: c.training),
     # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
-    ("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins)),
-     _dump_strategies),
+    Pass("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins)),
+         _dump_strategies),
     # Costs for every candidate and edge, from the same redistribute planner codegen uses.
-    ("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh)),
-     _dump_costs),
+    Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh)),
+         _dump_costs),
     # One global choice (ILP); deterministic, so every rank gets the same plan without talking.
-    ("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels())),
-     _dump_plan),
+    Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels())),
+         _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
-    ("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
-     lambda c: format_graph(c.global_gm.graph, _specs)),
-    ("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank, c.group_names, c.device)),
-     lambda c: c.rank_gm.code),
+    Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
+         lambda c: format_graph(c.global_gm.graph, _specs)),
+    Pass("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank,
+                                                                            c.group_names, c.device)),
+         lambda c: c.rank_gm.code, _has_rank),
+    # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two.
+    Pass("split_joint_graph", lambda c: setattr(c, "split", split_joint_graph(c.rank_gm, c.traced)),
+         lambda c: c.split.forward.code + "\n" + c.split.backward.code, lambda c: c.training and c.rank is not None),
 )
 
 
 def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
     dump = Dumper(dump_dir or os.environ.get("SPMD_DUMP"))
-    for name, run, render in PIPELINE:
-        if c.rank is None and name == "emit_rank_graph":
-            break
+    for p in PIPELINE:
+        if not p.when(c):
+            continue
         t0 = time.perf_counter()
-        run(c)
-        c.timings[name] = time.perf_counter() - t0
+        p.run(c)
+        c.timings[p.name] = time.perf_counter() - t0
         if dump.directory:
-            dump(name, render(c))
+            dump(p.name, p.dump(c))
     return c

@@ -20,7 +20,7 @@ from spmd.errors import SpmdError, describe_node
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
 from spmd.passes.rules import dtensor_adapter
 from spmd.passes.rules.dtensor_adapter import TensorArg, op_name
-from spmd.passes.trace_module import TracedGraph
+from spmd.passes.trace_module import TracedGraph, flat_outputs
 from spmd.specs import Placements, Strategy, TensorInfo, all_placements, is_even, placements_str
 
 Value = tuple[str, int]  # (producing node name, output index)
@@ -134,8 +134,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
             table.nodes[node.name] = ns
             continue
         if node.op == "output":
-            outs, _ = tree_flatten(node.args[0])
-            for k, a in enumerate(outs):
+            for k, a in enumerate(flat_outputs(node)):
                 if not isinstance(a, fx.Node) or not isinstance(info.get(a.name), TensorInfo):
                     continue
                 t = info[a.name]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from spmd.errors import SpmdInternalError
 from spmd.plan import Plan
-from spmd.passes.trace_module import TracedGraph
+from spmd.passes.trace_module import TracedGraph, flat_outputs
 from spmd.runtime.collectives import STEP_FUNCTIONS
 from spmd.specs import TensorInfo
 
@@ -27,7 +26,9 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
     edge_by_slot = {(e.consumer, e.slot): e for e in plan.edges}
     shared: dict[tuple, fx.Node] = {}
 
-    def resharded(consumer: str, slot: int, node: fx.Node) -> fx.Node:
+    def resharded(consumer: str, slot: int, node: fx.Node, tag: str | None) -> fx.Node:
+        """`node` as consumer input `slot` needs it. The steps run where the consumer runs (`tag`:
+        forward or backward), so a saved activation is resharded when backward uses it."""
         edge = edge_by_slot.get((consumer, slot))
         if edge is None:
             return node
@@ -45,6 +46,8 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             cur.meta["spmd_step"] = step
             cur.meta["val"] = node.meta.get("val")
             cur.meta["stack_trace"] = node.meta.get("stack_trace")
+            if tag is not None:
+                cur.meta["partitioner_tag"] = tag
         if tuple(placements) != tuple(edge.dst):
             raise SpmdInternalError(f"steps for {edge.value} end in {placements}, not {edge.dst}",
                                     str(traced.gm.code))
@@ -59,14 +62,13 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             env[node.name] = new
             continue
         if node.op == "output":
-            outs, spec = tree_flatten(node.args[0])
-            new_outs, k = [], 0
-            for a in outs:
+            new_outs = []
+            for k, (a, kind) in enumerate(zip(flat_outputs(node), traced.output_kinds())):
                 if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
-                    new_outs.append(resharded(f"output_{k}", 0, env[a.name]))
+                    tag = ("is_backward" if kind.kind == "grad" else "is_forward") if traced.joint else None
+                    new_outs.append(resharded(f"output_{k}", 0, env[a.name], tag))
                 else:
                     new_outs.append(env[a.name] if isinstance(a, fx.Node) else a)
-                k += 1
             graph.output(tuple(new_outs))
             continue
         slot = iter(range(1 << 30))
@@ -75,7 +77,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             if not isinstance(a, fx.Node):
                 return a
             if node.target is not operator.getitem and isinstance(traced.tensor_info.get(a.name), TensorInfo):
-                return resharded(node.name, next(slot), env[a.name])
+                return resharded(node.name, next(slot), env[a.name], node.meta.get("partitioner_tag"))
             if node.target is operator.getitem:
                 next(slot)
             return env[a.name]

@@ -48,7 +48,18 @@ def loss_targets(loss_fn) -> int:
 
 
 def _decompositions():
-    return torch._decomp.core_aten_decompositions()
+    """Core ATen, except fused attention: its CPU forward decomposes into math whose softmax would
+    then be fed to the still-fused backward as its logsumexp (wrong gradients), and attention has
+    sharding rules of its own anyway."""
+    table = dict(torch._decomp.core_aten_decompositions())
+    aten = torch.ops.aten
+    for name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+        packet = getattr(aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            table.pop(getattr(packet, overload), None)
+    return table
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
@@ -110,8 +121,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
         info = tensor_info_of(node)
         if info is not None:
             tensor_info[node.name] = info
+    frozen = frozenset(strip(k) for k, v in root.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
-                       None, tensor_info, tuple(outputs), joint=True)
+                       None, tensor_info, tuple(outputs), frozen=frozen, joint=True)
 
 
 def _argument_names(model: torch.nn.Module, n: int, with_loss: bool) -> list[str]:

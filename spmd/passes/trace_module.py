@@ -44,10 +44,11 @@ class TracedGraph:
     in_spec: Any = None
     tensor_info: dict[str, TensorInfo] = field(default_factory=dict)
     outputs: tuple[GraphOutput, ...] = ()  # empty: every flat output is the user's
+    frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False
     joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
 
     def output_kinds(self) -> list[GraphOutput]:
-        flat = [n for n in self.graph.nodes if n.op == "output"][0].args[0]
+        flat = flat_outputs(self.graph.output_node())
         return list(self.outputs) or [GraphOutput("output", f"output_{k}") for k in range(len(flat))]
 
     @property
@@ -60,6 +61,13 @@ class TracedGraph:
 
     def input_by_placeholder(self) -> dict[str, GraphInput]:
         return {i.placeholder: i for i in self.inputs}
+
+
+def flat_outputs(output_node: fx.Node) -> list:
+    """The graph's outputs as one flat list (None where an output is absent): export and AOTAutograd
+    graphs both return a flat tuple."""
+    outs = output_node.args[0]
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 def _decomposition_table():
@@ -129,5 +137,6 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         if info is not None:
             tensor_info[node.name] = info
     call_sig = ep.module_call_graph[0].signature
+    frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
-                       call_sig.out_spec, call_sig.in_spec, tensor_info)
+                       call_sig.out_spec, call_sig.in_spec, tensor_info, frozen=frozen)

@@ -26,31 +26,52 @@ class CompiledModule(nn.Module):
         self.coord = c.mesh.coordinate(c.rank)
         self.group_names = c.group_names
         self.graph_module = c.rank_gm
+        self.split = c.split  # SplitGraphs when compiled for training, else None
         self._out_spec = c.traced.out_spec
         self._param_names: dict[str, str] = {}  # FQN -> attribute name
-        self._order: list[tuple[str, str]] = []  # (kind, FQN or input name) per placeholder
+        self._state_placements: dict[str, tuple] = {}  # FQN -> placements
+        self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
+        self._order_names: list[str] = []  # FQN or input name per placeholder
         self._input_specs: list[tuple[str, tuple, tuple]] = []  # (name, placements, global shape)
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
+            if gi.kind == "tangent":
+                continue
             if gi.kind == "input":
                 self._input_specs.append((gi.name, ps, info.shape))
                 self._order.append(("input", gi.name))
+                self._order_names.append(gi.name)
                 continue
             full = c.traced.state[gi.name]
             local = local_shard(full, ps, c.mesh.shape, self.coord).clone()
             attr = gi.name.replace(".", "__")
             if gi.kind == "parameter":
-                self.register_parameter(attr, nn.Parameter(local, requires_grad=full.requires_grad))
+                self.register_parameter(attr, nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen))
             else:
                 self.register_buffer(attr, local)
             self._param_names[gi.name] = attr
+            self._state_placements[gi.name] = ps
             self._order.append(("state", attr))
+            self._order_names.append(gi.name)
 
     @property
     def code(self) -> str:
-        """This rank's generated Python (collectives visible)."""
-        return self.graph_module.code
+        """This rank's generated Python (collectives visible): forward, and backward when training."""
+        if self.split is None:
+            return self.graph_module.code
+        return ("# ---- forward: returns the outputs, then the values saved for backward ----" +
+                self.split.forward.code + "\n# ---- backward: saved values and incoming gradients -> "
+                "parameter gradients ----" + self.split.backward.code)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN."""
+        out = {}
+        for gi_name, attr in self._param_names.items():
+            local = getattr(self, attr)
+            ps = self._state_placements[gi_name]
+            out[gi_name] = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
+        return out
 
     def input_placements(self) -> dict[str, tuple]:
         return {name: ps for name, ps, _ in self._input_specs}
@@ -90,5 +111,29 @@ class CompiledModule(nn.Module):
         self._check_inputs(inputs)
         it = iter(inputs)
         args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
-        flat = self.graph_module(*args)
+        if self.split is None:
+            flat = self.graph_module(*args)
+        else:
+            flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
+
+
+class _RankStep(torch.autograd.Function):
+    """This rank's forward graph; autograd calls its backward graph. Gradients come out in each
+    parameter's own placements, so `param.grad` is the local shard of the full gradient."""
+
+    @staticmethod
+    def forward(ctx, module: CompiledModule, *args):
+        split = module.split
+        flat = split.forward(*args)
+        outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
+        ctx.module = module
+        ctx.save_for_backward(*saved)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        module = ctx.module
+        grads = dict(zip(module.split.grads, module.split.backward(*ctx.saved_tensors, *grad_outputs)))
+        return (None,) + tuple(grads.get(name) if kind == "state" else None
+                               for (kind, _), name in zip(module._order, module._order_names))

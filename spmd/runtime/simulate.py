@@ -47,7 +47,8 @@ def _collective(fn, values: list, kwargs: dict, mesh, axis: int) -> list:
 
 
 def simulate(compilation, full_inputs: tuple) -> list:
-    """Each rank's flat outputs for full `inputs`, computed by stepping all rank graphs together.
+    """Each rank's flat outputs for full `inputs` (then full tangents, for a joint graph), computed by
+    stepping all rank graphs together.
 
     `compilation` is a `spmd.pipeline.Compilation` that ran through `insert_collectives`.
     """
@@ -66,7 +67,7 @@ def simulate(compilation, full_inputs: tuple) -> list:
         node = nodes[0]
         if node.op == "placeholder":
             gi = by_placeholder[node.name]
-            full = next(user) if gi.kind == "input" else c.traced.state[gi.name]
+            full = next(user) if gi.kind in ("input", "tangent") else c.traced.state[gi.name]
             ps = c.plan.choices[node.name].outputs[0]
             for r, env in enumerate(envs):
                 env[node.name] = local_shard(full.detach(), ps, mesh.shape, mesh.coordinate(r))

@@ -65,42 +65,57 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
     if info is None and func is None:
         return None
     dmesh = offline_mesh(mesh.shape, mesh.axis_names)
-    rep = (Replicate(),) * mesh.ndim
 
-    def to_strategy(x, single: bool):
-        if isinstance(x, TensorArg):
-            metas = _meta(arg_infos[x.index])
-            specs = [rep] if single else candidates[x.index]
-            return OpStrategy([OpSpec(DTensorSpec(dmesh, ps, metas)) for ps in specs])
-        return x
+    def schema(cands: dict[int, list[Placements]], schema_info) -> OpSchema:
+        """The OpSchema DTensor's rules read: each tensor arg an OpStrategy over its candidates."""
+        def to_strategy(x):
+            if isinstance(x, TensorArg):
+                meta = _meta(arg_infos[x.index])
+                return OpStrategy([OpSpec(DTensorSpec(dmesh, ps, meta)) for ps in cands[x.index]])
+            return x
 
-    is_leaf = lambda x: isinstance(x, TensorArg)  # noqa: E731
+        def tuple_lists(x):  # a list of tensors (cat, stack) is one TupleStrategy
+            if isinstance(x, (list, tuple)) and x and all(isinstance(c, OpStrategy) for c in x):
+                return TupleStrategy(tuple(x))
+            return x
 
-    def tuple_lists(x):  # DTensor wants a list of tensors (cat, stack) as one TupleStrategy
-        if isinstance(x, (list, tuple)) and x and all(isinstance(c, OpStrategy) for c in x):
-            return TupleStrategy(tuple(x))
-        return x
+        is_leaf = lambda x: isinstance(x, TensorArg)  # noqa: E731
+        s_args = [tuple_lists(a) for a in tree_map(to_strategy, args, is_leaf=is_leaf)]
+        s_kwargs = {k: tuple_lists(v) for k, v in tree_map(to_strategy, kwargs, is_leaf=is_leaf).items()}
+        return OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info)
+
     if info is not None:
-        schema_info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
-        s_args = [tuple_lists(a) for a in tree_map(lambda x: to_strategy(x, True), args, is_leaf=is_leaf)]
-        s_kwargs = {k: tuple_lists(v) for k, v in tree_map(lambda x: to_strategy(x, True), kwargs, is_leaf=is_leaf).items()}
-        schema = OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info)
+        replicated = {j: [(Replicate(),) * mesh.ndim] for j in arg_infos}  # rules see only metadata
+        sch = schema(replicated, prop.op_to_schema_info_for_single_dim_strategy.get(op))
         n_out = len(outputs)
         out_meta = None if n_out == 0 else (_meta(outputs[0]) if n_out == 1 and outputs[0] is not None else
                                            tuple(_meta(o) if o is not None else None for o in outputs))
-        single = info.func(op, schema.args_meta, schema.kwargs_meta)
+        single = info.func(op, sch.args_meta, sch.kwargs_meta)
         single = _insert_single_dim_replication_strategy([list(r) for r in single], n_out, len(arg_infos), out_meta)
         single = _fill_single_dim_strategy_placeholders({Shard(0)}, single)
         return [s for s in expand_single_dim(single, n_out, mesh.ndim) if _plain(s)]
 
     schema_info = prop.op_to_schema_info.get(op)
-    s_args = [tuple_lists(a) for a in tree_map(lambda x: to_strategy(x, False), args, is_leaf=is_leaf)]
-    s_kwargs = {k: tuple_lists(v) for k, v in tree_map(lambda x: to_strategy(x, False), kwargs, is_leaf=is_leaf).items()}
-    result = func(OpSchema(op, tuple(s_args), s_kwargs, schema_info=schema_info))
-    if isinstance(result, TupleStrategy):
+    query = lambda cands: func(schema(cands, schema_info))  # noqa: E731
+
+    try:
+        results = [query(candidates)]
+    except Exception:
+        # One candidate the op cannot take (a view that cannot split an uneven dim) must not cost all
+        # the others: ask again one input candidate at a time and keep what DTensor accepts.
+        results = []
+        for j, cands in candidates.items():
+            for ps in cands:
+                try:
+                    results.append(query({**candidates, j: [ps]}))
+                except Exception:
+                    continue
+        if not results:
+            raise
+    if any(isinstance(r, TupleStrategy) for r in results):
         return None
-    out = []
-    for spec in result.strategies:
+    out, seen = [], set()
+    for spec in (spec for r in results for spec in r.strategies):
         outs = spec.output_specs
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         out_ps = tuple(o.placements if o is not None else None for o in outs)
@@ -109,7 +124,8 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
         else:
             in_ps = tuple(s.placements for s in spec.input_specs)
         strategy = Strategy(out_ps, in_ps)
-        if _plain(strategy):
+        if _plain(strategy) and strategy not in seen:
+            seen.add(strategy)
             out.append(strategy)
     return out
 

@@ -1,0 +1,66 @@
+"""split_joint_graph: this rank's joint graph -> its forward graph and its backward graph.
+
+Before: a rank graph from a joint trace, nodes tagged `partitioner_tag` is_forward / is_backward (steps
+inserted for an edge carry their consumer's tag). After: `forward(state..., inputs...) -> (outputs...,
+saved...)` and `backward(saved..., tangents...) -> (one gradient per joint grad output)`. Saved values
+keep the placements the plan gave them: backward reshards them at use, never silently up front.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from spmd.errors import SpmdInternalError
+from spmd.passes.trace_module import TracedGraph, flat_outputs
+
+
+@dataclass
+class SplitGraphs:
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    n_outputs: int  # forward returns n_outputs user outputs, then the saved values
+    saved: tuple[str, ...]
+    grads: tuple[str, ...]  # FQN of the parameter each backward output is the gradient of
+
+
+def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGraphs:
+    graph = rank_gm.graph
+    kinds = traced.output_kinds()
+    tangents = {i.placeholder for i in traced.inputs if i.kind == "tangent"}
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        tagged = node.meta.get("partitioner_tag") == "is_backward"
+        if node.name in tangents or tagged or (node.op == "call_function" and
+                                                any(a in backward for a in node.all_input_nodes)):
+            backward.add(node)
+    forward = [n for n in graph.nodes if n.op != "output" and n not in backward]
+    for node in forward:
+        if any(a in backward for a in node.all_input_nodes):
+            raise SpmdInternalError(f"split_joint_graph: forward node {node.name} reads a backward value",
+                                    rank_gm.code)
+    outs = flat_outputs(graph.output_node())
+    user_outs = [a for a, k in zip(outs, kinds) if k.kind == "output"]
+    grad_outs = [(a, k.name) for a, k in zip(outs, kinds) if k.kind == "grad" and a is not None]
+    saved = [n for n in forward if any(u in backward for u in n.users)]
+    saved += [a for a, _ in grad_outs if a not in backward and a not in saved]  # grads known in forward
+
+    fwd = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in forward:
+        env[node] = fwd.node_copy(node, lambda n: env[n])
+    fwd.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in user_outs) + tuple(env[n] for n in saved))
+
+    bwd = fx.Graph()
+    env = {}
+    for node in saved:
+        env[node] = bwd.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in graph.nodes:
+        if node in backward:
+            env[node] = bwd.node_copy(node, lambda n: env[n])
+    bwd.output(tuple(env[a] for a, _ in grad_outs))
+    return SplitGraphs(fx.GraphModule(rank_gm, fwd), fx.GraphModule(rank_gm, bwd), len(user_outs),
+                       tuple(n.name for n in saved), tuple(name for _, name in grad_outs))
