@@ -12,6 +12,7 @@ A `MeshSpec` is what planning needs. The runtime mesh is torch's `DeviceMesh`, a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from spmd.cost_model.profiles import LinkProfile, DeviceProfile, link_profile_for, device_profile_for
@@ -85,8 +86,12 @@ class MeshSpec:
         names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
         backend = dist.get_backend(mesh.get_group(0)) if dist.is_initialized() else "gloo"
         if backend == "gloo" or mesh.device_type == "cpu":
-            links = tuple(link_profile_for("gloo") for _ in names)
-            dev = device or "cpu"
+            # More ranks than cores on this host: each rank gets a share of a core, and gloo's
+            # latency grows tenfold (measured); plan with what the ranks will really see.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+            share = min(1.0, (os.cpu_count() or 1) / max(local, 1))
+            links = tuple(link_profile_for("gloo" if share >= 1.0 else "gloo-oversubscribed") for _ in names)
+            dev = device or device_profile_for("cpu").scaled(share)
         else:
             links = tuple(
                 link_profile_for("nvlink" if i == mesh.ndim - 1 else "infiniband") for i in range(mesh.ndim)

@@ -1,7 +1,8 @@
 """Communication cost: the alpha-beta model per mesh axis, with ring factors.
 
-For a collective over the n ranks of one mesh axis whose link has latency a and bus bandwidth b,
-with B the bytes each rank holds *before* the step:
+For a collective over the n ranks of one mesh axis whose link has latency a and bus bandwidth b (per
+collective kind where the backend differs, `LinkProfile.alpha_beta`), with B the bytes each rank holds
+*before* the step:
 
     all_reduce      a + 2 (n-1)/n * B / b
     reduce_scatter  a +   (n-1)/n * B / b
@@ -20,7 +21,7 @@ from typing import Iterable
 
 def step_cost(step, mesh) -> float:
     n = mesh.shape[step.axis]
-    link = mesh.links[step.axis]
+    latency, bandwidth = mesh.links[step.axis].alpha_beta(step.kind)
     B = step.in_bytes
     if step.kind == "all_reduce":
         wire = 2 * (n - 1) / n * B
@@ -40,7 +41,7 @@ def step_cost(step, mesh) -> float:
     moved_dim = step.src_dim if step.kind == "all_gather" else step.dst_dim
     if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and moved_dim not in (0, None):
         copy = 2 * max(B, B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth
-    return link.latency_s + wire / link.bandwidth + copy
+    return latency + wire / bandwidth + copy
 
 
 def steps_cost(steps: Iterable, mesh) -> float:

@@ -15,10 +15,13 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
-def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
-    if reduce_op == "avg":  # not every backend has AVG: sum, then scale
-        return _wait(_c10d.all_reduce(x.contiguous(), "sum", group)) / world
-    return _wait(_c10d.all_reduce(x.contiguous(), reduce_op, group))
+def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
+    """`inplace`: x is a temporary nobody else reads (the emitter checks), so reduce into it and skip
+    the out-of-place copy."""
+    op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
+    x = x.contiguous()
+    y = _wait(_c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group))
+    return y / world if reduce_op == "avg" else y
 
 
 def all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
