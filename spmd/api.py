@@ -45,7 +45,8 @@ def _check_mesh(mesh) -> None:
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placements: dict | None = None,
             param_placements: dict | None = None, out_placements: dict | Sequence | None = None,
             mesh_spec: MeshSpec | None = None, dump_dir: str | None = None, loss_fn=None,
-            training: bool | None = None):
+            training: bool | None = None, memory_budget: float | None = None,
+            optimizer_state_factor: float = 2.0):
     """Partition `model` over `mesh` and return this rank's `CompiledModule`.
 
     example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for).
@@ -56,6 +57,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     required parameters after the first); `compiled(*inputs, *targets)` returns the loss.
     training: compile the joint forward+backward graph so outputs support `.backward()` (default: True
     when a loss_fn is given).
+    memory_budget: bytes per rank the plan's predicted peak (parameters, gradients, optimizer state,
+    saved activations, inputs) must fit in; optimizer_state_factor: optimizer state per parameter in
+    parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0).
     """
     from spmd.runtime.compiled import CompiledModule
 
@@ -77,13 +81,14 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     if loss_fn is not None and not training:
         raise SpmdError("compile: a loss_fn only makes sense with training=True")
     c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device,
-                                 training=training, loss_fn=loss_fn), dump_dir)
+                                 training=training, loss_fn=loss_fn, memory_budget=memory_budget,
+                                 optimizer_state_factor=optimizer_state_factor, device_mesh=mesh), dump_dir)
     return CompiledModule(c)
 
 
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
          param_placements=None, out_placements=None, dump_dir: str | None = None, loss_fn=None,
-         training: bool | None = None):
+         training: bool | None = None, memory_budget: float | None = None, optimizer_state_factor: float = 2.0):
     """Run the pipeline up to the plan with no processes at all; returns the `Plan`."""
     if isinstance(out_placements, (list, tuple)):
         out_placements = dict(enumerate(out_placements))
@@ -91,5 +96,6 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     training = loss_fn is not None if training is None else training
-    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn),
+    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
+                                    memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor),
                         dump_dir).plan

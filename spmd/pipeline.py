@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from spmd.dump import Dumper, format_graph
+from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
 from spmd.passes.estimate_costs import estimate_costs
@@ -41,6 +42,9 @@ class Compilation:
     device: torch.device | None = None  # where this rank runs (None: wherever the model's tensors are)
     training: bool = False  # trace the joint forward+backward graph
     loss_fn: Any = None
+    memory_budget: float | None = None  # bytes per rank
+    optimizer_state_factor: float = 2.0  # optimizer state per parameter (Adam: 2)
+    bucket_bytes: float = 4 * 2**20  # gradient all_reduces are packed into buckets of this size
     traced: Any = None
     strategies: Any = None
     costs: Any = None
@@ -48,6 +52,7 @@ class Compilation:
     global_gm: Any = None
     rank_gm: Any = None
     split: Any = None  # SplitGraphs (training)
+    device_mesh: Any = None  # the runtime torch DeviceMesh (compile only; planning never needs it)
     timings: dict = field(default_factory=dict)  # pass name -> seconds
 
 
@@ -101,6 +106,10 @@ def _has_rank(c: Compilation) -> bool:
     return c.rank is not None
 
 
+def _training_rank(c: Compilation) -> bool:
+    return c.training and c.rank is not None
+
+
 # Why each pass sits where it does:
 PIPELINE: tuple[Pass, ...] = (
     # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
@@ -114,10 +123,12 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins)),
          _dump_strategies),
     # Costs for every candidate and edge, from the same redistribute planner codegen uses.
-    Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh)),
+    Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh,
+                                                                           c.optimizer_state_factor, c.bucket_bytes)),
          _dump_costs),
     # One global choice (ILP); deterministic, so every rank gets the same plan without talking.
-    Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels())),
+    Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels(),
+                                                                        c.memory_budget)),
          _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
@@ -127,7 +138,10 @@ PIPELINE: tuple[Pass, ...] = (
          lambda c: c.rank_gm.code, _has_rank),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two.
     Pass("split_joint_graph", lambda c: setattr(c, "split", split_joint_graph(c.rank_gm, c.traced)),
-         lambda c: c.split.forward.code + "\n" + c.split.backward.code, lambda c: c.training and c.rank is not None),
+         lambda c: c.split.forward.code + "\n" + c.split.backward.code, _training_rank),
+    # Communication passes on the per-rank backward graph: the cost model already priced bucketing.
+    Pass("bucket_gradients", lambda c: bucket_gradients(c.split.backward, c.mesh.shape, c.bucket_bytes),
+         lambda c: c.split.backward.code, _training_rank),
 )
 
 

@@ -36,6 +36,13 @@ class Plan:
     solve_seconds: float
     stats: dict = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter FQN / input name
+    memory: dict[str, float] = field(default_factory=dict)  # kind -> predicted bytes per rank
+    memory_budget: float | None = None
+
+    @property
+    def predicted_peak_bytes(self) -> float:
+        """Parameters + gradients + optimizer state + saved activations + inputs on one rank."""
+        return sum(self.memory.values())
 
     def output_placements(self, value: Value) -> Placements:
         name, idx = value
@@ -66,6 +73,10 @@ class Plan:
         lines = [f"Plan on mesh {self.mesh}: estimated {self.objective * 1e3:.3f} ms per call "
                  f"(compute {self.compute_cost * 1e3:.3f} ms, communication {self.comm_cost * 1e3:.3f} ms); "
                  f"lower bound {self.lower_bound * 1e3:.3f} ms, gap {self.gap:.2%}, solved in {self.solve_seconds:.2f} s"]
+        if self.memory:
+            parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in self.memory.items())
+            budget = f" (budget {self.memory_budget / 2**20:.2f} MiB)" if self.memory_budget else ""
+            lines.append(f"  predicted memory per rank: {self.predicted_peak_bytes / 2**20:.2f} MiB{budget}: {parts} MiB")
         incoming: dict[str, list[Edge]] = {}
         for e in self.edges:
             incoming.setdefault(e.consumer, []).append(e)

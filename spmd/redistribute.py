@@ -103,7 +103,7 @@ def _legal(cur, axis: int, dims) -> bool:
 
 
 @functools.lru_cache(maxsize=65536)
-def _shortest_from(src: Placements, tensor: TensorInfo, mesh) -> dict:
+def _shortest_from(src: Placements, tensor: TensorInfo, mesh, bucket_bytes: float | None = None) -> dict:
     """Dijkstra over layouts from `src`: layout -> (cost, steps). Edges are single legal per-axis steps
     between even layouts. Partial layouts appear only where `src` has them, or as Partial(sum) (the only
     one a consumer asks for from a Replicate input)."""
@@ -136,25 +136,27 @@ def _shortest_from(src: Placements, tensor: TensorInfo, mesh) -> dict:
                 if isinstance(target, Shard) and shape[target.dim] % mesh.shape[axis]:
                     continue  # would cut the (local) dim unevenly
                 step = Step(move[0], axis, move[1], move[2], move[3], shape, tensor.dtype.itemsize)
-                c = cost + step_cost(step, mesh)
+                c = cost + step_cost(step, mesh, bucket_bytes)
                 if nxt not in best or c < best[nxt][0] - 1e-15:
                     best[nxt] = (c, best[cur][1] + (step,))
                     heapq.heappush(heap, (c, next(counter), nxt))
     return best
 
 
-def shortest_redistributions(src: Placements, tensor: TensorInfo, mesh) -> dict:
-    """layout -> (seconds, steps) for every layout reachable from `src`."""
-    return _shortest_from(tuple(src), tensor, mesh)
+def shortest_redistributions(src: Placements, tensor: TensorInfo, mesh, bucket_bytes: float | None = None) -> dict:
+    """layout -> (seconds, steps) for every layout reachable from `src` (`bucket_bytes`: all_reduces
+    are gradient reductions packed into buckets of that size, see `cost_model.comm`)."""
+    return _shortest_from(tuple(src), tensor, mesh, bucket_bytes)
 
 
-def plan_redistribute(src: Placements, dst: Placements, tensor: TensorInfo, mesh) -> tuple[Step, ...]:
+def plan_redistribute(src: Placements, dst: Placements, tensor: TensorInfo, mesh,
+                      bucket_bytes: float | None = None) -> tuple[Step, ...]:
     """The cheapest legal sequence of per-axis steps turning layout `src` into `dst` on `mesh`
     (a `MeshSpec`), priced by `cost_model.comm`."""
     src, dst = tuple(src), tuple(dst)
     if src == dst:
         return ()
-    best = _shortest_from(src, tensor, mesh)
+    best = _shortest_from(src, tensor, mesh, bucket_bytes)
     if dst not in best:
         raise SpmdInternalError(f"no redistribution {placements_str(src)} -> {placements_str(dst)} "
                                 f"for shape {tensor.shape} on mesh {mesh}")

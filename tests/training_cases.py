@@ -26,6 +26,7 @@ class TrainCase:
     batch: int = 4
     in_placements: dict = field(default_factory=dict)
     param_placements: dict = field(default_factory=dict)
+    budget_fraction: float | None = None  # memory_budget as a fraction of the unconstrained plan's peak
 
     @property
     def world(self) -> int:
@@ -43,6 +44,7 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("gpt-softmax-1d2-sgd-compute", "gpt-softmax", (2,), ("tp",), "sgd", "compute", batch=2),
     TrainCase("gpt-2d-adamw-compute", "gpt", (2, 2), ("dp", "tp"), "adamw", "compute", batch=2),
     TrainCase("gpt-2d-sgd-default", "gpt", (2, 2), ("dp", "tp"), "sgd", batch=4),
+    TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", batch=8, budget_fraction=0.6),
     TrainCase("gpt-1d4-sgd-fsdp-pins", "gpt", (4,), ("dp",), "sgd", batch=4,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]},
               param_placements={f"blocks.{i}.mlp.fc1.weight": [torch.distributed.tensor.Shard(0)] for i in range(2)}),
@@ -73,29 +75,41 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
         model, inputs, loss_fn = _build(case)
         reference = copy.deepcopy(model)
         mesh = spmd.init_mesh(case.mesh, case.names)
+        mesh_spec = spec(case.mesh, case.names) if case.profile == "compute" else spmd.MeshSpec.from_device_mesh(mesh)
+        budget, free_memory = None, {}
+        if case.budget_fraction is not None:
+            free = spmd.plan(model, mesh_spec, inputs, loss_fn=loss_fn)
+            budget, free_memory = case.budget_fraction * free.predicted_peak_bytes, dict(free.memory)
         compiled = spmd.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn,
                                 in_placements=case.in_placements, param_placements=case.param_placements,
-                                mesh_spec=spec(case.mesh, case.names) if case.profile == "compute" else None)
+                                mesh_spec=mesh_spec, memory_budget=budget)
         make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                 "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[case.optimizer]
         opt, ref_opt = make(compiled.parameters()), make(reference.parameters())
         local = compiled.shard_inputs(*inputs)
-        losses, ref_losses, param_err = [], [], 0.0
-        for _ in range(steps):
+        losses, ref_losses, param_err, measured = [], [], 0.0, {}
+        for step in range(steps):
             loss = compiled(*local)
             loss.backward()
+            if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
+                measured = compiled.memory_report(opt)
             opt.step()
             opt.zero_grad()
             ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            losses.append(float(loss))
-            ref_losses.append(float(ref_loss))
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
             full = compiled.full_state_dict()
             param_err = max(param_err, max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters()))
+        placements = {compiled.plan.labels[n]: s.outputs[0] for n, s in compiled.plan.choices.items()
+                      if n in compiled.plan.labels}
         return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
                 "fingerprint": compiled.plan.fingerprint(),
-                "collectives": dict(compiled.plan.collective_summary())}
+                "collectives": dict(compiled.plan.collective_summary()),
+                "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
+                "unconstrained": free_memory,
+                "placements": placements}
     finally:
         torch.set_default_dtype(torch.float32)

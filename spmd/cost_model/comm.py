@@ -19,10 +19,14 @@ from __future__ import annotations
 from typing import Iterable
 
 
-def step_cost(step, mesh) -> float:
+def step_cost(step, mesh, bucket_bytes: float | None = None) -> float:
+    """Seconds for one step. `bucket_bytes`: the step is a gradient all_reduce that the runtime packs
+    with others into buckets of that size, so it pays its share of one latency, not a whole one."""
     n = mesh.shape[step.axis]
     latency, bandwidth = mesh.links[step.axis].alpha_beta(step.kind)
     B = step.in_bytes
+    if bucket_bytes and step.kind == "all_reduce":
+        latency *= min(1.0, B / bucket_bytes)
     if step.kind == "all_reduce":
         wire = 2 * (n - 1) / n * B
     elif step.kind == "reduce_scatter":
@@ -44,5 +48,5 @@ def step_cost(step, mesh) -> float:
     return latency + wire / bandwidth + copy
 
 
-def steps_cost(steps: Iterable, mesh) -> float:
-    return sum(step_cost(s, mesh) for s in steps)
+def steps_cost(steps: Iterable, mesh, bucket_bytes: float | None = None) -> float:
+    return sum(step_cost(s, mesh, bucket_bytes) for s in steps)

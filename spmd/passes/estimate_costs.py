@@ -1,8 +1,9 @@
 """estimate_costs: price every strategy of every node and every resharding edge.
 
 Before: a `StrategyTable`. After: a `CostTable` with the compute seconds of each (node, strategy) on
-local shards, and an edge-cost function (seconds to turn one placement of a value into another) whose
-steps come from the one redistribute planner, so the solver prices exactly what will run.
+local shards, an edge-cost function (seconds to turn one placement of a value into another) whose
+steps come from the one redistribute planner, so the solver prices exactly what will run, and the
+per-rank memory terms (parameters, gradients, optimizer state, saved activations).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.utils._pytree import tree_map
 
 from spmd.cost_model.comm import steps_cost
 from spmd.cost_model.compute import compute_cost
+from spmd.cost_model.memory import MemoryTerm, memory_terms
 from spmd.passes.enumerate_strategies import StrategyTable, Value
 from spmd.passes.trace_module import TracedGraph
 from spmd.redistribute import Step, plan_redistribute, shortest_redistributions
@@ -24,30 +26,38 @@ class CostTable:
     mesh: object
     value_info: dict[Value, TensorInfo]
     node_costs: dict[str, list[float]] = field(default_factory=dict)
+    memory: list[MemoryTerm] = field(default_factory=list)  # per-rank bytes as terms over values
+    bucket_bytes: float | None = None  # gradient all_reduces are bucketed at this size (training)
     _paths: dict = field(default_factory=dict)
 
-    def paths_from(self, value: Value, src: Placements) -> dict[Placements, tuple[float, tuple[Step, ...]]]:
-        """Every layout `value` can reach from `src`: layout -> (seconds, steps)."""
-        key = (self.value_info[value], src)
+    def paths_from(self, value: Value, src: Placements, gradient: bool = False) -> dict:
+        """Every layout `value` can reach from `src`: layout -> (seconds, steps). `gradient`: the value
+        is a parameter gradient on its way out, whose all_reduces the runtime buckets."""
+        bucket = self.bucket_bytes if gradient else None
+        key = (self.value_info[value], src, bucket)
         found = self._paths.get(key)
         if found is None:
-            found = self._paths[key] = shortest_redistributions(src, self.value_info[value], self.mesh)
+            found = self._paths[key] = shortest_redistributions(src, self.value_info[value], self.mesh, bucket)
         return found
 
-    def redistribute(self, value: Value, src: Placements, dst: Placements) -> tuple[Step, ...]:
-        return plan_redistribute(src, dst, self.value_info[value], self.mesh) if src != dst else ()
+    def redistribute(self, value: Value, src: Placements, dst: Placements, gradient: bool = False):
+        if src == dst:
+            return ()
+        return plan_redistribute(src, dst, self.value_info[value], self.mesh,
+                                 self.bucket_bytes if gradient else None)
 
-    def edge_cost(self, value: Value, src: Placements, dst: Placements) -> float:
+    def edge_cost(self, value: Value, src: Placements, dst: Placements, gradient: bool = False) -> float:
         if src == dst:
             return 0.0
-        return self.paths_from(value, src)[dst][0]
+        return self.paths_from(value, src, gradient)[dst][0]
 
 
 def _local(info: TensorInfo, ps: Placements, mesh_shape) -> TensorInfo:
     return TensorInfo(local_shape(info.shape, ps, mesh_shape), info.dtype)
 
 
-def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh) -> CostTable:
+def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_state_factor: float = 2.0,
+                   bucket_bytes: float | None = None) -> CostTable:
     nodes = {n.name: n for n in traced.graph.nodes}
     value_info: dict[Value, TensorInfo] = {}
     for name, info in traced.tensor_info.items():
@@ -57,7 +67,8 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh) -> CostTable
             for k, i in enumerate(info):
                 if i is not None:
                     value_info[(name, k)] = i
-    costs = CostTable(mesh, value_info)
+    costs = CostTable(mesh, value_info, memory=memory_terms(traced, optimizer_state_factor),
+                      bucket_bytes=bucket_bytes if traced.joint else None)
     for name, ns in table.nodes.items():
         node = nodes.get(name)
         if node is None or node.op != "call_function" or ns.source == "follow":

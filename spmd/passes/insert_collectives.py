@@ -32,7 +32,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         edge = edge_by_slot.get((consumer, slot))
         if edge is None:
             return node
-        key = (edge.value, edge.dst)
+        key = (edge.value, edge.dst, tag)  # backward re-gathers rather than keep a forward copy alive
         if key in shared:
             return shared[key]
         cur = node

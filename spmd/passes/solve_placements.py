@@ -28,6 +28,16 @@ def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
     return set(by_input) == set(producer_specs)
 
 
+def _shard_all(info, mesh_shape):
+    """Placements cutting the largest dim by every axis: a floor for the budget message."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not info.shape:
+        return [Replicate()] * len(mesh_shape)
+    d = max(range(len(info.shape)), key=lambda i: info.shape[i])
+    return [Shard(d)] * len(mesh_shape)
+
+
 def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     out: dict[Placements, list[int]] = {}
     for s, expr in zip(ns.strategies, exprs):
@@ -36,7 +46,8 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
-                     time_limit: float = 60.0) -> Plan:
+                     memory_budget: float | None = None, time_limit: float = 60.0) -> Plan:
+    """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use."""
     ilp = IlpBuilder()
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
@@ -70,7 +81,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             needed: dict[Placements, list[int]] = {}
             for s, col in zip(ns.strategies, cols):
                 needed.setdefault(s.inputs[j], []).append(col)
-            rows = {a: costs.paths_from(value, a) for a in producer}  # a -> {r: (seconds, steps)}
+            gradient = ns.source == "output" and ns.tie is not None  # a parameter's gradient leaving
+            rows = {a: costs.paths_from(value, a, gradient) for a in producer}  # a -> {r: (seconds, steps)}
             cost = lambda a, r: 0.0 if a == r else rows[a][r][0]  # noqa: E731
             if len(producer) == 1:
                 (a,) = producer
@@ -98,8 +110,23 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         for ps in set(mine) | set(theirs):
             ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
 
+    mesh_shape = costs.mesh.shape
+    memory_row: dict[int, float] = {}
+    for term in costs.memory:
+        for ps, expr in value_expr[term.value].items():
+            for col in expr:
+                memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
+    if memory_budget is not None:
+        ilp.add_le(list(memory_row.items()), memory_budget)
+
     result = ilp.solve(time_limit=time_limit)
     if result.objective == float("inf"):
+        if memory_budget is not None:
+            floor = sum(t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape) for t in costs.memory)
+            raise SpmdError(
+                f"solve_placements: no plan fits memory_budget={memory_budget / 2**20:.1f} MiB per rank "
+                f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
+                "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
         raise SpmdError(f"solve_placements: the solver found no plan ({result.status}).")
     x = result.values
     choices, chosen_cost = {}, {}
@@ -116,9 +143,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[value[0]].outputs[value[1]]
             dst = choices[name].inputs[j]
             if src != dst:
-                steps = costs.redistribute(value, src, dst)
-                edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst)))
+                gradient = ns.source == "output" and ns.tie is not None
+                steps = costs.redistribute(value, src, dst, gradient)
+                edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst, gradient)))
     stats = {"binary": result.n_binary, "continuous": result.n_continuous, "rows": result.n_rows,
              "status": result.status}
+    memory: dict[str, float] = {}
+    for term in costs.memory:
+        src = choices[term.value[0]]
+        ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
+        memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
     return Plan(costs.mesh, choices, chosen_cost, edges, result.objective, result.lower_bound, result.gap,
-                result.seconds, stats, dict(labels or {}))
+                result.seconds, stats, dict(labels or {}), memory, memory_budget)

@@ -57,6 +57,35 @@ def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
     return x
 
 
+def all_reduce_start(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
+    """Launch an all_reduce and return at once; `wait` before reading the result (gloo and NCCL run it
+    in the background meanwhile)."""
+    op = "sum" if reduce_op == "avg" else reduce_op
+    x = x.contiguous()
+    return _c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group)
+
+
+def wait(x: torch.Tensor, reduce_op: str = "sum", world: int = 1) -> torch.Tensor:
+    y = _wait(x)
+    return y / world if reduce_op == "avg" else y
+
+
+def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world: int) -> torch.Tensor:
+    """One all_reduce for many tensors: flatten them into one buffer and launch it."""
+    op = "sum" if reduce_op == "avg" else reduce_op
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return _c10d.all_reduce_(flat, op, group)
+
+
+def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int) -> list[torch.Tensor]:
+    """Wait for a bucket and cut it back into tensors shaped like `tensors`."""
+    flat = _wait(flat)
+    if reduce_op == "avg":
+        flat = flat / world
+    pieces = flat.split([t.numel() for t in tensors])
+    return [p.view(t.shape) for p, t in zip(pieces, tensors)]
+
+
 STEP_FUNCTIONS = {
     "all_reduce": all_reduce,
     "all_gather": all_gather,

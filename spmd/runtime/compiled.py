@@ -27,6 +27,8 @@ class CompiledModule(nn.Module):
         self.group_names = c.group_names
         self.graph_module = c.rank_gm
         self.split = c.split  # SplitGraphs when compiled for training, else None
+        self.device_mesh = c.device_mesh
+        self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
         self._param_names: dict[str, str] = {}  # FQN -> attribute name
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
@@ -63,6 +65,44 @@ class CompiledModule(nn.Module):
         return ("# ---- forward: returns the outputs, then the values saved for backward ----" +
                 self.split.forward.code + "\n# ---- backward: saved values and incoming gradients -> "
                 "parameter gradients ----" + self.split.backward.code)
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Measured bytes this rank holds, by the plan's categories (`plan.memory` predicts them):
+        parameters, gradients, optimizer state, and the activations the last forward saved."""
+        params = [p for p in self.parameters()]
+        report = {"parameters": _storage_bytes(params),
+                  "gradients": _storage_bytes(p.grad for p in params if p.grad is not None),
+                  "buffers": _storage_bytes(self.buffers())}
+        if optimizer is not None:
+            report["optimizer"] = _storage_bytes(t for st in optimizer.state.values() for t in st.values()
+                                                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+        if self.split is not None:
+            report["activations"] = self.last_saved_bytes
+        return report
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers as DTensors over the runtime mesh (local shards, no copies), the form
+        torch.distributed.checkpoint saves and loads in parallel."""
+        from torch.distributed.tensor import DTensor
+
+        if self.device_mesh is None:
+            raise SpmdError("sharded_state_dict needs the runtime mesh: compile with spmd.compile")
+        return {fqn: DTensor.from_local(getattr(self, attr).detach(), self.device_mesh,
+                                        list(self._state_placements[fqn]), run_check=False)
+                for fqn, attr in self._param_names.items()}
+
+    def load_sharded_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
+        tensors into this rank's shards."""
+        with torch.no_grad():
+            for fqn, attr in self._param_names.items():
+                value = state[fqn]
+                local = getattr(self, attr)
+                if hasattr(value, "to_local"):
+                    value = value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
+                elif tuple(value.shape) != tuple(local.shape):
+                    value = local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
+                local.copy_(value)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN."""
@@ -118,6 +158,17 @@ class CompiledModule(nn.Module):
         return tree_unflatten(list(flat), self._out_spec)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views share their base's)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 class _RankStep(torch.autograd.Function):
     """This rank's forward graph; autograd calls its backward graph. Gradients come out in each
     parameter's own placements, so `param.grad` is the local shard of the full gradient."""
@@ -129,6 +180,7 @@ class _RankStep(torch.autograd.Function):
         outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
         ctx.module = module
         ctx.save_for_backward(*saved)
+        module.last_saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor))
         return tuple(outs)
 
     @staticmethod

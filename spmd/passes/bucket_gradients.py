@@ -1,0 +1,130 @@
+"""bucket_gradients: pack the gradient all_reduces of a rank's backward graph into few large ones.
+
+Before: a backward rank graph whose parameter gradients leave through chains of `all_reduce` steps
+(one collective per gradient, each paying the link's latency). After: those all_reduces, grouped by
+process group in the order backward produces them, are `bucket_start` / `bucket_wait` pairs of at most
+`bucket_bytes` each: one launch per bucket as soon as its last gradient is ready, one wait just before
+the first read of its results (the graph's return), so buckets overlap with the rest of backward.
+The cost model prices exactly this: a bucketed all_reduce pays its share of one latency.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from spmd.runtime import collectives as C
+
+
+def _gradient_chain(node: fx.Node) -> bool:
+    """An all_reduce whose result only flows (through more such all_reduces) to the graph's outputs."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        if user.target is C.all_reduce and _gradient_chain(user):
+            continue
+        return False
+    return True
+
+
+def local_bytes(node: fx.Node, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes of `node`'s value on one rank, from its global value and its placements."""
+    import math
+
+    from torch.distributed.tensor import Shard
+
+    val = node.meta["val"]
+    placements = node.meta["spmd_placements"][0]
+    pieces = math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, Shard))
+    return val.numel() * val.element_size() / pieces
+
+
+def bucket_gradients(gm: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_bytes: float) -> fx.GraphModule:
+    graph = gm.graph
+    members = [n for n in graph.nodes if n.target is C.all_reduce and _gradient_chain(n)]
+    buckets: list[list[fx.Node]] = []
+    open_by_key: dict[tuple, list[fx.Node]] = {}
+    size_by_key: dict[tuple, float] = {}
+    for node in members:
+        kw = node.kwargs
+        dtype = node.args[0].meta["val"].dtype if "val" in node.args[0].meta else None
+        key = (kw["group"], kw["reduce_op"], kw["world"], dtype)
+        nbytes = local_bytes(node.args[0], mesh_shape)
+        if key in open_by_key and size_by_key[key] + nbytes > bucket_bytes:
+            del open_by_key[key]
+        if key not in open_by_key:
+            open_by_key[key] = []
+            size_by_key[key] = 0.0
+            buckets.append(open_by_key[key])
+        open_by_key[key].append(node)
+        size_by_key[key] += nbytes
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for bucket in buckets:
+        last = max(bucket, key=lambda n: order[n])
+        kw = bucket[0].kwargs
+        inputs = [n.args[0] for n in bucket]
+        with graph.inserting_after(last):
+            start = graph.call_function(C.bucket_start, (inputs,),
+                                        {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"]})
+        with graph.inserting_after(start):
+            done = graph.call_function(C.bucket_wait, (start, inputs),
+                                       {"reduce_op": kw["reduce_op"], "world": kw["world"]})
+        for i, node in enumerate(bucket):
+            with graph.inserting_after(done):
+                piece = graph.call_function(operator.getitem, (done, i))
+            piece.meta = dict(node.meta)
+            node.replace_all_uses_with(piece)
+            graph.erase_node(node)
+    _topological_sort(graph)
+    _sink_bucket_waits(graph)
+    gm.recompile()
+    return gm
+
+
+def _topological_sort(graph: fx.Graph) -> None:
+    """Re-thread the nodes so each follows its inputs (a bucket may read results of an earlier one)."""
+    placed: set[fx.Node] = set()
+    ordered: list[fx.Node] = []
+    for root in list(graph.nodes):
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if node in placed:
+                continue
+            if ready:
+                placed.add(node)
+                ordered.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((a, False) for a in reversed(node.all_input_nodes) if a not in placed)
+    for before, node in zip(ordered, ordered[1:]):
+        before.append(node)
+
+
+def _uses_group(node: fx.Node, group: str) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__module__", "") == C.__name__ \
+        and node.kwargs.get("group") == group
+
+
+def _sink_bucket_waits(graph: fx.Graph) -> None:
+    """Move each bucket_wait (and its getitems) down to just before the first node that reads them,
+    or that launches another collective on the same process group: gloo mismatches collectives when
+    two are in flight on one group (seen here), so each group keeps at most one outstanding."""
+    for wait in [n for n in graph.nodes if n.target is C.bucket_wait]:
+        start = wait.args[0]
+        group = start.kwargs["group"]
+        readers = {u for g in wait.users for u in g.users}
+        stop = None
+        node = wait.next
+        while node.op != "root":
+            if node in readers or node.op == "output" or (_uses_group(node, group) and node is not wait):
+                stop = node
+                break
+            node = node.next
+        if stop is None or stop is wait.next:
+            continue
+        getitems = list(wait.users)
+        stop.prepend(wait)
+        for g in getitems:
+            stop.prepend(g)
