@@ -1,0 +1,82 @@
+"""Training plans, without processes: what the solver picks for the joint graph, and its rank graphs."""
+import collections
+
+import torch
+import torch.nn.functional as F
+
+import spmd
+from examples.models import GPT, GPTConfig
+from spmd.cost_model.profiles import LinkProfile
+from spmd.mesh import MeshSpec
+from spmd.passes.enumerate_strategies import Pins
+from spmd.pipeline import Compilation, run_pipeline
+from spmd.runtime import collectives as C
+from tests.cases import LATENCY_LINK, SLOW_DEVICE
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _launches(gm, groups):
+    """(kind, axis name) -> how many collectives this graph launches."""
+    out = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (C.all_reduce, C.all_gather, C.reduce_scatter,
+                                                          C.all_to_all, C.bucket_start):
+            out[(node.target.__name__, groups[node.kwargs["group"]])] += 1
+    return out
+
+
+def test_gpt_on_dp_tp_mesh_trains_with_megatron_on_tp_and_data_parallel_on_dp():
+    """No pins: batch 2 splits over dp, the odd sequence never, so tp must shard weights. Tensor
+    parallelism talks every layer, so it goes on the fast inner link; dp reduces gradients once."""
+    torch.manual_seed(0)
+    layers = 2
+    model = GPT(GPTConfig(layers=layers))
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = torch.randint(0, 128, (2, 31), generator=g), torch.randint(0, 128, (2, 31), generator=g)
+    slow_outer = LinkProfile("test-outer", 10 * LATENCY_LINK.latency_s, LATENCY_LINK.bandwidth / 10)
+    mesh = MeshSpec((2, 2), ("dp", "tp"), (slow_outer, LATENCY_LINK), SLOW_DEVICE)
+    c = run_pipeline(Compilation(model, (tokens, targets), mesh, Pins(), 0, ("g-dp", "g-tp"),
+                                 training=True, loss_fn=lm_loss))
+    groups = {"g-dp": "dp", "g-tp": "tp"}
+    fwd, bwd = _launches(c.split.forward, groups), _launches(c.split.backward, groups)
+    # forward: one all_reduce per attention and one per MLP on tp (row-parallel o_proj and fc2) ...
+    assert fwd[("all_reduce", "tp")] == 2 * layers, fwd
+    # ... the LM head is vocab-parallel: its logits are gathered once for the loss; the loss is a mean
+    # over the global batch, so the targets' token count crosses dp once (124 bytes)
+    assert fwd[("all_gather", "tp")] == 1 and fwd[("all_gather", "dp")] <= 1, fwd
+    assert sum(fwd.values()) <= 2 * layers + 2, fwd
+    # backward likewise: the input gradient of q/k/v (and fc1) is summed while still Partial and
+    # reduced once per layer, not once per projection; +1 for the LM head's input gradient
+    assert bwd[("all_reduce", "tp")] == 2 * layers + 1, bwd
+    # gradients: every data-parallel reduction goes out in one bucket (4 MiB); the few tp-partial
+    # gradients (LayerNorm weights and biases) likewise in one bucket on tp
+    assert bwd[("bucket_start", "dp")] == 1, bwd
+    assert bwd[("bucket_start", "tp")] <= 1, bwd
+    # one exception: the position embedding's gradient passes a `where` (padding mask) that has no
+    # Partial rule, so its [seq, dim] gradient is reduced over dp before it, outside the bucket
+    assert bwd[("all_reduce", "dp")] <= 1, bwd
+    assert not [k for k in bwd if k[0] in ("all_gather", "all_to_all", "reduce_scatter")], bwd
+    # the parameters are laid out Megatron-style on tp, replicated on dp
+    place = {c.plan.labels[n]: s.outputs[0] for n, s in c.plan.choices.items() if n in c.plan.labels}
+    from torch.distributed.tensor import Replicate, Shard
+    for i in range(layers):
+        assert place[f"blocks.{i}.attn.q_proj.weight"] == (Replicate(), Shard(0))
+        assert place[f"blocks.{i}.mlp.fc1.weight"] == (Replicate(), Shard(0))
+        assert place[f"blocks.{i}.attn.o_proj.weight"] == (Replicate(), Shard(1))
+        assert place[f"blocks.{i}.mlp.fc2.weight"] == (Replicate(), Shard(1))
+
+
+def test_training_plan_reports_predicted_memory():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=1))
+    tokens = torch.randint(0, 128, (4, 32))
+    mesh = MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    plan = spmd.plan(model, mesh, (tokens, tokens), loss_fn=lm_loss)
+    n_params = sum(p.numel() for p in model.parameters()) * 4
+    assert plan.memory["parameters"] <= n_params
+    assert plan.memory["optimizer"] == 2 * plan.memory["gradients"]  # AdamW by default
+    assert plan.memory["activations"] > 0
+    assert "predicted memory per rank" in str(plan)
