@@ -82,7 +82,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
         raise SpmdError("compile: a loss_fn only makes sense with training=True")
     c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device,
                                  training=training, loss_fn=loss_fn, memory_budget=memory_budget,
-                                 optimizer_state_factor=optimizer_state_factor, device_mesh=mesh), dump_dir)
+                                 optimizer_state_factor=optimizer_state_factor, device_mesh=mesh,
+                                 defer_waits=dist.is_initialized() and dist.get_backend(mesh.get_group(0)) == "nccl"),
+                     dump_dir)
     return CompiledModule(c)
 
 

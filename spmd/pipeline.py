@@ -45,6 +45,7 @@ class Compilation:
     memory_budget: float | None = None  # bytes per rank
     optimizer_state_factor: float = 2.0  # optimizer state per parameter (Adam: 2)
     bucket_bytes: float = 4 * 2**20  # gradient all_reduces are packed into buckets of this size
+    defer_waits: bool = False  # wait for buckets at first use (NCCL) rather than at once (gloo)
     traced: Any = None
     strategies: Any = None
     costs: Any = None
@@ -140,7 +141,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("split_joint_graph", lambda c: setattr(c, "split", split_joint_graph(c.rank_gm, c.traced)),
          lambda c: c.split.forward.code + "\n" + c.split.backward.code, _training_rank),
     # Communication passes on the per-rank backward graph: the cost model already priced bucketing.
-    Pass("bucket_gradients", lambda c: bucket_gradients(c.split.backward, c.mesh.shape, c.bucket_bytes),
+    Pass("bucket_gradients", lambda c: bucket_gradients(c.split.backward, c.mesh.shape, c.bucket_bytes, c.defer_waits),
          lambda c: c.split.backward.code, _training_rank),
 )
 

@@ -80,3 +80,27 @@ def test_training_plan_reports_predicted_memory():
     assert plan.memory["optimizer"] == 2 * plan.memory["gradients"]  # AdamW by default
     assert plan.memory["activations"] > 0
     assert "predicted memory per rank" in str(plan)
+
+
+def test_deferred_bucket_waits_sit_before_first_use():
+    """With defer_waits (NCCL) a bucket is launched when its last gradient is ready and waited for just
+    before the next read or the next collective on its group; without (gloo) right after launch."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2))
+    tokens = torch.randint(0, 128, (4, 32))
+    mesh = MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    for defer in (False, True):
+        c = run_pipeline(Compilation(model, (tokens, tokens), mesh, Pins(), 0, ("g",), training=True,
+                                     loss_fn=lm_loss, defer_waits=defer, bucket_bytes=64 * 1024))
+        nodes = list(c.split.backward.graph.nodes)
+        starts = [i for i, n in enumerate(nodes) if n.target is C.bucket_start]
+        waits = [i for i, n in enumerate(nodes) if n.target is C.bucket_wait]
+        assert len(starts) > 1 and len(starts) == len(waits)  # small buckets: several
+        if not defer:
+            assert all(w == s + 1 for s, w in zip(starts, waits))
+        else:
+            gaps = [w - s for s, w in zip(starts, waits)]
+            assert max(gaps) > 1  # compute runs between launch and wait
+            for s, w in zip(starts, waits):  # nothing between them reads the bucket or uses its group
+                group = nodes[s].kwargs["group"]
+                assert not any(n.kwargs.get("group") == group for n in nodes[s + 1:w] if n.op == "call_function")

@@ -54,14 +54,27 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         shared[key] = cur
         return cur
 
+    # Outputs are resharded right where they are produced, not at the end of the graph: a gradient's
+    # reduction can then start while backward still works on earlier layers.
+    out_node = src_graph.output_node()
+    output_uses: dict[str, list[tuple[int, str | None]]] = {}
+    for k, (a, kind) in enumerate(zip(flat_outputs(out_node), traced.output_kinds())):
+        if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
+            tag = ("is_backward" if kind.kind == "grad" else "is_forward") if traced.joint else None
+            output_uses.setdefault(a.name, []).append((k, tag))
+
+    def reshard_outputs(node: fx.Node) -> None:
+        for k, tag in output_uses.get(node.name, ()):
+            resharded(f"output_{k}", 0, env[node.name], tag)
+
     for node in src_graph.nodes:
         if node.op == "placeholder":
             new = graph.placeholder(node.name)
             new.meta = dict(node.meta)
             new.meta["spmd_placements"] = plan.choices[node.name].outputs
             env[node.name] = new
-            continue
-        if node.op == "output":
+            continue  # (a placeholder returned as an output is resharded at the output: placeholders come first)
+        if node.op == "output":  # chains made by reshard_outputs are reused here
             new_outs = []
             for k, (a, kind) in enumerate(zip(flat_outputs(node), traced.output_kinds())):
                 if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
@@ -90,6 +103,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         new.meta = dict(node.meta)
         new.meta["spmd_placements"] = plan.choices[node.name].outputs
         env[node.name] = new
+        reshard_outputs(node)
     gm = fx.GraphModule(traced.gm, graph)
     return gm
 
