@@ -40,6 +40,7 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("mlp-1d2-sgd", "mlp", (2,), ("dp",)),
     TrainCase("mlp-1d2-adamw-compute", "mlp", (2,), ("tp",), "adamw", "compute", batch=3),
     TrainCase("mlp-1d4-adamw", "mlp", (4,), ("dp",), "adamw", batch=8),
+    TrainCase("mlp-dropout-1d2-sgd-compute", "mlp-dropout", (2,), ("tp",), "sgd", "compute", batch=4),
     TrainCase("gpt-1d2-adamw-compute", "gpt", (2,), ("tp",), "adamw", "compute", batch=1),
     TrainCase("gpt-softmax-1d2-sgd-compute", "gpt-softmax", (2,), ("tp",), "sgd", "compute", batch=2),
     TrainCase("gpt-2d-adamw-compute", "gpt", (2, 2), ("dp", "tp"), "adamw", "compute", batch=2),
@@ -53,8 +54,10 @@ TRAIN_CASES = {c.name: c for c in [
 
 def _build(case: TrainCase):
     torch.manual_seed(0)
-    if case.model == "mlp":
+    if case.model.startswith("mlp"):
         model = MLP(16, 64)
+        if case.model == "mlp-dropout":  # random ops: dropout between the two Linears
+            model = torch.nn.Sequential(model.fc1, torch.nn.GELU(), torch.nn.Dropout(0.3), model.fc2)
         x = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(1))
         y = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(2))
         return model, (x, y), F.mse_loss
@@ -89,12 +92,14 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
         local = compiled.shard_inputs(*inputs)
         losses, ref_losses, param_err, measured = [], [], 0.0, {}
         for step in range(steps):
+            torch.manual_seed(100 + step)  # dropout: same generator state on every rank and for the reference
             loss = compiled(*local)
             loss.backward()
             if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
                 measured = compiled.memory_report(opt)
             opt.step()
             opt.zero_grad()
+            torch.manual_seed(100 + step)
             ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
             ref_loss.backward()
             ref_opt.step()
