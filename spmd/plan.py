@@ -64,7 +64,9 @@ class Plan:
         return sum(self.node_costs.values())
 
     def fingerprint(self) -> str:
+        """Stable hash of every choice and every resharding step: equal on ranks that agree."""
         text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
+        text += "\n".join(f"{e.consumer}/{e.slot}:{[repr(st) for st in e.steps]}" for e in self.edges)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:

@@ -110,7 +110,9 @@ def _shortest_from(src: Placements, tensor: TensorInfo, mesh, bucket_bytes: floa
     from spmd.cost_model.comm import step_cost
 
     ndim = len(tensor.shape)
-    partials = {Partial("sum")} | {p for p in src if isinstance(p, Partial)}
+    # a list, not a set: Partial's hash includes a string, and string hashes differ between processes,
+    # so set order would break ties differently on different ranks (and hang their collectives)
+    partials = list(dict.fromkeys([Partial("sum")] + [p for p in src if isinstance(p, Partial)]))
     options = [Replicate()] + [Shard(d) for d in range(ndim)]
     best: dict = {src: (0.0, ())}
     heap = [(0.0, 0, src)]

@@ -23,21 +23,6 @@ SHAPE_ARG = {
 }
 
 
-def _temporary(value: fx.Node, reader: fx.Node) -> bool:
-    """`value` is computed here and read by `reader` alone, and so is every tensor it is a view of:
-    safe to overwrite. Never a placeholder (a parameter, an input) or anything viewing one."""
-    from spmd.cost_model.compute import is_view
-
-    while True:
-        if value.op != "call_function" or list(value.users) != [reader]:
-            return False
-        if not is_view(value.target):
-            return True
-        reader, value = value, value.args[0]
-        if not isinstance(value, fx.Node):
-            return False
-
-
 def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],
                     device: torch.device | None = None) -> fx.GraphModule:
     """`device`: where this rank runs; factory ops traced on another device of the same type (say
@@ -63,8 +48,6 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
                 kwargs.update(index=coord[axis])
             else:
                 kwargs.update(group=group_names[axis], world=world)
-            if node.target is STEP_FUNCTIONS["all_reduce"] and _temporary(node.args[0], node):
-                kwargs["inplace"] = True
             new.kwargs = kwargs
         if node.target is aten.view.default:
             # Local tensors can be laid out differently from the traced run (collectives return

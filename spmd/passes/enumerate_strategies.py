@@ -71,6 +71,11 @@ def _tensor_inputs(node: fx.Node, info: dict) -> tuple[Value, ...]:
     return tuple((a.name, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo))
 
 
+def strategy_key(s: Strategy) -> str:
+    """A total order on strategies that is the same in every process (no hash-based ordering)."""
+    return repr(s)
+
+
 def _partials(cands: list[Placements]) -> set:
     return {(axis, p) for ps in cands for axis, p in enumerate(ps) if isinstance(p, Partial)}
 
@@ -205,6 +210,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
         kept = [s for s in usable if even(s, outs, in_infos)]
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
+        kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process
         table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(usable) - len(kept))
 
     unknown = set(pins.inputs) | set(pins.params)

@@ -107,7 +107,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             continue
         other = table.nodes[ns.tie]
         mine, theirs = _by_key(ns, node_expr[name]), _by_key(other, node_expr[ns.tie])
-        for ps in set(mine) | set(theirs):
+        for ps in dict.fromkeys([*mine, *theirs]):  # ordered: rows must be the same on every rank
             ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
 
     mesh_shape = costs.mesh.shape

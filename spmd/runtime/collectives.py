@@ -15,12 +15,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
-def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
-    """`inplace`: x is a temporary nobody else reads (the emitter checks), so reduce into it and skip
-    the out-of-place copy."""
+def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
+    # Out of place on purpose: the in-place `all_reduce_` saves a copy but, on gloo, desynchronized
+    # later collectives in 2-D training here ("3968 vs 128 bytes" mismatches).
     op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
-    x = x.contiguous()
-    y = _wait(_c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group))
+    y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
     return y / world if reduce_op == "avg" else y
 
 
@@ -57,24 +56,11 @@ def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
     return x
 
 
-def all_reduce_start(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
-    """Launch an all_reduce and return at once; `wait` before reading the result (gloo and NCCL run it
-    in the background meanwhile)."""
-    op = "sum" if reduce_op == "avg" else reduce_op
-    x = x.contiguous()
-    return _c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group)
-
-
-def wait(x: torch.Tensor, reduce_op: str = "sum", world: int = 1) -> torch.Tensor:
-    y = _wait(x)
-    return y / world if reduce_op == "avg" else y
-
-
 def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world: int) -> torch.Tensor:
     """One all_reduce for many tensors: flatten them into one buffer and launch it."""
     op = "sum" if reduce_op == "avg" else reduce_op
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    return _c10d.all_reduce_(flat, op, group)
+    return _c10d.all_reduce(flat, op, group)
 
 
 def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int) -> list[torch.Tensor]:
