@@ -5,6 +5,8 @@ output and compares it with the single-device model in float64.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,10 +54,7 @@ class Case:
 
     @property
     def world(self) -> int:
-        n = 1
-        for s in self.mesh:
-            n *= s
-        return n
+        return math.prod(self.mesh)
 
 
 def _tokens(b, s, vocab=128):

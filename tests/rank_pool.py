@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class RankPool:
-    def __init__(self, world: int, timeout: float = 240.0):
+    def __init__(self, world: int, timeout: float = 600.0):
         self.world, self.timeout = world, timeout
         ctx = mp.get_context("spawn")
         port = _free_port()

@@ -11,10 +11,10 @@ from tests.training_cases import TRAIN_CASES, _build
 from tests.cases import spec
 from spmd.pipeline import Compilation, run_pipeline
 from spmd.passes.enumerate_strategies import Pins
-case = TRAIN_CASES["gpt-2d-adamw-compute"]
+case = TRAIN_CASES["gpt-2d-adamw-megatron"]
 torch.set_default_dtype(torch.float64)
 model, inputs, loss_fn = _build(case)
-c = run_pipeline(Compilation(model, inputs, spec(case.mesh, case.names), Pins(), None, training=True, loss_fn=loss_fn))
+c = run_pipeline(Compilation(model, inputs, spec((2, 2), ("dp", "tp")), Pins(), None, training=True, loss_fn=loss_fn))
 print(c.plan.fingerprint())
 """
 

@@ -1,6 +1,8 @@
 """Training end to end: every rank trains its shards; losses and full parameters track one device."""
 from __future__ import annotations
 
+import math
+
 import copy
 from dataclasses import dataclass, field
 
@@ -9,6 +11,17 @@ import torch.nn.functional as F
 
 from examples.models import GPT, MLP, GPTConfig
 from tests.cases import spec
+
+
+def megatron_spec():
+    """(dp=2, tp=2) with latency-bound links, dp's 10x slower, and a slow device: the solver's pick is
+    Megatron tensor parallelism on tp and data parallelism on dp (tests/test_training_plan.py)."""
+    from spmd.cost_model.profiles import LinkProfile
+    from spmd.mesh import MeshSpec
+    from tests.cases import LATENCY_LINK, SLOW_DEVICE
+
+    outer = LinkProfile("test-outer", 10 * LATENCY_LINK.latency_s, LATENCY_LINK.bandwidth / 10)
+    return MeshSpec((2, 2), ("dp", "tp"), (outer, LATENCY_LINK), SLOW_DEVICE)
 
 
 def lm_loss(logits, targets):
@@ -22,7 +35,8 @@ class TrainCase:
     mesh: tuple[int, ...]
     names: tuple[str, ...]
     optimizer: str = "sgd"  # sgd | adamw
-    profile: str = "default"  # default (the real gloo profile) | compute (slow device, fast links)
+    profile: str = "default"  # default (the real gloo profile) | compute (slow device, fast links) |
+    # megatron (slow device, latency-bound links, the outer one 10x slower: TP on tp, DP on dp)
     batch: int = 4
     in_placements: dict = field(default_factory=dict)
     param_placements: dict = field(default_factory=dict)
@@ -30,10 +44,7 @@ class TrainCase:
 
     @property
     def world(self) -> int:
-        n = 1
-        for s in self.mesh:
-            n *= s
-        return n
+        return math.prod(self.mesh)
 
 
 TRAIN_CASES = {c.name: c for c in [
@@ -43,7 +54,7 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("mlp-dropout-1d2-sgd-compute", "mlp-dropout", (2,), ("tp",), "sgd", "compute", batch=4),
     TrainCase("gpt-1d2-adamw-compute", "gpt", (2,), ("tp",), "adamw", "compute", batch=1),
     TrainCase("gpt-softmax-1d2-sgd-compute", "gpt-softmax", (2,), ("tp",), "sgd", "compute", batch=2),
-    TrainCase("gpt-2d-adamw-compute", "gpt", (2, 2), ("dp", "tp"), "adamw", "compute", batch=2),
+    TrainCase("gpt-2d-adamw-megatron", "gpt", (2, 2), ("dp", "tp"), "adamw", "megatron", batch=2),
     TrainCase("gpt-2d-sgd-default", "gpt", (2, 2), ("dp", "tp"), "sgd", batch=4),
     TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", batch=8, budget_fraction=0.6),
     TrainCase("gpt-1d4-sgd-fsdp-pins", "gpt", (4,), ("dp",), "sgd", batch=4,
@@ -62,7 +73,7 @@ def _build(case: TrainCase):
         y = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(2))
         return model, (x, y), F.mse_loss
     model = GPT(GPTConfig(sdpa=case.model == "gpt", seq=32))
-    seq = 31 if case.profile == "compute" else 32  # odd: only weights can split the work
+    seq = 31 if case.profile in ("compute", "megatron") else 32  # odd: only weights can split the work
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (case.batch, seq), generator=g)
     targets = torch.randint(0, 128, (case.batch, seq), generator=g)
@@ -78,7 +89,8 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
         model, inputs, loss_fn = _build(case)
         reference = copy.deepcopy(model)
         mesh = spmd.init_mesh(case.mesh, case.names)
-        mesh_spec = spec(case.mesh, case.names) if case.profile == "compute" else spmd.MeshSpec.from_device_mesh(mesh)
+        mesh_spec = {"compute": lambda: spec(case.mesh, case.names), "megatron": lambda: megatron_spec(),
+                     "default": lambda: spmd.MeshSpec.from_device_mesh(mesh)}[case.profile]()
         budget, free_memory = None, {}
         if case.budget_fraction is not None:
             free = spmd.plan(model, mesh_spec, inputs, loss_fn=loss_fn)
