@@ -46,7 +46,9 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, world: i
 
 def shard_local(x: torch.Tensor, dim: int, index: int, world: int) -> torch.Tensor:
     """Replicate -> Shard(dim): keep this rank's piece (no communication)."""
-    return x.chunk(world, dim)[index].contiguous()
+    # A copy even where the piece is already contiguous: a view would keep the whole tensor alive (a
+    # sharded gradient would pin the full one). The cost model prices this copy.
+    return x.chunk(world, dim)[index].clone(memory_format=torch.contiguous_format)
 
 
 def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
@@ -69,7 +71,9 @@ def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str,
     if reduce_op == "avg":
         flat = flat / world
     pieces = flat.split([t.numel() for t in tensors])
-    return [p.view(t.shape) for p, t in zip(pieces, tensors)]
+    # Copies, not views: a view would keep the whole bucket alive for as long as any one gradient
+    # lives (and some pieces are only sliced further), which the memory plan does not count.
+    return [p.view(t.shape).clone() for p, t in zip(pieces, tensors)]
 
 
 STEP_FUNCTIONS = {
