@@ -5,9 +5,10 @@
 Every rank compiles the same full model (same seed), runs only its local shard, and the gathered output
 is checked against the single-device model. Rank 0 prints the plan, its generated code and the memory
 each rank holds. The plan is made with the measured gloo/CPU profile of this machine (the default for a
-gloo mesh): at this size it is data parallel on dp and Megatron tensor parallel on tp. `--profile h100`
-plans the same graph as if for H100s with NVLink and InfiniBand (and runs that plan here), `--tiny`
-shrinks the model, where on gloo the honest answer is not to use tensor parallelism at all.
+gloo mesh; with 4 ranks on 2 cores the "oversubscribed" one, where every collective costs milliseconds):
+the solver splits the batch over one axis and, where it pays, the MLP weights over the other.
+`--profile h100` plans the same graph as if for H100s with NVLink and InfiniBand (and runs that plan
+here); `--tiny` shrinks the model, where on gloo the honest answer is not to shard weights at all.
 """
 from __future__ import annotations
 
