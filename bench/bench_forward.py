@@ -4,6 +4,8 @@ Two gloo ranks, one thread each, float32, torch.no_grad. Variants, timed interle
 
     a1  spmd, the plan its cost model picks with no pins
     a2  spmd pinned to the Megatron plan (q/k/v/fc1 column-, o_proj/fc2 row-parallel; 2 all_reduces per layer)
+    a2sp only where the pins alone do not give that plan: spmd's own pick under the same pins (a2 is then
+         planned with every collective's latency raised; see megatron_mesh_spec)
     b   DTensor eager: parallelize_module with ColwiseParallel / RowwiseParallel (the same Megatron plan)
     c   hand-written Megatron: plain tensors, local weight slices, explicit dist.all_reduce
     d   one process, one thread, the full model (rank 0 runs it while rank 1 waits)
@@ -12,16 +14,17 @@ Two gloo ranks, one thread each, float32, torch.no_grad. Variants, timed interle
 Run (see bench/README.md):
 
     torchrun --nproc-per-node 2 bench/bench_forward.py        # or: python bench/bench_forward.py
-    python bench/bench_forward.py --sizes tiny --profile      # plus a per-op profile of a2 vs c
+    python bench/bench_forward.py --profile tiny,medium      # plus where a2's time goes vs c
 
 Rank 0 writes bench/results_forward.md and prints the same. Gloo all_reduce here is slow and bimodal,
-so the variants are interleaved (rounds of a few calls each, order rotated every round) and the
-ratios are only meaningful within one run.
+so the variants are interleaved (one call each per round, order rotated every round) and the
+ratios are only meaningful within one run; "/ c (paired)" is the median of the per-round ratios.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import os
 import platform
@@ -43,9 +46,9 @@ SIZES = {
     "tiny": (128, 32, 64, 4, 2, 4),
     "medium": (512, 128, 512, 8, 4, 8),
 }
-# (rounds, calls per variant per round, warmup calls per variant)
-SCHEDULE = {"tiny": (10, 30, 20), "medium": (8, 5, 3)}
-VARIANTS = ("a1", "a2", "b", "c", "d")
+# (rounds, calls per variant per round, warmup calls per variant). One call per round pairs the
+# variants closely in time: the machine's load (other processes) moves on a scale of seconds.
+SCHEDULE = {"tiny": (300, 1, 20), "medium": (40, 1, 3)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -57,8 +60,9 @@ class HandMegatron:
     r of o_proj/fc2 (full biases, added after the all_reduce), heads h*r/w .. h*(r+1)/w; embeddings,
     LayerNorms and the LM head are replicated. Two all_reduces per layer."""
 
-    def __init__(self, model, rank: int, world: int):
+    def __init__(self, model, rank: int, world: int, all_reduce=dist.all_reduce):
         cfg = model.cfg
+        self.all_reduce = all_reduce  # the profile swaps in a no-op to time compute alone
         self.heads = cfg.heads // world
         self.head_dim = cfg.dim // cfg.heads
         self.tok = model.tok_emb.weight.detach()
@@ -93,11 +97,11 @@ class HandMegatron:
             v = F.linear(y, *L["v"]).view(b, s, h, hd).transpose(1, 2)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h * hd)
             o = F.linear(att, L["o"][0])
-            dist.all_reduce(o)
+            self.all_reduce(o)
             x = x + o + L["o"][1]
             y = F.layer_norm(x, (x.shape[-1],), *L["ln2"][:2], L["ln2"][2])
             z = F.linear(F.gelu(F.linear(y, *L["fc1"])), L["fc2"][0])
-            dist.all_reduce(z)
+            self.all_reduce(z)
             x = x + z + L["fc2"][1]
         x = F.layer_norm(x, (x.shape[-1],), *self.ln_f[:2], self.ln_f[2])
         return F.linear(x, self.head)
@@ -129,13 +133,32 @@ def is_megatron(summary: dict, layers: int) -> bool:
 
 
 def megatron_mesh_spec(mesh):
-    """The gloo MeshSpec with a much higher link latency: planning only (runtime is unchanged)."""
-    import dataclasses
+    """The gloo MeshSpec with every collective's latency raised to PLAN_LATENCY_S: planning only (the
+    runtime is unchanged). With latency dominating, the plan with the fewest collectives wins; under the
+    Megatron pins that is one all_reduce after o_proj and one after fc2. The per-collective entries of
+    the profile (all_gather, reduce_scatter, all_to_all) are raised too: raising only the default
+    latency, as this bench once did, now prices all_reduce alone at 10 ms and steers away from it."""
     from spmd.mesh import MeshSpec
 
+    def slow(link):
+        return dataclasses.replace(link, name=link.name + "-slow", latency_s=PLAN_LATENCY_S,
+                                   per_collective=tuple((k, PLAN_LATENCY_S, bw) for k, _, bw in link.per_collective))
+
     spec = MeshSpec.from_device_mesh(mesh)
-    links = tuple(dataclasses.replace(l, name=l.name + "-slow", latency_s=PLAN_LATENCY_S) for l in spec.links)
-    return dataclasses.replace(spec, links=links)
+    return dataclasses.replace(spec, links=tuple(slow(l) for l in spec.links))
+
+
+def repriced(plan, mesh_spec, bucket_bytes: float | None = None) -> tuple[float, float]:
+    """(compute, communication) seconds of `plan`'s choices priced with `mesh_spec`'s links: what the
+    solver would have thought of that plan with the real profile. `bucket_bytes`: price the parameter
+    gradient all_reduces (edges into the graph's outputs, training only) as bucketed, as the solver does."""
+    from spmd.cost_model.comm import steps_cost
+
+    comm = 0.0
+    for e in plan.edges:
+        gradient = bucket_bytes if e.consumer.startswith("output_") else None
+        comm += steps_cost(e.steps, mesh_spec, gradient)
+    return plan.compute_cost, comm
 
 
 _SDPA_RULE_REGISTERED = False
@@ -221,6 +244,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     import spmd
     from torch.distributed.tensor import Replicate
     from examples.models import GPT, GPTConfig
+    from spmd.specs import placements_str
 
     vocab, seq, dim, heads, layers, batch = SIZES[size]
     cfg = GPTConfig(vocab, seq, dim, heads, layers, sdpa=True, bias=True)
@@ -237,19 +261,36 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     a2 = spmd.compile(model, mesh, example_inputs=(tokens,), **pins)
     t_a2 = time.perf_counter() - t0
     summary_pinned = dict(a2.plan.collective_summary())
-    a2_free, a2_note = None, "planned with the default gloo profile"
+    a2_free, a2_note = None, "the pins alone give it, with the default gloo profile (no re-planning needed)"
     if not is_megatron(summary_pinned, layers):
-        # The pins fix the weights, not the activations: with gloo's profile the solver may add sequence
-        # parallelism (reduce_scatter + all_gather instead of all_reduce). Keep that plan as "a2sp" and
-        # re-plan with a link latency high enough that one all_reduce beats two collectives.
+        # The pins fix the weights, not the activations: the solver may shard tokens somewhere (sequence
+        # or batch parallel) where it predicts compute savings that beat the extra collectives. Keep that
+        # plan as "a2sp" and re-plan with every collective's latency high (fewest collectives wins).
+        from spmd.mesh import MeshSpec
+
         a2_free = a2
-        a2_note = (f"with only the pins spmd picks {summary_str(summary_pinned)} (timed as a2sp); a2 is planned "
-                   f"with mesh_spec = the gloo profile with link latency {PLAN_LATENCY_S * 1e3:.0f} ms (planning "
-                   "only), so that one all_reduce beats reduce_scatter + all_gather")
         t0 = time.perf_counter()
         a2 = spmd.compile(model, mesh, example_inputs=(tokens,), mesh_spec=megatron_mesh_spec(mesh), **pins)
         t_a2 = time.perf_counter() - t0
+        comp, comm = repriced(a2.plan, MeshSpec.from_device_mesh(mesh))
+        # What this bench's earlier workaround (only the default latency raised) gives now that the gloo
+        # profile has per-collective numbers: all_reduce alone gets expensive.
+        real = MeshSpec.from_device_mesh(mesh)
+        old_spec = dataclasses.replace(real, links=tuple(dataclasses.replace(l, latency_s=PLAN_LATENCY_S)
+                                                          for l in real.links))
+        old = spmd.plan(model, old_spec, (tokens,), **pins)
+        a2_note = (f"with only the pins spmd picks {summary_str(summary_pinned)} (timed as a2sp), estimated "
+                   f"{a2_free.plan.objective * 1e3:.2f} ms (compute {a2_free.plan.compute_cost * 1e3:.2f}, communication "
+                   f"{a2_free.plan.comm_cost * 1e3:.2f}); the Megatron plan priced with the same gloo profile: "
+                   f"{(comp + comm) * 1e3:.2f} ms (compute {comp * 1e3:.2f}, communication {comm * 1e3:.2f}), so the "
+                   f"solver's pick is {(comp + comm) / a2_free.plan.objective - 1:.1%} cheaper by its own model. a2 is "
+                   f"therefore planned with every collective's latency at {PLAN_LATENCY_S * 1e3:.0f} ms (planning only). "
+                   f"The earlier workaround, raising only the default latency, no longer gives Megatron: the profile's "
+                   f"per-collective entries keep theirs, so it prices all_reduce alone at {PLAN_LATENCY_S * 1e3:.0f} ms "
+                   f"and plans {summary_str(dict(old.collective_summary()))}")
     summary_a1 = dict(a1.plan.collective_summary())
+    layout_a1 = (f"tokens {placements_str(a1.input_placements()['tokens'])} -> output "
+                 f"{placements_str(a1.plan.choices['output_0'].inputs[0])}")
     summary_a2 = dict(a2.plan.collective_summary())
     if not is_megatron(summary_a2, layers):
         raise RuntimeError(f"{size}: pinned Megatron plan has collectives {summary_a2}, "
@@ -285,9 +326,9 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
         rounds = max(1, int(rounds * args.scale))
         times = time_interleaved(fns, rank, rounds, per_round, warmup)
 
-    prof = profile_size(a2, x2, hand, tokens, rank, args) if args.profile else None
+    prof = profile_size(a2, x2, model, tokens, rank, world) if size in args.profile.split(",") else None
     return dict(size=size, cfg=(vocab, seq, dim, heads, layers, batch), times=times, check=check,
-                summary_a1=summary_a1, summary_a2=summary_a2, a2_note=a2_note, compile_s=(t_a1, t_a2),
+                summary_a1=summary_a1, layout_a1=layout_a1, summary_a2=summary_a2, a2_note=a2_note, compile_s=(t_a1, t_a2),
                 est_a1=a1.plan.objective, est_a2=a2.plan.objective, fingerprint=(a1.plan.fingerprint(), a2.plan.fingerprint()),
                 n_nodes=len([n for n in a2.graph_module.graph.nodes if n.op == "call_function"]), profile=prof)
 
@@ -296,46 +337,108 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
 # profile (--profile): where a2's time goes compared with c
 
 
-def profile_size(a2, x2, hand, tokens, rank: int, args) -> str:
-    """Per-op self CPU time of a2 and c (rank 0's view), plus the cost of pieces of a2's call path."""
-    from torch.profiler import ProfilerActivity, profile
+def without_collectives(compiled):
+    """`compiled`'s rank graph with every all_reduce replaced by its input (wrong numbers, same compute)."""
+    import torch.fx as fx
+    from spmd.runtime.collectives import STEP_FUNCTIONS
 
-    n = 20
+    gm, graph, env = compiled.graph_module, fx.Graph(), {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is STEP_FUNCTIONS["all_reduce"]:
+            env[node] = env[node.args[0]]
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph)
+
+
+def timed(fns: dict, n: int, barrier: bool) -> dict:
+    """Interleaved medians and p10s (rank-local) of each callable over n calls."""
+    ts = {k: [] for k in fns}
+    for i in range(n + 5):
+        for k, fn in fns.items():
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= 5:
+                ts[k].append(time.perf_counter() - t0)
+    return {k: (statistics.median(v), percentile(v, 0.1)) for k, v in ts.items()}
+
+
+def count_ops(fn) -> "collections.Counter":
+    """How many times each ATen op is dispatched by one call of fn (views included)."""
+    import collections
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.c = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.c[str(func.overloadpacket).replace("aten.", "")] += 1
+            return func(*args, **(kwargs or {}))
+
+    m = Count()
+    with m:
+        fn()
+    return m.c
+
+
+def profile_size(a2, x2, model, tokens, rank: int, world: int) -> str:
+    """Where a2's time goes compared with c: compute without collectives, the collective itself, the
+    module wrapper, and the ATen ops each compute path dispatches (rank 0's view). Everything is timed
+    interleaved: a profiler window on one variant, then one on the other, saw different machine load."""
+    from spmd.runtime.collectives import all_gather as spmd_all_gather
+    from spmd.runtime.collectives import all_reduce as spmd_all_reduce
+    from spmd.runtime.collectives import reduce_scatter as spmd_reduce_scatter
+
+    n = 200 if model.cfg.dim < 256 else 10
+    hand_nocomm = HandMegatron(model, rank, world, all_reduce=lambda t: None)
+    gm_nocomm = without_collectives(a2)
+    args_ = [getattr(a2, attr) if kind == "state" else x2[0] for kind, attr in a2._order]
+    n_ops = len([nd for nd in a2.graph_module.graph.nodes if nd.op == "call_function"])
+    act = torch.randn(tokens.shape[0], tokens.shape[1], model.cfg.dim)
+    group = a2.group_names[0]
     lines = []
     with torch.no_grad():
-        for name, fn in (("a2", lambda: a2(*x2)), ("c", lambda: hand(tokens))):
-            for _ in range(3):
-                dist.barrier()
-                fn()
-            with profile(activities=[ProfilerActivity.CPU]) as p:
-                for _ in range(n):
-                    dist.barrier()
-                    fn()
-            if rank == 0:
-                table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
-                lines.append(f"#### {name}: top ops by self CPU time over {n} calls (rank 0)\n\n```\n{table}\n```\n")
-        # The generated graph without the module wrapper, and the per-call wrapper alone.
-        gm = a2.graph_module
-        args_ = [getattr(a2, attr) if kind == "state" else x2[0] for kind, attr in a2._order]
-        res = {}
-        for label, fn in (("CompiledModule.__call__", lambda: a2(*x2)), ("graph_module(*args)", lambda: gm(*args_)),
-                          ("_check_inputs", lambda: a2._check_inputs(x2))):
-            ts = []
-            for _ in range(n):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            res[label] = statistics.median(ts)
-    if rank == 0:
-        lines.append("#### a2 call path, median of %d (rank 0)\n" % n)
-        lines += [f"- {k}: {v * 1e3:.3f} ms" for k, v in res.items()]
-        lines.append("")
+        comp = timed({"a2 rank graph, all_reduces removed": lambda: gm_nocomm(*args_),
+                      "c, all_reduce a no-op": lambda: hand_nocomm(tokens),
+                      "a2 wrapper only (CompiledModule._check_inputs)": lambda: a2._check_inputs(x2)}, n, False)
+        full = timed({"d (full model), rank 0 alone, rank 1 idle": (lambda: model(tokens)) if rank == 0 else (lambda: None),
+                      "d (full model) on both ranks at once (2 vCPUs busy)": lambda: model(tokens)},
+                     max(n // 4, 5), True)
+        comm = timed({"dist.all_reduce, in place (what c runs)": lambda: dist.all_reduce(act),
+                      "spmd all_reduce: functional all_reduce (clone) + wait_tensor (what a2 runs)":
+                          lambda: spmd_all_reduce(act, "sum", group, world),
+                      "spmd reduce_scatter + all_gather on dim 0 (sequence parallelism's pair instead of one all_reduce)":
+                          lambda: spmd_all_gather(spmd_reduce_scatter(act, 0, "sum", group, world), 0, group, world)},
+                     max(n, 100), True)
+        counts = {"a2 rank graph, all_reduces removed": count_ops(lambda: gm_nocomm(*args_)),
+                  "c, all_reduce a no-op": count_ops(lambda: hand_nocomm(tokens))}
+    if rank != 0:
+        return ""
+    lines.append(f"Rank 0, {n} interleaved calls each (rank graph: {n_ops} call nodes).\n")
+    lines.append("| what | median ms | p10 ms |")
+    lines.append("|---|---|---|")
+    for k, (med, p10) in {**comp, **full, **comm}.items():
+        lines.append(f"| {k} | {fmt_ms(med)} | {fmt_ms(p10)} |")
+    lines.append(f"| (all_reduce of a {tuple(act.shape)} fp32 activation; {2 * model.cfg.layers} per forward) | | |")
+    lines.append("")
+    lines.append("ATen ops dispatched per call (one call, top level):\n")
+    for name, c in counts.items():
+        lines.append(f"- {name}: {sum(c.values())} ops: " + ", ".join(f"{k} {v}" for k, v in c.most_common()))
+    lines.append("")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------
 # report
+
+
+def paired_ratio(xs: list, cs: list) -> float:
+    """Median over rounds of x/c, where x and c ran back to back (same load); needs 1 call per round."""
+    return statistics.median(x / c for x, c in zip(xs, cs))
 
 
 def fmt_ms(s: float) -> str:
@@ -344,6 +447,17 @@ def fmt_ms(s: float) -> str:
 
 def summary_str(s: dict) -> str:
     return ", ".join(f"{k} on {a}: {c}" for (k, a), c in sorted(s.items())) or "none"
+
+
+def git_state() -> str:
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "spmd"], cwd=ROOT, capture_output=True, text=True).stdout
+        return f"{head}{' + uncommitted changes in spmd/' if dirty.strip() else ''}"
+    except OSError:
+        return "unknown"
 
 
 def cpu_model() -> str:
@@ -357,7 +471,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def report(results: list[dict], world: int, wall: float) -> str:
+def report(results: list[dict], world: int, wall: float, load) -> str:
     labels = {"a1": "a1 spmd, default plan", "a2": "a2 spmd, Megatron pins", "b": "b DTensor eager Megatron",
               "c": "c hand-written Megatron", "d": "d single process", "ar": "(ar: one dist.all_reduce of b*s*d fp32)",
               "a2sp": "a2sp spmd, Megatron pins only (its own pick)"}
@@ -365,9 +479,11 @@ def report(results: list[dict], world: int, wall: float) -> str:
     out.append(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     out.append(f"- machine: {platform.node()}, {cpu_model()}, nproc {os.cpu_count()}, "
                f"Python {platform.python_version()}, torch {torch.__version__}")
+    out.append(f"- spmd: git {git_state()}")
     out.append(f"- setup: gloo, {world} ranks, 1 thread per rank, float32, torch.no_grad, forward only; "
                f"variants interleaved; per call the max over ranks after a dist.barrier(); d runs on rank 0 alone")
-    out.append(f"- command: `{' '.join(sys.argv)}`; total wall {wall:.0f} s")
+    out.append(f"- command: `{' '.join(sys.argv)}`; total wall {wall:.0f} s; load average (1 min) "
+               f"{load[0][0]:.2f} at start, {load[1][0]:.2f} at end (the bench itself adds ~2)")
     out.append("")
     for r in results:
         vocab, seq, dim, heads, layers, batch = r["cfg"]
@@ -375,19 +491,22 @@ def report(results: list[dict], world: int, wall: float) -> str:
         med = {k: statistics.median(v) for k, v in t.items()}
         out.append(f"## {r['size']}: d_model {dim}, {layers} layers, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}")
         out.append("")
-        out.append("| variant | median ms | p10 ms | p90 ms | / c (median) | calls |")
-        out.append("|---|---|---|---|---|---|")
+        out.append("| variant | median ms | p10 ms | p90 ms | / c (median) | / c (p10) | / c (paired) | calls |")
+        out.append("|---|---|---|---|---|---|---|---|")
         for k in ("a1", "a2", "a2sp", "b", "c", "d", "ar"):
             if k not in t:
                 continue
             ratio = f"{med[k] / med['c']:.3f}" if k != "ar" else "-"
+            r10 = f"{percentile(t[k], 0.1) / percentile(t['c'], 0.1):.3f}" if k != "ar" else "-"
+            paired = f"{paired_ratio(t[k], t['c']):.3f}" if k != "ar" else "-"
             out.append(f"| {labels[k]} | {fmt_ms(med[k])} | {fmt_ms(percentile(t[k], 0.1))} | "
-                       f"{fmt_ms(percentile(t[k], 0.9))} | {ratio} | {len(t[k])} |")
+                       f"{fmt_ms(percentile(t[k], 0.9))} | {ratio} | {r10} | {paired} | {len(t[k])} |")
         out.append("")
-        out.append(f"ratios: a2/c = {med['a2'] / med['c']:.3f}, a1/c = {med['a1'] / med['c']:.3f}, "
-                   f"b/c = {med['b'] / med['c']:.3f}, d/c = {med['d'] / med['c']:.3f}")
+        out.append(f"ratios of medians: a2/c = {med['a2'] / med['c']:.3f}, a1/c = {med['a1'] / med['c']:.3f}, "
+                   f"b/c = {med['b'] / med['c']:.3f}, d/c = {med['d'] / med['c']:.3f}; paired (median over rounds of "
+                   f"the per-round ratio): a2/c = {paired_ratio(t['a2'], t['c']):.3f}")
         out.append("")
-        out.append(f"- a1 plan (no pins): {summary_str(r['summary_a1'])}; estimated {r['est_a1'] * 1e3:.3f} ms; "
+        out.append(f"- a1 plan (no pins): {r['layout_a1']}, collectives: {summary_str(r['summary_a1'])}; estimated {r['est_a1'] * 1e3:.3f} ms; "
                    f"compile {r['compile_s'][0]:.1f} s; fingerprint {r['fingerprint'][0]}")
         out.append(f"- a2 plan (Megatron pins, output pinned [R]): {summary_str(r['summary_a2'])} "
                    f"(= 2 per layer x {layers}); estimated {r['est_a2'] * 1e3:.3f} ms; compile {r['compile_s'][1]:.1f} s; "
@@ -415,13 +534,14 @@ def worker(args) -> None:
     mesh = spmd.init_mesh((2,), ("tp",))
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
+    load0 = os.getloadavg()
     results = []
     for size in args.sizes.split(","):
         results.append(run_size(size, mesh, rank, world, args))
         if rank == 0:
             print(f"[bench_forward] {size} done at {time.perf_counter() - t0:.0f} s", flush=True)
     if rank == 0:
-        text = report(results, world, time.perf_counter() - t0)
+        text = report(results, world, time.perf_counter() - t0, (load0, os.getloadavg()))
         with open(args.out, "w") as f:
             f.write(text)
         print(text, flush=True)
@@ -439,7 +559,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="tiny,medium", help="comma list of: " + ", ".join(SIZES))
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of timing rounds")
-    ap.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown of a2 vs c")
+    ap.add_argument("--profile", default="", help="comma list of sizes to profile: where a2's time goes vs c")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_forward.md"))
     args = ap.parse_args()
     if "RANK" in os.environ:  # under torchrun
