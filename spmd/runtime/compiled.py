@@ -180,7 +180,10 @@ class _RankStep(torch.autograd.Function):
         outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
         ctx.module = module
         ctx.save_for_backward(*saved)
-        module.last_saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor))
+        # parameters saved for backward are counted under "parameters", not as activations
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        module.last_saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
+                                                 and t.untyped_storage().data_ptr() not in params)
         return tuple(outs)
 
     @staticmethod
