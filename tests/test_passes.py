@@ -3,16 +3,12 @@ import operator
 
 import pytest
 import torch
-import torch.nn as nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
-import spmd
 from examples.models import MLP, GPT, GPTConfig
 from spmd.mesh import MeshSpec
-from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
 from spmd.passes.estimate_costs import estimate_costs
-from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
 from spmd.passes.trace_module import trace_module
 from spmd.pipeline import Compilation, run_pipeline

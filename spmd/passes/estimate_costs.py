@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from spmd.cost_model.comm import steps_cost
 from spmd.cost_model.compute import compute_cost
 from spmd.cost_model.memory import MemoryTerm, memory_terms
 from spmd.passes.enumerate_strategies import StrategyTable, Value
 from spmd.passes.trace_module import TracedGraph
-from spmd.redistribute import Step, plan_redistribute, shortest_redistributions
+from spmd.redistribute import plan_redistribute, shortest_redistributions
 from spmd.specs import Placements, TensorInfo, local_shape
 
 

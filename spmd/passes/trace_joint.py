@@ -20,7 +20,7 @@ import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
 from spmd.errors import SpmdError
-from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, _drop_assertions, tensor_info_of
+from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, _drop_assertions, tensor_infos
 
 _PREFIX = "model."
 
@@ -116,11 +116,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     state = {}
     state.update({strip(k): v for k, v in root.named_parameters(remove_duplicate=False)})
     state.update({strip(k): v for k, v in root.named_buffers(remove_duplicate=False)})
-    tensor_info = {}
-    for node in gm.graph.nodes:
-        info = tensor_info_of(node)
-        if info is not None:
-            tensor_info[node.name] = info
+    tensor_info = tensor_infos(gm)
     frozen = frozenset(strip(k) for k, v in root.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True)

@@ -63,6 +63,11 @@ class TracedGraph:
         return {i.placeholder: i for i in self.inputs}
 
 
+def tensor_infos(gm: fx.GraphModule) -> dict:
+    """node name -> TensorInfo (or a tuple of them for multi-output nodes) for every tensor node."""
+    return {n.name: info for n in gm.graph.nodes if (info := tensor_info_of(n)) is not None}
+
+
 def flat_outputs(output_node: fx.Node) -> list:
     """The graph's outputs as one flat list (None where an output is absent): export and AOTAutograd
     graphs both return a flat tuple."""
@@ -131,11 +136,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     state.update(ep.constants)
     gm = ep.graph_module
-    tensor_info = {}
-    for node in gm.graph.nodes:
-        info = tensor_info_of(node)
-        if info is not None:
-            tensor_info[node.name] = info
+    tensor_info = tensor_infos(gm)
     call_sig = ep.module_call_graph[0].signature
     frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
