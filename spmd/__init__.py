@@ -8,5 +8,7 @@ from spmd.api import compile, init_mesh, plan
 from spmd.errors import SpmdError, SpmdInternalError
 from spmd.mesh import MeshSpec
 from spmd.passes.enumerate_strategies import UnknownOpWarning
+from spmd.plan_io import diff_plans, load_plan
 
-__all__ = ["compile", "plan", "init_mesh", "MeshSpec", "SpmdError", "SpmdInternalError", "UnknownOpWarning"]
+__all__ = ["compile", "plan", "init_mesh", "MeshSpec", "SpmdError", "SpmdInternalError", "UnknownOpWarning",
+           "load_plan", "diff_plans"]

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.errors import SpmdError
+from spmd.explain import keep_sources
 from spmd.mesh import MeshSpec
 from spmd.passes.enumerate_strategies import Pins
 from spmd.pipeline import Compilation, run_pipeline
@@ -98,6 +99,7 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     training = loss_fn is not None if training is None else training
-    return run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
-                                    memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor),
-                        dump_dir).plan
+    c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
+                                 memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor),
+                     dump_dir)
+    return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from spmd.redistribute import Step
 from spmd.specs import Placements, Strategy, placements_str
@@ -38,6 +39,9 @@ class Plan:
     labels: dict[str, str] = field(default_factory=dict)  # placeholder -> parameter FQN / input name
     memory: dict[str, float] = field(default_factory=dict)  # kind -> predicted bytes per rank
     memory_budget: float | None = None
+    # Not part of the plan's identity (never compared or hashed): what explain and visualize read.
+    sources: Any = field(default=None, repr=False, compare=False)  # explain.PlanSources (spmd.plan/compile)
+    details: Any = field(default=None, repr=False, compare=False)  # explain.PlanDetails, computed or loaded
 
     @property
     def predicted_peak_bytes(self) -> float:
@@ -68,6 +72,37 @@ class Plan:
         text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
         text += "\n".join(f"{e.consumer}/{e.slot}:{[repr(st) for st in e.steps]}" for e in self.edges)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def explain(self) -> str:
+        """Per-module layout in Megatron terms, collective totals, and every costed node with its cost
+        split and the best alternative (see `spmd.explain`)."""
+        from spmd.explain import explain
+
+        return explain(self)
+
+    def save(self, path) -> None:
+        """Write the plan as versioned JSON (`spmd.load_plan` reads it back)."""
+        from spmd.plan_io import save_plan
+
+        save_plan(self, path)
+
+    def diff(self, other: "Plan"):
+        """What changed from this plan to `other` (see `spmd.diff_plans`)."""
+        from spmd.plan_io import diff_plans
+
+        return diff_plans(self, other)
+
+    def to_parallelize_plan(self, axis: str | None = None) -> dict:
+        """The tensor-parallel part as a DTensor `parallelize_module` plan (see `spmd.plan_io`)."""
+        from spmd.plan_io import to_parallelize_plan
+
+        return to_parallelize_plan(self, axis)
+
+    def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
+        """Draw the sharded graph to `path` (.svg, .png, .dot or .html; see `spmd.visualize`)."""
+        from spmd.visualize import visualize
+
+        return visualize(self, path, collapse=collapse, views=views, title=title)
 
     def __str__(self) -> str:
         """Inputs and parameters with their placements, then every op that costs something, with the

@@ -20,7 +20,9 @@ class CompiledModule(nn.Module):
     def __init__(self, compilation):
         super().__init__()
         c = compilation
-        self.plan = c.plan
+        from spmd.explain import keep_sources
+
+        self.plan = keep_sources(c)  # the global graph and solver tables, for explain() and visualize()
         self.mesh_spec = c.mesh
         self.rank = c.rank
         self.coord = c.mesh.coordinate(c.rank)
@@ -65,6 +67,14 @@ class CompiledModule(nn.Module):
         return ("# ---- forward: returns the outputs, then the values saved for backward ----" +
                 self.split.forward.code + "\n# ---- backward: saved values and incoming gradients -> "
                 "parameter gradients ----" + self.split.backward.code)
+
+    def explain(self) -> str:
+        """The plan in words: layouts per module, collective totals, every node's cost and alternative."""
+        return self.plan.explain()
+
+    def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
+        """Draw the sharded graph (all ranks' view, collectives explicit) to .svg/.png/.dot/.html."""
+        return self.plan.visualize(path, collapse=collapse, views=views, title=title)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Measured bytes this rank holds, by the plan's categories (`plan.memory` predicts them):
