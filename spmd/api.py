@@ -43,6 +43,20 @@ def _check_mesh(mesh) -> None:
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
 
 
+def _agree_with_rank0(values):
+    """Every rank takes rank 0's solution vector (ties between optimal plans are broken by the solver
+    differently in different processes; see solve_placements)."""
+    box = [(len(values), values)]
+    dist.broadcast_object_list(box, src=0)
+    n, chosen = box[0]
+    if n != len(values):
+        from spmd.errors import SpmdInternalError
+
+        raise SpmdInternalError(f"rank {dist.get_rank()} built a placement problem with {len(values)} variables, "
+                                f"rank 0 one with {n}: the ranks traced different graphs")
+    return chosen
+
+
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placements: dict | None = None,
             param_placements: dict | None = None, out_placements: dict | Sequence | None = None,
             mesh_spec: MeshSpec | None = None, dump_dir: str | None = None, loss_fn=None,
@@ -84,7 +98,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device,
                                  training=training, loss_fn=loss_fn, memory_budget=memory_budget,
                                  optimizer_state_factor=optimizer_state_factor, device_mesh=mesh,
-                                 defer_waits=dist.is_initialized() and dist.get_backend(mesh.get_group(0)) == "nccl"),
+                                 agree=_agree_with_rank0 if dist.is_initialized() else None),
                      dump_dir)
     return CompiledModule(c)
 

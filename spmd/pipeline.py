@@ -45,7 +45,7 @@ class Compilation:
     memory_budget: float | None = None  # bytes per rank
     optimizer_state_factor: float = 2.0  # optimizer state per parameter (Adam: 2)
     bucket_bytes: float = 4 * 2**20  # gradient all_reduces are packed into buckets of this size
-    defer_waits: bool = False  # wait for buckets at first use (NCCL) rather than at once (gloo)
+    defer_waits: bool = True  # wait for a gradient bucket at its first use, not right after its launch
     traced: Any = None
     strategies: Any = None
     costs: Any = None
@@ -54,6 +54,7 @@ class Compilation:
     rank_gm: Any = None
     split: Any = None  # SplitGraphs (training)
     device_mesh: Any = None  # the runtime torch DeviceMesh (compile only; planning never needs it)
+    agree: Callable | None = None  # every rank adopts rank 0's solution (compile on a live mesh)
     timings: dict = field(default_factory=dict)  # pass name -> seconds
 
 
@@ -127,9 +128,10 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh,
                                                                            c.optimizer_state_factor, c.bucket_bytes)),
          _dump_costs),
-    # One global choice (ILP); deterministic, so every rank gets the same plan without talking.
+    # One global choice (ILP). Optimal plans can tie and the solver breaks ties by timing, so on a live
+    # mesh every rank adopts rank 0's solution (one small broadcast).
     Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels(),
-                                                                        c.memory_budget)),
+                                                                        c.memory_budget, agree=c.agree)),
          _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),

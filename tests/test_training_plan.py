@@ -83,8 +83,8 @@ def test_training_plan_reports_predicted_memory():
 
 
 def test_deferred_bucket_waits_sit_before_first_use():
-    """With defer_waits (NCCL) a bucket is launched when its last gradient is ready and waited for just
-    before the next read or the next collective on its group; without (gloo) right after launch."""
+    """With defer_waits (the default) a bucket is launched when its last gradient is ready and waited for
+    just before the next read or the next collective on its group; without, right after launch."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=2))
     tokens = torch.randint(0, 128, (4, 32))

@@ -3,8 +3,9 @@
 Before: a backward rank graph whose parameter gradients leave through chains of `all_reduce` steps
 (one collective per gradient, each paying the link's latency). After: those all_reduces, grouped by
 process group in the order backward produces them, are `bucket_start` / `bucket_wait` pairs of at most
-`bucket_bytes` each: one launch per bucket as soon as its last gradient is ready and, on NCCL, one wait just before the first
-read of its results (the graph's return), so buckets overlap with the rest of backward.
+`bucket_bytes` each: one launch per bucket as soon as its last gradient is ready and one wait just
+before the first read of its results (or the next collective on its group), so buckets overlap with the
+rest of backward, on NCCL and gloo alike.
 The cost model prices exactly this: a bucketed all_reduce pays its share of one latency.
 """
 from __future__ import annotations
@@ -41,9 +42,7 @@ def local_bytes(node: fx.Node, mesh_shape: tuple[int, ...]) -> float:
 
 def bucket_gradients(gm: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_bytes: float,
                      defer_waits: bool = True) -> fx.GraphModule:
-    """`defer_waits`: move each bucket's wait down to its first reader (NCCL). On gloo a deferred wait
-    hung 2-D training here (tests/test_training.py, gpt-2d-adamw-compute: every rank blocked in the next
-    forward's collectives), so there the wait follows its launch and buckets only save latency."""
+    """`defer_waits`: move each bucket's wait down to its first reader; False: wait right after launch."""
     graph = gm.graph
     members = [n for n in graph.nodes if n.target is C.all_reduce and _gradient_chain(n)]
     buckets: list[list[fx.Node]] = []

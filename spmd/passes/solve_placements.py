@@ -46,8 +46,12 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
-                     memory_budget: float | None = None, time_limit: float = 60.0) -> Plan:
-    """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use."""
+                     memory_budget: float | None = None, time_limit: float = 60.0, agree=None) -> Plan:
+    """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
+    `agree`: on a live mesh, a function that makes every rank adopt one rank's solution vector. Where a
+    model has several optimal plans (ties are common: equal-cost orders of the same collectives),
+    HiGHS may return a different one in each process, depending on timing; ranks running different
+    plans exchange mismatched collectives or, worse, silently compute wrong gradients."""
     ilp = IlpBuilder()
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
@@ -128,7 +132,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
                 "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
         raise SpmdError(f"solve_placements: the solver found no plan ({result.status}).")
-    x = result.values
+    x = result.values if agree is None else agree(result.values)
     choices, chosen_cost = {}, {}
     for name, ns in table.nodes.items():
         picked = [i for i, expr in enumerate(node_expr[name]) if sum(x[c] for c in expr) > 0.5]

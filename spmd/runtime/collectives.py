@@ -16,8 +16,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
-    # Out of place on purpose: the in-place `all_reduce_` saves a copy but, on gloo, desynchronized
-    # later collectives in 2-D training here ("3968 vs 128 bytes" mismatches).
+    # Out of place on purpose: the Partial value may have other readers in the graph, which an
+    # in-place `all_reduce_` would hand the reduced value.
     op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
     y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
     return y / world if reduce_op == "avg" else y
