@@ -99,3 +99,22 @@ class MeshSpec:
             dev = device or "h100"
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
         return MeshSpec(tuple(mesh.shape), tuple(names), links, dev)
+
+    @staticmethod
+    def from_profile(profile, shape, axis_names) -> "MeshSpec":
+        """A mesh whose links and device come from a calibrated profile (`spmd.cost_model.calibrate`):
+        `profile` is a path or a loaded `profiles.Profile`. Each axis takes the link measured under its
+        name; a profile with a single axis serves every axis."""
+        from spmd.cost_model.profiles import Profile, load_profile
+
+        prof = profile if isinstance(profile, Profile) else load_profile(os.fspath(profile))
+        links = []
+        for name in axis_names:
+            if name in prof.links:
+                links.append(prof.links[name])
+            elif len(prof.links) == 1:
+                links.append(next(iter(prof.links.values())))
+            else:
+                raise ValueError(f"MeshSpec.from_profile: the profile has links for axes {sorted(prof.links)}, "
+                                 f"none named {name!r}; calibrate with that axis name (--mesh {name}=N,...)")
+        return MeshSpec(tuple(shape), tuple(axis_names), tuple(links), prof.device)

@@ -98,3 +98,67 @@ def device_profile_for(name: str) -> DeviceProfile:
         return DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device profile {name!r}; known: {sorted(DEVICES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Profile files: what `spmd.cost_model.calibrate` measured, for the planner to load
+# (`MeshSpec.from_profile`). JSON, with the measured points kept for reference.
+
+PROFILE_SCHEMA = "spmd-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A calibrated profile: one link per mesh axis name, the device, and what they were fitted from."""
+
+    links: dict[str, LinkProfile]
+    device: DeviceProfile
+    points: dict  # free-form measured points (JSON-able), for reference only
+    meta: dict  # backend, world size, mesh, date, command: for reference only
+
+    def __post_init__(self):
+        if not self.links:
+            raise ValueError("Profile: no links")
+
+
+def _link_to_json(link: LinkProfile) -> dict:
+    return {"name": link.name, "latency_s": link.latency_s, "bandwidth": link.bandwidth, "source": link.source,
+            "per_collective": {k: {"latency_s": lat, "bandwidth": bw} for k, lat, bw in link.per_collective}}
+
+
+def _link_from_json(d: dict) -> LinkProfile:
+    per = tuple((k, float(v["latency_s"]), float(v["bandwidth"])) for k, v in d.get("per_collective", {}).items())
+    return LinkProfile(d["name"], float(d["latency_s"]), float(d["bandwidth"]), d.get("source", ""), per)
+
+
+def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile, points: dict | None = None,
+                 meta: dict | None = None) -> None:
+    """Write `links` (mesh axis name -> link) and `device` as a versioned JSON profile."""
+    import json
+
+    doc = {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "meta": dict(meta or {}),
+           "links": {axis: _link_to_json(link) for axis, link in links.items()},
+           "device": {"name": device.name, "flops": device.flops, "memory_bandwidth": device.memory_bandwidth,
+                      "op_overhead_s": device.op_overhead_s, "memory_bytes": device.memory_bytes,
+                      "source": device.source},
+           "points": points or {}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def load_profile(path: str) -> Profile:
+    """Read a profile written by `save_profile` (raises ValueError on another schema or version)."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("schema") != PROFILE_SCHEMA or doc.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: not a {PROFILE_SCHEMA} v{PROFILE_VERSION} file "
+                         f"(schema {doc.get('schema')!r}, version {doc.get('version')!r}); re-run calibration")
+    d = doc["device"]
+    device = DeviceProfile(d["name"], float(d["flops"]), float(d["memory_bandwidth"]), float(d["op_overhead_s"]),
+                           float(d["memory_bytes"]), d.get("source", ""))
+    links = {axis: _link_from_json(link) for axis, link in doc["links"].items()}
+    return Profile(links, device, doc.get("points", {}), doc.get("meta", {}))
