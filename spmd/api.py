@@ -103,17 +103,57 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     return CompiledModule(c)
 
 
+def fake_model(model: torch.nn.Module, example_inputs: tuple = ()) -> tuple[torch.nn.Module, tuple]:
+    """A copy of a model built on the meta device (`with torch.device("meta"): model = Build(...)`) whose
+    parameters, buffers and inputs are CPU fake tensors: shapes and dtypes only, no memory, so a 60B
+    model is planned on a laptop. Meta tensors themselves do not do: kernels pick different
+    implementations on meta (no fused CPU attention) and the joint graph loses its forward/backward
+    split. Real tensors are left as they are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())) and \
+            not any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs):
+        return model, tuple(example_inputs)
+    import copy
+
+    model = copy.deepcopy(model)  # meta: no data to copy
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = fake(b)
+    return model, tuple(fake(t) for t in example_inputs)
+
+
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
          param_placements=None, out_placements=None, dump_dir: str | None = None, loss_fn=None,
-         training: bool | None = None, memory_budget: float | None = None, optimizer_state_factor: float = 2.0):
-    """Run the pipeline up to the plan with no processes at all; returns the `Plan`."""
+         training: bool | None = None, memory_budget: float | None = None, optimizer_state_factor: float = 2.0,
+         tie_blocks: bool | None = None):
+    """Run the pipeline up to the plan with no processes at all; returns the `Plan`.
+
+    A model and inputs on the meta device are planned through fake tensors (see `fake_model`).
+    tie_blocks: identical layers get identical placements, which keeps the solve one layer deep (see
+    passes/find_repeated_blocks.py); False solves every layer separately; None (default) ties layers
+    that repeat at least 4 times."""
     if isinstance(out_placements, (list, tuple)):
         out_placements = dict(enumerate(out_placements))
     pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     training = loss_fn is not None if training is None else training
+    model, example_inputs = fake_model(model, example_inputs)
     c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
-                                 memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor),
+                                 memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
+                                 tie_blocks=tie_blocks),
                      dump_dir)
     return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

@@ -20,6 +20,7 @@ from spmd.dump import Dumper, format_graph
 from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
+from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, find_repeated_blocks
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
@@ -55,6 +56,9 @@ class Compilation:
     split: Any = None  # SplitGraphs (training)
     device_mesh: Any = None  # the runtime torch DeviceMesh (compile only; planning never needs it)
     agree: Callable | None = None  # every rank adopts rank 0's solution (compile on a live mesh)
+    tie_blocks: bool | None = None  # identical layers get identical placements (solve one layer, not all);
+    # None: only where a layer repeats at least AUTO_MIN_REPEATS times
+    blocks: Any = None  # RepeatedBlocks
     timings: dict = field(default_factory=dict)  # pass name -> seconds
 
 
@@ -121,17 +125,25 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("trace_joint", lambda c: setattr(c, "traced", trace_joint(c.model, c.example_inputs, c.loss_fn)),
          lambda c: format_graph(c.traced.graph, lambda n: f"{c.traced.tensor_info.get(n.name, '')} "
                                 f"{n.meta.get('partitioner_tag', '')}"), lambda c: c.training),
+    # Identical layers, found once, let the next three passes do one layer's work for all of them.
+    Pass("find_repeated_blocks", lambda c: setattr(c, "blocks", find_repeated_blocks(
+        c.traced, AUTO_MIN_REPEATS if c.tie_blocks is None else 2)),
+         lambda c: c.blocks.summary() + "\n" + format_graph(c.traced.graph, lambda n: c.blocks.rep(n.name) or ""),
+         lambda c: c.tie_blocks is not False),
     # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
-    Pass("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins)),
+    Pass("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins,
+                                                                                         c.blocks)),
          _dump_strategies),
     # Costs for every candidate and edge, from the same redistribute planner codegen uses.
     Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh,
-                                                                           c.optimizer_state_factor, c.bucket_bytes)),
+                                                                           c.optimizer_state_factor, c.bucket_bytes,
+                                                                           c.blocks)),
          _dump_costs),
     # One global choice (ILP). Optimal plans can tie and the solver breaks ties by timing, so on a live
     # mesh every rank adopts rank 0's solution (one small broadcast).
     Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels(),
-                                                                        c.memory_budget, agree=c.agree)),
+                                                                        c.memory_budget, agree=c.agree,
+                                                                        blocks=c.blocks)),
          _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),

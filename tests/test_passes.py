@@ -142,9 +142,10 @@ def test_dump_writes_one_file_per_pass(tmp_path):
     _compile_with_dump = run_pipeline(
         Compilation(MLP(16, 64), (torch.randn(3, 16),), MESH, Pins(), 0, ("g0",)), dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["01-trace_module.txt", "02-enumerate_strategies.txt", "03-estimate_costs.txt",
-                     "04-solve_placements.txt", "05-insert_collectives.txt", "06-emit_rank_graph.txt"]
-    text = (tmp_path / "04-solve_placements.txt").read_text()
+    assert files == ["01-trace_module.txt", "02-find_repeated_blocks.txt", "03-enumerate_strategies.txt",
+                     "04-estimate_costs.txt", "05-solve_placements.txt", "06-insert_collectives.txt",
+                     "07-emit_rank_graph.txt"]
+    text = (tmp_path / "05-solve_placements.txt").read_text()
     assert "# " in text and "examples/models.py" in text  # user source lines head the blocks
     assert "[S(1)]" in text
     assert _compile_with_dump.plan is not None

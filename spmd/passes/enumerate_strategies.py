@@ -48,13 +48,19 @@ class NodeStrategies:
 class StrategyTable:
     nodes: dict[str, NodeStrategies] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)  # node descriptions that fell back to Replicate
+    copied: int = 0  # nodes whose strategies were copied from their repeated-block representative
+    _candidates: dict = field(default_factory=dict, repr=False)
 
     def output_candidates(self, value: Value) -> list[Placements]:
-        name, idx = value
-        seen: dict[Placements, None] = {}
-        for s in self.nodes[name].strategies:
-            seen.setdefault(s.outputs[idx], None)
-        return list(seen)
+        """The placements `value` can come out in (a node's strategies never change once entered)."""
+        found = self._candidates.get(value)
+        if found is None:
+            name, idx = value
+            seen: dict[Placements, None] = {}
+            for s in self.nodes[name].strategies:
+                seen.setdefault(s.outputs[idx], None)
+            found = self._candidates[value] = list(seen)
+        return found
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,25 @@ def _restrict(ns: NodeStrategies, pin: Placements, what: str, node_desc: str, me
     ns.strategies = kept
 
 
-def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) -> StrategyTable:
+def _copy_of_counterpart(table: StrategyTable, counterparts: list[str], inputs: tuple[Value, ...]) -> NodeStrategies | None:
+    """The strategies of an identical node of an earlier layer, re-labelled for this node, when its
+    inputs offer the same candidates (then every rule would answer the same). Layer 0 often differs
+    from the others (its input comes from the embedding), so each distinct variant is kept."""
+    for other in (table.nodes[name] for name in counterparts):
+        if len(other.inputs) != len(inputs):
+            continue
+        if all(mine == theirs or table.output_candidates(mine) == table.output_candidates(theirs)
+               for mine, theirs in zip(inputs, other.inputs)):
+            table.copied += 1
+            return NodeStrategies(other.strategies, inputs, other.outputs, other.source, other.excluded)
+    return None
+
+
+def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, blocks=None) -> StrategyTable:
+    """`blocks`: a `RepeatedBlocks`; nodes of repeated layers copy their representative's strategies."""
     pins = pins or Pins()
+    rep_of = blocks.representative if blocks is not None else {}
+    variants: dict[str, list[str]] = {}  # representative -> counterparts with their own strategies
     info = traced.tensor_info
     table = StrategyTable()
     by_ph = traced.input_by_placeholder()
@@ -170,6 +193,13 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None) ->
             continue
 
         inputs = _tensor_inputs(node, info)
+        rep = rep_of.get(node.name)
+        if rep is not None:
+            copy = _copy_of_counterpart(table, variants.setdefault(rep, [rep]), inputs)
+            if copy is not None:
+                table.nodes[node.name] = copy
+                continue
+            variants[rep].append(node.name)
         in_infos = tuple(info[v[0]] for v in inputs)
         counter = iter(range(len(inputs)))
 

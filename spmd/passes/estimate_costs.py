@@ -56,7 +56,10 @@ def _local(info: TensorInfo, ps: Placements, mesh_shape) -> TensorInfo:
 
 
 def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_state_factor: float = 2.0,
-                   bucket_bytes: float | None = None) -> CostTable:
+                   bucket_bytes: float | None = None, blocks=None) -> CostTable:
+    """`blocks`: a `RepeatedBlocks`; a node sharing its representative's strategies shares its costs."""
+    rep_of = blocks.representative if blocks is not None else {}
+    rows_by_variant: dict[tuple[str, int], list[float]] = {}
     nodes = {n.name: n for n in traced.graph.nodes}
     value_info: dict[Value, TensorInfo] = {}
     for name, info in traced.tensor_info.items():
@@ -73,6 +76,10 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         if node is None or node.op != "call_function" or ns.source == "follow":
             costs.node_costs[name] = [0.0] * len(ns.strategies)
             continue
+        key = (rep_of.get(name, name), id(ns.strategies))  # copies share their strategies list
+        if key in rows_by_variant:
+            costs.node_costs[name] = rows_by_variant[key]
+            continue
         in_infos = [value_info[v] for v in ns.inputs]
         row = []
         for s in ns.strategies:
@@ -84,4 +91,5 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
                 (tuple(node.args), dict(node.kwargs)))
             row.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device))
         costs.node_costs[name] = row
+        rows_by_variant[key] = row
     return costs

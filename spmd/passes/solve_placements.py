@@ -46,12 +46,21 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
-                     memory_budget: float | None = None, time_limit: float = 60.0, agree=None) -> Plan:
+                     memory_budget: float | None = None, time_limit: float = 60.0, agree=None,
+                     blocks=None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
     `agree`: on a live mesh, a function that makes every rank adopt one rank's solution vector. Where a
     model has several optimal plans (ties are common: equal-cost orders of the same collectives),
     HiGHS may return a different one in each process, depending on timing; ranks running different
-    plans exchange mismatched collectives or, worse, silently compute wrong gradients."""
+    plans exchange mismatched collectives or, worse, silently compute wrong gradients.
+    `blocks`: a `RepeatedBlocks`; a node of a repeated layer reuses its representative's variables (and
+    edges between reused variables reuse their edge variables), so identical layers get identical
+    placements and the program's size stops growing with depth. The optimum is then the best plan
+    among those that lay out identical layers alike."""
+    rep_of = blocks.representative if blocks is not None else {}
+    shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
+    own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
+    variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
     ilp = IlpBuilder()
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
@@ -77,8 +86,19 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             continue
         if not ns.strategies:
             raise SpmdInternalError(f"node {name} has no strategy")
-        cols = [ilp.add_var(c, binary=True) for c in node_cost]
-        ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        rep = rep_of.get(name)
+        seen = variants.setdefault(rep, [rep] if rep in own_vars else []) if rep is not None else []
+        twin = next((v for v in seen if table.nodes[v].strategies is ns.strategies or
+                     table.nodes[v].strategies == ns.strategies), None)
+        if twin is not None:  # an identical node of an earlier layer: the same choice, its columns
+            cols = [expr[0] for expr in node_expr[twin]]
+            for col, c in zip(cols, node_cost):
+                ilp.add_cost(col, c)
+        else:
+            seen.append(name)
+            cols = [ilp.add_var(c, binary=True) for c in node_cost]
+            ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        own_vars.add(name)
         node_expr[name] = [(c,) for c in cols]
         for j, value in enumerate(ns.inputs):
             producer = value_expr[value]
@@ -99,7 +119,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     for col in acols:
                         ilp.add_cost(col, cost(a, r))
             else:
-                e = {(a, r): ilp.add_var(cost(a, r), binary=False) for a in producer for r in needed}
+                # The same columns on both ends (tied layers) mean the same placements on both ends
+                # (equal strategies; output index and slot fixed) and the same edge variables.
+                key = (value[1], j, tuple(producer.values()), tuple(tuple(rcols) for rcols in needed.values()))
+                e = shared_edges.get(key)
+                if e is not None:
+                    for (a, r), col in e.items():
+                        ilp.add_cost(col, cost(a, r))
+                    continue
+                e = shared_edges[key] = {(a, r): ilp.add_var(cost(a, r), binary=False) for a in producer for r in needed}
                 for a, acols in producer.items():
                     ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
                 for r, rcols in needed.items():

@@ -1,0 +1,165 @@
+"""find_repeated_blocks: find identical layers (transformer blocks) so later passes do their work once.
+
+Before: a traced graph whose nodes carry the module path they came from (`nn_module_stack`, or for
+backward nodes `fwd_nn_module_stack`). After: a `RepeatedBlocks` mapping every node of a repeated
+instance to its counterpart in the first instance (its representative), plus parameters by FQN
+(`layers.7.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`).
+
+An instance is what one element of a module list (`layers.7`) put in the graph, forward and backward
+separately. Instances are bucketed by a Weisfeiler-Lehman hash of their subgraph (networkx) and then
+checked position by position: same op, same output shapes, same arguments, and every argument either
+inside the instance at the same position or outside it with the same shape. Only exact matches map.
+
+    layers.0 (fwd)  n0 ─ n1 ─ n2 ─ ...      representatives
+    layers.1 (fwd)  m0 ─ m1 ─ m2 ─ ...      m_i -> n_i
+    layers.1 (bwd)  ...                     its own class, matched against layers.0 (bwd)
+
+Users of the map: `enumerate_strategies` copies a representative's strategies, `estimate_costs` its
+costs, `solve_placements` gives the counterpart the same variables (identical layers get the same
+placements; the ILP is about one layer deep whatever the depth).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+_INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "model.layers.3.attn.q_proj" -> "model.layers.3"
+
+
+@dataclass
+class RepeatedBlocks:
+    representative: dict[str, str] = field(default_factory=dict)  # node name -> node name in instance 0
+    classes: list[list[str]] = field(default_factory=list)  # instance keys per class, representative first
+    nodes_per_instance: dict[str, int] = field(default_factory=dict)
+
+    def rep(self, name: str) -> str | None:
+        return self.representative.get(name)
+
+    def summary(self) -> str:
+        if not self.classes:
+            return "no repeated blocks"
+        return "; ".join(f"{len(c)} x {c[0]} ({self.nodes_per_instance[c[0]]} nodes)" for c in self.classes)
+
+
+def _phase(node: fx.Node) -> str:
+    return "bwd" if node.meta.get("partitioner_tag") == "is_backward" else "fwd"
+
+
+def _instance_key(node: fx.Node) -> str | None:
+    """"model.layers.3/fwd": the module-list element that put `node` in the graph, and the phase;
+    "" for a node from a module outside any list; None for a node without a module (glue)."""
+    phase = _phase(node)
+    stack = node.meta.get("fwd_nn_module_stack" if phase == "bwd" else "nn_module_stack")
+    if not stack:
+        return None
+    m = _INDEXED.match(list(stack.values())[-1][0])
+    return f"{m.group(1)}/{phase}" if m else ""
+
+
+def _stem(key: str) -> str:
+    """"model.layers.3/fwd" -> "model.layers.#/fwd": only instances of one list can match."""
+    path, phase = key.split("/")
+    return re.sub(r"\.\d+$", ".#", path) + "/" + phase
+
+
+def _info(node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return repr(tuple(getattr(v, "shape", None) for v in val))
+    return repr((getattr(val, "shape", None), getattr(val, "dtype", None)))
+
+
+def _signature(nodes: list[fx.Node]) -> tuple:
+    """Position-relative description of an instance: equal signatures mean identical subgraphs."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    sig = []
+    for n in nodes:
+        leaves, spec = tree_flatten((n.args, n.kwargs))
+        args = tuple(("in", pos[a]) if a in pos else ("ext", _info(a)) if isinstance(a, fx.Node) else ("c", repr(a))
+                     for a in leaves)
+        sig.append((str(n.target), _info(n), str(spec), args))
+    return tuple(sig)
+
+
+def _wl_hash(nodes: list[fx.Node]) -> str:
+    g = nx.DiGraph()
+    members = set(nodes)
+    for n in nodes:
+        g.add_node(n.name, label=f"{n.target}|{_info(n)}")
+        for a in n.all_input_nodes:
+            if a in members:
+                g.add_edge(a.name, n.name)
+    with warnings.catch_warnings():  # networkx 3.5 notes that its directed hashes changed: only equality matters
+        warnings.simplefilter("ignore", UserWarning)
+        return nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
+
+
+AUTO_MIN_REPEATS = 4  # below this, solving every layer is cheap and tying would only cost optimality
+
+
+def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
+    """Classes of at least `min_repeats` identical instances."""
+    instances: dict[str, list[fx.Node]] = {}
+    owner: dict[fx.Node, str] = {}
+    glue: set[fx.Node] = set()
+    for node in traced.graph.nodes:
+        if node.op != "call_function":
+            continue
+        key = _instance_key(node)
+        if key is None:  # glue without a module (gradient accumulation adds): join the instance of an
+            # input that has a module of its own (a chain of glue would drag every add into one layer)
+            phase = "/" + _phase(node)
+            found = [owner[a] for a in node.all_input_nodes if a in owner and owner[a].endswith(phase)]
+            direct = [owner[a] for a in node.all_input_nodes if a in owner and a not in glue and owner[a].endswith(phase)]
+            key = (direct or found or [None])[-1]
+            if key is not None:
+                glue.add(node)
+        if key:
+            instances.setdefault(key, []).append(node)
+            owner[node] = key
+
+    buckets: dict[tuple[str, str], list[str]] = {}
+    for key, nodes in instances.items():
+        buckets.setdefault((_stem(key), _wl_hash(nodes)), []).append(key)
+
+    blocks = RepeatedBlocks()
+    param_rep: dict[str, str] = {}
+    for keys in buckets.values():
+        if len(keys) < 2:
+            continue
+        by_sig: dict[tuple, list[str]] = {}
+        for key in keys:
+            by_sig.setdefault(_signature(instances[key]), []).append(key)
+        for members in by_sig.values():
+            if len(members) < max(2, min_repeats):
+                continue
+            first = instances[members[0]]
+            blocks.classes.append(members)
+            blocks.nodes_per_instance[members[0]] = len(first)
+            for key in members[1:]:
+                for node, rep in zip(instances[key], first):
+                    blocks.representative[node.name] = rep.name
+                param_rep[key.split("/")[0]] = members[0].split("/")[0]
+
+    # parameters (placeholders, outside every instance) follow their layer: layers.7.x -> layers.0.x
+    prefix = "model." if traced.joint and any(k.startswith("model.") for k in param_rep) else ""
+    by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
+    for fqn, placeholder in by_fqn.items():
+        m = _INDEXED.match(prefix + fqn)
+        if m and m.group(1) in param_rep:
+            rep_fqn = (param_rep[m.group(1)] + (prefix + fqn)[len(m.group(1)):])[len(prefix):]
+            if rep_fqn in by_fqn and traced.tensor_info[by_fqn[rep_fqn]] == traced.tensor_info[placeholder]:
+                blocks.representative[placeholder] = by_fqn[rep_fqn]
+    # and so do their gradients' output sinks (`output_k` in the strategy table)
+    sink = {o.name: f"output_{k}" for k, o in enumerate(traced.output_kinds()) if o.kind == "grad"}
+    ph_to_fqn = {p: f for f, p in by_fqn.items()}
+    for placeholder, rep in list(blocks.representative.items()):
+        fqn, rep_fqn = ph_to_fqn.get(placeholder), ph_to_fqn.get(rep)
+        if fqn in sink and rep_fqn in sink:
+            blocks.representative[sink[fqn]] = sink[rep_fqn]
+    return blocks
