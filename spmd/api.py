@@ -138,13 +138,15 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = ()) -> tuple[torc
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
          param_placements=None, out_placements=None, dump_dir: str | None = None, loss_fn=None,
          training: bool | None = None, memory_budget: float | None = None, optimizer_state_factor: float = 2.0,
-         tie_blocks: bool | None = None):
+         tie_blocks: bool | None = None, merge_followers: bool | None = None):
     """Run the pipeline up to the plan with no processes at all; returns the `Plan`.
 
     A model and inputs on the meta device are planned through fake tensors (see `fake_model`).
     tie_blocks: identical layers get identical placements, which keeps the solve one layer deep (see
     passes/find_repeated_blocks.py); False solves every layer separately; None (default) ties layers
-    that repeat at least 4 times."""
+    that repeat at least 4 times. merge_followers: single-input ops follow their input's placement instead of
+    choosing their own (passes/merge_followers.py: an approximation that shrinks the solve); None
+    (default) does it only on graphs of more than 1500 ops."""
     if isinstance(out_placements, (list, tuple)):
         out_placements = dict(enumerate(out_placements))
     pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
@@ -154,6 +156,6 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     model, example_inputs = fake_model(model, example_inputs)
     c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
                                  memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
-                                 tie_blocks=tie_blocks),
+                                 tie_blocks=tie_blocks, merge_followers=merge_followers),
                      dump_dir)
     return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

@@ -21,6 +21,7 @@ from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, find_repeated_blocks
+from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
@@ -59,7 +60,9 @@ class Compilation:
     tie_blocks: bool | None = None  # identical layers get identical placements (solve one layer, not all);
     # None: only where a layer repeats at least AUTO_MIN_REPEATS times
     blocks: Any = None  # RepeatedBlocks
+    merge_followers: bool | None = None  # cheap ops follow their input (approximate; None: large graphs only)
     timings: dict = field(default_factory=dict)  # pass name -> seconds
+    stats: dict = field(default_factory=dict)  # what passes report (e.g. nodes merged), copied into plan.stats
 
 
 def _specs(node) -> str:
@@ -104,6 +107,12 @@ class Pass:
     when: Callable[[Compilation], bool] = lambda c: True
 
 
+def _merge_followers(c: Compilation) -> bool:
+    if c.merge_followers is None:
+        return sum(1 for n in c.traced.graph.nodes if n.op == "call_function") > AUTO_MIN_NODES
+    return c.merge_followers
+
+
 def _forward_only(c: Compilation) -> bool:
     return not c.training
 
@@ -134,6 +143,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("enumerate_strategies", lambda c: setattr(c, "strategies", enumerate_strategies(c.traced, c.mesh, c.pins,
                                                                                          c.blocks)),
          _dump_strategies),
+    # Large graphs only (an approximation): single-input ops follow their input instead of choosing.
+    Pass("merge_followers", lambda c: c.stats.__setitem__("merged_followers", merge_followers(c.traced, c.strategies)),
+         _dump_strategies, _merge_followers),
     # Costs for every candidate and edge, from the same redistribute planner codegen uses.
     Pass("estimate_costs", lambda c: setattr(c, "costs", estimate_costs(c.traced, c.strategies, c.mesh,
                                                                            c.optimizer_state_factor, c.bucket_bytes,
@@ -168,6 +180,8 @@ def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
         t0 = time.perf_counter()
         p.run(c)
         c.timings[p.name] = time.perf_counter() - t0
+        if p.name == "solve_placements":
+            c.plan.stats.update(c.stats)
         if dump.directory:
             dump(p.name, p.dump(c))
     return c

@@ -70,3 +70,28 @@ def test_tying_costs_little_against_the_untied_optimum():
     assert free.objective <= tied.objective * (1 + 1e-9)  # tying only restricts
     assert tied.objective <= free.objective * 1.05
     assert tied.stats["binary"] < free.stats["binary"]
+
+
+def test_merged_followers_shrink_the_solve_and_stay_correct():
+    """merge_followers (an approximation for large graphs) forced on a small one: fewer variables, a
+    plan no cheaper than the exact one, and rank graphs that still compute the single-device model."""
+    from spmd.passes.enumerate_strategies import Pins
+    from spmd.pipeline import Compilation, run_pipeline
+    from spmd.runtime.distribute import local_shard
+    from spmd.runtime.simulate import simulate
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, tokens = Llama(LlamaConfig(layers=2)), _tokens(batch=2)
+        exact = run_pipeline(Compilation(model, (tokens,), MESH, Pins(), None, merge_followers=False))
+        merged = run_pipeline(Compilation(model, (tokens,), MESH, Pins(), None, merge_followers=True))
+        assert merged.stats["merged_followers"] > 0
+        assert merged.plan.stats["binary"] < exact.plan.stats["binary"]
+        assert merged.plan.objective >= exact.plan.objective * (1 - 1e-9)
+        want = model(tokens)
+        ps = merged.plan.choices["output_0"].inputs[0]
+        for rank, out in enumerate(simulate(merged, (tokens,))):
+            torch.testing.assert_close(out[0], local_shard(want.detach(), ps, MESH.shape, MESH.coordinate(rank)))
+    finally:
+        torch.set_default_dtype(torch.float32)

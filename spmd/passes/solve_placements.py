@@ -18,6 +18,7 @@ Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
 
 def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
+    """One input, and one strategy per placement its producer can make."""
     if len(ns.inputs) != 1 or ns.source in ("placeholder", "output"):
         return False
     by_input: dict[Placements, int] = {}
@@ -59,6 +60,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     among those that lay out identical layers alike."""
     rep_of = blocks.representative if blocks is not None else {}
     shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
+    edge_groups: dict[tuple, list] = {}  # (structure, tensor, gradient) -> [terms, how many such edges]
     own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
     ilp = IlpBuilder()
@@ -73,6 +75,42 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 if s.outputs[k] is not None:
                     groups.setdefault(s.outputs[k], []).extend(expr)
             value_expr[(name, k)] = {ps: tuple(cols) for ps, cols in groups.items()}
+
+    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple) -> list:
+        """(column, seconds) terms pricing one edge; edge variables where both ends have choices."""
+        rows = {a: costs.paths_from(value, a, gradient) for a in producer}  # a -> {r: (seconds, steps)}
+        cost = lambda a, r: 0.0 if a is r or a == r else rows[a][r][0]  # noqa: E731
+        if len(producer) == 1:
+            (a,) = producer
+            return [(col, cost(a, r)) for r, rcols in needed.items() for col in rcols]
+        if len(needed) == 1:
+            (r,) = needed
+            return [(col, cost(a, r)) for a, acols in producer.items() for col in acols]
+        e = shared_edges.get(structure)
+        if e is None:
+            e = shared_edges[structure] = {(a, r): ilp.add_var(0.0, binary=False) for a in producer for r in needed}
+            for a, acols in producer.items():
+                ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
+            for r, rcols in needed.items():
+                ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
+        return [(col, cost(a, r)) for (a, r), col in e.items()]
+
+    def _edges(ns, exprs: list[Expr]) -> None:
+        """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
+        tied layers have the same columns on both ends, hence the same placements (equal strategies,
+        output index and slot fixed) and, for the same tensor, the same terms: priced once, counted."""
+        for j, value in enumerate(ns.inputs):
+            producer = value_expr[value]
+            needed: dict[Placements, list[int]] = {}
+            for s, expr in zip(ns.strategies, exprs):
+                needed.setdefault(s.inputs[j], []).extend(expr)
+            gradient = ns.source == "output" and ns.tie is not None  # a parameter's gradient leaving
+            structure = (value[1], j, tuple(producer.values()), tuple(tuple(rcols) for rcols in needed.values()))
+            group = (structure, costs.value_info[value], gradient)
+            if group in edge_groups:
+                edge_groups[group][1] += 1
+            else:
+                edge_groups[group] = [_edge_terms(value, producer, needed, gradient, structure), 1]
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -100,39 +138,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             ilp.add_eq([(c, 1.0) for c in cols], 1.0)
         own_vars.add(name)
         node_expr[name] = [(c,) for c in cols]
-        for j, value in enumerate(ns.inputs):
-            producer = value_expr[value]
-            needed: dict[Placements, list[int]] = {}
-            for s, col in zip(ns.strategies, cols):
-                needed.setdefault(s.inputs[j], []).append(col)
-            gradient = ns.source == "output" and ns.tie is not None  # a parameter's gradient leaving
-            rows = {a: costs.paths_from(value, a, gradient) for a in producer}  # a -> {r: (seconds, steps)}
-            cost = lambda a, r: 0.0 if a == r else rows[a][r][0]  # noqa: E731
-            if len(producer) == 1:
-                (a,) = producer
-                for r, rcols in needed.items():
-                    for col in rcols:
-                        ilp.add_cost(col, cost(a, r))
-            elif len(needed) == 1:
-                (r,) = needed
-                for a, acols in producer.items():
-                    for col in acols:
-                        ilp.add_cost(col, cost(a, r))
-            else:
-                # The same columns on both ends (tied layers) mean the same placements on both ends
-                # (equal strategies; output index and slot fixed) and the same edge variables.
-                key = (value[1], j, tuple(producer.values()), tuple(tuple(rcols) for rcols in needed.values()))
-                e = shared_edges.get(key)
-                if e is not None:
-                    for (a, r), col in e.items():
-                        ilp.add_cost(col, cost(a, r))
-                    continue
-                e = shared_edges[key] = {(a, r): ilp.add_var(cost(a, r), binary=False) for a in producer for r in needed}
-                for a, acols in producer.items():
-                    ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
-                for r, rcols in needed.items():
-                    ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
+        _edges(ns, node_expr[name])
         publish(name)
+
+    for terms, count in edge_groups.values():
+        for col, seconds in terms:
+            ilp.add_cost(col, seconds * count)
 
     for name, ns in table.nodes.items():  # ties: both nodes pick the same placements
         if ns.tie is None:
