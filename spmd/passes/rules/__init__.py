@@ -63,4 +63,4 @@ def expand_single_dim(single: list[list], n_out: int, mesh_ndim: int) -> list[St
 
 
 # Importing the families registers their rules.
-from spmd.passes.rules import attention, factory, indexing, random, tuple_ops  # noqa: E402,F401
+from spmd.passes.rules import attention, factory, indexing, norm, pointwise, random, softmax, tuple_ops  # noqa: E402,F401,E501

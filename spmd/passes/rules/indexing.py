@@ -1,4 +1,6 @@
-"""index_put with accumulate=True: the embedding's backward (a scatter-add of gradient rows).
+"""The embedding's backward: embedding_dense_backward (kept whole in the joint graph, see
+trace_joint.KEPT_WHOLE) and index_put with accumulate=True (what it decomposes to: a scatter-add of
+gradient rows).
 
 `out = self; out[indices] += values` is linear in (self, values), so along one mesh axis:
   * indices and values split on the same leading (indexed) dim, self Partial -> out Partial
@@ -7,6 +9,14 @@
   * self and values Partial, indices whole -> out Partial.
 DTensor's own rule has no Partial output, so without this a data-parallel embedding gradient would be
 gathered instead of joining the bucketed gradient reductions. Other index_put forms stay replicated.
+
+embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq) is the same
+scatter-add (rows at padding_idx dropped), so along one mesh axis:
+  * grad and indices split on the same index dim -> weight gradient Partial (DTensor's rule has this),
+    except with scale_grad_by_freq: each row is divided by how often its index occurs, and a rank only
+    sees its own indices' counts;
+  * grad split on its last (hidden) dim, indices whole -> weight gradient split on dim 1;
+  * grad Partial, indices whole -> Partial (the counts, if any, are the global ones).
 """
 from __future__ import annotations
 
@@ -37,4 +47,15 @@ def index_put(inp: RuleInput) -> list[list]:
         for d in range(idx_ndim):
             rows.append([Partial(), Partial(), Shard(d), Shard(d)])
         rows.append([Partial(), Partial(), Replicate(), Partial()])
+    return rows
+
+
+@rule(aten.embedding_dense_backward.default)
+def embedding_dense_backward(inp: RuleInput) -> list[list]:
+    grad, indices = inp.inputs
+    by_freq = inp.args[4] if len(inp.args) > 4 else inp.kwargs.get("scale_grad_by_freq", False)
+    rows = [[Shard(1), Shard(len(grad.shape) - 1), Replicate()]]
+    if not by_freq:
+        rows += [[Partial(), Shard(d), Shard(d)] for d in range(len(indices.shape))]
+    rows.append([Partial(), Partial(), Replicate()])
     return rows
