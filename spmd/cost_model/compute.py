@@ -19,12 +19,25 @@ def is_view(op) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
+# forward: Q K^T and P V; backward: Q K^T again, dV, dP, dQ, dK
+_ATTENTION = {
+    aten.scaled_dot_product_attention.default: (0, 2, 5),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 2, 4),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 5, 7),
+}
+
+
 def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[int, ...]]) -> float:
     """FLOPs of `op` when its tensor args have the given (local) shapes."""
     packet = getattr(op, "overloadpacket", None)
-    if op is aten.scaled_dot_product_attention.default:
-        q, k = args_with_shapes[0], args_with_shapes[1]
-        return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+    attention = _ATTENTION.get(op)
+    if attention is not None:  # (index of q, matmuls of s x s x d, index of is_causal)
+        qi, matmuls, causal_at = attention
+        q, k = args_with_shapes[qi], args_with_shapes[qi + 1]
+        causal = len(args_with_shapes) > causal_at and args_with_shapes[causal_at] is True
+        causal = causal or kwargs.get("is_causal") is True
+        # a causal flash kernel skips the blocks above the diagonal: about half the work
+        return 2.0 * matmuls * math.prod(q[:-1]) * k[-2] * q[-1] * (0.5 if causal else 1.0)
     if packet in flop_registry:
         try:
             out = out_shapes[0] if len(out_shapes) == 1 else out_shapes

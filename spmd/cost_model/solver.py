@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 
@@ -39,10 +39,13 @@ class IlpBuilder:
         self._vals: list[float] = []
         self._rhs: list[float] = []
         self._lower: list[float] = []
+        self.upper: list[float] = []
 
-    def add_var(self, cost: float, binary: bool) -> int:
+    def add_var(self, cost: float, binary: bool, upper: float = 1.0) -> int:
+        """A column in [0, upper] (binary ones in {0, 1})."""
         self.cost.append(float(cost))
         self.integral.append(1 if binary else 0)
+        self.upper.append(1.0 if binary else float(upper))
         return len(self.cost) - 1
 
     def add_cost(self, col: int, cost: float) -> None:
@@ -53,6 +56,9 @@ class IlpBuilder:
 
     def add_le(self, terms: list[tuple[int, float]], rhs: float) -> None:
         self._add_row(terms, -np.inf, rhs)
+
+    def add_ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        self._add_row(terms, rhs, np.inf)
 
     def _add_row(self, terms, lower: float, upper: float) -> None:
         row = len(self._rhs)
@@ -68,7 +74,7 @@ class IlpBuilder:
         t0 = time.perf_counter()
         a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
         res = milp(np.asarray(self.cost), constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)),
-                   integrality=np.asarray(self.integral), bounds=(0, 1),
+                   integrality=np.asarray(self.integral), bounds=Bounds(0, np.asarray(self.upper)),
                    options={"time_limit": time_limit, "mip_rel_gap": mip_rel_gap, "presolve": True})
         seconds = time.perf_counter() - t0
         if res.x is None:

@@ -39,6 +39,22 @@ def _shard_all(info, mesh_shape):
     return [Shard(d)] * len(mesh_shape)
 
 
+def _bucket_latency(ilp: IlpBuilder, buckets: dict[int, list[tuple[int, float]]], costs: CostTable) -> None:
+    """Gradient all_reduces on one axis share buckets of `bucket_bytes`: together they pay the link's
+    latency max(1, total bytes / bucket_bytes) times (the buckets `bucket_gradients` will launch, to
+    within rounding up), and nothing if no gradient is reduced on that axis:
+        z >= y,  z >= sum(share * x),  y >= x for each gradient column x,  cost latency * z."""
+    for axis, entries in sorted(buckets.items()):
+        latency = costs.mesh.links[axis].alpha_beta("all_reduce")[0]
+        total = sum(share for _, share in entries)
+        z = ilp.add_var(latency, binary=False, upper=max(1.0, total))
+        y = ilp.add_var(0.0, binary=False)
+        ilp.add_ge([(z, 1.0), (y, -1.0)], 0.0)
+        ilp.add_ge([(z, 1.0)] + [(col, -share) for col, share in entries], 0.0)
+        for col in dict.fromkeys(col for col, _ in entries):
+            ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
+
+
 def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     out: dict[Placements, list[int]] = {}
     for s, expr in zip(ns.strategies, exprs):
@@ -76,24 +92,38 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     groups.setdefault(s.outputs[k], []).extend(expr)
             value_expr[(name, k)] = {ps: tuple(cols) for ps, cols in groups.items()}
 
-    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple) -> list:
-        """(column, seconds) terms pricing one edge; edge variables where both ends have choices."""
+    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
+        """(column, seconds) terms pricing one edge, with edge variables where both ends have choices;
+        for a gradient, also (axis, column, share of a bucket) for each bucketed all_reduce."""
         rows = {a: costs.paths_from(value, a, gradient) for a in producer}  # a -> {r: (seconds, steps)}
-        cost = lambda a, r: 0.0 if a is r or a == r else rows[a][r][0]  # noqa: E731
         if len(producer) == 1:
             (a,) = producer
-            return [(col, cost(a, r)) for r, rcols in needed.items() for col in rcols]
-        if len(needed) == 1:
+            pairs = [(col, a, r) for r, rcols in needed.items() for col in rcols]
+        elif len(needed) == 1:
             (r,) = needed
-            return [(col, cost(a, r)) for a, acols in producer.items() for col in acols]
-        e = shared_edges.get(structure)
-        if e is None:
-            e = shared_edges[structure] = {(a, r): ilp.add_var(0.0, binary=False) for a in producer for r in needed}
-            for a, acols in producer.items():
-                ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
-            for r, rcols in needed.items():
-                ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
-        return [(col, cost(a, r)) for (a, r), col in e.items()]
+            pairs = [(col, a, r) for a, acols in producer.items() for col in acols]
+        else:
+            e = shared_edges.get(structure)
+            if e is None:
+                e = shared_edges[structure] = {(a, r): ilp.add_var(0.0, binary=False) for a in producer for r in needed}
+                for a, acols in producer.items():
+                    ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
+                for r, rcols in needed.items():
+                    ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
+            pairs = [(col, a, r) for (a, r), col in e.items()]
+        terms, shares = [], []
+        for col, a, r in pairs:
+            if a is r or a == r:
+                terms.append((col, 0.0))
+                continue
+            seconds, steps = rows[a][r]
+            for step in steps if gradient and costs.bucket_bytes else ():
+                if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
+                    share = min(1.0, step.in_bytes / costs.bucket_bytes)
+                    seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
+                    shares.append((step.axis, col, share))
+            terms.append((col, seconds))
+        return terms, shares
 
     def _edges(ns, exprs: list[Expr]) -> None:
         """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
@@ -108,9 +138,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             structure = (value[1], j, tuple(producer.values()), tuple(tuple(rcols) for rcols in needed.values()))
             group = (structure, costs.value_info[value], gradient)
             if group in edge_groups:
-                edge_groups[group][1] += 1
+                edge_groups[group][2] += 1
             else:
-                edge_groups[group] = [_edge_terms(value, producer, needed, gradient, structure), 1]
+                edge_groups[group] = [*_edge_terms(value, producer, needed, gradient, structure), 1]
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -141,9 +171,13 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         _edges(ns, node_expr[name])
         publish(name)
 
-    for terms, count in edge_groups.values():
+    buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
+    for terms, shares, count in edge_groups.values():
         for col, seconds in terms:
             ilp.add_cost(col, seconds * count)
+        for axis, col, share in shares:
+            buckets.setdefault(axis, []).append((col, share * count))
+    _bucket_latency(ilp, buckets, costs)
 
     for name, ns in table.nodes.items():  # ties: both nodes pick the same placements
         if ns.tie is None:
