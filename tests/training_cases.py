@@ -41,6 +41,8 @@ class TrainCase:
     in_placements: dict = field(default_factory=dict)
     param_placements: dict = field(default_factory=dict)
     budget_fraction: float | None = None  # memory_budget as a fraction of the unconstrained plan's peak
+    clip: float | None = None  # clip gradients to this global norm (compiled.clip_grad_norm_) every step
+    norm_type: float = 2.0
 
     @property
     def world(self) -> int:
@@ -60,6 +62,17 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("gpt-1d4-sgd-fsdp-pins", "gpt", (4,), ("dp",), "sgd", batch=4,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]},
               param_placements={f"blocks.{i}.mlp.fc1.weight": [torch.distributed.tensor.Shard(0)] for i in range(2)}),
+]}
+
+
+# Gradient clipping by global norm (tests/test_clip.py): max_norm below the gradients' norm, so every
+# step really scales them; weights sharded on tp (1-D), on tp with dp replicas (Megatron), on both axes.
+CLIP_CASES = {c.name: c for c in [
+    TrainCase("gpt-1d2-adamw-clip-compute", "gpt", (2,), ("tp",), "adamw", "compute", batch=1, clip=0.5),
+    TrainCase("gpt-2d-sgd-clip-megatron", "gpt", (2, 2), ("dp", "tp"), "sgd", "megatron", batch=2, clip=0.5),
+    TrainCase("mlp-2d-sgd-clip-inf-compute", "mlp", (2, 2), ("dp", "tp"), "sgd", "compute", batch=3, clip=0.05,
+              norm_type=float("inf"), param_placements={"fc1.weight": [torch.distributed.tensor.Shard(0),
+                                                                         torch.distributed.tensor.Shard(1)]}),
 ]}
 
 
@@ -83,7 +96,7 @@ def _build(case: TrainCase):
 def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
     import spmd
 
-    case = TRAIN_CASES[name]
+    case = TRAIN_CASES[name] if name in TRAIN_CASES else CLIP_CASES[name]
     torch.set_default_dtype(torch.float64)
     try:
         model, inputs, loss_fn = _build(case)
@@ -103,17 +116,23 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
         opt, ref_opt = make(compiled.parameters()), make(reference.parameters())
         local = compiled.shard_inputs(*inputs)
         losses, ref_losses, param_err, measured = [], [], 0.0, {}
+        norms, ref_norms = [], []
         for step in range(steps):
             torch.manual_seed(100 + step)  # dropout: same generator state on every rank and for the reference
             loss = compiled(*local)
             loss.backward()
             if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
                 measured = compiled.memory_report(opt)
+            if case.clip is not None:
+                norms.append(float(compiled.clip_grad_norm_(case.clip, case.norm_type)))
             opt.step()
             opt.zero_grad()
             torch.manual_seed(100 + step)
             ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
             ref_loss.backward()
+            if case.clip is not None:
+                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), case.clip,
+                                                                      case.norm_type)))
             ref_opt.step()
             ref_opt.zero_grad()
             losses.append(loss.item())
@@ -123,6 +142,8 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
         placements = {compiled.plan.labels[n]: s.outputs[0] for n, s in compiled.plan.choices.items()
                       if n in compiled.plan.labels}
         return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
+                "norms": norms, "ref_norms": ref_norms, "grad_placements": sorted(
+                    {str(ps) for ps in compiled._state_placements.values()}),
                 "fingerprint": compiled.plan.fingerprint(),
                 "collectives": dict(compiled.plan.collective_summary()),
                 "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.errors import SpmdError
-from spmd.runtime.distribute import gather_full, local_shard
+from spmd.runtime.distribute import gather_full, local_shard, total_norm
 from spmd.specs import local_shape, placements_str
 
 
@@ -89,6 +89,28 @@ class CompiledModule(nn.Module):
         if self.split is not None:
             report["activations"] = self.last_saved_bytes
         return report
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (the same
+        on every rank, equal to the single-device model's) and scales this rank's gradient shards by
+        min(1, max_norm / (norm + 1e-6)) in place. Gradients come out of backward in their parameter's
+        placements (Shard or Replicate, never Partial), so each mesh axis that shards some gradient
+        reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
+        params = [(fqn, getattr(self, attr)) for fqn, attr in self._param_names.items()
+                  if isinstance(getattr(self, attr), nn.Parameter)]
+        grads = [(p.grad, self._state_placements[fqn]) for fqn, p in params if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        dtype = grads[0][0].dtype
+        norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(dtype)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the "
+                               "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g, _ in grads:
+            g.mul_(coef.to(g.device))
+        return norm
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers as DTensors over the runtime mesh (local shards, no copies), the form

@@ -39,3 +39,45 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     for step in steps:
         t = STEP_FUNCTIONS[step.kind](t, **step.call_kwargs(), group=group_names[step.axis], world=mesh.shape[step.axis])
     return t
+
+
+def total_norm(tensors: list[tuple[torch.Tensor, Placements]], norm_type: float, mesh_shape: tuple[int, ...],
+               group_names: tuple[str, ...]) -> torch.Tensor:
+    """The `norm_type`-norm of all the full tensors together (as `torch.nn.utils.get_total_norm` of the
+    full tensors), from this rank's local pieces: the same value on every rank.
+
+    Each piece contributes sum |x|^p (max |x| for inf). A full tensor is the union of the pieces along
+    the axes where it is Shard, so those axes are summed over; along Replicate axes every rank holds the
+    same piece, and summing there would count it again. On a (dp=2, tp=2) mesh:
+
+        [R, S(0)]: rows split over tp      dp=0: rows 0..k | rows k..n    -> all_reduce over tp only
+                                           dp=1: the same  | the same
+        [S(0), S(1)]: four distinct blocks                                -> over dp, then over tp
+        [R, R]: every rank the whole                                      -> nothing
+
+    Tensors are grouped by their set of sharded axes, and each mesh axis reduces once: one all_reduce
+    per axis that shards anything, carrying one number per group that includes the axis.
+    """
+    inf = norm_type == float("inf")
+    if not inf and not norm_type > 0:
+        raise ValueError(f"total_norm: norm_type must be positive or inf, got {norm_type}")
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for t, placements in tensors:
+        if any(isinstance(p, Partial) for p in placements):
+            raise ValueError(f"total_norm: a Partial piece {placements} has no norm of its own")
+        axes = tuple(a for a, p in enumerate(placements) if isinstance(p, Shard))
+        local = t.detach()
+        part = (local.abs().max() if local.numel() else local.new_zeros(())) if inf else \
+            torch.linalg.vector_norm(local, norm_type) ** norm_type
+        groups.setdefault(axes, []).append(part.to(torch.float64))
+    keys = sorted(groups)
+    if not keys:
+        return torch.zeros((), dtype=torch.float64)
+    per_group = torch.stack([torch.stack(groups[k]).amax() if inf else torch.stack(groups[k]).sum() for k in keys])
+    for axis in range(len(mesh_shape)):
+        rows = [i for i, k in enumerate(keys) if axis in k]
+        if rows:
+            reduced = STEP_FUNCTIONS["all_reduce"](per_group[rows], reduce_op="max" if inf else "sum",
+                                                   group=group_names[axis], world=mesh_shape[axis])
+            per_group[rows] = reduced
+    return per_group.amax() if inf else per_group.sum() ** (1.0 / norm_type)
