@@ -153,9 +153,16 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     training = loss_fn is not None if training is None else training
+    from spmd.cost_model.symbolic import Replanner
+
+    replanner = Replanner(model, example_inputs, mesh_spec, dict(
+        in_placements=in_placements, param_placements=param_placements, out_placements=out_placements,
+        loss_fn=loss_fn, training=training, memory_budget=memory_budget,
+        optimizer_state_factor=optimizer_state_factor, tie_blocks=tie_blocks, merge_followers=merge_followers))
     model, example_inputs = fake_model(model, example_inputs)
     c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
                                  memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
                                  tie_blocks=tie_blocks, merge_followers=merge_followers),
                      dump_dir)
+    c.plan.replanner = replanner  # plan.cost_formula and plan.crossover ask again at other batch sizes
     return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

@@ -181,7 +181,7 @@ def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
         p.run(c)
         c.timings[p.name] = time.perf_counter() - t0
         if p.name == "solve_placements":
-            c.plan.stats.update(c.stats)
+            c.plan.stats.update(c.stats, bucket_bytes=c.bucket_bytes)
         if dump.directory:
             dump(p.name, p.dump(c))
     return c

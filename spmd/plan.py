@@ -42,6 +42,24 @@ class Plan:
     # Not part of the plan's identity (never compared or hashed): what explain and visualize read.
     sources: Any = field(default=None, repr=False, compare=False)  # explain.PlanSources (spmd.plan/compile)
     details: Any = field(default=None, repr=False, compare=False)  # explain.PlanDetails, computed or loaded
+    replanner: Any = field(default=None, repr=False, compare=False)  # symbolic.Replanner (spmd.plan)
+    _formulas: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def cost_formula(self):
+        """Estimated seconds per step as a sympy formula in the batch size (`batch`), for this plan's
+        placements (cost_model/symbolic.py); `.subs("batch", b)` prices the same plan at batch b."""
+        from spmd.cost_model.symbolic import cost_formula
+
+        if "batch" not in self._formulas:
+            self._formulas["batch"] = cost_formula(self)
+        return self._formulas["batch"]
+
+    def crossover(self, symbol: str = "batch", sizes=None) -> list:
+        """Batch sizes at which the best plan changes (re-solving at other sizes; no processes)."""
+        from spmd.cost_model.symbolic import crossover
+
+        return crossover(self, symbol, sizes)
 
     @property
     def predicted_peak_bytes(self) -> float:

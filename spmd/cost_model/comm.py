@@ -44,7 +44,7 @@ def step_cost(step, mesh, bucket_bytes: float | None = None) -> float:
     copy = 0.0
     moved_dim = step.src_dim if step.kind == "all_gather" else step.dst_dim
     if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and moved_dim not in (0, None):
-        copy = 2 * max(B, B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth
+        copy = 2 * (B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth  # the larger side
     return latency + wire / bandwidth + copy
 
 

@@ -41,17 +41,18 @@ def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[i
     if packet in flop_registry:
         try:
             out = out_shapes[0] if len(out_shapes) == 1 else out_shapes
-            return float(flop_registry[packet](*args_with_shapes, out_val=out, **kwargs))
+            return flop_registry[packet](*args_with_shapes, out_val=out, **kwargs)
         except Exception:  # a formula that wants args we do not model: count it as elementwise
             pass
-    return float(sum(math.prod(s) for s in out_shapes))
+    return sum(math.prod(s) for s in out_shapes)
 
 
 def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[TensorInfo],
-                 out_infos: list[TensorInfo], device) -> float:
-    """Seconds one rank spends running `op` on tensors of these (local) shapes."""
+                 out_infos: list[TensorInfo], device, maximum=max) -> float:
+    """Seconds one rank spends running `op` on tensors of these (local) shapes. `maximum`: sympy.Max
+    when the shapes are symbolic (cost_model/symbolic.py)."""
     if is_view(op):
         return 0.0
     flops = op_flops(op, args_with_shapes, kwargs, [o.shape for o in out_infos])
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
-    return max(flops / device.flops, moved / device.memory_bandwidth) + device.op_overhead_s
+    return maximum(flops / device.flops, moved / device.memory_bandwidth) + device.op_overhead_s
