@@ -1,8 +1,10 @@
 """The compiler pipeline: one tuple, read top to bottom.
 
-    nn.Module ──trace_module──▶ ATen FX graph ──enumerate_strategies──▶ candidates per node
+    nn.Module ──trace_module | trace_joint──▶ ATen FX graph ──find_repeated_blocks──▶ identical layers
+       ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
        ──estimate_costs──▶ compute + resharding costs ──solve_placements──▶ Plan
        ──insert_collectives──▶ global graph with explicit steps ──emit_rank_graph──▶ this rank's graph
+       ──split_joint_graph, bucket_gradients (training)──▶ forward and backward graphs
 
 Per-compilation state lives in a `Compilation` object, never in module globals, so two compilations in
 one process never interfere. After every pass the annotated graph can be dumped (SPMD_DUMP=dir).
@@ -16,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from spmd.cost_model.memory import peak_live_bytes
 from spmd.dump import Dumper, format_graph
 from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
@@ -27,7 +30,7 @@ from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
 from spmd.passes.split_joint_graph import split_joint_graph
 from spmd.passes.trace_joint import trace_joint
-from spmd.passes.trace_module import trace_module
+from spmd.passes.trace_module import flat_outputs, trace_module
 from spmd.specs import placements_str
 
 
@@ -107,6 +110,31 @@ class Pass:
     when: Callable[[Compilation], bool] = lambda c: True
 
 
+def _temporaries(c: Compilation, plan) -> tuple[float, str | None]:
+    """Bytes the schedule holds at its worst point beyond the saved activations (see memory.py)."""
+    flat, kinds = flat_outputs(c.traced.graph.output_node()), c.traced.output_kinds()
+    grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
+    peak, at = peak_live_bytes(c.traced.graph, plan.choices, c.traced.tensor_info, c.mesh.shape, grads)
+    return max(0.0, peak - plan.memory.get("activations", 0.0)), at
+
+
+def _solve(c: Compilation) -> None:
+    """The ILP, then the schedule's temporaries on top of its memory terms. Under a budget, when the
+    temporaries do not fit beside the plan, solve once more leaving room for them."""
+    def solve(budget):
+        return solve_placements(c.strategies, c.costs, c.traced.labels(), budget, agree=c.agree, blocks=c.blocks)
+
+    plan = solve(c.memory_budget)
+    extra, at = _temporaries(c, plan)
+    if c.memory_budget is not None and plan.predicted_peak_bytes + extra > c.memory_budget:
+        plan = solve(c.memory_budget - extra)
+        extra, at = _temporaries(c, plan)
+        plan.memory_budget = c.memory_budget
+    plan.memory["temporaries"] = extra
+    plan.stats["peak_live_at"] = at
+    c.plan = plan
+
+
 def _merge_followers(c: Compilation) -> bool:
     if c.merge_followers is None:
         return sum(1 for n in c.traced.graph.nodes if n.op == "call_function") > AUTO_MIN_NODES
@@ -153,10 +181,7 @@ PIPELINE: tuple[Pass, ...] = (
          _dump_costs),
     # One global choice (ILP). Optimal plans can tie and the solver breaks ties by timing, so on a live
     # mesh every rank adopts rank 0's solution (one small broadcast).
-    Pass("solve_placements", lambda c: setattr(c, "plan", solve_placements(c.strategies, c.costs, c.traced.labels(),
-                                                                        c.memory_budget, agree=c.agree,
-                                                                        blocks=c.blocks)),
-         _dump_plan),
+    Pass("solve_placements", lambda c: _solve(c), _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
          lambda c: format_graph(c.global_gm.graph, _specs)),

@@ -1,9 +1,13 @@
 """Per-rank memory of a plan: parameters, gradients, optimizer state, saved activations, inputs.
 
 Each term is a value of the graph whose bytes on one rank depend on the placements the plan gives it:
-`nbytes / (product of the mesh axes sharding it) * factor`. The predicted peak is their sum: in
-training everything here is alive at once when backward starts (parameters, their gradients and
-optimizer state, every activation saved for backward).
+`nbytes / (product of the mesh axes sharding it) * factor`. In training everything here is alive at
+once when backward starts (parameters, their gradients and optimizer state, every activation saved for
+backward); these terms are linear in the solver's choices, so they form the `memory_budget` row.
+
+On top of them, `peak_live_bytes` walks the schedule with the chosen placements: the most bytes of
+intermediate values alive at any one point. What that peak holds beyond the saved activations is
+reported as "temporaries" (in inference, where nothing is saved, it is the whole activation peak).
 """
 from __future__ import annotations
 
@@ -63,3 +67,44 @@ def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm
             seen.add(base.name)
             terms.append(MemoryTerm((base.name, 0), "activations", info))
     return terms
+
+
+def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[int, ...],
+                    exclude: set[str] = frozenset()) -> tuple[float, str | None]:
+    """The most bytes of intermediate values one rank holds at any point of the graph's schedule
+    (node order), under the chosen placements, and the node where that happens.
+
+    A value is alive from the node that makes it to its last reader; a view allocates nothing but
+    keeps its base alive as long as it lives. Placeholders (parameters, inputs, tangents) and the
+    values in `exclude` (parameter gradients, counted as "gradients") are left out."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    base: dict = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and is_view(n.target) and n.args and hasattr(n.args[0], "op"):
+            base[n] = base.get(n.args[0], n.args[0])
+    last: dict = {}
+    for n in graph.nodes:
+        for a in n.all_input_nodes:
+            root = base.get(a, a)
+            last[root] = max(last.get(root, -1), order[n])
+    frees: dict[int, list] = {}
+    for root, i in last.items():
+        frees.setdefault(i, []).append(root)
+    live, peak, at = 0.0, 0.0, None
+    sizes: dict = {}
+    for i, n in enumerate(graph.nodes):
+        if n.op == "call_function" and n not in base and n.name not in exclude and n.name in choices:
+            infos = tensor_info.get(n.name)
+            infos = infos if isinstance(infos, tuple) else (infos,)
+            total = 0.0
+            for info, ps in zip(infos, choices[n.name].outputs):
+                if isinstance(info, TensorInfo) and ps is not None:
+                    pieces = math.prod(m for p, m in zip(ps, mesh_shape) if isinstance(p, Shard))
+                    total += info.nbytes / pieces
+            sizes[n] = total
+            live += total
+            if live > peak:
+                peak, at = live, n.name
+        for root in frees.get(i, ()):
+            live -= sizes.pop(root, 0.0)
+    return peak, at

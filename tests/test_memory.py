@@ -1,0 +1,34 @@
+"""The schedule's live-bytes peak (cost_model/memory.py): what is alive at the worst point, by hand."""
+import torch
+from torch.distributed.tensor import Shard
+
+import spmd
+from examples.models import MLP
+from tests.cases import LATENCY_LINK, SLOW_DEVICE
+
+MESH = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+
+
+def test_forward_peak_is_two_hidden_activations():
+    """fc1 -> gelu -> fc2 on a batch of 4: fc1's output (4 x 64 floats) is still alive while gelu
+    writes its own, so the peak is two of them, each the size of this rank's shard."""
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(4, 16)
+    whole = spmd.plan(model, spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE), (x,))
+    assert whole.memory["temporaries"] == 2 * 4 * 64 * 4
+    assert whole.stats["peak_live_at"] == "gelu"
+    split = spmd.plan(model, MESH, (x,), in_placements={"x": [Shard(0)]})
+    pieces = [2 if isinstance(split.choices[n].outputs[0][0], Shard) else 1 for n in ("addmm", "gelu")]
+    assert split.memory["temporaries"] == sum(4 * 64 * 4 / p for p in pieces)
+
+
+def test_training_temporaries_come_on_top_of_saved_activations_and_fit_the_budget():
+    torch.manual_seed(0)
+    model = MLP(16, 64)
+    inputs = (torch.randn(8, 16), torch.randn(8, 16))
+    free = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss)
+    assert free.memory["temporaries"] > 0 and free.memory["activations"] > 0
+    budget = 0.8 * free.predicted_peak_bytes
+    tight = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
+    assert tight.predicted_peak_bytes <= budget
+    assert tight.memory_budget == budget
