@@ -1,5 +1,6 @@
 """Compute cost of one op on local shards: a roofline, max(FLOPs / peak, bytes / memory bandwidth),
-plus a fixed per-op overhead. Views cost nothing (no kernel runs).
+plus a fixed per-op overhead. Views run no kernel; on an eager CPU run they still cost a dispatch
+(`DeviceProfile.view_overhead_s`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
     """Seconds one rank spends running `op` on tensors of these (local) shapes. `maximum`: sympy.Max
     when the shapes are symbolic (cost_model/symbolic.py)."""
     if is_view(op):
-        return 0.0
+        return device.view_overhead_s
     flops = op_flops(op, args_with_shapes, kwargs, [o.shape for o in out_infos])
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
     return maximum(flops / device.flops, moved / device.memory_bandwidth) + device.op_overhead_s

@@ -42,9 +42,10 @@ class DeviceProfile:
     op_overhead_s: float  # fixed cost per launched op (kernel launch / dispatcher)
     memory_bytes: float
     source: str = ""
+    view_overhead_s: float = 0.0  # a view launches nothing, but an eager CPU run still dispatches it
 
     def __post_init__(self):
-        if self.flops <= 0 or self.memory_bandwidth <= 0 or self.op_overhead_s < 0:
+        if self.flops <= 0 or self.memory_bandwidth <= 0 or self.op_overhead_s < 0 or self.view_overhead_s < 0:
             raise ValueError(f"DeviceProfile {self.name}: flops and bandwidth must be > 0")
 
     def scaled(self, share: float) -> "DeviceProfile":
@@ -52,7 +53,7 @@ class DeviceProfile:
         if share >= 1.0:
             return self
         return DeviceProfile(f"{self.name}x{share:g}", self.flops * share, self.memory_bandwidth * share,
-                             self.op_overhead_s / share, self.memory_bytes, self.source)
+                             self.op_overhead_s / share, self.memory_bytes, self.source, self.view_overhead_s / share)
 
 
 LINKS: dict[str, LinkProfile] = {
@@ -81,7 +82,7 @@ DEVICES: dict[str, DeviceProfile] = {
         DeviceProfile("h200", 989e12, 4.8e12, 5e-6, 141e9, "H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e"),
         DeviceProfile("a100", 312e12, 2.0e12, 5e-6, 80e9, "A100 SXM 80GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s"),
         DeviceProfile("cpu", 100e9, 5e9, 6e-6, 24e9, "measured here, one thread: fp32 matmul 100-110 GFLOP/s at n>=256, "
-                      "4-8 GB/s streaming, ~6 us per small ATen op"),
+                      "4-8 GB/s streaming, ~6 us per small ATen op, ~3 us per view (bench/results_predict.md)", 3e-6),
     )
 }
 
