@@ -220,8 +220,8 @@ def summary_line(row) -> str:
             + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
 
 
-PASSES = ("trace", "find_repeated_blocks", "enumerate_strategies", "estimate_costs", "solve_placements",
-          "insert_collectives")
+PASSES = ("trace", "find_repeated_blocks", "enumerate_strategies", "merge_followers", "estimate_costs",
+          "solve_placements", "insert_collectives")
 
 
 def pass_s(row, name) -> float | None:
@@ -235,20 +235,22 @@ def depth_md(d: dict, title: str = "Depth scaling") -> list[str]:
     out = [f"### {title}: LLaMA3-8B dims, batch {d['batch']}, seq {d['seq']}, mesh (dp=8, tp=8)", "",
            "Seconds per pass (`c.timings`); `ILP build` = solve_placements less HiGHS; ILP size = binary / "
            "continuous variables / rows; objective = predicted seconds per step (ms).", "",
-           "| L | mode | tied | graph nodes | total s | trace | find_repeated_blocks | enumerate | estimate | "
+           "| L | mode | tied | graph nodes | total s | trace | find_repeated_blocks | enumerate | merge_followers | "
+           "estimate | "
            "ILP build | HiGHS | insert_collectives | ILP size | objective ms | lower bound ms | gap | "
            "repeated blocks | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         if r.get("skipped"):
-            out.append(f"| {r['L']} | {r['mode']} | {r['tied']} | skipped (budget) |" + " |" * 14)
+            out.append(f"| {r['L']} | {r['mode']} | {r['tied']} | skipped (budget) |" + " |" * 15)
             continue
         sp = pass_s(r, "solve_placements")
         build = sp - r["highs_s"] if sp is not None and r.get("highs_s") is not None else None
         out.append(
             f"| {r['L']} | {r['mode']} | {r['tied']} | {r.get('graph_nodes', '')} | {fmt_s(r['total_s'])} | "
             f"{fmt_s(pass_s(r, 'trace'))} | {fmt_s(pass_s(r, 'find_repeated_blocks'))} | "
-            f"{fmt_s(pass_s(r, 'enumerate_strategies'))} | {fmt_s(pass_s(r, 'estimate_costs'))} | {fmt_s(build)} | "
+            f"{fmt_s(pass_s(r, 'enumerate_strategies'))} | {fmt_s(pass_s(r, 'merge_followers'))} | "
+            f"{fmt_s(pass_s(r, 'estimate_costs'))} | {fmt_s(build)} | "
             f"{fmt_s(r.get('highs_s'))} | {fmt_s(pass_s(r, 'insert_collectives'))} | "
             f"{r.get('binary')} / {r.get('continuous')} / {r.get('rows')} | {fmt_ms(r.get('objective'))} | "
             f"{fmt_ms(r.get('lower_bound'))} | {r.get('gap', 0):.2%} | {r['blocks']} | {r['load']:.1f} |"
@@ -481,8 +483,11 @@ def part_vit(args) -> dict:
                     ("2-D pinned: TP on tp, FSDP on dp", megatron_fsdp_pins(model, mesh88()), mesh88()),
                     ("FSDP-only", pins, mesh88()),
                     ("FSDP-only, flat (64,) mesh on InfiniBand", fsdp_pins(model, mesh64())[0], mesh64())]
+        short = dict(zip(("free", "pinned", "fsdp", "flat"), variants))
+        variants = [short[k] for k in args.vit_variants.split(",")]
+        budget0 = args.budget or None
         for label, p, mesh in variants:
-            for budget in ((args.budget, None) if args.also_unbudgeted else (args.budget,)):
+            for budget in ((budget0, None) if args.also_unbudgeted and budget0 else (budget0,)):
                 row, c = run_case(model, inputs, mesh, training=True, loss_fn=cls_loss, pins=p,
                                   memory_budget=budget, optimizer_state_factor=args.optimizer_state_factor)
                 row["budget"] = budget
@@ -491,7 +496,7 @@ def part_vit(args) -> dict:
                     row["placements"] = {f: by_fqn.get(f, "?") for f in (
                         "blocks.0.attn.q_proj.weight", "blocks.0.attn.o_proj.weight", "blocks.0.mlp.fc1.weight",
                         "blocks.0.mlp.fc2.weight", "patch_embed.weight", "head.weight")}
-                key = label if budget is not None else label + ", no budget"
+                key = label if budget is not None or not budget0 else label + ", no budget"
                 entry["plans"][key] = row
                 print(f"  {key}: " + (f"does not fit: {row['error'][:300]}" if "error" in row else
                                       f"{fmt_ms(row['objective'])} ms, peak {row['peak'] / GB:.1f} GB, "
@@ -510,7 +515,7 @@ def _floor_gb(msg: str) -> str:
 def vit_md(d: dict) -> list[str]:
     out = [f"### ViT seed: 64 ranks (dp=8 InfiniBand, tp=8 NVLink), H100 profile, global batch {d['batch']} "
            f"images 224x224 (batch per row), {d['dtype']}, AdamW state factor {d['optimizer_state_factor']:g}, budget "
-           f"{d['budget'] / GB:.0f} GB per rank"
+           + (f"{d['budget'] / GB:.0f} GB per rank" if d["budget"] else "no budget")
            + (f", InfiniBand what-if {d['ib_gbps']:g} GB/s" if d.get("ib_gbps") else ""), "",
            "| model | params | batch | plan | budget | fits? | predicted step ms (compute + comm) | predicted peak GB "
            "(params / grads / optimizer / activations) | collectives | qkv / o / fc1 / fc2 weight | total s "
@@ -610,16 +615,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--headline-layers", type=int, default=32)
     ap.add_argument("--headline-budget", type=int, default=1, help="headline: also plan under --budget (0: no)")
-    ap.add_argument("--headline-attention", type=int, default=1,
-                    help="headline: also plan with attention FLOPs priced (a what-if patch; 0: no)")
+    ap.add_argument("--headline-attention", type=int, default=0,
+                    help="headline: also plan with the CPU attention ops priced by a what-if patch (1); compute.py prices them since c934eb1")
     ap.add_argument("--vit-batch", type=int, default=512, help="global batch for the ViT part (8 images per rank)")
     ap.add_argument("--vit-120b-batches", default="256", help="ViT-120B also at these global batches")
     ap.add_argument("--vit-models", default="vit_60b,vit_120b")
+    ap.add_argument("--vit-variants", default="free,pinned,fsdp,flat",
+                    help="free: 2-D free plan; pinned: TP on tp + FSDP on dp; fsdp: FSDP pins on (8, 8); flat: (64,) mesh")
     ap.add_argument("--ib-gbps", type=float, default=0.0,
                     help="ViT: InfiniBand bus bandwidth what-if in GB/s (default: the profile's 25)")
     ap.add_argument("--vit-dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--vit-layers", type=int, default=0, help="0: the published depth (72 / 66)")
-    ap.add_argument("--budget", type=float, default=H100_BYTES, help="memory budget per rank, bytes")
+    ap.add_argument("--budget", type=float, default=H100_BYTES, help="memory budget per rank, bytes (0: none)")
     ap.add_argument("--optimizer-state-factor", type=float, default=6.0,
                     help="optimizer bytes per parameter byte: 6 = AdamW with fp32 master weights, m and v "
                          "(12 bytes) on bf16 parameters")
