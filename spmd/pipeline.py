@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -20,6 +21,7 @@ import torch
 
 from spmd.cost_model.memory import peak_live_bytes
 from spmd.dump import Dumper, format_graph
+from spmd.errors import SpmdError
 from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
@@ -120,16 +122,26 @@ def _temporaries(c: Compilation, plan) -> tuple[float, str | None]:
 
 def _solve(c: Compilation) -> None:
     """The ILP, then the schedule's temporaries on top of its memory terms. Under a budget, when the
-    temporaries do not fit beside the plan, solve once more leaving room for them."""
+    temporaries do not fit beside the plan, solve once more leaving room for them; if no plan leaves
+    that much room, keep the first (its terms fit the budget) and say so."""
     def solve(budget):
         return solve_placements(c.strategies, c.costs, c.traced.labels(), budget, agree=c.agree, blocks=c.blocks)
 
     plan = solve(c.memory_budget)
     extra, at = _temporaries(c, plan)
     if c.memory_budget is not None and plan.predicted_peak_bytes + extra > c.memory_budget:
-        plan = solve(c.memory_budget - extra)
-        extra, at = _temporaries(c, plan)
-        plan.memory_budget = c.memory_budget
+        try:
+            roomier = solve(c.memory_budget - extra)
+        except SpmdError:
+            warnings.warn(f"memory_budget {c.memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
+                          f"optimizer state and saved activations fit, but with the schedule's temporaries "
+                          f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
+                          f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB and no plan leaves room for them. "
+                          "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=3)
+        else:
+            plan = roomier
+            extra, at = _temporaries(c, plan)
+            plan.memory_budget = c.memory_budget
     plan.memory["temporaries"] = extra
     plan.stats["peak_live_at"] = at
     c.plan = plan

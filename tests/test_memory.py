@@ -32,3 +32,18 @@ def test_training_temporaries_come_on_top_of_saved_activations_and_fit_the_budge
     tight = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
     assert tight.predicted_peak_bytes <= budget
     assert tight.memory_budget == budget
+
+
+def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
+    """On one device every plan is the same: a budget its terms fit but its temporaries overflow gets
+    that plan back with a warning naming the real budget, not an error about a smaller one."""
+    import pytest
+
+    torch.manual_seed(0)
+    one = spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
+    free = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss)
+    budget = free.predicted_peak_bytes - free.memory["temporaries"] / 2
+    with pytest.warns(UserWarning, match=f"memory_budget {budget / 2**20:.1f} MiB"):
+        tight = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
+    assert tight.predicted_peak_bytes == free.predicted_peak_bytes

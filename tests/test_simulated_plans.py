@@ -100,3 +100,26 @@ def test_2d_training_gradients_match_single_device(profile):
                                        rtol=1e-9, atol=1e-10)
         checked += 1
     assert checked == 1 + len(grads)
+
+
+def test_vit_training_with_a_token_mean_matches_single_device():
+    """The token mean's backward offers P(avg) layouts no resharding reaches: the solver must rule those
+    pairs out (it used to fail with a KeyError) and the plan must still train exactly."""
+    import torch.nn.functional as F
+
+    from examples.models import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    model = ViT(ViTConfig())
+    inputs = (torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+    mesh = spec((2, 2), ("dp", "tp"))
+    c = run_pipeline(Compilation(model, inputs, mesh, Pins(), None, training=True, loss_fn=F.cross_entropy))
+    outs = simulate(c, inputs + (torch.tensor(1.0),))
+    F.cross_entropy(model(inputs[0]), inputs[1]).backward()
+    grads = dict(model.named_parameters())
+    for k, kind in enumerate(c.traced.output_kinds()):
+        if kind.kind == "grad":
+            ps = c.plan.choices[f"output_{k}"].inputs[0]
+            for rank, out in enumerate(outs):
+                torch.testing.assert_close(out[k], local_shard(grads[kind.name].grad, ps, mesh.shape,
+                                                               mesh.coordinate(rank)), rtol=1e-9, atol=1e-10)

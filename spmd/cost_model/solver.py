@@ -48,6 +48,10 @@ class IlpBuilder:
         self.upper.append(1.0 if binary else float(upper))
         return len(self.cost) - 1
 
+    def forbid(self, col: int) -> None:
+        """Fix a column at 0 (a choice that cannot be made)."""
+        self.upper[col] = 0.0
+
     def add_cost(self, col: int, cost: float) -> None:
         self.cost[col] += float(cost)
 

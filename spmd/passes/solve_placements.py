@@ -116,6 +116,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             if a is r or a == r:
                 terms.append((col, 0.0))
                 continue
+            if r not in rows[a]:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
+                ilp.forbid(col)
+                continue
             seconds, steps = rows[a][r]
             for step in steps if gradient and costs.bucket_bytes else ():
                 if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
