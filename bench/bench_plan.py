@@ -390,27 +390,9 @@ def headline_md(d: dict) -> list[str]:
 # part 3: the ViT seed
 
 
-class PooledBySumViT(ViT):
-    """examples.models.ViT with the token mean written as sum / tokens (the same function). Training
-    plans of the stock ViT fail in solve_placements with KeyError (Partial(avg), ...): DTensor's mm rule
-    offers a P(avg) input for the head's weight gradient, `mean` can make P(avg), but the redistribute
-    planner has no path R -> P(avg) and the ILP builder prices every (producer, consumer) pair
-    (reported; spmd/ is not ours to edit here). A sum makes P(sum), which every path handles."""
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = images.shape
-        p = self.cfg.patch
-        patches = images.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c * p * p)
-        x = self.patch_embed(patches) + self.pos_emb
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        return self.head(x.sum(dim=1) / x.shape[1])
-
-
 def vit(cfg: ViTConfig, batch: int, dtype):
     with torch.device("meta"):
-        model = PooledBySumViT(cfg).to(dtype)
+        model = ViT(cfg).to(dtype)
         images = torch.empty(batch, cfg.channels, cfg.image, cfg.image, dtype=dtype)
         labels = torch.randint(0, cfg.classes, (batch,))
     return model, (images, labels)
