@@ -549,19 +549,14 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
+def _spawned(rank: int, world: int, port: int, worker, args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     worker(args)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="tiny,medium", help="comma list of: " + ", ".join(SIZES))
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of timing rounds")
-    ap.add_argument("--profile", default="", help="comma list of sizes to profile: where a2's time goes vs c")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_forward.md"))
-    args = ap.parse_args()
+def launch(worker, args, nprocs: int = 2) -> None:
+    """Run `worker(args)` on every rank: here under torchrun, else in `nprocs` spawned gloo processes."""
     if "RANK" in os.environ:  # under torchrun
         worker(args)
         return
@@ -571,7 +566,16 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_spawned, args=(2, port, args), nprocs=2, start_method="spawn")
+    mp.start_processes(_spawned, args=(nprocs, port, worker, args), nprocs=nprocs, start_method="spawn")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="tiny,medium", help="comma list of: " + ", ".join(SIZES))
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of timing rounds")
+    ap.add_argument("--profile", default="", help="comma list of sizes to profile: where a2's time goes vs c")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_forward.md"))
+    launch(worker, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import copy
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -47,9 +46,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_forward import (SIZES, cpu_model, dtensor_megatron, fmt_ms, git_state, megatron_mesh_spec,  # noqa: E402
-                           megatron_param_pins, paired_ratio, percentile, register_cpu_sdpa_rule, repriced,
-                           summary_str, time_interleaved, timed)
+from bench_forward import (SIZES, count_ops, cpu_model, dtensor_megatron, fmt_ms, git_state,  # noqa: E402
+                           launch, megatron_mesh_spec, megatron_param_pins, paired_ratio, percentile,
+                           register_cpu_sdpa_rule, repriced, summary_str, time_interleaved, timed)
 
 # (rounds, calls per variant per round, warmup calls per variant); see bench_forward.SCHEDULE.
 SCHEDULE = {"tiny": (150, 1, 10), "medium": (16, 1, 2)}
@@ -415,26 +414,6 @@ def _bucket_wait_local(flat, tensors, reduce_op, world):
     return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-def count_ops(fn) -> "collections.Counter":
-    """ATen ops dispatched by one call of fn (forward and autograd's backward, views included), by name."""
-    import collections
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.c = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.c[str(func.overloadpacket).replace("aten.", "")] += 1
-            return func(*args, **(kwargs or {}))
-
-    m = Count()
-    with m:
-        fn()
-    return m.c
-
-
 def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, world: int) -> str:
     """Where a2's step goes, compared with c (rank 0's view, interleaved calls): the generated forward
     and backward graphs called directly (no autograd), the same with collectives removed, the
@@ -689,29 +668,13 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    worker(args)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="tiny,medium", help="comma list of: " + ", ".join(SIZES))
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of timing rounds")
     ap.add_argument("--profile", default="", help="comma list of sizes to profile: where a2's step goes vs c")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_train.md"))
-    args = ap.parse_args()
-    if "RANK" in os.environ:  # under torchrun
-        worker(args)
-        return
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_spawned, args=(2, port, args), nprocs=2, start_method="spawn")
+    launch(worker, ap.parse_args())
 
 
 if __name__ == "__main__":
