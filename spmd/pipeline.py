@@ -143,7 +143,7 @@ def _solve(c: Compilation) -> None:
             extra, at = _temporaries(c, plan)
             plan.memory_budget = c.memory_budget
     plan.memory["temporaries"] = extra
-    plan.stats["peak_live_at"] = at
+    plan.stats.update(c.stats, peak_live_at=at, bucket_bytes=c.bucket_bytes)
     c.plan = plan
 
 
@@ -217,8 +217,6 @@ def run_pipeline(c: Compilation, dump_dir: str | None = None) -> Compilation:
         t0 = time.perf_counter()
         p.run(c)
         c.timings[p.name] = time.perf_counter() - t0
-        if p.name == "solve_placements":
-            c.plan.stats.update(c.stats, bucket_bytes=c.bucket_bytes)
         if dump.directory:
             dump(p.name, p.dump(c))
     return c

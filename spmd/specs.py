@@ -46,6 +46,11 @@ def shard_factor(ps: Placements, mesh_shape: tuple[int, ...], dim: int) -> int:
     return math.prod(n for p, n in zip(ps, mesh_shape) if isinstance(p, Shard) and p.dim == dim)
 
 
+def pieces(ps: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Into how many pieces `ps` cuts a tensor (the product of the mesh axes that shard it)."""
+    return math.prod(n for p, n in zip(ps, mesh_shape) if isinstance(p, Shard))
+
+
 def local_shape(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape each rank holds (specs here are always even: see `is_even`)."""
     return tuple(s // shard_factor(ps, mesh_shape, d) for d, s in enumerate(shape))

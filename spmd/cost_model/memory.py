@@ -11,13 +11,11 @@ reported as "temporaries" (in inference, where nothing is saved, it is the whole
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Shard
 
 from spmd.cost_model.compute import is_view
-from spmd.specs import Placements, TensorInfo
+from spmd.specs import Placements, TensorInfo, pieces
 
 Value = tuple[str, int]
 
@@ -30,8 +28,7 @@ class MemoryTerm:
     factor: float = 1.0
 
     def bytes(self, placements: Placements, mesh_shape: tuple[int, ...]) -> float:
-        pieces = math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, Shard))
-        return self.info.nbytes / pieces * self.factor
+        return self.info.nbytes / pieces(placements, mesh_shape) * self.factor
 
 
 def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm]:
@@ -99,8 +96,7 @@ def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[i
             total = 0.0
             for info, ps in zip(infos, choices[n.name].outputs):
                 if isinstance(info, TensorInfo) and ps is not None:
-                    pieces = math.prod(m for p, m in zip(ps, mesh_shape) if isinstance(p, Shard))
-                    total += info.nbytes / pieces
+                    total += info.nbytes / pieces(ps, mesh_shape)
             sizes[n] = total
             live += total
             if live > peak:

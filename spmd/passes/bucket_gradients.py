@@ -15,6 +15,7 @@ import operator
 import torch.fx as fx
 
 from spmd.runtime import collectives as C
+from spmd.specs import pieces
 
 
 def _gradient_chain(node: fx.Node) -> bool:
@@ -30,14 +31,8 @@ def _gradient_chain(node: fx.Node) -> bool:
 
 def local_bytes(node: fx.Node, mesh_shape: tuple[int, ...]) -> float:
     """Bytes of `node`'s value on one rank, from its global value and its placements."""
-    import math
-
-    from torch.distributed.tensor import Shard
-
     val = node.meta["val"]
-    placements = node.meta["spmd_placements"][0]
-    pieces = math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, Shard))
-    return val.numel() * val.element_size() / pieces
+    return val.numel() * val.element_size() / pieces(node.meta["spmd_placements"][0], mesh_shape)
 
 
 def bucket_gradients(gm: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_bytes: float,
