@@ -23,11 +23,11 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
 from spmd.cost_model.comm import step_cost
 from spmd.cost_model.compute import compute_cost
 from spmd.errors import SpmdError, SpmdInternalError
+from spmd.passes.estimate_costs import local_call
 from spmd.specs import shard_factor
 
 
@@ -141,9 +141,7 @@ def cost_formula(plan, symbol: str = "batch") -> sympy.Expr:
         ins = [_local(sym[a.name], ps, mesh.shape) for a, ps in zip(_in_order(node, sym), strategy.inputs)]
         outs_sym = sym[node.name] if isinstance(sym.get(node.name), tuple) else (sym.get(node.name),)
         outs = [_local(o, ps, mesh.shape) for o, ps in zip(outs_sym, strategy.outputs) if o is not None and ps is not None]
-        it = iter(ins)
-        args, kwargs = tree_map(lambda a: next(it).shape if isinstance(a, fx.Node) and isinstance(sym.get(a.name), SymInfo)
-                                else a, (tuple(node.args), dict(node.kwargs)))
+        args, kwargs = local_call(node, lambda a: isinstance(sym.get(a.name), SymInfo), ins)
         terms.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device, maximum=sympy.Max))
 
     grads = {f"output_{k}" for k, o in enumerate(t1.output_kinds()) if o.kind == "grad"}

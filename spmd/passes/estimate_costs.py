@@ -51,6 +51,14 @@ class CostTable:
         return self.paths_from(value, src, gradient)[dst][0]
 
 
+def local_call(node: fx.Node, is_tensor, local_infos: list) -> tuple[tuple, dict]:
+    """`node`'s (args, kwargs) with each tensor argument (`is_tensor(arg)`, in pytree order, as strategies
+    list them) replaced by its local shape from `local_infos`: what FLOP formulas take."""
+    it = iter(local_infos)
+    return tree_map(lambda a: next(it).shape if isinstance(a, fx.Node) and is_tensor(a) else a,
+                    (tuple(node.args), dict(node.kwargs)))
+
+
 def _local(info: TensorInfo, ps: Placements, mesh_shape) -> TensorInfo:
     return TensorInfo(local_shape(info.shape, ps, mesh_shape), info.dtype)
 
@@ -85,10 +93,7 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         for s in ns.strategies:
             ins = [_local(i, ps, mesh.shape) for i, ps in zip(in_infos, s.inputs)]
             outs = [_local(o, ps, mesh.shape) for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
-            it = iter(ins)
-            args, kwargs = tree_map(
-                lambda a: next(it).shape if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo) else a,
-                (tuple(node.args), dict(node.kwargs)))
+            args, kwargs = local_call(node, lambda a: isinstance(traced.tensor_info.get(a.name), TensorInfo), ins)
             row.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device))
         costs.node_costs[name] = row
         rows_by_variant[key] = row
