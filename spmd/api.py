@@ -61,7 +61,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
             param_placements: dict | None = None, out_placements: dict | Sequence | None = None,
             mesh_spec: MeshSpec | None = None, dump_dir: str | None = None, loss_fn=None,
             training: bool | None = None, memory_budget: float | None = None,
-            optimizer_state_factor: float = 2.0):
+            optimizer_state_factor: float = 2.0, stamp_layers: bool = False):
     """Partition `model` over `mesh` and return this rank's `CompiledModule`.
 
     example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for).
@@ -75,6 +75,10 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     memory_budget: bytes per rank the plan's predicted peak (parameters, gradients, optimizer state,
     saved activations, inputs) must fit in; optimizer_state_factor: optimizer state per parameter in
     parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0).
+    stamp_layers: trace only the first few of each stack of 8 or more identical layers and copy the
+    rest (passes/stamp_layers.py): tracing a deep model gets several times faster. Off by default here,
+    because a forward that reads its own depth (`len(self.layers)` in an expression) would be compiled
+    with the traced depth; `spmd.plan` stamps by default.
     """
     from spmd.runtime.compiled import CompiledModule
 
@@ -98,7 +102,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, in_placement
     c = run_pipeline(Compilation(model, example_inputs, spec, pins, rank, groups, device=device,
                                  training=training, loss_fn=loss_fn, memory_budget=memory_budget,
                                  optimizer_state_factor=optimizer_state_factor, device_mesh=mesh,
-                                 agree=_agree_with_rank0 if dist.is_initialized() else None),
+                                 agree=_agree_with_rank0 if dist.is_initialized() else None,
+                                 stamp_layers=stamp_layers),
                      dump_dir)
     return CompiledModule(c)
 
@@ -138,7 +143,7 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = ()) -> tuple[torc
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, in_placements=None,
          param_placements=None, out_placements=None, dump_dir: str | None = None, loss_fn=None,
          training: bool | None = None, memory_budget: float | None = None, optimizer_state_factor: float = 2.0,
-         tie_blocks: bool | None = None, merge_followers: bool | None = None):
+         tie_blocks: bool | None = None, merge_followers: bool | None = None, stamp_layers: bool = True):
     """Run the pipeline up to the plan with no processes at all; returns the `Plan`.
 
     A model and inputs on the meta device are planned through fake tensors (see `fake_model`).
@@ -146,7 +151,9 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     passes/find_repeated_blocks.py); False solves every layer separately; None (default) ties layers
     that repeat at least 4 times. merge_followers: single-input ops follow their input's placement instead of
     choosing their own (passes/merge_followers.py: an approximation that shrinks the solve); None
-    (default) does it only on graphs of more than 1500 ops."""
+    (default) does it only on graphs of more than 1500 ops. stamp_layers: a stack of 8 or more identical
+    layers is traced 3 layers deep and the middle one copied up to full depth (passes/stamp_layers.py;
+    the graph is the one a full trace gives); False traces every layer."""
     if isinstance(out_placements, (list, tuple)):
         out_placements = dict(enumerate(out_placements))
     pins = Pins(dict(in_placements or {}), dict(param_placements or {}), dict(out_placements or {}))
@@ -158,11 +165,13 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     replanner = Replanner(model, example_inputs, mesh_spec, dict(
         in_placements=in_placements, param_placements=param_placements, out_placements=out_placements,
         loss_fn=loss_fn, training=training, memory_budget=memory_budget,
-        optimizer_state_factor=optimizer_state_factor, tie_blocks=tie_blocks, merge_followers=merge_followers))
+        optimizer_state_factor=optimizer_state_factor, tie_blocks=tie_blocks, merge_followers=merge_followers,
+        stamp_layers=stamp_layers))
     model, example_inputs = fake_model(model, example_inputs)
     c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
                                  memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
-                                 tie_blocks=tie_blocks, merge_followers=merge_followers),
+                                 tie_blocks=tie_blocks, merge_followers=merge_followers,
+                                 stamp_layers=stamp_layers),
                      dump_dir)
     c.plan.replanner = replanner  # plan.cost_formula and plan.crossover ask again at other batch sizes
     return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

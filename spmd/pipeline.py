@@ -25,12 +25,14 @@ from spmd.errors import SpmdError
 from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
+from spmd.passes.find_layer_stacks import TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, find_repeated_blocks
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
 from spmd.passes.split_joint_graph import split_joint_graph
+from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import trace_joint
 from spmd.passes.trace_module import flat_outputs, trace_module
 from spmd.specs import placements_str
@@ -66,6 +68,9 @@ class Compilation:
     # None: only where a layer repeats at least AUTO_MIN_REPEATS times
     blocks: Any = None  # RepeatedBlocks
     merge_followers: bool | None = None  # cheap ops follow their input (approximate; None: large graphs only)
+    stamp_layers: bool | None = None  # trace TRACED layers of each stack of identical layers and copy the
+    # middle one up to full depth (None: when planning only, see find_layer_stacks.py)
+    stacks: tuple = ()  # LayerStacks traced truncated
     timings: dict = field(default_factory=dict)  # pass name -> seconds
     stats: dict = field(default_factory=dict)  # what passes report (e.g. nodes merged), copied into plan.stats
 
@@ -157,6 +162,39 @@ def _forward_only(c: Compilation) -> bool:
     return not c.training
 
 
+def _stamping(c: Compilation) -> bool:
+    return c.stamp_layers if c.stamp_layers is not None else c.rank is None
+
+
+def _trace(c: Compilation) -> None:
+    """The traced graph, of the model with its layer stacks truncated when there are any; a truncated
+    model that does not trace (a forward that indexes layers by a configured depth) is traced whole."""
+    def trace(model):
+        if c.training:
+            return trace_joint(model, c.example_inputs, c.loss_fn)
+        return trace_module(model, c.example_inputs)
+
+    if c.stacks:
+        try:
+            with truncated(c.model, c.stacks):
+                c.traced = trace(c.model)
+            return
+        except SpmdError as e:
+            c.stats["stamped_layers"] = f"none: the model with {TRACED} layers per stack did not trace ({e})"
+            c.stacks = ()
+    c.traced = trace(c.model)
+
+
+def _stamp(c: Compilation) -> None:
+    try:
+        c.traced = stamp_layers(c.traced, c.stacks, c.model)
+        c.stats["stamped_layers"] = "; ".join(f"{s.fqn}: {TRACED} traced, {s.depth - TRACED} stamped" for s in c.stacks)
+    except CannotStamp as e:
+        c.stats["stamped_layers"] = f"none: {e}; traced every layer"
+        c.stacks = ()
+        _trace(c)
+
+
 def _has_rank(c: Compilation) -> bool:
     return c.rank is not None
 
@@ -169,11 +207,17 @@ def _training_rank(c: Compilation) -> bool:
 PIPELINE: tuple[Pass, ...] = (
     # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
     # the joint forward+backward graph; after that, both take the same road.
-    Pass("trace_module", lambda c: setattr(c, "traced", trace_module(c.model, c.example_inputs)),
+    # Deep models: stacks of identical layers are traced a few layers deep and stamped to full depth.
+    Pass("find_layer_stacks", lambda c: setattr(c, "stacks", find_layer_stacks(c.model)),
+         lambda c: "\n".join(map(str, c.stacks)), _stamping),
+    # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
+    # the joint forward+backward graph; after that, both take the same road.
+    Pass("trace_module", _trace,
          lambda c: format_graph(c.traced.graph, lambda n: str(c.traced.tensor_info.get(n.name, ""))), _forward_only),
-    Pass("trace_joint", lambda c: setattr(c, "traced", trace_joint(c.model, c.example_inputs, c.loss_fn)),
+    Pass("trace_joint", _trace,
          lambda c: format_graph(c.traced.graph, lambda n: f"{c.traced.tensor_info.get(n.name, '')} "
                                 f"{n.meta.get('partitioner_tag', '')}"), lambda c: c.training),
+    Pass("stamp_layers", _stamp, lambda c: c.stats.get("stamped_layers", ""), lambda c: bool(c.stacks)),
     # Identical layers, found once, let the next three passes do one layer's work for all of them.
     Pass("find_repeated_blocks", lambda c: setattr(c, "blocks", find_repeated_blocks(
         c.traced, AUTO_MIN_REPEATS if c.tie_blocks is None else 2)),

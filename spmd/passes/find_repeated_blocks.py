@@ -74,7 +74,7 @@ def _info(node) -> str:
     return repr((getattr(val, "shape", None), getattr(val, "dtype", None)))
 
 
-def _signature(nodes: list[fx.Node]) -> tuple:
+def signature(nodes: list[fx.Node]) -> tuple:
     """Position-relative description of an instance: equal signatures mean identical subgraphs."""
     pos = {n: i for i, n in enumerate(nodes)}
     sig = []
@@ -102,9 +102,10 @@ def _wl_hash(nodes: list[fx.Node]) -> str:
 AUTO_MIN_REPEATS = 4  # below this, solving every layer is cheap and tying would only cost optimality
 
 
-def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
-    """Classes of at least `min_repeats` identical instances."""
-    instances: dict[str, list[fx.Node]] = {}
+def instances(traced) -> dict[str, list[fx.Node]]:
+    """"model.layers.3/fwd" -> the call nodes that module-list element put in the graph in that phase, in
+    graph order (gradient-accumulation glue included, see below)."""
+    found: dict[str, list[fx.Node]] = {}
     owner: dict[fx.Node, str] = {}
     glue: set[fx.Node] = set()
     for node in traced.graph.nodes:
@@ -114,17 +115,22 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
         if key is None:  # glue without a module (gradient accumulation adds): join the instance of an
             # input that has a module of its own (a chain of glue would drag every add into one layer)
             phase = "/" + _phase(node)
-            found = [owner[a] for a in node.all_input_nodes if a in owner and owner[a].endswith(phase)]
+            indirect = [owner[a] for a in node.all_input_nodes if a in owner and owner[a].endswith(phase)]
             direct = [owner[a] for a in node.all_input_nodes if a in owner and a not in glue and owner[a].endswith(phase)]
-            key = (direct or found or [None])[-1]
+            key = (direct or indirect or [None])[-1]
             if key is not None:
                 glue.add(node)
         if key:
-            instances.setdefault(key, []).append(node)
+            found.setdefault(key, []).append(node)
             owner[node] = key
+    return found
 
+
+def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
+    """Classes of at least `min_repeats` identical instances."""
+    by_key = instances(traced)
     buckets: dict[tuple[str, str], list[str]] = {}
-    for key, nodes in instances.items():
+    for key, nodes in by_key.items():
         buckets.setdefault((_stem(key), _wl_hash(nodes)), []).append(key)
 
     blocks = RepeatedBlocks()
@@ -134,15 +140,15 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
             continue
         by_sig: dict[tuple, list[str]] = {}
         for key in keys:
-            by_sig.setdefault(_signature(instances[key]), []).append(key)
+            by_sig.setdefault(signature(by_key[key]), []).append(key)
         for members in by_sig.values():
             if len(members) < max(2, min_repeats):
                 continue
-            first = instances[members[0]]
+            first = by_key[members[0]]
             blocks.classes.append(members)
             blocks.nodes_per_instance[members[0]] = len(first)
             for key in members[1:]:
-                for node, rep in zip(instances[key], first):
+                for node, rep in zip(by_key[key], first):
                     blocks.representative[node.name] = rep.name
                 param_rep[key.split("/")[0]] = members[0].split("/")[0]
 
