@@ -83,43 +83,61 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
 
+    # Nodes of tied layers share their strategy list object and their columns with an earlier twin, so
+    # what is derived from (strategies, columns) is derived once and looked up by identity after that:
+    # hashing placements is most of the work of building the program for a deep model.
+    memo: dict[tuple, object] = {}
+
     def publish(name: str) -> None:
         ns = table.nodes[name]
         for k in range(len(ns.outputs)):
-            groups: dict[Placements, list[int]] = {}
-            for s, expr in zip(ns.strategies, node_expr[name]):
-                if s.outputs[k] is not None:
-                    groups.setdefault(s.outputs[k], []).extend(expr)
-            value_expr[(name, k)] = {ps: tuple(cols) for ps, cols in groups.items()}
+            key = ("out", id(ns.strategies), k, tuple(node_expr[name]))
+            if key not in memo:
+                groups: dict[Placements, list[int]] = {}
+                for s, expr in zip(ns.strategies, node_expr[name]):
+                    if s.outputs[k] is not None:
+                        groups.setdefault(s.outputs[k], []).extend(expr)
+                memo[key] = {ps: tuple(cols) for ps, cols in groups.items()}
+            value_expr[(name, k)] = memo[key]
+
+    def follows(ns, producer: dict) -> bool:
+        key = ("follows", id(ns.strategies), id(producer))
+        if key not in memo:
+            memo[key] = _is_follower(ns, producer)
+        return memo[key]
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
         """(column, seconds) terms pricing one edge, with edge variables where both ends have choices;
         for a gradient, also (axis, column, share of a bucket) for each bucketed all_reduce."""
-        rows = {a: costs.paths_from(value, a, gradient) for a in producer}  # a -> {r: (seconds, steps)}
-        if len(producer) == 1:
-            (a,) = producer
-            pairs = [(col, a, r) for r, rcols in needed.items() for col in rcols]
-        elif len(needed) == 1:
-            (r,) = needed
-            pairs = [(col, a, r) for a, acols in producer.items() for col in acols]
+        made, wanted = list(producer), list(needed)
+        # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
+        # once per pair of placements (hashing placements is the slow part of building the program)
+        paths = []
+        for a in made:
+            row = costs.paths_from(value, a, gradient)
+            paths.append([(0.0, ()) if a == r else row.get(r) for r in wanted])
+        if len(made) == 1:
+            pairs = [(col, 0, k) for k, rcols in enumerate(needed.values()) for col in rcols]
+        elif len(wanted) == 1:
+            pairs = [(col, i, 0) for i, acols in enumerate(producer.values()) for col in acols]
         else:
             e = shared_edges.get(structure)
             if e is None:
-                e = shared_edges[structure] = {(a, r): ilp.add_var(0.0, binary=False) for a in producer for r in needed}
-                for a, acols in producer.items():
-                    ilp.add_eq([(e[a, r], 1.0) for r in needed] + [(c, -1.0) for c in acols], 0.0)
-                for r, rcols in needed.items():
-                    ilp.add_eq([(e[a, r], 1.0) for a in producer] + [(c, -1.0) for c in rcols], 0.0)
-            pairs = [(col, a, r) for (a, r), col in e.items()]
+                first = ilp.add_vars(len(made) * len(wanted))
+                e = shared_edges[structure] = [first + i * len(wanted) + k for i in range(len(made))
+                                               for k in range(len(wanted))]
+                for i, acols in enumerate(producer.values()):
+                    ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
+                for k, rcols in enumerate(needed.values()):
+                    ilp.add_eq([(e[i * len(wanted) + k], 1.0) for i in range(len(made))] + [(c, -1.0) for c in rcols], 0.0)
+            pairs = [(col, idx // len(wanted), idx % len(wanted)) for idx, col in enumerate(e)]
         terms, shares = [], []
-        for col, a, r in pairs:
-            if a is r or a == r:
-                terms.append((col, 0.0))
-                continue
-            if r not in rows[a]:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
+        for col, i, k in pairs:
+            path = paths[i][k]
+            if path is None:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
                 ilp.forbid(col)
                 continue
-            seconds, steps = rows[a][r]
+            seconds, steps = path
             for step in steps if gradient and costs.bucket_bytes else ():
                 if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
                     share = min(1.0, step.in_bytes / costs.bucket_bytes)
@@ -132,13 +150,18 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
         tied layers have the same columns on both ends, hence the same placements (equal strategies,
         output index and slot fixed) and, for the same tensor, the same terms: priced once, counted."""
+        exprs_key = tuple(exprs)
         for j, value in enumerate(ns.inputs):
             producer = value_expr[value]
-            needed: dict[Placements, list[int]] = {}
-            for s, expr in zip(ns.strategies, exprs):
-                needed.setdefault(s.inputs[j], []).extend(expr)
+            key = ("in", id(ns.strategies), j, exprs_key)
+            if key not in memo:
+                needed: dict[Placements, list[int]] = {}
+                for s, expr in zip(ns.strategies, exprs):
+                    needed.setdefault(s.inputs[j], []).extend(expr)
+                memo[key] = needed, tuple(tuple(rcols) for rcols in needed.values())
+            needed, needed_cols = memo[key]
             gradient = ns.source == "output" and ns.tie is not None  # a parameter's gradient leaving
-            structure = (value[1], j, tuple(producer.values()), tuple(tuple(rcols) for rcols in needed.values()))
+            structure = (value[1], j, tuple(producer.values()), needed_cols)
             group = (structure, costs.value_info[value], gradient)
             if group in edge_groups:
                 edge_groups[group][2] += 1
@@ -147,7 +170,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
-        if ns.source != "placeholder" and ns.inputs and _is_follower(ns, value_expr[ns.inputs[0]]):
+        if ns.source != "placeholder" and ns.inputs and follows(ns, value_expr[ns.inputs[0]]):
             src = value_expr[ns.inputs[0]]
             node_expr[name] = [src[s.inputs[0]] for s in ns.strategies]
             for expr, c in zip(node_expr[name], node_cost):
