@@ -30,6 +30,9 @@ class IlpResult:
     n_rows: int
 
 
+COST_SCALE = 1e6  # the solver sees costs in microseconds
+
+
 class IlpBuilder:
     def __init__(self):
         self.cost: list[float] = []
@@ -88,7 +91,9 @@ class IlpBuilder:
         n = len(self.cost)
         t0 = time.perf_counter()
         a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
-        problem = dict(c=np.asarray(self.cost), bounds=Bounds(0, np.asarray(self.upper)),
+        # HiGHS's optimality tolerances are absolute (1e-7): costs in seconds (1e-6 for a small op)
+        # would sit near them, and a vertex a few percent from optimal would pass as optimal
+        problem = dict(c=np.asarray(self.cost) * COST_SCALE, bounds=Bounds(0, np.asarray(self.upper)),
                        constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)))
         binary = np.asarray(self.integral, dtype=bool)
         n_binary, n_rows = int(binary.sum()), len(self._rhs)
@@ -96,7 +101,8 @@ class IlpBuilder:
         if lp.x is not None and lp.status == 0 and np.all(np.abs(lp.x[binary] - np.round(lp.x[binary])) <= 1e-7):
             x = lp.x.copy()
             x[binary] = np.round(x[binary])
-            return IlpResult(x, float(lp.fun), float(lp.fun), 0.0, time.perf_counter() - t0,
+            objective = float(lp.fun) / COST_SCALE
+            return IlpResult(x, objective, objective, 0.0, time.perf_counter() - t0,
                              "Optimal (the LP relaxation's optimum is integral)", n_binary, n - n_binary, n_rows)
         remaining = max(1.0, time_limit - (time.perf_counter() - t0))
         res = milp(**problem, integrality=binary.astype(int),
@@ -107,4 +113,5 @@ class IlpBuilder:
                              n_binary, n - n_binary, n_rows)
         bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
         gap = 0.0 if res.fun <= 0 else max(0.0, (res.fun - bound) / abs(res.fun))
-        return IlpResult(res.x, float(res.fun), bound, gap, seconds, res.message, n_binary, n - n_binary, n_rows)
+        return IlpResult(res.x, float(res.fun) / COST_SCALE, bound / COST_SCALE, gap, seconds, res.message,
+                         n_binary, n - n_binary, n_rows)
