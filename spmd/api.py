@@ -171,7 +171,7 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     c = run_pipeline(Compilation(model, example_inputs, mesh_spec, pins, training=training, loss_fn=loss_fn,
                                  memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
                                  tie_blocks=tie_blocks, merge_followers=merge_followers,
-                                 stamp_layers=stamp_layers),
+                                 stamp_layers=stamp_layers, plan_only=True),
                      dump_dir)
     c.plan.replanner = replanner  # plan.cost_formula and plan.crossover ask again at other batch sizes
     return keep_sources(c)  # plan.explain() and plan.visualize() read the graph and the solver's tables

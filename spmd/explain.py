@@ -17,7 +17,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
@@ -34,11 +34,18 @@ class PlanSources:
     No parameter values: a compiled rank keeps only its shards."""
 
     graph: fx.Graph  # the traced ATen graph (node names are the plan's)
-    global_gm: fx.GraphModule | None  # insert_collectives output: the sharded graph with explicit steps
+    emitted: fx.GraphModule | Callable[[], fx.GraphModule] | None  # insert_collectives' output, or how to make it
     strategies: Any  # StrategyTable
     costs: Any  # CostTable
     kinds: dict[str, str]  # placeholder -> parameter | buffer | constant | input | tangent
     joint: bool = False
+
+    @property
+    def global_gm(self) -> fx.GraphModule | None:
+        """The sharded graph with explicit steps (made on first use when planning skipped it)."""
+        if callable(self.emitted) and not isinstance(self.emitted, fx.GraphModule):
+            self.emitted = self.emitted()
+        return self.emitted
 
 
 @dataclass(frozen=True)
@@ -473,6 +480,10 @@ def _parse_list(ps: str) -> list[str]:
 
 def keep_sources(c) -> Any:
     """Give `c.plan` what explain and visualize read (no parameter values); returns the plan."""
+    from spmd.passes.insert_collectives import insert_collectives
+
     kinds = {gi.placeholder: gi.kind for gi in c.traced.inputs}
-    c.plan.sources = PlanSources(c.traced.graph, c.global_gm, c.strategies, c.costs, kinds, c.traced.joint)
+    traced, plan = c.traced, c.plan
+    emitted = c.global_gm if c.global_gm is not None else (lambda: insert_collectives(traced, plan))
+    c.plan.sources = PlanSources(c.traced.graph, emitted, c.strategies, c.costs, kinds, c.traced.joint)
     return c.plan

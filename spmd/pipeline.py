@@ -71,6 +71,7 @@ class Compilation:
     stamp_layers: bool | None = None  # trace TRACED layers of each stack of identical layers and copy the
     # middle one up to full depth (None: when planning only, see find_layer_stacks.py)
     stacks: tuple = ()  # LayerStacks traced truncated
+    plan_only: bool = False  # stop at the plan (spmd.plan): the sharded graph is made when first drawn
     timings: dict = field(default_factory=dict)  # pass name -> seconds
     stats: dict = field(default_factory=dict)  # what passes report (e.g. nodes merged), copied into plan.stats
 
@@ -240,7 +241,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("solve_placements", lambda c: _solve(c), _dump_plan),
     # Structural passes from here: explicit steps, then this rank's local graph.
     Pass("insert_collectives", lambda c: setattr(c, "global_gm", insert_collectives(c.traced, c.plan)),
-         lambda c: format_graph(c.global_gm.graph, _specs)),
+         lambda c: format_graph(c.global_gm.graph, _specs), lambda c: not c.plan_only),
     Pass("emit_rank_graph", lambda c: setattr(c, "rank_gm", emit_rank_graph(c.global_gm, c.mesh, c.rank,
                                                                             c.group_names, c.device)),
          lambda c: c.rank_gm.code, _has_rank),

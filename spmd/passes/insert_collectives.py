@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from spmd.errors import SpmdInternalError
 from spmd.plan import Plan
-from spmd.passes.trace_module import TracedGraph, flat_outputs
+from spmd.passes.trace_module import TracedGraph, flat_outputs, graph_module
 from spmd.runtime.collectives import STEP_FUNCTIONS
 from spmd.specs import TensorInfo
 
@@ -104,7 +104,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         new.meta["spmd_placements"] = plan.choices[node.name].outputs
         env[node.name] = new
         reshard_outputs(node)
-    gm = fx.GraphModule(traced.gm, graph)
+    gm = graph_module(traced.gm, graph)
     return gm
 
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from spmd.passes.find_layer_stacks import TRACED, LayerStack
 from spmd.passes.find_repeated_blocks import instances, signature
-from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, tensor_infos
+from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, graph_module, tensor_infos
 
 MIDDLE = TRACED - 2  # P = MIDDLE - 1, M = MIDDLE, N = MIDDLE + 1 = the last traced layer
 
@@ -209,7 +209,7 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
                     new_kinds.append(GraphOutput("grad", _renumbered(gk.name, stack.fqn, M + c)))
     new.output(tuple(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0])
     new.output_node().meta = dict(out.meta)
-    gm = fx.GraphModule(traced.gm, new)
+    gm = graph_module(traced.gm, new)
     return TracedGraph(gm, tuple(inputs), traced.state, traced.out_spec, traced.in_spec, tensor_infos(gm),
                        tuple(new_kinds) if traced.outputs else (), traced.frozen, traced.joint)
 
