@@ -30,9 +30,6 @@ class IlpResult:
     n_rows: int
 
 
-COST_SCALE = 1e6  # the solver sees costs in microseconds
-
-
 class IlpBuilder:
     def __init__(self):
         self.cost: list[float] = []
@@ -91,9 +88,13 @@ class IlpBuilder:
         n = len(self.cost)
         t0 = time.perf_counter()
         a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
-        # HiGHS's optimality tolerances are absolute (1e-7): costs in seconds (1e-6 for a small op)
-        # would sit near them, and a vertex a few percent from optimal would pass as optimal
-        problem = dict(c=np.asarray(self.cost) * COST_SCALE, bounds=Bounds(0, np.asarray(self.upper)),
+        # HiGHS's optimality tolerances are absolute (1e-7): in seconds, a small op's cost (1e-6) sits
+        # near them and a vertex 0.1% off the optimum passes as optimal. Scaled so the largest cost is
+        # 1000, every cost that matters to 1e-10 of the largest is seen.
+        costs = np.asarray(self.cost)
+        largest = float(np.abs(costs).max()) if n else 0.0
+        scale = 1e3 / largest if largest > 0 else 1.0
+        problem = dict(c=costs * scale, bounds=Bounds(0, np.asarray(self.upper)),
                        constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)))
         binary = np.asarray(self.integral, dtype=bool)
         n_binary, n_rows = int(binary.sum()), len(self._rhs)
@@ -101,7 +102,7 @@ class IlpBuilder:
         if lp.x is not None and lp.status == 0 and np.all(np.abs(lp.x[binary] - np.round(lp.x[binary])) <= 1e-7):
             x = lp.x.copy()
             x[binary] = np.round(x[binary])
-            objective = float(lp.fun) / COST_SCALE
+            objective = float(lp.fun) / scale
             return IlpResult(x, objective, objective, 0.0, time.perf_counter() - t0,
                              "Optimal (the LP relaxation's optimum is integral)", n_binary, n - n_binary, n_rows)
         remaining = max(1.0, time_limit - (time.perf_counter() - t0))
@@ -113,5 +114,5 @@ class IlpBuilder:
                              n_binary, n - n_binary, n_rows)
         bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
         gap = 0.0 if res.fun <= 0 else max(0.0, (res.fun - bound) / abs(res.fun))
-        return IlpResult(res.x, float(res.fun) / COST_SCALE, bound / COST_SCALE, gap, seconds, res.message,
+        return IlpResult(res.x, float(res.fun) / scale, bound / scale, gap, seconds, res.message,
                          n_binary, n - n_binary, n_rows)
