@@ -93,7 +93,7 @@ class IlpBuilder:
         # 1000, every cost that matters to 1e-10 of the largest is seen.
         costs = np.asarray(self.cost)
         largest = float(np.abs(costs).max()) if n else 0.0
-        scale = 1e3 / largest if largest > 0 else 1.0
+        scale = 1e3 / max(largest, 1e-9)  # (a nanosecond at most: 1e12)
         problem = dict(c=costs * scale, bounds=Bounds(0, np.asarray(self.upper)),
                        constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)))
         binary = np.asarray(self.integral, dtype=bool)
