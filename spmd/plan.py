@@ -62,6 +62,32 @@ class Plan:
         return crossover(self, symbol, sizes)
 
     @property
+    def predicted_step_s(self) -> float:
+        """Estimated seconds per call of the compiled module, what a timer around `compiled(*inputs)`
+        (and `.backward()` when training) reads: `objective` (this rank's graph: compute + communication,
+        what the solver minimises) plus `wrapper_overhead_s`, which no plan changes."""
+        return self.objective + self.wrapper_overhead_s
+
+    @property
+    def wrapper_overhead_s(self) -> float:
+        """Seconds per call spent around the generated graphs (`CompiledModule.__call__`; in training also
+        the autograd Function and engine), from the mesh's `DeviceProfile`: `call_overhead_s` +
+        `arg_overhead_s` per placeholder (parameters, buffers, inputs), and when training
+        `backward_overhead_s` + `autograd_tensor_overhead_s` per parameter and per value saved for
+        backward. Counted on the traced graph; a plan loaded from a file has none, and gets
+        `call_overhead_s` alone."""
+        d = self.mesh.device
+        if self.sources is None:
+            return d.call_overhead_s
+        if "wrapper_counts" not in self._formulas:
+            self._formulas["wrapper_counts"] = _wrapper_counts(self.sources)
+        args, params, saved = self._formulas["wrapper_counts"]
+        t = d.call_overhead_s + d.arg_overhead_s * args
+        if self.sources.joint:
+            t += d.backward_overhead_s + d.autograd_tensor_overhead_s * (params + saved)
+        return t
+
+    @property
     def predicted_peak_bytes(self) -> float:
         """Parameters + gradients + optimizer state + saved activations + inputs on one rank."""
         return sum(self.memory.values())
@@ -156,3 +182,24 @@ class Plan:
         else:
             lines.append("  collectives: none")
         return "\n".join(lines)
+
+
+def _wrapper_counts(sources) -> tuple[int, int, int]:
+    """(placeholders the module passes in, parameters, values saved for backward) of a traced graph, as
+    `split_joint_graph` will split it: a forward value is saved when a backward node (tagged
+    `is_backward`, or reading a tangent or another backward node) reads it."""
+    kinds = sources.kinds
+    args = sum(1 for k in kinds.values() if k != "tangent")
+    params = sum(1 for k in kinds.values() if k == "parameter")
+    if not sources.joint:
+        return args, params, 0
+    backward: set = set()
+    for node in sources.graph.nodes:
+        if node.op == "output":
+            continue
+        if (kinds.get(node.name) == "tangent" or node.meta.get("partitioner_tag") == "is_backward"
+                or (node.op == "call_function" and any(a in backward for a in node.all_input_nodes))):
+            backward.add(node)
+    saved = sum(1 for node in sources.graph.nodes
+                if node.op != "output" and node not in backward and any(u in backward for u in node.users))
+    return args, params, saved

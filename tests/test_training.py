@@ -16,7 +16,7 @@ def test_training_matches_single_device(ranks, name):
 
 
 def test_tight_memory_budget_shards_parameters_on_dp(ranks):
-    """Unconstrained, the cheapest plan on gloo replicates every weight; 60% of its memory forces
+    """Unconstrained (data parallel pinned), the cheapest plan on gloo replicates every weight; 60% of its memory forces
     weights (and with them gradients and AdamW state) to be sharded on dp, gathered where used."""
     from torch.distributed.tensor import Shard
 

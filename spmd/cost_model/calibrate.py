@@ -226,14 +226,25 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
         a, b = torch.randn(numel), torch.randn(numel)
         pts.append((12.0 * numel, _timed_per_call(lambda: torch.add(a, b), warmup, reps, seconds)))
     out["stream"] = pts
-    # compute.py charges a fixed cost per non-view node and nothing for views, so the views' dispatch is
-    # spread over the others: seconds per call / non-view nodes
+    # compute.py charges views `view_overhead_s` (the built-in cpu's, scaled by this rank's core share)
+    # and every other node a fixed cost: (seconds per call - the views') / non-view nodes
     from spmd.cost_model.compute import is_view
 
     gm, xs = _small_joint_graph()
-    nonview = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_view(n.target))
-    out["op"] = [(float(nonview), _timed_per_call(lambda: gm(*xs), warmup, reps, seconds) / nonview)]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nonview = sum(1 for n in calls if not is_view(n.target))
+    per_call = _timed_per_call(lambda: gm(*xs), warmup, reps, seconds)
+    views_s = (len(calls) - nonview) * _builtin_cpu().view_overhead_s
+    out["op"] = [(float(nonview), max(per_call - views_s, 0.0) / nonview)]
     return out
+
+
+def _builtin_cpu():
+    """The built-in `cpu` profile scaled by this rank's share of the cores (as MeshSpec.from_device_mesh)."""
+    from spmd.cost_model.profiles import device_profile_for
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / max(local, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,7 +272,12 @@ def fit_device(points: dict, source: str, memory_bytes: float):
     op = points["op"][0][1]
     _, flops = fit_alpha_beta(*zip(*points["matmul"]))
     _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
-    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source)
+    # not timed here: views and the per-call wrapper, taken from the built-in cpu (scaled by the core share)
+    cpu = _builtin_cpu()
+    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
+                         view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
+                         arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
+                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s)
 
 
 def _memory_per_rank() -> float:

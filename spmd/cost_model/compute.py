@@ -28,9 +28,30 @@ _ATTENTION = {
 }
 
 
+# Elementwise and row-wise kernels whose work per element is many instructions (erf, exp, log, a
+# row's mean and variance), not one: FLOPs per element of the outputs, in matmul-equivalent
+# FLOPs, i.e. the time per element measured on the `cpu` profile's CPU (AMD EPYC, one thread, fp32,
+# 16K-2M elements of rows of 256 and 2048, median of 30 calls of the bare ATen op, t = a + k * elements
+# fitted) times that profile's 100 GFLOP/s. With these the roofline prices them as compute on CPU (the
+# 1-FLOP default made them 3-5x too cheap, bench/results_predict.md) and leaves them memory-bound on
+# GPU profiles (48 / 989e12 s << 8 bytes / 3.35e12 B/s per element).
+_FLOPS_PER_ELEMENT = {
+    aten.gelu.default: 22.0,  # 0.22 ns / element
+    aten.gelu_backward.default: 48.0,  # 0.48
+    aten.native_layer_norm.default: 27.0,  # 0.27
+    aten.native_layer_norm_backward.default: 32.0,  # 0.32
+    aten._log_softmax.default: 42.0,  # 0.42
+    aten._log_softmax_backward_data.default: 25.0,  # 0.25
+    aten._softmax.default: 45.0,  # 0.45
+}
+
+
 def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[int, ...]]) -> float:
     """FLOPs of `op` when its tensor args have the given (local) shapes."""
     packet = getattr(op, "overloadpacket", None)
+    per_element = _FLOPS_PER_ELEMENT.get(op)
+    if per_element is not None:
+        return per_element * sum(math.prod(s) for s in out_shapes)  # (a layer norm's row stats: +2/row)
     attention = _ATTENTION.get(op)
     if attention is not None:  # (index of q, matmuls of s x s x d, index of is_causal)
         qi, matmuls, causal_at = attention
