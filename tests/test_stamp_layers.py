@@ -200,3 +200,19 @@ def test_cannot_stamp_names_the_reason():
         short = trace_module(model, (x,))
     with pytest.raises(CannotStamp, match="outside the stack"):
         stamp_layers(short, stacks, model)
+
+
+def test_stamped_rank_program_matches_the_whole_trace():
+    """Through every pass of a training compile for one rank (no process group needed to build it): the
+    stamped and the whole traces give rank programs with the same ops and collectives."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, dim=32, heads=4, vocab=64, seq=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    programs = []
+    for stamp in (True, False):
+        c = run_pipeline(Compilation(model, (tokens, tokens), spec((2, 2), ("dp", "tp")), Pins(), rank=0,
+                                     group_names=("g_dp", "g_tp"), training=True, loss_fn=lm_loss,
+                                     stamp_layers=stamp))
+        programs.append([collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+                         for gm in (c.split.forward, c.split.backward)])
+    assert programs[0] == programs[1]
