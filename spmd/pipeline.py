@@ -122,7 +122,7 @@ def _temporaries(c: Compilation, plan) -> tuple[float, str | None]:
     """Bytes the schedule holds at its worst point beyond the saved activations (see memory.py)."""
     flat, kinds = flat_outputs(c.traced.graph.output_node()), c.traced.output_kinds()
     grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
-    peak, at = peak_live_bytes(c.traced.graph, plan.choices, c.traced.tensor_info, c.mesh.shape, grads)
+    peak, at = peak_live_bytes(c.traced.graph, plan.choices, c.traced.tensor_info, c.mesh.shape, grads, plan.edges)
     return max(0.0, peak - plan.memory.get("activations", 0.0)), at
 
 

@@ -47,3 +47,24 @@ def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
     with pytest.warns(UserWarning, match=f"memory_budget {budget / 2**20:.1f} MiB"):
         tight = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
     assert tight.predicted_peak_bytes == free.predicted_peak_bytes
+
+
+def test_resharded_copies_are_alive_while_their_readers_run():
+    """A weight stored sharded and all_gathered for its matmul (FSDP): the gathered copy (64 x 16
+    floats) is alive from the transpose that reads it until the addmm that reads the transpose."""
+    from torch.distributed.tensor import Replicate
+
+    from spmd.cost_model.memory import peak_live_bytes
+    from spmd.pipeline import Compilation, run_pipeline
+    from spmd.plan import Edge
+
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(4, 16)
+    c = run_pipeline(Compilation(model, (x,), spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE),
+                                 plan_only=True))
+    args = (c.traced.graph, c.plan.choices, c.traced.tensor_info, (1,))
+    assert peak_live_bytes(*args) == (2 * 4 * 64 * 4, "gelu")
+    weight = next(i.placeholder for i in c.traced.inputs if i.name == "fc1.weight")
+    reader = next(iter(next(n for n in c.traced.graph.nodes if n.name == weight).users))
+    gather = Edge((weight, 0), reader.name, 0, (Shard(0),), (Replicate(),), (), 0.0)
+    assert peak_live_bytes(*args, edges=[gather]) == (64 * 16 * 4 + 4 * 64 * 4, "addmm")

@@ -67,14 +67,36 @@ def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm
 
 
 def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[int, ...],
-                    exclude: set[str] = frozenset()) -> tuple[float, str | None]:
+                    exclude: set[str] = frozenset(), edges=()) -> tuple[float, str | None]:
     """The most bytes of intermediate values one rank holds at any point of the graph's schedule
     (node order), under the chosen placements, and the node where that happens.
 
     A value is alive from the node that makes it to its last reader; a view allocates nothing but
     keeps its base alive as long as it lives. Placeholders (parameters, inputs, tangents) and the
-    values in `exclude` (parameter gradients, counted as "gradients") are left out."""
+    values in `exclude` (parameter gradients, counted as "gradients") are left out. `edges` (the plan's
+    reshardings) add the resharded copies their consumers read: a weight gathered for a matmul, an
+    all_reduced partial sum. As insert_collectives makes them, one copy per (value, layout, phase)
+    serves every consumer in that phase, alive from the first to the last."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    by_name = {n.name: n for n in graph.nodes}
+    copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
+    for e in edges:
+        reader = by_name.get(e.consumer)
+        info = tensor_info.get(e.value[0])
+        info = info[e.value[1]] if isinstance(info, tuple) else info
+        if reader is None or not isinstance(info, TensorInfo):
+            continue  # an output sink: a gradient in its parameter's layout, counted as "gradients"
+        key = (e.value, e.dst, reader.meta.get("partitioner_tag"))
+        i, j = order[reader], _last_through_views(reader, order)
+        if key in copies:
+            copies[key][0], copies[key][1] = min(copies[key][0], i), max(copies[key][1], j)
+        else:
+            copies[key] = [i, j, info.nbytes / pieces(e.dst, mesh_shape)]
+    copy_alloc: dict[int, float] = {}
+    copy_free: dict[int, float] = {}
+    for first, last, size in copies.values():
+        copy_alloc[first] = copy_alloc.get(first, 0.0) + size
+        copy_free[last] = copy_free.get(last, 0.0) + size
     base: dict = {}
     for n in graph.nodes:
         if n.op == "call_function" and is_view(n.target) and n.args and hasattr(n.args[0], "op"):
@@ -90,6 +112,9 @@ def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[i
     live, peak, at = 0.0, 0.0, None
     sizes: dict = {}
     for i, n in enumerate(graph.nodes):
+        live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
+        if live > peak:
+            peak, at = live, n.name
         if n.op == "call_function" and n not in base and n.name not in exclude and n.name in choices:
             infos = tensor_info.get(n.name)
             infos = infos if isinstance(infos, tuple) else (infos,)
@@ -103,4 +128,15 @@ def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[i
                 peak, at = live, n.name
         for root in frees.get(i, ()):
             live -= sizes.pop(root, 0.0)
+        live -= copy_free.get(i, 0.0)
     return peak, at
+
+
+def _last_through_views(node, order: dict) -> int:
+    """Where a value read by `node` dies: after `node`, or, when `node` is a view of it, after the last
+    reader of that view (and of views of it)."""
+    last = order[node]
+    if node.op == "call_function" and is_view(node.target):
+        for user in node.users:
+            last = max(last, _last_through_views(user, order))
+    return last
