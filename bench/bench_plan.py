@@ -12,7 +12,7 @@ minutes on a 2-core machine):
     untied    the same, training, without layer tying (tie_blocks=False) at L = 4, 8, 16: ILP growth and
               the objective tying gives up.
     headline  LLaMA3-8B (32 layers) training on (8, 8): the plan, its collectives, a few placements;
-              the same under an 80 GB budget and with the CPU attention ops priced by their FLOPs.
+              the same under an 80 GB budget.
     vit       the 2-D parallelism seed in simulation: ViT-60B and ViT-120B (bf16, 16 bytes of parameter
               state per parameter), global batch 512 (ViT-120B also 256), under an 80 GB budget: the
               free plan on (8, 8), the published layout pinned (TP on tp, FSDP on dp), "FSDP-only" pins
@@ -32,10 +32,8 @@ Timings are wall seconds on a shared machine: every row records the 1-minute loa
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
@@ -70,36 +68,6 @@ def cls_loss(logits, labels):
     return F.cross_entropy(logits, labels)
 
 
-@contextlib.contextmanager
-def price_cpu_attention():
-    """What-if, this process only: give the CPU flash-attention ops the FLOP count compute.py gives
-    `aten.scaled_dot_product_attention` (4 * B * H * Sq * Sk * D forward, 2.5x that backward, the ratio of
-    torch's flop counter), instead of one FLOP per output element. Training graphs traced through CPU
-    fake tensors contain only the `_for_cpu` ops, so without this attention is priced as nearly free
-    (bench/results_predict.md saw the same 14-17x on gloo). The fix belongs in spmd/cost_model/compute.py."""
-    import spmd.cost_model.compute as compute
-
-    aten = torch.ops.aten
-    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    original = compute.op_flops
-
-    def op_flops(op, args_with_shapes, kwargs, out_shapes):
-        if fwd is not None and op is fwd.default:
-            q, k = args_with_shapes[0], args_with_shapes[1]
-            return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
-        if bwd is not None and op is bwd.default:  # (grad_out, query, key, value, out, logsumexp, ...)
-            q, k = args_with_shapes[1], args_with_shapes[2]
-            return 2.5 * 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
-        return original(op, args_with_shapes, kwargs, out_shapes)
-
-    compute.op_flops = op_flops
-    try:
-        yield
-    finally:
-        compute.op_flops = original
-
-
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -126,7 +94,7 @@ def mesh88() -> spmd.MeshSpec:
 
 
 def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pins=None, memory_budget=None,
-             optimizer_state_factor=2.0):
+             optimizer_state_factor=2.0, stamp_layers=True):
     """The pipeline of `spmd.plan`, run here so the per-pass timings (`c.timings`) are visible."""
     load0 = load()
     t0 = time.perf_counter()
@@ -134,7 +102,7 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
     fake_s = time.perf_counter() - t0
     c = Compilation(model, inputs, mesh, pins or Pins(), training=training, loss_fn=loss_fn,
                     memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
-                    tie_blocks=tie_blocks)
+                    tie_blocks=tie_blocks, stamp_layers=stamp_layers, plan_only=True)
     row = {"load": load0, "fake_s": fake_s}
     t1 = time.perf_counter()
     try:
@@ -145,6 +113,7 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
     row["wall_pipeline_s"] = time.perf_counter() - t1
     row["timings"] = dict(c.timings)
     row["blocks"] = c.blocks.summary() if c.blocks is not None else "not searched (tie_blocks=False)"
+    row["stamped"] = c.stats.get("stamped_layers", "no (traced whole)")
     if c.traced is not None:
         row["graph_nodes"] = sum(1 for n in c.traced.graph.nodes if n.op == "call_function")
     p = c.plan
@@ -188,6 +157,12 @@ def part_depth(args) -> dict:
             row.update(L=L, mode="train" if training else "forward", tied="auto")
             rows.append(row)
             print(summary_line(row), flush=True)
+    # the same plan from a trace of every layer, for comparison
+    model, inputs = llama(args.headline_layers, args.seq, args.batch, True)
+    row, _ = run_case(model, inputs, mesh88(), training=True, loss_fn=lm_loss, stamp_layers=False)
+    row.update(L=args.headline_layers, mode="train", tied="auto")
+    rows.append(row)
+    print(summary_line(row), flush=True)
     return {"rows": rows, "seq": args.seq, "batch": args.batch}
 
 
@@ -220,8 +195,8 @@ def summary_line(row) -> str:
             + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
 
 
-PASSES = ("trace", "find_repeated_blocks", "enumerate_strategies", "merge_followers", "estimate_costs",
-          "solve_placements", "insert_collectives")
+PASSES = ("trace", "stamp_layers", "find_repeated_blocks", "enumerate_strategies", "merge_followers", "estimate_costs",
+          "solve_placements")
 
 
 def pass_s(row, name) -> float | None:
@@ -235,23 +210,25 @@ def depth_md(d: dict, title: str = "Depth scaling") -> list[str]:
     out = [f"### {title}: LLaMA3-8B dims, batch {d['batch']}, seq {d['seq']}, mesh (dp=8, tp=8)", "",
            "Seconds per pass (`c.timings`); `ILP build` = solve_placements less HiGHS; ILP size = binary / "
            "continuous variables / rows; objective = predicted seconds per step (ms).", "",
-           "| L | mode | tied | graph nodes | total s | trace | find_repeated_blocks | enumerate | merge_followers | "
-           "estimate | "
-           "ILP build | HiGHS | insert_collectives | ILP size | objective ms | lower bound ms | gap | "
+           "| L | mode | tied | layers traced | graph nodes | total s | trace | stamp_layers | find_repeated_blocks | "
+           "enumerate | merge_followers | estimate | "
+           "ILP build | HiGHS | ILP size | objective ms | lower bound ms | gap | "
            "repeated blocks | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         if r.get("skipped"):
-            out.append(f"| {r['L']} | {r['mode']} | {r['tied']} | skipped (budget) |" + " |" * 15)
+            out.append(f"| {r['L']} | {r['mode']} | {r['tied']} | | skipped (budget) |" + " |" * 15)
             continue
+        stamped = r.get("stamped", "no (traced whole)")
+        traced = "all" if stamped.startswith("no") or stamped.startswith("none") else stamped.split(": ")[1].split(" traced")[0]
         sp = pass_s(r, "solve_placements")
         build = sp - r["highs_s"] if sp is not None and r.get("highs_s") is not None else None
         out.append(
-            f"| {r['L']} | {r['mode']} | {r['tied']} | {r.get('graph_nodes', '')} | {fmt_s(r['total_s'])} | "
-            f"{fmt_s(pass_s(r, 'trace'))} | {fmt_s(pass_s(r, 'find_repeated_blocks'))} | "
+            f"| {r['L']} | {r['mode']} | {r['tied']} | {traced} | {r.get('graph_nodes', '')} | {fmt_s(r['total_s'])} | "
+            f"{fmt_s(pass_s(r, 'trace'))} | {fmt_s(pass_s(r, 'stamp_layers'))} | {fmt_s(pass_s(r, 'find_repeated_blocks'))} | "
             f"{fmt_s(pass_s(r, 'enumerate_strategies'))} | {fmt_s(pass_s(r, 'merge_followers'))} | "
             f"{fmt_s(pass_s(r, 'estimate_costs'))} | {fmt_s(build)} | "
-            f"{fmt_s(r.get('highs_s'))} | {fmt_s(pass_s(r, 'insert_collectives'))} | "
+            f"{fmt_s(r.get('highs_s'))} | "
             f"{r.get('binary')} / {r.get('continuous')} / {r.get('rows')} | {fmt_ms(r.get('objective'))} | "
             f"{fmt_ms(r.get('lower_bound'))} | {r.get('gap', 0):.2%} | {r['blocks']} | {r['load']:.1f} |"
             + (f" error: {r['error'][:300]}" if "error" in r else ""))
@@ -319,14 +296,6 @@ def part_headline(args) -> dict:
             row["explain_head"] = lines[:40]
         except Exception as e:  # explain is a reader's aid: report, do not fail the bench
             row["explain_error"] = f"{type(e).__name__}: {e}"
-    if args.headline_attention:  # what-if: attention priced by its FLOPs (see price_cpu_attention)
-        for budget in (None, args.budget) if args.headline_budget else (None,):
-            with price_cpu_attention():
-                vrow, vc = run_case(model, inputs, mesh88(), training=True, loss_fn=lm_loss, memory_budget=budget)
-            vrow.update(label="attention FLOPs priced" + (f", memory_budget={budget / GB:.0f} GB" if budget else ""),
-                        placements=_picked(vc))
-            variants.append(vrow)
-            print(summary_line(vrow), flush=True)
     return {"row": row, "variants": variants, "seq": args.seq, "batch": args.batch}
 
 
@@ -364,8 +333,7 @@ def headline_md(d: dict) -> list[str]:
             "| parameter | placements (dp, tp) |", "|---|---|"]
     out += [f"| `{f}` | `{p}` |" for f, p in r.get("placements", {}).items()]
     if d.get("variants"):
-        out += ["", "Variants of the same model and mesh (the attention what-if patches compute.op_flops in the bench "
-                "process only; see `price_cpu_attention`):", "",
+        out += ["", "Variants of the same model and mesh:", "",
                 "| variant | total s | HiGHS s | predicted step ms (compute + comm) | gap | peak GB | "
                 "q / o / gate / down weight | collectives |", "|---|---|---|---|---|---|---|---|"]
         for v in d["variants"]:
@@ -597,8 +565,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--headline-layers", type=int, default=32)
     ap.add_argument("--headline-budget", type=int, default=1, help="headline: also plan under --budget (0: no)")
-    ap.add_argument("--headline-attention", type=int, default=0,
-                    help="headline: also plan with the CPU attention ops priced by a what-if patch (1); compute.py prices them since c934eb1")
     ap.add_argument("--vit-batch", type=int, default=512, help="global batch for the ViT part (8 images per rank)")
     ap.add_argument("--vit-120b-batches", default="256", help="ViT-120B also at these global batches")
     ap.add_argument("--vit-models", default="vit_60b,vit_120b")
