@@ -155,21 +155,21 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
         waiting[(c, node)] = len(ds)
         for d in ds:
             users.setdefault(d, []).append((c, node))
-    ready = [(key, id(node), c, node) for key, c, node in virtual if waiting[(c, node)] == 0]
+    ready = [(key, c, node) for key, c, node in virtual if waiting[(c, node)] == 0]  # keys are unique
     heapq.heapify(ready)
     order = []
     while ready:
-        _, _, c, node = heapq.heappop(ready)
+        _, c, node = heapq.heappop(ready)
         order.append((c, node))
         for u in users.get((c, node), ()):
             waiting[u] -= 1
             if waiting[u] == 0:
-                heapq.heappush(ready, (keyed[u], id(u[1]), *u))
+                heapq.heappush(ready, (keyed[u], *u))
     if len(order) != len(virtual):
         raise CannotStamp("the stamped graph has a cycle")
 
     # layer numbers: copy c is layer M + c; traced layers after M move up by n
-    def layer_after(c: int, node: fx.Node) -> dict[int, int]:
+    def layer_after(c: int) -> dict[int, int]:
         return {M: M + c} if c else {i: i + n for i in range(M + 1, TRACED)}
 
     new = fx.Graph()
@@ -180,7 +180,7 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
             new_node = new.node_copy(node, lambda a, c=c: env[source_of(c, a)])
         else:
             new_node = new.node_copy(node, lambda a, node=node: env[original_source(node, a)])
-        new_node.meta = _renumber_meta(node.meta, prefix + stack.fqn, layer_after(c, node))
+        new_node.meta = _renumber_meta(node.meta, prefix + stack.fqn, layer_after(c))
         env[(c, node)] = new_node
         if node.op == "placeholder":
             new_node.target = new_node.name  # a placeholder's target is its argument name in the code
