@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +39,7 @@ class PlanSources:
     costs: Any  # CostTable
     kinds: dict[str, str]  # placeholder -> parameter | buffer | constant | input | tangent
     joint: bool = False
+    blocks: Any = None  # RepeatedBlocks: repeated layers are reported once, with their count
 
     @property
     def global_gm(self) -> fx.GraphModule | None:
@@ -79,6 +80,7 @@ class NodeReport:
     alternative_cost: Split | None
     reason: str  # why the alternative lost
     n_strategies: int
+    count: int = 1  # identical nodes of repeated layers this row stands for (same choice)
 
     @property
     def delta(self) -> float | None:
@@ -304,11 +306,18 @@ def compute_details(plan) -> PlanDetails:
     nodes = {n.name: n for n in src.graph.nodes}
     local = _Local(plan, table, costs)
     incoming = {e.consumer for e in plan.edges}
+    # a node of a repeated layer that chose what its representative chose is one more of that row
+    rep_of = src.blocks.representative if src.blocks is not None else {}
+    folded = {n for n, r in rep_of.items() if n in plan.choices and r in plan.choices
+              and plan.choices[n] == plan.choices[r]}
+    count = Counter(rep_of[n] for n in folded)
     reports = []
     for name, ns in table.nodes.items():
         kind = src.kinds.get(name)
         if kind == "tangent" or local.follower[name] or (ns.source == "output" and ns.tie is not None):
             continue  # tangents and gradient sinks move with their tie partner; views follow their input
+        if name in folded:
+            continue
         chosen = plan.choices[name]
         idx = ns.strategies.index(chosen)
         cost = local.with_tie(name, idx)
@@ -330,10 +339,13 @@ def compute_details(plan) -> PlanDetails:
             op, module = "output", ""
         else:
             op, module = op_label(node), where.get(name, "")
+        label, n = plan.labels.get(name, name), count.get(name, 0) + 1
+        if n > 1:  # "layers.0.mlp" -> "layers.*.mlp"
+            label, module = _any_layer(label) if kind is not None else label, _any_layer(module)
         reports.append(NodeReport(
-            name, plan.labels.get(name, name), op, module, phase,
+            name, label, op, module, phase,
             _show(chosen, ns.source), cost, _show(best, ns.source, chosen) if best else None, best_split,
-            _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies)))
+            _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies), n))
     inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
               for ph, k in src.kinds.items() if k == "input"}
     return PlanDetails(reports, _param_roles(plan, table, params, where, types, local.follower), inputs)
@@ -467,11 +479,17 @@ def explain(plan) -> str:
     rows = [["node", "module", "op", "chosen", "compute", "comm in", "memory", "best alternative",
              "why it lost"]]
     for r in details.nodes:
-        where = " ".join(x for x in (r.module, f"({r.phase})" if r.phase else "") if x)
+        where = " ".join(x for x in (r.module, f"({r.phase})" if r.phase else "", f"x{r.count}" if r.count > 1 else "")
+                         if x)
         rows.append([r.label, where, r.op, r.chosen, _us(r.cost.compute), _us(r.cost.comm_in),
                      _fmt_bytes(r.cost.memory) if r.cost.memory else "-", r.alternative or "-", r.reason])
     lines += _table(rows)
     return "\n".join(lines) + "\n"
+
+
+def _any_layer(path: str) -> str:
+    """The first list index in a module path or FQN made a wildcard: "layers.0.attn" -> "layers.*.attn"."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path, count=1)
 
 
 def _parse_list(ps: str) -> list[str]:
@@ -485,5 +503,5 @@ def keep_sources(c) -> Any:
     kinds = {gi.placeholder: gi.kind for gi in c.traced.inputs}
     traced, plan = c.traced, c.plan
     emitted = c.global_gm if c.global_gm is not None else (lambda: insert_collectives(traced, plan))
-    c.plan.sources = PlanSources(c.traced.graph, emitted, c.strategies, c.costs, kinds, c.traced.joint)
+    c.plan.sources = PlanSources(c.traced.graph, emitted, c.strategies, c.costs, kinds, c.traced.joint, c.blocks)
     return c.plan

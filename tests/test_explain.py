@@ -77,3 +77,17 @@ def test_explain_training_plan_names_phases_and_modules():
     text = plan.explain()
     assert "fc2 (backward)" in text and "fc1 (forward)" in text and "model." not in text
     assert "all_reduce  dp" in text  # gradient reductions, priced as bucketed
+
+
+def test_repeated_layers_are_reported_once_with_their_count():
+    """A 4-layer GPT ties its layers: each op of a layer is one row (`blocks.*`, x4), not four."""
+    from examples.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 32))
+    plan = spmd.plan(GPT(GPTConfig(layers=4)), spec((2, 2), ("dp", "tp")), (tokens, tokens),
+                     loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+    nodes = plan.explain().split("\nNodes")[1]
+    assert "blocks.*.attn.q_proj.weight" in nodes and "blocks.1." not in nodes
+    rows = [line for line in nodes.splitlines() if " x4 " in line or line.rstrip().endswith(" x4")]
+    assert len(rows) > 20  # forward and backward ops of a layer, each once

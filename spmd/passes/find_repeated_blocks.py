@@ -150,7 +150,15 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
             for key in members[1:]:
                 for node, rep in zip(by_key[key], first):
                     blocks.representative[node.name] = rep.name
-                param_rep[key.split("/")[0]] = members[0].split("/")[0]
+
+    # a layer's parameters follow the representative of its forward class (the backward class's may be
+    # another layer: backward runs last layer first); a representative is never itself mapped
+    for members in sorted(blocks.classes, key=lambda m: m[0].endswith("/bwd")):
+        first = members[0].split("/")[0]
+        if first in param_rep:
+            continue
+        for key in members[1:]:
+            param_rep.setdefault(key.split("/")[0], first)
 
     # parameters (placeholders, outside every instance) follow their layer: layers.7.x -> layers.0.x
     prefix = "model." if traced.joint and any(k.startswith("model.") for k in param_rep) else ""
