@@ -18,6 +18,23 @@ def _device(**overheads):
     return DeviceProfile("t", 1e11, 5e10, 6e-6, 8e9, "test", 3e-6, **overheads)
 
 
+def test_attention_is_priced_at_its_efficiency():
+    from spmd.cost_model.compute import compute_cost
+    from spmd.specs import TensorInfo
+
+    q = (4, 4, 64, 64)
+    info = TensorInfo(q, torch.float32)
+    args = (q, q, q, 0.0, True)
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    full = compute_cost(op, args, {}, [info] * 3, [info], _device())
+    slow = compute_cost(op, args, {}, [info] * 3, [info], _device(attention_efficiency=0.4))
+    assert slow - 6e-6 == pytest.approx((full - 6e-6) / 0.4)
+    mm = aten.mm.default
+    m = TensorInfo((64, 64), torch.float32)
+    assert (compute_cost(mm, ((64, 64), (64, 64)), {}, [m, m], [m], _device(attention_efficiency=0.4))
+            == compute_cost(mm, ((64, 64), (64, 64)), {}, [m, m], [m], _device()))
+
+
 def _mesh(device):
     return spmd.MeshSpec((1,), ("tp",), (LinkProfile("l", 1e-3, 1e9),), device)
 
@@ -45,24 +62,26 @@ def test_training_step_adds_autograd_per_parameter_and_saved_value():
 
 
 def test_scaled_device_divides_every_fixed_cost():
-    d = _device(**OVERHEADS).scaled(0.5)
+    d = _device(**OVERHEADS, attention_efficiency=0.4).scaled(0.5)
+    assert d.attention_efficiency == 0.4
     assert (d.call_overhead_s, d.arg_overhead_s, d.backward_overhead_s, d.autograd_tensor_overhead_s,
             d.view_overhead_s, d.op_overhead_s) == pytest.approx((14e-6, 1e-6, 8e-5, 4e-6, 6e-6, 12e-6))
     assert d.flops == 5e10
 
 
 def test_profile_file_keeps_the_fixed_costs_and_reads_old_files(tmp_path):
-    dev = _device(**OVERHEADS)
+    dev = _device(**OVERHEADS, attention_efficiency=0.4)
     path = tmp_path / "p.json"
     save_profile(str(path), {"tp": LinkProfile("l", 1e-3, 1e9)}, dev)
     assert load_profile(str(path)).device == dev
     doc = json.loads(path.read_text())
     for f in ("view_overhead_s", "call_overhead_s", "arg_overhead_s", "backward_overhead_s",
-              "autograd_tensor_overhead_s"):
+              "autograd_tensor_overhead_s", "attention_efficiency"):
         del doc["device"][f]  # a file written before these were saved
     path.write_text(json.dumps(doc))
     old = load_profile(str(path)).device
     assert old.op_overhead_s == dev.op_overhead_s and old.call_overhead_s == 0.0 and old.view_overhead_s == 0.0
+    assert old.attention_efficiency == 1.0
 
 
 def test_builtin_cpu_prices_its_wrapper():

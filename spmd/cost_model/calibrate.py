@@ -272,9 +272,11 @@ def fit_device(points: dict, source: str, memory_bytes: float):
     op = points["op"][0][1]
     _, flops = fit_alpha_beta(*zip(*points["matmul"]))
     _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
-    # not timed here: views and the per-call wrapper, taken from the built-in cpu (scaled by the core share)
+    # not timed here: views, the per-call wrapper and attention's efficiency, taken from the built-in cpu
+    # (scaled by the core share)
     cpu = _builtin_cpu()
     return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
+                         attention_efficiency=cpu.attention_efficiency,
                          view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
                          arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
                          autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s)

@@ -76,5 +76,6 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
     if is_view(op):
         return device.view_overhead_s
     flops = op_flops(op, args_with_shapes, kwargs, [o.shape for o in out_infos])
+    rate = device.flops * (device.attention_efficiency if op in _ATTENTION else 1.0)
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
-    return maximum(flops / device.flops, moved / device.memory_bandwidth) + device.op_overhead_s
+    return maximum(flops / rate, moved / device.memory_bandwidth) + device.op_overhead_s

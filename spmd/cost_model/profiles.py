@@ -51,10 +51,14 @@ class DeviceProfile:
     arg_overhead_s: float = 0.0
     backward_overhead_s: float = 0.0
     autograd_tensor_overhead_s: float = 0.0
+    # the fraction of `flops` that the fused attention kernels reach (they are priced by their matmul FLOPs)
+    attention_efficiency: float = 1.0
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
             raise ValueError(f"DeviceProfile {self.name}: flops and bandwidth must be > 0")
+        if not 0 < self.attention_efficiency <= 1:
+            raise ValueError(f"DeviceProfile {self.name}: attention_efficiency must be in (0, 1]")
         for f in _OVERHEADS:
             if getattr(self, f) < 0:
                 raise ValueError(f"DeviceProfile {self.name}: {f} must be >= 0")
@@ -66,6 +70,7 @@ class DeviceProfile:
             return self
         return DeviceProfile(f"{self.name}x{share:g}", self.flops * share, self.memory_bandwidth * share,
                              self.op_overhead_s / share, self.memory_bytes, self.source,
+                             attention_efficiency=self.attention_efficiency,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
 
 
@@ -113,10 +118,14 @@ DEVICES: dict[str, DeviceProfile] = {
                       "measured here, one thread per rank: fp32 matmul 99-103 GFLOP/s at n>=256, streaming add "
                       "68-71 GB/s with 2 ranks at once (spmd.cost_model.calibrate; one rank alone 56-86 GB/s on "
                       "64K-2M elements), ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per "
-                      "argument, per training step 40 us + 2.3 us per parameter and saved value "
+                      "argument, per training step 40 us + 2.3 us per parameter and saved value; flash attention "
+                      "30-46 GFLOP/s "
                       "(bench/results_predict.md)", 3e-6,
                       call_overhead_s=6.5e-6, arg_overhead_s=0.5e-6, backward_overhead_s=40e-6,
-                      autograd_tensor_overhead_s=2.3e-6),
+                      autograd_tensor_overhead_s=2.3e-6,
+                      # the _for_cpu flash kernels, causal, one thread: 30-46 GFLOP/s forward and backward at
+                      # seq 64-512 and head dim 64 (15-22 at head dim 16, 60 at seq 1024), mm 100-109
+                      attention_efficiency=0.4),
     )
 }
 
@@ -176,6 +185,7 @@ def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile
            "links": {axis: _link_to_json(link) for axis, link in links.items()},
            "device": {"name": device.name, "flops": device.flops, "memory_bandwidth": device.memory_bandwidth,
                       "memory_bytes": device.memory_bytes, "source": device.source,
+                      "attention_efficiency": device.attention_efficiency,
                       **{f: getattr(device, f) for f in _OVERHEADS}},
            "points": points or {}}
     with open(path, "w") as f:
@@ -196,6 +206,7 @@ def load_profile(path: str) -> Profile:
     # files from before a fixed cost was measured leave it at 0 (not priced), op_overhead_s excepted
     device = DeviceProfile(d["name"], float(d["flops"]), float(d["memory_bandwidth"]), float(d["op_overhead_s"]),
                            float(d["memory_bytes"]), d.get("source", ""),
+                           attention_efficiency=float(d.get("attention_efficiency", 1.0)),
                            **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
     links = {axis: _link_from_json(link) for axis, link in doc["links"].items()}
     return Profile(links, device, doc.get("points", {}), doc.get("meta", {}))
