@@ -12,6 +12,7 @@ that was saved (same `fingerprint()`), but holds no graph: it cannot be run or d
 """
 from __future__ import annotations
 
+
 import json
 import re
 import warnings
@@ -76,8 +77,7 @@ def _mesh_json(mesh: MeshSpec) -> dict:
     d = mesh.device
     return {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names),
             "links": [_link_json(link) for link in mesh.links],
-            "device": {"name": d.name, "flops": d.flops, "memory_bandwidth": d.memory_bandwidth,
-                       "op_overhead_s": d.op_overhead_s, "memory_bytes": d.memory_bytes, "source": d.source}}
+            "device": asdict(d)}  # every field: a reloaded plan prices as the saved one
 
 
 def _mesh_from(d: dict) -> MeshSpec:
