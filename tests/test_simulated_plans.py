@@ -14,7 +14,7 @@ from spmd.passes.enumerate_strategies import Pins
 from spmd.pipeline import Compilation, run_pipeline
 from spmd.runtime.distribute import local_shard
 from spmd.runtime.simulate import simulate
-from tests.cases import spec
+from tests.cases import check_simulated_training, spec
 
 MESHES = {(2,): ("tp",), (4,): ("tp",), (2, 2): ("dp", "tp")}
 
@@ -88,18 +88,7 @@ def test_2d_training_gradients_match_single_device(profile):
     outs = simulate(c, inputs + (torch.tensor(1.0),))
     loss = loss_fn(model(*inputs[:-1]), inputs[-1])
     loss.backward()
-    grads = dict(model.named_parameters())
-    checked = 0
-    for k, kind in enumerate(c.traced.output_kinds()):
-        if kind.kind == "none":
-            continue
-        want = loss.detach() if kind.kind == "output" else grads[kind.name].grad
-        ps = c.plan.choices[f"output_{k}"].inputs[0]
-        for rank, out in enumerate(outs):
-            torch.testing.assert_close(out[k], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)),
-                                       rtol=1e-9, atol=1e-10)
-        checked += 1
-    assert checked == 1 + len(grads)
+    assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
 
 
 def test_vit_training_with_a_token_mean_matches_single_device():
