@@ -206,8 +206,6 @@ def _training_rank(c: Compilation) -> bool:
 
 # Why each pass sits where it does:
 PIPELINE: tuple[Pass, ...] = (
-    # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
-    # the joint forward+backward graph; after that, both take the same road.
     # Deep models: stacks of identical layers are traced a few layers deep and stamped to full depth.
     Pass("find_layer_stacks", lambda c: setattr(c, "stacks", find_layer_stacks(c.model)),
          lambda c: "\n".join(map(str, c.stacks)), _stamping),

@@ -12,7 +12,6 @@ that was saved (same `fingerprint()`), but holds no graph: it cannot be run or d
 """
 from __future__ import annotations
 
-
 import json
 import re
 import warnings
