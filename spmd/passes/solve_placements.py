@@ -123,9 +123,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         else:
             e = shared_edges.get(structure)
             if e is None:
-                first = ilp.add_vars(len(made) * len(wanted))
-                e = shared_edges[structure] = [first + i * len(wanted) + k for i in range(len(made))
-                                               for k in range(len(wanted))]
+                first = ilp.add_vars(len(made) * len(wanted))  # e[i * len(wanted) + k]: made[i] -> wanted[k]
+                e = shared_edges[structure] = range(first, first + len(made) * len(wanted))
                 for i, acols in enumerate(producer.values()):
                     ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
                 for k, rcols in enumerate(needed.values()):
