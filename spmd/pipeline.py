@@ -28,6 +28,7 @@ from spmd.passes.enumerate_strategies import Pins, enumerate_strategies
 from spmd.passes.find_layer_stacks import TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, find_repeated_blocks
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
+from spmd.passes.merge_tied_parameters import merge_tied_parameters
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.solve_placements import solve_placements
@@ -170,20 +171,22 @@ def _stamping(c: Compilation) -> bool:
 def _trace(c: Compilation) -> None:
     """The traced graph, of the model with its layer stacks truncated when there are any; a truncated
     model that does not trace (a forward that indexes layers by a configured depth) is traced whole."""
-    def trace(model):
+    def trace(model):  # tied weights: one placeholder, one (summed) gradient per shared tensor
         if c.training:
-            return trace_joint(model, c.example_inputs, c.loss_fn)
-        return trace_module(model, c.example_inputs)
+            return merge_tied_parameters(trace_joint(model, c.example_inputs, c.loss_fn))
+        return merge_tied_parameters(trace_module(model, c.example_inputs))
 
     if c.stacks:
         try:
             with truncated(c.model, c.stacks):
                 c.traced = trace(c.model)
-            return
         except SpmdError as e:
             c.stats["stamped_layers"] = f"none: the model with {TRACED} layers per stack did not trace ({e})"
             c.stacks = ()
-    c.traced = trace(c.model)
+    if not c.stacks:
+        c.traced = trace(c.model)
+    if c.traced.custom_functions:
+        c.stats["custom_functions"] = list(c.traced.custom_functions)
 
 
 def _stamp(c: Compilation) -> None:

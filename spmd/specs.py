@@ -10,7 +10,7 @@ Semantics by equivalence (see docs/placements.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -132,3 +132,13 @@ class Strategy:
         ins = ", ".join(placements_str(p) for p in self.inputs)
         outs = ", ".join(placements_str(p) if p is not None else "-" for p in self.outputs)
         return f"({ins}) -> {outs}"
+
+
+@dataclass(frozen=True)
+class Pins:
+    """User constraints: placements for inputs (by argument name), parameters/buffers (by FQN), outputs
+    (by flat output index); each a sequence of one placement per mesh axis (see passes/check_pins.py)."""
+
+    inputs: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)

@@ -22,7 +22,7 @@ def test_pin_with_wrong_number_of_placements():
 
 
 def test_pin_of_unknown_name_lists_known_names():
-    with pytest.raises(SpmdError, match=r"\['fc3.weight'\].*not inputs or parameters.*fc1.weight"):
+    with pytest.raises(SpmdError, match=r"names 'fc3.weight', which is not an input or parameter.*Did you mean.*fc1.weight"):
         spmd.plan(MLP(16, 64), spec((2,), ("tp",)), (torch.randn(4, 16),),
                   param_placements={"fc3.weight": [Shard(0)]})
 
@@ -77,3 +77,26 @@ def test_wrong_local_input_shape_at_run_time(ranks):
         assert m is not None
         assert "input 'x': expected local shape [4, 16] (global [8, 16] laid out as [S(0)]" in m
         assert "got [8, 16]" in m and "compiled.shard_inputs" in m
+
+
+def _optimizer_over_original(rank, world):
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x, x), loss_fn=torch.nn.functional.mse_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the trap: not compiled.parameters()
+    compiled(*compiled.shard_inputs(x, x)).backward()
+    try:
+        opt.step()
+    except SpmdError as e:
+        ok = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+        ok.step()  # the right optimizer steps
+        return str(e)
+    return None
+
+
+def test_optimizer_over_the_original_parameters_fails_at_its_first_step(ranks):
+    for m in ranks(2).run(_optimizer_over_original):
+        assert m is not None
+        assert "AdamW steps 4 parameter(s) of the original MLP (fc1.weight, fc1.bias, fc2.weight, fc2.bias)" in m
+        assert "AdamW(compiled.parameters(), ...)" in m

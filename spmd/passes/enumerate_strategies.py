@@ -10,18 +10,20 @@ from __future__ import annotations
 import operator
 import warnings
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from spmd.errors import SpmdError, describe_node
+from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
 from spmd.passes.rules import dtensor_adapter
 from spmd.passes.rules.dtensor_adapter import TensorArg, op_name
 from spmd.passes.trace_module import TracedGraph, flat_outputs
-from spmd.specs import Placements, Strategy, TensorInfo, all_placements, is_even, placements_str
+from spmd.specs import Pins, Placements, Strategy, TensorInfo, all_placements, is_even, placements_str
 
 Value = tuple[str, int]  # (producing node name, output index)
 
@@ -63,15 +65,6 @@ class StrategyTable:
         return found
 
 
-@dataclass(frozen=True)
-class Pins:
-    """User constraints: placements for inputs (by argument name), parameters/buffers (by FQN), outputs."""
-
-    inputs: dict = field(default_factory=dict)
-    params: dict = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)  # output index -> placements
-
-
 def _tensor_inputs(node: fx.Node, info: dict) -> tuple[Value, ...]:
     leaves, _ = tree_flatten((node.args, node.kwargs))
     return tuple((a.name, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo))
@@ -96,23 +89,26 @@ def _partials_available(s: Strategy, producible: list[set]) -> bool:
     return True
 
 
-def _check_pin(ps, node_desc: str, what: str, mesh) -> Placements:
-    ps = tuple(ps)
-    if len(ps) != mesh.ndim:
-        raise SpmdError(f"pin for {what} has {len(ps)} placements but the mesh {mesh} has {mesh.ndim} axes "
-                        f"({node_desc}). What to do: give one placement per mesh axis.")
-    return ps
+def _uneven(pin: Placements, shape: tuple[int, ...], mesh) -> str:
+    """Why an (in-range, validated) pin has no strategy: the dims it cuts do not divide."""
+    cuts: dict[int, list[int]] = {}
+    for axis, p in enumerate(pin):
+        if isinstance(p, Shard):
+            cuts.setdefault(p.dim, []).append(axis)
+    why = [f"dim {d} ({shape[d]}) does not divide into {prod(mesh.shape[a] for a in axes)} pieces "
+           f"({' x '.join(f'{mesh.axis_names[a]}={mesh.shape[a]}' for a in axes)})"
+           for d, axes in cuts.items() if shape[d] % prod(mesh.shape[a] for a in axes)]
+    return "; ".join(why) or "it is excluded"
 
 
 def _restrict(ns: NodeStrategies, pin: Placements, what: str, node_desc: str, mesh) -> None:
     kept = [s for s in ns.strategies if s.outputs[0] == pin]
     if not kept:
-        shape = ns.outputs[0].shape if ns.outputs and ns.outputs[0] else "?"
+        shape = ns.outputs[0].shape if ns.outputs and ns.outputs[0] else ()
         raise SpmdError(
             f"pin {placements_str(pin)} for {what} cannot be met: {node_desc} has shape {shape}, and on mesh "
-            f"{mesh} that placement is uneven or out of range (uneven shards are excluded). What to do: pin "
-            "a placement whose sharded dims divide by the mesh axis sizes, or change the input size."
-        )
+            f"{mesh} that placement is uneven: {_uneven(pin, shape, mesh)} (uneven shards are not supported). "
+            "What to do: pin a placement whose sharded dims divide by the mesh axis sizes, or change the size.")
     ns.strategies = kept
 
 
@@ -131,8 +127,9 @@ def _copy_of_counterpart(table: StrategyTable, counterparts: list[str], inputs: 
 
 
 def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, blocks=None) -> StrategyTable:
-    """`blocks`: a `RepeatedBlocks`; nodes of repeated layers copy their representative's strategies."""
-    pins = pins or Pins()
+    """`pins`: as the user gave them (validated here by `check_pins`). `blocks`: a `RepeatedBlocks`; nodes of
+    repeated layers copy their representative's strategies."""
+    pins = check_pins(pins or Pins(), traced, mesh)
     rep_of = blocks.representative if blocks is not None else {}
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own strategies
     info = traced.tensor_info
@@ -140,7 +137,6 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     by_ph = traced.input_by_placeholder()
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer", "input")}
     kinds = traced.output_kinds()
-    used_pins: set[str] = set()
 
     def even(s: Strategy, outs, ins) -> bool:
         return all(ps is None or o is None or is_even(o.shape, ps, mesh.shape) for ps, o in zip(s.outputs, outs)) \
@@ -156,9 +152,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 ns.tie = gi.name
             book = pins.inputs if gi.kind == "input" else pins.params
             if gi.name in book:
-                used_pins.add(gi.name)
-                _restrict(ns, _check_pin(book[gi.name], gi.name, gi.kind + " " + repr(gi.name), mesh),
-                          f"{gi.kind} {gi.name!r}", f"placeholder '{node.name}'", mesh)
+                _restrict(ns, book[gi.name], f"{gi.kind} {gi.name!r}", f"placeholder '{node.name}'", mesh)
             table.nodes[node.name] = ns
             continue
         if node.op == "output":
@@ -171,11 +165,12 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 if kinds[k].kind == "grad":  # gradients land in their parameter's own placements
                     ns.tie = by_fqn[kinds[k].name]
                 if k in pins.outputs:
-                    pin = _check_pin(pins.outputs[k], f"output {k}", f"output {k}", mesh)
+                    pin = pins.outputs[k]
                     kept = [s for s in ns.strategies if s.inputs[0] == pin]
                     if not kept:
-                        raise SpmdError(f"pin {placements_str(pin)} for output {k} (shape {t.shape}) is uneven or "
-                                        f"out of range on mesh {mesh}. What to do: pin an even placement.")
+                        raise SpmdError(f"pin {placements_str(pin)} for output {k} cannot be met: it has shape "
+                                        f"{t.shape}, and on mesh {mesh} that placement is uneven: "
+                                        f"{_uneven(pin, t.shape, mesh)}. What to do: pin an even placement.")
                     ns.strategies = kept
                 table.nodes[f"output_{k}"] = ns
             continue
@@ -236,17 +231,12 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
             source = "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
-        usable = [s for s in strategies if len(s.inputs) == len(inputs) and _partials_available(s, producible)]
+        usable = [s for s in strategies if len(s.inputs) == len(inputs) and len(s.outputs) == len(outs)
+                  and _partials_available(s, producible)]
         kept = [s for s in usable if even(s, outs, in_infos)]
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
         kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process
         table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(usable) - len(kept))
 
-    unknown = set(pins.inputs) | set(pins.params)
-    unknown -= used_pins
-    if unknown:
-        known = sorted(i.name for i in traced.inputs)
-        raise SpmdError(f"pins name {sorted(unknown)}, which are not inputs or parameters of the model. "
-                        f"Known names: {known[:20]}{' ...' if len(known) > 20 else ''}")
     return table

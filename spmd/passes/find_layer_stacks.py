@@ -38,6 +38,8 @@ def find_layer_stacks(model: torch.nn.Module, min_layers: int = MIN_LAYERS) -> t
     seen = {}
     for name, module in model.named_modules(remove_duplicate=False):
         seen[id(module)] = seen.get(id(module), 0) + 1
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        seen[id(t)] = seen.get(id(t), 0) + 1  # a tensor tied across layers: copies would untie it
     stacks: list[LayerStack] = []
     for name, module in model.named_modules():
         if any(name.startswith(s.fqn + ".") for s in stacks):
@@ -45,7 +47,8 @@ def find_layer_stacks(model: torch.nn.Module, min_layers: int = MIN_LAYERS) -> t
         if type(module) not in (torch.nn.ModuleList, torch.nn.Sequential) or len(module) < min_layers:
             continue
         layers = list(module)
-        shared = any(seen[id(m)] > 1 for layer in layers for m in layer.modules())
+        shared = any(seen[id(m)] > 1 for layer in layers for m in layer.modules()) or \
+            any(seen[id(t)] > 1 for layer in layers for t in [*layer.parameters(), *layer.buffers()])
         if not shared and all(_interchangeable(layers[0], other) for other in layers[1:]):
             stacks.append(LayerStack(name, len(layers)))
     return tuple(stacks)

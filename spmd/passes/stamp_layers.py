@@ -21,6 +21,7 @@ instead of a graph, so the caller traces the whole model.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 
@@ -210,8 +211,8 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
     new.output(tuple(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0])
     new.output_node().meta = dict(out.meta)
     gm = graph_module(traced.gm, new)
-    return TracedGraph(gm, tuple(inputs), traced.state, traced.out_spec, traced.in_spec, tensor_infos(gm),
-                       tuple(new_kinds) if traced.outputs else (), traced.frozen, traced.joint)
+    return dataclasses.replace(traced, gm=gm, inputs=tuple(inputs), tensor_info=tensor_infos(gm),
+                               outputs=tuple(new_kinds) if traced.outputs else ())
 
 
 def _renumber_meta(meta: dict, stack_path: str, moves: dict[int, int]) -> dict:

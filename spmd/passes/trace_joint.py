@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import traceback
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch.overrides import TorchFunctionMode
 
 from spmd.errors import SpmdError
-from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, _drop_assertions, tensor_infos
+from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
+                                      shared_names, tensor_infos)
 
 _PREFIX = "model."
 
@@ -82,12 +85,18 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     wrapped = WithLoss(model, loss_fn, loss_targets(loss_fn)) if loss_fn is not None else None
     root = wrapped if wrapped is not None else model
     try:
-        ep = torch.export.export(root, tuple(example_inputs), strict=False)
+        with custom_functions() as applied:
+            ep = torch.export.export(root, tuple(example_inputs), strict=False)
         out_spec = ep.module_call_graph[0].signature.out_spec
-        exported = ep.module()
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
-            joint = aot_export_joint_with_descriptors(stack, exported, tuple(example_inputs),
-                                                      decompositions=_decompositions())
+            if applied:  # the exported module has inlined their forward and lost their backward
+                with source_meta(root):
+                    joint = aot_export_joint_with_descriptors(stack, root, tuple(example_inputs),
+                                                              decompositions=_decompositions())
+                _backward_meta_from_forward(joint.graph_module.graph)
+            else:
+                joint = aot_export_joint_with_descriptors(stack, ep.module(), tuple(example_inputs),
+                                                          decompositions=_decompositions())
             gm = joint.graph_module
     except Exception as e:
         raise SpmdError(
@@ -98,6 +107,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     prefix = _PREFIX if wrapped is not None else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
     arg_names = _argument_names(model, len(example_inputs), wrapped is not None)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_descs = [d for d in out_node.meta.get("desc") or [] if not type(d).__name__.endswith("TokenAOTOutput")]
+    _drop_effect_tokens(gm, {n.name for n in gm.graph.nodes if n.op == "placeholder"
+                             and type(n.meta.get("desc")).__name__.endswith("TokenAOTInput")})
     inputs = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -115,9 +128,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
         else:
             raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
                             "this model; inputs that are mutated or tensor subclasses are not supported yet.")
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = []
-    for k, desc in enumerate(out_node.meta.get("desc") or []):
+    for k, desc in enumerate(out_descs):
         kind = type(desc).__name__
         if desc is None:  # the gradient of an input that does not require one
             outputs.append(GraphOutput("none", ""))
@@ -135,7 +147,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     tensor_info = tensor_infos(gm)
     frozen = frozenset(strip(k) for k, v in root.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
-                       None, tensor_info, tuple(outputs), frozen=frozen, joint=True)
+                       None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
+                       aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
 
 
 def _argument_names(model: torch.nn.Module, n: int, with_loss: bool) -> list[str]:
@@ -147,3 +160,76 @@ def _argument_names(model: torch.nn.Module, n: int, with_loss: bool) -> list[str
     names = names[:n]
     k = len(names)
     return names + [f"target{i - k}" if with_loss else f"arg{i}" for i in range(k, n)]
+
+
+@contextlib.contextmanager
+def custom_functions():
+    """The names of the `torch.autograd.Function`s the model applies while this is open. torch.export
+    (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
+    keeps the backward they define, so `trace_joint` takes that road when there are any."""
+    applied: set[str] = set()
+    descriptor = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        applied.add(cls.__qualname__)
+        return descriptor.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield applied
+    finally:
+        torch.autograd.Function.apply = descriptor
+
+
+class _StackTraces(TorchFunctionMode):
+    """Every traced op carries the Python stack of the torch call that made it (torch.export's
+    `stack_trace`, for our error messages and dumps)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        fx_traceback.current_meta["stack_trace"] = "".join(traceback.format_stack()[:-1])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def source_meta(root: torch.nn.Module):
+    """While AOTAutograd traces `root` itself (not an exported graph), record on each forward node what
+    torch.export records: `nn_module_stack` ({key: (module path, class)}, outermost first) and
+    `stack_trace`. Needs `fx_traceback.preserve_node_meta()`: the tracer copies `current_meta` onto
+    each node it makes."""
+    stack: list[tuple[str, str]] = []
+
+    def publish():
+        fx_traceback.current_meta["nn_module_stack"] = {f"L__self__{p}": (p, t) for p, t in stack}
+
+    def enter(module, path):
+        stack.append((path, f"{type(module).__module__}.{type(module).__qualname__}"))
+        publish()
+
+    def leave(*_):
+        stack.pop()
+        publish()
+
+    handles = []
+    for path, module in root.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, args, path=path: enter(m, path)))
+        handles.append(module.register_forward_hook(leave))
+    mode = _StackTraces()
+    try:
+        with mode:
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        fx_traceback.current_meta.pop("nn_module_stack", None)
+        fx_traceback.current_meta.pop("stack_trace", None)
+
+
+def _backward_meta_from_forward(graph: torch.fx.Graph) -> None:
+    """As torch.export's road leaves them: a backward node has no module stack of its own (AOTAutograd
+    put the forward one in `fwd_nn_module_stack`) and the stack trace of the forward op it differentiates."""
+    forward_trace = {n.meta["seq_nr"]: n.meta.get("stack_trace") for n in graph.nodes
+                     if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta}
+    for n in graph.nodes:
+        if n.meta.get("partitioner_tag") == "is_backward":
+            n.meta.pop("nn_module_stack", None)
+            n.meta["stack_trace"] = forward_trace.get(n.meta.get("seq_nr"), n.meta.get("stack_trace"))

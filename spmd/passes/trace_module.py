@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from spmd.errors import SpmdError
+from spmd.errors import SpmdError, describe_node
 from spmd.specs import TensorInfo
 
 
@@ -46,6 +46,8 @@ class TracedGraph:
     outputs: tuple[GraphOutput, ...] = ()  # empty: every flat output is the user's
     frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False
     joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
+    aliases: dict[str, str] = field(default_factory=dict)  # extra name of a shared tensor -> canonical FQN
+    custom_functions: tuple[str, ...] = ()  # autograd.Functions traced with their own backward (joint)
 
     def output_kinds(self) -> list[GraphOutput]:
         flat = flat_outputs(self.graph.output_node())
@@ -96,10 +98,19 @@ def _decomposition_table():
 def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return TensorInfo(tuple(val.shape), val.dtype)
+        return TensorInfo(_static_shape(node, val), val.dtype)
     if isinstance(val, (tuple, list)):
-        return tuple(TensorInfo(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in val)
+        return tuple(TensorInfo(_static_shape(node, v), v.dtype) if isinstance(v, torch.Tensor) else None for v in val)
     return None
+
+
+def _static_shape(node: fx.Node, val: torch.Tensor) -> tuple[int, ...]:
+    if any(isinstance(d, torch.SymInt) for d in val.shape):
+        raise SpmdError(
+            f"{describe_node(node)} has an output shape that depends on the data ({list(val.shape)}); a plan "
+            "needs every shape known when it is made. What to do: compute a fixed-size result instead (a mask "
+            "and torch.where in place of nonzero or boolean indexing), or run this op outside the compiled model.")
+    return tuple(val.shape)
 
 
 # Runtime checks of global metadata: on local shards they would fail, and the trace already proved them.
@@ -111,6 +122,37 @@ def _drop_assertions(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
             gm.graph.erase_node(node)
+    gm.recompile()
+
+
+# Side-effecting checks torch.export orders with effect tokens (`with_effects`): they only raise on bad
+# values (a singular matrix) and return nothing, and each rank would check its own piece. Dropped, like
+# the metadata assertions; any other effectful op is refused.
+_EFFECT_CHECKS = {torch.ops.aten._linalg_check_errors.default}
+
+
+def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.with_effects:
+            continue
+        op = node.args[1]
+        results = [u for u in node.users if u.args[1] != 0]
+        if op not in _EFFECT_CHECKS or any(u.users for u in results):
+            raise SpmdError(f"{describe_node(node)}: the model calls {op}, which has side effects torch.export "
+                            "orders with tokens; spmd cannot partition it. What to do: move it out of the "
+                            "compiled model.")
+        token_out = [u for u in node.users if u.args[1] == 0]
+        out = graph.output_node()
+        out.args = (tuple(a for a in out.args[0] if a not in token_out),)
+        for u in list(node.users):
+            graph.erase_node(u)
+        graph.erase_node(node)
+    out = graph.output_node()
+    for token in [n for n in graph.nodes if n.op == "placeholder" and n.name in token_names]:
+        out.args = (tuple(a for a in out.args[0] if a is not token),)
+        if not token.users:
+            graph.erase_node(token)
     gm.recompile()
 
 
@@ -127,16 +169,19 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature
+    _drop_effect_tokens(ep.graph_module, {spec.arg.name for spec in sig.input_specs if spec.kind == InputKind.TOKEN})
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     inputs = []
     for spec in sig.input_specs:
+        if spec.kind == InputKind.TOKEN:
+            continue  # dropped with the checks it ordered (_drop_effect_tokens)
         if spec.kind not in kinds:
             raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
         inputs.append(GraphInput(spec.arg.name, kinds[spec.kind], name))
     for spec in sig.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
+        if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.TOKEN):
             raise SpmdError(
                 f"trace_module: the model mutates state ({spec.kind.name} of {spec.target}); in-place updates of "
                 "buffers are not supported yet. What to do: compute the new value as an output instead."
@@ -151,4 +196,19 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     call_sig = ep.module_call_graph[0].signature
     frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
-                       call_sig.out_spec, call_sig.in_spec, tensor_info, frozen=frozen)
+                       call_sig.out_spec, call_sig.in_spec, tensor_info, frozen=frozen, aliases=shared_names(model))
+
+
+def shared_names(model: torch.nn.Module, prefix: str = "") -> dict[str, str]:
+    """alias -> canonical FQN for every parameter or buffer reachable under several names (tied weights).
+    The canonical name is the first, as `named_parameters()` reports it; `prefix` is stripped."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        name = name[len(prefix):] if prefix and name.startswith(prefix) else name
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return aliases

@@ -6,6 +6,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.errors import SpmdError
+from spmd.runtime import optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, total_norm
 from spmd.specs import local_shape, placements_str
 
@@ -32,6 +33,8 @@ class CompiledModule(nn.Module):
         self.device_mesh = c.device_mesh
         self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
+        self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
+        optimizer_guard.watch(c.model)  # an optimizer over the original parameters fails at its first step
         self._param_names: dict[str, str] = {}  # FQN -> attribute name
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
         self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
@@ -119,16 +122,28 @@ class CompiledModule(nn.Module):
 
         if self.device_mesh is None:
             raise SpmdError("sharded_state_dict needs the runtime mesh: compile with spmd.compile")
-        return {fqn: DTensor.from_local(getattr(self, attr).detach(), self.device_mesh,
-                                        list(self._state_placements[fqn]), run_check=False)
-                for fqn, attr in self._param_names.items()}
+        out = {fqn: DTensor.from_local(getattr(self, attr).detach(), self.device_mesh,
+                                       list(self._state_placements[fqn]), run_check=False)
+               for fqn, attr in self._param_names.items()}
+        return self._with_aliases(out)
+
+    def _with_aliases(self, state: dict) -> dict:
+        """`state` with every tied parameter listed under each of its names too (one tensor, many keys)."""
+        for alias, canonical in self._aliases.items():
+            if canonical in state:
+                state[alias] = state[canonical]
+        return state
 
     def load_sharded_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
         tensors into this rank's shards."""
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
-                value = state[fqn]
+                names = [fqn] + [a for a, c in self._aliases.items() if c == fqn]
+                value = next((state[n] for n in names if n in state), None)
+                if value is None:
+                    raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
+                                    "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
                 local = getattr(self, attr)
                 if hasattr(value, "to_local"):
                     value = value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
@@ -143,7 +158,7 @@ class CompiledModule(nn.Module):
             local = getattr(self, attr)
             ps = self._state_placements[gi_name]
             out[gi_name] = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
-        return out
+        return self._with_aliases(out)
 
     def input_placements(self) -> dict[str, tuple]:
         return {name: ps for name, ps, _ in self._input_specs}

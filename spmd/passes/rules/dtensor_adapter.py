@@ -136,7 +136,12 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
     out, seen = [], set()
     for spec in (spec for r in results for spec in r.strategies):
         outs = spec.output_specs
-        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        if not isinstance(outs, (tuple, list)):
+            # one spec for an op with several outputs: DTensor's "replicate everything" rules (svd, qr,
+            # eigh) answer so; any other single spec says nothing about the other outputs
+            if len(outputs) > 1 and not all(isinstance(p, Replicate) for p in outs.placements):
+                continue
+            outs = tuple(outs if o is not None else None for o in outputs) if len(outputs) > 1 else (outs,)
         out_ps = tuple(o.placements if o is not None else None for o in outs)
         if spec.input_specs is None:
             in_ps = tuple(out_ps[0] for _ in arg_infos)
