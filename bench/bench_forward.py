@@ -138,7 +138,7 @@ def megatron_mesh_spec(mesh):
     Megatron pins that is one all_reduce after o_proj and one after fc2. The per-collective entries of
     the profile (all_gather, reduce_scatter, all_to_all) are raised too: raising only the default
     latency, as this bench once did, now prices all_reduce alone at 10 ms and steers away from it."""
-    from spmd.mesh import MeshSpec
+    from spmd.core.mesh import MeshSpec
 
     def slow(link):
         return dataclasses.replace(link, name=link.name + "-slow", latency_s=PLAN_LATENCY_S,
@@ -244,7 +244,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     import spmd
     from torch.distributed.tensor import Replicate
     from examples.models import GPT, GPTConfig
-    from spmd.specs import placements_str
+    from spmd.core.specs import placements_str
 
     vocab, seq, dim, heads, layers, batch = SIZES[size]
     cfg = GPTConfig(vocab, seq, dim, heads, layers, sdpa=True, bias=True)
@@ -266,7 +266,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
         # The pins fix the weights, not the activations: the solver may shard tokens somewhere (sequence
         # or batch parallel) where it predicts compute savings that beat the extra collectives. Keep that
         # plan as "a2sp" and re-plan with every collective's latency high (fewest collectives wins).
-        from spmd.mesh import MeshSpec
+        from spmd.core.mesh import MeshSpec
 
         a2_free = a2
         t0 = time.perf_counter()
@@ -340,7 +340,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
 def without_collectives(compiled):
     """`compiled`'s rank graph with every all_reduce replaced by its input (wrong numbers, same compute)."""
     import torch.fx as fx
-    from spmd.runtime.collectives import STEP_FUNCTIONS
+    from spmd.core.collectives import STEP_FUNCTIONS
 
     gm, graph, env = compiled.graph_module, fx.Graph(), {}
     for node in gm.graph.nodes:
@@ -389,9 +389,9 @@ def profile_size(a2, x2, model, tokens, rank: int, world: int) -> str:
     """Where a2's time goes compared with c: compute without collectives, the collective itself, the
     module wrapper, and the ATen ops each compute path dispatches (rank 0's view). Everything is timed
     interleaved: a profiler window on one variant, then one on the other, saw different machine load."""
-    from spmd.runtime.collectives import all_gather as spmd_all_gather
-    from spmd.runtime.collectives import all_reduce as spmd_all_reduce
-    from spmd.runtime.collectives import reduce_scatter as spmd_reduce_scatter
+    from spmd.core.collectives import all_gather as spmd_all_gather
+    from spmd.core.collectives import all_reduce as spmd_all_reduce
+    from spmd.core.collectives import reduce_scatter as spmd_reduce_scatter
 
     n = 200 if model.cfg.dim < 256 else 10
     hand_nocomm = HandMegatron(model, rank, world, all_reduce=lambda t: None)

@@ -50,10 +50,11 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 import spmd  # noqa: E402
 from examples.models import Llama, LlamaConfig, ViT, ViTConfig  # noqa: E402
-from spmd.api import fake_model  # noqa: E402
-from spmd.errors import SpmdError  # noqa: E402
-from spmd.passes.enumerate_strategies import Pins  # noqa: E402
-from spmd.pipeline import Compilation, run_pipeline  # noqa: E402
+from spmd.compiler.meta import fake_model  # noqa: E402
+from spmd.compiler.options import PlanOptions  # noqa: E402
+from spmd.compiler.pipeline import run_pipeline  # noqa: E402
+from spmd.core.errors import SpmdError  # noqa: E402
+from spmd.report.result import report_of  # noqa: E402
 
 MARKER = "<!-- generated -->"
 GB = 1e9
@@ -76,7 +77,7 @@ IB_BANDWIDTH = None  # --ib-gbps: a what-if InfiniBand bus bandwidth (bytes/s) f
 
 
 def infiniband():
-    from spmd.cost_model.profiles import LinkProfile, link_profile_for
+    from spmd.core.profiles import LinkProfile, link_profile_for
 
     ib = link_profile_for("infiniband")
     if IB_BANDWIDTH is None:
@@ -88,7 +89,7 @@ def mesh88() -> spmd.MeshSpec:
     """(dp=8, tp=8): tp the inner axis (NVLink inside a node), dp across nodes (InfiniBand); H100."""
     if IB_BANDWIDTH is None:
         return spmd.MeshSpec((8, 8), ("dp", "tp"))
-    from spmd.cost_model.profiles import link_profile_for
+    from spmd.core.profiles import link_profile_for
 
     return spmd.MeshSpec((8, 8), ("dp", "tp"), (infiniband(), link_profile_for("nvlink")))
 
@@ -100,22 +101,23 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
     t0 = time.perf_counter()
     model, inputs = fake_model(model, inputs)
     fake_s = time.perf_counter() - t0
-    c = Compilation(model, inputs, mesh, pins or Pins(), training=training, loss_fn=loss_fn,
-                    memory_budget=memory_budget, optimizer_state_factor=optimizer_state_factor,
-                    tie_blocks=tie_blocks, stamp_layers=stamp_layers, plan_only=True)
+    options = PlanOptions(**(pins or {}), training=training, loss_fn=loss_fn, memory_budget=memory_budget,
+                          optimizer_state_factor=optimizer_state_factor, tie_blocks=tie_blocks,
+                          stamp_layers=stamp_layers)
     row = {"load": load0, "fake_s": fake_s}
     t1 = time.perf_counter()
     try:
-        run_pipeline(c)
+        c = run_pipeline(model, inputs, mesh, options)
     except SpmdError as e:
         row["error"] = str(e)
+        row["total_s"] = time.perf_counter() - t0
+        return row, None
     row["total_s"] = time.perf_counter() - t0
     row["wall_pipeline_s"] = time.perf_counter() - t1
     row["timings"] = dict(c.timings)
     row["blocks"] = c.blocks.summary() if c.blocks is not None else "not searched (tie_blocks=False)"
-    row["stamped"] = c.stats.get("stamped_layers", "no (traced whole)")
-    if c.traced is not None:
-        row["graph_nodes"] = sum(1 for n in c.traced.graph.nodes if n.op == "call_function")
+    row["stamped"] = c.plan.stats.get("stamped_layers") or "no (traced whole)"
+    row["graph_nodes"] = sum(1 for n in c.traced.graph.nodes if n.op == "call_function")
     p = c.plan
     if p is not None:
         row.update(binary=p.stats["binary"], continuous=p.stats["continuous"], rows=p.stats["rows"],
@@ -266,7 +268,7 @@ HEADLINE_PARAMS = ("layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight",
 
 
 def placements_by_fqn(plan) -> dict[str, str]:
-    from spmd.specs import placements_str
+    from spmd.core.specs import placements_str
 
     return {fqn: placements_str(plan.choices[ph].outputs[0]) for ph, fqn in plan.labels.items() if ph in plan.choices}
 
@@ -282,15 +284,13 @@ def part_headline(args) -> dict:
         vrow.update(label=f"memory_budget={args.budget / GB:.0f} GB", placements=_picked(vc))
         variants.append(vrow)
         print(summary_line(vrow), flush=True)
-    if c.plan is not None:
+    if c is not None:
         by_fqn = placements_by_fqn(c.plan)
         row["placements"] = {f: by_fqn.get(f, "?") for f in HEADLINE_PARAMS}
         print(json.dumps(row["placements"], indent=1), flush=True)
         t0 = time.perf_counter()
         try:
-            from spmd.explain import keep_sources
-
-            text = keep_sources(c).explain()
+            text = report_of(c).explain()
             row["explain_s"] = time.perf_counter() - t0
             lines = text.splitlines()
             row["explain_head"] = lines[:40]
@@ -300,7 +300,7 @@ def part_headline(args) -> dict:
 
 
 def _picked(c) -> dict:
-    if c.plan is None:
+    if c is None:
         return {}
     by_fqn = placements_by_fqn(c.plan)
     return {f: by_fqn.get(f, "?") for f in HEADLINE_PARAMS}
@@ -366,7 +366,7 @@ def vit(cfg: ViTConfig, batch: int, dtype):
     return model, (images, labels)
 
 
-def fsdp_pins(model, mesh) -> tuple[Pins, dict[str, str]]:
+def fsdp_pins(model, mesh) -> tuple[dict, dict[str, str]]:
     """Inputs and every parameter sharded on dim 0 over every mesh axis ([S(0), S(0)]: over all 64 ranks);
     where dim 0 does not split evenly, the first dim that does, else replicated. Returns the pins and
     the exceptions."""
@@ -383,7 +383,7 @@ def fsdp_pins(model, mesh) -> tuple[Pins, dict[str, str]]:
             params[fqn] = [Replicate()] * k
             exceptions[fqn] = f"{tuple(p.shape)}: R"
     ins = {"images": [Shard(0)] * k, "target0": [Shard(0)] * k}
-    return Pins(ins, params, {}), exceptions
+    return dict(in_placements=ins, param_placements=params), exceptions
 
 
 def mesh64() -> spmd.MeshSpec:
@@ -394,7 +394,7 @@ def mesh64() -> spmd.MeshSpec:
     return spmd.MeshSpec((64,), ("dp",), (infiniband(),))
 
 
-def megatron_fsdp_pins(model, mesh) -> Pins:
+def megatron_fsdp_pins(model, mesh) -> dict:
     """The published 2-D layout as pins: Megatron TP on tp (q/k/v/fc1 column-parallel: weight and bias
     S(0); o_proj/fc2 row-parallel: weight S(1)), FSDP on dp (every parameter's dim 0 sharded over dp,
     nested outside the tp sharding); the rest (norms, embeddings, head, row-parallel biases) FSDP on dp
@@ -410,7 +410,8 @@ def megatron_fsdp_pins(model, mesh) -> Pins:
         else:
             dims = [d for d, s in enumerate(p.shape) if s % dp == 0]
             params[fqn] = [Shard(dims[0]), Replicate()] if dims else [Replicate(), Replicate()]
-    return Pins({"images": [Shard(0), Replicate()], "target0": [Shard(0), Replicate()]}, params, {})
+    return dict(in_placements={"images": [Shard(0), Replicate()], "target0": [Shard(0), Replicate()]},
+                param_placements=params)
 
 
 def part_vit(args) -> dict:
@@ -441,7 +442,7 @@ def part_vit(args) -> dict:
                 row, c = run_case(model, inputs, mesh, training=True, loss_fn=cls_loss, pins=p,
                                   memory_budget=budget, optimizer_state_factor=args.optimizer_state_factor)
                 row["budget"] = budget
-                if c.plan is not None:
+                if c is not None:
                     by_fqn = placements_by_fqn(c.plan)
                     row["placements"] = {f: by_fqn.get(f, "?") for f in (
                         "blocks.0.attn.q_proj.weight", "blocks.0.attn.o_proj.weight", "blocks.0.mlp.fc1.weight",

@@ -1,7 +1,7 @@
 """Predicted vs measured step time: `plan.predicted_step_s` (seconds per call: `plan.objective`, the graph's
 compute and communication that the solver minimises, plus the wrapper's fixed costs around it) against the
 measured median of compiled models on gloo, with the built-in gloo profile and with one
-calibrated on this machine by `spmd.cost_model.calibrate`.
+calibrated on this machine by `spmd.tools.calibrate`.
 
 Models (examples.models), each as a forward (`torch.no_grad`) and a training step (forward + loss +
 backward; the optimizer is not part of the plan, so it is not timed):
@@ -189,9 +189,9 @@ def per_op_table(compiled, local, train: bool, top: int = 16) -> list[str]:
 
 def run_world(world: int, args, rank: int) -> dict:
     import spmd
-    from spmd.cost_model.calibrate import calibrate, geometric_sizes, summary
-    from spmd.cost_model.profiles import load_profile, save_profile
-    from spmd.mesh import MeshSpec
+    from spmd.tools.calibrate import calibrate, geometric_sizes, summary
+    from spmd.core.profiles import load_profile, save_profile
+    from spmd.core.mesh import MeshSpec
 
     shape, names = MESHES[world]
     mesh = spmd.init_mesh(shape, names)

@@ -250,8 +250,8 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     import spmd
     from torch.distributed.tensor import Replicate
     from examples.models import GPT, GPTConfig
-    from spmd.mesh import MeshSpec
-    from spmd.specs import placements_str
+    from spmd.core.mesh import MeshSpec
+    from spmd.core.specs import placements_str
 
     vocab, seq, dim, heads, layers, batch = SIZES[size]
     cfg = GPTConfig(vocab, seq, dim, heads, layers, sdpa=True, bias=True)
@@ -418,7 +418,7 @@ def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, w
     """Where a2's step goes, compared with c (rank 0's view, interleaved calls): the generated forward
     and backward graphs called directly (no autograd), the same with collectives removed, the
     autograd.Function boundary, the gradient bucket, the optimizer step, and ATen op counts."""
-    from spmd.runtime import collectives as C
+    from spmd.core import collectives as C
     from spmd.runtime.compiled import _RankStep
 
     split = a2.split

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import spmd  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
-from spmd.mesh import MeshSpec  # noqa: E402
+from spmd.core.mesh import MeshSpec  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
         print("=" * 100)
         print(compiled.plan)
         print("=" * 100)
-        print("Generated code for rank 0 (collectives are the spmd.runtime.collectives calls):")
+        print("Generated code for rank 0 (collectives are the spmd.core.collectives calls):")
         print(compiled.code)
         print("=" * 100)
         print(f"local input of rank 0: {list(local[0].shape)} of global {list(tokens.shape)}")

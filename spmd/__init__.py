@@ -5,10 +5,12 @@
     out = compiled(*compiled.shard_inputs(tokens))
 """
 from spmd.api import compile, init_mesh, plan
-from spmd.errors import SpmdError, SpmdInternalError
-from spmd.mesh import MeshSpec
+from spmd.compiler.options import PlanOptions
+from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.mesh import MeshSpec
 from spmd.passes.enumerate_strategies import UnknownOpWarning
-from spmd.plan_io import diff_plans, load_plan
+from spmd.report.diff import diff_plans
+from spmd.report.result import load_plan
 
-__all__ = ["compile", "plan", "init_mesh", "MeshSpec", "SpmdError", "SpmdInternalError", "UnknownOpWarning",
-           "load_plan", "diff_plans"]
+__all__ = ["compile", "plan", "init_mesh", "MeshSpec", "PlanOptions", "SpmdError", "SpmdInternalError",
+           "UnknownOpWarning", "load_plan", "diff_plans"]

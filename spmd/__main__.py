@@ -1,4 +1,4 @@
-"""`python -m spmd ...`: the command line (see `spmd.cli`)."""
-from spmd.cli import main
+"""`python -m spmd ...`: the command line (see `spmd.tools.cli`)."""
+from spmd.tools.cli import main
 
 raise SystemExit(main())

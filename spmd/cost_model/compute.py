@@ -7,17 +7,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from spmd.specs import TensorInfo
+from spmd.core.graph_facts import is_view
+from spmd.core.specs import TensorInfo
 
 aten = torch.ops.aten
-
-
-def is_view(op) -> bool:
-    schema = getattr(op, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
-                and not schema.returns[0].alias_info.is_write)
 
 
 # forward: Q K^T and P V; backward: Q K^T again, dV, dP, dQ, dK
@@ -79,3 +76,32 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
     rate = device.flops * (device.attention_efficiency if op in _ATTENTION else 1.0)
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
     return maximum(flops / rate, moved / device.memory_bandwidth) + device.op_overhead_s
+
+
+def local_call(node: fx.Node, is_tensor, local_infos: list) -> tuple[tuple, dict]:
+    """`node`'s (args, kwargs) with each tensor argument (`is_tensor(arg)`, in pytree order, as strategies
+    list them) replaced by its local shape from `local_infos`: what FLOP formulas take."""
+    it = iter(local_infos)
+    return tree_map(lambda a: next(it).shape if isinstance(a, fx.Node) and is_tensor(a) else a,
+                    (tuple(node.args), dict(node.kwargs)))
+
+
+def wrapper_counts(graph: fx.Graph, kinds: dict[str, str], joint: bool) -> tuple[int, int, int]:
+    """(placeholders the compiled module passes in, parameters, values saved for backward) of a traced
+    graph, as `split_joint_graph` will split it: what the per-call costs around the graph scale with
+    (`Plan.wrapper_overhead_s`). A forward value is saved when a backward node (tagged `is_backward`, or
+    reading a tangent or another backward node) reads it."""
+    args = sum(1 for k in kinds.values() if k != "tangent")
+    params = sum(1 for k in kinds.values() if k == "parameter")
+    if not joint:
+        return args, params, 0
+    backward: set = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if (kinds.get(node.name) == "tangent" or node.meta.get("partitioner_tag") == "is_backward"
+                or (node.op == "call_function" and any(a in backward for a in node.all_input_nodes))):
+            backward.add(node)
+    saved = sum(1 for node in graph.nodes
+                if node.op != "output" and node not in backward and any(u in backward for u in node.users))
+    return args, params, saved

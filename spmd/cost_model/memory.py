@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-from spmd.cost_model.compute import is_view
-from spmd.specs import Placements, TensorInfo, pieces
-
-Value = tuple[str, int]
+from spmd.core.graph_facts import is_view
+from spmd.core.specs import Placements, TensorInfo, Value, pieces
 
 
 @dataclass(frozen=True)

@@ -1,34 +1,29 @@
-"""Symbolic costs: a plan's estimated step time as a sympy formula in the batch size, and the batch
-sizes at which the best plan changes.
+"""Symbolic costs: a plan's estimated step time as a sympy formula in the batch size.
 
-    plan at batch b0 ──trace at b0 and 2*b0──▶ every dim: constant, or proportional to `batch`
+    the graph traced at b0 and 2*b0 ──▶ every dim: constant, or proportional to `batch`
         ──the plan's own placements, local shapes in `batch`──▶ compute (roofline, sympy.Max)
-        + resharding steps (alpha-beta) + gradient buckets (latency * Max(1, bytes / bucket))
+        + resharding steps (alpha-beta) + gradient buckets (comm.bucketed_latency, as the solver prices them)
         = plan.cost_formula
 
-`crossover()` solves the pipeline again at other batch sizes (the model is only traced, never run),
-and where the best plan changes between two sizes, finds where their formulas cross.
-
-Only the batch is symbolic: the user's inputs are re-sized along one dim each (dim 0 unless told),
-and every other dim of every tensor must either stay put or scale with it.
+Only the batch is symbolic: every dim of every tensor must either stay put or scale with it. The
+tracing at two sizes, and `crossover()` (re-solving at other sizes), are in report/whatif.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 
-from spmd.cost_model.comm import step_cost
-from spmd.cost_model.compute import compute_cost
-from spmd.errors import SpmdError, SpmdInternalError
-from spmd.passes.estimate_costs import local_call
-from spmd.specs import shard_factor
+from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.specs import shard_factor
+from spmd.cost_model.comm import bucket_share, bucketed_latency, step_cost
+from spmd.cost_model.compute import compute_cost, local_call
 
 
 @dataclass(frozen=True)
@@ -41,50 +36,6 @@ class SymInfo:
     @property
     def nbytes(self):
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class Replanner:
-    """What `spmd.plan` was called with, so the same question can be asked at another batch size."""
-
-    model: torch.nn.Module
-    example_inputs: tuple
-    mesh: Any
-    options: dict = field(default_factory=dict)
-    dims: dict[int, int] | None = None  # input index -> its batch dim (default: dim 0 of every tensor)
-
-    @property
-    def batch(self) -> int:
-        i, d = next(iter(self._dims().items()))
-        return int(self.example_inputs[i].shape[d])
-
-    def _dims(self) -> dict[int, int]:
-        if self.dims is not None:
-            return self.dims
-        return {i: 0 for i, t in enumerate(self.example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-
-    def inputs_at(self, batch: int) -> tuple:
-        out = list(self.example_inputs)
-        for i, d in self._dims().items():
-            shape = list(out[i].shape)
-            shape[d] = batch
-            out[i] = out[i].new_zeros(shape)
-        return tuple(out)
-
-    def trace(self, batch: int):
-        from spmd.api import fake_model
-        from spmd.passes.trace_joint import trace_joint
-        from spmd.passes.trace_module import trace_module
-
-        model, inputs = fake_model(self.model, self.inputs_at(batch))
-        if self.options.get("training") or self.options.get("loss_fn") is not None:
-            return trace_joint(model, inputs, self.options.get("loss_fn"))
-        return trace_module(model, inputs)
-
-    def plan(self, batch: int):
-        from spmd.api import plan
-
-        return plan(self.model, self.mesh, self.inputs_at(batch), **self.options)
 
 
 def _symbolic_shapes(t1, t2, b0: int, batch: sympy.Symbol) -> dict[str, Any]:
@@ -122,19 +73,14 @@ def _local(info: SymInfo, ps, mesh_shape) -> SymInfo:
     return SymInfo(tuple(s / shard_factor(ps, mesh_shape, d) for d, s in enumerate(info.shape)), info.dtype)
 
 
-def cost_formula(plan, symbol: str = "batch") -> sympy.Expr:
-    """The plan's estimated seconds per step as a formula in `symbol` (the batch size)."""
-    rp: Replanner | None = getattr(plan, "replanner", None)
-    if rp is None:
-        raise SpmdError("cost_formula needs a plan made by spmd.plan (it re-traces the model at another "
-                        "batch size). What to do: call spmd.plan(model, mesh_spec, example_inputs, ...).")
+def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Expr:
+    """The plan's estimated seconds per step as a formula in `symbol` (the batch size): `small` and `large`
+    are the same graph traced at batch `b0` and `2 * b0` (what tells which dims scale)."""
     batch = sympy.Symbol(symbol, positive=True)
-    b0 = rp.batch
-    t1, t2 = rp.trace(b0), rp.trace(2 * b0)
-    sym = _symbolic_shapes(t1, t2, b0, batch)
+    sym = _symbolic_shapes(small, large, b0, batch)
     mesh = plan.mesh
     terms = []
-    for node in t1.graph.nodes:
+    for node in small.graph.nodes:
         strategy = plan.choices.get(node.name)
         if node.op != "call_function" or strategy is None or node.target is operator.getitem:
             continue
@@ -144,23 +90,24 @@ def cost_formula(plan, symbol: str = "batch") -> sympy.Expr:
         args, kwargs = local_call(node, lambda a: isinstance(sym.get(a.name), SymInfo), ins)
         terms.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device, maximum=sympy.Max))
 
-    grads = {f"output_{k}" for k, o in enumerate(t1.output_kinds()) if o.kind == "grad"}
+    grads = {f"output_{k}" for k, o in enumerate(small.output_kinds()) if o.kind == "grad"}
     shares: dict[int, list] = {}
-    bucket = plan.stats.get("bucket_bytes") or 4 * 2**20
+    bucket = plan.stats.get("bucket_bytes")
     for edge in plan.edges:
         info = sym[edge.value[0]]
         info = info[edge.value[1]] if isinstance(info, tuple) else info
+        bucketed = bucket and edge.consumer in grads
         for step in edge.steps:
             local = tuple(sympy.Integer(d) if g == g0 else sympy.Integer(d) * g / g0
-                          for d, g, g0 in zip(step.local_in_shape, info.shape, _shape(t1, edge.value)))
+                          for d, g, g0 in zip(step.local_in_shape, info.shape, _shape(small, edge.value)))
             s = dataclasses.replace(step, local_in_shape=local)
-            seconds = step_cost(s, mesh)
-            if edge.consumer in grads and step.kind == "all_reduce":  # bucketed: the latency is per bucket
-                seconds -= mesh.links[step.axis].alpha_beta("all_reduce")[0]
-                shares.setdefault(step.axis, []).append(s.in_bytes / bucket)
-            terms.append(seconds)
+            if bucketed and step.kind == "all_reduce":  # its latency is its share of the axis's buckets
+                terms.append(step_cost(s, mesh) - mesh.links[step.axis].alpha_beta("all_reduce")[0])
+                shares.setdefault(step.axis, []).append(bucket_share(s.in_bytes, bucket))
+            else:
+                terms.append(step_cost(s, mesh))
     for axis, parts in shares.items():
-        terms.append(mesh.links[axis].alpha_beta("all_reduce")[0] * sympy.Max(1, sympy.Add(*parts)))
+        terms.append(bucketed_latency(mesh.links[axis].alpha_beta("all_reduce")[0], parts))
     # built with a positive symbol (so Max(2 b, 3 b) is 3 b); handed back plain, so .subs("batch", 8) works
     return sympy.Add(*terms).xreplace({batch: sympy.Symbol(symbol)})
 
@@ -176,63 +123,3 @@ def _in_order(node: fx.Node, sym: dict) -> list[fx.Node]:
 
     leaves, _ = tree_flatten((node.args, node.kwargs))
     return [a for a in leaves if isinstance(a, fx.Node) and isinstance(sym.get(a.name), SymInfo)]
-
-
-def _layout(plan) -> tuple:
-    """What a plan decides, independent of the batch size it was solved at."""
-    return tuple(sorted((name, str(s)) for name, s in plan.choices.items()))
-
-
-@dataclass
-class Crossover:
-    symbol: str
-    at: float  # the formulas of `below` and `above` are equal here
-    below: Any  # Plan, best just under `at`
-    above: Any  # Plan, best just over `at`
-    changed: list[tuple[str, str, str]]  # (parameter or input, placements below, placements above)
-
-    def __str__(self) -> str:
-        lines = [f"at {self.symbol} ~ {self.at:.4g} the best plan changes"]
-        for name, a, b in self.changed[:12]:
-            lines.append(f"  {name}: {a} -> {b}")
-        if len(self.changed) > 12:
-            lines.append(f"  ... and {len(self.changed) - 12} more")
-        return "\n".join(lines)
-
-
-def crossover(plan, symbol: str = "batch", sizes: list[int] | None = None) -> list[Crossover]:
-    """Re-solve at other batch sizes (default: the plan's batch times 1/8 ... 64, where whole) and
-    report every size where the best plan changes, located where the two plans' formulas cross."""
-    from spmd.specs import placements_str
-
-    rp: Replanner | None = getattr(plan, "replanner", None)
-    if rp is None:
-        raise SpmdError("crossover needs a plan made by spmd.plan. What to do: call spmd.plan(...).")
-    b0 = rp.batch
-    if sizes is None:
-        sizes = sorted({int(b0 * f) for f in (1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8, 16, 32, 64) if b0 * f >= 1 and (b0 * f) % 1 == 0})
-    plans = []
-    for b in sorted(set(sizes)):
-        try:
-            plans.append((b, plan if b == b0 else rp.plan(b)))
-        except SpmdError:
-            continue  # e.g. a pinned placement that this size cannot divide
-    found: list[Crossover] = []
-    x = sympy.Symbol(symbol)
-    for (b1, p1), (b2, p2) in zip(plans, plans[1:]):
-        if _layout(p1) == _layout(p2):
-            continue
-        diff = sympy.lambdify(x, cost_formula(p1, symbol) - cost_formula(p2, symbol), "math")
-        lo, hi = float(b1), float(b2)
-        if diff(lo) > 0 or diff(hi) < 0:  # no sign change between the two sizes: report the midpoint
-            at = (lo + hi) / 2
-        else:
-            for _ in range(60):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if diff(mid) <= 0 else (lo, mid)
-            at = (lo + hi) / 2
-        labels = p1.labels
-        changed = [(labels[n], placements_str(p1.choices[n].outputs[0]), placements_str(p2.choices[n].outputs[0]))
-                   for n in labels if n in p2.choices and p1.choices[n].outputs[0] != p2.choices[n].outputs[0]]
-        found.append(Crossover(symbol, at, p1, p2, changed))
-    return found

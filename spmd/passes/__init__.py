@@ -1,1 +1,1 @@
-"""Graph passes. Each file defines one pass named after it; `spmd.pipeline` lists them in order."""
+"""Graph passes. Each file defines one pass named after it; `spmd.compiler.pipeline` lists them in order."""

@@ -14,8 +14,8 @@ import operator
 
 import torch.fx as fx
 
-from spmd.runtime import collectives as C
-from spmd.specs import pieces
+from spmd.core import collectives as C
+from spmd.core.specs import pieces
 
 
 def _gradient_chain(node: fx.Node) -> bool:
@@ -35,10 +35,12 @@ def local_bytes(node: fx.Node, mesh_shape: tuple[int, ...]) -> float:
     return val.numel() * val.element_size() / pieces(node.meta["spmd_placements"][0], mesh_shape)
 
 
-def bucket_gradients(gm: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_bytes: float,
+def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_bytes: float,
                      defer_waits: bool = True) -> fx.GraphModule:
-    """`defer_waits`: move each bucket's wait down to its first reader; False: wait right after launch."""
-    graph = gm.graph
+    """A new backward graph (the given one is left as it is). `defer_waits`: move each bucket's wait down
+    to its first reader; False: wait right after launch."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(backward.graph, {}))
     members = [n for n in graph.nodes if n.target is C.all_reduce and _gradient_chain(n)]
     buckets: list[list[fx.Node]] = []
     open_by_key: dict[tuple, list[fx.Node]] = {}
@@ -77,8 +79,7 @@ def bucket_gradients(gm: fx.GraphModule, mesh_shape: tuple[int, ...], bucket_byt
     _topological_sort(graph)
     if defer_waits:
         _sink_bucket_waits(graph)
-    gm.recompile()
-    return gm
+    return fx.GraphModule(backward, graph)
 
 
 def _topological_sort(graph: fx.Graph) -> None:

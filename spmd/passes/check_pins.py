@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from spmd.errors import SpmdError
-from spmd.specs import Pins, TensorInfo, placements_str
+from spmd.core.errors import SpmdError
+from spmd.core.specs import Pins, TensorInfo, placements_str
 
 
 def check_pins(pins: Pins, traced, mesh) -> Pins:

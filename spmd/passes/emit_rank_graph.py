@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from spmd.runtime.collectives import STEP_FUNCTIONS
-from spmd.specs import local_shape
+from spmd.core.collectives import STEP_FUNCTIONS
+from spmd.core.specs import local_shape
 
 aten = torch.ops.aten
 

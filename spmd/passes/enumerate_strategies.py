@@ -12,32 +12,33 @@ import warnings
 from dataclasses import dataclass, field
 from math import prod
 
-import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from spmd.errors import SpmdError, describe_node
+from spmd.core.errors import SpmdError, describe_node
 from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
 from spmd.passes.rules import dtensor_adapter
 from spmd.passes.rules.dtensor_adapter import TensorArg, op_name
 from spmd.passes.trace_module import TracedGraph, flat_outputs
-from spmd.specs import Pins, Placements, Strategy, TensorInfo, all_placements, is_even, placements_str
-
-Value = tuple[str, int]  # (producing node name, output index)
-
+from spmd.core.specs import Pins, Placements, Strategy, TensorInfo, Value, all_placements, is_even, placements_str
 
 class UnknownOpWarning(UserWarning):
     """An op had no sharding rule and runs replicated on every rank."""
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class NodeStrategies:
-    strategies: list[Strategy]
+    """One node's candidates. `variant` names the strategy list: nodes of identical layers share their
+    representative's list and its variant, so later passes may work out anything that depends only on
+    the list (costs, solver columns) once per variant."""
+
+    strategies: tuple[Strategy, ...]
     inputs: tuple[Value, ...]  # the values read, aligned with Strategy.inputs
     outputs: tuple[TensorInfo | None, ...]
     source: str  # dtensor | spmd | fallback | placeholder | output | follow
+    variant: int
     excluded: int = 0  # strategies dropped as uneven
     tie: str | None = None  # another node whose placements this one must equal (grad <-> parameter)
 
@@ -46,15 +47,16 @@ class NodeStrategies:
         return s.inputs[0] if self.source == "output" else s.outputs[0]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StrategyTable:
-    nodes: dict[str, NodeStrategies] = field(default_factory=dict)
-    fallbacks: list[str] = field(default_factory=list)  # node descriptions that fell back to Replicate
+    nodes: dict[str, NodeStrategies]
+    fallbacks: tuple[str, ...] = ()  # node descriptions that fell back to Replicate
     copied: int = 0  # nodes whose strategies were copied from their repeated-block representative
-    _candidates: dict = field(default_factory=dict, repr=False)
+    merged_followers: int = 0  # nodes pruned to follow their input (merge_followers)
+    _candidates: dict = field(default_factory=dict, repr=False, compare=False)  # memo of output_candidates
 
     def output_candidates(self, value: Value) -> list[Placements]:
-        """The placements `value` can come out in (a node's strategies never change once entered)."""
+        """The placements `value` can come out in."""
         found = self._candidates.get(value)
         if found is None:
             name, idx = value
@@ -101,28 +103,25 @@ def _uneven(pin: Placements, shape: tuple[int, ...], mesh) -> str:
     return "; ".join(why) or "it is excluded"
 
 
-def _restrict(ns: NodeStrategies, pin: Placements, what: str, node_desc: str, mesh) -> None:
-    kept = [s for s in ns.strategies if s.outputs[0] == pin]
+def _restrict(strategies: list[Strategy], pin: Placements, what: str, node_desc: str, shape, mesh) -> list:
+    kept = [s for s in strategies if s.outputs[0] == pin]
     if not kept:
-        shape = ns.outputs[0].shape if ns.outputs and ns.outputs[0] else ()
         raise SpmdError(
             f"pin {placements_str(pin)} for {what} cannot be met: {node_desc} has shape {shape}, and on mesh "
             f"{mesh} that placement is uneven: {_uneven(pin, shape, mesh)} (uneven shards are not supported). "
             "What to do: pin a placement whose sharded dims divide by the mesh axis sizes, or change the size.")
-    ns.strategies = kept
+    return kept
 
 
-def _copy_of_counterpart(table: StrategyTable, counterparts: list[str], inputs: tuple[Value, ...]) -> NodeStrategies | None:
+def _copy_of_counterpart(nodes: dict, candidates, counterparts: list[str], inputs: tuple[Value, ...]):
     """The strategies of an identical node of an earlier layer, re-labelled for this node, when its
     inputs offer the same candidates (then every rule would answer the same). Layer 0 often differs
     from the others (its input comes from the embedding), so each distinct variant is kept."""
-    for other in (table.nodes[name] for name in counterparts):
+    for other in (nodes[name] for name in counterparts):
         if len(other.inputs) != len(inputs):
             continue
-        if all(mine == theirs or table.output_candidates(mine) == table.output_candidates(theirs)
-               for mine, theirs in zip(inputs, other.inputs)):
-            table.copied += 1
-            return NodeStrategies(other.strategies, inputs, other.outputs, other.source, other.excluded)
+        if all(mine == theirs or candidates(mine) == candidates(theirs) for mine, theirs in zip(inputs, other.inputs)):
+            return NodeStrategies(other.strategies, inputs, other.outputs, other.source, other.variant, other.excluded)
     return None
 
 
@@ -133,10 +132,14 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     rep_of = blocks.representative if blocks is not None else {}
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own strategies
     info = traced.tensor_info
-    table = StrategyTable()
+    nodes: dict[str, NodeStrategies] = {}
+    table = StrategyTable(nodes)  # filled below; output_candidates reads what is entered so far
+    fallbacks: list[str] = []
+    copied = 0
     by_ph = traced.input_by_placeholder()
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer", "input")}
     kinds = traced.output_kinds()
+    next_variant = iter(range(1 << 62)).__next__
 
     def even(s: Strategy, outs, ins) -> bool:
         return all(ps is None or o is None or is_even(o.shape, ps, mesh.shape) for ps, o in zip(s.outputs, outs)) \
@@ -145,34 +148,35 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     for node in traced.graph.nodes:
         if node.op == "placeholder":
             t = info[node.name]
-            cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
-            ns = NodeStrategies([Strategy((ps,), ()) for ps in cands], (), (t,), "placeholder")
             gi = by_ph[node.name]
-            if gi.kind == "tangent":  # the incoming gradient arrives laid out like its output
-                ns.tie = gi.name
+            strategies = [Strategy((ps,), ()) for ps in all_placements(len(t.shape), mesh.ndim)
+                          if is_even(t.shape, ps, mesh.shape)]
             book = pins.inputs if gi.kind == "input" else pins.params
             if gi.name in book:
-                _restrict(ns, book[gi.name], f"{gi.kind} {gi.name!r}", f"placeholder '{node.name}'", mesh)
-            table.nodes[node.name] = ns
+                strategies = _restrict(strategies, book[gi.name], f"{gi.kind} {gi.name!r}",
+                                       f"placeholder '{node.name}'", t.shape, mesh)
+            # a tangent (the incoming gradient) arrives laid out like its output
+            nodes[node.name] = NodeStrategies(tuple(strategies), (), (t,), "placeholder", next_variant(),
+                                              tie=gi.name if gi.kind == "tangent" else None)
             continue
         if node.op == "output":
             for k, a in enumerate(flat_outputs(node)):
                 if not isinstance(a, fx.Node) or not isinstance(info.get(a.name), TensorInfo):
                     continue
                 t = info[a.name]
-                cands = [ps for ps in all_placements(len(t.shape), mesh.ndim) if is_even(t.shape, ps, mesh.shape)]
-                ns = NodeStrategies([Strategy((), (ps,)) for ps in cands], ((a.name, 0),), (), "output")
-                if kinds[k].kind == "grad":  # gradients land in their parameter's own placements
-                    ns.tie = by_fqn[kinds[k].name]
+                strategies = [Strategy((), (ps,)) for ps in all_placements(len(t.shape), mesh.ndim)
+                              if is_even(t.shape, ps, mesh.shape)]
                 if k in pins.outputs:
                     pin = pins.outputs[k]
-                    kept = [s for s in ns.strategies if s.inputs[0] == pin]
-                    if not kept:
+                    strategies = [s for s in strategies if s.inputs[0] == pin]
+                    if not strategies:
                         raise SpmdError(f"pin {placements_str(pin)} for output {k} cannot be met: it has shape "
                                         f"{t.shape}, and on mesh {mesh} that placement is uneven: "
                                         f"{_uneven(pin, t.shape, mesh)}. What to do: pin an even placement.")
-                    ns.strategies = kept
-                table.nodes[f"output_{k}"] = ns
+                # gradients land in their parameter's own placements
+                tie = by_fqn[kinds[k].name] if kinds[k].kind == "grad" else None
+                nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
+                                                      next_variant(), tie=tie)
             continue
         if node.op != "call_function":
             raise SpmdError(f"enumerate_strategies: unsupported node kind {node.op} ({describe_node(node)})")
@@ -182,17 +186,17 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         if node.target is operator.getitem:
             src, idx = node.args
             value = (src.name, idx)
-            cands = table.output_candidates(value)
-            table.nodes[node.name] = NodeStrategies([Strategy((ps,), (ps,)) for ps in cands], (value,),
-                                                    outs, "follow")
+            nodes[node.name] = NodeStrategies(tuple(Strategy((ps,), (ps,)) for ps in table.output_candidates(value)),
+                                              (value,), outs, "follow", next_variant())
             continue
 
         inputs = _tensor_inputs(node, info)
         rep = rep_of.get(node.name)
         if rep is not None:
-            copy = _copy_of_counterpart(table, variants.setdefault(rep, [rep]), inputs)
+            copy = _copy_of_counterpart(nodes, table.output_candidates, variants.setdefault(rep, [rep]), inputs)
             if copy is not None:
-                table.nodes[node.name] = copy
+                nodes[node.name] = copy
+                copied += 1
                 continue
             variants[rep].append(node.name)
         in_infos = tuple(info[v[0]] for v in inputs)
@@ -220,14 +224,14 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         except Exception as e:  # a rule that cannot handle these args: replicate, and say so
             error = e
             strategies = None
-        rep = (torch.distributed.tensor.Replicate(),) * mesh.ndim
+        rep = (Replicate(),) * mesh.ndim
         if strategies is None:
             where = describe_node(node)
             reason = f"its rule failed ({type(error).__name__}: {error})" if error else "it has no sharding rule"
             warnings.warn(UnknownOpWarning(
                 f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: add a "
                 f"rule in spmd/passes/rules/ with @rule({op_name(node.target)})."), stacklevel=2)
-            table.fallbacks.append(where)
+            fallbacks.append(where)
             strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
             source = "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
@@ -237,6 +241,6 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
         kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process
-        table.nodes[node.name] = NodeStrategies(kept, inputs, outs, source, len(usable) - len(kept))
+        nodes[node.name] = NodeStrategies(tuple(kept), inputs, outs, source, next_variant(), len(usable) - len(kept))
 
-    return table
+    return StrategyTable(nodes, tuple(fallbacks), copied)

@@ -20,7 +20,6 @@ placements; the ILP is about one layer deep whatever the depth).
 """
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ import networkx as nx
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-_INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "model.layers.3.attn.q_proj" -> "model.layers.3"
+from spmd.core.graph_facts import layer_of, layer_stem, phase_of
 
 
 @dataclass
@@ -47,7 +46,7 @@ class RepeatedBlocks:
 
 
 def _phase(node: fx.Node) -> str:
-    return "bwd" if node.meta.get("partitioner_tag") == "is_backward" else "fwd"
+    return "bwd" if phase_of(node) == "backward" else "fwd"
 
 
 def _instance_key(node: fx.Node) -> str | None:
@@ -57,14 +56,14 @@ def _instance_key(node: fx.Node) -> str | None:
     stack = node.meta.get("fwd_nn_module_stack" if phase == "bwd" else "nn_module_stack")
     if not stack:
         return None
-    m = _INDEXED.match(list(stack.values())[-1][0])
-    return f"{m.group(1)}/{phase}" if m else ""
+    layer = layer_of(list(stack.values())[-1][0])
+    return f"{layer}/{phase}" if layer else ""
 
 
 def _stem(key: str) -> str:
     """"model.layers.3/fwd" -> "model.layers.#/fwd": only instances of one list can match."""
     path, phase = key.split("/")
-    return re.sub(r"\.\d+$", ".#", path) + "/" + phase
+    return layer_stem(path) + "/" + phase
 
 
 def _info(node) -> str:
@@ -164,9 +163,9 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
     prefix = "model." if traced.joint and any(k.startswith("model.") for k in param_rep) else ""
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
     for fqn, placeholder in by_fqn.items():
-        m = _INDEXED.match(prefix + fqn)
-        if m and m.group(1) in param_rep:
-            rep_fqn = (param_rep[m.group(1)] + (prefix + fqn)[len(m.group(1)):])[len(prefix):]
+        layer = layer_of(prefix + fqn)
+        if layer in param_rep:
+            rep_fqn = (param_rep[layer] + (prefix + fqn)[len(layer):])[len(prefix):]
             if rep_fqn in by_fqn and traced.tensor_info[by_fqn[rep_fqn]] == traced.tensor_info[placeholder]:
                 blocks.representative[placeholder] = by_fqn[rep_fqn]
     # and so do their gradients' output sinks (`output_k` in the strategy table)

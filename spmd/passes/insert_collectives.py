@@ -2,7 +2,7 @@
 
 Before: the traced graph and a solved `Plan`. After: a new GraphModule (global shapes still in its
 args) where each consumer reads its input in the placements its strategy needs: every plan edge became
-a chain of step nodes calling `spmd.runtime.collectives`, with `mesh_axis` naming the axis. Chains are
+a chain of step nodes calling `spmd.core.collectives`, with `mesh_axis` naming the axis. Chains are
 shared between consumers that need the same (value, placements). Every node carries
 `meta["spmd_placements"]` (per output) for the emitter and the dumps.
 """
@@ -12,11 +12,12 @@ import operator
 
 import torch.fx as fx
 
-from spmd.errors import SpmdInternalError
-from spmd.plan import Plan
+from spmd.core.collectives import STEP_FUNCTIONS
+from spmd.core.errors import SpmdInternalError
+from spmd.core.plan import Plan
+from spmd.core.redistribute import after_step
+from spmd.core.specs import TensorInfo
 from spmd.passes.trace_module import TracedGraph, flat_outputs, graph_module
-from spmd.runtime.collectives import STEP_FUNCTIONS
-from spmd.specs import TensorInfo
 
 
 def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
@@ -41,7 +42,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             fn = STEP_FUNCTIONS[step.kind]
             cur = graph.create_node("call_function", fn, (cur,), {**step.call_kwargs(), "mesh_axis": step.axis},
                                     name=f"{step.kind}_{edge.value[0]}")
-            placements[step.axis] = _after(step, placements[step.axis])
+            placements[step.axis] = after_step(step)
             cur.meta["spmd_placements"] = (tuple(placements),)
             cur.meta["spmd_step"] = step
             cur.meta["val"] = node.meta.get("val")
@@ -107,12 +108,3 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
     gm = graph_module(traced.gm, graph)
     return gm
 
-
-def _after(step, old):
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if step.kind in ("all_reduce", "all_gather"):
-        return Replicate()
-    if step.kind in ("reduce_scatter", "all_to_all", "shard_local"):
-        return Shard(step.dst_dim)
-    return Partial(step.reduce_op)

@@ -14,6 +14,8 @@ this pass only on graphs above `AUTO_MIN_NODES` ops; smaller graphs are solved e
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from spmd.passes.enumerate_strategies import StrategyTable
@@ -21,28 +23,32 @@ from spmd.passes.enumerate_strategies import StrategyTable
 AUTO_MIN_NODES = 1500
 
 
-def merge_followers(traced, table: StrategyTable) -> int:
-    """Prune in graph order (a producer's pruned candidates feed its consumers); returns the number of
-    nodes pruned. Lists shared by identical layers are pruned once and stay shared."""
+def merge_followers(traced, table: StrategyTable) -> StrategyTable:
+    """A new table, pruned in graph order (a producer's pruned candidates feed its consumers). A list
+    shared by identical layers (one variant) is pruned once, and its pruned copies share a new variant.
+    `stats["merged_followers"]` of the new table counts the nodes pruned."""
     nodes: dict[str, fx.Node] = {n.name: n for n in traced.graph.nodes}
-    done: dict[tuple, list] = {}
+    merged = dict(table.nodes)
+    out = StrategyTable(merged, table.fallbacks, table.copied)  # candidates are read as pruning goes
+    done: dict[tuple, tuple] = {}  # (variant, what the producer offers) -> (pruned strategies, new variant)
+    fresh = max((ns.variant for ns in table.nodes.values()), default=0) + 1
     pruned = 0
-    table._candidates.clear()
     for name, ns in table.nodes.items():
         node = nodes.get(name)
         if node is None or node.op != "call_function" or ns.source == "follow" or len(ns.inputs) != 1:
             continue
-        offered = table.output_candidates(ns.inputs[0])
-        key = (id(ns.strategies), tuple(offered))
-        kept = done.get(key)
-        if kept is None:
+        offered = out.output_candidates(ns.inputs[0])
+        key = (ns.variant, tuple(offered))
+        if key not in done:
             allowed = set(offered)
-            kept = [s for s in ns.strategies if s.inputs[0] in allowed]
-            if not kept or len(kept) == len(ns.strategies):
-                kept = ns.strategies
-            done[key] = kept
-        if kept is not ns.strategies:
-            ns.strategies = kept
+            kept = tuple(s for s in ns.strategies if s.inputs[0] in allowed)
+            if kept and len(kept) < len(ns.strategies):
+                done[key] = (kept, fresh)
+                fresh += 1
+            else:
+                done[key] = (ns.strategies, ns.variant)
+        kept, variant = done[key]
+        if variant != ns.variant:
+            merged[name] = dataclasses.replace(ns, strategies=kept, variant=variant)
             pruned += 1
-    table._candidates.clear()
-    return pruned
+    return StrategyTable(merged, table.fallbacks, table.copied, merged_followers=pruned)

@@ -7,26 +7,16 @@ the producer's choice re-labelled.
 """
 from __future__ import annotations
 
+from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.graph_facts import follows_input, is_gradient_sink
+from spmd.core.plan import Edge, Plan
+from spmd.core.specs import Placements, Value
+from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.solver import IlpBuilder
-from spmd.errors import SpmdError, SpmdInternalError
-from spmd.passes.enumerate_strategies import StrategyTable, Value
+from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
-from spmd.plan import Edge, Plan
-from spmd.specs import Placements
 
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
-
-
-def _is_follower(ns, producer_specs: dict[Placements, Expr]) -> bool:
-    """One input, and one strategy per placement its producer can make."""
-    if len(ns.inputs) != 1 or ns.source in ("placeholder", "output"):
-        return False
-    by_input: dict[Placements, int] = {}
-    for s in ns.strategies:
-        if s.inputs[0] in by_input:
-            return False
-        by_input[s.inputs[0]] = 1
-    return set(by_input) == set(producer_specs)
 
 
 def _shard_all(info, mesh_shape):
@@ -41,8 +31,8 @@ def _shard_all(info, mesh_shape):
 
 def _bucket_latency(ilp: IlpBuilder, buckets: dict[int, list[tuple[int, float]]], costs: CostTable) -> None:
     """Gradient all_reduces on one axis share buckets of `bucket_bytes`: together they pay the link's
-    latency max(1, total bytes / bucket_bytes) times (the buckets `bucket_gradients` will launch, to
-    within rounding up), and nothing if no gradient is reduced on that axis:
+    latency max(1, sum of their bucket shares) times (`comm.bucketed_latency`: the buckets
+    `bucket_gradients` will launch, to within rounding up), and nothing if no gradient is reduced there:
         z >= y,  z >= sum(share * x),  y >= x for each gradient column x,  cost latency * z."""
     for axis, entries in sorted(buckets.items()):
         latency = costs.mesh.links[axis].alpha_beta("all_reduce")[0]
@@ -83,15 +73,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     node_expr: dict[str, list[Expr]] = {}
     value_expr: dict[Value, dict[Placements, Expr]] = {}
 
-    # Nodes of tied layers share their strategy list object and their columns with an earlier twin, so
-    # what is derived from (strategies, columns) is derived once and looked up by identity after that:
+    # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
+    # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
     # hashing placements is most of the work of building the program for a deep model.
     memo: dict[tuple, object] = {}
 
     def publish(name: str) -> None:
         ns = table.nodes[name]
         for k in range(len(ns.outputs)):
-            key = ("out", id(ns.strategies), k, tuple(node_expr[name]))
+            key = ("out", ns.variant, k, tuple(node_expr[name]))
             if key not in memo:
                 groups: dict[Placements, list[int]] = {}
                 for s, expr in zip(ns.strategies, node_expr[name]):
@@ -101,9 +91,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             value_expr[(name, k)] = memo[key]
 
     def follows(ns, producer: dict) -> bool:
-        key = ("follows", id(ns.strategies), id(producer))
+        key = ("follows", ns.variant, id(producer))  # `producer` is a memo entry: alive, so its id is its own
         if key not in memo:
-            memo[key] = _is_follower(ns, producer)
+            memo[key] = follows_input(ns, producer)
         return memo[key]
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
@@ -139,7 +129,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             seconds, steps = path
             for step in steps if gradient and costs.bucket_bytes else ():
                 if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
-                    share = min(1.0, step.in_bytes / costs.bucket_bytes)
+                    share = bucket_share(step.in_bytes, costs.bucket_bytes)
                     seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
                     shares.append((step.axis, col, share))
             terms.append((col, seconds))
@@ -152,14 +142,14 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         exprs_key = tuple(exprs)
         for j, value in enumerate(ns.inputs):
             producer = value_expr[value]
-            key = ("in", id(ns.strategies), j, exprs_key)
+            key = ("in", ns.variant, j, exprs_key)
             if key not in memo:
                 needed: dict[Placements, list[int]] = {}
                 for s, expr in zip(ns.strategies, exprs):
                     needed.setdefault(s.inputs[j], []).extend(expr)
                 memo[key] = needed, tuple(tuple(rcols) for rcols in needed.values())
             needed, needed_cols = memo[key]
-            gradient = ns.source == "output" and ns.tie is not None  # a parameter's gradient leaving
+            gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
             structure = (value[1], j, tuple(producer.values()), needed_cols)
             group = (structure, costs.value_info[value], gradient)
             if group in edge_groups:
@@ -181,7 +171,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             raise SpmdInternalError(f"node {name} has no strategy")
         rep = rep_of.get(name)
         seen = variants.setdefault(rep, [rep] if rep in own_vars else []) if rep is not None else []
-        twin = next((v for v in seen if table.nodes[v].strategies is ns.strategies or
+        twin = next((v for v in seen if table.nodes[v].variant == ns.variant or
                      table.nodes[v].strategies == ns.strategies), None)
         if twin is not None:  # an identical node of an earlier layer: the same choice, its columns
             cols = [expr[0] for expr in node_expr[twin]]
@@ -245,7 +235,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[value[0]].outputs[value[1]]
             dst = choices[name].inputs[j]
             if src != dst:
-                gradient = ns.source == "output" and ns.tie is not None
+                gradient = is_gradient_sink(ns)
                 steps = costs.redistribute(value, src, dst, gradient)
                 edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst, gradient)))
     stats = {"binary": result.n_binary, "continuous": result.n_continuous, "rows": result.n_rows,
@@ -255,5 +245,5 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         src = choices[term.value[0]]
         ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
         memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
-    return Plan(costs.mesh, choices, chosen_cost, edges, result.objective, result.lower_bound, result.gap,
-                result.seconds, stats, dict(labels or {}), memory, memory_budget)
+    return Plan(costs.mesh, choices, chosen_cost, tuple(edges), result.objective, result.lower_bound, result.gap,
+                result.seconds, stats, dict(labels or {}), memory, memory_budget, joint=costs.bucket_bytes is not None)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from spmd.errors import SpmdInternalError
+from spmd.core.errors import SpmdInternalError
 from spmd.passes.trace_module import TracedGraph, flat_outputs
 
 
-@dataclass
+@dataclass(frozen=True)
 class SplitGraphs:
     forward: fx.GraphModule
     backward: fx.GraphModule

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import re
 
 import torch
 import torch.fx as fx
 
+from spmd.core.graph_facts import renumber
 from spmd.passes.find_layer_stacks import TRACED, LayerStack
 from spmd.passes.find_repeated_blocks import instances, signature
 from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, graph_module, tensor_infos
@@ -219,13 +219,9 @@ def _renumber_meta(meta: dict, stack_path: str, moves: dict[int, int]) -> dict:
     """A copy of a node's meta whose module paths under `stack_path.<i>` read `stack_path.<moves[i]>`."""
     if not moves:
         return dict(meta)
-    pattern = re.compile(re.escape(stack_path) + r"\.(\d+)(?=\.|$)")
-
-    def fix(text: str) -> str:
-        return pattern.sub(lambda m: f"{stack_path}.{moves.get(int(m.group(1)), int(m.group(1)))}", text)
-
     meta = dict(meta)
     for field in ("nn_module_stack", "fwd_nn_module_stack"):
         if meta.get(field):
-            meta[field] = {fix(k): (fix(path), typ) for k, (path, typ) in meta[field].items()}
+            meta[field] = {renumber(k, stack_path, moves): (renumber(path, stack_path, moves), typ)
+                           for k, (path, typ) in meta[field].items()}
     return meta

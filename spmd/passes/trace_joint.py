@@ -22,7 +22,7 @@ import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.overrides import TorchFunctionMode
 
-from spmd.errors import SpmdError
+from spmd.core.errors import SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       shared_names, tensor_infos)
 

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from spmd.errors import SpmdError, describe_node
-from spmd.specs import TensorInfo
+from spmd.core.errors import SpmdError, describe_node
+from spmd.core.specs import TensorInfo
 
 
 @dataclass(frozen=True, slots=True)

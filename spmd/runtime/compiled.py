@@ -5,10 +5,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from spmd.errors import SpmdError
+from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime import optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, total_norm
-from spmd.specs import local_shape, placements_str
+from spmd.core.specs import local_shape, placements_str
 
 
 class CompiledModule(nn.Module):
@@ -18,19 +18,21 @@ class CompiledModule(nn.Module):
     local shards of the outputs (see `gather_outputs`). `plan` and `code` show what was decided.
     """
 
-    def __init__(self, compilation):
+    def __init__(self, compilation, device_mesh=None, plan=None):
+        """`compilation`: the compiler's output for this rank. `plan`: what `.plan` shows (spmd.compile
+        hands a report object that explains and draws itself; default: the bare plan)."""
         super().__init__()
         c = compilation
-        from spmd.explain import keep_sources
-
-        self.plan = keep_sources(c)  # the global graph and solver tables, for explain() and visualize()
+        if c.binding is None or c.rank_gm is None:
+            raise SpmdInternalError("CompiledModule needs a compilation made for a rank (a RankBinding)")
+        self.plan = plan if plan is not None else c.plan
         self.mesh_spec = c.mesh
-        self.rank = c.rank
-        self.coord = c.mesh.coordinate(c.rank)
-        self.group_names = c.group_names
+        self.rank = c.binding.rank
+        self.coord = c.mesh.coordinate(self.rank)
+        self.group_names = c.binding.group_names
         self.graph_module = c.rank_gm
         self.split = c.split  # SplitGraphs when compiled for training, else None
-        self.device_mesh = c.device_mesh
+        self.device_mesh = device_mesh
         self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under

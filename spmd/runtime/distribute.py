@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from spmd.redistribute import plan_redistribute
-from spmd.runtime.collectives import STEP_FUNCTIONS
-from spmd.specs import Placements, TensorInfo
+from spmd.core.collectives import STEP_FUNCTIONS
+from spmd.core.specs import Placements, TensorInfo
+from spmd.cost_model.comm import reshard_steps
 
 
 def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...],
@@ -34,7 +34,7 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             shape[p.dim] *= mesh.shape[axis]
-    steps = plan_redistribute(tuple(placements), replicated, TensorInfo(tuple(shape), local.dtype), mesh)
+    steps = reshard_steps(tuple(placements), replicated, TensorInfo(tuple(shape), local.dtype), mesh)
     t = local
     for step in steps:
         t = STEP_FUNCTIONS[step.kind](t, **step.call_kwargs(), group=group_names[step.axis], world=mesh.shape[step.axis])

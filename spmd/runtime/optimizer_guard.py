@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from spmd.errors import SpmdError
+from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from spmd.core import collectives as C
 from spmd.passes.emit_rank_graph import emit_rank_graph
-from spmd.runtime import collectives as C
+from spmd.passes.insert_collectives import insert_collectives
 from spmd.runtime.distribute import local_shard
 
 _REDUCE = {"sum": lambda ts: sum(ts[1:], ts[0]), "avg": lambda ts: sum(ts[1:], ts[0]) / len(ts),
@@ -50,12 +51,14 @@ def simulate(compilation, full_inputs: tuple) -> list:
     """Each rank's flat outputs for full `inputs` (then full tangents, for a joint graph), computed by
     stepping all rank graphs together.
 
-    `compilation` is a `spmd.pipeline.Compilation` that ran through `insert_collectives`.
+    `compilation` is a `spmd.compiler.pipeline.Compilation` (its global graph is made here when the
+    pipeline ran for no rank).
     """
     c = compilation
     mesh = c.mesh
     names = tuple(f"sim-axis{i}" for i in range(mesh.ndim))
-    graphs = [emit_rank_graph(c.global_gm, mesh, r, names) for r in range(mesh.size)]
+    global_gm = c.global_gm if c.global_gm is not None else insert_collectives(c.traced, c.plan)
+    graphs = [emit_rank_graph(global_gm, mesh, r, names) for r in range(mesh.size)]
     by_placeholder = c.traced.input_by_placeholder()
     user = iter(full_inputs)
     envs: list[dict[str, object]] = [{} for _ in graphs]

@@ -27,17 +27,12 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor.placement_types import Shard
 from torch.utils._pytree import tree_map
 
-from spmd.passes.rules import expand_single_dim
-from spmd.specs import Placements, Strategy, TensorInfo
+from spmd.passes.rules.registry import expand_single_dim
+from spmd.core.specs import Placements, Strategy, TensorInfo
 
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
-
-
-def has_rule(op) -> bool:
-    prop = _propagator()
-    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs
 
 
 @functools.lru_cache(maxsize=16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from spmd.passes.rules import RuleInput, rule
+from spmd.passes.rules.registry import RuleInput, rule
 
 aten = torch.ops.aten
 

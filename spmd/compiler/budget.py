@@ -1,0 +1,59 @@
+"""The solve step: the ILP, then what the ILP cannot see, under the memory budget.
+
+    solve_placements ──▶ Plan whose linear memory terms (parameters, gradients, optimizer state, saved
+        activations, inputs) fit `memory_budget` (the budget is one ILP row)
+    peak_live_bytes  ──▶ the schedule's temporaries: the worst point's bytes beyond the saved activations
+    over the budget? ──▶ solve once more with the budget less the temporaries; if no plan leaves that
+        much room, keep the first (its terms fit) and warn
+
+The result is the plan with `memory["temporaries"]`, the stats every pass reported, and what the
+per-call costs around the graph scale with (`wrapper_counts`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from spmd.core.errors import SpmdError
+from spmd.core.plan import Plan
+from spmd.cost_model.compute import wrapper_counts
+from spmd.cost_model.memory import peak_live_bytes
+from spmd.passes.solve_placements import solve_placements
+from spmd.passes.trace_module import TracedGraph, flat_outputs
+
+
+def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
+    """Bytes the schedule holds at its worst point beyond the saved activations (see memory.py), and where."""
+    flat, kinds = flat_outputs(traced.graph.output_node()), traced.output_kinds()
+    grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
+    peak, at = peak_live_bytes(traced.graph, plan.choices, traced.tensor_info, plan.mesh.shape, grads, plan.edges)
+    return max(0.0, peak - plan.memory.get("activations", 0.0)), at
+
+
+def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
+                        agree=None, stats: dict | None = None, bucket_bytes: float | None = None) -> Plan:
+    """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
+    def solve(budget):
+        return solve_placements(strategies, costs, traced.labels(), budget, agree=agree, blocks=blocks)
+
+    plan = solve(memory_budget)
+    extra, at = temporaries(traced, plan)
+    if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget:
+        try:
+            roomier = solve(memory_budget - extra)
+        except SpmdError:
+            warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
+                          f"optimizer state and saved activations fit, but with the schedule's temporaries "
+                          f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
+                          f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB and no plan leaves room for them. "
+                          "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
+        else:
+            plan = dataclasses.replace(roomier, memory_budget=memory_budget)
+            extra, at = temporaries(traced, plan)
+    kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
+    return dataclasses.replace(
+        plan, memory={**plan.memory, "temporaries": extra},
+        stats={**plan.stats, **(stats or {}), "peak_live_at": at, "bucket_bytes": bucket_bytes},
+        wrapper_counts=wrapper_counts(traced.graph, kinds, traced.joint), joint=traced.joint)

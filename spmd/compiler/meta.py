@@ -1,0 +1,45 @@
+"""Models built on the meta device (`with torch.device("meta"): model = Build(cfg)`) are planned
+through fake tensors: shapes and dtypes only, no memory, so a 60B model is planned on a laptop."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def is_meta(model: torch.nn.Module, example_inputs: tuple = ()) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers())) or \
+        any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs)
+
+
+def fake_model(model: torch.nn.Module, example_inputs: tuple = ()) -> tuple[torch.nn.Module, tuple]:
+    """A copy of a meta model whose parameters, buffers and inputs are CPU fake tensors. Meta tensors
+    themselves do not do: kernels pick different implementations on meta (no fused CPU attention) and
+    the joint graph loses its forward/backward split. Real tensors are left as they are; a model with
+    nothing on meta comes back as it is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not is_meta(model, example_inputs):
+        return model, tuple(example_inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+    model = copy.deepcopy(model)  # meta: no data to copy
+    made: dict[int, torch.Tensor] = {}  # a tensor shared by several modules (tied weights) stays shared
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                if id(b) not in made:
+                    made[id(b)] = fake(b)
+                module._buffers[name] = made[id(b)]
+    return model, tuple(fake(t) for t in example_inputs)

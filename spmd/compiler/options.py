@@ -1,0 +1,105 @@
+"""What a plan is asked for (`PlanOptions`) and which rank it is made for (`RankBinding`): frozen, typed,
+built in one place. `spmd.plan` and `spmd.compile` take every `PlanOptions` field as a keyword argument
+(`PlanOptions.build`), so a new option is one new field here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spmd.core.errors import SpmdError
+from spmd.core.specs import Pins
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Constraints and knobs of one plan.
+
+    in_placements / param_placements: pins by input argument name / parameter FQN, each a list with one
+    placement per mesh axis; out_placements: pins by output index (a dict, or a list with one entry per
+    output). loss_fn: `loss_fn(model(*inputs), *targets)`, the trailing inputs are targets (as many as
+    loss_fn has required parameters after the first); `compiled(*inputs, *targets)` returns the loss.
+    training: plan the joint forward+backward graph (default: True when there is a loss_fn).
+    memory_budget: bytes per rank the predicted peak (parameters, gradients, optimizer state, saved
+    activations, inputs, temporaries) must fit in. optimizer_state_factor: optimizer state per parameter
+    in parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0).
+    tie_blocks: identical layers get identical placements, which keeps the solve one layer deep (None:
+    layers that repeat at least 4 times; False: every layer solved on its own). merge_followers:
+    single-input ops follow their input's placement (an approximation that shrinks the solve; None: on
+    graphs of more than 1500 ops). stamp_layers: trace a stack of 8 or more identical layers 3 layers deep
+    and copy the middle one to full depth (None: when planning, not when compiling: a forward that reads
+    its own depth would be compiled with the traced one).
+    bucket_bytes: gradient all_reduces are packed into buckets of this size; defer_waits: wait for a
+    bucket at its first use, not right after its launch.
+    dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
+    pass's stated postcondition as it runs (also SPMD_VERIFY=1; the tests turn it on).
+    """
+
+    in_placements: dict = field(default_factory=dict)
+    param_placements: dict = field(default_factory=dict)
+    out_placements: dict | list | tuple = field(default_factory=dict)
+    loss_fn: Callable | None = None
+    training: bool | None = None
+    memory_budget: float | None = None
+    optimizer_state_factor: float = 2.0
+    tie_blocks: bool | None = None
+    merge_followers: bool | None = None
+    stamp_layers: bool | None = None
+    bucket_bytes: float = 4 * 2**20
+    defer_waits: bool = True
+    dump_dir: str | None = None
+    verify: bool = False
+
+    def __post_init__(self):
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise SpmdError(f"loss_fn must be callable, got {type(self.loss_fn).__name__}")
+        if self.loss_fn is not None and self.training is False:
+            raise SpmdError("a loss_fn only makes sense with training=True (or leave training unset)")
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise SpmdError(f"memory_budget must be a positive number of bytes per rank, got {self.memory_budget!r}")
+        if not self.optimizer_state_factor >= 0:
+            raise SpmdError(f"optimizer_state_factor must be >= 0, got {self.optimizer_state_factor!r}")
+        if not self.bucket_bytes > 0:
+            raise SpmdError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
+
+    @property
+    def joint(self) -> bool:
+        """Plan the joint forward+backward graph."""
+        return self.training if self.training is not None else self.loss_fn is not None
+
+    @property
+    def pins(self) -> Pins:
+        outs = self.out_placements
+        if isinstance(outs, (list, tuple)):
+            outs = dict(enumerate(outs))
+        return Pins(self.in_placements or {}, self.param_placements or {}, outs or {})
+
+    @staticmethod
+    def build(options: "PlanOptions | None" = None, **overrides: Any) -> "PlanOptions":
+        """`options` (or the defaults) with `overrides` applied: what spmd.plan / spmd.compile's keyword
+        arguments become. An unknown keyword is an SpmdError naming the closest option."""
+        names = [f.name for f in dataclasses.fields(PlanOptions)]
+        unknown = [k for k in overrides if k not in names]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            said = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+            raise SpmdError(f"unknown option {said}. Options: {', '.join(names)}")
+        given = {k: v for k, v in overrides.items() if v is not None}  # None: not given
+        return dataclasses.replace(options or PlanOptions(), **given)
+
+
+@dataclass(frozen=True)
+class RankBinding:
+    """The rank a compilation emits code for: its coordinate follows from `rank` and the mesh; each mesh
+    axis's collectives run on the process group named `group_names[axis]`; `device` is where its
+    tensors live (None: wherever the model's are); `agree` makes every rank adopt rank 0's solver
+    answer (ties between optimal plans are broken differently in different processes)."""
+
+    rank: int
+    group_names: tuple[str, ...]
+    device: torch.device | None = None
+    agree: Callable | None = None

@@ -1,0 +1,221 @@
+"""The compiler pipeline: one tuple, read top to bottom.
+
+    nn.Module ──trace (find_layer_stacks, trace_module | trace_joint, stamp_layers)──▶ ATen FX graph
+       ──merge_tied_parameters──▶ one placeholder per tensor ──find_repeated_blocks──▶ identical layers
+       ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
+       ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
+       ──insert_collectives──▶ global graph with explicit steps ──emit_rank_graph──▶ this rank's graph
+       ──split_joint_graph, bucket_gradients (training)──▶ forward and backward graphs
+
+Each `Pass` names the values it reads and the one it writes; the runner hands it those values, stores
+what it returns, and (with `PlanOptions.verify` or SPMD_VERIFY=1) checks the pass's postcondition
+(compiler/verify.py) and (with `dump_dir` or SPMD_DUMP=dir) writes the annotated graph. Nothing lives
+in module globals: two compilations in one process never interfere. `run_pipeline` returns a frozen
+`Compilation`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from spmd.compiler import dump as dumps
+from spmd.compiler.budget import solve_within_budget
+from spmd.compiler.dump import Dumper
+from spmd.compiler.options import PlanOptions, RankBinding
+from spmd.compiler.verify import CHECKS
+from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.plan import Plan
+from spmd.passes.bucket_gradients import bucket_gradients
+from spmd.passes.emit_rank_graph import emit_rank_graph
+from spmd.passes.enumerate_strategies import StrategyTable, enumerate_strategies
+from spmd.passes.estimate_costs import CostTable, estimate_costs
+from spmd.passes.find_layer_stacks import TRACED, find_layer_stacks, truncated
+from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
+from spmd.passes.insert_collectives import insert_collectives
+from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
+from spmd.passes.merge_tied_parameters import merge_tied_parameters
+from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
+from spmd.passes.stamp_layers import CannotStamp, stamp_layers
+from spmd.passes.trace_joint import trace_joint
+from spmd.passes.trace_module import TracedGraph, trace_module
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """What one run of the pipeline made. `global_gm`, `rank_gm` and `split` exist only for a rank
+    (`binding`); `plan_only` runs stop at the plan."""
+
+    model: torch.nn.Module
+    example_inputs: tuple
+    mesh: Any  # MeshSpec
+    options: PlanOptions
+    binding: RankBinding | None
+    traced: TracedGraph
+    blocks: RepeatedBlocks | None
+    strategies: StrategyTable
+    costs: CostTable
+    plan: Plan
+    global_gm: fx.GraphModule | None = None
+    rank_gm: fx.GraphModule | None = None
+    split: SplitGraphs | None = None
+    timings: dict = field(default_factory=dict)  # pass name -> seconds
+
+
+@dataclass(frozen=True)
+class Pass:
+    """`run(*reads) -> the value of writes`. A read may name an attribute ("options.pins")."""
+
+    name: str
+    run: Callable[..., Any]
+    reads: tuple[str, ...]
+    writes: str | tuple[str, ...]
+    when: Callable[[dict], bool] = lambda v: True
+    dump: Callable[[dict], str] | None = None
+
+
+# ---- the steps that are more than one call ---------------------------------------------------------
+
+def _trace(model, example_inputs, options: PlanOptions, stacks) -> tuple[TracedGraph, str]:
+    """The full-depth graph, and how it was made. With layer stacks: the model traced with each stack
+    cut to its first layers, stamped to full depth; when the cut model does not trace or its layers do
+    not chain simply, the whole model traced (the note says why)."""
+    def trace(m):
+        if options.joint:
+            return trace_joint(m, example_inputs, options.loss_fn)
+        return trace_module(m, example_inputs)
+
+    note = ""
+    if stacks:
+        try:
+            with truncated(model, stacks):
+                short = trace(model)
+            return stamp_layers(short, stacks, model), "; ".join(
+                f"{s.fqn}: {TRACED} traced, {s.depth - TRACED} stamped" for s in stacks)
+        except SpmdError as e:
+            note = f"none: the model with {TRACED} layers per stack did not trace ({e})"
+        except CannotStamp as e:
+            note = f"none: {e}; traced every layer"
+    return trace(model), note
+
+
+def _stamping(v: dict) -> bool:
+    stamp = v["options"].stamp_layers
+    return stamp if stamp is not None else v["binding"] is None
+
+
+def _merging(v: dict) -> bool:
+    merge = v["options"].merge_followers
+    if merge is None:
+        return sum(1 for n in v["traced"].graph.nodes if n.op == "call_function") > AUTO_MIN_NODES
+    return merge
+
+
+def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note) -> Plan:
+    stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
+    if stamp_note:
+        stats["stamped_layers"] = stamp_note
+    if traced.custom_functions:
+        stats["custom_functions"] = list(traced.custom_functions)
+    return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
+                               binding.agree if binding is not None else None, stats, options.bucket_bytes)
+
+
+def _emit(global_gm, mesh, binding: RankBinding):
+    return emit_rank_graph(global_gm, mesh, binding.rank, binding.group_names, binding.device)
+
+
+def _bucket(split: SplitGraphs, mesh, options: PlanOptions) -> SplitGraphs:
+    backward = bucket_gradients(split.backward, mesh.shape, options.bucket_bytes, options.defer_waits)
+    return dataclasses.replace(split, backward=backward)
+
+
+def _bound(v: dict) -> bool:
+    return v["binding"] is not None
+
+
+def _training_rank(v: dict) -> bool:
+    return v["binding"] is not None and v["traced"].joint
+
+
+# Why each pass sits where it does:
+PIPELINE: tuple[Pass, ...] = (
+    # Deep models: stacks of identical layers are traced a few layers deep and stamped to full depth.
+    Pass("find_layer_stacks", find_layer_stacks, ("model",), "stacks", _stamping,
+         lambda v: "\n".join(map(str, v["stacks"]))),
+    # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
+    # the joint forward+backward graph; after that, both take the same road.
+    Pass("trace", _trace, ("model", "example_inputs", "options", "stacks"), ("traced", "stamp_note"),
+         dump=dumps.dump_traced),
+    # Tied weights are one tensor: one placeholder, one gradient (the sum over uses).
+    Pass("merge_tied_parameters", merge_tied_parameters, ("traced",), "traced", dump=dumps.dump_traced),
+    # Identical layers, found once, let the next three passes do one layer's work for all of them.
+    Pass("find_repeated_blocks", lambda traced, tie: find_repeated_blocks(traced, AUTO_MIN_REPEATS if tie is None else 2),
+         ("traced", "options.tie_blocks"), "blocks", lambda v: v["options"].tie_blocks is not False,
+         lambda v: v["blocks"].summary()),
+    # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
+    Pass("enumerate_strategies", enumerate_strategies, ("traced", "mesh", "options.pins", "blocks"), "strategies",
+         dump=dumps.dump_strategies),
+    # Large graphs only (an approximation): single-input ops follow their input instead of choosing.
+    Pass("merge_followers", merge_followers, ("traced", "strategies"), "strategies", _merging, dumps.dump_strategies),
+    # Costs for every candidate and edge, from the same redistribute planner codegen uses.
+    Pass("estimate_costs", estimate_costs, ("traced", "strategies", "mesh", "options.optimizer_state_factor",
+                                            "options.bucket_bytes", "blocks"), "costs", dump=dumps.dump_costs),
+    # One global choice (ILP), then the schedule's temporaries under the budget. Optimal plans can tie
+    # and the solver breaks ties by timing, so on a live mesh every rank adopts rank 0's solution.
+    Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note"),
+         "plan", dump=dumps.dump_plan),
+    # Structural passes from here, for a rank only: explicit steps, then this rank's local graph.
+    Pass("insert_collectives", insert_collectives, ("traced", "plan"), "global_gm", _bound,
+         lambda v: dumps.dump_placed(v["global_gm"])),
+    Pass("emit_rank_graph", _emit, ("global_gm", "mesh", "binding"), "rank_gm", _bound, lambda v: v["rank_gm"].code),
+    # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
+    Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
+         lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),
+    # ... and the gradient all_reduces of backward are packed into buckets (the cost model priced them so).
+    Pass("bucket_gradients", _bucket, ("split", "mesh", "options"), "split", _training_rank,
+         lambda v: v["split"].backward.code),
+)
+
+
+def _read(values: dict, name: str):
+    head, _, attr = name.partition(".")
+    if head not in values:
+        raise SpmdInternalError(f"pipeline: a pass reads {name!r}, which no earlier pass wrote")
+    value = values[head]
+    return getattr(value, attr) if attr else value
+
+
+def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None = None,
+                 binding: RankBinding | None = None) -> Compilation:
+    """Plan `model` on `mesh` (a `MeshSpec`) for `example_inputs`; with a `binding`, also emit that rank's
+    graphs."""
+    options = options or PlanOptions()
+    values: dict[str, Any] = {"model": model, "example_inputs": tuple(example_inputs), "mesh": mesh,
+                              "options": options, "binding": binding, "stacks": (), "blocks": None,
+                              "stamp_note": "", "global_gm": None, "rank_gm": None, "split": None}
+    dump = Dumper(options.dump_dir or os.environ.get("SPMD_DUMP"))
+    verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
+    timings: dict[str, float] = {}
+    for p in PIPELINE:
+        if not p.when(values):
+            continue
+        args = [_read(values, r) for r in p.reads]
+        t0 = time.perf_counter()
+        out = p.run(*args)
+        timings[p.name] = time.perf_counter() - t0
+        if isinstance(p.writes, tuple):
+            values.update(zip(p.writes, out))
+        else:
+            values[p.writes] = out
+        if verify and p.name in CHECKS:
+            CHECKS[p.name](p.name, values)
+        if dump.directory and p.dump is not None:
+            dump(p.name, p.dump(values))
+    fields = {f.name for f in dataclasses.fields(Compilation)}
+    return Compilation(**{k: v for k, v in values.items() if k in fields}, timings=timings)

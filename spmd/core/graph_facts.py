@@ -1,0 +1,164 @@
+"""Facts about traced graphs that several layers ask about, each answered in one place.
+
+    op_label         "addmm", "add.Tensor": an ATen op without its namespace and default overload
+    module paths     which module (torch.export's `nn_module_stack`) put a node in the graph
+    phase            forward or backward, in a joint graph
+    view             an op whose output aliases its input (no kernel, no memory of its own)
+    layers           "layers.3.attn" is layer 3 of the list "layers": keys, wildcards, renumbering
+    follower         a node with one input and one strategy per placement its producer can make
+    gradient sink    the output slot a parameter's gradient leaves through (tied to the parameter)
+    units            seconds and bytes as people read them
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch.fx as fx
+
+# ---- ops ----------------------------------------------------------------------------------------
+
+
+def op_label(node: fx.Node) -> str:
+    """`addmm`, `add.Tensor`, `getitem`: the ATen op without its namespace and default overload."""
+    target = node.target
+    if hasattr(target, "_schema"):
+        overload = target._overloadname
+        return target.overloadpacket.__name__ + ("" if overload == "default" else f".{overload}")
+    return getattr(target, "__name__", str(target))
+
+
+def is_view(op) -> bool:
+    """The op's output aliases its first input (its schema says so): no kernel of its own, no new memory."""
+    schema = getattr(op, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None
+                and not schema.returns[0].alias_info.is_write)
+
+
+# Ops that only re-lay out or pick out their input: pictures draw through them.
+LAYOUT_OPS = frozenset({"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "unsqueeze",
+                        "squeeze", "alias", "detach", "getitem", "slice", "select", "contiguous", "clone", "split"})
+
+
+def is_layout_op(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", getattr(node.target, "__name__", "")) in LAYOUT_OPS
+
+
+# ---- where a node came from ---------------------------------------------------------------------
+
+
+def _short_type(t) -> str:
+    return getattr(t, "__name__", str(t)).rsplit(".", 1)[-1]
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """(module path, class name) from outermost to innermost: `nn_module_stack` from torch.export, or
+    `fwd_nn_module_stack` on backward nodes of a joint graph (the forward module they differentiate)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return [(path, _short_type(t)) for path, t in stack.values()]
+
+
+def module_prefix(graph: fx.Graph, fqns: list[str]) -> str:
+    """The path prefix a training wrapper added ("model." when a loss_fn wraps the model)."""
+    paths = {p for n in graph.nodes for p, _ in module_stack(n) if p}
+    if paths and all(p == "model" or p.startswith("model.") for p in paths) and \
+            not any(f.startswith("model.") for f in fqns):
+        return "model."
+    return ""
+
+
+def module_paths(graph: fx.Graph, fqns: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """node name -> innermost module path, and module path -> class name, wrapper prefix removed."""
+    prefix = module_prefix(graph, fqns)
+    where, types = {}, {}
+    for n in graph.nodes:
+        stack = [(p.removeprefix(prefix) if p != prefix.rstrip(".") else "", t) for p, t in module_stack(n)]
+        for p, t in stack:
+            types.setdefault(p, t)
+        if stack:
+            where[n.name] = stack[-1][0]
+    return where, types
+
+
+def phase_of(node: fx.Node) -> str:
+    """"forward" / "backward" in a joint graph (AOTAutograd's `partitioner_tag`), "" otherwise."""
+    return {"is_forward": "forward", "is_backward": "backward"}.get(node.meta.get("partitioner_tag"), "")
+
+
+# ---- layers of a module list --------------------------------------------------------------------
+
+_FIRST_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "model.layers.3.attn.q_proj" -> "model.layers.3"
+_LAST_INDEX = re.compile(r"^((?:.*\.)?)(\d+)(?:\.|$)")  # "a.blocks.3.experts.1" -> ("a.blocks.3.experts.", "1")
+
+
+def layer_of(path: str) -> str | None:
+    """The module-list element a path lies in, at the outermost list: "model.layers.3.attn" -> "model.layers.3"."""
+    m = _FIRST_INDEX.match(path)
+    return m.group(1) if m else None
+
+
+def innermost_layer(path: str) -> tuple[str, int] | None:
+    """(the path up to the innermost list index, that index): "a.blocks.3.mlp" -> ("a.blocks.", 3)."""
+    m = _LAST_INDEX.match(path)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def any_layer(path: str, every: bool = False) -> str:
+    """A list index made a wildcard: "layers.0.attn" -> "layers.*.attn" (the first one, or `every` one)."""
+    if every:
+        return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path)
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path, count=1)
+
+
+def layer_stem(path: str) -> str:
+    """"model.layers.3" -> "model.layers.#": elements of one list share a stem."""
+    return re.sub(r"\.\d+$", ".#", path)
+
+
+def renumber(text: str, list_path: str, moves: dict[int, int]) -> str:
+    """Every "<list_path>.<i>" in `text` (FQNs, module paths, stack traces) with i -> moves.get(i, i)."""
+    pattern = re.compile(re.escape(list_path) + r"\.(\d+)(?=\.|$)")
+    return pattern.sub(lambda m: f"{list_path}.{moves.get(int(m.group(1)), int(m.group(1)))}", text)
+
+
+# ---- strategy-table facts -----------------------------------------------------------------------
+
+
+def follows_input(ns, offered: Iterable) -> bool:
+    """A node that merely follows its single input (views, getitem, merged followers): one strategy per
+    placement its producer can make (`offered`), and no other. Such a node adds no solver variables: its
+    choice is the producer's, re-labelled."""
+    if len(ns.inputs) != 1 or ns.source in ("placeholder", "output"):
+        return False
+    ins = [s.inputs[0] for s in ns.strategies]
+    return len(set(ins)) == len(ins) and set(ins) == set(offered)
+
+
+def is_gradient_sink(ns) -> bool:
+    """The output slot a parameter's gradient leaves through: it is tied to the parameter's placements,
+    and its all_reduces are bucketed (see cost_model/comm.py)."""
+    return ns.source == "output" and ns.tie is not None
+
+
+# ---- units --------------------------------------------------------------------------------------
+
+
+def format_seconds(seconds: float) -> str:
+    """"12.3 us", "4.56 ms", "1.23 s" (inf as "inf")."""
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        return str(seconds)
+    a = abs(seconds)
+    if a >= 1.0:
+        return f"{seconds:.2f} s"
+    if a >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def format_bytes(b: float) -> str:
+    """"1.5 GiB", "12.0 MiB", "3.0 KiB", "512 B"."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"

@@ -1,0 +1,107 @@
+"""The solved plan: one strategy per node, the resharding on every edge, and what it costs. Frozen data:
+what explains, draws or saves a plan lives in `spmd.report`, which reads it."""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from spmd.core.graph_facts import format_bytes, format_seconds
+from spmd.core.redistribute import Step
+from spmd.core.specs import Placements, Strategy, Value
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`value` flows into input slot `slot` of `consumer`, resharded from `src` to `dst` by `steps`."""
+
+    value: Value
+    consumer: str
+    slot: int
+    src: Placements
+    dst: Placements
+    steps: tuple[Step, ...]
+    cost: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`objective` is the solver's seconds per call on one rank (compute + communication), `lower_bound`
+    and `gap` its proof of optimality; `memory` the predicted bytes per rank by kind (parameters,
+    gradients, optimizer, buffers, inputs, activations, temporaries); `labels` maps placeholders to
+    parameter FQNs and input names; `wrapper_counts` is (placeholders passed in, parameters, values
+    saved for backward): what the per-call costs around the graph scale with."""
+
+    mesh: object  # MeshSpec
+    choices: dict[str, Strategy]
+    node_costs: dict[str, float]
+    edges: tuple[Edge, ...]
+    objective: float
+    lower_bound: float
+    gap: float
+    solve_seconds: float
+    stats: dict = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    memory_budget: float | None = None
+    wrapper_counts: tuple[int, int, int] | None = None
+    joint: bool = False  # a training plan (forward and backward)
+
+    @property
+    def predicted_step_s(self) -> float:
+        """Estimated seconds per call of the compiled module, what a timer around `compiled(*inputs)`
+        (and `.backward()` when training) reads: `objective` (this rank's graph: compute + communication,
+        what the solver minimises) plus `wrapper_overhead_s`, which no plan changes."""
+        return self.objective + self.wrapper_overhead_s
+
+    @property
+    def wrapper_overhead_s(self) -> float:
+        """Seconds per call spent around the generated graphs (`CompiledModule.__call__`; in training also
+        the autograd Function and engine), from the mesh's `DeviceProfile`: `call_overhead_s` +
+        `arg_overhead_s` per placeholder (parameters, buffers, inputs), and when training
+        `backward_overhead_s` + `autograd_tensor_overhead_s` per parameter and per value saved for
+        backward. A plan without `wrapper_counts` gets `call_overhead_s` alone."""
+        d = self.mesh.device
+        if self.wrapper_counts is None:
+            return d.call_overhead_s
+        args, params, saved = self.wrapper_counts
+        t = d.call_overhead_s + d.arg_overhead_s * args
+        if self.joint:
+            t += d.backward_overhead_s + d.autograd_tensor_overhead_s * (params + saved)
+        return t
+
+    @property
+    def predicted_peak_bytes(self) -> float:
+        """Parameters + gradients + optimizer state + saved activations + inputs + temporaries on one rank."""
+        return sum(self.memory.values())
+
+    def output_placements(self, value: Value) -> Placements:
+        name, idx = value
+        return self.choices[name].outputs[idx]
+
+    def collectives(self) -> list[tuple[Edge, Step]]:
+        return [(e, s) for e in self.edges for s in e.steps if s.is_collective]
+
+    def collective_summary(self) -> Counter:
+        """(kind, mesh axis name) -> count."""
+        return Counter((s.kind, self.mesh.axis_names[s.axis]) for _, s in self.collectives())
+
+    @property
+    def comm_cost(self) -> float:
+        return sum(e.cost for e in self.edges)
+
+    @property
+    def compute_cost(self) -> float:
+        return sum(self.node_costs.values())
+
+    def fingerprint(self) -> str:
+        """Stable hash of every choice and every resharding step: equal on ranks that agree."""
+        text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
+        text += "\n".join(f"{e.consumer}/{e.slot}:{[repr(st) for st in e.steps]}" for e in self.edges)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        collectives = ", ".join(f"{k} on {a} x{c}" for (k, a), c in sorted(self.collective_summary().items()))
+        memory = f"; {format_bytes(self.predicted_peak_bytes)} per rank" if self.memory else ""
+        return (f"Plan on mesh {self.mesh}: {format_seconds(self.objective)} per call (gap {self.gap:.2%}){memory}; "
+                f"collectives: {collectives or 'none'}")

@@ -1,0 +1,58 @@
+"""The rule registry: `@rule(aten.op)` and the single-mesh-axis format our rules are written in.
+
+A rule here is written for ONE mesh axis, in DTensor's single-dim format: it returns a list of
+`[out_0, ..., in_0, ...]` placement lists, each a valid way to run the op along one axis. The expander
+takes every combination over the mesh axes (as DTensor does) and drops uneven ones.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch.distributed.tensor import Replicate
+
+from spmd.core.specs import Strategy, TensorInfo
+
+SingleDimRule = Callable[["RuleInput"], list[list]]
+RULES: dict[Any, SingleDimRule] = {}
+
+
+@dataclass(frozen=True)
+class RuleInput:
+    """What a rule sees: args with each tensor replaced by its `TensorInfo`, and the outputs' infos."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorInfo, ...]  # tensor args in pytree order
+    outputs: tuple[TensorInfo | None, ...]
+
+
+def rule(*ops) -> Callable[[SingleDimRule], SingleDimRule]:
+    """Register a single-mesh-axis rule for each ATen overload in `ops`."""
+
+    def register(fn: SingleDimRule) -> SingleDimRule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+def expand_single_dim(single: list[list], n_out: int, mesh_ndim: int) -> list[Strategy]:
+    """Combine single-axis rules over all mesh axes: one Strategy per element of the product."""
+    rows = [tuple(r) for r in single]
+    all_rep = next((r for r in rows if all(isinstance(p, Replicate) or p is None for p in r)), None)
+    if all_rep is None and rows:
+        rows.insert(0, tuple(Replicate() for _ in rows[0]))
+    seen, out = set(), []
+    for combo in itertools.product(rows, repeat=mesh_ndim):
+        n = len(combo[0])
+        cols = [tuple(combo[a][k] for a in range(mesh_ndim)) for k in range(n)]
+        outs = tuple(None if any(p is None for p in c) else c for c in cols[:n_out])
+        s = Strategy(outs, tuple(cols[n_out:]))
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out

@@ -1,0 +1,271 @@
+"""Why the plan is what it is, node by node: each choice's cost split (compute, resharding in and out,
+memory held) and the best other strategy with the rest of the plan held fixed, and each parameter's
+layout per mesh axis in Megatron/FSDP words. `report/explain.py` turns these into text; plan files
+keep them, so a loaded plan explains as the one that was saved.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Replicate, Shard
+
+from spmd.core.graph_facts import any_layer, follows_input, format_seconds, is_gradient_sink, module_paths, \
+    op_label, phase_of
+from spmd.core.specs import placements_str
+
+
+@dataclass(frozen=True)
+class Split:
+    """One choice's cost on one rank: seconds of compute, of resharding its inputs, of resharding its
+    outputs for their consumers as they are, and bytes held."""
+
+    compute: float
+    comm_in: float
+    comm_out: float
+    memory: float
+
+    @property
+    def time(self) -> float:
+        """What changes with this node's choice alone (each edge is counted at both of its ends)."""
+        return self.compute + self.comm_in + self.comm_out
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One costed node: the chosen placements and the best other strategy (the rest of the plan fixed)."""
+
+    name: str
+    label: str  # parameter FQN / input name for placeholders, else the node name
+    op: str  # "aten.addmm", "parameter", "input", "output"
+    module: str  # module path ("blocks.0.attn.q_proj"); "" at the top level
+    phase: str  # "forward" | "backward" | "" (a forward-only graph)
+    chosen: str
+    cost: Split
+    alternative: str | None
+    alternative_cost: Split | None
+    reason: str  # why the alternative lost
+    n_strategies: int
+    count: int = 1  # identical nodes of repeated layers this row stands for (same choice)
+
+    @property
+    def delta(self) -> float | None:
+        """Seconds the best alternative adds (the rest of the plan fixed)."""
+        return None if self.alternative_cost is None else self.alternative_cost.time - self.cost.time
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """How one parameter is laid out and used: `roles[i]` names its layout on mesh axis i."""
+
+    fqn: str
+    module: str
+    module_type: str  # "Linear", "Embedding", "LayerNorm", ...
+    placements: str
+    roles: tuple[str, ...]  # column-parallel | row-parallel | vocab-parallel | FSDP | replicated | sharded dim d
+
+
+@dataclass(frozen=True)
+class PlanDetails:
+    nodes: tuple[NodeReport, ...] = ()
+    params: tuple[ParamUse, ...] = ()
+    inputs: dict[str, str] = field(default_factory=dict)  # user input name -> placements
+
+
+class _Local:
+    """Cost of one node's strategy with every other node's choice held fixed."""
+
+    def __init__(self, plan, table, costs):
+        self.plan, self.table, self.costs = plan, table, costs
+        self.consumers: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
+        for name, ns in table.nodes.items():
+            for j, v in enumerate(ns.inputs):
+                self.consumers[v].append((name, j))
+        self.follower = {n: follows_input(ns, table.output_candidates(ns.inputs[0])) if len(ns.inputs) == 1 else False
+                         for n, ns in table.nodes.items()}
+        self.tied_to = {ns.tie: n for n, ns in table.nodes.items() if ns.tie is not None}
+        self.memory = defaultdict(list)  # node name -> its memory terms
+        for term in costs.memory:
+            self.memory[term.value[0]].append(term)
+        self._deliver: dict = {}
+
+    def _edge(self, value, src, dst, consumer) -> float:
+        gradient = is_gradient_sink(self.table.nodes[consumer])
+        try:
+            return self.costs.edge_cost(value, src, dst, gradient)
+        except KeyError:
+            return math.inf
+
+    def deliver(self, value, ps) -> float:
+        """Seconds to bring `value`, laid out as `ps`, to every consumer as it now reads it (views follow)."""
+        key = (value, ps)
+        if key not in self._deliver:
+            total = 0.0
+            for c, j in self.consumers.get(value, ()):
+                if self.follower[c]:
+                    match = [s for s in self.table.nodes[c].strategies if s.inputs[0] == ps]
+                    total += sum(self.deliver((c, k), o) for k, o in enumerate(match[0].outputs)
+                                 if o is not None) if match else math.inf
+                else:
+                    total += self._edge(value, ps, self.plan.choices[c].inputs[j], c)
+            self._deliver[key] = total
+        return self._deliver[key]
+
+    def split(self, name: str, idx: int) -> Split:
+        ns = self.table.nodes[name]
+        s = ns.strategies[idx]
+        compute = self.costs.node_costs.get(name, [0.0] * len(ns.strategies))[idx]
+        comm_in = sum(self._edge(v, self.plan.output_placements(v), s.inputs[j], name)
+                      for j, v in enumerate(ns.inputs))
+        comm_out = sum(self.deliver((name, k), o) for k, o in enumerate(s.outputs) if o is not None)
+        shape = self.costs.mesh.shape
+        memory = sum(t.bytes(s.inputs[0] if ns.source == "output" else s.outputs[t.value[1]], shape)
+                     for t in self.memory.get(name, ()))
+        return Split(compute, comm_in, comm_out, memory)
+
+    def with_tie(self, name: str, idx: int) -> Split:
+        """A tied pair (gradient sink == parameter, tangent == output) moves together."""
+        own = self.split(name, idx)
+        partner = self.table.nodes[name].tie or self.tied_to.get(name)
+        if partner is None:
+            return own
+        ns, other = self.table.nodes[name], self.table.nodes[partner]
+        key = ns.key(ns.strategies[idx])
+        match = [i for i, s in enumerate(other.strategies) if other.key(s) == key]
+        if not match:
+            return Split(own.compute, math.inf, own.comm_out, own.memory)
+        theirs = self.split(partner, match[0])
+        return Split(own.compute + theirs.compute, own.comm_in + theirs.comm_in, own.comm_out + theirs.comm_out,
+                     own.memory + theirs.memory)
+
+
+def _why(chosen: Split, alt: Split, budget: float | None) -> str:
+    """Why the best alternative lost, in the order that decides it: time first (it is the objective),
+    then memory (what a budget weighs)."""
+    delta = alt.time - chosen.time
+    if math.isinf(alt.time):
+        return "cannot be reached from the neighbours' layouts"
+    tol = 5e-8 + 1e-6 * chosen.time  # below what the table shows (0.1 us)
+    more = (alt.memory - chosen.memory) / 2**20
+    if delta > tol:
+        dc = alt.compute - chosen.compute
+        dm = alt.comm_in + alt.comm_out - chosen.comm_in - chosen.comm_out
+        parts = [f"{'+' if x >= 0 else '-'}{format_seconds(abs(x))} {what}" for x, what in
+                 ((dm, "communication"), (dc, "compute")) if abs(x) > tol]
+        return f"{format_seconds(delta)} slower ({', '.join(parts)})"
+    if delta < -tol:
+        if budget and more > 0:
+            return f"{format_seconds(-delta)} faster alone, but {more:.2f} MiB more memory per rank (budget)"
+        return f"{format_seconds(-delta)} faster alone, but not together with the rest of the plan (global optimum)"
+    if more > 0:
+        return f"as fast, {more:.2f} MiB more memory per rank" + (" (budget)" if budget else "")
+    return "tie: as fast and as small; the solver's pick is deterministic"
+
+
+def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], types: dict[str, str],
+                 follower: dict[str, bool]) -> list[ParamUse]:
+    """Name each parameter's layout per axis. A sharded weight that is all_gathered on that axis before
+    use is FSDP (stored sharded, computed whole); one used sharded is tensor parallelism."""
+    consumers = defaultdict(list)
+    for name, ns in table.nodes.items():
+        for v in ns.inputs:
+            consumers[v[0]].append(name)
+    edges_into = defaultdict(list)
+    for e in plan.edges:
+        edges_into[e.consumer].append(e)
+    out = []
+    for ph, fqn in fqn_of.items():
+        ps = plan.choices[ph].outputs[0]
+        # the nodes on the way from the parameter to its uses, through views
+        path, todo = {ph}, [ph]
+        while todo:
+            for c in consumers[todo.pop()]:
+                if c not in path:
+                    path.add(c)
+                    if follower[c]:
+                        todo.append(c)
+        gathered = {s.axis for c in path for e in edges_into[c] if e.value[0] in path
+                    for s in e.steps if s.kind == "all_gather"}
+        module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        mtype = types.get(module, "")
+        leaf = fqn.rsplit(".", 1)[-1]
+        roles = []
+        for axis, p in enumerate(ps):
+            if isinstance(p, Replicate):
+                roles.append("replicated")
+            elif isinstance(p, Shard) and axis in gathered:
+                roles.append("FSDP")
+            elif isinstance(p, Shard) and mtype == "Linear":
+                roles.append("column-parallel" if p.dim == 0 else "row-parallel")
+            elif isinstance(p, Shard) and mtype == "Embedding" and leaf == "weight":
+                roles.append("vocab-parallel" if p.dim == 0 else "hidden-sharded")
+            elif isinstance(p, Shard):
+                roles.append(f"sharded dim {p.dim}")
+            else:
+                roles.append(str(p))
+        out.append(ParamUse(fqn, module, mtype, placements_str(ps), tuple(roles)))
+    return out
+
+
+def compute_details(plan, src) -> PlanDetails:
+    """`src`: the `PlanSources` the plan was solved from (report/result.py)."""
+    table, costs = src.strategies, src.costs
+    params = {ph: plan.labels[ph] for ph, k in src.kinds.items() if k in ("parameter", "buffer")}
+    where, types = module_paths(src.graph, list(params.values()))
+    nodes = {n.name: n for n in src.graph.nodes}
+    local = _Local(plan, table, costs)
+    incoming = {e.consumer for e in plan.edges}
+    # a node of a repeated layer that chose what its representative chose is one more of that row
+    rep_of = src.blocks.representative if src.blocks is not None else {}
+    folded = {n for n, r in rep_of.items() if n in plan.choices and r in plan.choices
+              and plan.choices[n] == plan.choices[r]}
+    count = Counter(rep_of[n] for n in folded)
+    reports = []
+    for name, ns in table.nodes.items():
+        kind = src.kinds.get(name)
+        if kind == "tangent" or local.follower[name] or is_gradient_sink(ns):
+            continue  # tangents and gradient sinks move with their tie partner; views follow their input
+        if name in folded:
+            continue
+        chosen = plan.choices[name]
+        idx = ns.strategies.index(chosen)
+        cost = local.with_tie(name, idx)
+        if ns.source not in ("placeholder", "output") and cost.compute == 0.0 and name not in incoming:
+            continue
+        best, best_split = None, None
+        for i, s in enumerate(ns.strategies):
+            if i == idx:
+                continue
+            sp = local.with_tie(name, i)
+            if best is None or (sp.time, sp.memory) < (best_split.time, best_split.memory):
+                best, best_split = s, sp
+        node = nodes.get(name)
+        phase = phase_of(node) if node is not None and kind is None else ""
+        if kind is not None:
+            op, module = kind, (plan.labels[name].rsplit(".", 1)[0] if kind in ("parameter", "buffer") and
+                                "." in plan.labels[name] else "")
+        elif ns.source == "output":
+            op, module = "output", ""
+        else:
+            op, module = op_label(node), where.get(name, "")
+        label, n = plan.labels.get(name, name), count.get(name, 0) + 1
+        if n > 1:  # "layers.0.mlp" -> "layers.*.mlp"
+            label, module = any_layer(label) if kind is not None else label, any_layer(module)
+        reports.append(NodeReport(
+            name, label, op, module, phase,
+            _show(chosen, ns.source), cost, _show(best, ns.source, chosen) if best else None, best_split,
+            _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies), n))
+    inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
+              for ph, k in src.kinds.items() if k == "input"}
+    return PlanDetails(tuple(reports), tuple(_param_roles(plan, table, params, where, types, local.follower)), inputs)
+
+
+def _show(s, source: str, other=None) -> str:
+    """A strategy in the fewest words: its output placements, plus its inputs where only they differ."""
+    if source == "output":
+        return placements_str(s.inputs[0])
+    outs = ", ".join(placements_str(p) for p in s.outputs[:1] if p is not None) or "-"
+    if other is not None and s.outputs == other.outputs:
+        return outs + " (in " + " ".join(placements_str(p) for p in s.inputs) + ")"
+    return outs

@@ -1,0 +1,73 @@
+"""Differences between two plans: placements, collectives, costs (`spmd.diff_plans`, `spmd diff a b`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spmd.core.plan import Plan
+from spmd.core.specs import Strategy, placements_str
+
+
+@dataclass
+class PlanDiff:
+    """What changed from plan `a` to plan `b`. Falsy when nothing did."""
+
+    mesh: tuple[str, str] | None = None
+    placements: list[tuple[str, str, str]] = field(default_factory=list)  # (node or FQN, in a, in b)
+    only_a: list[str] = field(default_factory=list)
+    only_b: list[str] = field(default_factory=list)
+    collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (kind, axis) -> counts
+    costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # seconds / bytes in a and b
+
+    def __bool__(self) -> bool:
+        return bool(self.mesh or self.placements or self.only_a or self.only_b or self.collectives)
+
+    def __str__(self) -> str:
+        if not self:
+            return "plans are the same (placements and collectives)"
+        lines = []
+        if self.mesh:
+            lines.append(f"mesh: {self.mesh[0]} -> {self.mesh[1]}")
+        if self.placements:
+            width = max(len(n) for n, _, _ in self.placements)
+            lines.append(f"placements ({len(self.placements)} changed):")
+            lines += [f"  {n:<{width}}  {a} -> {b}" for n, a, b in self.placements]
+        for what, names in (("only in a", self.only_a), ("only in b", self.only_b)):
+            if names:
+                lines.append(f"{what} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+        if self.collectives:
+            lines.append("collectives:")
+            lines += [f"  {k} on {ax}: {a} -> {b} ({b - a:+d})" for (k, ax), (a, b) in sorted(self.collectives.items())]
+        for name, (a, b) in self.costs.items():
+            if name == "memory per rank":
+                lines.append(f"{name}: {a / 2**20:.3f} -> {b / 2**20:.3f} MiB ({(b - a) / 2**20:+.3f})")
+            else:
+                lines.append(f"{name}: {a * 1e3:.3f} -> {b * 1e3:.3f} ms ({(b - a) * 1e3:+.3f})")
+        return "\n".join(lines)
+
+
+def _show(s: Strategy, other: Strategy | None) -> str:
+    outs = ", ".join(placements_str(p) for p in s.outputs if p is not None)
+    if other is not None and s.outputs == other.outputs or not outs:
+        return f"{outs} (in {' '.join(placements_str(p) for p in s.inputs)})".lstrip()
+    return outs
+
+
+def diff_plans(a: Plan, b: Plan) -> PlanDiff:
+    d = PlanDiff()
+    if str(a.mesh) != str(b.mesh):
+        d.mesh = (str(a.mesh), str(b.mesh))
+    for name, sa in a.choices.items():
+        sb = b.choices.get(name)
+        label = a.labels.get(name, name)
+        if sb is None:
+            d.only_a.append(label)
+        elif sa != sb:
+            d.placements.append((label, _show(sa, sb), _show(sb, sa)))
+    d.only_b = [b.labels.get(n, n) for n in b.choices if n not in a.choices]
+    ca, cb = a.collective_summary(), b.collective_summary()
+    d.collectives = {k: (ca.get(k, 0), cb.get(k, 0)) for k in sorted(set(ca) | set(cb)) if ca.get(k, 0) != cb.get(k, 0)}
+    d.costs = {"estimated time": (a.objective, b.objective), "compute": (a.compute_cost, b.compute_cost),
+               "communication": (a.comm_cost, b.comm_cost)}
+    if a.memory or b.memory:
+        d.costs["memory per rank"] = (a.predicted_peak_bytes, b.predicted_peak_bytes)
+    return d

@@ -1,0 +1,131 @@
+"""`plan.explain()` in words (also `compiled.explain()`, `spmd explain plan.json`): three tables.
+
+    modules      how each parameterized module is laid out per mesh axis, in Megatron/FSDP words
+                 ("blocks.*.attn.q_proj  Linear  column-parallel on tp; replicated on dp")
+    collectives  count, bytes and estimated seconds per (collective kind, mesh axis)
+    nodes        every costed node: chosen placements, its compute / communication / memory, the best
+                 other strategy with the rest of the plan held fixed, and why that one lost
+
+The rows come from `report/details.py`.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from spmd.core.graph_facts import any_layer, format_bytes, format_seconds
+from spmd.cost_model.comm import step_cost
+from spmd.report.details import ParamUse, PlanDetails
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths))).rstrip() for r in rows]
+
+
+def describe_roles(roles: tuple[str, ...], axis_names) -> str:
+    """"column-parallel on tp; replicated on dp" (tensor parallelism first)."""
+    if all(r == "replicated" for r in roles):
+        return "replicated"
+    order = sorted(range(len(roles)), key=lambda i: roles[i] == "replicated")
+    return "; ".join(f"{roles[i]} on {axis_names[i]}" for i in order)
+
+
+def module_summary(details: PlanDetails, axis_names) -> list[tuple[str, str, str]]:
+    """(module pattern, type, description) per parameterized module; repeated blocks described alike
+    fold into one line with `*` for the block index."""
+    by_module: dict[str, list[ParamUse]] = {}
+    for p in details.params:
+        by_module.setdefault(p.module, []).append(p)
+    described = {}
+    for module, uses in by_module.items():
+        main = next((u for u in uses if u.fqn.endswith(".weight")), uses[0])
+        text = describe_roles(main.roles, axis_names)
+        if len(uses) > 1 and any(u.roles != main.roles for u in uses if u is not main):
+            text += "; " + ", ".join(f"{u.fqn.rsplit('.', 1)[-1]} {u.placements}" for u in uses if u is not main)
+        described[module] = (main.module_type, text)
+    groups: dict[tuple, list[str]] = {}
+    for module, (mtype, text) in described.items():
+        pattern = any_layer(module, every=True)
+        groups.setdefault((pattern, mtype, text), []).append(module)
+    counts = defaultdict(int)
+    for pattern, _, _ in groups:
+        counts[pattern] += 1
+    rows = []
+    for (pattern, mtype, text), modules in groups.items():
+        if counts[pattern] == 1 and len(modules) > 1:
+            rows.append((pattern, mtype, text))
+        else:
+            rows.extend((m, mtype, text) for m in modules)
+    return rows
+
+
+def step_seconds(plan) -> list[tuple[Any, Any, float]]:
+    """(edge, step, seconds) for every step: the plan's edge cost (gradient buckets included) shared
+    over its steps in proportion to their own cost."""
+    out = []
+    for e in plan.edges:
+        raw = [step_cost(s, plan.mesh) for s in e.steps]
+        scale = e.cost / sum(raw) if sum(raw) > 0 else 1.0
+        out += [(e, s, r * scale) for s, r in zip(e.steps, raw)]
+    return out
+
+
+def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
+    """(kind, axis, count, bytes, seconds) per collective kind and mesh axis."""
+    totals: dict[tuple[str, str], list] = {}
+    for _, s, seconds in step_seconds(plan):
+        if not s.is_collective:
+            continue
+        row = totals.setdefault((s.kind, plan.mesh.axis_names[s.axis]), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += s.in_bytes
+        row[2] += seconds
+    return [(k, a, c, b, t) for (k, a), (c, b, t) in sorted(totals.items())]
+
+
+def explain(plan, details: PlanDetails | None) -> str:
+    names = plan.mesh.axis_names
+    lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
+             f"(compute {plan.compute_cost * 1e3:.3f} ms, communication {plan.comm_cost * 1e3:.3f} ms), "
+             f"optimality gap {plan.gap:.2%}"]
+    if plan.memory:
+        lines.append(f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
+                     ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
+    if details is None:
+        lines.append("(no per-node details: this plan was saved without them)")
+        return "\n".join(lines) + "\n"
+    lines += ["", "Modules (layout per mesh axis):"]
+    rows = module_summary(details, names)
+    lines += _table([[m or "(root)", t, d] for m, t, d in rows]) if rows else ["  (no parameters)"]
+    for name, ps in details.inputs.items():
+        batch = [names[i] for i, p in enumerate(_parse_list(ps)) if p == "S(0)"]
+        note = f": batch split on {', '.join(batch)} (data parallel)" if batch else ""
+        lines.append(f"  input {name} {ps}{note}")
+    lines += ["", "Collectives per call:"]
+    totals = collective_totals(plan)
+    if totals:
+        rows = [["kind", "axis", "count", "bytes", "time"]]
+        rows += [[k, a, str(c), format_bytes(b), format_seconds(t)] for k, a, c, b, t in totals]
+        rows.append(["total", "", str(sum(r[2] for r in totals)), format_bytes(sum(r[3] for r in totals)),
+                     format_seconds(sum(r[4] for r in totals))])
+        lines += _table(rows)
+    else:
+        lines.append("  none")
+    lines += ["", "Nodes (per rank and call: compute, resharding of the inputs, memory held; the best "
+              "alternative is the cheapest other strategy with the rest of the plan fixed):"]
+    rows = [["node", "module", "op", "chosen", "compute", "comm in", "memory", "best alternative",
+             "why it lost"]]
+    for r in details.nodes:
+        where = " ".join(x for x in (r.module, f"({r.phase})" if r.phase else "", f"x{r.count}" if r.count > 1 else "")
+                         if x)
+        rows.append([r.label, where, r.op, r.chosen, format_seconds(r.cost.compute), format_seconds(r.cost.comm_in),
+                     format_bytes(r.cost.memory) if r.cost.memory else "-", r.alternative or "-", r.reason])
+    lines += _table(rows)
+    return "\n".join(lines) + "\n"
+
+
+def _parse_list(ps: str) -> list[str]:
+    return [p.strip() for p in ps.strip("[]").split(",")]
+
+

@@ -1,0 +1,71 @@
+"""The tensor-parallel part of a plan as DTensor's `parallelize_module` plan (`plan.to_parallelize_plan()`)."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+from spmd.core.plan import Plan
+from spmd.report.details import ParamUse, PlanDetails
+
+
+class ParallelizePlan(dict):
+    """{module FQN: ColwiseParallel() | RowwiseParallel()} for `parallelize_module` on one mesh axis;
+    `notes` says what of the spmd plan this does not express."""
+
+    def __init__(self, styles: dict, axis: str | None, notes: list[str]):
+        super().__init__(styles)
+        self.axis, self.notes = axis, notes
+
+
+def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | None = None) -> ParallelizePlan:
+    """The tensor-parallel layouts on `axis` (default: the axis with the most of them) as DTensor styles:
+    Linear column-parallel -> ColwiseParallel, row-parallel -> RowwiseParallel; Embedding sharded on the
+    vocabulary -> RowwiseParallel, on the hidden dim -> ColwiseParallel. Anything else (FSDP, data
+    parallel, other sharded parameters, biases laid out differently from the style's) goes to `notes`,
+    and a warning lists them."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if details is None:
+        raise ValueError("to_parallelize_plan needs the plan's details (a plan from spmd.plan/compile, or a "
+                         "plan file saved with them)")
+    names = plan.mesh.axis_names
+    tp_roles = ("column-parallel", "row-parallel", "vocab-parallel", "hidden-sharded")
+    if axis is None:
+        votes = Counter(names[i] for p in details.params for i, r in enumerate(p.roles) if r in tp_roles)
+        axis = votes.most_common(1)[0][0] if votes else None
+    notes: list[str] = []
+    styles: dict = {}
+    if axis is None:
+        notes.append("no tensor-parallel layouts in this plan: nothing to export")
+    else:
+        i = plan.mesh.axis(axis)
+        by_module: dict[str, dict[str, ParamUse]] = {}
+        for p in details.params:
+            by_module.setdefault(p.module, {})[p.fqn.rsplit(".", 1)[-1]] = p
+        for module, uses in by_module.items():
+            weight = uses.get("weight")
+            role = weight.roles[i] if weight else None
+            kind = weight.module_type if weight else ""
+            style = {("Linear", "column-parallel"): ColwiseParallel, ("Linear", "row-parallel"): RowwiseParallel,
+                     ("Embedding", "vocab-parallel"): RowwiseParallel,
+                     ("Embedding", "hidden-sharded"): ColwiseParallel}.get((kind, role))
+            if style is not None:
+                styles[module] = style()
+                bias = uses.get("bias")
+                want = "column-parallel" if style is ColwiseParallel else "replicated"
+                if bias is not None and bias.roles[i] != want:
+                    notes.append(f"{bias.fqn}: {bias.roles[i]} on {axis}, {style.__name__} makes it {want}")
+            for use in uses.values():
+                if use.roles[i] not in ("replicated",) and style is None:
+                    notes.append(f"{use.fqn} ({use.module_type or 'no module type'}): {use.roles[i]} on {axis}, "
+                                 "no parallel style for it")
+        for p in details.params:
+            for j, r in enumerate(p.roles):
+                if j != i and r != "replicated":
+                    notes.append(f"{p.fqn}: {r} on {names[j]} (another axis: use fully_shard / data parallel there)")
+        for name, ps in details.inputs.items():
+            if "S(" in ps.strip("[]").split(",")[i]:
+                notes.append(f"input {name!r} is sharded on {axis} ({ps}); the styles assume it replicated there")
+    if notes:
+        warnings.warn("to_parallelize_plan: not expressed as parallel styles:\n  " + "\n  ".join(notes), stacklevel=3)
+    return ParallelizePlan(styles, axis, notes)

@@ -1,0 +1,139 @@
+"""Plans as files: versioned JSON, with the per-node details so a loaded plan explains itself.
+
+A plan file is JSON with a schema name and version; placements are written as everywhere else in spmd
+("S(0)", "R", "P", "P(max)"; `core.specs.placement_str`). A loaded plan explains, prints, diffs and
+counts its collectives like the one that was saved (same `fingerprint()`), but holds no graph: it
+cannot be run or drawn.
+
+    {"schema": "spmd-plan", "version": 1, "fingerprint": "3f1c...",
+     "mesh": {"shape": [2, 2], "axis_names": ["dp", "tp"], "links": [...], "device": {...}},
+     "objective": 0.0398, ..., "choices": {"addmm": {"inputs": [["R", "S(0)"], ...], "outputs": [...]}},
+     "edges": [{"value": ["addmm_3", 0], "consumer": "add_1", "steps": [{"kind": "all_reduce", ...}]}],
+     "details": {"nodes": [...], "params": [...], "inputs": {...}}}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from spmd.core.mesh import MeshSpec
+from spmd.core.plan import Edge, Plan
+from spmd.core.profiles import DeviceProfile, LinkProfile
+from spmd.core.redistribute import Step
+from spmd.core.specs import Placements, Strategy, placement_from_text, placement_str
+from spmd.report.details import NodeReport, ParamUse, PlanDetails, Split
+
+SCHEMA = "spmd-plan"
+VERSION = 1
+
+
+# ---- placements as text -------------------------------------------------------------------------
+
+def _ps_out(ps: Placements | None):
+    return None if ps is None else [placement_str(p) for p in ps]
+
+
+def _ps_in(texts) -> Placements | None:
+    return None if texts is None else tuple(placement_from_text(t) for t in texts)
+
+
+# ---- save / load --------------------------------------------------------------------------------
+
+def _link_json(link: LinkProfile) -> dict:
+    return {"name": link.name, "latency_s": link.latency_s, "bandwidth": link.bandwidth, "source": link.source,
+            "per_collective": [list(x) for x in link.per_collective]}
+
+
+def _mesh_json(mesh: MeshSpec) -> dict:
+    d = mesh.device
+    return {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names),
+            "links": [_link_json(link) for link in mesh.links],
+            "device": asdict(d)}  # every field: a reloaded plan prices as the saved one
+
+
+def _mesh_from(d: dict) -> MeshSpec:
+    links = tuple(LinkProfile(x["name"], x["latency_s"], x["bandwidth"], x.get("source", ""),
+                              tuple(tuple(p) for p in x.get("per_collective", ()))) for x in d["links"])
+    return MeshSpec(tuple(d["shape"]), tuple(d["axis_names"]), links, DeviceProfile(**d["device"]))
+
+
+def _step_json(s: Step) -> dict:
+    return {"kind": s.kind, "axis": s.axis, "src_dim": s.src_dim, "dst_dim": s.dst_dim, "reduce_op": s.reduce_op,
+            "local_in_shape": list(s.local_in_shape), "itemsize": s.itemsize}
+
+
+def _details_json(details: PlanDetails | None) -> dict | None:
+    if details is None:
+        return None
+    return {"nodes": [asdict(r) for r in details.nodes], "params": [asdict(p) for p in details.params],
+            "inputs": dict(details.inputs)}
+
+
+def _details_from(d: dict | None) -> PlanDetails | None:
+    if d is None:
+        return None
+    nodes = []
+    for r in d["nodes"]:
+        r = dict(r)
+        r["cost"] = Split(**r["cost"])
+        r["alternative_cost"] = Split(**r["alternative_cost"]) if r["alternative_cost"] else None
+        nodes.append(NodeReport(**r))
+    params = [ParamUse(**{**p, "roles": tuple(p["roles"])}) for p in d["params"]]
+    return PlanDetails(tuple(nodes), tuple(params), dict(d["inputs"]))
+
+
+def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
+    return {
+        "schema": SCHEMA, "version": VERSION, "fingerprint": plan.fingerprint(),
+        "mesh": _mesh_json(plan.mesh),
+        "objective": plan.objective, "lower_bound": plan.lower_bound, "gap": plan.gap,
+        "solve_seconds": plan.solve_seconds, "stats": plan.stats,
+        "memory": plan.memory, "memory_budget": plan.memory_budget, "labels": plan.labels,
+        "choices": {n: {"inputs": [_ps_out(p) for p in s.inputs], "outputs": [_ps_out(p) for p in s.outputs]}
+                    for n, s in plan.choices.items()},
+        "node_costs": plan.node_costs,
+        "edges": [{"value": list(e.value), "consumer": e.consumer, "slot": e.slot, "src": _ps_out(e.src),
+                   "dst": _ps_out(e.dst), "cost": e.cost, "steps": [_step_json(s) for s in e.steps]}
+                  for e in plan.edges],
+        "wrapper_counts": list(plan.wrapper_counts) if plan.wrapper_counts is not None else None,
+        "joint": plan.joint,
+        "details": _details_json(details),
+    }
+
+
+def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | None]:
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{where}: not an spmd plan file (schema {doc.get('schema')!r})")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{where}: plan file version {doc.get('version')}, this spmd reads version {VERSION}. "
+                         "What to do: re-plan with this version (spmd plan ... --json).")
+    choices = {n: Strategy(tuple(_ps_in(p) for p in c["outputs"]), tuple(_ps_in(p) for p in c["inputs"]))
+               for n, c in doc["choices"].items()}
+    edges = [Edge((e["value"][0], e["value"][1]), e["consumer"], e["slot"], _ps_in(e["src"]), _ps_in(e["dst"]),
+                  tuple(Step(s["kind"], s["axis"], s["src_dim"], s["dst_dim"], s["reduce_op"],
+                             tuple(s["local_in_shape"]), s["itemsize"]) for s in e["steps"]), e["cost"])
+             for e in doc["edges"]]
+    counts = doc.get("wrapper_counts")
+    plan = Plan(_mesh_from(doc["mesh"]), choices, dict(doc["node_costs"]), tuple(edges), doc["objective"],
+                doc["lower_bound"], doc["gap"], doc["solve_seconds"], dict(doc.get("stats", {})),
+                dict(doc.get("labels", {})), dict(doc.get("memory", {})), doc.get("memory_budget"),
+                tuple(counts) if counts is not None else None, bool(doc.get("joint", False)))
+    if doc.get("fingerprint") and plan.fingerprint() != doc["fingerprint"]:
+        raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
+                         "version); re-plan.")
+    return plan, _details_from(doc.get("details"))
+
+
+def save_plan(plan: Plan, details: PlanDetails | None, path) -> None:
+    Path(path).write_text(json.dumps(plan_to_json(plan, details), indent=1, default=str) + "\n")
+
+
+def load_plan(path) -> tuple[Plan, PlanDetails | None]:
+    """Read a plan written by `save_plan`, with its details."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a plan file (not JSON: {e}). What to do: save plans with plan.save(path) "
+                         "or `spmd plan ... --json path`.") from None
+    return plan_from_json(doc, str(path))

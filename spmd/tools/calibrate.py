@@ -1,0 +1,241 @@
+"""Calibrate the cost model on this machine: time the collectives per mesh axis and a few device ops,
+fit the alpha-beta links and the device roofline, and save a profile the planner loads
+(`MeshSpec.from_profile`).
+
+    torchrun --nproc-per-node 4 -m spmd.tools.calibrate --mesh dp=2,tp=2 --out profile.json
+    python -m spmd.tools.calibrate --nproc 2 --mesh tp=2 --out profile.json   # spawns gloo ranks
+    spmd calibrate --nproc 2 --mesh tp=2 --out profile.json                    # the same
+
+Collectives are the runtime's own (`spmd.core.collectives`, functional collectives + wait) on dim 0,
+so no local copy terms apply and the fit uses exactly `comm.py`'s convention: with B the bytes each rank
+holds before the step and n the axis size,
+
+    all_reduce 2(n-1)/n B    reduce_scatter (n-1)/n B    all_gather (n-1) B    all_to_all (n-1)/n B
+
+bytes on the wire, and time = latency + wire / bandwidth. Every axis is timed with all its groups running
+at once (on a (2, 2) mesh, "tp" times {0,1} and {2,3} together), as they do in a real step. Each point:
+warmup calls, then `reps` calls, each after a barrier and a little compute (`--gap-ms`: a collective that
+follows compute finds gloo asleep more often); per call the max over all ranks; the mean over calls less
+the slowest 10% (gloo here is bimodal, ~0.3 ms or several ms at any size, and a step pays the average).
+The device (matmul FLOP/s, streaming bandwidth, per-op overhead) is timed on every rank at once, each call
+~20 ms long so that ranks sharing a core really compete: it is measured as it will run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import socket
+import sys
+import time
+
+from spmd.core.mesh import parse_mesh
+from spmd.cost_model.comm import wire_bytes
+from spmd.tools.measure import KINDS, builtin_cpu, measure_device, measure_links
+
+
+def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + x / beta over points (x units, t seconds): (alpha >= 0, beta > 0).
+
+    `relative`: minimise relative errors (each residual divided by its t). The sizes span three decades;
+    plain least squares lets the largest points decide the intercept, so the latency of small messages
+    (what most collectives in a step are) comes out wrong or negative. A negative intercept is clamped
+    to 0 and the slope refitted through the origin; a non-positive slope (time flat in size, within
+    noise) gives the largest bandwidth the points cannot tell from infinite (1e15)."""
+    import numpy as np
+
+    x, t = np.asarray(xs, float), np.asarray(ts, float)
+    if len(x) == 0 or np.any(t <= 0) or np.any(x < 0):
+        raise ValueError("fit_alpha_beta: need points with x >= 0 and t > 0")
+    w = 1.0 / t if relative else np.ones_like(t)
+    if len(x) >= 2 and np.ptp(x) > 0:
+        a = np.stack([w, w * x], 1)
+        alpha, slope = np.linalg.lstsq(a, w * t, rcond=None)[0]
+    else:
+        alpha, slope = 0.0, float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
+    if alpha < 0:
+        alpha = 0.0
+        slope = float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
+    if slope <= 0:
+        alpha, slope = float(np.sum(w * w * t) / np.sum(w * w)), 1e-15
+    return float(alpha), float(1.0 / slope)
+
+
+def geometric_sizes(lo: int, hi: int, count: int) -> list[int]:
+    if count <= 1:
+        return [lo]
+    return sorted({int(round(lo * (hi / lo) ** (i / (count - 1)))) for i in range(count)})
+
+
+# ---------------------------------------------------------------------------------------------------
+# fitting
+
+
+def fit_links(points: dict, shape: dict[str, int], source: str) -> dict:
+    """axis name -> LinkProfile: all_reduce's fit as the default, every kind in `per_collective`."""
+    from spmd.core.profiles import LinkProfile
+
+    links = {}
+    for axis, by_kind in points.items():
+        n = shape[axis]
+        fits = {kind: fit_alpha_beta([wire_bytes(kind, n, b) for b, _ in pts], [t for _, t in pts])
+                for kind, pts in by_kind.items()}
+        lat, bw = fits.get("all_reduce", next(iter(fits.values())))
+        links[axis] = LinkProfile(f"calibrated-{axis}-n{n}", lat, bw, source,
+                                  tuple((k, a, b) for k, (a, b) in fits.items()))
+    return links
+
+
+def fit_device(points: dict, source: str, memory_bytes: float):
+    from spmd.core.profiles import DeviceProfile
+
+    op = points["op"][0][1]
+    _, flops = fit_alpha_beta(*zip(*points["matmul"]))
+    _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
+    # not timed here: views, the per-call wrapper and attention's efficiency, taken from the built-in cpu
+    # (scaled by the core share)
+    cpu = builtin_cpu()
+    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
+                         attention_efficiency=cpu.attention_efficiency,
+                         view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
+                         arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
+                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s)
+
+
+def _memory_per_rank() -> float:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 16e9
+    return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+
+
+def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps: int = 15,
+              device: bool = True, log=None, gap_s: float = 2e-3):
+    """Measure and fit on every rank of `device_mesh`; returns the same `profiles.Profile` everywhere."""
+    import torch
+    import torch.distributed as dist
+
+    from spmd.core.profiles import Profile, device_profile_for
+
+    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+    shape = dict(zip(names, device_mesh.shape))
+    world = dist.get_world_size()
+    t0 = time.perf_counter()
+    link_points = measure_links(device_mesh, sizes, kinds, warmup, reps, log, gap_s)
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    src = (f"calibrated {when} on {platform.node()}: spmd.tools.calibrate, {dist.get_backend()} functional "
+           f"collectives on dim 0, {world} processes ({os.cpu_count()} cores), mesh {shape}, "
+           f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]} B, max over ranks, mean of {reps} calls less the slowest "
+           f"10%, each after {gap_s * 1e3:g} ms of compute")
+    links = fit_links(link_points, shape, src)
+    dev_points = (measure_device(max(1, warmup // 2), max(3, reps // 2), quick=len(sizes) < 4,
+                                 seconds=0.002 if len(sizes) < 4 else 0.02) if device else {})
+    dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
+                      _memory_per_rank()) if device else device_profile_for("cpu"))
+    points = {"links": {a: {k: [[b, t] for b, t in pts] for k, pts in bk.items()} for a, bk in link_points.items()},
+              "device": {k: [[x, t] for x, t in pts] for k, pts in dev_points.items()}}
+    meta = {"backend": dist.get_backend(), "world": world, "mesh": shape, "date": when, "host": platform.node(),
+            "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t0, 1), "command": " ".join(sys.argv), "gap_ms": gap_s * 1e3}
+    return Profile(links, dev, points, meta)
+
+
+def summary(profile) -> str:
+    """A table of the fitted numbers with their fit errors."""
+    lines = [f"calibrated on {profile.meta.get('world')} ranks, mesh {profile.meta.get('mesh')}:",
+             "| axis | collective | latency us | bandwidth GB/s | max fit error |", "|---|---|---|---|---|"]
+    for axis, link in profile.links.items():
+        n = profile.meta.get("mesh", {}).get(axis, 2)
+        for kind, lat, bw in link.per_collective:
+            pts = profile.points.get("links", {}).get(axis, {}).get(kind, [])
+            err = max((abs(lat + wire_bytes(kind, n, b) / bw - t) / t for b, t in pts), default=0.0)
+            lines.append(f"| {axis} | {kind} | {lat * 1e6:.1f} | {bw / 1e9:.3f} | {err:.0%} |")
+    d = profile.device
+    lines.append(f"device: {d.flops / 1e9:.1f} GFLOP/s, {d.memory_bandwidth / 1e9:.2f} GB/s streaming, "
+                 f"{d.op_overhead_s * 1e6:.1f} us per (non-view) op")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spmd calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("--mesh", default=None, help="NAME=SIZE,... (default: tp=<world size>)")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="not under torchrun: spawn this many gloo processes (default: the mesh's size)")
+    ap.add_argument("--out", default="profile.json", help="profile file to write (JSON)")
+    ap.add_argument("--min-bytes", type=int, default=4096)
+    ap.add_argument("--max-bytes", type=int, default=8 << 20)
+    ap.add_argument("--num-sizes", type=int, default=8, help="geometric steps from --min-bytes to --max-bytes")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15, help="timed calls per point (median taken)")
+    ap.add_argument("--gap-ms", type=float, default=2.0,
+                    help="untimed compute before each timed collective (0: back to back, gloo's fast case)")
+    ap.add_argument("--no-device", action="store_true", help="skip the device timings (keep the built-in cpu)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung collective fails")
+    ap.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def _worker(args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd.core.profiles import save_profile
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape, names = parse_mesh(args.mesh) if args.mesh else ((world,), ("tp",))
+    if math.prod(shape) != world:
+        raise SystemExit(f"calibrate: mesh {dict(zip(names, shape))} needs {math.prod(shape)} processes, "
+                         f"the world has {world}")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    log = print if rank == 0 and not args.quiet else None
+    sizes = geometric_sizes(args.min_bytes, args.max_bytes, args.num_sizes)
+    prof = calibrate(mesh, sizes, tuple(k for k in args.kinds.split(",") if k), args.warmup, args.reps,
+                     not args.no_device, log, args.gap_ms / 1e3)
+    if rank == 0:
+        save_profile(args.out, prof.links, prof.device, prof.points, prof.meta)
+        if not args.quiet:
+            print(summary(prof))
+            print(f"wrote {args.out}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    _worker(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        _worker(args)
+        return 0
+    import torch.multiprocessing as mp
+
+    from spmd.tools import calibrate as this  # pickled by its import name, also under `python -m`
+
+    world = args.nproc or (math.prod(parse_mesh(args.mesh)[0]) if args.mesh else 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.start_processes(this._spawned, args=(world, port, args), nprocs=world, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

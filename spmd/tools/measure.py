@@ -1,0 +1,184 @@
+"""Timing collectives and the device on every rank at once, for `spmd calibrate` (tools/calibrate.py).
+
+Each point: warmup calls, then `reps` calls, each after a barrier and a little compute (a collective
+that follows compute finds gloo asleep more often); per call the max over all ranks; the median, or the
+mean less the slowest 10% (gloo here is bimodal, ~0.3 ms or several ms at any size, and a step pays the
+average). The device is timed with each call ~20 ms long, so that ranks sharing a core really compete.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from spmd.core.graph_facts import is_view
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _max_over_ranks(times: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return [max(ts) for ts in zip(*gathered)]
+
+
+def _trimmed_mean(xs: list[float], drop: float = 0.1) -> float:
+    xs = sorted(xs)
+    return statistics.fmean(xs[:max(1, len(xs) - int(len(xs) * drop))])
+
+
+def _timed(fn, warmup: int, reps: int, gap_s: float = 0.0, stat: str = "median") -> float:
+    """The slowest rank's time per call, as the median over `reps` calls or (`stat="mean"`) their mean
+    without the slowest 10% (preemptions by other processes). Each call comes after a barrier and `gap_s` of
+    (untimed) compute: a collective that follows compute, as in a real step, finds gloo's threads asleep
+    and costs more than one run back to back (measured here: 4 KiB all_reduce 0.4 ms back to back,
+    1.5-2.5 ms after 1-5 ms of matmuls). The deadline is on the shared monotonic clock, so the ranks
+    enter the call together."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(64, 64)
+
+    def call():
+        dist.barrier()
+        deadline = time.perf_counter() + gap_s
+        while time.perf_counter() < deadline:
+            torch.mm(a, a)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        call()
+    times = [call() for _ in range(reps)]
+    if not reps:
+        return 0.0
+    worst = _max_over_ranks(times)
+    return _trimmed_mean(worst) if stat == "mean" else statistics.median(worst)
+
+
+def _collective_fn(kind: str, x, group: str, n: int):
+    from spmd.core import collectives as C
+
+    if kind == "all_reduce":
+        return lambda: C.all_reduce(x, "sum", group, n)
+    if kind == "all_gather":
+        return lambda: C.all_gather(x, 0, group, n)
+    if kind == "reduce_scatter":
+        return lambda: C.reduce_scatter(x, 0, "sum", group, n)
+    return lambda: C.all_to_all(x, 0, 0, group, n)
+
+
+def measure_links(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps: int = 15,
+                  log=None, gap_s: float = 0.0) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """axis name -> kind -> [(bytes each rank holds, seconds)] on `device_mesh` (every rank calls this)."""
+    import torch
+
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+    # Gloo's first ~20 collectives after start-up run in its slow (ms) mode: spend them here, not on the
+    # first point.
+    for axis in range(device_mesh.ndim):
+        n = device_mesh.shape[axis]
+        x = torch.randn(max(n, max(sizes) // 4 // n * n))
+        for kind in kinds:
+            _timed(_collective_fn(kind, x, device_mesh.get_group(axis).group_name, n), 2 * warmup, 0)
+    for axis, name in enumerate(names):
+        n = device_mesh.shape[axis]
+        group = device_mesh.get_group(axis).group_name
+        out[name] = {}
+        for kind in kinds:
+            pts = []
+            for nbytes in sizes:
+                numel = max(n, (nbytes // 4) // n * n)  # dim 0 divisible by n: even scatters
+                x = torch.randn(numel)
+                # the mean, not the median: gloo is bimodal (~0.3 ms or several ms at any size) and a step
+                # with many collectives pays the average of the two modes
+                pts.append((numel * 4, _timed(_collective_fn(kind, x, group, n), warmup, reps, gap_s, "mean")))
+            out[name][kind] = pts
+            if log:
+                log(f"  {name} (n={n}) {kind}: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f} ms" for b, t in pts))
+    return out
+
+
+def _small_joint_graph():
+    """A forward+backward graph of the ops a transformer runs (layer_norm, linear, gelu, softmax attention,
+    mean), traced to ATen by make_fx on tiny tensors, and its inputs: timing it gives the fixed cost per
+    node the way a generated rank graph pays it (Python line, dispatcher, kernel start-up)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w1, b1, w2, b2, lw, lb):
+        h = F.layer_norm(x, (x.shape[-1],), lw, lb)
+        h = F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+        y = x + (h @ h.transpose(-1, -2)).softmax(-1) @ h
+        return torch.autograd.grad((y * y).mean(), (x, w1, b1, w2, b2, lw, lb))
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 8, 16), (64, 16), (64,), (16, 64), (16,), (16,), (16,)]
+    args = [torch.randn(*s, generator=g, requires_grad=True) for s in shapes]
+    return make_fx(f)(*args), [a.detach() for a in args]
+
+
+def _repeats(fn, seconds: float) -> int:
+    """How many calls of `fn` last about `seconds`. Ranks sharing a core only
+    compete if their timed calls overlap; short calls after a barrier get staggered and each sees a whole
+    core (4 ranks on 2 cores measured 93 GFLOP/s per rank that way, ~50 with 20 ms calls)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(1, round(seconds / max(time.perf_counter() - t0, 1e-7)))
+
+
+def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
+    import torch.distributed as dist
+
+    # every rank must repeat the same number of times: agree on the largest count
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, _repeats(fn, seconds))
+    k = max(counts)
+
+    def agreed():
+        for _ in range(k):
+            fn()
+    return _timed(agreed, warmup, reps) / k
+
+
+def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
+                   seconds: float = 0.02) -> dict[str, list[tuple[float, float]]]:
+    """kind -> [(x, seconds)]: "matmul" x = FLOPs of an n x n x n fp32 mm; "stream" x = bytes an
+    out-of-place add moves (2 reads + 1 write); "op" x = non-view nodes of a small joint graph, t = its
+    time per call / x. Each timed call repeats the kernel for about `seconds` (see `_repeats`)."""
+    import torch
+
+    out: dict[str, list[tuple[float, float]]] = {}
+    pts = []
+    for n in ((64, 128, 256) if quick else (64, 128, 256, 384, 512)):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        pts.append((2.0 * n ** 3, _timed_per_call(lambda: torch.mm(a, b), warmup, reps, seconds)))
+    out["matmul"] = pts
+    pts = []
+    for numel in ((1 << 18, 1 << 20) if quick else (1 << 18, 1 << 20, 1 << 21, 1 << 22)):
+        a, b = torch.randn(numel), torch.randn(numel)
+        pts.append((12.0 * numel, _timed_per_call(lambda: torch.add(a, b), warmup, reps, seconds)))
+    out["stream"] = pts
+    # compute.py charges views `view_overhead_s` (the built-in cpu's, scaled by this rank's core share)
+    # and every other node a fixed cost: (seconds per call - the views') / non-view nodes
+    gm, xs = _small_joint_graph()
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nonview = sum(1 for n in calls if not is_view(n.target))
+    per_call = _timed_per_call(lambda: gm(*xs), warmup, reps, seconds)
+    views_s = (len(calls) - nonview) * builtin_cpu().view_overhead_s
+    out["op"] = [(float(nonview), max(per_call - views_s, 0.0) / nonview)]
+    return out
+
+
+def builtin_cpu():
+    """The built-in `cpu` profile scaled by this rank's share of the cores (as MeshSpec.from_device_mesh)."""
+    from spmd.core.profiles import device_profile_for
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / max(local, 1)))

@@ -1,0 +1,66 @@
+"""Pictures rendered by graphviz's `dot` (a process of its own, hence e2e): module boxes, collectives in
+red, folded repeated blocks, the self-contained HTML page."""
+import re
+import shutil
+
+import pytest
+
+from tests.support import megatron_gpt_plan
+
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed")
+
+
+def _node_groups(svg: str) -> dict[str, str]:
+    """graphviz SVG: node name -> the text of its group."""
+    groups = re.findall(r'<g id="[^"]+" class="node">\s*<title>([^<]+)</title>(.*?)</g>', svg, re.S)
+    return {title: body for title, body in groups}
+
+
+def _cluster_titles(svg: str) -> set[str]:
+    return set(re.findall(r'<g id="[^"]+" class="cluster">\s*<title>([^<]+)</title>', svg))
+
+
+@needs_dot
+def test_gpt_svg_has_module_boxes_collectives_and_legend(tmp_path):
+    plan = megatron_gpt_plan()
+    out = plan.visualize(tmp_path / "gpt.svg")
+    svg = out.read_text()
+    assert out.suffix == ".svg" and svg.lstrip().startswith("<?xml")
+    clusters = _cluster_titles(svg)
+    for box in ("cluster_blocks.0", "cluster_blocks.1", "cluster_blocks.0.attn", "cluster_blocks.0.attn.q_proj",
+                "cluster_blocks.1.mlp.fc2", "cluster_lm_head", "cluster_legend"):
+        assert box in clusters, box
+    nodes = _node_groups(svg)
+    collectives = {name: body for name, body in nodes.items() if name.startswith("all_reduce")}
+    assert len(collectives) == len(plan.collectives()) == 4
+    for body in collectives.values():  # kind, mesh axis, bytes per rank (1 x 31 x 64 fp32), time
+        assert "all_reduce(sum)" in body
+        assert "on tp · 7.8 KiB · 1.00 ms" in body
+        assert 'fill="#d62728"' in body  # eye-catching red
+    # ops show their placement per mesh axis and local shape; q_proj is column-parallel on tp
+    assert "dp: S(0)" in nodes["addmm"] and "tp: S(1)" in nodes["addmm"]
+    assert "[1, 32] of [2, 64]" not in nodes["addmm"] and "[31, 32] of [62, 64]" in nodes["addmm"]
+    assert "weight" in nodes["p_blocks_0_attn_q_proj_weight"] and "tp: S(0)" in nodes["p_blocks_0_attn_q_proj_weight"]
+    assert "sharded graph on mesh (dp=2, tp=2)" in svg and "all_reduce on tp x4" in svg
+    assert "Partial: the sum over the axis" in svg  # the legend
+    # views are drawn through: no view/permute nodes, but the data flow survives them
+    assert not any(name.startswith(("view", "permute")) for name in nodes)
+
+
+@needs_dot
+def test_collapse_folds_identical_blocks(tmp_path):
+    svg = megatron_gpt_plan().visualize(tmp_path / "gpt.svg", collapse=True).read_text()
+    clusters = _cluster_titles(svg)
+    assert "cluster_blocks.0" in clusters and "cluster_blocks.1" not in clusters
+    folds = {n: b for n, b in _node_groups(svg).items() if n.startswith("fold_")}
+    assert len(folds) == 1
+    (body,) = folds.values()
+    assert "1 more block like blocks.0" in body and "each: 2x all_reduce on tp" in body
+    assert not any(n.startswith("addmm_6") for n in _node_groups(svg))  # blocks.1's ops are folded
+
+
+@needs_dot
+def test_html_embeds_the_svg_and_the_plan(tmp_path):
+    page = megatron_gpt_plan().visualize(tmp_path / "gpt.html").read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "<?xml" not in page
+    assert "Collectives per call" in page and "column-parallel on tp" in page

@@ -1,0 +1,114 @@
+"""Training on gloo ranks that used to come back silently wrong: tied weights (one tensor under every
+name) and custom autograd Functions (their own backward), each equal to one device."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from tests.models import Quantized, tied_lm
+from tests.support import spec
+
+
+# ---- tied weights --------------------------------------------------------------------------------
+
+def _logits_loss(out, labels):
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def _train_tied(rank: int, world: int, name: str, mesh_shape: tuple, steps: int = 3) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = tied_lm(name)
+        reference = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        ids, labels = torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g)
+        names = ("dp", "tp")[-len(mesh_shape):]
+        mesh = spmd.init_mesh(mesh_shape, names)
+        compiled = spmd.compile(model, mesh, (ids, labels), loss_fn=_logits_loss, mesh_spec=spec(mesh_shape, names))
+        opt = torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        local = compiled.shard_inputs(ids, labels)
+        losses, ref_losses = [], []
+        for _ in range(steps):
+            loss = compiled(*local)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = _logits_loss(reference(ids), labels)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        full = compiled.full_state_dict()
+        expected = dict(reference.named_parameters(remove_duplicate=False))
+        errors = {k: float((full[k] - v).abs().max()) for k, v in expected.items() if k in full}
+        return {"losses": losses, "ref_losses": ref_losses, "errors": errors, "missing": sorted(set(expected) - set(full)),
+                "n_params": len(list(compiled.parameters())), "ref_n_params": len(list(reference.parameters())),
+                "n_optimizer_states": len(opt.state), "sharded": sorted(compiled.sharded_state_dict()),
+                "aliases": dict(compiled._aliases)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("name,mesh_shape", [("gpt2", (2, 2)), ("bert", (2,)), ("gemma", (2,))])
+def test_tied_weights_train_as_one_tensor_under_every_name(ranks, name, mesh_shape):
+    """GPT-2, BERT and Gemma tie the output head to the input embedding: one tensor, one gradient (the
+    sum over both uses), one optimizer state; every name in the state dicts equals one device's. (SGD with
+    momentum: AdamW's first step turns gradients that are zero up to rounding into +-lr updates, so it
+    compares rounding noise, not the plan.)"""
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    for r in ranks(world).run(_train_tied, name, mesh_shape):
+        assert r["aliases"], "the model ties weights"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9)
+        assert not r["missing"], r["missing"]
+        assert max(r["errors"].values()) < 1e-9, r["errors"]
+        assert r["n_params"] == r["ref_n_params"] == r["n_optimizer_states"]
+        assert set(r["aliases"]) <= set(r["sharded"])
+
+
+def _train_custom(rank: int, world: int, steps: int = 3) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = Quantized()
+        reference = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
+        opt, ref_opt = torch.optim.SGD(compiled.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+        local = compiled.shard_inputs(x, y)
+        losses, ref_losses = [], []
+        for _ in range(steps):
+            loss = compiled(*local)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = F.mse_loss(reference(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        full = compiled.full_state_dict()
+        err = max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters())
+        return {"losses": losses, "ref_losses": ref_losses, "param_err": err,
+                "functions": compiled.plan.stats.get("custom_functions")}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_custom_autograd_functions_keep_their_backward_in_training(ranks):
+    for r in ranks(2).run(_train_custom):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9)
+        assert r["param_err"] < 1e-9, r
+
+

@@ -1,0 +1,76 @@
+"""What the tests share: mesh specs with pinned profiles, the compiler called the way tests call it, and
+the numerical check of simulated training. No test module imports another; they all import this."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from spmd.compiler.options import PlanOptions, RankBinding
+from spmd.compiler.pipeline import Compilation, run_pipeline
+from spmd.core.mesh import MeshSpec
+from spmd.core.profiles import DeviceProfile, LinkProfile
+from spmd.passes.insert_collectives import insert_collectives
+from spmd.runtime.distribute import local_shard
+
+# A profile where compute dominates and links are fast: the solver then shards as much as it can, so
+# the tests exercise many collectives (pinning a profile, never tuning the real one).
+SLOW_DEVICE = DeviceProfile("test-slow-device", 1e8, 1e9, 0.0, 1e12)
+FAST_LINK = LinkProfile("test-fast-link", 1e-6, 1e12)
+# Latency-bound links and a slow device: tensor parallelism pays, extra collectives do not.
+LATENCY_LINK = LinkProfile("test-latency-link", 1e-3, 1e11)
+
+
+def spec(shape, names, link=FAST_LINK, device=SLOW_DEVICE) -> MeshSpec:
+    return MeshSpec(tuple(shape), tuple(names), (link,) * len(shape), device)
+
+
+def megatron_spec() -> MeshSpec:
+    """(dp=2, tp=2) with latency-bound links, dp's 10x slower, and a slow device: the solver's pick is
+    Megatron tensor parallelism on tp and data parallelism on dp (tests/unit/test_training_plan.py)."""
+    outer = LinkProfile("test-outer", 10 * LATENCY_LINK.latency_s, LATENCY_LINK.bandwidth / 10)
+    return MeshSpec((2, 2), ("dp", "tp"), (outer, LATENCY_LINK), SLOW_DEVICE)
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_gpt_plan():
+    """GPT (2 blocks) on (dp=2, tp=2): batch 2 splits on dp, the odd sequence never, so tp shards the
+    weights Megatron-style (one all_reduce per attention and per MLP). Frozen, so tests may share it."""
+    import spmd
+    from tests.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return spmd.plan(GPT(GPTConfig()), megatron_spec(), (torch.randint(0, 128, (2, 31)),))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def compile_graph(model, example_inputs, mesh: MeshSpec, rank: int | None = None, **options) -> Compilation:
+    """The compiler as spmd.compile runs it, without processes: `rank` given, this rank's graphs are
+    emitted too (process groups named g0, g1, ... per mesh axis)."""
+    binding = None if rank is None else RankBinding(rank, tuple(f"g{i}" for i in range(mesh.ndim)))
+    c = run_pipeline(model, tuple(example_inputs), mesh, PlanOptions(**options), binding)
+    if c.global_gm is None:  # the sharded graph with explicit steps, which tests read and simulate runs
+        c = dataclasses.replace(c, global_gm=insert_collectives(c.traced, c.plan))
+    return c
+
+
+def check_simulated_training(c, outs, loss, model) -> int:
+    """Every rank's simulated loss and gradients (`outs`, from `simulate` of a joint compilation `c`)
+    equal the eager `loss` (backward already run) and `model`'s gradients, each in the layout the plan
+    gives it. Returns how many outputs were checked."""
+    grads, mesh, checked = dict(model.named_parameters()), c.mesh, 0
+    for k, kind in enumerate(c.traced.output_kinds()):
+        if kind.kind == "none":
+            continue
+        want = loss.detach() if kind.kind == "output" else grads[kind.name].grad
+        ps = c.plan.choices[f"output_{k}"].inputs[0]
+        for rank, out in enumerate(outs):
+            torch.testing.assert_close(out[k], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)),
+                                       rtol=1e-9, atol=1e-10)
+        checked += 1
+    return checked

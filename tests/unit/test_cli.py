@@ -1,0 +1,100 @@
+"""The command line in this process (`cli.main`, what the `spmd` script and `python -m spmd` call): plan,
+explain, diff, calibrate forwarded, and the messages for what cannot be done. The script itself, run as
+users run it, is in tests/e2e/test_cli.py."""
+import importlib.metadata
+import io
+
+import pytest
+
+from spmd.tools import cli
+
+BUILD = '''
+import torch
+import torch.nn.functional as F
+from tests.models import MLP
+
+
+def build():
+    torch.manual_seed(0)
+    return MLP(16, 64), (torch.randn(8, 16),)
+
+
+def build_training():
+    torch.manual_seed(0)
+    return MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16)), lambda y, t: F.mse_loss(y, t)
+
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """Two plan files: forward on (dp=2, tp=2) with its picture source, and training on (dp=2)."""
+    d = tmp_path_factory.mktemp("cli")
+    (d / "model.py").write_text(BUILD)
+    out = io.StringIO()
+    import contextlib
+
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["plan", f"{d / 'model.py'}:build", "--mesh", "dp=2,tp=2", "--link", "gloo", "--device",
+                         "cpu", "--json", str(d / "fwd.json"), "--svg", str(d / "fwd.dot")]) == 0
+        assert cli.main(["plan", f"{d / 'model.py'}:build_training", "--mesh", "dp=2", "--json",
+                         str(d / "train.json"), "--explain"]) == 0
+    return d, out.getvalue()
+
+
+def test_plan_prints_the_plan_and_writes_files(plans):
+    d, out = plans
+    assert "Plan on mesh (dp=2, tp=2)" in out
+    assert (d / "fwd.json").exists() and (d / "fwd.dot").read_text().startswith("digraph spmd")
+    assert "gradients" in out and "(backward)" in out  # --explain on the training plan: the full table
+
+
+def test_explain_and_diff_saved_plans(plans, capsys):
+    d, _ = plans
+    assert cli.main(["explain", str(d / "fwd.json")]) == 0
+    out = capsys.readouterr().out
+    assert "Modules (layout per mesh axis):" in out and "Collectives per call:" in out
+    assert cli.main(["diff", str(d / "fwd.json"), str(d / "fwd.json")]) == 0
+    assert "plans are the same" in capsys.readouterr().out
+    assert cli.main(["diff", str(d / "fwd.json"), str(d / "train.json")]) == 1  # like diff(1): they differ
+    out = capsys.readouterr().out
+    assert "mesh: (dp=2, tp=2) -> (dp=2)" in out and "only in b" in out and "estimated time:" in out
+
+
+def test_user_errors_say_what_to_do(tmp_path, capsys):
+    assert cli.main(["plan", "x.py:build", "--mesh", "dp:2"]) == 2
+    assert "expected axis=size pairs like dp=2,tp=4" in capsys.readouterr().err
+    assert cli.main(["plan", str(tmp_path / "missing.py") + ":build", "--mesh", "dp=2"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli.main(["explain", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    (tmp_path / "model.py").write_text(BUILD)
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build_missing", "--mesh", "dp=2"]) == 2
+    assert "has no function 'build_missing'" in capsys.readouterr().err
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:NOT_A_FUNCTION", "--mesh", "dp=2"]) == 2
+    assert "has no function 'NOT_A_FUNCTION'" in capsys.readouterr().err
+
+
+def test_calibrate_is_forwarded(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.calibrate, "main", lambda argv: calls.append(argv) or 0)
+    assert cli.main(["calibrate", "--help", "--reps", "3"]) == 0
+    assert calls == [["--help", "--reps", "3"]]  # everything after `calibrate` is calibrate's own
+
+
+def test_progress_line_for_slow_work():
+    stream = io.StringIO()
+    with cli.Progress("planning GPT", stream, after=0.0):
+        pass
+    assert "planning GPT" in stream.getvalue() and "done in" in stream.getvalue()
+    quiet = io.StringIO()
+    with cli.Progress("planning GPT", quiet, after=5.0):
+        pass
+    assert quiet.getvalue() == ""
+
+
+def test_the_spmd_script_runs_cli_main():
+    (script,) = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == "spmd"]
+    assert script.load() is cli.main

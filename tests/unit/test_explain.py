@@ -1,0 +1,56 @@
+"""`plan.explain()`: the Megatron summary and alternatives on GPT (the golden text: tests/golden)."""
+
+import torch
+import torch.nn.functional as F
+
+import spmd
+from tests.models import MLP
+from tests.support import megatron_gpt_plan, spec
+
+def test_megatron_summary_on_gpt():
+    text = megatron_gpt_plan().explain()
+    for line in ("blocks.*.attn.q_proj  Linear     column-parallel on tp; replicated on dp",
+                 "blocks.*.attn.o_proj  Linear     row-parallel on tp; replicated on dp; bias [R, R]",
+                 "blocks.*.mlp.fc1      Linear     column-parallel on tp; replicated on dp",
+                 "blocks.*.ln1          LayerNorm  replicated",
+                 "input tokens [S(0), R]: batch split on dp (data parallel)",
+                 "all_reduce  tp    4      31.0 KiB  4.00 ms"):
+        assert line in text, line
+
+
+def test_best_alternative_and_why_it_lost():
+    plan = megatron_gpt_plan()
+    rows = {r.label: r for r in plan.details.nodes}
+    q = rows["blocks.0.attn.q_proj.weight"]
+    assert (q.op, q.module, q.chosen, q.alternative) == ("parameter", "blocks.0.attn.q_proj", "[R, S(0)]", "[R, R]")
+    assert q.delta > 0 and q.reason.startswith(f"{q.delta * 1e6:.1f} us slower") and "communication" in q.reason
+    o = rows["addmm_3"]  # o_proj: row-parallel, its Partial output is all_reduced by its consumer
+    assert o.chosen == "[S(0), P]" and o.module == "blocks.0.attn.o_proj" and o.cost.comm_out > 0
+    # every shown node's chosen local cost is no worse than its alternative, or the reason says why
+    for r in rows.values():
+        assert r.alternative is None or r.delta >= -1e-7 or "global optimum" in r.reason
+    # the nodes' input resharding adds up to the plan's communication
+    assert abs(sum(r.cost.comm_in for r in rows.values()) - plan.comm_cost) < 1e-9
+
+
+def test_explain_training_plan_names_phases_and_modules():
+    torch.manual_seed(0)
+    plan = spmd.plan(MLP(16, 64), spec((2,), ("dp",)), (torch.randn(8, 16), torch.randn(8, 16)),
+                     loss_fn=lambda y, t: F.mse_loss(y, t))
+    text = plan.explain()
+    assert "fc2 (backward)" in text and "fc1 (forward)" in text and "model." not in text
+    assert "all_reduce  dp" in text  # gradient reductions, priced as bucketed
+
+
+def test_repeated_layers_are_reported_once_with_their_count():
+    """A 4-layer GPT ties its layers: each op of a layer is one row (`blocks.*`, x4), not four."""
+    from tests.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 32))
+    plan = spmd.plan(GPT(GPTConfig(layers=4)), spec((2, 2), ("dp", "tp")), (tokens, tokens),
+                     loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+    nodes = plan.explain().split("\nNodes")[1]
+    assert "blocks.*.attn.q_proj.weight" in nodes and "blocks.1." not in nodes
+    rows = [line for line in nodes.splitlines() if " x4 " in line or line.rstrip().endswith(" x4")]
+    assert len(rows) > 20  # forward and backward ops of a layer, each once

@@ -1,0 +1,68 @@
+"""The schedule's live-bytes peak (cost_model/memory.py): what is alive at the worst point, by hand."""
+import torch
+from torch.distributed.tensor import Shard
+
+import spmd
+from tests.models import MLP
+from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph
+
+MESH = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+
+
+def test_forward_peak_is_two_hidden_activations():
+    """fc1 -> gelu -> fc2 on a batch of 4: fc1's output (4 x 64 floats) is still alive while gelu
+    writes its own, so the peak is two of them, each the size of this rank's shard."""
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(4, 16)
+    whole = spmd.plan(model, spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE), (x,))
+    assert whole.memory["temporaries"] == 2 * 4 * 64 * 4
+    assert whole.stats["peak_live_at"] == "gelu"
+    split = spmd.plan(model, MESH, (x,), in_placements={"x": [Shard(0)]})
+    pieces = [2 if isinstance(split.choices[n].outputs[0][0], Shard) else 1 for n in ("addmm", "gelu")]
+    assert split.memory["temporaries"] == sum(4 * 64 * 4 / p for p in pieces)
+
+
+def test_training_temporaries_come_on_top_of_saved_activations_and_fit_the_budget():
+    torch.manual_seed(0)
+    model = MLP(16, 64)
+    inputs = (torch.randn(8, 16), torch.randn(8, 16))
+    free = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss)
+    assert free.memory["temporaries"] > 0 and free.memory["activations"] > 0
+    budget = 0.8 * free.predicted_peak_bytes
+    tight = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
+    assert tight.predicted_peak_bytes <= budget
+    assert tight.memory_budget == budget
+
+
+def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
+    """On one device every plan is the same: a budget its terms fit but its temporaries overflow gets
+    that plan back with a warning naming the real budget, not an error about a smaller one."""
+    import pytest
+
+    torch.manual_seed(0)
+    one = spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
+    free = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss)
+    budget = free.predicted_peak_bytes - free.memory["temporaries"] / 2
+    with pytest.warns(UserWarning, match=f"memory_budget {budget / 2**20:.1f} MiB"):
+        tight = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
+    assert tight.predicted_peak_bytes == free.predicted_peak_bytes
+
+
+def test_resharded_copies_are_alive_while_their_readers_run():
+    """A weight stored sharded and all_gathered for its matmul (FSDP): the gathered copy (64 x 16
+    floats) is alive from the transpose that reads it until the addmm that reads the transpose."""
+    from torch.distributed.tensor import Replicate
+
+    from spmd.cost_model.memory import peak_live_bytes
+    from spmd.core.plan import Edge
+
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(4, 16)
+    c = compile_graph(model, (x,), spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE))
+    args = (c.traced.graph, c.plan.choices, c.traced.tensor_info, (1,))
+    assert peak_live_bytes(*args) == (2 * 4 * 64 * 4, "gelu")
+    weight = next(i.placeholder for i in c.traced.inputs if i.name == "fc1.weight")
+    reader = next(iter(next(n for n in c.traced.graph.nodes if n.name == weight).users))
+    gather = Edge((weight, 0), reader.name, 0, (Shard(0),), (Replicate(),), (), 0.0)
+    assert peak_live_bytes(*args, edges=[gather]) == (64 * 16 * 4 + 4 * 64 * 4, "addmm")

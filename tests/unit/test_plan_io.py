@@ -1,0 +1,98 @@
+"""Plan files (JSON round trip), differences between plans, and the DTensor parallelize_module export."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import spmd
+from tests.models import MLP
+from spmd.core.specs import placement_from_text, placement_str
+from spmd.report.plan_io import SCHEMA, VERSION
+from tests.support import megatron_gpt_plan, spec
+
+
+def _mlp(**pins):
+    torch.manual_seed(0)
+    return spmd.plan(MLP(16, 64), spec((2,), ("dp",)), (torch.randn(8, 16),), **pins)
+
+
+def test_placements_as_text():
+    """One spelling everywhere (dumps, plans, pictures, files); files from before it said P(sum)."""
+    for p, text in ((Shard(0), "S(0)"), (Shard(2), "S(2)"), (Replicate(), "R"), (Partial("sum"), "P"),
+                    (Partial("max"), "P(max)")):
+        assert placement_str(p) == text and placement_from_text(text) == p
+    assert placement_from_text("P(sum)") == Partial("sum")
+    with pytest.raises(ValueError, match="not a placement"):
+        placement_from_text("Shard(0)")
+
+
+def test_json_round_trip_keeps_everything_explain_needs(tmp_path):
+    plan = megatron_gpt_plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    doc = json.loads(path.read_text())
+    assert (doc["schema"], doc["version"], doc["fingerprint"]) == (SCHEMA, VERSION, plan.fingerprint())
+    assert doc["choices"]["addmm_3"]["outputs"] == [["S(0)", "P"]]  # as dumps and plans print it
+    assert doc["mesh"]["axis_names"] == ["dp", "tp"]
+    loaded = spmd.load_plan(path)
+    assert loaded.fingerprint() == plan.fingerprint()
+    assert str(loaded) == str(plan)
+    assert loaded.explain() == plan.explain()
+    assert loaded.collective_summary() == plan.collective_summary()
+    assert loaded.mesh == plan.mesh and loaded.objective == plan.objective
+    assert not spmd.diff_plans(plan, loaded)
+    # saving again gives the same bytes: stable files diff well in version control
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == path.read_text()
+    # a file written before the one spelling (Partial as "P(sum)") reads as the same plan
+    (tmp_path / "old.json").write_text(path.read_text().replace('"P"', '"P(sum)"'))
+    assert spmd.load_plan(tmp_path / "old.json").fingerprint() == plan.fingerprint()
+
+
+def test_load_rejects_other_versions_and_edited_plans(tmp_path):
+    _mlp().save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    (tmp_path / "v.json").write_text(json.dumps({**doc, "version": VERSION + 1}))
+    with pytest.raises(ValueError, match="re-plan"):
+        spmd.load_plan(tmp_path / "v.json")
+    doc["choices"]["x"]["outputs"] = [["R"]]
+    (tmp_path / "e.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="fingerprint"):
+        spmd.load_plan(tmp_path / "e.json")
+
+
+def test_diff_names_changed_placements_collectives_and_costs():
+    a = _mlp()  # data parallel: batch split, weights replicated, no collectives in forward
+    b = _mlp(param_placements={"fc1.weight": [Shard(0)]})  # forced column-parallel on dp
+    d = spmd.diff_plans(a, b)
+    assert d
+    changed = {name: (x, y) for name, x, y in d.placements}
+    assert changed["fc1.weight"] == ("[R]", "[S(0)]")
+    text = str(d)
+    assert "fc1.weight  [R] -> [S(0)]" in text
+    assert "estimated time:" in text and "ms (+" in text
+    assert d.collectives and all(x != y for x, y in d.collectives.values())
+    assert str(spmd.diff_plans(a, a)) == "plans are the same (placements and collectives)"
+
+
+def test_to_parallelize_plan_on_gpt():
+    styles = megatron_gpt_plan().to_parallelize_plan()
+    assert styles.axis == "tp" and styles.notes == []
+    assert isinstance(styles["blocks.0.attn.q_proj"], ColwiseParallel)
+    assert isinstance(styles["blocks.1.mlp.fc2"], RowwiseParallel)
+    assert isinstance(styles["lm_head"], ColwiseParallel)
+    assert "blocks.0.ln1" not in styles and "tok_emb" not in styles
+
+
+def test_to_parallelize_plan_says_what_it_cannot_express():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64))
+    plan = spmd.plan(model, spec((2,), ("tp",)), (torch.randn(3, 16),),
+                     param_placements={"0.weight": [Shard(0)], "1.weight": [Shard(0)]})
+    with pytest.warns(UserWarning, match=r"1\.weight \(LayerNorm\): FSDP on tp, no parallel style"):
+        styles = plan.to_parallelize_plan()  # the LayerNorm weight is stored sharded, gathered for use
+    assert isinstance(styles["0"], ColwiseParallel) and "1" not in styles
+    assert any("0.bias: replicated on tp" in n for n in styles.notes)  # Colwise would shard the bias

@@ -1,0 +1,94 @@
+"""find_repeated_blocks and the layer tying it enables: exact matches only, and a solve whose size does
+not grow with depth."""
+import torch
+
+import spmd
+from tests.models import GPT, GPTConfig, Llama, LlamaConfig
+from spmd.passes.find_repeated_blocks import find_repeated_blocks
+from spmd.passes.trace_module import trace_module
+from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph, lm_loss
+
+MESH = spmd.MeshSpec((2, 2), ("dp", "tp"), (LATENCY_LINK, LATENCY_LINK), SLOW_DEVICE)
+
+
+def _tokens(batch=4, seq=32, vocab=128):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def test_identical_layers_map_to_the_first_and_parameters_follow():
+    traced = trace_module(GPT(GPTConfig(layers=3)), (_tokens(),))
+    blocks = find_repeated_blocks(traced)
+    assert len(blocks.classes) == 1 and blocks.classes[0] == ["blocks.0/fwd", "blocks.1/fwd", "blocks.2/fwd"]
+    by_fqn = {i.name: i.placeholder for i in traced.inputs}
+    assert blocks.rep(by_fqn["blocks.2.mlp.fc1.weight"]) == by_fqn["blocks.0.mlp.fc1.weight"]
+    assert blocks.rep(by_fqn["tok_emb.weight"]) is None
+    nodes = {n.name: n for n in traced.graph.nodes}
+    for name, rep in blocks.representative.items():  # same op, same shape, every time
+        if name in nodes and nodes[name].op == "call_function":
+            assert nodes[name].target == nodes[rep].target
+            assert traced.tensor_info[name] == traced.tensor_info[rep]
+
+
+def test_different_layers_do_not_match():
+    """A model whose layers differ in width has no repeated blocks (the hash alone would not decide)."""
+
+    class Uneven(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return x
+
+    blocks = find_repeated_blocks(trace_module(Uneven(), (torch.randn(4, 16),)))
+    assert blocks.classes == [] and blocks.representative == {}
+
+
+def test_tied_training_solve_does_not_grow_with_depth():
+    sizes, objectives = {}, {}
+    for layers in (2, 4):
+        cfg = LlamaConfig(layers=layers)
+        with torch.device("meta"):
+            model = Llama(cfg)
+            tokens = torch.randint(0, cfg.vocab, (4, cfg.seq))
+        plan = spmd.plan(model, MESH, (tokens, tokens), loss_fn=lm_loss, tie_blocks=True)
+        sizes[layers] = (plan.stats["binary"], plan.stats["continuous"])
+        objectives[layers] = plan.objective
+    assert sizes[2] == sizes[4], sizes
+    assert objectives[4] > objectives[2]
+
+
+def test_tying_costs_little_against_the_untied_optimum():
+    cfg = GPTConfig(layers=3)
+    torch.manual_seed(0)
+    model, tokens = GPT(cfg), _tokens()
+    tied = spmd.plan(model, MESH, (tokens,), tie_blocks=True)
+    free = spmd.plan(model, MESH, (tokens,), tie_blocks=False)
+    assert free.objective <= tied.objective * (1 + 1e-9)  # tying only restricts
+    assert tied.objective <= free.objective * 1.05
+    assert tied.stats["binary"] < free.stats["binary"]
+
+
+def test_merged_followers_shrink_the_solve_and_stay_correct():
+    """merge_followers (an approximation for large graphs) forced on a small one: fewer variables, a
+    plan no cheaper than the exact one, and rank graphs that still compute the single-device model."""
+    from spmd.runtime.distribute import local_shard
+    from spmd.runtime.simulate import simulate
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, tokens = Llama(LlamaConfig(layers=2)), _tokens(batch=2)
+        exact = compile_graph(model, (tokens,), MESH, merge_followers=False)
+        merged = compile_graph(model, (tokens,), MESH, merge_followers=True)
+        assert merged.plan.stats["merged_followers"] > 0
+        assert merged.plan.stats["binary"] < exact.plan.stats["binary"]
+        assert merged.plan.objective >= exact.plan.objective * (1 - 1e-9)
+        want = model(tokens)
+        ps = merged.plan.choices["output_0"].inputs[0]
+        for rank, out in enumerate(simulate(merged, (tokens,))):
+            torch.testing.assert_close(out[0], local_shard(want.detach(), ps, MESH.shape, MESH.coordinate(rank)))
+    finally:
+        torch.set_default_dtype(torch.float32)

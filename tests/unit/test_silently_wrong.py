@@ -1,0 +1,92 @@
+"""Results that used to come back silently wrong: tied weights, custom autograd Functions, ops with several
+outputs and no rule of their own. Each trains (or runs) equal to one device."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd.runtime.simulate import simulate
+from tests.models import Quantized
+from tests.support import check_simulated_training, compile_graph, spec
+
+
+# ---- custom autograd Functions -------------------------------------------------------------------
+
+def test_custom_backward_is_what_the_joint_graph_computes():
+    """Simulated on a 2x2 mesh: the gradients are the Functions' own (x1 through the rounding, x3 after)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = Quantized()
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        c = compile_graph(model, (x, y), spec((2, 2), ("dp", "tp")), loss_fn=F.mse_loss)
+        assert c.traced.custom_functions == ("RoundSTE", "ScaleGrad")
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 5
+        # the user's source line survives the other road through AOTAutograd
+        node = next(n for n in c.traced.graph.nodes if n.op == "call_function" and "round" in str(n.target))
+        from spmd.core.errors import user_source_line
+        assert "tests/models.py" in user_source_line(node) and "torch.round" in user_source_line(node)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+# ---- ops with several outputs and no sharding rule of their own ---------------------------------
+
+class _Linalg(nn.Module):
+    def __init__(self, op: str):
+        super().__init__()
+        self.op, self.fc = op, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.op == "svd":
+            return torch.linalg.svd(h)[1]
+        if self.op == "svdvals":
+            return torch.linalg.svdvals(h)
+        if self.op == "qr":
+            return torch.linalg.qr(h)[1]
+        if self.op == "eigh":
+            return torch.linalg.eigh(h @ h.mT)[0]
+        return torch.linalg.inv(h @ h.mT + torch.eye(8))
+
+
+@pytest.mark.parametrize("op", ["svd", "svdvals", "qr", "eigh", "inv"])
+@pytest.mark.parametrize("training", [False, True])
+def test_linear_algebra_without_rules_runs_replicated_and_equal(op, training):
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _Linalg(op)
+        x = torch.randn(4, 8, 8)
+        y = torch.randn_like(model(x))
+        mesh = spec((2, 2), ("dp", "tp"))
+        loss_fn = (lambda out, target: ((out - target) ** 2).mean()) if training else None
+        c = compile_graph(model, (x, y) if training else (x,), mesh, training=training, loss_fn=loss_fn)
+        if training:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 3
+        else:
+            from spmd.runtime.distribute import local_shard
+            want = model(x).detach()
+            ps = c.plan.choices["output_0"].inputs[0]
+            for rank, out in enumerate(simulate(c, (x,))):
+                torch.testing.assert_close(out[0], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_data_dependent_shape_names_the_node_and_the_way_out():
+    class NonZero(nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x > 0)
+
+    with pytest.raises(spmd.SpmdError, match=r"node 'nonzero' \(aten.nonzero.default\) at .*test_silently_wrong.py:\d+"
+                                             r".*depends on the data.*What to do: .*torch.where"):
+        spmd.plan(NonZero(), spec((2,), ("tp",)), (torch.randn(4, 8),))

@@ -1,0 +1,206 @@
+"""find_layer_stacks + stamp_layers: a deep model traced three layers deep and stamped to full depth
+gives the graph a full trace gives (compared as a content hash of every node), plans the same, and runs
+the same; models whose layers are not interchangeable or do not chain simply are traced whole."""
+import collections
+import hashlib
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
+
+import spmd
+from tests.models import GPT, GPTConfig, Llama, LlamaConfig
+from spmd.passes.find_layer_stacks import TRACED, LayerStack, find_layer_stacks, truncated
+from spmd.passes.stamp_layers import CannotStamp, stamp_layers
+from spmd.passes.trace_joint import trace_joint
+from spmd.passes.trace_module import flat_outputs, trace_module
+from spmd.runtime.distribute import local_shard
+from spmd.runtime.simulate import simulate
+from tests.support import check_simulated_training, compile_graph, spec
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def content(traced) -> tuple:
+    """Every node as a hash of its op, shape and (recursively) inputs, placeholders by FQN: equal for
+    two graphs that compute the same thing from the same parameters, whatever their node names."""
+    labels, h = traced.labels(), {}
+    for n in traced.graph.nodes:
+        if n.op == "placeholder":
+            h[n] = "input:" + labels[n.name]
+        elif n.op != "output":
+            args = [h[a] if isinstance(a, fx.Node) else repr(a) for a in tree_leaves((n.args, n.kwargs))]
+            h[n] = hashlib.sha1(f"{n.target}|{traced.tensor_info.get(n.name)}|{args}".encode()).hexdigest()
+    outputs = [h.get(a, repr(a)) for a in flat_outputs(traced.graph.output_node())]
+    return collections.Counter(h.values()), outputs
+
+
+def tiny_llama(layers):
+    return Llama(LlamaConfig(layers=layers, vocab=128, dim=64, heads=4, kv_heads=2, ffn=128, seq=32))
+
+
+@pytest.mark.parametrize("name, build, joint", [
+    ("gpt", lambda: GPT(GPTConfig(layers=8)), True),
+    ("gpt", lambda: GPT(GPTConfig(layers=8)), False),
+    ("llama", lambda: tiny_llama(9), True),
+])
+def test_stamped_graph_is_the_full_trace(name, build, joint):
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, 128, (2, 32))
+    trace = (lambda: trace_joint(model, (tokens, tokens), lm_loss)) if joint else (lambda: trace_module(model, (tokens,)))
+    full = trace()
+    stacks = find_layer_stacks(model)
+    assert [s.fqn for s in stacks] == ["blocks" if name == "gpt" else "layers"]
+    with truncated(model, stacks):
+        short = trace()
+    assert len(short.graph.nodes) < len(full.graph.nodes) / 2
+    stamped = stamp_layers(short, stacks, model)
+    assert content(stamped) == content(full)
+    assert [i.name for i in stamped.inputs] == [i.name for i in full.inputs]
+    assert stamped.outputs == full.outputs
+    assert set(stamped.state) == set(full.state) and stamped.frozen == full.frozen
+    assert len(list(model.get_submodule(stacks[0].fqn))) == stacks[0].depth  # restored after tracing
+    # module paths follow the layer each copy stands for
+    paths = {str(n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")) for n in stamped.graph.nodes}
+    assert any(f"{stacks[0].fqn}.6" in p for p in paths)
+
+
+def test_plan_with_stamping_equals_plan_without():
+    torch.manual_seed(0)
+    model, tokens = GPT(GPTConfig(layers=8)), torch.randint(0, 128, (4, 32))
+    mesh = spec((2, 2), ("dp", "tp"))
+    stamped = spmd.plan(model, mesh, (tokens, tokens), loss_fn=lm_loss)
+    whole = spmd.plan(model, mesh, (tokens, tokens), loss_fn=lm_loss, stamp_layers=False)
+    assert stamped.stats["stamped_layers"] == f"blocks: {TRACED} traced, 5 stamped"
+    assert "stamped_layers" not in whole.stats
+    assert stamped.objective == pytest.approx(whole.objective, rel=1e-9)
+    assert stamped.collective_summary() == whole.collective_summary()
+    by_label = lambda p: {p.labels[n]: s.outputs[0] for n, s in p.choices.items() if n in p.labels}  # noqa: E731
+    assert by_label(stamped) == by_label(whole)
+
+
+def test_stamped_training_graph_computes_the_model():
+    """All four rank graphs of a stamped 8-layer GPT training step, stepped together: the loss and every
+    gradient equal eager autograd on one device."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(layers=8, dim=32, heads=4, vocab=64, seq=16))
+        tokens = torch.randint(0, 64, (4, 16))
+        inputs = (tokens, tokens)
+        mesh = spec((2, 2), ("dp", "tp"))
+        c = compile_graph(model, inputs, mesh, loss_fn=lm_loss, stamp_layers=True)
+        assert c.plan.stats["stamped_layers"].startswith("blocks:")
+        outs = simulate(c, inputs + (torch.tensor(1.0),))
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class Layer(nn.Module):
+    def __init__(self, dim=16, scale=1.0):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(dim, dim), scale
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.scale
+
+
+class Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layers_must_be_interchangeable():
+    assert find_layer_stacks(Stack([Layer() for _ in range(8)])) == (LayerStack("layers", 8),)
+    assert find_layer_stacks(Stack([Layer() for _ in range(7)])) == ()  # too shallow to pay
+    assert find_layer_stacks(Stack([Layer(scale=1.0 + (i == 5)) for i in range(8)])) == ()  # an attribute
+    no_bias = Stack([Layer() for _ in range(8)])
+    no_bias.layers[4].fc = nn.Linear(16, 16, bias=False)  # different parameters
+    assert find_layer_stacks(no_bias) == ()
+    hooked = Stack([Layer() for _ in range(8)])
+    hooked.layers[3].register_forward_hook(lambda m, i, o: o * 2)
+    assert find_layer_stacks(hooked) == ()
+    shared = Stack([Layer() for _ in range(8)])
+    shared.last = shared.layers[-1]  # the same module also used elsewhere
+    assert find_layer_stacks(shared) == ()
+    frozen = Stack([Layer() for _ in range(8)])
+    frozen.layers[2].fc.weight.requires_grad_(False)
+    assert find_layer_stacks(frozen) == ()
+
+
+class IndexedByDepth(Stack):
+    """Loops over a configured depth: the truncated model cannot run."""
+
+    def __init__(self, n):
+        super().__init__([Layer() for _ in range(n)])
+        self.n = n
+
+    def forward(self, x):
+        for i in range(self.n):
+            x = self.layers[i](x)
+        return x
+
+
+class SkipTwo(Stack):
+    """Each layer also adds the activations of two layers back: outside nodes read the middle layer."""
+
+    def forward(self, x):
+        prev = x
+        for layer in self.layers:
+            x, prev = layer(x) + prev, x
+        return x
+
+
+@pytest.mark.parametrize("model_cls, reason", [(IndexedByDepth, "did not trace"), (SkipTwo, "reads")])
+def test_models_that_do_not_stamp_are_traced_whole(model_cls, reason):
+    torch.manual_seed(0)
+    model = model_cls(8) if model_cls is IndexedByDepth else model_cls([Layer() for _ in range(8)])
+    x = torch.randn(4, 16)
+    c = compile_graph(model, (x,), spec((2,), ("dp",)))
+    assert c.plan.stats["stamped_layers"].startswith("none:") and reason in c.plan.stats["stamped_layers"]
+    assert sum(1 for i in c.traced.inputs if i.kind == "parameter") == 16  # every layer is in the graph
+    outs = simulate(c, (x,))
+    want = model(x)
+    ps = c.plan.choices["output_0"].inputs[0]
+    for rank, out in enumerate(outs):
+        torch.testing.assert_close(out[0], local_shard(want.detach(), ps, (2,), (rank,)))
+
+
+def test_cannot_stamp_names_the_reason():
+    model = SkipTwo([Layer() for _ in range(8)])
+    x = torch.randn(4, 16)
+    stacks = find_layer_stacks(model)
+    with truncated(model, stacks):
+        short = trace_module(model, (x,))
+    with pytest.raises(CannotStamp, match="outside the stack"):
+        stamp_layers(short, stacks, model)
+
+
+def test_stamped_rank_program_matches_the_whole_trace():
+    """Through every pass of a training compile for one rank (no process group needed to build it): the
+    stamped and the whole traces give rank programs with the same ops and collectives."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, dim=32, heads=4, vocab=64, seq=16))
+    tokens = torch.randint(0, 64, (4, 16))
+    programs = []
+    for stamp in (True, False):
+        c = compile_graph(model, (tokens, tokens), spec((2, 2), ("dp", "tp")), 0, loss_fn=lm_loss,
+                          stamp_layers=stamp)
+        programs.append([collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+                         for gm in (c.split.forward, c.split.backward)])
+    assert programs[0] == programs[1]

@@ -1,0 +1,72 @@
+"""Symbolic costs: the formula prices the plan exactly at the batch it was solved for, and the plan it
+describes at other batches; crossover finds where the best plan changes."""
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+
+import spmd
+from tests.models import GPT, MLP, GPTConfig
+from tests.support import LATENCY_LINK, SLOW_DEVICE
+
+MESH_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+MESH_2D = spmd.MeshSpec((2, 2), ("dp", "tp"), (LATENCY_LINK, LATENCY_LINK), SLOW_DEVICE)
+
+
+def _mlp_training(batch=8):
+    torch.manual_seed(0)
+    return MLP(64, 256), (torch.randn(batch, 64), torch.randn(batch, 64))
+
+
+def test_formula_equals_the_objective_at_the_solved_batch():
+    model, inputs = _mlp_training()
+    plan = spmd.plan(model, MESH_1D, inputs, loss_fn=F.mse_loss)
+    formula = plan.cost_formula
+    assert formula.free_symbols == {sympy.Symbol("batch")}
+    assert float(formula.subs("batch", 8)) == pytest.approx(plan.objective, rel=1e-9)
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(layers=1))
+    tokens = torch.randint(0, 128, (4, 32))
+    plan = spmd.plan(gpt, MESH_2D, (tokens,))
+    assert float(plan.cost_formula.subs("batch", 4)) == pytest.approx(plan.objective, rel=1e-9)
+
+
+def test_formula_prices_the_same_plan_at_another_batch():
+    """Pin the plan's inputs and parameters at batch 32: the solver's price is the formula's."""
+    model, inputs = _mlp_training()
+    plan = spmd.plan(model, MESH_1D, inputs, loss_fn=F.mse_loss)
+    placements = {plan.labels[n]: list(s.outputs[0]) for n, s in plan.choices.items() if n in plan.labels}
+    params = {k: v for k, v in placements.items() if "." in k}
+    ins = {k: placements[k] for k in ("x", "target0")}
+    big = spmd.plan(model, MESH_1D, (torch.randn(32, 64), torch.randn(32, 64)), loss_fn=F.mse_loss,
+                    in_placements=ins, param_placements=params)
+    assert float(plan.cost_formula.subs("batch", 32)) == pytest.approx(big.objective, rel=1e-6)
+
+
+def test_crossover_from_no_sharding_to_data_parallel():
+    """On a latency-bound link a tiny batch is cheapest unsharded (no collective at all); past a few
+    samples, splitting the batch pays for the gradient all_reduce. ReLU, not the example MLP's GELU: on
+    this slow test device GELU's FLOPs make a third plan (forward replicated, backward split) win in
+    between, at batch ~1.8-2.8."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    plan = spmd.plan(model, MESH_1D, (torch.randn(8, 64), torch.randn(8, 64)), loss_fn=F.mse_loss)
+    found = plan.crossover()
+    assert len(found) == 1, [str(c) for c in found]
+    c = found[0]
+    assert 1 < c.at < 8
+    assert not c.below.collective_summary() and c.above.collective_summary()[("all_reduce", "dp")] > 0
+    assert ("input", "[R]", "[S(0)]") in c.changed
+    f1, f2 = c.below_formula, c.above_formula
+    assert float(f1.subs("batch", c.at)) == pytest.approx(float(f2.subs("batch", c.at)), rel=1e-6)
+    assert "at batch ~" in str(c)
+
+
+def test_plans_not_made_by_spmd_plan_say_how_to_get_a_formula():
+    from spmd.core.plan import Plan
+    from spmd.report.result import as_report
+
+    bare = as_report(Plan(MESH_1D, {}, {}, (), 0.0, 0.0, 0.0, 0.0))  # e.g. a compiled model's plan
+    with pytest.raises(spmd.SpmdError, match="spmd.plan"):
+        bare.cost_formula
