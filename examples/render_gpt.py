@@ -1,8 +1,10 @@
 """Draw the GPT example's plan on a 2x2 (dp, tp) mesh: docs/img/gpt_2x2.svg and docs/img/gpt_2x2_collapsed.svg.
 
-Planning only: no processes. The mesh uses H100 device numbers with NVLink on tp and InfiniBand on dp
-(MeshSpec's defaults); the model is GPT-2-small-sized per layer (hidden 768, 12 heads, sequence 1024)
-with 2 blocks, so the weights are big enough that tensor parallelism pays on the fast axis.
+Planning only: no processes, and no memory (the model is built on the meta device and planned through
+fake tensors). The mesh uses H100 device numbers with NVLink on tp and InfiniBand on dp (MeshSpec's
+defaults); the model has 2 blocks of LLaMA-7B-sized layers (hidden 4096, 32 heads, sequence 2048, a
+vocabulary of 8192), so the weights are big enough that tensor parallelism pays on the fast axis.
+Without graphviz's `dot` the pictures are written as .dot source.
 
     python examples/render_gpt.py [out_dir]
 """
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-import spmd
-from examples.models import GPT, GPTConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import spmd  # noqa: E402
+from examples.models import GPT, GPTConfig  # noqa: E402
 
 
 def main(out_dir: str = "docs/img") -> None:
@@ -22,7 +26,9 @@ def main(out_dir: str = "docs/img") -> None:
     cfg = GPTConfig(vocab=8192, seq=2048, dim=4096, heads=32, layers=2)
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq))  # batch 2: it splits on dp only
     mesh = spmd.MeshSpec((2, 2), ("dp", "tp"))  # tp: NVLink, dp: InfiniBand, H100 compute
-    plan = spmd.plan(GPT(cfg), mesh, (tokens,))
+    with torch.device("meta"):  # 400M parameters: planned from shapes alone
+        model = GPT(cfg)
+    plan = spmd.plan(model, mesh, (tokens,))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(plan.explain())

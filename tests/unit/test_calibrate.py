@@ -45,14 +45,19 @@ def test_fit_of_flat_times_gives_latency_and_a_huge_bandwidth():
 
 @pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_wire_bytes_match_comm_model_on_dim_0(kind, n):
+def test_calibration_fits_the_ring_factors_the_cost_model_prices(kind, n):
+    """Calibration fits t = latency + wire / bandwidth with comm.wire_bytes; on dim 0 (no local copy) the
+    cost model charges exactly that, with the ring factors of a collective over n ranks."""
+    ring = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
+            "all_to_all": (n - 1) / n}[kind]
     link = LinkProfile("t", 1e-4, 1e9)
     mesh = MeshSpec((n,), ("x",), (link,), device_profile_for("cpu"))
     shape = (8 * n, 16)
     step = Step(kind, 0, 0 if kind in ("all_gather", "all_to_all") else None,
                 0 if kind in ("reduce_scatter", "all_to_all") else None,
                 "sum" if kind in ("all_reduce", "reduce_scatter") else None, shape, 4)
-    assert step_cost(step, mesh) == pytest.approx(1e-4 + wire_bytes(kind, n, step.in_bytes) / 1e9)
+    assert wire_bytes(kind, n, step.in_bytes) == pytest.approx(ring * 8 * n * 16 * 4)
+    assert step_cost(step, mesh) == pytest.approx(1e-4 + ring * 8 * n * 16 * 4 / 1e9)
 
 
 def test_save_load_round_trip_and_mesh_from_profile(tmp_path):

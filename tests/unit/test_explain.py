@@ -54,3 +54,14 @@ def test_repeated_layers_are_reported_once_with_their_count():
     assert "blocks.*.attn.q_proj.weight" in nodes and "blocks.1." not in nodes
     rows = [line for line in nodes.splitlines() if " x4 " in line or line.rstrip().endswith(" x4")]
     assert len(rows) > 20  # forward and backward ops of a layer, each once
+
+
+def test_a_faster_alternative_is_never_called_as_fast():
+    """Time decides before memory: an alternative faster alone (it lost to the rest of the plan) that holds
+    more memory was once reported "as fast, ... more memory"."""
+    from spmd.report.details import Split, _why
+
+    chosen, faster = Split(1e-3, 0.0, 0.0, 1.0), Split(0.5e-3, 0.0, 0.0, 2 * 2**20)
+    assert _why(chosen, faster, None).startswith("500.0 us faster alone"), _why(chosen, faster, None)
+    assert "more memory per rank (budget)" in _why(chosen, faster, 1e9)
+    assert _why(chosen, Split(1e-3, 0.0, 0.0, 2 * 2**20), None).startswith("as fast, 2.00 MiB more memory")

@@ -4,6 +4,7 @@ import pytest
 import sympy
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import spmd
 from tests.models import GPT, MLP, GPTConfig
@@ -70,3 +71,18 @@ def test_plans_not_made_by_spmd_plan_say_how_to_get_a_formula():
     bare = as_report(Plan(MESH_1D, {}, {}, (), 0.0, 0.0, 0.0, 0.0))  # e.g. a compiled model's plan
     with pytest.raises(spmd.SpmdError, match="spmd.plan"):
         bare.cost_formula
+
+
+def test_formula_equals_the_objective_when_a_gradient_fills_more_than_one_bucket():
+    """A gradient larger than a bucket fills one of its own: its share of the axis's launches is 1, not
+    bytes / bucket (comm.bucket_share). The formula once charged 2 latencies for this 8 MiB gradient where
+    the solver charged 1: 1 ms off on this link."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 8))
+    x, y = torch.randn(8, 1024), torch.randn(8, 8)
+    plan = spmd.plan(model, MESH_1D, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target0": [Shard(0)]},
+                     param_placements={"0.weight": [Replicate()]})
+    grads = [e for e in plan.edges if any(s.kind == "all_reduce" and s.in_bytes > plan.stats["bucket_bytes"]
+                                          for s in e.steps)]
+    assert grads, "the 8 MiB weight gradient is all_reduced in one piece larger than a bucket"
+    assert float(plan.cost_formula.subs("batch", 8)) == pytest.approx(plan.objective, rel=1e-9)
