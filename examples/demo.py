@@ -56,7 +56,8 @@ def main() -> None:
     err = (full - expected).abs().max().item()
     local_bytes = sum(p.numel() * p.element_size() for p in compiled.parameters())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    report = torch.tensor([err, local_bytes], dtype=torch.float64)
+    node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node rank (multi-node launches)
+    report = torch.tensor([err, local_bytes, node], dtype=torch.float64)
     gathered = [torch.zeros_like(report) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, report)
 
@@ -69,7 +70,7 @@ def main() -> None:
         print("=" * 100)
         print(f"local input of rank 0: {list(local[0].shape)} of global {list(tokens.shape)}")
         for r, g in enumerate(gathered):
-            print(f"rank {r}: max |output - single device| = {g[0].item():.2e}; parameters held: "
+            print(f"rank {r} (node {int(g[2].item())}): max |output - single device| = {g[0].item():.2e}; parameters held: "
                   f"{int(g[1].item()):,} bytes of {full_bytes:,} ({g[1].item() / full_bytes:.0%})")
         ok = all(g[0].item() < 1e-3 for g in gathered)
         print("OK: every rank matches the single-device model" if ok else "MISMATCH")

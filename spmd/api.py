@@ -59,12 +59,19 @@ def _agree_with_rank0(values):
 
 
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: MeshSpec | None = None,
-            options: PlanOptions | None = None, **kwargs) -> CompiledModule:
+            src_data_rank: int | None = 0, options: PlanOptions | None = None, **kwargs) -> CompiledModule:
     """Partition `model` over `mesh` (a torch DeviceMesh, see `init_mesh`) and return this rank's
     `CompiledModule`.
 
-    example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for).
+    model: built for real, or on the meta device (`with torch.device("meta"): model = Build(cfg)`): then
+    no rank ever holds it whole; each allocates its shards and fills them with `compiled.init_weights`
+    or a checkpoint (`load_safetensors`, `load_sharded_state_dict`).
+    example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for; meta
+    tensors will do).
     mesh_spec: the link and device profiles to plan with (default: those of the mesh's backend).
+    src_data_rank: a model built for real takes its weights from this rank's copy (rank 0, as DTensor's
+    `distribute_tensor`), so ranks that initialized differently still agree; None: every rank uses its
+    own copy (they all loaded the same checkpoint).
     Options (keywords, see `PlanOptions`): in_placements / param_placements / out_placements pins,
     loss_fn (then `compiled(*inputs, *targets)` returns the loss and trains), training, memory_budget,
     optimizer_state_factor, stamp_layers (off here by default: a forward that reads its own depth would
@@ -83,8 +90,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,
                           tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)), device,
                           _agree_with_rank0 if dist.is_initialized() else None)
-    c = run_pipeline(model, example_inputs, spec, options, binding)
-    return CompiledModule(c, mesh, report_of(c))
+    traced_model, traced_inputs = fake_model(model, example_inputs)  # a meta model is traced through fakes
+    c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
+    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank)
 
 
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, options: PlanOptions | None = None,

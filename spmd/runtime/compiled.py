@@ -1,13 +1,16 @@
 """`CompiledModule`: this rank's generated graph plus its local parameter shards."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime import optimizer_guard
-from spmd.runtime.distribute import gather_full, local_shard, total_norm
+from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
+from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.core.specs import local_shape, placements_str
 
 
@@ -18,9 +21,11 @@ class CompiledModule(nn.Module):
     local shards of the outputs (see `gather_outputs`). `plan` and `code` show what was decided.
     """
 
-    def __init__(self, compilation, device_mesh=None, plan=None):
+    def __init__(self, compilation, device_mesh=None, plan=None, source_model=None, src_data_rank: int | None = 0):
         """`compilation`: the compiler's output for this rank. `plan`: what `.plan` shows (spmd.compile
-        hands a report object that explains and draws itself; default: the bare plan)."""
+        hands a report object that explains and draws itself; default: the bare plan). `source_model`: the
+        model as the user built it (default: the compiled one). `src_data_rank`: the rank whose weights
+        every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py)."""
         super().__init__()
         c = compilation
         if c.binding is None or c.rank_gm is None:
@@ -36,12 +41,20 @@ class CompiledModule(nn.Module):
         self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
-        optimizer_guard.watch(c.model)  # an optimizer over the original parameters fails at its first step
+        # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
+        # parameters are not this module's
+        self.__dict__["_source_model"] = source_model if source_model is not None else c.model
+        optimizer_guard.watch(self._source_model)  # an optimizer over the original parameters fails at its first step
+        self._uninitialized: set[str] = set()  # FQNs allocated but not yet given values (a meta model)
         self._param_names: dict[str, str] = {}  # FQN -> attribute name
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
         self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
         self._order_names: list[str] = []  # FQN or input name per placeholder
         self._input_specs: list[tuple[str, tuple, tuple]] = []  # (name, placements, global shape)
+        self._global_shapes: dict[str, tuple[int, ...]] = {}  # FQN -> full shape
+        # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
+        self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
+                                for b in m._non_persistent_buffers_set}
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -53,7 +66,9 @@ class CompiledModule(nn.Module):
                 self._order_names.append(gi.name)
                 continue
             full = c.traced.state[gi.name]
-            local = local_shard(full, ps, c.mesh.shape, self.coord).clone()
+            local = local_piece(full, ps, c.mesh, self.rank, c.binding.device, src_data_rank)
+            if is_placeholder_value(full):
+                self._uninitialized.add(gi.name)
             attr = gi.name.replace(".", "__")
             if gi.kind == "parameter":
                 self.register_parameter(attr, nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen))
@@ -61,6 +76,7 @@ class CompiledModule(nn.Module):
                 self.register_buffer(attr, local)
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
+            self._global_shapes[gi.name] = tuple(info.shape)
             self._order.append(("state", attr))
             self._order_names.append(gi.name)
 
@@ -152,6 +168,64 @@ class CompiledModule(nn.Module):
                 elif tuple(value.shape) != tuple(local.shape):
                     value = local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
                 local.copy_(value)
+        self._uninitialized.clear()
+
+    def load_safetensors(self, path, strict: bool = True) -> None:
+        """Fill this rank's shards from a safetensors checkpoint (one file, an index JSON of shards, or the
+        folder `save_pretrained` wrote), reading only this rank's slice of each tensor. A tied parameter
+        is found under any of its names. `strict`: every parameter and persistent buffer must be there."""
+        from spmd.runtime.checkpoint import checkpoint_files, read_local
+
+        files = checkpoint_files(path)
+        missing = []
+        with torch.no_grad():
+            for fqn, attr in self._param_names.items():
+                if fqn in self._non_persistent:
+                    continue
+                name = next((n for n in (fqn, *self._names_of(fqn)) if n in files), None)
+                if name is None:
+                    missing.append(fqn)
+                    continue
+                local, shape = getattr(self, attr), self._global_shapes[fqn]
+                index = local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
+                local.copy_(read_local(files, name, index, local.dtype, shape))
+                self._uninitialized.discard(fqn)
+        if missing and strict:
+            raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
+                            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
+                            "checkpoint of this model, or strict=False to keep the others as they are.")
+
+    def save_safetensors(self, path, metadata: dict | None = None):
+        """Write the full model (every persistent parameter and buffer, a tied one under each of its names)
+        to one safetensors file. Call it on every rank: each tensor is gathered in turn and rank 0 writes
+        it as it arrives, so no rank ever holds more than one full tensor beside its shards."""
+        from spmd.runtime.checkpoint import SafetensorsWriter, atomic_path
+
+        names = [(fqn, n) for fqn in self._param_names if fqn not in self._non_persistent
+                 for n in (fqn, *self._names_of(fqn))]
+        writer = None
+        if self.rank == 0:
+            specs = [(n, getattr(self, self._param_names[fqn]).dtype, self._global_shapes[fqn]) for fqn, n in names]
+            tmp, final = atomic_path(path)
+            writer = SafetensorsWriter(tmp, specs, metadata)
+        try:
+            for fqn, name in names:
+                attr = self._param_names[fqn]
+                full = gather_full(getattr(self, attr).detach(), self._state_placements[fqn], self.mesh_spec,
+                                   self.coord, self.group_names)
+                if writer is not None:
+                    writer.write(name, full)
+                del full
+        finally:
+            if writer is not None:
+                writer.close()
+        if writer is not None:
+            os.replace(tmp, final)
+        return path
+
+    def _names_of(self, fqn: str) -> list[str]:
+        """The other names of a tied parameter."""
+        return [a for a, c in self._aliases.items() if c == fqn]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN."""
@@ -197,6 +271,12 @@ class CompiledModule(nn.Module):
                             "or recompile with example inputs of this size.")
 
     def forward(self, *inputs: torch.Tensor):
+        if self._uninitialized:
+            names = sorted(self._uninitialized)
+            raise SpmdError(f"the model was compiled from the meta device and {len(names)} of its parameters and "
+                            f"buffers have no values yet ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). "
+                            "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
+                            "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
         self._check_inputs(inputs)
         it = iter(inputs)
         args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]

@@ -14,16 +14,25 @@ from spmd.core.specs import Placements, TensorInfo
 from spmd.cost_model.comm import reshard_steps
 
 
-def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...],
-                coord: tuple[int, ...]) -> torch.Tensor:
-    """This rank's piece of `full`. Axes that shard the same dim nest left to right."""
-    t = full
+def local_slices(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...],
+                 coord: tuple[int, ...]) -> tuple[slice, ...]:
+    """Which part of a tensor of `shape` this rank holds, one slice per dim. Axes that shard the same dim
+    nest left to right: on a 2x2 mesh [S(0), S(0)] cuts dim 0 in four and rank (a, b) holds piece 2a + b.
+    (Shards are even: see `specs.is_even`.)"""
+    index, pieces = [0] * len(shape), [1] * len(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
-            t = t.chunk(mesh_shape[axis], p.dim)[coord[axis]]
+            index[p.dim] = index[p.dim] * mesh_shape[axis] + coord[axis]
+            pieces[p.dim] *= mesh_shape[axis]
         elif isinstance(p, Partial):
-            raise ValueError("local_shard: a full tensor has no Partial layout; use Replicate")
-    return t.contiguous()
+            raise ValueError("a full tensor has no Partial layout; use Replicate")
+    return tuple(slice(i * (n // k), (i + 1) * (n // k)) for i, k, n in zip(index, pieces, shape))
+
+
+def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...],
+                coord: tuple[int, ...]) -> torch.Tensor:
+    """This rank's piece of `full` (a contiguous tensor; a view of `full` where that one already is)."""
+    return full[local_slices(tuple(full.shape), placements, mesh_shape, coord)].contiguous()
 
 
 def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[int, ...],

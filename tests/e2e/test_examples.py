@@ -26,3 +26,27 @@ def test_render_gpt_draws_the_plan(tmp_path):
     assert "Modules (layout per mesh axis):" in out.stdout
     drawn = sorted(p.suffix for p in tmp_path.iterdir())
     assert drawn in ([".svg", ".svg"], [".dot", ".dot"]), drawn  # .dot where graphviz is not installed
+
+
+def test_demo_on_two_nodes_of_two_ranks():
+    """Multi-node as torchrun does it: two launchers (here on one machine, playing two nodes) meet at a
+    c10d rendezvous; ranks 0-1 on one node, 2-3 on the other, so the mesh's outer axis (dp) spans nodes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"spmd-{port}",
+               "examples/demo.py", "--tiny"]
+    nodes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    printed = "".join(out for out, _ in outs)
+    assert "OK: every rank matches the single-device model" in printed
+    assert printed.count("max |output - single device|") == 4
+    # the mesh (dp=2, tp=2): tp inside a node, dp across them
+    assert "rank 1 (node 0)" in printed and "rank 2 (node 1)" in printed

@@ -1,0 +1,169 @@
+"""Big models for real: no rank holds the whole model, one source of truth for the weights."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spmd
+from tests.models import GPT, GPTConfig
+from tests.support import lm_loss, spec
+
+
+def _train_with_rank_seeds(rank: int, world: int, src_data_rank, steps: int = 3) -> dict:
+    """Every rank builds the model with its own seed; rank 0's is the one trained (one source of truth)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        reference = GPT(GPTConfig(layers=2))  # what rank 0 builds
+        torch.manual_seed(rank)
+        model = GPT(GPTConfig(layers=2))
+        g = torch.Generator().manual_seed(1)
+        tokens, targets = torch.randint(0, 128, (4, 31), generator=g), torch.randint(0, 128, (4, 31), generator=g)
+        mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+        compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec((2, 2), ("dp", "tp")),
+                                src_data_rank=src_data_rank)
+        opt = torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        local = compiled.shard_inputs(tokens, targets)
+        losses, ref_losses = [], []
+        for _ in range(steps):
+            loss = compiled(*local)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = lm_loss(reference(tokens), targets)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        full = compiled.full_state_dict()
+        err = max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters())
+        return {"losses": losses, "ref_losses": ref_losses, "param_err": err}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_ranks_built_with_different_seeds_train_rank_0s_model(ranks):
+    for r in ranks(4).run(_train_with_rank_seeds, 0):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9), r
+        assert r["param_err"] < 1e-9, r
+
+
+def test_without_a_source_rank_each_rank_keeps_its_own_weights(ranks):
+    """src_data_rank=None is for ranks that all loaded the same weights: with different seeds the ranks hold
+    pieces of different models, so the result is not rank 0's model (the check that would catch it is the
+    rank-agreement checksum)."""
+    results = ranks(4).run(_train_with_rank_seeds, None)
+    assert any(r["param_err"] > 1e-3 for r in results)
+
+
+def _meta_compile_refuses_to_run_uninitialized(rank: int, world: int) -> str:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(layers=2))
+    tokens = torch.randint(0, 128, (4, 32))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2,), ("dp",)))
+    assert all(p.device.type == "cpu" and not p.is_meta for p in compiled.parameters())
+    try:
+        compiled(*compiled.shard_inputs(tokens))
+    except spmd.SpmdError as e:
+        return str(e)
+    return ""
+
+
+def test_a_meta_compile_allocates_shards_and_refuses_to_run_before_init(ranks):
+    for message in ranks(2).run(_meta_compile_refuses_to_run_uninitialized):
+        assert "compiled from the meta device" in message and "compiled.init_weights(seed=...)" in message
+
+
+def _checkpoint_round_trip(rank: int, world: int, folder: str) -> dict:
+    """A transformers GPT-2 (tied embeddings) saved by safetensors on one device, single file and an index
+    of two shards; loaded into a model compiled from the meta device, each rank reading its slices;
+    written back by rank 0 one tensor at a time."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from safetensors.torch import save_file, save_model
+
+    from tests.models import gpt2
+
+    torch.manual_seed(0)
+    reference = gpt2()
+    expected = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    single, sharded = os.path.join(folder, "model.safetensors"), os.path.join(folder, "sharded")
+    if rank == 0:
+        save_model(reference, single)  # as transformers writes it: one name per tied tensor
+        os.makedirs(sharded, exist_ok=True)
+        names = sorted(k for k in expected if k != "lm_head.weight")
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, part in halves.items():
+            save_file({k: expected[k].contiguous() for k in part}, os.path.join(sharded, file))
+        with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {k: file for file, part in halves.items() for k in part}}, f)
+    dist.barrier()
+    with torch.device("meta"):
+        model = gpt2()
+    tokens = torch.randint(0, 128, (4, 32))
+    mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+    errors = {}
+    for source in (single, sharded):
+        compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2, 2), ("dp", "tp")))
+        compiled.load_safetensors(source)
+        full = compiled.full_state_dict()
+        errors[os.path.basename(source)] = max(float((full[k] - v).abs().max()) for k, v in expected.items())
+        out = compiled.gather_outputs(compiled(*compiled.shard_inputs(tokens)))
+        errors["logits"] = float((out.logits - reference(tokens).logits).abs().max())
+    written = os.path.join(folder, "written.safetensors")
+    compiled.save_safetensors(written)
+    dist.barrier()
+    with safe_open(written, "pt") as f:
+        back = {k: f.get_tensor(k) for k in f.keys()}
+    errors["written"] = max(float((back[k] - v).abs().max()) for k, v in expected.items())
+    return {"errors": errors, "written_names": sorted(back), "expected_names": sorted(expected),
+            "sharded": sum(1 for p in compiled.parameters() if p.numel() < 10**9)}
+
+
+def test_safetensors_in_and_out_equal_one_device(ranks, tmp_path):
+    for r in ranks(4).run(_checkpoint_round_trip, str(tmp_path)):
+        assert max(r["errors"].values()) == 0.0, r["errors"]
+        assert r["written_names"] == r["expected_names"]  # every name, the tied head included
+
+
+def _dcp_save(rank: int, world: int, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    tokens = torch.randint(0, 128, (4, 32))
+    compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2,), ("dp",)),
+                            param_placements={"blocks.0.mlp.fc1.weight": [torch.distributed.tensor.Shard(0)]})
+    dcp.save(compiled.sharded_state_dict(), checkpoint_id=folder)
+
+
+def _dcp_load(rank: int, world: int, folder: str) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    reference = GPT(GPTConfig(layers=2))
+    with torch.device("meta"):
+        model = GPT(GPTConfig(layers=2))
+    mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+    tokens = torch.randint(0, 128, (4, 32))
+    compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2, 2), ("dp", "tp")))
+    state = compiled.sharded_state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    compiled.load_sharded_state_dict(state)
+    full = compiled.full_state_dict()
+    return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+
+def test_dcp_saved_on_one_mesh_loads_on_another(ranks, tmp_path):
+    """torch.distributed.checkpoint: saved on (dp=2), loaded on (dp=2, tp=2) into a meta compile."""
+    ranks(2).run(_dcp_save, str(tmp_path))
+    assert ranks(4).run(_dcp_load, str(tmp_path)) == [0.0] * 4
