@@ -131,7 +131,11 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
@@ -201,11 +205,19 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         head_dim = cfg.dim // cfg.heads
+        self.register_buffer("cos", torch.empty(cfg.seq, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.seq, head_dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The rotary tables (the model's own tensors; its children reset theirs)."""
+        cfg, head_dim = self.cfg, self.cos.shape[-1]
         freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = torch.outer(torch.arange(cfg.seq, dtype=torch.float32), freqs)
         angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
@@ -249,10 +261,15 @@ class ViT(nn.Module):
         self.cfg = cfg
         tokens = (cfg.image // cfg.patch) ** 2
         self.patch_embed = nn.Linear(cfg.channels * cfg.patch * cfg.patch, cfg.dim)
-        self.pos_emb = nn.Parameter(torch.zeros(1, tokens, cfg.dim))
+        self.pos_emb = nn.Parameter(torch.empty(1, tokens, cfg.dim))
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.classes)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The position embedding (the model's own tensor; its children reset theirs)."""
+        nn.init.zeros_(self.pos_emb)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         b, c, h, w = images.shape

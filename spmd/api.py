@@ -13,13 +13,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from spmd.compiler.meta import fake_model
+from spmd.compiler.agreement import weights_summary
+from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import run_pipeline
-from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.errors import SpmdError
 from spmd.core.mesh import MeshSpec
 from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
+from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule
 
 
@@ -44,18 +46,6 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
         raise SpmdError(f"init_mesh: mesh {shape} needs {need} processes but the world has {world}. What to do: "
                         f"launch with `torchrun --nproc-per-node {need}` or choose a mesh whose sizes multiply to {world}.")
     return init_device_mesh(device_type, shape, mesh_dim_names=tuple(axis_names))
-
-
-def _agree_with_rank0(values):
-    """Every rank takes rank 0's solution vector (ties between optimal plans are broken by the solver
-    differently in different processes; see solve_placements)."""
-    box = [(len(values), values)]
-    dist.broadcast_object_list(box, src=0)
-    n, chosen = box[0]
-    if n != len(values):
-        raise SpmdInternalError(f"rank {dist.get_rank()} built a placement problem with {len(values)} variables, "
-                                f"rank 0 one with {n}: the ranks traced different graphs")
-    return chosen
 
 
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: MeshSpec | None = None,
@@ -87,11 +77,21 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None
+    meeting = Rendezvous() if dist.is_initialized() else None
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,
                           tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)), device,
-                          _agree_with_rank0 if dist.is_initialized() else None)
-    traced_model, traced_inputs = fake_model(model, example_inputs)  # a meta model is traced through fakes
-    c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
+                          meeting.adopt_rank0 if meeting else None, meeting.agree_on if meeting else None)
+    try:
+        traced_model, traced_inputs = fake_model(model, example_inputs)  # a meta model is traced through fakes
+        c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
+    except BaseException as e:
+        if meeting is not None:  # the other ranks wait at the meeting: bring them the error
+            meeting.fail(e)
+        raise
+    if meeting is not None:
+        meeting.agree_on_plan(c.plan.fingerprint())
+        if src_data_rank is None and not is_meta(model, example_inputs):  # every rank keeps its own weights
+            meeting.agree_on({"weights": weights_summary(c.traced.state)})
     return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank)
 
 

@@ -96,10 +96,12 @@ class PlanOptions:
 class RankBinding:
     """The rank a compilation emits code for: its coordinate follows from `rank` and the mesh; each mesh
     axis's collectives run on the process group named `group_names[axis]`; `device` is where its
-    tensors live (None: wherever the model's are); `agree` makes every rank adopt rank 0's solver
-    answer (ties between optimal plans are broken differently in different processes)."""
+    tensors live (None: wherever the model's are). On a live mesh: `check` makes the ranks agree on
+    what they traced before anything else (runtime/agreement.py), `agree` makes every rank adopt rank
+    0's solver answer (ties between optimal plans are broken differently in different processes)."""
 
     rank: int
     group_names: tuple[str, ...]
     device: torch.device | None = None
     agree: Callable | None = None
+    check: Callable | None = None

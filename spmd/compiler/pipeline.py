@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from spmd.compiler import dump as dumps
+from spmd.compiler.agreement import summarize
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
 from spmd.compiler.options import PlanOptions, RankBinding
@@ -154,6 +155,11 @@ PIPELINE: tuple[Pass, ...] = (
          dump=dumps.dump_traced),
     # Tied weights are one tensor: one placeholder, one gradient (the sum over uses).
     Pass("merge_tied_parameters", merge_tied_parameters, ("traced",), "traced", dump=dumps.dump_traced),
+    # On a live mesh, before the first collective: every rank compiled the same graph for the same inputs
+    # with the same options (else an SpmdError on every rank naming the first difference, never a hang).
+    Pass("agree_across_ranks", lambda traced, mesh, options, binding: binding.check(summarize(traced, mesh, options)),
+         ("traced", "mesh", "options", "binding"), "agreed", lambda v: v["binding"] is not None
+         and v["binding"].check is not None),
     # Identical layers, found once, let the next three passes do one layer's work for all of them.
     Pass("find_repeated_blocks", lambda traced, tie: find_repeated_blocks(traced, AUTO_MIN_REPEATS if tie is None else 2),
          ("traced", "options.tie_blocks"), "blocks", lambda v: v["options"].tie_blocks is not False,

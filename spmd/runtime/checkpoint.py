@@ -1,7 +1,7 @@
 """Checkpoints as Hugging Face writes them (safetensors), read and written without any rank holding the
 whole model.
 
-    load_safetensors   each rank reads only its slices of each tensor (`safe_open(...).get_slice(name)`),
+    load_safetensors   each rank reads only its slices of each tensor, with plain reads (`read_piece`),
                        from one file, or from the shards an index names (`model.safetensors.index.json`:
                        {"weight_map": {name: file}}), as transformers' `save_pretrained` writes them
     save_safetensors   the full tensors, gathered one at a time and written by rank 0 as they arrive: the
@@ -14,6 +14,7 @@ tensors' bytes back to back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -25,14 +26,13 @@ from spmd.core.errors import SpmdError
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 
 
 def checkpoint_files(path) -> dict[str, Path]:
     """tensor name -> the file holding it: `path` is a .safetensors file, an index JSON, or a folder with
     either `model.safetensors` or the index."""
-    from safetensors import safe_open
-
     path = Path(path)
     if path.is_dir():
         path = path / INDEX if (path / INDEX).exists() else path / "model.safetensors"
@@ -42,21 +42,72 @@ def checkpoint_files(path) -> dict[str, Path]:
     if path.suffix == ".json":
         weight_map = json.loads(path.read_text())["weight_map"]
         return {name: path.parent / file for name, file in weight_map.items()}
-    with safe_open(str(path), "pt") as f:
-        return {name: path for name in f.keys()}
+    _, header = read_header(path)
+    return {name: path for name in header if name != "__metadata__"}
 
 
-def read_local(files: dict[str, Path], name: str, index: tuple[slice, ...], dtype: torch.dtype,
-               shape: tuple[int, ...]) -> torch.Tensor:
-    """Only the `index` part of tensor `name`, in `dtype` (the checkpoint may hold another one)."""
-    from safetensors import safe_open
+def read_header(path) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return 8 + n, json.loads(f.read(n))
 
-    with safe_open(str(files[name]), "pt") as f:
-        stored = f.get_slice(name)
-        if tuple(stored.get_shape()) != tuple(shape):
-            raise SpmdError(f"{files[name].name}: {name!r} has shape {tuple(stored.get_shape())}, the model's is "
-                            f"{tuple(shape)}. What to do: load a checkpoint of this model's configuration.")
-        return stored[index].to(dtype) if index else stored[...].to(dtype)
+
+def _readinto(f, offset: int, out: torch.Tensor) -> None:
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise SpmdError(f"{f.name}: the file ends before byte {offset + len(view)} (a truncated checkpoint)")
+        got += n
+
+
+def read_piece(f, data_start: int, entry: dict, index: tuple[slice, ...], block_bytes: int = 16 << 20) -> torch.Tensor:
+    """The `index` part of one tensor with plain reads: only the rows in range, in blocks of at most
+    `block_bytes` when the piece is a range of columns (in one read when it is whole rows). No file
+    pages are mapped: `safe_open(...).get_slice` maps the file, and a column range touches (and RSS
+    counts) every page of the tensor."""
+    dtype = DTYPE_OF[entry["dtype"]]
+    shape = tuple(entry["shape"])
+    begin = data_start + entry["data_offsets"][0]
+    out = torch.empty(tuple(s.stop - s.start for s in index), dtype=dtype)
+    if out.numel() == 0:
+        return out
+    if not shape:
+        _readinto(f, begin, out)
+        return out
+    row_bytes = math.prod(shape[1:]) * out.element_size()
+    a, b = index[0].start, index[0].stop
+    if all(s.start == 0 and s.stop == n for s, n in zip(index[1:], shape[1:])):
+        _readinto(f, begin + a * row_bytes, out)
+        return out
+    k = max(1, block_bytes // max(row_bytes, 1))
+    buf = torch.empty((min(k, b - a),) + shape[1:], dtype=dtype)
+    for r in range(a, b, k):
+        n = min(k, b - r)
+        _readinto(f, begin + r * row_bytes, buf[:n])
+        out[r - a:r - a + n] = buf[:n][(slice(None),) + index[1:]]
+    return out
+
+
+def read_pieces(files: dict[str, Path], wanted: dict[str, tuple[tuple[slice, ...], tuple[int, ...]]]) -> dict:
+    """{name: its piece} for `wanted` {name: (index, the model's shape for it)}, each file opened once."""
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for path, names in by_file.items():
+        data_start, header = read_header(path)
+        with open(path, "rb", buffering=0) as f:
+            for name in names:
+                index, shape = wanted[name]
+                if tuple(header[name]["shape"]) != tuple(shape):
+                    raise SpmdError(f"{path.name}: {name!r} has shape {tuple(header[name]['shape'])}, the model's "
+                                    f"is {tuple(shape)}. What to do: load a checkpoint of this model's configuration.")
+                out[name] = read_piece(f, data_start, header[name], index)
+    return out
 
 
 class SafetensorsWriter:

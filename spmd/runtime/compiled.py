@@ -170,25 +170,64 @@ class CompiledModule(nn.Module):
                 local.copy_(value)
         self._uninitialized.clear()
 
+    def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
+        """Give this rank's shards of a model compiled from the meta device the values of the model's own
+        init: the local pieces of what `torch.manual_seed(seed); model = Model(cfg)` (then
+        `model.apply(init_fn)`, if given) gives on one CPU device. No rank holds more than one module's
+        tensors in full beside its shards (runtime/init_weights.py); no communication.
+
+        seed: `torch.manual_seed(seed)` first (None: go on from the global generator). A transformers
+        model replays its own post_init as construction runs it (`hf_init_kwargs`). `replay`: reset_fns
+        (for modules that set tensors in `__init__` without a `reset_parameters`), init_roots,
+        discard_writes, tied_reset_owner, strict, init_dtype (see `init_weights.init_local_shards`)."""
+        from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, is_transformers
+
+        model = self._source_model
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise SpmdError("init_weights replays the init of a model built on the meta device; this one was built "
+                            "with values, and its shards already hold them (from rank src_data_rank).")
+        kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
+        kwargs.update(replay)
+        placements = dict(self._state_placements)
+        for alias, canonical in self._aliases.items():
+            placements.setdefault(alias, placements[canonical])
+        device = next(iter(self.parameters())).device if any(True for _ in self.parameters()) else None
+        local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,
+                                  device=device or "cpu", **kwargs)
+        with torch.no_grad():
+            for fqn, attr in self._param_names.items():
+                piece = local.pop(fqn, None)
+                if piece is None:
+                    continue
+                target = getattr(self, attr)
+                if tuple(piece.shape) != tuple(target.shape):
+                    raise SpmdInternalError(f"init_weights: {fqn} came as {tuple(piece.shape)}, its shard is "
+                                            f"{tuple(target.shape)}")
+                target.data = piece.to(target.dtype)  # the piece itself: the empty shard is never touched
+                self._uninitialized.discard(fqn)
+
     def load_safetensors(self, path, strict: bool = True) -> None:
         """Fill this rank's shards from a safetensors checkpoint (one file, an index JSON of shards, or the
         folder `save_pretrained` wrote), reading only this rank's slice of each tensor. A tied parameter
         is found under any of its names. `strict`: every parameter and persistent buffer must be there."""
-        from spmd.runtime.checkpoint import checkpoint_files, read_local
+        from spmd.runtime.checkpoint import checkpoint_files, read_pieces
 
         files = checkpoint_files(path)
-        missing = []
+        missing, wanted, stored_as = [], {}, {}
+        for fqn in self._param_names:
+            if fqn in self._non_persistent:
+                continue
+            name = next((n for n in (fqn, *self._names_of(fqn)) if n in files), None)
+            if name is None:
+                missing.append(fqn)
+                continue
+            shape = self._global_shapes[fqn]
+            wanted[name] = (local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord), shape)
+            stored_as[fqn] = name
+        pieces = read_pieces(files, wanted)
         with torch.no_grad():
-            for fqn, attr in self._param_names.items():
-                if fqn in self._non_persistent:
-                    continue
-                name = next((n for n in (fqn, *self._names_of(fqn)) if n in files), None)
-                if name is None:
-                    missing.append(fqn)
-                    continue
-                local, shape = getattr(self, attr), self._global_shapes[fqn]
-                index = local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
-                local.copy_(read_local(files, name, index, local.dtype, shape))
+            for fqn, name in stored_as.items():
+                getattr(self, self._param_names[fqn]).copy_(pieces.pop(name))
                 self._uninitialized.discard(fqn)
         if missing and strict:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "

@@ -61,3 +61,57 @@ def test_optimizer_over_the_original_parameters_fails_at_its_first_step(ranks):
         assert m is not None
         assert "AdamW steps 4 parameter(s) of the original MLP (fc1.weight, fc1.bias, fc2.weight, fc2.bias)" in m
         assert "AdamW(compiled.parameters(), ...)" in m
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 8)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        return h * 2 if h.sum() > 0 else h
+
+
+def _disagree(rank, world, what):
+    """Each rank compiles something a little different; every rank must raise the same SpmdError."""
+    from tests.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    layers = 3 if (what == "layers" and rank == 1) else 2
+    model = GPT(GPTConfig(layers=layers))
+    batch = 6 if (what == "batch" and rank == 1) else 4
+    tokens = torch.randint(0, 128, (batch, 16))
+    dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32
+    model = model.to(dtype)
+    pins = {"tokens": [Shard(0)]} if (what == "pins" and rank == 1) else {}
+    mesh = spmd.init_mesh((2,), ("dp",))
+    if what == "trace" and rank == 1:
+        model = _Branchy()  # its forward branches on the data: torch.export cannot trace it
+    try:
+        spmd.compile(model, mesh, (tokens,), in_placements=pins)
+    except SpmdError as e:
+        return str(e)
+    return None
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("what,expected", [
+    ("layers", r"parameters: rank 1 differs from rank 0; rank 1 has 53, rank 0 has 37; only on rank 1: blocks.2.\* "
+               r"\(16\)"),
+    ("batch", r"inputs: rank 1 differs from rank 0; tokens is \[6, 16\] int64 on rank 1, \[4, 16\] int64 on rank 0"),
+    ("dtype", r"parameters: rank 1 differs from rank 0; .* float64 on rank 1, .* float32 on rank 0"),
+    ("pins", r"pins: rank 1 differs from rank 0; rank 1 adds 'input tokens: \[S\(0\)\]'"),
+    ("trace", r"rank 1 could not compile: SpmdError: trace_module: torch.export could not trace _Branchy"),
+])
+def test_ranks_that_disagree_all_raise_the_first_difference(ranks, what, expected):
+    import re
+
+    messages = ranks(2).run(_disagree, what)
+    if what == "trace":  # the rank that failed raises its own error, the other one names it
+        assert "torch.export could not trace _Branchy" in messages[1]
+        messages = messages[:1]
+    for m in messages:
+        assert m is not None and re.search(expected, m), m

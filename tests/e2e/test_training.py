@@ -39,9 +39,9 @@ def test_tight_memory_budget_shards_parameters_on_dp(ranks):
 def _agree(rank: int, world: int) -> list:
     import numpy as np
 
-    from spmd.api import _agree_with_rank0
+    from spmd.runtime.agreement import Rendezvous
 
-    return list(_agree_with_rank0(np.full(3, float(rank))))
+    return list(Rendezvous().adopt_rank0(np.full(3, float(rank))))
 
 
 def test_ranks_adopt_rank0_solution(ranks):

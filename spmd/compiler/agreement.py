@@ -1,0 +1,146 @@
+"""What every rank must agree on before the first collective: a summary of what it compiled, and, when
+ranks differ, the first difference in words.
+
+    summarize(...)     category -> value: the mesh, the options and pins, the user inputs (names, shapes,
+                       dtypes), the parameters and buffers (names, shapes, dtypes), the traced graph (each
+                       op with its output shapes, in order)
+    digest(summary)    category -> a short hash: what ranks exchange first (a few hundred bytes)
+    differences(...)   from every rank's summary of the categories whose hashes differ: one line per
+                       category naming the ranks that differ from rank 0 and the first difference
+                       ("parameters: rank 1 differs from rank 0; rank 1 has 38, rank 0 has 26; only on
+                       rank 1: layers.2.* (12)")
+
+Ranks that compiled different things would otherwise exchange mismatched collectives (a hang, or gloo
+aborting the process) or, worse, line up and compute a silently wrong result.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from spmd.core.graph_facts import layer_of, op_label
+from spmd.core.specs import TensorInfo, placements_str
+
+# PlanOptions fields that change the plan (dump_dir and verify only change what is written or checked)
+_PLAN_FIELDS = ("loss_fn", "training", "memory_budget", "optimizer_state_factor", "tie_blocks", "merge_followers",
+                "stamp_layers", "bucket_bytes", "defer_waits")
+
+
+def _pins_text(pins) -> list[str]:
+    out = []
+    for book, table in (("input", pins.inputs), ("parameter", pins.params), ("output", pins.outputs)):
+        for key in sorted(table, key=str):
+            value = table[key]
+            text = placements_str(tuple(value)) if isinstance(value, (list, tuple)) else repr(value)
+            out.append(f"{book} {key}: {text}")
+    return out
+
+
+def summarize(traced, mesh, options) -> dict[str, list[str]]:
+    info = traced.tensor_info
+
+    def shape(name):
+        i = info.get(name)
+        return f"{list(i.shape)} {str(i.dtype).replace('torch.', '')}" if isinstance(i, TensorInfo) else "-"
+
+    options_text = []
+    for f in _PLAN_FIELDS:
+        value = getattr(options, f)
+        if f == "loss_fn" and value is not None:
+            value = getattr(value, "__qualname__", type(value).__name__)
+        options_text.append(f"{f}={value}")
+    graph = []
+    for n in traced.graph.nodes:
+        if n.op == "call_function":
+            outs = info.get(n.name)
+            text = shape(n.name) if isinstance(outs, TensorInfo) else "tuple"
+            graph.append(f"{op_label(n)} -> {text}")
+    return {
+        "mesh": [f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.shape)],
+        "options": options_text,
+        "pins": _pins_text(options.pins),
+        "inputs": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs if gi.kind == "input"],
+        "parameters": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs
+                       if gi.kind in ("parameter", "buffer", "constant")],
+        "graph": graph,
+    }
+
+
+def digest(summary: dict[str, list[str]]) -> dict[str, str]:
+    return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:16] for k, v in summary.items()}
+
+
+def _names(lines: list[str]) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in lines if ": " in line)
+
+
+def _grouped(names: list[str]) -> str:
+    """"layers.2.* (12)" for names that share a layer, the names themselves otherwise."""
+    counts = Counter(f"{layer_of(n)}.*" if layer_of(n) else n for n in names)
+    return ", ".join(f"{k} ({c})" if c > 1 else k for k, c in sorted(counts.items()))
+
+
+def _first_difference(category: str, mine: list[str], theirs: list[str], rank: int) -> str:
+    """How rank `rank`'s `mine` differs from rank 0's `theirs`, in one line."""
+    if category in ("parameters", "inputs"):
+        a, b = _names(mine), _names(theirs)
+        only_mine = [n for n in a if n not in b]
+        only_theirs = [n for n in b if n not in a]
+        parts = []
+        if len(a) != len(b):
+            parts.append(f"rank {rank} has {len(a)}, rank 0 has {len(b)}")
+        if only_mine:
+            parts.append(f"only on rank {rank}: {_grouped(only_mine)}")
+        if only_theirs:
+            parts.append(f"only on rank 0: {_grouped(only_theirs)}")
+        changed = [n for n in a if n in b and a[n] != b[n]]
+        if changed:
+            n = changed[0]
+            parts.append(f"{n} is {a[n]} on rank {rank}, {b[n]} on rank 0" +
+                         (f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""))
+        return "; ".join(parts)
+    if category == "graph" and len(mine) != len(theirs):
+        prefix = f"rank {rank} traced {len(mine)} ops, rank 0 {len(theirs)}"
+    else:
+        prefix = ""
+    for i, (x, y) in enumerate(zip(mine, theirs)):
+        if x != y:
+            where = f"op {i}: " if category == "graph" else ""
+            return "; ".join(p for p in (prefix, f"{where}{x!r} on rank {rank}, {y!r} on rank 0") if p)
+    extra = mine[len(theirs):] or theirs[len(mine):]
+    return prefix or f"rank {rank} {'adds' if len(mine) > len(theirs) else 'lacks'} {extra[0]!r}"
+
+
+def differences(digests: list[dict[str, str]], summaries: dict[int, dict[str, list[str]]]) -> list[str]:
+    """One line per category where some rank differs from rank 0 (`summaries`: the full summaries of the
+    ranks that differ, and of rank 0)."""
+    lines = []
+    for category in digests[0]:
+        odd = [r for r, d in enumerate(digests) if d.get(category) != digests[0].get(category)]
+        if not odd:
+            continue
+        detail = _first_difference(category, summaries[odd[0]][category], summaries[0][category], odd[0])
+        ranks = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {odd} differ"
+        lines.append(f"{category}: {ranks} from rank 0; {detail}")
+    return lines
+
+
+def weights_summary(state: dict) -> list[str]:
+    """One checksum line per parameter and buffer of a model every rank built for real: what ranks that
+    each use their own copy (src_data_rank=None) must agree on."""
+    import torch
+
+    out = []
+    chunk = 1 << 22
+    for name, t in state.items():
+        flat = t.detach().reshape(-1)
+        total = weighted = 0.0
+        for start in range(0, flat.numel(), chunk):  # a chunk at a time: no float64 copy of a big tensor
+            part = flat[start:start + chunk].to(torch.float64)
+            # the sum, and a sum weighted by position (so permuted values differ too)
+            weights = torch.arange(start, start + part.numel(), dtype=torch.float64).remainder_(97).add_(1)
+            total += float(part.sum())
+            weighted += float((part * weights).sum())
+        out.append(f"{name}: {total:.17g} {weighted:.17g}")
+    return out
+

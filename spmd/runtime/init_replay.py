@@ -1,0 +1,327 @@
+"""Replaying a model's construction-time init on the meta device, to learn what each step touches.
+
+A model built under `with torch.device("meta")` has shapes and no values. To give each rank the values
+`torch.manual_seed(s); model = Model(cfg)` has on one device (runtime/init_weights.py), construction is
+replayed as a list of *events* in construction order:
+
+    reset  M   M.reset_parameters() (or reset_fns[type(M)]), which nn modules call at the END of their
+               __init__, after their children were built: a post-order walk of the module tree (children
+               in registration order, then the module). It differs from named_modules()'s pre-order for a
+               module that has its own reset and children: nn.MultiheadAttention's out_proj draws first.
+    init   M   init_fn(M), in exactly the order model.apply(init_fn) calls it (post-order, after every
+               reset); or, for `init_roots` (transformers' post_init), at the root's post-order slot.
+
+`plan_init` runs every event once on the meta model (no random numbers drawn, no memory) under a
+TorchDispatchMode that maps each aten op's arguments to the model's tensors by storage (so `.data`
+writes are seen too, which do not bump a meta tensor's `_version`), and records per event which tensors
+it writes, which it overwrites whole without reading first (normal_, uniform_, fill_, zero_, copy_, ...:
+it *kills* them), which values it *uses*, and which random ops it runs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmd.core.errors import SpmdError
+
+aten = torch.ops.aten
+
+
+# ---- the model's tensors ------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _TensorInfo:
+    key: int
+    obj: torch.Tensor                    # the meta Parameter / buffer object
+    fqns: list[str]                      # every name; fqns[0] is the one named_parameters() keeps
+    holders: list[tuple[nn.Module, str, str, str]] = field(default_factory=list)  # (module, kind, attr, fqn)
+    is_param: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.obj.numel() * self.obj.element_size()
+
+
+def _collect(model: nn.Module) -> dict[int, _TensorInfo]:
+    infos: dict[int, _TensorInfo] = {}
+    seen_holders = set()
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        for kind, table in (("p", m._parameters), ("b", m._buffers)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                info = infos.get(id(t))
+                if info is None:
+                    info = infos[id(t)] = _TensorInfo(id(t), t, [], is_param=kind == "p")
+                if fqn not in info.fqns:
+                    info.fqns.append(fqn)
+                h = (id(m), kind, name)
+                if h not in seen_holders:
+                    seen_holders.add(h)
+                    info.holders.append((m, kind, name, fqn))
+    storages: dict[Any, str] = {}
+    for info in infos.values():
+        ref = StorageWeakRef(info.obj.untyped_storage())
+        if ref in storages:
+            raise SpmdError(f"{info.fqns[0]} and {storages[ref]} share one storage but are different "
+                                   "tensors (views of one flat buffer); init_weights needs one storage each")
+        storages[ref] = info.fqns[0]
+    return infos
+
+
+# ---- events -----------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Event:
+    index: int
+    kind: str                            # "reset" | "init"
+    module: nn.Module
+    fqn: str
+    fn: Callable[[nn.Module], Any]
+    touched: set[int] = field(default_factory=set)
+    writes: set[int] = field(default_factory=set)
+    kills: set[int] = field(default_factory=set)
+    uses: set[int] = field(default_factory=set)
+    rng_ops: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.fqn or '<root>'} ({type(self.module).__name__})"
+
+
+def _default_reset_fns() -> dict[type, Callable | None]:
+    # torch modules whose __init__ ends with a private reset (after building their children)
+    return {nn.MultiheadAttention: lambda m: m._reset_parameters(),
+            nn.Transformer: lambda m: m._reset_parameters()}
+
+
+def _lookup(table: Mapping[type, Any], cls: type):
+    for c in cls.__mro__:
+        if c in table:
+            return True, table[c]
+    return False, None
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def _children(m: nn.Module):
+    seen = set()
+    for name, c in m._modules.items():
+        if c is not None and id(c) not in seen:       # as Module.children(): once per parent
+            seen.add(id(c))
+            yield name, c
+
+
+def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
+    events: list[_Event] = []
+    user = dict(reset_fns or {})
+    defaults = _default_reset_fns()
+    roots = {}
+    for f, fn in (init_roots or {}).items():
+        roots[id(model.get_submodule(f))] = fn
+    constructed, initialized = set(), set()
+    unknown = defaultdict(list)
+
+    def add(kind, m, fqn, fn):
+        events.append(_Event(len(events), kind, m, fqn, fn))
+
+    def reset_event(m, fqn):
+        found, fn = _lookup(user, type(m))
+        if not found:
+            found, fn = _lookup(defaults, type(m))
+        if not found and callable(getattr(m, "reset_parameters", None)):
+            found, fn = True, type(m).reset_parameters
+        if found and fn is not None:
+            add("reset", m, fqn, fn)
+        elif not found and (any(t is not None for t in m._parameters.values())
+                            or any(t is not None for t in m._buffers.values())):
+            unknown[type(m).__qualname__].append(fqn or "<root>")
+
+    def visit(m, fqn):
+        if id(m) in constructed:                 # a shared module is built once
+            return
+        constructed.add(id(m))
+        if order == "pre":                       # for comparison only: named_modules() order
+            reset_event(m, fqn)
+        for name, c in _children(m):
+            visit(c, _join(fqn, name))
+        if order == "post":
+            reset_event(m, fqn)
+        if id(m) in roots:                       # transformers post_init: init the subtree once
+            def walk(x, xfqn, fn_here):
+                for n, c in _children(x):
+                    walk(c, _join(xfqn, n), roots.get(id(c), fn_here))
+                if id(x) not in initialized:
+                    initialized.add(id(x))
+                    add("init", x, xfqn, fn_here)
+            walk(m, fqn, roots[id(m)])
+
+    visit(model, "")
+    if init_fn is not None:                      # model.apply(init_fn), exactly its traversal
+        def apply(x, xfqn):
+            for n, c in _children(x):
+                apply(c, _join(xfqn, n))
+            add("init", x, xfqn, init_fn)
+        apply(model, "")
+    return events, dict(unknown)
+
+
+# ---- the recorder -------------------------------------------------------------------------------
+
+_KILL = {aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, aten.random_, aten.exponential_,
+         aten.bernoulli_, aten.geometric_, aten.cauchy_, aten.log_normal_}
+
+
+def _schema_pairs(func, args, kwargs):
+    schema = func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.kwarg_only or i >= len(args):
+            if a.name in kwargs:
+                yield i, a, kwargs[a.name]
+        else:
+            yield i, a, args[i]
+
+
+def _whole(t: torch.Tensor) -> bool:
+    try:
+        return (t.storage_offset() == 0 and t.is_contiguous()
+                and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+    except Exception:
+        return False
+
+
+class _Recorder(TorchDispatchMode):
+    """Maps every aten op argument to a model tensor (by storage) and classifies the touch."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: dict[Any, int] = {}           # StorageWeakRef -> tensor key
+        self.forbidden: dict[Any, str] = {}      # storages that must not be touched (meta originals)
+        self.event: _Event | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ev = self.event
+        if ev is not None:
+            pairs = list(_schema_pairs(func, args, kwargs))
+            pairs.sort(key=lambda p: p[1].alias_info is not None and p[1].alias_info.is_write)  # reads first
+            for i, a, v in pairs:
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    alias = a.alias_info
+                    if alias is not None and not alias.is_write:
+                        continue                 # a view reads nothing
+                    ref = StorageWeakRef(t.untyped_storage())
+                    if ref in self.forbidden:
+                        raise SpmdError(
+                            f"{ev.describe()} touched {self.forbidden[ref]!r}, which the meta dry run did not see "
+                            f"it touch ({func}): its init depends on values (data-dependent control flow)")
+                    key = self.keys.get(ref)
+                    if key is None:
+                        continue
+                    first = key not in ev.touched
+                    if alias is not None and alias.is_write:
+                        ev.writes.add(key)
+                        if first and i == 0 and func.overloadpacket in _KILL and _whole(t):
+                            ev.kills.add(key)
+                        elif key not in ev.kills:
+                            ev.uses.add(key)
+                        ev.touched.add(key)
+                    else:                        # a read of the value
+                        if key not in ev.kills:
+                            ev.uses.add(key)
+                        ev.touched.add(key)
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                shapes = tuple(tuple(t.shape) for t in args if isinstance(t, torch.Tensor))
+                ev.rng_ops.append((str(func.overloadpacket.__name__), shapes))
+        return func(*args, **kwargs)
+
+
+# ---- the dry run ---------------------------------------------------------------------------------
+
+def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
+              reset_fns: Mapping[type, Callable | None] | None = None,
+              init_roots: Mapping[str, Callable] | None = None,
+              discard_writes: Iterable[str] = (), tied_reset_owner: str = "first", order: str = "post"):
+    """Dry-run the replay on the meta model: (tensors, events with what each touched, classes of modules
+    with tensors and no reset, which slots each event writes to scratch). See `init_weights.init_local_shards`
+    for the arguments. order="pre" (resets in named_modules() pre-order) exists to show where it departs
+    from construction."""
+    infos = _collect(meta_model)
+    for info in infos.values():
+        if not info.obj.is_meta:
+            raise SpmdError(f"{info.fqns[0]} is on {info.obj.device}, not meta")
+    if order not in ("post", "pre"):
+        raise SpmdError("order: 'post' or 'pre'")
+    events, unknown = _schedule(meta_model, reset_fns, init_fn, init_roots, order)
+    # which (module, kind, attr) slots write to scratch in which events
+    discard_fqns = set(discard_writes)
+    slot_names = defaultdict(set)                  # slot -> every fqn naming it
+    for prefix, m in meta_model.named_modules(remove_duplicate=False):
+        for kind, table in (("p", m._parameters), ("b", m._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    slot_names[(id(m), kind, name)].add(_join(prefix, name))
+    unknown_discard = discard_fqns - set().union(*slot_names.values()) if slot_names else discard_fqns
+    if unknown_discard:
+        raise SpmdError(f"discard_writes names no parameter or buffer: {sorted(unknown_discard)}")
+    always = {s for s, names in slot_names.items() if names & discard_fqns}
+    reset_only = set()
+    if tied_reset_owner == "first":
+        for info in infos.values():
+            for (m, kind, attr, fqn) in info.holders[1:]:
+                reset_only.add((id(m), kind, attr))
+    elif tied_reset_owner != "all":
+        raise SpmdError("tied_reset_owner: 'first' or 'all'")
+    discard = {ev.index: always | (reset_only if ev.kind == "reset" else set()) for ev in events}
+    # dry run
+    rec = _Recorder()
+    rec.keys = {StorageWeakRef(i.obj.untyped_storage()): k for k, i in infos.items()}
+    slots = [(m._parameters if kind == "p" else m._buffers, attr)
+             for info in infos.values() for (m, kind, attr, _) in info.holders]
+    rng_before = torch.get_rng_state()
+    try:
+        with rec:
+            for ev in events:
+                saved = []
+                try:
+                    for info in infos.values():
+                        for (m, kind, attr, _) in info.holders:
+                            if (id(m), kind, attr) in discard[ev.index]:
+                                table = m._parameters if kind == "p" else m._buffers
+                                o = info.obj
+                                s = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta")
+                                saved.append((table, attr, table[attr]))
+                                table[attr] = nn.Parameter(s, requires_grad=o.requires_grad) if kind == "p" else s
+                    before = [(table, attr, table[attr]) for table, attr in slots]
+                    rec.event = ev
+                    with torch.no_grad():
+                        ev.fn(ev.module)
+                    for table, attr, obj in before:
+                        if table[attr] is not obj:
+                            table[attr] = obj
+                            raise SpmdError(
+                                f"{ev.describe()} replaced {attr!r} of a module with a new tensor instead of writing "
+                                "into it; write in place (tensor.normal_(), nn.init.*_) instead")
+                except SpmdError:
+                    raise
+                except Exception as e:
+                    raise SpmdError(f"{ev.describe()} failed on the meta device: {type(e).__name__}: {e}. "
+                                           "An init that needs real values (.item(), data-dependent branches) "
+                                           "cannot be planned on meta.") from e
+                finally:
+                    rec.event = None
+                    for table, attr, old in reversed(saved):
+                        table[attr] = old
+    finally:
+        torch.set_rng_state(rng_before)
+    return infos, events, unknown, discard

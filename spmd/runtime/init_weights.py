@@ -1,0 +1,421 @@
+"""Initializing a sharded model without any rank holding it whole: each rank gets the local piece of
+what `torch.manual_seed(seed); model = Model(cfg)` (and `model.apply(init_fn)`) gives on one CPU
+device, while holding at most one *init group* (normally one module's tensors) in full.
+
+    the dry run (runtime/init_replay.py)   events in construction order, what each touches, on meta
+    groups                                 tensors touched by one event are joined (union-find): usually
+                                           one module's own tensors; GPT-2's attention init also writes
+                                           its child's c_proj.weight, so that group is the attention's
+    the real pass                          on the global CPU generator, one event at a time, saving the
+                                           generator state before each: an event that is not its group's
+                                           last runs on scratch only to move the generator on (skipped
+                                           when it draws nothing); at a group's last event its full CPU
+                                           buffers are made, the earlier events whose results survive are
+                                           replayed from their saved states, the last one runs, the
+                                           local pieces are cut (cloned), the buffers dropped
+
+Extra memory: the largest group plus one event's scratch, not the model. Every rank draws the whole
+random stream (about one or two single-device inits of compute), with no communication. Tensors no
+event writes (an RMSNorm's `torch.ones` made in `__init__`, a RoPE table) are named, with the way out.
+transformers models: `hf_init_kwargs` replays their post_init (`_init_weights` over each PreTrainedModel's
+subtree) and ties.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spmd.core.errors import SpmdError
+from spmd.runtime.distribute import local_slices
+from spmd.runtime.init_replay import _Event, _Recorder, dry_run
+
+
+def _malloc_trim():
+    """Give freed heap pages back to the OS (glibc). Full buffers up to 32 MiB land on the heap once glibc's
+    dynamic mmap threshold has grown, and freed ones between live local pieces stay in RSS otherwise."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
+_TRIM_EVERY = 64 << 20
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Group:
+    keys: list[int]
+    events: list[int]                    # every event touching the group, in order
+    replay: list[int]                    # earlier events whose results survive to the end
+    nbytes: int
+
+
+class InitPlan:
+    """What `init_local_shards` will run, from a dry run on meta. Reusable for every coordinate."""
+
+    def __init__(self, model, infos, events, unknown, discard):
+        self.model, self.infos, self.events, self.unknown_modules = model, infos, events, unknown
+        self._discard = discard                 # event index -> set of (id(module), kind, attr) written to scratch
+        self._analyze()
+
+    # -- analysis
+    def _analyze(self):
+        parent = {k: k for k in self.infos}
+
+        def find(k):
+            while parent[k] != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+
+        for ev in self.events:
+            ks = list(ev.touched)
+            for k in ks[1:]:
+                parent[find(k)] = find(ks[0])
+        members = defaultdict(list)
+        for k in self.infos:
+            members[find(k)].append(k)
+        ev_of = defaultdict(list)
+        for ev in self.events:
+            if ev.touched:
+                ev_of[find(next(iter(ev.touched)))].append(ev.index)
+        self.groups: list[_Group] = []
+        self.group_of_event: dict[int, _Group] = {}
+        self.uncovered: list[str] = []             # nobody writes them
+        self.read_before_write: list[str] = []     # their __init__ value is read, and it is lost on meta
+        self.tainted: set[int] = set()             # keys of groups computed from such values
+        written = set().union(*(ev.writes for ev in self.events)) if self.events else set()
+        for root, keys in members.items():
+            evs = ev_of.get(root, [])
+            keys = sorted(keys, key=lambda k: self.infos[k].fqns[0])
+            for k in keys:
+                if k not in written:
+                    self.uncovered.append(self.infos[k].fqns[0])
+            if not evs:
+                continue
+            need = set(keys)
+            needed = []
+            for i in reversed(evs):
+                ev = self.events[i]
+                if ev.writes & need:
+                    needed.append(i)
+                    need = (need - ev.kills) | ev.uses
+            for k in need:                       # the group's values depend on values lost on meta
+                self.read_before_write.append(self.infos[k].fqns[0])
+            if need:
+                self.tainted.update(keys)
+            needed.reverse()
+            last = evs[-1]
+            g = _Group(keys, evs, [i for i in needed if i != last],
+                       sum(self.infos[k].nbytes for k in keys))
+            self.groups.append(g)
+            for i in evs:
+                self.group_of_event[i] = g
+        self.uncovered.sort()
+        self.read_before_write.sort()
+
+    @property
+    def largest_group_bytes(self) -> int:
+        return max((g.nbytes for g in self.groups), default=0)
+
+    def report(self) -> str:
+        lines = [f"{len(self.events)} events ({sum(e.kind == 'reset' for e in self.events)} reset, "
+                 f"{sum(e.kind == 'init' for e in self.events)} init), {len(self.groups)} groups, "
+                 f"largest group {self.largest_group_bytes / 2**20:.1f} MiB of "
+                 f"{sum(i.nbytes for i in self.infos.values()) / 2**20:.1f} MiB"]
+        big = max(self.groups, key=lambda g: g.nbytes, default=None)
+        if big is not None:
+            lines.append("  largest group: " + ", ".join(self.infos[k].fqns[0] for k in big.keys[:6]) +
+                         (" ..." if len(big.keys) > 6 else ""))
+        if self.uncovered:
+            lines.append(f"  not initialized by any event: {', '.join(self.uncovered)}")
+        if self.read_before_write:
+            lines.append(f"  read before written: {', '.join(self.read_before_write)}")
+        if self.unknown_modules:
+            lines.append("  modules with their own tensors and no reset_parameters: " +
+                         ", ".join(f"{c} ({len(v)})" for c, v in self.unknown_modules.items()))
+        return "\n".join(lines)
+
+    def check(self, strict: bool = True):
+        problems = []
+        if self.uncovered:
+            problems.append(
+                f"{len(self.uncovered)} parameters/buffers are set by no reset_parameters() and no init_fn, so their "
+                f"values (made in __init__, e.g. torch.ones / torch.zeros / a RoPE table) are lost on meta: "
+                f"{', '.join(self.uncovered[:12])}{' ...' if len(self.uncovered) > 12 else ''}")
+        if self.read_before_write:
+            problems.append(
+                f"{len(self.read_before_write)} parameters/buffers are read by their init before anything wrote "
+                f"them (their __init__ value is lost on meta): {', '.join(self.read_before_write[:12])}")
+        if self.unknown_modules:
+            warnings.warn(
+                "modules that own tensors but have no reset_parameters(): " +
+                "; ".join(f"{c} at {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}" for c, v in self.unknown_modules.items()) +
+                ". If their __init__ draws random numbers (torch.randn, nn.init.*_), the replay cannot know and "
+                "every later draw differs from a single-device build: declare reset_fns={Class: fn} that draws "
+                "the same numbers, or reset_fns={Class: None} if __init__ draws none.", stacklevel=3)
+        if problems and strict:
+            raise SpmdError(
+                "\n".join(problems) + "\nWhat to do: give the module a reset_parameters() that sets them; or pass "
+                "reset_fns={ModuleClass: fn} (fn(module) re-does what __init__ did, run at that module's place in "
+                "construction order); or pass an init_fn that sets them (it runs as model.apply(init_fn)); or "
+                "strict=False to leave them out of the result.")
+
+    # -- execution helpers
+    _init_dtype = None
+
+    def _dtype(self, o: torch.Tensor) -> torch.dtype:
+        """Full buffers are made in init_dtype (floating tensors only), pieces cast back to the meta dtype."""
+        if self._init_dtype is not None and o.dtype.is_floating_point:
+            return self._init_dtype
+        return o.dtype
+
+    def _placements_of(self, info, placements, mesh_shape, replicate_missing):
+        found = [(f, placements[f]) for f in info.fqns if f in placements]
+        if not found:
+            if replicate_missing:
+                return tuple(Replicate() for _ in mesh_shape)
+            raise SpmdError(f"no placements for {info.fqns[0]!r}"
+                                   + (f" (also named {info.fqns[1:]})" if len(info.fqns) > 1 else ""))
+        ps = tuple(found[0][1])
+        for f, other in found[1:]:
+            if tuple(other) != ps:
+                raise SpmdError(f"tied {found[0][0]!r} and {f!r} have different placements {ps} / {tuple(other)}")
+        return ps
+
+    def _run(self, ev: _Event, bufs: dict[int, torch.Tensor], rec: _Recorder):
+        """Run one event with `bufs` installed in place of the meta tensors (scratch for discarded slots)."""
+        discard = self._discard.get(ev.index, set())
+        saved, installed = [], []
+        try:
+            for key, info in self.infos.items():
+                buf = bufs.get(key)
+                obj = None
+                if buf is not None:
+                    obj = nn.Parameter(buf, requires_grad=info.obj.requires_grad) if info.is_param else buf
+                for (m, kind, attr, _) in info.holders:
+                    table = m._parameters if kind == "p" else m._buffers
+                    if (id(m), kind, attr) in discard:     # writes here are thrown away (scratch)
+                        o = info.obj
+                        s = torch.empty_strided(o.shape, o.stride(), dtype=self._dtype(o))
+                        here = nn.Parameter(s, requires_grad=o.requires_grad) if info.is_param else s
+                    elif obj is not None:
+                        here = obj
+                    else:
+                        continue
+                    saved.append((table, attr, table[attr]))
+                    table[attr] = here
+                    installed.append((table, attr, here, info.fqns[0]))
+            rec.keys = {StorageWeakRef(b.untyped_storage()): k for k, b in bufs.items()}
+            rec.event = _Event(ev.index, ev.kind, ev.module, ev.fqn, ev.fn)
+            with torch.no_grad():
+                ev.fn(ev.module)
+            for table, attr, here, fqn in installed:
+                if table[attr] is not here:
+                    raise SpmdError(f"{ev.describe()} replaced {fqn!r} with a new tensor instead of writing "
+                                           "into it; write in place (tensor.normal_(), nn.init.*_) instead")
+        finally:
+            rec.event = None
+            for table, attr, old in reversed(saved):
+                table[attr] = old
+
+    def materialize(self, placements: Mapping[str, tuple], mesh_shape, coord, *, seed: int | None,
+                    device="cpu", strict: bool = True, replicate_missing: bool = False,
+                    init_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """See init_local_shards."""
+        mesh_shape, coord = tuple(mesh_shape), tuple(coord)
+        self._init_dtype = init_dtype
+        self.check(strict)
+        lookup = {k: self._placements_of(info, placements, mesh_shape, replicate_missing)
+                  for k, info in self.infos.items() if info.fqns[0] not in self.uncovered}
+        leave_out = self.tainted | {k for k, i in self.infos.items() if i.fqns[0] in self.uncovered}
+        if seed is not None:
+            torch.manual_seed(seed)
+        rec = _Recorder()
+        rec.forbidden = {StorageWeakRef(i.obj.untyped_storage()): i.fqns[0] for i in self.infos.values()}
+        replay_needed = {j for g in self.groups for j in g.replay}
+        states: dict[int, torch.Tensor] = {}
+        local: dict[int, torch.Tensor] = {}
+
+        def empty(k):
+            o = self.infos[k].obj
+            return torch.empty_strided(o.shape, o.stride(), dtype=self._dtype(o))
+
+        freed = 0
+        with rec:
+            for ev in self.events:
+                if freed >= _TRIM_EVERY:
+                    _malloc_trim()
+                    freed = 0
+                state = torch.get_rng_state()
+                g = self.group_of_event.get(ev.index)
+                if g is not None and g.events[-1] == ev.index:
+                    bufs = {k: empty(k) for k in g.keys}
+                    for j in g.replay:
+                        torch.set_rng_state(states.pop(j))
+                        self._run(self.events[j], bufs, rec)
+                    torch.set_rng_state(state)
+                    self._run(ev, bufs, rec)
+                    for k in g.keys:
+                        if k in leave_out:
+                            continue
+                        piece = bufs[k][local_slices(tuple(bufs[k].shape), lookup[k], mesh_shape, coord)].clone()
+                        local[k] = piece.to(device=device, dtype=self.infos[k].obj.dtype)
+                    del bufs
+                    freed += g.nbytes
+                else:
+                    if ev.index in replay_needed:
+                        states[ev.index] = state
+                    if ev.rng_ops:                 # only to move the RNG on as construction did
+                        self._run(ev, {k: empty(k) for k in ev.touched}, rec)
+                        freed += sum(self.infos[k].nbytes for k in ev.touched)
+        _malloc_trim()
+        out = {}
+        for k, t in local.items():                 # strict=False leaves out what came from lost values
+            for f in self.infos[k].fqns:
+                out[f] = t
+        return out
+
+    def assemble_trace(self) -> list[tuple[str, tuple]]:
+        """The RNG ops of the replay, in order (to compare with `rng_trace` of a real build)."""
+        return [op for ev in self.events for op in ev.rng_ops]
+
+
+def plan_init(meta_model: nn.Module, **kwargs) -> InitPlan:
+    """The dry run on meta (runtime/init_replay.py), analysed: reusable for every coordinate."""
+    return InitPlan(meta_model, *dry_run(meta_model, **kwargs))
+
+
+def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], mesh_shape, coord, *,
+                      seed: int | None, init_fn: Callable | None = None,
+                      reset_fns: Mapping[type, Callable | None] | None = None,
+                      init_roots: Mapping[str, Callable] | None = None, discard_writes: Iterable[str] = (),
+                      tied_reset_owner: str = "first", device="cpu", strict: bool = True,
+                      replicate_missing: bool = False, init_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """{fqn: this rank's piece} of every parameter and buffer of `meta_model` (tied names share one tensor),
+    equal to the pieces of `torch.manual_seed(seed); m = Model(cfg); m.apply(init_fn)` built on CPU.
+
+    placements: {fqn: (Shard(d) | Replicate(), ...) one per mesh axis}; a tied tensor may be named under
+        any of its names. replicate_missing: a tensor with no entry is Replicate on every axis.
+    seed: torch.manual_seed(seed) first; None: go on from the current global RNG state. Afterwards the
+        global RNG is where the single-device construction would have left it.
+    init_fn: applied as model.apply(init_fn) after construction (children first).
+    reset_fns: {ModuleClass: fn(module) | None} for modules whose __init__ initializes without a
+        reset_parameters() (e.g. transformers' Conv1D, an RMSNorm made with torch.ones, a RoPE buffer);
+        None declares "its __init__ draws no random numbers". Looked up along the class MRO.
+    init_roots: {module fqn: fn}: that module's __init__ ends by applying fn to its subtree, each module
+        once over all roots, the nearest root's fn (transformers' post_init; see hf_init_kwargs).
+    discard_writes: names whose writes go to scratch in every event (a tie made after init: the tied
+        target's own init draws numbers, but its values are replaced by the source's).
+    tied_reset_owner: "first": in reset events only the first name of a tied tensor writes it (the
+        module that created it, when ties are made as `later.weight = earlier.weight`); "all".
+    strict: raise when a tensor is set by nothing (its __init__ value is lost on meta).
+    init_dtype: draw floating tensors in this dtype and cast the pieces to the meta dtype: a meta model
+        cast with .to(torch.bfloat16) equals `Model(cfg).to(torch.bfloat16)` with init_dtype=torch.float32
+        (without it, it equals a model built in bfloat16, e.g. under torch.set_default_dtype).
+    device: where the pieces go (the draws are always on the CPU generator, as a CPU build's).
+    """
+    plan = plan_init(meta_model, init_fn=init_fn, reset_fns=reset_fns, init_roots=init_roots,
+                     discard_writes=discard_writes, tied_reset_owner=tied_reset_owner)
+    return plan.materialize(placements, mesh_shape, coord, seed=seed, device=device, strict=strict,
+                            replicate_missing=replicate_missing, init_dtype=init_dtype)
+
+
+# ---- transformers ------------------------------------------------------------------------------
+
+_RNG_WORDS = re.compile(r"\b(randn|rand|randint|randperm|normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|"
+                        r"orthogonal_|bernoulli|multinomial|random_|sparse_)\b")
+
+
+def is_transformers(model: nn.Module) -> bool:
+    """A transformers `PreTrainedModel` (checked without importing transformers when it is not loaded)."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def hf_init_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments for init_local_shards / plan_init that replay a transformers model's construction:
+    `Model(config)` runs torch's default init in every submodule's __init__, then each PreTrainedModel's
+    post_init() runs `_init_weights` over its subtree (innermost models first, each module once, the
+    nearest PreTrainedModel's `_init_weights`), then ties weights. On meta, post_init skips the init
+    (`init_weights` checks for the meta device) but still ties.
+
+    - init_roots: every PreTrainedModel in the tree -> its `_init_weights` (not `_initialize_weights`,
+      which sets `_is_hf_initialized` flags on the meta model and would skip work on a second run).
+    - reset_fns: transformers' Conv1D draws normal_(std=0.02) in __init__ with no reset_parameters.
+      Other classes owning tensors without reset_parameters are declared None when their __init__
+      source shows no random call (a heuristic; checked against real builds in the tests).
+    - discard_writes: tied targets (lm_head.weight -> embed weight): ties are made after init, so the
+      target's own inits draw random numbers that the tie then throws away.
+    """
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D
+
+    roots = {f: m._init_weights for f, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    reset_fns: dict[type, Callable | None] = {Conv1D: lambda m: nn.init.normal_(m.weight, std=0.02)}
+    for _, m in model.named_modules():
+        cls = type(m)
+        if cls in reset_fns or callable(getattr(m, "reset_parameters", None)):
+            continue
+        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+            try:
+                src = inspect.getsource(cls.__init__)
+            except (OSError, TypeError):
+                continue
+            if not _RNG_WORDS.search(src):
+                reset_fns[cls] = None
+    discard = []
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        try:
+            if model.get_parameter(target) is model.get_parameter(source):
+                discard.append(target)
+        except AttributeError:
+            pass
+    return {"init_roots": roots, "reset_fns": reset_fns, "discard_writes": discard}
+
+
+# ---- diagnostics -------------------------------------------------------------------------------
+
+class _RngTrace(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.append((str(func.overloadpacket.__name__),
+                             tuple(tuple(t.shape) for t in args if isinstance(t, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def rng_trace(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, tuple]]]:
+    """(fn(), the RNG-drawing aten ops it ran, with argument shapes): compare a real build's trace with
+    `plan.assemble_trace()` to find where a replay departs from construction."""
+    t = _RngTrace()
+    with t:
+        out = fn()
+    return out, t.ops

@@ -1,0 +1,397 @@
+"""Initializing a sharded model from the meta device (runtime/init_weights.py, runtime/init_replay.py):
+on every coordinate of a 2x2 mesh the local pieces, put together, equal bit for bit what
+`torch.manual_seed(s); Model(cfg)` (then `.apply(init_fn)`) builds on one CPU device, for the test
+models, plain-torch corner cases (ties, shared modules, MultiheadAttention, BatchNorm, bf16) and
+transformers models; the replay draws the same random ops and leaves the global RNG where construction
+leaves it; the largest init group is one module; and the messages for what cannot be replayed."""
+from __future__ import annotations
+
+import itertools
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from spmd.core.errors import SpmdError
+from spmd.runtime.distribute import local_slices
+from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, plan_init, rng_trace
+from tests.models import GPT, MLP, CausalSelfAttention, GPTConfig, Llama, LlamaConfig, ViT, ViTConfig, tied_lm
+
+R, S0, S1 = Replicate(), Shard(0), Shard(1)
+MESH = (2, 2)
+COORDS = list(itertools.product(range(2), range(2)))
+
+
+def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def _even(ps, shape) -> bool:
+    pieces = [1] * len(shape)
+    for axis, p in enumerate(ps):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape):
+                return False
+            pieces[p.dim] *= MESH[axis]
+    return all(n % k == 0 for n, k in zip(shape, pieces))
+
+
+def make_placements(model, style: str, seed: int = 0) -> dict[str, tuple]:
+    """One placement per tensor (Replicate where `style` would cut a dim unevenly); tied names agree."""
+    rnd, out, first = random.Random(seed), {}, {}
+    for name, t in all_tensors(model).items():
+        shape = tuple(t.shape)
+        if id(t) in first:
+            out[name] = out[first[id(t)]]
+            continue
+        first[id(t)] = name
+        wide = t.dim() >= 2
+        ps = {"2d": (S0, S1) if wide else (R, S0), "nested": (S0, S0),
+              "transposed": (S1, S0) if wide else (S0, R),
+              "mixed": rnd.choice([(R, R), (S0, R), (R, S0), (S0, S0)] + ([(S0, S1), (S1, S0), (S1, S1)] if wide else []))
+              }[style]
+        out[name] = ps if _even(ps, shape) else (R, R)
+    return out
+
+
+def assemble(pieces: dict[tuple, torch.Tensor], shape, placements) -> torch.Tensor:
+    """The full tensor from every coordinate's piece; regions several coordinates hold must agree."""
+    full = torch.zeros(shape, dtype=next(iter(pieces.values())).dtype)
+    filled = torch.zeros(shape, dtype=torch.bool)
+    for coord, piece in pieces.items():
+        idx = local_slices(tuple(shape), placements, MESH, coord)
+        assert tuple(piece.shape) == tuple(s.stop - s.start for s in idx), (coord, piece.shape, idx)
+        seen = filled[idx]
+        assert torch.equal(full[idx][seen], piece[seen]), f"coordinates disagree on a replicated region at {coord}"
+        full[idx], filled[idx] = piece, True
+    assert filled.all(), "the pieces do not cover the tensor"
+    return full
+
+
+def build(factory, seed: int, init_fn=None) -> nn.Module:
+    torch.manual_seed(seed)
+    m = factory()
+    if init_fn is not None:
+        m.apply(init_fn)
+    return m
+
+
+def build_meta(factory) -> nn.Module:
+    with torch.device("meta"):
+        return factory()
+
+
+def check_equal(factory, style: str, seed: int, init_fn=None, **kw) -> dict:
+    """Every coordinate's pieces (one plan, materialized 4 times) against a single-device build: values
+    bit for bit, the random ops drawn, the RNG state afterwards, tied names sharing one piece, pieces
+    owning their memory (not views pinning a full buffer)."""
+    ref, trace = rng_trace(lambda: build(factory, seed, init_fn))
+    after = torch.get_rng_state()
+    meta = build_meta(factory)
+    placements = make_placements(meta, style, seed)
+    plan = plan_init(meta, init_fn=init_fn, **kw)
+    assert plan.assemble_trace() == trace
+    outs = {}
+    for c in COORDS:
+        torch.manual_seed(seed + 1)                  # somewhere else: materialize must reseed
+        outs[c] = plan.materialize(placements, MESH, c, seed=seed)
+        assert torch.equal(torch.get_rng_state(), after), "RNG state differs from after construction"
+    ref_t = all_tensors(ref)
+    assert set(outs[(0, 0)]) == set(ref_t)
+    bad = [n for n, t in ref_t.items()
+           if not torch.equal(assemble({c: outs[c][n] for c in COORDS}, tuple(t.shape), placements[n]), t.detach())]
+    assert not bad, f"{style}: differ from the single-device build: {bad}"
+    for c in COORDS:
+        for a, b in itertools.combinations(ref_t, 2):
+            assert (outs[c][a] is outs[c][b]) == (ref_t[a] is ref_t[b]), (a, b)
+        for n, p in outs[c].items():
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), n
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+def gpt1() -> GPT:
+    return GPT(GPTConfig(layers=1))
+
+
+MODELS = {"gpt": lambda: GPT(GPTConfig()), "mlp": MLP, "llama": lambda: Llama(LlamaConfig()),
+          "vit": lambda: ViT(ViTConfig(classes=8))}
+
+
+@pytest.mark.parametrize("name,style", [("gpt", "2d"), ("gpt", "nested"), ("gpt", "transposed"), ("mlp", "mixed"),
+                                        ("llama", "2d"), ("llama", "mixed"), ("vit", "mixed")])
+def test_models_equal_single_device_on_every_coordinate(name, style):
+    """Llama's RMSNorm ones and RoPE tables and ViT's zero pos_emb come from their reset_parameters()."""
+    check_equal(MODELS[name], style, seed=7)
+
+
+def test_init_local_shards_per_rank_and_seed_none_goes_on_from_the_global_generator():
+    ref = all_tensors(build(gpt1, 11))
+    after = torch.get_rng_state()
+    meta = build_meta(gpt1)
+    pl = make_placements(meta, "2d")
+    for c in COORDS:
+        torch.manual_seed(11)
+        got = init_local_shards(meta, pl, MESH, c, seed=None)
+        assert torch.equal(torch.get_rng_state(), after)
+        for n, t in ref.items():
+            assert torch.equal(got[n], t.detach()[local_slices(tuple(t.shape), pl[n], MESH, c)]), (c, n)
+
+
+def test_missing_placements_are_named_unless_replicated():
+    meta = build_meta(MLP)
+    with pytest.raises(SpmdError, match="no placements for 'fc2.bias'"):
+        init_local_shards(meta, {n: (R, R) for n in ("fc1.weight", "fc1.bias", "fc2.weight")}, MESH, (0, 0), seed=0)
+    got = init_local_shards(meta, {"fc1.weight": (S0, S1)}, MESH, (1, 1), seed=0, replicate_missing=True)
+    assert got["fc1.weight"].shape == (32, 8) and got["fc2.weight"].shape == (16, 64)
+
+
+# ---------------------------------------------------------------------------------------------- init_fn
+
+def nanogpt_init(m):
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+
+def test_nanogpt_style_init_fn_equals_model_apply():
+    check_equal(lambda: GPT(GPTConfig()), "mixed", 1, init_fn=nanogpt_init)
+
+
+def test_data_writes_and_a_parent_reading_its_children_join_one_group():
+    """Old-style `.data` writes (invisible to a meta tensor's _version) are seen; the attention's init
+    scales one child's weight and reads another's, so those join the attention's group, and the
+    children's earlier inits are replayed from their saved RNG states."""
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            m.weight.data.normal_(0.0, 0.02)
+            if m.bias is not None:
+                m.bias.data.zero_()
+        if isinstance(m, CausalSelfAttention):
+            m.o_proj.weight.data.mul_(0.5)
+            m.q_proj.bias.data.add_(m.k_proj.weight.data[:, 0])
+    plan = plan_init(build_meta(gpt1), init_fn=init_fn)
+    names = {plan.infos[k].fqns[0] for k in max(plan.groups, key=lambda g: len(g.keys)).keys}
+    assert {"blocks.0.attn.o_proj.weight", "blocks.0.attn.q_proj.bias", "blocks.0.attn.k_proj.weight"} <= names
+    assert "blocks.0.attn.v_proj.weight" not in names
+    check_equal(gpt1, "mixed", 4, init_fn=init_fn)
+
+
+# ---------------------------------------------------------------------------------------------- ties, sharing, order
+
+class TiedGPT(GPT):
+    """`later.weight = earlier.weight`: the embedding made the tensor; lm_head's own reset drew numbers
+    into a tensor the tie dropped."""
+    def __init__(self):
+        super().__init__(GPTConfig(layers=1))
+        self.lm_head.weight = self.tok_emb.weight
+
+
+class NanoTied(GPT):
+    """nanoGPT: `earlier.weight = later.weight` (the later module made the tensor)."""
+    def __init__(self):
+        super().__init__(GPTConfig(layers=1))
+        self.tok_emb.weight = self.lm_head.weight
+
+
+def test_tie_to_the_earlier_module_is_initialized_once():
+    outs = check_equal(TiedGPT, "2d", 6)
+    assert outs[(1, 1)]["lm_head.weight"] is outs[(1, 1)]["tok_emb.weight"]
+
+
+def test_tie_to_the_later_module_needs_tied_reset_owner_all_or_an_init_fn():
+    """The meta model cannot tell which module made a tied tensor: by default the first name's module
+    writes it, which is wrong for nanoGPT's tie unless an init_fn overwrites it anyway."""
+    ref = build(NanoTied, 6)
+    meta = build_meta(NanoTied)
+    first = plan_init(meta).materialize(make_placements(meta, "2d"), MESH, (0, 0), seed=6)
+    assert not torch.equal(first["lm_head.weight"], ref.lm_head.weight[:64, :32])
+    check_equal(NanoTied, "2d", 6, tied_reset_owner="all")
+    check_equal(NanoTied, "mixed", 6, init_fn=nanogpt_init)
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.mid = nn.Linear(4, 4)
+        self.b = self.a                              # one module under two names
+
+
+def test_shared_module_is_reset_once_and_init_fn_applied_twice_like_apply():
+    def double(m):
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.mul_(2.0)                   # Module.apply visits the shared module twice
+    check_equal(Shared, "mixed", 2, init_fn=double)
+
+
+class WithMHA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mha = nn.MultiheadAttention(16, 4)
+        self.enc = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32)
+        self.out = nn.Linear(16, 8)
+
+
+def test_multihead_attention_and_encoder_layer_replay_in_construction_post_order():
+    """MultiheadAttention builds out_proj (a Linear that draws) before its own _reset_parameters():
+    named_modules()'s pre-order would draw MHA's numbers first."""
+    check_equal(WithMHA, "mixed", 9)
+    ref, trace = rng_trace(lambda: build(WithMHA, 9))
+    pre = plan_init(build_meta(WithMHA), order="pre")
+    assert pre.assemble_trace() != trace
+    out = pre.materialize(make_placements(ref, "nested"), MESH, (0, 0), seed=9)
+    assert not torch.equal(out["mha.in_proj_weight"], ref.mha.in_proj_weight[:12])
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+
+def test_conv_and_batchnorm_buffers_come_from_reset_parameters():
+    check_equal(ConvBN, "mixed", 8)
+
+
+def test_bf16_meta_model_equals_a_cast_build_with_init_dtype_and_a_bf16_build_without():
+    meta = build_meta(gpt1).to(torch.bfloat16)
+    ref = build(gpt1, 4).to(torch.bfloat16)
+    pl = make_placements(meta, "2d")
+    plan = plan_init(meta)
+    outs = {c: plan.materialize(pl, MESH, c, seed=4, init_dtype=torch.float32) for c in COORDS}
+    for n, t in all_tensors(ref).items():
+        full = assemble({c: outs[c][n] for c in COORDS}, tuple(t.shape), pl[n])
+        assert full.dtype == torch.bfloat16 and torch.equal(full, t.detach()), n
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        ref16 = build(gpt1, 4)
+    finally:
+        torch.set_default_dtype(old)
+    outs = {c: plan.materialize(pl, MESH, c, seed=4) for c in COORDS}
+    bad = [n for n, t in all_tensors(ref16).items()
+           if not torch.equal(assemble({c: outs[c][n] for c in COORDS}, tuple(t.shape), pl[n]), t.detach())]
+    assert not bad
+    differ = [n for n, t in all_tensors(ref16).items() if not torch.equal(t, all_tensors(ref)[n])]
+    assert differ, "the two references agree: the second half checks nothing new"
+
+
+def test_largest_group_is_one_module_and_the_report_names_it():
+    meta = build_meta(lambda: GPT(GPTConfig(vocab=256, dim=32, layers=3)))
+    plan = plan_init(meta)
+    assert plan.largest_group_bytes == 256 * 32 * 4            # tok_emb or lm_head, not the model
+    assert len(plan.groups) == sum(hasattr(m, "reset_parameters") for m in meta.modules())
+    first = plan.report().splitlines()
+    assert first[0].endswith(f"largest group 0.0 MiB of {sum(t.numel() * 4 for t in meta.parameters()) / 2**20:.1f} MiB")
+    assert first[1] == "  largest group: tok_emb.weight"
+
+
+# ---------------------------------------------------------------------------------------------- what cannot be replayed
+
+class OldNorm(nn.Module):
+    """An RMSNorm of before: ones made in __init__, no reset_parameters()."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.ones(8))
+
+
+def test_tensor_set_by_nothing_is_named_with_the_way_out():
+    meta = build_meta(OldNorm)
+    pl = make_placements(meta, "2d")
+    with (pytest.warns(UserWarning, match="no reset_parameters.*OldNorm at <root>"),
+          pytest.raises(SpmdError, match=r"(?s)1 parameters/buffers are set by no reset_parameters.*: weight\n"
+                                         r"What to do: .*reset_fns=\{ModuleClass: fn\}.*strict=False")):
+        init_local_shards(meta, pl, MESH, (0, 0), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = init_local_shards(meta, pl, MESH, (0, 0), seed=0, strict=False)
+    assert set(out) == {"lin.weight", "lin.bias"}
+    check_equal(OldNorm, "2d", 0, reset_fns={OldNorm: lambda m: nn.init.ones_(m.weight)})
+
+
+class ScaledByBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 0.5))    # made in __init__: lost on meta
+
+
+def test_init_reading_a_lost_value_is_reported_and_its_group_left_out():
+    def init_fn(m):
+        if isinstance(m, ScaledByBuffer):
+            with torch.no_grad():
+                m.lin.weight.mul_(m.scale)
+    meta = build_meta(ScaledByBuffer)
+    plan = plan_init(meta, init_fn=init_fn, reset_fns={ScaledByBuffer: None})
+    assert plan.uncovered == ["scale"] and plan.read_before_write == ["scale"]
+    with pytest.raises(SpmdError, match="read by their init before anything wrote them.*: scale"):
+        plan.materialize(make_placements(meta, "2d"), MESH, (0, 0), seed=0)
+    assert plan.materialize(make_placements(meta, "2d"), MESH, (0, 0), seed=0, strict=False) == {}
+    check_equal(ScaledByBuffer, "2d", 0, init_fn=init_fn, reset_fns={ScaledByBuffer: lambda m: m.scale.fill_(0.5)})
+
+
+def test_init_that_replaces_a_parameter_is_refused():
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            m.weight = nn.Parameter(torch.randn(m.weight.shape))
+    with pytest.raises(SpmdError, match=r"init fc1 \(Linear\) replaced 'weight'.*write in place"):
+        plan_init(build_meta(MLP), init_fn=init_fn)
+
+
+def test_data_dependent_init_is_refused_on_meta():
+    def init_fn(m):
+        if isinstance(m, nn.Linear) and m.weight.abs().max() > 1:
+            m.weight.mul_(0.5)
+    with pytest.raises(SpmdError, match=r"init fc1 \(Linear\) failed on the meta device.*cannot be planned on meta"):
+        plan_init(build_meta(MLP), init_fn=init_fn)
+
+
+# ---------------------------------------------------------------------------------------------- transformers
+
+def hf_llama(tied: bool):
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(HFLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                          max_position_embeddings=64, tie_word_embeddings=tied))
+
+
+HF = {"gpt2": lambda: tied_lm("gpt2"), "bert": lambda: tied_lm("bert"),
+      "llama": lambda: hf_llama(False), "llama_tied": lambda: hf_llama(True)}
+
+
+@pytest.mark.parametrize("name,style", [("gpt2", "2d"), ("gpt2", "mixed"), ("llama", "nested"),
+                                        ("llama_tied", "mixed"), ("bert", "mixed")])
+def test_transformers_with_hf_init_kwargs_equal_single_device(name, style):
+    """post_init (each PreTrainedModel's _init_weights over its subtree), Conv1D's draw in __init__ and
+    the tied head's discarded draws, replayed as construction runs them."""
+    pytest.importorskip("transformers")
+    check_equal(HF[name], style, 13, **hf_init_kwargs(build_meta(HF[name])))
+
+
+def test_gpt2_without_the_conv1d_reset_fn_warns_and_departs():
+    """Conv1D draws in __init__ with no reset_parameters(): left undeclared, every later draw shifts."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    meta = build_meta(HF["gpt2"])
+    kw = hf_init_kwargs(meta)
+    del kw["reset_fns"][Conv1D]
+    with pytest.warns(UserWarning, match="Conv1D at transformer.h.0.attn.c_attn"):
+        out = plan_init(meta, **kw).materialize(make_placements(meta, "nested"), MESH, (0, 0), seed=13)
+    ref = build(HF["gpt2"], 13)
+    assert not torch.equal(out["transformer.h.1.mlp.c_fc.weight"], ref.transformer.h[1].mlp.c_fc.weight[:16])
