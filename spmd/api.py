@@ -48,6 +48,16 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
     return init_device_mesh(device_type, shape, mesh_dim_names=tuple(axis_names))
 
 
+def _rank_device(mesh) -> torch.device | None:
+    """This rank's CUDA device: the current one (init_mesh made it LOCAL_RANK's). With no GPU here (compiling
+    for CUDA on fake tensors, as the tests do) it is LOCAL_RANK's, and CUDA is never initialized."""
+    if mesh.device_type != "cuda":
+        return None
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: MeshSpec | None = None,
             src_data_rank: int | None = 0, options: PlanOptions | None = None, **kwargs) -> CompiledModule:
     """Partition `model` over `mesh` (a torch DeviceMesh, see `init_mesh`) and return this rank's
@@ -76,13 +86,14 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
         raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None
+    device = _rank_device(mesh)
     meeting = Rendezvous() if dist.is_initialized() else None
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,
                           tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)), device,
                           meeting.adopt_rank0 if meeting else None, meeting.agree_on if meeting else None)
     try:
-        traced_model, traced_inputs = fake_model(model, example_inputs)  # a meta model is traced through fakes
+        # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh
+        traced_model, traced_inputs = fake_model(model, example_inputs, device)
         c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
     except BaseException as e:
         if meeting is not None:  # the other ranks wait at the meeting: bring them the error

@@ -12,22 +12,27 @@ def is_meta(model: torch.nn.Module, example_inputs: tuple = ()) -> bool:
         any(isinstance(t, torch.Tensor) and t.is_meta for t in example_inputs)
 
 
-def fake_model(model: torch.nn.Module, example_inputs: tuple = ()) -> tuple[torch.nn.Module, tuple]:
-    """A copy of a meta model whose parameters, buffers and inputs are CPU fake tensors. Meta tensors
-    themselves do not do: kernels pick different implementations on meta (no fused CPU attention) and
-    the joint graph loses its forward/backward split. Real tensors are left as they are; a model with
-    nothing on meta comes back as it is."""
+def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch.device | str | None = None,
+               ) -> tuple[torch.nn.Module, tuple]:
+    """A copy of a meta model whose parameters, buffers and inputs are fake tensors on `device` (default
+    CPU; `spmd.compile` passes the rank's device, so a CUDA mesh is traced with CUDA kernels, not the CPU
+    ones). Meta tensors themselves do not do: kernels pick different implementations on meta (no fused
+    attention) and the joint graph loses its forward/backward split. Real tensors are left as they are; a
+    model with nothing on meta comes back as it is."""
+    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if not is_meta(model, example_inputs):
         return model, tuple(example_inputs)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # inside a FakeTensorMode (compiling for a GPU with none here: the tests), its tensors: AOTAutograd
+    # refuses to mix modes
+    mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t):
         if not isinstance(t, torch.Tensor) or not t.is_meta:
             return t
         with mode:
-            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            return torch.empty(t.shape, dtype=t.dtype, device=device or "cpu")
 
     model = copy.deepcopy(model)  # meta: no data to copy
     made: dict[int, torch.Tensor] = {}  # a tensor shared by several modules (tied weights) stays shared

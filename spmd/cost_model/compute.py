@@ -23,6 +23,16 @@ _ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 2, 4),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 5, 7),
 }
+# the CUDA kernels (what a joint trace on CUDA tensors holds: flash for fp16/bf16, memory-efficient for
+# fp32, cuDNN where enabled); without them they were priced by torch's FLOP counter, causal or not
+for _name, _at in (("_scaled_dot_product_flash_attention", (0, 2, 4)),
+                   ("_scaled_dot_product_flash_attention_backward", (1, 5, 11)),
+                   ("_scaled_dot_product_efficient_attention", (0, 2, 6)),
+                   ("_scaled_dot_product_efficient_attention_backward", (1, 5, 11)),
+                   ("_scaled_dot_product_cudnn_attention", (0, 2, 6)),
+                   ("_scaled_dot_product_cudnn_attention_backward", (1, 5, 14))):
+    if hasattr(aten, _name):
+        _ATTENTION[getattr(aten, _name).default] = _at
 
 
 # Elementwise and row-wise kernels whose work per element is many instructions (erf, exp, log, a

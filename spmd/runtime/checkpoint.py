@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from spmd.core.errors import SpmdError
+from spmd.core.errors import SpmdError, SpmdInternalError
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+          torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 DTYPE_OF = {name: dtype for dtype, name in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 
@@ -40,8 +41,16 @@ def checkpoint_files(path) -> dict[str, Path]:
         raise SpmdError(f"no checkpoint at {path}. What to do: pass a .safetensors file, an index "
                         f"({INDEX}) or the folder save_pretrained wrote.")
     if path.suffix == ".json":
-        weight_map = json.loads(path.read_text())["weight_map"]
-        return {name: path.parent / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SpmdError(f"{path}: not a safetensors index (a JSON object with a \"weight_map\"): {e}") from None
+        files = {name: path.parent / file for name, file in weight_map.items()}
+        gone = sorted({str(f.name) for f in files.values() if not f.exists()})
+        if gone:
+            raise SpmdError(f"{path} names shard files that are not there: {', '.join(gone)}. What to do: copy the "
+                            "whole checkpoint folder.")
+        return files
     _, header = read_header(path)
     return {name: path for name in header if name != "__metadata__"}
 
@@ -49,8 +58,13 @@ def checkpoint_files(path) -> dict[str, Path]:
 def read_header(path) -> tuple[int, dict]:
     """(where the data starts, the JSON header) of a safetensors file."""
     with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        return 8 + n, json.loads(f.read(n))
+        head = f.read(8)
+        try:
+            n = struct.unpack("<Q", head)[0]
+            return 8 + n, json.loads(f.read(n))
+        except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SpmdError(f"{path}: not a safetensors file, or its header is cut short ({e}). What to do: check "
+                            "the file is complete (its size, a checksum from where it came from).") from None
 
 
 def _readinto(f, offset: int, out: torch.Tensor) -> None:
@@ -135,14 +149,14 @@ class SafetensorsWriter:
         want, size = self.expected[self.written]
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         if name != want or data.nbytes != size:
-            raise AssertionError(f"SafetensorsWriter: got {name} ({data.nbytes} bytes), expected {want} ({size})")
+            raise SpmdInternalError(f"SafetensorsWriter: got {name} ({data.nbytes} bytes), expected {want} ({size})")
         self.file.write(memoryview(data))
         self.written += 1
 
     def close(self) -> None:
         self.file.close()
         if self.written != len(self.expected):
-            raise AssertionError(f"SafetensorsWriter: {self.written} of {len(self.expected)} tensors written")
+            raise SpmdInternalError(f"SafetensorsWriter: {self.written} of {len(self.expected)} tensors written")
 
 
 def atomic_path(path) -> tuple[Path, Path]:

@@ -255,10 +255,13 @@ class CompiledModule(nn.Module):
                 if writer is not None:
                     writer.write(name, full)
                 del full
-        finally:
-            if writer is not None:
-                writer.close()
+        except BaseException:
+            if writer is not None:  # no half-written checkpoint left behind under any name
+                writer.file.close()
+                tmp.unlink(missing_ok=True)
+            raise
         if writer is not None:
+            writer.close()
             os.replace(tmp, final)
         return path
 

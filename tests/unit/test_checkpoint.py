@@ -184,3 +184,26 @@ def test_shape_mismatch_names_both_shapes(saved):
     with pytest.raises(SpmdError, match=r"model.safetensors: 'cube' has shape \(4, 6, 8\), the model's is "
                                         r"\(4, 6, 4\)\. What to do: load a checkpoint of this model's configuration"):
         read_pieces(checkpoint_files(path), {"cube": ((slice(0, 4), slice(0, 6), slice(0, 4)), (4, 6, 4))})
+
+
+def test_a_cut_header_or_a_missing_shard_names_the_file(tmp_path):
+    (tmp_path / "tiny.safetensors").write_bytes(b"\x10\x00")  # shorter than the 8-byte header length
+    with pytest.raises(SpmdError, match=r"tiny.safetensors: not a safetensors file, or its header is cut short"):
+        checkpoint_files(tmp_path / "tiny.safetensors")
+    (tmp_path / "cut.safetensors").write_bytes(struct.pack("<Q", 100) + b'{"w": {"dtype"')
+    with pytest.raises(SpmdError, match=r"cut.safetensors: not a safetensors file"):
+        checkpoint_files(tmp_path / "cut.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(SpmdError, match=r"names shard files that are not there: model-00001-of-00002.safetensors"):
+        checkpoint_files(tmp_path)
+
+
+def test_unsigned_integers_round_trip(tmp_path):
+    t = torch.arange(12, dtype=torch.int32).to(torch.uint16).reshape(3, 4)
+    writer = SafetensorsWriter(tmp_path / "u.safetensors", [("u", t.dtype, tuple(t.shape))])
+    writer.write("u", t)
+    writer.close()
+    data_start, header = read_header(tmp_path / "u.safetensors")
+    with open(tmp_path / "u.safetensors", "rb") as f:
+        assert torch.equal(read_piece(f, data_start, header["u"], (slice(0, 3), slice(1, 3))), t[:, 1:3])

@@ -38,10 +38,15 @@ def _propagator():
 @functools.lru_cache(maxsize=16)
 def offline_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     """A DeviceMesh with no process group behind it: enough for DTensor's rules, never for running."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape),
-                      mesh_dim_names=names, _init_backend=False, _rank=0)
+    # a real (CPU) mesh tensor even when planning runs inside a FakeTensorMode (compiling with no GPU, as the
+    # tests do): a fake one makes every DTensor rule fail on .item() and every op fall back to Replicate, and
+    # the cache would hand that mesh to later plans too
+    with unset_fake_temporarily():
+        return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape),
+                          mesh_dim_names=names, _init_backend=False, _rank=0)
 
 
 @contextlib.contextmanager
@@ -137,7 +142,11 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
             if len(outputs) > 1 and not all(isinstance(p, Replicate) for p in outs.placements):
                 continue
             outs = tuple(outs if o is not None else None for o in outputs) if len(outputs) > 1 else (outs,)
-        out_ps = tuple(o.placements if o is not None else None for o in outs)
+        # DTensor gives no spec for outputs it leaves plain local tensors: the fused CUDA attention kernels'
+        # RNG state (flash's `unused` philox offset, efficient attention's philox seed and offset), the same
+        # on every rank. In our graph they are tensors the backward kernel reads: Replicate.
+        out_ps = tuple(o.placements if o is not None else None if info is None else (Replicate(),) * mesh.ndim
+                       for o, info in zip(outs, outputs))
         if spec.input_specs is None:
             in_ps = tuple(out_ps[0] for _ in arg_infos)
         else:
