@@ -72,7 +72,7 @@ def main() -> int:
         ref_loss.backward()
         ref_opt.step()
         errors[0] = abs(loss.item() - ref_loss.item())
-        errors[1] = max(float((after[k] - v).abs().max()) for k, v in reference.named_parameters())
+        errors[1] = max(float((after[k] - v.detach()).abs().max()) for k, v in reference.named_parameters())
     dist.broadcast(errors, src=0)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     line = (f"rank {rank} on {device} ({'NCCL' if cuda else 'gloo'}): compile {compile_s:.1f} s, loss {loss.item():.6f}, "

@@ -52,12 +52,32 @@ def test_ranks_built_with_different_seeds_train_rank_0s_model(ranks):
         assert r["param_err"] < 1e-9, r
 
 
-def test_without_a_source_rank_each_rank_keeps_its_own_weights(ranks):
-    """src_data_rank=None is for ranks that all loaded the same weights: with different seeds the ranks hold
-    pieces of different models, so the result is not rank 0's model (the check that would catch it is the
-    rank-agreement checksum)."""
-    results = ranks(4).run(_train_with_rank_seeds, None)
-    assert any(r["param_err"] > 1e-3 for r in results)
+def _own_weights(rank: int, world: int, seed_of_rank) -> str:
+    torch.manual_seed(seed_of_rank(rank))
+    model = GPT(GPTConfig(layers=2))
+    tokens = torch.randint(0, 128, (4, 32))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    try:
+        spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2,), ("dp",)), src_data_rank=None)
+    except spmd.SpmdError as e:
+        return str(e)
+    return ""
+
+
+def _same_seed(rank):
+    return 0
+
+
+def _seed_is_rank(rank):
+    return rank
+
+
+def test_without_a_source_rank_the_ranks_weights_must_agree(ranks):
+    """src_data_rank=None is for ranks that all loaded the same weights; a checksum per tensor proves it,
+    and ranks that built different weights all stop, naming the first tensor that differs."""
+    assert ranks(2).run(_own_weights, _same_seed) == ["", ""]
+    for message in ranks(2).run(_own_weights, _seed_is_rank):
+        assert "weights: rank 1 differs from rank 0; 'tok_emb.weight:" in message, message
 
 
 def _meta_compile_refuses_to_run_uninitialized(rank: int, world: int) -> str:

@@ -50,3 +50,12 @@ def test_demo_on_two_nodes_of_two_ranks():
     assert printed.count("max |output - single device|") == 4
     # the mesh (dp=2, tp=2): tp inside a node, dp across them
     assert "rank 1 (node 0)" in printed and "rank 2 (node 1)" in printed
+
+
+def test_gpu_smoke_runs_on_gloo():
+    """examples/gpu_smoke.py, meant for GPUs with NCCL, in its CPU mode: meta build, init on shards, one
+    AdamW step equal to one device."""
+    out = _run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/gpu_smoke.py", "--cpu",
+               "--dim", "128")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK: one training step equals one device" in out.stdout and out.stdout.count("(gloo)") == 2
