@@ -365,7 +365,7 @@ def timed(fns: dict, n: int, barrier: bool) -> dict:
     return {k: (statistics.median(v), percentile(v, 0.1)) for k, v in ts.items()}
 
 
-def count_ops(fn) -> "collections.Counter":
+def count_ops(fn) -> dict:
     """How many times each ATen op is dispatched by one call of fn (views included)."""
     import collections
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -7,6 +7,7 @@ verify), or a ready `options=PlanOptions(...)` with keywords on top.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Sequence
 
@@ -25,8 +26,17 @@ from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule
 
 
-def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str | None = None):
-    """Start the process group if needed (NCCL on CUDA, gloo on CPU) and return a torch DeviceMesh."""
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str | None = None,
+              timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+    """Start the process group if needed (NCCL on CUDA, gloo on CPU) and return a torch DeviceMesh.
+
+    timeout: how long a collective may wait for its peers before it fails (with an error naming it,
+    `SpmdCollectiveError`). torch's default is 30 minutes for gloo, 10 for NCCL: a rank that hangs
+    would block the others that long. Five minutes covers a compile (ranks wait for each other at
+    its start) and a training step; raise it for steps or checkpoints that take longer."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(shape)
@@ -37,7 +47,7 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
                             f"launch with `torchrun --nproc-per-node {torch.Size(shape).numel()} script.py`.")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     world = dist.get_world_size()
     need = 1
     for s in shape:

@@ -3,18 +3,58 @@
 Each wraps torch's functional collectives (`torch.ops._c10d_functional`, which run on NCCL and gloo)
 on the process group of one mesh axis, named by `group`; `world` is that axis's size and `index` this
 rank's coordinate on it. Collectives work on dim 0, so other dims are moved there and back.
+
+`where` (set by emit_rank_graph: the value, the mesh axis, the user's source line) is what a failure
+says: a collective that fails or times out (a peer died, or stopped answering) raises
+`SpmdCollectiveError` naming the collective, the mesh axis and its ranks, and the line that needed it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from spmd.core.errors import SpmdCollectiveError, SpmdError
+
 _c10d = torch.ops._c10d_functional
+
+
+def _group_ranks(group: str | None) -> str:
+    if group is None:
+        return "?"
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return str(dist.get_process_group_ranks(_resolve_process_group(group)))
+    except Exception:  # the group is gone with the failure, or this torch names groups otherwise
+        return f"process group {group!r}"
+
+
+def speaking(fn):
+    """`fn` (a step of the generated graph, taking `where=`) whose failures say what ran and where."""
+    @functools.wraps(fn)
+    def run(*args, where: str = "", **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpmdError:
+            raise
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SpmdCollectiveError(
+                f"{fn.__name__} over ranks {_group_ranks(kwargs.get('group'))} failed"
+                + (f" ({where})" if where else "") + f": {type(e).__name__}: {first}\n"
+                "What to do: a rank of that group died or stopped answering; its own log says why. When a step "
+                "legitimately takes longer than the process group's timeout, raise it: "
+                "spmd.init_mesh(..., timeout=datetime.timedelta(minutes=...)).") from e
+    return run
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
+@speaking
 def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
     # Out of place on purpose: the Partial value may have other readers in the graph, which an
     # in-place `all_reduce_` would hand the reduced value.
@@ -23,11 +63,13 @@ def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch
     return y / world if reduce_op == "avg" else y
 
 
+@speaking
 def all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
     y = _wait(_c10d.all_gather_into_tensor(x.contiguous(), world, group))
     return y if dim == 0 else torch.cat(y.chunk(world, 0), dim)
 
 
+@speaking
 def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: str, world: int) -> torch.Tensor:
     if dim != 0:
         x = torch.cat(x.chunk(world, dim), 0)
@@ -36,6 +78,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: str, world:
     return y / world if reduce_op == "avg" else y
 
 
+@speaking
 def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, world: int) -> torch.Tensor:
     """Sharded on `src_dim` -> sharded on `dst_dim`: block j (chunk j along dst_dim) goes to rank j."""
     blocks = torch.cat(x.chunk(world, dst_dim), 0).contiguous()
@@ -58,6 +101,7 @@ def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
     return x
 
 
+@speaking
 def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world: int) -> torch.Tensor:
     """One all_reduce for many tensors: flatten them into one buffer and launch it."""
     op = "sum" if reduce_op == "avg" else reduce_op
@@ -65,7 +109,9 @@ def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world:
     return _c10d.all_reduce(flat, op, group)
 
 
-def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int) -> list[torch.Tensor]:
+@speaking
+def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int,
+                group: str | None = None) -> list[torch.Tensor]:
     """Wait for a bucket and cut it back into tensors shaped like `tensors`."""
     flat = _wait(flat)
     if reduce_op == "avg":

@@ -17,6 +17,11 @@ class SpmdError(Exception):
     """The model or the user's constraints cannot be partitioned as asked."""
 
 
+class SpmdCollectiveError(SpmdError):
+    """A collective of a compiled graph failed or timed out: the message names it, its mesh axis and
+    ranks, and the user's line that needed it (spmd/core/collectives.py)."""
+
+
 class SpmdInternalError(RuntimeError):
     """A pass broke an invariant. `graph_dump` holds the graph it was working on."""
 

@@ -65,11 +65,15 @@ def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], buck
         kw = bucket[0].kwargs
         inputs = [n.args[0] for n in bucket]
         with graph.inserting_after(last):
+            names = ", ".join(n.args[0].name for n in bucket[:3]) + (", ..." if len(bucket) > 3 else "")
+            where = f"a bucket of {len(bucket)} gradient(s) ({names})"
             start = graph.call_function(C.bucket_start, (inputs,),
-                                        {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"]})
+                                        {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"],
+                                         "where": where})
         with graph.inserting_after(start):
             done = graph.call_function(C.bucket_wait, (start, inputs),
-                                       {"reduce_op": kw["reduce_op"], "world": kw["world"]})
+                                       {"reduce_op": kw["reduce_op"], "world": kw["world"], "group": kw["group"],
+                                        "where": where})
         for i, node in enumerate(bucket):
             with graph.inserting_after(done):
                 piece = graph.call_function(operator.getitem, (done, i))

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from spmd.core.collectives import STEP_FUNCTIONS
+from spmd.core.errors import user_source_line
 from spmd.core.specs import local_shape
 
 aten = torch.ops.aten
@@ -28,6 +29,7 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
     """`device`: where this rank runs; factory ops traced on another device of the same type (say
     cuda:0 while this rank owns cuda:3) are moved to it."""
     coord = mesh.coordinate(rank)
+    nodes = {n.name: n for n in global_gm.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in global_gm.graph.nodes:
@@ -47,7 +49,7 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             elif node.target is STEP_FUNCTIONS["partial_local"]:
                 kwargs.update(index=coord[axis])
             else:
-                kwargs.update(group=group_names[axis], world=world)
+                kwargs.update(group=group_names[axis], world=world, where=_where(node, mesh.axis_names[axis], nodes))
             new.kwargs = kwargs
         if node.target is aten.view.default:
             # Local tensors can be laid out differently from the traced run (collectives return
@@ -64,3 +66,12 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
     gm = fx.GraphModule(global_gm, graph)
     gm.recompile()
     return gm
+
+
+def _where(step: fx.Node, axis_name: str, nodes: dict) -> str:
+    """"addmm_3 on mesh axis tp, needed by add_1 at model.py:54": what a failing collective was doing."""
+    value, consumer = step.meta.get("spmd_for", (step.name, None))
+    reader = nodes.get(consumer)
+    line = user_source_line(reader if reader is not None else step)
+    return f"{value} on mesh axis {axis_name}, needed by {consumer or 'the output'}" + (
+        f" at {line}" if line != "<no source location>" else "")

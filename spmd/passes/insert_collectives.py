@@ -25,6 +25,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     edge_by_slot = {(e.consumer, e.slot): e for e in plan.edges}
+    labels = traced.labels()
     shared: dict[tuple, fx.Node] = {}
 
     def resharded(consumer: str, slot: int, node: fx.Node, tag: str | None) -> fx.Node:
@@ -45,6 +46,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             placements[step.axis] = after_step(step)
             cur.meta["spmd_placements"] = (tuple(placements),)
             cur.meta["spmd_step"] = step
+            cur.meta["spmd_for"] = (labels.get(edge.value[0], edge.value[0]), consumer)  # for its error message
             cur.meta["val"] = node.meta.get("val")
             cur.meta["stack_trace"] = node.meta.get("stack_trace")
             if tag is not None:

@@ -10,8 +10,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime import optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
+from spmd.runtime.inputs import InputSpec, check_full, check_local
 from spmd.runtime.materialize import is_placeholder_value, local_piece
-from spmd.core.specs import local_shape, placements_str
 
 
 class CompiledModule(nn.Module):
@@ -38,6 +38,7 @@ class CompiledModule(nn.Module):
         self.graph_module = c.rank_gm
         self.split = c.split  # SplitGraphs when compiled for training, else None
         self.device_mesh = device_mesh
+        self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
         self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
@@ -50,7 +51,7 @@ class CompiledModule(nn.Module):
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
         self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
         self._order_names: list[str] = []  # FQN or input name per placeholder
-        self._input_specs: list[tuple[str, tuple, tuple]] = []  # (name, placements, global shape)
+        self._input_specs: list[InputSpec] = []
         self._global_shapes: dict[str, tuple[int, ...]] = {}  # FQN -> full shape
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
@@ -61,7 +62,7 @@ class CompiledModule(nn.Module):
             if gi.kind == "tangent":
                 continue
             if gi.kind == "input":
-                self._input_specs.append((gi.name, ps, info.shape))
+                self._input_specs.append(InputSpec(gi.name, ps, tuple(info.shape), info.dtype))
                 self._order.append(("input", gi.name))
                 self._order_names.append(gi.name)
                 continue
@@ -279,12 +280,13 @@ class CompiledModule(nn.Module):
         return self._with_aliases(out)
 
     def input_placements(self) -> dict[str, tuple]:
-        return {name: ps for name, ps, _ in self._input_specs}
+        return {s.name: s.placements for s in self._input_specs}
 
     def shard_inputs(self, *full_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Cut full inputs (the same on every rank) into this rank's local shards."""
-        return tuple(local_shard(t, ps, self.mesh_spec.shape, self.coord)
-                     for t, (_, ps, _) in zip(full_inputs, self._input_specs))
+        check_full(full_inputs, self._input_specs)
+        return tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
+                     for t, s in zip(full_inputs, self._input_specs))
 
     def gather_outputs(self, outputs):
         """Full outputs on every rank from this rank's local output shards."""
@@ -296,22 +298,6 @@ class CompiledModule(nn.Module):
                         if ps is not None and isinstance(t, torch.Tensor) else t)
         return tree_unflatten(full, spec)
 
-    def _check_inputs(self, inputs: tuple) -> None:
-        if len(inputs) != len(self._input_specs):
-            raise SpmdError(f"compiled model takes {len(self._input_specs)} inputs "
-                            f"({[n for n, _, _ in self._input_specs]}), got {len(inputs)}")
-        problems = []
-        for t, (name, ps, shape) in zip(inputs, self._input_specs):
-            want = local_shape(shape, ps, self.mesh_spec.shape)
-            if tuple(t.shape) != want:
-                problems.append(f"  input {name!r}: expected local shape {list(want)} (global {list(shape)} laid "
-                                f"out as {placements_str(ps)} on mesh {self.mesh_spec}), got {list(t.shape)}")
-        if problems:
-            raise SpmdError("wrong local input shape on rank "
-                            f"{self.rank}:\n" + "\n".join(problems) +
-                            "\nWhat to do: pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it), "
-                            "or recompile with example inputs of this size.")
-
     def forward(self, *inputs: torch.Tensor):
         if self._uninitialized:
             names = sorted(self._uninitialized)
@@ -319,7 +305,7 @@ class CompiledModule(nn.Module):
                             f"buffers have no values yet ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). "
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
                             "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
-        self._check_inputs(inputs)
+        check_local(inputs, self._input_specs, self.mesh_spec, self.rank, self._device)
         it = iter(inputs)
         args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
         if self.split is None:

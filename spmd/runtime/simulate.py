@@ -83,6 +83,7 @@ def simulate(compilation, full_inputs: tuple) -> list:
             kw = dict(kwargs[0])
             axis = names.index(kw.pop("group"))
             kw.pop("world")
+            kw.pop("where", None)
             results = _collective(node.target, [a[0] for a in args], kw, mesh, axis)
         else:
             results = [node.target(*a, **kw) for a, kw in zip(args, kwargs)]

@@ -36,8 +36,9 @@ def test_wrong_local_input_shape_at_run_time(ranks):
     messages = ranks(2).run(_wrong_local_shape)
     for m in messages:
         assert m is not None
-        assert "input 'x': expected local shape [4, 16] (global [8, 16] laid out as [S(0)]" in m
-        assert "got [8, 16]" in m and "compiled.shard_inputs" in m
+        assert "input 'x': got the full tensor [8, 16]; this rank takes its shard [4, 16] (global [8, 16] laid " \
+               "out as [S(0)]" in m
+        assert "compiled.shard_inputs" in m
 
 
 def _optimizer_over_original(rank, world):

@@ -1,0 +1,86 @@
+"""What a compiled module checks about its inputs before any collective runs: a wrong input must fail
+here, on the rank that got it, with the fix, and not as a hang or a size error inside gloo.
+
+    count                       the inputs the model was compiled for, by name
+    a tensor                    each input is one
+    dtype                       the example's dtype (a float64 batch for a float32 model, int32 tokens)
+    device                      the rank's device (a CPU batch on a CUDA rank)
+    the full tensor             where the rank takes its shard: compiled.shard_inputs(...) cuts it
+    another size                the plan is for the example's shapes: recompile for new ones
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmd.core.errors import SpmdError
+from spmd.core.specs import Placements, local_shape, placements_str
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    placements: Placements
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+
+
+def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
+    """`shard_inputs`' inputs: the full tensors, as the example inputs were."""
+    _count(inputs, specs, "shard_inputs takes")
+    problems = []
+    for t, spec in zip(inputs, specs):
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"  input {spec.name!r}: expected a tensor, got {type(t).__name__}")
+        elif tuple(t.shape) != tuple(spec.shape):
+            problems.append(f"  input {spec.name!r}: expected the full shape {list(spec.shape)}, got {list(t.shape)}")
+    if problems:
+        raise SpmdError("shard_inputs cuts full inputs of the shapes the model was compiled for:\n" + "\n".join(problems)
+                        + "\nWhat to do: recompile with example inputs of these shapes (the plan is for the "
+                          "compiled ones), or pass batches of the compiled size.")
+
+
+def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: torch.device | None) -> None:
+    """A compiled module's inputs: this rank's shards, in the compiled dtypes, on its device."""
+    _count(inputs, specs, "the compiled model takes")
+    problems, fix = [], set()
+    for t, spec in zip(inputs, specs):
+        where = f"  input {spec.name!r}"
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{where}: expected a tensor, got {type(t).__name__}")
+            continue
+        want = local_shape(spec.shape, spec.placements, mesh.shape)
+        layout = f"global {list(spec.shape)} laid out as {placements_str(spec.placements)} on mesh {mesh}"
+        if tuple(t.shape) != want:
+            if tuple(t.shape) == tuple(spec.shape):
+                problems.append(f"{where}: got the full tensor {list(t.shape)}; this rank takes its shard "
+                                f"{list(want)} ({layout})")
+                fix.add("shard")
+            else:
+                problems.append(f"{where}: expected local shape {list(want)} ({layout}), got {list(t.shape)}")
+                fix.add("shape")
+        if t.dtype != spec.dtype:
+            problems.append(f"{where}: expected {str(spec.dtype).replace('torch.', '')}, got "
+                            f"{str(t.dtype).replace('torch.', '')}")
+            fix.add("dtype")
+        if device is not None and t.device != device:
+            problems.append(f"{where}: expected it on {device}, got it on {t.device}")
+            fix.add("device")
+    if problems:
+        todo = []
+        if "shard" in fix or "shape" in fix:
+            todo.append("pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it)"
+                        + (", or recompile with example inputs of this size" if "shape" in fix else ""))
+        if "dtype" in fix:
+            todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
+        if "device" in fix:
+            todo.append(f"move the input to {device}")
+        raise SpmdError(f"wrong input on rank {rank} (checked before any collective ran):\n" + "\n".join(problems)
+                        + "\nWhat to do: " + "; ".join(todo) + ".")
+
+
+def _count(inputs: tuple, specs: list[InputSpec], what: str) -> None:
+    if len(inputs) != len(specs):
+        raise SpmdError(f"{what} {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}. What "
+                        "to do: pass them in that order (the model's arguments, then the loss function's targets).")

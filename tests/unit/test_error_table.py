@@ -1,0 +1,267 @@
+"""The messages users read when something cannot be done, one row per case: what they did, and the words
+the message must hold (what is wrong, where, and the way out). Rows that need a live mesh run in a
+one-rank gloo world inside this process (no process is started). Rank disagreement, dying ranks and
+timeouts need several processes: tests/e2e/test_errors.py and test_reliability.py."""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import spmd
+from spmd.tools import cli
+from tests.models import GPT, MLP, GPTConfig
+from tests.support import spec
+
+TP = spec((2,), ("tp",))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A one-rank gloo world in this process, and its mesh."""
+    if not dist.is_initialized():
+        path = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+    import os
+
+    os.environ.setdefault("RANK", "0")
+    yield spmd.init_mesh((1,), ("dp",))
+    dist.destroy_process_group()
+
+
+class _Item(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x  # (`.item()` as a value works: the rank graphs compute it)
+
+
+class _Branch(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class _NonZero(nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x > 0)
+
+
+class _BackwardItem(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float(g.abs().max())  # a value in backward: the joint graph cannot hold it
+
+
+class _WithBadFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _BackwardItem.apply(self.fc(x))
+
+
+class _Searchsorted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("edges", torch.linspace(-2, 2, 8))
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) + torch.searchsorted(self.edges, x.contiguous())
+
+
+def _plan(model, inputs, **kw):
+    return spmd.plan(model, TP, inputs, **kw)
+
+
+x16 = torch.randn(4, 16)
+tokens = torch.randint(0, 128, (2, 16))
+
+# (id, what the user does, the words the message must hold)
+ROWS = [
+    ("mesh-bigger-than-world", lambda w: spmd.init_mesh((2, 2), ("dp", "tp")),
+     [r"mesh \(2, 2\) needs 4 processes but the world has 1", r"--nproc-per-node 4"]),
+    ("mesh-duplicate-axis", lambda w: spmd.MeshSpec((2, 2), ("dp", "dp")), [r"axis names must be unique"]),
+    ("mesh-zero-size", lambda w: spmd.MeshSpec((0, 2), ("dp", "tp")), [r"shape must be positive ints"]),
+    ("mesh-negative-size", lambda w: spmd.MeshSpec((-2,), ("dp",)), [r"shape must be positive ints"]),
+    ("pin-uneven", lambda w: _plan(MLP(16, 64), (torch.randn(3, 16),), in_placements={"x": [Shard(0)]}),
+     [r"pin \[S\(0\)\] for input 'x' cannot be met", r"dim 0 \(3\) does not divide into 2 pieces", r"What to do"]),
+    ("pin-misspelled-input", lambda w: _plan(GPT(GPTConfig()), (tokens,), in_placements={"tokns": [Shard(0)]}),
+     [r"names 'tokns'", r"Did you mean 'tokens'", r"Known names \(inputs first\): tokens, tok_emb.weight"]),
+    ("pin-misspelled-parameter", lambda w: _plan(MLP(16, 64), (x16,), param_placements={"fc2.wieght": [Shard(0)]}),
+     [r"names 'fc2.wieght'", r"Did you mean 'fc2.weight'"]),
+    ("pin-wrong-length", lambda w: _plan(MLP(16, 64), (x16,), param_placements={"fc1.weight": [Shard(0), Replicate()]}),
+     [r"has 2 placements but the mesh \(tp=2\) has 1 axes", r"one placement per mesh axis"]),
+    ("pin-shard-out-of-range", lambda w: _plan(MLP(16, 64), (x16,), param_placements={"fc1.weight": [Shard(5)]}),
+     [r"is S\(5\) on axis tp, but it is a 2-D tensor", r"shard a dim in 0..1"]),
+    ("pin-partial-input", lambda w: _plan(MLP(16, 64), (x16,), in_placements={"x": [Partial()]}),
+     [r"is Partial on axis tp: an input or parameter is a whole tensor", r"pin Shard\(d\) or Replicate\(\)"]),
+    ("pin-bare-placement", lambda w: _plan(MLP(16, 64), (x16,), in_placements={"x": Shard(0)}),
+     [r"is a single placement Shard\(0\)", r"write a list, e\.g\. \[Shard\(0\)\]"]),
+    ("pin-text", lambda w: _plan(MLP(16, 64), (x16,), in_placements={"x": ["S(0)"]}),
+     [r"holds the text 'S\(0\)'", r"Shard\(0\) there"]),
+    ("pin-unknown-output", lambda w: _plan(MLP(16, 64), (x16,), out_placements={3: [Replicate()]}),
+     [r"out_placements names output 3", r"numbered \[0\]"]),
+    ("trace-data-dependent-branch", lambda w: _plan(_Branch(), (x16,)),
+     [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: make the forward traceable"]),
+    ("trace-item", lambda w: _plan(_Item(), (x16,)),
+     [r"torch.export could not trace _Item", r"What to do: make the forward traceable"]),
+    ("trace-nonzero", lambda w: _plan(_NonZero(), (x16,)),
+     [r"node 'nonzero' \(aten.nonzero.default\)", r"depends on the data", r"torch.where"]),
+    ("custom-function-backward-reads-a-value", lambda w: _plan(_WithBadFunction(), (torch.randn(4, 8),) * 2,
+                                                               loss_fn=F.mse_loss),
+     [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction"]),
+    ("budget-impossible", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, memory_budget=100),
+     [r"no plan fits memory_budget=0.0 MiB per rank", r"raise the budget"]),
+    ("option-misspelled", lambda w: _plan(MLP(16, 64), (x16,), memory_budgt=1e9),
+     [r"unknown option 'memory_budgt' \(did you mean 'memory_budget'\?\)"]),
+    ("loss-without-training", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, training=False),
+     [r"a loss_fn only makes sense with training=True"]),
+    ("compile-mesh-spec-mismatch", lambda w: spmd.compile(MLP(16, 64), w, (x16,), mesh_spec=TP),
+     [r"mesh_spec \(tp=2\) does not match the mesh shape \(1,\)"]),
+]
+
+
+def _first_error(fn, w) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fn(w)
+        except (spmd.SpmdError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_message(world, row):
+    _, fn, words = row
+    text = _first_error(fn, world)
+    for w in words:
+        assert re.search(w, text), f"{w!r} not in:\n{text}"
+
+
+# ---- rows about files and the command line ------------------------------------------------------
+
+def test_plan_files_that_cannot_be_read(tmp_path):
+    (tmp_path / "cut.json").write_text('{"schema": "spmd-plan", "version": 1, "choi')
+    with pytest.raises(ValueError, match=r"cut.json: not a plan file \(not JSON"):
+        spmd.load_plan(tmp_path / "cut.json")
+    (tmp_path / "profile.json").write_text(json.dumps({"schema": "spmd-profile", "version": 1}))
+    with pytest.raises(ValueError, match=r"profile.json: not an spmd plan file \(schema 'spmd-profile'\)"):
+        spmd.load_plan(tmp_path / "profile.json")
+    (tmp_path / "future.json").write_text(json.dumps({"schema": "spmd-plan", "version": 99}))
+    with pytest.raises(ValueError, match=r"plan file version 99, this spmd reads version 1.*re-plan"):
+        spmd.load_plan(tmp_path / "future.json")
+
+
+def test_the_command_line_on_a_missing_file_and_a_module_without_a_builder(tmp_path, capsys):
+    assert cli.main(["plan", str(tmp_path / "nowhere.py") + ":build", "--mesh", "dp=2"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "model.py").write_text("import torch\nmodel = torch.nn.Linear(4, 4)\n")
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=2"]) == 2
+    assert "has no function 'build'" in capsys.readouterr().err
+    assert cli.main(["explain", str(tmp_path / "nowhere.json")]) == 2
+    assert "nowhere.json" in capsys.readouterr().err
+
+
+# ---- rows at run time, on a compiled module ------------------------------------------------------
+
+def _training(w):
+    torch.manual_seed(0)
+    model = MLP(16, 64)
+    compiled = spmd.compile(model, w, (x16, x16), loss_fn=F.mse_loss)
+    return model, compiled
+
+
+def test_an_op_without_a_rule_runs_replicated_with_one_warning_and_equal(world):
+    torch.manual_seed(0)
+    model, x = _Searchsorted(), torch.randn(4, 16)
+    with pytest.warns(spmd.UnknownOpWarning) as caught:
+        compiled = spmd.compile(model, world, (x,))
+    messages = [str(w.message) for w in caught if issubclass(w.category, spmd.UnknownOpWarning)]
+    assert len(messages) == 1 and "aten.searchsorted.Tensor" in messages[0] and "runs replicated" in messages[0]
+    assert "@rule(aten.searchsorted.Tensor)" in messages[0] and "test_error_table.py" in messages[0]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.gather_outputs(compiled(*compiled.shard_inputs(x))), model(x))
+
+
+@pytest.mark.parametrize("op", ["sort", "rfft", "qr"])
+def test_ops_with_dtensor_rules_run_without_a_warning_and_equal(world, op):
+    """torch.sort, torch.fft.rfft and torch.linalg.qr have DTensor rules in torch 2.13: no warning."""
+    fns = {"sort": lambda h: torch.sort(h, -1)[0], "rfft": lambda h: torch.fft.rfft(h).abs(),
+           "qr": lambda h: torch.linalg.qr(h.reshape(4, 4, 4))[1]}
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return fns[op](self.fc(x))
+
+    torch.manual_seed(0)
+    model = M()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spmd.UnknownOpWarning)
+        compiled = spmd.compile(model, world, (x16,))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.gather_outputs(compiled(*compiled.shard_inputs(x16))), model(x16))
+
+
+def test_backward_twice(world):
+    _, compiled = _training(world)
+    loss = compiled(*compiled.shard_inputs(x16, x16))
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"Trying to backward through the graph a second time"):
+        loss.backward()
+
+
+def test_an_optimizer_over_the_original_parameters(world):
+    model, compiled = _training(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled(*compiled.shard_inputs(x16, x16)).backward()
+    with pytest.raises(spmd.SpmdError, match=r"(?s)SGD steps 4 parameter\(s\) of the original MLP .*`SGD\(compiled\.parameters\(\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("inputs,words", [
+    (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16)), [r"input 'x': expected float32, got float64",
+                                                                             r"convert the input to the compiled dtype"]),
+    (lambda: (torch.randn(6, 16), torch.randn(6, 16)), [r"input 'x': expected local shape \[4, 16\]",
+                                                        r"recompile with example inputs of this size"]),
+    (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target0\), got 1"]),
+    (lambda: ([1.0] * 16, torch.randn(4, 16)), [r"input 'x': expected a tensor, got list"]),
+])
+def test_wrong_inputs_at_run_time_before_any_collective(world, inputs, words):
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError) as e:
+        compiled(*inputs())
+    for w in words:
+        assert re.search(w, str(e.value)), str(e.value)
+
+
+def test_shard_inputs_of_another_batch_says_recompile(world):
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)expected the full shape \[4, 16\], got \[8, 16\].*recompile"):
+        compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
+
+
+def test_a_meta_compile_before_init(world):
+    with torch.device("meta"):
+        model = MLP(16, 64)
+    compiled = spmd.compile(model, world, (x16,))
+    with pytest.raises(spmd.SpmdError, match=r"compiled from the meta device.*compiled.init_weights\(seed=\.\.\.\)"):
+        compiled(*compiled.shard_inputs(x16))
+
