@@ -382,7 +382,7 @@ def fsdp_pins(model, mesh) -> tuple[dict, dict[str, str]]:
         else:
             params[fqn] = [Replicate()] * k
             exceptions[fqn] = f"{tuple(p.shape)}: R"
-    ins = {"images": [Shard(0)] * k, "target0": [Shard(0)] * k}
+    ins = {"images": [Shard(0)] * k, "labels": [Shard(0)] * k}
     return dict(in_placements=ins, param_placements=params), exceptions
 
 
@@ -410,7 +410,7 @@ def megatron_fsdp_pins(model, mesh) -> dict:
         else:
             dims = [d for d, s in enumerate(p.shape) if s % dp == 0]
             params[fqn] = [Shard(dims[0]), Replicate()] if dims else [Replicate(), Replicate()]
-    return dict(in_placements={"images": [Shard(0), Replicate()], "target0": [Shard(0), Replicate()]},
+    return dict(in_placements={"images": [Shard(0), Replicate()], "labels": [Shard(0), Replicate()]},
                 param_placements=params)
 
 

@@ -266,7 +266,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     t0 = time.perf_counter()
     compiled["a1"] = spmd.compile(copy.deepcopy(model), mesh, example_inputs=example, loss_fn=lm_loss)
     compile_s["a1"] = time.perf_counter() - t0
-    pins = dict(in_placements={"tokens": [Replicate()], "target0": [Replicate()]},
+    pins = dict(in_placements={"tokens": [Replicate()], "targets": [Replicate()]},
                 param_placements=megatron_param_pins(layers))
     t0 = time.perf_counter()
     a2 = spmd.compile(copy.deepcopy(model), mesh, example_inputs=example, loss_fn=lm_loss, **pins)
@@ -369,7 +369,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
         p = m.plan
         plans[k] = dict(
             layout=f"tokens {placements_str(m.input_placements()['tokens'])}, targets "
-                   f"{placements_str(m.input_placements()['target0'])}",
+                   f"{placements_str(m.input_placements()['targets'])}",
             fwd=counts_str(graph_collectives(m.split.forward)), bwd=counts_str(graph_collectives(m.split.backward)),
             summary=summary_str(dict(p.collective_summary())), est=p.objective, compute=p.compute_cost,
             comm=p.comm_cost, memory=dict(p.memory), peak=p.predicted_peak_bytes, fingerprint=p.fingerprint(),

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.compiler.agreement import weights_summary
+from spmd.compiler.call import positional_call
 from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import run_pipeline
@@ -24,6 +25,7 @@ from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule
+from spmd.runtime.meshes import device_mesh
 
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -36,9 +38,10 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
     timeout: how long a collective may wait for its peers before it fails (with an error naming it,
     `SpmdCollectiveError`). torch's default is 30 minutes for gloo, 10 for NCCL: a rank that hangs
     would block the others that long. Five minutes covers a compile (ranks wait for each other at
-    its start) and a training step; raise it for steps or checkpoints that take longer."""
-    from torch.distributed.device_mesh import init_device_mesh
+    its start) and a training step; raise it for steps or checkpoints that take longer.
 
+    Asking again for the same shape and axis names returns the same mesh (torch's init_device_mesh
+    would make new process groups each time: runtime/meshes.py)."""
     shape = tuple(shape)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if not dist.is_initialized():
@@ -55,7 +58,7 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
     if need != world:
         raise SpmdError(f"init_mesh: mesh {shape} needs {need} processes but the world has {world}. What to do: "
                         f"launch with `torchrun --nproc-per-node {need}` or choose a mesh whose sizes multiply to {world}.")
-    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(axis_names))
+    return device_mesh(shape, axis_names, device_type)
 
 
 def _rank_device(mesh) -> torch.device | None:
@@ -68,8 +71,9 @@ def _rank_device(mesh) -> torch.device | None:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: MeshSpec | None = None,
-            src_data_rank: int | None = 0, options: PlanOptions | None = None, **kwargs) -> CompiledModule:
+def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
+            mesh_spec: MeshSpec | None = None, src_data_rank: int | None = 0, options: PlanOptions | None = None,
+            **kwargs) -> CompiledModule:
     """Partition `model` over `mesh` (a torch DeviceMesh, see `init_mesh`) and return this rank's
     `CompiledModule`.
 
@@ -77,7 +81,10 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
     no rank ever holds it whole; each allocates its shards and fills them with `compiled.init_weights`
     or a checkpoint (`load_safetensors`, `load_sharded_state_dict`).
     example_inputs: full-size inputs, the same on every rank (they fix the shapes the plan is for; meta
-    tensors will do).
+    tensors will do). example_kwargs: keyword inputs, as a transformers model is called
+    (`example_kwargs=dict(input_ids=ids, labels=labels)`); then `compiled(**local)` takes them by name,
+    pins name them, and the output keeps its structure (a `ModelOutput` stays one). Training with no
+    loss_fn differentiates the model's own `output.loss` (see compiler/call.py).
     mesh_spec: the link and device profiles to plan with (default: those of the mesh's backend).
     src_data_rank: a model built for real takes its weights from this rank's copy (rank 0, as DTensor's
     `distribute_tensor`), so ranks that initialized differently still agree; None: every rank uses its
@@ -96,6 +103,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
         raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    view, flat_inputs, call = positional_call(model, example_inputs, example_kwargs,
+                                              loss_only=options.joint and options.loss_fn is None)
     device = _rank_device(mesh)
     meeting = Rendezvous() if dist.is_initialized() else None
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,
@@ -103,7 +112,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
                           meeting.adopt_rank0 if meeting else None, meeting.agree_on if meeting else None)
     try:
         # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh
-        traced_model, traced_inputs = fake_model(model, example_inputs, device)
+        traced_model, traced_inputs = fake_model(view, flat_inputs, device)
         c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
     except BaseException as e:
         if meeting is not None:  # the other ranks wait at the meeting: bring them the error
@@ -111,13 +120,13 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple, *, mesh_spec: M
         raise
     if meeting is not None:
         meeting.agree_on_plan(c.plan.fingerprint())
-        if src_data_rank is None and not is_meta(model, example_inputs):  # every rank keeps its own weights
+        if src_data_rank is None and not is_meta(model, flat_inputs):  # every rank keeps its own weights
             meeting.agree_on({"weights": weights_summary(c.traced.state)})
-    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank)
+    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call)
 
 
-def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, options: PlanOptions | None = None,
-         **kwargs) -> PlanReport:
+def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = (), *,
+         example_kwargs: dict | None = None, options: PlanOptions | None = None, **kwargs) -> PlanReport:
     """Run the pipeline up to the plan with no processes at all; returns the plan, which explains, draws
     and saves itself (`PlanReport`).
 
@@ -129,7 +138,9 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple, *, 
     options = PlanOptions.build(options, **kwargs)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    faked, inputs = fake_model(model, example_inputs)
+    view, flat_inputs, _ = positional_call(model, example_inputs, example_kwargs,
+                                           loss_only=options.joint and options.loss_fn is None)
+    faked, inputs = fake_model(view, flat_inputs)
     c = run_pipeline(faked, inputs, mesh_spec, options)
     # asked again at another batch size (cost_formula, crossover), the model is faked again as given
-    return report_of(c, Request(model, example_inputs, mesh_spec, options))
+    return report_of(c, Request(view, flat_inputs, mesh_spec, options))

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from spmd.compiler import dump as dumps
+from spmd.compiler import fx_sources
 from spmd.compiler.agreement import summarize
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -197,6 +198,15 @@ def _read(values: dict, name: str):
     return getattr(value, attr) if attr else value
 
 
+def _graph_modules(values: dict) -> list[fx.GraphModule]:
+    """The graph modules among the pipeline's values and their fields (traced.gm, rank_gm, split...)."""
+    found = []
+    for v in values.values():
+        inner = [getattr(v, f.name) for f in dataclasses.fields(v)] if dataclasses.is_dataclass(v) else []
+        found += [x for x in (v, *inner) if isinstance(x, fx.GraphModule)]
+    return found
+
+
 def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None = None,
                  binding: RankBinding | None = None) -> Compilation:
     """Plan `model` on `mesh` (a `MeshSpec`) for `example_inputs`; with a `binding`, also emit that rank's
@@ -208,20 +218,25 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
     dump = Dumper(options.dump_dir or os.environ.get("SPMD_DUMP"))
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
     timings: dict[str, float] = {}
-    for p in PIPELINE:
-        if not p.when(values):
-            continue
-        args = [_read(values, r) for r in p.reads]
-        t0 = time.perf_counter()
-        out = p.run(*args)
-        timings[p.name] = time.perf_counter() - t0
-        if isinstance(p.writes, tuple):
-            values.update(zip(p.writes, out))
-        else:
-            values[p.writes] = out
-        if verify and p.name in CHECKS:
-            CHECKS[p.name](p.name, values)
-        if dump.directory and p.dump is not None:
-            dump(p.name, p.dump(values))
+    since = fx_sources.mark()
+    try:
+        for p in PIPELINE:
+            if not p.when(values):
+                continue
+            args = [_read(values, r) for r in p.reads]
+            t0 = time.perf_counter()
+            out = p.run(*args)
+            timings[p.name] = time.perf_counter() - t0
+            if isinstance(p.writes, tuple):
+                values.update(zip(p.writes, out))
+            else:
+                values[p.writes] = out
+            if verify and p.name in CHECKS:
+                CHECKS[p.name](p.name, values)
+            if dump.directory and p.dump is not None:
+                dump(p.name, p.dump(values))
+    finally:
+        # torch.fx keeps the source of every graph module it ever generated; keep only the ones handed back
+        fx_sources.release_sources(since, _graph_modules(values))
     fields = {f.name for f in dataclasses.fields(Compilation)}
     return Compilation(**{k: v for k, v in values.items() if k in fields}, timings=timings)

@@ -11,6 +11,7 @@ import os
 import torch.fx as fx
 
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(fx.__file__)))
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class SpmdError(Exception):
@@ -31,10 +32,11 @@ class SpmdInternalError(RuntimeError):
 
 
 def user_source_line(node: fx.Node) -> str:
-    """The innermost frame of `node`'s stack trace outside torch: the user's `file:line  code`."""
+    """The innermost frame of `node`'s stack trace outside torch and spmd: the user's `file:line  code`
+    (spmd's own, such as the wrapper that calls a loss_fn, when no frame of the user's is there)."""
     trace = node.meta.get("stack_trace") or ""
     lines = trace.strip().splitlines()
-    best = ""
+    best = inner = ""
     for i, line in enumerate(lines):
         line = line.strip()
         if not line.startswith("File "):
@@ -47,8 +49,12 @@ def user_source_line(node: fx.Node) -> str:
         if os.path.abspath(path).startswith(_TORCH_DIR):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-        best = f"{path}:{lineno}  {code}".rstrip()
-    return best or "<no source location>"
+        line = f"{path}:{lineno}  {code}".rstrip()
+        if os.path.abspath(path).startswith(_SPMD_DIR + os.sep):
+            inner = line  # spmd's own frame (the loss wrapper): only when the user's is missing
+        else:
+            best = line
+    return best or inner or "<no source location>"
 
 
 def describe_node(node: fx.Node) -> str:

@@ -59,21 +59,59 @@ def module_stack(node: fx.Node) -> list[tuple[str, str]]:
     return [(path, _short_type(t)) for path, t in stack.values()]
 
 
-def module_prefix(graph: fx.Graph, fqns: list[str]) -> str:
-    """The path prefix a training wrapper added ("model." when a loss_fn wraps the model)."""
-    paths = {p for n in graph.nodes for p, _ in module_stack(n) if p}
-    if paths and all(p == "model" or p.startswith("model.") for p in paths) and \
-            not any(f.startswith("model.") for f in fqns):
-        return "model."
-    return ""
+# The child a training wrapper puts the user's model under (`passes/trace_joint.py`'s `WithLoss.model`):
+# every module path of a loss_fn-wrapped trace starts with it, and parameter FQNs have it removed.
+WRAPPER_PREFIX = "model."
 
 
-def module_paths(graph: fx.Graph, fqns: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """node name -> innermost module path, and module path -> class name, wrapper prefix removed."""
+def module_tree(fqns: Iterable[str]) -> set[str]:
+    """The module paths the parameter (and buffer) FQNs spell: each owner and its ancestors, "" the root."""
+    tree = {""}
+    for fqn in fqns:
+        parts = fqn.split(".")[:-1]
+        tree.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return tree
+
+
+def module_prefix(graph: fx.Graph, fqns: Iterable[str]) -> str:
+    """The path prefix a training wrapper added ("model." when a loss_fn wraps the model), or "".
+
+    Decided against the user's module tree (the FQNs, which never carry the wrapper's prefix), not by the
+    paths' names alone: a user model may have a child called `model` itself (transformers'
+    `*ForCausalLM`, a wrapper around torchtitan's Llama), so "model.layers.0" is either that child's layer
+    (as is) or, under the wrapper, the root's "layers.0". The reading that names more real modules wins;
+    a tie reads the paths as they are.
+
+        user model           traced paths                          FQNs                 prefix
+        GPT + loss_fn        model, model.blocks.0.attn, loss_fn   blocks.0.attn...     "model."
+        Wrap(GPT)            model, model.blocks.0.attn            model.blocks.0...    ""
+        Wrap(GPT) + loss_fn  model, model.model.blocks.0.attn      model.blocks.0...    "model."
+    """
+    tree = module_tree(fqns)
+    under = {p for n in graph.nodes for p, _ in module_stack(n) if p.startswith(WRAPPER_PREFIX)}
+    as_is = sum(p in tree for p in under)
+    stripped = sum(p[len(WRAPPER_PREFIX):] in tree for p in under)
+    return WRAPPER_PREFIX if stripped > as_is else ""
+
+
+def module_paths(graph: fx.Graph, fqns: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """node name -> innermost module path, and module path -> class name, wrapper prefix removed: under a
+    wrapper its root ("") is dropped and its child `model` becomes the root; the loss_fn's own modules
+    ("loss_fn.ce") keep their paths."""
+    fqns = list(fqns)
     prefix = module_prefix(graph, fqns)
+    child = prefix.rstrip(".")
+
+    def user_path(p: str) -> str | None:
+        if not prefix:
+            return p
+        if p == "":
+            return None  # the wrapper itself
+        return "" if p == child else p.removeprefix(prefix)
+
     where, types = {}, {}
     for n in graph.nodes:
-        stack = [(p.removeprefix(prefix) if p != prefix.rstrip(".") else "", t) for p, t in module_stack(n)]
+        stack = [(q, t) for q, t in ((user_path(p), t) for p, t in module_stack(n)) if q is not None]
         for p, t in stack:
             types.setdefault(p, t)
         if stack:

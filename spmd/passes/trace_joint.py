@@ -106,7 +106,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
 
     prefix = _PREFIX if wrapped is not None else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
-    arg_names = _argument_names(model, len(example_inputs), wrapped is not None)
+    arg_names = _argument_names(model, len(example_inputs), loss_fn)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_descs = [d for d in out_node.meta.get("desc") or [] if not type(d).__name__.endswith("TokenAOTOutput")]
     _drop_effect_tokens(gm, {n.name for n in gm.graph.nodes if n.op == "placeholder"
@@ -151,15 +151,27 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
 
 
-def _argument_names(model: torch.nn.Module, n: int, with_loss: bool) -> list[str]:
+def _argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
+    """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
+    targets by the loss's parameter names after the first (`def lm_loss(logits, labels)`: `labels`);
+    `target0`, `target1`, ... for a loss without usable names, `arg<i>` for a model without them."""
+    n_targets = loss_targets(loss_fn) if loss_fn is not None else 0
+    names = _positional(model.forward)[: n - n_targets]
+    names += [f"arg{i}" for i in range(len(names), n - n_targets)]
+    if n_targets:
+        targets = _positional(loss_fn)[1: 1 + n_targets]
+        if len(targets) != n_targets or set(targets) & set(names):
+            targets = [f"target{i}" for i in range(n_targets)]
+        names += targets
+    return names
+
+
+def _positional(fn) -> list[str]:
     try:
-        names = [p.name for p in inspect.signature(model.forward).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        names = []
-    names = names[:n]
-    k = len(names)
-    return names + [f"target{i - k}" if with_loss else f"arg{i}" for i in range(k, n)]
+        return []
 
 
 @contextlib.contextmanager

@@ -84,7 +84,9 @@ def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
     return [(k, a, c, b, t) for (k, a), (c, b, t) in sorted(totals.items())]
 
 
-def explain(plan, details: PlanDetails | None) -> str:
+def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
+    """The plan in words. Without `detail`: the screen a person reads first (time, memory, module
+    layouts, inputs, collective totals); with it, also every costed node and its best alternative."""
     names = plan.mesh.axis_names
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
              f"(compute {plan.compute_cost * 1e3:.3f} ms, communication {plan.comm_cost * 1e3:.3f} ms), "
@@ -112,6 +114,8 @@ def explain(plan, details: PlanDetails | None) -> str:
         lines += _table(rows)
     else:
         lines.append("  none")
+    if not detail:
+        return "\n".join(lines) + "\n"
     lines += ["", "Nodes (per rank and call: compute, resharding of the inputs, memory held; the best "
               "alternative is the cheapest other strategy with the rest of the plan fixed):"]
     rows = [["node", "module", "op", "chosen", "compute", "comm in", "memory", "best alternative",

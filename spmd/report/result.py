@@ -57,10 +57,18 @@ class PlanReport(Plan):
             return self.saved_details
         return compute_details(self, self.sources) if self.sources is not None else None
 
-    def explain(self) -> str:
-        """Per-module layout in Megatron terms, collective totals, and every costed node with its cost
-        split and the best alternative (see `spmd.report.explain`)."""
-        return explain.explain(self, self.details)
+    def explain(self, detail: bool = True) -> str:
+        """Per-module layout in Megatron terms, collective totals, and (detail) every costed node with its
+        cost split and the best alternative (see `spmd.report.explain`)."""
+        return explain.explain(self, self.details, detail)
+
+    def summary(self) -> str:
+        """One screen: time and memory per rank, module layouts, inputs, collective totals."""
+        return explain.explain(self, self.details, detail=False)
+
+    def table(self) -> str:
+        """Every placeholder's and op's placements, one line each."""
+        return plan_table(self)
 
     def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
         """Draw the sharded graph to `path` (.svg, .png, .pdf, .dot or .html; see `spmd.report.render`)."""
@@ -89,7 +97,10 @@ class PlanReport(Plan):
         return whatif.crossover(self, self.request, symbol, sizes)
 
     def __str__(self) -> str:
-        return plan_table(self)
+        if self.details is None:
+            return plan_table(self)
+        return (self.summary() + "\n(plan.explain() adds every op's cost and best alternative; plan.table() lists "
+                "every value's placements)\n")
 
 
 def report_of(c, request: Request | None = None) -> PlanReport:

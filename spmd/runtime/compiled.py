@@ -7,8 +7,10 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from spmd.compiler.call import Call
+from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
-from spmd.runtime import optimizer_guard
+from spmd.runtime import compare, optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
 from spmd.runtime.inputs import InputSpec, check_full, check_local
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -21,11 +23,13 @@ class CompiledModule(nn.Module):
     local shards of the outputs (see `gather_outputs`). `plan` and `code` show what was decided.
     """
 
-    def __init__(self, compilation, device_mesh=None, plan=None, source_model=None, src_data_rank: int | None = 0):
+    def __init__(self, compilation, device_mesh=None, plan=None, source_model=None, src_data_rank: int | None = 0,
+                 call: Call | None = None):
         """`compilation`: the compiler's output for this rank. `plan`: what `.plan` shows (spmd.compile
         hands a report object that explains and draws itself; default: the bare plan). `source_model`: the
         model as the user built it (default: the compiled one). `src_data_rank`: the rank whose weights
-        every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py)."""
+        every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py).
+        `call`: the names of the positional and keyword inputs (compiler/call.py)."""
         super().__init__()
         c = compilation
         if c.binding is None or c.rank_gm is None:
@@ -41,6 +45,15 @@ class CompiledModule(nn.Module):
         self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
         self.last_saved_bytes = 0
         self._out_spec = c.traced.out_spec
+        # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
+        # were detached in the trace), by position among the flat outputs
+        self._differentiable = tuple(int(gi.name.rsplit("_", 1)[1]) for gi in c.traced.inputs if gi.kind == "tangent")
+        self._call = call if call is not None else Call(tuple(i.name for i in c.traced.inputs if i.kind == "input"), ())
+        # the traced (unsharded) graph and its signature, for `verify` (constants only: no weights)
+        self._traced_gm = c.traced.gm
+        self._graph_inputs = tuple(c.traced.inputs)
+        self._graph_outputs = tuple(c.traced.output_kinds())
+        self._tensor_info = dict(c.traced.tensor_info)
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
         # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
         # parameters are not this module's
@@ -90,9 +103,25 @@ class CompiledModule(nn.Module):
                 self.split.forward.code + "\n# ---- backward: saved values and incoming gradients -> "
                 "parameter gradients ----" + self.split.backward.code)
 
-    def explain(self) -> str:
-        """The plan in words: layouts per module, collective totals, every node's cost and alternative."""
-        return self.plan.explain()
+    def code_of(self, module: str) -> str:
+        """The lines of this rank's forward code that one module computes (`"blocks.0"`: the first layer),
+        with the collectives that move their values."""
+        gm = self.split.forward if self.split is not None else self.graph_module
+        inside = set()
+        for node in gm.graph.nodes:
+            paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+            if any(p == module or p.startswith(module + ".") for p in paths) or (
+                    node.op == "call_function" and getattr(node.target, "__module__", "") == collectives.__name__
+                    and any(a.name in inside for a in node.all_input_nodes)):
+                inside.add(node.name)
+        lines = [line for line in gm.code.splitlines() if line.strip().split(" = ")[0] in inside]
+        if not lines:
+            raise ValueError(f"code_of: no op of module {module!r} in this rank's graph")
+        return "\n".join(lines)
+
+    def explain(self, detail: bool = True) -> str:
+        """The plan in words: layouts per module, collective totals, (detail) every node's cost and alternative."""
+        return self.plan.explain(detail)
 
     def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
         """Draw the sharded graph (all ranks' view, collectives explicit) to .svg/.png/.dot/.html."""
@@ -282,11 +311,14 @@ class CompiledModule(nn.Module):
     def input_placements(self) -> dict[str, tuple]:
         return {s.name: s.placements for s in self._input_specs}
 
-    def shard_inputs(self, *full_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Cut full inputs (the same on every rank) into this rank's local shards."""
-        check_full(full_inputs, self._input_specs)
-        return tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
-                     for t, s in zip(full_inputs, self._input_specs))
+    def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
+        """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
+        compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
+        flat = self._call.flatten(full_inputs, full_kwargs, "shard_inputs")
+        check_full(flat, self._input_specs)
+        local = tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
+                      for t, s in zip(flat, self._input_specs))
+        return self._call.unflatten(local) if self._call.keywords else local
 
     def gather_outputs(self, outputs):
         """Full outputs on every rank from this rank's local output shards."""
@@ -298,13 +330,33 @@ class CompiledModule(nn.Module):
                         if ps is not None and isinstance(t, torch.Tensor) else t)
         return tree_unflatten(full, spec)
 
-    def forward(self, *inputs: torch.Tensor):
+    def verify(self, *full_inputs: torch.Tensor, mode: str = "auto", **full_kwargs: torch.Tensor):
+        """Check this compiled model against one device before a long run; call it on every rank with
+        the same full inputs (as for `shard_inputs`; with the targets when training with a loss_fn).
+
+        Every node of the traced graph is gathered and compared (forward and backward when training;
+        the incoming gradient of each output is ones). Returns a `VerifyReport` (the same on every
+        rank): the max error of each output and gradient, relative to the reference's magnitude, and
+        the first node out of tolerance. `mode`: "one device" runs the single-device graph on rank 0
+        alongside; "op by op" checks each op on its own gathered inputs (memory: the largest op);
+        "auto" picks "one device" when its run fits half of rank 0's free memory. Weights, gradients
+        and optimizer state are left as they were. See runtime/compare.py."""
+        self._require_values()
+        flat = self._call.flatten(full_inputs, full_kwargs, "verify")
+        check_full(flat, self._input_specs)
+        return compare.verify(self, flat, mode)
+
+    def _require_values(self) -> None:
         if self._uninitialized:
             names = sorted(self._uninitialized)
             raise SpmdError(f"the model was compiled from the meta device and {len(names)} of its parameters and "
                             f"buffers have no values yet ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). "
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
                             "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
+
+    def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
+        self._require_values()
+        inputs = self._call.flatten(inputs, kw_inputs)
         check_local(inputs, self._input_specs, self.mesh_spec, self.rank, self._device)
         it = iter(inputs)
         args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
@@ -337,6 +389,8 @@ class _RankStep(torch.autograd.Function):
         outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
         ctx.module = module
         ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable
+                                      and isinstance(t, torch.Tensor)))
         # parameters saved for backward are counted under "parameters", not as activations
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         module.last_saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
@@ -346,6 +400,7 @@ class _RankStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         module = ctx.module
-        grads = dict(zip(module.split.grads, module.split.backward(*ctx.saved_tensors, *grad_outputs)))
+        tangents = [grad_outputs[k] for k in module._differentiable]
+        grads = dict(zip(module.split.grads, module.split.backward(*ctx.saved_tensors, *tangents)))
         return (None,) + tuple(grads.get(name) if kind == "state" else None
                                for (kind, _), name in zip(module._order, module._order_names))

@@ -18,6 +18,9 @@ def test_demo_on_four_gloo_ranks_matches_one_device():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "OK: every rank matches the single-device model" in out.stdout
     assert out.stdout.count("max |output - single device|") == 4
+    assert "Modules (layout per mesh axis):" in out.stdout and "Collectives per call:" in out.stdout
+    assert "Nodes (per rank" not in out.stdout  # the summary, not the per-op table
+    assert "blocks_1" not in out.stdout.split("first layer")[1]  # the code of one layer
 
 
 def test_render_gpt_draws_the_plan(tmp_path):

@@ -1,13 +1,31 @@
-"""Pictures rendered by graphviz's `dot` (a process of its own, hence e2e): module boxes, collectives in
-red, folded repeated blocks, the self-contained HTML page."""
+"""Pictures rendered by a process of their own (hence e2e): graphviz's `dot` when on PATH, else the
+pip-installed `graphviz-pure`. Module boxes, collectives in red, folded repeated blocks, the
+self-contained HTML page, valid SVG and PNG files, and graphviz-pure standing in for a missing `dot`."""
 import re
 import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
+from spmd.report.render import MissingGraphvizWarning, find_renderer
 from tests.support import megatron_gpt_plan
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed")
+needs_renderer = pytest.mark.skipif(find_renderer() is None,
+                                    reason="neither graphviz's `dot` nor `graphviz-pure` is installed")
+
+
+@pytest.fixture
+def without_dot(monkeypatch):
+    """`dot` hidden (wherever it is looked for), so the fallback renders; skips without graphviz-pure."""
+    which = shutil.which
+
+    def no_dot(name, *args, **kwargs):
+        return None if Path(name).name == "dot" else which(name, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "which", no_dot)
+    if find_renderer() is None:
+        pytest.skip("graphviz-pure is not installed")
 
 
 def _node_groups(svg: str) -> dict[str, str]:
@@ -20,7 +38,7 @@ def _cluster_titles(svg: str) -> set[str]:
     return set(re.findall(r'<g id="[^"]+" class="cluster">\s*<title>([^<]+)</title>', svg))
 
 
-@needs_dot
+@needs_renderer
 def test_gpt_svg_has_module_boxes_collectives_and_legend(tmp_path):
     plan = megatron_gpt_plan()
     out = plan.visualize(tmp_path / "gpt.svg")
@@ -47,7 +65,7 @@ def test_gpt_svg_has_module_boxes_collectives_and_legend(tmp_path):
     assert not any(name.startswith(("view", "permute")) for name in nodes)
 
 
-@needs_dot
+@needs_renderer
 def test_collapse_folds_identical_blocks(tmp_path):
     svg = megatron_gpt_plan().visualize(tmp_path / "gpt.svg", collapse=True).read_text()
     clusters = _cluster_titles(svg)
@@ -59,8 +77,39 @@ def test_collapse_folds_identical_blocks(tmp_path):
     assert not any(n.startswith("addmm_6") for n in _node_groups(svg))  # blocks.1's ops are folded
 
 
-@needs_dot
+@needs_renderer
 def test_html_embeds_the_svg_and_the_plan(tmp_path):
     page = megatron_gpt_plan().visualize(tmp_path / "gpt.html").read_text()
     assert page.startswith("<!doctype html>") and "<svg" in page and "<?xml" not in page
     assert "Collectives per call" in page and "column-parallel on tp" in page
+
+
+@needs_renderer
+def test_svg_and_png_files_are_valid(tmp_path):
+    plan = megatron_gpt_plan()
+    root = ET.parse(plan.visualize(tmp_path / "gpt.svg")).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert root.find(".//{http://www.w3.org/2000/svg}g[@class='cluster']") is not None
+    png = plan.visualize(tmp_path / "gpt.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
+
+
+def test_graphviz_pure_draws_when_dot_is_missing(tmp_path, without_dot):
+    assert find_renderer()[0] == "graphviz-pure"
+    plan = megatron_gpt_plan()
+    svg = plan.visualize(tmp_path / "gpt.svg").read_text()
+    assert "(graphviz-pure)" in svg  # its generator comment
+    assert ET.fromstring(svg.encode()).tag == "{http://www.w3.org/2000/svg}svg"
+    assert len([n for n in _node_groups(svg) if n.startswith("all_reduce")]) == 4
+    assert "cluster_blocks.0.attn.q_proj" in _cluster_titles(svg)
+    assert plan.visualize(tmp_path / "gpt.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    page = plan.visualize(tmp_path / "gpt.html").read_text()
+    assert "<svg" in page and "(graphviz-pure)" not in page and "digraph spmd" not in page
+
+
+def test_pdf_without_dot_writes_the_source_and_says_why(tmp_path, without_dot):
+    """graphviz-pure 0.2.2 writes no PDF: the .dot source, and a warning that names the formats it can do."""
+    with pytest.warns(MissingGraphvizWarning, match=r"graphviz-pure cannot write PDF .*Ask for \.svg or \.png"):
+        written = megatron_gpt_plan().visualize(tmp_path / "gpt.pdf")
+    assert written == tmp_path / "gpt.dot" and written.read_text().startswith("digraph spmd")
+    assert not (tmp_path / "gpt.pdf").exists()

@@ -241,7 +241,7 @@ def test_an_optimizer_over_the_original_parameters(world):
                                                                              r"convert the input to the compiled dtype"]),
     (lambda: (torch.randn(6, 16), torch.randn(6, 16)), [r"input 'x': expected local shape \[4, 16\]",
                                                         r"recompile with example inputs of this size"]),
-    (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target0\), got 1"]),
+    (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target\), got 1"]),
     (lambda: ([1.0] * 16, torch.randn(4, 16)), [r"input 'x': expected a tensor, got list"]),
 ])
 def test_wrong_inputs_at_run_time_before_any_collective(world, inputs, words):

@@ -39,7 +39,7 @@ def test_formula_prices_the_same_plan_at_another_batch():
     plan = spmd.plan(model, MESH_1D, inputs, loss_fn=F.mse_loss)
     placements = {plan.labels[n]: list(s.outputs[0]) for n, s in plan.choices.items() if n in plan.labels}
     params = {k: v for k, v in placements.items() if "." in k}
-    ins = {k: placements[k] for k in ("x", "target0")}
+    ins = {k: placements[k] for k in ("x", "target")}
     big = spmd.plan(model, MESH_1D, (torch.randn(32, 64), torch.randn(32, 64)), loss_fn=F.mse_loss,
                     in_placements=ins, param_placements=params)
     assert float(plan.cost_formula.subs("batch", 32)) == pytest.approx(big.objective, rel=1e-6)
@@ -80,7 +80,7 @@ def test_formula_equals_the_objective_when_a_gradient_fills_more_than_one_bucket
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 8))
     x, y = torch.randn(8, 1024), torch.randn(8, 8)
-    plan = spmd.plan(model, MESH_1D, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target0": [Shard(0)]},
+    plan = spmd.plan(model, MESH_1D, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target": [Shard(0)]},
                      param_placements={"0.weight": [Replicate()]})
     grads = [e for e in plan.edges if any(s.kind == "all_reduce" and s.in_bytes > plan.stats["bucket_bytes"]
                                           for s in e.steps)]

@@ -1,0 +1,106 @@
+"""How the user calls the model, as the one positional call the passes trace.
+
+Hugging Face models take keyword arguments (`input_ids=`, `attention_mask=`, `labels=`) and return a
+`ModelOutput`; the passes trace `forward(*tensors)`. `positional_call` gives the model a view whose
+forward takes the positional inputs, then the keyword ones, in one flat list of named parameters:
+
+    model(input_ids, labels=labels)   ->   view(input_ids, labels)   signature (input_ids, labels)
+
+The view shares every parameter, buffer and submodule with the model (a shallow copy whose class is a
+subclass with that forward): parameter names do not change, and the pytree of the output (a
+`ModelOutput`, a dict, a tuple) is what the trace records, so `compiled(...)` returns the same
+structure. When the model computes its own loss (`labels=`) and there is no `loss_fn`, training
+differentiates `output.loss` only: the view detaches every other output.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+from spmd.core.errors import SpmdError
+
+
+@dataclass(frozen=True)
+class Call:
+    """The names of the flat inputs: `positional` first, then `keywords`, in the order given."""
+
+    positional: tuple[str, ...]
+    keywords: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.positional + self.keywords
+
+    def flatten(self, args: tuple, kwargs: dict, what: str = "compiled") -> tuple:
+        """`args` and `kwargs` of a call as the flat tuple the graph takes."""
+        if not self.keywords and not kwargs:
+            return tuple(args)
+        unknown = sorted(set(kwargs) - set(self.keywords))
+        missing = [k for k in self.keywords if k not in kwargs]
+        if len(args) != len(self.positional) or unknown or missing:
+            raise SpmdError(
+                f"{what}(...): the model was compiled for positional ({', '.join(self.positional) or 'none'}) and "
+                f"keyword ({', '.join(self.keywords)}) inputs; got {len(args)} positional"
+                + (f", unknown keywords {unknown}" if unknown else "") + (f", missing {missing}" if missing else "")
+                + ". What to do: pass the same inputs, by the same names, as the example inputs of spmd.compile "
+                "(or compile again for the new ones).")
+        return tuple(args) + tuple(kwargs[k] for k in self.keywords)
+
+    def unflatten(self, flat: tuple) -> tuple[tuple, dict]:
+        n = len(self.positional)
+        return tuple(flat[:n]), dict(zip(self.keywords, flat[n:]))
+
+
+def _positional_names(model: torch.nn.Module, n: int) -> tuple[str, ...]:
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n]]
+    return tuple(names + [f"arg{i}" for i in range(len(names), n)])
+
+
+def _loss_only(out):
+    """`out` with every tensor but `out.loss` detached: training differentiates the loss alone. An
+    output without a loss is left as it is (every output gets a gradient, as before)."""
+    loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        return out
+    detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) and t is not loss else t, out)
+    detached.loss = loss
+    return detached
+
+
+def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_only: bool = False,
+                    ) -> tuple[torch.nn.Module, tuple, Call]:
+    """(the view to trace, the flat example inputs, the names). With no keywords and `loss_only` False,
+    the model itself."""
+    kwargs = dict(kwargs or {})
+    call = Call(_positional_names(model, len(args)), tuple(kwargs))
+    clash = set(call.positional) & set(call.keywords)
+    if clash:
+        raise SpmdError(f"example_kwargs {sorted(clash)} are also given positionally. What to do: pass each input "
+                        "once.")
+    flat = call.flatten(tuple(args), kwargs, "spmd.compile")
+    if not kwargs and not loss_only:
+        return model, flat, call
+    base = type(model)
+
+    def forward(self, *inputs):
+        a, kw = call.unflatten(inputs)
+        out = base.forward(self, *a, **kw)
+        return _loss_only(out) if loss_only else out
+
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = inspect.Signature(
+        [self_param] + [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in call.names])
+    view_class = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                               "__qualname__": base.__qualname__})
+    view = copy.copy(model)  # shares _parameters, _buffers and _modules with the model
+    view.__class__ = view_class
+    return view, flat, call

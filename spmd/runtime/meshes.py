@@ -1,0 +1,46 @@
+"""One DeviceMesh per (shape, axis names, device type) in a process: asking again returns the same one.
+
+torch's `init_device_mesh` makes new process groups on every call and keeps them until the process
+group is destroyed: on a (2, 2) gloo mesh each call adds 2 groups per rank, each with 3 threads and 5
+sockets (tests/e2e/test_repeated_compiles.py measured it). A script that calls `spmd.init_mesh` before
+each `spmd.compile` (a sweep, a notebook cell run again, every e2e test on the shared rank pool) would
+pile them up. The meshes made here are remembered per default process group: after
+`destroy_process_group()` and a new `init_process_group`, the next call makes a new one, and the old
+ones are let go.
+
+Process-wide on purpose (like torch's own registry of process groups), and not per compilation: a mesh
+is a handle on live groups, not compilation state.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+_MESHES: dict[tuple, tuple[object, object]] = {}  # (shape, names, device type) -> (default group, DeviceMesh)
+
+
+def _alive(mesh) -> bool:
+    """Every group of `mesh` is still registered (none was destroyed by hand)."""
+    from torch.distributed.distributed_c10d import _world
+
+    try:
+        return all(mesh.get_group(i) in _world.pg_map for i in range(mesh.ndim))
+    except Exception:  # a group torch no longer knows
+        return False
+
+
+def device_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str):
+    """`init_device_mesh(device_type, shape, mesh_dim_names=axis_names)`, made once per default process
+    group. The default group must exist."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    default = _get_default_group()
+    key = (tuple(shape), tuple(axis_names), device_type)
+    hit = _MESHES.get(key)
+    if hit is not None and hit[0] is default and _alive(hit[1]):
+        return hit[1]
+    for k in [k for k, (group, _) in _MESHES.items() if group is not default]:
+        del _MESHES[k]  # meshes of a destroyed default group
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
+    _MESHES[key] = (default, mesh)
+    return mesh

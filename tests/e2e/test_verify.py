@@ -1,0 +1,91 @@
+"""`compiled.verify(*inputs)` on gloo ranks: a correct plan passes in both modes, and a plan made wrong on
+purpose (a collective that takes the max where it should sum) is caught, naming the first node it spoils."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+import spmd
+from spmd.core import collectives as C
+from tests.models import GPT, MLP, GPTConfig
+from tests.support import lm_loss, megatron_spec, spec
+
+
+def _verify(rank: int, world: int, what: str, mode: str, corrupt: bool) -> dict:
+    torch.manual_seed(0)
+    if what == "gpt-train":
+        model = GPT(GPTConfig())
+        g = torch.Generator().manual_seed(1)
+        inputs = (torch.randint(0, 128, (2, 31), generator=g), torch.randint(0, 128, (2, 31), generator=g))
+        mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+        compiled = spmd.compile(model, mesh, inputs, loss_fn=lm_loss, mesh_spec=megatron_spec())
+    elif what == "dropout-train":
+        model = _DropoutMLP()
+        inputs = (torch.randn(8, 16), torch.randn(8, 16))
+        mesh = spmd.init_mesh((2,), ("dp",))
+        compiled = spmd.compile(model, mesh, inputs, loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
+                                in_placements={"x": [Shard(0)]})
+    else:
+        model = MLP(16, 64)
+        inputs = (torch.randn(4, 16),)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        compiled = spmd.compile(model, mesh, inputs, mesh_spec=spec((2,), ("tp",)),
+                                param_placements={"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)],
+                                                  "fc2.weight": [Shard(1)]})
+    if corrupt:  # the reduction after the row-parallel matmul now takes the max of the partial sums
+        for node in compiled.graph_module.graph.nodes:
+            if node.target in (C.all_reduce, C.reduce_scatter) and node.kwargs.get("reduce_op") == "sum":
+                node.kwargs = {**node.kwargs, "reduce_op": "max"}
+                break
+        else:
+            raise AssertionError("no reduction to corrupt:\n" + compiled.code)
+        compiled.graph_module.recompile()
+    before = {k: v.clone() for k, v in compiled.state_dict().items()}
+    report = compiled.verify(*inputs, mode=mode)
+    unchanged = all(torch.equal(before[k], v) for k, v in compiled.state_dict().items())
+    return {"ok": report.ok, "mode": report.mode, "text": str(report), "max_error": report.max_error,
+            "n_outputs": len(report.outputs), "n_grads": len(report.gradients),
+            "worst": report.worst.node if report.worst else None, "nodes": report.nodes_compared,
+            "random": list(report.random_ops), "unchanged": unchanged}
+
+
+class _DropoutMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.2, training=True))
+
+
+@pytest.mark.parametrize("mode", ["one device", "op by op"])
+def test_a_correct_plan_passes(ranks, mode):
+    results = ranks(2).run(_verify, "mlp", mode, False)
+    for r in results:
+        assert r["ok"] and r["mode"] == mode and r["unchanged"], r["text"]
+        assert r["max_error"] < 1e-5 and r["n_outputs"] == 1 and r["nodes"] >= 4, r["text"]
+    assert results[0]["text"] == results[1]["text"]  # one report, on every rank
+
+
+def test_training_a_gpt_on_a_2x2_mesh_passes(ranks):
+    r = ranks(4).run(_verify, "gpt-train", "auto", False)[0]
+    assert r["ok"] and r["mode"] == "one device" and r["unchanged"], r["text"]
+    assert r["n_outputs"] == 1 and r["n_grads"] >= 10 and r["max_error"] < 1e-4, r["text"]
+
+
+def test_dropout_draws_are_adopted_and_what_follows_is_compared(ranks):
+    r = ranks(2).run(_verify, "dropout-train", "one device", False)[0]
+    assert r["ok"] and r["random"] and r["n_grads"] == 4, r["text"]
+
+
+@pytest.mark.parametrize("mode", ["one device", "op by op"])
+def test_a_wrong_collective_is_caught(ranks, mode):
+    results = ranks(2).run(_verify, "mlp", mode, True)
+    r = results[0]
+    assert not r["ok"], r["text"]
+    assert "MISMATCH" in r["text"] and "BAD" in r["text"], r["text"]
+    assert r["max_error"] > 0.1, r["text"]
+    bad = [line for line in r["text"].splitlines() if line.startswith("  BAD output 0")]
+    assert bad and " then reduce_scatter_" in bad[0] or " then all_reduce_" in bad[0], r["text"]
