@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
+from spmd.compiler.progress import Progress
 from spmd.compiler.agreement import summarize
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -219,11 +220,13 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
     timings: dict[str, float] = {}
     since = fx_sources.mark()
+    progress = Progress([p.name for p in PIPELINE], binding.rank if binding is not None else None)
     try:
         for p in PIPELINE:
             if not p.when(values):
                 continue
             args = [_read(values, r) for r in p.reads]
+            progress.start(p.name)
             t0 = time.perf_counter()
             out = p.run(*args)
             timings[p.name] = time.perf_counter() - t0
@@ -235,7 +238,9 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
                 CHECKS[p.name](p.name, values)
             if dump.directory and p.dump is not None:
                 dump(p.name, p.dump(values))
+            progress.done(p.name, values)
     finally:
+        progress.close()
         # torch.fx keeps the source of every graph module it ever generated; keep only the ones handed back
         fx_sources.release_sources(since, _graph_modules(values))
     fields = {f.name for f in dataclasses.fields(Compilation)}
