@@ -27,7 +27,7 @@ import networkx as nx
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from spmd.core.graph_facts import layer_of, layer_stem, phase_of
+from spmd.core.graph_facts import layer_of, layer_stem, module_prefix, phase_of
 
 
 @dataclass
@@ -160,8 +160,8 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
             param_rep.setdefault(key.split("/")[0], first)
 
     # parameters (placeholders, outside every instance) follow their layer: layers.7.x -> layers.0.x
-    prefix = "model." if traced.joint and any(k.startswith("model.") for k in param_rep) else ""
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
+    prefix = module_prefix(traced.graph, by_fqn) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
     for fqn, placeholder in by_fqn.items():
         layer = layer_of(prefix + fqn)
         if layer in param_rep:

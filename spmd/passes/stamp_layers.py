@@ -27,7 +27,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-from spmd.core.graph_facts import renumber
+from spmd.core.graph_facts import module_prefix, renumber
 from spmd.passes.find_layer_stacks import TRACED, LayerStack
 from spmd.passes.find_repeated_blocks import instances, signature
 from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, graph_module, tensor_infos
@@ -73,7 +73,8 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
     P, M, N = MIDDLE - 1, MIDDLE, MIDDLE + 1
     phases = ("fwd", "bwd") if traced.joint else ("fwd",)
     by_key = instances(traced)
-    prefix = "model." if traced.joint and any(k.startswith("model.") for k in by_key) else ""
+    fqns = [i.name for i in traced.inputs if i.kind in ("parameter", "buffer")]
+    prefix = module_prefix(traced.graph, fqns) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
 
     def members(layer: int, phase: str) -> list[fx.Node]:
         found = by_key.get(f"{prefix}{stack.fqn}.{layer}/{phase}")
