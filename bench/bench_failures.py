@@ -9,14 +9,14 @@ their first collective); a dead or hung peer from the moment it stops (tests/e2e
 """
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support import launch_ranks  # noqa: E402  (ranks started as torchrun starts them)
 DISAGREE = r'''
 import os, sys, time
 sys.path.insert(0, {root!r})
@@ -47,24 +47,11 @@ except spmd.SpmdError as e:
 '''
 
 
-def _launch(args: list[str]) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
-
-
 def disagreement(what: str) -> tuple[float, str]:
     script = ROOT / "bench" / ".disagree.py"
     script.write_text(DISAGREE.format(root=str(ROOT)))
     try:
-        procs = _launch([str(script), what])
+        procs = launch_ranks([str(script), what])
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         script.unlink()
@@ -74,7 +61,7 @@ def disagreement(what: str) -> tuple[float, str]:
 
 
 def dead_peer(how: str, timeout_s: float = 10.0) -> float:
-    procs = _launch([str(ROOT / "tests" / "e2e" / "scripts" / "dying_rank.py"), how, str(timeout_s)])
+    procs = launch_ranks([str(ROOT / "tests" / "e2e" / "scripts" / "dying_rank.py"), how, str(timeout_s)])
     try:
         procs[0].communicate(timeout=300)
         t_end = time.time()

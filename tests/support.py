@@ -1,9 +1,15 @@
-"""What the tests share: mesh specs with pinned profiles, the compiler called the way tests call it, and
-the numerical check of simulated training. No test module imports another; they all import this."""
+"""What the tests share: mesh specs with pinned profiles, the compiler called the way tests call it, the
+numerical check of simulated training, training side by side with one device, and ranks started as
+torchrun starts them. No test module imports another; they all import this."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -74,3 +80,37 @@ def check_simulated_training(c, outs, loss, model) -> int:
                                        rtol=1e-9, atol=1e-10)
         checked += 1
     return checked
+
+
+def train_side_by_side(compiled, reference, inputs: tuple, targets: tuple, loss_fn, steps: int,
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+    """`steps` optimizer steps of `compiled` (compiled with `loss_fn`) and of `reference` on one device, on
+    the same full batch. Returns (compiled losses, reference losses, the compiled model's optimizer)."""
+    opt, ref_opt = optimizer(compiled.parameters()), optimizer(reference.parameters())
+    local = compiled.shard_inputs(*inputs, *targets)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        for run, o, record in ((lambda: compiled(*local), opt, losses),
+                               (lambda: loss_fn(reference(*inputs), *targets), ref_opt, ref_losses)):
+            loss = run()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            record.append(loss.item())
+    return losses, ref_losses, opt
+
+
+def launch_ranks(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+    """`python *args` as `world` ranks on this machine, with torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_*) but without its agent, which would kill the survivors itself as soon as one rank exits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, *args], cwd=Path(__file__).resolve().parents[1], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError
+from spmd.passes.trace_joint import argument_names
 
 
 @dataclass(frozen=True)
@@ -55,25 +56,13 @@ class Call:
         return tuple(flat[:n]), dict(zip(self.keywords, flat[n:]))
 
 
-def _positional_names(model: torch.nn.Module, n: int) -> tuple[str, ...]:
-    try:
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    names = [p.name for p in params[:n]]
-    return tuple(names + [f"arg{i}" for i in range(len(names), n)])
-
-
 def _loss_only(out):
     """`out` with every tensor but `out.loss` detached: training differentiates the loss alone. An
     output without a loss is left as it is (every output gets a gradient, as before)."""
     loss = getattr(out, "loss", None)
     if not isinstance(loss, torch.Tensor):
         return out
-    detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) and t is not loss else t, out)
-    detached.loss = loss
-    return detached
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) and t is not loss else t, out)
 
 
 def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, loss_only: bool = False,
@@ -81,7 +70,7 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     """(the view to trace, the flat example inputs, the names). With no keywords and `loss_only` False,
     the model itself."""
     kwargs = dict(kwargs or {})
-    call = Call(_positional_names(model, len(args)), tuple(kwargs))
+    call = Call(tuple(argument_names(model, len(args))), tuple(kwargs))
     clash = set(call.positional) & set(call.keywords)
     if clash:
         raise SpmdError(f"example_kwargs {sorted(clash)} are also given positionally. What to do: pass each input "

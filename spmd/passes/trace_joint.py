@@ -106,7 +106,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
 
     prefix = _PREFIX if wrapped is not None else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
-    arg_names = _argument_names(model, len(example_inputs), loss_fn)
+    arg_names = argument_names(model, len(example_inputs), loss_fn)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_descs = [d for d in out_node.meta.get("desc") or [] if not type(d).__name__.endswith("TokenAOTOutput")]
     _drop_effect_tokens(gm, {n.name for n in gm.graph.nodes if n.op == "placeholder"
@@ -151,7 +151,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
 
 
-def _argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
+def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
     """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
     targets by the loss's parameter names after the first (`def lm_loss(logits, labels)`: `labels`);
     `target0`, `target1`, ... for a loss without usable names, `arg<i>` for a model without them."""

@@ -128,15 +128,16 @@ def _difference(what: str, node: fx.Node, actual: torch.Tensor, ref: torch.Tenso
                       TOLERANCE.get(actual.dtype, 0.0 if not actual.is_floating_point() else 1e-4))
 
 
+def _last_users(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """value name -> the node that reads it last."""
+    return {a.name: node for node in gm.graph.nodes for a in node.all_input_nodes}
+
+
 def _live_peak_bytes(gm: fx.GraphModule, infos: dict) -> int:
     """Peak bytes of a single-device run of `gm` that frees each value after its last use."""
-    last_use: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        for arg in node.all_input_nodes:
-            last_use[arg.name] = node.name
     frees: dict[str, list[str]] = {}
-    for value, user in last_use.items():
-        frees.setdefault(user, []).append(value)
+    for value, user in _last_users(gm).items():
+        frees.setdefault(user.name, []).append(value)
     live = peak = 0
     sizes = {}
     for node in gm.graph.nodes:
@@ -172,7 +173,7 @@ def _in_layout_of(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(value) -> list:
-    return [t for t in (value if isinstance(value, (tuple, list)) else (value,))]
+    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 def _close(actual, ref) -> bool:
@@ -244,10 +245,7 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             args.append(local_shard(full.to(device), placements(node.name), mesh.shape, coord))
 
     ref_env: dict[str, object] = {}
-    last_use = {}
-    for node in traced_gm.graph.nodes:
-        for a in node.all_input_nodes:
-            last_use[a.name] = node
+    last_use = _last_users(traced_gm)
     feeds_output = {a.name for a in traced_gm.graph.output_node().all_input_nodes}
     kept: dict[str, object] = {}  # op by op: the gathered values that feed the outputs
     failure: list[str] = []  # rank 0's reference run failed: the first error
@@ -272,6 +270,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             if rank0:
                 ref_env[n.name] = getattr(traced_gm, ref_node.target)
             return
+        if ref_node.op == "placeholder" and not whole and n.name not in feeds_output:
+            return  # op by op gathers each argument where it is used
         actual = full_value(ref_node, local)
         if rank0 and not whole and n.name in feeds_output:
             kept[n.name] = actual
@@ -310,7 +310,7 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
         # the outputs through the collectives that make them, against the reference's outputs
         flat_out, _ = tree_flatten(flat_out)
         last_steps = tree_flatten(module.graph_module.graph.output_node().args[0])[0]
-        ref_outputs = [a for a in tree_flatten(traced_gm.graph.output_node().args[0])[0]]
+        ref_outputs = tree_flatten(traced_gm.graph.output_node().args[0])[0]
         kinds = module._graph_outputs
         outputs, grads = [], []
         for k, (value, ref_node) in enumerate(zip(flat_out, ref_outputs)):

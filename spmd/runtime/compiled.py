@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.compiler.call import Call
+from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime import compare, optimizer_guard
@@ -213,7 +214,7 @@ class CompiledModule(nn.Module):
         from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, is_transformers
 
         model = self._source_model
-        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        if not is_meta(model):
             raise SpmdError("init_weights replays the init of a model built on the meta device; this one was built "
                             "with values, and its shards already hold them (from rank src_data_rank).")
         kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
@@ -221,9 +222,8 @@ class CompiledModule(nn.Module):
         placements = dict(self._state_placements)
         for alias, canonical in self._aliases.items():
             placements.setdefault(alias, placements[canonical])
-        device = next(iter(self.parameters())).device if any(True for _ in self.parameters()) else None
         local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,
-                                  device=device or "cpu", **kwargs)
+                                  device=self._device or "cpu", **kwargs)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 piece = local.pop(fqn, None)
@@ -314,8 +314,7 @@ class CompiledModule(nn.Module):
     def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
-        flat = self._call.flatten(full_inputs, full_kwargs, "shard_inputs")
-        check_full(flat, self._input_specs)
+        flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
         local = tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
                       for t, s in zip(flat, self._input_specs))
         return self._call.unflatten(local) if self._call.keywords else local
@@ -342,9 +341,13 @@ class CompiledModule(nn.Module):
         "auto" picks "one device" when its run fits half of rank 0's free memory. Weights, gradients
         and optimizer state are left as they were. See runtime/compare.py."""
         self._require_values()
-        flat = self._call.flatten(full_inputs, full_kwargs, "verify")
+        return compare.verify(self, self._full_inputs(full_inputs, full_kwargs, "verify"), mode)
+
+    def _full_inputs(self, args: tuple, kwargs: dict, what: str) -> tuple:
+        """Full inputs given by position and keyword, as the graph's flat tuple, checked."""
+        flat = self._call.flatten(args, kwargs, what)
         check_full(flat, self._input_specs)
-        return compare.verify(self, flat, mode)
+        return flat
 
     def _require_values(self) -> None:
         if self._uninitialized:

@@ -8,7 +8,7 @@ import torch
 
 import spmd
 from tests.models import GPT, GPTConfig
-from tests.support import lm_loss, spec
+from tests.support import lm_loss, spec, train_side_by_side
 
 
 def _train_with_rank_seeds(rank: int, world: int, src_data_rank, steps: int = 3) -> dict:
@@ -24,21 +24,7 @@ def _train_with_rank_seeds(rank: int, world: int, src_data_rank, steps: int = 3)
         mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
         compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec((2, 2), ("dp", "tp")),
                                 src_data_rank=src_data_rank)
-        opt = torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        local = compiled.shard_inputs(tokens, targets)
-        losses, ref_losses = [], []
-        for _ in range(steps):
-            loss = compiled(*local)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = lm_loss(reference(tokens), targets)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
+        losses, ref_losses, _ = train_side_by_side(compiled, reference, (tokens,), (targets,), lm_loss, steps)
         full = compiled.full_state_dict()
         err = max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters())
         return {"losses": losses, "ref_losses": ref_losses, "param_err": err}

@@ -1,37 +1,20 @@
 """A rank that dies or hangs in the middle of a training step: the others fail, fast, naming what they
 were doing, and nothing is left running (docs/reliability.md has the measured times)."""
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support import launch_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "dying_rank.py"
-
-
-def _launch(how: str, timeout_s: float):
-    """Two ranks as torchrun starts its workers (RANK, WORLD_SIZE, MASTER_*), without its agent, which would
-    kill the survivors itself as soon as one worker exits."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), how, str(timeout_s)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
 
 
 @pytest.mark.parametrize("how,limit_s", [("die", 30.0), ("hang", 20.0)])
 def test_the_survivor_fails_fast_and_says_which_collective(how, limit_s):
     timeout_s = 10.0
-    procs = _launch(how, timeout_s)
+    procs = launch_ranks([str(SCRIPT), how, str(timeout_s)])
     try:
         out0, err0 = procs[0].communicate(timeout=180)
         t_end = time.time()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import spmd
 from tests.models import Quantized, tied_lm
-from tests.support import spec
+from tests.support import spec, train_side_by_side
 
 
 # ---- tied weights --------------------------------------------------------------------------------
@@ -30,21 +30,7 @@ def _train_tied(rank: int, world: int, name: str, mesh_shape: tuple, steps: int 
         names = ("dp", "tp")[-len(mesh_shape):]
         mesh = spmd.init_mesh(mesh_shape, names)
         compiled = spmd.compile(model, mesh, (ids, labels), loss_fn=_logits_loss, mesh_spec=spec(mesh_shape, names))
-        opt = torch.optim.SGD(compiled.parameters(), lr=0.1, momentum=0.9)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        local = compiled.shard_inputs(ids, labels)
-        losses, ref_losses = [], []
-        for _ in range(steps):
-            loss = compiled(*local)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = _logits_loss(reference(ids), labels)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
+        losses, ref_losses, opt = train_side_by_side(compiled, reference, (ids,), (labels,), _logits_loss, steps)
         full = compiled.full_state_dict()
         expected = dict(reference.named_parameters(remove_duplicate=False))
         errors = {k: float((full[k] - v).abs().max()) for k, v in expected.items() if k in full}
@@ -84,20 +70,8 @@ def _train_custom(rank: int, world: int, steps: int = 3) -> dict:
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
         mesh = spmd.init_mesh((2,), ("tp",))
         compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
-        opt, ref_opt = torch.optim.SGD(compiled.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-        local = compiled.shard_inputs(x, y)
-        losses, ref_losses = [], []
-        for _ in range(steps):
-            loss = compiled(*local)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = F.mse_loss(reference(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
+        losses, ref_losses, _ = train_side_by_side(compiled, reference, (x,), (y,), F.mse_loss, steps,
+                                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
         full = compiled.full_state_dict()
         err = max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters())
         return {"losses": losses, "ref_losses": ref_losses, "param_err": err,
