@@ -1,11 +1,13 @@
-"""The solve step: the ILP, then what the ILP cannot see, under the memory budget.
+"""The solve step: the ILP, with the schedule's temporaries checked inside the search, under the budget.
 
     solve_placements ──▶ Plan whose linear memory terms (parameters, gradients, optimizer state, saved
-        activations, inputs) fit `memory_budget` (the budget is one ILP row)
-    peak_live_bytes  ──▶ the schedule's temporaries: the worst point's bytes beyond the saved activations
-    over the budget? ──▶ solve once more with the budget less the temporaries; if no plan leaves that
-        much room, keep the first (its terms fit) and warn
+        activations, inputs) fit `memory_budget` (the budget row, relaxed with a price per byte) and
+        whose schedule's temporaries (`peak_live_bytes`: the worst point's bytes beyond the saved
+        activations) fit what is left: every candidate the search meets is checked whole
+    none fits whole? ──▶ the best plan whose linear terms fit, with a warning naming the temporaries
 
+The guarantee: the search raises the price of memory until a plan fits whole, up to the leanest plan
+the linear terms allow; so a budget ends over budget only when that plan does not fit either.
 The result is the plan with `memory["temporaries"]`, the stats every pass reported, and what the
 per-call costs around the graph scale with (`wrapper_counts`).
 """
@@ -33,25 +35,26 @@ def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
 
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
-                        agree=None, stats: dict | None = None, bucket_bytes: float | None = None) -> Plan:
+                        agree=None, stats: dict | None = None, bucket_bytes: float | None = None,
+                        on_progress=None) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
-    def solve(budget):
-        return solve_placements(strategies, costs, traced.labels(), budget, agree=agree, blocks=blocks)
+    def solve(extra):
+        return solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
+                                extra_bytes=extra, on_progress=on_progress)
 
-    plan = solve(memory_budget)
+    try:
+        plan = solve(lambda p: temporaries(traced, p)[0])
+    except SpmdError:
+        if memory_budget is None:
+            raise
+        plan = solve(None)  # raises if even the linear terms fit nowhere
+        extra, at = temporaries(traced, plan)
+        warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
+                      f"optimizer state and saved activations fit, but with the schedule's temporaries "
+                      f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
+                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB and no plan leaves room for them. "
+                      "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     extra, at = temporaries(traced, plan)
-    if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget:
-        try:
-            roomier = solve(memory_budget - extra)
-        except SpmdError:
-            warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
-                          f"optimizer state and saved activations fit, but with the schedule's temporaries "
-                          f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
-                          f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB and no plan leaves room for them. "
-                          "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
-        else:
-            plan = dataclasses.replace(roomier, memory_budget=memory_budget)
-            extra, at = temporaries(traced, plan)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(
         plan, memory={**plan.memory, "temporaries": extra},

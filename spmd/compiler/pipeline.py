@@ -119,14 +119,15 @@ def _merging(v: dict) -> bool:
     return merge
 
 
-def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note) -> Plan:
+def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress) -> Plan:
     stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
     if stamp_note:
         stats["stamped_layers"] = stamp_note
     if traced.custom_functions:
         stats["custom_functions"] = list(traced.custom_functions)
     return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
-                               binding.agree if binding is not None else None, stats, options.bucket_bytes)
+                               binding.agree if binding is not None else None, stats, options.bucket_bytes,
+                               on_progress=progress.solving)
 
 
 def _emit(global_gm, mesh, binding: RankBinding):
@@ -176,7 +177,8 @@ PIPELINE: tuple[Pass, ...] = (
                                             "options.bucket_bytes", "blocks"), "costs", dump=dumps.dump_costs),
     # One global choice (ILP), then the schedule's temporaries under the budget. Optimal plans can tie
     # and the solver breaks ties by timing, so on a live mesh every rank adopts rank 0's solution.
-    Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note"),
+    Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note",
+                                      "progress"),
          "plan", dump=dumps.dump_plan),
     # Structural passes from here, for a rank only: explicit steps, then this rank's local graph.
     Pass("insert_collectives", insert_collectives, ("traced", "plan"), "global_gm", _bound,
@@ -221,6 +223,7 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
     timings: dict[str, float] = {}
     since = fx_sources.mark()
     progress = Progress([p.name for p in PIPELINE], binding.rank if binding is not None else None)
+    values["progress"] = progress
     try:
         for p in PIPELINE:
             if not p.when(values):

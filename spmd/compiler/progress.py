@@ -1,9 +1,8 @@
 """Progress of a long compile on a terminal: one line, redrawn by tqdm, naming the pass that runs and,
-after the solve, the plan's estimate, lower bound and gap. Silent when stderr is not a terminal (logs,
-CI, pytest), on every rank but the first, and with SPMD_PROGRESS=0.
-
-The solver (scipy's HiGHS `milp`) reports nothing while it runs, so the bound and gap appear when it
-returns, not as they improve.
+while the solver works, its best plan's estimate, the proven lower bound and the gap as they improve
+(HiGHS's callbacks under a memory budget's search and branch and bound; the price search of a budget
+reports after each price). Silent when stderr is not a terminal (logs, CI, pytest), on every rank but
+the first, and with SPMD_PROGRESS=0.
 """
 from __future__ import annotations
 
@@ -26,6 +25,11 @@ class Progress:
     def start(self, name: str) -> None:
         if self.bar is not None:
             self.bar.set_description(f"spmd {name}")
+
+    def solving(self, objective: float, bound: float, gap: float) -> None:
+        """The solver's incumbent and bound (seconds per call) as they improve."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"best {objective * 1e3:.3f} ms, bound {bound * 1e3:.3f} ms, gap {gap:.2%}")
 
     def done(self, name: str, values: dict) -> None:
         if self.bar is None:

@@ -1,20 +1,23 @@
-"""A small 0-1 program builder over scipy's HiGHS `milp`.
+"""A small 0-1 program builder over HiGHS (`highspy`).
 
-Columns are either binary choice variables or continuous edge variables in [0, 1]; rows are equalities.
-The placement problem uses the Alpa-style marginal form: for an edge u -> v the edge variables
-e[a, r] (producer spec a, consumer spec r) have row sums equal to u's choice of a and column sums equal
-to v's choice of r, so with binary choices exactly one e[a, r] is 1 and its cost is the resharding.
-That form's LP relaxation is tight enough that HiGHS proves optimality in well under a second on
-transformer graphs (see bench/), where the textbook product linearization takes minutes.
+Columns are either binary choice variables or continuous edge variables in [0, 1]; rows are equalities
+or inequalities. The placement problem uses the Alpa-style marginal form: for an edge u -> v the edge
+variables e[a, r] (producer spec a, consumer spec r) have row sums equal to u's choice of a and column
+sums equal to v's choice of r, so with binary choices exactly one e[a, r] is 1 and its cost is the
+resharding. That form's LP relaxation is tight enough that HiGHS proves optimality in well under a
+second on transformer graphs (see bench/), where the textbook product linearization takes minutes.
+
+HiGHS is driven directly (not through scipy's `milp`) for two things `milp` cannot do: report the
+incumbent, bound and gap while branch and bound runs (`on_progress`), and start from a known solution.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
+import highspy
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,19 @@ class IlpResult:
     n_binary: int
     n_continuous: int
     n_rows: int
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One knapsack row, sum(bytes[col] * x[col]) <= limit, kept out of the program and relaxed (see
+    `IlpBuilder.solve`). `extra(x)`: what a solution needs beyond the row that the row cannot see
+    (the schedule's temporaries); a solution fits when its row plus its extra is within the limit."""
+
+    bytes: dict[int, float]
+    limit: float
+    extra: Callable[[np.ndarray], float] | None = None
+    gap: float = 1e-2  # stop searching once the certified gap is this small
+    seconds: float = 10.0  # for branch and bound after the price search, when the gap is still larger
 
 
 class IlpBuilder:
@@ -81,38 +97,273 @@ class IlpBuilder:
         self._lower.append(float(lower))
         self._rhs.append(float(upper))
 
-    def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6) -> IlpResult:
-        """The optimum. The LP relaxation goes first: on placement programs it is usually integral
+    def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6,
+              on_progress: Callable[[float, float, float], None] | None = None,
+              budget: Budget | None = None) -> IlpResult:
+        """The optimum, or with a `budget` the best solution found within `budget.gap` of a proven bound.
+
+        Without a budget the LP relaxation goes first: on placement programs it is usually integral
         already (the marginal form is tight), and then its optimum is the program's, proven (the
-        relaxation's bound is the objective itself), at about half the cost of branch and bound."""
-        n = len(self.cost)
+        relaxation's bound is the objective itself), at about half the cost of branch and bound.
+
+        A budget row would make that relaxation fractional and leave the work to branch and bound
+        (minutes on a two-layer model). It is relaxed instead (Lagrange): for a price `lam` per byte,
+        the program without the row, costs `c + lam * bytes`, keeps its integral relaxation; its optimum
+        less `lam * limit` bounds the budgeted optimum from below, and where its solution fits (and
+        `budget.accept`s) it is a budgeted plan. Bisection on `lam` finds the cheapest price that fits;
+        branch and bound runs (from that plan) only if the certified gap is still above `budget.gap`.
+
+        `on_progress(objective, bound, gap)`, in the builder's units, is called as the incumbent or
+        bound improve."""
         t0 = time.perf_counter()
-        a = csr_array((self._vals, (self._rows, self._cols)), shape=(len(self._rhs), n))
+        n = len(self.cost)
         # HiGHS's optimality tolerances are absolute (1e-7): in seconds, a small op's cost (1e-6) sits
         # near them and a vertex 0.1% off the optimum passes as optimal. Scaled so the largest cost is
         # 1000, every cost that matters to 1e-10 of the largest is seen.
-        costs = np.asarray(self.cost)
+        costs = np.asarray(self.cost, dtype=float)
         largest = float(np.abs(costs).max()) if n else 0.0
         scale = 1e3 / max(largest, 1e-9)  # (a nanosecond at most: 1e12)
-        problem = dict(c=costs * scale, bounds=Bounds(0, np.asarray(self.upper)),
-                       constraints=LinearConstraint(a, np.asarray(self._lower), np.asarray(self._rhs)))
+        costs = costs * scale
         binary = np.asarray(self.integral, dtype=bool)
-        n_binary, n_rows = int(binary.sum()), len(self._rhs)
-        lp = milp(**problem, options={"time_limit": time_limit, "presolve": False})
-        if lp.x is not None and lp.status == 0 and np.all(np.abs(lp.x[binary] - np.round(lp.x[binary])) <= 1e-7):
-            x = lp.x.copy()
-            x[binary] = np.round(x[binary])
-            objective = float(lp.fun) / scale
-            return IlpResult(x, objective, objective, 0.0, time.perf_counter() - t0,
-                             "Optimal (the LP relaxation's optimum is integral)", n_binary, n - n_binary, n_rows)
-        remaining = max(1.0, time_limit - (time.perf_counter() - t0))
-        res = milp(**problem, integrality=binary.astype(int),
-                   options={"time_limit": remaining, "mip_rel_gap": mip_rel_gap, "presolve": True})
+        sizes = (int(binary.sum()), n - int(binary.sum()), len(self._rhs) + (budget is not None))
+        search = _Search(self._model(costs), binary, self._choice_groups(binary), t0 + time_limit)
+
+        if budget is None:
+            x, bound, status = search.integral(costs)
+            if x is None:
+                return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
+                                 status, *sizes)
+            objective = float(costs @ x)
+            gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / abs(objective))
+            return IlpResult(x, objective / scale, min(bound, objective) / scale, gap, time.perf_counter() - t0,
+                             status, *sizes)
+
+        return self._within_budget(search, costs, scale, budget, on_progress, t0, sizes)
+
+    def _within_budget(self, search: "_Search", costs: np.ndarray, scale: float, budget: Budget,
+                       on_progress, t0: float, sizes: tuple) -> IlpResult:
+        """The Lagrangian search of `solve`. Each price `lam` gives a solution x and a line,
+        c.x + mu * (w.x - limit), that lies above the dual function; the next price is where the lines
+        of the dearest price that does not fit and the cheapest that does cross (Newton's step for a
+        one-row dual), so the search ends in a few solves, at the dual optimum or when the gap closes."""
+        weight = np.zeros(len(costs))
+        for col, b in budget.bytes.items():
+            weight[col] += b
+        limit = float(budget.limit)
+        state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0}
+
+        def gap() -> float:
+            best = state["objective"]
+            return 0.0 if best <= 0 else max(0.0, (best - state["bound"]) / abs(best))
+
+        def needs(x) -> float:
+            return float(weight @ x) + (budget.extra(x) if budget.extra is not None else 0.0)
+
+        def improve(x, bound: float) -> None:
+            state["bound"] = max(state["bound"], bound)
+            if x is not None and float(costs @ x) < state["objective"] and needs(x) <= limit * (1 + 1e-9):
+                state["x"], state["objective"] = x, float(costs @ x)
+            if on_progress is not None and state["x"] is not None:
+                on_progress(state["objective"] / scale, state["bound"] / scale, gap())
+
+        def probe(lam: float):
+            """(fits, c.x, what x needs) at price `lam`, or None when there is no solution. The bound
+            is the row's alone (`extra` is not linear); the search steers by what plans need whole."""
+            state["probes"] += 1
+            x, value, _ = search.integral(costs + lam * weight, first_found=True)
+            if x is None:
+                return None
+            improve(x, value - lam * limit)
+            return needs(x) <= limit * (1 + 1e-9), float(costs @ x), needs(x)
+
+        first = probe(0.0)
+        if first is not None and not first[0]:
+            lo, lo_line = 0.0, first[1:]
+            lam, hi, hi_line = 1e-2 * max(first[1], 1e-12) / max(first[2], 1.0), None, None
+            for _ in range(24):  # prices 8x apart until one fits (none: not even the leanest plan fits)
+                got = probe(lam)
+                if got is None or search.out_of_time():
+                    break
+                if got[0]:
+                    hi, hi_line = lam, got[1:]
+                    break
+                lo, lo_line, lam = lam, got[1:], lam * 8
+            for _ in range(16):
+                if hi is None or gap() <= budget.gap or search.out_of_time() or hi - lo <= 1e-9 * hi:
+                    break
+                (c_lo, w_lo), (c_hi, w_hi) = lo_line, hi_line
+                cross = (c_hi - c_lo) / (w_lo - w_hi) if w_lo > w_hi else -1.0
+                mid = cross if lo < cross < hi else ((lo + hi) / 2 if lo == 0 else (lo * hi) ** 0.5)
+                got = probe(mid)
+                if got is None:
+                    break
+                if got[1:] in (lo_line, hi_line) and mid == cross:
+                    break  # the lines meet at the dual optimum: no price finds a better plan
+                if got[0]:
+                    hi, hi_line = mid, got[1:]
+                else:
+                    lo, lo_line = mid, got[1:]
+            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
+                # branch and bound from the best plan, with room for its temporaries
+                room = limit - (needs(state["x"]) - float(weight @ state["x"]))
+                seconds = budget.seconds
+                exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
+                x, bound = search.branch_and_bound(costs, weight, room, state["x"], budget.gap,
+                                                   on_progress if exact else None, scale, seconds)
+                improve(x, bound if exact else -float("inf"))
         seconds = time.perf_counter() - t0
-        if res.x is None:
-            return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), seconds, res.message,
-                             n_binary, n - n_binary, n_rows)
-        bound = float(getattr(res, "mip_dual_bound", res.fun) or res.fun)
-        gap = 0.0 if res.fun <= 0 else max(0.0, (res.fun - bound) / abs(res.fun))
-        return IlpResult(res.x, float(res.fun) / scale, bound / scale, gap, seconds, res.message,
-                         n_binary, n - n_binary, n_rows)
+        if state["x"] is None:
+            return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds,
+                             "Infeasible: no plan fits the budget", *sizes)
+        status = (f"Within {gap():.2%} of the bound ({state['probes']} prices of memory tried)"
+                  if state["probes"] > 1 else "Optimal (the unbudgeted optimum fits)")
+        objective = state["objective"]
+        return IlpResult(state["x"], objective / scale, min(state["bound"], objective) / scale, gap(), seconds,
+                         status, *sizes)
+
+    def _choice_groups(self, binary: np.ndarray) -> list[np.ndarray]:
+        """The "exactly one of these binary columns" rows, as column arrays."""
+        rows, cols = np.asarray(self._rows, dtype=np.int64), np.asarray(self._cols, dtype=np.int64)
+        vals = np.asarray(self._vals, dtype=float)
+        ones = np.asarray(self._rhs) == 1.0
+        ones &= np.asarray(self._lower) == 1.0
+        bad = np.zeros(len(self._rhs), dtype=bool)
+        np.logical_or.at(bad, rows, ~binary[cols] | (vals != 1.0)) if len(rows) else None
+        keep = ones & ~bad
+        order = np.argsort(rows, kind="stable")
+        rows, cols = rows[order], cols[order]
+        starts = np.searchsorted(rows, np.flatnonzero(keep))
+        ends = np.searchsorted(rows, np.flatnonzero(keep), side="right")
+        return [cols[s:e] for s, e in zip(starts, ends)]
+
+    def _model(self, costs: np.ndarray) -> "highspy.HighsLp":
+        """The program as HiGHS's column-wise LP (duplicate entries summed)."""
+        n, m = len(costs), len(self._rhs)
+        rows, cols = np.asarray(self._rows, dtype=np.int64), np.asarray(self._cols, dtype=np.int64)
+        key, where = np.unique(cols * max(m, 1) + rows, return_inverse=True)
+        values = np.bincount(where, weights=np.asarray(self._vals, dtype=float), minlength=len(key))
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        lp.col_cost_ = costs
+        lp.col_lower_, lp.col_upper_ = np.zeros(n), np.asarray(self.upper, dtype=float)
+        lp.row_lower_, lp.row_upper_ = np.asarray(self._lower, dtype=float), np.asarray(self._rhs, dtype=float)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, m
+        lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(np.bincount(key // max(m, 1), minlength=n))])
+        lp.a_matrix_.index_ = key % max(m, 1)
+        lp.a_matrix_.value_ = values
+        return lp
+
+
+def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("presolve", "on" if presolve else "off")
+    return h
+
+
+class _Search:
+    """One HiGHS instance over the program without the budget row, re-solved from its last basis as
+    its costs change."""
+
+    def __init__(self, lp, binary: np.ndarray, groups: list[np.ndarray], deadline: float):
+        self.lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
+        self.fixed = None  # a second instance, for plans with every choice fixed
+        self.relaxed = _highs(self.remaining(), presolve=False)
+        self.relaxed.passModel(lp)
+        self.columns = np.arange(len(binary), dtype=np.int32)
+        self.last = np.zeros(len(binary))
+
+    def remaining(self) -> float:
+        return max(1.0, self.deadline - time.perf_counter())
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def integral(self, costs: np.ndarray, first_found: bool = False) -> tuple[np.ndarray | None, float, str]:
+        """An optimal integral solution at `costs`, the relaxation's optimum (a bound), and a status.
+        `first_found`: where the relaxation is fractional, the first integral solution branch and bound
+        finds (a probe of the budget search needs a plan and a bound, not the best plan at its price)."""
+        if len(costs):
+            self.relaxed.changeColsCost(len(costs), self.columns, costs)
+        self.relaxed.setOptionValue("time_limit", self.remaining())
+        self.relaxed.run()
+        if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None, float("nan"), self.relaxed.modelStatusToString(self.relaxed.getModelStatus())
+        x = np.asarray(self.relaxed.getSolution().col_value)
+        self.last = x
+        bound = float(costs @ x)
+        if np.all(np.abs(x[self.binary] - np.round(x[self.binary])) <= 1e-7):
+            x = x.copy()
+            x[self.binary] = np.round(x[self.binary])
+            return x, bound, "Optimal (the LP relaxation's optimum is integral)"
+        if first_found:
+            rounded = self.rounded(x, costs)
+            if rounded is not None:
+                return rounded, bound, "Rounded (each choice its relaxation's largest)"
+        mip = self._mip(costs, self.remaining())
+        if first_found:
+            mip.setOptionValue("mip_max_improving_sols", 1)
+        mip.run()
+        status = mip.modelStatusToString(mip.getModelStatus())
+        if mip.getInfo().primal_solution_status != 2:
+            return None, bound, status
+        return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
+
+    def rounded(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:
+        """The plan taking, in each choice, the option the relaxation `x` weighs most (None if those
+        choices are inconsistent, e.g. across tied nodes)."""
+        covered = np.concatenate(self.groups) if self.groups else np.zeros(0, dtype=np.int64)
+        if len(covered) != int(self.binary.sum()):
+            return None  # binary columns outside any choice: nothing to round them by
+        upper = np.zeros(len(covered))
+        chosen = [g[np.argmax(x[g])] for g in self.groups]
+        lower = np.zeros(len(covered))
+        position = {int(c): i for i, c in enumerate(covered)}
+        for c in chosen:
+            upper[position[int(c)]] = lower[position[int(c)]] = 1.0
+        upper = np.minimum(upper, np.asarray(self.lp.col_upper_)[covered])
+        if self.fixed is None:
+            self.fixed = _highs(self.remaining(), presolve=True)
+            self.fixed.passModel(self.lp)
+        self.fixed.changeColsCost(len(costs), self.columns, costs)
+        self.fixed.changeColsBounds(len(covered), covered.astype(np.int32), lower, upper)
+        self.fixed.setOptionValue("time_limit", self.remaining())
+        self.fixed.run()
+        if self.fixed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        return np.asarray(self.fixed.getSolution().col_value)
+
+    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, scale, seconds):
+        """Branch and bound with the budget row, from the solution `start`, for at most `seconds`:
+        (solution or None, bound)."""
+        mip = self._mip(costs, min(seconds, self.remaining()))
+        mip.setOptionValue("mip_rel_gap", rel_gap)
+        cols = np.flatnonzero(weight).astype(np.int32)
+        mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
+        seed = highspy.HighsSolution()
+        seed.col_value = list(map(float, start))
+        seed.value_valid = True
+        mip.setSolution(seed)
+        if on_progress is not None:
+            def report(kind, message, out, into, user):
+                if np.isfinite(out.mip_primal_bound):
+                    on_progress(out.mip_primal_bound / scale, out.mip_dual_bound / scale, max(0.0, out.mip_gap))
+            mip.setCallback(report, None)
+            mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution)
+            mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
+        mip.run()
+        info = mip.getInfo()
+        x = np.asarray(mip.getSolution().col_value) if info.primal_solution_status == 2 else None
+        return x, float(info.mip_dual_bound)
+
+    def _mip(self, costs: np.ndarray, time_limit: float) -> "highspy.Highs":
+        lp = self.lp
+        lp.col_cost_ = costs
+        lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
+                           for b in self.binary]
+        mip = _highs(time_limit, presolve=True)
+        mip.setOptionValue("mip_rel_gap", 1e-6)
+        mip.passModel(lp)
+        return mip

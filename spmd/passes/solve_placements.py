@@ -7,12 +7,14 @@ the producer's choice re-labelled.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import follows_input, is_gradient_sink
 from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, Value
 from spmd.cost_model.comm import bucket_share
-from spmd.cost_model.solver import IlpBuilder
+from spmd.cost_model.solver import Budget, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
 
@@ -54,7 +56,8 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
                      memory_budget: float | None = None, time_limit: float = 60.0, agree=None,
-                     blocks=None) -> Plan:
+                     blocks=None, extra_bytes: Callable[[Plan], float] | None = None,
+                     on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
     `agree`: on a live mesh, a function that makes every rank adopt one rank's solution vector. Where a
     model has several optimal plans (ties are common: equal-cost orders of the same collectives),
@@ -63,7 +66,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     `blocks`: a `RepeatedBlocks`; a node of a repeated layer reuses its representative's variables (and
     edges between reused variables reuse their edge variables), so identical layers get identical
     placements and the program's size stops growing with depth. The optimum is then the best plan
-    among those that lay out identical layers alike."""
+    among those that lay out identical layers alike.
+    `extra_bytes(plan)`: what a plan needs beyond its linear memory terms (the schedule's temporaries);
+    with a budget, only plans whose terms plus these fit are accepted (see `IlpBuilder.solve`).
+    `on_progress(objective, bound, gap)`: called as the solver improves (seconds)."""
     rep_of = blocks.representative if blocks is not None else {}
     shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
     edge_groups: dict[tuple, list] = {}  # (structure, tensor, gradient) -> [terms, how many such edges]
@@ -208,10 +214,42 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         for ps, expr in value_expr[term.value].items():
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
-    if memory_budget is not None:
-        ilp.add_le(list(memory_row.items()), memory_budget)
+    def to_plan(x, result) -> Plan:
+        """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
+        choices, chosen_cost = {}, {}
+        for name, ns in table.nodes.items():
+            picked = [i for i, expr in enumerate(node_expr[name]) if sum(x[c] for c in expr) > 0.5]
+            if len(picked) != 1:
+                raise SpmdInternalError(f"solve_placements: node {name} has {len(picked)} chosen strategies")
+            choices[name] = ns.strategies[picked[0]]
+            chosen_cost[name] = costs.node_costs.get(name, [0.0] * len(ns.strategies))[picked[0]]
 
-    result = ilp.solve(time_limit=time_limit)
+        edges = []
+        for name, ns in table.nodes.items():
+            for j, value in enumerate(ns.inputs):
+                src = choices[value[0]].outputs[value[1]]
+                dst = choices[name].inputs[j]
+                if src != dst:
+                    gradient = is_gradient_sink(ns)
+                    steps = costs.redistribute(value, src, dst, gradient)
+                    edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst, gradient)))
+        stats = {} if result is None else {"binary": result.n_binary, "continuous": result.n_continuous,
+                                           "rows": result.n_rows, "status": result.status}
+        memory: dict[str, float] = {}
+        for term in costs.memory:
+            src = choices[term.value[0]]
+            ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
+            memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
+        figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
+                                                               result.seconds)
+        return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory, memory_budget, joint=costs.bucket_bytes is not None)
+
+    budget = None
+    if memory_budget is not None:
+        budget = Budget(memory_row, memory_budget, None if extra_bytes is None else
+                        lambda x: extra_bytes(to_plan(x, None)))
+
+    result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):
         if memory_budget is not None:
             floor = sum(t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape) for t in costs.memory)
@@ -220,30 +258,4 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
                 "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
         raise SpmdError(f"solve_placements: the solver found no plan ({result.status}).")
-    x = result.values if agree is None else agree(result.values)
-    choices, chosen_cost = {}, {}
-    for name, ns in table.nodes.items():
-        picked = [i for i, expr in enumerate(node_expr[name]) if sum(x[c] for c in expr) > 0.5]
-        if len(picked) != 1:
-            raise SpmdInternalError(f"solve_placements: node {name} has {len(picked)} chosen strategies")
-        choices[name] = ns.strategies[picked[0]]
-        chosen_cost[name] = costs.node_costs.get(name, [0.0] * len(ns.strategies))[picked[0]]
-
-    edges = []
-    for name, ns in table.nodes.items():
-        for j, value in enumerate(ns.inputs):
-            src = choices[value[0]].outputs[value[1]]
-            dst = choices[name].inputs[j]
-            if src != dst:
-                gradient = is_gradient_sink(ns)
-                steps = costs.redistribute(value, src, dst, gradient)
-                edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst, gradient)))
-    stats = {"binary": result.n_binary, "continuous": result.n_continuous, "rows": result.n_rows,
-             "status": result.status}
-    memory: dict[str, float] = {}
-    for term in costs.memory:
-        src = choices[term.value[0]]
-        ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
-        memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
-    return Plan(costs.mesh, choices, chosen_cost, tuple(edges), result.objective, result.lower_bound, result.gap,
-                result.seconds, stats, dict(labels or {}), memory, memory_budget, joint=costs.bucket_bytes is not None)
+    return to_plan(result.values if agree is None else agree(result.values), result)

@@ -17,7 +17,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def _compile_with(stream, monkeypatch, rank=None):
+def _compile_with(stream, monkeypatch, rank=None, **options):
     made = []
 
     class Recording(progress_module.Progress):
@@ -26,7 +26,7 @@ def _compile_with(stream, monkeypatch, rank=None):
             made.append(self)
 
     monkeypatch.setattr("spmd.compiler.pipeline.Progress", Recording)
-    compile_graph(MLP(16, 64), (torch.randn(4, 16),), spec((2,), ("tp",)))
+    compile_graph(MLP(16, 64), (torch.randn(4, 16),), spec((2,), ("tp",)), **options)
     return made[0]
 
 
@@ -48,3 +48,9 @@ def test_silent_when_not_a_terminal_on_other_ranks_or_switched_off(monkeypatch):
     monkeypatch.setenv("SPMD_PROGRESS", "0")
     off = _Terminal()
     assert _compile_with(off, monkeypatch).bar is None and off.getvalue() == ""
+
+
+def test_a_budgeted_solve_reports_its_best_plan_and_bound_while_it_searches(monkeypatch):
+    out = _Terminal()
+    _compile_with(out, monkeypatch, memory_budget=2**30)
+    assert "best " in out.getvalue() and "bound" in out.getvalue(), out.getvalue()
