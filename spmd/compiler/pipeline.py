@@ -96,8 +96,10 @@ def _trace(model, example_inputs, options: PlanOptions, stacks) -> tuple[TracedG
     note = ""
     if stacks:
         try:
-            with truncated(model, stacks):
+            with truncated(model, stacks) as read:
                 short = trace(model)
+            if read:
+                raise CannotStamp(f"the layers differ in {', '.join(sorted(read))}, which the forward reads")
             return stamp_layers(short, stacks, model), "; ".join(
                 f"{s.fqn}: {TRACED} traced, {s.depth - TRACED} stamped" for s in stacks)
         except SpmdError as e:

@@ -128,7 +128,9 @@ class Stack(nn.Module):
 def test_layers_must_be_interchangeable():
     assert find_layer_stacks(Stack([Layer() for _ in range(8)])) == (LayerStack("layers", 8),)
     assert find_layer_stacks(Stack([Layer() for _ in range(7)])) == ()  # too shallow to pay
-    assert find_layer_stacks(Stack([Layer(scale=1.0 + (i == 5)) for i in range(8)])) == ()  # an attribute
+    # an attribute that differs: a stack, whose forward is watched for reads of it (see below)
+    assert find_layer_stacks(Stack([Layer(scale=1.0 + (i == 5)) for i in range(8)])) == (
+        LayerStack("layers", 8, (("", "scale"),)),)
     no_bias = Stack([Layer() for _ in range(8)])
     no_bias.layers[4].fc = nn.Linear(16, 16, bias=False)  # different parameters
     assert find_layer_stacks(no_bias) == ()
@@ -176,6 +178,56 @@ def test_models_that_do_not_stamp_are_traced_whole(model_cls, reason):
     assert sum(1 for i in c.traced.inputs if i.kind == "parameter") == 16  # every layer is in the graph
     outs = simulate(c, (x,))
     want = model(x)
+    ps = c.plan.choices["output_0"].inputs[0]
+    for rank, out in enumerate(outs):
+        torch.testing.assert_close(out[0], local_shard(want.detach(), ps, (2,), (rank,)))
+
+
+class TitanBlock(Layer):
+    """torchtitan's way: a per-layer id and init scale the forward never reads."""
+
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id, self.weight_init_std = layer_id, 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+
+class Layers(nn.ModuleDict):
+    """A ModuleDict subclass keyed "0", "1", ... whose constructor takes a depth, not the layers."""
+
+    def __init__(self, n):
+        super().__init__({str(i): TitanBlock(i) for i in range(n)})
+
+
+class Titan(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.layers = Layers(n)
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+class ReadsItsIndex(TitanBlock):
+    def forward(self, x):
+        return super().forward(x) * (self.layer_id + 1)
+
+
+@pytest.mark.parametrize("block, stamped", [(TitanBlock, True), (ReadsItsIndex, False)])
+def test_layer_dicts_and_attributes_the_forward_does_not_read_stamp(block, stamped):
+    torch.manual_seed(0)
+    model = Titan()
+    for i in range(8):
+        model.layers[str(i)] = block(i)
+    assert find_layer_stacks(model) == (LayerStack("layers", 8, (("", "layer_id"), ("", "weight_init_std"))),)
+    x = torch.randn(4, 16)
+    c = compile_graph(model, (x,), spec((2,), ("dp",)))
+    note = c.plan.stats["stamped_layers"]
+    assert note.startswith("layers: 3 traced, 5 stamped") if stamped else "layers.*.layer_id, which the forward reads" in note
+    assert sum(1 for i in c.traced.inputs if i.kind == "parameter") == 16
+    assert type(model.layers) is Layers and len(model.layers) == 8 and type(model.layers["0"]) is block  # restored
+    outs, want = simulate(c, (x,)), model(x)
     ps = c.plan.choices["output_0"].inputs[0]
     for rank, out in enumerate(outs):
         torch.testing.assert_close(out[0], local_shard(want.detach(), ps, (2,), (rank,)))
