@@ -129,7 +129,8 @@ class IlpBuilder:
         search = _Search(self._model(costs), binary, self._choice_groups(binary), t0 + time_limit)
 
         if budget is None:
-            x, bound, status = search.integral(costs)
+            report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
+            x, bound, status = search.integral(costs, on_progress=report)
             if x is None:
                 return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
                                  status, *sizes)
@@ -255,6 +256,21 @@ class IlpBuilder:
         return lp
 
 
+def _report(mip: "highspy.Highs", on_progress) -> None:
+    """Have branch and bound call `on_progress(incumbent, bound, gap)` as its incumbent improves and
+    each time it logs."""
+    if on_progress is None:
+        return
+
+    def callback(kind, message, out, into, user):
+        if np.isfinite(out.mip_primal_bound):
+            on_progress(out.mip_primal_bound, out.mip_dual_bound, max(0.0, out.mip_gap))
+
+    mip.setCallback(callback, None)
+    mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution)
+    mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
+
+
 def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -281,10 +297,12 @@ class _Search:
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
 
-    def integral(self, costs: np.ndarray, first_found: bool = False) -> tuple[np.ndarray | None, float, str]:
+    def integral(self, costs: np.ndarray, first_found: bool = False,
+                 on_progress=None) -> tuple[np.ndarray | None, float, str]:
         """An optimal integral solution at `costs`, the relaxation's optimum (a bound), and a status.
         `first_found`: where the relaxation is fractional, the first integral solution branch and bound
-        finds (a probe of the budget search needs a plan and a bound, not the best plan at its price)."""
+        finds (a probe of the budget search needs a plan and a bound, not the best plan at its price).
+        `on_progress(objective, bound, gap)`: branch and bound's progress, in these costs' units."""
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
         self.relaxed.setOptionValue("time_limit", self.remaining())
@@ -305,6 +323,7 @@ class _Search:
         mip = self._mip(costs, self.remaining())
         if first_found:
             mip.setOptionValue("mip_max_improving_sols", 1)
+        _report(mip, on_progress)
         mip.run()
         status = mip.modelStatusToString(mip.getModelStatus())
         if mip.getInfo().primal_solution_status != 2:
@@ -346,13 +365,7 @@ class _Search:
         seed.col_value = list(map(float, start))
         seed.value_valid = True
         mip.setSolution(seed)
-        if on_progress is not None:
-            def report(kind, message, out, into, user):
-                if np.isfinite(out.mip_primal_bound):
-                    on_progress(out.mip_primal_bound / scale, out.mip_dual_bound / scale, max(0.0, out.mip_gap))
-            mip.setCallback(report, None)
-            mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution)
-            mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
+        _report(mip, None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g)))
         mip.run()
         info = mip.getInfo()
         x = np.asarray(mip.getSolution().col_value) if info.primal_solution_status == 2 else None

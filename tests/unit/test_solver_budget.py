@@ -91,3 +91,15 @@ def test_progress_reports_a_fitting_plan_and_a_bound():
     r = ilp.solve(budget=Budget(weights, 20.0), on_progress=lambda *a: seen.append(a))
     assert seen and all(obj >= bound - 1e-9 for obj, bound, _ in seen)
     assert seen[-1][0] == r.objective
+
+
+def test_branch_and_bound_reports_its_progress_without_a_budget():
+    # a fractional relaxation (odd cycle of "not both" pairs): branch and bound runs, and reports
+    ilp = IlpBuilder()
+    cols = [ilp.add_var(-1.0, binary=True) for _ in range(5)]
+    for i in range(5):
+        ilp.add_le([(cols[i], 1.0), (cols[(i + 1) % 5], 1.0)], 1.0)
+    seen = []
+    r = ilp.solve(on_progress=lambda *a: seen.append(a))
+    assert r.objective == -2.0 and r.gap == 0.0
+    assert seen and seen[-1][0] == -2.0
