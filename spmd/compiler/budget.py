@@ -4,7 +4,7 @@
         activations, inputs) fit `memory_budget` (the budget row, relaxed with a price per byte) and
         whose schedule's temporaries (`peak_live_bytes`: the worst point's bytes beyond the saved
         activations) fit what is left: every candidate the search meets is checked whole
-    none fits whole? ──▶ the best plan whose linear terms fit, with a warning naming the temporaries
+    none fits whole? ──▶ the leanest plan the search met whose linear terms fit, with a warning
 
 The guarantee: the search raises the price of memory until a plan fits whole, up to the leanest plan
 the linear terms allow; so a budget ends over budget only when that plan does not fit either.
@@ -18,7 +18,6 @@ import warnings
 
 import torch
 
-from spmd.core.errors import SpmdError
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
 from spmd.cost_model.memory import peak_live_bytes
@@ -42,17 +41,14 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
         return solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
                                 extra_bytes=extra, on_progress=on_progress)
 
-    try:
-        plan = solve(lambda p: temporaries(traced, p)[0])
-    except SpmdError:
-        if memory_budget is None:
-            raise
-        plan = solve(None)  # raises if even the linear terms fit nowhere
-        extra, at = temporaries(traced, plan)
+    plan = solve(lambda p: temporaries(traced, p)[0])  # raises if even the linear terms fit nowhere
+    extra, at = temporaries(traced, plan)
+    if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
                       f"optimizer state and saved activations fit, but with the schedule's temporaries "
                       f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
-                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB and no plan leaves room for them. "
+                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB, and no plan the search met fits "
+                      "whole (this is the leanest it found). "
                       "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     extra, at = temporaries(traced, plan)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}

@@ -151,7 +151,8 @@ class IlpBuilder:
         for col, b in budget.bytes.items():
             weight[col] += b
         limit = float(budget.limit)
-        state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0}
+        state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
+                 "leanest": None, "leanest_need": float("inf")}  # the plan needing least, fitting or not
 
         def gap() -> float:
             best = state["objective"]
@@ -160,10 +161,12 @@ class IlpBuilder:
         def needs(x) -> float:
             return float(weight @ x) + (budget.extra(x) if budget.extra is not None else 0.0)
 
-        def improve(x, bound: float) -> None:
+        def improve(x, bound: float, need: float | None = None) -> None:
             state["bound"] = max(state["bound"], bound)
-            if x is not None and float(costs @ x) < state["objective"] and needs(x) <= limit * (1 + 1e-9):
-                state["x"], state["objective"] = x, float(costs @ x)
+            if x is not None and float(costs @ x) < state["objective"]:
+                need = needs(x) if need is None else need
+                if need <= limit * (1 + 1e-9):
+                    state["x"], state["objective"] = x, float(costs @ x)
             if on_progress is not None and state["x"] is not None:
                 on_progress(state["objective"] / scale, state["bound"] / scale, gap())
 
@@ -174,8 +177,11 @@ class IlpBuilder:
             x, value, _ = search.integral(costs + lam * weight, first_found=True)
             if x is None:
                 return None
-            improve(x, value - lam * limit)
-            return needs(x) <= limit * (1 + 1e-9), float(costs @ x), needs(x)
+            need = needs(x)  # (the temporaries walk the schedule: once per plan)
+            improve(x, value - lam * limit, need)
+            if need < state["leanest_need"]:
+                state["leanest"], state["leanest_need"] = x, need
+            return need <= limit * (1 + 1e-9), float(costs @ x), need
 
         first = probe(0.0)
         if first is not None and not first[0]:
@@ -212,7 +218,32 @@ class IlpBuilder:
                 x, bound = search.branch_and_bound(costs, weight, room, state["x"], budget.gap,
                                                    on_progress if exact else None, scale, seconds)
                 improve(x, bound if exact else -float("inf"))
+            for _ in range(3):
+                # no price's plan fits whole: what the row must leave for temporaries is guessed from
+                # the leanest plan so far, and branch and bound finds the cheapest plan leaving that
+                # much; if its own temporaries are larger, again with its guess
+                lean = state["leanest"]
+                if state["x"] is not None or lean is None or budget.extra is None or search.out_of_time():
+                    break
+                room = limit - (state["leanest_need"] - float(weight @ lean))
+                x, _ = search.branch_and_bound(costs, weight, room, None, budget.gap, None, scale, budget.seconds)
+                if x is None:
+                    break
+                need = needs(x)
+                improve(x, -float("inf"), need)
+                if need >= state["leanest_need"]:
+                    break
+                state["leanest"], state["leanest_need"] = x, need
         seconds = time.perf_counter() - t0
+        lean = state["leanest"]
+        if state["x"] is None and lean is not None and float(weight @ lean) <= limit * (1 + 1e-9):
+            # none fits whole, but this one's row does: the plan closest to fitting, for the caller to
+            # hand back with a warning (its extra is what does not fit)
+            objective = float(costs @ lean)
+            bound = min(state["bound"], objective)
+            return IlpResult(lean, objective / scale, bound / scale, (objective - bound) / max(abs(objective), 1e-300),
+                             seconds,
+                             "Over the budget with its temporaries: the leanest plan found", *sizes)
         if state["x"] is None:
             return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds,
                              "Infeasible: no plan fits the budget", *sizes)
@@ -361,10 +392,11 @@ class _Search:
         mip.setOptionValue("mip_rel_gap", rel_gap)
         cols = np.flatnonzero(weight).astype(np.int32)
         mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
-        seed = highspy.HighsSolution()
-        seed.col_value = list(map(float, start))
-        seed.value_valid = True
-        mip.setSolution(seed)
+        if start is not None:
+            seed = highspy.HighsSolution()
+            seed.col_value = list(map(float, start))
+            seed.value_valid = True
+            mip.setSolution(seed)
         _report(mip, None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g)))
         mip.run()
         info = mip.getInfo()
