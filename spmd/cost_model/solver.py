@@ -20,6 +20,9 @@ import highspy
 import numpy as np
 
 
+BRANCH_SECONDS = 10.0  # branch and bound's time from a rounded plan (see `_Search.integral`)
+
+
 @dataclass(frozen=True)
 class IlpResult:
     values: np.ndarray
@@ -347,18 +350,27 @@ class _Search:
             x = x.copy()
             x[self.binary] = np.round(x[self.binary])
             return x, bound, "Optimal (the LP relaxation's optimum is integral)"
-        if first_found:
-            rounded = self.rounded(x, costs)
-            if rounded is not None:
+        rounded = self.rounded(x, costs)
+        if rounded is not None:
+            if float(costs @ rounded) <= bound + 1e-9 * max(1.0, abs(bound)):
+                return rounded, bound, "Optimal (the rounded relaxation meets its bound)"
+            if first_found:
                 return rounded, bound, "Rounded (each choice its relaxation's largest)"
-        mip = self._mip(costs, self.remaining())
+        # with a plan in hand (the rounded one), branch and bound gets BRANCH_SECONDS to improve it or
+        # prove it: on symmetric meshes it can spend its whole time limit closing a gap of 0.3%
+        mip = self._mip(costs, self.remaining() if rounded is None else min(BRANCH_SECONDS, self.remaining()))
         if first_found:
             mip.setOptionValue("mip_max_improving_sols", 1)
+        if rounded is not None:  # an incumbent to prune with from the start
+            seed = highspy.HighsSolution()
+            seed.col_value = list(map(float, rounded))
+            seed.value_valid = True
+            mip.setSolution(seed)
         _report(mip, on_progress)
         mip.run()
         status = mip.modelStatusToString(mip.getModelStatus())
         if mip.getInfo().primal_solution_status != 2:
-            return None, bound, status
+            return (None, bound, status) if rounded is None else (rounded, bound, status)
         return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
 
     def rounded(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:
