@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +104,39 @@ def test_branch_and_bound_reports_its_progress_without_a_budget():
     r = ilp.solve(on_progress=lambda *a: seen.append(a))
     assert r.objective == -2.0 and r.gap == 0.0
     assert seen and seen[-1][0] == -2.0
+
+
+pair_costs_st = st.integers(0, 20).map(float)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(3, 5), st.integers(2, 3), st.data())
+def test_cycles_of_pairwise_choices_solve_to_the_brute_force_optimum(n, k, data):
+    """Nodes on a cycle, k options each, a cost per option and per (option, option) of neighbours, in
+    solve_placements' marginal form: on cycles the relaxation can be fractional, so the rounding and
+    branch and bound paths run. The result is the optimum, and the bound is no more than it."""
+    node_cost = [[data.draw(pair_costs_st) for _ in range(k)] for _ in range(n)]
+    edge_cost = [[[data.draw(pair_costs_st) for _ in range(k)] for _ in range(k)] for _ in range(n)]
+    ilp = IlpBuilder()
+    cols = []
+    for i in range(n):
+        mine = [ilp.add_var(c, binary=True) for c in node_cost[i]]
+        ilp.add_eq([(c, 1.0) for c in mine], 1.0)
+        cols.append(mine)
+    for i in range(n):  # edge i -> i+1: e[a, r] with row sums x[i, a] and column sums x[i+1, r]
+        j = (i + 1) % n
+        first = ilp.add_vars(k * k)
+        for a in range(k):
+            for r in range(k):
+                ilp.add_cost(first + a * k + r, edge_cost[i][a][r])
+            ilp.add_eq([(first + a * k + r, 1.0) for r in range(k)] + [(cols[i][a], -1.0)], 0.0)
+        for r in range(k):
+            ilp.add_eq([(first + a * k + r, 1.0) for a in range(k)] + [(cols[j][r], -1.0)], 0.0)
+    best = min(sum(node_cost[i][p[i]] + edge_cost[i][p[i]][p[(i + 1) % n]] for i in range(n))
+               for p in itertools.product(range(k), repeat=n))
+    r = ilp.solve()
+    assert r.objective == pytest.approx(best, abs=1e-6)
+    assert r.lower_bound <= best + 1e-6
+    picks = _picks(r.values, cols)
+    assert sum(node_cost[i][picks[i]] + edge_cost[i][picks[i]][picks[(i + 1) % n]] for i in range(n)) \
+        == pytest.approx(best, abs=1e-6)
