@@ -257,5 +257,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 f"solve_placements: no plan fits memory_budget={memory_budget / 2**20:.1f} MiB per rank "
                 f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
                 "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
-        raise SpmdError(f"solve_placements: the solver found no plan ({result.status}).")
+        raise SpmdError(
+            f"solve_placements: the solver found no plan ({result.status}) for a program of {result.n_binary} "
+            f"binary and {result.n_continuous} continuous columns (most of them the layout pairs of edges: a mesh "
+            "with more axes has many more layouts per value). What to do: pin the inputs and the largest weights "
+            "(in_placements=, param_placements=) so fewer layouts remain, pass merge_followers=True (a smaller "
+            "program, near-optimal plans), or plan on a mesh with fewer axes.")
     return to_plan(result.values if agree is None else agree(result.values), result)
