@@ -6,8 +6,11 @@
         activations) fit what is left: every candidate the search meets is checked whole
     none fits whole? ──▶ the leanest plan the search met whose linear terms fit, with a warning
 
-The guarantee: the search raises the price of memory until a plan fits whole, up to the leanest plan
-the linear terms allow; so a budget ends over budget only when that plan does not fit either.
+What is guaranteed: a plan that fits whole is found when one of the search's plans fits (the best plan
+at each price it tries, up to the leanest in the linear terms, and branch and bound's with the room the
+leanest plan's temporaries leave). A fitting plan off that path, lean in the linear terms but with
+large temporaries, can be missed: ViT-60B at 80 GB comes back at 90.0 GB while a pinned 2-D plan fits at
+73.1 GB (bench/results_plan.md). Temporaries as rows of the program would close that.
 The result is the plan with `memory["temporaries"]`, the stats every pass reported, and what the
 per-call costs around the graph scale with (`wrapper_counts`).
 """
@@ -37,11 +40,8 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                         agree=None, stats: dict | None = None, bucket_bytes: float | None = None,
                         on_progress=None) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
-    def solve(extra):
-        return solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
-                                extra_bytes=extra, on_progress=on_progress)
-
-    plan = solve(lambda p: temporaries(traced, p)[0])  # raises if even the linear terms fit nowhere
+    plan = solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
+                            extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress)
     extra, at = temporaries(traced, plan)
     if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
@@ -50,7 +50,6 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                       f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB, and no plan the search met fits "
                       "whole (this is the leanest it found). "
                       "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
-    extra, at = temporaries(traced, plan)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(
         plan, memory={**plan.memory, "temporaries": extra},

@@ -1,8 +1,9 @@
 """Progress of a long compile on a terminal: one line, redrawn by tqdm, naming the pass that runs and,
 while the solver works, its best plan's estimate, the proven lower bound and the gap as they improve
 (HiGHS's callbacks from branch and bound, with or without a budget; a budget's price search reports
-after each price; a relaxation that is integral at once has nothing to report until it returns). Silent when stderr is not a terminal (logs, CI, pytest), on every rank but
-the first, and with SPMD_PROGRESS=0.
+after each price; a relaxation that is integral at once has nothing to report until it returns).
+Silent when stderr is not a terminal (logs, CI, pytest), on every rank but the first, and with
+SPMD_PROGRESS=0.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import highspy
 import numpy as np
 
 
-BRANCH_SECONDS = 10.0  # branch and bound's time from a rounded plan (see `_Search.integral`)
+BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Budget:
     limit: float
     extra: Callable[[np.ndarray], float] | None = None
     gap: float = 1e-2  # stop searching once the certified gap is this small
-    seconds: float = 10.0  # for branch and bound after the price search, when the gap is still larger
+    seconds: float = BRANCH_SECONDS  # branch and bound's time after the price search, when the gap is still larger
 
 
 class IlpBuilder:
@@ -112,12 +112,13 @@ class IlpBuilder:
         A budget row would make that relaxation fractional and leave the work to branch and bound
         (minutes on a two-layer model). It is relaxed instead (Lagrange): for a price `lam` per byte,
         the program without the row, costs `c + lam * bytes`, keeps its integral relaxation; its optimum
-        less `lam * limit` bounds the budgeted optimum from below, and where its solution fits (and
-        `budget.accept`s) it is a budgeted plan. Bisection on `lam` finds the cheapest price that fits;
-        branch and bound runs (from that plan) only if the certified gap is still above `budget.gap`.
+        less `lam * limit` bounds the budgeted optimum from below, and where its solution fits (row plus
+        `budget.extra`) it is a budgeted plan. The search (`_within_budget`) finds the cheapest price
+        that fits; branch and bound runs (from that plan) only if the certified gap is still above
+        `budget.gap`.
 
-        `on_progress(objective, bound, gap)`, in the builder's units, is called as the incumbent or
-        bound improve."""
+        `mip_rel_gap`: where branch and bound stops without a budget. `on_progress(objective, bound,
+        gap)`, in the builder's units, is called as the incumbent or bound improve."""
         t0 = time.perf_counter()
         n = len(self.cost)
         # HiGHS's optimality tolerances are absolute (1e-7): in seconds, a small op's cost (1e-6) sits
@@ -129,10 +130,10 @@ class IlpBuilder:
         costs = costs * scale
         binary = np.asarray(self.integral, dtype=bool)
         sizes = (int(binary.sum()), n - int(binary.sum()), len(self._rhs) + (budget is not None))
-        search = _Search(self._model(costs), binary, self._choice_groups(binary), t0 + time_limit)
+        search = _Search(self._model(costs), binary, self._choice_groups(binary), t0 + time_limit, mip_rel_gap)
+        report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
 
         if budget is None:
-            report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
             x, bound, status = search.integral(costs, on_progress=report)
             if x is None:
                 return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
@@ -142,14 +143,15 @@ class IlpBuilder:
             return IlpResult(x, objective / scale, min(bound, objective) / scale, gap, time.perf_counter() - t0,
                              status, *sizes)
 
-        return self._within_budget(search, costs, scale, budget, on_progress, t0, sizes)
+        return self._within_budget(search, costs, scale, budget, report, t0, sizes)
 
     def _within_budget(self, search: "_Search", costs: np.ndarray, scale: float, budget: Budget,
-                       on_progress, t0: float, sizes: tuple) -> IlpResult:
+                       report, t0: float, sizes: tuple) -> IlpResult:
         """The Lagrangian search of `solve`. Each price `lam` gives a solution x and a line,
         c.x + mu * (w.x - limit), that lies above the dual function; the next price is where the lines
         of the dearest price that does not fit and the cheapest that does cross (Newton's step for a
-        one-row dual), so the search ends in a few solves, at the dual optimum or when the gap closes."""
+        one-row dual), so the search ends in a few solves, at the dual optimum or when the gap closes.
+        `report(objective, bound, gap)`: progress in the scaled `costs`' units."""
         weight = np.zeros(len(costs))
         for col, b in budget.bytes.items():
             weight[col] += b
@@ -170,8 +172,8 @@ class IlpBuilder:
                 need = needs(x) if need is None else need
                 if need <= limit * (1 + 1e-9):
                     state["x"], state["objective"] = x, float(costs @ x)
-            if on_progress is not None and state["x"] is not None:
-                on_progress(state["objective"] / scale, state["bound"] / scale, gap())
+            if report is not None and state["x"] is not None:
+                report(state["objective"], state["bound"], gap())
 
         def probe(lam: float):
             """(fits, c.x, what x needs) at price `lam`, or None when there is no solution. The bound
@@ -216,10 +218,9 @@ class IlpBuilder:
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
                 room = limit - (needs(state["x"]) - float(weight @ state["x"]))
-                seconds = budget.seconds
                 exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
                 x, bound = search.branch_and_bound(costs, weight, room, state["x"], budget.gap,
-                                                   on_progress if exact else None, scale, seconds)
+                                                   report if exact else None, budget.seconds)
                 improve(x, bound if exact else -float("inf"))
             for _ in range(3):
                 # no price's plan fits whole: what the row must leave for temporaries is guessed from
@@ -229,7 +230,7 @@ class IlpBuilder:
                 if state["x"] is not None or lean is None or budget.extra is None or search.out_of_time():
                     break
                 room = limit - (state["leanest_need"] - float(weight @ lean))
-                x, _ = search.branch_and_bound(costs, weight, room, None, budget.gap, None, scale, budget.seconds)
+                x, _ = search.branch_and_bound(costs, weight, room, None, budget.gap, None, budget.seconds)
                 if x is None:
                     break
                 need = needs(x)
@@ -263,7 +264,8 @@ class IlpBuilder:
         ones = np.asarray(self._rhs) == 1.0
         ones &= np.asarray(self._lower) == 1.0
         bad = np.zeros(len(self._rhs), dtype=bool)
-        np.logical_or.at(bad, rows, ~binary[cols] | (vals != 1.0)) if len(rows) else None
+        if len(rows):
+            np.logical_or.at(bad, rows, ~binary[cols] | (vals != 1.0))
         keep = ones & ~bad
         order = np.argsort(rows, kind="stable")
         rows, cols = rows[order], cols[order]
@@ -305,6 +307,14 @@ def _report(mip: "highspy.Highs", on_progress) -> None:
     mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
 
 
+def _seed(mip: "highspy.Highs", x: np.ndarray) -> None:
+    """Start branch and bound from the solution `x` (HiGHS ignores it if infeasible)."""
+    seed = highspy.HighsSolution()
+    seed.col_value = list(map(float, x))
+    seed.value_valid = True
+    mip.setSolution(seed)
+
+
 def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -317,13 +327,16 @@ class _Search:
     """One HiGHS instance over the program without the budget row, re-solved from its last basis as
     its costs change."""
 
-    def __init__(self, lp, binary: np.ndarray, groups: list[np.ndarray], deadline: float):
+    def __init__(self, lp, binary: np.ndarray, groups: list[np.ndarray], deadline: float, mip_rel_gap: float):
         self.lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
+        self.mip_rel_gap = mip_rel_gap
         self.fixed = None  # a second instance, for plans with every choice fixed
         self.relaxed = _highs(self.remaining(), presolve=False)
         self.relaxed.passModel(lp)
         self.columns = np.arange(len(binary), dtype=np.int32)
-        self.last = np.zeros(len(binary))
+        # rounding fixes every binary column: possible when each is in exactly one choice
+        self.covered = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+        self.roundable = len(self.covered) == int(binary.sum()) == len(np.unique(self.covered))
 
     def remaining(self) -> float:
         return max(1.0, self.deadline - time.perf_counter())
@@ -344,7 +357,6 @@ class _Search:
         if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, float("nan"), self.relaxed.modelStatusToString(self.relaxed.getModelStatus())
         x = np.asarray(self.relaxed.getSolution().col_value)
-        self.last = x
         bound = float(costs @ x)
         if np.all(np.abs(x[self.binary] - np.round(x[self.binary])) <= 1e-7):
             x = x.copy()
@@ -362,10 +374,7 @@ class _Search:
         if first_found:
             mip.setOptionValue("mip_max_improving_sols", 1)
         if rounded is not None:  # an incumbent to prune with from the start
-            seed = highspy.HighsSolution()
-            seed.col_value = list(map(float, rounded))
-            seed.value_valid = True
-            mip.setSolution(seed)
+            _seed(mip, rounded)
         _report(mip, on_progress)
         mip.run()
         status = mip.modelStatusToString(mip.getModelStatus())
@@ -375,17 +384,14 @@ class _Search:
 
     def rounded(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:
         """The plan taking, in each choice, the option the relaxation `x` weighs most (None if those
-        choices are inconsistent, e.g. across tied nodes)."""
-        covered = np.concatenate(self.groups) if self.groups else np.zeros(0, dtype=np.int64)
-        if len(covered) != int(self.binary.sum()):
-            return None  # binary columns outside any choice: nothing to round them by
-        upper = np.zeros(len(covered))
-        chosen = [g[np.argmax(x[g])] for g in self.groups]
-        lower = np.zeros(len(covered))
-        position = {int(c): i for i, c in enumerate(covered)}
-        for c in chosen:
-            upper[position[int(c)]] = lower[position[int(c)]] = 1.0
-        upper = np.minimum(upper, np.asarray(self.lp.col_upper_)[covered])
+        choices are inconsistent, e.g. across tied nodes, or a binary column is in no choice)."""
+        if not self.roundable:
+            return None
+        chosen = np.zeros(len(self.lp.col_cost_), dtype=bool)
+        chosen[[g[np.argmax(x[g])] for g in self.groups]] = True
+        covered = self.covered
+        lower = chosen[covered].astype(float)
+        upper = np.minimum(lower, np.asarray(self.lp.col_upper_)[covered])
         if self.fixed is None:
             self.fixed = _highs(self.remaining(), presolve=True)
             self.fixed.passModel(self.lp)
@@ -397,30 +403,28 @@ class _Search:
             return None
         return np.asarray(self.fixed.getSolution().col_value)
 
-    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, scale, seconds):
-        """Branch and bound with the budget row, from the solution `start`, for at most `seconds`:
-        (solution or None, bound)."""
+    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds):
+        """Branch and bound with the budget row, from the solution `start` (or None), for at most
+        `seconds`: (solution or None, bound)."""
         mip = self._mip(costs, min(seconds, self.remaining()))
         mip.setOptionValue("mip_rel_gap", rel_gap)
         cols = np.flatnonzero(weight).astype(np.int32)
         mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
         if start is not None:
-            seed = highspy.HighsSolution()
-            seed.col_value = list(map(float, start))
-            seed.value_valid = True
-            mip.setSolution(seed)
-        _report(mip, None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g)))
+            _seed(mip, start)
+        _report(mip, on_progress)
         mip.run()
         info = mip.getInfo()
         x = np.asarray(mip.getSolution().col_value) if info.primal_solution_status == 2 else None
         return x, float(info.mip_dual_bound)
 
     def _mip(self, costs: np.ndarray, time_limit: float) -> "highspy.Highs":
-        lp = self.lp
-        lp.col_cost_ = costs
-        lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
-                           for b in self.binary]
+        """A fresh instance of the program at `costs` with its binary columns integral."""
         mip = _highs(time_limit, presolve=True)
-        mip.setOptionValue("mip_rel_gap", 1e-6)
-        mip.passModel(lp)
+        mip.setOptionValue("mip_rel_gap", self.mip_rel_gap)
+        mip.passModel(self.lp)
+        mip.changeColsCost(len(costs), self.columns, costs)
+        integral = np.flatnonzero(self.binary).astype(np.int32)
+        mip.changeColsIntegrality(len(integral), integral,
+                                  np.full(len(integral), highspy.HighsVarType.kInteger))
         return mip

@@ -11,8 +11,9 @@ one is traced whole (the caller's decision). `stamp_layers` copies a traced midd
 full depth.
 
 Interchangeable layers differ only in their parameter values, which a traced graph does not contain,
-and in attributes the forward does not read, so their subgraphs are identical. What this check cannot see is a forward that reads the depth itself
-(`len(self.layers)` in an expression, a loop over `config.n_layers`): a truncated trace of such a model
+and in attributes the forward does not read, so their subgraphs are identical. What this check cannot
+see is a forward that reads the depth itself (`len(self.layers)` in an expression, a loop over
+`config.n_layers`): a truncated trace of such a model
 fails (the index is out of range, caught by the caller) or computes with the wrong depth. That is why
 `spmd.plan` stamps by default (a plan prices shapes, not values) and `spmd.compile` only when asked.
 """
@@ -122,11 +123,13 @@ def truncated(model: torch.nn.Module, stacks: tuple[LayerStack, ...]):
             short = _cut(full)
             parent._modules[child] = short
             originals.append((parent, child, full))
+            by_path = _by_path(stack.varying)
             for layer in _layers(short):
-                for path, attrs in _by_path(stack.varying).items():
+                for path, attrs in by_path.items():
                     module = layer.get_submodule(path)
                     watched.append((module, type(module)))
-                    module.__class__ = _watching(type(module), attrs, f"{stack.fqn}.*.{path + '.' if path else ''}", read)
+                    where = f"{stack.fqn}.*.{path + '.' if path else ''}"
+                    module.__class__ = _watching(type(module), attrs, where, read)
         yield read
     finally:
         for module, cls in watched:
@@ -144,7 +147,8 @@ def _cut(full: torch.nn.Module) -> torch.nn.Module:
     try:
         return type(full)(items)
     except Exception:
-        base = next(c for c in (torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ModuleList) if isinstance(full, c))
+        base = next(c for c in (torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ModuleList)
+                    if isinstance(full, c))
         return base(items) if base is not torch.nn.Sequential else base(*items)
 
 

@@ -214,6 +214,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         for ps, expr in value_expr[term.value].items():
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
+
     def to_plan(x, result) -> Plan:
         """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
         choices, chosen_cost = {}, {}
@@ -242,7 +243,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
                                                                result.seconds)
-        return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory, memory_budget, joint=costs.bucket_bytes is not None)
+        return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory,
+                    memory_budget, joint=costs.bucket_bytes is not None)
 
     budget = None
     if memory_budget is not None:
