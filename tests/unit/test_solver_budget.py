@@ -140,3 +140,43 @@ def test_cycles_of_pairwise_choices_solve_to_the_brute_force_optimum(n, k, data)
     picks = _picks(r.values, cols)
     assert sum(node_cost[i][picks[i]] + edge_cost[i][picks[i]][picks[(i + 1) % n]] for i in range(n)) \
         == pytest.approx(best, abs=1e-6)
+
+
+def test_a_fractional_relaxation_is_rounded_then_branched_to_the_optimum(monkeypatch):
+    # three nodes on a triangle, two options each, an edge costs 1 when both ends pick the same option:
+    # the relaxation halves every choice (cost 0), the rounded plan costs 2, the optimum is 1
+    from spmd.cost_model import solver
+
+    rounded = []
+    original = solver._Search.rounded
+
+    def recording(self, x, costs):
+        rounded.append(original(self, x, costs))
+        return rounded[-1]
+
+    monkeypatch.setattr(solver._Search, "rounded", recording)
+    ilp, cols = IlpBuilder(), []
+    for _ in range(3):
+        mine = [ilp.add_var(0.0, binary=True) for _ in range(2)]
+        ilp.add_eq([(c, 1.0) for c in mine], 1.0)
+        cols.append(mine)
+    for i in range(3):
+        j, first = (i + 1) % 3, ilp.add_vars(4)
+        for a in range(2):
+            for r in range(2):
+                ilp.add_cost(first + 2 * a + r, 1.0 if a == r else 0.0)
+            ilp.add_eq([(first + 2 * a + r, 1.0) for r in range(2)] + [(cols[i][a], -1.0)], 0.0)
+        for r in range(2):
+            ilp.add_eq([(first + 2 * a + r, 1.0) for a in range(2)] + [(cols[j][r], -1.0)], 0.0)
+    r = ilp.solve()
+    assert rounded and rounded[0] is not None  # the relaxation was fractional and rounded
+    assert r.objective == pytest.approx(1.0) and r.gap == pytest.approx(0.0, abs=1e-6)
+
+
+def test_when_nothing_fits_whole_the_leanest_plan_comes_back_marked():
+    # every plan fits the row, none fits with its extra: the plan needing least comes back, said to be over
+    groups = [[(1.0, 5.0), (3.0, 2.0)], [(1.0, 5.0), (2.0, 4.0)]]
+    ilp, cols, weights = _program(groups)
+    r = ilp.solve(budget=Budget(weights, 10.0, extra=lambda x: 100.0 - float(sum(x[c] for c in weights))))
+    assert r.objective < float("inf") and r.status.startswith("Over the budget")
+    assert _picks(r.values, cols) == (1, 1)  # row 6 + extra 98: the least any plan needs
