@@ -6,6 +6,8 @@ AdamW step + zero_grad. Variants, timed interleaved in one run:
     a1  spmd, the plan its cost model picks with no pins
     a2  spmd pinned to Megatron (tokens/targets [R]; q/k/v/fc1 weight+bias [S(0)]; o_proj/fc2 weight
         [S(1)], bias [R]); its forward graph is checked to hold exactly 2 all_reduces per layer
+    a1c, a2c  a1 and a2 with their rank graphs through torch.compile (inductor; `compile_graphs=True`);
+        their first step pays the compilation (reported apart; --no-inductor leaves them out)
     a2sp only where the pins alone do not give that plan: spmd's own pick under the same pins (a2 is then
         planned with every collective's latency raised; see bench_forward.megatron_mesh_spec)
     b   DTensor eager: parallelize_module with ColwiseParallel / RowwiseParallel (the same Megatron plan)
@@ -292,6 +294,18 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     if graph_collectives(a2.split.forward) != want:
         raise RuntimeError(f"{size}: the pinned Megatron plan's forward has {graph_collectives(a2.split.forward)}, "
                            f"expected {want}")
+    if not args.no_inductor:  # the same two plans, their rank graphs through torch.compile (inductor)
+        t0 = time.perf_counter()
+        compiled["a1c"] = spmd.compile(copy.deepcopy(model), mesh, example_inputs=example, loss_fn=lm_loss,
+                                       compile_graphs=True)
+        compile_s["a1c"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiled["a2c"] = spmd.compile(copy.deepcopy(model), mesh, example_inputs=example, loss_fn=lm_loss,
+                                       mesh_spec=a2.mesh_spec, compile_graphs=True, **pins)
+        compile_s["a2c"] = time.perf_counter() - t0
+        for k, base in (("a1c", "a1"), ("a2c", "a2")):
+            if compiled[k].plan.fingerprint() != compiled[base].plan.fingerprint():
+                raise RuntimeError(f"{size}: {k} was planned differently from {base}")
 
     # Every variant gets a fresh copy of the model and its own AdamW.
     register_cpu_sdpa_rules()
@@ -320,8 +334,14 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
 
     steps = {k: make_step(k) for k in loss_fns}
 
-    # One step each from the same start; loss and updated full parameters must match d's.
-    losses = {k: float(_local(steps[k]()).detach()) for k in steps}
+    # One step each from the same start; loss and updated full parameters must match d's. The first
+    # step's time is where torch.compile pays (a1c, a2c).
+    losses, first_s = {}, {}
+    for k in steps:
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses[k] = float(_local(steps[k]()).detach())
+        first_s[k] = time.perf_counter() - t0
     full_d = dict(md.named_parameters())
     fulls = {k: m.full_state_dict() for k, m in compiled.items()}
     fulls["b"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in mb.named_parameters()}
@@ -356,7 +376,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
             raise RuntimeError(f"{size}: variant {k}'s loss after one step differs from the single process's by {err:.3g}")
 
     act = torch.randn(batch, seq, dim)
-    fns = {k: (steps[k] if k != "d" or rank == 0 else None) for k in ("a1", "a2", "a2sp", "b", "c", "d") if k in steps}
+    fns = {k: (steps[k] if k != "d" or rank == 0 else None) for k in VARIANTS if k in steps}
     fns["ar"] = lambda: dist.all_reduce(act)
     rounds, per_round, warmup = SCHEDULE[size]
     rounds = max(1, int(rounds * args.scale))
@@ -381,6 +401,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     prof = profile_size(a2, local["a2"], opts["a2"], hand, opts["c"], model, tokens, targets, rank, world) \
         if size in args.profile.split(",") else None
     return dict(size=size, cfg=(vocab, seq, dim, heads, layers, batch), times=times, check=check, losses=losses,
+                first_s=first_s,
                 losses1=losses1, load=(load_before, load_after),
                 plans=plans, a2_note=a2_note, memory=memory, profile=prof)
 
@@ -542,7 +563,9 @@ def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, w
 # report
 
 
-LABELS = {"a1": "a1 spmd, its own plan", "a2": "a2 spmd, Megatron pins", "a2sp": "a2sp spmd, Megatron pins only (its own pick)",
+VARIANTS = ("a1", "a1c", "a2", "a2c", "a2sp", "b", "c", "d")
+LABELS = {"a1": "a1 spmd, its own plan", "a1c": "a1c spmd, its own plan, inductor",
+          "a2": "a2 spmd, Megatron pins", "a2c": "a2c spmd, Megatron pins, inductor", "a2sp": "a2sp spmd, Megatron pins only (its own pick)",
           "b": "b DTensor eager Megatron", "c": "c hand-written Megatron", "d": "d single process",
           "ar": "(ar: one dist.all_reduce of b*s*d fp32)"}
 
@@ -571,7 +594,7 @@ def report(results: list[dict], world: int, wall: float, load) -> str:
         out.append("")
         out.append("| variant | median ms | p10 ms | p90 ms | / c (median) | / c (p10) | / c (paired) | calls |")
         out.append("|---|---|---|---|---|---|---|---|")
-        for k in ("a1", "a2", "a2sp", "b", "c", "d", "ar"):
+        for k in VARIANTS + ("ar",):
             if k not in t:
                 continue
             ratio = f"{med[k] / med['c']:.3f}" if k != "ar" else "-"
@@ -587,6 +610,14 @@ def report(results: list[dict], world: int, wall: float, load) -> str:
                    f"b/a1 = {paired_ratio(t['b'], t['a1']):.3f}")
         out.append("")
         a2c, ba2, a1c = paired_ratio(t['a2'], t['c']), paired_ratio(t['b'], t['a2']), paired_ratio(t['a1'], t['c'])
+        if "a1c" in t:
+            out.append(f"inductor (paired): a1c/c = {paired_ratio(t['a1c'], t['c']):.3f} (target < 1), a2c/c = "
+                       f"{paired_ratio(t['a2c'], t['c']):.3f} (target <= 0.9), a1c/a1 = {paired_ratio(t['a1c'], t['a1']):.3f}, "
+                       f"a2c/a2 = {paired_ratio(t['a2c'], t['a2']):.3f}")
+            out.append("")
+        out.append("first step, s (from a compiled module to its first loss; a1c/a2c include torch.compile of both "
+                   "graphs): " + ", ".join(f"{k} {v:.2f}" for k, v in r["first_s"].items()))
+        out.append("")
         out.append(f"targets (paired): a2 <= 1.05 x c: {'met' if a2c <= 1.05 else 'missed'} ({a2c:.3f}); a2 >= 2 x faster "
                    f"than b: {'met' if ba2 >= 2 else 'missed'} ({ba2:.3f}); a1 faster than c: "
                    f"{'met' if a1c < 1 else 'missed'} ({a1c:.3f})")
@@ -674,6 +705,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the number of timing rounds")
     ap.add_argument("--profile", default="", help="comma list of sizes to profile: where a2's step goes vs c")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_train.md"))
+    ap.add_argument("--no-inductor", action="store_true", help="leave out a1c/a2c (the rank graphs through inductor)")
     launch(worker, ap.parse_args())
 
 

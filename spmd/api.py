@@ -24,7 +24,7 @@ from spmd.core.mesh import MeshSpec
 from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime.agreement import Rendezvous
-from spmd.runtime.compiled import CompiledModule
+from spmd.runtime.compiled import CompiledModule, graph_backend
 from spmd.runtime.meshes import device_mesh
 
 
@@ -72,8 +72,8 @@ def _rank_device(mesh) -> torch.device | None:
 
 
 def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
-            mesh_spec: MeshSpec | None = None, src_data_rank: int | None = 0, options: PlanOptions | None = None,
-            **kwargs) -> CompiledModule:
+            mesh_spec: MeshSpec | None = None, src_data_rank: int | None = 0, compile_graphs: bool | str = False,
+            options: PlanOptions | None = None, **kwargs) -> CompiledModule:
     """Partition `model` over `mesh` (a torch DeviceMesh, see `init_mesh`) and return this rank's
     `CompiledModule`.
 
@@ -89,12 +89,16 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     src_data_rank: a model built for real takes its weights from this rank's copy (rank 0, as DTensor's
     `distribute_tensor`), so ranks that initialized differently still agree; None: every rank uses its
     own copy (they all loaded the same checkpoint).
+    compile_graphs: run this rank's forward and backward graphs through `torch.compile` (True: inductor,
+    or a backend's name): fused element-wise kernels around the collectives; the first call compiles
+    (seconds), later ones do not.
     Options (keywords, see `PlanOptions`): in_placements / param_placements / out_placements pins,
     loss_fn (then `compiled(*inputs, *targets)` returns the loss and trains), training, memory_budget,
     optimizer_state_factor, stamp_layers (off here by default: a forward that reads its own depth would
     be compiled with the traced depth), ...
     """
     options = PlanOptions.build(options, **kwargs)
+    graph_backend(compile_graphs)  # a wrong value fails before planning
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
@@ -122,7 +126,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
         meeting.agree_on_plan(c.plan.fingerprint())
         if src_data_rank is None and not is_meta(model, flat_inputs):  # every rank keeps its own weights
             meeting.agree_on({"weights": weights_summary(c.traced.state)})
-    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call)
+    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
+                          compile_graphs=compile_graphs)
 
 
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = (), *,

@@ -2,7 +2,8 @@
 
 Before: the graph from `insert_collectives` (global shapes, steps naming mesh axes). After: a plain
 GraphModule for rank `rank`: shape arguments of views and factories rewritten to local shapes, each
-step bound to this rank's process group name, axis size and coordinate. Its code is what
+step bound to this rank's process group name, axis size and coordinate, ops that index a split dim
+(vocab-parallel embedding and loss) rewritten to their masked local forms for this rank's rows. Its code is what
 `compiled.code` prints.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.fx as fx
 from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import user_source_line
 from spmd.core.specs import local_shape
+from spmd.passes.rules import LOCAL_REWRITES
 
 aten = torch.ops.aten
 
@@ -51,6 +53,12 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             else:
                 kwargs.update(group=group_names[axis], world=world, where=_where(node, mesh.axis_names[axis], nodes))
             new.kwargs = kwargs
+        if node.target in LOCAL_REWRITES and "spmd_strategy" in node.meta:
+            shapes = tuple(tuple(a.meta["val"].shape) if isinstance(a, fx.Node) and
+                           isinstance(a.meta.get("val"), torch.Tensor) else None for a in node.args)
+            local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)
+            if local is not None:
+                new.target, new.args, new.kwargs = local
         if node.target is aten.view.default:
             # Local tensors can be laid out differently from the traced run (collectives return
             # contiguous tensors, kernels pick layouts by shape), so a view may need a copy: reshape.

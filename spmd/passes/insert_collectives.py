@@ -105,6 +105,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             raise SpmdInternalError(f"node name {node.name} taken in the new graph", str(graph))
         new.meta = dict(node.meta)
         new.meta["spmd_placements"] = plan.choices[node.name].outputs
+        new.meta["spmd_strategy"] = plan.choices[node.name]
         env[node.name] = new
         reshard_outputs(node)
     gm = graph_module(traced.gm, graph)

@@ -25,12 +25,13 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, compilation, device_mesh=None, plan=None, source_model=None, src_data_rank: int | None = 0,
-                 call: Call | None = None):
+                 call: Call | None = None, compile_graphs: bool | str = False):
         """`compilation`: the compiler's output for this rank. `plan`: what `.plan` shows (spmd.compile
         hands a report object that explains and draws itself; default: the bare plan). `source_model`: the
         model as the user built it (default: the compiled one). `src_data_rank`: the rank whose weights
         every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py).
-        `call`: the names of the positional and keyword inputs (compiler/call.py)."""
+        `call`: the names of the positional and keyword inputs (compiler/call.py). `compile_graphs`: run the
+        rank graphs through `torch.compile` (True: inductor; a string: that backend; see `_runner`)."""
         super().__init__()
         c = compilation
         if c.binding is None or c.rank_gm is None:
@@ -42,6 +43,10 @@ class CompiledModule(nn.Module):
         self.group_names = c.binding.group_names
         self.graph_module = c.rank_gm
         self.split = c.split  # SplitGraphs when compiled for training, else None
+        self.compile_backend = graph_backend(compile_graphs)
+        # torch.compile'd graphs, made at first use (kept out of the module tree: an OptimizedModule would
+        # show up in `modules()`); see `_graph`
+        self.__dict__["_compiled_graphs"] = {}
         self.device_mesh = device_mesh
         self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
         self.last_saved_bytes = 0
@@ -357,6 +362,17 @@ class CompiledModule(nn.Module):
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
                             "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
 
+    def _graph(self, which: str):
+        """What runs `which` ("graph": inference; "forward"/"backward": training): the graph module, or
+        that module through torch.compile with `compile_backend` (compiled at its first call)."""
+        gm = self.graph_module if which == "graph" else getattr(self.split, which)
+        if self.compile_backend is None:
+            return gm
+        made = self._compiled_graphs.get(which)
+        if made is None or made[0] is not gm:
+            made = self._compiled_graphs[which] = (gm, _runner(gm, self.compile_backend))
+        return made[1]
+
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._require_values()
         inputs = self._call.flatten(inputs, kw_inputs)
@@ -364,10 +380,31 @@ class CompiledModule(nn.Module):
         it = iter(inputs)
         args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
         if self.split is None:
-            flat = self.graph_module(*args)
+            flat = self._graph("graph")(*args)
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
+
+
+def graph_backend(compile_graphs: bool | str | None) -> str | None:
+    """The torch.compile backend `compile_graphs` asks for (None: run the graphs as they are)."""
+    if compile_graphs is None or compile_graphs is False:
+        return None
+    if compile_graphs is True:
+        return "inductor"
+    if isinstance(compile_graphs, str) and compile_graphs:
+        return compile_graphs
+    raise SpmdError(f"compile_graphs must be True, False or the name of a torch.compile backend (\"inductor\"), "
+                    f"got {compile_graphs!r}")
+
+
+def _runner(gm, backend: str | None):
+    """`gm`, or `gm` through `torch.compile` with `backend`. The plan fixed every shape (dynamic=False).
+    Inductor lowers the functional collectives the graphs call (core/collectives.py) as kernels of their
+    own, fuses the element-wise chains, views and permutes between them, and may reorder compute around
+    a collective's wait. The first call pays the compilation (seconds; inductor caches it on disk across
+    runs); a collective failing inside compiled code raises torch's error, not one naming the value."""
+    return gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
 
 
 def _storage_bytes(tensors) -> int:
@@ -388,7 +425,7 @@ class _RankStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: CompiledModule, *args):
         split = module.split
-        flat = split.forward(*args)
+        flat = module._graph("forward")(*args)
         outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
         ctx.module = module
         ctx.save_for_backward(*saved)
@@ -404,6 +441,6 @@ class _RankStep(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
-        grads = dict(zip(module.split.grads, module.split.backward(*ctx.saved_tensors, *tangents)))
+        grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
         return (None,) + tuple(grads.get(name) if kind == "state" else None
                                for (kind, _), name in zip(module._order, module._order_names))

@@ -27,6 +27,7 @@ class TrainCase:
     budget_fraction: float | None = None  # memory_budget as a fraction of the unconstrained plan's peak
     clip: float | None = None  # clip gradients to this global norm (compiled.clip_grad_norm_) every step
     norm_type: float = 2.0
+    compile_graphs: bool = False  # run the rank graphs through torch.compile (inductor)
 
     @property
     def world(self) -> int:
@@ -63,6 +64,16 @@ CLIP_CASES = {c.name: c for c in [
 ]}
 
 
+# The rank graphs through torch.compile (inductor): weights sharded on tp (collectives in both graphs), and
+# Megatron on a 2-D mesh with a gradient bucket on dp.
+COMPILED_CASES = {c.name: c for c in [
+    TrainCase("gpt-1d2-adamw-compute-inductor", "gpt", (2,), ("tp",), "adamw", "compute", batch=1,
+              compile_graphs=True),
+    TrainCase("gpt-2d-sgd-megatron-inductor", "gpt", (2, 2), ("dp", "tp"), "sgd", "megatron", batch=2,
+              compile_graphs=True),
+]}
+
+
 def _build(case: TrainCase):
     torch.manual_seed(0)
     if case.model.startswith("mlp"):
@@ -83,7 +94,7 @@ def _build(case: TrainCase):
 def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
     import spmd
 
-    case = TRAIN_CASES[name] if name in TRAIN_CASES else CLIP_CASES[name]
+    case = {**TRAIN_CASES, **CLIP_CASES, **COMPILED_CASES}[name]
     torch.set_default_dtype(torch.float64)
     try:
         model, inputs, loss_fn = _build(case)
@@ -98,7 +109,7 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
             budget, free_memory = case.budget_fraction * free.predicted_peak_bytes, dict(free.memory)
         compiled = spmd.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn,
                                 in_placements=case.in_placements, param_placements=case.param_placements,
-                                mesh_spec=mesh_spec, memory_budget=budget)
+                                mesh_spec=mesh_spec, memory_budget=budget, compile_graphs=case.compile_graphs)
         make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                 "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[case.optimizer]
         opt, ref_opt = make(compiled.parameters()), make(reference.parameters())
@@ -136,6 +147,6 @@ def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
                 "collectives": dict(compiled.plan.collective_summary()),
                 "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
                 "unconstrained": free_memory,
-                "placements": placements}
+                "placements": placements, "compiled_graphs": sorted(compiled._compiled_graphs)}
     finally:
         torch.set_default_dtype(torch.float32)

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 from spmd.core.mesh import MeshSpec
 from spmd.core.specs import Strategy, TensorInfo, local_shape
 from spmd.passes.emit_rank_graph import SHAPE_ARG
+from spmd.passes.rules import LOCAL_REWRITES
 from spmd.passes.enumerate_strategies import enumerate_strategies
 from spmd.passes.trace_module import GraphInput, TracedGraph, tensor_info_of, trace_module
 
@@ -212,7 +213,14 @@ def check_strategy(node: fx.Node, s: Strategy, traced: TracedGraph, values: dict
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         r_args, r_kwargs = tree_map(lambda a: locals_[a.index][coord] if isinstance(a, _Arg) else a,
                                     (args, kwargs), is_leaf=lambda a: isinstance(a, _Arg))
-        out = node.target(*r_args, **r_kwargs)
+        target = node.target
+        if target in LOCAL_REWRITES:  # as emit_rank_graph does: the masked local form for this rank's rows
+            shapes = tuple(tuple(info[a.name].shape) if isinstance(a, fx.Node) and
+                           isinstance(info.get(a.name), TensorInfo) else None for a in node.args)
+            local = LOCAL_REWRITES[target](r_args, s, shapes, mesh_shape, coord)
+            if local is not None:
+                target, r_args, r_kwargs = local
+        out = target(*r_args, **r_kwargs)
         per_rank[coord] = out if isinstance(out, (tuple, list)) else (out,)
 
     assert len(s.outputs) == len(outs), what

@@ -68,7 +68,24 @@ def embedding_backward(draw):
                 lambda g, i: aten.embedding_dense_backward(g, i, vocab, padding, by_freq), "make_fx")
 
 
-CASES = {f.__name__: f for f in (layer_norm_backward, gelu_backward, softmax_backward, embedding_backward)}
+@st.composite
+def nll_loss_backward(draw):
+    """The loss's gradient w.r.t. log-probabilities (n, classes): classes split is vocabulary parallelism
+    (each rank its classes' targets, rules/vocab_parallel.py); ignore_index 0 is a real class."""
+    n, classes = _dims(draw, 2)
+    reduction = draw(st.sampled_from((0, 1, 2)))
+    ignore = draw(st.sampled_from((-100, 0)))
+    g_shape = (n,) if reduction == 0 else ()
+
+    def fn(g, x, t, total_weight):  # total_weight: any divisor will do here
+        return aten.nll_loss_backward(g, x, t, None, reduction, ignore, total_weight)
+    return Case(("nll_bwd", n, classes, reduction, ignore),
+                (g_shape, (n, classes), ("index", (n,), classes), ()),
+                frozenset({aten.nll_loss_backward.default}), fn, "make_fx")
+
+
+CASES = {f.__name__: f for f in (layer_norm_backward, gelu_backward, softmax_backward, embedding_backward,
+                                 nll_loss_backward)}
 
 
 def _check(case: Case, seed: int) -> None:
@@ -106,6 +123,12 @@ def test_softmax_backward(data):
 @given(data=st.data())
 def test_embedding_dense_backward(data):
     _check(data.draw(embedding_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+
+
+@RUN
+@given(data=st.data())
+def test_nll_loss_backward(data):
+    _check(data.draw(nll_loss_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 def _strategies(case: Case, op) -> list:

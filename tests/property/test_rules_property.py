@@ -127,6 +127,15 @@ def embedding(draw):
 
 
 @st.composite
+def gather(draw):
+    """The loss's pick of each target's log-probability: x split on the gathered dim is vocabulary
+    parallelism (masked local gathers, Partial out; rules/vocab_parallel.py)."""
+    n, classes = _dims(draw, 2)
+    return Case(("gather", n, classes), ((n, classes), ("index", (n, 1), classes)),
+                frozenset({aten.gather.default}), lambda x, t: torch.gather(x, 1, t))
+
+
+@st.composite
 def reduction(draw):
     op = draw(st.sampled_from(("sum", "mean")))
     shape = tuple(_dims(draw, draw(st.integers(2, 3))))
@@ -182,7 +191,7 @@ def split(draw):
 
 
 CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
-                                 embedding, reduction, mean_then_add, sdpa, split)}
+                                 embedding, gather, reduction, mean_then_add, sdpa, split)}
 
 
 def _all_even(traced: TracedGraph) -> bool:

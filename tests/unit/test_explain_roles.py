@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd
 from spmd.core.graph_facts import module_paths, module_prefix
+from spmd.passes.trace_joint import argument_names
 from spmd.report.explain import module_summary
 from tests.models import GPT, GPTConfig
 from tests.support import lm_loss, spec
@@ -42,7 +43,23 @@ def styles_of(plan) -> dict[str, str]:
 def plan_of(model, tokens, train: bool):
     kw = {"loss_fn": lm_loss} if train else {}
     return spmd.plan(model, TP, (tokens, tokens) if train else (tokens,),
-                     param_placements=megatron_pins(model), **kw)
+                     param_placements=megatron_and_unused(model), in_placements=whole_tokens(model, train), **kw)
+
+
+def whole_tokens(model: nn.Module, train: bool) -> dict:
+    """Training: the tokens pinned whole, as the styles assume (on this slow device, splitting the loss's
+    element-wise ops and its gather by batch pays as well)."""
+    return {argument_names(model, 1)[0]: [Replicate()]} if train else {}
+
+
+def megatron_and_unused(model: nn.Module) -> dict:
+    """Megatron's weights, and the rotary tables transformers keeps but the forward never reads
+    (`original_inv_freq`, for dynamic RoPE) pinned whole: unread, every layout costs the same, and the
+    styles have none for a split one."""
+    pins = megatron_pins(model)
+    pins.update({f"{path}.{b}": [Replicate()] for path, m in model.named_modules()
+                 if "Rotary" in type(m).__name__ for b, _ in m.named_buffers() if b.startswith("original")})
+    return pins
 
 
 class Wrap(nn.Module):
@@ -156,8 +173,8 @@ def test_llama_for_causal_lm_training():
     "model." over the user's own child `model`)."""
     model = hf_llama()
     tokens = torch.randint(0, 128, (2, 16))
-    plan = spmd.plan(model, TP, (tokens, tokens), param_placements=megatron_pins(model),
-                     loss_fn=lambda out, targets: lm_loss(out.logits, targets))
+    plan = spmd.plan(model, TP, (tokens, tokens), param_placements=megatron_and_unused(model),
+                     in_placements=whole_tokens(model, True), loss_fn=lambda out, targets: lm_loss(out.logits, targets))
     check_llama_roles(plan)
 
 

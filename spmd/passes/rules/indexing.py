@@ -16,7 +16,9 @@ scatter-add (rows at padding_idx dropped), so along one mesh axis:
     except with scale_grad_by_freq: each row is divided by how often its index occurs, and a rank only
     sees its own indices' counts;
   * grad split on its last (hidden) dim, indices whole -> weight gradient split on dim 1;
-  * grad Partial, indices whole -> Partial (the counts, if any, are the global ones).
+  * grad Partial, indices whole -> Partial (the counts, if any, are the global ones);
+  * grad and indices whole -> weight gradient split on dim 0 (vocab-parallel: each rank computes the rows
+    it holds, see vocab_parallel.py), except with scale_grad_by_freq.
 """
 from __future__ import annotations
 
@@ -57,5 +59,6 @@ def embedding_dense_backward(inp: RuleInput) -> list[list]:
     rows = [[Shard(1), Shard(len(grad.shape) - 1), Replicate()]]
     if not by_freq:
         rows += [[Partial(), Shard(d), Shard(d)] for d in range(len(indices.shape))]
+        rows.append([Shard(0), Replicate(), Replicate()])  # vocab-parallel: each rank its rows (vocab_parallel.py)
     rows.append([Partial(), Partial(), Replicate()])
     return rows

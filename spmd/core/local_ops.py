@@ -1,0 +1,54 @@
+"""Rank-dependent local ops the generated graphs call where a sharded dim is indexed (vocab parallelism).
+
+A table split by rows over ranks (an embedding's vocabulary, the logits' classes) is indexed by values
+that name global rows. Each rank holds rows [start, start + rows): it looks up the indices that fall
+there, shifted to its own numbering, and contributes zeros for the others, so the sum over the ranks
+holding the slices is the full result (a Partial(sum) value; DTensor's `_MaskPartial`). emit_rank_graph
+rewrites the op to one of these with this rank's `start` (passes/rules/vocab_parallel.py).
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _local_indices(indices: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices shifted to this rank's rows, with 0 where outside; the mask of those outside)."""
+    outside = (indices < start) | (indices >= start + rows)
+    return (indices - start).masked_fill(outside, 0), outside
+
+
+def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int) -> torch.Tensor:
+    """`aten.embedding` over rows [start, start + len(weight)) of the table: zeros where an index falls
+    outside them."""
+    local, outside = _local_indices(indices, start, weight.shape[0])
+    return aten.embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0)
+
+
+def masked_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: int, padding_idx: int,
+                              start: int) -> torch.Tensor:
+    """The gradient of this rank's rows [start, start + rows) of the table (`embedding_dense_backward`
+    restricted to them); `padding_idx` is global (-1: none)."""
+    local, outside = _local_indices(indices, start, rows)
+    pad = padding_idx - start if start <= padding_idx < start + rows else -1
+    return aten.embedding_dense_backward(grad.masked_fill(outside.unsqueeze(-1), 0), local, rows, pad, False)
+
+
+def masked_gather(x: torch.Tensor, dim: int, index: torch.Tensor, start: int) -> torch.Tensor:
+    """`aten.gather(x, dim, index)` where `x` holds entries [start, start + x.shape[dim]) of `dim`: zeros
+    where an index falls outside them (the loss's pick of each target's log-probability)."""
+    local, outside = _local_indices(index, start, x.shape[dim])
+    return aten.gather(x, dim, local).masked_fill(outside, 0)
+
+
+def masked_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight, reduction: int,
+                             ignore_index: int, total_weight: torch.Tensor, start: int) -> torch.Tensor:
+    """`nll_loss_backward` for the classes [start, start + x.shape[1]) this rank holds: targets outside
+    them are ignored here (their gradient lives on another rank); `total_weight` is the global one."""
+    classes = x.shape[1] if x.dim() > 1 else x.shape[0]
+    outside = (target < start) | (target >= start + classes) | (target == ignore_index)
+    # -1 is never one of this rank's classes, whatever the user's ignore_index is
+    local = (target - start).masked_fill(outside, -1)
+    w = weight[start:start + classes] if weight is not None else None
+    return aten.nll_loss_backward(grad, x, local, w, reduction, -1, total_weight)
