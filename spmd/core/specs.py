@@ -63,6 +63,17 @@ def pieces(ps: Placements, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(n for p, n in zip(ps, mesh_shape) if isinstance(p, Shard))
 
 
+def piece_of(ps: Placements, mesh_shape: tuple[int, ...], coord: tuple[int, ...], dim: int) -> tuple[int, int]:
+    """(which piece, of how many) of dim `dim` the rank at `coord` holds under `ps`. Axes that shard the
+    same dim nest left to right: on a 2x2 mesh [S(0), S(0)] cuts dim 0 in four and rank (a, b) holds
+    piece 2a + b."""
+    index, pieces = 0, 1
+    for axis, p in enumerate(ps):
+        if isinstance(p, Shard) and p.dim == dim:
+            index, pieces = index * mesh_shape[axis] + coord[axis], pieces * mesh_shape[axis]
+    return index, pieces
+
+
 def local_shape(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape each rank holds (specs here are always even: see `is_even`)."""
     return tuple(s // shard_factor(ps, mesh_shape, d) for d, s in enumerate(shape))

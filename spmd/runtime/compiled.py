@@ -398,13 +398,13 @@ def graph_backend(compile_graphs: bool | str | None) -> str | None:
                     f"got {compile_graphs!r}")
 
 
-def _runner(gm, backend: str | None):
-    """`gm`, or `gm` through `torch.compile` with `backend`. The plan fixed every shape (dynamic=False).
+def _runner(gm, backend: str):
+    """`gm` through `torch.compile` with `backend`. The plan fixed every shape (dynamic=False).
     Inductor lowers the functional collectives the graphs call (core/collectives.py) as kernels of their
     own, fuses the element-wise chains, views and permutes between them, and may reorder compute around
     a collective's wait. The first call pays the compilation (seconds; inductor caches it on disk across
     runs); a collective failing inside compiled code raises torch's error, not one naming the value."""
-    return gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
+    return torch.compile(gm, backend=backend, dynamic=False)
 
 
 def _storage_bytes(tensors) -> int:

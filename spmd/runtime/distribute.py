@@ -10,23 +10,18 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.core.collectives import STEP_FUNCTIONS
-from spmd.core.specs import Placements, TensorInfo
+from spmd.core.specs import Placements, TensorInfo, piece_of
 from spmd.cost_model.comm import reshard_steps
 
 
 def local_slices(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...],
                  coord: tuple[int, ...]) -> tuple[slice, ...]:
-    """Which part of a tensor of `shape` this rank holds, one slice per dim. Axes that shard the same dim
-    nest left to right: on a 2x2 mesh [S(0), S(0)] cuts dim 0 in four and rank (a, b) holds piece 2a + b.
-    (Shards are even: see `specs.is_even`.)"""
-    index, pieces = [0] * len(shape), [1] * len(shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            index[p.dim] = index[p.dim] * mesh_shape[axis] + coord[axis]
-            pieces[p.dim] *= mesh_shape[axis]
-        elif isinstance(p, Partial):
-            raise ValueError("a full tensor has no Partial layout; use Replicate")
-    return tuple(slice(i * (n // k), (i + 1) * (n // k)) for i, k, n in zip(index, pieces, shape))
+    """Which part of a tensor of `shape` this rank holds, one slice per dim (`specs.piece_of`; shards are
+    even: see `specs.is_even`)."""
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError("a full tensor has no Partial layout; use Replicate")
+    cuts = [piece_of(placements, mesh_shape, coord, d) for d in range(len(shape))]
+    return tuple(slice(i * (n // k), (i + 1) * (n // k)) for (i, k), n in zip(cuts, shape))
 
 
 def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...],

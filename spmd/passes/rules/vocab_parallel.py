@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.core import local_ops
-from spmd.core.specs import Placements
+from spmd.core.specs import Placements, piece_of
 from spmd.passes.rules.registry import RuleInput, rule
 
 aten = torch.ops.aten
@@ -37,7 +37,7 @@ aten = torch.ops.aten
 
 @rule(aten.embedding.default)
 def embedding(inp: RuleInput) -> list[list]:
-    weight, ids = inp.inputs
+    ids = inp.inputs[1]
     rows = [[Shard(len(ids.shape)), Shard(1), Replicate()]]
     rows += [[Shard(d), Replicate(), Shard(d)] for d in range(len(ids.shape))]
     rows.append([Partial(), Shard(0), Replicate()])
@@ -74,11 +74,8 @@ def nll_loss_backward(inp: RuleInput) -> list[list]:
 
 def _start(ps: Placements, dim: int, size: int, mesh_shape, coord) -> tuple[int, int] | None:
     """(first row, row count) of this rank's piece of `dim` (of global length `size`) under `ps`, or None
-    where `ps` does not split `dim`. Axes splitting one dim nest left to right (see specs.py)."""
-    index, pieces = 0, 1
-    for axis, p in enumerate(ps):
-        if isinstance(p, Shard) and p.dim == dim:
-            index, pieces = index * mesh_shape[axis] + coord[axis], pieces * mesh_shape[axis]
+    where `ps` does not split `dim`."""
+    index, pieces = piece_of(ps, mesh_shape, coord, dim)
     if pieces == 1:
         return None
     rows = size // pieces
