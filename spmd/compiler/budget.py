@@ -41,7 +41,8 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                         on_progress=None) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
     plan = solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
-                            extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress)
+                            extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
+                            regions=traced.regions())
     extra, at = temporaries(traced, plan)
     if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "

@@ -13,7 +13,9 @@ from spmd.core.specs import Placements, Strategy, Value
 
 @dataclass(frozen=True)
 class Edge:
-    """`value` flows into input slot `slot` of `consumer`, resharded from `src` to `dst` by `steps`."""
+    """`value` flows into input slot `slot` of `consumer`, resharded from `src` to `dst` by `steps`.
+    `shared`: an earlier consumer in the same region (forward or backward) needs the same placements of
+    the same value; the rank graph reuses its resharding, so this edge runs and costs nothing."""
 
     value: Value
     consumer: str
@@ -22,6 +24,7 @@ class Edge:
     dst: Placements
     steps: tuple[Step, ...]
     cost: float
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class Plan:
         return self.choices[name].outputs[idx]
 
     def collectives(self) -> list[tuple[Edge, Step]]:
-        return [(e, s) for e in self.edges for s in e.steps if s.is_collective]
+        """The collectives the rank graph launches (a shared edge launches none of its own)."""
+        return [(e, s) for e in self.edges if not e.shared for s in e.steps if s.is_collective]
 
     def collective_summary(self) -> Counter:
         """(kind, mesh axis name) -> count."""

@@ -60,11 +60,11 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
     # Outputs are resharded right where they are produced, not at the end of the graph: a gradient's
     # reduction can then start while backward still works on earlier layers.
     out_node = src_graph.output_node()
+    region = traced.regions()
     output_uses: dict[str, list[tuple[int, str | None]]] = {}
-    for k, (a, kind) in enumerate(zip(flat_outputs(out_node), traced.output_kinds())):
+    for k, a in enumerate(flat_outputs(out_node)):
         if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
-            tag = ("is_backward" if kind.kind == "grad" else "is_forward") if traced.joint else None
-            output_uses.setdefault(a.name, []).append((k, tag))
+            output_uses.setdefault(a.name, []).append((k, region.get(f"output_{k}")))
 
     def reshard_outputs(node: fx.Node) -> None:
         for k, tag in output_uses.get(node.name, ()):
@@ -79,10 +79,9 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             continue  # (a placeholder returned as an output is resharded at the output: placeholders come first)
         if node.op == "output":  # chains made by reshard_outputs are reused here
             new_outs = []
-            for k, (a, kind) in enumerate(zip(flat_outputs(node), traced.output_kinds())):
+            for k, a in enumerate(flat_outputs(node)):
                 if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
-                    tag = ("is_backward" if kind.kind == "grad" else "is_forward") if traced.joint else None
-                    new_outs.append(resharded(f"output_{k}", 0, env[a.name], tag))
+                    new_outs.append(resharded(f"output_{k}", 0, env[a.name], region.get(f"output_{k}")))
                 else:
                     new_outs.append(env[a.name] if isinstance(a, fx.Node) else a)
             graph.output(tuple(new_outs))
@@ -93,7 +92,7 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             if not isinstance(a, fx.Node):
                 return a
             if node.target is not operator.getitem and isinstance(traced.tensor_info.get(a.name), TensorInfo):
-                return resharded(node.name, next(slot), env[a.name], node.meta.get("partitioner_tag"))
+                return resharded(node.name, next(slot), env[a.name], region.get(node.name))
             if node.target is operator.getitem:
                 next(slot)
             return env[a.name]

@@ -57,7 +57,8 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
                      memory_budget: float | None = None, time_limit: float = 60.0, agree=None,
                      blocks=None, extra_bytes: Callable[[Plan], float] | None = None,
-                     on_progress: Callable[[float, float, float], None] | None = None) -> Plan:
+                     on_progress: Callable[[float, float, float], None] | None = None,
+                     regions: dict[str, str] | None = None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
     `agree`: on a live mesh, a function that makes every rank adopt one rank's solution vector. Where a
     model has several optimal plans (ties are common: equal-cost orders of the same collectives),
@@ -69,10 +70,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     among those that lay out identical layers alike.
     `extra_bytes(plan)`: what a plan needs beyond its linear memory terms (the schedule's temporaries);
     with a budget, only plans whose terms plus these fit are accepted (see `IlpBuilder.solve`).
-    `on_progress(objective, bound, gap)`: called as the solver improves (seconds)."""
+    `on_progress(objective, bound, gap)`: called as the solver improves (seconds).
+    `regions`: consumer -> "is_forward"/"is_backward" (`TracedGraph.regions`). Consumers of one value in
+    one region that need the same placements share one resharding in the rank graph (insert_collectives),
+    so the program prices it once: a continuous y >= each such consumer's column carries its cost."""
+    regions = regions or {}
     rep_of = blocks.representative if blocks is not None else {}
     shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
-    edge_groups: dict[tuple, list] = {}  # (structure, tensor, gradient) -> [terms, how many such edges]
+    edge_groups: dict[tuple, tuple] = {}  # (structure, tensor, gradient) -> its (terms, bucket shares)
+    uses: dict[Value, list[tuple[tuple, str | None]]] = {}  # value -> (edge group, region) per consumer
     own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
     ilp = IlpBuilder()
@@ -103,8 +109,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         return memo[key]
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
-        """(column, seconds) terms pricing one edge, with edge variables where both ends have choices;
-        for a gradient, also (axis, column, share of a bucket) for each bucketed all_reduce."""
+        """(column, seconds, (src, dst placements)) terms pricing one edge, with edge variables where both
+        ends have choices; for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
         made, wanted = list(producer), list(needed)
         # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
         # once per pair of placements (hashing placements is the slow part of building the program)
@@ -138,10 +144,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     share = bucket_share(step.in_bytes, costs.bucket_bytes)
                     seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
                     shares.append((step.axis, col, share))
-            terms.append((col, seconds))
+            terms.append((col, seconds, (made[i], wanted[k])))
         return terms, shares
 
-    def _edges(ns, exprs: list[Expr]) -> None:
+    def _edges(name: str, ns, exprs: list[Expr]) -> None:
         """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
         tied layers have the same columns on both ends, hence the same placements (equal strategies,
         output index and slot fixed) and, for the same tensor, the same terms: priced once, counted."""
@@ -158,10 +164,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
             structure = (value[1], j, tuple(producer.values()), needed_cols)
             group = (structure, costs.value_info[value], gradient)
-            if group in edge_groups:
-                edge_groups[group][2] += 1
-            else:
-                edge_groups[group] = [*_edge_terms(value, producer, needed, gradient, structure), 1]
+            if group not in edge_groups:
+                edge_groups[group] = _edge_terms(value, producer, needed, gradient, structure)
+            uses.setdefault(value, []).append((group, regions.get(name)))
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -189,15 +194,33 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             ilp.add_eq([(c, 1.0) for c in cols], 1.0)
         own_vars.add(name)
         node_expr[name] = [(c,) for c in cols]
-        _edges(ns, node_expr[name])
+        _edges(name, ns, node_expr[name])
         publish(name)
 
+    # Values of tied layers have the same edges on the same columns: priced once, counted.
+    pools: dict[tuple, int] = {}
+    for value_uses in uses.values():
+        pools[tuple(value_uses)] = pools.get(tuple(value_uses), 0) + 1
     buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
-    for terms, shares, count in edge_groups.values():
-        for col, seconds in terms:
-            ilp.add_cost(col, seconds * count)
-        for axis, col, share in shares:
-            buckets.setdefault(axis, []).append((col, share * count))
+    for value_uses, count in pools.items():
+        by_pair: dict[tuple, dict[int, float]] = {}  # (region, src, dst) -> {column: seconds}
+        for group, region in value_uses:
+            terms, shares = edge_groups[group]
+            for axis, col, share in shares:
+                buckets.setdefault(axis, []).append((col, share * count))
+            for col, seconds, pair in terms:
+                if group[2] or seconds == 0.0:  # a gradient leaving: reduced into its own bucket
+                    ilp.add_cost(col, seconds * count)
+                else:
+                    by_pair.setdefault((region, *pair), {})[col] = seconds
+        for cols in by_pair.values():
+            if len(cols) == 1:
+                [(col, seconds)] = cols.items()
+                ilp.add_cost(col, seconds * count)
+                continue
+            y = ilp.add_var(max(cols.values()) * count, binary=False, upper=1.0)
+            for col in cols:
+                ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
     _bucket_latency(ilp, buckets, costs)
 
     for name, ns in table.nodes.items():  # ties: both nodes pick the same placements
@@ -225,7 +248,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             choices[name] = ns.strategies[picked[0]]
             chosen_cost[name] = costs.node_costs.get(name, [0.0] * len(ns.strategies))[picked[0]]
 
-        edges = []
+        edges, made = [], set()
         for name, ns in table.nodes.items():
             for j, value in enumerate(ns.inputs):
                 src = choices[value[0]].outputs[value[1]]
@@ -233,7 +256,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 if src != dst:
                     gradient = is_gradient_sink(ns)
                     steps = costs.redistribute(value, src, dst, gradient)
-                    edges.append(Edge(value, name, j, src, dst, steps, costs.edge_cost(value, src, dst, gradient)))
+                    key = (value, dst, regions.get(name))
+                    shared = not gradient and key in made
+                    made.add(key)
+                    cost = 0.0 if shared else costs.edge_cost(value, src, dst, gradient)
+                    edges.append(Edge(value, name, j, src, dst, steps, cost, shared))
         stats = {} if result is None else {"binary": result.n_binary, "continuous": result.n_continuous,
                                            "rows": result.n_rows, "status": result.status}
         memory: dict[str, float] = {}

@@ -60,8 +60,13 @@ def loss_targets(loss_fn) -> int:
 # reduction="mean" its only sharded form is DTensor's Partial(avg) of per-shard means, which is wrong when
 # shards hold different numbers of counted targets (ignore_index, class weights); decomposed, the sum and
 # the count are reduced separately and divided after.
-KEPT_WHOLE = ("native_layer_norm_backward", "gelu_backward", "_log_softmax_backward_data",
-              "_softmax_backward_data", "embedding_dense_backward", "nll_loss_backward")
+KEPT_WHOLE = ("native_layer_norm_backward", "gelu_backward", "_softmax_backward_data", "embedding_dense_backward",
+              "nll_loss_backward")
+
+# Decomposed although core ATen keeps them: log_softmax over a class dim split by vocabulary (a vocab-
+# parallel LM head) is then amax -> all_reduce(max), exp -> sum -> all_reduce(sum), each a small edge the
+# solver prices, instead of a gather of the logits; its backward g - exp(y) * sum(g) likewise.
+DECOMPOSED = ("_log_softmax",)
 
 # Fused attention: its CPU forward decomposes into math whose softmax would then be fed to the
 # still-fused backward as its logsumexp (wrong gradients), and attention has rules of its own anyway.
@@ -71,9 +76,10 @@ ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 
 
 def _decompositions():
-    """Core ATen, except fused attention and the fused backward kernels above."""
-    table = dict(torch._decomp.core_aten_decompositions())
+    """Core ATen and the ops in DECOMPOSED, except fused attention and the fused kernels kept whole."""
     aten = torch.ops.aten
+    table = dict(torch._decomp.core_aten_decompositions())
+    table.update(torch._decomp.get_decompositions([getattr(aten, name) for name in DECOMPOSED]))
     for name in ATTENTION + KEPT_WHOLE:
         packet = getattr(aten, name, None)
         for overload in (packet.overloads() if packet is not None else ()):

@@ -64,6 +64,17 @@ class TracedGraph:
     def input_by_placeholder(self) -> dict[str, GraphInput]:
         return {i.placeholder: i for i in self.inputs}
 
+    def regions(self) -> dict[str, str]:
+        """Consumer name -> the region its resharding runs in ("is_forward" or "is_backward"), for a
+        joint graph; empty otherwise. Outputs (`output_k`) run in backward when they are gradients.
+        Consumers of one value in one region share its resharding (insert_collectives)."""
+        if not self.joint:
+            return {}
+        out = {n.name: n.meta["partitioner_tag"] for n in self.graph.nodes if "partitioner_tag" in n.meta}
+        for k, kind in enumerate(self.output_kinds()):
+            out[f"output_{k}"] = "is_backward" if kind.kind == "grad" else "is_forward"
+        return out
+
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     """`fx.GraphModule(root, graph)` that writes and compiles its Python code on first use, not now:

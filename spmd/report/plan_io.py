@@ -94,7 +94,8 @@ def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
                     for n, s in plan.choices.items()},
         "node_costs": plan.node_costs,
         "edges": [{"value": list(e.value), "consumer": e.consumer, "slot": e.slot, "src": _ps_out(e.src),
-                   "dst": _ps_out(e.dst), "cost": e.cost, "steps": [_step_json(s) for s in e.steps]}
+                   "dst": _ps_out(e.dst), "cost": e.cost, "shared": e.shared,
+                   "steps": [_step_json(s) for s in e.steps]}
                   for e in plan.edges],
         "wrapper_counts": list(plan.wrapper_counts) if plan.wrapper_counts is not None else None,
         "joint": plan.joint,
@@ -112,7 +113,8 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
                for n, c in doc["choices"].items()}
     edges = [Edge((e["value"][0], e["value"][1]), e["consumer"], e["slot"], _ps_in(e["src"]), _ps_in(e["dst"]),
                   tuple(Step(s["kind"], s["axis"], s["src_dim"], s["dst_dim"], s["reduce_op"],
-                             tuple(s["local_in_shape"]), s["itemsize"]) for s in e["steps"]), e["cost"])
+                             tuple(s["local_in_shape"]), s["itemsize"]) for s in e["steps"]), e["cost"],
+                  e.get("shared", False))
              for e in doc["edges"]]
     counts = doc.get("wrapper_counts")
     plan = Plan(_mesh_from(doc["mesh"]), choices, dict(doc["node_costs"]), tuple(edges), doc["objective"],

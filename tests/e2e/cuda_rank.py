@@ -106,7 +106,9 @@ def graph_facts(compiled) -> dict:
                 continue
             ops.add(str(n.target))
             devices.update(str(d) for d in tree_leaves((n.args, n.kwargs)) if isinstance(d, torch.device))
-            if n.target in FACTORIES:
+            # a dtype-only _to_copy (a bf16 log_softmax computed in float32) stays on its input's device
+            moves = n.target is not aten._to_copy.default or "device" in n.kwargs
+            if n.target in FACTORIES and moves:
                 factories.append([str(n.target), str(n.kwargs.get("device"))])
             if n.target in steps and "group" in n.kwargs:
                 collectives.append([steps[n.target], n.kwargs.get("reduce_op"), n.kwargs["group"]])

@@ -60,7 +60,9 @@ def test_training_for_cuda_rank_5_of_8(dtype, kernel):
     _check_common(f)
     assert any(f"_scaled_dot_product_{kernel}_attention_backward" in op for op in f["ops"])
     assert f["grads_ok"]
-    # activations differ by what the CUDA kernels save that the CPU ones do not (RNG state; fp32 layer
-    # norm statistics for bf16): bytes, not kilobytes
+    # activations differ by what the CUDA attention kernels save that the CPU ones do not (RNG state,
+    # their fp32 statistics): about a kilobyte here (1,328 bytes for bf16), never a tensor's worth
+    act, act_cpu = f["memory"]["activations"], f["memory_cpu"]["activations"]
+    assert abs(act - act_cpu) <= 0.01 * act_cpu, (f["memory"], f["memory_cpu"])
     total, total_cpu = sum(f["memory"].values()), sum(f["memory_cpu"].values())
-    assert abs(total - total_cpu) <= 0.001 * total_cpu, (f["memory"], f["memory_cpu"])
+    assert abs(total - total_cpu) <= 0.002 * total_cpu, (f["memory"], f["memory_cpu"])

@@ -1,5 +1,6 @@
 """Vocabulary parallelism on gloo ranks: the embedding table split by rows (masked lookups, Partial
-output), its gradient computed per rank for the rows it holds, equal to one device in training."""
+output), its gradient computed per rank for the rows it holds, and the loss over logits split by
+vocabulary (log-sum-exp over shards, masked target pick), equal to one device in training."""
 import pytest
 
 
@@ -41,7 +42,8 @@ def _train(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dict, v
         return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
                 "choices": {n: str(s) for n, s in compiled.plan.choices.items() if n in ops
                             and ("embedding" in ops[n] or "gather" in ops[n] or "nll" in ops[n])},
-                "code": compiled.code, "table": placements_str(compiled._state_placements["tok_emb.weight"])}
+                "code": compiled.code, "table": placements_str(compiled._state_placements["tok_emb.weight"]),
+                "gathered": [list(s.local_in_shape) for _, s in compiled.plan.collectives() if s.kind == "all_gather"]}
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -66,3 +68,26 @@ def test_vocab_parallel_embedding_trains_equal_to_one_device(ranks, name):
         # ... and so does its gradient
         assert "masked_embedding_backward(" in r["code"], r["choices"]
 
+
+
+LOSS_CASES = {
+    "tp2": ((2,), ("tp",), {"tok_emb.weight": ["S(0)"], "lm_head.weight": ["S(0)"]}),
+    "dp2-tp2": ((2, 2), ("dp", "tp"), {"tok_emb.weight": ["R", "S(0)"], "lm_head.weight": ["R", "S(0)"]}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSS_CASES))
+def test_vocab_parallel_loss_never_gathers_the_logits(ranks, name):
+    """The LM head split by vocabulary rows gives logits split on the vocab dim; the cross-entropy runs
+    on them where they are: max and sum-of-exp all_reduced (a few bytes per token), the target's logit
+    picked by the rank that holds it, the gradient of the logits made per rank."""
+    mesh_shape, names, pins = LOSS_CASES[name]
+    results = ranks(2 * len(mesh_shape)).run(_train, mesh_shape, names, pins)
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-9), f"rank {rank}: {r['losses']} {r['ref_losses']}"
+        assert r["param_err"] < 1e-9, f"rank {rank}: {r['param_err']}"
+        code = r["code"]
+        assert "reduce_op = 'max'" in code, r["choices"]  # the log-sum-exp's max, over the vocab shards
+        assert "masked_gather(" in code and "masked_nll_loss_backward(" in code, r["choices"]
+        # nothing gathered has the logits' vocab dim (512 split over tp): they stay split
+        assert r["gathered"] and not [shape for shape in r["gathered"] if shape[-1] == 256], r["gathered"]

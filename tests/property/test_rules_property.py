@@ -190,8 +190,21 @@ def split(draw):
                 frozenset({aten.split_with_sizes.default}), lambda x: x.split(sizes, dim))
 
 
+@st.composite
+def solve_triangular(draw):
+    """A batch of triangular systems; A may broadcast over the batch (no batch dim, or size 1)."""
+    batch, n, k = _dims(draw, 3)
+    left, upper = draw(st.booleans()), draw(st.booleans())
+    a = draw(st.sampled_from(((batch, n, n), (n, n), (1, n, n))))
+    b = (batch, n, k) if left else (batch, k, n)
+
+    def fn(a, b):  # unit diagonal, small off-diagonal entries: well conditioned at any size
+        return torch.linalg.solve_triangular(a * 0.1, b, upper=upper, left=left, unitriangular=True)
+    return Case(("solve_triangular", a, b, left, upper), (a, b), frozenset({aten.linalg_solve_triangular.default}), fn)
+
+
 CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
-                                 embedding, gather, reduction, mean_then_add, sdpa, split)}
+                                 embedding, gather, reduction, mean_then_add, sdpa, split, solve_triangular)}
 
 
 def _all_even(traced: TracedGraph) -> bool:

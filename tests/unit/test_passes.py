@@ -8,6 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tests.models import MLP, GPT, GPTConfig
 from spmd.core.mesh import MeshSpec
+from spmd.core.profiles import LinkProfile
 from spmd.core.specs import Pins
 from spmd.passes.enumerate_strategies import enumerate_strategies
 from spmd.passes.estimate_costs import estimate_costs
@@ -107,6 +108,66 @@ def test_solver_is_exact_on_a_small_graph():
         best = min(best, total)
     assert plan.objective == pytest.approx(best, rel=1e-9)
     assert plan.gap <= 1e-6
+
+
+class _TwoWholeReaders(torch.nn.Module):
+    """h = x @ w, then two ops that scan h's last dim, so each needs it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 64))
+
+    def forward(self, x):
+        h = x @ self.w
+        return torch.cumsum(h, -1) + torch.cumsum(h, -1).flip(-1)
+
+
+def _brute_force_with_shared_reshardings(table, costs):
+    """The cheapest plan over all strategy combinations, pricing each (value, placements) a value is
+    resharded into once, however many consumers read it (as insert_collectives emits it)."""
+    import itertools
+
+    names = list(table.nodes)
+    best = float("inf")
+    for combo in itertools.product(*(range(len(table.nodes[n].strategies)) for n in names)):
+        choice = dict(zip(names, combo))
+        total, made = 0.0, set()
+        for n in names:
+            ns = table.nodes[n]
+            s = ns.strategies[choice[n]]
+            total += costs.node_costs[n][choice[n]]
+            for j, v in enumerate(ns.inputs):
+                src = table.nodes[v[0]].strategies[choice[v[0]]].outputs[v[1]]
+                if (v, s.inputs[j]) not in made:
+                    made.add((v, s.inputs[j]))
+                    total += costs.edge_cost(v, src, s.inputs[j])
+        best = min(best, total)
+    return best
+
+
+def test_a_resharding_two_consumers_share_is_priced_once():
+    """Both cumsums read h's columns whole: the rank graph reshards h once (insert_collectives shares it),
+    and the solver prices it once: its optimum is the brute-force optimum with shared reshardings, the
+    second consumer's edge is marked shared and costs nothing, and objective = compute + edges."""
+    model, x = _TwoWholeReaders(), torch.randn(2, 8)
+    traced = trace_module(model, (x,))
+    # links that move bytes slowly: resharding h (2 x 64) costs a quarter of gathering w (8 x 64)
+    mesh = spec((2,), ("tp",), LinkProfile("test-narrow-link", 1e-6, 1e8), SLOW_DEVICE)
+    table = enumerate_strategies(traced, mesh, Pins(params={"w": (Shard(1),)}, inputs={"x": (Replicate(),)}))
+    costs = estimate_costs(traced, table, mesh)
+    plan = solve_placements(table, costs)
+    assert plan.objective == pytest.approx(_brute_force_with_shared_reshardings(table, costs), rel=1e-9)
+    # h leaves the matmul split by columns; both scans need its columns whole (all_gathered, or
+    # all_to_all'd to rows): one resharding, two edges
+    into_scans = [e for e in plan.edges if e.value[0] == "mm"]
+    assert [e.consumer for e in into_scans] == ["cumsum", "cumsum_1"], plan.edges
+    assert [e.shared for e in into_scans] == [False, True] and into_scans[1].cost == 0.0, into_scans
+    assert into_scans[0].cost > 0.0 and into_scans[0].dst == into_scans[1].dst
+    assert plan.objective == pytest.approx(plan.compute_cost + plan.comm_cost, rel=1e-9)
+    assert sum(plan.collective_summary().values()) == 1, plan.collective_summary()
+    c = _compile(model, (x,), mesh, param_placements={"w": [Shard(1)]}, in_placements={"x": [Replicate()]})
+    steps = [n for n in c.global_gm.graph.nodes if n.target in collectives.STEP_FUNCTIONS.values()]
+    assert len(steps) == 1, steps
 
 
 # --- insert_collectives / emit_rank_graph -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Softmax and log-softmax backward, kept whole in the joint graph (trace_joint.KEPT_WHOLE).
+"""Softmax and log-softmax backward. The joint graph keeps the softmax one whole (trace_joint.KEPT_WHOLE)
+and decomposes log-softmax (trace_joint.DECOMPOSED); graphs traced otherwise may hold either.
 
     _softmax_backward_data(g, y, dim)     = y * (g - sum(g * y, dim))
     _log_softmax_backward_data(g, y, dim) = g - exp(y) * sum(g, dim)
