@@ -109,8 +109,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         return memo[key]
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
-        """(column, seconds, (src, dst placements)) terms pricing one edge, with edge variables where both
-        ends have choices; for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
+        """(column, seconds, (src, dst placements) or None) terms pricing one edge, with edge variables
+        where both ends have choices; the placements where the steps hold a collective, which consumers of
+        the value share; for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
         made, wanted = list(producer), list(needed)
         # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
         # once per pair of placements (hashing placements is the slow part of building the program)
@@ -144,7 +145,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     share = bucket_share(step.in_bytes, costs.bucket_bytes)
                     seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
                     shares.append((step.axis, col, share))
-            terms.append((col, seconds, (made[i], wanted[k])))
+            # only a collective is worth pricing as shared: a local slice costs next to nothing, and
+            # pooling every pair would add a row per consumer and pair (58k for LLaMA3-8B on (8, 8))
+            shared = (made[i], wanted[k]) if any(step.is_collective for step in steps) else None
+            terms.append((col, seconds, shared))
         return terms, shares
 
     def _edges(name: str, ns, exprs: list[Expr]) -> None:
@@ -203,24 +207,29 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         pools[tuple(value_uses)] = pools.get(tuple(value_uses), 0) + 1
     buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
     for value_uses, count in pools.items():
-        by_pair: dict[tuple, dict[int, float]] = {}  # (region, src, dst) -> {column: seconds}
-        for group, region in value_uses:
+        # (region, src, dst) -> per consumer, the columns selecting that resharding (at most one is 1)
+        by_pair: dict[tuple, dict[int, list[int]]] = {}
+        seconds_of: dict[tuple, float] = {}
+        for use, (group, region) in enumerate(value_uses):
             terms, shares = edge_groups[group]
             for axis, col, share in shares:
                 buckets.setdefault(axis, []).append((col, share * count))
             for col, seconds, pair in terms:
-                if group[2] or seconds == 0.0:  # a gradient leaving: reduced into its own bucket
+                if group[2] or pair is None:  # a gradient leaving (its own bucket), or no collective
                     ilp.add_cost(col, seconds * count)
                 else:
-                    by_pair.setdefault((region, *pair), {})[col] = seconds
-        for cols in by_pair.values():
-            if len(cols) == 1:
-                [(col, seconds)] = cols.items()
-                ilp.add_cost(col, seconds * count)
+                    key = (region, *pair)
+                    by_pair.setdefault(key, {}).setdefault(use, []).append(col)
+                    seconds_of[key] = seconds
+        for key, per_use in by_pair.items():
+            seconds = seconds_of[key] * count
+            if len(per_use) == 1:  # one consumer: nothing to share
+                for col in next(iter(per_use.values())):
+                    ilp.add_cost(col, seconds)
                 continue
-            y = ilp.add_var(max(cols.values()) * count, binary=False, upper=1.0)
-            for col in cols:
-                ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
+            y = ilp.add_var(seconds, binary=False, upper=1.0)  # y >= each consumer's use of it
+            for cols in per_use.values():
+                ilp.add_ge([(y, 1.0)] + [(col, -1.0) for col in cols], 0.0)
     _bucket_latency(ilp, buckets, costs)
 
     for name, ns in table.nodes.items():  # ties: both nodes pick the same placements
