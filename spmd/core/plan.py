@@ -15,7 +15,8 @@ from spmd.core.specs import Placements, Strategy, Value
 class Edge:
     """`value` flows into input slot `slot` of `consumer`, resharded from `src` to `dst` by `steps`.
     `shared`: an earlier consumer in the same region (forward or backward) needs the same placements of
-    the same value; the rank graph reuses its resharding, so this edge runs and costs nothing."""
+    the same value through a collective; the rank graph reuses that resharding, so this edge launches
+    nothing and costs nothing (as the solver priced it). Local slices are reused too, but priced per edge."""
 
     value: Value
     consumer: str

@@ -266,7 +266,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     gradient = is_gradient_sink(ns)
                     steps = costs.redistribute(value, src, dst, gradient)
                     key = (value, dst, regions.get(name))
-                    shared = not gradient and key in made
+                    # as the program prices it: a collective shared by consumers is paid once
+                    shared = not gradient and key in made and any(step.is_collective for step in steps)
                     made.add(key)
                     cost = 0.0 if shared else costs.edge_cost(value, src, dst, gradient)
                     edges.append(Edge(value, name, j, src, dst, steps, cost, shared))
