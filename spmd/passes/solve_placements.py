@@ -47,6 +47,14 @@ def _bucket_latency(ilp: IlpBuilder, buckets: dict[int, list[tuple[int, float]]]
             ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
 
 
+def _shareable(steps, gradient: bool) -> bool:
+    """Whether consumers of one value that need these steps share them in the program's pricing: where
+    they hold a collective, and the value is not a gradient leaving (reduced in its own bucket). A local
+    slice is shared by code generation too, but costs next to nothing, and pooling it would add a row per
+    consumer and pair (8.6k more for LLaMA3-8B on (8, 8))."""
+    return not gradient and any(step.is_collective for step in steps)
+
+
 def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     out: dict[Placements, list[int]] = {}
     for s, expr in zip(ns.strategies, exprs):
@@ -77,8 +85,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     regions = regions or {}
     rep_of = blocks.representative if blocks is not None else {}
     shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
-    edge_groups: dict[tuple, tuple] = {}  # (structure, tensor, gradient) -> its (terms, bucket shares)
-    uses: dict[Value, list[tuple[tuple, str | None]]] = {}  # value -> (edge group, region) per consumer
+    group_index: dict[tuple, int] = {}  # (structure, tensor, gradient) -> its index in edge_groups
+    edge_groups: list[tuple] = []  # (terms, bucket shares) of each distinct edge
+    uses: dict[Value, list[tuple[int, str | None]]] = {}  # value -> (edge group, region) per consumer
     own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
     ilp = IlpBuilder()
@@ -110,8 +119,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
         """(column, seconds, (src, dst placements) or None) terms pricing one edge, with edge variables
-        where both ends have choices; the placements where the steps hold a collective, which consumers of
-        the value share; for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
+        where both ends have choices; the placements where consumers of the value share the steps
+        (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
         made, wanted = list(producer), list(needed)
         # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
         # once per pair of placements (hashing placements is the slow part of building the program)
@@ -145,10 +154,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     share = bucket_share(step.in_bytes, costs.bucket_bytes)
                     seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
                     shares.append((step.axis, col, share))
-            # only a collective is worth pricing as shared: a local slice costs next to nothing, and
-            # pooling every pair would add a row per consumer and pair (58k for LLaMA3-8B on (8, 8))
-            shared = (made[i], wanted[k]) if any(step.is_collective for step in steps) else None
-            terms.append((col, seconds, shared))
+            terms.append((col, seconds, (made[i], wanted[k]) if _shareable(steps, gradient) else None))
         return terms, shares
 
     def _edges(name: str, ns, exprs: list[Expr]) -> None:
@@ -168,9 +174,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
             structure = (value[1], j, tuple(producer.values()), needed_cols)
             group = (structure, costs.value_info[value], gradient)
-            if group not in edge_groups:
-                edge_groups[group] = _edge_terms(value, producer, needed, gradient, structure)
-            uses.setdefault(value, []).append((group, regions.get(name)))
+            if group not in group_index:
+                group_index[group] = len(edge_groups)
+                edge_groups.append(_edge_terms(value, producer, needed, gradient, structure))
+            uses.setdefault(value, []).append((group_index[group], regions.get(name)))
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -207,22 +214,19 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         pools[tuple(value_uses)] = pools.get(tuple(value_uses), 0) + 1
     buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
     for value_uses, count in pools.items():
-        # (region, src, dst) -> per consumer, the columns selecting that resharding (at most one is 1)
-        by_pair: dict[tuple, dict[int, list[int]]] = {}
-        seconds_of: dict[tuple, float] = {}
+        # (region, src, dst) -> (seconds, per consumer the columns selecting it: at most one is 1)
+        by_pair: dict[tuple, tuple[float, dict[int, list[int]]]] = {}
         for use, (group, region) in enumerate(value_uses):
             terms, shares = edge_groups[group]
             for axis, col, share in shares:
                 buckets.setdefault(axis, []).append((col, share * count))
             for col, seconds, pair in terms:
-                if group[2] or pair is None:  # a gradient leaving (its own bucket), or no collective
+                if pair is None:
                     ilp.add_cost(col, seconds * count)
                 else:
-                    key = (region, *pair)
-                    by_pair.setdefault(key, {}).setdefault(use, []).append(col)
-                    seconds_of[key] = seconds
-        for key, per_use in by_pair.items():
-            seconds = seconds_of[key] * count
+                    by_pair.setdefault((region, *pair), (seconds, {}))[1].setdefault(use, []).append(col)
+        for seconds, per_use in by_pair.values():
+            seconds *= count
             if len(per_use) == 1:  # one consumer: nothing to share
                 for col in next(iter(per_use.values())):
                     ilp.add_cost(col, seconds)
@@ -266,8 +270,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     gradient = is_gradient_sink(ns)
                     steps = costs.redistribute(value, src, dst, gradient)
                     key = (value, dst, regions.get(name))
-                    # as the program prices it: a collective shared by consumers is paid once
-                    shared = not gradient and key in made and any(step.is_collective for step in steps)
+                    shared = key in made and _shareable(steps, gradient)  # as the program prices it
                     made.add(key)
                     cost = 0.0 if shared else costs.edge_cost(value, src, dst, gradient)
                     edges.append(Edge(value, name, j, src, dst, steps, cost, shared))

@@ -85,27 +85,39 @@ def test_sharded_matmul_costs_less_compute():
     assert by_out[(Shard(1),)] < by_out[(Replicate(),)]
 
 
-def test_solver_is_exact_on_a_small_graph():
-    """Brute force over all strategy combinations of a 2-layer MLP agrees with the ILP optimum."""
+def _brute_force(table, costs) -> float:
+    """The cheapest plan over all strategy combinations, priced as the solver's model prices it: every
+    node's compute, every edge's resharding, a collective resharding several consumers share once (the
+    rank graph emits it once)."""
     import itertools
 
-    traced = trace_module(MLP(4, 8, bias=False), (torch.randn(3, 4),))
-    table = enumerate_strategies(traced, MESH)
-    costs = estimate_costs(traced, table, MESH)
-    plan = solve_placements(table, costs)
     names = list(table.nodes)
     best = float("inf")
     for combo in itertools.product(*(range(len(table.nodes[n].strategies)) for n in names)):
         choice = dict(zip(names, combo))
-        total = 0.0
+        total, made = 0.0, set()
         for n in names:
             ns = table.nodes[n]
             s = ns.strategies[choice[n]]
             total += costs.node_costs[n][choice[n]]
             for j, v in enumerate(ns.inputs):
-                src = table.nodes[v[0]].strategies[choice[v[0]]].outputs[v[1]]
-                total += costs.edge_cost(v, src, s.inputs[j])
+                src, dst = table.nodes[v[0]].strategies[choice[v[0]]].outputs[v[1]], s.inputs[j]
+                if src != dst and any(step.is_collective for step in costs.redistribute(v, src, dst, False)):
+                    if (v, dst) in made:
+                        continue
+                    made.add((v, dst))
+                total += costs.edge_cost(v, src, dst)
         best = min(best, total)
+    return best
+
+
+def test_solver_is_exact_on_a_small_graph():
+    """Brute force over all strategy combinations of a 2-layer MLP agrees with the ILP optimum."""
+    traced = trace_module(MLP(4, 8, bias=False), (torch.randn(3, 4),))
+    table = enumerate_strategies(traced, MESH)
+    costs = estimate_costs(traced, table, MESH)
+    plan = solve_placements(table, costs)
+    best = _brute_force(table, costs)
     assert plan.objective == pytest.approx(best, rel=1e-9)
     assert plan.gap <= 1e-6
 
@@ -122,29 +134,6 @@ class _TwoWholeReaders(torch.nn.Module):
         return torch.cumsum(h, -1) + torch.cumsum(h, -1).flip(-1)
 
 
-def _brute_force_with_shared_reshardings(table, costs):
-    """The cheapest plan over all strategy combinations, pricing each (value, placements) a value is
-    resharded into once, however many consumers read it (as insert_collectives emits it)."""
-    import itertools
-
-    names = list(table.nodes)
-    best = float("inf")
-    for combo in itertools.product(*(range(len(table.nodes[n].strategies)) for n in names)):
-        choice = dict(zip(names, combo))
-        total, made = 0.0, set()
-        for n in names:
-            ns = table.nodes[n]
-            s = ns.strategies[choice[n]]
-            total += costs.node_costs[n][choice[n]]
-            for j, v in enumerate(ns.inputs):
-                src = table.nodes[v[0]].strategies[choice[v[0]]].outputs[v[1]]
-                if (v, s.inputs[j]) not in made:
-                    made.add((v, s.inputs[j]))
-                    total += costs.edge_cost(v, src, s.inputs[j])
-        best = min(best, total)
-    return best
-
-
 def test_a_resharding_two_consumers_share_is_priced_once():
     """Both cumsums read h's columns whole: the rank graph reshards h once (insert_collectives shares it),
     and the solver prices it once: its optimum is the brute-force optimum with shared reshardings, the
@@ -156,7 +145,7 @@ def test_a_resharding_two_consumers_share_is_priced_once():
     table = enumerate_strategies(traced, mesh, Pins(params={"w": (Shard(1),)}, inputs={"x": (Replicate(),)}))
     costs = estimate_costs(traced, table, mesh)
     plan = solve_placements(table, costs)
-    assert plan.objective == pytest.approx(_brute_force_with_shared_reshardings(table, costs), rel=1e-9)
+    assert plan.objective == pytest.approx(_brute_force(table, costs), rel=1e-9)
     # h leaves the matmul split by columns; both scans need its columns whole (all_gathered, or
     # all_to_all'd to rows): one resharding, two edges
     into_scans = [e for e in plan.edges if e.value[0] == "mm"]
