@@ -124,6 +124,8 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
                    status=p.stats["status"], highs_s=p.solve_seconds, objective=p.objective,
                    lower_bound=p.lower_bound, gap=p.gap, compute_s=p.compute_cost, comm_s=p.comm_cost,
                    memory={k: v for k, v in p.memory.items()}, peak=p.predicted_peak_bytes,
+                   recompute=len(p.recompute), recompute_s=p.recompute_cost,
+                   layers=len(c.recomputable.stacks[0]) if c.recomputable else 0,
                    collectives={f"{k} on {a}": n for (k, a), n in sorted(p.collective_summary().items())})
     return row, c
 
@@ -468,17 +470,17 @@ def vit_md(d: dict) -> list[str]:
            f"images 224x224 (batch per row), {d['dtype']}, AdamW state factor {d['optimizer_state_factor']:g}, budget "
            + (f"{d['budget'] / GB:.0f} GB per rank" if d["budget"] else "no budget")
            + (f", InfiniBand what-if {d['ib_gbps']:g} GB/s" if d.get("ib_gbps") else ""), "",
-           "| model | params | batch | plan | budget | fits? | predicted step ms (compute + comm) | predicted peak GB "
-           "(params / grads / optimizer / activations) | collectives | qkv / o / fc1 / fc2 weight | total s "
-           "(HiGHS) | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | params | batch | plan | budget | fits? | predicted step ms (compute + comm + "
+           "recompute) | predicted peak GB (params / grads / optimizer / activations) | layers recomputed | "
+           "collectives | qkv / o / fc1 / fc2 weight | total s (HiGHS) | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["models"]:
         for key, r in m["plans"].items():
             budget = f"{r['budget'] / GB:.0f} GB" if r.get("budget") else "none"
             if "error" in r:
                 fit = f"does not fit (floor {_floor_gb(r['error'])})" if "memory_budget" in r["error"] else "error"
                 out.append(f"| {m['name']} | {m['params'] / 1e9:.1f} B | {m.get('batch', d['batch'])} | {key} | "
-                           f"{budget} | {fit} | | | | | "
+                           f"{budget} | {fit} | | | | | | "
                            f"{fmt_s(r['total_s'])} | {r['load']:.1f} |")
                 continue
             mem = r["memory"]
@@ -489,9 +491,11 @@ def vit_md(d: dict) -> list[str]:
             fits = "yes" if r["peak"] <= limit else f"no (over {limit / GB:.1f} GB)"
             out.append(
                 f"| {m['name']} | {m['params'] / 1e9:.1f} B | {m.get('batch', d['batch'])} | {key} | {budget} | {fits} | {fmt_ms(r['objective'])} "
-                f"({fmt_ms(r['compute_s'])} + {fmt_ms(r['comm_s'])}) | {r['peak'] / GB:.1f} "
+                f"({fmt_ms(r['compute_s'])} + {fmt_ms(r['comm_s'])} + {fmt_ms(r.get('recompute_s', 0.0))}) | "
+                f"{r['peak'] / GB:.1f} "
                 f"({mem.get('parameters', 0) / GB:.1f} / {mem.get('gradients', 0) / GB:.1f} / "
                 f"{mem.get('optimizer', 0) / GB:.1f} / {mem.get('activations', 0) / GB:.1f}) | "
+                f"{r.get('recompute', 0)} of {r.get('layers', '?')} | "
                 + ", ".join(f"{k}: {n}" for k, n in r["collectives"].items())
                 + f" | {w} | {fmt_s(r['total_s'])} ({fmt_s(r['highs_s'])}) | {r['load']:.1f} |")
     out += ["", "Ratio of predicted step times (same budget):", ""]

@@ -33,16 +33,17 @@ def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
     flat, kinds = flat_outputs(traced.graph.output_node()), traced.output_kinds()
     grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
     peak, at = peak_live_bytes(traced.graph, plan.choices, traced.tensor_info, plan.mesh.shape, grads, plan.edges)
-    return max(0.0, peak - plan.memory.get("activations", 0.0)), at
+    held = plan.memory.get("activations", 0.0) + plan.recomputed_bytes  # the schedule walked saves every layer
+    return max(0.0, peak - held), at
 
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
                         agree=None, stats: dict | None = None, bucket_bytes: float | None = None,
-                        on_progress=None) -> Plan:
+                        on_progress=None, recompute=None) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
     plan = solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
                             extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
-                            regions=traced.regions())
+                            regions=traced.regions(), recompute=recompute)
     extra, at = temporaries(traced, plan)
     if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "

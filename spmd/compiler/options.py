@@ -33,6 +33,9 @@ class PlanOptions:
     graphs of more than 1500 ops). stamp_layers: trace a stack of 8 or more identical layers 3 layers deep
     and copy the middle one to full depth (None: when planning, not when compiling: a forward that reads
     its own depth would be compiled with the traced one).
+    recompute: in training, layers whose backward runs their forward again instead of saving its
+    activations (None: the solver decides, only when a memory_budget needs it; True: every layer of
+    every module list; False: none).
     bucket_bytes: gradient all_reduces are packed into buckets of this size; defer_waits: wait for a
     bucket at its first use, not right after its launch.
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
@@ -49,6 +52,7 @@ class PlanOptions:
     tie_blocks: bool | None = None
     merge_followers: bool | None = None
     stamp_layers: bool | None = None
+    recompute: bool | None = None
     bucket_bytes: float = 4 * 2**20
     defer_waits: bool = True
     dump_dir: str | None = None

@@ -38,11 +38,13 @@ from spmd.passes.bucket_gradients import bucket_gradients
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import StrategyTable, enumerate_strategies
 from spmd.passes.estimate_costs import CostTable, estimate_costs
+from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable_layers
 from spmd.passes.find_layer_stacks import TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
+from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import trace_joint
@@ -61,6 +63,7 @@ class Compilation:
     binding: RankBinding | None
     traced: TracedGraph
     blocks: RepeatedBlocks | None
+    recomputable: Recomputable
     strategies: StrategyTable
     costs: CostTable
     plan: Plan
@@ -121,7 +124,8 @@ def _merging(v: dict) -> bool:
     return merge
 
 
-def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress) -> Plan:
+def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress,
+           recomputable) -> Plan:
     stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
     if stamp_note:
         stats["stamped_layers"] = stamp_note
@@ -129,7 +133,7 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
         stats["custom_functions"] = list(traced.custom_functions)
     return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
                                binding.agree if binding is not None else None, stats, options.bucket_bytes,
-                               on_progress=progress.solving)
+                               on_progress=progress.solving, recompute=recomputable)
 
 
 def _emit(global_gm, mesh, binding: RankBinding):
@@ -169,6 +173,11 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("find_repeated_blocks", lambda traced, tie: find_repeated_blocks(traced, AUTO_MIN_REPEATS if tie is None else 2),
          ("traced", "options.tie_blocks"), "blocks", lambda v: v["options"].tie_blocks is not False,
          lambda v: v["blocks"].summary()),
+    # Training: what recomputing each layer in backward would run again and free, for the solver to weigh.
+    Pass("find_recomputable_layers", find_recomputable_layers, ("traced", "blocks", "options.recompute"),
+         "recomputable", lambda v: v["traced"].joint or bool(v["options"].recompute), lambda v: "\n".join(
+             f"{len(s)} x {s[0].key}: {len(s[0].nodes)} nodes, frees {len(s[0].frees)}, adds {len(s[0].adds)}"
+             for s in v["recomputable"].stacks)),
     # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
     Pass("enumerate_strategies", enumerate_strategies, ("traced", "mesh", "options.pins", "blocks"), "strategies",
          dump=dumps.dump_strategies),
@@ -180,12 +189,15 @@ PIPELINE: tuple[Pass, ...] = (
     # One global choice (ILP), then the schedule's temporaries under the budget. Optimal plans can tie
     # and the solver breaks ties by timing, so on a live mesh every rank adopts rank 0's solution.
     Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note",
-                                      "progress"),
+                                      "progress", "recomputable"),
          "plan", dump=dumps.dump_plan),
     # Structural passes from here, for a rank only: explicit steps, then this rank's local graph.
     Pass("insert_collectives", insert_collectives, ("traced", "plan"), "global_gm", _bound,
          lambda v: dumps.dump_placed(v["global_gm"])),
     Pass("emit_rank_graph", _emit, ("global_gm", "mesh", "binding"), "rank_gm", _bound, lambda v: v["rank_gm"].code),
+    # Before the cut: the layers the plan recomputes get their forward copied into backward.
+    Pass("recompute_layers", recompute_layers, ("rank_gm", "recomputable", "plan.recompute"), "rank_gm",
+         lambda v: _training_rank(v) and bool(v["plan"].recompute), lambda v: v["rank_gm"].code),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
     Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),
@@ -219,7 +231,7 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
     options = options or PlanOptions()
     values: dict[str, Any] = {"model": model, "example_inputs": tuple(example_inputs), "mesh": mesh,
                               "options": options, "binding": binding, "stacks": (), "blocks": None,
-                              "stamp_note": "", "global_gm": None, "rank_gm": None, "split": None}
+                              "stamp_note": "", "recomputable": Recomputable(), "global_gm": None, "rank_gm": None, "split": None}
     dump = Dumper(options.dump_dir or os.environ.get("SPMD_DUMP"))
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
     timings: dict[str, float] = {}

@@ -5,15 +5,18 @@
     phase            forward or backward, in a joint graph
     view             an op whose output aliases its input (no kernel, no memory of its own)
     layers           "layers.3.attn" is layer 3 of the list "layers": keys, wildcards, renumbering
+    recompute        the forward nodes of a layer its backward can run again instead of saving them
     follower         a node with one input and one strategy per placement its producer can make
     gradient sink    the output slot a parameter's gradient leaves through (tied to the parameter)
     units            seconds and bytes as people read them
 """
 from __future__ import annotations
 
+import operator
 import re
 from typing import Iterable
 
+import torch
 import torch.fx as fx
 
 # ---- ops ----------------------------------------------------------------------------------------
@@ -158,6 +161,60 @@ def renumber(text: str, list_path: str, moves: dict[int, int]) -> str:
     """Every "<list_path>.<i>" in `text` (FQNs, module paths, stack traces) with i -> moves.get(i, i)."""
     pattern = re.compile(re.escape(list_path) + r"\.(\d+)(?=\.|$)")
     return pattern.sub(lambda m: f"{list_path}.{moves.get(int(m.group(1)), int(m.group(1)))}", text)
+
+
+# ---- recomputation ----------------------------------------------------------------------------------
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """The node whose memory `node` lives in: through views to the value that allocated it."""
+    while node.op == "call_function" and is_view(node.target) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def is_random(node: fx.Node) -> bool:
+    """An op that draws from the random generator (dropout): run again, it would draw other numbers.
+    Attention kernels are tagged so for their dropout, and draw nothing when its probability is 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return p != 0
+    return True
+
+
+def recompute_region(layer: list[fx.Node], in_backward) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The forward nodes of one layer (`layer`, in graph order) that backward can compute again instead
+    of reading them saved, and the values outside that region they read (which backward then reads saved).
+
+    Kept (never recomputed): what the forward reads outside the layer (its outputs, which the next layer
+    reads before this layer's backward runs), random ops (dropout: the same mask is needed), and the
+    getitems of kept nodes. Recomputed: every other node of the layer that a value backward reads
+    (`in_backward(user)`) depends on within the layer.
+
+        x ─▶ norm ─▶ mm ─▶ gelu ─▶ mm ─▶ add ─▶ (next layer)      saved before: norm stats, mm, gelu...
+        region: norm, mm, gelu, mm (rebuilt from x and the weights)   saved after: x (and add, the output)
+    """
+    members = set(layer)
+    kept = {n for n in layer if is_random(n) or
+            any(u not in members and not in_backward(u) for u in n.users)}
+    for n in layer:
+        if n.target is operator.getitem and n.args[0] in kept:
+            kept.add(n)
+    region: set[fx.Node] = set()
+    todo = [n for n in layer if n not in kept and any(in_backward(u) for u in n.users)]
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        region.add(n)
+        todo += [a for a in n.all_input_nodes if a in members and a not in kept]
+    ordered = [n for n in layer if n in region]
+    frontier = list(dict.fromkeys(a for n in ordered for a in n.all_input_nodes if a not in region))
+    return ordered, frontier
 
 
 # ---- strategy-table facts -----------------------------------------------------------------------

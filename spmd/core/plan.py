@@ -34,7 +34,10 @@ class Plan:
     and `gap` its proof of optimality; `memory` the predicted bytes per rank by kind (parameters,
     gradients, optimizer, buffers, inputs, activations, temporaries); `labels` maps placeholders to
     parameter FQNs and input names; `wrapper_counts` is (placeholders passed in, parameters, values
-    saved for backward): what the per-call costs around the graph scale with."""
+    saved for backward): what the per-call costs around the graph scale with. `recompute`: the layers
+    ("model.layers.3") whose forward backward runs again instead of saving it; `recompute_cost` the
+    seconds that adds (part of `objective`), `recomputed_bytes` the saved activations it no longer holds
+    (net: `memory["activations"]` is what is held)."""
 
     mesh: object  # MeshSpec
     choices: dict[str, Strategy]
@@ -50,6 +53,9 @@ class Plan:
     memory_budget: float | None = None
     wrapper_counts: tuple[int, int, int] | None = None
     joint: bool = False  # a training plan (forward and backward)
+    recompute: tuple[str, ...] = ()
+    recompute_cost: float = 0.0
+    recomputed_bytes: float = 0.0
 
     @property
     def predicted_step_s(self) -> float:
@@ -103,6 +109,7 @@ class Plan:
         """Stable hash of every choice and every resharding step: equal on ranks that agree."""
         text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
         text += "\n".join(f"{e.consumer}/{e.slot}:{[repr(st) for st in e.steps]}" for e in self.edges)
+        text += "".join(f"\nrecompute:{key}" for key in self.recompute)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:

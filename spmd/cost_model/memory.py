@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spmd.core.graph_facts import is_view
+from spmd.core.graph_facts import is_view, view_base
 from spmd.core.specs import Placements, TensorInfo, Value, pieces
 
 
@@ -52,9 +52,7 @@ def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm
                 continue
             if not any(u.meta.get("partitioner_tag") == "is_backward" for u in node.users):
                 continue
-            base = node
-            while base.op == "call_function" and is_view(base.target) and base.args and hasattr(base.args[0], "op"):
-                base = base.args[0]  # a saved view keeps its base alive, not a copy
+            base = view_base(node)  # a saved view keeps its base alive, not a copy
             info = traced.tensor_info.get(base.name)
             if base.op != "call_function" or base.name in seen or not isinstance(info, TensorInfo):
                 continue
@@ -98,21 +96,27 @@ def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[i
     for n in graph.nodes:
         if n.op == "call_function" and is_view(n.target) and n.args and hasattr(n.args[0], "op"):
             base[n] = base.get(n.args[0], n.args[0])
+    # a parameter's gradient (or what it is a view of) leaves through its output as soon as backward is
+    # done with it: the rank graph reduces it there, and the reduced piece is counted as "gradients"
+    transient = {base.get(n, n) for n in graph.nodes if n.name in exclude}
     last: dict = {}
     for n in graph.nodes:
         for a in n.all_input_nodes:
             root = base.get(a, a)
-            last[root] = max(last.get(root, -1), order[n])
+            if n.op != "output" or root not in transient:
+                last[root] = max(last.get(root, order[root]), order[n])
     frees: dict[int, list] = {}
     for root, i in last.items():
         frees.setdefault(i, []).append(root)
+    for root in transient - last.keys():
+        frees.setdefault(order[root], []).append(root)
     live, peak, at = 0.0, 0.0, None
     sizes: dict = {}
     for i, n in enumerate(graph.nodes):
         live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
         if live > peak:
             peak, at = live, n.name
-        if n.op == "call_function" and n not in base and n.name not in exclude and n.name in choices:
+        if n.op == "call_function" and n not in base and n.name in choices:
             infos = tensor_info.get(n.name)
             infos = infos if isinstance(infos, tuple) else (infos,)
             total = 0.0

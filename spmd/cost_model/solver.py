@@ -47,6 +47,10 @@ class Budget:
     extra: Callable[[np.ndarray], float] | None = None
     gap: float = 1e-2  # stop searching once the certified gap is this small
     seconds: float = BRANCH_SECONDS  # branch and bound's time after the price search, when the gap is still larger
+    # binary columns a last step re-chooses exactly under the row with every other binary column fixed at
+    # the best plan's: choices the price search can only take all or nothing of (how many identical
+    # layers to recompute: at any price, recomputing one pays exactly when recomputing all does)
+    polish: tuple[int, ...] = ()
 
 
 class IlpBuilder:
@@ -222,6 +226,9 @@ class IlpBuilder:
                 x, bound = search.branch_and_bound(costs, weight, room, state["x"], budget.gap,
                                                    report if exact else None, budget.seconds)
                 improve(x, bound if exact else -float("inf"))
+            if state["x"] is not None and budget.polish and not search.out_of_time():
+                room = limit - (needs(state["x"]) - float(weight @ state["x"]))
+                improve(search.polish(costs, weight, room, state["x"], np.asarray(budget.polish)), -float("inf"))
             for _ in range(3):
                 # no price's plan fits whole: what the row must leave for temporaries is guessed from
                 # the leanest plan so far, and branch and bound finds the cheapest plan leaving that
@@ -417,6 +424,17 @@ class _Search:
         info = mip.getInfo()
         x = np.asarray(mip.getSolution().col_value) if info.primal_solution_status == 2 else None
         return x, float(info.mip_dual_bound)
+
+    def polish(self, costs, weight, limit, x, free: np.ndarray) -> np.ndarray | None:
+        """The cheapest solution with the budget row that keeps `x`'s binary columns, except `free`."""
+        mip = self._mip(costs, min(BRANCH_SECONDS, self.remaining()))
+        fixed = np.setdiff1d(np.flatnonzero(self.binary), free).astype(np.int32)
+        mip.changeColsBounds(len(fixed), fixed, np.round(x[fixed]), np.round(x[fixed]))
+        cols = np.flatnonzero(weight).astype(np.int32)
+        mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
+        _seed(mip, x)
+        mip.run()
+        return np.asarray(mip.getSolution().col_value) if mip.getInfo().primal_solution_status == 2 else None
 
     def _mip(self, costs: np.ndarray, time_limit: float) -> "highspy.Highs":
         """A fresh instance of the program at `costs` with its binary columns integral."""

@@ -12,11 +12,12 @@ from typing import Callable
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import follows_input, is_gradient_sink
 from spmd.core.plan import Edge, Plan
-from spmd.core.specs import Placements, Value
+from spmd.core.specs import Placements, Value, pieces
 from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.solver import Budget, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
+from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
@@ -55,6 +56,112 @@ def _shareable(steps, gradient: bool) -> bool:
     return not gradient and any(step.is_collective for step in steps)
 
 
+def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
+               value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict) -> list[list[int]]:
+    """How many layers of each stack backward recomputes (the first K of its N), as columns c_0..c_N of
+    which exactly one is 1; returns them per stack.
+
+    Recomputing K layers adds K times one layer's region seconds (its nodes' compute and the reshardings
+    into them, a collective several of them share once) and frees K times its saved bytes, less what it
+    saves instead; recomputing all N also holds one layer's rebuilt activations while its backward runs
+    (with fewer, later layers' activations are gone by then). The stack's layers share columns, so each
+    is K times a linear function of the representative's (`stack[0]`) choices, made linear exactly per
+    "exactly one of" group G of columns x: w_g = K * x_g by  sum_{g in G} w_g = K,  0 <= w_g <= N x_g
+    (and u_g = [K = N] * x_g by  sum u_g = c_N,  u_g <= x_g)."""
+    mesh_shape = costs.mesh.shape
+    counts = []
+    for stack in recompute.stacks:
+        n, layer = len(stack), stack[0]
+        cols = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)]
+        ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        if recompute.mode == "all":
+            for c in cols[:-1]:
+                ilp.forbid(c)
+        counts.append(cols)
+        times_k: dict[tuple, dict[int, int]] = {}
+        when_all: dict[tuple, dict[int, int]] = {}
+
+        def scaled(col: int, cache: dict, total: list[tuple[int, float]], upper: float) -> int:
+            group = col_group[col]
+            if group not in cache:
+                cache[group] = {g: ilp.add_var(0.0, binary=False, upper=upper) for g in group}
+                ilp.add_eq([(w, 1.0) for w in cache[group].values()] + total, 0.0)
+                for g, w in cache[group].items():
+                    ilp.add_le([(w, 1.0), (g, -upper)], 0.0)
+            return cache[group][col]
+
+        def w(col):
+            return scaled(col, times_k, [(c, -float(k)) for k, c in enumerate(cols) if k], float(n))
+
+        seconds: dict[int, float] = {}
+        shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
+        for name in layer.nodes:
+            ns = table.nodes.get(name)
+            if ns is None:
+                continue
+            for expr, c in zip(node_expr[name], costs.node_costs.get(name, ())):
+                for col in expr:
+                    seconds[col] = seconds.get(col, 0.0) + c
+            for j, value in enumerate(ns.inputs):
+                if (name, j) not in edge_at:
+                    continue
+                for col, sec, pair in edge_groups[edge_at[(name, j)]][0]:
+                    if pair is None:
+                        seconds[col] = seconds.get(col, 0.0) + sec
+                    else:
+                        shared.setdefault((value, pair), (sec, {}))[1].setdefault(name, []).append(col)
+        for sec, per_use in shared.values():
+            if len(per_use) == 1:
+                for col in next(iter(per_use.values())):
+                    seconds[col] = seconds.get(col, 0.0) + sec
+                continue
+            q = ilp.add_var(sec, binary=False, upper=float(n))  # K if any consumer uses it
+            for use in per_use.values():
+                ilp.add_ge([(q, 1.0)] + [(w(col), -1.0) for col in use], 0.0)
+        for col, sec in seconds.items():
+            if sec:
+                ilp.add_cost(w(col), sec)
+
+        for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
+            for base in names:
+                info = costs.value_info[(base, 0)]
+                for ps, expr in value_expr[(base, 0)].items():
+                    for col in expr:
+                        b = sign * info.nbytes / pieces(ps, mesh_shape)
+                        memory_row[w(col)] = memory_row.get(w(col), 0.0) - b
+                        if sign > 0:
+                            u = scaled(col, when_all, [(cols[-1], -1.0)], 1.0)
+                            memory_row[u] = memory_row.get(u, 0.0) + b
+    return counts
+
+
+def recompute_figures(chosen: list[tuple[tuple[RecomputableLayer, ...], int]], choices: dict, node_costs: dict,
+                      edges, costs: CostTable) -> tuple[float, float]:
+    """(seconds, net bytes freed) of recomputing the first K layers of each (stack, K), as `_recompute`
+    prices them."""
+    mesh_shape = costs.mesh.shape
+    into: dict[str, list[Edge]] = {}
+    for e in edges:
+        into.setdefault(e.consumer, []).append(e)
+
+    def nbytes(names) -> float:
+        return sum(costs.value_info[(b, 0)].nbytes / pieces(choices[b].outputs[0], mesh_shape) for b in names)
+
+    seconds = freed = 0.0
+    for stack, k in chosen:
+        for layer in stack[:k]:
+            seconds += sum(node_costs.get(name, 0.0) for name in layer.nodes)
+            paid = set()
+            for e in (e for name in layer.nodes for e in into.get(name, ())):
+                if (e.value, e.dst) not in paid:
+                    paid.add((e.value, e.dst))
+                    seconds += costs.edge_cost(e.value, e.src, e.dst)
+            freed += nbytes(layer.frees) - nbytes(layer.adds)
+        if k and k == len(stack):
+            freed -= nbytes(stack[k - 1].frees)
+    return seconds, freed
+
+
 def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     out: dict[Placements, list[int]] = {}
     for s, expr in zip(ns.strategies, exprs):
@@ -66,7 +173,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                      memory_budget: float | None = None, time_limit: float = 60.0, agree=None,
                      blocks=None, extra_bytes: Callable[[Plan], float] | None = None,
                      on_progress: Callable[[float, float, float], None] | None = None,
-                     regions: dict[str, str] | None = None) -> Plan:
+                     regions: dict[str, str] | None = None, recompute: Recomputable | None = None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
     `agree`: on a live mesh, a function that makes every rank adopt one rank's solution vector. Where a
     model has several optimal plans (ties are common: equal-cost orders of the same collectives),
@@ -81,7 +188,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     `on_progress(objective, bound, gap)`: called as the solver improves (seconds).
     `regions`: consumer -> "is_forward"/"is_backward" (`TracedGraph.regions`). Consumers of one value in
     one region that need the same placements share one resharding in the rank graph (insert_collectives),
-    so the program prices it once: a continuous y >= each such consumer's column carries its cost."""
+    so the program prices it once: a continuous y >= each such consumer's column carries its cost.
+    `recompute`: layers backward may run again instead of saving their activations (see `_recompute`):
+    chosen where a memory budget needs it ("auto", only with a budget) or everywhere ("all")."""
     regions = regions or {}
     rep_of = blocks.representative if blocks is not None else {}
     shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
@@ -92,6 +201,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
     ilp = IlpBuilder()
     node_expr: dict[str, list[Expr]] = {}
+    col_group: dict[int, tuple[int, ...]] = {}  # column -> the columns of its "exactly one of" (choices, edge pairs)
+    edge_at: dict[tuple[str, int], int] = {}  # (consumer, input slot) -> its edge group
     value_expr: dict[Value, dict[Placements, Expr]] = {}
 
     # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
@@ -137,6 +248,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             if e is None:
                 first = ilp.add_vars(len(made) * len(wanted))  # e[i * len(wanted) + k]: made[i] -> wanted[k]
                 e = shared_edges[structure] = range(first, first + len(made) * len(wanted))
+                col_group.update(dict.fromkeys(e, tuple(e)))
                 for i, acols in enumerate(producer.values()):
                     ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
                 for k, rcols in enumerate(needed.values()):
@@ -178,6 +290,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 group_index[group] = len(edge_groups)
                 edge_groups.append(_edge_terms(value, producer, needed, gradient, structure))
             uses.setdefault(value, []).append((group_index[group], regions.get(name)))
+            edge_at[(name, j)] = group_index[group]
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -203,6 +316,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             seen.append(name)
             cols = [ilp.add_var(c, binary=True) for c in node_cost]
             ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+            col_group.update(dict.fromkeys(cols, tuple(cols)))
         own_vars.add(name)
         node_expr[name] = [(c,) for c in cols]
         _edges(name, ns, node_expr[name])
@@ -251,6 +365,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
+    counts: list[list[int]] = []  # per stack, the columns choosing 0..N recomputed layers
+    if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode == "all"):
+        counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
+                            memory_row)
+
     def to_plan(x, result) -> Plan:
         """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
         choices, chosen_cost = {}, {}
@@ -281,15 +400,22 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[term.value[0]]
             ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
+        chosen = [(stack, next(k for k, c in enumerate(cols) if x[c] > 0.5))
+                  for stack, cols in zip(recompute.stacks if counts else (), counts)]
+        layers = [layer for stack, k in chosen for layer in stack[:k]]
+        redo_s, freed = recompute_figures(chosen, choices, chosen_cost, edges, costs)
+        if layers:
+            memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
                                                                result.seconds)
         return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory,
-                    memory_budget, joint=costs.bucket_bytes is not None)
+                    memory_budget, joint=costs.bucket_bytes is not None, recompute=tuple(lay.key for lay in layers),
+                    recompute_cost=redo_s, recomputed_bytes=freed)
 
     budget = None
     if memory_budget is not None:
         budget = Budget(memory_row, memory_budget, None if extra_bytes is None else
-                        lambda x: extra_bytes(to_plan(x, None)))
+                        lambda x: extra_bytes(to_plan(x, None)), polish=tuple(c for cols in counts for c in cols))
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):

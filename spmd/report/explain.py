@@ -94,6 +94,10 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     if plan.memory:
         lines.append(f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
                      ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
+    if plan.recompute:
+        lines.append(f"recomputed in backward: {len(plan.recompute)} layers ({_layer_span(plan.recompute)}), "
+                     f"+{format_seconds(plan.recompute_cost)} per call, {format_bytes(plan.recomputed_bytes)} "
+                     "fewer activations saved")
     if details is None:
         lines.append("(no per-node details: this plan was saved without them)")
         return "\n".join(lines) + "\n"
@@ -127,6 +131,19 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
                      format_bytes(r.cost.memory) if r.cost.memory else "-", r.alternative or "-", r.reason])
     lines += _table(rows)
     return "\n".join(lines) + "\n"
+
+
+def _layer_span(keys: tuple[str, ...]) -> str:
+    """"model.blocks.0-5, model.head_blocks.0": runs of consecutive elements of one list."""
+    runs: list[list] = []
+    for key in keys:
+        stem, _, index = key.rpartition(".")
+        if runs and runs[-1][0] == stem and index.isdigit() and runs[-1][2] == int(index) - 1:
+            runs[-1][2] = int(index)
+        else:
+            runs.append([stem, index, int(index) if index.isdigit() else None])
+    return ", ".join(f"{stem}.{first}" + (f"-{last}" if last is not None and str(last) != first else "")
+                     for stem, first, last in runs)
 
 
 def _parse_list(ps: str) -> list[str]:

@@ -99,6 +99,8 @@ def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
                   for e in plan.edges],
         "wrapper_counts": list(plan.wrapper_counts) if plan.wrapper_counts is not None else None,
         "joint": plan.joint,
+        "recompute": list(plan.recompute), "recompute_cost": plan.recompute_cost,
+        "recomputed_bytes": plan.recomputed_bytes,
         "details": _details_json(details),
     }
 
@@ -120,7 +122,8 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
     plan = Plan(_mesh_from(doc["mesh"]), choices, dict(doc["node_costs"]), tuple(edges), doc["objective"],
                 doc["lower_bound"], doc["gap"], doc["solve_seconds"], dict(doc.get("stats", {})),
                 dict(doc.get("labels", {})), dict(doc.get("memory", {})), doc.get("memory_budget"),
-                tuple(counts) if counts is not None else None, bool(doc.get("joint", False)))
+                tuple(counts) if counts is not None else None, bool(doc.get("joint", False)),
+                tuple(doc.get("recompute", ())), doc.get("recompute_cost", 0.0), doc.get("recomputed_bytes", 0.0))
     if doc.get("fingerprint") and plan.fingerprint() != doc["fingerprint"]:
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")

@@ -137,7 +137,9 @@ def steps_into(plan, consumer: str) -> list:
     return [(e, s) for e in plan.edges if e.consumer == consumer for s in e.steps]
 
 
-CASES = [("gpt", 2, 0.9), ("llama", 2, 0.9), ("llama", 4, 0.75)]
+# Budgets tight enough that every saved region value must be cut (at 0.9, with gradients reduced where
+# backward makes them, the GPT and tp-2 Llama plans fit with the first norm's values whole)
+CASES = [("gpt", 2, 0.89), ("llama", 2, 0.87), ("llama", 4, 0.75)]
 
 
 @pytest.mark.parametrize("kind,tp,fraction", CASES)

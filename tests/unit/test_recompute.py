@@ -1,0 +1,116 @@
+"""Activation recomputation: which nodes a layer would run again (and which it must not), the solver's
+choice of how many layers under a memory budget, and what the plan reports."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from spmd.core.errors import SpmdError
+from spmd.core.graph_facts import module_stack, phase_of
+from spmd.report.plan_io import plan_from_json, plan_to_json
+from tests.models import GPT, GPTConfig
+from tests.support import compile_graph, lm_loss, spec
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + F.dropout(self.down(F.gelu(self.up(self.norm(x)))), 0.1, self.training)
+
+
+class Stack(nn.Module):
+    def __init__(self, dim: int = 16, layers: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def _gpt(layers: int = 4):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=64, dim=64, heads=4, layers=layers))
+    tokens, targets = torch.randint(0, 64, (16, 64)), torch.randint(0, 64, (16, 64))
+    return model, (tokens, targets)
+
+
+def test_a_layer_recomputes_its_ops_but_not_its_dropout_nor_its_output():
+    """Dropout would draw another mask if run again: it stays saved, and everything before it in the layer
+    is rebuilt from the layer's input; the layer's output is read by the next layer, so it stays too."""
+    model = Stack()
+    c = compile_graph(model, (torch.randn(4, 8, 16), torch.randn(4, 8, 16)), spec((2,), ("dp",)),
+                      loss_fn=_mse, tie_blocks=True)
+    stacks = c.recomputable.stacks
+    assert [[layer.key for layer in s] for s in stacks] == [["model.blocks.0", "model.blocks.1", "model.blocks.2"]]
+    graph = {n.name: n for n in c.traced.graph.nodes}
+    for layer in stacks[0]:
+        ops = {str(graph[n].target) for n in layer.nodes}
+        assert {"aten.native_layer_norm.default", "aten.addmm.default", "aten.gelu.default"} <= ops, ops
+        assert not any("dropout" in op or "bernoulli" in op for op in ops), ops
+        # what a later layer reads in forward is kept, never rebuilt
+        read_later = [n for n in layer.nodes if any(phase_of(u) == "forward" and u.name not in layer.nodes
+                                                    and module_stack(u)[-1][0].startswith("model.blocks.")
+                                                    and not module_stack(u)[-1][0].startswith(layer.key)
+                                                    for u in graph[n].users)]
+        assert not read_later, read_later
+        assert layer.frees  # the norm's statistics, the matmuls' and gelu's outputs
+    # every layer alike: the plan's count is K times one layer
+    assert len({(len(s.nodes), len(s.frees), len(s.adds)) for s in stacks[0]}) == 1
+
+
+def test_under_a_budget_only_recomputation_meets_the_solver_recomputes_just_enough():
+    model, inputs = _gpt()
+    ms = spec((2,), ("tp",))
+    free = spmd.plan(model, ms, inputs, loss_fn=lm_loss, tie_blocks=True)
+    assert free.recompute == ()  # without a budget recomputing only costs time
+    budget = 0.8 * free.predicted_peak_bytes
+    with pytest.raises(SpmdError, match="no plan fits memory_budget"):
+        spmd.plan(model, ms, inputs, loss_fn=lm_loss, tie_blocks=True, memory_budget=budget, recompute=False)
+    plans = []
+    for fraction in (0.8, 0.6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # fits whole: no over-budget warning
+            plan = spmd.plan(model, ms, inputs, loss_fn=lm_loss, tie_blocks=True,
+                             memory_budget=fraction * free.predicted_peak_bytes)
+        assert plan.predicted_peak_bytes <= fraction * free.predicted_peak_bytes
+        assert 0 < len(plan.recompute) <= 4 and plan.recompute_cost > 0 and plan.recomputed_bytes > 0
+        assert plan.recompute == tuple(f"model.blocks.{i}" for i in range(len(plan.recompute)))
+        # the objective is the time the plan spends: compute, communication and the recomputed forward
+        assert plan.objective == pytest.approx(plan.compute_cost + plan.comm_cost + plan.recompute_cost, rel=1e-6)
+        assert "recomputed in backward" in spmd.explain(plan) if hasattr(spmd, "explain") else True
+        plans.append(plan)
+    assert len(plans[1].recompute) >= len(plans[0].recompute)
+    assert plans[0].objective > free.objective
+
+
+def test_recompute_true_recomputes_every_layer_and_saves_in_plan_files():
+    model, inputs = _gpt(layers=2)
+    plan = spmd.plan(model, spec((2,), ("tp",)), inputs, loss_fn=lm_loss, tie_blocks=True, recompute=True)
+    assert plan.recompute == ("model.blocks.0", "model.blocks.1")
+    loaded, _ = plan_from_json(plan_to_json(plan))
+    assert (loaded.recompute, loaded.recompute_cost, loaded.recomputed_bytes) == (
+        plan.recompute, plan.recompute_cost, plan.recomputed_bytes)
+    assert loaded.fingerprint() == plan.fingerprint()
+
+
+def test_recompute_true_where_nothing_can_be_recomputed_says_why():
+    model, inputs = _gpt(layers=2)
+    with pytest.raises(SpmdError, match="only training recomputes"):
+        spmd.plan(model, spec((2,), ("tp",)), inputs[:1], recompute=True)
+    mlp = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(SpmdError, match="no layers to recompute"):
+        spmd.plan(nn.Linear(8, 8), spec((2,), ("dp",)), (torch.randn(4, 8), torch.randn(4, 8)), loss_fn=_mse,
+                  recompute=True)
+    del mlp
