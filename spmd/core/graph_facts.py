@@ -127,6 +127,20 @@ def phase_of(node: fx.Node) -> str:
     return {"is_forward": "forward", "is_backward": "backward"}.get(node.meta.get("partitioner_tag"), "")
 
 
+def backward_nodes(graph: fx.Graph, tangents: Iterable[str] = ()) -> set[fx.Node]:
+    """The nodes of a joint graph that run in backward: those tagged so, the `tangents` placeholders (by
+    name), and every call that reads one of them (steps inserted later carry their consumer's tag)."""
+    tangents = set(tangents)
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if (node.name in tangents or node.meta.get("partitioner_tag") == "is_backward"
+                or node.op == "call_function" and any(a in found for a in node.all_input_nodes)):
+            found.add(node)
+    return found
+
+
 # ---- layers of a module list --------------------------------------------------------------------
 
 _FIRST_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # "model.layers.3.attn.q_proj" -> "model.layers.3"

@@ -170,6 +170,10 @@ class IlpBuilder:
         def needs(x) -> float:
             return float(weight @ x) + (budget.extra(x) if budget.extra is not None else 0.0)
 
+        def room(x) -> float:
+            """What the row may hold beside `x`'s extra (its temporaries)."""
+            return limit - (needs(x) - float(weight @ x))
+
         def improve(x, bound: float, need: float | None = None) -> None:
             state["bound"] = max(state["bound"], bound)
             if x is not None and float(costs @ x) < state["objective"]:
@@ -221,14 +225,13 @@ class IlpBuilder:
                     lo, lo_line = mid, got[1:]
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
-                room = limit - (needs(state["x"]) - float(weight @ state["x"]))
                 exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
-                x, bound = search.branch_and_bound(costs, weight, room, state["x"], budget.gap,
+                x, bound = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
                                                    report if exact else None, budget.seconds)
                 improve(x, bound if exact else -float("inf"))
             if state["x"] is not None and budget.polish and not search.out_of_time():
-                room = limit - (needs(state["x"]) - float(weight @ state["x"]))
-                improve(search.polish(costs, weight, room, state["x"], np.asarray(budget.polish)), -float("inf"))
+                improve(search.polish(costs, weight, room(state["x"]), state["x"], np.asarray(budget.polish)),
+                        -float("inf"))
             for _ in range(3):
                 # no price's plan fits whole: what the row must leave for temporaries is guessed from
                 # the leanest plan so far, and branch and bound finds the cheapest plan leaving that
@@ -236,8 +239,8 @@ class IlpBuilder:
                 lean = state["leanest"]
                 if state["x"] is not None or lean is None or budget.extra is None or search.out_of_time():
                     break
-                room = limit - (state["leanest_need"] - float(weight @ lean))
-                x, _ = search.branch_and_bound(costs, weight, room, None, budget.gap, None, budget.seconds)
+                room_left = limit - (state["leanest_need"] - float(weight @ lean))
+                x, _ = search.branch_and_bound(costs, weight, room_left, None, budget.gap, None, budget.seconds)
                 if x is None:
                     break
                 need = needs(x)

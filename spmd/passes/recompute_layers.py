@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from spmd.core.errors import SpmdInternalError
+from spmd.core.graph_facts import backward_nodes
 
 
 def recompute_layers(rank_gm: fx.GraphModule, recomputable, keys: tuple[str, ...]) -> fx.GraphModule:
@@ -26,11 +27,7 @@ def recompute_layers(rank_gm: fx.GraphModule, recomputable, keys: tuple[str, ...
     layers = {layer.key: layer for stack in recomputable.stacks for layer in stack}
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    backward: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "call_function" and (node.meta.get("partitioner_tag") == "is_backward"
-                                           or any(a in backward for a in node.all_input_nodes)):
-            backward.add(node)
+    backward = backward_nodes(graph)
     for key in keys:
         if key not in layers:
             raise SpmdInternalError(f"recompute_layers: the plan recomputes {key}, which has no region", graph.python_code("self").src)

@@ -403,7 +403,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         chosen = [(stack, next(k for k, c in enumerate(cols) if x[c] > 0.5))
                   for stack, cols in zip(recompute.stacks if counts else (), counts)]
         layers = [layer for stack, k in chosen for layer in stack[:k]]
-        redo_s, freed = recompute_figures(chosen, choices, chosen_cost, edges, costs)
+        redo_s, freed = recompute_figures(chosen, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from spmd.core.errors import SpmdInternalError
+from spmd.core.graph_facts import backward_nodes
 from spmd.passes.trace_module import TracedGraph, flat_outputs
 
 
@@ -27,15 +28,7 @@ class SplitGraphs:
 def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGraphs:
     graph = rank_gm.graph
     kinds = traced.output_kinds()
-    tangents = {i.placeholder for i in traced.inputs if i.kind == "tangent"}
-    backward: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        tagged = node.meta.get("partitioner_tag") == "is_backward"
-        if node.name in tangents or tagged or (node.op == "call_function" and
-                                                any(a in backward for a in node.all_input_nodes)):
-            backward.add(node)
+    backward = backward_nodes(graph, (i.placeholder for i in traced.inputs if i.kind == "tangent"))
     forward = [n for n in graph.nodes if n.op != "output" and n not in backward]
     for node in forward:
         if any(a in backward for a in node.all_input_nodes):

@@ -66,3 +66,25 @@ def test_resharded_copies_are_alive_while_their_readers_run():
     reader = next(iter(next(n for n in c.traced.graph.nodes if n.name == weight).users))
     gather = Edge((weight, 0), reader.name, 0, (Shard(0),), (Replicate(),), (), 0.0)
     assert peak_live_bytes(*args, edges=[gather]) == (64 * 16 * 4 + 4 * 64 * 4, "addmm")
+
+
+def test_unreduced_gradients_do_not_outlive_backward_reads():
+    """Data parallel: every weight's gradient is made whole (Partial) and reduced right where backward
+    makes it, so the schedule's temporaries do not grow with depth (they did when each layer's unreduced
+    gradient was held to the end of backward)."""
+    from torch.distributed.tensor import Replicate
+
+    from tests.models import GPT, GPTConfig
+    from tests.support import lm_loss, spec
+
+    temporaries = []
+    for layers in (2, 6):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab=64, seq=4, dim=256, heads=4, layers=layers))
+        tokens = torch.randint(0, 64, (2, 4))  # few tokens: weights outweigh activations
+        plan = spmd.plan(model, spec((2,), ("dp",)), (tokens, tokens), loss_fn=lm_loss,
+                         param_placements={k: [Replicate()] for k, _ in model.named_parameters()},
+                         in_placements={"tokens": [Shard(0)], "targets": [Shard(0)]})
+        temporaries.append(plan.memory["temporaries"])
+    layer_bytes = sum(p.numel() * 4 for k, p in model.named_parameters() if k.startswith("blocks.0."))
+    assert temporaries[1] - temporaries[0] < layer_bytes, temporaries
