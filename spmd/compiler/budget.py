@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from spmd.compiler.axis_search import solve_by_axes
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
 from spmd.cost_model.memory import peak_live_bytes
@@ -39,11 +40,15 @@ def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
                         agree=None, stats: dict | None = None, bucket_bytes: float | None = None,
-                        on_progress=None, recompute=None) -> Plan:
-    """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`."""
-    plan = solve_placements(strategies, costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
-                            extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
-                            regions=traced.regions(), recompute=recompute)
+                        on_progress=None, recompute=None, by_axes: bool = False) -> Plan:
+    """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`.
+    `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once."""
+    def solve(table, table_costs) -> Plan:
+        return solve_placements(table, table_costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
+                                extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
+                                regions=traced.regions(), recompute=recompute)
+
+    plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
     extra, at = temporaries(traced, plan)
     if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "

@@ -109,7 +109,7 @@ def plan_table(plan) -> str:
     collectives feeding it; views and other free followers are left out (see the dumps for all)."""
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
              f"(compute {plan.compute_cost * 1e3:.3f} ms, communication {plan.comm_cost * 1e3:.3f} ms); "
-             f"lower bound {plan.lower_bound * 1e3:.3f} ms, gap {plan.gap:.2%}, solved in {plan.solve_seconds:.2f} s"]
+             f"lower bound {plan.lower_bound * 1e3:.3f} ms, gap {plan.gap_text}, solved in {plan.solve_seconds:.2f} s"]
     if plan.memory:
         parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in plan.memory.items())
         budget = f" (budget {plan.memory_budget / 2**20:.2f} MiB)" if plan.memory_budget else ""

@@ -36,6 +36,9 @@ class PlanOptions:
     recompute: in training, layers whose backward runs their forward again instead of saving its
     activations (None: the solver decides, only when a memory_budget needs it; True: every layer of
     every module list; False: none).
+    axis_search: on a mesh of three or more axes, solve two axes at a time from a start where the outer
+    axes act as one (compiler/axis_search.py: fast, a local optimum, not proven optimal; None: when the
+    exact program would be large; False: always solve exactly).
     bucket_bytes: gradient all_reduces are packed into buckets of this size; defer_waits: wait for a
     bucket at its first use, not right after its launch.
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
@@ -53,6 +56,7 @@ class PlanOptions:
     merge_followers: bool | None = None
     stamp_layers: bool | None = None
     recompute: bool | None = None
+    axis_search: bool | None = None
     bucket_bytes: float = 4 * 2**20
     defer_waits: bool = True
     dump_dir: str | None = None

@@ -28,6 +28,7 @@ from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
 from spmd.compiler.progress import Progress
 from spmd.compiler.agreement import summarize
+from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
 from spmd.compiler.options import PlanOptions, RankBinding
@@ -133,7 +134,8 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
         stats["custom_functions"] = list(traced.custom_functions)
     return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
                                binding.agree if binding is not None else None, stats, options.bucket_bytes,
-                               on_progress=progress.solving, recompute=recomputable)
+                               on_progress=progress.solving, recompute=recomputable,
+                               by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))
 
 
 def _emit(global_gm, mesh, binding: RankBinding):

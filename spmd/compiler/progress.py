@@ -38,7 +38,7 @@ class Progress:
         plan = values.get("plan") if name == "solve_placements" else None
         if plan is not None:
             self.bar.set_postfix_str(f"estimate {plan.objective * 1e3:.3f} ms, bound {plan.lower_bound * 1e3:.3f} ms, "
-                                     f"gap {plan.gap:.2%}")
+                                     f"gap {plan.gap_text}")
         elif name == "trace" and values.get("traced") is not None:
             self.bar.set_postfix_str(f"{len(values['traced'].graph.nodes)} nodes")
         self.bar.update(1)

@@ -98,6 +98,11 @@ class Plan:
         return Counter((s.kind, self.mesh.axis_names[s.axis]) for _, s in self.collectives())
 
     @property
+    def gap_text(self) -> str:
+        """The optimality gap as a percentage, or why there is none (a search that proves no bound)."""
+        return "unproven" if self.gap != self.gap else f"{self.gap:.2%}"
+
+    @property
     def comm_cost(self) -> float:
         return sum(e.cost for e in self.edges)
 
@@ -115,5 +120,5 @@ class Plan:
     def __str__(self) -> str:
         collectives = ", ".join(f"{k} on {a} x{c}" for (k, a), c in sorted(self.collective_summary().items()))
         memory = f"; {format_bytes(self.predicted_peak_bytes)} per rank" if self.memory else ""
-        return (f"Plan on mesh {self.mesh}: {format_seconds(self.objective)} per call (gap {self.gap:.2%}){memory}; "
+        return (f"Plan on mesh {self.mesh}: {format_seconds(self.objective)} per call (gap {self.gap_text}){memory}; "
                 f"collectives: {collectives or 'none'}")

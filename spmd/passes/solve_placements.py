@@ -14,12 +14,15 @@ from spmd.core.graph_facts import follows_input, is_gradient_sink
 from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, Value, pieces
 from spmd.cost_model.comm import bucket_share
+from spmd.cost_model.layout_graph import layout_graph
 from spmd.cost_model.solver import Budget, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
 from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
+
+FLOW_MIN_PAIRS = 1024  # an edge with at least this many (made, needed) layout pairs may become a flow
 
 
 def _shard_all(info, mesh_shape):
@@ -204,6 +207,16 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     col_group: dict[int, tuple[int, ...]] = {}  # column -> the columns of its "exactly one of" (choices, edge pairs)
     edge_at: dict[tuple[str, int], int] = {}  # (consumer, input slot) -> its edge group
     value_expr: dict[Value, dict[Placements, Expr]] = {}
+    # The edges of a value read by one consumer in its region may be flows over the layout graph: no
+    # other consumer shares their collectives, so the cheapest path is all they cost. Not where
+    # recomputation prices a layer's incoming edges (per "exactly one of" group, which a flow is not).
+    recomputing = bool(recompute) and (memory_budget is not None and recompute.mode == "auto" or
+                                       recompute.mode == "all")
+    readers: dict[tuple[Value, str | None], int] = {}
+    if not recomputing:
+        for name, ns in table.nodes.items():
+            for value in ns.inputs:
+                readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
 
     # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
     # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
@@ -228,11 +241,37 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             memo[key] = follows_input(ns, producer)
         return memo[key]
 
-    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple):
+    def _flow_terms(value: Value, producer: dict, needed: dict, arcs, structure: tuple):
+        """Terms pricing one edge as a unit of flow over `arcs` (the layout graph's arcs on cheapest
+        paths from a made to a needed layout): per layout v, flow in - flow out = [needed v] - [made v].
+        For chosen layouts a and b the cheapest flow is the cheapest path, exactly the pair's cost; the
+        relaxation is the same transport problem over the same distances as the pair form's."""
+        key = ("flow", structure, costs.value_info[value])
+        first = shared_edges.get(key)
+        if first is None:
+            first = shared_edges[key] = ilp.add_vars(len(arcs))
+            balance: dict[Placements, list[tuple[int, float]]] = {}
+            for ps, cols in producer.items():
+                balance.setdefault(ps, []).extend((c, 1.0) for c in cols)
+            for ps, cols in needed.items():
+                balance.setdefault(ps, []).extend((c, -1.0) for c in cols)
+            for k, arc in enumerate(arcs):
+                balance.setdefault(arc.src, []).append((first + k, -1.0))
+                balance.setdefault(arc.dst, []).append((first + k, 1.0))
+            for terms in balance.values():
+                ilp.add_eq(terms, 0.0)
+        return [(first + k, arc.seconds, None) for k, arc in enumerate(arcs)], []
+
+    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool):
         """(column, seconds, (src, dst placements) or None) terms pricing one edge, with edge variables
         where both ends have choices; the placements where consumers of the value share the steps
-        (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce."""
+        (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce.
+        `alone`: no other consumer in the region reads the value (a large edge may then be a flow)."""
         made, wanted = list(producer), list(needed)
+        if alone and not gradient and len(made) > 1 and len(wanted) > 1 and len(made) * len(wanted) >= FLOW_MIN_PAIRS:
+            arcs = layout_graph(costs.value_info[value], costs.mesh).between(made, wanted)
+            if arcs is not None and len(arcs) < len(made) * len(wanted):
+                return _flow_terms(value, producer, needed, arcs, structure)
         # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
         # once per pair of placements (hashing placements is the slow part of building the program)
         paths = []
@@ -285,10 +324,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             needed, needed_cols = memo[key]
             gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
             structure = (value[1], j, tuple(producer.values()), needed_cols)
-            group = (structure, costs.value_info[value], gradient)
+            alone = readers.get((value, regions.get(name))) == 1
+            group = (structure, costs.value_info[value], gradient, alone)
             if group not in group_index:
                 group_index[group] = len(edge_groups)
-                edge_groups.append(_edge_terms(value, producer, needed, gradient, structure))
+                edge_groups.append(_edge_terms(value, producer, needed, gradient, structure, alone))
             uses.setdefault(value, []).append((group_index[group], regions.get(name)))
             edge_at[(name, j)] = group_index[group]
 

@@ -90,7 +90,11 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     names = plan.mesh.axis_names
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
              f"(compute {plan.compute_cost * 1e3:.3f} ms, communication {plan.comm_cost * 1e3:.3f} ms), "
-             f"optimality gap {plan.gap:.2%}"]
+             f"optimality gap {plan.gap_text}"]
+    search = plan.stats.get("axis_search")
+    if search:
+        lines.append(f"solved by axis search ({search['solves']} solves of two mesh axes at a time, "
+                     f"{search['seconds']:.1f} s): {search['note']}")
     if plan.memory:
         lines.append(f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
                      ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
