@@ -14,7 +14,8 @@ a 2-D mesh's:
 The incumbent is always among the next step's strategies, so the objective never rises, and the
 result is a plan no change on any two axes improves. It is not proven optimal: the plan's
 `lower_bound` and `gap` are NaN and `stats["axis_search"]` says what was solved. Exact solves stay the
-default wherever the whole program is small (`AUTO_MIN_PAIRS`).
+default wherever the whole program is small (`AUTO_MIN_PAIRS`), and where pins keep the outer axes from
+holding equal placements (the start has no plan) the whole program is solved instead.
 """
 from __future__ import annotations
 
@@ -24,20 +25,26 @@ import math
 import time
 from typing import Callable
 
+from spmd.core.errors import SpmdError
 from spmd.core.plan import Plan
 from spmd.core.specs import Strategy
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
 
-AUTO_MIN_PAIRS = 400_000  # layout pairs on the program's edges above which a 3+-axis mesh is searched
+AUTO_MIN_PAIRS = 1_000_000  # layout pairs on the program's edges above which a 3+-axis mesh is searched
 MAX_ROUNDS = 3
 
 
 def layout_pairs(table: StrategyTable) -> int:
-    """How many (made, needed) layout pairs the exact program's edges would hold: its size."""
-    total = 0
+    """How many (made, needed) layout pairs the exact program's edges would hold: its size (an edge
+    between strategy lists already counted, as tied layers' are, is counted once)."""
+    total, seen = 0, set()
     for ns in table.nodes.values():
         for j, value in enumerate(ns.inputs):
+            key = (ns.variant, j, table.nodes[value[0]].variant, value[1])
+            if key in seen:
+                continue
+            seen.add(key)
             made = len(table.output_candidates(value))
             needed = len({s.inputs[j] for s in ns.strategies})
             if made > 1 and needed > 1:
@@ -85,7 +92,10 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
         return all(ps is None or len({ps[a] for a in outer}) == 1 for ps in (*s.inputs, *s.outputs))
 
     t = time.perf_counter()
-    best = solve(*restrict(table, costs, diagonal))
+    try:
+        best = solve(*restrict(table, costs, diagonal))
+    except SpmdError:  # pins (or ties to them) that the outer axes cannot hold equal: solve it whole
+        return solve(table, costs)
     steps = [f"outer axes equal: {best.objective * 1e3:.3f} ms ({time.perf_counter() - t:.1f} s)"]
     pairs = list(itertools.combinations(range(mesh_axes), 2))
     solved_at: dict[tuple, int] = {}  # neighbourhood -> the incumbent's version it was last solved from

@@ -122,3 +122,12 @@ def test_an_axis_searched_plan_trains_like_one_device(float64):
     loss = _mse(model(x), target)
     loss.backward()
     assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
+
+
+def test_pins_the_outer_axes_cannot_hold_equal_fall_back_to_the_exact_solve():
+    from torch.distributed.tensor import Replicate, Shard
+
+    model, x, target = _residual()
+    pins = {"blocks.0.1.weight": [Replicate(), Shard(1), Shard(0)]}  # dp and fsdp differ: not on the diagonal
+    plan = compile_graph(model, (x, target), MESH3, loss_fn=_mse, axis_search=True, param_placements=pins).plan
+    assert "axis_search" not in plan.stats and not math.isnan(plan.gap)
