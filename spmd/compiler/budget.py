@@ -43,10 +43,12 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                         on_progress=None, recompute=None, by_axes: bool = False) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`. `agree`: see `solve_placements`.
     `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once."""
+    labels, regions = traced.labels(), traced.regions()
+
     def solve(table, table_costs) -> Plan:
-        return solve_placements(table, table_costs, traced.labels(), memory_budget, agree=agree, blocks=blocks,
+        return solve_placements(table, table_costs, labels, memory_budget, agree=agree, blocks=blocks,
                                 extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
-                                regions=traced.regions(), recompute=recompute)
+                                regions=regions, recompute=recompute)
 
     plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
     extra, at = temporaries(traced, plan)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -103,16 +103,33 @@ def _legal(cur, axis: int, dims) -> bool:
     return not any(isinstance(p, Shard) and p.dim in dims for j, p in enumerate(cur) if j > axis)
 
 
+def single_steps(cur: Placements, tensor: TensorInfo, mesh, partials, skip=()) -> Iterator[tuple[Placements, Step]]:
+    """Every layout one legal per-axis step turns `cur` into, with that step (in a fixed order: equal on
+    every rank). `partials`: the Partial placements a Replicate axis may turn into; `skip`: layouts not
+    wanted (a search's finished ones), left out before their step is built."""
+    shape = local_shape(tensor.shape, cur, mesh.shape)
+    options = [Replicate()] + [Shard(d) for d in range(len(tensor.shape))]
+    for axis in range(len(cur)):
+        for target in options if isinstance(cur[axis], Partial) else options + list(partials):
+            if target == cur[axis]:
+                continue
+            move = _direct(cur[axis], target)
+            if move is None or not _legal(cur, axis, move[1:3]):
+                continue
+            nxt = cur[:axis] + (target,) + cur[axis + 1:]
+            if nxt in skip or isinstance(target, Shard) and shape[target.dim] % mesh.shape[axis]:
+                continue  # (uneven: it would cut the local dim unevenly)
+            yield nxt, Step(move[0], axis, move[1], move[2], move[3], shape, tensor.dtype.itemsize)
+
+
 def shortest_redistributions(src: Placements, tensor: TensorInfo, mesh, price: Callable[[Step], float]) -> dict:
     """Dijkstra over layouts from `src`: every reachable layout -> (cost, steps), each step priced by
-    `price`. Edges are single legal per-axis steps between even layouts. Partial layouts appear only
-    where `src` has them, or as Partial(sum) (the only one a consumer asks for from a Replicate input)."""
+    `price`. Edges are `single_steps` between even layouts. Partial layouts appear only where `src` has
+    them, or as Partial(sum) (the only one a consumer asks for from a Replicate input)."""
     src = tuple(src)
-    ndim = len(tensor.shape)
     # a list, not a set: Partial's hash includes a string, and string hashes differ between processes,
     # so set order would break ties differently on different ranks (and hang their collectives)
     partials = list(dict.fromkeys([Partial("sum")] + [p for p in src if isinstance(p, Partial)]))
-    options = [Replicate()] + [Shard(d) for d in range(ndim)]
     best: dict = {src: (0.0, ())}
     heap = [(0.0, 0, src)]
     counter = itertools.count(1)
@@ -122,25 +139,11 @@ def shortest_redistributions(src: Placements, tensor: TensorInfo, mesh, price: C
         if cur in done:
             continue
         done.add(cur)
-        shape = local_shape(tensor.shape, cur, mesh.shape)
-        for axis in range(len(cur)):
-            targets = options if isinstance(cur[axis], Partial) else options + list(partials)
-            for target in targets:
-                if target == cur[axis]:
-                    continue
-                move = _direct(cur[axis], target)
-                if move is None or not _legal(cur, axis, move[1:3]):
-                    continue
-                nxt = cur[:axis] + (target,) + cur[axis + 1:]
-                if nxt in done:
-                    continue
-                if isinstance(target, Shard) and shape[target.dim] % mesh.shape[axis]:
-                    continue  # would cut the (local) dim unevenly
-                step = Step(move[0], axis, move[1], move[2], move[3], shape, tensor.dtype.itemsize)
-                c = cost + price(step)
-                if nxt not in best or c < best[nxt][0] - 1e-15:
-                    best[nxt] = (c, best[cur][1] + (step,))
-                    heapq.heappush(heap, (c, next(counter), nxt))
+        for nxt, step in single_steps(cur, tensor, mesh, partials, done):
+            c = cost + price(step)
+            if nxt not in best or c < best[nxt][0] - 1e-15:
+                best[nxt] = (c, best[cur][1] + (step,))
+                heapq.heappush(heap, (c, next(counter), nxt))
     return best
 
 

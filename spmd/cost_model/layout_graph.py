@@ -1,5 +1,5 @@
 """The layouts of one tensor on a mesh as a graph: a vertex per even layout, an arc per single legal step
-(core/redistribute.py's moves, priced by `comm.step_cost`), and the cheapest distance between every two.
+(`redistribute.single_steps`, priced by `comm.step_cost`), and the cheapest distance between every two.
 
 `comm.reshard_paths` answers "from this layout, the cheapest steps to every other" one source at a time
 (Dijkstra over exactly these arcs). The solver asks the other question: for an edge whose producer may
@@ -19,11 +19,10 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
-from spmd.core.redistribute import Step, _direct, _legal
-from spmd.core.specs import Placements, TensorInfo, local_shape
-
+from spmd.core.redistribute import Step, single_steps
+from spmd.core.specs import Placements, TensorInfo
 from spmd.cost_model.comm import step_cost
 
 
@@ -42,7 +41,6 @@ class LayoutGraph:
     steps between them, and all-pairs cheapest distances (`dist[i, j]`, seconds; inf where none)."""
 
     def __init__(self, tensor: TensorInfo, mesh, bucket_bytes: float | None = None):
-        options = [Replicate()] + [Shard(d) for d in range(len(tensor.shape))] + [Partial("sum")]
         start = tuple(Replicate() for _ in mesh.shape)
         self.layouts: list[Placements] = [start]
         self.index: dict[Placements, int] = {start: 0}
@@ -51,22 +49,11 @@ class LayoutGraph:
         while k < len(self.layouts):  # breadth first, in a fixed order: equal on every rank
             cur = self.layouts[k]
             k += 1
-            shape = local_shape(tensor.shape, cur, mesh.shape)
-            for axis in range(len(cur)):
-                for target in options:
-                    if target == cur[axis]:
-                        continue
-                    move = _direct(cur[axis], target)
-                    if move is None or not _legal(cur, axis, move[1:3]):
-                        continue
-                    if isinstance(target, Shard) and shape[target.dim] % mesh.shape[axis]:
-                        continue
-                    nxt = cur[:axis] + (target,) + cur[axis + 1:]
-                    step = Step(move[0], axis, move[1], move[2], move[3], shape, tensor.dtype.itemsize)
-                    self.arcs.append(Arc(cur, nxt, step, step_cost(step, mesh, bucket_bytes)))
-                    if nxt not in self.index:
-                        self.index[nxt] = len(self.layouts)
-                        self.layouts.append(nxt)
+            for nxt, step in single_steps(cur, tensor, mesh, [Partial("sum")]):
+                self.arcs.append(Arc(cur, nxt, step, step_cost(step, mesh, bucket_bytes)))
+                if nxt not in self.index:
+                    self.index[nxt] = len(self.layouts)
+                    self.layouts.append(nxt)
         n = len(self.layouts)
         self._u = np.array([self.index[a.src] for a in self.arcs], dtype=np.int64)
         self._v = np.array([self.index[a.dst] for a in self.arcs], dtype=np.int64)
