@@ -32,12 +32,14 @@ class GPTConfig:
     sdpa: bool = True  # scaled_dot_product_attention, else explicit softmax attention
     bias: bool = True
     causal: bool = True  # False: bidirectional (ViT)
+    flex: str | None = None  # FlexAttention in place of SDPA: "mask" (a causal block mask), "alibi" (+ a
+    # per-head score_mod, which reads the head index)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.heads, self.sdpa, self.causal = cfg.heads, cfg.sdpa, cfg.causal
+        self.heads, self.sdpa, self.causal, self.flex = cfg.heads, cfg.sdpa, cfg.causal, cfg.flex
         self.q_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.dim, bias=cfg.bias)
@@ -51,7 +53,9 @@ class CausalSelfAttention(nn.Module):
             return t.view(b, s, h, d // h).transpose(1, 2)
 
         q, k, v = split_heads(self.q_proj(x)), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
-        if self.sdpa:
+        if self.flex:
+            y = _flex(q, k, v, self.flex, self.causal)
+        elif self.sdpa:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         else:
             scores = q @ k.transpose(-2, -1) / math.sqrt(d // h)
@@ -60,6 +64,21 @@ class CausalSelfAttention(nn.Module):
                 scores = scores.masked_fill(~mask, float("-inf"))
             y = scores.softmax(dim=-1) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+def _flex(q, k, v, kind: str, causal: bool) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, h, s, _ = q.shape
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - (h + 1).to(score.dtype) / 8 * (q_idx - kv_idx).abs().to(score.dtype)
+
+    mask = create_block_mask(causal_mask, None, None, s, s, device=q.device) if causal else None
+    return flex_attention(q, k, v, score_mod=alibi if kind == "alibi" else None, block_mask=mask)
 
 
 class FeedForward(nn.Module):

@@ -33,6 +33,11 @@ for _name, _at in (("_scaled_dot_product_flash_attention", (0, 2, 4)),
                    ("_scaled_dot_product_cudnn_attention_backward", (1, 5, 14))):
     if hasattr(aten, _name):
         _ATTENTION[getattr(aten, _name).default] = _at
+# FlexAttention, priced dense: how much its block mask skips is data (the mask's block counts)
+_NEVER = 1 << 30  # no is_causal argument
+for _name, _at in (("flex_attention", (0, 2, _NEVER)), ("flex_attention_backward", (0, 5, _NEVER))):
+    if hasattr(torch.ops.higher_order, _name):
+        _ATTENTION[getattr(torch.ops.higher_order, _name)] = _at
 
 
 # Elementwise and row-wise kernels whose work per element is many instructions (erf, exp, log, a

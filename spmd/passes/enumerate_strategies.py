@@ -141,6 +141,13 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     kinds = traced.output_kinds()
     next_variant = iter(range(1 << 62)).__next__
 
+    def floating_partials(s: Strategy, outs, ins) -> bool:
+        """Partial only on floating-point values: a sum of bool masks is no mask, and the integer tensors
+        of a graph are indices and counts, which no rule reads unreduced."""
+        return all(ps is None or t is None or t.dtype.is_floating_point or t.dtype.is_complex
+                   or not any(isinstance(p, Partial) for p in ps)
+                   for ps, t in zip(s.outputs + s.inputs, tuple(outs) + tuple(ins)))
+
     def even(s: Strategy, outs, ins) -> bool:
         return all(ps is None or o is None or is_even(o.shape, ps, mesh.shape) for ps, o in zip(s.outputs, outs)) \
             and all(is_even(i.shape, ps, mesh.shape) for ps, i in zip(s.inputs, ins))
@@ -178,6 +185,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
                                                       next_variant(), tie=tie)
             continue
+        if node.op == "get_attr" and isinstance(getattr(traced.gm, node.target, None), fx.GraphModule):
+            continue  # a higher-order op's subgraph (flex_attention's score_mod): travels with its op
         if node.op != "call_function":
             raise SpmdError(f"enumerate_strategies: unsupported node kind {node.op} ({describe_node(node)})")
 
@@ -236,7 +245,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             source = "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
         usable = [s for s in strategies if len(s.inputs) == len(inputs) and len(s.outputs) == len(outs)
-                  and _partials_available(s, producible)]
+                  and _partials_available(s, producible) and floating_partials(s, outs, in_infos)]
         kept = [s for s in usable if even(s, outs, in_infos)]
         if not kept:
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]

@@ -77,6 +77,10 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
             new.meta["spmd_placements"] = plan.choices[node.name].outputs
             env[node.name] = new
             continue  # (a placeholder returned as an output is resharded at the output: placeholders come first)
+        if node.op == "get_attr":  # a higher-order op's subgraph
+            env[node.name] = graph.get_attr(node.target)
+            env[node.name].meta = dict(node.meta)
+            continue
         if node.op == "output":  # chains made by reshard_outputs are reused here
             new_outs = []
             for k, a in enumerate(flat_outputs(node)):

@@ -182,14 +182,15 @@ def _positional(fn) -> list[str]:
 
 @contextlib.contextmanager
 def custom_functions():
-    """The names of the `torch.autograd.Function`s the model applies while this is open. torch.export
+    """The names of the user's `torch.autograd.Function`s the model applies while this is open. torch.export
     (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
     keeps the backward they define, so `trace_joint` takes that road when there are any."""
     applied: set[str] = set()
     descriptor = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        applied.add(cls.__qualname__)
+        if not cls.__module__.startswith("torch."):  # torch's own (a higher-order op's autograd) export keeps
+            applied.add(cls.__qualname__)
         return descriptor.__func__(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)

@@ -44,6 +44,7 @@ def _x(*shape):
 
 
 _gpt = lambda **kw: (lambda: GPT(GPTConfig(**kw)))  # noqa: E731
+_frozen = lambda build: (lambda: build().requires_grad_(False))  # noqa: E731
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
 CASES = {c.name: c for c in [
@@ -65,6 +66,10 @@ CASES = {c.name: c for c in [
     Case("gpt-2d-default", _gpt(), _tokens(4, 32), (2, 2), ("dp", "tp"), in_placements={"tokens": [S0, R]}),
     Case("gpt-2d-compute", _gpt(), _tokens(2, 32), (2, 2), ("dp", "tp"), "compute"),
     Case("gpt-softmax-2d-compute", _gpt(sdpa=False), _tokens(2, 32), (2, 2), ("dp", "tp"), "compute"),
+    # FlexAttention (inference: torch has no CPU backward): head-parallel under a causal block mask; with a
+    # score_mod that reads the head index (ALiBi) heads stay whole and the batch splits
+    Case("gpt-flex-1d2-tp", _frozen(_gpt(flex="mask")), _tokens(1, 31), (2,), ("tp",), "compute", sharded_params=True),
+    Case("gpt-flex-alibi-2d-compute", _frozen(_gpt(flex="alibi")), _tokens(2, 32), (2, 2), ("dp", "tp"), "compute"),
     # A real-world model from a popular library, built from a config with random weights
     Case("gpt2-hf-1d2-compute", gpt2, _tokens(2, 32), (2,), ("tp",), "compute", logits=True),
     Case("gpt2-hf-1d2-tp", gpt2, _tokens(1, 31), (2,), ("tp",), "compute", logits=True, sharded_params=True),

@@ -3,7 +3,10 @@ through fake CUDA tensors (tests/fake_cuda) and torch's fake process group. It c
 spmd.compile, plans the same model on fake CPU tensors, runs this rank's graphs under FakeTensorMode, and
 prints what it found as JSON on its last line: tests/e2e/test_cuda_compile.py asserts on it.
 
-    python tests/e2e/cuda_rank.py [--training] [--dtype bfloat16]
+    python tests/e2e/cuda_rank.py [--training] [--dtype bfloat16] [--flex]
+
+--flex: FlexAttention under a causal block mask in place of SDPA (torch refuses its backward on CPU, so
+training with it is planned here, on CUDA, and not compared with a plan on CPU tensors).
 
 A process of its own: fake CUDA, the fake process group and the attention kernel override are global.
 """
@@ -81,13 +84,15 @@ def gpu_attention_kernels():
 class Record(TorchDispatchMode):
     """The ops a run dispatches: the devices of their tensors, and each functional collective."""
 
+    supports_higher_order_operators = True  # flex_attention passes through here too
+
     def __init__(self):
         super().__init__()
         self.ops, self.devices, self.c10d = set(), set(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket)
+        name = str(getattr(func, "overloadpacket", func))
         self.ops.add(name)
         self.devices.update(str(t.device) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
         if name.startswith("_c10d_functional.") and name != "_c10d_functional.wait_tensor":
@@ -119,6 +124,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--training", action="store_true")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--flex", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -132,7 +138,7 @@ def main() -> None:
     mesh_spec = spec(SHAPE, AXES)  # the tests' profile: compute-bound, fast links, so the plan shards a lot
 
     dtype = getattr(torch, args.dtype)
-    cfg = GPTConfig()
+    cfg = GPTConfig(flex="mask" if args.flex else None)
     with torch.device("meta"):
         model = GPT(cfg).to(dtype)
     batch, seq = 2 * SHAPE[0] * SHAPE[1], cfg.seq
@@ -161,8 +167,12 @@ def main() -> None:
                        for p in compiled.parameters()) if args.training else None
 
     # the same plan made on fake CPU tensors (what spmd.plan does), for the memory comparison
-    cpu_model, cpu_inputs = fake_model(model, meta_inputs)
-    cpu_plan = run_pipeline(cpu_model, cpu_inputs, mesh_spec, options).plan
+    cpu_plan = None
+    if not (args.flex and args.training):
+        cpu_model, cpu_inputs = fake_model(model, meta_inputs)
+        cpu_plan = run_pipeline(cpu_model, cpu_inputs, mesh_spec, options).plan
+    flex = {name: [str(p) for p in s.outputs[0]] for name, s in compiled.plan.choices.items()
+            if name.startswith("flex_attention")}
 
     facts.update({
         "installed": INSTALLED,
@@ -175,8 +185,9 @@ def main() -> None:
         "grads_ok": grads_ok,
         "params_device": sorted({str(p.device) for p in compiled.parameters()}),
         "memory": compiled.plan.memory if hasattr(compiled.plan, "memory") else None,
-        "memory_cpu": cpu_plan.memory,
-        "objective": compiled.plan.objective, "objective_cpu": cpu_plan.objective,
+        "memory_cpu": cpu_plan.memory if cpu_plan else None,
+        "objective": compiled.plan.objective, "objective_cpu": cpu_plan.objective if cpu_plan else None,
+        "flex": flex,
         "cuda_initialized": torch.cuda.is_initialized(),
     })
     dist.destroy_process_group()

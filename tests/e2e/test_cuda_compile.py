@@ -66,3 +66,13 @@ def test_training_for_cuda_rank_5_of_8(dtype, kernel):
     assert abs(act - act_cpu) <= 0.01 * act_cpu, (f["memory"], f["memory_cpu"])
     total, total_cpu = sum(f["memory"].values()), sum(f["memory_cpu"].values())
     assert abs(total - total_cpu) <= 0.002 * total_cpu, (f["memory"], f["memory_cpu"])
+
+
+def test_flex_attention_training_for_cuda_rank_5_of_8():
+    """FlexAttention trains on CUDA only (torch refuses its CPU backward): the joint graph keeps its
+    forward and backward higher-order ops, every one split on both mesh axes, and the rank's graphs run."""
+    f = _rank("--training", "--flex")
+    assert {"flex_attention", "flex_attention_backward"} <= set(f["ops"]) & set(f["run_ops"])
+    assert len(f["flex"]) == 4, f["flex"]  # two layers, forward and backward
+    assert all("R" not in ps for ps in f["flex"].values()), f["flex"]
+    assert f["grads_ok"] and f["run_devices"] == ["cuda:5"] and not f["cuda_initialized"]

@@ -1,6 +1,7 @@
 """Training end to end: every rank trains its shards; losses and full parameters track one device."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ TRAIN_CASES = {c.name: c for c in [
     # and a budget is then met by splitting the batch alone
     TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", batch=8, budget_fraction=0.6,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]}),
+    # FlexAttention: head-parallel under a causal block mask; with ALiBi (reads the head index) on 2-D
+    TrainCase("gpt-flex-1d2-adamw-compute", "gpt-flex", (2,), ("tp",), "adamw", "compute", batch=1),
+    TrainCase("gpt-flex-alibi-2d-sgd-compute", "gpt-flex-alibi", (2, 2), ("dp", "tp"), "sgd", "compute", batch=2),
     TrainCase("gpt-1d4-sgd-fsdp-pins", "gpt", (4,), ("dp",), "sgd", batch=4,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]},
               param_placements={f"blocks.{i}.mlp.fc1.weight": [torch.distributed.tensor.Shard(0)] for i in range(2)}),
@@ -83,7 +87,8 @@ def _build(case: TrainCase):
         x = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(1))
         y = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(2))
         return model, (x, y), F.mse_loss
-    model = GPT(GPTConfig(sdpa=case.model == "gpt", seq=32))
+    flex = {"gpt-flex": "mask", "gpt-flex-alibi": "alibi"}.get(case.model)
+    model = GPT(GPTConfig(sdpa=case.model == "gpt", seq=32, flex=flex))
     seq = 31 if case.profile in ("compute", "megatron") else 32  # odd: only weights can split the work
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (case.batch, seq), generator=g)
@@ -92,61 +97,80 @@ def _build(case: TrainCase):
 
 
 def run_training(rank: int, world: int, name: str, steps: int = 5) -> dict:
-    import spmd
-
     case = {**TRAIN_CASES, **CLIP_CASES, **COMPILED_CASES}[name]
     torch.set_default_dtype(torch.float64)
     try:
-        model, inputs, loss_fn = _build(case)
-        reference = copy.deepcopy(model)
-        mesh = spmd.init_mesh(case.mesh, case.names)
-        mesh_spec = {"compute": lambda: spec(case.mesh, case.names), "megatron": lambda: megatron_spec(),
-                     "default": lambda: spmd.MeshSpec.from_device_mesh(mesh)}[case.profile]()
-        budget, free_memory = None, {}
-        if case.budget_fraction is not None:
-            free = spmd.plan(model, mesh_spec, inputs, loss_fn=loss_fn, in_placements=case.in_placements,
-                             param_placements=case.param_placements)  # unconstrained but for the pins
-            budget, free_memory = case.budget_fraction * free.predicted_peak_bytes, dict(free.memory)
-        compiled = spmd.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn,
-                                in_placements=case.in_placements, param_placements=case.param_placements,
-                                mesh_spec=mesh_spec, memory_budget=budget, compile_graphs=case.compile_graphs)
-        make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[case.optimizer]
-        opt, ref_opt = make(compiled.parameters()), make(reference.parameters())
-        local = compiled.shard_inputs(*inputs)
-        losses, ref_losses, param_err, measured = [], [], 0.0, {}
-        norms, ref_norms = [], []
-        for step in range(steps):
-            torch.manual_seed(100 + step)  # dropout: same generator state on every rank and for the reference
-            loss = compiled(*local)
-            loss.backward()
-            if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
-                measured = compiled.memory_report(opt)
-            if case.clip is not None:
-                norms.append(float(compiled.clip_grad_norm_(case.clip, case.norm_type)))
-            opt.step()
-            opt.zero_grad()
-            torch.manual_seed(100 + step)
-            ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
-            ref_loss.backward()
-            if case.clip is not None:
-                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), case.clip,
-                                                                      case.norm_type)))
-            ref_opt.step()
-            ref_opt.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-            full = compiled.full_state_dict()
-            param_err = max(param_err, max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters()))
-        placements = {compiled.plan.labels[n]: s.outputs[0] for n, s in compiled.plan.choices.items()
-                      if n in compiled.plan.labels}
-        return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
-                "norms": norms, "ref_norms": ref_norms, "grad_placements": sorted(
-                    {str(ps) for ps in compiled._state_placements.values()}),
-                "fingerprint": compiled.plan.fingerprint(),
-                "collectives": dict(compiled.plan.collective_summary()),
-                "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
-                "unconstrained": free_memory,
-                "placements": placements, "compiled_graphs": sorted(compiled._compiled_graphs)}
+        with flex_backward_on_cpu():
+            return _run_training(case, steps)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@contextlib.contextmanager
+def flex_backward_on_cpu():
+    """torch refuses FlexAttention's backward on CPU at its entry point (its compiled CPU kernel has none);
+    the higher-order ops run their dense reference, forward and backward, on any device."""
+    import torch.nn.attention.flex_attention as flex
+
+    check = flex._validate_device
+    flex._validate_device = lambda *args: None
+    try:
+        yield
+    finally:
+        flex._validate_device = check
+
+
+def _run_training(case: TrainCase, steps: int) -> dict:
+    import spmd
+
+    model, inputs, loss_fn = _build(case)
+    reference = copy.deepcopy(model)
+    mesh = spmd.init_mesh(case.mesh, case.names)
+    mesh_spec = {"compute": lambda: spec(case.mesh, case.names), "megatron": lambda: megatron_spec(),
+                 "default": lambda: spmd.MeshSpec.from_device_mesh(mesh)}[case.profile]()
+    budget, free_memory = None, {}
+    if case.budget_fraction is not None:
+        free = spmd.plan(model, mesh_spec, inputs, loss_fn=loss_fn, in_placements=case.in_placements,
+                         param_placements=case.param_placements)  # unconstrained but for the pins
+        budget, free_memory = case.budget_fraction * free.predicted_peak_bytes, dict(free.memory)
+    compiled = spmd.compile(model, mesh, example_inputs=inputs, loss_fn=loss_fn,
+                            in_placements=case.in_placements, param_placements=case.param_placements,
+                            mesh_spec=mesh_spec, memory_budget=budget, compile_graphs=case.compile_graphs)
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[case.optimizer]
+    opt, ref_opt = make(compiled.parameters()), make(reference.parameters())
+    local = compiled.shard_inputs(*inputs)
+    losses, ref_losses, param_err, measured = [], [], 0.0, {}
+    norms, ref_norms = [], []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # dropout: same generator state on every rank and for the reference
+        loss = compiled(*local)
+        loss.backward()
+        if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
+            measured = compiled.memory_report(opt)
+        if case.clip is not None:
+            norms.append(float(compiled.clip_grad_norm_(case.clip, case.norm_type)))
+        opt.step()
+        opt.zero_grad()
+        torch.manual_seed(100 + step)
+        ref_loss = loss_fn(reference(*inputs[:-1]), inputs[-1])
+        ref_loss.backward()
+        if case.clip is not None:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), case.clip,
+                                                                  case.norm_type)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        full = compiled.full_state_dict()
+        param_err = max(param_err, max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters()))
+    placements = {compiled.plan.labels[n]: s.outputs[0] for n, s in compiled.plan.choices.items()
+                  if n in compiled.plan.labels}
+    return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
+            "norms": norms, "ref_norms": ref_norms, "grad_placements": sorted(
+                {str(ps) for ps in compiled._state_placements.values()}),
+            "fingerprint": compiled.plan.fingerprint(),
+            "collectives": dict(compiled.plan.collective_summary()),
+            "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
+            "unconstrained": free_memory,
+            "placements": placements, "compiled_graphs": sorted(compiled._compiled_graphs)}

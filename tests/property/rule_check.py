@@ -132,6 +132,9 @@ class _Call(torch.nn.Module):
 
 def _make_fx_traced(fn, inputs) -> TracedGraph:
     gm = make_fx(fn)(*inputs)
+    for node in reversed(gm.graph.nodes):  # unused tensor constants (torch.tensor(...) in a dead branch)
+        if not node.users and (node.op == "get_attr" or node.target is aten.lift_fresh_copy.default):
+            gm.graph.erase_node(node)
     info = {n.name: i for n in gm.graph.nodes if (i := tensor_info_of(n)) is not None}
     phs = tuple(GraphInput(n.name, "input", n.name) for n in gm.graph.nodes if n.op == "placeholder")
     return TracedGraph(gm=gm, inputs=phs, state={}, out_spec=None, tensor_info=info)

@@ -1,6 +1,6 @@
 """Per-op sharding rules: ours by op family in this folder (registered in `registry.RULES` by importing
 them), DTensor's through `dtensor_adapter`."""
-from spmd.passes.rules import (attention, cast, factory, indexing, linalg, norm, pointwise, random, softmax,  # noqa: F401
-                               tuple_ops, vocab_parallel)
+from spmd.passes.rules import (attention, cast, factory, flex_attention, indexing, linalg, norm,  # noqa: F401
+                               pointwise, random, softmax, tuple_ops, vocab_parallel)
 from spmd.passes.rules.registry import RULES, RuleInput, expand_single_dim, rule  # noqa: F401
 from spmd.passes.rules.vocab_parallel import LOCAL_REWRITES  # noqa: F401
