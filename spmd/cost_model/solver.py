@@ -21,6 +21,9 @@ import numpy as np
 
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
+# the dual simplex's time on a relaxation before interior point (with crossover, so still a vertex) takes
+# over: a few degenerate programs of 3-D meshes stall the simplex for 19 s that interior point solves in 7
+SIMPLEX_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -362,8 +365,10 @@ class _Search:
         `on_progress(objective, bound, gap)`: branch and bound's progress, in these costs' units."""
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
-        self.relaxed.setOptionValue("time_limit", self.remaining())
+        self.relaxed.setOptionValue("time_limit", min(SIMPLEX_SECONDS, self.remaining()))
         self.relaxed.run()
+        if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kTimeLimit and not self.out_of_time():
+            self._interior_point(costs)
         if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, float("nan"), self.relaxed.modelStatusToString(self.relaxed.getModelStatus())
         x = np.asarray(self.relaxed.getSolution().col_value)
@@ -391,6 +396,21 @@ class _Search:
         if mip.getInfo().primal_solution_status != 2:
             return (None, bound, status) if rounded is None else (rounded, bound, status)
         return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
+
+    def _interior_point(self, costs: np.ndarray) -> None:
+        """Solve the relaxation at `costs` by interior point and crossover, and hand its optimal basis to
+        the simplex instance, which then finishes (and later warm-starts) from there."""
+        ipm = _highs(self.remaining(), presolve=True)
+        ipm.setOptionValue("solver", "ipm")
+        ipm.setOptionValue("run_crossover", "on")
+        ipm.passModel(self.lp)
+        if len(costs):
+            ipm.changeColsCost(len(costs), self.columns, costs)
+        ipm.run()
+        if ipm.getModelStatus() == highspy.HighsModelStatus.kOptimal and ipm.getBasis().valid:
+            self.relaxed.setBasis(ipm.getBasis())
+        self.relaxed.setOptionValue("time_limit", self.remaining())
+        self.relaxed.run()
 
     def rounded(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:
         """The plan taking, in each choice, the option the relaxation `x` weighs most (None if those

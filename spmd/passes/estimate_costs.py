@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from spmd.core.redistribute import pick
 from spmd.core.specs import Placements, TensorInfo, Value, local_shape
-from spmd.cost_model.comm import reshard_paths
 from spmd.cost_model.compute import compute_cost, local_call
+from spmd.cost_model.layout_graph import cheapest_paths, layout_graph
 from spmd.cost_model.memory import MemoryTerm, memory_terms
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.trace_module import TracedGraph
@@ -29,7 +29,13 @@ class CostTable:
     def paths_from(self, value: Value, src: Placements, gradient: bool = False) -> dict:
         """Every layout `value` can reach from `src`: layout -> (seconds, steps). `gradient`: the value
         is a parameter gradient on its way out, whose all_reduces the runtime buckets."""
-        return reshard_paths(tuple(src), self.value_info[value], self.mesh, self.bucket_bytes if gradient else None)
+        return cheapest_paths(tuple(src), self.value_info[value], self.mesh, self.bucket_bytes if gradient else None)
+
+    def pair_table(self, value: Value, made, wanted, gradient: bool = False):
+        """(seconds, holds a collective) of the paths `paths_from` gives from each of `made` to each of
+        `wanted` (arrays), or None where a layout has a non-sum Partial (then ask `paths_from`)."""
+        return layout_graph(self.value_info[value], self.mesh, self.bucket_bytes if gradient else None
+                            ).pair_table(made, wanted)
 
     def redistribute(self, value: Value, src: Placements, dst: Placements, gradient: bool = False):
         if src == dst:

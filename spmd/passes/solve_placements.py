@@ -273,11 +273,19 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             if arcs is not None and len(arcs) < len(made) * len(wanted):
                 return _flow_terms(value, producer, needed, arcs, structure)
         # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
-        # once per pair of placements (hashing placements is the slow part of building the program)
-        paths = []
-        for a in made:
-            row = costs.paths_from(value, a, gradient)
-            paths.append([(0.0, ()) if a == r else row.get(r) for r in wanted])
+        # once per pair of placements (hashing placements is the slow part of building the program).
+        # Away from gradients (bucketed all_reduces need the steps) a pair needs only its seconds and
+        # whether its steps hold a collective, which the layout graph has for all pairs at once.
+        table = None if gradient else costs.pair_table(value, made, wanted)
+        if table is not None:
+            seconds_of, collective = table
+            paths = [[None if seconds_of[i, k] == float("inf") else (float(seconds_of[i, k]), collective[i, k])
+                      for k in range(len(wanted))] for i in range(len(made))]
+        else:
+            paths = []
+            for a in made:
+                row = costs.paths_from(value, a, gradient)
+                paths.append([(0.0, ()) if a == r else row.get(r) for r in wanted])
         if len(made) == 1:
             pairs = [(col, 0, k) for k, rcols in enumerate(needed.values()) for col in rcols]
         elif len(wanted) == 1:
@@ -300,6 +308,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 ilp.forbid(col)
                 continue
             seconds, steps = path
+            if table is not None:  # (seconds, holds a collective): not a gradient
+                terms.append((col, seconds, (made[i], wanted[k]) if steps else None))
+                continue
             for step in steps if gradient and costs.bucket_bytes else ():
                 if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
                     share = bucket_share(step.in_bytes, costs.bucket_bytes)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 import spmd.passes.solve_placements as solve_module
 from spmd.core.specs import TensorInfo
-from spmd.cost_model.comm import reshard_paths
-from spmd.cost_model.layout_graph import LayoutGraph
+from spmd.core.redistribute import after_step
+from spmd.cost_model.comm import reshard_paths, step_cost
+from spmd.cost_model.layout_graph import LayoutGraph, cheapest_paths
 from spmd.runtime.simulate import simulate
 from tests.support import check_simulated_training, compile_graph, spec
 
@@ -29,6 +30,28 @@ def test_layout_graph_distances_are_the_planners(shape, mesh):
         assert set(paths) == {b for b in graph.layouts if math.isfinite(graph.dist[graph.index[a], graph.index[b]])}
         for b, (seconds, _) in paths.items():
             assert graph.dist[graph.index[a], graph.index[b]] == pytest.approx(seconds, rel=1e-9, abs=1e-18)
+
+
+@pytest.mark.parametrize("bucket", [None, 1e6])
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m.shape)))
+def test_cheapest_paths_from_the_graph_are_the_planners(mesh, bucket):
+    """What the cost table asks: from every layout, the same layouts and seconds as Dijkstra, by steps
+    that really lead there and cost that much; the pair table agrees with the paths."""
+    info = TensorInfo((4, 8, 6), torch.float32)
+    graph = LayoutGraph(info, mesh, bucket)
+    for a in graph.layouts[::3]:
+        want, got = reshard_paths(a, info, mesh, bucket), cheapest_paths(a, info, mesh, bucket)
+        assert set(got) == set(want)
+        seconds, collective = graph.pair_table([a], list(got))
+        for k, b in enumerate(got):
+            cost, steps = got[b]
+            assert cost == pytest.approx(want[b][0], rel=1e-9, abs=1e-18) == pytest.approx(seconds[0, k])
+            at = a
+            for step in steps:
+                at = at[:step.axis] + (after_step(step),) + at[step.axis + 1:]
+            assert at == b
+            assert sum(step_cost(step, mesh, bucket) for step in steps) == pytest.approx(cost, rel=1e-9, abs=1e-18)
+            assert collective[0, k] == any(step.is_collective for step in steps)
 
 
 def _cheapest(arcs, a, b) -> float:

@@ -180,3 +180,21 @@ def test_when_nothing_fits_whole_the_leanest_plan_comes_back_marked():
     r = ilp.solve(budget=Budget(weights, 10.0, extra=lambda x: 100.0 - float(sum(x[c] for c in weights))))
     assert r.objective < float("inf") and r.status.startswith("Over the budget")
     assert _picks(r.values, cols) == (1, 1)  # row 6 + extra 98: the least any plan needs
+
+
+def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeypatch):
+    """With no time for the simplex, interior point and crossover solve the relaxation and hand the simplex
+    their basis: the same optimum, still integral, and the budget search warm-starts from there."""
+    import spmd.cost_model.solver as solver
+
+    groups = [[(1.0, 4.0), (2.0, 1.0), (3.0, 0.5)], [(0.5, 3.0), (1.5, 1.0)], [(2.0, 2.0), (1.0, 5.0)]]
+    want = {None: _brute_force(groups, float("inf")), 4.0: _brute_force(groups, 4.0)}
+    calls = []
+    monkeypatch.setattr(solver, "SIMPLEX_SECONDS", 0.0)
+    monkeypatch.setattr(solver._Search, "_interior_point",
+                        lambda self, costs, run=solver._Search._interior_point: calls.append(1) or run(self, costs))
+    for limit in (None, 4.0):
+        ilp, cols, weights = _program(groups)
+        result = ilp.solve(budget=None if limit is None else Budget(weights, limit))
+        assert result.objective == pytest.approx(want[limit])
+    assert calls
