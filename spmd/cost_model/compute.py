@@ -34,8 +34,7 @@ for _name, _at in (("_scaled_dot_product_flash_attention", (0, 2, 4)),
     if hasattr(aten, _name):
         _ATTENTION[getattr(aten, _name).default] = _at
 # FlexAttention, priced dense: how much its block mask skips is data (the mask's block counts)
-_NEVER = 1 << 30  # no is_causal argument
-for _name, _at in (("flex_attention", (0, 2, _NEVER)), ("flex_attention_backward", (0, 5, _NEVER))):
+for _name, _at in (("flex_attention", (0, 2, None)), ("flex_attention_backward", (0, 5, None))):
     if hasattr(torch.ops.higher_order, _name):
         _ATTENTION[getattr(torch.ops.higher_order, _name)] = _at
 
@@ -65,10 +64,10 @@ def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[i
     if per_element is not None:
         return per_element * sum(math.prod(s) for s in out_shapes)  # (a layer norm's row stats: +2/row)
     attention = _ATTENTION.get(op)
-    if attention is not None:  # (index of q, matmuls of s x s x d, index of is_causal)
+    if attention is not None:  # (index of q, matmuls of s x s x d, index of is_causal or None)
         qi, matmuls, causal_at = attention
         q, k = args_with_shapes[qi], args_with_shapes[qi + 1]
-        causal = len(args_with_shapes) > causal_at and args_with_shapes[causal_at] is True
+        causal = causal_at is not None and len(args_with_shapes) > causal_at and args_with_shapes[causal_at] is True
         causal = causal or kwargs.get("is_causal") is True
         # a causal flash kernel skips the blocks above the diagonal: about half the work
         return 2.0 * matmuls * math.prod(q[:-1]) * k[-2] * q[-1] * (0.5 if causal else 1.0)

@@ -272,20 +272,21 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             arcs = layout_graph(costs.value_info[value], costs.mesh).between(made, wanted)
             if arcs is not None and len(arcs) < len(made) * len(wanted):
                 return _flow_terms(value, producer, needed, arcs, structure)
-        # paths[i][k]: (seconds, steps) from made[i] to wanted[k]; None where no steps reach it; looked up
-        # once per pair of placements (hashing placements is the slow part of building the program).
-        # Away from gradients (bucketed all_reduces need the steps) a pair needs only its seconds and
-        # whether its steps hold a collective, which the layout graph has for all pairs at once.
+        # paths[i][k]: (seconds, shareable, steps) from made[i] to wanted[k]; None where no steps reach it;
+        # looked up once per pair of placements (hashing placements is the slow part of building the
+        # program). Away from gradients (whose bucketed all_reduces need the steps) a pair needs only its
+        # seconds and whether its steps hold a collective, which the layout graph has for all pairs at once.
         table = None if gradient else costs.pair_table(value, made, wanted)
         if table is not None:
             seconds_of, collective = table
-            paths = [[None if seconds_of[i, k] == float("inf") else (float(seconds_of[i, k]), collective[i, k])
+            paths = [[None if seconds_of[i, k] == float("inf") else (float(seconds_of[i, k]), bool(collective[i, k]), ())
                       for k in range(len(wanted))] for i in range(len(made))]
         else:
             paths = []
             for a in made:
                 row = costs.paths_from(value, a, gradient)
-                paths.append([(0.0, ()) if a == r else row.get(r) for r in wanted])
+                found = [(0.0, ()) if a == r else row.get(r) for r in wanted]
+                paths.append([None if p is None else (p[0], _shareable(p[1], gradient), p[1]) for p in found])
         if len(made) == 1:
             pairs = [(col, 0, k) for k, rcols in enumerate(needed.values()) for col in rcols]
         elif len(wanted) == 1:
@@ -307,16 +308,13 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             if path is None:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
                 ilp.forbid(col)
                 continue
-            seconds, steps = path
-            if table is not None:  # (seconds, holds a collective): not a gradient
-                terms.append((col, seconds, (made[i], wanted[k]) if steps else None))
-                continue
+            seconds, shareable, steps = path
             for step in steps if gradient and costs.bucket_bytes else ():
                 if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
                     share = bucket_share(step.in_bytes, costs.bucket_bytes)
                     seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
                     shares.append((step.axis, col, share))
-            terms.append((col, seconds, (made[i], wanted[k]) if _shareable(steps, gradient) else None))
+            terms.append((col, seconds, (made[i], wanted[k]) if shareable else None))
         return terms, shares
 
     def _edges(name: str, ns, exprs: list[Expr]) -> None:

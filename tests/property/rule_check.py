@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -232,3 +233,19 @@ def check_strategy(node: fx.Node, s: Strategy, traced: TracedGraph, values: dict
             continue
         got = combine({c: o[k] for c, o in per_rank.items()}, ps, mesh_shape, f"{what}, output {k}")
         torch.testing.assert_close(got, full, **TOL, msg=lambda m: f"{what}, output {k}:\n{m}")
+
+
+def check_case(case: Case, seed: int, only: frozenset | None = None) -> None:
+    """Every strategy of every op in `case`'s graph (of the ops in `only`, if given), on every mesh of
+    MESHES, on random inputs from `seed`, against the unsharded op. The graph must hold `case.ops`."""
+    traced = traced_of(case)
+    gen = torch.Generator().manual_seed(seed)
+    values = full_values(traced, make_inputs(case, gen))
+    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert case.ops <= {n.target for n in calls}, traced.graph
+    for mesh_shape in MESHES:
+        table = strategies_of(case, mesh_shape)
+        for node in calls:
+            if only is None or node.target in only:
+                for s in table.nodes[node.name].strategies:
+                    check_strategy(node, s, traced, values, mesh_shape, gen)

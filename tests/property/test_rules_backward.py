@@ -5,15 +5,12 @@ kernel is linear in it) are the ones DTensor does not have.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Shard
 
-from tests.property.rule_check import (MESHES, RUN, Case, _dims, check_strategy, full_values, make_inputs,
-                                       strategies_of, traced_of)
+from tests.property.rule_check import RUN, Case, _dims, check_case, strategies_of, traced_of
 
 aten = torch.ops.aten
 
@@ -88,47 +85,34 @@ CASES = {f.__name__: f for f in (layer_norm_backward, gelu_backward, softmax_bac
                                  nll_loss_backward)}
 
 
-def _check(case: Case, seed: int) -> None:
-    traced = traced_of(case)
-    gen = torch.Generator().manual_seed(seed)
-    values = full_values(traced, make_inputs(case, gen))
-    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
-    assert case.ops <= {n.target for n in calls}, traced.graph
-    for mesh_shape in MESHES:
-        table = strategies_of(case, mesh_shape)
-        for node in calls:
-            for s in table.nodes[node.name].strategies:
-                check_strategy(node, s, traced, values, mesh_shape, gen)
-
-
 @RUN
 @given(data=st.data())
 def test_layer_norm_backward(data):
-    _check(data.draw(layer_norm_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    check_case(data.draw(layer_norm_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 @RUN
 @given(data=st.data())
 def test_gelu_backward(data):
-    _check(data.draw(gelu_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    check_case(data.draw(gelu_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 @RUN
 @given(data=st.data())
 def test_softmax_backward(data):
-    _check(data.draw(softmax_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    check_case(data.draw(softmax_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 @RUN
 @given(data=st.data())
 def test_embedding_dense_backward(data):
-    _check(data.draw(embedding_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    check_case(data.draw(embedding_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 @RUN
 @given(data=st.data())
 def test_nll_loss_backward(data):
-    _check(data.draw(nll_loss_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    check_case(data.draw(nll_loss_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 def _strategies(case: Case, op) -> list:

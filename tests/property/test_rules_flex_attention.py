@@ -5,6 +5,8 @@ and grouped or single kv heads.
 
 torch refuses FlexAttention's backward on CPU at its entry point (its compiled CPU kernel has none); the
 higher-order ops themselves run their dense reference on any device, so the oracle lifts that check.
+Only the flex ops' strategies are checked: make_fx keeps the block mask's in-place index_put_, so the
+oracle's record of the tensors it fills is not their value at their own node.
 """
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from tests.property.rule_check import (MESHES, RUN, Case, _dims, check_strategy, full_values, make_inputs,
-                                       strategies_of, traced_of)
+from tests.property.rule_check import RUN, Case, _dims, check_case, strategies_of, traced_of
 
 HOP = torch.ops.higher_order
 
@@ -57,31 +58,18 @@ def flex_case(draw, backward: bool):
                 lambda q, k, v: _attend(q, k, v, score, mask), "export")
 
 
-def _check(case: Case, seed: int) -> None:
-    """The flex ops' strategies only: make_fx keeps the block mask's in-place index_put_, so the oracle's
-    record of the tensors it fills is not their value at their own node."""
-    traced = traced_of(case)
-    gen = torch.Generator().manual_seed(seed)
-    values = full_values(traced, make_inputs(case, gen))
-    calls = [n for n in traced.graph.nodes if n.op == "call_function" and n.target in case.ops]
-    assert case.ops == {n.target for n in calls}, traced.graph
-    for mesh_shape in MESHES:
-        table = strategies_of(case, mesh_shape)
-        for node in calls:
-            for s in table.nodes[node.name].strategies:
-                check_strategy(node, s, traced, values, mesh_shape, gen)
-
-
 @RUN
 @given(data=st.data())
 def test_flex_attention(data):
-    _check(data.draw(flex_case(backward=False), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    case = data.draw(flex_case(backward=False), label="case")
+    check_case(case, data.draw(st.integers(0, 2**32 - 1)), only=case.ops)
 
 
 @RUN
 @given(data=st.data())
 def test_flex_attention_backward(data):
-    _check(data.draw(flex_case(backward=True), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+    case = data.draw(flex_case(backward=True), label="case")
+    check_case(case, data.draw(st.integers(0, 2**32 - 1)), only=case.ops)
 
 
 def _flex_strategies(case: Case, op) -> list:
