@@ -6,6 +6,7 @@ bandwidth one rank sustains (NCCL's "busbw" convention), so the ring factors liv
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -53,6 +54,19 @@ class DeviceProfile:
     autograd_tensor_overhead_s: float = 0.0
     # the fraction of `flops` that the fused attention kernels reach (they are priced by their matmul FLOPs)
     attention_efficiency: float = 1.0
+    # The memory hierarchy as one op sees it (a CPU; GPU profiles keep the defaults: one bandwidth, no
+    # faults). An op moving more than `cache_bytes` (inputs + outputs) streams at `dram_bandwidth`
+    # instead of `memory_bandwidth`. An output of at least `fresh_page_bytes` is a fresh mapping from the
+    # allocator (glibc mmaps every block of 32 MiB or more and unmaps it on free), and the kernel faults
+    # its pages in as they are first written, at `page_fault_bandwidth` bytes/s, on top of the op.
+    cache_bytes: float = math.inf
+    dram_bandwidth: float | None = None  # None: memory_bandwidth
+    fresh_page_bytes: float = math.inf
+    page_fault_bandwidth: float = math.inf
+    # (ATen op name, seconds per output element): kernels whose work per element is many instructions
+    # (exp, tanh, erf in gelu, a row's statistics, a random draw in dropout), measured on this device;
+    # an op named here costs max(that x elements, its bytes / bandwidth) instead of its FLOPs / flops.
+    element_seconds: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
@@ -62,6 +76,24 @@ class DeviceProfile:
         for f in _OVERHEADS:
             if getattr(self, f) < 0:
                 raise ValueError(f"DeviceProfile {self.name}: {f} must be >= 0")
+        if self.cache_bytes <= 0 or self.fresh_page_bytes <= 0 or self.page_fault_bandwidth <= 0 or \
+                (self.dram_bandwidth is not None and self.dram_bandwidth <= 0):
+            raise ValueError(f"DeviceProfile {self.name}: cache_bytes, fresh_page_bytes and the bandwidths must be > 0")
+        for op, s in self.element_seconds:
+            if s < 0:
+                raise ValueError(f"DeviceProfile {self.name}: element_seconds of {op} must be >= 0")
+
+    def bandwidth_for(self, moved_bytes: float) -> float:
+        """Bytes/s an op moving `moved_bytes` streams at (concrete sizes; compute.py handles symbolic ones)."""
+        if moved_bytes <= self.cache_bytes or self.dram_bandwidth is None:
+            return self.memory_bandwidth
+        return self.dram_bandwidth
+
+    def seconds_per_element(self, op_name: str) -> float | None:
+        for name, s in self.element_seconds:
+            if name == op_name:
+                return s
+        return None
 
     def scaled(self, share: float) -> "DeviceProfile":
         """This device when a rank gets only `share` of it (more ranks than cores): every rate times
@@ -70,7 +102,11 @@ class DeviceProfile:
             return self
         return DeviceProfile(f"{self.name}x{share:g}", self.flops * share, self.memory_bandwidth * share,
                              self.op_overhead_s / share, self.memory_bytes, self.source,
-                             attention_efficiency=self.attention_efficiency,
+                             attention_efficiency=self.attention_efficiency, cache_bytes=self.cache_bytes,
+                             dram_bandwidth=None if self.dram_bandwidth is None else self.dram_bandwidth * share,
+                             fresh_page_bytes=self.fresh_page_bytes,
+                             page_fault_bandwidth=self.page_fault_bandwidth * share,
+                             element_seconds=tuple((op, s / share) for op, s in self.element_seconds),
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
 
 
@@ -114,18 +150,33 @@ DEVICES: dict[str, DeviceProfile] = {
         # (4-96 parameters, 6-145 saved values), one process, fitted by least squares on relative errors:
         # forward 7-55 us, training 80-900 us (residuals +-30%; large activations pay more, gpt-medium's
         # training step 1.6 ms against ~0.3 predicted).
-        DeviceProfile("cpu", 100e9, 70e9, 6e-6, 24e9,
-                      "measured here, one thread per rank: fp32 matmul 99-103 GFLOP/s at n>=256, streaming add "
-                      "68-71 GB/s with 2 ranks at once (spmd.tools.calibrate; one rank alone 56-86 GB/s on "
-                      "64K-2M elements), ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per "
+        # The rates and the memory hierarchy: `spmd.tools.calibrate --nproc 2` on this 2-core AMD EPYC VM
+        # (2026-11-26; an earlier host of the same name measured 100 GFLOP/s), both ranks at once.
+        DeviceProfile("cpu", 81e9, 66e9, 6e-6, 24e9,
+                      "measured here, one thread per rank, 2 ranks at once (spmd.tools.calibrate, 2026-11-26): fp32 "
+                      "matmul 81 GFLOP/s fitted on n = 64..1024 (transformer shapes 56-65, an odd n 46), add 66 "
+                      "GB/s up to 8.25 MiB moved (half of L2 + L3 / 2), 13.3 GB/s from DRAM, outputs of 32 MiB or "
+                      "more (glibc mmaps them) faulted in at 1.5 GB/s; per element of exp, tanh, dropout, norms... "
+                      "timed at 1 MiB; ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per "
                       "argument, per training step 40 us + 2.3 us per parameter and saved value; flash attention "
-                      "30-46 GFLOP/s "
-                      "(bench/results_predict.md)", 3e-6,
+                      "30-46 GFLOP/s (bench/results_predict.md)", 3e-6,
                       call_overhead_s=6.5e-6, arg_overhead_s=0.5e-6, backward_overhead_s=40e-6,
                       autograd_tensor_overhead_s=2.3e-6,
                       # the _for_cpu flash kernels, causal, one thread: 30-46 GFLOP/s forward and backward at
-                      # seq 64-512 and head dim 64 (15-22 at head dim 16, 60 at seq 1024), mm 100-109
-                      attention_efficiency=0.4),
+                      # seq 64-512 and head dim 64 (15-22 at head dim 16, 60 at seq 1024), mm 100-109 (on
+                      # the earlier host)
+                      attention_efficiency=0.4,
+                      cache_bytes=8.25 * 2**20, dram_bandwidth=13.3e9, fresh_page_bytes=32 * 2**20,
+                      page_fault_bandwidth=1.5e9,
+                      element_seconds=(
+                          ("_log_softmax", 1.51e-9), ("_log_softmax_backward_data", 1.37e-9), ("_softmax", 1.42e-9),
+                          ("_softmax_backward_data", 0.42e-9), ("bernoulli", 12.6e-9), ("cos", 2.75e-9),
+                          ("erf", 2.18e-9), ("exp", 1.50e-9), ("gelu", 1.66e-9), ("gelu_backward", 2.60e-9),
+                          ("log", 1.84e-9), ("native_dropout", 6.95e-9), ("native_layer_norm", 0.63e-9),
+                          ("native_layer_norm_backward", 0.83e-9), ("pow", 0.19e-9), ("rsqrt", 0.43e-9),
+                          ("sigmoid", 1.19e-9), ("sigmoid_backward", 0.26e-9), ("silu", 1.38e-9),
+                          ("silu_backward", 1.59e-9), ("sin", 3.36e-9), ("sqrt", 1.15e-9), ("tanh", 3.51e-9),
+                          ("tanh_backward", 0.28e-9), ("where", 5.50e-9))),
     )
 }
 
@@ -176,6 +227,31 @@ def _link_from_json(d: dict) -> LinkProfile:
     return LinkProfile(d["name"], float(d["latency_s"]), float(d["bandwidth"]), d.get("source", ""), per)
 
 
+_HIERARCHY = ("cache_bytes", "fresh_page_bytes", "page_fault_bandwidth")  # inf (none) is saved as null
+
+
+def device_to_json(device: DeviceProfile) -> dict:
+    """Every field of `device`, JSON-able (strict JSON: no infinities)."""
+    d = {"name": device.name, "flops": device.flops, "memory_bandwidth": device.memory_bandwidth,
+         "memory_bytes": device.memory_bytes, "source": device.source,
+         "attention_efficiency": device.attention_efficiency, **{f: getattr(device, f) for f in _OVERHEADS},
+         "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds}}
+    d.update({f: None if math.isinf(getattr(device, f)) else getattr(device, f) for f in _HIERARCHY})
+    return d
+
+
+def device_from_json(d: dict) -> DeviceProfile:
+    """The inverse of `device_to_json`. Files from before a number was measured leave it at its default
+    (a fixed cost at 0, not priced; no memory hierarchy), op_overhead_s excepted."""
+    hierarchy = {f: math.inf if d.get(f) is None else float(d[f]) for f in _HIERARCHY}
+    return DeviceProfile(d["name"], float(d["flops"]), float(d["memory_bandwidth"]), float(d["op_overhead_s"]),
+                         float(d["memory_bytes"]), d.get("source", ""),
+                         attention_efficiency=float(d.get("attention_efficiency", 1.0)),
+                         dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
+                         element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
+                         **hierarchy, **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
+
+
 def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile, points: dict | None = None,
                  meta: dict | None = None) -> None:
     """Write `links` (mesh axis name -> link) and `device` as a versioned JSON profile."""
@@ -183,10 +259,7 @@ def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile
 
     doc = {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "meta": dict(meta or {}),
            "links": {axis: _link_to_json(link) for axis, link in links.items()},
-           "device": {"name": device.name, "flops": device.flops, "memory_bandwidth": device.memory_bandwidth,
-                      "memory_bytes": device.memory_bytes, "source": device.source,
-                      "attention_efficiency": device.attention_efficiency,
-                      **{f: getattr(device, f) for f in _OVERHEADS}},
+           "device": device_to_json(device),
            "points": points or {}}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -202,11 +275,6 @@ def load_profile(path: str) -> Profile:
     if doc.get("schema") != PROFILE_SCHEMA or doc.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path}: not a {PROFILE_SCHEMA} v{PROFILE_VERSION} file "
                          f"(schema {doc.get('schema')!r}, version {doc.get('version')!r}); re-run calibration")
-    d = doc["device"]
-    # files from before a fixed cost was measured leave it at 0 (not priced), op_overhead_s excepted
-    device = DeviceProfile(d["name"], float(d["flops"]), float(d["memory_bandwidth"]), float(d["op_overhead_s"]),
-                           float(d["memory_bytes"]), d.get("source", ""),
-                           attention_efficiency=float(d.get("attention_efficiency", 1.0)),
-                           **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
+    device = device_from_json(doc["device"])
     links = {axis: _link_from_json(link) for axis, link in doc["links"].items()}
     return Profile(links, device, doc.get("points", {}), doc.get("meta", {}))

@@ -1,6 +1,8 @@
-"""Compute cost of one op on local shards: a roofline, max(FLOPs / peak, bytes / memory bandwidth),
-plus a fixed per-op overhead. Views run no kernel; on an eager CPU run they still cost a dispatch
-(`DeviceProfile.view_overhead_s`).
+"""Compute cost of one op on local shards: a roofline, max(work, bytes / bandwidth), plus a fixed
+per-op overhead. The work is FLOPs at the peak rate, or measured seconds per element for the kernels a
+device profile lists; the bandwidth is the cache's or DRAM's by the bytes the op moves; outputs large
+enough to be fresh pages pay their page faults (CPU profiles: `DeviceProfile`). Views run no kernel; on an
+eager CPU run they still cost a dispatch (`DeviceProfile.view_overhead_s`).
 """
 from __future__ import annotations
 
@@ -40,21 +42,25 @@ for _name, _at in (("flex_attention", (0, 2, None)), ("flex_attention_backward",
 
 
 # Elementwise and row-wise kernels whose work per element is many instructions (erf, exp, log, a
-# row's mean and variance), not one: FLOPs per element of the outputs, in matmul-equivalent
-# FLOPs, i.e. the time per element measured on the `cpu` profile's CPU (AMD EPYC, one thread, fp32,
-# 16K-2M elements of rows of 256 and 2048, median of 30 calls of the bare ATen op, t = a + k * elements
-# fitted) times that profile's 100 GFLOP/s. With these the roofline prices them as compute on CPU (the
-# 1-FLOP default made them 3-5x too cheap, bench/results_predict.md) and leaves them memory-bound on
-# GPU profiles (48 / 989e12 s << 8 bytes / 3.35e12 B/s per element).
+# row's mean and variance), not one, for devices that do not measure them (`DeviceProfile.element_seconds`,
+# which the cpu profile does): FLOPs per element of the outputs, in matmul-equivalent FLOPs. Measured
+# once on an AMD EPYC thread at 100 GFLOP/s matmul (16K-2M elements, rows of 256 and 2048). On GPU
+# profiles they stay memory-bound (48 / 989e12 s << 8 bytes / 3.35e12 B/s per element).
 _FLOPS_PER_ELEMENT = {
-    aten.gelu.default: 22.0,  # 0.22 ns / element
-    aten.gelu_backward.default: 48.0,  # 0.48
-    aten.native_layer_norm.default: 27.0,  # 0.27
-    aten.native_layer_norm_backward.default: 32.0,  # 0.32
-    aten._log_softmax.default: 42.0,  # 0.42
-    aten._log_softmax_backward_data.default: 25.0,  # 0.25
-    aten._softmax.default: 45.0,  # 0.45
+    aten.gelu.default: 22.0,
+    aten.gelu_backward.default: 48.0,
+    aten.native_layer_norm.default: 27.0,
+    aten.native_layer_norm_backward.default: 32.0,
+    aten._log_softmax.default: 42.0,
+    aten._log_softmax_backward_data.default: 25.0,
+    aten._softmax.default: 45.0,
 }
+
+
+def op_name(op) -> str:
+    """The ATen op's name without namespace or overload ("gelu"), as `DeviceProfile.element_seconds` keys it."""
+    packet = getattr(op, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(op, "__name__", str(op))
 
 
 def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[int, ...]]) -> float:
@@ -81,15 +87,33 @@ def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[i
 
 
 def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[TensorInfo],
-                 out_infos: list[TensorInfo], device, maximum=max) -> float:
-    """Seconds one rank spends running `op` on tensors of these (local) shapes. `maximum`: sympy.Max
-    when the shapes are symbolic (cost_model/symbolic.py)."""
+                 out_infos: list[TensorInfo], device, symbolic: bool = False) -> float:
+    """Seconds one rank spends running `op` on tensors of these (local) shapes: the larger of its work
+    (measured seconds per output element where the device has them, else FLOPs at the peak rate) and its
+    bytes at the bandwidth of the memory level they fit in, plus the page faults of fresh large outputs
+    and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
     if is_view(op):
         return device.view_overhead_s
-    flops = op_flops(op, args_with_shapes, kwargs, [o.shape for o in out_infos])
-    rate = device.flops * (device.attention_efficiency if op in _ATTENTION else 1.0)
+    out_shapes = [o.shape for o in out_infos]
+    per_element = device.seconds_per_element(op_name(op)) if device.element_seconds else None
+    if per_element is not None:
+        work = per_element * sum(math.prod(s) for s in out_shapes)
+    else:
+        rate = device.flops * (device.attention_efficiency if op in _ATTENTION else 1.0)
+        work = op_flops(op, args_with_shapes, kwargs, out_shapes) / rate
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
-    return maximum(flops / rate, moved / device.memory_bandwidth) + device.op_overhead_s
+    if symbolic:
+        import sympy
+
+        far = device.dram_bandwidth or device.memory_bandwidth
+        streaming = sympy.Piecewise((moved / device.memory_bandwidth, moved <= device.cache_bytes),
+                                    (moved / far, True)) if far != device.memory_bandwidth else moved / device.memory_bandwidth
+        faults = sum((sympy.Piecewise((o.nbytes / device.page_fault_bandwidth, o.nbytes >= device.fresh_page_bytes),
+                                      (0, True)) for o in out_infos), sympy.Integer(0)) \
+            if math.isfinite(device.fresh_page_bytes) else 0
+        return sympy.Max(work, streaming) + faults + device.op_overhead_s
+    faults = sum(o.nbytes for o in out_infos if o.nbytes >= device.fresh_page_bytes) / device.page_fault_bandwidth
+    return max(work, moved / device.bandwidth_for(moved)) + faults + device.op_overhead_s
 
 
 def local_call(node: fx.Node, is_tensor, local_infos: list) -> tuple[tuple, dict]:

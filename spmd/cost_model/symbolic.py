@@ -88,7 +88,7 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
         outs_sym = sym[node.name] if isinstance(sym.get(node.name), tuple) else (sym.get(node.name),)
         outs = [_local(o, ps, mesh.shape) for o, ps in zip(outs_sym, strategy.outputs) if o is not None and ps is not None]
         args, kwargs = local_call(node, lambda a: isinstance(sym.get(a.name), SymInfo), ins)
-        terms.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device, maximum=sympy.Max))
+        terms.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device, symbolic=True))
 
     grads = {f"output_{k}" for k, o in enumerate(small.output_kinds()) if o.kind == "grad"}
     shares: dict[int, list] = {}

@@ -89,19 +89,54 @@ def fit_links(points: dict, shape: dict[str, int], source: str) -> dict:
 
 
 def fit_device(points: dict, source: str, memory_bytes: float):
-    from spmd.core.profiles import DeviceProfile
+    """The device profile from `measure_device`'s points; what was not timed (views, the per-call wrapper,
+    attention's efficiency, in quick runs the DRAM and page-fault rates) comes from the built-in cpu,
+    scaled by this rank's core share."""
+    import statistics
 
+    from spmd.core.profiles import DeviceProfile
+    from spmd.tools.measure import FRESH_PAGE_BYTES
+
+    cpu = builtin_cpu()
     op = points["op"][0][1]
     _, flops = fit_alpha_beta(*zip(*points["matmul"]))
     _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
-    # not timed here: views, the per-call wrapper and attention's efficiency, taken from the built-in cpu
-    # (scaled by the core share)
-    cpu = builtin_cpu()
+    dram = fit_alpha_beta(*zip(*points["dram"]))[1] if points.get("dram") else cpu.dram_bandwidth
+    # an add with a fresh output: its DRAM traffic, then the output's pages (a third of what it moves)
+    faults = [moved / 3 / (t - moved / dram) for moved, t in points.get("fault", ()) if t > moved / dram]
+    fault_bw = statistics.median(faults) if faults else cpu.page_fault_bandwidth
+    elementwise = points.get("elementwise") or {}
     return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
                          attention_efficiency=cpu.attention_efficiency,
                          view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
                          arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
-                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s)
+                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s,
+                         cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
+                         fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
+                         element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds)
+
+
+def _cache_share() -> float | None:
+    """Half of this rank's share of the caches (L2 + L3 / ranks on this host, from Linux's sysfs): the bytes
+    one op can move at cache speed, leaving room for what else stays resident. None where sysfs says nothing."""
+    import glob
+
+    sizes = {}
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{d}/level") as f:
+                level = int(f.read())
+            with open(f"{d}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        digits, unit = text.rstrip("KMG"), text[len(text.rstrip("KMG")):]
+        if digits.isdigit() and level in (2, 3):
+            sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
+    if not sizes.get(2) and not sizes.get(3):
+        return None
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    return (sizes.get(2, 0) + sizes.get(3, 0) / ranks) / 2
 
 
 def _memory_per_rank() -> float:
@@ -136,7 +171,8 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
     dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
                       _memory_per_rank()) if device else device_profile_for("cpu"))
     points = {"links": {a: {k: [[b, t] for b, t in pts] for k, pts in bk.items()} for a, bk in link_points.items()},
-              "device": {k: [[x, t] for x, t in pts] for k, pts in dev_points.items()}}
+              "device": {k: dict(pts) if isinstance(pts, dict) else [[x, t] for x, t in pts]
+                         for k, pts in dev_points.items()}}
     meta = {"backend": dist.get_backend(), "world": world, "mesh": shape, "date": when, "host": platform.node(),
             "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
             "seconds": round(time.perf_counter() - t0, 1), "command": " ".join(sys.argv), "gap_ms": gap_s * 1e3}
@@ -154,8 +190,13 @@ def summary(profile) -> str:
             err = max((abs(lat + wire_bytes(kind, n, b) / bw - t) / t for b, t in pts), default=0.0)
             lines.append(f"| {axis} | {kind} | {lat * 1e6:.1f} | {bw / 1e9:.3f} | {err:.0%} |")
     d = profile.device
-    lines.append(f"device: {d.flops / 1e9:.1f} GFLOP/s, {d.memory_bandwidth / 1e9:.2f} GB/s streaming, "
-                 f"{d.op_overhead_s * 1e6:.1f} us per (non-view) op")
+    lines.append(f"device: {d.flops / 1e9:.1f} GFLOP/s, {d.memory_bandwidth / 1e9:.2f} GB/s streaming in cache "
+                 f"(up to {d.cache_bytes / 2**20:.1f} MiB moved), "
+                 f"{(d.dram_bandwidth or d.memory_bandwidth) / 1e9:.2f} GB/s from DRAM, page faults "
+                 f"{d.page_fault_bandwidth / 1e9:.2f} GB/s for outputs of {d.fresh_page_bytes / 2**20:.0f} MiB or "
+                 f"more, {d.op_overhead_s * 1e6:.1f} us per (non-view) op")
+    if d.element_seconds:
+        lines.append("ns per element: " + ", ".join(f"{op} {s * 1e9:.2f}" for op, s in d.element_seconds))
     return "\n".join(lines)
 
 

@@ -149,22 +149,30 @@ def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
 
 def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
                    seconds: float = 0.02) -> dict[str, list[tuple[float, float]]]:
-    """kind -> [(x, seconds)]: "matmul" x = FLOPs of an n x n x n fp32 mm; "stream" x = bytes an
-    out-of-place add moves (2 reads + 1 write); "op" x = non-view nodes of a small joint graph, t = its
-    time per call / x. Each timed call repeats the kernel for about `seconds` (see `_repeats`)."""
+    """kind -> [(x, seconds)]: "matmul" x = FLOPs of an n x n x n fp32 mm; "stream", "dram", "fault" x =
+    bytes an out-of-place add moves (2 reads + 1 write) in cache, from DRAM, and with a fresh output; "op"
+    x = non-view nodes of a small joint graph, t = its time per call / x; "elementwise": op name -> seconds
+    per output element (`measure_elementwise`). Each timed call repeats the kernel for about `seconds`
+    (see `_repeats`)."""
     import torch
 
     out: dict[str, list[tuple[float, float]]] = {}
     pts = []
-    for n in ((64, 128, 256) if quick else (64, 128, 256, 384, 512)):
+    for n in ((64, 128, 256) if quick else (64, 128, 256, 384, 512, 768, 1024)):
         a, b = torch.randn(n, n), torch.randn(n, n)
         pts.append((2.0 * n ** 3, _timed_per_call(lambda: torch.mm(a, b), warmup, reps, seconds)))
     out["matmul"] = pts
-    pts = []
-    for numel in ((1 << 18, 1 << 20) if quick else (1 << 18, 1 << 20, 1 << 21, 1 << 22)):
-        a, b = torch.randn(numel), torch.randn(numel)
-        pts.append((12.0 * numel, _timed_per_call(lambda: torch.add(a, b), warmup, reps, seconds)))
-    out["stream"] = pts
+    # streaming adds: operands that stay in cache, operands from DRAM (outputs below FRESH_PAGE_BYTES,
+    # reused by the allocator), and outputs of FRESH_PAGE_BYTES and more, fresh pages each call
+    for kind, sizes in (("stream", (1 << 15, 1 << 16) if quick else (1 << 15, 1 << 16, 1 << 17, 1 << 18)),
+                        ("dram", (1 << 21,) if quick else (1 << 21, 3 << 20)),
+                        ("fault", () if quick else (FRESH_PAGE_BYTES // 4, FRESH_PAGE_BYTES // 2))):
+        pts = []
+        for numel in sizes:
+            a, b = torch.randn(numel), torch.randn(numel)
+            pts.append((12.0 * numel, _timed_per_call(lambda: torch.add(a, b), warmup, reps, seconds)))
+        out[kind] = pts
+    out["elementwise"] = measure_elementwise(warmup, reps, seconds, quick)
     # compute.py charges views `view_overhead_s` (the built-in cpu's, scaled by this rank's core share)
     # and every other node a fixed cost: (seconds per call - the views') / non-view nodes
     gm, xs = _small_joint_graph()
@@ -174,6 +182,64 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     views_s = (len(calls) - nonview) * builtin_cpu().view_overhead_s
     out["op"] = [(float(nonview), max(per_call - views_s, 0.0) / nonview)]
     return out
+
+
+# glibc's malloc serves every block of 32 MiB or more (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) with a fresh
+# mmap and unmaps it on free, so each such output is faulted in page by page when first written
+FRESH_PAGE_BYTES = 32 << 20
+ELEMENT_ROW = 768  # row length for the row-wise kernels (norm, softmax): a transformer's hidden size
+
+
+def _elementwise_cases(numel: int) -> dict:
+    """ATen op name -> (call, output elements) on fp32 tensors of `numel` elements, rows of ELEMENT_ROW."""
+    import torch
+
+    aten = torch.ops.aten
+    rows = numel // ELEMENT_ROW
+    x, g = torch.randn(rows, ELEMENT_ROW), torch.randn(rows, ELEMENT_ROW)
+    w, bias = torch.randn(ELEMENT_ROW), torch.randn(ELEMENT_ROW)
+    y, mean, rstd = aten.native_layer_norm.default(x, [ELEMENT_ROW], w, bias, 1e-5)
+    soft, logsoft, th, sg = x.softmax(-1), x.log_softmax(-1), x.tanh(), x.sigmoid()
+    n, r = x.numel(), rows
+    return {
+        "gelu": (lambda: aten.gelu.default(x), n),
+        "gelu_backward": (lambda: aten.gelu_backward.default(g, x), n),
+        "silu": (lambda: aten.silu.default(x), n),
+        "silu_backward": (lambda: aten.silu_backward.default(g, x), n),
+        "native_layer_norm": (lambda: aten.native_layer_norm.default(x, [ELEMENT_ROW], w, bias, 1e-5), n + 2 * r),
+        "native_layer_norm_backward": (lambda: aten.native_layer_norm_backward.default(
+            g, x, [ELEMENT_ROW], mean, rstd, w, bias, [True, True, True]), n + 2 * ELEMENT_ROW),
+        "_softmax": (lambda: aten._softmax.default(x, -1, False), n),
+        "_softmax_backward_data": (lambda: aten._softmax_backward_data.default(g, soft, -1, torch.float32), n),
+        "_log_softmax": (lambda: aten._log_softmax.default(x, -1, False), n),
+        "_log_softmax_backward_data": (lambda: aten._log_softmax_backward_data.default(g, logsoft, -1,
+                                                                                        torch.float32), n),
+        "exp": (lambda: aten.exp.default(x), n),
+        "log": (lambda: aten.log.default(soft), n),
+        "tanh": (lambda: aten.tanh.default(x), n),
+        "tanh_backward": (lambda: aten.tanh_backward.default(g, th), n),
+        "sigmoid": (lambda: aten.sigmoid.default(x), n),
+        "sigmoid_backward": (lambda: aten.sigmoid_backward.default(g, sg), n),
+        "erf": (lambda: aten.erf.default(x), n),
+        "sqrt": (lambda: aten.sqrt.default(soft), n),
+        "rsqrt": (lambda: aten.rsqrt.default(soft), n),
+        "cos": (lambda: aten.cos.default(x), n),
+        "sin": (lambda: aten.sin.default(x), n),
+        "pow": (lambda: aten.pow.Tensor_Scalar(x, 3.0), n),
+        "where": (lambda: aten.where.self(y > 0, x, g), n),
+        "native_dropout": (lambda: aten.native_dropout.default(x, 0.1, True), 2 * n),
+        "bernoulli": (lambda: aten.bernoulli.p(x, 0.9), n),
+    }
+
+
+def measure_elementwise(warmup: int = 2, reps: int = 9, seconds: float = 0.02, quick: bool = False,
+                        numel: int = 1 << 18) -> dict[str, float]:
+    """ATen op name -> seconds per output element, on tensors that stay in cache (`numel` fp32 elements:
+    1 MiB), every rank at once: the work of kernels that are more than a few instructions per element,
+    for `DeviceProfile.element_seconds` (the memory traffic of larger tensors is priced separately)."""
+    cases = _elementwise_cases(numel)
+    names = ("gelu", "exp", "native_dropout", "native_layer_norm") if quick else tuple(cases)
+    return {name: _timed_per_call(cases[name][0], warmup, reps, seconds) / cases[name][1] for name in names}
 
 
 def builtin_cpu():
