@@ -19,6 +19,10 @@ class LinkProfile:
     # (kind, latency_s, bandwidth) where a backend's collective departs from the default: gloo's
     # reduce_scatter, for one, is much slower than its all_reduce.
     per_collective: tuple[tuple[str, float, float], ...] = ()
+    # (kind, wire bytes, bandwidth): a collective of `kind` moves the wire bytes beyond that size at this
+    # bandwidth instead (gloo past ~8 MiB per rank: its buffers leave the caches and its outputs are fresh
+    # pages; measured 0.17 GB/s for all_gather there, against 0.9-1.1 below).
+    large_messages: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
         if self.latency_s < 0 or self.bandwidth <= 0:
@@ -26,6 +30,16 @@ class LinkProfile:
         for kind, lat, bw in self.per_collective:
             if lat < 0 or bw <= 0:
                 raise ValueError(f"LinkProfile {self.name}: bad numbers for {kind}")
+        for kind, size, bw in self.large_messages:
+            if size < 0 or bw <= 0:
+                raise ValueError(f"LinkProfile {self.name}: bad large-message numbers for {kind}")
+
+    def large_message(self, kind: str) -> tuple[float, float] | None:
+        """(wire bytes, bandwidth beyond them) of collective `kind`, or None: one bandwidth at any size."""
+        for k, size, bw in self.large_messages:
+            if k == kind:
+                return size, bw
+        return None
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) of collective `kind` on this link."""
@@ -131,12 +145,19 @@ LINKS: dict[str, LinkProfile] = {
                     "of compute, median of 3 quiet runs fitted (all_reduce 1.2 ms at 4 KiB, 8.8 ms at 8 MiB; "
                     "fit error <= 24%, all_to_all 57%); bimodal, 0.3-2.5 ms at any size (bench/results_predict.md)",
                     (("all_gather", 0.95e-3, 1.1e9), ("reduce_scatter", 1.3e-3, 0.6e9),
-                     ("all_to_all", 0.5e-3, 0.95e9))),
+                     ("all_to_all", 0.5e-3, 0.95e9)),
+                    # past 8 MiB per rank (2026-11-26, calibrate --large-max-bytes 64 MiB; all_gather 347 ms at
+                    # 64 MiB, all_reduce 133, reduce_scatter 156, all_to_all 167: within 6% of this model)
+                    (("all_reduce", 8 * 2**20, 0.49e9), ("all_gather", 8 * 2**20, 0.18e9),
+                     ("reduce_scatter", 4 * 2**20, 0.21e9), ("all_to_all", 4 * 2**20, 0.18e9))),
         LinkProfile("gloo-oversubscribed", 4.1e-3, 1.0e9,
                     "measured here: the same with 4 processes on 2 cores, mesh (dp=2, tp=2), both axes, median of "
                     "2 runs fitted (all_reduce 3-7 ms even at 4 KiB; fit error <= 22%)",
                     (("all_gather", 4.0e-3, 0.5e9), ("reduce_scatter", 4.1e-3, 0.47e9),
-                     ("all_to_all", 3.2e-3, 0.76e9))),
+                     ("all_to_all", 3.2e-3, 0.76e9)),
+                    # past 8 MiB per rank (2026-11-26, both axes; all_gather 482-548 ms at 64 MiB)
+                    (("all_reduce", 8 * 2**20, 0.29e9), ("all_gather", 8 * 2**20, 0.115e9),
+                     ("reduce_scatter", 4 * 2**20, 0.118e9), ("all_to_all", 4 * 2**20, 0.12e9))),
     )
 }
 
@@ -151,23 +172,25 @@ DEVICES: dict[str, DeviceProfile] = {
         # forward 7-55 us, training 80-900 us (residuals +-30%; large activations pay more, gpt-medium's
         # training step 1.6 ms against ~0.3 predicted).
         # The rates and the memory hierarchy: `spmd.tools.calibrate --nproc 2` on this 2-core AMD EPYC VM
-        # (2026-11-26; an earlier host of the same name measured 100 GFLOP/s), both ranks at once.
-        DeviceProfile("cpu", 81e9, 66e9, 6e-6, 24e9,
+        # (2026-11-26; an earlier host of the same name measured 100 GFLOP/s on squares), both ranks at once,
+        # the median of 3 runs (element costs: 2 runs).
+        DeviceProfile("cpu", 58e9, 60e9, 6e-6, 24e9,
                       "measured here, one thread per rank, 2 ranks at once (spmd.tools.calibrate, 2026-11-26): fp32 "
-                      "matmul 81 GFLOP/s fitted on n = 64..1024 (transformer shapes 56-65, an odd n 46), add 66 "
-                      "GB/s up to 8.25 MiB moved (half of L2 + L3 / 2), 13.3 GB/s from DRAM, outputs of 32 MiB or "
-                      "more (glibc mmaps them) faulted in at 1.5 GB/s; per element of exp, tanh, dropout, norms... "
-                      "timed at 1 MiB; ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per "
-                      "argument, per training step 40 us + 2.3 us per parameter and saved value; flash attention "
-                      "30-46 GFLOP/s (bench/results_predict.md)", 3e-6,
+                      "matmul 58 GFLOP/s fitted on a transformer layer's shapes at 512 tokens, d 128..768 (46-66; "
+                      "squares 66-81, an odd n such as GPT-2's 50257 vocabulary 25% slower), add 60 GB/s up to 8.25 "
+                      "MiB moved (half of L2 + L3 / 2), 11.7 GB/s from DRAM, outputs of 32 MiB or more (glibc "
+                      "mmaps them) faulted in at 1.27 GB/s; per element of exp, tanh, dropout, norms... timed at "
+                      "1 MiB; ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per argument, per "
+                      "training step 40 us + 2.3 us per parameter and saved value; flash attention 17-30 GFLOP/s "
+                      "(bench/results_predict.md, bench/results_first_step.md)", 3e-6,
                       call_overhead_s=6.5e-6, arg_overhead_s=0.5e-6, backward_overhead_s=40e-6,
                       autograd_tensor_overhead_s=2.3e-6,
-                      # the _for_cpu flash kernels, causal, one thread: 30-46 GFLOP/s forward and backward at
-                      # seq 64-512 and head dim 64 (15-22 at head dim 16, 60 at seq 1024), mm 100-109 (on
-                      # the earlier host)
+                      # the _for_cpu flash kernels, causal, one thread, head dim 64: here 23-30 GFLOP/s forward,
+                      # 17-22 backward at seq 128-512 (0.3-0.5 of the matmul rate; the earlier host: 30-46
+                      # against mm 100-109)
                       attention_efficiency=0.4,
-                      cache_bytes=8.25 * 2**20, dram_bandwidth=13.3e9, fresh_page_bytes=32 * 2**20,
-                      page_fault_bandwidth=1.5e9,
+                      cache_bytes=8.25 * 2**20, dram_bandwidth=11.7e9, fresh_page_bytes=32 * 2**20,
+                      page_fault_bandwidth=1.27e9,
                       element_seconds=(
                           ("_log_softmax", 1.51e-9), ("_log_softmax_backward_data", 1.37e-9), ("_softmax", 1.42e-9),
                           ("_softmax_backward_data", 0.42e-9), ("bernoulli", 12.6e-9), ("cos", 2.75e-9),
@@ -217,14 +240,19 @@ class Profile:
             raise ValueError("Profile: no links")
 
 
-def _link_to_json(link: LinkProfile) -> dict:
+def link_to_json(link: LinkProfile) -> dict:
     return {"name": link.name, "latency_s": link.latency_s, "bandwidth": link.bandwidth, "source": link.source,
-            "per_collective": {k: {"latency_s": lat, "bandwidth": bw} for k, lat, bw in link.per_collective}}
+            "per_collective": {k: {"latency_s": lat, "bandwidth": bw} for k, lat, bw in link.per_collective},
+            "large_messages": {k: {"wire_bytes": size, "bandwidth": bw} for k, size, bw in link.large_messages}}
 
 
-def _link_from_json(d: dict) -> LinkProfile:
-    per = tuple((k, float(v["latency_s"]), float(v["bandwidth"])) for k, v in d.get("per_collective", {}).items())
-    return LinkProfile(d["name"], float(d["latency_s"]), float(d["bandwidth"]), d.get("source", ""), per)
+def link_from_json(d: dict) -> LinkProfile:
+    """The inverse of `link_to_json` (also reads plan files of before, whose per_collective is a list)."""
+    per = d.get("per_collective") or {}
+    per = tuple((k, float(v["latency_s"]), float(v["bandwidth"])) for k, v in per.items()) if isinstance(per, dict) \
+        else tuple((k, float(lat), float(bw)) for k, lat, bw in per)
+    large = tuple((k, float(v["wire_bytes"]), float(v["bandwidth"])) for k, v in (d.get("large_messages") or {}).items())
+    return LinkProfile(d["name"], float(d["latency_s"]), float(d["bandwidth"]), d.get("source", ""), per, large)
 
 
 _HIERARCHY = ("cache_bytes", "fresh_page_bytes", "page_fault_bandwidth")  # inf (none) is saved as null
@@ -258,7 +286,7 @@ def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile
     import json
 
     doc = {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "meta": dict(meta or {}),
-           "links": {axis: _link_to_json(link) for axis, link in links.items()},
+           "links": {axis: link_to_json(link) for axis, link in links.items()},
            "device": device_to_json(device),
            "points": points or {}}
     with open(path, "w") as f:
@@ -276,5 +304,5 @@ def load_profile(path: str) -> Profile:
         raise ValueError(f"{path}: not a {PROFILE_SCHEMA} v{PROFILE_VERSION} file "
                          f"(schema {doc.get('schema')!r}, version {doc.get('version')!r}); re-run calibration")
     device = device_from_json(doc["device"])
-    links = {axis: _link_from_json(link) for axis, link in doc["links"].items()}
+    links = {axis: link_from_json(link) for axis, link in doc["links"].items()}
     return Profile(links, device, doc.get("points", {}), doc.get("meta", {}))

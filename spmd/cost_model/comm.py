@@ -80,7 +80,15 @@ def step_cost(step: Step, mesh, bucket_bytes: float | None = None) -> float:
     moved_dim = step.src_dim if step.kind == "all_gather" else step.dst_dim
     if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and moved_dim not in (0, None):
         copy = 2 * (B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth  # the larger side
-    return latency + wire_bytes(step.kind, n, B) / bandwidth + copy
+    wire = wire_bytes(step.kind, n, B)
+    seconds = latency + wire / bandwidth + copy
+    large = mesh.links[step.axis].large_message(step.kind)
+    if large is not None:  # the bytes beyond the threshold at the large-message bandwidth
+        size, slow = large
+        beyond = wire - size
+        beyond = max(0.0, beyond) if isinstance(beyond, (int, float)) else _sympy_max(0, beyond)
+        seconds = seconds + beyond * (1.0 / slow - 1.0 / bandwidth)
+    return seconds
 
 
 def steps_cost(steps: Iterable[Step], mesh, bucket_bytes: float | None = None) -> float:

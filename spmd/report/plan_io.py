@@ -19,7 +19,7 @@ from pathlib import Path
 
 from spmd.core.mesh import MeshSpec
 from spmd.core.plan import Edge, Plan
-from spmd.core.profiles import LinkProfile, device_from_json, device_to_json
+from spmd.core.profiles import device_from_json, device_to_json, link_from_json, link_to_json
 from spmd.core.redistribute import Step
 from spmd.core.specs import Placements, Strategy, placement_from_text, placement_str
 from spmd.report.details import NodeReport, ParamUse, PlanDetails, Split
@@ -40,21 +40,15 @@ def _ps_in(texts) -> Placements | None:
 
 # ---- save / load --------------------------------------------------------------------------------
 
-def _link_json(link: LinkProfile) -> dict:
-    return {"name": link.name, "latency_s": link.latency_s, "bandwidth": link.bandwidth, "source": link.source,
-            "per_collective": [list(x) for x in link.per_collective]}
-
-
 def _mesh_json(mesh: MeshSpec) -> dict:
     d = mesh.device
     return {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names),
-            "links": [_link_json(link) for link in mesh.links],
+            "links": [link_to_json(link) for link in mesh.links],
             "device": device_to_json(d)}  # every field: a reloaded plan prices as the saved one
 
 
 def _mesh_from(d: dict) -> MeshSpec:
-    links = tuple(LinkProfile(x["name"], x["latency_s"], x["bandwidth"], x.get("source", ""),
-                              tuple(tuple(p) for p in x.get("per_collective", ()))) for x in d["links"])
+    links = tuple(link_from_json(x) for x in d["links"])
     return MeshSpec(tuple(d["shape"]), tuple(d["axis_names"]), links, device_from_json(d["device"]))
 
 

@@ -73,19 +73,38 @@ def geometric_sizes(lo: int, hi: int, count: int) -> list[int]:
 # fitting
 
 
-def fit_links(points: dict, shape: dict[str, int], source: str) -> dict:
-    """axis name -> LinkProfile: all_reduce's fit as the default, every kind in `per_collective`."""
+def fit_links(points: dict, shape: dict[str, int], source: str, small_max: int | None = None) -> dict:
+    """axis name -> LinkProfile: all_reduce's fit as the default, every kind in `per_collective`.
+    `small_max`: the alpha-beta line is fitted on the points of at most that many bytes per rank; the
+    points beyond give each kind a second bandwidth for the wire bytes past the last small size
+    (`LinkProfile.large_messages`), where they run slower than the line says."""
     from spmd.core.profiles import LinkProfile
 
     links = {}
     for axis, by_kind in points.items():
         n = shape[axis]
-        fits = {kind: fit_alpha_beta([wire_bytes(kind, n, b) for b, _ in pts], [t for _, t in pts])
-                for kind, pts in by_kind.items()}
+        fits, large = {}, []
+        for kind, pts in by_kind.items():
+            small = [(b, t) for b, t in pts if small_max is None or b <= small_max]
+            lat, bw = fits[kind] = fit_alpha_beta([wire_bytes(kind, n, b) for b, _ in small], [t for _, t in small])
+            beyond = _large_message_bandwidth([(wire_bytes(kind, n, b), t) for b, t in pts if b not in dict(small)],
+                                              wire_bytes(kind, n, max(b for b, _ in small)), lat, bw)
+            if beyond is not None:
+                large.append((kind, wire_bytes(kind, n, max(b for b, _ in small)), beyond))
         lat, bw = fits.get("all_reduce", next(iter(fits.values())))
         links[axis] = LinkProfile(f"calibrated-{axis}-n{n}", lat, bw, source,
-                                  tuple((k, a, b) for k, (a, b) in fits.items()))
+                                  tuple((k, a, b) for k, (a, b) in fits.items()), tuple(large))
     return links
+
+
+def _large_message_bandwidth(points, w0: float, lat: float, bw: float) -> float | None:
+    """The bandwidth past `w0` wire bytes that the points (wire bytes, seconds) show, beyond the line
+    `lat + w / bw` (least squares through the line at w0); None when they are not slower than the line."""
+    excess = [(w - w0, t - lat - w / bw) for w, t in points if w > w0]
+    if not excess:
+        return None
+    k = sum(dw * dt for dw, dt in excess) / sum(dw * dw for dw, _ in excess)  # extra seconds per byte
+    return 1.0 / (1.0 / bw + k) if k > 0 else None
 
 
 def fit_device(points: dict, source: str, memory_bytes: float):
@@ -148,7 +167,7 @@ def _memory_per_rank() -> float:
 
 
 def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps: int = 15,
-              device: bool = True, log=None, gap_s: float = 2e-3):
+              device: bool = True, log=None, gap_s: float = 2e-3, large_sizes: list[int] = ()):
     """Measure and fit on every rank of `device_mesh`; returns the same `profiles.Profile` everywhere."""
     import torch
     import torch.distributed as dist
@@ -159,13 +178,13 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
     shape = dict(zip(names, device_mesh.shape))
     world = dist.get_world_size()
     t0 = time.perf_counter()
-    link_points = measure_links(device_mesh, sizes, kinds, warmup, reps, log, gap_s)
+    link_points = measure_links(device_mesh, sizes, kinds, warmup, reps, log, gap_s, large_sizes)
     when = datetime.datetime.now().isoformat(timespec="seconds")
     src = (f"calibrated {when} on {platform.node()}: spmd.tools.calibrate, {dist.get_backend()} functional "
            f"collectives on dim 0, {world} processes ({os.cpu_count()} cores), mesh {shape}, "
            f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]} B, max over ranks, mean of {reps} calls less the slowest "
            f"10%, each after {gap_s * 1e3:g} ms of compute")
-    links = fit_links(link_points, shape, src)
+    links = fit_links(link_points, shape, src, max(sizes))
     dev_points = (measure_device(max(1, warmup // 2), max(3, reps // 2), quick=len(sizes) < 4,
                                  seconds=0.002 if len(sizes) < 4 else 0.02) if device else {})
     dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
@@ -182,13 +201,17 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
 def summary(profile) -> str:
     """A table of the fitted numbers with their fit errors."""
     lines = [f"calibrated on {profile.meta.get('world')} ranks, mesh {profile.meta.get('mesh')}:",
-             "| axis | collective | latency us | bandwidth GB/s | max fit error |", "|---|---|---|---|---|"]
+             "| axis | collective | latency us | bandwidth GB/s | large messages GB/s | max fit error |",
+             "|---|---|---|---|---|---|"]
     for axis, link in profile.links.items():
         n = profile.meta.get("mesh", {}).get(axis, 2)
         for kind, lat, bw in link.per_collective:
             pts = profile.points.get("links", {}).get(axis, {}).get(kind, [])
-            err = max((abs(lat + wire_bytes(kind, n, b) / bw - t) / t for b, t in pts), default=0.0)
-            lines.append(f"| {axis} | {kind} | {lat * 1e6:.1f} | {bw / 1e9:.3f} | {err:.0%} |")
+            big = link.large_message(kind)
+            model = lambda w: lat + w / bw + (max(0.0, w - big[0]) * (1 / big[1] - 1 / bw) if big else 0.0)  # noqa: E731
+            err = max((abs(model(wire_bytes(kind, n, b)) - t) / t for b, t in pts), default=0.0)
+            lines.append(f"| {axis} | {kind} | {lat * 1e6:.1f} | {bw / 1e9:.3f} | "
+                         f"{f'{big[1] / 1e9:.3f} past {big[0] / 2**20:.0f} MiB' if big else '-'} | {err:.0%} |")
     d = profile.device
     lines.append(f"device: {d.flops / 1e9:.1f} GFLOP/s, {d.memory_bandwidth / 1e9:.2f} GB/s streaming in cache "
                  f"(up to {d.cache_bytes / 2**20:.1f} MiB moved), "
@@ -213,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-bytes", type=int, default=4096)
     ap.add_argument("--max-bytes", type=int, default=8 << 20)
     ap.add_argument("--num-sizes", type=int, default=8, help="geometric steps from --min-bytes to --max-bytes")
+    ap.add_argument("--large-max-bytes", type=int, default=64 << 20,
+                    help="also time doublings of --max-bytes up to this, for the links' large-message bandwidth "
+                         "(0: none)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15, help="timed calls per point (median taken)")
@@ -243,8 +269,11 @@ def _worker(args) -> None:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     log = print if rank == 0 and not args.quiet else None
     sizes = geometric_sizes(args.min_bytes, args.max_bytes, args.num_sizes)
+    large = []
+    while args.large_max_bytes and (large[-1] if large else sizes[-1]) * 2 <= args.large_max_bytes:
+        large.append((large[-1] if large else sizes[-1]) * 2)
     prof = calibrate(mesh, sizes, tuple(k for k in args.kinds.split(",") if k), args.warmup, args.reps,
-                     not args.no_device, log, args.gap_ms / 1e3)
+                     not args.no_device, log, args.gap_ms / 1e3, large)
     if rank == 0:
         save_profile(args.out, prof.links, prof.device, prof.points, prof.meta)
         if not args.quiet:

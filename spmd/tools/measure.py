@@ -72,8 +72,9 @@ def _collective_fn(kind: str, x, group: str, n: int):
 
 
 def measure_links(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps: int = 15,
-                  log=None, gap_s: float = 0.0) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """axis name -> kind -> [(bytes each rank holds, seconds)] on `device_mesh` (every rank calls this)."""
+                  log=None, gap_s: float = 0.0, large_sizes: list[int] = ()) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """axis name -> kind -> [(bytes each rank holds, seconds)] on `device_mesh` (every rank calls this).
+    `large_sizes`: more sizes after `sizes`, timed with a third of the calls (each takes 10-400 ms)."""
     import torch
 
     out: dict[str, dict[str, list[tuple[int, float]]]] = {}
@@ -91,12 +92,13 @@ def measure_links(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, r
         out[name] = {}
         for kind in kinds:
             pts = []
-            for nbytes in sizes:
+            for nbytes in (*sizes, *large_sizes):
                 numel = max(n, (nbytes // 4) // n * n)  # dim 0 divisible by n: even scatters
                 x = torch.randn(numel)
+                calls = reps if nbytes in sizes else max(3, reps // 3)
                 # the mean, not the median: gloo is bimodal (~0.3 ms or several ms at any size) and a step
                 # with many collectives pays the average of the two modes
-                pts.append((numel * 4, _timed(_collective_fn(kind, x, group, n), warmup, reps, gap_s, "mean")))
+                pts.append((numel * 4, _timed(_collective_fn(kind, x, group, n), warmup, calls, gap_s, "mean")))
             out[name][kind] = pts
             if log:
                 log(f"  {name} (n={n}) {kind}: " + ", ".join(f"{b // 1024} KiB {t * 1e3:.2f} ms" for b, t in pts))
@@ -149,7 +151,8 @@ def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
 
 def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
                    seconds: float = 0.02) -> dict[str, list[tuple[float, float]]]:
-    """kind -> [(x, seconds)]: "matmul" x = FLOPs of an n x n x n fp32 mm; "stream", "dram", "fault" x =
+    """kind -> [(x, seconds)]: "matmul" x = FLOPs of an fp32 mm (transformer shapes; squares when quick);
+    "stream", "dram", "fault" x =
     bytes an out-of-place add moves (2 reads + 1 write) in cache, from DRAM, and with a fresh output; "op"
     x = non-view nodes of a small joint graph, t = its time per call / x; "elementwise": op name -> seconds
     per output element (`measure_elementwise`). Each timed call repeats the kernel for about `seconds`
@@ -158,9 +161,13 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
 
     out: dict[str, list[tuple[float, float]]] = {}
     pts = []
-    for n in ((64, 128, 256) if quick else (64, 128, 256, 384, 512, 768, 1024)):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        pts.append((2.0 * n ** 3, _timed_per_call(lambda: torch.mm(a, b), warmup, reps, seconds)))
+    # a transformer layer's matmuls on 512 tokens: up-projection, down-projection, and a weight gradient
+    # (a transposed operand), hidden size d; squares in the quick run
+    shapes = [(n, n, n) for n in (64, 128, 256)] if quick else \
+        [s for d in (128, 256, 512, 768) for s in ((512, d, 4 * d), (512, 4 * d, d), (d, 512, 4 * d))]
+    for m, k, n in shapes:
+        a, b = (torch.randn(k, m).t() if m != 512 else torch.randn(m, k)), torch.randn(k, n)
+        pts.append((2.0 * m * k * n, _timed_per_call(lambda: torch.mm(a, b), warmup, reps, seconds)))
     out["matmul"] = pts
     # streaming adds: operands that stay in cache, operands from DRAM (outputs below FRESH_PAGE_BYTES,
     # reused by the allocator), and outputs of FRESH_PAGE_BYTES and more, fresh pages each call
