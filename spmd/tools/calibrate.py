@@ -238,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-sizes", type=int, default=8, help="geometric steps from --min-bytes to --max-bytes")
     ap.add_argument("--large-max-bytes", type=int, default=64 << 20,
                     help="also time doublings of --max-bytes up to this, for the links' large-message bandwidth "
-                         "(0: none)")
+                         "(0: none; runs of fewer than 4 sizes time none)")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15, help="timed calls per point (median taken)")
@@ -269,8 +269,8 @@ def _worker(args) -> None:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     log = print if rank == 0 and not args.quiet else None
     sizes = geometric_sizes(args.min_bytes, args.max_bytes, args.num_sizes)
-    large = []
-    while args.large_max_bytes and (large[-1] if large else sizes[-1]) * 2 <= args.large_max_bytes:
+    large = []  # a quick run (fewer than 4 sizes: the device is timed quickly too) times no large messages
+    while args.large_max_bytes and len(sizes) >= 4 and (large[-1] if large else sizes[-1]) * 2 <= args.large_max_bytes:
         large.append((large[-1] if large else sizes[-1]) * 2)
     prof = calibrate(mesh, sizes, tuple(k for k in args.kinds.split(",") if k), args.warmup, args.reps,
                      not args.no_device, log, args.gap_ms / 1e3, large)
