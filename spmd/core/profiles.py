@@ -41,6 +41,22 @@ class LinkProfile:
                 return size, bw
         return None
 
+    def transfer_seconds(self, kind: str, wire) -> float:
+        """Seconds collective `kind` spends moving `wire` bytes (a number or a sympy expression), latency
+        aside: at its bandwidth, and past the large-message size at that bandwidth."""
+        bandwidth = self.alpha_beta(kind)[1]
+        large = self.large_message(kind)
+        if large is None:
+            return wire / bandwidth
+        size, slow = large
+        if isinstance(wire, (int, float)):
+            beyond = max(0.0, wire - size)
+        else:
+            import sympy
+
+            beyond = sympy.Max(0, wire - size)
+        return wire / bandwidth + beyond * (1.0 / slow - 1.0 / bandwidth)
+
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) of collective `kind` on this link."""
         for k, lat, bw in self.per_collective:
@@ -96,12 +112,6 @@ class DeviceProfile:
         for op, s in self.element_seconds:
             if s < 0:
                 raise ValueError(f"DeviceProfile {self.name}: element_seconds of {op} must be >= 0")
-
-    def bandwidth_for(self, moved_bytes: float) -> float:
-        """Bytes/s an op moving `moved_bytes` streams at (concrete sizes; compute.py handles symbolic ones)."""
-        if moved_bytes <= self.cache_bytes or self.dram_bandwidth is None:
-            return self.memory_bandwidth
-        return self.dram_bandwidth
 
     def seconds_per_element(self, op_name: str) -> float | None:
         for name, s in self.element_seconds:

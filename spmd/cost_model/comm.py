@@ -66,7 +66,7 @@ def step_cost(step: Step, mesh, bucket_bytes: float | None = None) -> float:
     """Seconds for one step. `bucket_bytes`: the step is a gradient all_reduce that the runtime packs
     with others into buckets of that size, so it pays its share of one latency, not a whole one."""
     n = mesh.shape[step.axis]
-    latency, bandwidth = mesh.links[step.axis].alpha_beta(step.kind)
+    latency = mesh.links[step.axis].alpha_beta(step.kind)[0]
     B = step.in_bytes
     if bucket_bytes and step.kind == "all_reduce":
         latency *= bucket_share(B, bucket_bytes)
@@ -80,15 +80,7 @@ def step_cost(step: Step, mesh, bucket_bytes: float | None = None) -> float:
     moved_dim = step.src_dim if step.kind == "all_gather" else step.dst_dim
     if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and moved_dim not in (0, None):
         copy = 2 * (B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth  # the larger side
-    wire = wire_bytes(step.kind, n, B)
-    seconds = latency + wire / bandwidth + copy
-    large = mesh.links[step.axis].large_message(step.kind)
-    if large is not None:  # the bytes beyond the threshold at the large-message bandwidth
-        size, slow = large
-        beyond = wire - size
-        beyond = max(0.0, beyond) if isinstance(beyond, (int, float)) else _sympy_max(0, beyond)
-        seconds = seconds + beyond * (1.0 / slow - 1.0 / bandwidth)
-    return seconds
+    return latency + mesh.links[step.axis].transfer_seconds(step.kind, wire_bytes(step.kind, n, B)) + copy
 
 
 def steps_cost(steps: Iterable[Step], mesh, bucket_bytes: float | None = None) -> float:

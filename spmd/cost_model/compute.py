@@ -105,15 +105,14 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
     if symbolic:
         import sympy
 
-        far = device.dram_bandwidth or device.memory_bandwidth
-        streaming = sympy.Piecewise((moved / device.memory_bandwidth, moved <= device.cache_bytes),
-                                    (moved / far, True)) if far != device.memory_bandwidth else moved / device.memory_bandwidth
-        faults = sum((sympy.Piecewise((o.nbytes / device.page_fault_bandwidth, o.nbytes >= device.fresh_page_bytes),
-                                      (0, True)) for o in out_infos), sympy.Integer(0)) \
-            if math.isfinite(device.fresh_page_bytes) else 0
-        return sympy.Max(work, streaming) + faults + device.op_overhead_s
-    faults = sum(o.nbytes for o in out_infos if o.nbytes >= device.fresh_page_bytes) / device.page_fault_bandwidth
-    return max(work, moved / device.bandwidth_for(moved)) + faults + device.op_overhead_s
+        pick, larger = lambda cond, a, b: sympy.Piecewise((a, cond), (b, True)), sympy.Max
+    else:
+        pick, larger = lambda cond, a, b: a if cond else b, max
+    streaming = pick(moved <= device.cache_bytes, moved / device.memory_bandwidth,
+                     moved / (device.dram_bandwidth or device.memory_bandwidth))
+    faults = sum(pick(o.nbytes >= device.fresh_page_bytes, o.nbytes / device.page_fault_bandwidth, 0.0)
+                 for o in out_infos)
+    return larger(work, streaming) + faults + device.op_overhead_s
 
 
 def local_call(node: fx.Node, is_tensor, local_infos: list) -> tuple[tuple, dict]:

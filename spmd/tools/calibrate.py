@@ -85,12 +85,13 @@ def fit_links(points: dict, shape: dict[str, int], source: str, small_max: int |
         n = shape[axis]
         fits, large = {}, []
         for kind, pts in by_kind.items():
-            small = [(b, t) for b, t in pts if small_max is None or b <= small_max]
-            lat, bw = fits[kind] = fit_alpha_beta([wire_bytes(kind, n, b) for b, _ in small], [t for _, t in small])
-            beyond = _large_message_bandwidth([(wire_bytes(kind, n, b), t) for b, t in pts if b not in dict(small)],
-                                              wire_bytes(kind, n, max(b for b, _ in small)), lat, bw)
+            limit = max(b for b, _ in pts) if small_max is None else small_max
+            small = [(wire_bytes(kind, n, b), t) for b, t in pts if b <= limit]
+            lat, bw = fits[kind] = fit_alpha_beta(*zip(*small))
+            w0 = max(w for w, _ in small)
+            beyond = _large_message_bandwidth([(wire_bytes(kind, n, b), t) for b, t in pts], w0, lat, bw)
             if beyond is not None:
-                large.append((kind, wire_bytes(kind, n, max(b for b, _ in small)), beyond))
+                large.append((kind, w0, beyond))
         lat, bw = fits.get("all_reduce", next(iter(fits.values())))
         links[axis] = LinkProfile(f"calibrated-{axis}-n{n}", lat, bw, source,
                                   tuple((k, a, b) for k, (a, b) in fits.items()), tuple(large))
@@ -208,8 +209,8 @@ def summary(profile) -> str:
         for kind, lat, bw in link.per_collective:
             pts = profile.points.get("links", {}).get(axis, {}).get(kind, [])
             big = link.large_message(kind)
-            model = lambda w: lat + w / bw + (max(0.0, w - big[0]) * (1 / big[1] - 1 / bw) if big else 0.0)  # noqa: E731
-            err = max((abs(model(wire_bytes(kind, n, b)) - t) / t for b, t in pts), default=0.0)
+            err = max((abs(lat + link.transfer_seconds(kind, wire_bytes(kind, n, b)) - t) / t for b, t in pts),
+                      default=0.0)
             lines.append(f"| {axis} | {kind} | {lat * 1e6:.1f} | {bw / 1e9:.3f} | "
                          f"{f'{big[1] / 1e9:.3f} past {big[0] / 2**20:.0f} MiB' if big else '-'} | {err:.0%} |")
     d = profile.device
@@ -270,8 +271,9 @@ def _worker(args) -> None:
     log = print if rank == 0 and not args.quiet else None
     sizes = geometric_sizes(args.min_bytes, args.max_bytes, args.num_sizes)
     large = []  # a quick run (fewer than 4 sizes: the device is timed quickly too) times no large messages
-    while args.large_max_bytes and len(sizes) >= 4 and (large[-1] if large else sizes[-1]) * 2 <= args.large_max_bytes:
-        large.append((large[-1] if large else sizes[-1]) * 2)
+    if args.large_max_bytes and len(sizes) >= 4:
+        while sizes[-1] * 2 ** (len(large) + 1) <= args.large_max_bytes:
+            large.append(sizes[-1] * 2 ** (len(large) + 1))
     prof = calibrate(mesh, sizes, tuple(k for k in args.kinds.split(",") if k), args.warmup, args.reps,
                      not args.no_device, log, args.gap_ms / 1e3, large)
     if rank == 0:

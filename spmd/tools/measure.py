@@ -163,10 +163,10 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     pts = []
     # a transformer layer's matmuls on 512 tokens: up-projection, down-projection, and a weight gradient
     # (a transposed operand), hidden size d; squares in the quick run
-    shapes = [(n, n, n) for n in (64, 128, 256)] if quick else \
-        [s for d in (128, 256, 512, 768) for s in ((512, d, 4 * d), (512, 4 * d, d), (d, 512, 4 * d))]
-    for m, k, n in shapes:
-        a, b = (torch.randn(k, m).t() if m != 512 else torch.randn(m, k)), torch.randn(k, n)
+    shapes = [(n, n, n, False) for n in (64, 128, 256)] if quick else \
+        [s for d in (128, 256, 512, 768) for s in ((512, d, 4 * d, False), (512, 4 * d, d, False), (d, 512, 4 * d, True))]
+    for m, k, n, transposed in shapes:
+        a, b = (torch.randn(k, m).t() if transposed else torch.randn(m, k)), torch.randn(k, n)
         pts.append((2.0 * m * k * n, _timed_per_call(lambda: torch.mm(a, b), warmup, reps, seconds)))
     out["matmul"] = pts
     # streaming adds: operands that stay in cache, operands from DRAM (outputs below FRESH_PAGE_BYTES,
