@@ -423,15 +423,15 @@ def _replace_targets(gm, mapping: dict):
     return fx.GraphModule(gm, graph)
 
 
-def _no_all_reduce(x, reduce_op="sum", group=None, world=1, inplace=False):
+def _no_all_reduce(x, reduce_op="sum", group=None, world=1, inplace=False, **_):
     return x
 
 
-def _bucket_start_local(tensors, reduce_op, group, world):
+def _bucket_start_local(tensors, reduce_op, group, world, **_):
     return torch.cat([t.reshape(-1) for t in tensors])  # the packing copy, no communication
 
 
-def _bucket_wait_local(flat, tensors, reduce_op, world):
+def _bucket_wait_local(flat, tensors, reduce_op, world, **_):
     return [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 

@@ -8,18 +8,21 @@ collective kind where the backend differs, `LinkProfile.alpha_beta`), with B the
     reduce_scatter  a +   (n-1)/n * B / b
     all_gather      a +   (n-1)   * B / b      (each rank receives the n-1 other shards)
     all_to_all      a +   (n-1)/n * B / b
-    local slice     copy of the kept 1/n into a contiguous buffer, at the device's memory bandwidth
+    local slice     copy of the kept 1/n into a contiguous buffer
     partial_local   ranks other than index 0 write zeros (sum): one pass over the local bytes
 
-Gathers and scatters on a dim other than 0 also pay a local copy (collectives work on dim 0), priced at
-the device's memory bandwidth.
+Gathers and scatters on a dim other than 0 also pay a local copy (collectives work on dim 0). Local
+copies go through the device's memory hierarchy (`compute.copy_seconds`: the bandwidth of the level the
+bytes fit in, and the page faults of a fresh output on a CPU); a collective's own buffers are in its
+link's measured bandwidth.
 
 Gradient buckets: the runtime packs a rank's gradient all_reduces on one mesh axis into buckets of
 `bucket_bytes` (passes/bucket_gradients.py) and launches one collective per bucket. A gradient pays its
 bandwidth plus its share of a bucket's latency, `bucket_share` = min(1, B / bucket_bytes) (a gradient
 larger than a bucket fills one of its own); together the gradients on an axis pay
 `latency * max(1, sum of shares)`, at least one launch: `bucketed_latency`. The solver, the symbolic
-costs and the plan's explanations all price buckets with these two functions.
+costs and the plan's explanations all price buckets with these two functions. Each bucketed gradient
+also pays its packing (`bucket_packing`): copied into the bucket's flat buffer, and out of it again.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import functools
 from typing import Iterable
 
 from spmd.core.redistribute import Step, pick, shortest_redistributions
+from spmd.cost_model.compute import copy_seconds
 from spmd.core.specs import Placements, TensorInfo
 
 WIRE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -42,6 +46,12 @@ def bucket_share(nbytes, bucket_bytes: float):
     """The part of one bucket's launch a gradient of `nbytes` pays (works on sympy expressions too)."""
     share = nbytes / bucket_bytes
     return min(1.0, share) if isinstance(share, (int, float)) else _sympy_min(1, share)
+
+
+def bucket_packing(device, nbytes):
+    """What packing a gradient of `nbytes` into its bucket costs: `bucket_start` copies it into the flat
+    buffer, `bucket_wait` copies its reduced piece back out (runtime: core/collectives.py)."""
+    return 2 * copy_seconds(device, nbytes)
 
 
 def bucketed_latency(latency: float, shares: list):
@@ -68,18 +78,20 @@ def step_cost(step: Step, mesh, bucket_bytes: float | None = None) -> float:
     n = mesh.shape[step.axis]
     latency = mesh.links[step.axis].alpha_beta(step.kind)[0]
     B = step.in_bytes
+    device = mesh.device
+    copy = 0.0
     if bucket_bytes and step.kind == "all_reduce":
         latency *= bucket_share(B, bucket_bytes)
+        copy = bucket_packing(device, B)
     if step.kind == "shard_local":
-        return B / n / mesh.device.memory_bandwidth
+        return copy_seconds(device, B / n)
     if step.kind == "partial_local":
-        return B / mesh.device.memory_bandwidth if step.reduce_op == "sum" else 0.0
+        return copy_seconds(device, B, read=False) if step.reduce_op == "sum" else 0.0  # zeros_like
     if step.kind not in WIRE_FACTOR:
         return 0.0
-    copy = 0.0
     moved_dim = step.src_dim if step.kind == "all_gather" else step.dst_dim
     if step.kind in ("all_gather", "reduce_scatter", "all_to_all") and moved_dim not in (0, None):
-        copy = 2 * (B * n if step.kind == "all_gather" else B) / mesh.device.memory_bandwidth  # the larger side
+        copy = copy_seconds(device, B * n if step.kind == "all_gather" else B)  # the larger side
     return latency + mesh.links[step.axis].transfer_seconds(step.kind, wire_bytes(step.kind, n, B)) + copy
 
 

@@ -102,17 +102,47 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
         rate = device.flops * (device.attention_efficiency if op in _ATTENTION else 1.0)
         work = op_flops(op, args_with_shapes, kwargs, out_shapes) / rate
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
+    larger = _larger(symbolic)
+    return larger(work, streaming_seconds(device, moved, symbolic)) + \
+        fault_seconds(device, [o.nbytes for o in out_infos], symbolic) + device.op_overhead_s
+
+
+def _pick(symbolic: bool):
     if symbolic:
         import sympy
 
-        pick, larger = lambda cond, a, b: sympy.Piecewise((a, cond), (b, True)), sympy.Max
-    else:
-        pick, larger = lambda cond, a, b: a if cond else b, max
-    streaming = pick(moved <= device.cache_bytes, moved / device.memory_bandwidth,
-                     moved / (device.dram_bandwidth or device.memory_bandwidth))
-    faults = sum(pick(o.nbytes >= device.fresh_page_bytes, o.nbytes / device.page_fault_bandwidth, 0.0)
-                 for o in out_infos)
-    return larger(work, streaming) + faults + device.op_overhead_s
+        return lambda cond, a, b: sympy.Piecewise((a, cond), (b, True))
+    return lambda cond, a, b: a if cond else b
+
+
+def _larger(symbolic: bool):
+    if symbolic:
+        import sympy
+
+        return sympy.Max
+    return max
+
+
+def streaming_seconds(device, moved, symbolic: bool = False):
+    """Seconds to move `moved` bytes (reads + writes of one op) at the bandwidth of the memory level they
+    fit in: `memory_bandwidth` up to `cache_bytes`, `dram_bandwidth` beyond."""
+    return _pick(symbolic)(moved <= device.cache_bytes, moved / device.memory_bandwidth,
+                           moved / (device.dram_bandwidth or device.memory_bandwidth))
+
+
+def fault_seconds(device, outputs, symbolic: bool = False):
+    """Page faults of the outputs (bytes each) large enough to be fresh mappings from the allocator."""
+    pick = _pick(symbolic)
+    return sum(pick(o >= device.fresh_page_bytes, o / device.page_fault_bandwidth, 0.0) for o in outputs)
+
+
+def copy_seconds(device, nbytes, read: bool = True):
+    """A copy of `nbytes` into a new tensor (a contiguous clone, a slice made contiguous, a packed buffer;
+    `read=False`: a new tensor filled with a constant): its reads and writes at the bandwidth of the level
+    they fit in, and the faults of a fresh output. Works on sympy expressions too."""
+    symbolic = not isinstance(nbytes, (int, float))
+    moved = 2 * nbytes if read else nbytes
+    return streaming_seconds(device, moved, symbolic) + fault_seconds(device, [nbytes], symbolic)
 
 
 def local_call(node: fx.Node, is_tensor, local_infos: list) -> tuple[tuple, dict]:

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import shard_factor
-from spmd.cost_model.comm import bucket_share, bucketed_latency, step_cost
+from spmd.cost_model.comm import bucket_packing, bucket_share, bucketed_latency, step_cost
 from spmd.cost_model.compute import compute_cost, local_call
 
 
@@ -102,7 +102,8 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
                           for d, g, g0 in zip(step.local_in_shape, info.shape, _shape(small, edge.value)))
             s = dataclasses.replace(step, local_in_shape=local)
             if bucketed and step.kind == "all_reduce":  # its latency is its share of the axis's buckets
-                terms.append(step_cost(s, mesh) - mesh.links[step.axis].alpha_beta("all_reduce")[0])
+                terms.append(step_cost(s, mesh) - mesh.links[step.axis].alpha_beta("all_reduce")[0]
+                             + bucket_packing(mesh.device, s.in_bytes))
                 shares.setdefault(step.axis, []).append(bucket_share(s.in_bytes, bucket))
             else:
                 terms.append(step_cost(s, mesh))

@@ -138,8 +138,9 @@ def steps_into(plan, consumer: str) -> list:
 
 
 # Budgets tight enough that every saved region value must be cut (at 0.9, with gradients reduced where
-# backward makes them, the GPT and tp-2 Llama plans fit with the first norm's values whole)
-CASES = [("gpt", 2, 0.89), ("llama", 2, 0.87), ("llama", 4, 0.75)]
+# backward makes them, the GPT and tp-2 Llama plans fit with the first norm's values whole). tp-2 Llama
+# at 0.87 or less: with bucket packing priced, the search's leanest plan misses by its temporaries.
+CASES = [("gpt", 2, 0.89), ("llama", 2, 0.88), ("llama", 4, 0.75)]
 
 
 @pytest.mark.parametrize("kind,tp,fraction", CASES)

@@ -1,5 +1,7 @@
 """Symbolic costs: the formula prices the plan exactly at the batch it was solved for, and the plan it
 describes at other batches; crossover finds where the best plan changes."""
+import dataclasses
+
 import pytest
 import sympy
 import torch
@@ -12,6 +14,8 @@ from tests.support import LATENCY_LINK, SLOW_DEVICE
 
 MESH_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
 MESH_2D = spmd.MeshSpec((2, 2), ("dp", "tp"), (LATENCY_LINK, LATENCY_LINK), SLOW_DEVICE)
+# the same FLOP rate with memory traffic (copies, bucket packing) next to free
+FAST_MEMORY_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), dataclasses.replace(SLOW_DEVICE, memory_bandwidth=1e13))
 
 
 def _mlp_training(batch=8):
@@ -49,10 +53,12 @@ def test_crossover_from_no_sharding_to_data_parallel():
     """On a latency-bound link a tiny batch is cheapest unsharded (no collective at all); past a few
     samples, splitting the batch pays for the gradient all_reduce. ReLU, not the example MLP's GELU: on
     this slow test device GELU's FLOPs make a third plan (forward replicated, backward split) win in
-    between, at batch ~1.8-2.8."""
+    between, at batch ~1.8-2.8. Memory traffic is free here (the test is latency against FLOPs): at
+    SLOW_DEVICE's 1 GB/s, packing the gradient bucket and slicing the batch let tensor parallelism win
+    between batch 2.4 and 4.9."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    plan = spmd.plan(model, MESH_1D, (torch.randn(8, 64), torch.randn(8, 64)), loss_fn=F.mse_loss)
+    plan = spmd.plan(model, FAST_MEMORY_1D, (torch.randn(8, 64), torch.randn(8, 64)), loss_fn=F.mse_loss)
     found = plan.crossover()
     assert len(found) == 1, [str(c) for c in found]
     c = found[0]
@@ -76,11 +82,12 @@ def test_plans_not_made_by_spmd_plan_say_how_to_get_a_formula():
 def test_formula_equals_the_objective_when_a_gradient_fills_more_than_one_bucket():
     """A gradient larger than a bucket fills one of its own: its share of the axis's launches is 1, not
     bytes / bucket (comm.bucket_share). The formula once charged 2 latencies for this 8 MiB gradient where
-    the solver charged 1: 1 ms off on this link."""
+    the solver charged 1: 1 ms off on this link. (At SLOW_DEVICE's 1 GB/s, packing 8 MiB into a bucket
+    costs more than reduce_scatter + all_gather.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 8))
     x, y = torch.randn(8, 1024), torch.randn(8, 8)
-    plan = spmd.plan(model, MESH_1D, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target": [Shard(0)]},
+    plan = spmd.plan(model, FAST_MEMORY_1D, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target": [Shard(0)]},
                      param_placements={"0.weight": [Replicate()]})
     grads = [e for e in plan.edges if any(s.kind == "all_reduce" and s.in_bytes > plan.stats["bucket_bytes"]
                                           for s in e.steps)]
