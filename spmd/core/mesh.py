@@ -98,13 +98,15 @@ class MeshSpec:
             )
             dev = device or "h100"
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
-        return MeshSpec(tuple(mesh.shape), tuple(names), links, dev)
+        # the ranks step together: the step's compute runs at the slowest one's pace
+        return MeshSpec(tuple(mesh.shape), tuple(names), links, dev.in_lockstep(math.prod(mesh.shape)))
 
     @staticmethod
     def from_profile(profile, shape, axis_names) -> "MeshSpec":
         """A mesh whose links and device come from a calibrated profile (`spmd.tools.calibrate`):
         `profile` is a path or a loaded `profiles.Profile`. Each axis takes the link measured under its
-        name; a profile with a single axis serves every axis."""
+        name; a profile with a single axis serves every axis. On more than one rank the device runs at
+        the pace of the slowest (`DeviceProfile.in_lockstep`)."""
         from spmd.core.profiles import Profile, load_profile
 
         prof = profile if isinstance(profile, Profile) else load_profile(os.fspath(profile))
@@ -117,7 +119,7 @@ class MeshSpec:
             else:
                 raise ValueError(f"MeshSpec.from_profile: the profile has links for axes {sorted(prof.links)}, "
                                  f"none named {name!r}; calibrate with that axis name (--mesh {name}=N,...)")
-        return MeshSpec(tuple(shape), tuple(axis_names), tuple(links), prof.device)
+        return MeshSpec(tuple(shape), tuple(axis_names), tuple(links), prof.device.in_lockstep(math.prod(shape)))
 
 
 def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -6,6 +6,7 @@ bandwidth one rank sustains (NCCL's "busbw" convention), so the ring factors liv
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,12 @@ class DeviceProfile:
     # (exp, tanh, erf in gelu, a row's statistics, a random draw in dropout), measured on this device;
     # an op named here costs max(that x elements, its bytes / bandwidth) instead of its FLOPs / flops.
     element_seconds: tuple[tuple[str, float], ...] = ()
+    # Ranks stepping together wait at every collective for the slowest of them. On a host whose cores run
+    # at uneven speeds (a shared VM: here one core is often 5-30% slower than the other, and which one
+    # changes), a step's compute takes this much longer than one rank's alone: the sum over segments of
+    # the slowest rank's time / the mean rank's (`calibrate` measures it; 1: even cores, GPUs).
+    # `in_lockstep` applies it for a mesh of several ranks.
+    lockstep_slowdown: float = 1.0
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
@@ -109,6 +116,8 @@ class DeviceProfile:
         if self.cache_bytes <= 0 or self.fresh_page_bytes <= 0 or self.page_fault_bandwidth <= 0 or \
                 (self.dram_bandwidth is not None and self.dram_bandwidth <= 0):
             raise ValueError(f"DeviceProfile {self.name}: cache_bytes, fresh_page_bytes and the bandwidths must be > 0")
+        if not self.lockstep_slowdown >= 1.0:
+            raise ValueError(f"DeviceProfile {self.name}: lockstep_slowdown must be >= 1")
         for op, s in self.element_seconds:
             if s < 0:
                 raise ValueError(f"DeviceProfile {self.name}: element_seconds of {op} must be >= 0")
@@ -131,7 +140,18 @@ class DeviceProfile:
                              fresh_page_bytes=self.fresh_page_bytes,
                              page_fault_bandwidth=self.page_fault_bandwidth * share,
                              element_seconds=tuple((op, s / share) for op, s in self.element_seconds),
+                             lockstep_slowdown=self.lockstep_slowdown,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
+
+    def in_lockstep(self, ranks: int) -> "DeviceProfile":
+        """This device as `ranks` ranks stepping together see it: every rate divided by
+        `lockstep_slowdown`, every fixed cost multiplied (one rank alone: this device). The result
+        carries slowdown 1, so applying it twice changes nothing."""
+        if ranks < 2 or self.lockstep_slowdown == 1.0:
+            return self
+        slowed = self.scaled(1.0 / self.lockstep_slowdown)
+        return dataclasses.replace(slowed, name=f"{self.name} in lockstep x{self.lockstep_slowdown:g}",
+                                   lockstep_slowdown=1.0)
 
 
 # fixed costs of a DeviceProfile (seconds; scaled together, saved in profile files)
@@ -191,7 +211,8 @@ DEVICES: dict[str, DeviceProfile] = {
                       "MiB moved (half of L2 + L3 / 2), 11.7 GB/s from DRAM, outputs of 32 MiB or more (glibc "
                       "mmaps them) faulted in at 1.27 GB/s; per element of exp, tanh, dropout, norms... timed at "
                       "1 MiB; ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per argument, per "
-                      "training step 40 us + 2.3 us per parameter and saved value; flash attention 17-30 GFLOP/s "
+                      "training step 40 us + 2.3 us per parameter and saved value; flash attention 17-30 GFLOP/s; "
+                      "ranks stepping together run at the slowest's pace, 1.08x one rank's "
                       "(bench/results_predict.md, bench/results_first_step.md)", 3e-6,
                       call_overhead_s=6.5e-6, arg_overhead_s=0.5e-6, backward_overhead_s=40e-6,
                       autograd_tensor_overhead_s=2.3e-6,
@@ -201,6 +222,10 @@ DEVICES: dict[str, DeviceProfile] = {
                       attention_efficiency=0.4,
                       cache_bytes=8.25 * 2**20, dram_bandwidth=11.7e9, fresh_page_bytes=32 * 2**20,
                       page_fault_bandwidth=1.27e9,
+                      # 2 ranks, the same 40 ms of a transformer layer's ops each, a barrier before each of 40
+                      # segments: the slowest's sum / the mean's 1.05-1.11 in 4 runs (2026-11-26); inside
+                      # GPT-2-small's training step the ranks waited 13-15% of their compute at collectives
+                      lockstep_slowdown=1.08,
                       element_seconds=(
                           ("_log_softmax", 1.51e-9), ("_log_softmax_backward_data", 1.37e-9), ("_softmax", 1.42e-9),
                           ("_softmax_backward_data", 0.42e-9), ("bernoulli", 12.6e-9), ("cos", 2.75e-9),
@@ -273,7 +298,8 @@ def device_to_json(device: DeviceProfile) -> dict:
     d = {"name": device.name, "flops": device.flops, "memory_bandwidth": device.memory_bandwidth,
          "memory_bytes": device.memory_bytes, "source": device.source,
          "attention_efficiency": device.attention_efficiency, **{f: getattr(device, f) for f in _OVERHEADS},
-         "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds}}
+         "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds},
+         "lockstep_slowdown": device.lockstep_slowdown}
     d.update({f: None if math.isinf(getattr(device, f)) else getattr(device, f) for f in _HIERARCHY})
     return d
 
@@ -287,7 +313,7 @@ def device_from_json(d: dict) -> DeviceProfile:
                          attention_efficiency=float(d.get("attention_efficiency", 1.0)),
                          dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
                          element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
-                         **hierarchy, **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
+                         lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy, **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
 
 
 def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile, points: dict | None = None,

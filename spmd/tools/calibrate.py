@@ -33,7 +33,7 @@ import time
 
 from spmd.core.mesh import parse_mesh
 from spmd.cost_model.comm import wire_bytes
-from spmd.tools.measure import KINDS, builtin_cpu, measure_device, measure_links
+from spmd.tools.measure import KINDS, builtin_cpu, lockstep_slowdown, measure_device, measure_links, measure_lockstep
 
 
 def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
@@ -126,6 +126,7 @@ def fit_device(points: dict, source: str, memory_bytes: float):
     faults = [moved / 3 / (t - moved / dram) for moved, t in points.get("fault", ()) if t > moved / dram]
     fault_bw = statistics.median(faults) if faults else cpu.page_fault_bandwidth
     elementwise = points.get("elementwise") or {}
+    lockstep = lockstep_slowdown(points["lockstep"]) if points.get("lockstep") else cpu.lockstep_slowdown
     return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
                          attention_efficiency=cpu.attention_efficiency,
                          view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
@@ -133,7 +134,8 @@ def fit_device(points: dict, source: str, memory_bytes: float):
                          autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s,
                          cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
                          fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
-                         element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds)
+                         element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,
+                         lockstep_slowdown=lockstep)
 
 
 def _cache_share() -> float | None:
@@ -188,10 +190,12 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
     links = fit_links(link_points, shape, src, max(sizes))
     dev_points = (measure_device(max(1, warmup // 2), max(3, reps // 2), quick=len(sizes) < 4,
                                  seconds=0.002 if len(sizes) < 4 else 0.02) if device else {})
+    if device and world > 1:
+        dev_points["lockstep"] = measure_lockstep(segments=10 if len(sizes) < 4 else 40)
     dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
                       _memory_per_rank()) if device else device_profile_for("cpu"))
     points = {"links": {a: {k: [[b, t] for b, t in pts] for k, pts in bk.items()} for a, bk in link_points.items()},
-              "device": {k: dict(pts) if isinstance(pts, dict) else [[x, t] for x, t in pts]
+              "device": {k: dict(pts) if isinstance(pts, dict) else pts if k == "lockstep" else [[x, t] for x, t in pts]
                          for k, pts in dev_points.items()}}
     meta = {"backend": dist.get_backend(), "world": world, "mesh": shape, "date": when, "host": platform.node(),
             "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
@@ -218,7 +222,8 @@ def summary(profile) -> str:
                  f"(up to {d.cache_bytes / 2**20:.1f} MiB moved), "
                  f"{(d.dram_bandwidth or d.memory_bandwidth) / 1e9:.2f} GB/s from DRAM, page faults "
                  f"{d.page_fault_bandwidth / 1e9:.2f} GB/s for outputs of {d.fresh_page_bytes / 2**20:.0f} MiB or "
-                 f"more, {d.op_overhead_s * 1e6:.1f} us per (non-view) op")
+                 f"more, {d.op_overhead_s * 1e6:.1f} us per (non-view) op; ranks stepping together run at the slowest's "
+                 f"pace, {d.lockstep_slowdown:.3f}x one rank's")
     if d.element_seconds:
         lines.append("ns per element: " + ", ".join(f"{op} {s * 1e9:.2f}" for op, s in d.element_seconds))
     return "\n".join(lines)
