@@ -13,7 +13,6 @@ A process of its own: fake CUDA, the fake process group and the attention kernel
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
 import json
 import os
@@ -48,7 +47,7 @@ from spmd.compiler.pipeline import run_pipeline  # noqa: E402
 from spmd.core import collectives as C  # noqa: E402
 from spmd.core.specs import local_shape  # noqa: E402
 from tests.models import GPT, GPTConfig  # noqa: E402
-from tests.support import SLOW_DEVICE, spec  # noqa: E402
+from tests.support import COMPUTE_BOUND_DEVICE, spec  # noqa: E402
 
 aten = torch.ops.aten
 FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.zeros.default,
@@ -136,10 +135,10 @@ def main() -> None:
     Rendezvous.agree_on = lambda self, summary: None
     Rendezvous.agree_on_plan = lambda self, fingerprint: None
     Rendezvous.adopt_rank0 = lambda self, values: values
-    # the tests' profile, compute-bound (memory traffic next to free), fast links: the plan shards a lot.
-    # At the test device's own 1 GB/s, copies decide between near-equal plans, and the CUDA graph (other
-    # attention kernels) and the CPU one it is checked against could tip apart.
-    mesh_spec = spec(SHAPE, AXES, device=dataclasses.replace(SLOW_DEVICE, memory_bandwidth=1e13))
+    # the tests' compute-bound profile, fast links: the plan shards a lot. At SLOW_DEVICE's 1 GB/s, copies
+    # decide between near-equal plans, and the CUDA graph (other attention kernels) and the CPU one it is
+    # checked against could tip apart.
+    mesh_spec = spec(SHAPE, AXES, device=COMPUTE_BOUND_DEVICE)
 
     dtype = getattr(torch, args.dtype)
     cfg = GPTConfig(flex="mask" if args.flex else None)

@@ -1,7 +1,5 @@
 """Symbolic costs: the formula prices the plan exactly at the batch it was solved for, and the plan it
 describes at other batches; crossover finds where the best plan changes."""
-import dataclasses
-
 import pytest
 import sympy
 import torch
@@ -10,12 +8,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 import spmd
 from tests.models import GPT, MLP, GPTConfig
-from tests.support import LATENCY_LINK, SLOW_DEVICE
+from tests.support import COMPUTE_BOUND_DEVICE, LATENCY_LINK, SLOW_DEVICE
 
 MESH_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
 MESH_2D = spmd.MeshSpec((2, 2), ("dp", "tp"), (LATENCY_LINK, LATENCY_LINK), SLOW_DEVICE)
-# the same FLOP rate with memory traffic (copies, bucket packing) next to free
-FAST_MEMORY_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), dataclasses.replace(SLOW_DEVICE, memory_bandwidth=1e13))
+FAST_MEMORY_1D = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), COMPUTE_BOUND_DEVICE)
 
 
 def _mlp_training(batch=8):
