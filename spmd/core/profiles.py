@@ -204,13 +204,17 @@ DEVICES: dict[str, DeviceProfile] = {
         # The rates and the memory hierarchy: `spmd.tools.calibrate --nproc 2` on this 2-core AMD EPYC VM
         # (2026-11-26; an earlier host of the same name measured 100 GFLOP/s on squares), both ranks at once,
         # the median of 3 runs (element costs: 2 runs).
-        DeviceProfile("cpu", 58e9, 60e9, 6e-6, 24e9,
+        # Per small ATen op, as a generated graph pays it (Python line, dispatcher, kernel start-up): the
+        # small joint graph of `calibrate`, one process on a quiet machine, 11.7 / 19.6 / 23.4 us per
+        # non-view node in 3 runs; 27.7 us with 2 ranks at once (bench/profile_gloo_2.json). An earlier
+        # host measured 6.
+        DeviceProfile("cpu", 58e9, 60e9, 20e-6, 24e9,
                       "measured here, one thread per rank, 2 ranks at once (spmd.tools.calibrate, 2026-11-26): fp32 "
                       "matmul 58 GFLOP/s fitted on a transformer layer's shapes at 512 tokens, d 128..768 (46-66; "
                       "squares 66-81, an odd n such as GPT-2's 50257 vocabulary 25% slower), add 60 GB/s up to 8.25 "
                       "MiB moved (half of L2 + L3 / 2), 11.7 GB/s from DRAM, outputs of 32 MiB or more (glibc "
                       "mmaps them) faulted in at 1.27 GB/s; per element of exp, tanh, dropout, norms... timed at "
-                      "1 MiB; ~6 us per small ATen op, ~3 us per view, per call 6.5 us + 0.5 us per argument, per "
+                      "1 MiB; ~20 us per small ATen op (12-28), ~3 us per view, per call 6.5 us + 0.5 us per argument, per "
                       "training step 40 us + 2.3 us per parameter and saved value; flash attention 17-30 GFLOP/s; "
                       "ranks stepping together run at the slowest's pace, 1.08x one rank's "
                       "(bench/results_predict.md, bench/results_first_step.md)", 3e-6,
