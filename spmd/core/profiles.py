@@ -317,7 +317,8 @@ def device_from_json(d: dict) -> DeviceProfile:
                          attention_efficiency=float(d.get("attention_efficiency", 1.0)),
                          dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
                          element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
-                         lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy, **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
+                         lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy,
+                         **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
 
 
 def save_profile(path: str, links: dict[str, LinkProfile], device: DeviceProfile, points: dict | None = None,

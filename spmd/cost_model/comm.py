@@ -30,8 +30,8 @@ import functools
 from typing import Iterable
 
 from spmd.core.redistribute import Step, pick, shortest_redistributions
-from spmd.cost_model.compute import copy_seconds
 from spmd.core.specs import Placements, TensorInfo
+from spmd.cost_model.compute import copy_seconds
 
 WIRE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                "all_gather": lambda n: float(n - 1), "all_to_all": lambda n: (n - 1) / n}
