@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import shard_factor
-from spmd.cost_model.comm import bucket_packing, bucket_share, bucketed_latency, step_cost
+from spmd.cost_model.comm import bucket_share, bucketed_latency, step_cost
 from spmd.cost_model.compute import compute_cost, local_call
 
 
@@ -101,10 +101,10 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
             local = tuple(sympy.Integer(d) if g == g0 else sympy.Integer(d) * g / g0
                           for d, g, g0 in zip(step.local_in_shape, info.shape, _shape(small, edge.value)))
             s = dataclasses.replace(step, local_in_shape=local)
-            if bucketed and step.kind == "all_reduce":  # its latency is its share of the axis's buckets
-                terms.append(step_cost(s, mesh) - mesh.links[step.axis].alpha_beta("all_reduce")[0]
-                             + bucket_packing(mesh.device, s.in_bytes))
-                shares.setdefault(step.axis, []).append(bucket_share(s.in_bytes, bucket))
+            if bucketed and step.kind == "all_reduce":  # its latency share moves to the axis's bucket floor
+                share = bucket_share(s.in_bytes, bucket)
+                terms.append(step_cost(s, mesh, bucket) - mesh.links[step.axis].alpha_beta("all_reduce")[0] * share)
+                shares.setdefault(step.axis, []).append(share)
             else:
                 terms.append(step_cost(s, mesh))
     for axis, parts in shares.items():

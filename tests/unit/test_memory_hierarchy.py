@@ -128,3 +128,30 @@ def test_calibration_fits_the_dram_and_page_fault_rates_and_keeps_the_per_elemen
     assert dev.dram_bandwidth == pytest.approx(1.2e10) and dev.page_fault_bandwidth == pytest.approx(1.5e9)
     assert dict(dev.element_seconds) == {"exp": 1.5e-9, "tanh": 3.5e-9}
     assert dev.fresh_page_bytes == 32 * MiB
+
+
+def test_local_copies_and_bucket_packing_go_through_the_hierarchy():
+    """A slice made contiguous reads and writes its piece; a bucketed gradient is copied into the bucket
+    and back out: in cache, from DRAM, and with the faults of a fresh output."""
+    from spmd.core.mesh import MeshSpec
+    from spmd.core.profiles import LinkProfile
+    from spmd.core.redistribute import Step
+    from spmd.cost_model.comm import step_cost
+
+    dev = _cpu()
+    mesh = MeshSpec((2,), ("tp",), (LinkProfile("l", 1e-3, 1e9),), dev)
+
+    def piece_seconds(nbytes):  # read + write of `nbytes`, plus its faults if fresh
+        moved = 2 * nbytes
+        stream = moved / (5e10 if moved <= 8 * MiB else 1e10)
+        return stream + (nbytes / 1e9 if nbytes >= 32 * MiB else 0.0)
+
+    for full in (1 * MiB, 16 * MiB, 128 * MiB):
+        s = Step("shard_local", 0, None, 0, None, (full // 4,), 4)
+        assert step_cost(s, mesh) == pytest.approx(piece_seconds(full / 2))
+        ar = Step("all_reduce", 0, None, None, "sum", (full // 4,), 4)
+        bucket = 4 * MiB
+        plain = 1e-3 + full / 1e9  # latency + 2 (n-1)/n B / b on 2 ranks
+        share = min(1.0, full / bucket)
+        assert step_cost(ar, mesh, bucket) == pytest.approx(
+            plain - 1e-3 + share * 1e-3 + 2 * piece_seconds(full))
