@@ -105,11 +105,12 @@ class RankBinding:
     """The rank a compilation emits code for: its coordinate follows from `rank` and the mesh; each mesh
     axis's collectives run on the process group named `group_names[axis]`; `device` is where its
     tensors live (None: wherever the model's are). On a live mesh: `check` makes the ranks agree on
-    what they traced before anything else (runtime/agreement.py), `agree` makes every rank adopt rank
-    0's solver answer (ties between optimal plans are broken differently in different processes)."""
+    what they traced before anything else (runtime/agreement.py), `solve_once` runs the solver on rank 0
+    and hands every rank its answer (ties between optimal plans are broken differently in different
+    processes)."""
 
     rank: int
     group_names: tuple[str, ...]
     device: torch.device | None = None
-    agree: Callable | None = None
+    solve_once: Callable | None = None
     check: Callable | None = None

@@ -133,7 +133,7 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
     if traced.custom_functions:
         stats["custom_functions"] = list(traced.custom_functions)
     return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
-                               binding.agree if binding is not None else None, stats, options.bucket_bytes,
+                               binding.solve_once if binding is not None else None, stats, options.bucket_bytes,
                                on_progress=progress.solving, recompute=recomputable,
                                by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))
 
@@ -189,7 +189,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("estimate_costs", estimate_costs, ("traced", "strategies", "mesh", "options.optimizer_state_factor",
                                             "options.bucket_bytes", "blocks"), "costs", dump=dumps.dump_costs),
     # One global choice (ILP), then the schedule's temporaries under the budget. Optimal plans can tie
-    # and the solver breaks ties by timing, so on a live mesh every rank adopts rank 0's solution.
+    # and the solver breaks ties by timing, so on a live mesh rank 0 solves and every rank takes its plan.
     Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note",
                                       "progress", "recomputable"),
          "plan", dump=dumps.dump_plan),

@@ -21,9 +21,15 @@ import numpy as np
 
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
-# the dual simplex's time on a relaxation before interior point (with crossover, so still a vertex) takes
-# over: a few degenerate programs of 3-D meshes stall the simplex for 19 s that interior point solves in 7
-SIMPLEX_SECONDS = 4.0
+# The dual simplex's iterations on a relaxation before interior point (with crossover, so still a vertex)
+# takes over: a few degenerate programs of 3-D meshes stall the simplex (36,800 iterations, 19-33 s) where
+# interior point takes 7 s. The others need 0.08-0.19 iterations per column (Llama on (2, 2): 14,800 for
+# 185k columns; the 1.1B 3-D search's programs: 7,800-18,600 for ~98k). Counted in iterations, not
+# seconds, so that the path, and with it which of several optimal vertices comes back, does not depend
+# on the machine's load: four ranks solving at once on two cores once took Llama's relaxation (2 s alone)
+# past a 4 s switch to interior point, which needs 45 s on that program, and out of time.
+SIMPLEX_ITERATIONS_PER_COLUMN = 0.2
+SIMPLEX_ITERATIONS_MIN = 20_000
 
 
 @dataclass(frozen=True)
@@ -346,6 +352,7 @@ class _Search:
         self.fixed = None  # a second instance, for plans with every choice fixed
         self.relaxed = _highs(self.remaining(), presolve=False)
         self.relaxed.passModel(lp)
+        self.simplex_iterations = max(SIMPLEX_ITERATIONS_MIN, int(SIMPLEX_ITERATIONS_PER_COLUMN * len(binary)))
         self.columns = np.arange(len(binary), dtype=np.int32)
         # rounding fixes every binary column: possible when each is in exactly one choice
         self.covered = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
@@ -365,9 +372,10 @@ class _Search:
         `on_progress(objective, bound, gap)`: branch and bound's progress, in these costs' units."""
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
-        self.relaxed.setOptionValue("time_limit", min(SIMPLEX_SECONDS, self.remaining()))
+        self.relaxed.setOptionValue("time_limit", self.remaining())
+        self.relaxed.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
         self.relaxed.run()
-        if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kTimeLimit and not self.out_of_time():
+        if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
             self._interior_point(costs)
         if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, float("nan"), self.relaxed.modelStatusToString(self.relaxed.getModelStatus())
@@ -410,6 +418,7 @@ class _Search:
         if ipm.getModelStatus() == highspy.HighsModelStatus.kOptimal and ipm.getBasis().valid:
             self.relaxed.setBasis(ipm.getBasis())
         self.relaxed.setOptionValue("time_limit", self.remaining())
+        self.relaxed.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
         self.relaxed.run()
 
     def rounded(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:

@@ -4,8 +4,8 @@
     any error       every rank raises: "rank 1 could not compile: ..."              (never a hang)
     digests differ  all_gather(the full summaries of the odd ranks and rank 0), then every rank raises
                     an SpmdError naming the ranks and the first difference           (never a hang)
-    all equal       go on; the solver's answer is then rank 0's on every rank (`adopt_rank0`), and the
-                    plans' fingerprints are compared once more after the solve
+    all equal       go on; rank 0 alone runs the solver and every rank takes its answer
+                    (`solve_on_rank0`), and the plans' fingerprints are compared once more after it
 
 A rank that fails before the meeting (say, its model does not trace) still comes to it, with its error,
 so that the others fail with it instead of waiting for a collective it will never join.
@@ -54,16 +54,29 @@ class Rendezvous:
             self._gather({"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]})
             self.met = True
 
-    def adopt_rank0(self, values):
-        """Every rank takes rank 0's solution vector: HiGHS breaks ties between optimal plans by timing,
-        differently in different processes (see solve_placements)."""
-        box = [(len(values), values)]
+    def solve_on_rank0(self, solve, n_columns: int):
+        """Rank 0 runs `solve()` (the placement program's solver) and every rank takes its result: the
+        other ranks wait instead of solving the same program again. One answer is also the only safe
+        one: HiGHS breaks ties between optimal plans by timing, differently in different processes,
+        and where branch and bound stops on its time limit the plan depends on the machine's load.
+        Solving once also keeps the ranks off each other's cores where they share a host (a CI box,
+        gloo on CPU): four ranks solving at once on two cores took the dual simplex past its switch to
+        interior point. `n_columns`: this rank's program size, checked against rank 0's."""
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("ok", solve())
+            except BaseException as e:  # the other ranks wait in the broadcast: bring them the error
+                dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
+                raise
         dist.broadcast_object_list(box, src=0)
-        n, chosen = box[0]
-        if n != len(values):  # the summaries agreed, so the programs cannot differ: a bug
-            raise SpmdInternalError(f"rank {dist.get_rank()} built a placement problem with {len(values)} "
-                                    f"variables, rank 0 one with {n}")
-        return chosen
+        kind, result = box[0]
+        if kind == "error":
+            raise SpmdError(f"rank 0 could not solve the placement program: {result}")
+        if len(result.values) != n_columns:  # the summaries agreed, so the programs cannot differ: a bug
+            raise SpmdInternalError(f"rank {dist.get_rank()} built a placement problem with {n_columns} "
+                                    f"variables, rank 0 one with {len(result.values)}")
+        return result
 
     def agree_on_plan(self, fingerprint: str) -> None:
         prints = self._gather(fingerprint)

@@ -36,15 +36,35 @@ def test_tight_memory_budget_shards_parameters_on_dp(ranks):
         assert r["measured"][kind] == pytest.approx(r["predicted"][kind]), (kind, r)
 
 
-def _agree(rank: int, world: int) -> list:
+def _solve_once(rank: int, world: int, fail: bool) -> dict:
     import numpy as np
 
+    from spmd.cost_model.solver import IlpResult
     from spmd.runtime.agreement import Rendezvous
 
-    return list(Rendezvous().adopt_rank0(np.full(3, float(rank))))
+    calls = []
+
+    def solve():
+        calls.append(rank)
+        if fail:
+            raise ValueError("the program is broken")
+        return IlpResult(np.full(3, float(rank)), 1.0, 1.0, 0.0, 0.1, "Optimal", 3, 0, 1)
+
+    try:
+        result = Rendezvous().solve_on_rank0(solve, 3)
+    except Exception as e:
+        return {"calls": calls, "error": f"{type(e).__name__}: {e}"}
+    return {"calls": calls, "values": list(result.values)}
 
 
-def test_ranks_adopt_rank0_solution(ranks):
+def test_rank0_solves_and_every_rank_takes_its_answer(ranks):
     """Tied optimal plans come back from the solver differently per process (timing); every rank must
-    run rank 0's, or collectives mismatch and gradients go silently wrong (the old 2-D gloo 'desync')."""
-    assert ranks(2).run(_agree) == [[0.0] * 3, [0.0] * 3]
+    run rank 0's, or collectives mismatch and gradients go silently wrong (the old 2-D gloo 'desync').
+    Only rank 0 solves: ranks sharing a host's cores no longer race each other through the solver."""
+    assert ranks(2).run(_solve_once, False) == [{"calls": [0], "values": [0.0] * 3},
+                                                {"calls": [], "values": [0.0] * 3}]
+    # rank 0's solver fails: every rank raises (none waits forever for an answer)
+    zero, one = ranks(2).run(_solve_once, True)
+    assert zero == {"calls": [0], "error": "ValueError: the program is broken"}
+    assert one == {"calls": [], "error": "SpmdError: rank 0 could not solve the placement program: "
+                                         "ValueError: the program is broken"}

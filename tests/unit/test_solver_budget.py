@@ -183,14 +183,15 @@ def test_when_nothing_fits_whole_the_leanest_plan_comes_back_marked():
 
 
 def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeypatch):
-    """With no time for the simplex, interior point and crossover solve the relaxation and hand the simplex
+    """With no iterations for the simplex, interior point and crossover solve the relaxation and hand the simplex
     their basis: the same optimum, still integral, and the budget search warm-starts from there."""
     import spmd.cost_model.solver as solver
 
     groups = [[(1.0, 4.0), (2.0, 1.0), (3.0, 0.5)], [(0.5, 3.0), (1.5, 1.0)], [(2.0, 2.0), (1.0, 5.0)]]
     want = {None: _brute_force(groups, float("inf")), 4.0: _brute_force(groups, 4.0)}
     calls = []
-    monkeypatch.setattr(solver, "SIMPLEX_SECONDS", 0.0)
+    monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_MIN", 0)
+    monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_PER_COLUMN", 0.0)
     monkeypatch.setattr(solver._Search, "_interior_point",
                         lambda self, costs, run=solver._Search._interior_point: calls.append(1) or run(self, costs))
     for limit in (None, 4.0):
