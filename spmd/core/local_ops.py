@@ -1,4 +1,5 @@
-"""Rank-dependent local ops the generated graphs call where a sharded dim is indexed (vocab parallelism).
+"""Rank-dependent local ops the generated graphs call where a sharded dim is indexed (vocab parallelism),
+and random ops on a piece of a tensor (`dropout_piece`).
 
 A table split by rows over ranks (an embedding's vocabulary, the logits' classes) is indexed by values
 that name global rows. Each rank holds rows [start, start + rows): it looks up the indices that fall
@@ -52,3 +53,18 @@ def masked_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.
     local = (target - start).masked_fill(outside, -1)
     w = weight[start:start + classes] if weight is not None else None
     return aten.nll_loss_backward(grad, x, local, w, reduction, -1, total_weight)
+
+
+def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],
+                  pieces: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`native_dropout` on this rank's piece `x` of a tensor of global `shape`, equal to that piece of one
+    device's result: the mask is drawn whole by the same kernel from the same generator state (so the
+    generator also moves on as on one device), and cut to the piece; only the piece is kept (and saved
+    for backward). `pieces`: (dim, start, length) of each dim the piece is cut on (rules/random.py)."""
+    if train is False or p == 0.0:  # no draw: the op is the identity (and its mask all ones)
+        return aten.native_dropout(x, p, train)
+    _, mask = aten.native_dropout(torch.empty(shape, dtype=x.dtype, device=x.device), p, train)
+    for dim, start, length in pieces:
+        mask = mask.narrow(dim, start, length)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    return x.mul(mask).mul_(scale), mask.contiguous()

@@ -107,6 +107,16 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
         fault_seconds(device, [o.nbytes for o in out_infos], symbolic) + device.op_overhead_s
 
 
+# Random ops a rank draws whole where it keeps a piece (passes/rules/random.py: one device's draw, so that
+# the ranks and one device agree bit for bit): the piece costs the whole op's seconds as well.
+DRAWN_WHOLE = frozenset({aten.native_dropout.default})
+
+
+def is_drawn_whole(op, placements) -> bool:
+    """`op` with these output placements runs the whole op before it keeps its piece."""
+    return op in DRAWN_WHOLE and any(ps is not None and any(not p.is_replicate() for p in ps) for ps in placements)
+
+
 def _pick(symbolic: bool):
     if symbolic:
         import sympy

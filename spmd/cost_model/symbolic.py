@@ -23,7 +23,7 @@ import torch.fx as fx
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import shard_factor
 from spmd.cost_model.comm import bucket_share, bucketed_latency, step_cost
-from spmd.cost_model.compute import compute_cost, local_call
+from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,16 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
         ins = [_local(sym[a.name], ps, mesh.shape) for a, ps in zip(_in_order(node, sym), strategy.inputs)]
         outs_sym = sym[node.name] if isinstance(sym.get(node.name), tuple) else (sym.get(node.name),)
         outs = [_local(o, ps, mesh.shape) for o, ps in zip(outs_sym, strategy.outputs) if o is not None and ps is not None]
-        args, kwargs = local_call(node, lambda a: isinstance(sym.get(a.name), SymInfo), ins)
+        def is_tensor(a) -> bool:
+            return isinstance(sym.get(a.name), SymInfo)
+
+        args, kwargs = local_call(node, is_tensor, ins)
         terms.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device, symbolic=True))
+        if is_drawn_whole(node.target, strategy.outputs):  # the whole draw, then the piece
+            whole_ins = [sym[a.name] for a in _in_order(node, sym)]
+            whole = [o for o, ps in zip(outs_sym, strategy.outputs) if o is not None and ps is not None]
+            terms.append(compute_cost(node.target, *local_call(node, is_tensor, whole_ins), whole_ins, whole,
+                                      mesh.device, symbolic=True))
 
     grads = {f"output_{k}" for k, o in enumerate(small.output_kinds()) if o.kind == "grad"}
     shares: dict[int, list] = {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from spmd.core.redistribute import pick
 from spmd.core.specs import Placements, TensorInfo, Value, local_shape
-from spmd.cost_model.compute import compute_cost, local_call
+from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call
 from spmd.cost_model.layout_graph import cheapest_paths, layout_graph
 from spmd.cost_model.memory import MemoryTerm, memory_terms
 from spmd.passes.enumerate_strategies import StrategyTable
@@ -72,6 +72,10 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
     rows_by_variant: dict[tuple[str, int], tuple[float, ...]] = {}
     nodes = {n.name: n for n in traced.graph.nodes}
     info = value_infos(traced)
+
+    def is_tensor(a) -> bool:
+        return isinstance(traced.tensor_info.get(a.name), TensorInfo)
+
     node_costs: dict[str, tuple[float, ...]] = {}
     for name, ns in table.nodes.items():
         node = nodes.get(name)
@@ -87,8 +91,13 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         for s in ns.strategies:
             ins = [_local(i, ps, mesh.shape) for i, ps in zip(in_infos, s.inputs)]
             outs = [_local(o, ps, mesh.shape) for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
-            args, kwargs = local_call(node, lambda a: isinstance(traced.tensor_info.get(a.name), TensorInfo), ins)
-            row.append(compute_cost(node.target, args, kwargs, ins, outs, mesh.device))
+            args, kwargs = local_call(node, is_tensor, ins)
+            seconds = compute_cost(node.target, args, kwargs, ins, outs, mesh.device)
+            if is_drawn_whole(node.target, s.outputs):  # the whole draw, then the piece
+                whole = [o for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
+                seconds += compute_cost(node.target, *local_call(node, is_tensor, in_infos), in_infos, whole,
+                                        mesh.device)
+            row.append(seconds)
         node_costs[name] = rows_by_variant[key] = tuple(row)
     return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor)),
                      bucket_bytes if traced.joint else None)

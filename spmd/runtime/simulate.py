@@ -85,8 +85,12 @@ def simulate(compilation, full_inputs: tuple) -> list:
             kw.pop("world")
             kw.pop("where", None)
             results = _collective(node.target, [a[0] for a in args], kw, mesh, axis)
-        else:
-            results = [node.target(*a, **kw) for a, kw in zip(args, kwargs)]
+        else:  # each rank draws from the same generator state, as ranks seeded alike do
+            state = torch.get_rng_state()
+            results = []
+            for a, kw in zip(args, kwargs):
+                torch.set_rng_state(state)
+                results.append(node.target(*a, **kw))
         for env, value in zip(envs, results):
             env[node.name] = value
     raise AssertionError("graph without output")

@@ -2,5 +2,4 @@
 them), DTensor's through `dtensor_adapter`."""
 from spmd.passes.rules import (attention, cast, factory, flex_attention, indexing, linalg, norm,  # noqa: F401
                                pointwise, random, softmax, tuple_ops, vocab_parallel)
-from spmd.passes.rules.registry import RULES, RuleInput, expand_single_dim, rule  # noqa: F401
-from spmd.passes.rules.vocab_parallel import LOCAL_REWRITES  # noqa: F401
+from spmd.passes.rules.registry import LOCAL_REWRITES, RULES, RuleInput, expand_single_dim, rule  # noqa: F401

@@ -1,21 +1,31 @@
-"""Random ops (dropout and friends): replicated, so every rank draws exactly the single-device numbers.
+"""Random ops (dropout and friends): every rank draws exactly the single-device numbers.
 
-Sharding a random op would let each rank draw its own local numbers. On CPU we have no per-shard RNG
-offsets (DTensor's Philox offset tracking is CUDA-only), so equal seeds would give every shard the same
-mask: correlated, not just different from one device. Replicating costs the full draw on every rank but
-is exact: with the same seed on every rank (as for building the model), ranks and the single-device
-model consume the generator identically and agree bit for bit. Consumers slice the result for free.
+On CPU there are no per-shard RNG offsets (DTensor's Philox offset tracking is CUDA-only), and a rank
+drawing only its piece would consume the generator differently from one device: equal seeds would give
+every shard the same mask (correlated, and not one device's). So a random op is drawn whole, on every
+rank, from the same generator state (the same seed on every rank, as for building the model): ranks and
+the single-device model consume the generator identically and agree bit for bit.
+
+    most random ops        Replicate only; consumers slice the result for free
+    native_dropout(x)      also out, mask S(d) <- x S(d), any d: the rank draws the whole mask (one
+                           device's kernel on an empty tensor of the global shape), keeps its piece of
+                           it and multiplies its piece of x (`local_ops.dropout_piece`). The draw costs
+                           what the replicated op does (estimate_costs prices it whole), but the
+                           mask saved for backward, the output and the product are the piece: what
+                           sequence parallelism needs for the dropout on the residual branch.
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
-from spmd.passes.rules.registry import RuleInput, rule
+from spmd.core import local_ops
+from spmd.core.specs import piece_of
+from spmd.passes.rules.registry import RuleInput, local_rewrite, rule
 
 aten = torch.ops.aten
 
-_RANDOM = [aten.native_dropout.default, aten.rand_like.default, aten.randn_like.default,
+_RANDOM = [aten.rand_like.default, aten.randn_like.default,
            aten.bernoulli.default, aten.bernoulli.p, aten.randint_like.default, aten.normal_functional.default
            if hasattr(aten, "normal_functional") else None, aten.uniform.default if hasattr(aten, "uniform") else None]
 
@@ -23,3 +33,25 @@ _RANDOM = [aten.native_dropout.default, aten.rand_like.default, aten.randn_like.
 @rule(*[op for op in _RANDOM if op is not None])
 def replicated_random(inp: RuleInput) -> list[list]:
     return [[Replicate()] * (len(inp.outputs) + len(inp.inputs))]
+
+
+@rule(aten.native_dropout.default)
+def dropout(inp: RuleInput) -> list[list]:
+    """(out, mask, x): replicated, or all three cut alike on any dim."""
+    rows = [[Replicate()] * 3]
+    rows += [[Shard(d)] * 3 for d in range(len(inp.inputs[0].shape))]
+    return rows
+
+
+@local_rewrite(aten.native_dropout.default)
+def _dropout(args, strategy, shapes, mesh_shape, coord):
+    shape = shapes[0]
+    pieces = []
+    for dim, size in enumerate(shape):
+        index, count = piece_of(strategy.inputs[0], mesh_shape, coord, dim)
+        if count > 1:
+            pieces.append((dim, index * (size // count), size // count))
+    if not pieces:
+        return None
+    train = args[2] if len(args) > 2 else None
+    return local_ops.dropout_piece, (args[0], args[1], train, tuple(shape), tuple(pieces)), {}

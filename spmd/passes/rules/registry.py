@@ -16,6 +16,11 @@ from spmd.core.specs import Strategy, TensorInfo
 
 SingleDimRule = Callable[["RuleInput"], list[list]]
 RULES: dict[Any, SingleDimRule] = {}
+# op -> (the node's args, its Strategy, the global shape of each arg (None: not a tensor), the mesh shape,
+# this rank's coordinate) -> (local op, args, kwargs), or None to keep the op: what a rank runs where the
+# op on its piece is not the op itself (emit_rank_graph; the vocab-parallel and random forms)
+LocalRewrite = Callable[..., "tuple | None"]
+LOCAL_REWRITES: dict[Any, LocalRewrite] = {}
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,17 @@ def rule(*ops) -> Callable[[SingleDimRule], SingleDimRule]:
     def register(fn: SingleDimRule) -> SingleDimRule:
         for op in ops:
             RULES[op] = fn
+        return fn
+
+    return register
+
+
+def local_rewrite(*ops) -> Callable[[LocalRewrite], LocalRewrite]:
+    """Register what a rank runs for each ATen overload in `ops` (see `LOCAL_REWRITES`)."""
+
+    def register(fn: LocalRewrite) -> LocalRewrite:
+        for op in ops:
+            LOCAL_REWRITES[op] = fn
         return fn
 
     return register

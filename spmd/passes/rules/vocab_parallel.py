@@ -19,7 +19,7 @@ The loss's forms are reached only where the log-softmax before them runs on spli
 whole (one fused kernel) in the joint graph, and has no such rule yet (its decomposition, amax / exp /
 sum over the shards, trains equal to one device but changes plans elsewhere; see issue 12's note).
 
-`LOCAL_REWRITES` says what a rank runs for the vocab-parallel forms: emit_rank_graph calls the entry of
+`local_rewrite` registers what a rank runs for the vocab-parallel forms: emit_rank_graph calls the entry of
 the node's op with the node's strategy, which gives the op of spmd/core/local_ops.py and its arguments,
 with this rank's first row (`start`) and row count filled in; None keeps the op as it is.
 """
@@ -30,7 +30,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.core import local_ops
 from spmd.core.specs import Placements, piece_of
-from spmd.passes.rules.registry import RuleInput, rule
+from spmd.passes.rules.registry import RuleInput, local_rewrite, rule
 
 aten = torch.ops.aten
 
@@ -82,6 +82,7 @@ def _start(ps: Placements, dim: int, size: int, mesh_shape, coord) -> tuple[int,
     return index * rows, rows
 
 
+@local_rewrite(aten.embedding.default)
 def _embedding(args, strategy, shapes, mesh_shape, coord):
     split = _start(strategy.inputs[0], 0, shapes[0][0], mesh_shape, coord)
     if split is None:
@@ -89,6 +90,7 @@ def _embedding(args, strategy, shapes, mesh_shape, coord):
     return local_ops.masked_embedding, (args[0], args[1]), {"start": split[0]}
 
 
+@local_rewrite(aten.embedding_dense_backward.default)
 def _embedding_backward(args, strategy, shapes, mesh_shape, coord):
     grad, ids, num_weights = args[0], args[1], args[2]
     split = _start(strategy.outputs[0], 0, num_weights, mesh_shape, coord)
@@ -98,6 +100,7 @@ def _embedding_backward(args, strategy, shapes, mesh_shape, coord):
     return local_ops.masked_embedding_backward, (grad, ids, split[1], padding_idx), {"start": split[0]}
 
 
+@local_rewrite(aten.gather.default)
 def _gather(args, strategy, shapes, mesh_shape, coord):
     dim = args[1] % max(len(shapes[0]), 1)
     split = _start(strategy.inputs[0], dim, shapes[0][dim], mesh_shape, coord)
@@ -106,6 +109,7 @@ def _gather(args, strategy, shapes, mesh_shape, coord):
     return local_ops.masked_gather, (args[0], dim, args[2]), {"start": split[0]}
 
 
+@local_rewrite(aten.nll_loss_backward.default)
 def _nll_loss_backward(args, strategy, shapes, mesh_shape, coord):
     x_shape = shapes[1]
     classes = 1 if len(x_shape) == 2 else 0
@@ -113,13 +117,3 @@ def _nll_loss_backward(args, strategy, shapes, mesh_shape, coord):
     if split is None:
         return None
     return local_ops.masked_nll_loss_backward, tuple(args[:7]), {"start": split[0]}
-
-
-# op -> (the node's args, its Strategy, the global shape of each arg (None: not a tensor), the mesh
-# shape, this rank's coordinate) -> (local op, args, kwargs) or None
-LOCAL_REWRITES = {
-    aten.embedding.default: _embedding,
-    aten.embedding_dense_backward.default: _embedding_backward,
-    aten.gather.default: _gather,
-    aten.nll_loss_backward.default: _nll_loss_backward,
-}
