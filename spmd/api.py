@@ -113,7 +113,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     meeting = Rendezvous() if dist.is_initialized() else None
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,
                           tuple(mesh.get_group(i).group_name for i in range(mesh.ndim)), device,
-                          meeting.solve_on_rank0 if meeting else None, meeting.agree_on if meeting else None)
+                          meeting.share_plan if meeting else None, meeting.agree_on if meeting else None,
+                          plans=meeting is None or meeting.plans_here())
     try:
         # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh
         traced_model, traced_inputs = fake_model(view, flat_inputs, device)

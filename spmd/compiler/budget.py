@@ -39,14 +39,14 @@ def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
 
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
-                        solve_once=None, stats: dict | None = None, bucket_bytes: float | None = None,
+                        stats: dict | None = None, bucket_bytes: float | None = None,
                         on_progress=None, recompute=None, by_axes: bool = False) -> Plan:
-    """`stats`: what earlier passes reported, kept in `plan.stats`. `solve_once`: see `solve_placements`.
+    """`stats`: what earlier passes reported, kept in `plan.stats`.
     `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once."""
     labels, regions = traced.labels(), traced.regions()
 
     def solve(table, table_costs) -> Plan:
-        return solve_placements(table, table_costs, labels, memory_budget, solve_once=solve_once, blocks=blocks,
+        return solve_placements(table, table_costs, labels, memory_budget, blocks=blocks,
                                 extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
                                 regions=regions, recompute=recompute)
 

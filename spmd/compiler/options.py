@@ -105,12 +105,14 @@ class RankBinding:
     """The rank a compilation emits code for: its coordinate follows from `rank` and the mesh; each mesh
     axis's collectives run on the process group named `group_names[axis]`; `device` is where its
     tensors live (None: wherever the model's are). On a live mesh: `check` makes the ranks agree on
-    what they traced before anything else (runtime/agreement.py), `solve_once` runs the solver on rank 0
-    and hands every rank its answer (ties between optimal plans are broken differently in different
-    processes)."""
+    what they traced before anything else (runtime/agreement.py), only the rank with `plans` builds the
+    placement program and solves it, and `share_plan(make)` hands its plan to every rank (ties between
+    optimal plans are broken differently in different processes, and the others need not repeat the
+    work)."""
 
     rank: int
     group_names: tuple[str, ...]
     device: torch.device | None = None
-    solve_once: Callable | None = None
+    share_plan: Callable | None = None
     check: Callable | None = None
+    plans: bool = True

@@ -119,6 +119,8 @@ def _stamping(v: dict) -> bool:
 
 
 def _merging(v: dict) -> bool:
+    if not _plans_here(v):
+        return False
     merge = v["options"].merge_followers
     if merge is None:
         return sum(1 for n in v["traced"].graph.nodes if n.op == "call_function") > AUTO_MIN_NODES
@@ -127,15 +129,32 @@ def _merging(v: dict) -> bool:
 
 def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress,
            recomputable) -> Plan:
-    stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
-    if stamp_note:
-        stats["stamped_layers"] = stamp_note
-    if traced.custom_functions:
-        stats["custom_functions"] = list(traced.custom_functions)
-    return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks,
-                               binding.solve_once if binding is not None else None, stats, options.bucket_bytes,
-                               on_progress=progress.solving, recompute=recomputable,
-                               by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))
+    def make() -> Plan:
+        stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
+        if stamp_note:
+            stats["stamped_layers"] = stamp_note
+        if traced.custom_functions:
+            stats["custom_functions"] = list(traced.custom_functions)
+        return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks, stats,
+                                   options.bucket_bytes, on_progress=progress.solving, recompute=recomputable,
+                                   by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))
+
+    return make() if binding is None or binding.share_plan is None else binding.share_plan(make)
+
+
+def _plans_here(v: dict) -> bool:
+    """This process builds the placement program (on a live mesh only one rank does; see `_solve`)."""
+    return v["binding"] is None or v["binding"].plans
+
+
+def planning_tables(traced, mesh, options: PlanOptions, blocks) -> tuple:
+    """(strategies, costs) for a compilation whose plan another rank made (`RankBinding.plans` off): made
+    again from this rank's trace, which the ranks agreed is the same, when its plan is explained."""
+    values = {"traced": traced, "mesh": mesh, "options": options, "blocks": blocks, "binding": None}
+    for p in PIPELINE:
+        if p.name in ("enumerate_strategies", "merge_followers", "estimate_costs") and p.when(values):
+            values[p.writes] = p.run(*[_read(values, r) for r in p.reads])
+    return values["strategies"], values["costs"]
 
 
 def _emit(global_gm, mesh, binding: RankBinding):
@@ -182,14 +201,15 @@ PIPELINE: tuple[Pass, ...] = (
              for s in v["recomputable"].stacks)),
     # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
     Pass("enumerate_strategies", enumerate_strategies, ("traced", "mesh", "options.pins", "blocks"), "strategies",
-         dump=dumps.dump_strategies),
+         _plans_here, dumps.dump_strategies),
     # Large graphs only (an approximation): single-input ops follow their input instead of choosing.
     Pass("merge_followers", merge_followers, ("traced", "strategies"), "strategies", _merging, dumps.dump_strategies),
     # Costs for every candidate and edge, from the same redistribute planner codegen uses.
     Pass("estimate_costs", estimate_costs, ("traced", "strategies", "mesh", "options.optimizer_state_factor",
-                                            "options.bucket_bytes", "blocks"), "costs", dump=dumps.dump_costs),
+                                            "options.bucket_bytes", "blocks"), "costs", _plans_here, dumps.dump_costs),
     # One global choice (ILP), then the schedule's temporaries under the budget. Optimal plans can tie
-    # and the solver breaks ties by timing, so on a live mesh rank 0 solves and every rank takes its plan.
+    # and the solver breaks ties by timing, so on a live mesh one rank plans (the three passes above and
+    # this one) and every rank takes its plan.
     Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note",
                                       "progress", "recomputable"),
          "plan", dump=dumps.dump_plan),
@@ -233,6 +253,7 @@ def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: P
     options = options or PlanOptions()
     values: dict[str, Any] = {"model": model, "example_inputs": tuple(example_inputs), "mesh": mesh,
                               "options": options, "binding": binding, "stacks": (), "blocks": None,
+                              "strategies": None, "costs": None,
                               "stamp_note": "", "recomputable": Recomputable(), "global_gm": None, "rank_gm": None, "split": None}
     dump = Dumper(options.dump_dir or os.environ.get("SPMD_DUMP"))
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")

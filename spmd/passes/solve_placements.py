@@ -15,7 +15,7 @@ from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, Value, pieces
 from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.layout_graph import layout_graph
-from spmd.cost_model.solver import Budget, IlpBuilder, IlpResult
+from spmd.cost_model.solver import Budget, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
 from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
@@ -173,15 +173,11 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
-                     memory_budget: float | None = None, time_limit: float = 60.0, solve_once=None,
+                     memory_budget: float | None = None, time_limit: float = 60.0,
                      blocks=None, extra_bytes: Callable[[Plan], float] | None = None,
                      on_progress: Callable[[float, float, float], None] | None = None,
                      regions: dict[str, str] | None = None, recompute: Recomputable | None = None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
-    `solve_once(solve, n_columns)`: on a live mesh, runs `solve()` on one rank and hands every rank its
-    result. Where a model has several optimal plans (ties are common: equal-cost orders of the same
-    collectives), HiGHS may return a different one in each process, depending on timing; ranks running
-    different plans exchange mismatched collectives or, worse, silently compute wrong gradients.
     `blocks`: a `RepeatedBlocks`; a node of a repeated layer reuses its representative's variables (and
     edges between reused variables reuse their edge variables), so identical layers get identical
     placements and the program's size stops growing with depth. The optimum is then the best plan
@@ -466,10 +462,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         budget = Budget(memory_row, memory_budget, None if extra_bytes is None else
                         lambda x: extra_bytes(to_plan(x, None)), polish=tuple(c for cols in counts for c in cols))
 
-    def solve() -> IlpResult:
-        return ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
-
-    result = solve() if solve_once is None else solve_once(solve, len(ilp.cost))
+    result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):
         if memory_budget is not None:
             floor = sum(t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape) for t in costs.memory)

@@ -210,7 +210,7 @@ def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], typ
 
 def compute_details(plan, src) -> PlanDetails:
     """`src`: the `PlanSources` the plan was solved from (report/result.py)."""
-    table, costs = src.strategies, src.costs
+    table, costs = src.tables
     params = {ph: plan.labels[ph] for ph, k in src.kinds.items() if k in ("parameter", "buffer")}
     where, types = module_paths(src.graph, list(params.values()))
     nodes = {n.name: n for n in src.graph.nodes}

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from spmd.compiler.dump import plan_table
+from spmd.compiler.pipeline import planning_tables
 from spmd.core.plan import Plan
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.report import diff, explain, parallelize, plan_io, render, whatif
@@ -31,11 +32,20 @@ class PlanSources:
 
     graph: fx.Graph  # the traced ATen graph (node names are the plan's)
     emitted: fx.GraphModule | Callable[[], fx.GraphModule] | None  # insert_collectives' output, or how to make it
-    strategies: Any  # StrategyTable
-    costs: Any  # CostTable
+    strategies: Any  # StrategyTable (None: made by `make_tables` on first use)
+    costs: Any  # CostTable (likewise)
     kinds: dict[str, str]  # placeholder -> parameter | buffer | constant | input | tangent
     joint: bool = False
     blocks: Any = None  # RepeatedBlocks: repeated layers are reported once, with their count
+    # (strategies, costs) where this process did not make them (a rank that took rank 0's plan)
+    make_tables: Callable[[], tuple] | None = None
+
+    @functools.cached_property
+    def tables(self) -> tuple:
+        """(strategies, costs) the plan was solved from."""
+        if self.strategies is None and self.make_tables is not None:
+            return self.make_tables()
+        return self.strategies, self.costs
 
     @functools.cached_property
     def global_gm(self) -> fx.GraphModule | None:
@@ -110,7 +120,11 @@ def report_of(c, request: Request | None = None) -> PlanReport:
     kinds = {gi.placeholder: gi.kind for gi in c.traced.inputs}
     traced, plan = c.traced, c.plan
     emitted = c.global_gm if c.global_gm is not None else (lambda: insert_collectives(traced, plan))
-    sources = PlanSources(traced.graph, emitted, c.strategies, c.costs, kinds, traced.joint, c.blocks)
+    make_tables = None
+    if c.strategies is None:  # this rank took rank 0's plan: the tables are made again if explained
+        mesh, options, blocks = c.mesh, c.options, c.blocks
+        make_tables = functools.partial(planning_tables, traced, mesh, options, blocks)
+    sources = PlanSources(traced.graph, emitted, c.strategies, c.costs, kinds, traced.joint, c.blocks, make_tables)
     return as_report(plan, sources=sources, request=request)
 
 
