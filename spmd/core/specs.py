@@ -74,6 +74,17 @@ def piece_of(ps: Placements, mesh_shape: tuple[int, ...], coord: tuple[int, ...]
     return index, pieces
 
 
+def piece_span(ps: Placements, dim: int, size: int, mesh_shape: tuple[int, ...],
+               coord: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first index, length) of the rank at `coord`'s piece of `dim` (of global length `size`) under `ps`,
+    or None where `ps` does not split `dim`."""
+    index, pieces = piece_of(ps, mesh_shape, coord, dim)
+    if pieces == 1:
+        return None
+    length = size // pieces
+    return index * length, length
+
+
 def local_shape(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape each rank holds (specs here are always even: see `is_even`)."""
     return tuple(s // shard_factor(ps, mesh_shape, d) for d, s in enumerate(shape))

@@ -87,16 +87,18 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
             node_costs[name] = rows_by_variant[key]
             continue
         in_infos = [info[v] for v in ns.inputs]
-        row = []
+        row, whole_seconds = [], None
         for s in ns.strategies:
             ins = [_local(i, ps, mesh.shape) for i, ps in zip(in_infos, s.inputs)]
             outs = [_local(o, ps, mesh.shape) for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
             args, kwargs = local_call(node, is_tensor, ins)
             seconds = compute_cost(node.target, args, kwargs, ins, outs, mesh.device)
-            if is_drawn_whole(node.target, s.outputs):  # the whole draw, then the piece
-                whole = [o for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
-                seconds += compute_cost(node.target, *local_call(node, is_tensor, in_infos), in_infos, whole,
-                                        mesh.device)
+            if is_drawn_whole(node.target, s.outputs):  # the whole draw (the same for every cut), then the piece
+                if whole_seconds is None:
+                    whole = [o for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
+                    whole_seconds = compute_cost(node.target, *local_call(node, is_tensor, in_infos), in_infos,
+                                                 whole, mesh.device)
+                seconds += whole_seconds
             row.append(seconds)
         node_costs[name] = rows_by_variant[key] = tuple(row)
     return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor)),

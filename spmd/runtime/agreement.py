@@ -21,6 +21,10 @@ WHAT_TO_DO = ("What to do: build the same model with the same example inputs (sh
               "pins on every rank: the same script, seeds and data.")
 
 
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
+
+
 class Rendezvous:
     def __init__(self):
         self.met = False  # every rank has been at the first meeting
@@ -37,9 +41,8 @@ class Rendezvous:
         digests = self._gather({"digest": digest(summary)})
         first, self.met = not self.met, True
         failed = [(r, d["error"]) for r, d in enumerate(digests) if "error" in d]
-        if failed or any(d.get("digest") != digests[0].get("digest") for d in digests):
-            self.plan_agreed = True  # every rank raises here: no meeting after this one
         if failed:
+            self.plan_agreed = True  # every rank raises here: no meeting after this one
             lines = "\n".join(f"  rank {r} could not compile: {e}" for r, e in failed)
             raise SpmdError(f"compile stopped on every rank because {len(failed)} rank(s) failed:\n{lines}")
         digests = [d["digest"] for d in digests]
@@ -47,6 +50,7 @@ class Rendezvous:
         if not odd:
             self.plan_pending = self.plan_pending or first  # the first meeting: the plan comes next
             return
+        self.plan_agreed = True  # likewise
         rank = dist.get_rank()
         summaries = self._gather(summary if rank in odd or rank == 0 else None)
         lines = differences(digests, {r: s for r, s in enumerate(summaries) if s is not None})
@@ -60,7 +64,7 @@ class Rendezvous:
         then both go to the second meeting (`agree_on_plan`) with the error."""
         if not dist.is_initialized():
             return
-        message = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]}
+        message = {"error": _one_line(error)}
         if not self.met:
             self._gather(message)
             self.met = True
@@ -106,7 +110,7 @@ class Rendezvous:
         """Rank 0 failed while the others wait for its plan: bring them the error (one broadcast, the one
         they wait in)."""
         self.plan_pending = False
-        dist.broadcast_object_list([("error", f"{type(error).__name__}: {error}".splitlines()[0][:500])], src=0)
+        dist.broadcast_object_list([("error", _one_line(error))], src=0)
 
     def agree_on_plan(self, fingerprint: str) -> None:
         """The second meeting, after code generation: every rank brings its plan's fingerprint, or the

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from spmd.core import local_ops
-from spmd.core.specs import piece_of
+from spmd.core.specs import piece_span
 from spmd.passes.rules.registry import RuleInput, local_rewrite, rule
 
 aten = torch.ops.aten
@@ -46,11 +46,8 @@ def dropout(inp: RuleInput) -> list[list]:
 @local_rewrite(aten.native_dropout.default)
 def _dropout(args, strategy, shapes, mesh_shape, coord):
     shape = shapes[0]
-    pieces = []
-    for dim, size in enumerate(shape):
-        index, count = piece_of(strategy.inputs[0], mesh_shape, coord, dim)
-        if count > 1:
-            pieces.append((dim, index * (size // count), size // count))
+    spans = [(dim, piece_span(strategy.inputs[0], dim, size, mesh_shape, coord)) for dim, size in enumerate(shape)]
+    pieces = [(dim, *span) for dim, span in spans if span is not None]
     if not pieces:
         return None
     train = args[2] if len(args) > 2 else None

@@ -34,26 +34,23 @@ class RuleInput:
     outputs: tuple[TensorInfo | None, ...]
 
 
-def rule(*ops) -> Callable[[SingleDimRule], SingleDimRule]:
-    """Register a single-mesh-axis rule for each ATen overload in `ops`."""
-
-    def register(fn: SingleDimRule) -> SingleDimRule:
+def _registrar(table: dict, ops):
+    def register(fn):
         for op in ops:
-            RULES[op] = fn
+            table[op] = fn
         return fn
 
     return register
+
+
+def rule(*ops) -> Callable[[SingleDimRule], SingleDimRule]:
+    """Register a single-mesh-axis rule for each ATen overload in `ops`."""
+    return _registrar(RULES, ops)
 
 
 def local_rewrite(*ops) -> Callable[[LocalRewrite], LocalRewrite]:
     """Register what a rank runs for each ATen overload in `ops` (see `LOCAL_REWRITES`)."""
-
-    def register(fn: LocalRewrite) -> LocalRewrite:
-        for op in ops:
-            LOCAL_REWRITES[op] = fn
-        return fn
-
-    return register
+    return _registrar(LOCAL_REWRITES, ops)
 
 
 def expand_single_dim(single: list[list], n_out: int, mesh_ndim: int) -> list[Strategy]:

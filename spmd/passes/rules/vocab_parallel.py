@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.core import local_ops
-from spmd.core.specs import Placements, piece_of
+from spmd.core.specs import piece_span
 from spmd.passes.rules.registry import RuleInput, local_rewrite, rule
 
 aten = torch.ops.aten
@@ -72,19 +72,9 @@ def nll_loss_backward(inp: RuleInput) -> list[list]:
     return rows
 
 
-def _start(ps: Placements, dim: int, size: int, mesh_shape, coord) -> tuple[int, int] | None:
-    """(first row, row count) of this rank's piece of `dim` (of global length `size`) under `ps`, or None
-    where `ps` does not split `dim`."""
-    index, pieces = piece_of(ps, mesh_shape, coord, dim)
-    if pieces == 1:
-        return None
-    rows = size // pieces
-    return index * rows, rows
-
-
 @local_rewrite(aten.embedding.default)
 def _embedding(args, strategy, shapes, mesh_shape, coord):
-    split = _start(strategy.inputs[0], 0, shapes[0][0], mesh_shape, coord)
+    split = piece_span(strategy.inputs[0], 0, shapes[0][0], mesh_shape, coord)
     if split is None:
         return None
     return local_ops.masked_embedding, (args[0], args[1]), {"start": split[0]}
@@ -93,7 +83,7 @@ def _embedding(args, strategy, shapes, mesh_shape, coord):
 @local_rewrite(aten.embedding_dense_backward.default)
 def _embedding_backward(args, strategy, shapes, mesh_shape, coord):
     grad, ids, num_weights = args[0], args[1], args[2]
-    split = _start(strategy.outputs[0], 0, num_weights, mesh_shape, coord)
+    split = piece_span(strategy.outputs[0], 0, num_weights, mesh_shape, coord)
     if split is None:
         return None
     padding_idx = args[3] if len(args) > 3 else -1
@@ -103,7 +93,7 @@ def _embedding_backward(args, strategy, shapes, mesh_shape, coord):
 @local_rewrite(aten.gather.default)
 def _gather(args, strategy, shapes, mesh_shape, coord):
     dim = args[1] % max(len(shapes[0]), 1)
-    split = _start(strategy.inputs[0], dim, shapes[0][dim], mesh_shape, coord)
+    split = piece_span(strategy.inputs[0], dim, shapes[0][dim], mesh_shape, coord)
     if split is None:
         return None
     return local_ops.masked_gather, (args[0], dim, args[2]), {"start": split[0]}
@@ -113,7 +103,7 @@ def _gather(args, strategy, shapes, mesh_shape, coord):
 def _nll_loss_backward(args, strategy, shapes, mesh_shape, coord):
     x_shape = shapes[1]
     classes = 1 if len(x_shape) == 2 else 0
-    split = _start(strategy.inputs[1], classes, x_shape[classes], mesh_shape, coord)
+    split = piece_span(strategy.inputs[1], classes, x_shape[classes], mesh_shape, coord)
     if split is None:
         return None
     return local_ops.masked_nll_loss_backward, tuple(args[:7]), {"start": split[0]}
