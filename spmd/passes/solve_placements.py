@@ -22,7 +22,7 @@ from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
-FLOW_MIN_PAIRS = 1024  # an edge with at least this many (made, needed) layout pairs may become a flow
+FLOW_MIN_PAIRS = 64  # an edge with at least this many (made, needed) layout pairs may become a flow
 
 
 def _shard_all(info, mesh_shape):
@@ -64,25 +64,26 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
     """How many layers of each stack backward recomputes (the first K of its N), as columns c_0..c_N of
     which exactly one is 1; returns them per stack.
 
-    Recomputing K layers adds K times one layer's region seconds (its nodes' compute and the reshardings
-    into them, a collective several of them share once) and frees K times its saved bytes, less what it
-    saves instead; recomputing all N also holds one layer's rebuilt activations while its backward runs
-    (with fewer, later layers' activations are gone by then). The stack's layers share columns, so each
-    is K times a linear function of the representative's (`stack[0]`) choices, made linear exactly per
-    "exactly one of" group G of columns x: w_g = K * x_g by  sum_{g in G} w_g = K,  0 <= w_g <= N x_g
-    (and u_g = [K = N] * x_g by  sum u_g = c_N,  u_g <= x_g)."""
-    mesh_shape = costs.mesh.shape
+    Recomputing K layers adds each recomputed layer's region seconds (its nodes' compute and the
+    reshardings into them, a collective several of them share once) and frees its saved bytes, less what
+    it saves instead; recomputing all N also holds the last layer's rebuilt activations while its
+    backward runs (with fewer, later layers' activations are gone by then). Layers of a stack share
+    columns where their placements are tied, but not always all of them: the first layer's input comes
+    from the embedding, not from a layer, and its first nodes may be laid out apart. So the stack is cut
+    into runs of consecutive layers priced alike (`_runs`); a run [a, b) recomputes
+    n(K) = clamp(K - a, 0, b - a) of its layers, each a linear function of its first layer's choices,
+    made linear exactly per "exactly one of" group G of columns x: w_g = n(K) * x_g by
+    sum_{g in G} w_g = sum_k n(k) c_k,  0 <= w_g <= (b - a) x_g  (and u_g = [K = N] * x_g by
+    sum u_g = c_N,  u_g <= x_g)."""
     counts = []
     for stack in recompute.stacks:
-        n, layer = len(stack), stack[0]
+        n = len(stack)
         cols = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)]
         ilp.add_eq([(c, 1.0) for c in cols], 1.0)
         if recompute.mode == "all":
             for c in cols[:-1]:
                 ilp.forbid(c)
         counts.append(cols)
-        times_k: dict[tuple, dict[int, int]] = {}
-        when_all: dict[tuple, dict[int, int]] = {}
 
         def scaled(col: int, cache: dict, total: list[tuple[int, float]], upper: float) -> int:
             group = col_group[col]
@@ -93,49 +94,84 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                     ilp.add_le([(w, 1.0), (g, -upper)], 0.0)
             return cache[group][col]
 
-        def w(col):
-            return scaled(col, times_k, [(c, -float(k)) for k, c in enumerate(cols) if k], float(n))
-
-        seconds: dict[int, float] = {}
-        shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
-        for name in layer.nodes:
-            ns = table.nodes.get(name)
-            if ns is None:
-                continue
-            for expr, c in zip(node_expr[name], costs.node_costs.get(name, ())):
+        for a, b in _runs(stack, table, costs, node_expr, value_expr, edge_at):
+            times: dict[tuple, dict[int, int]] = {}
+            recomputed = [(c, -float(min(k - a, b - a))) for k, c in enumerate(cols) if k > a]
+            _price_run(ilp, stack[a], b - a, lambda col: scaled(col, times, recomputed, float(b - a)), table,
+                       costs, node_expr, value_expr, edge_at, edge_groups, memory_row)
+        when_all: dict[tuple, dict[int, int]] = {}
+        for base in stack[-1].frees:  # the last layer's activations, rebuilt while its backward runs
+            info = costs.value_info[(base, 0)]
+            for ps, expr in value_expr[(base, 0)].items():
                 for col in expr:
-                    seconds[col] = seconds.get(col, 0.0) + c
-            for j, value in enumerate(ns.inputs):
-                if (name, j) not in edge_at:
-                    continue
-                for col, sec, pair in edge_groups[edge_at[(name, j)]][0]:
-                    if pair is None:
-                        seconds[col] = seconds.get(col, 0.0) + sec
-                    else:
-                        shared.setdefault((value, pair), (sec, {}))[1].setdefault(name, []).append(col)
-        for sec, per_use in shared.values():
-            if len(per_use) == 1:
-                for col in next(iter(per_use.values())):
-                    seconds[col] = seconds.get(col, 0.0) + sec
-                continue
-            q = ilp.add_var(sec, binary=False, upper=float(n))  # K if any consumer uses it
-            for use in per_use.values():
-                ilp.add_ge([(q, 1.0)] + [(w(col), -1.0) for col in use], 0.0)
-        for col, sec in seconds.items():
-            if sec:
-                ilp.add_cost(w(col), sec)
-
-        for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
-            for base in names:
-                info = costs.value_info[(base, 0)]
-                for ps, expr in value_expr[(base, 0)].items():
-                    for col in expr:
-                        b = sign * info.nbytes / pieces(ps, mesh_shape)
-                        memory_row[w(col)] = memory_row.get(w(col), 0.0) - b
-                        if sign > 0:
-                            u = scaled(col, when_all, [(cols[-1], -1.0)], 1.0)
-                            memory_row[u] = memory_row.get(u, 0.0) + b
+                    u = scaled(col, when_all, [(cols[-1], -1.0)], 1.0)
+                    memory_row[u] = memory_row.get(u, 0.0) + info.nbytes / pieces(ps, costs.mesh.shape)
     return counts
+
+
+def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
+          edge_at: dict) -> list[tuple[int, int]]:
+    """The stack cut into maximal runs [a, b) of consecutive layers that the program prices alike: the
+    same columns, node costs and edge groups for their nodes, and the same columns and sizes for what
+    they free and add."""
+    def signature(layer: RecomputableLayer) -> tuple:
+        nodes = tuple((tuple(node_expr[name]), tuple(costs.node_costs.get(name, ())),
+                       tuple(edge_at.get((name, j)) for j in range(len(table.nodes[name].inputs))))
+                      for name in layer.nodes if name in table.nodes)
+        held = tuple(tuple((costs.value_info[(base, 0)].nbytes, tuple(value_expr[(base, 0)].items())) for base in names)
+                     for names in (layer.frees, layer.adds))
+        return nodes, held
+
+    runs, last = [], None
+    for i, layer in enumerate(stack):
+        sig = signature(layer)
+        if sig != last:
+            runs.append([i, i + 1])
+            last = sig
+        else:
+            runs[-1][1] = i + 1
+    return [(a, b) for a, b in runs]
+
+
+def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callable[[int], int],
+               table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict, edge_at: dict,
+               edge_groups: list, memory_row: dict) -> None:
+    """Objective and budget-row terms of recomputing the layers of one run, `layer` its first: `w(col)`
+    is a column equal to (how many of the run are recomputed) * col."""
+    seconds: dict[int, float] = {}
+    shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
+    for name in layer.nodes:
+        ns = table.nodes.get(name)
+        if ns is None:
+            continue
+        for expr, c in zip(node_expr[name], costs.node_costs.get(name, ())):
+            for col in expr:
+                seconds[col] = seconds.get(col, 0.0) + c
+        for j, value in enumerate(ns.inputs):
+            if (name, j) not in edge_at:
+                continue
+            for col, sec, pair in edge_groups[edge_at[(name, j)]][0]:
+                if pair is None:
+                    seconds[col] = seconds.get(col, 0.0) + sec
+                else:
+                    shared.setdefault((value, pair), (sec, {}))[1].setdefault(name, []).append(col)
+    for sec, per_use in shared.values():
+        if len(per_use) == 1:
+            for col in next(iter(per_use.values())):
+                seconds[col] = seconds.get(col, 0.0) + sec
+            continue
+        q = ilp.add_var(sec, binary=False, upper=float(length))  # the run's count if any consumer uses it
+        for use in per_use.values():
+            ilp.add_ge([(q, 1.0)] + [(w(col), -1.0) for col in use], 0.0)
+    for col, sec in seconds.items():
+        if sec:
+            ilp.add_cost(w(col), sec)
+    for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
+        for base in names:
+            info = costs.value_info[(base, 0)]
+            for ps, expr in value_expr[(base, 0)].items():
+                for col in expr:
+                    memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
 
 
 def recompute_figures(chosen: list[tuple[tuple[RecomputableLayer, ...], int]], choices: dict, node_costs: dict,
