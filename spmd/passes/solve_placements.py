@@ -60,7 +60,8 @@ def _shareable(steps, gradient: bool) -> bool:
 
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
-               value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict) -> list[list[int]]:
+               value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
+               flows: dict) -> list[list[int]]:
     """How many layers of each stack backward recomputes (the first K of its N), as columns c_0..c_N of
     which exactly one is 1; returns them per stack.
 
@@ -98,7 +99,7 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
             times: dict[tuple, dict[int, int]] = {}
             recomputed = [(c, -float(min(k - a, b - a))) for k, c in enumerate(cols) if k > a]
             _price_run(ilp, stack[a], b - a, lambda col: scaled(col, times, recomputed, float(b - a)), table,
-                       costs, node_expr, value_expr, edge_at, edge_groups, memory_row)
+                       costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows)
         when_all: dict[tuple, dict[int, int]] = {}
         for base in stack[-1].frees:  # the last layer's activations, rebuilt while its backward runs
             info = costs.value_info[(base, 0)]
@@ -135,11 +136,14 @@ def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_
 
 def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callable[[int], int],
                table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict, edge_at: dict,
-               edge_groups: list, memory_row: dict) -> None:
+               edge_groups: list, memory_row: dict, flows: dict) -> None:
     """Objective and budget-row terms of recomputing the layers of one run, `layer` its first: `w(col)`
-    is a column equal to (how many of the run are recomputed) * col."""
+    is a column equal to (how many of the run are recomputed) * col. A flow edge into the run (`flows`:
+    its first arc column -> (made, needed, arcs)) is priced as a flow of that many units: over new arc
+    columns, from the made layout's scaled columns to the needed one's."""
     seconds: dict[int, float] = {}
     shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
+    flow_uses: dict[int, int] = {}
     for name in layer.nodes:
         ns = table.nodes.get(name)
         if ns is None:
@@ -150,7 +154,11 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
         for j, value in enumerate(ns.inputs):
             if (name, j) not in edge_at:
                 continue
-            for col, sec, pair in edge_groups[edge_at[(name, j)]][0]:
+            terms = edge_groups[edge_at[(name, j)]][0]
+            if terms and terms[0][0] in flows:
+                flow_uses[terms[0][0]] = flow_uses.get(terms[0][0], 0) + 1
+                continue
+            for col, sec, pair in terms:
                 if pair is None:
                     seconds[col] = seconds.get(col, 0.0) + sec
                 else:
@@ -166,6 +174,19 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
     for col, sec in seconds.items():
         if sec:
             ilp.add_cost(w(col), sec)
+    for first, uses in flow_uses.items():
+        made, needed, arcs = flows[first]
+        scaled = [ilp.add_var(arc.seconds * uses, binary=False, upper=float(length)) for arc in arcs]
+        balance: dict[Placements, list[tuple[int, float]]] = {}
+        for ps, cols in made.items():
+            balance.setdefault(ps, []).extend((w(c), 1.0) for c in cols)
+        for ps, cols in needed.items():
+            balance.setdefault(ps, []).extend((w(c), -1.0) for c in cols)
+        for g, arc in zip(scaled, arcs):
+            balance.setdefault(arc.src, []).append((g, -1.0))
+            balance.setdefault(arc.dst, []).append((g, 1.0))
+        for terms in balance.values():
+            ilp.add_eq(terms, 0.0)
     for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
         for base in names:
             info = costs.value_info[(base, 0)]
@@ -240,15 +261,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     edge_at: dict[tuple[str, int], int] = {}  # (consumer, input slot) -> its edge group
     value_expr: dict[Value, dict[Placements, Expr]] = {}
     # The edges of a value read by one consumer in its region may be flows over the layout graph: no
-    # other consumer shares their collectives, so the cheapest path is all they cost. Not where
-    # recomputation prices a layer's incoming edges (per "exactly one of" group, which a flow is not).
-    recomputing = bool(recompute) and (memory_budget is not None and recompute.mode == "auto" or
-                                       recompute.mode == "all")
+    # other consumer shares their collectives, so the cheapest path is all they cost.
     readers: dict[tuple[Value, str | None], int] = {}
-    if not recomputing:
-        for name, ns in table.nodes.items():
-            for value in ns.inputs:
-                readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
+    for name, ns in table.nodes.items():
+        for value in ns.inputs:
+            readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
+    flows: dict[int, tuple] = {}  # first arc column -> (made, needed, arcs), for `_recompute`
 
     # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
     # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
@@ -282,6 +300,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         first = shared_edges.get(key)
         if first is None:
             first = shared_edges[key] = ilp.add_vars(len(arcs))
+            flows[first] = (producer, needed, arcs)
             balance: dict[Placements, list[tuple[int, float]]] = {}
             for ps, cols in producer.items():
                 balance.setdefault(ps, []).extend((c, 1.0) for c in cols)
@@ -449,7 +468,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     counts: list[list[int]] = []  # per stack, the columns choosing 0..N recomputed layers
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode == "all"):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
-                            memory_row)
+                            memory_row, flows)
 
     def to_plan(x, result) -> Plan:
         """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
