@@ -59,6 +59,22 @@ def _shareable(steps, gradient: bool) -> bool:
     return not gradient and any(step.is_collective for step in steps)
 
 
+def _add_flow_balance(ilp: IlpBuilder, made: dict, needed: dict, arcs, arc_cols, col=lambda c: c) -> None:
+    """Per layout v: flow in - flow out = [needed v] - [made v], over `arc_cols` (one per arc of `arcs`);
+    `made`/`needed`: placements -> the choice columns selecting them, each read through `col` (a
+    recomputed run's scaled copy of it)."""
+    balance: dict[Placements, list[tuple[int, float]]] = {}
+    for ps, cols in made.items():
+        balance.setdefault(ps, []).extend((col(c), 1.0) for c in cols)
+    for ps, cols in needed.items():
+        balance.setdefault(ps, []).extend((col(c), -1.0) for c in cols)
+    for g, arc in zip(arc_cols, arcs):
+        balance.setdefault(arc.src, []).append((g, -1.0))
+        balance.setdefault(arc.dst, []).append((g, 1.0))
+    for terms in balance.values():
+        ilp.add_eq(terms, 0.0)
+
+
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
                value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
                flows: dict) -> list[list[int]]:
@@ -177,16 +193,7 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
     for first, uses in flow_uses.items():
         made, needed, arcs = flows[first]
         scaled = [ilp.add_var(arc.seconds * uses, binary=False, upper=float(length)) for arc in arcs]
-        balance: dict[Placements, list[tuple[int, float]]] = {}
-        for ps, cols in made.items():
-            balance.setdefault(ps, []).extend((w(c), 1.0) for c in cols)
-        for ps, cols in needed.items():
-            balance.setdefault(ps, []).extend((w(c), -1.0) for c in cols)
-        for g, arc in zip(scaled, arcs):
-            balance.setdefault(arc.src, []).append((g, -1.0))
-            balance.setdefault(arc.dst, []).append((g, 1.0))
-        for terms in balance.values():
-            ilp.add_eq(terms, 0.0)
+        _add_flow_balance(ilp, made, needed, arcs, scaled, w)
     for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
         for base in names:
             info = costs.value_info[(base, 0)]
@@ -301,16 +308,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         if first is None:
             first = shared_edges[key] = ilp.add_vars(len(arcs))
             flows[first] = (producer, needed, arcs)
-            balance: dict[Placements, list[tuple[int, float]]] = {}
-            for ps, cols in producer.items():
-                balance.setdefault(ps, []).extend((c, 1.0) for c in cols)
-            for ps, cols in needed.items():
-                balance.setdefault(ps, []).extend((c, -1.0) for c in cols)
-            for k, arc in enumerate(arcs):
-                balance.setdefault(arc.src, []).append((first + k, -1.0))
-                balance.setdefault(arc.dst, []).append((first + k, 1.0))
-            for terms in balance.values():
-                ilp.add_eq(terms, 0.0)
+            _add_flow_balance(ilp, producer, needed, arcs, range(first, first + len(arcs)))
         return [(first + k, arc.seconds, None) for k, arc in enumerate(arcs)], []
 
     def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool):

@@ -25,6 +25,12 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0][:500]
 
 
+def _stopped(failed: list[tuple[int, str]]) -> SpmdError:
+    """The error every rank raises when some failed: (rank, its error line) each."""
+    lines = "\n".join(f"  rank {r} could not compile: {e}" for r, e in failed)
+    return SpmdError(f"compile stopped on every rank because {len(failed)} rank(s) failed:\n{lines}")
+
+
 class Rendezvous:
     def __init__(self):
         self.met = False  # every rank has been at the first meeting
@@ -43,8 +49,7 @@ class Rendezvous:
         failed = [(r, d["error"]) for r, d in enumerate(digests) if "error" in d]
         if failed:
             self.plan_agreed = True  # every rank raises here: no meeting after this one
-            lines = "\n".join(f"  rank {r} could not compile: {e}" for r, e in failed)
-            raise SpmdError(f"compile stopped on every rank because {len(failed)} rank(s) failed:\n{lines}")
+            raise _stopped(failed)
         digests = [d["digest"] for d in digests]
         odd = sorted({r for r, d in enumerate(digests) if d != digests[0]})
         if not odd:
@@ -119,7 +124,6 @@ class Rendezvous:
         self.plan_agreed = True
         failed = [(r, p["error"]) for r, p in enumerate(prints) if isinstance(p, dict)]
         if failed:
-            lines = "\n".join(f"  rank {r} could not compile: {e}" for r, e in failed)
-            raise SpmdError(f"compile stopped on every rank because {len(failed)} rank(s) failed:\n{lines}")
+            raise _stopped(failed)
         if len(set(prints)) != 1:
             raise SpmdInternalError(f"the ranks solved different plans: {prints}")
