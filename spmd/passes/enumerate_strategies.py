@@ -14,7 +14,7 @@ from math import prod
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError, describe_node
 from spmd.passes.check_pins import check_pins
@@ -68,8 +68,11 @@ class StrategyTable:
 
 
 def _tensor_inputs(node: fx.Node, info: dict) -> tuple[Value, ...]:
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    return tuple((a.name, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(info.get(a.name), TensorInfo))
+    """The tensors `node` reads, in argument order (a tensor read twice counts twice)."""
+    found: list[Value] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append((a.name, 0))
+                    if isinstance(info.get(a.name), TensorInfo) else None)
+    return tuple(found)
 
 
 def strategy_key(s: Strategy) -> str:
@@ -117,10 +120,14 @@ def _copy_of_counterpart(nodes: dict, candidates, counterparts: list[str], input
     """The strategies of an identical node of an earlier layer, re-labelled for this node, when its
     inputs offer the same candidates (then every rule would answer the same). Layer 0 often differs
     from the others (its input comes from the embedding), so each distinct variant is kept."""
+    def same_list(mine: Value, theirs: Value) -> bool:  # one strategy list: the same candidates
+        return mine[1] == theirs[1] and nodes[mine[0]].variant == nodes[theirs[0]].variant
+
     for other in (nodes[name] for name in counterparts):
         if len(other.inputs) != len(inputs):
             continue
-        if all(mine == theirs or candidates(mine) == candidates(theirs) for mine, theirs in zip(inputs, other.inputs)):
+        if all(mine == theirs or same_list(mine, theirs) or candidates(mine) == candidates(theirs)
+               for mine, theirs in zip(inputs, other.inputs)):
             return NodeStrategies(other.strategies, inputs, other.outputs, other.source, other.variant, other.excluded)
     return None
 

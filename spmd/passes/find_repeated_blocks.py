@@ -98,6 +98,11 @@ def _wl_hash(nodes: list[fx.Node]) -> str:
         return nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
 
 
+def _same_ops(nodes: list[fx.Node], others: list[fx.Node]) -> bool:
+    """A cheap check that a stamped copy lines up with its source (stamp_layers made it so)."""
+    return len(nodes) == len(others) and all(a.target == b.target for a, b in zip(nodes, others))
+
+
 AUTO_MIN_REPEATS = 4  # below this, solving every layer is cheap and tying would only cost optimality
 
 
@@ -128,19 +133,28 @@ def instances(traced) -> dict[str, list[fx.Node]]:
 def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
     """Classes of at least `min_repeats` identical instances."""
     by_key = instances(traced)
+    # layers stamp_layers copied are their source node for node: they join its class unhashed
+    copies: dict[str, list[str]] = {}
+    for key, source in traced.stamped.items():
+        if key in by_key and source in by_key and _same_ops(by_key[key], by_key[source]):
+            copies.setdefault(source, []).append(key)
+    copied = {key for keys in copies.values() for key in keys}
+    order = {key: i for i, key in enumerate(by_key)}
     buckets: dict[tuple[str, str], list[str]] = {}
     for key, nodes in by_key.items():
-        buckets.setdefault((_stem(key), _wl_hash(nodes)), []).append(key)
+        if key not in copied:
+            buckets.setdefault((_stem(key), _wl_hash(nodes)), []).append(key)
 
     blocks = RepeatedBlocks()
     param_rep: dict[str, str] = {}
     for keys in buckets.values():
-        if len(keys) < 2:
+        if len(keys) + sum(len(copies.get(key, ())) for key in keys) < 2:
             continue
         by_sig: dict[tuple, list[str]] = {}
         for key in keys:
             by_sig.setdefault(signature(by_key[key]), []).append(key)
         for members in by_sig.values():
+            members = sorted(members + [c for key in members for c in copies.get(key, ())], key=order.__getitem__)
             if len(members) < max(2, min_repeats):
                 continue
             first = by_key[members[0]]

@@ -327,9 +327,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         # seconds and whether its steps hold a collective, which the layout graph has for all pairs at once.
         table = None if gradient else costs.pair_table(value, made, wanted)
         if table is not None:
-            seconds_of, collective = table
-            paths = [[None if seconds_of[i, k] == float("inf") else (float(seconds_of[i, k]), bool(collective[i, k]), ())
-                      for k in range(len(wanted))] for i in range(len(made))]
+            inf = float("inf")
+            paths = [[None if sec == inf else (sec, coll, ()) for sec, coll in zip(sec_row, coll_row)]
+                     for sec_row, coll_row in zip(table[0].tolist(), table[1].tolist())]
         else:
             paths = []
             for a in made:

@@ -22,6 +22,7 @@ instead of a graph, so the caller traces the whole model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import torch
@@ -212,8 +213,11 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
     new.output(tuple(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0])
     new.output_node().meta = dict(out.meta)
     gm = graph_module(traced.gm, new)
+    stamped = {f"{prefix}{stack.fqn}.{M + c}/{phase}": f"{prefix}{stack.fqn}.{M}/{phase}"
+               for c in range(1, n + 1) for phase in phases}
     return dataclasses.replace(traced, gm=gm, inputs=tuple(inputs), tensor_info=tensor_infos(gm),
-                               outputs=tuple(new_kinds) if traced.outputs else ())
+                               outputs=tuple(new_kinds) if traced.outputs else (),
+                               stamped={**traced.stamped, **stamped})
 
 
 def _renumber_meta(meta: dict, stack_path: str, moves: dict[int, int]) -> dict:
@@ -221,8 +225,15 @@ def _renumber_meta(meta: dict, stack_path: str, moves: dict[int, int]) -> dict:
     if not moves:
         return dict(meta)
     meta = dict(meta)
+    key = tuple(moves.items())
     for field in ("nn_module_stack", "fwd_nn_module_stack"):
         if meta.get(field):
-            meta[field] = {renumber(k, stack_path, moves): (renumber(path, stack_path, moves), typ)
+            meta[field] = {_renumbered_path(k, stack_path, key): (_renumbered_path(path, stack_path, key), typ)
                            for k, (path, typ) in meta[field].items()}
     return meta
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _renumbered_path(text: str, stack_path: str, moves: tuple[tuple[int, int], ...]) -> str:
+    """`renumber`, remembered: a stamped copy's nodes share a handful of module paths."""
+    return renumber(text, stack_path, dict(moves))

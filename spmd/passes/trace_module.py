@@ -48,6 +48,9 @@ class TracedGraph:
     joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
     aliases: dict[str, str] = field(default_factory=dict)  # extra name of a shared tensor -> canonical FQN
     custom_functions: tuple[str, ...] = ()  # autograd.Functions traced with their own backward (joint)
+    # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
+    # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
+    stamped: dict[str, str] = field(default_factory=dict)
 
     def output_kinds(self) -> list[GraphOutput]:
         flat = flat_outputs(self.graph.output_node())

@@ -2,6 +2,7 @@
 gives the graph a full trace gives (compared as a content hash of every node), plans the same, and runs
 the same; models whose layers are not interchangeable or do not chain simply are traced whole."""
 import collections
+import dataclasses
 import hashlib
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 import spmd
 from tests.models import GPT, GPTConfig, Llama, LlamaConfig
 from spmd.passes.find_layer_stacks import TRACED, LayerStack, find_layer_stacks, truncated
+from spmd.passes.find_repeated_blocks import find_repeated_blocks
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import trace_joint
 from spmd.passes.trace_module import flat_outputs, trace_module
@@ -69,6 +71,13 @@ def test_stamped_graph_is_the_full_trace(name, build, joint):
     # module paths follow the layer each copy stands for
     paths = {str(n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")) for n in stamped.graph.nodes}
     assert any(f"{stacks[0].fqn}.6" in p for p in paths)
+    # the copies join their source's class unhashed, and the classes are the ones hashing finds
+    copies = {k.rsplit("/", 1)[0].split(stacks[0].fqn + ".")[-1]: v.rsplit("/", 1)[0].split(".")[-1]
+              for k, v in stamped.stamped.items()}
+    assert copies == {str(i): str(TRACED - 2) for i in range(TRACED - 1, stacks[0].depth - 1)}
+    hinted = find_repeated_blocks(stamped, 4)
+    hashed = find_repeated_blocks(dataclasses.replace(stamped, stamped={}), 4)
+    assert hinted.classes and (hinted.classes, hinted.representative) == (hashed.classes, hashed.representative)
 
 
 def test_plan_with_stamping_equals_plan_without():
