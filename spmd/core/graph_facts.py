@@ -1,6 +1,7 @@
 """Facts about traced graphs that several layers ask about, each answered in one place.
 
     op_label         "addmm", "add.Tensor": an ATen op without its namespace and default overload
+    hashable_args    an op's arguments as a key: two nodes that ask a rule the same question
     module paths     which module (torch.export's `nn_module_stack`) put a node in the graph
     phase            forward or backward, in a joint graph
     view             an op whose output aliases its input (no kernel, no memory of its own)
@@ -20,6 +21,20 @@ import torch
 import torch.fx as fx
 
 # ---- ops ----------------------------------------------------------------------------------------
+
+
+def hashable_args(a, node=lambda n: n.name):
+    """A hashable stand-in for an op's arguments, each fx.Node as `node(it)`: equal for two calls that
+    ask the same of a rule or a cost formula. TypeError where an argument cannot be hashed."""
+    if isinstance(a, fx.Node):
+        return ("node", node(a))
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(hashable_args(x, node) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, hashable_args(v, node)) for k, v in a.items()))
+    hash(a)
+    return (type(a), a)  # typed: True and 1, 2 and 2.0 are other arguments
+
 
 
 def op_label(node: fx.Node) -> str:

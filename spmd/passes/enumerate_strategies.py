@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError, describe_node
+from spmd.core.graph_facts import hashable_args
 from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
 from spmd.passes.rules import dtensor_adapter
@@ -132,6 +133,15 @@ def _copy_of_counterpart(nodes: dict, candidates, counterparts: list[str], input
     return None
 
 
+def _query_key(target, args, kwargs, in_infos, outs, candidates) -> tuple | None:
+    """What a rule's answer for a node depends on: the op, its arguments with tensors as their shapes and
+    dtypes, and the placements its inputs can come in; None when an argument cannot be hashed."""
+    try:
+        return (target, hashable_args((args, kwargs)), in_infos, outs, tuple(map(tuple, candidates)))
+    except TypeError:
+        return None
+
+
 def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, blocks=None) -> StrategyTable:
     """`pins`: as the user gave them (validated here by `check_pins`). `blocks`: a `RepeatedBlocks`; nodes of
     repeated layers copy their representative's strategies."""
@@ -147,6 +157,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer", "input")}
     kinds = traced.output_kinds()
     next_variant = iter(range(1 << 62)).__next__
+    answers: dict[tuple, tuple] = {}  # _query_key -> (strategies, source, excluded)
 
     def floating_partials(s: Strategy, outs, ins) -> bool:
         """Partial only on floating-point values: a sum of bool masks is no mask, and the integer tensors
@@ -224,6 +235,12 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             return a
 
         m_args, m_kwargs = tree_map(mark, (tuple(node.args), dict(node.kwargs)))
+        key = _query_key(node.target, m_args, m_kwargs, in_infos, outs, [table.output_candidates(v) for v in inputs])
+        found = answers.get(key) if key is not None else None
+        if found is not None:  # the same question asked of an earlier node (another layer's twin)
+            kept, source, excluded = found
+            nodes[node.name] = NodeStrategies(kept, inputs, outs, source, next_variant(), excluded)
+            continue
         strategies, source = None, "spmd"
         error = None
         try:
@@ -258,5 +275,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
         kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process
         nodes[node.name] = NodeStrategies(tuple(kept), inputs, outs, source, next_variant(), len(usable) - len(kept))
+        if key is not None and source != "fallback":  # a fallback warns once per node: asked again
+            answers[key] = (nodes[node.name].strategies, source, len(usable) - len(kept))
 
     return StrategyTable(nodes, tuple(fallbacks), copied)

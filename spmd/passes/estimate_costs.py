@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from spmd.core.graph_facts import hashable_args
 from spmd.core.redistribute import pick
 from spmd.core.specs import Placements, TensorInfo, Value, local_shape
 from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call
@@ -76,6 +77,13 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
     def is_tensor(a) -> bool:
         return isinstance(traced.tensor_info.get(a.name), TensorInfo)
 
+    def tensor_or_name(a):
+        found = traced.tensor_info.get(a.name)
+        return found if isinstance(found, TensorInfo) else a.name
+
+    # the strategy lists are held by `table` throughout, so their ids stand for them
+    rows_by_question: dict[tuple, tuple[float, ...]] = {}
+
     node_costs: dict[str, tuple[float, ...]] = {}
     for name, ns in table.nodes.items():
         node = nodes.get(name)
@@ -85,6 +93,14 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         key = (rep_of.get(name, name), ns.variant)
         if key in rows_by_variant:
             node_costs[name] = rows_by_variant[key]
+            continue
+        try:  # the same op on the same shapes with the same strategy list (twins of another layer)
+            question = (node.target, hashable_args((node.args, node.kwargs), tensor_or_name), id(ns.strategies),
+                        ns.outputs)
+        except TypeError:
+            question = None
+        if question in rows_by_question:
+            node_costs[name] = rows_by_variant[key] = rows_by_question[question]
             continue
         in_infos = [info[v] for v in ns.inputs]
         row, whole_seconds = [], None
@@ -101,5 +117,7 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
                 seconds += whole_seconds
             row.append(seconds)
         node_costs[name] = rows_by_variant[key] = tuple(row)
+        if question is not None:
+            rows_by_question[question] = node_costs[name]
     return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor)),
                      bucket_bytes if traced.joint else None)

@@ -7,6 +7,7 @@ the producer's choice re-labelled.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from spmd.core.errors import SpmdError, SpmdInternalError
@@ -350,7 +351,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
                 for k, rcols in enumerate(needed.values()):
                     ilp.add_eq([(e[i * len(wanted) + k], 1.0) for i in range(len(made))] + [(c, -1.0) for c in rcols], 0.0)
-            pairs = [(col, idx // len(wanted), idx % len(wanted)) for idx, col in enumerate(e)]
+            pairs = ((col, i, k) for col, (i, k) in zip(e, itertools.product(range(len(made)), range(len(wanted)))))
         terms, shares = [], []
         for col, i, k in pairs:
             path = paths[i][k]

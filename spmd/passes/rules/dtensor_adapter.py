@@ -175,6 +175,12 @@ class TensorArg:
     def __repr__(self) -> str:
         return f"TensorArg({self.index})"
 
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TensorArg) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash(("TensorArg", self.index))
+
 
 def op_name(op: Any) -> str:
     return str(op).replace("aten::", "aten.")

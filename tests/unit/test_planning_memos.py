@@ -1,0 +1,59 @@
+"""enumerate_strategies and estimate_costs answer each distinct question once: a node asking a rule (or a
+cost formula) what an earlier node asked, the same op on the same shapes with the same input candidates,
+gets the earlier answer. Checked against the same passes with the memo turned off, on a 2-layer GPT
+(too shallow for layer tying, so every node is enumerated on its own), training on (2, 2)."""
+import torch
+import torch.nn.functional as F
+
+import spmd.passes.enumerate_strategies as enumerate_pass
+import spmd.passes.estimate_costs as estimate_pass
+from spmd.core.graph_facts import hashable_args
+from spmd.passes.rules.dtensor_adapter import TensorArg
+from spmd.passes.trace_joint import trace_joint
+from tests.models import GPT, GPTConfig
+from tests.support import spec
+
+MESH = spec((2, 2), ("dp", "tp"))
+
+
+def _traced():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 32))
+    return trace_joint(GPT(GPTConfig(layers=2)), (tokens, tokens),
+                       lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+
+
+def test_strategies_and_costs_are_those_each_node_gets_alone(monkeypatch):
+    traced = _traced()
+    table = enumerate_pass.enumerate_strategies(traced, MESH)
+    costs = estimate_pass.estimate_costs(traced, table, MESH)
+
+    # the memo answered: nodes of the second block hold the first block's very tuple of strategies
+    shared = {id(ns.strategies) for ns in table.nodes.values()}
+    assert len(shared) < len(table.nodes) * 0.75
+
+    def no_key(*args):
+        raise TypeError("memo off")
+
+    monkeypatch.setattr(enumerate_pass, "_query_key", lambda *a: None)
+    monkeypatch.setattr(estimate_pass, "hashable_args", no_key)
+    alone = enumerate_pass.enumerate_strategies(traced, MESH)
+    alone_costs = estimate_pass.estimate_costs(traced, alone, MESH)
+    assert len({id(ns.strategies) for ns in alone.nodes.values()}) == len(alone.nodes)
+    assert table.nodes.keys() == alone.nodes.keys()
+    for name, ns in table.nodes.items():
+        other = alone.nodes[name]
+        assert (ns.strategies, ns.inputs, ns.outputs, ns.source, ns.excluded) == \
+            (other.strategies, other.inputs, other.outputs, other.source, other.excluded), name
+        assert costs.node_costs[name] == alone_costs.node_costs[name], name
+    assert len({ns.variant for ns in table.nodes.values()}) == len(table.nodes)  # variants stay per node
+
+
+def test_questions_tell_apart_what_rules_tell_apart():
+    # a bool and an int, an int and a float, a list and a tuple: other arguments to an op
+    assert hashable_args((True,)) != hashable_args((1,))
+    assert hashable_args((2,)) != hashable_args((2.0,))
+    assert hashable_args(([1, 2],)) != hashable_args(((1, 2),))
+    assert hashable_args(({"dim": 1},)) != hashable_args(({"dim": 2},))
+    assert hashable_args((TensorArg(0), 1)) == hashable_args((TensorArg(0), 1))
+    assert hashable_args((TensorArg(0), 1)) != hashable_args((TensorArg(1), 1))
