@@ -99,6 +99,12 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
                 return resharded(node.name, next(slot), env[a.name], region.get(node.name))
             if node.target is operator.getitem:
                 next(slot)
+                src, idx = node.args
+                if plan.choices[node.name].inputs[0] != plan.choices[src.name].outputs[idx]:
+                    raise SpmdInternalError(
+                        f"insert_collectives: {node.name} takes element {idx} of {src.name} as "
+                        f"{plan.choices[node.name].inputs[0]}, which is made as {plan.choices[src.name].outputs[idx]}",
+                        str(src_graph))
             return env[a.name]
 
         args = fx.node.map_aggregate(tuple(node.args), remap)

@@ -35,8 +35,8 @@ def merge_followers(traced, table: StrategyTable) -> StrategyTable:
     pruned = 0
     for name, ns in table.nodes.items():
         node = nodes.get(name)
-        if node is None or node.op != "call_function" or ns.source == "follow" or len(ns.inputs) != 1:
-            continue
+        if node is None or node.op != "call_function" or len(ns.inputs) != 1:
+            continue  # (a getitem is pruned too: it lists what its producer made before pruning)
         offered = out.output_candidates(ns.inputs[0])
         key = (ns.variant, tuple(offered))
         if key not in done:

@@ -393,9 +393,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     for name, ns in table.nodes.items():
         node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
-        if ns.source != "placeholder" and ns.inputs and follows(ns, value_expr[ns.inputs[0]]):
+        if ns.source == "follow" or ns.source != "placeholder" and ns.inputs and follows(ns, value_expr[ns.inputs[0]]):
+            # a getitem always takes its element as the producer makes it (code generation reshards
+            # nothing between them); a placement its producer no longer offers is never chosen
             src = value_expr[ns.inputs[0]]
-            node_expr[name] = [src[s.inputs[0]] for s in ns.strategies]
+            node_expr[name] = [src.get(s.inputs[0], ()) for s in ns.strategies]
             for expr, c in zip(node_expr[name], node_cost):
                 for col in expr:
                     ilp.add_cost(col, c)

@@ -2,13 +2,18 @@
 outputs and no rule of their own. Each trains (or runs) equal to one device."""
 from __future__ import annotations
 
+import dataclasses
+import operator
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
 
 import spmd
+from spmd.passes.insert_collectives import insert_collectives
+from spmd.runtime.distribute import local_shard
 from spmd.runtime.simulate import simulate
 from tests.models import Quantized
 from tests.support import check_simulated_training, compile_graph, spec
@@ -90,3 +95,51 @@ def test_data_dependent_shape_names_the_node_and_the_way_out():
     with pytest.raises(spmd.SpmdError, match=r"node 'nonzero' \(aten.nonzero.default\) at .*test_silently_wrong.py:\d+"
                                              r".*depends on the data.*What to do: .*torch.where"):
         spmd.plan(NonZero(), spec((2,), ("tp",)), (torch.randn(4, 8),))
+
+
+# ---- an element of a several-output op, taken as made ------------------------------------------------
+
+def test_dropout_mask_is_taken_as_the_dropout_made_it():
+    """merge_followers pruned transformers GPT-2's native_dropout to what its input can be, while the
+    getitem taking its mask kept every layout the unpruned op offered. The solver then gave the getitem a
+    sharded mask of a replicated dropout (a free slice, it thought), and code generation, which reshards
+    nothing between an op and its getitem, multiplied a sharded gradient by the whole mask: the 12-layer
+    model's first backward failed on a shape (and an unlucky shape would have been silently wrong). Now
+    every getitem follows its producer, and the step equals one device."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from spmd.compiler.call import positional_call
+    from spmd.compiler.options import PlanOptions
+    from spmd.compiler.pipeline import run_pipeline
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                           use_cache=False)).train()
+        ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+        view, flat, _ = positional_call(model, (), dict(input_ids=ids, labels=ids), loss_only=True)
+        c = run_pipeline(view, flat, spec((2,), ("tp",)), PlanOptions(training=True, merge_followers=True))
+        c = dataclasses.replace(c, global_gm=insert_collectives(c.traced, c.plan))
+        items = [n for n in c.traced.graph.nodes if n.target is operator.getitem]
+        assert any(c.plan.choices[n.args[0].name].outputs[n.args[1]] != (Replicate(),) for n in items)
+        for n in items:
+            assert c.plan.choices[n.name].inputs[0] == c.plan.choices[n.args[0].name].outputs[n.args[1]], n.name
+        torch.manual_seed(5)
+        outs = simulate(c, tuple(flat) + (torch.ones((), dtype=torch.float32),))  # the loss is float32
+        torch.manual_seed(5)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        # outputs: the loss, the logits (not checked), then the gradients; transformers computes the loss
+        # in float32 (the logits upcast), which bounds the precision
+        grads, kinds = dict(model.named_parameters()), c.traced.output_kinds()
+        for k, kind in enumerate(kinds):
+            want = loss.detach() if k == 0 else grads[kind.name].grad if kind.kind == "grad" else None
+            if want is None:
+                continue
+            ps = c.plan.choices[f"output_{k}"].inputs[0]
+            for rank, out in enumerate(outs):
+                torch.testing.assert_close(out[k], local_shard(want, ps, (2,), (rank,)), rtol=1e-5, atol=1e-7)
+        assert sum(k.kind == "grad" for k in kinds) == len(list(model.parameters()))
+    finally:
+        torch.set_default_dtype(torch.float32)
