@@ -36,7 +36,6 @@ def hashable_args(a, node=lambda n: n.name):
     return (type(a), a)  # typed: True and 1, 2 and 2.0 are other arguments
 
 
-
 def op_label(node: fx.Node) -> str:
     """`addmm`, `add.Tensor`, `getitem`: the ATen op without its namespace and default overload."""
     target = node.target
