@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from typing import Iterable
@@ -45,6 +46,7 @@ def op_label(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+@functools.lru_cache(maxsize=4096)
 def is_view(op) -> bool:
     """The op's output aliases its first input (its schema says so): no kernel of its own, no new memory."""
     schema = getattr(op, "_schema", None)

@@ -31,23 +31,30 @@ def merge_followers(traced, table: StrategyTable) -> StrategyTable:
     merged = dict(table.nodes)
     out = StrategyTable(merged, table.fallbacks, table.copied)  # candidates are read as pruning goes
     done: dict[tuple, tuple] = {}  # (variant, what the producer offers) -> (pruned strategies, new variant)
+    # (variant, the producer's variant, output index) -> the same: a variant names a strategy list, so
+    # this decides what the producer offers without listing it (tied layers ask ~30 times each)
+    by_variants: dict[tuple, tuple] = {}
     fresh = max((ns.variant for ns in table.nodes.values()), default=0) + 1
     pruned = 0
     for name, ns in table.nodes.items():
         node = nodes.get(name)
         if node is None or node.op != "call_function" or len(ns.inputs) != 1:
             continue  # (a getitem is pruned too: it lists what its producer made before pruning)
-        offered = out.output_candidates(ns.inputs[0])
-        key = (ns.variant, tuple(offered))
-        if key not in done:
-            allowed = set(offered)
-            kept = tuple(s for s in ns.strategies if s.inputs[0] in allowed)
-            if kept and len(kept) < len(ns.strategies):
-                done[key] = (kept, fresh)
-                fresh += 1
-            else:
-                done[key] = (ns.strategies, ns.variant)
-        kept, variant = done[key]
+        src, idx = ns.inputs[0]
+        quick = (ns.variant, merged[src].variant, idx) if src in merged else (ns.variant, ns.inputs[0])
+        if quick not in by_variants:
+            offered = out.output_candidates(ns.inputs[0])
+            key = (ns.variant, tuple(offered))
+            if key not in done:
+                allowed = set(offered)
+                kept = tuple(s for s in ns.strategies if s.inputs[0] in allowed)
+                if kept and len(kept) < len(ns.strategies):
+                    done[key] = (kept, fresh)
+                    fresh += 1
+                else:
+                    done[key] = (ns.strategies, ns.variant)
+            by_variants[quick] = done[key]
+        kept, variant = by_variants[quick]
         if variant != ns.variant:
             merged[name] = dataclasses.replace(ns, strategies=kept, variant=variant)
             pruned += 1
