@@ -41,7 +41,7 @@ def merge_followers(traced, table: StrategyTable) -> StrategyTable:
         if node is None or node.op != "call_function" or len(ns.inputs) != 1:
             continue  # (a getitem is pruned too: it lists what its producer made before pruning)
         src, idx = ns.inputs[0]
-        quick = (ns.variant, merged[src].variant, idx) if src in merged else (ns.variant, ns.inputs[0])
+        quick = (ns.variant, merged[src].variant, idx)  # every value read is a node of the table
         if quick not in by_variants:
             offered = out.output_candidates(ns.inputs[0])
             key = (ns.variant, tuple(offered))
