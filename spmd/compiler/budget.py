@@ -2,15 +2,19 @@
 
     solve_placements ──▶ Plan whose linear memory terms (parameters, gradients, optimizer state, saved
         activations, inputs) fit `memory_budget` (the budget row, relaxed with a price per byte) and
-        whose schedule's temporaries (`peak_live_bytes`: the worst point's bytes beyond the saved
+        whose schedule's temporaries (`Schedule.temporaries`: the worst point's bytes beyond the saved
         activations) fit what is left: every candidate the search meets is checked whole
-    none fits whole? ──▶ the leanest plan the search met whose linear terms fit, with a warning
+    none fits whole? ──▶ cuts: each plan that was over by its temporaries gives a row, the bytes alive
+        at its worst point as a function of the choices (`solve_placements._cut`), which every fitting
+        plan satisfies; branch and bound under the budget row and the cuts finds a plan, which either
+        fits whole or adds its own cut, until one fits or the program is infeasible
+    still none? ──▶ the leanest plan the search met whose linear terms fit, with a warning that says
+        whether no plan fits (proven: the cuts left nothing) or the search ran out of time
 
-What is guaranteed: a plan that fits whole is found when one of the search's plans fits (the best plan
-at each price it tries, up to the leanest in the linear terms, and branch and bound's with the room the
-leanest plan's temporaries leave). A fitting plan off that path, lean in the linear terms but with
-large temporaries, can be missed: ViT-60B at 80 GB comes back at 90.0 GB while a pinned 2-D plan fits at
-73.1 GB (bench/results_plan.md). Temporaries as rows of the program would close that.
+What is guaranteed: when some plan fits whole, the search ends with a plan that fits, unless its time
+runs out first (each branch and bound round has `Budget.seconds`, the whole solve `time_limit`). The
+cuts only matter where the price search's plans are all over: ViT-120B at batch 1024 on (8, 8) at 80 GB
+came back 145.8 GB over; with one cut it fits at 79.3 GB (bench/results_plan.md).
 The result is the plan with `memory["temporaries"]`, the stats every pass reported, and what the
 per-call costs around the graph scale with (`wrapper_counts`).
 """
@@ -24,18 +28,16 @@ import torch
 from spmd.compiler.axis_search import solve_by_axes
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
-from spmd.cost_model.memory import peak_live_bytes
+from spmd.cost_model.memory import Schedule
 from spmd.passes.solve_placements import solve_placements
 from spmd.passes.trace_module import TracedGraph, flat_outputs
 
 
-def temporaries(traced: TracedGraph, plan: Plan) -> tuple[float, str | None]:
-    """Bytes the schedule holds at its worst point beyond the saved activations (see memory.py), and where."""
+def schedule_of(traced: TracedGraph) -> Schedule:
+    """The graph's schedule, with every parameter's gradient leaving as backward makes it (memory.py)."""
     flat, kinds = flat_outputs(traced.graph.output_node()), traced.output_kinds()
     grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
-    peak, at = peak_live_bytes(traced.graph, plan.choices, traced.tensor_info, plan.mesh.shape, grads, plan.edges)
-    held = plan.memory.get("activations", 0.0) + plan.recomputed_bytes  # the schedule walked saves every layer
-    return max(0.0, peak - held), at
+    return Schedule(traced.graph, traced.tensor_info, grads)
 
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
@@ -44,20 +46,23 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
     """`stats`: what earlier passes reported, kept in `plan.stats`.
     `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once."""
     labels, regions = traced.labels(), traced.regions()
+    schedule = schedule_of(traced)
 
     def solve(table, table_costs) -> Plan:
-        return solve_placements(table, table_costs, labels, memory_budget, blocks=blocks,
-                                extra_bytes=lambda p: temporaries(traced, p)[0], on_progress=on_progress,
-                                regions=regions, recompute=recompute)
+        return solve_placements(table, table_costs, labels, memory_budget, blocks=blocks, schedule=schedule,
+                                on_progress=on_progress, regions=regions, recompute=recompute)
 
     plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
-    extra, at = temporaries(traced, plan)
+    extra, point = schedule.temporaries(plan)
+    at = None if point is None else point.at
     if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
         warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
                       f"optimizer state and saved activations fit, but with the schedule's temporaries "
                       f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
-                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB, and no plan the search met fits "
-                      "whole (this is the leanest it found). "
+                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB, and "
+                      + ("no plan fits whole (proven; this is the leanest plan found). "
+                         if "(proven)" in str(plan.stats.get("status")) else
+                         "no plan the search met fits whole (this is the leanest it found). ") +
                       "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(

@@ -61,76 +61,122 @@ def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm
     return terms
 
 
+@dataclass(frozen=True)
+class LivePoint:
+    """One point of the schedule: the `index`-th node (`at`) while it runs, with its output made (`made`)
+    or not yet. `values`: the nodes whose outputs are alive there, whatever the placements (a view's base
+    stands for it). A resharded copy is alive there when one of its readers starts at or before `index`
+    and one ends at or after it (`Schedule.spans`)."""
+
+    index: int
+    at: str
+    made: bool
+    values: tuple[str, ...]
+
+
+class Schedule:
+    """When each intermediate value of a graph is alive in its schedule (node order), independent of the
+    placements; `peak` walks it under chosen placements, `point` says what is alive at one point.
+
+    A value is alive from the node that makes it to its last reader; a view allocates nothing but keeps
+    its base alive as long as it lives. Placeholders (parameters, inputs, tangents) and the values in
+    `exclude` (parameter gradients, counted as "gradients") are left out. A resharded copy one reader
+    reads (an edge of the plan: a weight gathered for a matmul, an all_reduced partial sum) is alive over
+    `spans[reader]`: from the reader to its last use through views. As insert_collectives makes them,
+    one copy per (value, layout, phase) serves every reader in that phase, alive from the first to the
+    last."""
+
+    def __init__(self, graph, tensor_info: dict, exclude: set[str] = frozenset()):
+        self.nodes, self.tensor_info = list(graph.nodes), tensor_info
+        order = {n: i for i, n in enumerate(self.nodes)}
+        base: dict = {}
+        for n in self.nodes:
+            if n.op == "call_function" and is_view(n.target) and n.args and hasattr(n.args[0], "op"):
+                base[n] = base.get(n.args[0], n.args[0])
+        # a parameter's gradient (or what it is a view of) leaves through its output as soon as backward is
+        # done with it: the rank graph reduces it there, and the reduced piece is counted as "gradients"
+        transient = {base.get(n, n) for n in self.nodes if n.name in exclude}
+        last: dict = {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                root = base.get(a, a)
+                if n.op != "output" or root not in transient:
+                    last[root] = max(last.get(root, order[root]), order[n])
+        for root in transient - last.keys():
+            last[root] = order[root]
+        # (node, first index alive, last index alive) of every value that may hold bytes
+        self.values = [(n, order[n], last.get(n, order[n])) for n in self.nodes
+                       if n.op == "call_function" and n not in base]
+        self.roots = {n for n, _, _ in self.values}
+        self.frees: dict[int, list] = {}
+        for n, _, i in self.values:
+            self.frees.setdefault(i, []).append(n)
+        self.spans = {n.name: (order[n], _last_through_views(n, order)) for n in self.nodes if n.op != "output"}
+        self.phase = {n.name: n.meta.get("partitioner_tag") for n in self.nodes}
+
+    def temporaries(self, plan) -> tuple[float, LivePoint | None]:
+        """What a plan's schedule holds at its worst point beyond the saved activations (every layer's,
+        recomputed or not: the schedule walked saves them all), and that point."""
+        peak, point = self.peak(plan.choices, plan.mesh.shape, plan.edges)
+        return max(0.0, peak - plan.memory.get("activations", 0.0) - plan.recomputed_bytes), point
+
+    def peak(self, choices: dict, mesh_shape: tuple[int, ...], edges=()) -> tuple[float, LivePoint | None]:
+        """The most bytes of intermediate values one rank holds at any point under the chosen placements
+        (`choices`, node -> strategy; `edges`, the plan's reshardings: their copies), and where."""
+        tensor_info = self.tensor_info
+        copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
+        for e in edges:
+            span = self.spans.get(e.consumer)
+            info = tensor_info.get(e.value[0])
+            info = info[e.value[1]] if isinstance(info, tuple) else info
+            if span is None or not isinstance(info, TensorInfo):
+                continue  # an output sink: a gradient in its parameter's layout, counted as "gradients"
+            key = (e.value, e.dst, self.phase[e.consumer])
+            if key in copies:
+                copies[key][0], copies[key][1] = min(copies[key][0], span[0]), max(copies[key][1], span[1])
+            else:
+                copies[key] = [span[0], span[1], info.nbytes / pieces(e.dst, mesh_shape)]
+        copy_alloc: dict[int, float] = {}
+        copy_free: dict[int, float] = {}
+        for first, last, size in copies.values():
+            copy_alloc[first] = copy_alloc.get(first, 0.0) + size
+            copy_free[last] = copy_free.get(last, 0.0) + size
+        live, peak, at = 0.0, 0.0, None
+        sizes: dict = {}
+        for i, n in enumerate(self.nodes):
+            live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
+            if live > peak:
+                peak, at = live, (i, False)
+            if n in self.roots and n.name in choices:
+                sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
+                live += sizes[n]
+                if live > peak:
+                    peak, at = live, (i, True)
+            for root in self.frees.get(i, ()):
+                live -= sizes.pop(root, 0.0)
+            live -= copy_free.get(i, 0.0)
+        return peak, None if at is None else self.point(*at)
+
+    def point(self, index: int, made: bool) -> LivePoint:
+        """What is alive at the `index`-th node, before (`made` False) or after its output is made."""
+        alive = tuple(n.name for n, first, last in self.values
+                      if (first <= index if made else first < index) and index <= last)
+        return LivePoint(index, self.nodes[index].name, made, alive)
+
+
+def value_bytes(infos, outputs, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes on one rank of a node's outputs (`infos`, one TensorInfo or a tuple) laid out as `outputs`."""
+    infos = infos if isinstance(infos, tuple) else (infos,)
+    return sum(info.nbytes / pieces(ps, mesh_shape) for info, ps in zip(infos, outputs)
+               if isinstance(info, TensorInfo) and ps is not None)
+
+
 def peak_live_bytes(graph, choices: dict, tensor_info: dict, mesh_shape: tuple[int, ...],
                     exclude: set[str] = frozenset(), edges=()) -> tuple[float, str | None]:
-    """The most bytes of intermediate values one rank holds at any point of the graph's schedule
-    (node order), under the chosen placements, and the node where that happens.
-
-    A value is alive from the node that makes it to its last reader; a view allocates nothing but
-    keeps its base alive as long as it lives. Placeholders (parameters, inputs, tangents) and the
-    values in `exclude` (parameter gradients, counted as "gradients") are left out. `edges` (the plan's
-    reshardings) add the resharded copies their consumers read: a weight gathered for a matmul, an
-    all_reduced partial sum. As insert_collectives makes them, one copy per (value, layout, phase)
-    serves every consumer in that phase, alive from the first to the last."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    by_name = {n.name: n for n in graph.nodes}
-    copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
-    for e in edges:
-        reader = by_name.get(e.consumer)
-        info = tensor_info.get(e.value[0])
-        info = info[e.value[1]] if isinstance(info, tuple) else info
-        if reader is None or not isinstance(info, TensorInfo):
-            continue  # an output sink: a gradient in its parameter's layout, counted as "gradients"
-        key = (e.value, e.dst, reader.meta.get("partitioner_tag"))
-        i, j = order[reader], _last_through_views(reader, order)
-        if key in copies:
-            copies[key][0], copies[key][1] = min(copies[key][0], i), max(copies[key][1], j)
-        else:
-            copies[key] = [i, j, info.nbytes / pieces(e.dst, mesh_shape)]
-    copy_alloc: dict[int, float] = {}
-    copy_free: dict[int, float] = {}
-    for first, last, size in copies.values():
-        copy_alloc[first] = copy_alloc.get(first, 0.0) + size
-        copy_free[last] = copy_free.get(last, 0.0) + size
-    base: dict = {}
-    for n in graph.nodes:
-        if n.op == "call_function" and is_view(n.target) and n.args and hasattr(n.args[0], "op"):
-            base[n] = base.get(n.args[0], n.args[0])
-    # a parameter's gradient (or what it is a view of) leaves through its output as soon as backward is
-    # done with it: the rank graph reduces it there, and the reduced piece is counted as "gradients"
-    transient = {base.get(n, n) for n in graph.nodes if n.name in exclude}
-    last: dict = {}
-    for n in graph.nodes:
-        for a in n.all_input_nodes:
-            root = base.get(a, a)
-            if n.op != "output" or root not in transient:
-                last[root] = max(last.get(root, order[root]), order[n])
-    frees: dict[int, list] = {}
-    for root, i in last.items():
-        frees.setdefault(i, []).append(root)
-    for root in transient - last.keys():
-        frees.setdefault(order[root], []).append(root)
-    live, peak, at = 0.0, 0.0, None
-    sizes: dict = {}
-    for i, n in enumerate(graph.nodes):
-        live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
-        if live > peak:
-            peak, at = live, n.name
-        if n.op == "call_function" and n not in base and n.name in choices:
-            infos = tensor_info.get(n.name)
-            infos = infos if isinstance(infos, tuple) else (infos,)
-            total = 0.0
-            for info, ps in zip(infos, choices[n.name].outputs):
-                if isinstance(info, TensorInfo) and ps is not None:
-                    total += info.nbytes / pieces(ps, mesh_shape)
-            sizes[n] = total
-            live += total
-            if live > peak:
-                peak, at = live, n.name
-        for root in frees.get(i, ()):
-            live -= sizes.pop(root, 0.0)
-        live -= copy_free.get(i, 0.0)
-    return peak, at
+    """The most bytes of intermediate values one rank holds at any point of the graph's schedule under
+    the chosen placements, and the node where that happens (see `Schedule`)."""
+    peak, point = Schedule(graph, tensor_info, exclude).peak(choices, mesh_shape, edges)
+    return peak, None if point is None else point.at
 
 
 def _last_through_views(node, order: dict) -> int:

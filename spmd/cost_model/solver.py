@@ -30,6 +30,7 @@ BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Sear
 # past a 4 s switch to interior point, which needs 45 s on that program, and out of time.
 SIMPLEX_ITERATIONS_PER_COLUMN = 0.2
 SIMPLEX_ITERATIONS_MIN = 20_000
+CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), one cut more each
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,17 @@ class IlpResult:
     n_binary: int
     n_continuous: int
     n_rows: int
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A row every solution that fits satisfies: sum(coef * x[col] for terms) + sum(bytes * z for helpers)
+    <= the budget's limit. Each helper z is a new column in [0, 1] with rows z >= sum(coef * x[col]) + const,
+    one per (terms, const) it is given: at an integral solution the smallest z is 1 exactly when what
+    it stands for holds (a resharded copy that is alive)."""
+
+    terms: tuple[tuple[int, float], ...]
+    helpers: tuple[tuple[float, tuple[tuple[tuple[tuple[int, float], ...], float], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,11 @@ class Budget:
     # the best plan's: choices the price search can only take all or nothing of (how many identical
     # layers to recompute: at any price, recomputing one pays exactly when recomputing all does)
     polish: tuple[int, ...] = ()
+    # `cut(x)`: for a solution whose row fits but whose extra does not, a row (`Cut`) that every fitting
+    # solution satisfies and x violates (the bytes alive at x's worst point of the schedule, as a linear
+    # function of the choices). With it, when no plan the price search meets fits whole, branch and
+    # bound with the row and these cuts either finds one that fits or proves that none does.
+    cut: Callable[[np.ndarray], "Cut | None"] | None = None
 
 
 class IlpBuilder:
@@ -170,7 +187,8 @@ class IlpBuilder:
             weight[col] += b
         limit = float(budget.limit)
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
-                 "leanest": None, "leanest_need": float("inf")}  # the plan needing least, fitting or not
+                 "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
+                 "over": [], "proven": False}  # plans whose row fits but not their extra; none fits, proven
 
         def gap() -> float:
             best = state["objective"]
@@ -203,6 +221,8 @@ class IlpBuilder:
             improve(x, value - lam * limit, need)
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
+            if need > limit * (1 + 1e-9) >= float(weight @ x) * (1 + 1e-9):
+                state["over"].append(x)  # over by its extra alone: a cut for the last resort
             return need <= limit * (1 + 1e-9), float(costs @ x), need
 
         first = probe(0.0)
@@ -235,28 +255,14 @@ class IlpBuilder:
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
                 exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
-                x, bound = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
-                                                   report if exact else None, budget.seconds)
+                x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
+                                                      report if exact else None, budget.seconds)
                 improve(x, bound if exact else -float("inf"))
             if state["x"] is not None and budget.polish and not search.out_of_time():
                 improve(search.polish(costs, weight, room(state["x"]), state["x"], np.asarray(budget.polish)),
                         -float("inf"))
-            for _ in range(3):
-                # no price's plan fits whole: what the row must leave for temporaries is guessed from
-                # the leanest plan so far, and branch and bound finds the cheapest plan leaving that
-                # much; if its own temporaries are larger, again with its guess
-                lean = state["leanest"]
-                if state["x"] is not None or lean is None or budget.extra is None or search.out_of_time():
-                    break
-                room_left = limit - (state["leanest_need"] - float(weight @ lean))
-                x, _ = search.branch_and_bound(costs, weight, room_left, None, budget.gap, None, budget.seconds)
-                if x is None:
-                    break
-                need = needs(x)
-                improve(x, -float("inf"), need)
-                if need >= state["leanest_need"]:
-                    break
-                state["leanest"], state["leanest_need"] = x, need
+            if state["x"] is None and budget.cut is not None and state["over"] and not search.out_of_time():
+                self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
         seconds = time.perf_counter() - t0
         lean = state["leanest"]
         if state["x"] is None and lean is not None and float(weight @ lean) <= limit * (1 + 1e-9):
@@ -266,7 +272,9 @@ class IlpBuilder:
             bound = min(state["bound"], objective)
             return IlpResult(lean, objective / scale, bound / scale, (objective - bound) / max(abs(objective), 1e-300),
                              seconds,
-                             "Over the budget with its temporaries: the leanest plan found", *sizes)
+                             "Over the budget with its temporaries: " + (
+                                 "no plan fits (proven); the leanest plan found" if state["proven"] else
+                                 "the leanest plan found"), *sizes)
         if state["x"] is None:
             return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds,
                              "Infeasible: no plan fits the budget", *sizes)
@@ -275,6 +283,32 @@ class IlpBuilder:
         objective = state["objective"]
         return IlpResult(state["x"], objective / scale, min(state["bound"], objective) / scale, gap(), seconds,
                          status, *sizes)
+
+    @staticmethod
+    def _cut_loop(search: "_Search", costs, weight, limit: float, budget: Budget, state: dict, needs, improve) -> None:
+        """No plan of the price search fits whole: branch and bound with the row and a cut for each plan
+        that was over by its extra finds the cheapest plan satisfying them all. If it fits whole, it is
+        the answer (and branch and bound's bound is a bound: every cut holds for every fitting plan);
+        if not, its own cut joins the others and the search goes again. Infeasible means no plan fits."""
+        cuts = list(dict.fromkeys(c for c in map(budget.cut, state["over"]) if c is not None))
+        for _ in range(CUT_ROUNDS):
+            if not cuts or search.out_of_time():
+                return
+            x, bound, infeasible = search.branch_and_bound(costs, weight, limit, None, budget.gap, None,
+                                                           budget.seconds, cuts)
+            if x is None:
+                state["proven"] = infeasible
+                return
+            need = needs(x)
+            improve(x, bound, need)
+            if need < state["leanest_need"]:
+                state["leanest"], state["leanest_need"] = x, need
+            if need <= limit * (1 + 1e-9):
+                return
+            cut = budget.cut(x)
+            if cut is None or cut in cuts:
+                return
+            cuts.append(cut)
 
     def _choice_groups(self, binary: np.ndarray) -> list[np.ndarray]:
         """The "exactly one of these binary columns" rows, as column arrays."""
@@ -442,20 +476,34 @@ class _Search:
             return None
         return np.asarray(self.fixed.getSolution().col_value)
 
-    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds):
-        """Branch and bound with the budget row, from the solution `start` (or None), for at most
-        `seconds`: (solution or None, bound)."""
+    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=()):
+        """Branch and bound with the budget row and `cuts` (rows with the same limit), from the solution
+        `start` (or None), for at most `seconds`: (solution or None, bound), and with `cuts` also whether
+        the program was proven infeasible."""
         mip = self._mip(costs, min(seconds, self.remaining()))
         mip.setOptionValue("mip_rel_gap", rel_gap)
         cols = np.flatnonzero(weight).astype(np.int32)
         mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
+        n = len(costs)
+        for cut in cuts:
+            terms = dict(cut.terms)
+            for size, lower in cut.helpers:
+                z = mip.getNumCol()
+                mip.addCol(0.0, 0.0, 1.0, 0, np.zeros(0, dtype=np.int32), np.zeros(0))
+                terms[z] = terms.get(z, 0.0) + size
+                for row, const in lower:  # z - sum(row) >= const
+                    idx = np.asarray([z] + [c for c, _ in row], dtype=np.int32)
+                    val = np.asarray([1.0] + [-v for _, v in row])
+                    mip.addRow(float(const), highspy.kHighsInf, len(idx), idx, val)
+            idx = np.asarray(list(terms), dtype=np.int32)
+            mip.addRow(-highspy.kHighsInf, limit, len(idx), idx, np.asarray(list(terms.values()), dtype=float))
         if start is not None:
             _seed(mip, start)
         _report(mip, on_progress)
         mip.run()
         info = mip.getInfo()
-        x = np.asarray(mip.getSolution().col_value) if info.primal_solution_status == 2 else None
-        return x, float(info.mip_dual_bound)
+        x = np.asarray(mip.getSolution().col_value)[:n] if info.primal_solution_status == 2 else None
+        return x, float(info.mip_dual_bound), mip.getModelStatus() == highspy.HighsModelStatus.kInfeasible
 
     def polish(self, costs, weight, limit, x, free: np.ndarray) -> np.ndarray | None:
         """The cheapest solution with the budget row that keeps `x`'s binary columns, except `free`."""

@@ -16,7 +16,8 @@ from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, Value, pieces
 from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.layout_graph import layout_graph
-from spmd.cost_model.solver import Budget, IlpBuilder
+from spmd.cost_model.memory import LivePoint, Schedule, value_bytes
+from spmd.cost_model.solver import Budget, Cut, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable
 from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
@@ -230,6 +231,70 @@ def recompute_figures(chosen: list[tuple[tuple[RecomputableLayer, ...], int]], c
     return seconds, freed
 
 
+def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable, costs: CostTable,
+         node_expr: dict, value_expr: dict, memory_row: dict[int, float], regions: dict) -> Cut:
+    """`plan`'s predicted peak at its worst point as a row: the memory row without the saved activations
+    (the schedule counts them where they are alive), plus each value alive there in the layout chosen
+    for it, plus the resharded copies `plan` holds there. The row holds for every plan that fits (every
+    plan's peak is at least its value: a copy left out only makes it smaller) and equals `plan`'s peak,
+    which it cuts off.
+
+    A copy of value v in layout L read in one phase is alive at the point when a reader in that phase
+    needs L, v is not made in L, and the readers needing L start at or before the point and end at or
+    after it: a helper column z >= [r1 needs L] + [r2 needs L] - [v made in L] - 1 for each such pair
+    (z >= [r needs L] - [made in L] for a reader spanning the point)."""
+    mesh_shape = costs.mesh.shape
+    terms = dict(memory_row)
+    for term in costs.memory:
+        if term.kind == "activations":
+            for ps, expr in value_expr[term.value].items():
+                for col in expr:
+                    terms[col] -= term.bytes(ps, mesh_shape)
+    for name in point.values:
+        ns = table.nodes.get(name)
+        if ns is None:
+            continue
+        info = schedule.tensor_info.get(name)
+        for s, expr in zip(ns.strategies, node_expr[name]):
+            size = value_bytes(info, s.outputs, mesh_shape)
+            for col in expr:
+                terms[col] = terms.get(col, 0.0) + size
+    i, spans = point.index, schedule.spans
+    alive: dict[tuple, list[int]] = {}  # (value, phase, layout) -> [first, last] of plan's copy
+    for e in plan.edges:
+        if e.consumer in spans:
+            first, last = alive.setdefault((e.value, regions.get(e.consumer), e.dst), [spans[e.consumer][0], -1])
+            alive[(e.value, regions.get(e.consumer), e.dst)] = [min(first, spans[e.consumer][0]),
+                                                                max(last, spans[e.consumer][1])]
+    alive = {key: span for key, span in alive.items() if span[0] <= i <= span[1]}
+    readers: dict[tuple, list[tuple[str, int]]] = {}  # (value, phase) -> its readers (consumer, slot)
+    if alive:
+        for name, ns in table.nodes.items():
+            if name in spans and ns.source != "follow":
+                for j, value in enumerate(ns.inputs):
+                    readers.setdefault((value, regions.get(name)), []).append((name, j))
+    helpers = []
+    for value, phase, layout in alive:
+        group = readers.get((value, phase), [])
+        before = [r for r in group if spans[r[0]][0] <= i]
+        after = [r for r in group if spans[r[0]][1] >= i]
+        needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]).get(layout, ()) for r in {*before, *after}}
+        made = [(c, -1.0) for c in value_expr[value].get(layout, ())]
+        lower = [(tuple([(c, 1.0) for c in needs[r]] + made), 0.0) for r in before if r in after and needs[r]]
+        lower += [(tuple([(c, 1.0) for c in needs[a] + needs[b]] + made), -1.0)
+                  for a in before if a not in after and needs[a] for b in after if b not in before and needs[b]]
+        helpers.append((costs.value_info[value].nbytes / pieces(layout, mesh_shape), tuple(lower)))
+    return Cut(tuple(terms.items()), tuple(helpers))
+
+
+def _needed(ns, slot: int, exprs: list[Expr]) -> dict[Placements, list[int]]:
+    """Layout of input `slot` -> the columns of the strategies that read it so."""
+    needed: dict[Placements, list[int]] = {}
+    for s, expr in zip(ns.strategies, exprs):
+        needed.setdefault(s.inputs[slot], []).extend(expr)
+    return needed
+
+
 def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     out: dict[Placements, list[int]] = {}
     for s, expr in zip(ns.strategies, exprs):
@@ -239,7 +304,7 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
                      memory_budget: float | None = None, time_limit: float = 60.0,
-                     blocks=None, extra_bytes: Callable[[Plan], float] | None = None,
+                     blocks=None, schedule: Schedule | None = None,
                      on_progress: Callable[[float, float, float], None] | None = None,
                      regions: dict[str, str] | None = None, recompute: Recomputable | None = None) -> Plan:
     """`memory_budget`: bytes per rank the plan's predicted peak (see `cost_model.memory`) may use.
@@ -247,8 +312,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     edges between reused variables reuse their edge variables), so identical layers get identical
     placements and the program's size stops growing with depth. The optimum is then the best plan
     among those that lay out identical layers alike.
-    `extra_bytes(plan)`: what a plan needs beyond its linear memory terms (the schedule's temporaries);
-    with a budget, only plans whose terms plus these fit are accepted (see `IlpBuilder.solve`).
+    `schedule`: the graph's (cost_model/memory.py): with a budget, only plans whose linear memory terms
+    plus the schedule's temporaries fit are accepted, and where none of the price search's plans does,
+    the bytes alive at their worst points become rows of the program (`_cut`, `IlpBuilder.solve`).
     `on_progress(objective, bound, gap)`: called as the solver improves (seconds).
     `regions`: consumer -> "is_forward"/"is_backward" (`TracedGraph.regions`). Consumers of one value in
     one region that need the same placements share one resharding in the rank graph (insert_collectives),
@@ -515,8 +581,21 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     budget = None
     if memory_budget is not None:
-        budget = Budget(memory_row, memory_budget, None if extra_bytes is None else
-                        lambda x: extra_bytes(to_plan(x, None)), polish=tuple(c for cols in counts for c in cols))
+        walked: list = [None, None, None]  # the last solution walked, its plan, (temporaries, worst point)
+
+        def walk(x) -> tuple[float, LivePoint | None]:
+            if walked[0] is not x:
+                plan = to_plan(x, None)
+                walked[:] = x, plan, schedule.temporaries(plan)
+            return walked[2]
+
+        def cut(x) -> Cut | None:
+            point = walk(x)[1]
+            return None if point is None else _cut(point, walked[1], schedule, table, costs, node_expr,
+                                                   value_expr, memory_row, regions)
+
+        budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
+                        polish=tuple(c for cols in counts for c in cols), cut=None if schedule is None else cut)
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):

@@ -44,7 +44,7 @@ def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
     model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
     free = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss)
     budget = free.predicted_peak_bytes - free.memory["temporaries"] / 2
-    with pytest.warns(UserWarning, match=f"memory_budget {budget / 2**20:.1f} MiB"):
+    with pytest.warns(UserWarning, match=rf"memory_budget {budget / 2**20:.1f} MiB.*no plan fits whole \(proven"):
         tight = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
     assert tight.predicted_peak_bytes == free.predicted_peak_bytes
 

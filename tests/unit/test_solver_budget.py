@@ -199,3 +199,48 @@ def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeyp
         result = ilp.solve(budget=None if limit is None else Budget(weights, limit))
         assert result.objective == pytest.approx(want[limit])
     assert calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups_st, st.data())
+def test_with_cuts_a_plan_that_fits_whole_is_found_or_none_exists(groups, data):
+    """The last resort when no plan of the price search fits with its extra: branch and bound with a cut
+    per plan that was over (the bytes at its worst point as a row, `Budget.cut`). A schedule of a few
+    points, each holding per option some bytes, one of them a copy that is alive only when the first
+    group picks option 0 and the second does not (a helper column). Whenever some plan fits whole the
+    result fits whole; when none does, the search says so, proven."""
+    from spmd.cost_model.solver import Cut
+
+    ilp, cols, weights = _program(groups)
+    points = [([[data.draw(st.integers(0, 60).map(float)) for _ in g] for g in groups],
+               data.draw(st.integers(0, 30).map(float))) for _ in range(data.draw(st.integers(1, 3)))]
+
+    def at_point(picks, k) -> float:
+        live, copy = points[k]
+        alive = picks[0] == 0 and picks[1] != 0
+        return sum(b[i] for b, i in zip(live, picks)) + (copy if alive else 0.0)
+
+    def extra_of(picks) -> float:
+        return max(at_point(picks, k) for k in range(len(points)))
+
+    def cut(x) -> Cut:
+        picks = _picks(x, cols)
+        live, copy = points[max(range(len(points)), key=lambda k: at_point(picks, k))]
+        terms = dict(weights)
+        for g, b in zip(cols, live):
+            for c, v in zip(g, b):
+                terms[c] += v
+        made = ((cols[0][0], 1.0), (cols[1][0], -1.0))  # z >= [first picks 0] - [second picks 0]
+        return Cut(tuple(terms.items()), ((copy, ((made, 0.0),)),))
+
+    leanest = sum(min(b for _, b in g) for g in groups)
+    roomiest = sum(max(b for _, b in g) for g in groups) + 60.0 * len(groups) + 30.0
+    limit = leanest + data.draw(st.floats(0.1, 1.0)) * (roomiest - leanest)
+    best = _brute_force(groups, limit, extra_of)
+    r = ilp.solve(budget=Budget(weights, limit, extra=lambda x: extra_of(_picks(x, cols)), cut=cut))
+    if best == float("inf"):
+        assert r.objective == float("inf") or "(proven)" in r.status, r.status
+        return
+    picks = _picks(r.values, cols)
+    assert sum(g[i][1] for g, i in zip(groups, picks)) + extra_of(picks) <= limit * (1 + 1e-9), r.status
+    assert r.objective >= best - 1e-6 and r.lower_bound <= best + 1e-6
