@@ -30,6 +30,10 @@ BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Sear
 # past a 4 s switch to interior point, which needs 45 s on that program, and out of time.
 SIMPLEX_ITERATIONS_PER_COLUMN = 0.2
 SIMPLEX_ITERATIONS_MIN = 20_000
+# The price search stops after this many prices in a row improved neither its best plan nor its bound: near
+# the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
+# 80 GB: 14 such prices after the 5th, ~6 s).
+STALLED_PROBES = 3
 CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), one cut more each
 
 
@@ -210,11 +214,12 @@ class IlpBuilder:
             if report is not None and state["x"] is not None:
                 report(state["objective"], state["bound"], gap())
 
-        def probe(lam: float):
-            """(fits, c.x, what x needs) at price `lam`, or None when there is no solution. The bound
-            is the row's alone (`extra` is not linear); the search steers by what plans need whole."""
+        def probe(lam: float, priced: np.ndarray):
+            """(fits, c.x, what x needs) at price `lam` per byte of the row `priced`, or None when there is
+            no solution. The bound is the priced row's alone (`extra` is not linear; every fitting plan
+            satisfies the row); the search steers by what plans need whole."""
             state["probes"] += 1
-            x, value, _ = search.integral(costs + lam * weight, first_found=True)
+            x, value, _ = search.integral(costs + lam * priced, first_found=True)
             if x is None:
                 return None
             need = needs(x)  # (the temporaries walk the schedule: once per plan)
@@ -222,47 +227,63 @@ class IlpBuilder:
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
             if need > limit * (1 + 1e-9) >= float(weight @ x) * (1 + 1e-9):
-                state["over"].append(x)  # over by its extra alone: a cut for the last resort
+                state["over"].append((need, x))  # over by its extra alone: a cut for the last resort
             return need <= limit * (1 + 1e-9), float(costs @ x), need
 
-        first = probe(0.0)
-        if first is not None and not first[0]:
+        def prices(priced: np.ndarray, first: tuple) -> None:
+            """Prices of the row `priced` from 0 (`first`: that probe's answer), 8x apart until a plan fits
+            whole, then Newton's steps between the dearest that does not fit and the cheapest that does."""
             lo, lo_line = 0.0, first[1:]
             lam, hi, hi_line = 1e-2 * max(first[1], 1e-12) / max(first[2], 1.0), None, None
             for _ in range(24):  # prices 8x apart until one fits (none: not even the leanest plan fits)
-                got = probe(lam)
+                got = probe(lam, priced)
                 if got is None or search.out_of_time():
                     break
                 if got[0]:
                     hi, hi_line = lam, got[1:]
                     break
                 lo, lo_line, lam = lam, got[1:], lam * 8
+            stalled = 0  # probes in a row that improved neither the best plan nor the bound
             for _ in range(16):
-                if hi is None or gap() <= budget.gap or search.out_of_time() or hi - lo <= 1e-9 * hi:
+                if hi is None or gap() <= budget.gap or search.out_of_time() or hi - lo <= 1e-9 * hi \
+                        or stalled >= STALLED_PROBES:
                     break
                 (c_lo, w_lo), (c_hi, w_hi) = lo_line, hi_line
                 cross = (c_hi - c_lo) / (w_lo - w_hi) if w_lo > w_hi else -1.0
                 mid = cross if lo < cross < hi else ((lo + hi) / 2 if lo == 0 else (lo * hi) ** 0.5)
-                got = probe(mid)
+                before = (state["objective"], state["bound"])
+                got = probe(mid, priced)
                 if got is None:
                     break
+                stalled = stalled + 1 if (state["objective"], state["bound"]) == before else 0
                 if got[1:] in (lo_line, hi_line) and mid == cross:
                     break  # the lines meet at the dual optimum: no price finds a better plan
                 if got[0]:
                     hi, hi_line = mid, got[1:]
                 else:
                     lo, lo_line = mid, got[1:]
-            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
-                # branch and bound from the best plan, with room for its temporaries
-                exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
-                x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
-                                                      report if exact else None, budget.seconds)
-                improve(x, bound if exact else -float("inf"))
+
+        def polish() -> None:
             if state["x"] is not None and budget.polish and not search.out_of_time():
                 improve(search.polish(costs, weight, room(state["x"]), state["x"], np.asarray(budget.polish)),
                         -float("inf"))
+
+        first = probe(0.0, weight)
+        if first is not None and not first[0]:
+            prices(weight, first)
+            polish()  # (cheap, and a better start for branch and bound)
+            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
+                # branch and bound from the best plan, with room for its temporaries
+                exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
+                best = state["x"]
+                x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
+                                                      report if exact else None, budget.seconds)
+                improve(x, bound if exact else -float("inf"))
+                if state["x"] is not best:
+                    polish()
             if state["x"] is None and budget.cut is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
+                polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
         seconds = time.perf_counter() - t0
         lean = state["leanest"]
         if state["x"] is None and lean is not None and float(weight @ lean) <= limit * (1 + 1e-9):
@@ -290,7 +311,7 @@ class IlpBuilder:
         that was over by its extra finds the cheapest plan satisfying them all. If it fits whole, it is
         the answer (and branch and bound's bound is a bound: every cut holds for every fitting plan);
         if not, its own cut joins the others and the search goes again. Infeasible means no plan fits."""
-        cuts = list(dict.fromkeys(c for c in map(budget.cut, state["over"]) if c is not None))
+        cuts = list(dict.fromkeys(c for c in (budget.cut(x) for _, x in state["over"]) if c is not None))
         for _ in range(CUT_ROUNDS):
             if not cuts or search.out_of_time():
                 return

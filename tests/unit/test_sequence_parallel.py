@@ -212,7 +212,7 @@ def test_a_budget_nothing_fits_is_proven_and_each_cut_is_the_peak_of_its_plan(mo
     loop = solver.IlpBuilder._cut_loop
 
     def checking(search, costs, weight, limit, budget, state, needs, improve):
-        for x in state["over"]:
+        for _, x in state["over"]:
             cut = budget.cut(x)
             row = sum(v * x[c] for c, v in cut.terms)
             copies = sum(size * max(0.0, *(sum(v * x[c] for c, v in terms) + const for terms, const in lower))
