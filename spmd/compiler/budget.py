@@ -12,7 +12,8 @@
         whether no plan fits (proven: the cuts left nothing) or the search ran out of time
 
 What is guaranteed: when some plan fits whole, the search ends with a plan that fits, unless its time
-runs out first (each branch and bound round has `Budget.seconds`, the whole solve `time_limit`). The
+runs out first (each branch and bound round has `Budget.seconds`, the whole solve `time_limit`; the
+first fitting plan the cuts let through gets the rest of `time_limit` to close the gap). The
 cuts only matter where the price search's plans are all over: ViT-120B at batch 1024 on (8, 8) at 80 GB
 came back 145.8 GB over; with one cut it fits at 79.3 GB (bench/results_plan.md).
 The result is the plan with `memory["temporaries"]`, the stats every pass reported, and what the
