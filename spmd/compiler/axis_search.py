@@ -28,7 +28,7 @@ from typing import Callable
 from spmd.core.errors import SpmdError
 from spmd.core.plan import Plan
 from spmd.core.specs import Strategy
-from spmd.passes.enumerate_strategies import StrategyTable
+from spmd.passes.enumerate_strategies import NodeStrategies, StrategyTable
 from spmd.passes.estimate_costs import CostTable
 
 AUTO_MIN_PAIRS = 1_000_000  # layout pairs on the program's edges above which a 3+-axis mesh is searched
@@ -64,14 +64,33 @@ def _on_axes(s: Strategy, axes: tuple[int, ...]) -> tuple:
     return tuple(None if ps is None else tuple(ps[a] for a in axes) for ps in (*s.inputs, *s.outputs))
 
 
-def restrict(table: StrategyTable, costs: CostTable, keep: Callable[[str, Strategy], bool]) -> tuple[StrategyTable, CostTable]:
-    """The table and costs with only the strategies `keep` accepts (all of a node's if it accepts none).
-    Nodes that shared a strategy list (one variant) and keep the same part of it share the new list."""
+class _Projections:
+    """A strategy list's strategies by their placements on some mesh axes (`_on_axes`): projection ->
+    indices, worked out once per list (nodes of tied layers share theirs, and every step asks again)."""
+
+    def __init__(self):
+        self._lists: dict[tuple, tuple] = {}  # (id of the list, axes) -> (the list, projection -> indices)
+
+    def __call__(self, ns: NodeStrategies, axes: tuple[int, ...]) -> dict[tuple, tuple[int, ...]]:
+        got = self._lists.get((id(ns.strategies), axes))
+        if got is None:  # (the list is kept with its projections, so its id is not reused)
+            groups: dict[tuple, list[int]] = {}
+            for i, s in enumerate(ns.strategies):
+                groups.setdefault(_on_axes(s, axes), []).append(i)
+            got = self._lists[(id(ns.strategies), axes)] = (ns.strategies,
+                                                           {p: tuple(ix) for p, ix in groups.items()})
+        return got[1]
+
+
+def restrict(table: StrategyTable, costs: CostTable,
+             keep: Callable[[str, NodeStrategies], tuple[int, ...]]) -> tuple[StrategyTable, CostTable]:
+    """The table and costs with only the strategies whose indices `keep` gives (all of a node's if it
+    gives none). Nodes that shared a strategy list (one variant) and keep the same part share the new list."""
     nodes, node_costs = dict(table.nodes), dict(costs.node_costs)
     fresh = max((ns.variant for ns in table.nodes.values()), default=0) + 1
     variants: dict[tuple, int] = {}
     for name, ns in table.nodes.items():
-        kept = tuple(i for i, s in enumerate(ns.strategies) if keep(name, s))
+        kept = keep(name, ns)
         if not kept or len(kept) == len(ns.strategies):
             continue
         variant = variants.setdefault((ns.variant, kept), fresh + len(variants))
@@ -87,9 +106,11 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
     """The search above; `solve(table, costs)` is one exact solve (budget and all)."""
     t0 = time.perf_counter()
     outer = tuple(range(mesh_axes - 1))
+    on_axes = _Projections()
 
-    def diagonal(name: str, s: Strategy) -> bool:
-        return all(ps is None or len({ps[a] for a in outer}) == 1 for ps in (*s.inputs, *s.outputs))
+    def diagonal(name: str, ns: NodeStrategies) -> tuple[int, ...]:
+        return tuple(sorted(i for p, ix in on_axes(ns, outer).items()
+                            if all(ps is None or len(set(ps)) == 1 for ps in p) for i in ix))
 
     t = time.perf_counter()
     try:
@@ -107,7 +128,7 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
             fixed = tuple(a for a in range(mesh_axes) if a not in free)
             incumbent = {name: _on_axes(s, fixed) for name, s in best.choices.items()}
             t = time.perf_counter()
-            plan = solve(*restrict(table, costs, lambda name, s: _on_axes(s, fixed) == incumbent[name]))
+            plan = solve(*restrict(table, costs, lambda name, ns: on_axes(ns, fixed).get(incumbent[name], ())))
             steps.append(f"axes {free[0]},{free[1]} free: {plan.objective * 1e3:.3f} ms ({time.perf_counter() - t:.1f} s)")
             if plan.objective < best.objective * (1 - 1e-9):
                 best, version = plan, version + 1
