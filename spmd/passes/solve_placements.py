@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+import numpy as np
+
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import follows_input, is_gradient_sink
 from spmd.core.plan import Edge, Plan
@@ -537,29 +539,50 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
                             memory_row, flows)
 
+    # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
+    # reads a plan from each candidate it checks whole)
+    pair_of_col, col_of, pair_node, pair_strategy = [], [], [], []
+    for n, name in enumerate(table.nodes):
+        for i, expr in enumerate(node_expr[name]):
+            pair_of_col.extend([len(pair_node)] * len(expr))
+            col_of.extend(expr)
+            pair_node.append(n)
+            pair_strategy.append(i)
+    pair_of_col, col_of = np.asarray(pair_of_col, dtype=np.int64), np.asarray(col_of, dtype=np.int64)
+    pair_node, pair_strategy = np.asarray(pair_node, dtype=np.int64), np.asarray(pair_strategy, dtype=np.int64)
+
+    resharding: dict[tuple, tuple] = {}  # (value, its maker's and reader's strategies, slot) -> (src, dst, steps, s)
+
     def to_plan(x, result) -> Plan:
         """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
+        chosen_pairs = np.bincount(pair_of_col, weights=np.asarray(x, dtype=float)[col_of],
+                                   minlength=len(pair_node)) > 0.5
+        per_node = np.bincount(pair_node[chosen_pairs], minlength=len(table.nodes))
+        if np.any(per_node != 1):
+            n = int(np.flatnonzero(per_node != 1)[0])
+            raise SpmdInternalError(f"solve_placements: node {list(table.nodes)[n]} has {per_node[n]} chosen strategies")
         choices, chosen_cost = {}, {}
-        for name, ns in table.nodes.items():
-            picked = [i for i, expr in enumerate(node_expr[name]) if sum(x[c] for c in expr) > 0.5]
-            if len(picked) != 1:
-                raise SpmdInternalError(f"solve_placements: node {name} has {len(picked)} chosen strategies")
-            choices[name] = ns.strategies[picked[0]]
-            chosen_cost[name] = costs.node_costs.get(name, [0.0] * len(ns.strategies))[picked[0]]
+        for (name, ns), i in zip(table.nodes.items(), pair_strategy[chosen_pairs].tolist()):
+            choices[name] = ns.strategies[i]
+            chosen_cost[name] = costs.node_costs[name][i] if name in costs.node_costs else 0.0
 
         edges, made = [], set()
         for name, ns in table.nodes.items():
+            gradient = is_gradient_sink(ns)
             for j, value in enumerate(ns.inputs):
-                src = choices[value[0]].outputs[value[1]]
-                dst = choices[name].inputs[j]
+                # (strategies are the table's own objects, alive through the solve: their ids are keys)
+                key = (value, id(choices[value[0]]), id(choices[name]), j, gradient)
+                found = resharding.get(key)
+                if found is None:
+                    src, dst = choices[value[0]].outputs[value[1]], choices[name].inputs[j]
+                    found = resharding[key] = (src, dst, () if src == dst else costs.redistribute(
+                        value, src, dst, gradient), 0.0 if src == dst else costs.edge_cost(value, src, dst, gradient))
+                src, dst, steps, cost = found
                 if src != dst:
-                    gradient = is_gradient_sink(ns)
-                    steps = costs.redistribute(value, src, dst, gradient)
                     key = (value, dst, regions.get(name))
                     shared = key in made and _shareable(steps, gradient)  # as the program prices it
                     made.add(key)
-                    cost = 0.0 if shared else costs.edge_cost(value, src, dst, gradient)
-                    edges.append(Edge(value, name, j, src, dst, steps, cost, shared))
+                    edges.append(Edge(value, name, j, src, dst, steps, 0.0 if shared else cost, shared))
         stats = {} if result is None else {"binary": result.n_binary, "continuous": result.n_continuous,
                                            "rows": result.n_rows, "status": result.status}
         memory: dict[str, float] = {}
