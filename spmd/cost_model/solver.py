@@ -22,13 +22,15 @@ import numpy as np
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
 # The dual simplex's iterations on a relaxation before interior point (with crossover, so still a vertex)
-# takes over: a few degenerate programs of 3-D meshes stall the simplex (36,800 iterations, 19-33 s) where
-# interior point takes 7 s. The others need 0.08-0.19 iterations per column (Llama on (2, 2): 14,800 for
-# 185k columns; the 1.1B 3-D search's programs: 7,800-18,600 for ~98k). Counted in iterations, not
-# seconds, so that the path, and with it which of several optimal vertices comes back, does not depend
-# on the machine's load: four ranks solving at once on two cores once took Llama's relaxation (2 s alone)
-# past a 4 s switch to interior point, which needs 45 s on that program, and out of time.
-SIMPLEX_ITERATIONS_PER_COLUMN = 0.2
+# takes over: a few degenerate programs of 3-D meshes stall the simplex (the 1.1B search's hardest: 36,500
+# iterations for 68k columns, 0.53 per column, 15 s, where interior point takes 5 s). The others need 0.1-0.24
+# per column (the 1.1B search's other programs: 8,300-17,400 for 72-91k; LLaMA3-8B on (8, 8): 10,000 for
+# 62k; the 2-layer transformers Llama on (2, 2) with the built-in cpu profile: 25,800 for 126k, which a cap
+# of 0.2 cut off 600 iterations short, sending it to 14 s of interior point: its plan took 20.6 s, now 7.2).
+# Counted in iterations, not seconds, so that the path, and with it which of several optimal vertices comes
+# back, does not depend on the machine's load: four ranks solving at once on two cores once took Llama's
+# relaxation (2 s alone) past a 4 s switch to interior point, which needs 45 s on that program.
+SIMPLEX_ITERATIONS_PER_COLUMN = 0.3
 SIMPLEX_ITERATIONS_MIN = 20_000
 # The price search stops after this many prices in a row improved neither its best plan nor its bound: near
 # the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at

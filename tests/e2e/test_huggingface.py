@@ -54,8 +54,8 @@ def _train(rank: int, world: int, name: str, mesh_shape: tuple, steps: int = 2) 
         reference = copy.deepcopy(model)
         names = ("dp", "tp")[-len(mesh_shape):]
         mesh = spmd.init_mesh(mesh_shape, names)
-        # compute-bound: at SLOW_DEVICE's 1 GB/s, copies and bucket packing make Llama's (2, 2) program
-        # hard for HiGHS (45 s against 2 s; the built-in cpu profile: 31 s), near its time limit on CI
+        # compute-bound: the profile whose Llama (2, 2) program HiGHS solves fastest (1.1 s, against 2.4 s
+        # at SLOW_DEVICE's 1 GB/s and 2.9 s with the built-in cpu profile; once 45 s and 31 s)
         compiled = spmd.compile(model, mesh, example_kwargs=kwargs, training=True,
                                 mesh_spec=spec(mesh_shape, names, device=COMPUTE_BOUND_DEVICE))
         args, local = compiled.shard_inputs(**kwargs)
