@@ -217,16 +217,16 @@ class IlpBuilder:
             if report is not None and state["x"] is not None:
                 report(state["objective"], state["bound"], gap())
 
-        def probe(lam: float, priced: np.ndarray):
-            """(fits, c.x, what x needs) at price `lam` per byte of the row `priced`, or None when there is
-            no solution. The bound is the priced row's alone (`extra` is not linear; every fitting plan
-            satisfies the row); the search steers by what plans need whole."""
+        def probe(lam: float):
+            """(fits, c.x, what x needs) at price `lam` per byte of the row, or None when there is no
+            solution. The bound is the row's alone (`extra` is not linear; every fitting plan satisfies the
+            row); the search steers by what plans need whole."""
             state["probes"] += 1
-            x, value, _ = search.integral(costs + lam * priced, first_found=True)
+            x, value, _ = search.integral(costs + lam * weight, first_found=True)
             if x is None:
                 return None
             need = needs(x)  # (the temporaries walk the schedule: once per plan)
-            state["row"] = float(priced @ x)
+            state["row"] = float(weight @ x)
             improve(x, value - lam * limit, need)
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
@@ -235,15 +235,15 @@ class IlpBuilder:
                 state["over"].append((need, x))  # over by its extra alone: a cut for the last resort
             return need <= limit * (1 + 1e-9), float(costs @ x), need
 
-        def prices(priced: np.ndarray, first: tuple) -> None:
-            """Prices of the row `priced` from 0 (`first`: that probe's answer), 8x apart until a plan fits
+        def prices(first: tuple) -> None:
+            """Prices of the row from 0 (`first`: that probe's answer), 8x apart until a plan fits
             whole, then Newton's steps between the dearest that does not fit and the cheapest that does."""
             lo, lo_line = 0.0, first[1:]
             lam, hi, hi_line = 1e-2 * max(first[1], 1e-12) / max(first[2], 1.0), None, None
             stalled = 0  # probes in a row whose plan fit the row yet needed no less than the leanest before
             for _ in range(24):  # prices 8x apart until one fits (none: not even the leanest plan fits)
                 leanest = state["leanest_need"]
-                got = probe(lam, priced)
+                got = probe(lam)
                 if got is None or search.out_of_time():
                     break
                 if got[0]:
@@ -265,7 +265,7 @@ class IlpBuilder:
                 cross = (c_hi - c_lo) / (w_lo - w_hi) if w_lo > w_hi else -1.0
                 mid = cross if lo < cross < hi else ((lo + hi) / 2 if lo == 0 else (lo * hi) ** 0.5)
                 before = (state["objective"], state["bound"])
-                got = probe(mid, priced)
+                got = probe(mid)
                 if got is None:
                     break
                 stalled = stalled + 1 if (state["objective"], state["bound"]) == before else 0
@@ -281,9 +281,9 @@ class IlpBuilder:
                 improve(search.polish(costs, weight, room(state["x"]), state["x"], np.asarray(budget.polish)),
                         -float("inf"))
 
-        first = probe(0.0, weight)
+        first = probe(0.0)
         if first is not None and not first[0]:
-            prices(weight, first)
+            prices(first)
             polish()  # (cheap, and a better start for branch and bound)
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
