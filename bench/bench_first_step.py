@@ -55,7 +55,7 @@ def worker(args) -> None:
     spmd.api.run_pipeline = lambda *a, **k: made.append(run(*a, **k)) or made[-1]
     t = _clock(rank)
     compiled = spmd.compile(model, mesh, example_kwargs=dict(input_ids=ids, labels=ids), training=True,
-                            compile_graphs=args.compile_graphs, stamp_layers=args.stamp_layers or None)
+                            compile_graphs=args.compile_graphs, stamp_layers=False if args.whole else None)
     t1 = _clock(rank)
     rows.append(("spmd.compile", t1 - t))
     spmd.api.run_pipeline = run
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=0, help="later steps to time, and as many eager ones")
     ap.add_argument("--compile-graphs", action="store_true")
-    ap.add_argument("--stamp-layers", action="store_true", help="trace 3 of the 12 layers and stamp the rest")
+    ap.add_argument("--whole", action="store_true", help="trace all 12 layers (default: 3, stamped to 12)")
     launch(worker, ap.parse_args())
 
 

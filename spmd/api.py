@@ -94,8 +94,9 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     (seconds), later ones do not.
     Options (keywords, see `PlanOptions`): in_placements / param_placements / out_placements pins,
     loss_fn (then `compiled(*inputs, *targets)` returns the loss and trains), training, memory_budget,
-    optimizer_state_factor, stamp_layers (off here by default: a forward that reads its own depth would
-    be compiled with the traced depth), ...
+    optimizer_state_factor, stamp_layers (on by default: a stack of 8 or more identical layers is traced 3
+    deep and stamped to full depth, once the forward at full depth is checked to run those layers
+    repeated and nothing else), ...
     """
     options = PlanOptions.build(options, **kwargs)
     graph_backend(compile_graphs)  # a wrong value fails before planning

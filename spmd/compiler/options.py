@@ -31,8 +31,8 @@ class PlanOptions:
     layers that repeat at least 4 times; False: every layer solved on its own). merge_followers:
     single-input ops follow their input's placement (an approximation that shrinks the solve; None: on
     graphs of more than 1500 ops). stamp_layers: trace a stack of 8 or more identical layers 3 layers deep
-    and copy the middle one to full depth (None: when planning, not when compiling: a forward that reads
-    its own depth would be compiled with the traced one).
+    and copy the middle one to full depth (None or True: yes, and when compiling only after
+    `check_stamping` finds the full-depth forward is the traced layers repeated; False: trace everything).
     recompute: in training, layers whose backward runs their forward again instead of saving its
     activations (None: the solver decides, only when a memory_budget needs it; True: every layer of
     every module list; False: none).

@@ -36,11 +36,12 @@ from spmd.compiler.verify import CHECKS
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.plan import Plan
 from spmd.passes.bucket_gradients import bucket_gradients
+from spmd.passes.check_stamping import check_stamping
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import StrategyTable, enumerate_strategies
 from spmd.passes.estimate_costs import CostTable, estimate_costs
 from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable_layers
-from spmd.passes.find_layer_stacks import TRACED, find_layer_stacks, truncated
+from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
@@ -48,7 +49,7 @@ from spmd.passes.merge_tied_parameters import merge_tied_parameters
 from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.trace_joint import trace_joint
+from spmd.passes.trace_joint import WithLoss, loss_targets, trace_joint
 from spmd.passes.trace_module import TracedGraph, trace_module
 
 
@@ -88,10 +89,11 @@ class Pass:
 
 # ---- the steps that are more than one call ---------------------------------------------------------
 
-def _trace(model, example_inputs, options: PlanOptions, stacks) -> tuple[TracedGraph, str]:
+def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tuple[TracedGraph, str]:
     """The full-depth graph, and how it was made. With layer stacks: the model traced with each stack
     cut to its first layers, stamped to full depth; when the cut model does not trace or its layers do
-    not chain simply, the whole model traced (the note says why)."""
+    not chain simply, the whole model traced (the note says why). For a graph that will run (`binding`),
+    stamping is checked first against the forward at full depth (`check_stamping`)."""
     def trace(m):
         if options.joint:
             return trace_joint(m, example_inputs, options.loss_fn)
@@ -100,6 +102,12 @@ def _trace(model, example_inputs, options: PlanOptions, stacks) -> tuple[TracedG
     note = ""
     if stacks:
         try:
+            if binding is not None:
+                root = model if options.loss_fn is None or not options.joint else \
+                    WithLoss(model, options.loss_fn, loss_targets(options.loss_fn))
+                differs = check_stamping(root, example_inputs, model, stacks)
+                if differs:
+                    raise CannotStamp(differs)
             with truncated(model, stacks) as read:
                 short = trace(model)
             if read:
@@ -114,8 +122,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks) -> tuple[TracedG
 
 
 def _stamping(v: dict) -> bool:
-    stamp = v["options"].stamp_layers
-    return stamp if stamp is not None else v["binding"] is None
+    return v["options"].stamp_layers is not False
 
 
 def _merging(v: dict) -> bool:
@@ -178,10 +185,10 @@ def _training_rank(v: dict) -> bool:
 PIPELINE: tuple[Pass, ...] = (
     # Deep models: stacks of identical layers are traced a few layers deep and stamped to full depth.
     Pass("find_layer_stacks", find_layer_stacks, ("model",), "stacks", _stamping,
-         lambda v: "\n".join(map(str, v["stacks"]))),
+         lambda v: "\n".join(map(str, v["stacks"])) or f"no stack of {MIN_LAYERS} or more interchangeable layers"),
     # ATen graph first: every later pass reasons about core ATen ops with static shapes. Training traces
     # the joint forward+backward graph; after that, both take the same road.
-    Pass("trace", _trace, ("model", "example_inputs", "options", "stacks"), ("traced", "stamp_note"),
+    Pass("trace", _trace, ("model", "example_inputs", "options", "stacks", "binding"), ("traced", "stamp_note"),
          dump=dumps.dump_traced),
     # Tied weights are one tensor: one placeholder, one gradient (the sum over uses).
     Pass("merge_tied_parameters", merge_tied_parameters, ("traced",), "traced", dump=dumps.dump_traced),

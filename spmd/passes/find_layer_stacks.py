@@ -15,7 +15,8 @@ and in attributes the forward does not read, so their subgraphs are identical. W
 see is a forward that reads the depth itself (`len(self.layers)` in an expression, a loop over
 `config.n_layers`): a truncated trace of such a model
 fails (the index is out of range, caught by the caller) or computes with the wrong depth. That is why
-`spmd.plan` stamps by default (a plan prices shapes, not values) and `spmd.compile` only when asked.
+`spmd.compile` checks the stamping first (`check_stamping`: the full-depth forward against the cut one, op
+by op on fake tensors); `spmd.plan` skips the check (a plan prices shapes, and planning speed matters).
 """
 from __future__ import annotations
 

@@ -191,10 +191,10 @@ def test_rank_graphs_differ_only_in_rank_coordinates():
 def test_dump_writes_one_file_per_pass(tmp_path):
     compile_graph(MLP(16, 64), (torch.randn(3, 16),), MESH, 0, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["01-trace.txt", "02-merge_tied_parameters.txt", "03-find_repeated_blocks.txt",
-                     "04-enumerate_strategies.txt", "05-estimate_costs.txt", "06-solve_placements.txt",
-                     "07-insert_collectives.txt", "08-emit_rank_graph.txt"]
-    lines = (tmp_path / "06-solve_placements.txt").read_text().splitlines()
+    assert files == ["01-find_layer_stacks.txt", "02-trace.txt", "03-merge_tied_parameters.txt",
+                     "04-find_repeated_blocks.txt", "05-enumerate_strategies.txt", "06-estimate_costs.txt",
+                     "07-solve_placements.txt", "08-insert_collectives.txt", "09-emit_rank_graph.txt"]
+    lines = (tmp_path / "07-solve_placements.txt").read_text().splitlines()
     # the user's source line heads the block of nodes it made
     head = next(i for i, line in enumerate(lines) if line.startswith("# ") and "tests/models.py:" in line)
     assert lines[head].endswith("return self.fc2(F.gelu(self.fc1(x)))"), lines[head]

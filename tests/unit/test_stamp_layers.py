@@ -14,10 +14,11 @@ from torch.utils._pytree import tree_leaves
 
 import spmd
 from tests.models import GPT, GPTConfig, Llama, LlamaConfig
+from spmd.passes.check_stamping import check_stamping
 from spmd.passes.find_layer_stacks import TRACED, LayerStack, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import find_repeated_blocks
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.trace_joint import trace_joint
+from spmd.passes.trace_joint import WithLoss, trace_joint
 from spmd.passes.trace_module import flat_outputs, trace_module
 from spmd.runtime.distribute import local_shard
 from spmd.runtime.simulate import simulate
@@ -265,3 +266,58 @@ def test_stamped_rank_program_matches_the_whole_trace():
         programs.append([collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
                          for gm in (c.split.forward, c.split.backward)])
     assert programs[0] == programs[1]
+
+
+class ReadsDepth(Stack):
+    """Forwards that act on their depth in ways a truncated trace cannot see: the parent normalizes
+    after the layer whose index is the configured depth - 1, scales by 1 / len(layers), or hands each
+    layer its index as an argument."""
+
+    def __init__(self, how, n=8):
+        super().__init__([Layer() for _ in range(n)])
+        self.how, self.n, self.norm = how, n, nn.LayerNorm(16)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i) if self.how == "index" else layer(x)
+            if self.how == "last" and i == self.n - 1:
+                x = self.norm(x)
+        return x * (1 / len(self.layers)) if self.how == "scale" else x
+
+
+class TakesIndex(Layer):
+    def forward(self, x, i=0):
+        return super().forward(x) * (i + 1)
+
+
+@pytest.mark.parametrize("how, where", [("last", "outside the layers"), ("scale", "outside the layers"),
+                                        ("index", "layer 2 of layers")])
+def test_compile_traces_whole_a_forward_that_reads_its_depth(how, where):
+    """spmd.compile stamps by default: check_stamping compares the forward at full depth with the cut
+    one on fake tensors, op by op, and a difference sends it to the whole trace (a plan still stamps)."""
+    torch.manual_seed(0)
+    model = ReadsDepth(how)
+    if how == "index":
+        model.layers = nn.ModuleList(TakesIndex() for _ in range(8))
+    x = torch.randn(4, 16)
+    stacks = find_layer_stacks(model)
+    assert len(stacks) == 1
+    assert where in check_stamping(model, (x,), model, stacks)
+    c = compile_graph(model, (x,), spec((2,), ("dp",)), 0)
+    assert c.plan.stats["stamped_layers"].startswith("none:") and where in c.plan.stats["stamped_layers"]
+    outs, want = simulate(c, (x,)), model(x)
+    ps = c.plan.choices["output_0"].inputs[0]
+    for rank, out in enumerate(outs):
+        torch.testing.assert_close(out[0], local_shard(want.detach(), ps, (2,), (rank,)))
+    planned = compile_graph(model, (x,), spec((2,), ("dp",))).plan.stats["stamped_layers"]
+    assert planned.startswith("layers: 3") if how != "index" else "differ in the fwd graph" in planned
+
+
+def test_compile_stamps_by_default_where_the_depth_is_not_read():
+    torch.manual_seed(0)
+    model, tokens = GPT(GPTConfig(layers=8, dim=32, heads=4, vocab=64, seq=16)), torch.randint(0, 64, (4, 16))
+    assert check_stamping(WithLoss(model, lm_loss, 1), (tokens, tokens), model, find_layer_stacks(model)) is None
+    c = compile_graph(model, (tokens, tokens), spec((2,), ("dp",)), 0, loss_fn=lm_loss)
+    assert c.plan.stats["stamped_layers"] == "blocks: 3 traced, 5 stamped"
+    assert "stamped_layers" not in compile_graph(model, (tokens, tokens), spec((2,), ("dp",)), 0, loss_fn=lm_loss,
+                                                 stamp_layers=False).plan.stats
