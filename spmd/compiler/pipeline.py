@@ -49,7 +49,7 @@ from spmd.passes.merge_tied_parameters import merge_tied_parameters
 from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.trace_joint import WithLoss, loss_targets, trace_joint
+from spmd.passes.trace_joint import trace_joint, with_loss
 from spmd.passes.trace_module import TracedGraph, trace_module
 
 
@@ -103,8 +103,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     if stacks:
         try:
             if binding is not None:
-                root = model if options.loss_fn is None or not options.joint else \
-                    WithLoss(model, options.loss_fn, loss_targets(options.loss_fn))
+                root = with_loss(model, options.loss_fn) if options.joint else model  # as `trace` calls it
                 differs = check_stamping(root, example_inputs, model, stacks)
                 if differs:
                     raise CannotStamp(differs)

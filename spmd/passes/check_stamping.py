@@ -15,13 +15,11 @@ arguments. The cost is one forward of the model without computing anything (~0.1
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from spmd.passes.find_layer_stacks import TRACED, LayerStack, _layers, truncated
+from spmd.passes.find_layer_stacks import TRACED, LayerStack, layers_of, truncated
 from spmd.passes.stamp_layers import MIDDLE
 
 
@@ -63,10 +61,7 @@ def _run(root: torch.nn.Module, inputs: tuple, layers: dict[int, tuple]) -> dict
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     mode = detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(mode)
-            stack.enter_context(recorder)
-            stack.enter_context(torch.no_grad())
+        with mode, recorder, torch.no_grad():
             root(*inputs)
     finally:
         for h in handles:
@@ -80,7 +75,7 @@ def check_stamping(root: torch.nn.Module, inputs: tuple, model: torch.nn.Module,
     `model`'s `stacks` from their first TRACED layers builds; else where it does not."""
     labels: dict[int, tuple] = {}
     for s, stack in enumerate(stacks):
-        for k, layer in enumerate(_layers(model.get_submodule(stack.fqn))):
+        for k, layer in enumerate(layers_of(model.get_submodule(stack.fqn))):
             labels[id(layer)] = (s, k)
     try:
         full = _run(root, inputs, labels)

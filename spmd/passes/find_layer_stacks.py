@@ -51,7 +51,7 @@ def find_layer_stacks(model: torch.nn.Module, min_layers: int = MIN_LAYERS) -> t
     for name, module in model.named_modules():
         if any(name.startswith(s.fqn + ".") for s in stacks):
             continue  # inside a stack already found: its own lists are copied with it
-        layers = _layers(module)
+        layers = layers_of(module)
         if layers is None or len(layers) < min_layers:
             continue
         shared = any(seen[id(m)] > 1 for layer in layers for m in layer.modules()) or \
@@ -62,7 +62,7 @@ def find_layer_stacks(model: torch.nn.Module, min_layers: int = MIN_LAYERS) -> t
     return tuple(stacks)
 
 
-def _layers(module: torch.nn.Module) -> list[torch.nn.Module] | None:
+def layers_of(module: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The layers of a container, in order; None for anything else (a ModuleDict counts when its keys
     are "0", "1", ..., the names stamping renumbers)."""
     if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -125,7 +125,7 @@ def truncated(model: torch.nn.Module, stacks: tuple[LayerStack, ...]):
             parent._modules[child] = short
             originals.append((parent, child, full))
             by_path = _by_path(stack.varying)
-            for layer in _layers(short):
+            for layer in layers_of(short):
                 for path, attrs in by_path.items():
                     module = layer.get_submodule(path)
                     watched.append((module, type(module)))
@@ -142,7 +142,7 @@ def truncated(model: torch.nn.Module, stacks: tuple[LayerStack, ...]):
 def _cut(full: torch.nn.Module) -> torch.nn.Module:
     """The container holding only its first TRACED layers, of its own class where that class builds
     from the layers as its base does."""
-    layers = _layers(full)
+    layers = layers_of(full)
     items = {str(i): m for i, m in enumerate(layers[:TRACED])} if isinstance(full, torch.nn.ModuleDict) \
         else layers[:TRACED]
     try:

@@ -41,6 +41,11 @@ class WithLoss(torch.nn.Module):
         return self.loss_fn(self.model(*inputs), *targets)
 
 
+def with_loss(model: torch.nn.Module, loss_fn) -> torch.nn.Module:
+    """What the joint graph traces: `model`, or `model` followed by `loss_fn` (a `WithLoss`)."""
+    return model if loss_fn is None else WithLoss(model, loss_fn, loss_targets(loss_fn))
+
+
 def loss_targets(loss_fn) -> int:
     """How many trailing inputs are targets: the loss function's required positional parameters - 1."""
     try:
@@ -88,8 +93,7 @@ def _decompositions():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
-    wrapped = WithLoss(model, loss_fn, loss_targets(loss_fn)) if loss_fn is not None else None
-    root = wrapped if wrapped is not None else model
+    root = with_loss(model, loss_fn)
     try:
         with custom_functions() as applied:
             ep = torch.export.export(root, tuple(example_inputs), strict=False)
@@ -110,7 +114,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             "What to do: make the forward traceable by torch.export (no data-dependent Python control flow)."
         ) from e
 
-    prefix = _PREFIX if wrapped is not None else ""
+    prefix = _PREFIX if root is not model else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
     arg_names = argument_names(model, len(example_inputs), loss_fn)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
