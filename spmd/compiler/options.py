@@ -34,8 +34,9 @@ class PlanOptions:
     and copy the middle one to full depth (None or True: yes, and when compiling only after
     `check_stamping` finds the full-depth forward is the traced layers repeated; False: trace everything).
     recompute: in training, layers whose backward runs their forward again instead of saving its
-    activations (None: the solver decides, only when a memory_budget needs it; True: every layer of
-    every module list; False: none).
+    activations (None: the solver decides, only when a memory_budget needs it, per layer whole or
+    selectively, keeping its matmuls and attention saved; True: every layer of every module list, whole;
+    "selective": every layer, selectively; False: none).
     axis_search: on a mesh of three or more axes, solve two axes at a time from a start where the outer
     axes act as one (compiler/axis_search.py: fast, a local optimum, not proven optimal; None: when the
     exact program would be large; False: always solve exactly).
@@ -55,7 +56,7 @@ class PlanOptions:
     tie_blocks: bool | None = None
     merge_followers: bool | None = None
     stamp_layers: bool | None = None
-    recompute: bool | None = None
+    recompute: bool | str | None = None
     axis_search: bool | None = None
     bucket_bytes: float = 4 * 2**20
     defer_waits: bool = True
@@ -71,6 +72,8 @@ class PlanOptions:
             raise SpmdError(f"memory_budget must be a positive number of bytes per rank, got {self.memory_budget!r}")
         if not self.optimizer_state_factor >= 0:
             raise SpmdError(f"optimizer_state_factor must be >= 0, got {self.optimizer_state_factor!r}")
+        if self.recompute not in (None, True, False, "selective"):
+            raise SpmdError(f"recompute must be None, True, False or 'selective', got {self.recompute!r}")
         if not self.bucket_bytes > 0:
             raise SpmdError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
 

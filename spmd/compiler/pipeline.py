@@ -203,8 +203,9 @@ PIPELINE: tuple[Pass, ...] = (
     # Training: what recomputing each layer in backward would run again and free, for the solver to weigh.
     Pass("find_recomputable_layers", find_recomputable_layers, ("traced", "blocks", "options.recompute"),
          "recomputable", lambda v: v["traced"].joint or bool(v["options"].recompute), lambda v: "\n".join(
-             f"{len(s)} x {s[0].key}: {len(s[0].nodes)} nodes, frees {len(s[0].frees)}, adds {len(s[0].adds)}"
-             for s in v["recomputable"].stacks)),
+             f"{len(s)} x {s[0].key}: {len(s[0].nodes)} nodes, frees {len(s[0].frees)}, adds {len(s[0].adds)}" + (
+                 f"; selectively {len(s[0].selective.nodes)} nodes, frees {len(s[0].selective.frees)}, adds "
+                 f"{len(s[0].selective.adds)}" if s[0].selective else "") for s in v["recomputable"].stacks)),
     # Candidates need shapes (evenness) and the mesh; pins cut them down before any cost is paid.
     Pass("enumerate_strategies", enumerate_strategies, ("traced", "mesh", "options.pins", "blocks"), "strategies",
          _plans_here, dumps.dump_strategies),
@@ -224,8 +225,10 @@ PIPELINE: tuple[Pass, ...] = (
          lambda v: dumps.dump_placed(v["global_gm"])),
     Pass("emit_rank_graph", _emit, ("global_gm", "mesh", "binding"), "rank_gm", _bound, lambda v: v["rank_gm"].code),
     # Before the cut: the layers the plan recomputes get their forward copied into backward.
-    Pass("recompute_layers", recompute_layers, ("rank_gm", "recomputable", "plan.recompute"), "rank_gm",
-         lambda v: _training_rank(v) and bool(v["plan"].recompute), lambda v: v["rank_gm"].code),
+    Pass("recompute_layers", recompute_layers, ("rank_gm", "recomputable", "plan.recompute",
+                                                "plan.recompute_selective"), "rank_gm",
+         lambda v: _training_rank(v) and bool(v["plan"].recompute or v["plan"].recompute_selective),
+         lambda v: v["rank_gm"].code),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
     Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),

@@ -7,6 +7,7 @@
     view             an op whose output aliases its input (no kernel, no memory of its own)
     layers           "layers.3.attn" is layer 3 of the list "layers": keys, wildcards, renumbering
     recompute        the forward nodes of a layer its backward can run again instead of saving them
+                     (all of them, or selectively: all but its matmuls and attention)
     follower         a node with one input and one strategy per placement its producer can make
     gradient sink    the output slot a parameter's gradient leaves through (tied to the parameter)
     units            seconds and bytes as people read them
@@ -216,20 +217,35 @@ def is_random(node: fx.Node) -> bool:
     return True
 
 
-def recompute_region(layer: list[fx.Node], in_backward) -> tuple[list[fx.Node], list[fx.Node]]:
+_SELECTIVE_KEEPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product_attention",
+                    "flex_attention"}
+
+
+def is_selectively_kept(node: fx.Node) -> bool:
+    """An op selective recomputation saves rather than runs again: a matmul, a convolution or an attention
+    kernel, whose FLOPs are most of a layer's time, while the norms, activations and other elementwise ops
+    between them hold as many bytes for a small share of the time (Korthikanti et al., 2022; torchtitan's
+    per-op policy saves the same ops)."""
+    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", "")
+    return node.op == "call_function" and (name in _SELECTIVE_KEEPS or name.startswith("_scaled_dot_product_"))
+
+
+def recompute_region(layer: list[fx.Node], in_backward, keep=None) -> tuple[list[fx.Node], list[fx.Node]]:
     """The forward nodes of one layer (`layer`, in graph order) that backward can compute again instead
     of reading them saved, and the values outside that region they read (which backward then reads saved).
 
     Kept (never recomputed): what the forward reads outside the layer (its outputs, which the next layer
-    reads before this layer's backward runs), random ops (dropout: the same mask is needed), and the
-    getitems of kept nodes. Recomputed: every other node of the layer that a value backward reads
-    (`in_backward(user)`) depends on within the layer.
+    reads before this layer's backward runs), random ops (dropout: the same mask is needed), the nodes
+    `keep(node)` names (selective recomputation: `is_selectively_kept`), and the getitems of kept nodes.
+    Recomputed: every other node of the layer that a value backward reads (`in_backward(user)`) depends
+    on within the layer.
 
         x ─▶ norm ─▶ mm ─▶ gelu ─▶ mm ─▶ add ─▶ (next layer)      saved before: norm stats, mm, gelu...
         region: norm, mm, gelu, mm (rebuilt from x and the weights)   saved after: x (and add, the output)
+        selective: norm, gelu (rebuilt from x and the first mm)       saved after: x, the first mm
     """
     members = set(layer)
-    kept = {n for n in layer if is_random(n) or
+    kept = {n for n in layer if is_random(n) or (keep is not None and keep(n)) or
             any(u not in members and not in_backward(u) for u in n.users)}
     for n in layer:
         if n.target is operator.getitem and n.args[0] in kept:

@@ -35,8 +35,9 @@ class Plan:
     gradients, optimizer, buffers, inputs, activations, temporaries); `labels` maps placeholders to
     parameter FQNs and input names; `wrapper_counts` is (placeholders passed in, parameters, values
     saved for backward): what the per-call costs around the graph scale with. `recompute`: the layers
-    ("model.layers.3") whose forward backward runs again instead of saving it; `recompute_cost` the
-    seconds that adds (part of `objective`), `recomputed_bytes` the saved activations it no longer holds
+    ("model.layers.3") whose forward backward runs again instead of saving it, `recompute_selective`
+    those whose forward it runs again but for their matmuls and attention (saved); `recompute_cost` the
+    seconds both add (part of `objective`), `recomputed_bytes` the saved activations they no longer hold
     (net: `memory["activations"]` is what is held)."""
 
     mesh: object  # MeshSpec
@@ -56,6 +57,7 @@ class Plan:
     recompute: tuple[str, ...] = ()
     recompute_cost: float = 0.0
     recomputed_bytes: float = 0.0
+    recompute_selective: tuple[str, ...] = ()
 
     @property
     def predicted_step_s(self) -> float:
@@ -115,6 +117,7 @@ class Plan:
         text = "\n".join(f"{n}:{s}" for n, s in sorted(self.choices.items(), key=lambda kv: kv[0]))
         text += "\n".join(f"{e.consumer}/{e.slot}:{[repr(st) for st in e.steps]}" for e in self.edges)
         text += "".join(f"\nrecompute:{key}" for key in self.recompute)
+        text += "".join(f"\nrecompute selectively:{key}" for key in self.recompute_selective)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __str__(self) -> str:

@@ -6,16 +6,20 @@ into stacks (a class of identical layers, in forward order, or a layer of its ow
     nodes  its forward nodes backward would run again (`graph_facts.recompute_region`)
     frees  the saved activations (by base, as `memory_terms` counts them) no longer held
     adds   the values outside the region backward then reads saved that it did not before
-The solver (`solve_placements`) chooses how many layers of each stack to recompute, trading the region's
-seconds against the bytes it frees; `recompute_layers` rewrites the rank graph for the layers it chose.
-Nothing here changes the graph.
+and the same three for recomputing it selectively (`selective`): its matmuls and attention kernels stay
+saved and only the ops between them run again (norms, activations, elementwise: most of the bytes, a
+small share of the time), or None where that is no different or frees nothing.
+The solver (`solve_placements`) chooses how many layers of each stack to recompute, whole and
+selectively, trading the regions' seconds against the bytes they free; `recompute_layers` rewrites the
+rank graph for the layers it chose. Nothing here changes the graph.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from spmd.core.errors import SpmdError
-from spmd.core.graph_facts import phase_of, recompute_region, view_base
+from spmd.core.graph_facts import is_selectively_kept, phase_of, recompute_region, view_base
 from spmd.core.specs import TensorInfo
 from spmd.passes.find_repeated_blocks import RepeatedBlocks, instances
 
@@ -26,13 +30,15 @@ class RecomputableLayer:
     nodes: tuple[str, ...]  # run again in backward, in graph order
     frees: tuple[str, ...]  # saved activations no longer held (base node names)
     adds: tuple[str, ...]  # values newly held for backward (base node names)
+    selective: "RecomputableLayer | None" = None  # the same, keeping the matmuls and attention saved
 
 
 @dataclass(frozen=True)
 class Recomputable:
     """`stacks`: layers that share placements (a class of identical layers, the representative first,
     then forward order) or a layer alone. `mode`: "auto" (the solver decides, under a memory budget),
-    "all" (every layer of every stack), "never" (the solver recomputes none; a saved plan may)."""
+    "all" (every layer of every stack), "selective" (every layer that can be, selectively; the others
+    not at all), "never" (the solver recomputes none; a saved plan may)."""
 
     stacks: tuple[tuple[RecomputableLayer, ...], ...] = ()
     mode: str = "auto"
@@ -41,8 +47,9 @@ class Recomputable:
         return bool(self.stacks)
 
 
-def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: bool | None) -> Recomputable:
-    """`recompute`: None lets the solver decide, True recomputes every layer, False none."""
+def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: bool | str | None) -> Recomputable:
+    """`recompute`: None lets the solver decide, True recomputes every layer, "selective" every layer
+    selectively, False none."""
     if not traced.joint:
         if recompute:
             raise SpmdError("recompute=True: only training recomputes (backward runs a layer's forward again). "
@@ -58,8 +65,9 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
     saved = {view_base(n) for n in read_back}
     saved = {b for b in saved if b.op == "call_function" and isinstance(traced.tensor_info.get(b.name), TensorInfo)}
 
-    def layer(key: str, nodes) -> RecomputableLayer | None:
-        region, frontier = recompute_region([n for n in nodes if not in_backward(n)], in_backward)
+    def layer(key: str, nodes, keep=None) -> RecomputableLayer | None:
+        forward = [n for n in nodes if not in_backward(n)]
+        region, frontier = recompute_region(forward, in_backward, keep)
         if not region:
             return None
         members = set(region)
@@ -67,8 +75,12 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
         frees = [b for b in dict.fromkeys(view_base(n) for n in region) if b in saved and b not in still]
         adds = [b for b in dict.fromkeys(view_base(f) for f in frontier)
                 if b.op == "call_function" and b not in saved and isinstance(traced.tensor_info.get(b.name), TensorInfo)]
+        if keep is None:
+            lighter = layer(key, nodes, is_selectively_kept)
+            if lighter is not None and (len(lighter.nodes) == len(region) or not lighter.frees):
+                lighter = None  # no matmul to keep, or keeping them frees nothing
         return RecomputableLayer(key, tuple(n.name for n in region), tuple(b.name for b in frees),
-                                 tuple(b.name for b in adds))
+                                 tuple(b.name for b in adds), None if keep is not None else lighter)
 
     found = {k[: -len("/fwd")]: nodes for k, nodes in instances(traced).items() if k.endswith("/fwd")}
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -82,10 +94,15 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
         rest = sorted(members[1:], key=lambda k: order[found[k][0]])
         layers = [layer(k, found[k]) for k in [members[0], *rest]]
         if all(lay is not None for lay in layers):
+            if any(lay.selective is None for lay in layers):  # a stack recomputes its layers alike
+                layers = [dataclasses.replace(lay, selective=None) for lay in layers]
             stacks.append(tuple(layers))
     stacks.sort(key=lambda s: order[found[s[0].key][0]])
     if recompute and not stacks:
-        raise SpmdError("recompute=True: the model has no layers to recompute (a layer is an element of an "
-                        "nn.ModuleList or nn.Sequential whose forward saves activations for backward). What to do: "
+        raise SpmdError(f"recompute={recompute!r}: the model has no layers to recompute (a layer is an element of "
+                        "an nn.ModuleList or nn.Sequential whose forward saves activations for backward). What to do: "
                         "keep the blocks in a module list, or leave recompute unset.")
-    return Recomputable(tuple(stacks), {None: "auto", True: "all", False: "never"}[recompute])
+    if recompute == "selective" and not any(s[0].selective for s in stacks):
+        raise SpmdError("recompute='selective': no layer has a matmul or attention to keep saved with ops between "
+                        "them to run again. What to do: recompute=True recomputes the layers whole.")
+    return Recomputable(tuple(stacks), {None: "auto", True: "all", "selective": "selective", False: "never"}[recompute])

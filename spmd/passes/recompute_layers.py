@@ -2,8 +2,9 @@
 reading their activations saved.
 
 Before: this rank's joint graph (nodes tagged is_forward / is_backward) and the layers `plan.recompute`
-names, each with its region (`find_recomputable_layers`: forward nodes whose values backward reads,
-rebuilt from the layer's input, its weights and its kept values). After: per layer, a copy of the region
+and `plan.recompute_selective` name, each with its region (`find_recomputable_layers`: forward nodes
+whose values backward reads, rebuilt from the layer's input, its weights and its kept values; selective:
+its matmuls and attention kept too). After: per layer, a copy of the region
 (and of the reshardings that feed only it: a weight gathered, a sequence all_gathered) tagged
 is_backward, placed just before the first backward node that reads the region; every backward reader
 reads the copy. The forward nodes are unchanged: `split_joint_graph` then saves only what the copies
@@ -21,17 +22,20 @@ from spmd.core.errors import SpmdInternalError
 from spmd.core.graph_facts import backward_nodes
 
 
-def recompute_layers(rank_gm: fx.GraphModule, recomputable, keys: tuple[str, ...]) -> fx.GraphModule:
+def recompute_layers(rank_gm: fx.GraphModule, recomputable, keys: tuple[str, ...],
+                     selective: tuple[str, ...] = ()) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(rank_gm.graph, {}))
     layers = {layer.key: layer for stack in recomputable.stacks for layer in stack}
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
     backward = backward_nodes(graph)
-    for key in keys:
-        if key not in layers:
-            raise SpmdInternalError(f"recompute_layers: the plan recomputes {key}, which has no region", graph.python_code("self").src)
-        members = {nodes[name] for name in layers[key].nodes}
+    for key, region_of in [*((k, lambda lay: lay) for k in keys), *((k, lambda lay: lay.selective) for k in selective)]:
+        layer = region_of(layers[key]) if key in layers else None
+        if layer is None:
+            raise SpmdInternalError(f"recompute_layers: the plan recomputes {key}, which has no such region",
+                                    graph.python_code("self").src)
+        members = {nodes[name] for name in layer.nodes}
         for node in reversed(graph.nodes):  # a resharding that only the region reads runs again with it
             if ("spmd_step" in node.meta and node not in backward and node.users
                     and all(u in members for u in node.users)):

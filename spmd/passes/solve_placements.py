@@ -7,6 +7,7 @@ the producer's choice re-labelled.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable
 
@@ -81,30 +82,41 @@ def _add_flow_balance(ilp: IlpBuilder, made: dict, needed: dict, arcs, arc_cols,
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
                value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
-               flows: dict) -> list[list[int]]:
-    """How many layers of each stack backward recomputes (the first K of its N), as columns c_0..c_N of
-    which exactly one is 1; returns them per stack.
+               flows: dict) -> list[tuple[list[int], list[int]]]:
+    """How many layers of each stack backward recomputes whole (the first K of its N) and selectively
+    (the last J, K + J <= N), as columns c_0..c_N and s_0..s_N, exactly one of each 1 (no s where the
+    stack's layers have no selective region); returns them per stack.
 
-    Recomputing K layers adds each recomputed layer's region seconds (its nodes' compute and the
-    reshardings into them, a collective several of them share once) and frees its saved bytes, less what
-    it saves instead; recomputing all N also holds the last layer's rebuilt activations while its
-    backward runs (with fewer, later layers' activations are gone by then). Layers of a stack share
-    columns where their placements are tied, but not always all of them: the first layer's input comes
-    from the embedding, not from a layer, and its first nodes may be laid out apart. So the stack is cut
-    into runs of consecutive layers priced alike (`_runs`); a run [a, b) recomputes
-    n(K) = clamp(K - a, 0, b - a) of its layers, each a linear function of its first layer's choices,
-    made linear exactly per "exactly one of" group G of columns x: w_g = n(K) * x_g by
-    sum_{g in G} w_g = sum_k n(k) c_k,  0 <= w_g <= (b - a) x_g  (and u_g = [K = N] * x_g by
-    sum u_g = c_N,  u_g <= x_g)."""
+    Recomputing a layer adds its region's seconds (its nodes' compute and the reshardings into them, a
+    collective several of them share once) and frees its saved bytes, less what it saves instead.
+    Backward starts at the last layer, so when that one is recomputed (J >= 1, or K = N) its rebuilt
+    activations are held while its backward runs: it frees nothing (a layer recomputed later finds the
+    layers after it gone). Whole layers first, selective ones last: the last layer costs less to rebuild.
+    Layers of a stack share columns where their placements are tied, but not always all of them: the
+    first layer's input comes from the embedding, not from a layer, and its first nodes may be laid out
+    apart. So the stack is cut into runs of consecutive layers priced alike (`_runs`); a run [a, b)
+    recomputes n(K) = clamp(K - a, 0, b - a) of its layers whole and clamp(J - (N - b), 0, b - a)
+    selectively, each a linear function of its first layer's choices, made linear exactly per "exactly
+    one of" group G of columns x: w_g = n(K) * x_g by
+    sum_{g in G} w_g = sum_k n(k) c_k,  0 <= w_g <= (b - a) x_g.
+    The last layer is a run of its own, so what it frees and holds again meet on one column and cancel
+    in the relaxation too (as two columns, a fractional layout let them part: the relaxation freed bytes
+    no plan frees, and its rounding was a plan over the budget)."""
     counts = []
     for stack in recompute.stacks:
         n = len(stack)
-        cols = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)]
-        ilp.add_eq([(c, 1.0) for c in cols], 1.0)
-        if recompute.mode == "all":
-            for c in cols[:-1]:
-                ilp.forbid(c)
-        counts.append(cols)
+        light = [layer.selective for layer in stack] if stack[0].selective is not None else []
+        whole = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)]
+        part = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)] if light else []
+        for cols in (whole, part):
+            if cols:
+                ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        if part:
+            ilp.add_le([(c, float(k)) for cols in (whole, part) for k, c in enumerate(cols)], float(n))
+        forbidden = {"all": whole[:-1] + part[1:], "selective": whole[1:] + part[:-1]}.get(recompute.mode, [])
+        for c in forbidden:
+            ilp.forbid(c)
+        counts.append((whole, part))
 
         def scaled(col: int, cache: dict, total: list[tuple[int, float]], upper: float) -> int:
             group = col_group[col]
@@ -115,26 +127,23 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                     ilp.add_le([(w, 1.0), (g, -upper)], 0.0)
             return cache[group][col]
 
-        for a, b in _runs(stack, table, costs, node_expr, value_expr, edge_at):
-            times: dict[tuple, dict[int, int]] = {}
-            recomputed = [(c, -float(min(k - a, b - a))) for k, c in enumerate(cols) if k > a]
-            _price_run(ilp, stack[a], b - a, lambda col: scaled(col, times, recomputed, float(b - a)), table,
-                       costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows)
-        when_all: dict[tuple, dict[int, int]] = {}
-        for base in stack[-1].frees:  # the last layer's activations, rebuilt while its backward runs
-            info = costs.value_info[(base, 0)]
-            for ps, expr in value_expr[(base, 0)].items():
-                for col in expr:
-                    u = scaled(col, when_all, [(cols[-1], -1.0)], 1.0)
-                    memory_row[u] = memory_row.get(u, 0.0) + info.nbytes / pieces(ps, costs.mesh.shape)
+        for layers, cols, skipped in ((stack, whole, lambda a, b: a), (light, part, lambda a, b: n - b)):
+            for a, b in _runs(layers, table, costs, node_expr, value_expr, edge_at) if cols else ():
+                times: dict[tuple, dict[int, int]] = {}
+                first = skipped(a, b)  # a run holds clamp(count - first, 0, b - a) of the recomputed layers
+                recomputed = [(c, -float(min(k - first, b - a))) for k, c in enumerate(cols) if k > first]
+                # the last layer frees nothing: its rebuilt activations are held while its backward runs
+                layer = layers[a] if b < n else dataclasses.replace(layers[a], frees=())
+                _price_run(ilp, layer, b - a, lambda col: scaled(col, times, recomputed, float(b - a)), table,
+                           costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows)
     return counts
 
 
 def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
           edge_at: dict) -> list[tuple[int, int]]:
-    """The stack cut into maximal runs [a, b) of consecutive layers that the program prices alike: the
+    """The stack cut into maximal runs [a, b) of consecutive layers that the program prices alike (the
     same columns, node costs and edge groups for their nodes, and the same columns and sizes for what
-    they free and add."""
+    they free and add), and the last layer alone (it frees nothing: see `_recompute`)."""
     def signature(layer: RecomputableLayer) -> tuple:
         nodes = tuple((tuple(node_expr[name]), tuple(costs.node_costs.get(name, ())),
                        tuple(edge_at.get((name, j)) for j in range(len(table.nodes[name].inputs))))
@@ -144,14 +153,14 @@ def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_
         return nodes, held
 
     runs, last = [], None
-    for i, layer in enumerate(stack):
+    for i, layer in enumerate(stack[:-1]):
         sig = signature(layer)
         if sig != last:
             runs.append([i, i + 1])
             last = sig
         else:
             runs[-1][1] = i + 1
-    return [(a, b) for a, b in runs]
+    return [(a, b) for a, b in runs] + [(len(stack) - 1, len(stack))]
 
 
 def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callable[[int], int],
@@ -206,10 +215,11 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
                     memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
 
 
-def recompute_figures(chosen: list[tuple[tuple[RecomputableLayer, ...], int]], choices: dict, node_costs: dict,
-                      edges, costs: CostTable) -> tuple[float, float]:
-    """(seconds, net bytes freed) of recomputing the first K layers of each (stack, K), as `_recompute`
-    prices them."""
+def recompute_figures(layers: list[RecomputableLayer], held: list[RecomputableLayer], choices: dict,
+                      node_costs: dict, edges, costs: CostTable) -> tuple[float, float]:
+    """(seconds, net bytes freed) of recomputing `layers` (whole or selective regions), `held` those whose
+    rebuilt activations are held while their backward runs (each recomputed stack's last layer), as
+    `_recompute` prices them."""
     mesh_shape = costs.mesh.shape
     into: dict[str, list[Edge]] = {}
     for e in edges:
@@ -219,18 +229,15 @@ def recompute_figures(chosen: list[tuple[tuple[RecomputableLayer, ...], int]], c
         return sum(costs.value_info[(b, 0)].nbytes / pieces(choices[b].outputs[0], mesh_shape) for b in names)
 
     seconds = freed = 0.0
-    for stack, k in chosen:
-        for layer in stack[:k]:
-            seconds += sum(node_costs.get(name, 0.0) for name in layer.nodes)
-            paid = set()
-            for e in (e for name in layer.nodes for e in into.get(name, ())):
-                if (e.value, e.dst) not in paid:
-                    paid.add((e.value, e.dst))
-                    seconds += costs.edge_cost(e.value, e.src, e.dst)
-            freed += nbytes(layer.frees) - nbytes(layer.adds)
-        if k and k == len(stack):
-            freed -= nbytes(stack[k - 1].frees)
-    return seconds, freed
+    for layer in layers:
+        seconds += sum(node_costs.get(name, 0.0) for name in layer.nodes)
+        paid = set()
+        for e in (e for name in layer.nodes for e in into.get(name, ())):
+            if (e.value, e.dst) not in paid:
+                paid.add((e.value, e.dst))
+                seconds += costs.edge_cost(e.value, e.src, e.dst)
+        freed += nbytes(layer.frees) - nbytes(layer.adds)
+    return seconds, freed - sum(nbytes(layer.frees) for layer in held)
 
 
 def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable, costs: CostTable,
@@ -534,8 +541,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
-    counts: list[list[int]] = []  # per stack, the columns choosing 0..N recomputed layers
-    if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode == "all"):
+    counts: list[tuple[list[int], list[int]]] = []  # per stack, columns choosing 0..N layers whole, selectively
+    if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
                             memory_row, flows)
 
@@ -590,17 +597,22 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[term.value[0]]
             ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
-        chosen = [(stack, next(k for k, c in enumerate(cols) if x[c] > 0.5))
-                  for stack, cols in zip(recompute.stacks if counts else (), counts)]
-        layers = [layer for stack, k in chosen for layer in stack[:k]]
-        redo_s, freed = recompute_figures(chosen, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
+        whole, selective, held = [], [], []
+        for stack, (cols, part) in zip(recompute.stacks if counts else (), counts):
+            k, j = (next((i for i, c in enumerate(cs) if x[c] > 0.5), 0) for cs in (cols, part))
+            whole += stack[:k]
+            selective += [layer.selective for layer in stack[len(stack) - j:]] if j else []
+            held += [selective[-1]] if j else [stack[-1]] if k == len(stack) else []
+        layers = whole + selective
+        redo_s, freed = recompute_figures(layers, held, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
                                                                result.seconds)
         return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory,
-                    memory_budget, joint=costs.bucket_bytes is not None, recompute=tuple(lay.key for lay in layers),
-                    recompute_cost=redo_s, recomputed_bytes=freed)
+                    memory_budget, joint=costs.bucket_bytes is not None, recompute=tuple(lay.key for lay in whole),
+                    recompute_cost=redo_s, recomputed_bytes=freed,
+                    recompute_selective=tuple(lay.key for lay in selective))
 
     budget = None
     if memory_budget is not None:
@@ -618,7 +630,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                                                    value_expr, memory_row, regions)
 
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
-                        polish=tuple(c for cols in counts for c in cols), cut=None if schedule is None else cut)
+                        polish=tuple(c for cols in counts for cs in cols for c in cs), cut=None if schedule is None else cut)
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):

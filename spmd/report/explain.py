@@ -98,10 +98,12 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     if plan.memory:
         lines.append(f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
                      ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
-    if plan.recompute:
-        lines.append(f"recomputed in backward: {len(plan.recompute)} layers ({_layer_span(plan.recompute)}), "
-                     f"+{format_seconds(plan.recompute_cost)} per call, {format_bytes(plan.recomputed_bytes)} "
-                     "fewer activations saved")
+    if plan.recompute or plan.recompute_selective:
+        parts = [f"{len(keys)} layers {how} ({_layer_span(keys)}{note})" for keys, how, note in (
+            (plan.recompute, "whole", ""),
+            (plan.recompute_selective, "selectively", "; their matmuls and attention stay saved")) if keys]
+        lines.append(f"recomputed in backward: {'; '.join(parts)}, +{format_seconds(plan.recompute_cost)} per call, "
+                     f"{format_bytes(plan.recomputed_bytes)} fewer activations saved")
     if details is None:
         lines.append("(no per-node details: this plan was saved without them)")
         return "\n".join(lines) + "\n"

@@ -94,7 +94,7 @@ def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
         "wrapper_counts": list(plan.wrapper_counts) if plan.wrapper_counts is not None else None,
         "joint": plan.joint,
         "recompute": list(plan.recompute), "recompute_cost": plan.recompute_cost,
-        "recomputed_bytes": plan.recomputed_bytes,
+        "recomputed_bytes": plan.recomputed_bytes, "recompute_selective": list(plan.recompute_selective),
         "details": _details_json(details),
     }
 
@@ -117,7 +117,8 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
                 doc["lower_bound"], doc["gap"], doc["solve_seconds"], dict(doc.get("stats", {})),
                 dict(doc.get("labels", {})), dict(doc.get("memory", {})), doc.get("memory_budget"),
                 tuple(counts) if counts is not None else None, bool(doc.get("joint", False)),
-                tuple(doc.get("recompute", ())), doc.get("recompute_cost", 0.0), doc.get("recomputed_bytes", 0.0))
+                tuple(doc.get("recompute", ())), doc.get("recompute_cost", 0.0), doc.get("recomputed_bytes", 0.0),
+                tuple(doc.get("recompute_selective", ())))
     if doc.get("fingerprint") and plan.fingerprint() != doc["fingerprint"]:
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")
