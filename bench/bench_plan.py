@@ -124,7 +124,8 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
                    status=p.stats["status"], highs_s=p.solve_seconds, objective=p.objective,
                    lower_bound=p.lower_bound, gap=p.gap, compute_s=p.compute_cost, comm_s=p.comm_cost,
                    memory={k: v for k, v in p.memory.items()}, peak=p.predicted_peak_bytes,
-                   recompute=len(p.recompute), recompute_s=p.recompute_cost,
+                   recompute=len(p.recompute), recompute_selective=len(p.recompute_selective),
+                   recompute_s=p.recompute_cost,
                    layers=len(c.recomputable.stacks[0]) if c.recomputable else 0,
                    collectives={f"{k} on {a}": n for (k, a), n in sorted(p.collective_summary().items())})
     return row, c
@@ -471,7 +472,8 @@ def vit_md(d: dict) -> list[str]:
            + (f"{d['budget'] / GB:.0f} GB per rank" if d["budget"] else "no budget")
            + (f", InfiniBand what-if {d['ib_gbps']:g} GB/s" if d.get("ib_gbps") else ""), "",
            "| model | params | batch | plan | budget | fits? | predicted step ms (compute + comm + "
-           "recompute) | predicted peak GB (params / grads / optimizer / activations) | layers recomputed | "
+           "recompute) | predicted peak GB (params / grads / optimizer / activations) | layers recomputed (whole: all "
+           "ops; selectively: all but matmuls and attention) | "
            "collectives | qkv / o / fc1 / fc2 weight | total s (HiGHS) | load |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["models"]:
@@ -495,7 +497,7 @@ def vit_md(d: dict) -> list[str]:
                 f"{r['peak'] / GB:.1f} "
                 f"({mem.get('parameters', 0) / GB:.1f} / {mem.get('gradients', 0) / GB:.1f} / "
                 f"{mem.get('optimizer', 0) / GB:.1f} / {mem.get('activations', 0) / GB:.1f}) | "
-                f"{r.get('recompute', 0)} of {r.get('layers', '?')} | "
+                f"{r.get('recompute', 0)} whole, {r.get('recompute_selective', 0)} selectively, of {r.get('layers', '?')} | "
                 + ", ".join(f"{k}: {n}" for k, n in r["collectives"].items())
                 + f" | {w} | {fmt_s(r['total_s'])} ({fmt_s(r['highs_s'])}) | {r['load']:.1f} |")
     out += ["", "Ratio of predicted step times (same budget):", ""]

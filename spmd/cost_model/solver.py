@@ -36,6 +36,7 @@ SIMPLEX_ITERATIONS_MIN = 20_000
 # the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
 # 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
+POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 STALLED_PROBES = 3
 CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), one cut more each
 
@@ -276,10 +277,20 @@ class IlpBuilder:
                 else:
                     lo, lo_line = mid, got[1:]
 
-        def polish() -> None:
-            if state["x"] is not None and budget.polish and not search.out_of_time():
-                improve(search.polish(costs, weight, room(state["x"]), state["x"], np.asarray(budget.polish)),
-                        -float("inf"))
+        def polish(over: bool = False) -> None:
+            """The polish columns re-chosen under the row for the best plan, or (`over`) for the cheapest
+            plans that were over by their temporaries alone: with their placements, a few layers
+            recomputed may make the room (their extra does not move with the polish columns)."""
+            if not budget.polish:
+                return
+            starts = [] if state["x"] is None else [state["x"]]
+            if over:
+                starts = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
+                          if float(costs @ x) < state["objective"]][:POLISH_OVER]
+            for x in starts:
+                if search.out_of_time():
+                    break
+                improve(search.polish(costs, weight, room(x), x, np.asarray(budget.polish)), -float("inf"))
 
         first = probe(0.0)
         if first is not None and not first[0]:
@@ -297,6 +308,8 @@ class IlpBuilder:
             if state["x"] is None and budget.cut is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
                 polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
+            # last (a plan that fits, found here first, would keep the cut loop from a better one)
+            polish(over=True)
         seconds = time.perf_counter() - t0
         lean = state["leanest"]
         if state["x"] is None and lean is not None and float(weight @ lean) <= limit * (1 + 1e-9):

@@ -82,10 +82,13 @@ def _add_flow_balance(ilp: IlpBuilder, made: dict, needed: dict, arcs, arc_cols,
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
                value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
-               flows: dict) -> list[tuple[list[int], list[int]]]:
+               flows: dict) -> list[tuple[list[tuple[int, int]], list[int]]]:
     """How many layers of each stack backward recomputes whole (the first K of its N) and selectively
-    (the last J, K + J <= N), as columns c_0..c_N and s_0..s_N, exactly one of each 1 (no s where the
-    stack's layers have no selective region); returns them per stack.
+    (the last J), as one column per allowed pair (K, J), K + J <= N, exactly one of them 1 (J = 0 where
+    the stack's layers have no selective region); returns (pairs, columns) per stack. One choice over
+    pairs, not a count of each tied by a row: the relaxation of two counts mixed "all whole" and "all
+    selective" half and half, and rounding each count to its larger half gave "none" (ViT-120B at batch
+    512: a 990 GB plan at every price, and no plan found).
 
     Recomputing a layer adds its region's seconds (its nodes' compute and the reshardings into them, a
     collective several of them share once) and frees its saved bytes, less what it saves instead.
@@ -95,10 +98,11 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
     Layers of a stack share columns where their placements are tied, but not always all of them: the
     first layer's input comes from the embedding, not from a layer, and its first nodes may be laid out
     apart. So the stack is cut into runs of consecutive layers priced alike (`_runs`); a run [a, b)
-    recomputes n(K) = clamp(K - a, 0, b - a) of its layers whole and clamp(J - (N - b), 0, b - a)
-    selectively, each a linear function of its first layer's choices, made linear exactly per "exactly
-    one of" group G of columns x: w_g = n(K) * x_g by
-    sum_{g in G} w_g = sum_k n(k) c_k,  0 <= w_g <= (b - a) x_g.
+    recomputes m = clamp(K - a, 0, b - a) of its layers whole and m' = clamp(J - (N - b), 0, b - a)
+    selectively (a column each, equal to its sum over the pair columns), each a linear function of its
+    first layer's choices, made linear exactly per "exactly one of" group G of columns x: w_g = m * x_g
+    and w'_g = m' * x_g by sum_{g in G} w_g = m,  sum_{g in G} w'_g = m',  w_g, w'_g >= 0,
+    w_g + w'_g <= (b - a) x_g.
     The last layer is a run of its own, so what it frees and holds again meet on one column and cancel
     in the relaxation too (as two columns, a fractional layout let them part: the relaxation freed bytes
     no plan frees, and its rounding was a plan over the budget)."""
@@ -106,36 +110,41 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
     for stack in recompute.stacks:
         n = len(stack)
         light = [layer.selective for layer in stack] if stack[0].selective is not None else []
-        whole = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)]
-        part = [ilp.add_var(0.0, binary=True) for _ in range(n + 1)] if light else []
-        for cols in (whole, part):
-            if cols:
-                ilp.add_eq([(c, 1.0) for c in cols], 1.0)
-        if part:
-            ilp.add_le([(c, float(k)) for cols in (whole, part) for k, c in enumerate(cols)], float(n))
-        forbidden = {"all": whole[:-1] + part[1:], "selective": whole[1:] + part[:-1]}.get(recompute.mode, [])
-        for c in forbidden:
-            ilp.forbid(c)
-        counts.append((whole, part))
+        pairs = {"all": [(n, 0)], "selective": [(0, n) if light else (0, 0)]}.get(
+            recompute.mode, [(k, j) for k in range(n + 1) for j in range(n + 1 - k if light else 1)])
+        cols = [ilp.add_var(0.0, binary=True) for _ in pairs]
+        ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+        counts.append((pairs, cols))
 
-        def scaled(col: int, cache: dict, total: list[tuple[int, float]], upper: float) -> int:
+        def scaled(col: int, cache: dict, m: int, upper: float) -> int:
             group = col_group[col]
             if group not in cache:
                 cache[group] = {g: ilp.add_var(0.0, binary=False, upper=upper) for g in group}
-                ilp.add_eq([(w, 1.0) for w in cache[group].values()] + total, 0.0)
-                for g, w in cache[group].items():
-                    ilp.add_le([(w, 1.0), (g, -upper)], 0.0)
+                ilp.add_eq([(w, 1.0) for w in cache[group].values()] + [(m, -1.0)], 0.0)
             return cache[group][col]
 
-        for layers, cols, skipped in ((stack, whole, lambda a, b: a), (light, part, lambda a, b: n - b)):
-            for a, b in _runs(layers, table, costs, node_expr, value_expr, edge_at) if cols else ():
-                times: dict[tuple, dict[int, int]] = {}
-                first = skipped(a, b)  # a run holds clamp(count - first, 0, b - a) of the recomputed layers
-                recomputed = [(c, -float(min(k - first, b - a))) for k, c in enumerate(cols) if k > first]
+        for a, b in _runs(stack, table, costs, node_expr, value_expr, edge_at):
+            times: list[dict[tuple, dict[int, int]]] = []
+            for layers, mode in ((stack, 0), (light, 1)):
+                first = a if mode == 0 else n - b  # the run holds clamp(count - first, 0, b - a) of them
+                held = [(c, float(min(pair[mode] - first, b - a))) for pair, c in zip(pairs, cols)
+                        if pair[mode] > first]
+                if not layers or not held:
+                    continue
+                m = ilp.add_var(0.0, binary=False, upper=float(b - a))
+                ilp.add_eq([(m, 1.0)] + [(c, -v) for c, v in held], 0.0)
+                times.append({})
                 # the last layer frees nothing: its rebuilt activations are held while its backward runs
                 layer = layers[a] if b < n else dataclasses.replace(layers[a], frees=())
-                _price_run(ilp, layer, b - a, lambda col: scaled(col, times, recomputed, float(b - a)), table,
+                _price_run(ilp, layer, b - a, lambda col: scaled(col, times[-1], m, float(b - a)), table,
                            costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows)
+            # a layer is recomputed one way or not at all: per layout, both ways' counts share the run's
+            # layers laid out so (w_g + w'_g <= (b - a) x_g; bounded apart, the relaxation counted a
+            # fractional layout's layers twice, and freed more bytes than they hold)
+            for group in dict.fromkeys(g for cache in times for g in cache):
+                for g in group:
+                    ilp.add_le([(cache[group][g], 1.0) for cache in times if group in cache] +
+                               [(g, -float(b - a))], 0.0)
     return counts
 
 
@@ -143,14 +152,17 @@ def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_
           edge_at: dict) -> list[tuple[int, int]]:
     """The stack cut into maximal runs [a, b) of consecutive layers that the program prices alike (the
     same columns, node costs and edge groups for their nodes, and the same columns and sizes for what
-    they free and add), and the last layer alone (it frees nothing: see `_recompute`)."""
-    def signature(layer: RecomputableLayer) -> tuple:
+    they free and add, whole and selectively), and the last layer alone (it frees nothing: see
+    `_recompute`)."""
+    def signature(layer: RecomputableLayer | None) -> tuple:
+        if layer is None:
+            return ()
         nodes = tuple((tuple(node_expr[name]), tuple(costs.node_costs.get(name, ())),
                        tuple(edge_at.get((name, j)) for j in range(len(table.nodes[name].inputs))))
                       for name in layer.nodes if name in table.nodes)
         held = tuple(tuple((costs.value_info[(base, 0)].nbytes, tuple(value_expr[(base, 0)].items())) for base in names)
                      for names in (layer.frees, layer.adds))
-        return nodes, held
+        return nodes, held, signature(layer.selective)
 
     runs, last = [], None
     for i, layer in enumerate(stack[:-1]):
@@ -541,7 +553,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
-    counts: list[tuple[list[int], list[int]]] = []  # per stack, columns choosing 0..N layers whole, selectively
+    counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
                             memory_row, flows)
@@ -598,8 +610,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
         whole, selective, held = [], [], []
-        for stack, (cols, part) in zip(recompute.stacks if counts else (), counts):
-            k, j = (next((i for i, c in enumerate(cs) if x[c] > 0.5), 0) for cs in (cols, part))
+        for stack, (pairs, cols) in zip(recompute.stacks if counts else (), counts):
+            k, j = next(pair for pair, c in zip(pairs, cols) if x[c] > 0.5)
             whole += stack[:k]
             selective += [layer.selective for layer in stack[len(stack) - j:]] if j else []
             held += [selective[-1]] if j else [stack[-1]] if k == len(stack) else []
@@ -630,7 +642,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                                                    value_expr, memory_row, regions)
 
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
-                        polish=tuple(c for cols in counts for cs in cols for c in cs), cut=None if schedule is None else cut)
+                        polish=tuple(c for _, cols in counts for c in cols), cut=None if schedule is None else cut)
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):
