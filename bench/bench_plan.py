@@ -127,8 +127,39 @@ def run_case(model, inputs, mesh, *, training, loss_fn=None, tie_blocks=None, pi
                    recompute=len(p.recompute), recompute_selective=len(p.recompute_selective),
                    recompute_s=p.recompute_cost,
                    layers=len(c.recomputable.stacks[0]) if c.recomputable else 0,
-                   collectives={f"{k} on {a}": n for (k, a), n in sorted(p.collective_summary().items())})
+                   collectives={f"{k} on {a}": n for (k, a), n in sorted(p.collective_summary().items())},
+                   techniques=techniques(c))
     return row, c
+
+
+VOCAB_MODULES = ("tok_emb", "lm_head", "head", "model.embed_tokens", "transformer.wte")
+
+
+def techniques(c) -> str:
+    """What a plan does on the tensor-parallel axis beyond splitting weights, as people name it:
+    sequence parallel (norm outputs split on the sequence dim over tp: how many of the norms) and a
+    vocabulary-parallel embedding or head (its weight's dim 0, the vocabulary or classes, split over
+    tp). Recomputation has its own columns."""
+    from spmd.core.graph_facts import module_stack, phase_of
+
+    plan, out = c.plan, []
+    names = plan.mesh.axis_names
+    if "tp" in names:
+        tp = names.index("tp")
+        last: dict[str, object] = {}  # norm module -> its last forward node (the normed output)
+        for n in c.traced.graph.nodes:
+            stack = module_stack(n)
+            if n.op == "call_function" and stack and stack[-1][1].endswith("Norm") and phase_of(n) == "forward":
+                last[stack[-1][0]] = n
+        split = [m for m, n in last.items() if n.name in plan.choices and len(getattr(
+            c.traced.tensor_info.get(n.name), "shape", ())) == 3 and plan.choices[n.name].outputs[0][tp] == Shard(1)]
+        if split:
+            out.append(f"sequence parallel ({len(split)} of {len(last)} norms)")
+        for fqn, ps in placements_by_fqn(plan).items():  # dim 0 of these is the vocabulary (or the classes)
+            module = fqn.rsplit(".", 1)[0]
+            if fqn.endswith(".weight") and module in VOCAB_MODULES and ps.strip("[]").split(", ")[tp] == "S(0)":
+                out.append(f"vocab-parallel {module}")
+    return "; ".join(out) or "none"
 
 
 def fmt_s(x) -> str:
@@ -332,23 +363,26 @@ def headline_md(d: dict) -> list[str]:
             f"- predicted step: {fmt_ms(r['objective'])} ms (compute {fmt_ms(r['compute_s'])} + communication "
             f"{fmt_ms(r['comm_s'])}); lower bound {fmt_ms(r['lower_bound'])} ms, gap {r['gap']:.2%}",
             f"- predicted memory per rank: {r['peak'] / GB:.1f} GB ({mem} GB)",
-            "- collectives: " + ", ".join(f"{k}: {n}" for k, n in r["collectives"].items()), "",
+            "- collectives: " + ", ".join(f"{k}: {n}" for k, n in r["collectives"].items()),
+            f"- on tp: {r.get('techniques', '?')}; layers recomputed: {r.get('recompute', 0)} whole, "
+            f"{r.get('recompute_selective', 0)} selectively", "",
             "| parameter | placements (dp, tp) |", "|---|---|"]
     out += [f"| `{f}` | `{p}` |" for f, p in r.get("placements", {}).items()]
     if d.get("variants"):
         out += ["", "Variants of the same model and mesh:", "",
                 "| variant | total s | HiGHS s | predicted step ms (compute + comm) | gap | peak GB | "
-                "q / o / gate / down weight | collectives |", "|---|---|---|---|---|---|---|---|"]
+                "q / o / gate / down weight | on tp | collectives |", "|---|---|---|---|---|---|---|---|---|"]
         for v in d["variants"]:
             if "error" in v:
-                out.append(f"| {v['label']} | {fmt_s(v['total_s'])} | | {v['error'][:300]} | | | | |")
+                out.append(f"| {v['label']} | {fmt_s(v['total_s'])} | | {v['error'][:300]} | | | | | |")
                 continue
             pl = v.get("placements", {})
             w = " / ".join(f"`{pl.get(k, '?')}`" for k in ("layers.0.attn.q_proj.weight", "layers.0.attn.o_proj.weight",
                                                           "layers.0.mlp.gate_proj.weight", "layers.0.mlp.down_proj.weight"))
             out.append(f"| {v['label']} | {fmt_s(v['total_s'])} | {fmt_s(v['highs_s'])} | {fmt_ms(v['objective'])} "
                        f"({fmt_ms(v['compute_s'])} + {fmt_ms(v['comm_s'])}) | {v['gap']:.2%} | {v['peak'] / GB:.1f} | "
-                       f"{w} | " + ", ".join(f"{k}: {n}" for k, n in v["collectives"].items()) + " |")
+                       f"{w} | {v.get('techniques', '?')} | " + ", ".join(f"{k}: {n}" for k, n in v["collectives"].items())
+                       + " |")
     if r.get("explain_head"):
         out += ["", f"`plan.explain()` (took {r['explain_s']:.1f} s), first lines:", "", "```",
                 *r["explain_head"], "```"]
@@ -473,16 +507,16 @@ def vit_md(d: dict) -> list[str]:
            + (f", InfiniBand what-if {d['ib_gbps']:g} GB/s" if d.get("ib_gbps") else ""), "",
            "| model | params | batch | plan | budget | fits? | predicted step ms (compute + comm + "
            "recompute) | predicted peak GB (params / grads / optimizer / activations) | layers recomputed (whole: all "
-           "ops; selectively: all but matmuls and attention) | "
+           "ops; selectively: all but matmuls and attention) | on tp | "
            "collectives | qkv / o / fc1 / fc2 weight | total s (HiGHS) | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["models"]:
         for key, r in m["plans"].items():
             budget = f"{r['budget'] / GB:.0f} GB" if r.get("budget") else "none"
             if "error" in r:
                 fit = f"does not fit (floor {_floor_gb(r['error'])})" if "memory_budget" in r["error"] else "error"
                 out.append(f"| {m['name']} | {m['params'] / 1e9:.1f} B | {m.get('batch', d['batch'])} | {key} | "
-                           f"{budget} | {fit} | | | | | | "
+                           f"{budget} | {fit} | | | | | | | "
                            f"{fmt_s(r['total_s'])} | {r['load']:.1f} |")
                 continue
             mem = r["memory"]
@@ -498,6 +532,7 @@ def vit_md(d: dict) -> list[str]:
                 f"({mem.get('parameters', 0) / GB:.1f} / {mem.get('gradients', 0) / GB:.1f} / "
                 f"{mem.get('optimizer', 0) / GB:.1f} / {mem.get('activations', 0) / GB:.1f}) | "
                 f"{r.get('recompute', 0)} whole, {r.get('recompute_selective', 0)} selectively, of {r.get('layers', '?')} | "
+                f"{r.get('techniques', '?')} | "
                 + ", ".join(f"{k}: {n}" for k, n in r["collectives"].items())
                 + f" | {w} | {fmt_s(r['total_s'])} ({fmt_s(r['highs_s'])}) | {r['load']:.1f} |")
     out += ["", "Ratio of predicted step times (same budget):", ""]

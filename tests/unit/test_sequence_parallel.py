@@ -149,8 +149,11 @@ def steps_into(plan, consumer: str) -> list:
 
 # Budgets tight enough that every saved value between the regions must be cut (at 0.9, with gradients
 # reduced where backward makes them, the GPT and tp-2 Llama plans fit with the first norm's values
-# whole). GPT at 0.885 or less: no plan fits with its temporaries (the budget search proves it).
-CASES = [("gpt", 2, 0.89), ("llama", 2, 0.88), ("llama", 4, 0.75)]
+# whole). GPT at 0.885 or less: no plan fits with its temporaries (the budget search proves it). The
+# tp-4 Llama at 0.75 (and 0.73) fits with the residual split on the hidden dim and a norm's output
+# whole, 1.29 ms against sequence parallel's 1.46: a search that took only its best plan's room for
+# temporaries had missed it; at 0.71 only sequence parallel fits.
+CASES = [("gpt", 2, 0.89), ("llama", 2, 0.88), ("llama", 4, 0.71)]
 
 
 @pytest.mark.parametrize("kind,tp,fraction", CASES)
@@ -211,14 +214,14 @@ def test_a_budget_nothing_fits_is_proven_and_each_cut_is_the_peak_of_its_plan(mo
     checked = []
     loop = solver.IlpBuilder._cut_loop
 
-    def checking(search, costs, weight, limit, budget, state, needs, improve):
+    def checking(search, costs, weight, limit, budget, state, needs, improve, start=None):
         for _, x in state["over"]:
             cut = budget.cut(x)
             row = sum(v * x[c] for c, v in cut.terms)
             copies = sum(size * max(0.0, *(sum(v * x[c] for c, v in terms) + const for terms, const in lower))
                          for size, lower in cut.helpers)
             checked.append((row + copies, needs(x), limit))
-        return loop(search, costs, weight, limit, budget, state, needs, improve)
+        return loop(search, costs, weight, limit, budget, state, needs, improve, start)
 
     monkeypatch.setattr(solver.IlpBuilder, "_cut_loop", staticmethod(checking))
     with pytest.raises(UserWarning, match=r"no plan fits whole \(proven"):
