@@ -65,9 +65,8 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
     saved = {view_base(n) for n in read_back}
     saved = {b for b in saved if b.op == "call_function" and isinstance(traced.tensor_info.get(b.name), TensorInfo)}
 
-    def layer(key: str, nodes, keep=None) -> RecomputableLayer | None:
-        forward = [n for n in nodes if not in_backward(n)]
-        region, frontier = recompute_region(forward, in_backward, keep)
+    def region_of(key: str, nodes, keep=None) -> RecomputableLayer | None:
+        region, frontier = recompute_region([n for n in nodes if not in_backward(n)], in_backward, keep)
         if not region:
             return None
         members = set(region)
@@ -75,12 +74,15 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
         frees = [b for b in dict.fromkeys(view_base(n) for n in region) if b in saved and b not in still]
         adds = [b for b in dict.fromkeys(view_base(f) for f in frontier)
                 if b.op == "call_function" and b not in saved and isinstance(traced.tensor_info.get(b.name), TensorInfo)]
-        if keep is None:
-            lighter = layer(key, nodes, is_selectively_kept)
-            if lighter is not None and (len(lighter.nodes) == len(region) or not lighter.frees):
-                lighter = None  # no matmul to keep, or keeping them frees nothing
         return RecomputableLayer(key, tuple(n.name for n in region), tuple(b.name for b in frees),
-                                 tuple(b.name for b in adds), None if keep is not None else lighter)
+                                 tuple(b.name for b in adds))
+
+    def layer(key: str, nodes) -> RecomputableLayer | None:
+        whole = region_of(key, nodes)
+        light = region_of(key, nodes, is_selectively_kept) if whole is not None else None
+        if light is None or len(light.nodes) == len(whole.nodes) or not light.frees:
+            return whole  # no matmul to keep, or keeping them frees nothing
+        return dataclasses.replace(whole, selective=light)
 
     found = {k[: -len("/fwd")]: nodes for k, nodes in instances(traced).items() if k.endswith("/fwd")}
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -30,8 +30,8 @@ def recompute_layers(rank_gm: fx.GraphModule, recomputable, keys: tuple[str, ...
     nodes = {n.name: n for n in graph.nodes}
     order = {n: i for i, n in enumerate(graph.nodes)}
     backward = backward_nodes(graph)
-    for key, region_of in [*((k, lambda lay: lay) for k in keys), *((k, lambda lay: lay.selective) for k in selective)]:
-        layer = region_of(layers[key]) if key in layers else None
+    chosen = [(k, layers.get(k)) for k in keys] + [(k, getattr(layers.get(k), "selective", None)) for k in selective]
+    for key, layer in chosen:
         if layer is None:
             raise SpmdInternalError(f"recompute_layers: the plan recomputes {key}, which has no such region",
                                     graph.python_code("self").src)

@@ -127,12 +127,12 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
             times: list[dict[tuple, dict[int, int]]] = []
             for layers, mode in ((stack, 0), (light, 1)):
                 first = a if mode == 0 else n - b  # the run holds clamp(count - first, 0, b - a) of them
-                held = [(c, float(min(pair[mode] - first, b - a))) for pair, c in zip(pairs, cols)
-                        if pair[mode] > first]
-                if not layers or not held:
+                per_pair = [(c, float(min(pair[mode] - first, b - a))) for pair, c in zip(pairs, cols)
+                            if pair[mode] > first]
+                if not layers or not per_pair:
                     continue
                 m = ilp.add_var(0.0, binary=False, upper=float(b - a))
-                ilp.add_eq([(m, 1.0)] + [(c, -v) for c, v in held], 0.0)
+                ilp.add_eq([(m, 1.0)] + [(c, -v) for c, v in per_pair], 0.0)
                 times.append({})
                 # the last layer frees nothing: its rebuilt activations are held while its backward runs
                 layer = layers[a] if b < n else dataclasses.replace(layers[a], frees=())
@@ -227,11 +227,10 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
                     memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
 
 
-def recompute_figures(layers: list[RecomputableLayer], held: list[RecomputableLayer], choices: dict,
-                      node_costs: dict, edges, costs: CostTable) -> tuple[float, float]:
-    """(seconds, net bytes freed) of recomputing `layers` (whole or selective regions), `held` those whose
-    rebuilt activations are held while their backward runs (each recomputed stack's last layer), as
-    `_recompute` prices them."""
+def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs: dict, edges,
+                      costs: CostTable) -> tuple[float, float]:
+    """(seconds, net bytes freed) of recomputing `layers` (whole or selective regions; a stack's last
+    layer with nothing freed), as `_recompute` prices them."""
     mesh_shape = costs.mesh.shape
     into: dict[str, list[Edge]] = {}
     for e in edges:
@@ -249,7 +248,7 @@ def recompute_figures(layers: list[RecomputableLayer], held: list[RecomputableLa
                 paid.add((e.value, e.dst))
                 seconds += costs.edge_cost(e.value, e.src, e.dst)
         freed += nbytes(layer.frees) - nbytes(layer.adds)
-    return seconds, freed - sum(nbytes(layer.frees) for layer in held)
+    return seconds, freed
 
 
 def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable, costs: CostTable,
@@ -609,22 +608,24 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[term.value[0]]
             ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
-        whole, selective, held = [], [], []
+        whole, selective, layers = [], [], []  # keys recomputed whole, selectively; the regions run again
         for stack, (pairs, cols) in zip(recompute.stacks if counts else (), counts):
             k, j = next(pair for pair, c in zip(pairs, cols) if x[c] > 0.5)
-            whole += stack[:k]
-            selective += [layer.selective for layer in stack[len(stack) - j:]] if j else []
-            held += [selective[-1]] if j else [stack[-1]] if k == len(stack) else []
-        layers = whole + selective
-        redo_s, freed = recompute_figures(layers, held, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
+            n = len(stack)
+            whole += [layer.key for layer in stack[:k]]
+            selective += [layer.key for layer in stack[n - j:]]
+            redone = [*stack[:k], *(layer.selective for layer in stack[n - j:])]
+            if j or k == n:  # the last layer, recomputed, frees nothing (as `_recompute` prices it)
+                redone[-1] = dataclasses.replace(redone[-1], frees=())
+            layers += redone
+        redo_s, freed = recompute_figures(layers, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
                                                                result.seconds)
         return Plan(costs.mesh, choices, chosen_cost, tuple(edges), *figures, stats, dict(labels or {}), memory,
-                    memory_budget, joint=costs.bucket_bytes is not None, recompute=tuple(lay.key for lay in whole),
-                    recompute_cost=redo_s, recomputed_bytes=freed,
-                    recompute_selective=tuple(lay.key for lay in selective))
+                    memory_budget, joint=costs.bucket_bytes is not None, recompute=tuple(whole),
+                    recompute_cost=redo_s, recomputed_bytes=freed, recompute_selective=tuple(selective))
 
     budget = None
     if memory_budget is not None:
