@@ -2,6 +2,11 @@
 
     torchrun --nproc-per-node 2 examples/gpu_smoke.py            # one GPU per rank, NCCL
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --cpu      # the same on gloo (CI runs this)
+    torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu  # every rank on cuda:0, collectives on gloo
+
+NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so where a single GPU is lent, `--one-gpu`
+checks the CUDA rank graphs' kernels and numerics on several ranks with gloo moving CUDA tensors, and a
+one-rank run checks the NCCL process group and mesh.
 
 Every rank builds the GPT example on the meta device (no rank holds it whole), compiles it for a
 (dp, tp) mesh over all ranks, initializes its shards with the model's own init (`init_weights`), runs a
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import spmd  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
+from spmd.runtime.distribute import local_shard  # noqa: E402
 
 
 def lm_loss(logits, targets):
@@ -34,12 +40,17 @@ def lm_loss(logits, targets):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL on GPUs")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="every rank on cuda:0 with gloo collectives (NCCL refuses two ranks on one GPU)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
     world = int(os.environ["WORLD_SIZE"])
+    if args.one_gpu and cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")  # init_mesh keeps a process group that exists
     tp = 2 if world % 2 == 0 else 1
     mesh = spmd.init_mesh((world // tp, tp), ("dp", "tp"), "cuda" if cuda else "cpu")
     rank = dist.get_rank()
@@ -61,11 +72,21 @@ def main() -> int:
     loss = compiled(*local)
     loss.backward()
     opt.step()
-    after = compiled.full_state_dict()
+    # gloo moving CUDA tensors (--one-gpu) runs the step's collectives but crashes in all_gather: there each
+    # rank checks its own shards against its piece of the one-device model instead of gathering them
+    shards = compiled.sharded_state_dict() if args.one_gpu else None
+    after = None if args.one_gpu else compiled.full_state_dict()
+    coord = tuple(mesh.get_coordinate())
 
-    # one device: rank 0 builds the model from the same seed and takes the same step
-    errors = torch.zeros(2, dtype=torch.float64, device=device)
-    if rank == 0:
+    def piece(k, full):  # this rank's piece of a full tensor (the whole of it when gathered)
+        return local_shard(full, shards[k].placements, tuple(mesh.shape), coord) if shards else full
+
+    def mine(k):
+        return shards[k].to_local() if shards else after[k]
+
+    # one device: rank 0 (every rank with --one-gpu) builds the model from the same seed, takes the same step
+    errors = torch.zeros(2, dtype=torch.float64, device="cpu" if args.one_gpu else device)
+    if rank == 0 or args.one_gpu:
         torch.manual_seed(0)
         reference = GPT(cfg).to(device)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
@@ -77,12 +98,17 @@ def main() -> int:
         # rounding (a key bias's is exactly zero in exact arithmetic), two valid summation orders move it
         # by different noise, up to lr; there only a move beyond lr counts
         scale = max(float(v.grad.abs().max()) for v in reference.parameters())
-        errors[1] = max(float(torch.where(v.grad.abs() <= 1e-6 * scale, ((after[k] - v.detach()).abs() - lr).clamp(min=0),
-                                          (after[k] - v.detach()).abs()).max())
+        errors[1] = max(float(torch.where(piece(k, v.grad).abs() <= 1e-6 * scale,
+                                          ((mine(k) - piece(k, v.detach())).abs() - lr).clamp(min=0),
+                                          (mine(k) - piece(k, v.detach())).abs()).max())
                         for k, v in reference.named_parameters())
-    dist.broadcast(errors, src=0)
+    if args.one_gpu:
+        dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    else:
+        dist.broadcast(errors, src=0)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
-    line = (f"rank {rank} on {device} ({'NCCL' if cuda else 'gloo'}): compile {compile_s:.1f} s, loss {loss.item():.6f}, "
+    backend = dist.get_backend()
+    line = (f"rank {rank} on {device} ({'NCCL' if backend == 'nccl' else 'gloo'}): compile {compile_s:.1f} s, loss {loss.item():.6f}, "
             f"|loss - one device| {errors[0].item():.2e}, max |parameter - one device| {errors[1].item():.2e}"
             + (f", peak GPU memory {peak / 2**20:.0f} MiB" if cuda else ""))
     lines = [None] * world

@@ -17,8 +17,8 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch
     """A copy of a meta model whose parameters, buffers and inputs are fake tensors on `device` (default
     CPU; `spmd.compile` passes the rank's device, so a CUDA mesh is traced with CUDA kernels, not the CPU
     ones). Meta tensors themselves do not do: kernels pick different implementations on meta (no fused
-    attention) and the joint graph loses its forward/backward split. Real tensors are left as they are; a
-    model with nothing on meta comes back as it is."""
+    attention) and the joint graph loses its forward/backward split. Real parameters are left as they are,
+    and so are real inputs already on `device`; a model with nothing on meta comes back as it is."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -47,4 +47,12 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch
                 if id(b) not in made:
                     made[id(b)] = fake(b)
                 module._buffers[name] = made[id(b)]
-    return model, tuple(fake(t) for t in example_inputs)
+    def fake_input(t):
+        # an example input given on another device than the rank's (CPU tokens for a CUDA mesh, as a user
+        # writes them) is traced as a fake on the rank's device too: the rank graphs run there
+        if isinstance(t, torch.Tensor) and device is not None and not t.is_meta and t.device != torch.device(device):
+            with mode:
+                return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return fake(t)
+
+    return model, tuple(fake_input(t) for t in example_inputs)

@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from spmd.core.profiles import DeviceProfile, LinkProfile, device_profile_for, link_profile_for
+from spmd.core.profiles import DeviceProfile, LinkProfile, device_profile_for, gpu_profile_name, link_profile_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,7 @@ class MeshSpec:
     @staticmethod
     def from_device_mesh(mesh, device: str | DeviceProfile | None = None) -> "MeshSpec":
         """Describe a torch `DeviceMesh` with the link and device profiles of its backend."""
+        import torch
         import torch.distributed as dist
 
         names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
@@ -96,7 +97,7 @@ class MeshSpec:
             links = tuple(
                 link_profile_for("nvlink" if i == mesh.ndim - 1 else "infiniband") for i in range(mesh.ndim)
             )
-            dev = device or "h100"
+            dev = device or gpu_profile_name(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
         # the ranks step together: the step's compute runs at the slowest one's pace
         return MeshSpec(tuple(mesh.shape), tuple(names), links, dev.in_lockstep(math.prod(mesh.shape)))

@@ -194,9 +194,24 @@ LINKS: dict[str, LinkProfile] = {
 DEVICES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        DeviceProfile("h100", 989e12, 3.35e12, 5e-6, 80e9, "H100 SXM datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3"),
-        DeviceProfile("h200", 989e12, 4.8e12, 5e-6, 141e9, "H200 SXM datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e"),
-        DeviceProfile("a100", 312e12, 2.0e12, 5e-6, 80e9, "A100 SXM 80GB datasheet: 312 TFLOP/s bf16, 2.0 TB/s"),
+        # GPUs: what one reaches at a transformer's shapes, not the datasheet's peak. Measured on an H200
+        # (2026-11-27, bench/bench_gpu.py --measure, bf16, torch 2.11, GPT d 2048 and d 4096 with 8,192
+        # tokens; bench/results_gpu.md): matmuls 788 and 708 TFLOP/s (0.80 and 0.72 of the 989 peak),
+        # streaming adds 4.45 and 4.07 TB/s (0.93 and 0.85 of 4.8), a small kernel launched from Python
+        # back to back 10 and 7.5 us, causal fused attention (cuDNN) 0.41 and 0.62 of the matmul rate at
+        # sequence 1,024 and 2,048. Priced with these, the two steps came within 7% and 4% of their
+        # measurement (with the datasheet's numbers, 27% and 30% under it). The H100 has the same compute
+        # die (its 8192^3 bf16 product ran at 798 TFLOP/s, the H200's at 788) and its HBM3 streamed about
+        # 3.0 TB/s here (device/KINDS.md): the same fractions of its datasheet. The A100 takes them
+        # unmeasured.
+        DeviceProfile("h100", 750e12, 2.97e12, 8e-6, 80e9, "H100 SXM: 989 TFLOP/s bf16 dense and 3.35 TB/s HBM3 on "
+                      "the datasheet; 0.76 and 0.885 of them, as measured on an H200 at transformer shapes",
+                      attention_efficiency=0.5),
+        DeviceProfile("h200", 750e12, 4.25e12, 8e-6, 141e9, "H200 SXM, measured (bench_gpu.py --measure, bf16): "
+                      "708-788 TFLOP/s matmuls, 4.07-4.45 TB/s streaming; datasheet 989 TFLOP/s, 4.8 TB/s",
+                      attention_efficiency=0.5),
+        DeviceProfile("a100", 237e12, 1.77e12, 8e-6, 80e9, "A100 SXM 80GB: 312 TFLOP/s bf16 and 2.0 TB/s on the "
+                      "datasheet, at the fractions measured on an H200 (0.76, 0.885)", attention_efficiency=0.5),
         # Per-call costs: measured(compiled step) - measured(its generated graphs called directly), 7 models
         # (4-96 parameters, 6-145 saved values), one process, fitted by least squares on relative errors:
         # forward 7-55 us, training 80-900 us (residuals +-30%; large activations pay more, gpt-medium's
@@ -248,6 +263,13 @@ def link_profile_for(name: str) -> LinkProfile:
         return LINKS[name]
     except KeyError:
         raise ValueError(f"unknown link profile {name!r}; known: {sorted(LINKS)}") from None
+
+
+def gpu_profile_name(device_name: str) -> str:
+    """The built-in profile for a CUDA device's name ("NVIDIA H200" -> "h200"); h100 for any other (or
+    none: compiling for CUDA on a machine without one)."""
+    upper = device_name.upper()
+    return next((n for n in ("h200", "h100", "a100") if n.upper() in upper), "h100")
 
 
 def device_profile_for(name: str) -> DeviceProfile:

@@ -45,7 +45,7 @@ for _name, _at in (("flex_attention", (0, 2, None)), ("flex_attention_backward",
 # row's mean and variance), not one, for devices that do not measure them (`DeviceProfile.element_seconds`,
 # which the cpu profile does): FLOPs per element of the outputs, in matmul-equivalent FLOPs. Measured
 # once on an AMD EPYC thread at 100 GFLOP/s matmul (16K-2M elements, rows of 256 and 2048). On GPU
-# profiles they stay memory-bound (48 / 989e12 s << 8 bytes / 3.35e12 B/s per element).
+# profiles they stay memory-bound (48 / 750e12 s << 8 bytes / 2.97e12 B/s per element).
 _FLOPS_PER_ELEMENT = {
     aten.gelu.default: 22.0,
     aten.gelu_backward.default: 48.0,

@@ -146,7 +146,9 @@ def main() -> None:
     with torch.device("meta"):
         model = GPT(cfg).to(dtype)
     batch, seq = 2 * SHAPE[0] * SHAPE[1], cfg.seq
-    meta_inputs = tuple(torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    # forward: meta example inputs; training: real CPU ones, as examples/gpu_smoke.py passes them (traced
+    # as fakes on the rank's GPU, like the meta model's parameters)
+    meta_inputs = tuple(torch.zeros(batch, seq, dtype=torch.long, device="cpu" if args.training else "meta")
                         for _ in range(2 if args.training else 1))
     loss = (lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())) if args.training else None
     options = PlanOptions(loss_fn=loss, verify=True)

@@ -20,10 +20,7 @@ from torch.distributed.tensor._api import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.single_dim_strategy import (
-    _fill_single_dim_strategy_placeholders,
-    _insert_single_dim_replication_strategy,
-)
+from torch.distributed.tensor._ops.single_dim_strategy import _fill_single_dim_strategy_placeholders
 from torch.distributed.tensor.placement_types import Shard
 from torch.utils._pytree import tree_map
 
@@ -47,6 +44,20 @@ def offline_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     with unset_fake_temporarily():
         return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape),
                           mesh_dim_names=names, _init_backend=False, _rank=0)
+
+
+def _with_replication(single: list[list], n_out: int, n_in: int, out_meta) -> list[list]:
+    """A single-dim rule list with the all-Replicate rule first, where the rule did not give one (what
+    DTensor adds at run time; its helper for it changed signature between torch releases). An output
+    with no tensor (a backward op's masked-off gradient) stays None."""
+    if any(all(isinstance(p, Replicate) or p is None for p in r) for r in single):
+        return single
+    rule = [Replicate()] * (n_out + n_in)
+    if isinstance(out_meta, tuple):
+        for i, m in enumerate(out_meta[:n_out]):
+            if m is None:
+                rule[i] = None
+    return [rule] + single
 
 
 @contextlib.contextmanager
@@ -107,7 +118,7 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
         out_meta = None if n_out == 0 else (_meta(outputs[0]) if n_out == 1 and outputs[0] is not None else
                                            tuple(_meta(o) if o is not None else None for o in outputs))
         single = info.func(op, sch.args_meta, sch.kwargs_meta)
-        single = _insert_single_dim_replication_strategy([list(r) for r in single], n_out, len(arg_infos), out_meta)
+        single = _with_replication([list(r) for r in single], n_out, len(arg_infos), out_meta)
         single = _fill_single_dim_strategy_placeholders({Shard(0)}, single)
         return [s for s in expand_single_dim(single, n_out, mesh.ndim) if _plain(s)]
 

@@ -1,0 +1,256 @@
+"""One GPU: the step spmd predicts (its H100/H200 profile) against the step it measures, with NCCL.
+
+    torchrun --nproc-per-node 1 bench/bench_gpu.py                     # GPT d 2048, 4 layers, bf16
+    torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor          # also the compiled rank graphs
+    torchrun --nproc-per-node 1 bench/bench_gpu.py --measure           # also a profile measured here
+    torchrun --nproc-per-node 1 bench/bench_gpu.py --cpu --dim 64 --seq 32 --vocab 128 --layers 1  # dry run
+
+A GPT (examples.models) trains on one GPU, compiled by spmd for a one-rank mesh on NCCL: the plan has
+no collectives, so its predicted step is the cost model's compute alone, and the measured step tells how
+true the device profile is at these shapes. Rows: the model in eager PyTorch, spmd's rank graphs, and
+with --inductor the same graphs through torch.compile (its compile time reported apart). Then each ATen
+op's measured time (CUDA-synchronized around every node of the rank graphs) next to what the plan
+charged for it. With --measure, the device's rates at this model's shapes (matmul FLOP/s, streaming
+bandwidth, the cost of a small kernel, fused attention's share of the matmul rate) are timed, and the
+same plan is priced again with them: how far the built-in profile is from this device, and what is left
+when the rates are right. Results go to bench/results_gpu.md by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import spmd  # noqa: E402
+from examples.models import GPT, GPTConfig  # noqa: E402
+from spmd.core.mesh import MeshSpec  # noqa: E402
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(step, iters: int, warmup: int = 3) -> float:
+    """Median seconds of `step` over `iters` calls, each between two synchronizations."""
+    for _ in range(warmup):
+        step()
+    ts = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def kernel_seconds(fn, reps: int = 20) -> float:
+    """Seconds per call of `fn` run back to back `reps` times (the device's time, launches overlapped)."""
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure_device(cfg, tokens: int, dtype, device, builtin):
+    """The built-in profile with the rates measured here at this model's shapes: (profile, notes)."""
+    import dataclasses
+
+    from spmd.tools.calibrate import fit_alpha_beta
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    d, f, v = cfg.dim, 4 * cfg.dim, cfg.vocab
+    mm_points = []
+    for m, k, n, transposed in ((tokens, d, d, False), (tokens, d, f, False), (tokens, f, d, False),
+                                (d, tokens, f, True), (tokens, d, v, False), (tokens, v, d, False)):
+        a, b = (randn(k, m).t() if transposed else randn(m, k)), randn(k, n)
+        mm_points.append((2.0 * m * k * n, kernel_seconds(lambda: torch.mm(a, b))))
+        del a, b
+    mm_latency, flops = fit_alpha_beta(*zip(*mm_points))
+    stream = []
+    for numel in (1 << 22, 1 << 24, 1 << 26, 1 << 27):
+        a, b = randn(numel), randn(numel)
+        stream.append((3.0 * a.element_size() * numel, kernel_seconds(lambda: torch.add(a, b))))
+        del a, b
+    _, bandwidth = fit_alpha_beta(*zip(*stream))
+    tiny = randn(1)
+    small_op = kernel_seconds(lambda: torch.add(tiny, tiny), reps=200)
+    # fused attention (the kernel eager picks for these shapes), priced by its matmul FLOPs: 2 of s x s x d
+    # forward, 5 backward, half of them under a causal mask
+    b_, h, s_, hd = tokens // cfg.seq, cfg.heads, cfg.seq, cfg.dim // cfg.heads
+    q, k, vv = (randn(b_, h, s_, hd).requires_grad_() for _ in range(3))
+    grad = randn(b_, h, s_, hd)
+    fwd = kernel_seconds(lambda: F.scaled_dot_product_attention(q, k, vv, is_causal=True))
+    both = kernel_seconds(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, vv, is_causal=True),
+                                                      (q, k, vv), grad))
+    one_matmul = 2.0 * b_ * h * s_ * s_ * hd * 0.5
+    attention = min(1.0, 7 * one_matmul / flops / both)
+    profile = dataclasses.replace(builtin, name=f"measured-{builtin.name}", flops=flops, memory_bandwidth=bandwidth,
+                                  op_overhead_s=small_op, attention_efficiency=attention,
+                                  source=f"bench_gpu.py --measure on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    notes = [f"matmul: {flops / 1e12:.0f} TFLOP/s at this model's shapes (fit over {len(mm_points)}, latency "
+             f"{mm_latency * 1e6:.1f} us; the built-in {builtin.flops / 1e12:.0f}); each: "
+             + ", ".join(f"{fl / t / 1e12:.0f}" for fl, t in mm_points),
+             f"streaming add: {bandwidth / 1e12:.2f} TB/s counting reads and writes (the built-in "
+             f"{builtin.memory_bandwidth / 1e12:.2f})",
+             f"a 1-element add back to back: {small_op * 1e6:.1f} us (the built-in op overhead "
+             f"{builtin.op_overhead_s * 1e6:.1f})",
+             f"causal attention ({b_}x{h}x{s_}x{hd}): forward {fwd * 1e3:.3f} ms "
+             f"({2 * one_matmul / fwd / 1e12:.0f} TFLOP/s), forward + backward {both * 1e3:.3f} ms "
+             f"({7 * one_matmul / both / 1e12:.0f} TFLOP/s): {attention:.2f} of the matmul rate (the built-in "
+             f"{builtin.attention_efficiency:.2f})"]
+    return profile, notes
+
+
+def training_step(fn, params):
+    def step():
+        fn().backward()
+        for p in params:
+            p.grad = None
+    return step
+
+
+def per_op(compiled, local) -> list[tuple[str, int, float, float]]:
+    """(ATen op, nodes, measured s, predicted s) summed over the rank graphs' nodes, each node timed
+    between two synchronizations (median of 5 calls): where the device profile is off."""
+    it = iter(local)
+    args = [(getattr(compiled, attr) if kind == "state" else next(it)).detach() for kind, attr in compiled._order]
+    acc: dict[str, list[float]] = collections.defaultdict(list)
+    op_of: dict[str, str] = {}
+
+    class Timer(fx.Interpreter):
+        def run_node(self, n):
+            if n.op != "call_function":
+                return super().run_node(n)
+            op_of[n.name] = getattr(n.target, "__name__", str(n.target))
+            sync()
+            t0 = time.perf_counter()
+            r = super().run_node(n)
+            sync()
+            acc[n.name].append(time.perf_counter() - t0)
+            return r
+
+    split = compiled.split
+    with torch.no_grad():
+        for _ in range(7):
+            flat = Timer(split.forward).run(*args)
+            Timer(split.backward).run(*flat[split.n_outputs:], *[torch.ones_like(o) for o in flat[:split.n_outputs]])
+    by_op: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for name, ts in acc.items():
+        row = by_op[op_of[name]]
+        row[0] += 1
+        row[1] += statistics.median(ts[2:])
+        row[2] += compiled.plan.node_costs.get(name, 0.0)
+    return sorted(((op, k, m, p) for op, (k, m, p) in by_op.items()), key=lambda r: -r[2])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--inductor", action="store_true", help="also time the rank graphs through torch.compile")
+    ap.add_argument("--cpu", action="store_true", help="a dry run on CPU and gloo (the cpu profile)")
+    ap.add_argument("--measure", action="store_true", help="also price the plan with rates measured here")
+    args = ap.parse_args()
+
+    cuda = not args.cpu
+    mesh = spmd.init_mesh((1,), ("dp",), "cuda" if cuda else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=g).to(device)
+    targets = torch.randint(0, cfg.vocab, tokens.shape, generator=g).to(device)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device, dtype)
+    spec = MeshSpec.from_device_mesh(mesh)
+    n_params = sum(p.numel() for p in model.parameters())
+    where = f"{torch.cuda.get_device_name()}, NCCL {torch.cuda.nccl.version()}" if cuda else "CPU, gloo"
+    print(f"{where}, torch {torch.__version__}, device profile {spec.device.name}; GPT d {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads, "
+          f"seq {cfg.seq}, batch {args.batch}, vocab {cfg.vocab}, {n_params / 1e6:.0f}M parameters, {args.dtype}")
+
+    rows = []
+    eager = timed(training_step(lambda: lm_loss(model(tokens), targets), list(model.parameters())), args.iters)
+    rows.append(("eager PyTorch", eager, None, None))
+
+    t0 = time.perf_counter()
+    compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec)
+    compile_s = time.perf_counter() - t0
+    local = compiled.shard_inputs(tokens, targets)
+    plan = compiled.plan
+    measured = timed(training_step(lambda: compiled(*local), list(compiled.parameters())), args.iters)
+    rows.append(("spmd rank graphs", measured, plan.predicted_step_s, compile_s))
+
+    notes = []
+    if args.measure:
+        profile, notes = measure_device(cfg, tokens.numel(), dtype, device, spec.device)
+        measured_spec = MeshSpec(spec.shape, spec.axis_names, spec.links, profile)
+        again = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=measured_spec)
+        rows.append(("spmd rank graphs, priced with the measured profile", measured,
+                     again.plan.predicted_step_s, None))
+        del again
+
+    if args.inductor:
+        t0 = time.perf_counter()
+        fast = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec, compile_graphs=True)
+        fast_local = fast.shard_inputs(tokens, targets)
+        step = training_step(lambda: fast(*fast_local), list(fast.parameters()))
+        step()
+        sync()
+        first_s = time.perf_counter() - t0
+        rows.append(("spmd rank graphs, inductor", timed(step, args.iters), plan.predicted_step_s, first_s))
+
+    print("\n| training step (forward, loss, backward) | measured ms | predicted ms | measured / predicted "
+          "| compile s (inductor: to the end of the first step) |\n|---|---|---|---|---|")
+    for name, m, p, c in rows:
+        print(f"| {name} | {m * 1e3:.2f} | {'' if p is None else f'{p * 1e3:.2f}'} | "
+              f"{'' if p is None else f'{m / p:.2f}'} | {'' if c is None else f'{c:.1f}'} |")
+    for line in notes:
+        print(f"- {line}")
+    print(f"\nplan: compute {plan.compute_cost * 1e3:.2f} ms, communication {plan.comm_cost * 1e3:.2f} ms, "
+          f"wrapper {plan.wrapper_overhead_s * 1e3:.3f} ms"
+          + (f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""))
+
+    ops = per_op(compiled, local)
+    total_m, total_p = sum(r[2] for r in ops), sum(r[3] for r in ops)
+    print(f"\nper op, nodes timed one by one (synchronized): measured {total_m * 1e3:.2f} ms, "
+          f"predicted {total_p * 1e3:.2f} ms\n\n| ATen op | nodes | measured ms | predicted ms | measured / predicted |"
+          "\n|---|---|---|---|---|")
+    for op, k, m, p in ops[:16]:
+        print(f"| {op} | {k} | {m * 1e3:.3f} | {p * 1e3:.3f} | {m / p:.2f} |" if p else
+              f"| {op} | {k} | {m * 1e3:.3f} | 0 | - |")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
