@@ -5,6 +5,7 @@
        ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
        ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
        ──insert_collectives──▶ global graph with explicit steps ──emit_rank_graph──▶ this rank's graph
+       ──recompute_layers, fuse_decomposed_ops──▶ what backward runs again; decomposed kernels fused
        ──split_joint_graph, bucket_gradients (training)──▶ forward and backward graphs
 
 Each `Pass` names the values it reads and the one it writes; the runner hands it those values, stores
@@ -43,6 +44,7 @@ from spmd.passes.estimate_costs import CostTable, estimate_costs
 from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable_layers
 from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
+from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
@@ -229,6 +231,9 @@ PIPELINE: tuple[Pass, ...] = (
                                                 "plan.recompute_selective"), "rank_gm",
          lambda v: _training_rank(v) and bool(v["plan"].recompute or v["plan"].recompute_selective),
          lambda v: v["rank_gm"].code),
+    # Ops traced apart so that a split class dim could reduce across ranks, one kernel again where this
+    # rank runs them on whole rows (log_softmax and its backward).
+    Pass("fuse_decomposed_ops", fuse_decomposed_ops, ("rank_gm",), "rank_gm", _bound, lambda v: v["rank_gm"].code),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
     Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),

@@ -86,3 +86,17 @@ def test_single_axis_profile_serves_every_axis(tmp_path):
     path = tmp_path / "p.json"
     save_profile(str(path), {"tp": link}, device_profile_for("cpu"))
     assert MeshSpec.from_profile(str(path), (2, 2), ("dp", "tp")).links == (link, link)
+
+
+def test_a_gpu_is_priced_by_its_own_profile():
+    """MeshSpec.from_device_mesh on CUDA takes the built-in profile named by the device (torch's name
+    for it), h100 for a GPU it has none for."""
+    from spmd.core.profiles import gpu_profile_name
+
+    assert gpu_profile_name("NVIDIA H200") == "h200"
+    assert gpu_profile_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_profile_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_profile_name("Tesla T4") == gpu_profile_name("") == "h100"
+    h100, h200 = device_profile_for("h100"), device_profile_for("h200")
+    # measured rates, below the datasheet's 989 TFLOP/s and 3.35 / 4.8 TB/s
+    assert h100.flops == h200.flops < 989e12 and h100.memory_bandwidth < 3.35e12 and h200.memory_bandwidth < 4.8e12

@@ -1,0 +1,91 @@
+"""fuse_decomposed_ops: log_softmax and its backward, traced apart, become one kernel each where a rank
+runs them on whole rows, and stay apart where anything cuts the chain (a collective on a split class dim)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.fx as fx
+
+from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
+from spmd.passes.trace_joint import trace_joint
+from tests.models import GPT, GPTConfig
+from tests.support import compile_graph, lm_loss, spec
+
+aten = torch.ops.aten
+
+
+def _args(traced, inputs, dtype=torch.float32):
+    """The joint graph's arguments: the model's state, the inputs, a tangent of 1 for the loss."""
+    it = iter(inputs)
+    return [traced.state[i.name] if i.kind in ("parameter", "buffer", "constant") else
+            next(it) if i.kind == "input" else torch.ones((), dtype=dtype) for i in traced.inputs]
+
+
+def _run(gm, args) -> list:
+    return fx.Interpreter(gm).run(*args, enable_io_processing=False)
+
+
+def _targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _gpt_joint():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=96, seq=8, dim=32, heads=2, layers=1)
+    x, y = torch.randint(0, 96, (2, 8)), torch.randint(0, 96, (2, 8))
+    return trace_joint(GPT(cfg), (x, y), lm_loss), (x, y)
+
+
+def test_log_softmax_and_its_backward_become_one_kernel_each_with_the_same_values():
+    traced, inputs = _gpt_joint()
+    assert aten.amax.default in _targets(traced.gm)  # traced apart (trace_joint.DECOMPOSED)
+    fused = fuse_decomposed_ops(copy.deepcopy(traced.gm))
+    ops = _targets(fused)
+    assert ops.count(aten._log_softmax.default) == 1 and ops.count(aten._log_softmax_backward_data.default) == 1
+    assert aten.amax.default not in ops and aten.exp.default not in ops and aten.log.default not in ops
+    args = _args(traced, inputs)
+    for got, want in zip(_run(fused, args), _run(traced.gm, args)):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_chain_cut_by_another_node_stays_apart():
+    """What a collective between the max and the shift does (a class dim split over the mesh): the
+    pieces are no longer the whole decomposition, and nothing of the forward is fused."""
+    traced, _ = _gpt_joint()
+    gm = copy.deepcopy(traced.gm)
+    amax = next(n for n in gm.graph.nodes if n.target == aten.amax.default)
+    with gm.graph.inserting_after(amax):
+        cut = gm.graph.call_function(aten.clone.default, (amax,))
+    amax.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
+    gm.recompile()
+    ops = _targets(fuse_decomposed_ops(gm))
+    assert aten._log_softmax.default not in ops and aten.amax.default in ops and aten.log.default in ops
+    assert aten._log_softmax_backward_data.default in ops  # the backward's chain is whole: fused
+
+
+def test_bf16_log_softmax_keeps_its_dtype():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 16).to(torch.bfloat16)
+    x, y = torch.randn(4, 8, dtype=torch.bfloat16), torch.randint(0, 16, (4,))
+    traced = trace_joint(model, (x, y), F.cross_entropy)
+    fused = fuse_decomposed_ops(copy.deepcopy(traced.gm))
+    node = next(n for n in fused.graph.nodes if n.target == aten._log_softmax.default)
+    assert node.args[2] is False and node.meta["val"].dtype == torch.bfloat16
+    args = _args(traced, (x, y), torch.bfloat16)
+    for got, want in zip(_run(fused, args), _run(traced.gm, args)):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_rank_on_whole_rows_runs_one_log_softmax():
+    """In the pipeline: the rank graphs of a one-rank plan hold the fused kernels."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=96, seq=8, dim=32, heads=2, layers=1)
+    x, y = torch.randint(0, 96, (2, 8)), torch.randint(0, 96, (2, 8))
+    c = compile_graph(GPT(cfg), (x, y), spec((1,), ("tp",)), rank=0, loss_fn=lm_loss)
+    assert aten._log_softmax.default in _targets(c.split.forward)
+    assert aten._log_softmax_backward_data.default in _targets(c.split.backward)
