@@ -52,7 +52,7 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch
         # writes them) is traced as a fake on the rank's device too: the rank graphs run there
         if isinstance(t, torch.Tensor) and device is not None and not t.is_meta and t.device != torch.device(device):
             with mode:
-                return torch.empty(t.shape, dtype=t.dtype, device=device)
+                return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
         return fake(t)
 
     return model, tuple(fake_input(t) for t in example_inputs)

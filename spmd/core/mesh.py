@@ -81,7 +81,6 @@ class MeshSpec:
     @staticmethod
     def from_device_mesh(mesh, device: str | DeviceProfile | None = None) -> "MeshSpec":
         """Describe a torch `DeviceMesh` with the link and device profiles of its backend."""
-        import torch
         import torch.distributed as dist
 
         names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
@@ -92,12 +91,13 @@ class MeshSpec:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
             share = min(1.0, (os.cpu_count() or 1) / max(local, 1))
             links = tuple(link_profile_for("gloo" if share >= 1.0 else "gloo-oversubscribed") for _ in names)
-            dev = device or device_profile_for("cpu").scaled(share)
+            cpu = mesh.device_type == "cpu"  # (else gloo moving CUDA tensors: the GPUs compute)
+            dev = device or (device_profile_for("cpu").scaled(share) if cpu else _local_gpu())
         else:
             links = tuple(
                 link_profile_for("nvlink" if i == mesh.ndim - 1 else "infiniband") for i in range(mesh.ndim)
             )
-            dev = device or gpu_profile_name(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+            dev = device or _local_gpu()
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
         # the ranks step together: the step's compute runs at the slowest one's pace
         return MeshSpec(tuple(mesh.shape), tuple(names), links, dev.in_lockstep(math.prod(mesh.shape)))
@@ -133,3 +133,10 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
         names.append(name.strip())
         shape.append(int(size))
     return tuple(shape), tuple(names)
+
+
+def _local_gpu() -> str:
+    """The built-in profile of this process's GPU (h100 where there is none: compiling for CUDA on fakes)."""
+    import torch
+
+    return gpu_profile_name(torch.cuda.get_device_name() if torch.cuda.is_available() else "")

@@ -69,7 +69,7 @@ class LinkProfile:
 @dataclass(frozen=True, slots=True)
 class DeviceProfile:
     name: str
-    flops: float  # peak FLOP/s at the training dtype (fp32 on CPU, bf16 dense on GPUs)
+    flops: float  # FLOP/s a matmul reaches at the training dtype (fp32 on CPU, bf16 on GPUs), not the peak
     memory_bandwidth: float  # bytes/s
     op_overhead_s: float  # fixed cost per launched op (kernel launch / dispatcher)
     memory_bytes: float

@@ -65,8 +65,12 @@ def _fused_backward(chain: list[fx.Node], inputs: list[fx.Node], out: fx.Node):
     """(op, args) of the one `_log_softmax_backward_data` call the chain computes, or None."""
     inside = set(chain)
     total, exp = _only(chain, aten.sum.dim_IntList), _only(chain, aten.exp.default)
+    mul, sub = _only(chain, aten.mul.Tensor), _only(chain, aten.sub.Tensor)
     grad, y, dim = _uncast(total.args[0], inside), _uncast(exp.args[0], inside), _one_dim(total.args[1])
     if len(inputs) != 2 or set(inputs) != {grad, y} or dim is None:
+        return None
+    # g - exp(y) * sum(g): the difference of the gradient and the product of the other two
+    if set(mul.args) != {exp, total} or [_uncast(a, inside) for a in sub.args] != [grad, mul]:
         return None
     if not (_dtype(grad) == _dtype(y) == _dtype(out) is not None):
         return None
@@ -108,13 +112,12 @@ def _chains(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph module with the fusible chains fused (`rank_gm` itself where there are none)."""
-    if not any(n.op == "call_function" and _origin(n) in FUSIONS for n in rank_gm.graph.nodes):
-        return rank_gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(rank_gm.graph, {}))
-    graph._codegen = rank_gm.graph._codegen  # (a traced graph's pytree calling convention)
-    for chain in _chains(graph):
+    """A new graph module with the fusible chains fused (`rank_gm` itself where there are none). A fused
+    node takes the name of its chain's last node (what the traced graph and the plan call that value)
+    and lists the chain in `meta["spmd_fused"]` (`CompiledModule.verify` replays it there)."""
+    fused: dict[fx.Node, tuple] = {}  # a chain's last node -> (op, args)
+    skipped: set[fx.Node] = set()
+    for chain in _chains(rank_gm.graph):
         want, build = FUSIONS[_origin(chain[0])]
         inside = set(chain)
         if Counter(n.target for n in chain if n.target not in CASTS) != want:
@@ -124,13 +127,21 @@ def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
             continue  # an inner value is read elsewhere (saved for backward, say): keep them all
         inputs = list(dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in inside))
         call = build(chain, inputs, chain[-1])
-        if call is None:
-            continue
-        with graph.inserting_before(chain[-1]):
-            new = graph.call_function(call[0], call[1])
-        new.meta = {k: v for k, v in chain[-1].meta.items() if k != "original_aten"}
-        chain[-1].replace_all_uses_with(new)
-        for n in reversed(chain):
-            graph.erase_node(n)
+        if call is not None:
+            fused[chain[-1]] = (*call, tuple(n.name for n in chain))
+            skipped |= inside
+    if not fused:
+        return rank_gm
+    graph = fx.Graph()
+    graph._codegen = rank_gm.graph._codegen  # (a traced graph's pytree calling convention)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in rank_gm.graph.nodes:
+        if node in fused:
+            op, args, names = fused[node]
+            env[node] = graph.create_node("call_function", op, fx.node.map_arg(args, env.__getitem__), {},
+                                          name=node.name)
+            env[node].meta = {**{k: v for k, v in node.meta.items() if k != "original_aten"}, "spmd_fused": names}
+        elif node not in skipped:
+            env[node] = graph.node_copy(node, env.__getitem__)
     graph.lint()
     return fx.GraphModule(rank_gm, graph)

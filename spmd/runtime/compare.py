@@ -279,20 +279,28 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             if rank0 and whole:
                 ref_env[n.name] = actual
             return
+        # a node fuse_decomposed_ops made of a traced chain (named as its last node): the chain replayed
+        chain = [ref_nodes[name] for name in n.meta.get("spmd_fused", ())] or [ref_node]
         if whole:
             lookup = ref_env
         else:  # the op's own arguments, gathered from this rank's values
-            lookup = {a.name: full_value(a, env[rank_nodes[a.name]]) for a in ref_node.all_input_nodes}
+            inside = {c.name for c in chain}
+            lookup = {a.name: full_value(a, env[rank_nodes[a.name]])
+                      for c in chain for a in c.all_input_nodes if a.name not in inside}
         if rank0 and not failure:
             try:
-                reference(n, ref_node, actual, lookup)
+                reference(n, chain, actual, lookup)
             except Exception as e:  # rank 0 goes on gathering with the others, and reports at the end
                 failure.append(f"{n.name} ({ref_node.target}): {type(e).__name__}: {e}")
 
-    def reference(n, ref_node, actual, lookup):
-        """Rank 0: the node's single-device value, compared with the gathered one."""
-        ref_args = fx.node.map_arg((ref_node.args, ref_node.kwargs), lambda a: lookup[a.name])
-        ref = ref_node.target(*ref_args[0], **ref_args[1])
+    def reference(n, chain, actual, lookup):
+        """Rank 0: the node's single-device value (its chain's, for a fused node), compared with the
+        gathered one."""
+        made: dict[str, object] = {}  # the chain's inner values
+        for ref_node in chain:
+            ref_args = fx.node.map_arg((ref_node.args, ref_node.kwargs),
+                                       lambda a: made[a.name] if a.name in made else lookup[a.name])
+            made[ref_node.name] = ref = ref_node.target(*ref_args[0], **ref_args[1])
         if _is_random(ref_node) and not _close(actual, ref):  # another draw: take the sharded one
             ref = _adopt(actual, ref)
             random_ops.append(n.name)
@@ -301,8 +309,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             phases.append(ref_node.meta.get("partitioner_tag", "is_forward"))
         if whole:
             ref_env[n.name] = ref
-            for a in ref_node.all_input_nodes:
-                if last_use.get(a.name) is ref_node:
+            for a in (a for c in chain for a in c.all_input_nodes):
+                if last_use.get(a.name) in chain:
                     ref_env.pop(a.name, None)
 
     with torch.no_grad():
