@@ -86,13 +86,11 @@ def measure_device(cfg, tokens: int, dtype, device, builtin):
                                 (d, tokens, f, True), (tokens, d, v, False), (tokens, v, d, False)):
         a, b = (randn(k, m).t() if transposed else randn(m, k)), randn(k, n)
         mm_points.append((2.0 * m * k * n, kernel_seconds(lambda: torch.mm(a, b))))
-        del a, b
     mm_latency, flops = fit_alpha_beta(*zip(*mm_points))
     stream = []
     for numel in (1 << 22, 1 << 24, 1 << 26, 1 << 27):
         a, b = randn(numel), randn(numel)
         stream.append((3.0 * a.element_size() * numel, kernel_seconds(lambda: torch.add(a, b))))
-        del a, b
     _, bandwidth = fit_alpha_beta(*zip(*stream))
     tiny = randn(1)
     small_op = kernel_seconds(lambda: torch.add(tiny, tiny), reps=200)
