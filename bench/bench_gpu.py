@@ -136,12 +136,14 @@ def per_op(compiled, local) -> list[tuple[str, int, float, float]]:
     args = [(getattr(compiled, attr) if kind == "state" else next(it)).detach() for kind, attr in compiled._order]
     acc: dict[str, list[float]] = collections.defaultdict(list)
     op_of: dict[str, str] = {}
+    chain_of: dict[str, tuple] = {}
 
     class Timer(fx.Interpreter):
         def run_node(self, n):
             if n.op != "call_function":
                 return super().run_node(n)
             op_of[n.name] = getattr(n.target, "__name__", str(n.target))
+            chain_of[n.name] = n.meta.get("spmd_fused", (n.name,))  # a fused node: its chain's prices
             sync()
             t0 = time.perf_counter()
             r = super().run_node(n)
@@ -159,7 +161,7 @@ def per_op(compiled, local) -> list[tuple[str, int, float, float]]:
         row = by_op[op_of[name]]
         row[0] += 1
         row[1] += statistics.median(ts[2:])
-        row[2] += compiled.plan.node_costs.get(name, 0.0)
+        row[2] += sum(compiled.plan.node_costs.get(m, 0.0) for m in chain_of[name])
     return sorted(((op, k, m, p) for op, (k, m, p) in by_op.items()), key=lambda r: -r[2])
 
 
