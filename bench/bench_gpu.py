@@ -18,7 +18,6 @@ when the rates are right. Results go to bench/results_gpu.md by hand.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import sys
@@ -26,12 +25,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import spmd  # noqa: E402
+from bench_predict import per_op_table  # noqa: E402
 from examples.models import GPT, GPTConfig  # noqa: E402
 from spmd.core.mesh import MeshSpec  # noqa: E402
 
@@ -129,42 +129,6 @@ def training_step(fn, params):
     return step
 
 
-def per_op(compiled, local) -> list[tuple[str, int, float, float]]:
-    """(ATen op, nodes, measured s, predicted s) summed over the rank graphs' nodes, each node timed
-    between two synchronizations (median of 5 calls): where the device profile is off."""
-    it = iter(local)
-    args = [(getattr(compiled, attr) if kind == "state" else next(it)).detach() for kind, attr in compiled._order]
-    acc: dict[str, list[float]] = collections.defaultdict(list)
-    op_of: dict[str, str] = {}
-    chain_of: dict[str, tuple] = {}
-
-    class Timer(fx.Interpreter):
-        def run_node(self, n):
-            if n.op != "call_function":
-                return super().run_node(n)
-            op_of[n.name] = getattr(n.target, "__name__", str(n.target))
-            chain_of[n.name] = n.meta.get("spmd_fused", (n.name,))  # a fused node: its chain's prices
-            sync()
-            t0 = time.perf_counter()
-            r = super().run_node(n)
-            sync()
-            acc[n.name].append(time.perf_counter() - t0)
-            return r
-
-    split = compiled.split
-    with torch.no_grad():
-        for _ in range(7):
-            flat = Timer(split.forward).run(*args)
-            Timer(split.backward).run(*flat[split.n_outputs:], *[torch.ones_like(o) for o in flat[:split.n_outputs]])
-    by_op: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for name, ts in acc.items():
-        row = by_op[op_of[name]]
-        row[0] += 1
-        row[1] += statistics.median(ts[2:])
-        row[2] += sum(compiled.plan.node_costs.get(m, 0.0) for m in chain_of[name])
-    return sorted(((op, k, m, p) for op, (k, m, p) in by_op.items()), key=lambda r: -r[2])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=2048)
@@ -240,14 +204,8 @@ def main() -> int:
           f"wrapper {plan.wrapper_overhead_s * 1e3:.3f} ms"
           + (f"; peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""))
 
-    ops = per_op(compiled, local)
-    total_m, total_p = sum(r[2] for r in ops), sum(r[3] for r in ops)
-    print(f"\nper op, nodes timed one by one (synchronized): measured {total_m * 1e3:.2f} ms, "
-          f"predicted {total_p * 1e3:.2f} ms\n\n| ATen op | nodes | measured ms | predicted ms | measured / predicted |"
-          "\n|---|---|---|---|---|")
-    for op, k, m, p in ops[:16]:
-        print(f"| {op} | {k} | {m * 1e3:.3f} | {p * 1e3:.3f} | {m / p:.2f} |" if p else
-              f"| {op} | {k} | {m * 1e3:.3f} | 0 | - |")
+    print("\nper op, each node between two synchronizations:\n")
+    print("\n".join(per_op_table(compiled, local, True, sync=sync, calls=7)))
     dist.destroy_process_group()
     return 0
 

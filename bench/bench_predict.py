@@ -140,30 +140,37 @@ def reference(device, seconds: float):
     return ref, k * one
 
 
-def per_op_table(compiled, local, train: bool, top: int = 16) -> list[str]:
-    """Each ATen op's measured time (an FX Interpreter timing every node, median of 10 calls) next to what
-    the plan charged for it (`plan.node_costs`, by node name), summed by op: where the model is off."""
+def per_op_table(compiled, local, train: bool, top: int = 16, sync=None, calls: int = 12) -> list[str]:
+    """Each ATen op's measured time (an FX Interpreter timing every node, median of `calls` - 2 calls; with
+    `sync`, called before and after each node: a GPU's queue drained) next to what the plan charged for it
+    (`plan.node_costs`, by node name; a node `fuse_decomposed_ops` fused: its chain's), summed by op:
+    where the model is off."""
     import collections
 
     import torch.fx as fx
 
+    sync = sync or (lambda: None)
     it = iter(local)
     args = [(getattr(compiled, attr) if kind == "state" else next(it)).detach() for kind, attr in compiled._order]
     acc: dict[str, list[float]] = collections.defaultdict(list)
     targets: dict[str, str] = {}
+    chains: dict[str, tuple] = {}
 
     class Timer(fx.Interpreter):
         def run_node(self, n):
             if n.op != "call_function":
                 return super().run_node(n)
             targets[n.name] = getattr(n.target, "__name__", str(n.target))
+            chains[n.name] = n.meta.get("spmd_fused", (n.name,))
+            sync()
             t0 = time.perf_counter()
             r = super().run_node(n)
+            sync()
             acc[n.name].append(time.perf_counter() - t0)
             return r
 
     with torch.no_grad():
-        for _ in range(12):
+        for _ in range(calls):
             if train:
                 split = compiled.split
                 flat = Timer(split.forward).run(*args)
@@ -172,10 +179,10 @@ def per_op_table(compiled, local, train: bool, top: int = 16) -> list[str]:
                 Timer(compiled.graph_module).run(*args)
     by_op: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for name, ts in acc.items():
-        predicted = compiled.plan.node_costs.get(name)
-        op = targets[name] + ("" if predicted is not None else " (not a plan node)")
+        priced = [compiled.plan.node_costs[m] for m in chains[name] if m in compiled.plan.node_costs]
+        op = targets[name] + ("" if priced else " (not a plan node)")
         by_op[op][0] += statistics.median(ts[2:])
-        by_op[op][1] += predicted or 0.0
+        by_op[op][1] += sum(priced)
         by_op[op][2] += 1
     total_m, total_p = sum(v[0] for v in by_op.values()), sum(v[1] for v in by_op.values())
     lines = [f"Sum over nodes: measured {_ms(total_m)} ms (through an FX Interpreter, which adds a few us per node), "

@@ -28,11 +28,13 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch
     # refuses to mix modes
     mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
 
-    def fake(t):
-        if not isinstance(t, torch.Tensor) or not t.is_meta:
+    def fake(t, elsewhere: bool = False):
+        """`t` as a fake on `device` if it is on meta (or, `elsewhere`, on another device than it)."""
+        if not isinstance(t, torch.Tensor) or not (
+                t.is_meta or elsewhere and device is not None and t.device != torch.device(device)):
             return t
         with mode:
-            return torch.empty(t.shape, dtype=t.dtype, device=device or "cpu")
+            return torch.empty(t.shape, dtype=t.dtype, device=device or "cpu").requires_grad_(t.requires_grad)
 
     model = copy.deepcopy(model)  # meta: no data to copy
     made: dict[int, torch.Tensor] = {}  # a tensor shared by several modules (tied weights) stays shared
@@ -47,12 +49,6 @@ def fake_model(model: torch.nn.Module, example_inputs: tuple = (), device: torch
                 if id(b) not in made:
                     made[id(b)] = fake(b)
                 module._buffers[name] = made[id(b)]
-    def fake_input(t):
-        # an example input given on another device than the rank's (CPU tokens for a CUDA mesh, as a user
-        # writes them) is traced as a fake on the rank's device too: the rank graphs run there
-        if isinstance(t, torch.Tensor) and device is not None and not t.is_meta and t.device != torch.device(device):
-            with mode:
-                return torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
-        return fake(t)
-
-    return model, tuple(fake_input(t) for t in example_inputs)
+    # an example input on another device than the rank's (CPU tokens for a CUDA mesh, as users write them)
+    # is traced on the rank's device too: the rank graphs run there
+    return model, tuple(fake(t, elsewhere=True) for t in example_inputs)

@@ -115,7 +115,7 @@ def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
     """A new graph module with the fusible chains fused (`rank_gm` itself where there are none). A fused
     node takes the name of its chain's last node (what the traced graph and the plan call that value)
     and lists the chain in `meta["spmd_fused"]` (`CompiledModule.verify` replays it there)."""
-    fused: dict[fx.Node, tuple] = {}  # a chain's last node -> (op, args)
+    fused: dict[fx.Node, tuple] = {}  # a chain's last node -> (op, args, the chain's names)
     skipped: set[fx.Node] = set()
     for chain in _chains(rank_gm.graph):
         want, build = FUSIONS[_origin(chain[0])]

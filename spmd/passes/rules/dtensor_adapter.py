@@ -46,18 +46,13 @@ def offline_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
                           mesh_dim_names=names, _init_backend=False, _rank=0)
 
 
-def _with_replication(single: list[list], n_out: int, n_in: int, out_meta) -> list[list]:
+def _with_replication(single: list[list], outputs, n_in: int) -> list[list]:
     """A single-dim rule list with the all-Replicate rule first, where the rule did not give one (what
     DTensor adds at run time; its helper for it changed signature between torch releases). An output
     with no tensor (a backward op's masked-off gradient) stays None."""
     if any(all(isinstance(p, Replicate) or p is None for p in r) for r in single):
         return single
-    rule = [Replicate()] * (n_out + n_in)
-    if isinstance(out_meta, tuple):
-        for i, m in enumerate(out_meta[:n_out]):
-            if m is None:
-                rule[i] = None
-    return [rule] + single
+    return [[None if o is None else Replicate() for o in outputs] + [Replicate()] * n_in] + single
 
 
 @contextlib.contextmanager
@@ -114,13 +109,10 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
     if info is not None:
         replicated = {j: [(Replicate(),) * mesh.ndim] for j in arg_infos}  # rules see only metadata
         sch = schema(replicated, prop.op_to_schema_info_for_single_dim_strategy.get(op))
-        n_out = len(outputs)
-        out_meta = None if n_out == 0 else (_meta(outputs[0]) if n_out == 1 and outputs[0] is not None else
-                                           tuple(_meta(o) if o is not None else None for o in outputs))
         single = info.func(op, sch.args_meta, sch.kwargs_meta)
-        single = _with_replication([list(r) for r in single], n_out, len(arg_infos), out_meta)
+        single = _with_replication([list(r) for r in single], outputs, len(arg_infos))
         single = _fill_single_dim_strategy_placeholders({Shard(0)}, single)
-        return [s for s in expand_single_dim(single, n_out, mesh.ndim) if _plain(s)]
+        return [s for s in expand_single_dim(single, len(outputs), mesh.ndim) if _plain(s)]
 
     schema_info = prop.op_to_schema_info.get(op)
 
