@@ -1,21 +1,25 @@
 """estimate_costs: price every strategy of every node and every resharding edge.
 
 Before: a `StrategyTable`. After: a `CostTable` with the compute seconds of each (node, strategy) on
-local shards, an edge-cost function (seconds to turn one placement of a value into another) whose
+local shards (a node of a chain `fuse_decomposed_ops` puts back together, in a strategy that keeps the
+reduced dim whole: its share of the one fused kernel, which is what the rank graph runs), an edge-cost function (seconds to turn one placement of a value into another) whose
 steps come from the one redistribute planner, so the solver prices exactly what will run, and the
 per-rank memory terms (parameters, gradients, optimizer state, saved activations).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch.fx as fx
 
 from spmd.core.graph_facts import hashable_args
 from spmd.core.redistribute import pick
-from spmd.core.specs import Placements, TensorInfo, Value, local_shape
+from spmd.core.specs import Placements, Strategy, TensorInfo, Value, local_shape
 from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call
 from spmd.cost_model.layout_graph import cheapest_paths, layout_graph
 from spmd.cost_model.memory import MemoryTerm, memory_terms
 from spmd.passes.enumerate_strategies import StrategyTable
+from spmd.passes.fuse_decomposed_ops import fusible_chains
 from spmd.passes.trace_module import TracedGraph
 
 
@@ -65,6 +69,84 @@ def value_infos(traced: TracedGraph) -> dict[Value, TensorInfo]:
     return out
 
 
+@dataclass(frozen=True)
+class _Fused:
+    """One fusible chain (`fuse_decomposed_ops.fusible_chains`) as its nodes price it: the fused op, the
+    global infos of its tensor inputs and output, the dim it reduces, its extra args, and its nodes with
+    the global infos of their tensor inputs and output (all of the output's rank)."""
+
+    op: object
+    ins: tuple[TensorInfo, ...]
+    out: TensorInfo
+    dim: int
+    extra: tuple
+    nodes: tuple  # (fx node, infos of its tensor args in pytree order, output info), in graph order
+    _seconds: dict = field(default_factory=dict, compare=False, repr=False)  # layout -> node -> share
+
+    def seconds(self, name: str, s: Strategy, mesh) -> float | None:
+        """Node `name`'s share of its chain in strategy `s`, where `s` keeps the reduced dim whole and
+        holds no partial value (the rank graph then runs the chain as one kernel), and None where `s`
+        cuts the chain (collectives between its pieces). The shares are the pieces' own seconds scaled
+        to sum to the fused kernel's, so that no piece pays more than it would apart (a piece laid out
+        apart would otherwise shed its share and leave the kernel unpaid). A profile that prices the
+        pieces lower than the kernel (exp and log at one FLOP an element) keeps the pieces' prices: the
+        kernel does less work than they do."""
+        rank = len(self.out.shape)
+        layout = None
+        for ps in (*s.outputs, *s.inputs):
+            if ps is None:
+                continue
+            if any(p.is_partial() or p.is_shard() and p.dim % rank == self.dim for p in ps):
+                return None
+            layout = layout or ps
+        if layout is None:
+            return None
+        layout = tuple(layout)
+        if layout not in self._seconds:  # (one mesh per cost table)
+            def local(info: TensorInfo) -> TensorInfo:
+                return _local(info, layout, mesh.shape)
+
+            ins, out = [local(i) for i in self.ins], local(self.out)
+            kernel = compute_cost(self.op, (*(i.shape for i in ins), *self.extra), {}, ins, [out], mesh.device)
+            pieces = {}
+            for node, in_infos, out_info in self.nodes:
+                node_ins = [local(i) for i in in_infos]
+                args, kwargs = local_call(node, lambda a: True, node_ins)
+                pieces[node.name] = compute_cost(node.target, args, kwargs, node_ins, [local(out_info)], mesh.device)
+            scale = min(1.0, kernel / sum(pieces.values())) if sum(pieces.values()) > 0 else 1.0
+            self._seconds[layout] = {n: c * scale for n, c in pieces.items()}
+        return self._seconds[layout][name]
+
+
+def _tensor_args(node) -> list:
+    """The nodes `node` reads, in pytree order and repeated as often as they are passed (`local_call`'s order)."""
+    found: list = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
+    return found
+
+
+def _fused_chains(traced: TracedGraph) -> dict[str, _Fused]:
+    """Node -> its fusible chain, for the chains whose tensors all have the output's rank (a reduction
+    keeping its dim), so that any node's placements say how the whole chain is laid out."""
+    out: dict[str, _Fused] = {}
+    info = traced.tensor_info
+    for chain, op, args in fusible_chains(traced.graph):
+        tensors = [a for a in args if hasattr(a, "op")]
+        result = info.get(chain[-1].name)
+        if not isinstance(result, TensorInfo):
+            continue
+        rank = len(result.shape)
+        reads = {n: _tensor_args(n) for n in chain}
+        every = [info.get(a.name) for n in chain for a in (n, *reads[n])]
+        if any(not isinstance(i, TensorInfo) or len(i.shape) != rank for i in every):
+            continue
+        dim = next(a for a in args[len(tensors):] if isinstance(a, int)) % rank
+        nodes = tuple((n, tuple(info[a.name] for a in reads[n]), info[n.name]) for n in chain)
+        fused = _Fused(op, tuple(info[a.name] for a in tensors), result, dim, tuple(args[len(tensors):]), nodes)
+        out.update(dict.fromkeys((n.name for n in chain), fused))
+    return out
+
+
 def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_state_factor: float = 2.0,
                    bucket_bytes: float | None = None, blocks=None) -> CostTable:
     """`blocks`: a `RepeatedBlocks`; a node sharing its representative's strategies (same variant) shares
@@ -83,6 +165,7 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
 
     # the strategy lists are held by `table` throughout, so their ids stand for them
     rows_by_question: dict[tuple, tuple[float, ...]] = {}
+    fused = _fused_chains(traced)
 
     node_costs: dict[str, tuple[float, ...]] = {}
     for name, ns in table.nodes.items():
@@ -96,7 +179,7 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
             continue
         try:  # the same op on the same shapes with the same strategy list (twins of another layer)
             question = (node.target, hashable_args((node.args, node.kwargs), tensor_or_name), id(ns.strategies),
-                        ns.outputs)
+                        ns.outputs, fused.get(name))
         except TypeError:
             question = None
         if question in rows_by_question:
@@ -105,6 +188,10 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         in_infos = [info[v] for v in ns.inputs]
         row, whole_seconds = [], None
         for s in ns.strategies:
+            share = fused[name].seconds(name, s, mesh) if name in fused else None
+            if share is not None:
+                row.append(share)
+                continue
             ins = [_local(i, ps, mesh.shape) for i, ps in zip(in_infos, s.inputs)]
             outs = [_local(o, ps, mesh.shape) for o, ps in zip(ns.outputs, s.outputs) if o is not None and ps is not None]
             args, kwargs = local_call(node, is_tensor, ins)

@@ -111,13 +111,13 @@ def _chains(graph: fx.Graph) -> list[list[fx.Node]]:
     return list(chains.values())
 
 
-def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph module with the fusible chains fused (`rank_gm` itself where there are none). A fused
-    node takes the name of its chain's last node (what the traced graph and the plan call that value)
-    and lists the chain in `meta["spmd_fused"]` (`CompiledModule.verify` replays it there)."""
-    fused: dict[fx.Node, tuple] = {}  # a chain's last node -> (op, args, the chain's names)
-    skipped: set[fx.Node] = set()
-    for chain in _chains(rank_gm.graph):
+def fusible_chains(graph: fx.Graph) -> list[tuple[list[fx.Node], object, tuple]]:
+    """(chain, op, args) of each chain this pass fuses where nothing cuts it: the chain in graph order and
+    the one call that computes it (args over the chain's inputs). On a traced graph, these are the
+    chains a rank graph runs fused wherever the plan keeps the reduced dim whole on that rank
+    (`estimate_costs` prices them so)."""
+    found = []
+    for chain in _chains(graph):
         want, build = FUSIONS[_origin(chain[0])]
         inside = set(chain)
         if Counter(n.target for n in chain if n.target not in CASTS) != want:
@@ -128,8 +128,19 @@ def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
         inputs = list(dict.fromkeys(a for n in chain for a in n.all_input_nodes if a not in inside))
         call = build(chain, inputs, chain[-1])
         if call is not None:
-            fused[chain[-1]] = (*call, tuple(n.name for n in chain))
-            skipped |= inside
+            found.append((chain, *call))
+    return found
+
+
+def fuse_decomposed_ops(rank_gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module with the fusible chains fused (`rank_gm` itself where there are none). A fused
+    node takes the name of its chain's last node (what the traced graph and the plan call that value)
+    and lists the chain in `meta["spmd_fused"]` (`CompiledModule.verify` replays it there)."""
+    fused: dict[fx.Node, tuple] = {}  # a chain's last node -> (op, args, the chain's names)
+    skipped: set[fx.Node] = set()
+    for chain, op, args in fusible_chains(rank_gm.graph):
+        fused[chain[-1]] = (op, args, tuple(n.name for n in chain))
+        skipped |= set(chain)
     if not fused:
         return rank_gm
     graph = fx.Graph()

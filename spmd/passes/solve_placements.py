@@ -16,7 +16,7 @@ import numpy as np
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import follows_input, is_gradient_sink
 from spmd.core.plan import Edge, Plan
-from spmd.core.specs import Placements, Value, pieces
+from spmd.core.specs import Placements, TensorInfo, Value, pieces
 from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.layout_graph import layout_graph
 from spmd.cost_model.memory import LivePoint, Schedule, value_bytes
@@ -82,7 +82,7 @@ def _add_flow_balance(ilp: IlpBuilder, made: dict, needed: dict, arcs, arc_cols,
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
                value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
-               flows: dict) -> list[tuple[list[tuple[int, int]], list[int]]]:
+               flows: dict, copies: dict) -> list[tuple[list[tuple[int, int]], list[int]]]:
     """How many layers of each stack backward recomputes whole (the first K of its N) and selectively
     (the last J), as one column per allowed pair (K, J), K + J <= N, exactly one of them 1 (J = 0 where
     the stack's layers have no selective region); returns (pairs, columns) per stack. One choice over
@@ -91,7 +91,8 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
     512: a 990 GB plan at every price, and no plan found).
 
     Recomputing a layer adds its region's seconds (its nodes' compute and the reshardings into them, a
-    collective several of them share once) and frees its saved bytes, less what it saves instead.
+    collective several of them share once) and frees its saved bytes (and the resharded copies its
+    forward kept for backward, `copies`: see `_saved_copies`), less what it saves instead.
     Backward starts at the last layer, so when that one is recomputed (J >= 1, or K = N) its rebuilt
     activations are held while its backward runs: it frees nothing (a layer recomputed later finds the
     layers after it gone). Whole layers first, selective ones last: the last layer costs less to rebuild.
@@ -125,6 +126,7 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
 
         for a, b in _runs(stack, table, costs, node_expr, value_expr, edge_at):
             times: list[dict[tuple, dict[int, int]]] = []
+            copy_frees: dict[int, list[int]] = {}  # z -> what each way of recomputing frees of that copy
             for layers, mode in ((stack, 0), (light, 1)):
                 first = a if mode == 0 else n - b  # the run holds clamp(count - first, 0, b - a) of them
                 per_pair = [(c, float(min(pair[mode] - first, b - a))) for pair, c in zip(pairs, cols)
@@ -137,7 +139,8 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 # the last layer frees nothing: its rebuilt activations are held while its backward runs
                 layer = layers[a] if b < n else dataclasses.replace(layers[a], frees=())
                 _price_run(ilp, layer, b - a, lambda col: scaled(col, times[-1], m, float(b - a)), table,
-                           costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows)
+                           costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows,
+                           m, copies if b < n else {}, copy_frees)
             # a layer is recomputed one way or not at all: per layout, both ways' counts share the run's
             # layers laid out so (w_g + w'_g <= (b - a) x_g; bounded apart, the relaxation counted a
             # fractional layout's layers twice, and freed more bytes than they hold)
@@ -145,6 +148,8 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 for g in group:
                     ilp.add_le([(cache[group][g], 1.0) for cache in times if group in cache] +
                                [(g, -float(b - a))], 0.0)
+            for z, frees in copy_frees.items():  # and frees a kept copy once, if there is one
+                ilp.add_le([(u, 1.0) for u in frees] + [(z, -float(b - a))], 0.0)
     return counts
 
 
@@ -177,11 +182,16 @@ def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_
 
 def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callable[[int], int],
                table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict, edge_at: dict,
-               edge_groups: list, memory_row: dict, flows: dict) -> None:
+               edge_groups: list, memory_row: dict, flows: dict, count: int, copies: dict,
+               copy_frees: dict[int, list[int]]) -> None:
     """Objective and budget-row terms of recomputing the layers of one run, `layer` its first: `w(col)`
-    is a column equal to (how many of the run are recomputed) * col. A flow edge into the run (`flows`:
-    its first arc column -> (made, needed, arcs)) is priced as a flow of that many units: over new arc
-    columns, from the made layout's scaled columns to the needed one's."""
+    is a column equal to (how many of the run are recomputed) * col, `count` the column of that number.
+    A flow edge into the run (`flows`: its first arc column -> (made, needed, arcs)) is priced as a flow
+    of that many units: over new arc columns, from the made layout's scaled columns to the needed one's.
+    A copy the layer's forward kept for backward (`copies`: reader -> (z, bytes, value), z its 0/1 column,
+    the same in every layer of the run) is freed by each layer recomputed: a column u = count * z, exact
+    where z is 0 or 1 (u <= count, u >= count - length * (1 - z)), listed in `copy_frees[z]`; the caller
+    bounds the run's u of each z by length * z."""
     seconds: dict[int, float] = {}
     shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
     flow_uses: dict[int, int] = {}
@@ -225,6 +235,15 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
             for ps, expr in value_expr[(base, 0)].items():
                 for col in expr:
                     memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
+    held: dict[int, float] = {}  # z -> bytes of the layer's copies it stands for
+    for z, size, _ in dict.fromkeys(copy for name in layer.nodes for copy in copies.get(name, ())):
+        held[z] = held.get(z, 0.0) + size
+    for z, size in held.items():
+        u = ilp.add_var(0.0, binary=False, upper=float(length))
+        ilp.add_le([(u, 1.0), (count, -1.0)], 0.0)
+        ilp.add_ge([(u, 1.0), (count, -1.0), (z, -float(length))], -float(length))
+        copy_frees.setdefault(z, []).append(u)
+        memory_row[u] = memory_row.get(u, 0.0) - size
 
 
 def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs: dict, edges,
@@ -251,10 +270,72 @@ def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs
     return seconds, freed
 
 
+def saved_readers(schedule: Schedule | None) -> frozenset[str]:
+    """Forward nodes through which backward reads what they read: views whose view (or a view of it)
+    backward reads, so a resharded copy they read stays alive into backward. Such a copy is saved as
+    surely as an activation: an input all_gathered for a column-parallel matmul and read again by its
+    weight gradient, a weight gathered before its transpose (FSDP keeping it gathered)."""
+    if schedule is None:
+        return frozenset()
+    first = next((i for i, n in enumerate(schedule.nodes)
+                  if n.op == "call_function" and schedule.phase.get(n.name) == "is_backward"), None)
+    if first is None:
+        return frozenset()
+    return frozenset(name for name, (begin, end) in schedule.spans.items()
+                     if end >= first and schedule.phase.get(name) == "is_forward" and begin < first)
+
+
+def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
+                  saved: frozenset[str], memory_row: dict) -> dict[str, list[tuple[int, float, Value]]]:
+    """Budget-row terms of the resharded copies forward keeps for backward (`saved_readers`): one copy per
+    (value, layout) those readers need (insert_collectives makes one per value, layout and phase), kept
+    when a saved reader needs layout L and the value is not made in L. Its column z is exactly that at
+    every integral point: z >= [r needs L] - [made in L] per saved reader r, z <= sum_r [r needs L],
+    z <= 1 - [made in L]; its bytes go into the row. Copies whose rows are the same (tied layers' twins,
+    or alike values of one layer) share one z, their bytes counted per copy. Returns, per saved reader,
+    its copies' (z, bytes, value), which recomputing its layer frees (`_price_run`)."""
+    mesh_shape = costs.mesh.shape
+    by_value: dict[Value, list[tuple[str, int]]] = {}
+    for name in saved:
+        ns = table.nodes.get(name)
+        if ns is None or ns.source == "follow":  # a getitem takes its element as made: no copy
+            continue
+        for j, value in enumerate(ns.inputs):
+            if isinstance(costs.value_info.get(value), TensorInfo):
+                by_value.setdefault(value, []).append((name, j))
+    columns: dict[tuple, int] = {}
+    of_reader: dict[str, list[tuple[int, float, Value]]] = {}
+    for value, group in sorted(by_value.items()):  # sorted: the same program on every rank
+        made = value_expr[value]
+        needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]) for r in sorted(group)}
+        for layout in dict.fromkeys(layout for r in needs for layout in needs[r]):
+            readers = [tuple(needs[r][layout]) for r in needs if layout in needs[r]]
+            made_cols = tuple(made.get(layout, ()))
+            if all(set(cols) <= set(made_cols) for cols in readers):
+                continue  # read only where made so (a view follows its input): never a copy
+            size = costs.value_info[value].nbytes / pieces(layout, mesh_shape)
+            key = (made_cols, layout, size, tuple(readers))
+            z = columns.get(key)
+            if z is None:
+                z = columns[key] = ilp.add_var(0.0, binary=False)
+                minus_made = [(c, 1.0) for c in made_cols]
+                for cols in dict.fromkeys(readers):
+                    ilp.add_ge([(z, 1.0)] + [(c, -1.0) for c in cols] + minus_made, 0.0)
+                ilp.add_le([(z, 1.0)] + [(c, -1.0) for c in dict.fromkeys(c for cols in readers for c in cols)], 0.0)
+                if made_cols:
+                    ilp.add_le([(z, 1.0)] + minus_made, 1.0)
+            memory_row[z] = memory_row.get(z, 0.0) + size
+            for name in dict.fromkeys(r[0] for r in needs if layout in needs[r]):
+                of_reader.setdefault(name, []).append((z, size, value))
+    return of_reader
+
+
 def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable, costs: CostTable,
-         node_expr: dict, value_expr: dict, memory_row: dict[int, float], regions: dict) -> Cut:
+         node_expr: dict, value_expr: dict, memory_row: dict[int, float], regions: dict,
+         saved_copies: frozenset[int] = frozenset()) -> Cut:
     """`plan`'s predicted peak at its worst point as a row: the memory row without the saved activations
-    (the schedule counts them where they are alive), plus each value alive there in the layout chosen
+    and saved copies (`saved_copies`, their columns; the schedule counts both where they are alive; what
+    recomputation frees stays), plus each value alive there in the layout chosen
     for it, plus the resharded copies `plan` holds there. The row holds for every plan that fits (every
     plan's peak is at least its value: a copy left out only makes it smaller) and equals `plan`'s peak,
     which it cuts off.
@@ -264,7 +345,7 @@ def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable,
     after it: a helper column z >= [r1 needs L] + [r2 needs L] - [v made in L] - 1 for each such pair
     (z >= [r needs L] - [made in L] for a reader spanning the point)."""
     mesh_shape = costs.mesh.shape
-    terms = dict(memory_row)
+    terms = {col: b for col, b in memory_row.items() if col not in saved_copies}
     for term in costs.memory:
         if term.kind == "activations":
             for ps, expr in value_expr[term.value].items():
@@ -552,10 +633,14 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
+    saved = saved_readers(schedule)
+    copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, memory_row) if saved else {}
+    copy_cols = frozenset(z for found in copies.values() for z, _, _ in found)
+
     counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
-                            memory_row, flows)
+                            memory_row, flows, copies)
 
     # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
     # reads a plan from each candidate it checks whole)
@@ -608,7 +693,16 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             src = choices[term.value[0]]
             ps = src.outputs[term.value[1]] if table.nodes[term.value[0]].source != "output" else src.inputs[0]
             memory[term.kind] = memory.get(term.kind, 0.0) + term.bytes(ps, mesh_shape)
+        kept_by = [e for e in edges if e.consumer in saved]  # reading copies kept for backward
+        kept = dict.fromkeys((e.value, e.dst) for e in kept_by)
+        if kept:
+            memory["activations"] = memory.get("activations", 0.0) + sum(
+                costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in kept)
         whole, selective, layers = [], [], []  # keys recomputed whole, selectively; the regions run again
+        holding: set[int] = set()  # (ids of) the recomputed layers that free nothing
+        by_reader: dict[str, list[Edge]] = {}
+        for e in kept_by:
+            by_reader.setdefault(e.consumer, []).append(e)
         for stack, (pairs, cols) in zip(recompute.stacks if counts else (), counts):
             k, j = next(pair for pair, c in zip(pairs, cols) if x[c] > 0.5)
             n = len(stack)
@@ -617,8 +711,13 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             redone = [*stack[:k], *(layer.selective for layer in stack[n - j:])]
             if j or k == n:  # the last layer, recomputed, frees nothing (as `_recompute` prices it)
                 redone[-1] = dataclasses.replace(redone[-1], frees=())
+                holding.add(id(redone[-1]))
             layers += redone
         redo_s, freed = recompute_figures(layers, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
+        # the copies kept for backward by the readers of a recomputed layer are not kept (the last one's are)
+        freed += sum(costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in dict.fromkeys(
+            (e.value, e.dst) for layer in layers if id(layer) not in holding for name in layer.nodes
+            for e in by_reader.get(name, ())))
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,
@@ -640,7 +739,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         def cut(x) -> Cut | None:
             point = walk(x)[1]
             return None if point is None else _cut(point, walked[1], schedule, table, costs, node_expr,
-                                                   value_expr, memory_row, regions)
+                                                   value_expr, memory_row, regions, copy_cols)
 
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
                         polish=tuple(c for _, cols in counts for c in cols), cut=None if schedule is None else cut)

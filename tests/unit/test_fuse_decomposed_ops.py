@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -89,3 +90,56 @@ def test_a_rank_on_whole_rows_runs_one_log_softmax():
     c = compile_graph(GPT(cfg), (x, y), spec((1,), ("tp",)), rank=0, loss_fn=lm_loss)
     assert aten._log_softmax.default in _targets(c.split.forward)
     assert aten._log_softmax_backward_data.default in _targets(c.split.backward)
+
+
+def test_the_plan_prices_a_chain_as_the_kernel_the_rank_runs():
+    """Where a strategy keeps the class dim whole, the chain's nodes together cost the one fused kernel
+    (the cpu profile, a 32K-vocab GPT's loss: 852 ms decomposed, 235 fused), each in proportion to its
+    own op, so none pays more than it would laid out apart; where a strategy splits the class dim (vocab
+    parallel) or holds a partial sum, each node costs its own op, as the rank graph runs them."""
+    from spmd.core.profiles import device_profile_for
+    from spmd.core.specs import TensorInfo, local_shape
+    from spmd.cost_model.compute import compute_cost
+    from spmd.passes.estimate_costs import _fused_chains
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=512, seq=16, dim=32, heads=2, layers=1)
+    x = torch.randint(0, 512, (4, 16))
+    mesh = spec((2,), ("tp",), device=device_profile_for("cpu"))
+    c = compile_graph(GPT(cfg), (x, x), mesh, loss_fn=lm_loss)
+    chains = _fused_chains(c.traced)
+    ops = {str(f.op) for f in chains.values()}
+    assert ops == {str(aten._log_softmax.default), str(aten._log_softmax_backward_data.default)}, ops
+    assert len(chains) == 10  # amax, sub, exp, sum, log, sub; exp, sum, mul, sub
+    split, shares = 0, {}  # (chain, layout) -> {node: its cost}
+    for name, fused in chains.items():
+        for s, cost in zip(c.strategies.nodes[name].strategies, c.costs.node_costs[name]):
+            placements = [ps for ps in (*s.outputs, *s.inputs) if ps is not None]
+            if any(p.is_partial() or p.is_shard() and p.dim % 2 == fused.dim for ps in placements for p in ps):
+                assert fused.seconds(name, s, mesh) is None  # priced as its own op
+                split += 1
+                continue
+            shares.setdefault((id(fused), placements[0]), {})[name] = cost
+    assert split
+    apart = _decomposed_costs(GPT(cfg), (x, x), mesh)
+    for (chain, layout), costs in shares.items():
+        fused = next(f for f in chains.values() if id(f) == chain)
+        if len(costs) < len(fused.nodes):
+            continue  # a layout not every node of the chain offers
+        rows = TensorInfo(local_shape(fused.out.shape, layout, mesh.shape), fused.out.dtype)
+        ins = [rows] * len(fused.ins)
+        kernel = compute_cost(fused.op, (*(i.shape for i in ins), *fused.extra), {}, ins, [rows], mesh.device)
+        assert sum(costs.values()) == pytest.approx(kernel, rel=1e-9), (layout, costs)
+        own = {name: apart[(name, layout)] for name in costs}
+        assert all(costs[n] < own[n] for n in costs) and kernel < 0.5 * sum(own.values()), (costs, own)
+
+
+def _decomposed_costs(model, inputs, mesh) -> dict:
+    """(node, its first layout) -> seconds, with every chain priced as its pieces."""
+    import spmd.passes.estimate_costs as estimate
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(estimate, "_fused_chains", lambda traced: {})
+        c = compile_graph(model, inputs, mesh, loss_fn=lm_loss)
+    return {(name, next(ps for ps in (*s.outputs, *s.inputs) if ps is not None)): cost
+            for name, ns in c.strategies.nodes.items() for s, cost in zip(ns.strategies, c.costs.node_costs[name])}

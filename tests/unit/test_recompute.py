@@ -137,8 +137,9 @@ def test_under_a_light_budget_the_solver_recomputes_selectively_for_a_fraction_o
     assert every.recompute == () and len(every.recompute_selective) == 4
     assert every.recompute_cost < 0.25 * whole.recompute_cost and every.recomputed_bytes < whole.recomputed_bytes
     # a budget just under what every layer recomputed selectively needs with the free plan's placements
-    # (at 0.9 of the free plan's peak, placements alone make the room)
-    budget = 0.8 * free.predicted_peak_bytes
+    # (at 0.9 of the free plan's peak, placements alone make the room; at 0.8 a layer recomputed
+    # selectively also frees the copies it kept for backward, and that is enough)
+    budget = 0.7 * free.predicted_peak_bytes
     assert every.predicted_peak_bytes > budget
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -245,7 +246,7 @@ def test_recomputed_reshardings_priced_as_flows_cost_what_the_plan_says():
     price_run = sp._price_run
 
     def spy(ilp, layer, *args):
-        flows, edge_at, edge_groups, table = args[-1], args[6], args[7], args[2]
+        flows, edge_at, edge_groups, table = args[9], args[6], args[7], args[2]
         flows_into_layers.extend(1 for name in layer.nodes if name in table.nodes
                                  for j in range(len(table.nodes[name].inputs))
                                  if (name, j) in edge_at and edge_groups[edge_at[(name, j)]][0]
