@@ -1,8 +1,9 @@
 """estimate_costs: price every strategy of every node and every resharding edge.
 
 Before: a `StrategyTable`. After: a `CostTable` with the compute seconds of each (node, strategy) on
-local shards (a node of a chain `fuse_decomposed_ops` puts back together, in a strategy that keeps the
-reduced dim whole: its share of the one fused kernel, which is what the rank graph runs), an edge-cost function (seconds to turn one placement of a value into another) whose
+local shards (a node of a chain `fuse_decomposed_ops` puts back together, in a strategy that keeps
+the reduced dim whole: its share of the one fused kernel, which is what the rank graph runs), an
+edge-cost function (seconds to turn one placement of a value into another) whose
 steps come from the one redistribute planner, so the solver prices exactly what will run, and the
 per-rank memory terms (parameters, gradients, optimizer state, saved activations).
 """
@@ -30,6 +31,10 @@ class CostTable:
     node_costs: dict[str, tuple[float, ...]]  # aligned with each node's strategies
     memory: tuple[MemoryTerm, ...] = ()  # per-rank bytes as terms over values
     bucket_bytes: float | None = None  # gradient all_reduces are bucketed at this size (training)
+    # node of a chain priced fused -> (the chain's number, the dim it reduces): a resharding between two
+    # of its nodes that both keep that dim whole would cut the chain the price assumes whole (the solver
+    # forbids it; the layouts may change before the chain or after it)
+    chains: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def paths_from(self, value: Value, src: Placements, gradient: bool = False) -> dict:
         """Every layout `value` can reach from `src`: layout -> (seconds, steps). `gradient`: the value
@@ -206,5 +211,6 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         node_costs[name] = rows_by_variant[key] = tuple(row)
         if question is not None:
             rows_by_question[question] = node_costs[name]
+    numbers = {id(f): k for k, f in enumerate(dict.fromkeys(fused.values()))}
     return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor)),
-                     bucket_bytes if traced.joint else None)
+                     bucket_bytes if traced.joint else None, {n: (numbers[id(f)], f.dim) for n, f in fused.items()})

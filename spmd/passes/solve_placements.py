@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from spmd.core.errors import SpmdError, SpmdInternalError
-from spmd.core.graph_facts import follows_input, is_gradient_sink
+from spmd.core.graph_facts import follows_input, is_gradient_sink, is_view
 from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, TensorInfo, Value, pieces
 from spmd.cost_model.comm import bucket_share
@@ -54,6 +54,11 @@ def _bucket_latency(ilp: IlpBuilder, buckets: dict[int, list[tuple[int, float]]]
         ilp.add_ge([(z, 1.0)] + [(col, -share) for col, share in entries], 0.0)
         for col in dict.fromkeys(col for col, _ in entries):
             ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
+
+
+def _keeps_whole(ps: Placements, dim: int, rank: int) -> bool:
+    """Whether a layout keeps `dim` whole on every rank and holds no partial value."""
+    return not any(p.is_partial() or p.is_shard() and p.dim % rank == dim for p in ps)
 
 
 def _shareable(steps, gradient: bool) -> bool:
@@ -188,8 +193,9 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
     is a column equal to (how many of the run are recomputed) * col, `count` the column of that number.
     A flow edge into the run (`flows`: its first arc column -> (made, needed, arcs)) is priced as a flow
     of that many units: over new arc columns, from the made layout's scaled columns to the needed one's.
-    A copy the layer's forward kept for backward (`copies`: reader -> (z, bytes, value), z its 0/1 column,
-    the same in every layer of the run) is freed by each layer recomputed: a column u = count * z, exact
+    A copy the layer's forward kept for backward (`copies`: reader -> (z, bytes, value, the value's
+    forward readers), z its 0/1 column, the same in every layer of the run), whose value the region
+    alone reads in forward, is freed by each layer recomputed: a column u = count * z, exact
     where z is 0 or 1 (u <= count, u >= count - length * (1 - z)), listed in `copy_frees[z]`; the caller
     bounds the run's u of each z by length * z."""
     seconds: dict[int, float] = {}
@@ -236,8 +242,10 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
                 for col in expr:
                     memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
     held: dict[int, float] = {}  # z -> bytes of the layer's copies it stands for
-    for z, size, _ in dict.fromkeys(copy for name in layer.nodes for copy in copies.get(name, ())):
-        held[z] = held.get(z, 0.0) + size
+    region = set(layer.nodes)
+    for z, size, _, readers in dict.fromkeys(copy for name in layer.nodes for copy in copies.get(name, ())):
+        if readers <= region:  # (read elsewhere too, the copy stays for them)
+            held[z] = held.get(z, 0.0) + size
     for z, size in held.items():
         u = ilp.add_var(0.0, binary=False, upper=float(length))
         ilp.add_le([(u, 1.0), (count, -1.0)], 0.0)
@@ -271,29 +279,36 @@ def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs
 
 
 def saved_readers(schedule: Schedule | None) -> frozenset[str]:
-    """Forward nodes through which backward reads what they read: views whose view (or a view of it)
-    backward reads, so a resharded copy they read stays alive into backward. Such a copy is saved as
-    surely as an activation: an input all_gathered for a column-parallel matmul and read again by its
-    weight gradient, a weight gathered before its transpose (FSDP keeping it gathered)."""
+    """Forward views through which backward reads what they read: a backward node reads the view (or a
+    view of it), so a resharded copy the view reads stays alive into backward (as `Schedule` keeps it).
+    Such a copy is saved as surely as an activation: an input all_gathered for a column-parallel matmul
+    whose weight gradient reads the same view, a weight gathered before its transpose (FSDP keeping it
+    gathered). (A getitem is not a view: a copy read through split/chunk is not seen, here or there.)"""
     if schedule is None:
         return frozenset()
-    first = next((i for i, n in enumerate(schedule.nodes)
-                  if n.op == "call_function" and schedule.phase.get(n.name) == "is_backward"), None)
-    if first is None:
-        return frozenset()
-    return frozenset(name for name, (begin, end) in schedule.spans.items()
-                     if end >= first and schedule.phase.get(name) == "is_forward" and begin < first)
+    phase = schedule.phase
+
+    def read_in_backward(view) -> bool:
+        return any(phase.get(u.name) == "is_backward" or u.op == "call_function" and is_view(u.target)
+                   and read_in_backward(u) for u in view.users)
+
+    return frozenset(n.name for n in schedule.nodes if n.op == "call_function" and phase.get(n.name) == "is_forward"
+                     and is_view(n.target) and read_in_backward(n))
 
 
 def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
-                  saved: frozenset[str], memory_row: dict) -> dict[str, list[tuple[int, float, Value]]]:
+                  saved: frozenset[str], forward_readers: dict, memory_row: dict) -> dict[str, list[tuple]]:
     """Budget-row terms of the resharded copies forward keeps for backward (`saved_readers`): one copy per
     (value, layout) those readers need (insert_collectives makes one per value, layout and phase), kept
     when a saved reader needs layout L and the value is not made in L. Its column z is exactly that at
     every integral point: z >= [r needs L] - [made in L] per saved reader r, z <= sum_r [r needs L],
     z <= 1 - [made in L]; its bytes go into the row. Copies whose rows are the same (tied layers' twins,
-    or alike values of one layer) share one z, their bytes counted per copy. Returns, per saved reader,
-    its copies' (z, bytes, value), which recomputing its layer frees (`_price_run`)."""
+    or alike values of one layer) share one z, their bytes counted per copy. (The value's own term stays
+    too, in the layout it is made in, though the rank graph may keep only the copy: an overstatement of
+    1 / (the axes gathered over) of each copy, the same in the row, the plan and the schedule's walk.)
+    Returns, per saved reader, its copies' (z, bytes, value, the value's forward readers): recomputing a
+    layer frees a copy when every forward reader of its value is in the layer's region (`_price_run`);
+    a copy other layers read too stays."""
     mesh_shape = costs.mesh.shape
     by_value: dict[Value, list[tuple[str, int]]] = {}
     for name in saved:
@@ -304,12 +319,13 @@ def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_
             if isinstance(costs.value_info.get(value), TensorInfo):
                 by_value.setdefault(value, []).append((name, j))
     columns: dict[tuple, int] = {}
-    of_reader: dict[str, list[tuple[int, float, Value]]] = {}
+    of_reader: dict[str, list[tuple]] = {}
     for value, group in sorted(by_value.items()):  # sorted: the same program on every rank
         made = value_expr[value]
+        readers_of_value = forward_readers.get(value, frozenset())
         needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]) for r in sorted(group)}
         for layout in dict.fromkeys(layout for r in needs for layout in needs[r]):
-            readers = [tuple(needs[r][layout]) for r in needs if layout in needs[r]]
+            readers = sorted({tuple(needs[r][layout]) for r in needs if layout in needs[r]})
             made_cols = tuple(made.get(layout, ()))
             if all(set(cols) <= set(made_cols) for cols in readers):
                 continue  # read only where made so (a view follows its input): never a copy
@@ -319,14 +335,14 @@ def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_
             if z is None:
                 z = columns[key] = ilp.add_var(0.0, binary=False)
                 minus_made = [(c, 1.0) for c in made_cols]
-                for cols in dict.fromkeys(readers):
+                for cols in readers:
                     ilp.add_ge([(z, 1.0)] + [(c, -1.0) for c in cols] + minus_made, 0.0)
                 ilp.add_le([(z, 1.0)] + [(c, -1.0) for c in dict.fromkeys(c for cols in readers for c in cols)], 0.0)
                 if made_cols:
                     ilp.add_le([(z, 1.0)] + minus_made, 1.0)
             memory_row[z] = memory_row.get(z, 0.0) + size
             for name in dict.fromkeys(r[0] for r in needs if layout in needs[r]):
-                of_reader.setdefault(name, []).append((z, size, value))
+                of_reader.setdefault(name, []).append((z, size, value, readers_of_value))
     return of_reader
 
 
@@ -479,13 +495,16 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             _add_flow_balance(ilp, producer, needed, arcs, range(first, first + len(arcs)))
         return [(first + k, arc.seconds, None) for k, arc in enumerate(arcs)], []
 
-    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool):
+    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool,
+                    chain_dim: int | None):
         """(column, seconds, (src, dst placements) or None) terms pricing one edge, with edge variables
         where both ends have choices; the placements where consumers of the value share the steps
         (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce.
-        `alone`: no other consumer in the region reads the value (a large edge may then be a flow)."""
+        `alone`: no other consumer in the region reads the value (a large edge may then be a flow).
+        `chain_dim`: both ends are nodes of a chain priced fused (`CostTable.chains`) reducing this dim;
+        a resharding between layouts that both keep it whole is forbidden (it would cut the chain)."""
         made, wanted = list(producer), list(needed)
-        if alone and not gradient and len(made) > 1 and len(wanted) > 1 and len(made) * len(wanted) >= FLOW_MIN_PAIRS:
+        if chain_dim is None and alone and not gradient and len(made) > 1 and len(wanted) > 1 and len(made) * len(wanted) >= FLOW_MIN_PAIRS:
             arcs = layout_graph(costs.value_info[value], costs.mesh).between(made, wanted)
             if arcs is not None and len(arcs) < len(made) * len(wanted):
                 return _flow_terms(value, producer, needed, arcs, structure)
@@ -520,9 +539,14 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     ilp.add_eq([(e[i * len(wanted) + k], 1.0) for i in range(len(made))] + [(c, -1.0) for c in rcols], 0.0)
             pairs = ((col, i, k) for col, (i, k) in zip(e, itertools.product(range(len(made)), range(len(wanted)))))
         terms, shares = [], []
+        rank = len(costs.value_info[value].shape)
         for col, i, k in pairs:
             path = paths[i][k]
             if path is None:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
+                ilp.forbid(col)
+                continue
+            if chain_dim is not None and made[i] != wanted[k] and \
+                    _keeps_whole(made[i], chain_dim, rank) and _keeps_whole(wanted[k], chain_dim, rank):
                 ilp.forbid(col)
                 continue
             seconds, shareable, steps = path
@@ -551,10 +575,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
             structure = (value[1], j, tuple(producer.values()), needed_cols)
             alone = readers.get((value, regions.get(name))) == 1
-            group = (structure, costs.value_info[value], gradient, alone)
+            chain = costs.chains.get(name)
+            chain_dim = chain[1] if chain is not None and costs.chains.get(value[0]) == chain else None
+            group = (structure, costs.value_info[value], gradient, alone, chain_dim)
             if group not in group_index:
                 group_index[group] = len(edge_groups)
-                edge_groups.append(_edge_terms(value, producer, needed, gradient, structure, alone))
+                edge_groups.append(_edge_terms(value, producer, needed, gradient, structure, alone, chain_dim))
             uses.setdefault(value, []).append((group_index[group], regions.get(name)))
             edge_at[(name, j)] = group_index[group]
 
@@ -633,9 +659,21 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for col in expr:
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
-    saved = saved_readers(schedule)
-    copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, memory_row) if saved else {}
-    copy_cols = frozenset(z for found in copies.values() for z, _, _ in found)
+    saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
+    forward_readers: dict[Value, frozenset[str]] = {}  # value -> its forward readers, for values saved readers read
+    if saved:
+        wanted = {v for name in saved if name in table.nodes for v in table.nodes[name].inputs}
+        found: dict[Value, set[str]] = {}
+        for name, ns in table.nodes.items():
+            if schedule.phase.get(name) == "is_forward":
+                for v in ns.inputs:
+                    if v in wanted:
+                        found.setdefault(v, set()).add(name)
+        forward_readers = {v: frozenset(names) for v, names in found.items()}
+
+    copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, forward_readers, memory_row) \
+        if saved and memory_budget is not None else {}
+    copy_cols = frozenset(z for found in copies.values() for z, *_ in found)
 
     counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
@@ -714,10 +752,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 holding.add(id(redone[-1]))
             layers += redone
         redo_s, freed = recompute_figures(layers, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
-        # the copies kept for backward by the readers of a recomputed layer are not kept (the last one's are)
-        freed += sum(costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in dict.fromkeys(
-            (e.value, e.dst) for layer in layers if id(layer) not in holding for name in layer.nodes
-            for e in by_reader.get(name, ())))
+        # a recomputed layer (not the last) keeps no copy for backward whose value only its region reads
+        # in forward (as `_price_run` prices it)
+        gone = {}
+        for layer in layers:
+            region = set(layer.nodes)
+            if id(layer) not in holding:
+                gone.update(dict.fromkeys((e.value, e.dst) for name in layer.nodes for e in by_reader.get(name, ())
+                                          if forward_readers.get(e.value, frozenset()) <= region))
+        freed += sum(costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in gone)
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed
         figures = (0.0, 0.0, 0.0, 0.0) if result is None else (result.objective, result.lower_bound, result.gap,

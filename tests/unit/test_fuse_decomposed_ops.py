@@ -122,16 +122,50 @@ def test_the_plan_prices_a_chain_as_the_kernel_the_rank_runs():
             shares.setdefault((id(fused), placements[0]), {})[name] = cost
     assert split
     apart = _decomposed_costs(GPT(cfg), (x, x), mesh)
+    checked = 0
     for (chain, layout), costs in shares.items():
         fused = next(f for f in chains.values() if id(f) == chain)
         if len(costs) < len(fused.nodes):
             continue  # a layout not every node of the chain offers
+        checked += 1
         rows = TensorInfo(local_shape(fused.out.shape, layout, mesh.shape), fused.out.dtype)
         ins = [rows] * len(fused.ins)
         kernel = compute_cost(fused.op, (*(i.shape for i in ins), *fused.extra), {}, ins, [rows], mesh.device)
         assert sum(costs.values()) == pytest.approx(kernel, rel=1e-9), (layout, costs)
         own = {name: apart[(name, layout)] for name in costs}
         assert all(costs[n] < own[n] for n in costs) and kernel < 0.5 * sum(own.values()), (costs, own)
+    assert checked >= 2, checked  # the forward chain and the backward one, in some layout each
+
+
+@pytest.mark.parametrize("shape,names", [((1,), ("tp",)), ((2,), ("tp",)), ((2, 2), ("dp", "tp"))])
+def test_no_plan_cuts_a_chain_between_two_whole_layouts(shape, names):
+    """A chain priced fused runs fused only if nothing reshards between its nodes: the solver may not
+    reshard between two layouts that both keep the class dim whole (it would pay the fused price for
+    pieces that run apart), and no piece gains by leaving its chain (shares in proportion to the pieces'
+    own costs: with equal shares, the one-rank plan split the [rows, 1] log on the class dim to shed
+    its share, and nothing was fused). The rank graphs hold a fused kernel for every chain the plan
+    keeps whole."""
+    from spmd.core.profiles import device_profile_for
+    from spmd.passes.solve_placements import _keeps_whole
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=96, seq=8, dim=32, heads=2, layers=1)
+    x, y = torch.randint(0, 96, (2, 8)), torch.randint(0, 96, (2, 8))
+    for device in ("cpu", "h100"):
+        c = compile_graph(GPT(cfg), (x, y), spec(shape, names, device=device_profile_for(device)), rank=0,
+                          loss_fn=lm_loss)
+        chains = c.costs.chains
+        assert len(chains) == 10
+        for e in c.plan.edges:
+            if e.consumer in chains and chains.get(e.value[0]) == chains[e.consumer]:
+                dim = chains[e.consumer][1]
+                assert not (_keeps_whole(e.src, dim, 2) and _keeps_whole(e.dst, dim, 2)), (e, device)
+        whole = {k for k, dim in set(chains.values()) if all(
+            _keeps_whole(ps, dim, 2) for n, (k2, _) in chains.items() if k2 == k
+            for ps in (*c.plan.choices[n].inputs, *c.plan.choices[n].outputs) if ps is not None)}
+        ops = _targets(c.split.forward) + _targets(c.split.backward)
+        fused = ops.count(aten._log_softmax.default) + ops.count(aten._log_softmax_backward_data.default)
+        assert fused == len(whole), (device, whole, fused)
 
 
 def _decomposed_costs(model, inputs, mesh) -> dict:

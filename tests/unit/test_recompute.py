@@ -136,9 +136,9 @@ def test_under_a_light_budget_the_solver_recomputes_selectively_for_a_fraction_o
     every = spmd.plan(model, ms, inputs, loss_fn=lm_loss, tie_blocks=True, recompute="selective")
     assert every.recompute == () and len(every.recompute_selective) == 4
     assert every.recompute_cost < 0.25 * whole.recompute_cost and every.recomputed_bytes < whole.recomputed_bytes
-    # a budget just under what every layer recomputed selectively needs with the free plan's placements
-    # (at 0.9 of the free plan's peak, placements alone make the room; at 0.8 a layer recomputed
-    # selectively also frees the copies it kept for backward, and that is enough)
+    # a budget under what every layer recomputed selectively needs with the free plan's placements (at
+    # 0.9 of the free plan's peak placements alone make the room; at 0.8 so do layers recomputed
+    # selectively, which also free the copies they kept for backward)
     budget = 0.7 * free.predicted_peak_bytes
     assert every.predicted_peak_bytes > budget
     with warnings.catch_warnings():
