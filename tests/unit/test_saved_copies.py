@@ -13,7 +13,6 @@ tensors.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
