@@ -13,7 +13,6 @@ tensors.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
