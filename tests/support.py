@@ -58,6 +58,23 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def budget_rows(monkeypatch) -> list[float]:
+    """From now on, each budgeted solve appends its memory row's bytes at the solution it returns."""
+    from spmd.cost_model import solver
+
+    rows: list[float] = []
+    solve = solver.IlpBuilder.solve
+
+    def spy(self, *args, budget=None, **kwargs):
+        result = solve(self, *args, budget=budget, **kwargs)
+        if budget is not None:
+            rows.append(sum(b * result.values[c] for c, b in budget.bytes.items()))
+        return result
+
+    monkeypatch.setattr(solver.IlpBuilder, "solve", spy)
+    return rows
+
+
 def compile_graph(model, example_inputs, mesh: MeshSpec, rank: int | None = None, **options) -> Compilation:
     """The compiler as spmd.compile runs it, without processes: `rank` given, this rank's graphs are
     emitted too (process groups named g0, g1, ... per mesh axis)."""

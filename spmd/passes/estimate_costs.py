@@ -74,6 +74,11 @@ def value_infos(traced: TracedGraph) -> dict[Value, TensorInfo]:
     return out
 
 
+def keeps_whole(ps: Placements, dim: int, rank: int) -> bool:
+    """Whether a layout keeps `dim` whole on every rank and holds no partial value."""
+    return not any(p.is_partial() or p.is_shard() and p.dim % rank == dim for p in ps)
+
+
 @dataclass(frozen=True)
 class _Fused:
     """One fusible chain (`fuse_decomposed_ops.fusible_chains`) as its nodes price it: the fused op, the
@@ -101,7 +106,7 @@ class _Fused:
         for ps in (*s.outputs, *s.inputs):
             if ps is None:
                 continue
-            if any(p.is_partial() or p.is_shard() and p.dim % rank == self.dim for p in ps):
+            if not keeps_whole(ps, self.dim, rank):
                 return None
             layout = layout or ps
         if layout is None:
@@ -118,7 +123,8 @@ class _Fused:
                 node_ins = [local(i) for i in in_infos]
                 args, kwargs = local_call(node, lambda a: True, node_ins)
                 pieces[node.name] = compute_cost(node.target, args, kwargs, node_ins, [local(out_info)], mesh.device)
-            scale = min(1.0, kernel / sum(pieces.values())) if sum(pieces.values()) > 0 else 1.0
+            total = sum(pieces.values())
+            scale = min(1.0, kernel / total) if total > 0 else 1.0
             self._seconds[layout] = {n: c * scale for n, c in pieces.items()}
         return self._seconds[layout][name]
 

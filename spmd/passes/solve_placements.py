@@ -22,7 +22,7 @@ from spmd.cost_model.layout_graph import layout_graph
 from spmd.cost_model.memory import LivePoint, Schedule, value_bytes
 from spmd.cost_model.solver import Budget, Cut, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
-from spmd.passes.estimate_costs import CostTable
+from spmd.passes.estimate_costs import CostTable, keeps_whole
 from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
@@ -54,11 +54,6 @@ def _bucket_latency(ilp: IlpBuilder, buckets: dict[int, list[tuple[int, float]]]
         ilp.add_ge([(z, 1.0)] + [(col, -share) for col, share in entries], 0.0)
         for col in dict.fromkeys(col for col, _ in entries):
             ilp.add_ge([(y, 1.0), (col, -1.0)], 0.0)
-
-
-def _keeps_whole(ps: Placements, dim: int, rank: int) -> bool:
-    """Whether a layout keeps `dim` whole on every rank and holds no partial value."""
-    return not any(p.is_partial() or p.is_shard() and p.dim % rank == dim for p in ps)
 
 
 def _shareable(steps, gradient: bool) -> bool:
@@ -294,6 +289,18 @@ def saved_readers(schedule: Schedule | None) -> frozenset[str]:
 
     return frozenset(n.name for n in schedule.nodes if n.op == "call_function" and phase.get(n.name) == "is_forward"
                      and is_view(n.target) and read_in_backward(n))
+
+
+def _forward_readers(table: StrategyTable, saved: frozenset[str], phase: dict) -> dict[Value, frozenset[str]]:
+    """Value -> the forward nodes reading it, for the values `saved` readers read."""
+    wanted = {v for name in saved if name in table.nodes for v in table.nodes[name].inputs}
+    found: dict[Value, set[str]] = {}
+    for name, ns in table.nodes.items():
+        if phase.get(name) == "is_forward":
+            for v in ns.inputs:
+                if v in wanted:
+                    found.setdefault(v, set()).add(name)
+    return {v: frozenset(names) for v, names in found.items()}
 
 
 def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
@@ -546,7 +553,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 ilp.forbid(col)
                 continue
             if chain_dim is not None and made[i] != wanted[k] and \
-                    _keeps_whole(made[i], chain_dim, rank) and _keeps_whole(wanted[k], chain_dim, rank):
+                    keeps_whole(made[i], chain_dim, rank) and keeps_whole(wanted[k], chain_dim, rank):
                 ilp.forbid(col)
                 continue
             seconds, shareable, steps = path
@@ -660,20 +667,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
 
     saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
-    forward_readers: dict[Value, frozenset[str]] = {}  # value -> its forward readers, for values saved readers read
-    if saved:
-        wanted = {v for name in saved if name in table.nodes for v in table.nodes[name].inputs}
-        found: dict[Value, set[str]] = {}
-        for name, ns in table.nodes.items():
-            if schedule.phase.get(name) == "is_forward":
-                for v in ns.inputs:
-                    if v in wanted:
-                        found.setdefault(v, set()).add(name)
-        forward_readers = {v: frozenset(names) for v, names in found.items()}
-
+    forward_readers = _forward_readers(table, saved, schedule.phase) if saved else {}
     copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, forward_readers, memory_row) \
         if saved and memory_budget is not None else {}
-    copy_cols = frozenset(z for found in copies.values() for z, *_ in found)
+    copy_cols = frozenset(z for kept in copies.values() for z, *_ in kept)
 
     counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
@@ -737,7 +734,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             memory["activations"] = memory.get("activations", 0.0) + sum(
                 costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in kept)
         whole, selective, layers = [], [], []  # keys recomputed whole, selectively; the regions run again
-        holding: set[int] = set()  # (ids of) the recomputed layers that free nothing
+        freeing = []  # the regions run again that free their copies (all but a stack's held last layer)
         by_reader: dict[str, list[Edge]] = {}
         for e in kept_by:
             by_reader.setdefault(e.consumer, []).append(e)
@@ -749,17 +746,18 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             redone = [*stack[:k], *(layer.selective for layer in stack[n - j:])]
             if j or k == n:  # the last layer, recomputed, frees nothing (as `_recompute` prices it)
                 redone[-1] = dataclasses.replace(redone[-1], frees=())
-                holding.add(id(redone[-1]))
+                freeing += redone[:-1]
+            else:
+                freeing += redone
             layers += redone
         redo_s, freed = recompute_figures(layers, choices, chosen_cost, edges, costs) if layers else (0.0, 0.0)
         # a recomputed layer (not the last) keeps no copy for backward whose value only its region reads
         # in forward (as `_price_run` prices it)
         gone = {}
-        for layer in layers:
+        for layer in freeing:
             region = set(layer.nodes)
-            if id(layer) not in holding:
-                gone.update(dict.fromkeys((e.value, e.dst) for name in layer.nodes for e in by_reader.get(name, ())
-                                          if forward_readers.get(e.value, frozenset()) <= region))
+            gone.update(dict.fromkeys((e.value, e.dst) for name in layer.nodes for e in by_reader.get(name, ())
+                                      if forward_readers.get(e.value, frozenset()) <= region))
         freed += sum(costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in gone)
         if layers:
             memory["activations"] = memory.get("activations", 0.0) - freed

@@ -146,7 +146,7 @@ def test_no_plan_cuts_a_chain_between_two_whole_layouts(shape, names):
     its share, and nothing was fused). The rank graphs hold a fused kernel for every chain the plan
     keeps whole."""
     from spmd.core.profiles import device_profile_for
-    from spmd.passes.solve_placements import _keeps_whole
+    from spmd.passes.estimate_costs import keeps_whole
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=96, seq=8, dim=32, heads=2, layers=1)
@@ -159,9 +159,9 @@ def test_no_plan_cuts_a_chain_between_two_whole_layouts(shape, names):
         for e in c.plan.edges:
             if e.consumer in chains and chains.get(e.value[0]) == chains[e.consumer]:
                 dim = chains[e.consumer][1]
-                assert not (_keeps_whole(e.src, dim, 2) and _keeps_whole(e.dst, dim, 2)), (e, device)
+                assert not (keeps_whole(e.src, dim, 2) and keeps_whole(e.dst, dim, 2)), (e, device)
         whole = {k for k, dim in set(chains.values()) if all(
-            _keeps_whole(ps, dim, 2) for n, (k2, _) in chains.items() if k2 == k
+            keeps_whole(ps, dim, 2) for n, (k2, _) in chains.items() if k2 == k
             for ps in (*c.plan.choices[n].inputs, *c.plan.choices[n].outputs) if ps is not None)}
         ops = _targets(c.split.forward) + _targets(c.split.backward)
         fused = ops.count(aten._log_softmax.default) + ops.count(aten._log_softmax_backward_data.default)

@@ -12,7 +12,7 @@ from spmd.core.errors import SpmdError
 from spmd.core.graph_facts import module_stack, phase_of
 from spmd.report.plan_io import plan_from_json, plan_to_json
 from tests.models import GPT, GPTConfig
-from tests.support import compile_graph, lm_loss, spec
+from tests.support import budget_rows, compile_graph, lm_loss, spec
 
 
 class Block(nn.Module):
@@ -211,21 +211,11 @@ def test_the_budget_row_prices_each_recomputed_layer_as_laid_out(monkeypatch, fr
     inputs and saved activations, recomputed layers freed. It once credited every recomputed layer with
     what the stack's first layer frees: here layer 0's tanh was replicated and the others' split, the
     row said 176,768 bytes and the plan held 193,152 (LLaMA3-8B at 80 GB: 63.9 GiB said, 91.5 held)."""
-    from spmd.cost_model import solver
-
-    rows = []
-    solve = solver.IlpBuilder.solve
-
-    def spy(self, *args, budget=None, **kwargs):
-        result = solve(self, *args, budget=budget, **kwargs)
-        rows.append(sum(b * result.values[c] for c, b in budget.bytes.items()))
-        return result
-
     torch.manual_seed(0)
     model, inputs = Projected(), (torch.randn(8, 32, 16), torch.randn(8, 32, 16))
     options = dict(loss_fn=_mse, tie_blocks=True, merge_followers=True)
     free = spmd.plan(model, spec((2,), ("dp",)), inputs, **options)
-    monkeypatch.setattr(solver.IlpBuilder, "solve", spy)
+    rows = budget_rows(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = spmd.plan(model, spec((2,), ("dp",)), inputs, memory_budget=fraction * free.predicted_peak_bytes,

@@ -25,7 +25,7 @@ from spmd.core.graph_facts import is_view
 from spmd.core.specs import pieces
 from spmd.passes.solve_placements import saved_readers
 from tests.models import ViT, ViTConfig
-from tests.support import compile_graph
+from tests.support import budget_rows, compile_graph
 
 BATCH = 512
 MESH = spmd.MeshSpec((8, 8), ("dp", "tp"))  # the default H100 / InfiniBand (dp) / NVLink (tp) profiles
@@ -103,19 +103,9 @@ def test_recomputed_layers_free_their_kept_copies_in_the_row_as_in_the_plan(monk
     chosen plan equals the plan's predicted peak less its temporaries: copies, and what recomputation
     frees of them, priced alike. (A first version let a copy's column rise with no copy behind it and
     free it in every recomputed layer: on 8 layers the row said 7.06 GB where the plan held 8.85.)"""
-    from spmd.cost_model import solver
-
-    rows = []
-    solve = solver.IlpBuilder.solve
-
-    def spy(self, *args, budget=None, **kwargs):
-        result = solve(self, *args, budget=budget, **kwargs)
-        rows.append(sum(b * result.values[c] for c, b in budget.bytes.items()))
-        return result
-
     model, inputs, options = _model()
     free = compile_graph(*fake_model(model, inputs), MESH, **options)
-    monkeypatch.setattr(solver.IlpBuilder, "solve", spy)
+    rows = budget_rows(monkeypatch)
     c = compile_graph(*fake_model(model, inputs), MESH, recompute=recompute,  # a budget, for its row
                       memory_budget=2 * free.plan.predicted_peak_bytes, **options)
     plan = c.plan
