@@ -3,16 +3,21 @@ docs/huggingface.md shows it: built on meta, keyword inputs, its own loss, with 
 budget. No processes, no memory.
 
     python bench/bench_hf_plan.py        # prints the rows of bench/results_plan.md's transformers section
+    python bench/bench_hf_plan.py --tiny # the 2-layer, 64-wide one (tests/e2e/test_huggingface.py's) on
+                                         # (2, 2), built-in cpu profile, under fractions of its free peak
 """
 from __future__ import annotations
 
+import argparse
 import re
 import time
+import warnings
 
 import torch
 
 import spmd
 from spmd.core.graph_facts import format_bytes
+from spmd.core.profiles import device_profile_for, link_profile_for
 
 
 def plan_llama3_8b(memory_budget: float | None) -> tuple[float, object]:
@@ -30,7 +35,44 @@ def plan_llama3_8b(memory_budget: float | None) -> tuple[float, object]:
     return time.perf_counter() - t0, plan
 
 
+def tiny_budgets(fractions=(0.8, 0.6, 0.4)) -> None:
+    """issue 12's "budgeted solves fast" case: plan s per fraction of the free plan's peak."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    mesh = spmd.MeshSpec((2, 2), ("dp", "tp"), (link_profile_for("gloo"),) * 2, device_profile_for("cpu"))
+    t0 = time.perf_counter()
+    free = spmd.plan(model, mesh, example_kwargs=kwargs, training=True)
+    print("| budget | plan s | step ms | peak / budget | gap | recomputed (whole, selective) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| none | {time.perf_counter() - t0:.1f} | {free.objective * 1e3:.4f} | {format_bytes(free.predicted_peak_bytes)} "
+          f"| {free.gap_text} | |", flush=True)
+    for fraction in fractions:
+        budget = fraction * free.predicted_peak_bytes
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                plan = spmd.plan(model, mesh, example_kwargs=kwargs, training=True, memory_budget=budget)
+            except spmd.SpmdError as e:
+                print(f"| {fraction} | {time.perf_counter() - t0:.1f} | {str(e)[:160]} | | | |", flush=True)
+                continue
+        over = " (over: the leanest plan found)" if any("memory_budget" in str(w.message) for w in caught) else ""
+        print(f"| {fraction} | {time.perf_counter() - t0:.1f} | {plan.objective * 1e3:.4f} | "
+              f"{plan.predicted_peak_bytes / budget:.3f}{over} | {plan.gap_text} | "
+              f"{len(plan.recompute)}, {len(plan.recompute_selective)} |", flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="the 2-layer model under budgets instead")
+    if ap.parse_args().tiny:
+        return tiny_budgets()
     print("| budget | plan s | step ms (compute + comm) | memory per rank | q_proj | gate_proj |")
     print("|---|---|---|---|---|---|")
     for budget in (None, 80e9):

@@ -4,12 +4,15 @@
         activations, inputs) fit `memory_budget` (the budget row, relaxed with a price per byte) and
         whose schedule's temporaries (`Schedule.temporaries`: the worst point's bytes beyond the saved
         activations) fit what is left: every candidate the search meets is checked whole
-    none fits whole? ──▶ cuts: each plan that was over by its temporaries gives a row, the bytes alive
-        at its worst point as a function of the choices (`solve_placements._cut`), which every fitting
-        plan satisfies; branch and bound under the budget row and the cuts finds a plan, which either
-        fits whole or adds its own cut, until one fits or the program is infeasible
+    none fits whole? ──▶ cuts: each plan that was over by its temporaries gives rows, the bytes alive
+        at each hill of its schedule over the budget as a function of the choices (`solve_placements._cut`,
+        every plan's values and copies there), which every fitting plan satisfies; branch and bound under
+        the budget row and the cuts finds a plan, which either fits whole or adds its own cuts, until one
+        fits or the program is infeasible
     still none? ──▶ the leanest plan the search met whose linear terms fit, with a warning that says
-        whether no plan fits (proven: the cuts left nothing) or the search ran out of time
+        whether no plan fits (proven: the cuts left nothing) or the search ran out of time; where not even
+        the linear terms of any plan met fit, an SpmdError: "no plan fits" only when that is proven, else
+        that the search ran out of time, with the floor
 
 What is guaranteed: when some plan fits whole, the search ends with a plan that fits, unless its time
 runs out first (each branch and bound round has `Budget.seconds`, the whole solve `time_limit`; the

@@ -76,7 +76,8 @@ class LivePoint:
 
 class Schedule:
     """When each intermediate value of a graph is alive in its schedule (node order), independent of the
-    placements; `peak` walks it under chosen placements, `point` says what is alive at one point.
+    placements; `walk` goes through it point by point under chosen placements (`peak`, `hills`), `point`
+    says what is alive at one point.
 
     A value is alive from the node that makes it to its last reader; a view allocates nothing but keeps
     its base alive as long as it lives. Placeholders (parameters, inputs, tangents) and the values in
@@ -123,6 +124,27 @@ class Schedule:
     def peak(self, choices: dict, mesh_shape: tuple[int, ...], edges=()) -> tuple[float, LivePoint | None]:
         """The most bytes of intermediate values one rank holds at any point under the chosen placements
         (`choices`, node -> strategy; `edges`, the plan's reshardings: their copies), and where."""
+        peak, at = 0.0, None
+        for live, i, made in self.walk(choices, mesh_shape, edges):
+            if live > peak:
+                peak, at = live, (i, made)
+        return peak, None if at is None else self.point(*at)
+
+    def hills(self, plan, above: float, most: int) -> list[LivePoint]:
+        """The points where `plan`'s schedule holds more than `above` bytes: the highest of each run of
+        such points, at most `most` of them, highest first."""
+        runs: list[tuple[float, int, bool]] = []  # the top of each run over `above`
+        over = False  # (the point before was over too: the same run)
+        for live, i, made in self.walk(plan.choices, plan.mesh.shape, plan.edges):
+            if live > above and not over:
+                runs.append((live, i, made))
+            elif live > above and live > runs[-1][0]:
+                runs[-1] = (live, i, made)
+            over = live > above
+        return [self.point(i, made) for _, i, made in sorted(runs, key=lambda r: -r[0])[:most]]
+
+    def walk(self, choices: dict, mesh_shape: tuple[int, ...], edges=()):
+        """(bytes alive, node index, its output made) at every point of the schedule, in order."""
         tensor_info = self.tensor_info
         copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
         for e in edges:
@@ -141,21 +163,18 @@ class Schedule:
         for first, last, size in copies.values():
             copy_alloc[first] = copy_alloc.get(first, 0.0) + size
             copy_free[last] = copy_free.get(last, 0.0) + size
-        live, peak, at = 0.0, 0.0, None
+        live = 0.0
         sizes: dict = {}
         for i, n in enumerate(self.nodes):
             live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
-            if live > peak:
-                peak, at = live, (i, False)
+            yield live, i, False
             if n in self.roots and n.name in choices:
                 sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
                 live += sizes[n]
-                if live > peak:
-                    peak, at = live, (i, True)
+                yield live, i, True
             for root in self.frees.get(i, ()):
                 live -= sizes.pop(root, 0.0)
             live -= copy_free.get(i, 0.0)
-        return peak, None if at is None else self.point(*at)
 
     def point(self, index: int, made: bool) -> LivePoint:
         """What is alive at the `index`-th node, before (`made` False) or after its output is made."""

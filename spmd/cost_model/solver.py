@@ -19,6 +19,8 @@ from typing import Callable
 import highspy
 import numpy as np
 
+from spmd.core.errors import SpmdInternalError
+
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
 # The dual simplex's iterations on a relaxation before interior point (with crossover, so still a vertex)
@@ -38,7 +40,7 @@ SIMPLEX_ITERATIONS_MIN = 20_000
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 STALLED_PROBES = 3
-CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), one cut more each
+CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), more cuts each
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,16 @@ class Budget:
     # the best plan's: choices the price search can only take all or nothing of (how many identical
     # layers to recompute: at any price, recomputing one pays exactly when recomputing all does)
     polish: tuple[int, ...] = ()
-    # `cut(x)`: for a solution whose row fits but whose extra does not, a row (`Cut`) that every fitting
-    # solution satisfies and x violates (the bytes alive at x's worst point of the schedule, as a linear
-    # function of the choices). With it, when no plan the price search meets fits whole, branch and
-    # bound with the row and these cuts either finds one that fits or proves that none does.
-    cut: Callable[[np.ndarray], "Cut | None"] | None = None
+    # binary columns of the layouts of the values whose bytes do not depend on the schedule (parameters,
+    # their gradients and optimizer state): re-chosen under the row with every other choice fixed, they turn
+    # a plan that does not fit into one that shards its weights (`IlpBuilder._within_budget`)
+    weights_only: tuple[int, ...] = ()
+    # `cuts(x)`: for a solution whose row fits but whose extra does not, rows (`Cut`) that every fitting
+    # solution satisfies and x violates (the bytes alive at the points of the schedule where x is over, as
+    # linear functions of the choices), the worst point first. With them, when no plan the price search
+    # meets fits whole, branch and bound with the row and these cuts either finds one that fits or proves
+    # that none does.
+    cuts: Callable[[np.ndarray], "tuple[Cut, ...]"] | None = None
 
 
 class IlpBuilder:
@@ -223,18 +230,26 @@ class IlpBuilder:
             solution. The bound is the row's alone (`extra` is not linear; every fitting plan satisfies the
             row); the search steers by what plans need whole."""
             state["probes"] += 1
-            x, value, _ = search.integral(costs + lam * weight, first_found=True)
+            # with a plan that fits in hand, a relaxation gets a branch and bound's time, not the rest of the
+            # limit (a 2-layer transformers Llama on (2, 2): 79 s for the price where its plan changes)
+            x, value, status = search.integral(costs + lam * weight, first_found=True,
+                                               seconds=None if state["x"] is None else budget.seconds)
             if x is None:
+                state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 return None
             need = needs(x)  # (the temporaries walk the schedule: once per plan)
             state["row"] = float(weight @ x)
             improve(x, value - lam * limit, need)
+            met(x, need)
+            return need <= limit * (1 + 1e-9), float(costs @ x), need
+
+        def met(x, need: float) -> None:
+            """Keep the leanest plan, and each plan over by its extra alone (a cut for `_cut_loop`)."""
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
             if need > limit * (1 + 1e-9) >= float(weight @ x) * (1 + 1e-9) and \
                     not any(np.array_equal(x[search.binary], seen[search.binary]) for _, seen in state["over"]):
-                state["over"].append((need, x))  # over by its extra alone: a cut for the last resort
-            return need <= limit * (1 + 1e-9), float(costs @ x), need
+                state["over"].append((need, x))
 
         def prices(first: tuple) -> None:
             """Prices of the row from 0 (`first`: that probe's answer), 8x apart until a plan fits
@@ -253,7 +268,7 @@ class IlpBuilder:
                 # a plan whose row fits is over by its temporaries, which dearer rows may not move; with
                 # cuts to fall back on (`_cut_loop`: a fitting plan or a proof), stop after a few such
                 row_fits = state["row"] <= limit * (1 + 1e-9)
-                stalled = stalled + 1 if budget.cut and row_fits and got[2] >= leanest * (1 - 1e-6) else 0
+                stalled = stalled + 1 if budget.cuts and row_fits and got[2] >= leanest * (1 - 1e-6) else 0
                 if stalled >= STALLED_PROBES:
                     break
                 lo, lo_line, lam = lam, got[1:], lam * 8
@@ -294,24 +309,37 @@ class IlpBuilder:
 
         first = probe(0.0)
         if first is not None and not first[0]:
+            if budget.weights_only and not search.out_of_time():
+                # the cheapest plan's other placements with its weights re-laid out under the row: a plan
+                # in hand before the prices of memory, which may turn slow where the plan changes
+                x = state["leanest"]
+                got = search.polish(costs, weight, room(x), x, np.asarray(budget.weights_only))
+                if got is not None:
+                    improve(got, -float("inf"))
+                    met(got, needs(got))
             prices(first)
             polish()  # (cheap, and a better start for branch and bound)
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
                 exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
                 best = state["x"]
-                x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
-                                                      report if exact else None, budget.seconds)
-                improve(x, bound if exact else -float("inf"))
+                if not (state["over"] and budget.cuts is not None):
+                    # no plan was over by its temporaries alone: branch and bound from the best plan, with
+                    # room for its temporaries (where some were, the cut loop below prices every plan's)
+                    x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
+                                                          report if exact else None, budget.seconds)
+                    improve(x, bound if exact else -float("inf"))
+                    if x is not None:
+                        met(x, needs(x))  # (a plan over by its temporaries here is a cut below)
                 if state["x"] is not best:
                     polish()
-                if gap() > budget.gap and budget.cut is not None and not exact and not search.out_of_time():
-                    # that search had only the best plan's room: a plan with smaller temporaries was
-                    # out of its reach. With the whole limit and a cut per plan over by its extra, from
-                    # the best plan, branch and bound finds it, and its bound is a bound
+                if gap() > budget.gap and budget.cuts is not None and not exact and not search.out_of_time():
+                    # branch and bound with the best plan's room (if it ran) could not reach a plan with
+                    # smaller temporaries. With the whole limit and the cuts of each plan over by its extra,
+                    # from the best plan, branch and bound finds it, and its bound is a bound
                     self._cut_loop(search, costs, weight, limit, budget, state, needs, improve, start=state["x"])
                     polish()  # a plan branch and bound left when its time ran out may recompute more than it needs
-            if state["x"] is None and budget.cut is not None and state["over"] and not search.out_of_time():
+            if state["x"] is None and budget.cuts is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
                 polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
             # last (a plan that fits, found here first, would keep the cut loop from a better one)
@@ -329,7 +357,10 @@ class IlpBuilder:
                                  "no plan fits (proven); the leanest plan found" if state["proven"] else
                                  "the leanest plan found"), *sizes)
         if state["x"] is None:
+            out_of_time = not state["proven"] and (state.get("out_of_time") or search.out_of_time())
+            leanest = "" if lean is None else f"; the leanest plan found needs {state['leanest_need'] / 2**20:.1f} MiB"
             return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds,
+                             ("Out of time: no plan found that fits the budget" + leanest) if out_of_time else
                              "Infeasible: no plan fits the budget", *sizes)
         status = (f"Within {gap():.2%} of the bound ({state['probes']} prices of memory tried)"
                   if state["probes"] > 1 else "Optimal (the unbudgeted optimum fits)")
@@ -341,11 +372,11 @@ class IlpBuilder:
     def _cut_loop(search: "_Search", costs, weight, limit: float, budget: Budget, state: dict, needs, improve,
                   start=None) -> None:
         """No plan of the price search fits whole (or, from a `start` that does, the gap is still wide):
-        branch and bound with the row and a cut for each plan that was over by its extra finds the
+        branch and bound with the row and the cuts of each plan that was over by its extra finds the
         cheapest plan satisfying them all. If it fits whole, it is the answer (and branch and bound's
-        bound is a bound: every cut holds for every fitting plan); if not, its own cut joins the others
+        bound is a bound: every cut holds for every fitting plan); if not, its own cuts join the others
         and the search goes again. Infeasible (without a start) means no plan fits."""
-        cuts = list(dict.fromkeys(c for c in (budget.cut(x) for _, x in state["over"]) if c is not None))
+        cuts = list(dict.fromkeys(c for _, x in state["over"] for c in budget.cuts(x)))
         for _ in range(CUT_ROUNDS):
             if not (cuts or start is not None) or search.out_of_time():
                 return
@@ -371,10 +402,10 @@ class IlpBuilder:
                                                                search.remaining(), cuts)
                     improve(better, bound)
                 return
-            cut = budget.cut(x)
-            if cut is None or cut in cuts:
+            more = [c for c in budget.cuts(x) if c not in cuts]
+            if not more:
                 return
-            cuts.append(cut)
+            cuts += more
 
     def _choice_groups(self, binary: np.ndarray) -> list[np.ndarray]:
         """The "exactly one of these binary columns" rows, as column arrays."""
@@ -426,12 +457,26 @@ def _report(mip: "highspy.Highs", on_progress) -> None:
     mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
 
 
+def _added(status) -> None:
+    """HiGHS rejects a malformed row (a column twice, say) with an error status, not an exception: a cut
+    row dropped so would pass plans that do not fit."""
+    if status == highspy.HighsStatus.kError:  # (a warning: coefficients under 1e-9 dropped, the row stands)
+        raise SpmdInternalError(f"HiGHS refused a row of the budgeted program ({status})")
+
+
 def _seed(mip: "highspy.Highs", x: np.ndarray) -> None:
     """Start branch and bound from the solution `x` (HiGHS ignores it if infeasible)."""
     seed = highspy.HighsSolution()
     seed.col_value = list(map(float, x))
     seed.value_valid = True
     mip.setSolution(seed)
+
+
+def _time_limit(h: "highspy.Highs", seconds: float) -> None:
+    """Let `h`'s next run take `seconds`. HiGHS checks `time_limit` against the instance's run time summed
+    over all its runs: an instance re-solved for each price of memory, given the seconds left, stopped
+    early by all it had run before ("Time limit reached" after 0.04 s, on a relaxation that had taken 10)."""
+    h.setOptionValue("time_limit", h.getRunTime() + float(seconds))
 
 
 def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
@@ -464,19 +509,21 @@ class _Search:
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
 
-    def integral(self, costs: np.ndarray, first_found: bool = False,
-                 on_progress=None) -> tuple[np.ndarray | None, float, str]:
+    def integral(self, costs: np.ndarray, first_found: bool = False, on_progress=None,
+                 seconds: float | None = None) -> tuple[np.ndarray | None, float, str]:
         """An optimal integral solution at `costs`, the relaxation's optimum (a bound), and a status.
         `first_found`: where the relaxation is fractional, the first integral solution branch and bound
         finds (a probe of the budget search needs a plan and a bound, not the best plan at its price).
-        `on_progress(objective, bound, gap)`: branch and bound's progress, in these costs' units."""
+        `on_progress(objective, bound, gap)`: branch and bound's progress, in these costs' units.
+        `seconds`: at most this long (else until the deadline)."""
+        until = self.deadline if seconds is None else min(self.deadline, time.perf_counter() + seconds)
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
-        self.relaxed.setOptionValue("time_limit", self.remaining())
+        _time_limit(self.relaxed, max(1.0, until - time.perf_counter()))
         self.relaxed.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
         self.relaxed.run()
         if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
-            self._interior_point(costs)
+            self._interior_point(costs, until)
         if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None, float("nan"), self.relaxed.modelStatusToString(self.relaxed.getModelStatus())
         x = np.asarray(self.relaxed.getSolution().col_value)
@@ -495,25 +542,25 @@ class _Search:
         # or prove it: on symmetric meshes it can spend its whole time limit closing a gap of 0.3%, and a
         # 2-layer GPT with FlexAttention on (2, 2), whose rounding is inconsistent, spent 46 s proving a
         # plan it held at 0.07% after 9 s. Only if it has no plan by then does it get the rest of the limit.
-        mip = self._mip(costs, min(BRANCH_SECONDS, self.remaining()))
+        mip = self._mip(costs, min(BRANCH_SECONDS, self.remaining(), max(1.0, until - time.perf_counter())))
         if first_found:
             mip.setOptionValue("mip_max_improving_sols", 1)
         if rounded is not None:  # an incumbent to prune with from the start
             _seed(mip, rounded)
         _report(mip, on_progress)
         mip.run()
-        if rounded is None and mip.getInfo().primal_solution_status != 2 and not self.out_of_time():
-            mip.setOptionValue("time_limit", self.remaining())
+        if rounded is None and mip.getInfo().primal_solution_status != 2 and not self.out_of_time() and seconds is None:
+            _time_limit(mip, self.remaining())
             mip.run()
         status = mip.modelStatusToString(mip.getModelStatus())
         if mip.getInfo().primal_solution_status != 2:
             return (None, bound, status) if rounded is None else (rounded, bound, status)
         return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
 
-    def _interior_point(self, costs: np.ndarray) -> None:
+    def _interior_point(self, costs: np.ndarray, until: float) -> None:
         """Solve the relaxation at `costs` by interior point and crossover, and hand its optimal basis to
-        the simplex instance, which then finishes (and later warm-starts) from there."""
-        ipm = _highs(self.remaining(), presolve=True)
+        the simplex instance, which then finishes (and later warm-starts) from there, by `until`."""
+        ipm = _highs(max(1.0, until - time.perf_counter()), presolve=True)
         ipm.setOptionValue("solver", "ipm")
         ipm.setOptionValue("run_crossover", "on")
         ipm.passModel(self.lp)
@@ -522,7 +569,7 @@ class _Search:
         ipm.run()
         if ipm.getModelStatus() == highspy.HighsModelStatus.kOptimal and ipm.getBasis().valid:
             self.relaxed.setBasis(ipm.getBasis())
-        self.relaxed.setOptionValue("time_limit", self.remaining())
+        _time_limit(self.relaxed, max(1.0, until - time.perf_counter()))
         self.relaxed.setOptionValue("simplex_iteration_limit", highspy.kHighsIInf)
         self.relaxed.run()
 
@@ -541,7 +588,7 @@ class _Search:
             self.fixed.passModel(self.lp)
         self.fixed.changeColsCost(len(costs), self.columns, costs)
         self.fixed.changeColsBounds(len(covered), covered.astype(np.int32), lower, upper)
-        self.fixed.setOptionValue("time_limit", self.remaining())
+        _time_limit(self.fixed, self.remaining())
         self.fixed.run()
         if self.fixed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
@@ -564,14 +611,17 @@ class _Search:
                 mip.addCol(0.0, 0.0, 1.0, 0, np.zeros(0, dtype=np.int32), np.zeros(0))
                 terms[z] = terms.get(z, 0.0) + size
                 for row, const in lower:  # z - sum(row) >= const
-                    idx = np.asarray([z] + [c for c, _ in row], dtype=np.int32)
-                    val = np.asarray([1.0] + [-v for _, v in row])
-                    mip.addRow(float(const), highspy.kHighsInf, len(idx), idx, val)
+                    coef = {z: 1.0}
+                    for c, v in row:  # (a column may come twice: two readers of tied layers share theirs)
+                        coef[c] = coef.get(c, 0.0) - v
+                    idx = np.asarray(list(coef), dtype=np.int32)
+                    _added(mip.addRow(float(const), highspy.kHighsInf, len(idx), idx,
+                                      np.asarray(list(coef.values()))))
                 if start is not None:
                     helpers.append(min(1.0, max([0.0, *(sum(v * start[c] for c, v in row) + const
                                                         for row, const in lower)])))
             idx = np.asarray(list(terms), dtype=np.int32)
-            mip.addRow(-highspy.kHighsInf, limit, len(idx), idx, np.asarray(list(terms.values()), dtype=float))
+            _added(mip.addRow(-highspy.kHighsInf, limit, len(idx), idx, np.asarray(list(terms.values()), dtype=float)))
         if start is not None:
             _seed(mip, np.concatenate([start, helpers]))
         _report(mip, on_progress)

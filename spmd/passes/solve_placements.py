@@ -28,6 +28,10 @@ from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
 FLOW_MIN_PAIRS = 64  # an edge with at least this many (made, needed) layout pairs may become a flow
+# A plan over the budget by its temporaries gives a cut at each of this many hills of its schedule (the worst
+# first): the next plan is often over at the plan's second hill (a 2-layer GPT on (4,): at the two matmuls
+# of its last MLP, one cut loop round each)
+CUT_POINTS = 4
 
 
 def _shard_all(info, mesh_shape):
@@ -353,20 +357,22 @@ def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_
     return of_reader
 
 
-def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable, costs: CostTable,
+def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: CostTable,
          node_expr: dict, value_expr: dict, memory_row: dict[int, float], regions: dict,
          saved_copies: frozenset[int] = frozenset()) -> Cut:
-    """`plan`'s predicted peak at its worst point as a row: the memory row without the saved activations
-    and saved copies (`saved_copies`, their columns; the schedule counts both where they are alive; what
-    recomputation frees stays), plus each value alive there in the layout chosen
-    for it, plus the resharded copies `plan` holds there. The row holds for every plan that fits (every
-    plan's peak is at least its value: a copy left out only makes it smaller) and equals `plan`'s peak,
-    which it cuts off.
+    """The predicted peak at one point of the schedule (where a plan was over) as a row of the choices: the
+    memory row without the saved activations and saved copies (`saved_copies`, their columns; the
+    schedule counts both where they are alive; what recomputation frees stays), plus each value alive
+    there in the layout chosen for it, plus every resharded copy alive there. At every plan it equals
+    what the schedule walk holds at that point, so it holds for every plan that fits and cuts off the
+    plan that was over there, and every other plan over at the same point.
 
     A copy of value v in layout L read in one phase is alive at the point when a reader in that phase
     needs L, v is not made in L, and the readers needing L start at or before the point and end at or
     after it: a helper column z >= [r1 needs L] + [r2 needs L] - [v made in L] - 1 for each such pair
-    (z >= [r needs L] - [made in L] for a reader spanning the point)."""
+    (z >= [r needs L] - [made in L] for a reader spanning the point), for every layout some reader
+    of v may need. (Helpers for the plan's own copies alone made a cut that the next plan, over at the
+    same point with other copies, passed: a 2-layer GPT on (4,) took four rounds of the cut loop.)"""
     mesh_shape = costs.mesh.shape
     terms = {col: b for col, b in memory_row.items() if col not in saved_copies}
     for term in costs.memory:
@@ -384,31 +390,39 @@ def _cut(point: LivePoint, plan: Plan, schedule: Schedule, table: StrategyTable,
             for col in expr:
                 terms[col] = terms.get(col, 0.0) + size
     i, spans = point.index, schedule.spans
-    alive: dict[tuple, list[int]] = {}  # (value, phase, layout) -> [first, last] of plan's copy
-    for e in plan.edges:
-        if e.consumer in spans:
-            first, last = alive.setdefault((e.value, regions.get(e.consumer), e.dst), [spans[e.consumer][0], -1])
-            alive[(e.value, regions.get(e.consumer), e.dst)] = [min(first, spans[e.consumer][0]),
-                                                                max(last, spans[e.consumer][1])]
-    alive = {key: span for key, span in alive.items() if span[0] <= i <= span[1]}
     readers: dict[tuple, list[tuple[str, int]]] = {}  # (value, phase) -> its readers (consumer, slot)
-    if alive:
-        for name, ns in table.nodes.items():
-            if name in spans and ns.source != "follow":
-                for j, value in enumerate(ns.inputs):
-                    readers.setdefault((value, regions.get(name)), []).append((name, j))
+    for name, ns in table.nodes.items():
+        if name in spans and ns.source != "follow":
+            for j, value in enumerate(ns.inputs):
+                readers.setdefault((value, regions.get(name)), []).append((name, j))
     helpers = []
-    for value, phase, layout in alive:
-        group = readers.get((value, phase), [])
+    for (value, phase), group in readers.items():
         before = [r for r in group if spans[r[0]][0] <= i]
         after = [r for r in group if spans[r[0]][1] >= i]
-        needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]).get(layout, ()) for r in {*before, *after}}
-        made = [(c, -1.0) for c in value_expr[value].get(layout, ())]
-        lower = [(tuple([(c, 1.0) for c in needs[r]] + made), 0.0) for r in before if r in after and needs[r]]
-        lower += [(tuple([(c, 1.0) for c in needs[a] + needs[b]] + made), -1.0)
-                  for a in before if a not in after and needs[a] for b in after if b not in before and needs[b]]
-        helpers.append((costs.value_info[value].nbytes / pieces(layout, mesh_shape), tuple(lower)))
+        info = schedule.tensor_info.get(value[0])
+        if not before or not after or not isinstance(info[value[1]] if isinstance(info, tuple) else info, TensorInfo):
+            continue
+        needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]) for r in group if r in before or r in after}
+        for layout in dict.fromkeys(L for r in needs for L in needs[r]):
+            need = {r: needs[r].get(layout, ()) for r in needs}
+            made = value_expr[value].get(layout, ())
+            lower = [(_summed(need[r], made), 0.0) for r in before if r in after and need[r]]
+            lower += [(_summed([*need[a], *need[b]], made), -1.0)
+                      for a in before if a not in after and need[a] for b in after if b not in before and need[b]]
+            if lower:  # (readers of tied layers share columns: their rows are one row)
+                size = costs.value_info[value].nbytes / pieces(layout, mesh_shape)
+                helpers.append((size, tuple(dict.fromkeys(lower))))
     return Cut(tuple(terms.items()), tuple(helpers))
+
+
+def _summed(needs, made) -> tuple[tuple[int, float], ...]:
+    """sum(needs) - sum(made) as (column, coefficient) pairs, each column once, in column order."""
+    coef: dict[int, float] = {}
+    for c in needs:
+        coef[c] = coef.get(c, 0.0) + 1.0
+    for c in made:
+        coef[c] = coef.get(c, 0.0) - 1.0
+    return tuple(sorted((c, v) for c, v in coef.items() if v))
 
 
 def _needed(ns, slot: int, exprs: list[Expr]) -> dict[Placements, list[int]]:
@@ -438,7 +452,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     among those that lay out identical layers alike.
     `schedule`: the graph's (cost_model/memory.py): with a budget, only plans whose linear memory terms
     plus the schedule's temporaries fit are accepted, and where none of the price search's plans does,
-    the bytes alive at their worst points become rows of the program (`_cut`, `IlpBuilder.solve`).
+    the bytes alive at the hills of their schedules become rows of the program (`_cut`, `IlpBuilder.solve`).
     `on_progress(objective, bound, gap)`: called as the solver improves (seconds).
     `regions`: consumer -> "is_forward"/"is_backward" (`TracedGraph.regions`). Consumers of one value in
     one region that need the same placements share one resharding in the rank graph (insert_collectives),
@@ -777,18 +791,37 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 walked[:] = x, plan, schedule.temporaries(plan)
             return walked[2]
 
-        def cut(x) -> Cut | None:
-            point = walk(x)[1]
-            return None if point is None else _cut(point, walked[1], schedule, table, costs, node_expr,
-                                                   value_expr, memory_row, regions, copy_cols)
+        def cuts(x) -> tuple[Cut, ...]:
+            """A cut at each hill of x's schedule over the budget, the worst first (`CUT_POINTS` at most)."""
+            extra, worst = walk(x)
+            if worst is None:
+                return ()
+            plan, row = walked[1], sum(b * x[c] for c, b in memory_row.items())
+            # a point is over when row - saved activations + what is alive there > budget
+            level = memory_budget - row + plan.memory.get("activations", 0.0) + plan.recomputed_bytes
+            points = schedule.hills(plan, level, CUT_POINTS) or [worst]
+            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, regions, copy_cols)
+                         for point in points)
 
+        held = {term.value[0] for term in costs.memory if term.kind in ("parameters", "gradients", "optimizer")}
+        held |= {name for name, ns in table.nodes.items() if ns.tie in held}  # (a gradient equals its parameter)
+        weights_only = tuple(dict.fromkeys(c for name in held for expr in node_expr[name] for c in expr))
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
-                        polish=tuple(c for _, cols in counts for c in cols), cut=None if schedule is None else cut)
+                        weights_only=weights_only,
+                        polish=tuple(c for _, cols in counts for c in cols), cuts=None if schedule is None else cuts)
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):
         if memory_budget is not None:
             floor = sum(t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape) for t in costs.memory)
+            if result.status.startswith("Out of time"):
+                raise SpmdError(
+                    f"solve_placements: the search ran out of its {time_limit:.0f} s before it found a plan that "
+                    f"fits memory_budget={memory_budget / 2**20:.1f} MiB per rank. That is not proven impossible: "
+                    f"sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB "
+                    f"({result.status}; a program of {result.n_binary} binary and {result.n_continuous} continuous "
+                    "columns). What to do: pin the largest parameters sharded (param_placements=) so the search "
+                    "starts nearer a fitting plan, raise the budget, or plan a smaller batch.")
             raise SpmdError(
                 f"solve_placements: no plan fits memory_budget={memory_budget / 2**20:.1f} MiB per rank "
                 f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "

@@ -265,3 +265,30 @@ def test_a_meta_compile_before_init(world):
     with pytest.raises(spmd.SpmdError, match=r"compiled from the meta device.*compiled.init_weights\(seed=\.\.\.\)"):
         compiled(*compiled.shard_inputs(x16))
 
+
+
+def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypatch):
+    """When the relaxations at the prices of memory that change the plan run out of time (a 2-layer
+    transformers Llama on (2, 2) at 0.8 of its peak: one LP took 79 s), no plan was found, but none was
+    proven impossible either: the message says which, with the floor and the way out."""
+    from spmd.cost_model import solver
+
+    model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
+    free = spmd.plan(model, TP, inputs, loss_fn=F.mse_loss)
+    integral, calls = solver._Search.integral, []
+
+    def slow(self, costs, first_found=False, on_progress=None, seconds=None):
+        calls.append(first_found)
+        if len(calls) > 1:  # every price after the first: the relaxation out of time
+            return None, float("nan"), "Time limit reached"
+        return integral(self, costs, first_found, on_progress, seconds)
+
+    monkeypatch.setattr(solver._Search, "integral", slow)
+    monkeypatch.setattr(solver._Search, "polish", lambda *args: None)  # (nor a plan from the weights alone)
+    with pytest.raises(spmd.SpmdError) as e:
+        spmd.plan(model, TP, inputs, loss_fn=F.mse_loss, memory_budget=0.5 * free.predicted_peak_bytes)
+    message = str(e.value)
+    assert "ran out of its 60 s before it found a plan that fits memory_budget" in message, message
+    assert "not proven impossible" in message and "the leanest plan found needs" in message, message
+    assert "What to do: pin the largest parameters sharded" in message, message
+    assert "no plan fits" not in message, message

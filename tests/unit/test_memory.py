@@ -88,3 +88,36 @@ def test_unreduced_gradients_do_not_outlive_backward_reads():
         temporaries.append(plan.memory["temporaries"])
     layer_bytes = sum(p.numel() * 4 for k, p in model.named_parameters() if k.startswith("blocks.0."))
     assert temporaries[1] - temporaries[0] < layer_bytes, temporaries
+
+
+def test_hills_are_the_top_of_each_run_over_a_level():
+    """`Schedule.hills`: the points where a plan holds more than a level, one per run of such points (its
+    highest), highest first. By hand on fc1 -> gelu -> fc2: the one run over 1.5 KB tops at gelu (two
+    4 x 64 activations); in training, every run the walk crosses at half the peak, each its own top."""
+    from spmd.compiler.budget import schedule_of
+
+    torch.manual_seed(0)
+    model, x = MLP(16, 64), torch.randn(4, 16)
+    one = spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    c = compile_graph(model, (x,), one)
+    schedule = schedule_of(c.traced)
+    assert [p.at for p in schedule.hills(c.plan, 1500.0, 4)] == ["gelu"]
+    assert schedule.hills(c.plan, 2 * 4 * 64 * 4, 4) == []
+
+    c = compile_graph(model, (x, torch.randn(4, 16)), one, loss_fn=torch.nn.functional.mse_loss)
+    schedule = schedule_of(c.traced)
+    points = list(schedule.walk(c.plan.choices, (1,), c.plan.edges))
+    peak, worst = schedule.peak(c.plan.choices, (1,), c.plan.edges)
+    level = peak / 2
+    runs, top = [], None  # by hand: split the walk into runs over the level
+    for live, i, made in points:
+        if live > level:
+            top = (live, i, made) if top is None or live > top[0] else top
+        elif top is not None:
+            runs, top = runs + [top], None
+    runs += [top] if top is not None else []
+    assert len(runs) >= 2
+    hills = schedule.hills(c.plan, level, len(runs))
+    assert [(p.index, p.made) for p in hills] == [(i, made) for _, i, made in sorted(runs, key=lambda r: -r[0])]
+    assert hills[0] == worst
+    assert len(schedule.hills(c.plan, level, 1)) == 1

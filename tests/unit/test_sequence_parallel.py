@@ -205,8 +205,9 @@ def test_memory_pressure_picks_sequence_parallelism(kind, tp, fraction):
 
 def test_a_budget_nothing_fits_is_proven_and_each_cut_is_the_peak_of_its_plan(monkeypatch):
     """tp-2 Llama at 0.87 of its peak: every plan the price search meets is over by its temporaries, and
-    the cuts (the bytes alive at a plan's worst point, as a row) prove that no plan fits. Each cut, at
-    the plan it came from, is exactly that plan's predicted peak, so it cuts that plan off."""
+    the cuts (the bytes alive at a plan's points over the budget, as rows) prove that no plan fits. The
+    first cut, at the plan it came from, is exactly that plan's predicted peak (its worst point), and
+    every other cuts that plan off too."""
     import numpy as np
 
     from spmd.cost_model import solver
@@ -216,20 +217,23 @@ def test_a_budget_nothing_fits_is_proven_and_each_cut_is_the_peak_of_its_plan(mo
 
     def checking(search, costs, weight, limit, budget, state, needs, improve, start=None):
         for _, x in state["over"]:
-            cut = budget.cut(x)
-            row = sum(v * x[c] for c, v in cut.terms)
-            copies = sum(size * max(0.0, *(sum(v * x[c] for c, v in terms) + const for terms, const in lower))
-                         for size, lower in cut.helpers)
-            checked.append((row + copies, needs(x), limit))
+            at_cuts = []
+            for cut in budget.cuts(x):
+                row = sum(v * x[c] for c, v in cut.terms)
+                copies = sum(size * max(0.0, *(sum(v * x[c] for c, v in terms) + const for terms, const in lower))
+                             for size, lower in cut.helpers)
+                at_cuts.append(row + copies)
+            checked.append((at_cuts, needs(x), limit))
         return loop(search, costs, weight, limit, budget, state, needs, improve, start)
 
     monkeypatch.setattr(solver.IlpBuilder, "_cut_loop", staticmethod(checking))
     with pytest.raises(UserWarning, match=r"no plan fits whole \(proven"):
         plans.__wrapped__("llama", 2, 0.87)
     assert checked
-    for at_cut, need, limit in checked:
-        assert at_cut == pytest.approx(need, rel=1e-9) and need > limit
-    assert np.isfinite(checked[0][0])
+    for at_cuts, need, limit in checked:
+        assert at_cuts[0] == pytest.approx(need, rel=1e-9) and need > limit
+        assert all(limit < at_cut <= need * (1 + 1e-9) for at_cut in at_cuts), (at_cuts, need, limit)
+    assert np.isfinite(checked[0][0][0])
 
 
 def test_dropout_on_the_residual_branch_is_sequence_parallel_too():

@@ -193,7 +193,7 @@ def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeyp
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_MIN", 0)
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_PER_COLUMN", 0.0)
     monkeypatch.setattr(solver._Search, "_interior_point",
-                        lambda self, costs, run=solver._Search._interior_point: calls.append(1) or run(self, costs))
+                        lambda self, costs, until, run=solver._Search._interior_point: calls.append(1) or run(self, costs, until))
     for limit in (None, 4.0):
         ilp, cols, weights = _program(groups)
         result = ilp.solve(budget=None if limit is None else Budget(weights, limit))
@@ -205,7 +205,7 @@ def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeyp
 @given(groups_st, st.data())
 def test_with_cuts_a_plan_that_fits_whole_is_found_or_none_exists(groups, data):
     """The last resort when no plan of the price search fits with its extra: branch and bound with a cut
-    per plan that was over (the bytes at its worst point as a row, `Budget.cut`). A schedule of a few
+    per point where a plan was over (the bytes there as a row, `Budget.cuts`). A schedule of a few
     points, each holding per option some bytes, one of them a copy that is alive only when the first
     group picks option 0 and the second does not (a helper column). Whenever some plan fits whole the
     result fits whole; when none does, the search says so, proven."""
@@ -223,24 +223,51 @@ def test_with_cuts_a_plan_that_fits_whole_is_found_or_none_exists(groups, data):
     def extra_of(picks) -> float:
         return max(at_point(picks, k) for k in range(len(points)))
 
-    def cut(x) -> Cut:
-        picks = _picks(x, cols)
-        live, copy = points[max(range(len(points)), key=lambda k: at_point(picks, k))]
+    def cut(k) -> Cut:
+        live, copy = points[k]
         terms = dict(weights)
         for g, b in zip(cols, live):
             for c, v in zip(g, b):
                 terms[c] += v
-        made = ((cols[0][0], 1.0), (cols[1][0], -1.0))  # z >= [first picks 0] - [second picks 0]
+        # z >= [first picks 0] - [second picks 0], its first column in two halves (two readers of tied
+        # layers share their columns: a row HiGHS refuses unless they are summed)
+        made = ((cols[0][0], 0.5), (cols[1][0], -1.0), (cols[0][0], 0.5))
         return Cut(tuple(terms.items()), ((copy, ((made, 0.0),)),))
+
+    def cuts(x) -> tuple[Cut, ...]:  # every point where x is over, the worst first
+        picks = _picks(x, cols)
+        over = [k for k in range(len(points)) if sum(g[i][1] for g, i in zip(groups, picks)) + at_point(picks, k) > limit]
+        return tuple(cut(k) for k in sorted(over, key=lambda k: -at_point(picks, k)))
 
     leanest = sum(min(b for _, b in g) for g in groups)
     roomiest = sum(max(b for _, b in g) for g in groups) + 60.0 * len(groups) + 30.0
     limit = leanest + data.draw(st.floats(0.1, 1.0)) * (roomiest - leanest)
     best = _brute_force(groups, limit, extra_of)
-    r = ilp.solve(budget=Budget(weights, limit, extra=lambda x: extra_of(_picks(x, cols)), cut=cut))
+    r = ilp.solve(budget=Budget(weights, limit, extra=lambda x: extra_of(_picks(x, cols)), cuts=cuts))
     if best == float("inf"):
         assert r.objective == float("inf") or "(proven)" in r.status, r.status
         return
     picks = _picks(r.values, cols)
     assert sum(g[i][1] for g, i in zip(groups, picks)) + extra_of(picks) <= limit * (1 + 1e-9), r.status
     assert r.objective >= best - 1e-6 and r.lower_bound <= best + 1e-6
+
+
+def test_a_re_solved_instance_gets_its_seconds_on_top_of_what_it_ran_before():
+    """HiGHS checks `time_limit` against an instance's run time summed over all its runs. The search
+    re-solves one instance per price of memory; given only the seconds left, a price stopped with "Time
+    limit reached" after 0.04 s on a relaxation whose first solve had taken 10 s. `_time_limit` adds them."""
+    import highspy
+
+    from spmd.cost_model.solver import _time_limit
+
+    ilp, _, _ = _program([[(1.0, 1.0), (2.0, 0.5)]] * 30)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.passModel(ilp._model(np.asarray(ilp.cost, dtype=float)))
+    h.run()
+    ran = h.getRunTime()
+    assert ran > 0
+    _time_limit(h, 5.0)
+    assert h.getOptionValue("time_limit")[1] == pytest.approx(ran + 5.0)
+    h.run()
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal

@@ -1,0 +1,80 @@
+"""The budgeted search's cuts (`solve_placements._cut`, `IlpBuilder._cut_loop`) on a real program: a cut is
+the bytes alive at one point of the schedule for every plan, not only for the plan that was over there, so
+a later plan is never over again at a point already cut."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import Shard
+
+import spmd
+from spmd.core.mesh import MeshSpec
+from spmd.core.profiles import device_profile_for, link_profile_for
+from tests.models import GPT, GPTConfig
+from tests.support import lm_loss
+
+
+def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
+    """The e2e budget case (tests/e2e/test_training.py: a 2-layer GPT on four gloo ranks, data parallel
+    pinned, 0.6 of the free plan's peak). The price search's plans fit the row but not their temporaries.
+    Each cut round's plan must be over at a new point or fit. When a cut counted only the copies of the plan
+    it came from, the next plan was over at the same point with other copies: four rounds of 5-10 s, where
+    one now does."""
+    from spmd.cost_model import solver
+    from spmd.passes import solve_placements as sp
+
+    events: list[tuple] = []  # ("cuts", worst point, every point cut) and ("round",), in order
+    cut = sp._cut
+
+    def spy_cut(point, *args, **kwargs):
+        events[-1][2].append((point.index, point.made))
+        return cut(point, *args, **kwargs)
+
+    solve = solver.IlpBuilder.solve
+
+    def spy_solve(self, *args, budget=None, **kwargs):
+        if budget is not None and budget.cuts is not None:
+            def cuts(x, make=budget.cuts):
+                events.append(("cuts", None, []))
+                return make(x)
+            budget = dataclasses.replace(budget, cuts=cuts)
+        return solve(self, *args, budget=budget, **kwargs)
+
+    rounds = solver._Search.branch_and_bound
+
+    def spy_round(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=()):
+        if cuts:  # a round of the cut loop
+            events.append(("round",))
+        return rounds(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts)
+
+    monkeypatch.setattr(sp, "_cut", spy_cut)
+    monkeypatch.setattr(solver.IlpBuilder, "solve", spy_solve)
+    monkeypatch.setattr(solver._Search, "branch_and_bound", spy_round)
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = GPT(GPTConfig(sdpa=True, seq=32))
+        g = torch.Generator().manual_seed(1)
+        inputs = (torch.randint(0, 128, (8, 32), generator=g), torch.randint(0, 128, (8, 32), generator=g))
+        mesh = MeshSpec((4,), ("dp",), (link_profile_for("gloo-oversubscribed"),),
+                        device_profile_for("cpu").scaled(0.5).in_lockstep(4))
+        pins = {"tokens": [Shard(0)]}
+        free = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, in_placements=pins)
+        budget = 0.6 * free.predicted_peak_bytes
+        plan = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, in_placements=pins, memory_budget=budget)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+    assert plan.predicted_peak_bytes <= budget
+    assert any(e[0] == "round" for e in events), "the case no longer reaches the cut loop: pick a tighter budget"
+    cut_before: set = set()  # points cut before the last round
+    pending: set = set()
+    for e in events:
+        if e[0] == "round":
+            cut_before |= pending
+        elif e[2]:
+            assert e[2][0] not in cut_before, (e[2][0], sorted(cut_before))
+            pending |= set(e[2])
+    assert sum(e[0] == "round" for e in events) <= 2
