@@ -1,15 +1,18 @@
 """The budgeted search's cuts (`solve_placements._cut`, `IlpBuilder._cut_loop`) on a real program: a cut is
 the bytes alive at one point of the schedule for every plan, not only for the plan that was over there, so
-a later plan is never over again at a point already cut."""
+a later plan is never over again at a point already cut, and the copies a cut counts are those alive there
+under every plan."""
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from torch.distributed.tensor import Shard
 
 import spmd
 from spmd.core.mesh import MeshSpec
+from spmd.cost_model.memory import Schedule, value_bytes
 from spmd.core.profiles import device_profile_for, link_profile_for
 from tests.models import GPT, GPTConfig
 from tests.support import lm_loss
@@ -25,11 +28,18 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
     from spmd.passes import solve_placements as sp
 
     events: list[tuple] = []  # ("cuts", worst point, every point cut) and ("round",), in order
-    cut = sp._cut
+    made: list[tuple] = []  # (point, its cut)
+    plans: list[tuple] = []  # (solution, its plan, the schedule) of every plan the search checked whole
+    cut, temporaries = sp._cut, Schedule.temporaries
 
     def spy_cut(point, *args, **kwargs):
         events[-1][2].append((point.index, point.made))
-        return cut(point, *args, **kwargs)
+        made.append((point, cut(point, *args, **kwargs)))
+        return made[-1][1]
+
+    def spy_temporaries(self, plan):
+        plans.append((None, plan, self))
+        return temporaries(self, plan)
 
     solve = solver.IlpBuilder.solve
 
@@ -38,7 +48,13 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
             def cuts(x, make=budget.cuts):
                 events.append(("cuts", None, []))
                 return make(x)
-            budget = dataclasses.replace(budget, cuts=cuts)
+
+            def extra(x, measure=budget.extra):
+                got = measure(x)
+                if plans and plans[-1][0] is None:
+                    plans[-1] = (x, *plans[-1][1:])
+                return got
+            budget = dataclasses.replace(budget, cuts=cuts, extra=extra)
         return solve(self, *args, budget=budget, **kwargs)
 
     rounds = solver._Search.branch_and_bound
@@ -49,6 +65,7 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
         return rounds(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts)
 
     monkeypatch.setattr(sp, "_cut", spy_cut)
+    monkeypatch.setattr(Schedule, "temporaries", spy_temporaries)
     monkeypatch.setattr(solver.IlpBuilder, "solve", spy_solve)
     monkeypatch.setattr(solver._Search, "branch_and_bound", spy_round)
 
@@ -78,3 +95,17 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
             assert e[2][0] not in cut_before, (e[2][0], sorted(cut_before))
             pending |= set(e[2])
     assert sum(e[0] == "round" for e in events) <= 2
+
+    # every cut counts, at every plan the search checked, exactly the resharded copies the schedule walk
+    # holds at its point under that plan (helper columns at their least), not only its own plan's copies
+    checked = [(x, plan, schedule) for x, plan, schedule in plans if x is not None]
+    assert made and len(checked) >= 2
+    for point, c in made:
+        for x, plan, schedule in checked:
+            copies = sum(size * max(0.0, *(sum(v * x[col] for col, v in row) + const for row, const in lower))
+                         for size, lower in c.helpers)
+            live = next(b for b, i, m in schedule.walk(plan.choices, mesh.shape, plan.edges)
+                        if (i, m) == (point.index, point.made))
+            values = sum(value_bytes(schedule.tensor_info.get(name), plan.choices[name].outputs, mesh.shape)
+                         for name in point.values if name in plan.choices)
+            assert copies == pytest.approx(live - values, abs=1e-6 * max(live, 1.0)), (point.at, copies, live, values)
