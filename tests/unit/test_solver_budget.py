@@ -271,3 +271,23 @@ def test_a_re_solved_instance_gets_its_seconds_on_top_of_what_it_ran_before():
     assert h.getOptionValue("time_limit")[1] == pytest.approx(ran + 5.0)
     h.run()
     assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def test_branch_and_bound_is_not_repeated_when_it_ran_out_of_time_with_nothing_to_cut(monkeypatch):
+    """After the price search (here 16.7% from its bound), branch and bound runs from the best plan. When it
+    runs out of time with nothing better, and no plan was over by its extra alone (no cut to add), the cut
+    loop would run the same search from the same plan with a little more room: it is skipped (a 2-layer
+    transformers Llama on (2, 2) spent 10 s on each, neither past its root)."""
+    from spmd.cost_model import solver
+
+    runs = []
+
+    def out_of_time(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=()):
+        runs.append(len(cuts))
+        return start, -float("inf"), False  # its start back, no bound: the time ran out
+
+    monkeypatch.setattr(solver._Search, "branch_and_bound", out_of_time)
+    ilp, _, weights = _program([[(0.0, 10.0), (3.0, 7.0), (7.0, 1.0)]] * 4)
+    r = ilp.solve(budget=Budget(weights, 25.0, extra=lambda x: 0.0, cuts=lambda x: ()))
+    assert r.gap > 0.01  # (so branch and bound ran at all)
+    assert runs == [0]
