@@ -548,7 +548,7 @@ class _Search:
         # or prove it: on symmetric meshes it can spend its whole time limit closing a gap of 0.3%, and a
         # 2-layer GPT with FlexAttention on (2, 2), whose rounding is inconsistent, spent 46 s proving a
         # plan it held at 0.07% after 9 s. Only if it has no plan by then does it get the rest of the limit.
-        mip = self._mip(costs, min(BRANCH_SECONDS, self.remaining(), max(1.0, until - time.perf_counter())))
+        mip = self._mip(costs, min(BRANCH_SECONDS, max(1.0, until - time.perf_counter())))
         if first_found:
             mip.setOptionValue("mip_max_improving_sols", 1)
         if rounded is not None:  # an incumbent to prune with from the start
@@ -618,7 +618,7 @@ class _Search:
                 terms[z] = terms.get(z, 0.0) + size
                 for row, const in lower:  # z - sum(row) >= const
                     coef = {z: 1.0}
-                    for c, v in row:  # (a column may come twice: two readers of tied layers share theirs)
+                    for c, v in row:  # (a row may name a column twice; HiGHS refuses that unsummed)
                         coef[c] = coef.get(c, 0.0) - v
                     idx = np.asarray(list(coef), dtype=np.int32)
                     _added(mip.addRow(float(const), highspy.kHighsInf, len(idx), idx,

@@ -357,8 +357,19 @@ def _saved_copies(ilp: IlpBuilder, table: StrategyTable, costs: CostTable, node_
     return of_reader
 
 
+def _readers_by_phase(table: StrategyTable, schedule: Schedule, regions: dict) -> dict[tuple, list[tuple[str, int]]]:
+    """(value, phase) -> the nodes of the schedule reading it, as (consumer, input slot): who may need a
+    resharded copy of it (followers take their input as made)."""
+    readers: dict[tuple, list[tuple[str, int]]] = {}
+    for name, ns in table.nodes.items():
+        if name in schedule.spans and ns.source != "follow":
+            for j, value in enumerate(ns.inputs):
+                readers.setdefault((value, regions.get(name)), []).append((name, j))
+    return readers
+
+
 def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: CostTable,
-         node_expr: dict, value_expr: dict, memory_row: dict[int, float], regions: dict,
+         node_expr: dict, value_expr: dict, memory_row: dict[int, float], readers: dict,
          saved_copies: frozenset[int] = frozenset()) -> Cut:
     """The predicted peak at one point of the schedule (where a plan was over) as a row of the choices: the
     memory row without the saved activations and saved copies (`saved_copies`, their columns; the
@@ -371,8 +382,9 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
     needs L, v is not made in L, and the readers needing L start at or before the point and end at or
     after it: a helper column z >= [r1 needs L] + [r2 needs L] - [v made in L] - 1 for each such pair
     (z >= [r needs L] - [made in L] for a reader spanning the point), for every layout some reader
-    of v may need. (Helpers for the plan's own copies alone made a cut that the next plan, over at the
-    same point with other copies, passed: a 2-layer GPT on (4,) took four rounds of the cut loop.)"""
+    of v may need (`readers`: `_readers_by_phase`). (Helpers for the plan's own copies alone made a cut
+    that the next plan, over at the same point with other copies, passed: a 2-layer GPT on (4,) took four
+    rounds of the cut loop.)"""
     mesh_shape = costs.mesh.shape
     terms = {col: b for col, b in memory_row.items() if col not in saved_copies}
     for term in costs.memory:
@@ -390,17 +402,11 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
             for col in expr:
                 terms[col] = terms.get(col, 0.0) + size
     i, spans = point.index, schedule.spans
-    readers: dict[tuple, list[tuple[str, int]]] = {}  # (value, phase) -> its readers (consumer, slot)
-    for name, ns in table.nodes.items():
-        if name in spans and ns.source != "follow":
-            for j, value in enumerate(ns.inputs):
-                readers.setdefault((value, regions.get(name)), []).append((name, j))
     helpers = []
     for (value, phase), group in readers.items():
         before = [r for r in group if spans[r[0]][0] <= i]
         after = [r for r in group if spans[r[0]][1] >= i]
-        info = schedule.tensor_info.get(value[0])
-        if not before or not after or not isinstance(info[value[1]] if isinstance(info, tuple) else info, TensorInfo):
+        if not before or not after or not isinstance(costs.value_info.get(value), TensorInfo):
             continue
         needs = {r: _needed(table.nodes[r[0]], r[1], node_expr[r[0]]) for r in group if r in before or r in after}
         for layout in dict.fromkeys(L for r in needs for L in needs[r]):
@@ -800,12 +806,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             # a point is over when row - saved activations + what is alive there > budget
             level = memory_budget - row + plan.memory.get("activations", 0.0) + plan.recomputed_bytes
             points = schedule.hills(plan, level, CUT_POINTS) or [worst]
-            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, regions, copy_cols)
+            if not by_phase:  # (once per solve, at the first cut)
+                by_phase.update(_readers_by_phase(table, schedule, regions))
+            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols)
                          for point in points)
 
+        by_phase: dict = {}
         held = {term.value[0] for term in costs.memory if term.kind in ("parameters", "gradients", "optimizer")}
         held |= {name for name, ns in table.nodes.items() if ns.tie in held}  # (a gradient equals its parameter)
-        weights_only = tuple(dict.fromkeys(c for name in held for expr in node_expr[name] for c in expr))
+        weights_only = tuple(sorted({c for name in held for expr in node_expr[name] for c in expr}))
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
                         weights_only=weights_only,
                         polish=tuple(c for _, cols in counts for c in cols), cuts=None if schedule is None else cuts)
