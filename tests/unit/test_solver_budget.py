@@ -291,3 +291,33 @@ def test_branch_and_bound_is_not_repeated_when_it_ran_out_of_time_with_nothing_t
     r = ilp.solve(budget=Budget(weights, 25.0, extra=lambda x: 0.0, cuts=lambda x: ()))
     assert r.gap > 0.01  # (so branch and bound ran at all)
     assert runs == [0]
+
+
+def test_weights_first_gives_a_fitting_plan_when_the_prices_run_out_of_time(monkeypatch):
+    """`Budget.weights_only`: when the cheapest plan does not fit, those columns are re-chosen under the row
+    with every other choice fixed, before any price. Here every relaxation after the first runs out of
+    time (as the transformers Llama's did at the price where its plan changes). Re-laying out the
+    "weights" (groups 0 and 1) gives a plan of cost 4 that fits, from which branch and bound may improve;
+    without those columns the search ends with no plan."""
+    from spmd.cost_model import solver
+
+    integral, calls = solver._Search.integral, []
+
+    def slow(self, costs, first_found=False, on_progress=None, seconds=None):
+        calls.append(1)
+        if len(calls) > 1:
+            return None, float("nan"), "Time limit reached"
+        return integral(self, costs, first_found, on_progress, seconds)
+
+    monkeypatch.setattr(solver._Search, "integral", slow)
+    groups = [[(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (1.0, 4.0)]]
+    for weights_only in (True, False):
+        calls.clear()
+        ilp, cols, weights = _program(groups)
+        free = tuple(c for g in cols[:2] for c in g) if weights_only else ()
+        r = ilp.solve(budget=Budget(weights, 20.0, extra=lambda x: 0.0, weights_only=free))
+        if weights_only:
+            picks = _picks(r.values, cols)
+            assert sum(g[i][1] for g, i in zip(groups, picks)) <= 20.0 and r.objective <= 4.0 + 1e-9, r.status
+        else:
+            assert r.objective == float("inf") and r.status.startswith("Out of time"), r.status
