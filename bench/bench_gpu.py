@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 1 bench/bench_gpu.py                     # GPT d 2048, 4 layers, bf16
     torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor          # also the compiled rank graphs
     torchrun --nproc-per-node 1 bench/bench_gpu.py --measure           # also a profile measured here
+    torchrun --nproc-per-node 1 bench/bench_gpu.py --memory            # also predicted against measured memory
     torchrun --nproc-per-node 1 bench/bench_gpu.py --cpu --dim 64 --seq 32 --vocab 128 --layers 1  # dry run
 
 A GPT (examples.models) trains on one GPU, compiled by spmd for a one-rank mesh on NCCL: the plan has
@@ -13,7 +14,10 @@ op's measured time (CUDA-synchronized around every node of the rank graphs) next
 charged for it. With --measure, the device's rates at this model's shapes (matmul FLOP/s, streaming
 bandwidth, the cost of a small kernel, fused attention's share of the matmul rate) are timed, and the
 same plan is priced again with them: how far the built-in profile is from this device, and what is left
-when the rates are right. Results go to bench/results_gpu.md by hand.
+when the rates are right. With --memory, the bytes a training step adds on the GPU (the caching
+allocator's peak over what was allocated before it) against what the plan predicts it adds (its
+predicted peak less parameters, buffers and inputs), for no recomputation, selective and whole-layer recomputation, and
+a memory budget that leaves the choice to the solver. Results go to bench/results_gpu.md by hand.
 """
 from __future__ import annotations
 
@@ -121,6 +125,61 @@ def measure_device(cfg, tokens: int, dtype, device, builtin):
     return profile, notes
 
 
+def step_bytes(forward, params) -> tuple[float, float]:
+    """(bytes held after the forward, the caching allocator's peak over the step) above what is allocated
+    before one training step of `forward`."""
+    sync()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = forward()
+    sync()
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()
+    del loss
+    for p in params:
+        p.grad = None
+    sync()
+    return held, torch.cuda.max_memory_allocated() - before
+
+
+def predicted_step_bytes(plan) -> float:
+    """What the plan says one training step adds to the memory held before it: its predicted peak less
+    what is held all along (parameters, buffers, inputs; optimizer state, which a step without an
+    optimizer never makes)."""
+    return plan.predicted_peak_bytes - sum(plan.memory.get(k, 0.0)
+                                           for k in ("parameters", "optimizer", "buffers", "inputs"))
+
+
+def memory_rows(model, mesh, spec, tokens, targets, cuda: bool):
+    """Predicted against measured step memory for several recompute settings and one budget."""
+    gib = 2**30
+    nan = float("nan")
+    lines = ["| plan | recomputed layers | predicted step ms | saved after the forward, GiB: predicted / measured "
+             "| the step's peak over what it starts with, GiB: predicted / measured | measured / predicted |",
+             "|---|---|---|---|---|---|"]
+    held, peak = step_bytes(lambda: lm_loss(model(tokens), targets), list(model.parameters())) if cuda else (nan, nan)
+    lines.append(f"| eager PyTorch | | | {held / gib:.2f} | {peak / gib:.2f} | |")
+    settings = [("no recompute", dict(recompute=False)), ("selective, every layer", dict(recompute="selective")),
+                ("whole, every layer", dict(recompute=True))]
+    peaks = []
+    for name, kw in settings + [("a budget halfway between no and whole recompute's peaks: the solver's choice", None)]:
+        if kw is None:
+            kw = dict(memory_budget=(peaks[0] + peaks[-1]) / 2)
+        compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec, **kw)
+        plan = compiled.plan
+        peaks.append(plan.predicted_peak_bytes)
+        local = compiled.shard_inputs(tokens, targets)
+        params = list(compiled.parameters())
+        training_step(lambda: compiled(*local), params)()  # warm: the first step's workspace is not the plan's
+        held, peak = step_bytes(lambda: compiled(*local), params) if cuda else (nan, nan)
+        predicted = predicted_step_bytes(plan)
+        layers = f"{len(plan.recompute)} whole, {len(plan.recompute_selective)} selective"
+        lines.append(f"| {name} | {layers} | {plan.predicted_step_s * 1e3:.2f} | "
+                     f"{plan.memory.get('activations', 0) / gib:.2f} / {held / gib:.2f} | "
+                     f"{predicted / gib:.2f} / {peak / gib:.2f} | {peak / predicted:.2f} |")
+    return lines
+
+
 def training_step(fn, params):
     def step():
         fn().backward()
@@ -142,6 +201,8 @@ def main() -> int:
     ap.add_argument("--inductor", action="store_true", help="also time the rank graphs through torch.compile")
     ap.add_argument("--cpu", action="store_true", help="a dry run on CPU and gloo (the cpu profile)")
     ap.add_argument("--measure", action="store_true", help="also price the plan with rates measured here")
+    ap.add_argument("--memory", action="store_true", help="also predicted against measured memory per step")
+    ap.add_argument("--memory-only", action="store_true", help="only the memory rows")
     args = ap.parse_args()
 
     cuda = not args.cpu
@@ -161,6 +222,12 @@ def main() -> int:
     where = f"{torch.cuda.get_device_name()}, NCCL {torch.cuda.nccl.version()}" if cuda else "CPU, gloo"
     print(f"{where}, torch {torch.__version__}, device profile {spec.device.name}; GPT d {cfg.dim}, {cfg.layers} layers, {cfg.heads} heads, "
           f"seq {cfg.seq}, batch {args.batch}, vocab {cfg.vocab}, {n_params / 1e6:.0f}M parameters, {args.dtype}")
+
+    if args.memory or args.memory_only:
+        print("\n" + "\n".join(memory_rows(model, mesh, spec, tokens, targets, cuda)))
+        if args.memory_only:
+            dist.destroy_process_group()
+            return 0
 
     rows = []
     eager = timed(training_step(lambda: lm_loss(model(tokens), targets), list(model.parameters())), args.iters)

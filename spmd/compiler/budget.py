@@ -33,15 +33,18 @@ from spmd.compiler.axis_search import solve_by_axes
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
 from spmd.cost_model.memory import Schedule
-from spmd.passes.solve_placements import solve_placements
+from spmd.passes.solve_placements import rebuilt_regions, solve_placements
 from spmd.passes.trace_module import TracedGraph, flat_outputs
 
 
 def schedule_of(traced: TracedGraph) -> Schedule:
-    """The graph's schedule, with every parameter's gradient leaving as backward makes it (memory.py)."""
+    """The graph's schedule, with every parameter's gradient leaving as backward makes it, held from then
+    on in its parameter's layout (memory.py)."""
     flat, kinds = flat_outputs(traced.graph.output_node()), traced.output_kinds()
-    grads = {a.name for a, k in zip(flat, kinds) if k.kind == "grad" and isinstance(a, torch.fx.Node)}
-    return Schedule(traced.graph, traced.tensor_info, grads)
+    placeholder = {gi.name: gi.placeholder for gi in traced.inputs if gi.kind == "parameter" and gi.name not in traced.frozen}
+    grads = {a.name: placeholder.get(k.name) for a, k in zip(flat, kinds)
+             if k.kind == "grad" and isinstance(a, torch.fx.Node)}
+    return Schedule(traced.graph, traced.tensor_info, set(grads), {g: p for g, p in grads.items() if p is not None})
 
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
@@ -57,19 +60,24 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                                 on_progress=on_progress, regions=regions, recompute=recompute)
 
     plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
-    extra, point = schedule.temporaries(plan)
+    extra, point = schedule.temporaries(plan, rebuilt_regions(plan, recompute))
+    # the row's kinds (held when backward starts) with what the walk holds beyond the saved activations
+    peak = sum(b for k, b in plan.memory.items() if k != "gradients") + extra
     at = None if point is None else point.at
-    if memory_budget is not None and plan.predicted_peak_bytes + extra > memory_budget * (1 + 1e-9):
-        warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, gradients, "
-                      f"optimizer state and saved activations fit, but with the schedule's temporaries "
-                      f"({extra / 2**20:.1f} MiB at '{at}') the predicted peak is "
-                      f"{(plan.predicted_peak_bytes + extra) / 2**20:.1f} MiB, and "
+    if memory_budget is not None and peak > memory_budget * (1 + 1e-9):
+        warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, optimizer state and "
+                      f"saved activations fit, but with the gradients and temporaries the schedule holds "
+                      f"({extra / 2**20:.1f} MiB more at '{at}') the predicted peak is {peak / 2**20:.1f} MiB, and "
                       + ("no plan fits whole (proven; this is the leanest plan found). "
                          if "(proven)" in str(plan.stats.get("status")) else
                          "no plan the search met fits whole (this is the leanest it found). ") +
                       "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
+    # "temporaries": the rest of what the walk holds beyond the saved activations, less the gradients made
+    # by the worst point (so that the sum of `memory` is the peak plus the gradients still to come)
+    made = 0.0 if point is None else schedule.gradient_bytes(point, plan.choices, plan.mesh.shape)
+    temporaries = max(0.0, extra - made)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(
-        plan, memory={**plan.memory, "temporaries": extra},
+        plan, memory={**plan.memory, "temporaries": temporaries}, peak_bytes=peak,
         stats={**plan.stats, **(stats or {}), "peak_live_at": at, "bucket_bytes": bucket_bytes},
         wrapper_counts=wrapper_counts(traced.graph, kinds, traced.joint), joint=traced.joint)

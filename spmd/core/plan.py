@@ -38,7 +38,10 @@ class Plan:
     ("model.layers.3") whose forward backward runs again instead of saving it, `recompute_selective`
     those whose forward it runs again but for their matmuls and attention (saved); `recompute_cost` the
     seconds both add (part of `objective`), `recomputed_bytes` the saved activations they no longer hold
-    (net: `memory["activations"]` is what is held)."""
+    (net: `memory["activations"]` is what is held). `memory` counts what each kind holds at its most
+    (every gradient, as after backward; every saved activation, as when backward starts; the
+    temporaries alive at the worst point), so its sum overstates the peak in training: `peak_bytes` is the
+    worst point of the schedule (0.0 where none was walked)."""
 
     mesh: object  # MeshSpec
     choices: dict[str, Strategy]
@@ -58,6 +61,7 @@ class Plan:
     recompute_cost: float = 0.0
     recomputed_bytes: float = 0.0
     recompute_selective: tuple[str, ...] = ()
+    peak_bytes: float = 0.0
 
     @property
     def predicted_step_s(self) -> float:
@@ -84,8 +88,10 @@ class Plan:
 
     @property
     def predicted_peak_bytes(self) -> float:
-        """Parameters + gradients + optimizer state + saved activations + inputs + temporaries on one rank."""
-        return sum(self.memory.values())
+        """The most bytes one rank holds at once: parameters, optimizer state, buffers and inputs, with
+        what the worst point of the schedule holds (saved activations, the gradients made by then,
+        temporaries); the sum of `memory` where no schedule was walked."""
+        return self.peak_bytes or sum(self.memory.values())
 
     def output_placements(self, value: Value) -> Placements:
         name, idx = value

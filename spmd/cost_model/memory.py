@@ -1,13 +1,18 @@
 """Per-rank memory of a plan: parameters, gradients, optimizer state, saved activations, inputs.
 
 Each term is a value of the graph whose bytes on one rank depend on the placements the plan gives it:
-`nbytes / (product of the mesh axes sharding it) * factor`. In training everything here is alive at
-once when backward starts (parameters, their gradients and optimizer state, every activation saved for
-backward); these terms are linear in the solver's choices, so they form the `memory_budget` row.
+`nbytes / (product of the mesh axes sharding it) * factor`. Parameters, optimizer state, buffers and
+inputs are held all the time. In training, every activation saved for backward is alive when backward
+starts, and no gradient is yet; backward then frees the activations layer by layer as it makes the
+gradients, which are all alive when it ends. These terms are linear in the solver's choices: the
+persistent ones with the saved activations form the `memory_budget` row (the bytes alive when backward
+starts, less its temporaries), the persistent ones with the gradients a second row (when it ends).
 
-On top of them, `peak_live_bytes` walks the schedule with the chosen placements: the most bytes of
-intermediate values alive at any one point. What that peak holds beyond the saved activations is
-reported as "temporaries" (in inference, where nothing is saved, it is the whole activation peak).
+`Schedule` walks the schedule with the chosen placements: the bytes of intermediate values alive at
+each point, each parameter's gradient from the node that makes it to the end. Its worst point is the
+plan's predicted peak (with the persistent terms). Measured on one H200 (bench/results_gpu.md), counting
+every gradient and every saved activation at once overstated a GPT's step by 11-26%: its peak comes
+when backward starts, where no gradient exists yet.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ class LivePoint:
     at: str
     made: bool
     values: tuple[str, ...]
+    gradients: tuple[str, ...] = ()  # the parameters (placeholders) whose gradients are held there
 
 
 class Schedule:
@@ -85,9 +91,12 @@ class Schedule:
     reads (an edge of the plan: a weight gathered for a matmul, an all_reduced partial sum) is alive over
     `spans[reader]`: from the reader to its last use through views. As insert_collectives makes them,
     one copy per (value, layout, phase) serves every reader in that phase, alive from the first to the
-    last."""
+    last. `gradients` (gradient node -> its parameter's placeholder): from the node that makes it to the
+    end, each parameter's gradient is held in the parameter's layout (the piece the rank graph returns).
+    """
 
-    def __init__(self, graph, tensor_info: dict, exclude: set[str] = frozenset()):
+    def __init__(self, graph, tensor_info: dict, exclude: set[str] = frozenset(),
+                 gradients: dict[str, str] | None = None):
         self.nodes, self.tensor_info = list(graph.nodes), tensor_info
         order = {n: i for i, n in enumerate(self.nodes)}
         base: dict = {}
@@ -109,23 +118,34 @@ class Schedule:
         self.values = [(n, order[n], last.get(n, order[n])) for n in self.nodes
                        if n.op == "call_function" and n not in base]
         self.roots = {n for n, _, _ in self.values}
+        self.last = {n: i for n, _, i in self.values}
         self.frees: dict[int, list] = {}
         for n, _, i in self.values:
             self.frees.setdefault(i, []).append(n)
+        self._order, self._base = order, base
+        self._rebuilt_memo: dict[tuple, tuple] = {}
         self.spans = {n.name: (order[n], _last_through_views(n, order)) for n in self.nodes if n.op != "output"}
         self.phase = {n.name: n.meta.get("partitioner_tag") for n in self.nodes}
+        # index -> the parameters whose gradient is made there, held from then on
+        self.gradient_at: dict[int, list[str]] = {}
+        for n in self.nodes:
+            if gradients and n.name in gradients:
+                self.gradient_at.setdefault(order[n], []).append(gradients[n.name])
 
-    def temporaries(self, plan) -> tuple[float, LivePoint | None]:
-        """What a plan's schedule holds at its worst point beyond the saved activations (every layer's,
-        recomputed or not: the schedule walked saves them all), and that point."""
-        peak, point = self.peak(plan.choices, plan.mesh.shape, plan.edges)
-        return max(0.0, peak - plan.memory.get("activations", 0.0) - plan.recomputed_bytes), point
+    def temporaries(self, plan, rebuilt=()) -> tuple[float, LivePoint | None]:
+        """What a plan's schedule holds at its worst point beyond its saved activations (`rebuilt`: the
+        regions its backward runs again, see `walk`): the gradients made by then and the intermediate
+        values, what the budget row cannot see; and that point."""
+        peak, point = self.peak(plan.choices, plan.mesh.shape, plan.edges, rebuilt)
+        if not rebuilt:  # (the walk saved every layer's activations: take off what recomputation frees)
+            peak -= plan.recomputed_bytes
+        return max(0.0, peak - plan.memory.get("activations", 0.0)), point
 
-    def peak(self, choices: dict, mesh_shape: tuple[int, ...], edges=()) -> tuple[float, LivePoint | None]:
+    def peak(self, choices: dict, mesh_shape: tuple[int, ...], edges=(), rebuilt=()) -> tuple[float, LivePoint | None]:
         """The most bytes of intermediate values one rank holds at any point under the chosen placements
         (`choices`, node -> strategy; `edges`, the plan's reshardings: their copies), and where."""
         peak, at = 0.0, None
-        for live, i, made in self.walk(choices, mesh_shape, edges):
+        for live, i, made in self.walk(choices, mesh_shape, edges, rebuilt):
             if live > peak:
                 peak, at = live, (i, made)
         return peak, None if at is None else self.point(*at)
@@ -143,9 +163,72 @@ class Schedule:
             over = live > above
         return [self.point(i, made) for _, i, made in sorted(runs, key=lambda r: -r[0])[:most]]
 
-    def walk(self, choices: dict, mesh_shape: tuple[int, ...], edges=()):
-        """(bytes alive, node index, its output made) at every point of the schedule, in order."""
+    def rebuilt_lives(self, regions) -> tuple[dict[int, list], dict[int, list], dict[int, list]]:
+        """How the schedule changes when backward runs `regions` (tuples of forward node names) again, as
+        recompute_layers rewrites the rank graph: a region's copy runs just before the first backward node
+        that reads one of its values, and backward reads the copy. So each value of the region that
+        backward reads dies after its last forward reader, and is made again there, alive until its last
+        backward reader; what the region reads from outside it stays alive until the copy runs.
+        Returns ((index -> values whose life ends there now, index -> values made again before it runs,
+        index -> the copies that die there), the values whose life changed)."""
+        key = tuple(regions)
+        if key in self._rebuilt_memo:
+            return self._rebuilt_memo[key]
+        order, base, phase = self._order, self._base, self.phase
+        by_name = {n.name: n for n in self.nodes}
+
+        def readers(n):  # (forward, backward) reader indices, through views
+            fwd, bwd = [], []
+            for u in n.users:
+                if u.op == "output":
+                    continue
+                if base.get(u) is not None:
+                    f, b = readers(u)
+                    fwd += f
+                    bwd += b
+                (bwd if phase.get(u.name) == "is_backward" else fwd).append(order[u])
+            return fwd, bwd
+
+        ends, again, dies = {}, {}, {}
+        for region in regions:
+            nodes = [by_name[name] for name in region if name in by_name]
+            members = set(nodes)
+            lives, firsts = [], []
+            for n in nodes:  # (a view in the region, of a value outside it, is copied too: its readers count)
+                fwd, bwd = readers(n)
+                firsts += bwd[:1] and [min(bwd)]
+                if n in self.roots and bwd:
+                    lives.append((n, max([order[n], *fwd]), max(bwd)))
+            if not lives:
+                continue
+            start = min(firsts)
+            for n, forward_end, backward_end in lives:
+                ends[n] = forward_end
+                again.setdefault(start, []).append(n)
+                dies.setdefault(backward_end, []).append(n)
+            for n in nodes:  # what the copy reads from outside the region lives until it runs
+                for a in n.all_input_nodes:
+                    root = base.get(a, a)
+                    if root not in members and root in self.roots and self.last[root] < start:
+                        ends[root] = max(ends.get(root, start), start)
+        moved: dict[int, list] = {}
+        for root, i in ends.items():
+            moved.setdefault(i, []).append(root)
+        out = (moved, again, dies), set(ends)
+        self._rebuilt_memo[key] = out
+        return out
+
+    def walk(self, choices: dict, mesh_shape: tuple[int, ...], edges=(), rebuilt=()):
+        """(bytes alive, node index, its output made) at every point of the schedule, in order.
+        `rebuilt`: the regions (forward node names) backward runs again (`rebuilt_lives`)."""
         tensor_info = self.tensor_info
+        frees, again, dies = self.frees, {}, {}
+        if rebuilt:
+            (moved, again, dies), changed = self.rebuilt_lives(rebuilt)
+            frees = {i: [r for r in roots if r not in changed] for i, roots in self.frees.items()}
+            for i, roots in moved.items():
+                frees.setdefault(i, []).extend(roots)
+        copies_again: dict = {}
         copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
         for e in edges:
             span = self.spans.get(e.consumer)
@@ -167,20 +250,36 @@ class Schedule:
         sizes: dict = {}
         for i, n in enumerate(self.nodes):
             live += copy_alloc.get(i, 0.0)  # the node's resharded inputs, alive while it runs
+            for root in again.get(i, ()):  # a recomputed region's values, made again before it runs
+                copies_again[root] = value_bytes(tensor_info.get(root.name), choices[root.name].outputs, mesh_shape) \
+                    if root.name in choices else 0.0
+                live += copies_again[root]
             yield live, i, False
-            if n in self.roots and n.name in choices:
-                sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
-                live += sizes[n]
+            held = self.gradient_at.get(i, ())
+            if n in self.roots and n.name in choices or held:
+                if n in self.roots and n.name in choices:
+                    sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
+                    live += sizes[n]
+                live += sum(value_bytes(tensor_info.get(p), choices[p].outputs, mesh_shape)
+                            for p in held if p in choices)
                 yield live, i, True
-            for root in self.frees.get(i, ()):
+            for root in frees.get(i, ()):
                 live -= sizes.pop(root, 0.0)
+            for root in dies.get(i, ()):
+                live -= copies_again.pop(root, 0.0)
             live -= copy_free.get(i, 0.0)
 
     def point(self, index: int, made: bool) -> LivePoint:
         """What is alive at the `index`-th node, before (`made` False) or after its output is made."""
         alive = tuple(n.name for n, first, last in self.values
                       if (first <= index if made else first < index) and index <= last)
-        return LivePoint(index, self.nodes[index].name, made, alive)
+        held = tuple(p for i, ps in self.gradient_at.items() if (i <= index if made else i < index) for p in ps)
+        return LivePoint(index, self.nodes[index].name, made, alive, held)
+
+    def gradient_bytes(self, point: LivePoint, choices: dict, mesh_shape: tuple[int, ...]) -> float:
+        """Bytes of the gradients held at `point` under the chosen placements."""
+        return sum(value_bytes(self.tensor_info.get(p), choices[p].outputs, mesh_shape)
+                   for p in point.gradients if p in choices)
 
 
 def value_bytes(infos, outputs, mesh_shape: tuple[int, ...]) -> float:

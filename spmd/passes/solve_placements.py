@@ -84,9 +84,26 @@ def _add_flow_balance(ilp: IlpBuilder, made: dict, needed: dict, arcs, arc_cols,
         ilp.add_eq(terms, 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rebuild:
+    """One layer's region as backward may run it again, for the cuts: while its copy is alive (from the
+    first backward reader of the region to the last), the bytes the budget row says recomputing it frees
+    are held again. In the program the layer is one of a run of `n` alike layers sharing scaled columns
+    w = m * x (m of them recomputed); it is recomputed when m >= k. The cut adds back
+    (m - k + 1) / (n - k + 1) of what it frees: at most what it holds (nothing or less when m < k, all
+    when m = n, and 1 / (n - k + 1) of it when m = k), so every plan that fits still satisfies the cut,
+    and where the whole run is recomputed (or the layer is a run of its own) the cut is exact.
+    `freed`: (w column, layout column x, bytes one layer frees there)."""
+
+    region: tuple[str, ...]
+    k: int
+    n: int
+    freed: tuple[tuple[int, int, float], ...]
+
+
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
                value_expr: dict, col_group: dict, edge_at: dict, edge_groups: list, memory_row: dict,
-               flows: dict, copies: dict) -> list[tuple[list[tuple[int, int]], list[int]]]:
+               flows: dict, copies: dict, rebuilds: list) -> list[tuple[list[tuple[int, int]], list[int]]]:
     """How many layers of each stack backward recomputes whole (the first K of its N) and selectively
     (the last J), as one column per allowed pair (K, J), K + J <= N, exactly one of them 1 (J = 0 where
     the stack's layers have no selective region); returns (pairs, columns) per stack. One choice over
@@ -112,8 +129,12 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
     in the relaxation too (as two columns, a fractional layout let them part: the relaxation freed bytes
     no plan frees, and its rounding was a plan over the budget)."""
     counts = []
-    for stack in recompute.stacks:
+    last_stack = _last_stack(recompute, table)
+    for s, stack in enumerate(recompute.stacks):
         n = len(stack)
+        # only the layer backward reaches first holds its rebuilt activations with every other layer's
+        # saved ones: a stack's last layer before another stack's layers frees what it saves
+        held_last = s == last_stack
         light = [layer.selective for layer in stack] if stack[0].selective is not None else []
         pairs = {"all": [(n, 0)], "selective": [(0, n) if light else (0, 0)]}.get(
             recompute.mode, [(k, j) for k in range(n + 1) for j in range(n + 1 - k if light else 1)])
@@ -141,10 +162,15 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 ilp.add_eq([(m, 1.0)] + [(c, -v) for c, v in per_pair], 0.0)
                 times.append({})
                 # the last layer frees nothing: its rebuilt activations are held while its backward runs
-                layer = layers[a] if b < n else dataclasses.replace(layers[a], frees=())
-                _price_run(ilp, layer, b - a, lambda col: scaled(col, times[-1], m, float(b - a)), table,
-                           costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows,
-                           m, copies if b < n else {}, copy_frees)
+                layer = layers[a] if b < n or not held_last else dataclasses.replace(layers[a], frees=())
+                freed = _price_run(ilp, layer, b - a, lambda col: scaled(col, times[-1], m, float(b - a)), table,
+                                   costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows,
+                                   m, copies if b < n or not held_last else {}, copy_frees)
+                # each layer i of the run is recomputed when the count reaches it: whole ones first
+                # (k = i - a + 1), selective ones last (k = b - i); see `Rebuild`
+                for i in range(a, b):
+                    if layers[i] is not None:
+                        rebuilds.append(Rebuild(layers[i].nodes, i - a + 1 if mode == 0 else b - i, b - a, tuple(freed)))
             # a layer is recomputed one way or not at all: per layout, both ways' counts share the run's
             # layers laid out so (w_g + w'_g <= (b - a) x_g; bounded apart, the relaxation counted a
             # fractional layout's layers twice, and freed more bytes than they hold)
@@ -155,6 +181,25 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
             for z, frees in copy_frees.items():  # and frees a kept copy once, if there is one
                 ilp.add_le([(u, 1.0) for u in frees] + [(z, -float(b - a))], 0.0)
     return counts
+
+
+def _last_stack(recompute: Recomputable, table: StrategyTable) -> int:
+    """The stack whose last layer backward reaches first (the last in forward order)."""
+    position = {name: i for i, name in enumerate(table.nodes)}
+    return max(range(len(recompute.stacks)), default=0,
+               key=lambda s: max((position.get(name, -1) for name in recompute.stacks[s][-1].nodes), default=-1))
+
+
+def rebuilt_regions(plan: Plan, recompute: Recomputable | None) -> tuple[tuple[str, ...], ...]:
+    """The forward nodes backward runs again under `plan`, one region per recomputed layer (whole or
+    selective), for `Schedule.walk`."""
+    if not recompute or not (plan.recompute or plan.recompute_selective):
+        return ()
+    layers = {layer.key: layer for stack in recompute.stacks for layer in stack}
+    regions = [layers[key].nodes for key in plan.recompute if key in layers]
+    regions += [layers[key].selective.nodes for key in plan.recompute_selective
+                if key in layers and layers[key].selective is not None]
+    return tuple(regions)
 
 
 def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict,
@@ -187,7 +232,7 @@ def _runs(stack, table: StrategyTable, costs: CostTable, node_expr: dict, value_
 def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callable[[int], int],
                table: StrategyTable, costs: CostTable, node_expr: dict, value_expr: dict, edge_at: dict,
                edge_groups: list, memory_row: dict, flows: dict, count: int, copies: dict,
-               copy_frees: dict[int, list[int]]) -> None:
+               copy_frees: dict[int, list[int]]) -> list[tuple[int, int, float]]:
     """Objective and budget-row terms of recomputing the layers of one run, `layer` its first: `w(col)`
     is a column equal to (how many of the run are recomputed) * col, `count` the column of that number.
     A flow edge into the run (`flows`: its first arc column -> (made, needed, arcs)) is priced as a flow
@@ -196,7 +241,8 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
     forward readers), z its 0/1 column, the same in every layer of the run), whose value the region
     alone reads in forward, is freed by each layer recomputed: a column u = count * z, exact
     where z is 0 or 1 (u <= count, u >= count - length * (1 - z)), listed in `copy_frees[z]`; the caller
-    bounds the run's u of each z by length * z."""
+    bounds the run's u of each z by length * z. Returns what one layer of the run frees on each scaled
+    column: (w column, its layout column, bytes; what it newly holds negative)."""
     seconds: dict[int, float] = {}
     shared: dict[tuple, tuple[float, dict[str, list[int]]]] = {}
     flow_uses: dict[int, int] = {}
@@ -234,12 +280,15 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
         made, needed, arcs = flows[first]
         scaled = [ilp.add_var(arc.seconds * uses, binary=False, upper=float(length)) for arc in arcs]
         _add_flow_balance(ilp, made, needed, arcs, scaled, w)
+    freed: list[tuple[int, int, float]] = []  # (w column, layout column, bytes one layer frees on it)
     for names, sign in ((layer.frees, 1.0), (layer.adds, -1.0)):
         for base in names:
             info = costs.value_info[(base, 0)]
             for ps, expr in value_expr[(base, 0)].items():
                 for col in expr:
-                    memory_row[w(col)] = memory_row.get(w(col), 0.0) - sign * info.nbytes / pieces(ps, costs.mesh.shape)
+                    b = sign * info.nbytes / pieces(ps, costs.mesh.shape)
+                    memory_row[w(col)] = memory_row.get(w(col), 0.0) - b
+                    freed.append((w(col), col, b))
     held: dict[int, float] = {}  # z -> bytes of the layer's copies it stands for
     region = set(layer.nodes)
     for z, size, _, readers in dict.fromkeys(copy for name in layer.nodes for copy in copies.get(name, ())):
@@ -251,6 +300,7 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
         ilp.add_ge([(u, 1.0), (count, -1.0), (z, -float(length))], -float(length))
         copy_frees.setdefault(z, []).append(u)
         memory_row[u] = memory_row.get(u, 0.0) - size
+    return freed
 
 
 def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs: dict, edges,
@@ -370,11 +420,14 @@ def _readers_by_phase(table: StrategyTable, schedule: Schedule, regions: dict) -
 
 def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: CostTable,
          node_expr: dict, value_expr: dict, memory_row: dict[int, float], readers: dict,
-         saved_copies: frozenset[int] = frozenset()) -> Cut:
+         saved_copies: frozenset[int] = frozenset(), rebuilt: tuple = ()) -> Cut:
     """The predicted peak at one point of the schedule (where a plan was over) as a row of the choices: the
     memory row without the saved activations and saved copies (`saved_copies`, their columns; the
     schedule counts both where they are alive; what recomputation frees stays), plus each value alive
-    there in the layout chosen for it, plus every resharded copy alive there. At every plan it equals
+    there in the layout chosen for it, the gradients made by then in their parameters' layouts, plus
+    every resharded copy alive there; where a recomputed layer's copy is alive (`rebuilt`: (first
+    index, last index, `Rebuild`)), what the row says recomputing it frees, added back (exactly where
+    its whole run is recomputed, less otherwise: see `Rebuild`). At every plan it equals
     what the schedule walk holds at that point, so it holds for every plan that fits and cuts off the
     plan that was over there, and every other plan over at the same point.
 
@@ -392,6 +445,12 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
             for ps, expr in value_expr[term.value].items():
                 for col in expr:
                     terms[col] -= term.bytes(ps, mesh_shape)
+    held = set(point.gradients)  # gradients made by then, in their parameters' layouts
+    for term in costs.memory:
+        if term.kind == "gradients" and term.value[0] in held:
+            for ps, expr in value_expr[term.value].items():
+                for col in expr:
+                    terms[col] = terms.get(col, 0.0) + term.bytes(ps, mesh_shape)
     for name in point.values:
         ns = table.nodes.get(name)
         if ns is None:
@@ -401,6 +460,12 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
             size = value_bytes(info, s.outputs, mesh_shape)
             for col in expr:
                 terms[col] = terms.get(col, 0.0) + size
+    for lo, hi, r in rebuilt:  # a recomputed layer's copy alive here holds again what the row says it frees
+        if lo <= point.index <= hi:
+            share = 1.0 / (r.n - r.k + 1)
+            for w, x, b in r.freed:
+                terms[w] = terms.get(w, 0.0) + b * share
+                terms[x] = terms.get(x, 0.0) - b * (r.k - 1) * share
     i, spans = point.index, schedule.spans
     helpers = []
     for (value, phase), group in readers.items():
@@ -680,11 +745,22 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
 
     mesh_shape = costs.mesh.shape
+    # The budget row: what one rank holds when backward starts (parameters, optimizer state, buffers, inputs,
+    # saved activations). The gradients come later, as backward frees activations: the schedule holds each
+    # from the node that makes it (`Schedule`), and all of them with the persistent terms, when backward
+    # ends, are a second row, kept in the program. (Without a schedule, the row counts them too.)
     memory_row: dict[int, float] = {}
+    ending: dict[int, float] = {}
     for term in costs.memory:
         for ps, expr in value_expr[term.value].items():
             for col in expr:
-                memory_row[col] = memory_row.get(col, 0.0) + term.bytes(ps, mesh_shape)
+                b = term.bytes(ps, mesh_shape)
+                if term.kind != "activations":
+                    ending[col] = ending.get(col, 0.0) + b
+                if term.kind != "gradients" or schedule is None:
+                    memory_row[col] = memory_row.get(col, 0.0) + b
+    if memory_budget is not None and schedule is not None and any(t.kind == "gradients" for t in costs.memory):
+        ilp.add_le(sorted(ending.items()), memory_budget)
 
     saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
     forward_readers = _forward_readers(table, saved, schedule.phase) if saved else {}
@@ -693,9 +769,10 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     copy_cols = frozenset(z for kept in copies.values() for z, *_ in kept)
 
     counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
+    rebuilds: list[Rebuild] = []  # per recomputable layer and way, for the cuts
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
-                            memory_row, flows, copies)
+                            memory_row, flows, copies, rebuilds)
 
     # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
     # reads a plan from each candidate it checks whole)
@@ -754,17 +831,18 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             memory["activations"] = memory.get("activations", 0.0) + sum(
                 costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in kept)
         whole, selective, layers = [], [], []  # keys recomputed whole, selectively; the regions run again
+        last_stack = _last_stack(recompute, table) if counts else 0
         freeing = []  # the regions run again that free their copies (all but a stack's held last layer)
         by_reader: dict[str, list[Edge]] = {}
         for e in kept_by:
             by_reader.setdefault(e.consumer, []).append(e)
-        for stack, (pairs, cols) in zip(recompute.stacks if counts else (), counts):
+        for s, (stack, (pairs, cols)) in enumerate(zip(recompute.stacks if counts else (), counts)):
             k, j = next(pair for pair, c in zip(pairs, cols) if x[c] > 0.5)
             n = len(stack)
             whole += [layer.key for layer in stack[:k]]
             selective += [layer.key for layer in stack[n - j:]]
             redone = [*stack[:k], *(layer.selective for layer in stack[n - j:])]
-            if j or k == n:  # the last layer, recomputed, frees nothing (as `_recompute` prices it)
+            if s == last_stack and (j or k == n):  # the last layer, recomputed, frees nothing (as `_recompute`)
                 redone[-1] = dataclasses.replace(redone[-1], frees=())
                 freeing += redone[:-1]
             else:
@@ -794,7 +872,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         def walk(x) -> tuple[float, LivePoint | None]:
             if walked[0] is not x:
                 plan = to_plan(x, None)
-                walked[:] = x, plan, schedule.temporaries(plan)
+                walked[:] = x, plan, schedule.temporaries(plan, rebuilt_regions(plan, recompute))
             return walked[2]
 
         def cuts(x) -> tuple[Cut, ...]:
@@ -808,8 +886,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             points = schedule.hills(plan, level, CUT_POINTS) or [worst]
             if not by_phase:  # (once per solve, at the first cut)
                 by_phase.update(_readers_by_phase(table, schedule, regions))
-            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols)
-                         for point in points)
+            if rebuilds and not spans:  # (once per solve) where each layer's copy would be alive
+                for r in rebuilds:
+                    (_, again, dies), _ = schedule.rebuilt_lives((r.region,))
+                    if again:
+                        spans.append((min(again), max(dies), r))
+            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols,
+                              tuple(spans)) for point in points)
+
+        spans: list = []
 
         by_phase: dict = {}
         held = {term.value[0] for term in costs.memory if term.kind in ("parameters", "gradients", "optimizer")}
@@ -822,7 +907,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):
         if memory_budget is not None:
-            floor = sum(t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape) for t in costs.memory)
+            least = {}  # each kind sharded as far as the mesh allows
+            for t in costs.memory:
+                least[t.kind] = least.get(t.kind, 0.0) + t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape)
+            held = sum(b for k, b in least.items() if k not in ("gradients", "activations"))
+            floor = held + (max(least.get("gradients", 0.0), least.get("activations", 0.0)) if schedule is not None
+                            else least.get("gradients", 0.0) + least.get("activations", 0.0))
             if result.status.startswith("Out of time"):
                 raise SpmdError(
                     f"solve_placements: the search ran out of its {time_limit:.0f} s before it found a plan that "

@@ -96,8 +96,13 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         lines.append(f"solved by axis search ({search['solves']} solves of two mesh axes at a time, "
                      f"{search['seconds']:.1f} s): {search['note']}")
     if plan.memory:
-        lines.append(f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
-                     ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
+        text = (f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
+                ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
+        later = sum(plan.memory.values()) - plan.predicted_peak_bytes  # gradients backward has not made yet
+        if later > 0.5 and "gradients" in plan.memory:
+            text += (f"; at the worst point ('{plan.stats.get('peak_live_at')}') backward has made "
+                     f"{format_bytes(max(0.0, plan.memory['gradients'] - later))} of the gradients")
+        lines.append(text)
     if plan.recompute or plan.recompute_selective:
         parts = [f"{len(keys)} layers {how} ({_layer_span(keys)}{note})" for keys, how, note in (
             (plan.recompute, "whole", ""),

@@ -95,6 +95,7 @@ def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
         "joint": plan.joint,
         "recompute": list(plan.recompute), "recompute_cost": plan.recompute_cost,
         "recomputed_bytes": plan.recomputed_bytes, "recompute_selective": list(plan.recompute_selective),
+        "peak_bytes": plan.peak_bytes,
         "details": _details_json(details),
     }
 
@@ -118,7 +119,7 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
                 dict(doc.get("labels", {})), dict(doc.get("memory", {})), doc.get("memory_budget"),
                 tuple(counts) if counts is not None else None, bool(doc.get("joint", False)),
                 tuple(doc.get("recompute", ())), doc.get("recompute_cost", 0.0), doc.get("recomputed_bytes", 0.0),
-                tuple(doc.get("recompute_selective", ())))
+                tuple(doc.get("recompute_selective", ())), doc.get("peak_bytes", 0.0))
     if doc.get("fingerprint") and plan.fingerprint() != doc["fingerprint"]:
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")

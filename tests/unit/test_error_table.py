@@ -273,8 +273,13 @@ def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypat
     proven impossible either: the message says which, with the floor and the way out."""
     from spmd.cost_model import solver
 
-    model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
-    free = spmd.plan(model, TP, inputs, loss_fn=F.mse_loss)
+    from tests.support import LATENCY_LINK, SLOW_DEVICE
+
+    dp = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
+    # (a large batch: at 0.6 of the peak the cheapest plan holds all its weights and gradients, but not its
+    # saved activations)
+    model, inputs = MLP(16, 64), (torch.randn(512, 16), torch.randn(512, 16))
+    free = spmd.plan(model, dp, inputs, loss_fn=F.mse_loss)
     integral, calls = solver._Search.integral, []
 
     def slow(self, costs, first_found=False, on_progress=None, seconds=None):
@@ -285,8 +290,10 @@ def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypat
 
     monkeypatch.setattr(solver._Search, "integral", slow)
     monkeypatch.setattr(solver._Search, "polish", lambda *args: None)  # (nor a plan from the weights alone)
+    # nor from the cuts of the plans over by their temporaries: their branch and bound runs out of time too
+    monkeypatch.setattr(solver._Search, "branch_and_bound", lambda *args: (None, float("nan"), False))
     with pytest.raises(spmd.SpmdError) as e:
-        spmd.plan(model, TP, inputs, loss_fn=F.mse_loss, memory_budget=0.5 * free.predicted_peak_bytes)
+        spmd.plan(model, dp, inputs, loss_fn=F.mse_loss, memory_budget=0.6 * free.predicted_peak_bytes)
     message = str(e.value)
     assert "ran out of its 60 s before it found a plan that fits memory_budget" in message, message
     assert "not proven impossible" in message and "the leanest plan found needs" in message, message
