@@ -172,5 +172,6 @@ def _run_training(case: TrainCase, steps: int) -> dict:
             "fingerprint": compiled.plan.fingerprint(),
             "collectives": dict(compiled.plan.collective_summary()),
             "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
+            "peak": compiled.plan.predicted_peak_bytes,
             "unconstrained": free_memory,
             "placements": placements, "compiled_graphs": sorted(compiled._compiled_graphs)}
