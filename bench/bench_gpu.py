@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor          # also the compiled rank graphs
     torchrun --nproc-per-node 1 bench/bench_gpu.py --measure           # also a profile measured here
     torchrun --nproc-per-node 1 bench/bench_gpu.py --memory            # also predicted against measured memory
+    torchrun --nproc-per-node 2 bench/bench_gpu.py --memory-only --one-gpu  # the same, sharded plans on 2 ranks
     torchrun --nproc-per-node 1 bench/bench_gpu.py --cpu --dim 64 --seq 32 --vocab 128 --layers 1  # dry run
 
 A GPT (examples.models) trains on one GPU, compiled by spmd for a one-rank mesh on NCCL: the plan has
@@ -150,8 +151,9 @@ def predicted_step_bytes(plan) -> float:
                                            for k in ("parameters", "optimizer", "buffers", "inputs"))
 
 
-def memory_rows(model, mesh, spec, tokens, targets, cuda: bool):
-    """Predicted against measured step memory for several recompute settings and one budget."""
+def memory_rows(model, mesh, spec, tokens, targets, cuda: bool, sharded: bool = False):
+    """Predicted against measured step memory for several recompute settings and one budget; on several
+    ranks (`sharded`), the free plan and budgets that make the solver shard (this rank's bytes)."""
     gib = 2**30
     nan = float("nan")
     lines = ["| plan | recomputed layers | predicted step ms | saved after the forward, GiB: predicted / measured "
@@ -160,12 +162,22 @@ def memory_rows(model, mesh, spec, tokens, targets, cuda: bool):
     held, peak = step_bytes(lambda: lm_loss(model(tokens), targets), list(model.parameters())) if cuda else (nan, nan)
     lines.append(f"| eager PyTorch | | | {held / gib:.2f} | {peak / gib:.2f} | |")
     settings = [("no recompute", dict(recompute=False)), ("selective, every layer", dict(recompute="selective")),
-                ("whole, every layer", dict(recompute=True))]
+                ("whole, every layer", dict(recompute=True)),
+                ("a budget halfway between no and whole recompute's peaks: the solver's choice", None)]
+    if sharded:
+        settings = [("free", {}), ("budget 0.75 of the free plan's peak", 0.75), ("budget 0.5", 0.5),
+                    ("budget 0.35", 0.35)]
     peaks = []
-    for name, kw in settings + [("a budget halfway between no and whole recompute's peaks: the solver's choice", None)]:
+    for name, kw in settings:
         if kw is None:
             kw = dict(memory_budget=(peaks[0] + peaks[-1]) / 2)
-        compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec, **kw)
+        elif isinstance(kw, float):
+            kw = dict(memory_budget=kw * peaks[0])
+        try:
+            compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec, **kw)
+        except spmd.SpmdError as e:
+            lines.append(f"| {name} | {str(e).split(': ', 1)[-1][:90]} | | | | |")
+            continue
         plan = compiled.plan
         peaks.append(plan.predicted_peak_bytes)
         local = compiled.shard_inputs(tokens, targets)
@@ -174,6 +186,10 @@ def memory_rows(model, mesh, spec, tokens, targets, cuda: bool):
         held, peak = step_bytes(lambda: compiled(*local), params) if cuda else (nan, nan)
         predicted = predicted_step_bytes(plan)
         layers = f"{len(plan.recompute)} whole, {len(plan.recompute_selective)} selective"
+        if sharded:  # what the plan keeps of the weights on this rank
+            kept = sum(p.numel() * p.element_size() for p in params)
+            whole = sum(p.numel() * p.element_size() for p in model.parameters())
+            layers += f"; weights {kept / gib:.2f} of {whole / gib:.2f} GiB"
         lines.append(f"| {name} | {layers} | {plan.predicted_step_s * 1e3:.2f} | "
                      f"{plan.memory.get('activations', 0) / gib:.2f} / {held / gib:.2f} | "
                      f"{predicted / gib:.2f} / {peak / gib:.2f} | {peak / predicted:.2f} |")
@@ -203,10 +219,16 @@ def main() -> int:
     ap.add_argument("--measure", action="store_true", help="also price the plan with rates measured here")
     ap.add_argument("--memory", action="store_true", help="also predicted against measured memory per step")
     ap.add_argument("--memory-only", action="store_true", help="only the memory rows")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="every rank on cuda:0 with gloo (torchrun --nproc-per-node 2): memory rows of sharded plans")
     args = ap.parse_args()
 
     cuda = not args.cpu
-    mesh = spmd.init_mesh((1,), ("dp",), "cuda" if cuda else "cpu")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.one_gpu and cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")  # (init_mesh keeps a process group that exists)
+    mesh = spmd.init_mesh((world,), ("dp",), "cuda" if cuda else "cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = getattr(torch, args.dtype)
     if dtype == torch.float32:
@@ -224,7 +246,9 @@ def main() -> int:
           f"seq {cfg.seq}, batch {args.batch}, vocab {cfg.vocab}, {n_params / 1e6:.0f}M parameters, {args.dtype}")
 
     if args.memory or args.memory_only:
-        print("\n" + "\n".join(memory_rows(model, mesh, spec, tokens, targets, cuda)))
+        lines = memory_rows(model, mesh, spec, tokens, targets, cuda, sharded=world > 1)
+        if dist.get_rank() == 0:
+            print("\n" + "\n".join(lines))
         if args.memory_only:
             dist.destroy_process_group()
             return 0

@@ -636,7 +636,7 @@ def report(results: list[dict], world: int, wall: float, load) -> str:
             f"{k} |loss diff| {le:.1e} / {le1:.1e}, max |param diff| {pe:.1e}" for k, (le, pe, le1) in r["check"].items()) +
             f" (tolerances: loss {LOSS_RTOL:g} relative, parameters {PARAM_ATOL:g} absolute)")
         out.append("")
-        out.append("Memory per rank, MiB. spmd rows: `predicted` is `plan.memory` (its sum is "
+        out.append("Memory per rank, MiB. spmd rows: `predicted` is `plan.memory` (each kind at its most; its sum is at least "
                    "`plan.predicted_peak_bytes`); `measured` is `compiled.memory_report(opt)` after backward, whose "
                    "activations are the storages its forward graph saved (parameters included if saved). Other rows: "
                    "sums of the storages of this rank's parameters, gradients and AdamW state (DTensor: local shards), "

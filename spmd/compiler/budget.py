@@ -75,9 +75,10 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
     # "temporaries": the rest of what the walk holds beyond the saved activations, less the gradients made
     # by the worst point (so that the sum of `memory` is the peak plus the gradients still to come)
     made = 0.0 if point is None else schedule.gradient_bytes(point, plan.choices, plan.mesh.shape)
-    temporaries = max(0.0, extra - made)
+    temporaries = max(0.0, extra - made)  # (0 where the worst point holds fewer activations than were saved)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(
         plan, memory={**plan.memory, "temporaries": temporaries}, peak_bytes=peak,
-        stats={**plan.stats, **(stats or {}), "peak_live_at": at, "bucket_bytes": bucket_bytes},
+        stats={**plan.stats, **(stats or {}), "peak_live_at": at, "gradients_at_peak": made,
+               "bucket_bytes": bucket_bytes},
         wrapper_counts=wrapper_counts(traced.graph, kinds, traced.joint), joint=traced.joint)

@@ -150,12 +150,12 @@ class Schedule:
                 peak, at = live, (i, made)
         return peak, None if at is None else self.point(*at)
 
-    def hills(self, plan, above: float, most: int) -> list[LivePoint]:
-        """The points where `plan`'s schedule holds more than `above` bytes: the highest of each run of
-        such points, at most `most` of them, highest first."""
+    def hills(self, plan, above: float, most: int, rebuilt=()) -> list[LivePoint]:
+        """The points where `plan`'s schedule (`rebuilt`: see `walk`) holds more than `above` bytes: the
+        highest of each run of such points, at most `most` of them, highest first."""
         runs: list[tuple[float, int, bool]] = []  # the top of each run over `above`
         over = False  # (the point before was over too: the same run)
-        for live, i, made in self.walk(plan.choices, plan.mesh.shape, plan.edges):
+        for live, i, made in self.walk(plan.choices, plan.mesh.shape, plan.edges, rebuilt):
             if live > above and not over:
                 runs.append((live, i, made))
             elif live > above and live > runs[-1][0]:

@@ -93,12 +93,18 @@ class Rebuild:
     (m - k + 1) / (n - k + 1) of what it frees: at most what it holds (nothing or less when m < k, all
     when m = n, and 1 / (n - k + 1) of it when m = k), so every plan that fits still satisfies the cut,
     and where the whole run is recomputed (or the layer is a run of its own) the cut is exact.
-    `freed`: (w column, layout column x, bytes one layer frees there)."""
+    `freed`: (w column, layout column x, bytes one layer frees there; negative for what it newly holds for
+    its copy, which the row counts for every recomputed layer and a backward point's cut drops: some of
+    those copies have run). `held`: for the layer the row lets free nothing (the last of the last stack,
+    a run of its own), what it does free from its last forward reader until its copy runs, which the
+    cut takes off there."""
 
     region: tuple[str, ...]
     k: int
     n: int
     freed: tuple[tuple[int, int, float], ...]
+    run: tuple = ()  # (stack, first layer, way): the layers of one run share `freed`
+    held: tuple[tuple[str, int, float], ...] = ()  # the held last layer: (value, w column, bytes) it frees
 
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
@@ -163,14 +169,18 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 times.append({})
                 # the last layer frees nothing: its rebuilt activations are held while its backward runs
                 layer = layers[a] if b < n or not held_last else dataclasses.replace(layers[a], frees=())
-                freed = _price_run(ilp, layer, b - a, lambda col: scaled(col, times[-1], m, float(b - a)), table,
-                                   costs, node_expr, value_expr, edge_at, edge_groups, memory_row, flows,
-                                   m, copies if b < n or not held_last else {}, copy_frees)
+                w = (lambda col: scaled(col, times[-1], m, float(b - a)))
+                freed = _price_run(ilp, layer, b - a, w, table, costs, node_expr, value_expr, edge_at, edge_groups,
+                                   memory_row, flows, m, copies if b < n or not held_last else {}, copy_frees)
+                held = () if layer is layers[a] else tuple(  # (a run of its own: w = [recomputed] x)
+                    (base, w(col), costs.value_info[(base, 0)].nbytes / pieces(ps, costs.mesh.shape))
+                    for base in layers[a].frees for ps, expr in value_expr[(base, 0)].items() for col in expr)
                 # each layer i of the run is recomputed when the count reaches it: whole ones first
                 # (k = i - a + 1), selective ones last (k = b - i); see `Rebuild`
                 for i in range(a, b):
                     if layers[i] is not None:
-                        rebuilds.append(Rebuild(layers[i].nodes, i - a + 1 if mode == 0 else b - i, b - a, tuple(freed)))
+                        rebuilds.append(Rebuild(layers[i].nodes, i - a + 1 if mode == 0 else b - i, b - a,
+                                                tuple(freed), (s, a, mode), held))
             # a layer is recomputed one way or not at all: per layout, both ways' counts share the run's
             # layers laid out so (w_g + w'_g <= (b - a) x_g; bounded apart, the relaxation counted a
             # fractional layout's layers twice, and freed more bytes than they hold)
@@ -460,12 +470,23 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
             size = value_bytes(info, s.outputs, mesh_shape)
             for col in expr:
                 terms[col] = terms.get(col, 0.0) + size
-    for lo, hi, r in rebuilt:  # a recomputed layer's copy alive here holds again what the row says it frees
-        if lo <= point.index <= hi:
+    backward = schedule.phase.get(point.at) == "is_backward"
+    runs = set()
+    for lo, hi, r, ends in rebuilt:
+        if lo <= point.index <= hi:  # a recomputed layer's copy alive here holds again what the row says it frees
             share = 1.0 / (r.n - r.k + 1)
             for w, x, b in r.freed:
-                terms[w] = terms.get(w, 0.0) + b * share
-                terms[x] = terms.get(x, 0.0) - b * (r.k - 1) * share
+                if b > 0:
+                    terms[w] = terms.get(w, 0.0) + b * share
+                    terms[x] = terms.get(x, 0.0) - b * (r.k - 1) * share
+        for base, w, b in r.held:  # the held last layer, recomputed, frees its values until its copy runs
+            if ends.get(base, lo) < point.index < lo:
+                terms[w] = terms.get(w, 0.0) - b
+        if backward and r.run not in runs:  # what a recomputed layer newly held for its copy: gone once it ran
+            runs.add(r.run)
+            for w, _, b in r.freed:
+                if b < 0:
+                    terms[w] = terms.get(w, 0.0) + b
     i, spans = point.index, schedule.spans
     helpers = []
     for (value, phase), group in readers.items():
@@ -882,15 +903,17 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 return ()
             plan, row = walked[1], sum(b * x[c] for c, b in memory_row.items())
             # a point is over when row - saved activations + what is alive there > budget
-            level = memory_budget - row + plan.memory.get("activations", 0.0) + plan.recomputed_bytes
-            points = schedule.hills(plan, level, CUT_POINTS) or [worst]
+            level = memory_budget - row + plan.memory.get("activations", 0.0)
+            points = schedule.hills(plan, level, CUT_POINTS, rebuilt_regions(plan, recompute)) or [worst]
             if not by_phase:  # (once per solve, at the first cut)
                 by_phase.update(_readers_by_phase(table, schedule, regions))
             if rebuilds and not spans:  # (once per solve) where each layer's copy would be alive
                 for r in rebuilds:
-                    (_, again, dies), _ = schedule.rebuilt_lives((r.region,))
+                    (moved, again, dies), _ = schedule.rebuilt_lives((r.region,))
                     if again:
-                        spans.append((min(again), max(dies), r))
+                        region = set(r.region)
+                        ends = {root.name: i for i, roots in moved.items() for root in roots if root.name in region}
+                        spans.append((min(again), max(dies), r, ends))
             return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols,
                               tuple(spans)) for point in points)
 

@@ -98,10 +98,10 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     if plan.memory:
         text = (f"predicted memory per rank: {format_bytes(plan.predicted_peak_bytes)} (" +
                 ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()) + ")")
-        later = sum(plan.memory.values()) - plan.predicted_peak_bytes  # gradients backward has not made yet
-        if later > 0.5 and "gradients" in plan.memory:
+        made = plan.stats.get("gradients_at_peak")
+        if made is not None and plan.memory.get("gradients"):
             text += (f"; at the worst point ('{plan.stats.get('peak_live_at')}') backward has made "
-                     f"{format_bytes(max(0.0, plan.memory['gradients'] - later))} of the gradients")
+                     f"{format_bytes(made)} of the gradients")
         lines.append(text)
     if plan.recompute or plan.recompute_selective:
         parts = [f"{len(keys)} layers {how} ({_layer_span(keys)}{note})" for keys, how, note in (

@@ -38,8 +38,10 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
         return made[-1][1]
 
     def spy_temporaries(self, plan, rebuilt=()):
-        plans.append((None, plan, self))
-        return temporaries(self, plan, rebuilt)
+        got = temporaries(self, plan, rebuilt)
+        # (what the plan needs whole: the row's kinds, all but the gradients, and what the walk holds beyond)
+        plans.append((None, plan, self, sum(b for k, b in plan.memory.items() if k != "gradients") + got[0]))
+        return got
 
     solve = solver.IlpBuilder.solve
 
@@ -94,12 +96,21 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
         elif e[2]:
             assert e[2][0] not in cut_before, (e[2][0], sorted(cut_before))
             pending |= set(e[2])
-    assert sum(e[0] == "round" for e in events) <= 2
+    assert sum(e[0] == "round" for e in events) <= 3
 
     # every cut counts, at every plan the search checked, exactly the resharded copies the schedule walk
     # holds at its point under that plan (helper columns at their least), not only its own plan's copies
-    checked = [(x, plan, schedule) for x, plan, schedule in plans if x is not None]
+    checked = [(x, plan, schedule) for x, plan, schedule, _ in plans if x is not None]
     assert made and len(checked) >= 2
+    # and no cut asks more of a plan than the plan needs whole (so no plan that fits is cut off), with a
+    # layer recomputed (a rebuilt layer's bytes added back while its copy is alive)
+    assert any(plan.recompute or plan.recompute_selective for _, plan, _ in checked)
+    for point, c in made:
+        for x, plan, schedule, need in (p for p in plans if p[0] is not None):
+            value = sum(v * x[col] for col, v in c.terms) + sum(
+                size * max(0.0, *(sum(v * x[col] for col, v in row) + const for row, const in lower))
+                for size, lower in c.helpers)
+            assert value <= need * (1 + 1e-9), (point.at, value, need, plan.recompute)
     for point, c in made:
         for x, plan, schedule in checked:
             copies = sum(size * max(0.0, *(sum(v * x[col] for col, v in row) + const for row, const in lower))
