@@ -126,6 +126,7 @@ class Schedule:
         self._rebuilt_memo: dict[tuple, tuple] = {}
         self.spans = {n.name: (order[n], _last_through_views(n, order)) for n in self.nodes if n.op != "output"}
         self.phase = {n.name: n.meta.get("partitioner_tag") for n in self.nodes}
+        self._split: dict[str, tuple] = {}
         # index -> the parameters whose gradient is made there, held from then on
         self.gradient_at: dict[int, list[str]] = {}
         for n in self.nodes:
@@ -170,7 +171,8 @@ class Schedule:
         backward reads dies after its last forward reader, and is made again there, alive until its last
         backward reader; what the region reads from outside it stays alive until the copy runs.
         Returns ((index -> values whose life ends there now, index -> values made again before it runs,
-        index -> the copies that die there), the values whose life changed)."""
+        index -> the copies that die there), the values whose life changed, region member -> where its
+        region's copy starts). A resharded copy a region member reads runs again with it (`walk`)."""
         key = tuple(regions)
         if key in self._rebuilt_memo:
             return self._rebuilt_memo[key]
@@ -189,7 +191,7 @@ class Schedule:
                 (bwd if phase.get(u.name) == "is_backward" else fwd).append(order[u])
             return fwd, bwd
 
-        ends, again, dies = {}, {}, {}
+        ends, again, dies, starts = {}, {}, {}, {}
         for region in regions:
             nodes = [by_name[name] for name in region if name in by_name]
             members = set(nodes)
@@ -202,6 +204,7 @@ class Schedule:
             if not lives:
                 continue
             start = min(firsts)
+            starts.update(dict.fromkeys((n.name for n in nodes), start))
             for n, forward_end, backward_end in lives:
                 ends[n] = forward_end
                 again.setdefault(start, []).append(n)
@@ -214,7 +217,7 @@ class Schedule:
         moved: dict[int, list] = {}
         for root, i in ends.items():
             moved.setdefault(i, []).append(root)
-        out = (moved, again, dies), set(ends)
+        out = (moved, again, dies), set(ends), starts
         self._rebuilt_memo[key] = out
         return out
 
@@ -222,9 +225,9 @@ class Schedule:
         """(bytes alive, node index, its output made) at every point of the schedule, in order.
         `rebuilt`: the regions (forward node names) backward runs again (`rebuilt_lives`)."""
         tensor_info = self.tensor_info
-        frees, again, dies = self.frees, {}, {}
+        frees, again, dies, starts = self.frees, {}, {}, {}
         if rebuilt:
-            (moved, again, dies), changed = self.rebuilt_lives(rebuilt)
+            (moved, again, dies), changed, starts = self.rebuilt_lives(rebuilt)
             frees = {i: [r for r in roots if r not in changed] for i, roots in self.frees.items()}
             for i, roots in moved.items():
                 frees.setdefault(i, []).extend(roots)
@@ -236,11 +239,21 @@ class Schedule:
             info = info[e.value[1]] if isinstance(info, tuple) else info
             if span is None or not isinstance(info, TensorInfo):
                 continue  # an output sink: a gradient in its parameter's layout, counted as "gradients"
+            size = info.nbytes / pieces(e.dst, mesh_shape)
+            if e.consumer in starts:  # read by a recomputed region: forward's copy dies with the region's
+                forward_last, backward_last = self.split_spans[e.consumer]  # forward readers; backward's
+                span = (span[0], forward_last)  # is made again with the region's copy
+                if backward_last is not None:
+                    key = (e.value, e.dst, "again", starts[e.consumer])
+                    if key in copies:
+                        copies[key][1] = max(copies[key][1], backward_last)
+                    else:
+                        copies[key] = [starts[e.consumer], backward_last, size]
             key = (e.value, e.dst, self.phase[e.consumer])
             if key in copies:
                 copies[key][0], copies[key][1] = min(copies[key][0], span[0]), max(copies[key][1], span[1])
             else:
-                copies[key] = [span[0], span[1], info.nbytes / pieces(e.dst, mesh_shape)]
+                copies[key] = [span[0], span[1], size]
         copy_alloc: dict[int, float] = {}
         copy_free: dict[int, float] = {}
         for first, last, size in copies.values():
@@ -276,6 +289,17 @@ class Schedule:
         held = tuple(p for i, ps in self.gradient_at.items() if (i <= index if made else i < index) for p in ps)
         return LivePoint(index, self.nodes[index].name, made, alive, held)
 
+    @property
+    def split_spans(self) -> dict[str, tuple[int, int | None]]:
+        """Node -> (where a value it reads dies if only forward reads through it: itself or its views'
+        last forward reader; the last backward reader through its views, or None)."""
+        if not self._split:
+            order = {n: i for i, n in enumerate(self.nodes)}
+            for n in self.nodes:
+                if n.op != "output":
+                    self._split[n.name] = _last_split(n, order, self.phase)
+        return self._split
+
     def gradient_bytes(self, point: LivePoint, choices: dict, mesh_shape: tuple[int, ...]) -> float:
         """Bytes of the gradients held at `point` under the chosen placements."""
         return sum(value_bytes(self.tensor_info.get(p), choices[p].outputs, mesh_shape)
@@ -305,3 +329,19 @@ def _last_through_views(node, order: dict) -> int:
         for user in node.users:
             last = max(last, _last_through_views(user, order))
     return last
+
+
+def _last_split(node, order: dict, phase: dict) -> tuple[int, int | None]:
+    """`_last_through_views`, split: the last forward reader (or `node` itself) and the last backward one."""
+    forward, backward = order[node], None
+    if node.op == "call_function" and is_view(node.target):
+        for user in node.users:
+            if user.op == "output":
+                continue
+            f, b = _last_split(user, order, phase)
+            if phase.get(user.name) == "is_backward":
+                backward = max(backward or 0, f, b or 0)
+            else:
+                forward = max(forward, f)
+                backward = b if backward is None else max(backward, b or 0)
+    return forward, backward

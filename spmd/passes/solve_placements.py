@@ -909,7 +909,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 by_phase.update(_readers_by_phase(table, schedule, regions))
             if rebuilds and not spans:  # (once per solve) where each layer's copy would be alive
                 for r in rebuilds:
-                    (moved, again, dies), _ = schedule.rebuilt_lives((r.region,))
+                    (moved, again, dies), _, _ = schedule.rebuilt_lives((r.region,))
                     if again:
                         region = set(r.region)
                         ends = {root.name: i for i, roots in moved.items() for root in roots if root.name in region}
