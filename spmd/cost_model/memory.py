@@ -233,6 +233,13 @@ class Schedule:
                 frees.setdefault(i, []).extend(roots)
         copies_again: dict = {}
         copies: dict[tuple, list] = {}  # (value, layout, phase) -> [first reader, last reader, bytes]
+        rerun: set = set()  # forward copies every reader of which is in one recomputed region: they run again
+        if starts:
+            where: dict[tuple, set] = {}
+            for e in edges:
+                if e.consumer in self.spans and self.phase[e.consumer] != "is_backward":
+                    where.setdefault((e.value, e.dst), set()).add(starts.get(e.consumer))
+            rerun = {key for key, found in where.items() if len(found) == 1 and None not in found}
         for e in edges:
             span = self.spans.get(e.consumer)
             info = tensor_info.get(e.value[0])
@@ -240,7 +247,7 @@ class Schedule:
             if span is None or not isinstance(info, TensorInfo):
                 continue  # an output sink: a gradient in its parameter's layout, counted as "gradients"
             size = info.nbytes / pieces(e.dst, mesh_shape)
-            if e.consumer in starts:  # read by a recomputed region: forward's copy dies with the region's
+            if (e.value, e.dst) in rerun and e.consumer in starts:  # forward's copy dies with the region's
                 forward_last, backward_last = self.split_spans[e.consumer]  # forward readers; backward's
                 span = (span[0], forward_last)  # is made again with the region's copy
                 if backward_last is not None:

@@ -94,10 +94,11 @@ class Rebuild:
     when m = n, and 1 / (n - k + 1) of it when m = k), so every plan that fits still satisfies the cut,
     and where the whole run is recomputed (or the layer is a run of its own) the cut is exact.
     `freed`: (w column, layout column x, bytes one layer frees there; negative for what it newly holds for
-    its copy, which the row counts for every recomputed layer and a backward point's cut drops: some of
-    those copies have run). `held`: for the layer the row lets free nothing (the last of the last stack,
+    its copy, which the row counts for every recomputed layer (as held when backward starts) and a cut
+    drops: before it is made, or after the copy ran, it is not held). `held`: for the layer the row lets free nothing (the last of the last stack,
     a run of its own), what it does free from its last forward reader until its copy runs, which the
-    cut takes off there."""
+    cut takes off there; `held_copies` the same for the resharded copies kept for it that only its region
+    reads (u = [recomputed] z, exact at 0-1 points, outside the row)."""
 
     region: tuple[str, ...]
     k: int
@@ -105,6 +106,7 @@ class Rebuild:
     freed: tuple[tuple[int, int, float], ...]
     run: tuple = ()  # (stack, first layer, way): the layers of one run share `freed`
     held: tuple[tuple[str, int, float], ...] = ()  # the held last layer: (value, w column, bytes) it frees
+    held_copies: tuple[tuple[int, float, tuple[str, ...]], ...] = ()  # and (u column, bytes, forward readers)
 
 
 def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, costs: CostTable, node_expr: dict,
@@ -175,12 +177,22 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 held = () if layer is layers[a] else tuple(  # (a run of its own: w = [recomputed] x)
                     (base, w(col), costs.value_info[(base, 0)].nbytes / pieces(ps, costs.mesh.shape))
                     for base in layers[a].frees for ps, expr in value_expr[(base, 0)].items() for col in expr)
+                held_copies = []  # and the copies kept for it that its region alone reads: u = [recomputed] z
+                if layer is not layers[a]:
+                    region = set(layers[a].nodes)
+                    for z, size, _, readers in dict.fromkeys(c for name in layers[a].nodes for c in copies.get(name, ())):
+                        if readers and readers <= region:
+                            u = ilp.add_var(0.0, binary=False)
+                            ilp.add_le([(u, 1.0), (m, -1.0)], 0.0)
+                            ilp.add_le([(u, 1.0), (z, -1.0)], 0.0)
+                            ilp.add_ge([(u, 1.0), (m, -1.0), (z, -1.0)], -1.0)
+                            held_copies.append((u, size, tuple(sorted(readers))))
                 # each layer i of the run is recomputed when the count reaches it: whole ones first
                 # (k = i - a + 1), selective ones last (k = b - i); see `Rebuild`
                 for i in range(a, b):
                     if layers[i] is not None:
                         rebuilds.append(Rebuild(layers[i].nodes, i - a + 1 if mode == 0 else b - i, b - a,
-                                                tuple(freed), (s, a, mode), held))
+                                                tuple(freed), (s, a, mode), held, tuple(held_copies)))
             # a layer is recomputed one way or not at all: per layout, both ways' counts share the run's
             # layers laid out so (w_g + w'_g <= (b - a) x_g; bounded apart, the relaxation counted a
             # fractional layout's layers twice, and freed more bytes than they hold)
@@ -437,9 +449,11 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
     there in the layout chosen for it, the gradients made by then in their parameters' layouts, plus
     every resharded copy alive there; where a recomputed layer's copy is alive (`rebuilt`: (first
     index, last index, `Rebuild`)), what the row says recomputing it frees, added back (exactly where
-    its whole run is recomputed, less otherwise: see `Rebuild`). At every plan it equals
-    what the schedule walk holds at that point, so it holds for every plan that fits and cuts off the
-    plan that was over there, and every other plan over at the same point.
+    its whole run is recomputed, less otherwise: see `Rebuild`). Where no layer is recomputed it equals,
+    at every plan, what the schedule walk holds at that point; with recomputation it is at most that
+    (where a layer's count is partial, a layer's copy not yet run still holds what it newly read, a
+    resharding of a recomputed region is read elsewhere too). So it holds for every plan that fits, and
+    cuts off the plan that was over there, and every other plan over at the same point.
 
     A copy of value v in layout L read in one phase is alive at the point when a reader in that phase
     needs L, v is not made in L, and the readers needing L start at or before the point and end at or
@@ -470,7 +484,6 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
             size = value_bytes(info, s.outputs, mesh_shape)
             for col in expr:
                 terms[col] = terms.get(col, 0.0) + size
-    backward = schedule.phase.get(point.at) == "is_backward"
     runs = set()
     for lo, hi, r, ends in rebuilt:
         if lo <= point.index <= hi:  # a recomputed layer's copy alive here holds again what the row says it frees
@@ -482,7 +495,11 @@ def _cut(point: LivePoint, schedule: Schedule, table: StrategyTable, costs: Cost
         for base, w, b in r.held:  # the held last layer, recomputed, frees its values until its copy runs
             if ends.get(base, lo) < point.index < lo:
                 terms[w] = terms.get(w, 0.0) - b
-        if backward and r.run not in runs:  # what a recomputed layer newly held for its copy: gone once it ran
+        for u, b, read_by in r.held_copies:  # and the copies kept for it that its region alone reads
+            end = max(schedule.split_spans[c][0] for c in read_by)
+            if end < point.index < lo:
+                terms[u] = terms.get(u, 0.0) - b
+        if r.run not in runs:  # what a recomputed layer newly holds for its copy: not yet made, or gone
             runs.add(r.run)
             for w, _, b in r.freed:
                 if b < 0:
