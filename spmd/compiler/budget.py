@@ -73,7 +73,7 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
                          "no plan the search met fits whole (this is the leanest it found). ") +
                       "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     # "temporaries": the rest of what the walk holds beyond the saved activations, less the gradients made
-    # by the worst point (so that the sum of `memory` is the peak plus the gradients still to come)
+    # by the worst point (`memory` keeps every kind at its most, so its sum is at least the peak)
     made = 0.0 if point is None else schedule.gradient_bytes(point, plan.choices, plan.mesh.shape)
     temporaries = max(0.0, extra - made)  # (0 where the worst point holds fewer activations than were saved)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}

@@ -138,8 +138,6 @@ class Schedule:
         regions its backward runs again, see `walk`): the gradients made by then and the intermediate
         values, what the budget row cannot see; and that point."""
         peak, point = self.peak(plan.choices, plan.mesh.shape, plan.edges, rebuilt)
-        if not rebuilt:  # (the walk saved every layer's activations: take off what recomputation frees)
-            peak -= plan.recomputed_bytes
         return max(0.0, peak - plan.memory.get("activations", 0.0)), point
 
     def peak(self, choices: dict, mesh_shape: tuple[int, ...], edges=(), rebuilt=()) -> tuple[float, LivePoint | None]:
@@ -164,7 +162,8 @@ class Schedule:
             over = live > above
         return [self.point(i, made) for _, i, made in sorted(runs, key=lambda r: -r[0])[:most]]
 
-    def rebuilt_lives(self, regions) -> tuple[dict[int, list], dict[int, list], dict[int, list]]:
+    def rebuilt_lives(self, regions) -> tuple[tuple[dict[int, list], dict[int, list], dict[int, list]], set,
+                                              dict[str, int]]:
         """How the schedule changes when backward runs `regions` (tuples of forward node names) again, as
         recompute_layers rewrites the rank graph: a region's copy runs just before the first backward node
         that reads one of its values, and backward reads the copy. So each value of the region that
@@ -275,11 +274,12 @@ class Schedule:
                     if root.name in choices else 0.0
                 live += copies_again[root]
             yield live, i, False
+            made = n in self.roots and n.name in choices
             held = self.gradient_at.get(i, ())
-            if n in self.roots and n.name in choices or held:
-                if n in self.roots and n.name in choices:
-                    sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
-                    live += sizes[n]
+            if made:
+                sizes[n] = value_bytes(tensor_info.get(n.name), choices[n.name].outputs, mesh_shape)
+                live += sizes[n]
+            if made or held:
                 live += sum(value_bytes(tensor_info.get(p), choices[p].outputs, mesh_shape)
                             for p in held if p in choices)
                 yield live, i, True
@@ -301,10 +301,7 @@ class Schedule:
         """Node -> (where a value it reads dies if only forward reads through it: itself or its views'
         last forward reader; the last backward reader through its views, or None)."""
         if not self._split:
-            order = {n: i for i, n in enumerate(self.nodes)}
-            for n in self.nodes:
-                if n.op != "output":
-                    self._split[n.name] = _last_split(n, order, self.phase)
+            self._split = {n.name: _last_split(n, self._order, self.phase) for n in self.nodes if n.op != "output"}
         return self._split
 
     def gradient_bytes(self, point: LivePoint, choices: dict, mesh_shape: tuple[int, ...]) -> float:

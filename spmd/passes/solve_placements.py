@@ -95,10 +95,11 @@ class Rebuild:
     and where the whole run is recomputed (or the layer is a run of its own) the cut is exact.
     `freed`: (w column, layout column x, bytes one layer frees there; negative for what it newly holds for
     its copy, which the row counts for every recomputed layer (as held when backward starts) and a cut
-    drops: before it is made, or after the copy ran, it is not held). `held`: for the layer the row lets free nothing (the last of the last stack,
-    a run of its own), what it does free from its last forward reader until its copy runs, which the
-    cut takes off there; `held_copies` the same for the resharded copies kept for it that only its region
-    reads (u = [recomputed] z, exact at 0-1 points, outside the row)."""
+    drops: before it is made, or after the copy ran, it is not held). `held`: for the layer the row lets
+    free nothing (the last of the last stack, a run of its own), what it does free from its last forward
+    reader until its copy runs, which the cut takes off there; `held_copies` the same for the resharded
+    copies kept for it that only its region reads (u = [recomputed] z, exact at 0-1 points, outside the
+    row)."""
 
     region: tuple[str, ...]
     k: int
@@ -174,18 +175,16 @@ def _recompute(ilp: IlpBuilder, recompute: Recomputable, table: StrategyTable, c
                 w = (lambda col: scaled(col, times[-1], m, float(b - a)))
                 freed = _price_run(ilp, layer, b - a, w, table, costs, node_expr, value_expr, edge_at, edge_groups,
                                    memory_row, flows, m, copies if b < n or not held_last else {}, copy_frees)
-                held = () if layer is layers[a] else tuple(  # (a run of its own: w = [recomputed] x)
-                    (base, w(col), costs.value_info[(base, 0)].nbytes / pieces(ps, costs.mesh.shape))
-                    for base in layers[a].frees for ps, expr in value_expr[(base, 0)].items() for col in expr)
-                held_copies = []  # and the copies kept for it that its region alone reads: u = [recomputed] z
-                if layer is not layers[a]:
-                    region = set(layers[a].nodes)
+                held, held_copies = (), []
+                if layer is not layers[a]:  # the held last layer, a run of its own: w = [recomputed] x
+                    held = tuple((base, w(col), costs.value_info[(base, 0)].nbytes / pieces(ps, costs.mesh.shape))
+                                 for base in layers[a].frees for ps, expr in value_expr[(base, 0)].items()
+                                 for col in expr)
+                    region = set(layers[a].nodes)  # and the copies kept for it that its region alone reads
                     for z, size, _, readers in dict.fromkeys(c for name in layers[a].nodes for c in copies.get(name, ())):
                         if readers and readers <= region:
-                            u = ilp.add_var(0.0, binary=False)
-                            ilp.add_le([(u, 1.0), (m, -1.0)], 0.0)
+                            u = _times(ilp, m, z, 1)
                             ilp.add_le([(u, 1.0), (z, -1.0)], 0.0)
-                            ilp.add_ge([(u, 1.0), (m, -1.0), (z, -1.0)], -1.0)
                             held_copies.append((u, size, tuple(sorted(readers))))
                 # each layer i of the run is recomputed when the count reaches it: whole ones first
                 # (k = i - a + 1), selective ones last (k = b - i); see `Rebuild`
@@ -317,12 +316,19 @@ def _price_run(ilp: IlpBuilder, layer: RecomputableLayer, length: int, w: Callab
         if readers <= region:  # (read elsewhere too, the copy stays for them)
             held[z] = held.get(z, 0.0) + size
     for z, size in held.items():
-        u = ilp.add_var(0.0, binary=False, upper=float(length))
-        ilp.add_le([(u, 1.0), (count, -1.0)], 0.0)
-        ilp.add_ge([(u, 1.0), (count, -1.0), (z, -float(length))], -float(length))
+        u = _times(ilp, count, z, length)
         copy_frees.setdefault(z, []).append(u)
         memory_row[u] = memory_row.get(u, 0.0) - size
     return freed
+
+
+def _times(ilp: IlpBuilder, count: int, z: int, length: int) -> int:
+    """A column u = count * z for a count in [0, length] and a 0/1 column z, exact where z is 0 or 1
+    (u <= count, u >= count - length * (1 - z)); the caller bounds u by length * z."""
+    u = ilp.add_var(0.0, binary=False, upper=float(length))
+    ilp.add_le([(u, 1.0), (count, -1.0)], 0.0)
+    ilp.add_ge([(u, 1.0), (count, -1.0), (z, -float(length))], -float(length))
+    return u
 
 
 def recompute_figures(layers: list[RecomputableLayer], choices: dict, node_costs: dict, edges,
@@ -811,6 +817,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
                             memory_row, flows, copies, rebuilds)
+    last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
 
     # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
     # reads a plan from each candidate it checks whole)
@@ -869,7 +876,6 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             memory["activations"] = memory.get("activations", 0.0) + sum(
                 costs.value_info[v].nbytes / pieces(dst, mesh_shape) for v, dst in kept)
         whole, selective, layers = [], [], []  # keys recomputed whole, selectively; the regions run again
-        last_stack = _last_stack(recompute, table) if counts else 0
         freeing = []  # the regions run again that free their copies (all but a stack's held last layer)
         by_reader: dict[str, list[Edge]] = {}
         for e in kept_by:
@@ -934,9 +940,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols,
                               tuple(spans)) for point in points)
 
-        spans: list = []
-
         by_phase: dict = {}
+        spans: list = []  # (where a recomputed layer's copy starts, ends, its `Rebuild`, its values' forward ends)
         held = {term.value[0] for term in costs.memory if term.kind in ("parameters", "gradients", "optimizer")}
         held |= {name for name, ns in table.nodes.items() if ns.tie in held}  # (a gradient equals its parameter)
         weights_only = tuple(sorted({c for name in held for expr in node_expr[name] for c in expr}))
