@@ -34,6 +34,11 @@ BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Sear
 # relaxation (2 s alone) past a 4 s switch to interior point, which needs 45 s on that program.
 SIMPLEX_ITERATIONS_PER_COLUMN = 0.3
 SIMPLEX_ITERATIONS_MIN = 20_000
+# The relaxation's iterations while it holds rows it may drop (`Budget.droppable`). The row of what is alive
+# when backward ends tightens the price search's bound (the 2-layer GPT of the e2e budget test at 0.8 of its
+# peak: a gap of 0.97% with it, 17.8% without), but on the 2-layer transformers Llama at 0.6 it made the first
+# relaxation take 44 s (56k iterations to the cap, then 9 s without it) where 9 s does without it.
+DROPPABLE_ITERATIONS = 20_000
 # The price search stops after this many prices in a row improved neither its best plan nor its bound: near
 # the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
 # 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
@@ -92,6 +97,13 @@ class Budget:
     # meets fits whole, branch and bound with the row and these cuts either finds one that fits or proves
     # that none does.
     cuts: Callable[[np.ndarray], "tuple[Cut, ...]"] | None = None
+    # rows of the program every fitting solution satisfies that the price search's relaxation may leave out
+    # (what is alive when backward ends, a second knapsack row): they tighten its bound, but where they
+    # make it too hard for the dual simplex (its iteration cap reached), the relaxation drops them and
+    # every branch and bound and polish keeps them (the 2-layer transformers Llama at 0.6 of its peak: the
+    # first price's relaxation ran past the 60 s limit with its row, 9 s without). A plan that breaks one
+    # is over by its extra (the walk holds the same bytes).
+    droppable: tuple[int, ...] = ()
 
 
 class IlpBuilder:
@@ -127,16 +139,17 @@ class IlpBuilder:
     def add_cost(self, col: int, cost: float) -> None:
         self.cost[col] += float(cost)
 
-    def add_eq(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        self._add_row(terms, rhs, rhs)
+    def add_eq(self, terms: list[tuple[int, float]], rhs: float) -> int:
+        return self._add_row(terms, rhs, rhs)
 
-    def add_le(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        self._add_row(terms, -np.inf, rhs)
+    def add_le(self, terms: list[tuple[int, float]], rhs: float) -> int:
+        return self._add_row(terms, -np.inf, rhs)
 
-    def add_ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        self._add_row(terms, rhs, np.inf)
+    def add_ge(self, terms: list[tuple[int, float]], rhs: float) -> int:
+        return self._add_row(terms, rhs, np.inf)
 
-    def _add_row(self, terms, lower: float, upper: float) -> None:
+    def _add_row(self, terms, lower: float, upper: float) -> int:
+        """Adds the row; returns its index."""
         row = len(self._rhs)
         for col, coef in terms:
             self._rows.append(row)
@@ -144,6 +157,7 @@ class IlpBuilder:
             self._vals.append(coef)
         self._lower.append(float(lower))
         self._rhs.append(float(upper))
+        return row
 
     def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6,
               on_progress: Callable[[float, float, float], None] | None = None,
@@ -201,6 +215,7 @@ class IlpBuilder:
         for col, b in budget.bytes.items():
             weight[col] += b
         limit = float(budget.limit)
+        search.droppable = budget.droppable
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
                  "over": [], "proven": False}  # plans whose row fits but not their extra; none fits, proven
@@ -383,30 +398,50 @@ class IlpBuilder:
         bound is a bound: every cut holds for every fitting plan); if not, its own cuts join the others
         and the search goes again. Infeasible (without a start) means no plan fits."""
         cuts = list(dict.fromkeys(c for _, x in state["over"] for c in budget.cuts(x)))
+        known: dict[bytes, float] = {}  # what each incumbent needs (the schedule walked once per plan)
+
+        def need_of(x) -> float:
+            key = np.round(x[search.binary]).astype(np.int8).tobytes() + x[~search.binary].tobytes()
+            if key not in known:
+                known[key] = needs(x)
+            return known[key]
+
+        def gap_of(x, bound: float) -> float:
+            return (float(costs @ x) - bound) / max(abs(float(costs @ x)), 1e-300)
+
+        def fits(x) -> bool:
+            """Asked of each incumbent: one that fits is kept (a later one over the budget stops the round)."""
+            need = need_of(x)
+            if need <= limit * (1 + 1e-9):
+                improve(x, -float("inf"), need)
+                return True
+            return False
+
+        seconds = budget.seconds
         for _ in range(CUT_ROUNDS):
-            if not (cuts or start is not None) or search.out_of_time():
+            seed = start if state["x"] is None else state["x"]  # (the best plan that fits, from any round)
+            if not (cuts or seed is not None) or search.out_of_time():
                 return
-            x, bound, infeasible = search.branch_and_bound(costs, weight, limit, start, budget.gap, None,
-                                                           budget.seconds, cuts)
-            if x is None and not infeasible and start is None and not search.out_of_time():
+            x, bound, infeasible = search.branch_and_bound(costs, weight, limit, seed, budget.gap, None,
+                                                           seconds, cuts, fits)
+            if x is None and not infeasible and seed is None and not search.out_of_time():
                 # nothing in a round's time, and no proof: the rest of the solve's time for this round
                 x, bound, infeasible = search.branch_and_bound(costs, weight, limit, None, budget.gap, None,
-                                                               search.remaining(), cuts)
+                                                               search.remaining(), cuts, fits)
             if x is None:
-                state["proven"] = infeasible and start is None
+                state["proven"] = infeasible and seed is None
                 return
-            need = needs(x)
+            need = need_of(x)
             improve(x, bound, need)
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
             if need <= limit * (1 + 1e-9):
-                if start is None and (float(costs @ x) - bound) > budget.gap * abs(float(costs @ x)) \
+                if start is None and seconds == budget.seconds and gap_of(x, bound) > budget.gap \
                         and not search.out_of_time():
                     # the first plan through, found in a round's time: the rest of the solve's time to
                     # improve on it (ViT-120B at batch 512: 19% from the bound after 10 s, 0.7% after 27)
-                    better, bound, _ = search.branch_and_bound(costs, weight, limit, x, budget.gap, None,
-                                                               search.remaining(), cuts)
-                    improve(better, bound)
+                    seconds = search.remaining()
+                    continue
                 return
             more = [c for c in budget.cuts(x) if c not in cuts]
             if not more:
@@ -448,19 +483,30 @@ class IlpBuilder:
         return lp
 
 
-def _report(mip: "highspy.Highs", on_progress) -> None:
+def _report(mip: "highspy.Highs", on_progress, fits=None) -> None:
     """Have branch and bound call `on_progress(incumbent, bound, gap)` as its incumbent improves and
-    each time it logs."""
-    if on_progress is None:
+    each time it logs, and (`fits`) stop at the first incumbent x for which `fits(x)` is false."""
+    if on_progress is None and fits is None:
         return
+    kinds = highspy.cb.HighsCallbackType
+    over = []
 
     def callback(kind, message, out, into, user):
-        if np.isfinite(out.mip_primal_bound):
+        if kind == kinds.kCallbackMipInterrupt:
+            into.user_interrupt = bool(over)
+            return
+        if kind == kinds.kCallbackMipImprovingSolution and fits is not None and not over \
+                and not fits(np.array(out.mip_solution, dtype=float)):  # (a copy: HiGHS reuses its buffer)
+            over.append(True)
+        if on_progress is not None and np.isfinite(out.mip_primal_bound):
             on_progress(out.mip_primal_bound, out.mip_dual_bound, max(0.0, out.mip_gap))
 
     mip.setCallback(callback, None)
-    mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution)
-    mip.startCallback(highspy.cb.HighsCallbackType.kCallbackMipLogging)
+    mip.startCallback(kinds.kCallbackMipImprovingSolution)
+    if on_progress is not None:
+        mip.startCallback(kinds.kCallbackMipLogging)
+    if fits is not None:
+        mip.startCallback(kinds.kCallbackMipInterrupt)
 
 
 def _added(status) -> None:
@@ -500,6 +546,7 @@ class _Search:
     def __init__(self, lp, binary: np.ndarray, groups: list[np.ndarray], deadline: float, mip_rel_gap: float):
         self.lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
         self.mip_rel_gap = mip_rel_gap
+        self.droppable: tuple[int, ...] = ()  # rows the relaxation may leave out (`Budget.droppable`)
         self.fixed = None  # a second instance, for plans with every choice fixed
         self.relaxed = _highs(self.remaining(), presolve=False)
         self.relaxed.passModel(lp)
@@ -526,8 +573,16 @@ class _Search:
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
         _time_limit(self.relaxed, max(1.0, until - time.perf_counter()))
-        self.relaxed.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
+        # with rows it may drop, the relaxation keeps them only while they stay cheap (`Budget.droppable`)
+        self.relaxed.setOptionValue("simplex_iteration_limit",
+                                    min(self.simplex_iterations, DROPPABLE_ITERATIONS) if self.droppable else
+                                    self.simplex_iterations)
         self.relaxed.run()
+        if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kIterationLimit and self.droppable:
+            self._drop_rows()
+            _time_limit(self.relaxed, max(1.0, until - time.perf_counter()))
+            self.relaxed.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
+            self.relaxed.run()
         if self.relaxed.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
             self._interior_point(costs, until)
         if self.relaxed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -563,13 +618,22 @@ class _Search:
             return (None, bound, status) if rounded is None else (rounded, bound, status)
         return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
 
+    def _drop_rows(self) -> None:
+        """Leave `droppable` out of the relaxation (and of the instance completing rounded plans) from now
+        on; branch and bound keeps them (it starts from `lp`)."""
+        rows = np.asarray(sorted(self.droppable), dtype=np.int32)
+        for h in (self.relaxed, self.fixed):
+            if h is not None:
+                h.deleteRows(len(rows), rows)
+        self.droppable = ()
+
     def _interior_point(self, costs: np.ndarray, until: float) -> None:
         """Solve the relaxation at `costs` by interior point and crossover, and hand its optimal basis to
         the simplex instance, which then finishes (and later warm-starts) from there, by `until`."""
         ipm = _highs(max(1.0, until - time.perf_counter()), presolve=True)
         ipm.setOptionValue("solver", "ipm")
         ipm.setOptionValue("run_crossover", "on")
-        ipm.passModel(self.lp)
+        ipm.passModel(self.relaxed.getLp())  # (without the rows it dropped)
         if len(costs):
             ipm.changeColsCost(len(costs), self.columns, costs)
         ipm.run()
@@ -591,7 +655,7 @@ class _Search:
         upper = np.minimum(lower, np.asarray(self.lp.col_upper_)[covered])
         if self.fixed is None:
             self.fixed = _highs(self.remaining(), presolve=True)
-            self.fixed.passModel(self.lp)
+            self.fixed.passModel(self.relaxed.getLp())
         self.fixed.changeColsCost(len(costs), self.columns, costs)
         self.fixed.changeColsBounds(len(covered), covered.astype(np.int32), lower, upper)
         _time_limit(self.fixed, self.remaining())
@@ -600,10 +664,16 @@ class _Search:
             return None
         return np.asarray(self.fixed.getSolution().col_value)
 
-    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=()):
+    def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=(), fits=None):
         """Branch and bound with the budget row and `cuts` (rows with the same limit), from the solution
-        `start` (or None), for at most `seconds`: (solution or None, bound), and with `cuts` also whether
-        the program was proven infeasible."""
+        `start` (or None), for at most `seconds`: (solution or None, bound, whether the program was proven
+        infeasible).
+
+        `fits(x)`: whether a solution fits whole (the row cannot see all it needs). Each incumbent branch
+        and bound finds is asked; at the first that does not fit, the search stops and returns it: it
+        will be cut off, and the cheaper incumbents the search would go on to find prune against it, so
+        proving it optimal first only delays the round that cuts it (the e2e budget case: three rounds of
+        10 s, each proving a plan the next round cut)."""
         mip = self._mip(costs, min(seconds, self.remaining()))
         mip.setOptionValue("mip_rel_gap", rel_gap)
         cols = np.flatnonzero(weight).astype(np.int32)
@@ -630,7 +700,7 @@ class _Search:
             _added(mip.addRow(-highspy.kHighsInf, limit, len(idx), idx, np.asarray(list(terms.values()), dtype=float)))
         if start is not None:
             _seed(mip, np.concatenate([start, helpers]))
-        _report(mip, on_progress)
+        _report(mip, on_progress, None if fits is None else (lambda x: fits(x[:n])))
         mip.run()
         info = mip.getInfo()
         x = np.asarray(mip.getSolution().col_value)[:n] if info.primal_solution_status == 2 else None

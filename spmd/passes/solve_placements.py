@@ -792,7 +792,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     # The budget row: what one rank holds when backward starts (parameters, optimizer state, buffers, inputs,
     # saved activations). The gradients come later, as backward frees activations: the schedule holds each
     # from the node that makes it (`Schedule`), and all of them with the persistent terms, when backward
-    # ends, are a second row, kept in the program. (Without a schedule, the row counts them too.)
+    # ends, are a second row, kept in the program (the price search's relaxation drops it where it makes
+    # the relaxation too hard: `Budget.droppable`). (Without a schedule, the row counts them too.)
     memory_row: dict[int, float] = {}
     ending: dict[int, float] = {}
     for term in costs.memory:
@@ -803,8 +804,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     ending[col] = ending.get(col, 0.0) + b
                 if term.kind != "gradients" or schedule is None:
                     memory_row[col] = memory_row.get(col, 0.0) + b
+    droppable = ()
     if memory_budget is not None and schedule is not None and any(t.kind == "gradients" for t in costs.memory):
-        ilp.add_le(sorted(ending.items()), memory_budget)
+        droppable = (ilp.add_le(sorted(ending.items()), memory_budget),)
 
     saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
     forward_readers = _forward_readers(table, saved, schedule.phase) if saved else {}
@@ -947,7 +949,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         weights_only = tuple(sorted({c for name in held for expr in node_expr[name] for c in expr}))
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
                         weights_only=weights_only,
-                        polish=tuple(c for _, cols in counts for c in cols), cuts=None if schedule is None else cuts)
+                        polish=tuple(c for _, cols in counts for c in cols), cuts=None if schedule is None else cuts,
+                        droppable=droppable)
 
     result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
     if result.objective == float("inf"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.tensor import Shard
@@ -61,10 +62,30 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
 
     rounds = solver._Search.branch_and_bound
 
-    def spy_round(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=()):
-        if cuts:  # a round of the cut loop
-            events.append(("round",))
-        return rounds(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts)
+    stops: list[tuple] = []  # per round of the cut loop: (the plan it returned, whether it fits, the first over)
+
+    def spy_round(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=(), fits=None):
+        if not cuts:
+            return rounds(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts, fits)
+        events.append(("round",))  # a round of the cut loop: it stops at its first incumbent that is over
+        over = []
+
+        def asked(x):
+            ok = fits(x)
+            if not ok and not over:
+                over.append(x.copy())
+            return ok
+        made = []
+        mip = self._mip
+        self._mip = lambda *args: made.append(mip(*args)) or made[-1]
+        try:
+            got = rounds(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts, asked)
+        finally:
+            del self._mip
+        if got[0] is not None:
+            status = made[-1].getModelStatus()
+            stops.append((got[0], fits(got[0]), over[0] if over else None, status))
+        return got
 
     monkeypatch.setattr(sp, "_cut", spy_cut)
     monkeypatch.setattr(Schedule, "temporaries", spy_temporaries)
@@ -97,6 +118,14 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
             assert e[2][0] not in cut_before, (e[2][0], sorted(cut_before))
             pending |= set(e[2])
     assert sum(e[0] == "round" for e in events) <= 3
+    # a round whose plan is over stopped there and returned the first plan over that it met (it proved nothing
+    # more of it)
+    import highspy
+
+    assert any(not ok for _, ok, _, _ in stops)
+    for x, ok, first, status in stops:
+        if not ok:
+            assert status == highspy.HighsModelStatus.kInterrupt and np.allclose(x, first, atol=1e-7), status
 
     # every cut counts, at every plan the search checked, exactly the resharded copies the schedule walk
     # holds at its point under that plan (helper columns at their least), not only its own plan's copies

@@ -321,3 +321,36 @@ def test_weights_first_gives_a_fitting_plan_when_the_prices_run_out_of_time(monk
             assert sum(g[i][1] for g, i in zip(groups, picks)) <= 20.0 and r.objective <= 4.0 + 1e-9, r.status
         else:
             assert r.objective == float("inf") and r.status.startswith("Out of time"), r.status
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_row_the_relaxation_drops_still_holds_for_the_plan(monkeypatch, dropped):
+    """`Budget.droppable`: a second knapsack row of the program (what is alive when backward ends) that the
+    price search's relaxation leaves out once its simplex passes `DROPPABLE_ITERATIONS`. Branch and bound
+    keeps it, so the plan that comes back satisfies it either way. Here each option also holds some bytes
+    at the end (`end`); the cheapest picks (cost 2) hold 20 there, over the limit of 12, and the best plan
+    that fits costs 4. The walk (`extra`) sees the end's bytes beyond the row, and its cut is the row."""
+    import spmd.cost_model.solver as solver
+    from spmd.cost_model.solver import Cut
+
+    groups = [[(1.0, 1.0), (3.0, 1.0)], [(1.0, 1.0), (2.0, 1.0)]]
+    end = [[10.0, 2.0], [10.0, 3.0]]
+    ilp, cols, weights = _program(groups)
+    ending = [(c, b) for g, bs in zip(cols, end) for c, b in zip(g, bs)]
+    row = ilp.add_le(ending, 12.0)
+    drops = []
+    monkeypatch.setattr(solver, "DROPPABLE_ITERATIONS", 0 if dropped else solver.DROPPABLE_ITERATIONS)
+    monkeypatch.setattr(solver._Search, "_drop_rows",
+                        lambda self, run=solver._Search._drop_rows: drops.append(self.droppable) or run(self))
+
+    def at_end(x) -> float:
+        return sum(b * x[c] for c, b in ending)
+
+    def extra(x) -> float:  # what the walk holds beyond the row: the end's bytes, where more
+        return max(0.0, at_end(x) - sum(b * x[c] for c, b in weights.items()))
+
+    r = ilp.solve(budget=Budget(weights, 12.0, extra=extra, droppable=(row,),
+                                cuts=lambda x: (Cut(tuple(ending)),) if at_end(x) > 12.0 else ()))
+    assert drops == ([(row,)] if dropped else [])
+    assert at_end(r.values) <= 12.0 + 1e-9, r.status
+    assert r.objective == pytest.approx(4.0) and r.lower_bound <= 4.0 + 1e-9
