@@ -164,3 +164,24 @@ def test_the_walk_of_a_recomputing_plan_is_the_walk_of_the_rank_graph_it_emits(r
     assert (predicted, at.at) == (emitted, there.at)
     # saving every layer instead holds more
     assert traced.peak(c.plan.choices, (1,), c.plan.edges)[0] > 1.3 * predicted
+
+
+def test_a_parameter_backward_never_reaches_holds_no_gradient_and_no_optimizer_state():
+    """Backward makes no gradient for a parameter the loss does not reach (its graph output is None): the
+    runtime leaves its .grad None, and torch's optimizers keep no state for it. The plan counted both."""
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(4, 8), torch.randn(4, 8))
+    plan = spmd.plan(TwoHeads(), spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE), inputs,
+                     loss_fn=torch.nn.functional.mse_loss)
+    used = (8 * 8 + 8) * 4
+    assert plan.memory["parameters"] == 2 * used
+    assert plan.memory["gradients"] == used
+    assert plan.memory["optimizer"] == 2 * used  # (AdamW: two states per element)
