@@ -251,6 +251,7 @@ class IlpBuilder:
                                                seconds=None if state["x"] is None else budget.seconds)
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
+                state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)
                 return None
             need = needs(x)  # (the temporaries walk the schedule: once per plan)
             state["row"] = float(weight @ x)
@@ -378,11 +379,13 @@ class IlpBuilder:
                                  "no plan fits (proven); the leanest plan found" if state["proven"] else
                                  "the leanest plan found"), *sizes)
         if state["x"] is None:
-            out_of_time = not state["proven"] and (state.get("out_of_time") or search.out_of_time())
             leanest = "" if lean is None else f"; the leanest plan found needs {state['leanest_need'] / 2**20:.1f} MiB"
-            return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds,
-                             ("Out of time: no plan found that fits the budget" + leanest) if out_of_time else
-                             "Infeasible: no plan fits the budget", *sizes)
+            status = ("Infeasible: no plan fits the budget" if state["proven"] else
+                      "Out of time: no plan found that fits the budget" + leanest
+                      if state.get("out_of_time") or search.out_of_time() else
+                      f"Not found: no plan that fits the budget after {CUT_ROUNDS} rounds of cuts (not proven "
+                      "impossible)" + leanest)
+            return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds, status, *sizes)
         status = (f"Within {gap():.2%} of the bound ({state['probes']} prices of memory tried)"
                   if state["probes"] > 1 else "Optimal (the unbudgeted optimum fits)")
         objective = state["objective"]
@@ -409,19 +412,24 @@ class IlpBuilder:
         def gap_of(x, bound: float) -> float:
             return (float(costs @ x) - bound) / max(abs(float(costs @ x)), 1e-300)
 
+        met_over: list[np.ndarray] = []  # the incumbents of the current round that did not fit whole
+
         def fits(x) -> bool:
-            """Asked of each incumbent: one that fits is kept (a later one over the budget stops the round)."""
+            """Asked of each incumbent: one that fits is kept, one that does not is kept for its cuts (and
+            stops the round: HiGHS may report a few more incumbents before it stops)."""
             need = need_of(x)
             if need <= limit * (1 + 1e-9):
                 improve(x, -float("inf"), need)
                 return True
+            met_over.append(x)
             return False
 
-        seconds = budget.seconds
+        seconds, extended = budget.seconds, False
         for _ in range(CUT_ROUNDS):
             seed = start if state["x"] is None else state["x"]  # (the best plan that fits, from any round)
             if not (cuts or seed is not None) or search.out_of_time():
                 return
+            met_over.clear()
             x, bound, infeasible = search.branch_and_bound(costs, weight, limit, seed, budget.gap, None,
                                                            seconds, cuts, fits)
             if x is None and not infeasible and seed is None and not search.out_of_time():
@@ -429,24 +437,26 @@ class IlpBuilder:
                 x, bound, infeasible = search.branch_and_bound(costs, weight, limit, None, budget.gap, None,
                                                                search.remaining(), cuts, fits)
             if x is None:
-                state["proven"] = infeasible and seed is None
+                state["proven"] = state["proven"] or (infeasible and seed is None)
                 return
             need = need_of(x)
             improve(x, bound, need)
-            if need < state["leanest_need"]:
-                state["leanest"], state["leanest_need"] = x, need
-            if need <= limit * (1 + 1e-9):
-                if start is None and seconds == budget.seconds and gap_of(x, bound) > budget.gap \
-                        and not search.out_of_time():
+            for y in (*met_over, x):
+                if need_of(y) < state["leanest_need"]:
+                    state["leanest"], state["leanest_need"] = y, need_of(y)
+            if not met_over and need <= limit * (1 + 1e-9):  # a round that met no plan over: it ended there
+                if start is None and not extended and gap_of(x, bound) > budget.gap and not search.out_of_time():
                     # the first plan through, found in a round's time: the rest of the solve's time to
                     # improve on it (ViT-120B at batch 512: 19% from the bound after 10 s, 0.7% after 27)
-                    seconds = search.remaining()
+                    seconds, extended = search.remaining(), True
                     continue
                 return
-            more = [c for c in budget.cuts(x) if c not in cuts]
+            # the plans over that the round met (the one it returns too, if over): their cuts, and again
+            over = [*met_over, *(() if need <= limit * (1 + 1e-9) else (x,))]
+            more = [c for y in over for c in budget.cuts(y) if c not in cuts]
             if not more:
                 return
-            cuts += more
+            cuts += list(dict.fromkeys(more))
 
     def _choice_groups(self, binary: np.ndarray) -> list[np.ndarray]:
         """The "exactly one of these binary columns" rows, as column arrays."""
@@ -485,7 +495,8 @@ class IlpBuilder:
 
 def _report(mip: "highspy.Highs", on_progress, fits=None) -> None:
     """Have branch and bound call `on_progress(incumbent, bound, gap)` as its incumbent improves and
-    each time it logs, and (`fits`) stop at the first incumbent x for which `fits(x)` is false."""
+    each time it logs, and (`fits`) ask `fits(x)` of every incumbent x and stop soon after the first for
+    which it is false (HiGHS checks for the stop between nodes: a few more incumbents may come first)."""
     if on_progress is None and fits is None:
         return
     kinds = highspy.cb.HighsCallbackType
@@ -495,7 +506,7 @@ def _report(mip: "highspy.Highs", on_progress, fits=None) -> None:
         if kind == kinds.kCallbackMipInterrupt:
             into.user_interrupt = bool(over)
             return
-        if kind == kinds.kCallbackMipImprovingSolution and fits is not None and not over \
+        if kind == kinds.kCallbackMipImprovingSolution and fits is not None \
                 and not fits(np.array(out.mip_solution, dtype=float)):  # (a copy: HiGHS reuses its buffer)
             over.append(True)
         if on_progress is not None and np.isfinite(out.mip_primal_bound):
@@ -670,10 +681,10 @@ class _Search:
         infeasible).
 
         `fits(x)`: whether a solution fits whole (the row cannot see all it needs). Each incumbent branch
-        and bound finds is asked; at the first that does not fit, the search stops and returns it: it
-        will be cut off, and the cheaper incumbents the search would go on to find prune against it, so
-        proving it optimal first only delays the round that cuts it (the e2e budget case: three rounds of
-        10 s, each proving a plan the next round cut)."""
+        and bound finds is asked; after the first that does not fit, the search stops (and returns its
+        incumbent, that one or one found just after it): it will be cut off, and proving it optimal
+        first only delays the round that cuts it (the e2e budget case: three rounds of 10 s, each
+        proving a plan the next round cut)."""
         mip = self._mip(costs, min(seconds, self.remaining()))
         mip.setOptionValue("mip_rel_gap", rel_gap)
         cols = np.flatnonzero(weight).astype(np.int32)

@@ -961,9 +961,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             held = sum(b for k, b in least.items() if k not in ("gradients", "activations"))
             floor = held + (max(least.get("gradients", 0.0), least.get("activations", 0.0)) if schedule is not None
                             else least.get("gradients", 0.0) + least.get("activations", 0.0))
-            if result.status.startswith("Out of time"):
+            if result.status.startswith(("Out of time", "Not found")):
+                how = (f"ran out of its {time_limit:.0f} s" if result.status.startswith("Out of time") else
+                       "gave up after its rounds of cuts")
                 raise SpmdError(
-                    f"solve_placements: the search ran out of its {time_limit:.0f} s before it found a plan that "
+                    f"solve_placements: the search {how} before it found a plan that "
                     f"fits memory_budget={memory_budget / 2**20:.1f} MiB per rank. That is not proven impossible: "
                     f"sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB "
                     f"({result.status}; a program of {result.n_binary} binary and {result.n_continuous} continuous "
