@@ -959,9 +959,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for t in costs.memory:
                 least[t.kind] = least.get(t.kind, 0.0) + t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape)
             held = sum(b for k, b in least.items() if k not in ("gradients", "activations"))
-            floor = held + (max(least.get("gradients", 0.0), least.get("activations", 0.0)) if schedule is not None
-                            else least.get("gradients", 0.0) + least.get("activations", 0.0))
-            if result.status.startswith(("Out of time", "Not found")):
+            grads, acts = least.get("gradients", 0.0), least.get("activations", 0.0)
+            floor = held + (max(grads, acts) if schedule is not None else grads + acts)
+            # what every plan needs: the floor, or with recomputation (which frees saved activations) what is
+            # alive when backward ends; above the budget, nothing fits (a proof the search may not have)
+            proof = held + grads if counts and schedule is not None else floor
+            if result.status.startswith(("Out of time", "Not found")) and proof <= memory_budget:
                 how = (f"ran out of its {time_limit:.0f} s" if result.status.startswith("Out of time") else
                        "gave up after its rounds of cuts")
                 raise SpmdError(

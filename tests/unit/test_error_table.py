@@ -276,8 +276,9 @@ def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypat
     from tests.support import LATENCY_LINK, SLOW_DEVICE
 
     dp = spmd.MeshSpec((2,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
-    # (a large batch: at 0.6 of the peak the cheapest plan holds all its weights and gradients, but not its
-    # saved activations)
+    # (a large batch: at 0.72 of the peak the cheapest plan's row does not fit, and the floor, everything
+    # sharded as far as the mesh allows, is 0.70 of it: no proof that nothing fits. Below the floor (0.6)
+    # the message says that nothing fits, proven by the floor)
     model, inputs = MLP(16, 64), (torch.randn(512, 16), torch.randn(512, 16))
     free = spmd.plan(model, dp, inputs, loss_fn=F.mse_loss)
     integral, calls = solver._Search.integral, []
@@ -293,9 +294,12 @@ def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypat
     # nor from the cuts of the plans over by their temporaries: their branch and bound runs out of time too
     monkeypatch.setattr(solver._Search, "branch_and_bound", lambda *args: (None, float("nan"), False))
     with pytest.raises(spmd.SpmdError) as e:
-        spmd.plan(model, dp, inputs, loss_fn=F.mse_loss, memory_budget=0.6 * free.predicted_peak_bytes)
+        spmd.plan(model, dp, inputs, loss_fn=F.mse_loss, memory_budget=0.72 * free.predicted_peak_bytes)
     message = str(e.value)
     assert "ran out of its 60 s before it found a plan that fits memory_budget" in message, message
     assert "not proven impossible" in message and "the leanest plan found needs" in message, message
     assert "What to do: pin the largest parameters sharded" in message, message
+    # below the floor, the same search out of time: nothing fits, and the floor proves it
+    with pytest.raises(spmd.SpmdError, match=r"no plan fits memory_budget=.*even sharding every tensor"):
+        spmd.plan(model, dp, inputs, loss_fn=F.mse_loss, memory_budget=0.6 * free.predicted_peak_bytes)
     assert "no plan fits" not in message, message
