@@ -182,9 +182,12 @@ def test_when_nothing_fits_whole_the_leanest_plan_comes_back_marked():
     assert _picks(r.values, cols) == (1, 1)  # row 6 + extra 98: the least any plan needs
 
 
-def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeypatch):
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeypatch, beside):
     """With no iterations for the simplex, interior point and crossover solve the relaxation and hand the simplex
-    their basis: the same optimum, still integral, and the budget search warm-starts from there."""
+    their basis: the same optimum, still integral, and the budget search warm-starts from there. `beside`:
+    the first relaxation's interior point was started with the simplex, on a thread of its own
+    (`BESIDE_MIN_COLUMNS`), and is the one that hands over its basis."""
     import spmd.cost_model.solver as solver
 
     groups = [[(1.0, 4.0), (2.0, 1.0), (3.0, 0.5)], [(0.5, 3.0), (1.5, 1.0)], [(2.0, 2.0), (1.0, 5.0)]]
@@ -192,13 +195,21 @@ def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeyp
     calls = []
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_MIN", 0)
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_PER_COLUMN", 0.0)
-    monkeypatch.setattr(solver._Search, "_interior_point",
-                        lambda self, costs, until, run=solver._Search._interior_point: calls.append(1) or run(self, costs, until))
+    monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 10**9)
+    run = solver._Search._interior_point
+
+    def spy(self, costs, until, ipm=None):
+        calls.append(ipm is not None)
+        return run(self, costs, until, ipm)
+
+    monkeypatch.setattr(solver._Search, "_interior_point", spy)
     for limit in (None, 4.0):
         ilp, cols, weights = _program(groups)
         result = ilp.solve(budget=None if limit is None else Budget(weights, limit))
         assert result.objective == pytest.approx(want[limit])
     assert calls
+    # the first relaxation of each program had its interior point ready (one solved while the simplex ran)
+    assert calls[0] == beside and (not beside or calls.count(True) == 2), calls
 
 
 @settings(max_examples=40, deadline=None)
