@@ -411,27 +411,29 @@ class IlpBuilder:
         and the search goes again. Infeasible (without a start) means no plan fits."""
         cuts = list(dict.fromkeys(c for _, x in state["over"] for c in budget.cuts(x)))
         known: dict[bytes, float] = {}  # what each incumbent needs (the schedule walked once per plan)
+        met_over: dict[bytes, np.ndarray] = {}  # the plans of the current round that did not fit whole
 
-        def need_of(x) -> float:
-            key = np.round(x[search.binary]).astype(np.int8).tobytes() + x[~search.binary].tobytes()
+        def key_of(x) -> bytes:
+            return np.round(x[search.binary]).astype(np.int8).tobytes() + x[~search.binary].tobytes()
+
+        def weigh(x) -> bool:
+            """Whether x fits whole. Asked of each incumbent: the leanest plan and the best that fits are
+            kept, and each plan over for its cuts (it stops the round: HiGHS may report a few more
+            incumbents before it stops)."""
+            key = key_of(x)
             if key not in known:
                 known[key] = needs(x)
-            return known[key]
-
-        def gap_of(x, bound: float) -> float:
-            return (float(costs @ x) - bound) / max(abs(float(costs @ x)), 1e-300)
-
-        met_over: list[np.ndarray] = []  # the incumbents of the current round that did not fit whole
-
-        def fits(x) -> bool:
-            """Asked of each incumbent: one that fits is kept, one that does not is kept for its cuts (and
-            stops the round: HiGHS may report a few more incumbents before it stops)."""
-            need = need_of(x)
+            need = known[key]
+            if need < state["leanest_need"]:
+                state["leanest"], state["leanest_need"] = x, need
             if need <= limit * (1 + 1e-9):
                 improve(x, -float("inf"), need)
                 return True
-            met_over.append(x)
+            met_over.setdefault(key, x)
             return False
+
+        def gap_of(x, bound: float) -> float:
+            return (float(costs @ x) - bound) / max(abs(float(costs @ x)), 1e-300)
 
         seconds, extended = budget.seconds, False
         for _ in range(CUT_ROUNDS):
@@ -440,32 +442,28 @@ class IlpBuilder:
                 return
             met_over.clear()
             x, bound, infeasible = search.branch_and_bound(costs, weight, limit, seed, budget.gap, None,
-                                                           seconds, cuts, fits)
+                                                           seconds, cuts, weigh)
             if x is None and not infeasible and seed is None and not search.out_of_time():
                 # nothing in a round's time, and no proof: the rest of the solve's time for this round
                 x, bound, infeasible = search.branch_and_bound(costs, weight, limit, None, budget.gap, None,
-                                                               search.remaining(), cuts, fits)
+                                                               search.remaining(), cuts, weigh)
             if x is None:
                 state["proven"] = state["proven"] or (infeasible and seed is None)
                 return
-            need = need_of(x)
-            improve(x, bound, need)
-            for y in (*met_over, x):
-                if need_of(y) < state["leanest_need"]:
-                    state["leanest"], state["leanest_need"] = y, need_of(y)
-            if not met_over and need <= limit * (1 + 1e-9):  # a round that met no plan over: it ended there
+            weigh(x)  # (HiGHS's incumbent: one it asked about, or none over was met and it fits)
+            improve(x, bound, known[key_of(x)])
+            if not met_over:  # a round that met no plan over: it ended there, with a plan that fits
                 if start is None and not extended and gap_of(x, bound) > budget.gap and not search.out_of_time():
                     # the first plan through, found in a round's time: the rest of the solve's time to
                     # improve on it (ViT-120B at batch 512: 19% from the bound after 10 s, 0.7% after 27)
                     seconds, extended = search.remaining(), True
                     continue
                 return
-            # the plans over that the round met (the one it returns too, if over): their cuts, and again
-            over = [*met_over, *(() if need <= limit * (1 + 1e-9) else (x,))]
-            more = [c for y in over for c in budget.cuts(y) if c not in cuts]
+            # the cuts of the plans over that the round met (the one it returns too, if over), and again
+            more = list(dict.fromkeys(c for y in met_over.values() for c in budget.cuts(y) if c not in cuts))
             if not more:
                 return
-            cuts += list(dict.fromkeys(more))
+            cuts += more
 
     def _choice_groups(self, binary: np.ndarray) -> list[np.ndarray]:
         """The "exactly one of these binary columns" rows, as column arrays."""
