@@ -80,7 +80,7 @@ def measure_device(cfg, tokens: int, dtype, device, builtin):
     """The built-in profile with the rates measured here at this model's shapes: (profile, notes)."""
     import dataclasses
 
-    from spmd.tools.calibrate import fit_alpha_beta
+    from spmd.runtime.measure import fit_alpha_beta
 
     def randn(*shape):
         return torch.randn(*shape, dtype=dtype, device=device)

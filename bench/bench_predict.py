@@ -199,6 +199,7 @@ def run_world(world: int, args, rank: int) -> dict:
     from spmd.tools.calibrate import calibrate, geometric_sizes, summary
     from spmd.core.profiles import load_profile, save_profile
     from spmd.core.mesh import MeshSpec
+    from spmd.runtime.host import host_cpu_profile
 
     shape, names = MESHES[world]
     mesh = spmd.init_mesh(shape, names)
@@ -215,7 +216,10 @@ def run_world(world: int, args, rank: int) -> dict:
         if rank == 0:
             save_profile(prof_path, prof.links, prof.device, prof.points, prof.meta)
     cal_s = time.perf_counter() - t0
-    specs = {"default": MeshSpec.from_device_mesh(mesh), "calibrated": MeshSpec.from_profile(prof, shape, names)}
+    # builtin: the built-in cpu device; default: what `spmd.compile` plans with when given no mesh_spec (this
+    # host's device, measured at first use: runtime/host.py); both with the built-in gloo links
+    specs = {"builtin": MeshSpec.from_device_mesh(mesh), "default": MeshSpec.from_device_mesh(mesh, host_cpu_profile()),
+             "calibrated": MeshSpec.from_profile(prof, shape, names)}
     rows = []
     for case in args.cases.split(","):
         for mode in args.modes.split(","):
@@ -291,13 +295,14 @@ def report(res: dict) -> str:
     for r in res["rows"]:
         slow = statistics.median(r["times"]["ref"]) / r["info"]["ref_predicted"]
         g = statistics.median(r["times"]["graphs"])
-        for p in ("default", "calibrated"):
+        for p in PROFILES:
             i, t = r["info"][p], r["times"][p]
             med = statistics.median(t)
             ratio = med / i["predicted"] if i["predicted"] > 0 else float("inf")
             ok = abs(ratio - 1) <= TOLERANCE
             hits["rows"] += 1
             hits["raw"] += ok
+            hits[p] = hits.get(p, 0) + ok
             extra = " | | |"
             if p == "calibrated":
                 norm = g / i["objective"] / slow
@@ -309,7 +314,8 @@ def report(res: dict) -> str:
                        f"{_ms(percentile(t, 0.1))} / {_ms(percentile(t, 0.9))} | {ratio:.2f} | {'yes' if ok else 'no'} | "
                        f"{slow:.2f} |" + extra)
     out.append("")
-    out.append(f"Within +-25%: measured / predicted in {hits['raw']} of {hits['rows']} rows; the calibrated plan's "
+    out.append(f"Within +-25%: measured / predicted in {hits['raw']} of {hits['rows']} rows ("
+               + ", ".join(f"{p} {hits.get(p, 0)} of {len(res['rows'])}" for p in PROFILES) + "); the calibrated plan's "
                f"graphs alone, load-normalized, in {hits['normalized']} of {hits['cal']}.")
     out.append("")
     for r in res["rows"]:
@@ -319,13 +325,14 @@ def report(res: dict) -> str:
             out.extend(r["per_op"])
             out.append("")
     same = [f"{r['case']} {r['mode']}" for r in res["rows"]
-            if len({r["info"][p]["fingerprint"] for p in ("default", "calibrated")}) == 1]
-    out.append(f"Same plan under both profiles: {', '.join(same) or 'none'} (those pairs time one program twice: "
+            if len({r["info"][p]["fingerprint"] for p in PROFILES}) == 1]
+    out.append(f"Same plan under all three profiles: {', '.join(same) or 'none'} (those pairs time one program twice: "
                "their measured medians differ only by noise).")
     out.append("")
     return "\n".join(out)
 
 
+PROFILES = ("builtin", "default", "calibrated")
 TITLE = "# Predicted vs measured step time (gloo, CPU)\n"
 
 

@@ -25,6 +25,7 @@ from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule, graph_backend
+from spmd.runtime.host import host_cpu_profile
 from spmd.runtime.meshes import device_mesh
 
 
@@ -85,7 +86,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     (`example_kwargs=dict(input_ids=ids, labels=labels)`); then `compiled(**local)` takes them by name,
     pins name them, and the output keeps its structure (a `ModelOutput` stays one). Training with no
     loss_fn differentiates the model's own `output.loss` (see compiler/call.py).
-    mesh_spec: the link and device profiles to plan with (default: those of the mesh's backend).
+    mesh_spec: the link and device profiles to plan with (default: those of the mesh's backend; on CPU the
+    device is this host's, measured at first use and cached, or as SPMD_CPU_PROFILE says: runtime/host.py).
     src_data_rank: a model built for real takes its weights from this rank's copy (rank 0, as DTensor's
     `distribute_tensor`), so ranks that initialized differently still agree; None: every rank uses its
     own copy (they all loaded the same checkpoint).
@@ -103,7 +105,8 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
-    spec = mesh_spec or MeshSpec.from_device_mesh(mesh)
+    # on CPU, this host's own rates (measured once, cached: runtime/host.py), the same on every rank
+    spec = mesh_spec or MeshSpec.from_device_mesh(mesh, host_cpu_profile() if mesh.device_type == "cpu" else None)
     if tuple(spec.shape) != tuple(mesh.shape):
         raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
     if not isinstance(example_inputs, tuple):

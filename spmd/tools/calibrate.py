@@ -33,34 +33,8 @@ import time
 
 from spmd.core.mesh import parse_mesh
 from spmd.cost_model.comm import wire_bytes
-from spmd.tools.measure import KINDS, builtin_cpu, lockstep_slowdown, measure_device, measure_links, measure_lockstep
-
-
-def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + x / beta over points (x units, t seconds): (alpha >= 0, beta > 0).
-
-    `relative`: minimise relative errors (each residual divided by its t). The sizes span three decades;
-    plain least squares lets the largest points decide the intercept, so the latency of small messages
-    (what most collectives in a step are) comes out wrong or negative. A negative intercept is clamped
-    to 0 and the slope refitted through the origin; a non-positive slope (time flat in size, within
-    noise) gives the largest bandwidth the points cannot tell from infinite (1e15)."""
-    import numpy as np
-
-    x, t = np.asarray(xs, float), np.asarray(ts, float)
-    if len(x) == 0 or np.any(t <= 0) or np.any(x < 0):
-        raise ValueError("fit_alpha_beta: need points with x >= 0 and t > 0")
-    w = 1.0 / t if relative else np.ones_like(t)
-    if len(x) >= 2 and np.ptp(x) > 0:
-        a = np.stack([w, w * x], 1)
-        alpha, slope = np.linalg.lstsq(a, w * t, rcond=None)[0]
-    else:
-        alpha, slope = 0.0, float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
-    if alpha < 0:
-        alpha = 0.0
-        slope = float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
-    if slope <= 0:
-        alpha, slope = float(np.sum(w * w * t) / np.sum(w * w)), 1e-15
-    return float(alpha), float(1.0 / slope)
+from spmd.runtime.measure import (KINDS, fit_alpha_beta, fit_device, measure_device, measure_links,  # noqa: F401
+                                  measure_lockstep, memory_per_rank)
 
 
 def geometric_sizes(lo: int, hi: int, count: int) -> list[int]:
@@ -108,67 +82,6 @@ def _large_message_bandwidth(points, w0: float, lat: float, bw: float) -> float 
     return 1.0 / (1.0 / bw + k) if k > 0 else None
 
 
-def fit_device(points: dict, source: str, memory_bytes: float):
-    """The device profile from `measure_device`'s points; what was not timed (views, the per-call wrapper,
-    attention's efficiency, in quick runs the DRAM and page-fault rates) comes from the built-in cpu,
-    scaled by this rank's core share."""
-    import statistics
-
-    from spmd.core.profiles import DeviceProfile
-    from spmd.tools.measure import FRESH_PAGE_BYTES
-
-    cpu = builtin_cpu()
-    op = points["op"][0][1]
-    _, flops = fit_alpha_beta(*zip(*points["matmul"]))
-    _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
-    dram = fit_alpha_beta(*zip(*points["dram"]))[1] if points.get("dram") else cpu.dram_bandwidth
-    # an add with a fresh output: its DRAM traffic, then the output's pages (a third of what it moves)
-    faults = [moved / 3 / (t - moved / dram) for moved, t in points.get("fault", ()) if t > moved / dram]
-    fault_bw = statistics.median(faults) if faults else cpu.page_fault_bandwidth
-    elementwise = points.get("elementwise") or {}
-    lockstep = lockstep_slowdown(points["lockstep"]) if points.get("lockstep") else cpu.lockstep_slowdown
-    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
-                         attention_efficiency=cpu.attention_efficiency,
-                         view_overhead_s=cpu.view_overhead_s, call_overhead_s=cpu.call_overhead_s,
-                         arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
-                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s,
-                         cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
-                         fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
-                         element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,
-                         lockstep_slowdown=lockstep)
-
-
-def _cache_share() -> float | None:
-    """Half of this rank's share of the caches (L2 + L3 / ranks on this host, from Linux's sysfs): the bytes
-    one op can move at cache speed, leaving room for what else stays resident. None where sysfs says nothing."""
-    import glob
-
-    sizes = {}
-    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            with open(f"{d}/level") as f:
-                level = int(f.read())
-            with open(f"{d}/size") as f:
-                text = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        digits, unit = text.rstrip("KMG"), text[len(text.rstrip("KMG")):]
-        if digits.isdigit() and level in (2, 3):
-            sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
-    if not sizes.get(2) and not sizes.get(3):
-        return None
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
-    return (sizes.get(2, 0) + sizes.get(3, 0) / ranks) / 2
-
-
-def _memory_per_rank() -> float:
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        total = 16e9
-    return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
-
-
 def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps: int = 15,
               device: bool = True, log=None, gap_s: float = 2e-3, large_sizes: list[int] = ()):
     """Measure and fit on every rank of `device_mesh`; returns the same `profiles.Profile` everywhere."""
@@ -193,7 +106,7 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
     if device and world > 1:
         dev_points["lockstep"] = measure_lockstep(segments=10 if len(sizes) < 4 else 40)
     dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
-                      _memory_per_rank()) if device else device_profile_for("cpu"))
+                      memory_per_rank()) if device else device_profile_for("cpu"))
     points = {"links": {a: {k: [[b, t] for b, t in pts] for k, pts in bk.items()} for a, bk in link_points.items()},
               "device": {k: dict(pts) if isinstance(pts, dict) else pts if k == "lockstep" else [[x, t] for x, t in pts]
                          for k, pts in dev_points.items()}}

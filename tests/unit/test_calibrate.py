@@ -5,7 +5,8 @@ import random
 import pytest
 
 from spmd.cost_model.comm import step_cost, wire_bytes
-from spmd.tools.calibrate import fit_alpha_beta, geometric_sizes
+from spmd.runtime.measure import fit_alpha_beta
+from spmd.tools.calibrate import geometric_sizes
 from spmd.core.profiles import (DeviceProfile, LinkProfile, load_profile, save_profile, device_profile_for)
 from spmd.core.mesh import MeshSpec
 from spmd.core.redistribute import Step

@@ -13,7 +13,7 @@ from spmd.core.profiles import (DeviceProfile, LinkProfile, Profile, device_from
                                 device_to_json)
 from spmd.core.specs import TensorInfo
 from spmd.cost_model.compute import compute_cost
-from spmd.tools.measure import lockstep_slowdown
+from spmd.runtime.measure import lockstep_slowdown
 
 aten = torch.ops.aten
 DEVICE = DeviceProfile("d", 1e11, 1e10, 5e-6, 8e9, lockstep_slowdown=1.25)
@@ -60,7 +60,7 @@ def test_the_measure_is_the_slowest_ranks_sum_over_the_mean_ranks():
 
 
 def test_calibration_fits_it_from_the_segments():
-    from spmd.tools.calibrate import fit_device
+    from spmd.runtime.measure import fit_device
 
     points = {"op": [(10.0, 5e-6)], "matmul": [(2.0 * n ** 3, 2.0 * n ** 3 / 8e10) for n in (64, 256, 512)],
               "stream": [(12.0 * n, 12.0 * n / 6e10) for n in (1 << 15, 1 << 17)],

@@ -1,4 +1,5 @@
-"""Timing collectives and the device on every rank at once, for `spmd calibrate` (tools/calibrate.py).
+"""Timing collectives and the device on every rank at once, and fitting the device profile to the timings:
+for `spmd calibrate` (tools/calibrate.py) and for the host profile measured at first use (runtime/host.py).
 
 Each point: warmup calls, then `reps` calls, each after a barrier and a little compute (a collective
 that follows compute finds gloo asleep more often); per call the max over all ranks; the median, or the
@@ -16,9 +17,17 @@ from spmd.core.graph_facts import is_view
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _max_over_ranks(times: list[float]) -> list[float]:
     import torch.distributed as dist
 
+    if not _distributed():
+        return list(times)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)
     return [max(ts) for ts in zip(*gathered)]
@@ -42,7 +51,8 @@ def _timed(fn, warmup: int, reps: int, gap_s: float = 0.0, stat: str = "median")
     a = torch.randn(64, 64)
 
     def call():
-        dist.barrier()
+        if _distributed():
+            dist.barrier()
         deadline = time.perf_counter() + gap_s
         while time.perf_counter() < deadline:
             torch.mm(a, a)
@@ -125,6 +135,21 @@ def _small_joint_graph():
     return make_fx(f)(*args), [a.detach() for a in args]
 
 
+def _view_graph():
+    """A graph of 80 views (permute, reshape, transpose, view) traced to ATen, and its input: what a
+    generated graph pays per view node (no kernel runs; Python line and dispatcher only)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        for _ in range(20):
+            x = x.permute(1, 0, 2).reshape(8, 4, 16).transpose(0, 1).view(4, 8, 16)
+        return x
+
+    x = torch.randn(4, 8, 16)
+    return make_fx(f)(x), x
+
+
 def _repeats(fn, seconds: float) -> int:
     """How many calls of `fn` last about `seconds`. Ranks sharing a core only
     compete if their timed calls overlap; short calls after a barrier get staggered and each sees a whole
@@ -139,9 +164,11 @@ def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
     import torch.distributed as dist
 
     # every rank must repeat the same number of times: agree on the largest count
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, _repeats(fn, seconds))
-    k = max(counts)
+    k = _repeats(fn, seconds)
+    if _distributed():
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, k)
+        k = max(counts)
 
     def agreed():
         for _ in range(k):
@@ -180,13 +207,16 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
             pts.append((12.0 * numel, _timed_per_call(lambda: torch.add(a, b), warmup, reps, seconds)))
         out[kind] = pts
     out["elementwise"] = measure_elementwise(warmup, reps, seconds, quick)
-    # compute.py charges views `view_overhead_s` (the built-in cpu's, scaled by this rank's core share)
-    # and every other node a fixed cost: (seconds per call - the views') / non-view nodes
+    # compute.py charges views `view_overhead_s` and every other node a fixed cost: a graph of views alone
+    # gives the first, then (seconds per call of the small joint graph - its views') / its non-view nodes
+    vg, vx = _view_graph()
+    views = sum(1 for n in vg.graph.nodes if n.op == "call_function")
+    out["view"] = [(float(views), _timed_per_call(lambda: vg(vx), warmup, reps, seconds) / views)]
     gm, xs = _small_joint_graph()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     nonview = sum(1 for n in calls if not is_view(n.target))
     per_call = _timed_per_call(lambda: gm(*xs), warmup, reps, seconds)
-    views_s = (len(calls) - nonview) * builtin_cpu().view_overhead_s
+    views_s = (len(calls) - nonview) * out["view"][0][1]
     out["op"] = [(float(nonview), max(per_call - views_s, 0.0) / nonview)]
     return out
 
@@ -293,3 +323,97 @@ def builtin_cpu():
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / max(local, 1)))
+
+
+def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + x / beta over points (x units, t seconds): (alpha >= 0, beta > 0).
+
+    `relative`: minimise relative errors (each residual divided by its t). The sizes span three decades;
+    plain least squares lets the largest points decide the intercept, so the latency of small messages
+    (what most collectives in a step are) comes out wrong or negative. A negative intercept is clamped
+    to 0 and the slope refitted through the origin; a non-positive slope (time flat in size, within
+    noise) gives the largest bandwidth the points cannot tell from infinite (1e15)."""
+    import numpy as np
+
+    x, t = np.asarray(xs, float), np.asarray(ts, float)
+    if len(x) == 0 or np.any(t <= 0) or np.any(x < 0):
+        raise ValueError("fit_alpha_beta: need points with x >= 0 and t > 0")
+    w = 1.0 / t if relative else np.ones_like(t)
+    if len(x) >= 2 and np.ptp(x) > 0:
+        a = np.stack([w, w * x], 1)
+        alpha, slope = np.linalg.lstsq(a, w * t, rcond=None)[0]
+    else:
+        alpha, slope = 0.0, float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
+    if alpha < 0:
+        alpha = 0.0
+        slope = float(np.sum(w * w * x * t) / max(np.sum(w * w * x * x), 1e-300))
+    if slope <= 0:
+        alpha, slope = float(np.sum(w * w * t) / np.sum(w * w)), 1e-15
+    return float(alpha), float(1.0 / slope)
+
+
+def fit_device(points: dict, source: str, memory_bytes: float):
+    """The device profile from `measure_device`'s points; what was not timed (the per-call wrapper,
+    attention's efficiency, in quick runs the DRAM and page-fault rates) comes from the built-in cpu,
+    scaled by this rank's core share. Element-wise kernels a quick run did not time take the built-in's
+    seconds per element times the median ratio, measured / built-in, of those it timed."""
+    import statistics
+
+    from spmd.core.profiles import DeviceProfile
+
+    cpu = builtin_cpu()
+    op = points["op"][0][1]
+    view = points["view"][0][1] if points.get("view") else cpu.view_overhead_s
+    _, flops = fit_alpha_beta(*zip(*points["matmul"]))
+    _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
+    dram = fit_alpha_beta(*zip(*points["dram"]))[1] if points.get("dram") else cpu.dram_bandwidth
+    # an add with a fresh output: its DRAM traffic, then the output's pages (a third of what it moves)
+    faults = [moved / 3 / (t - moved / dram) for moved, t in points.get("fault", ()) if t > moved / dram]
+    fault_bw = statistics.median(faults) if faults else cpu.page_fault_bandwidth
+    elementwise = dict(points.get("elementwise") or {})
+    builtin = dict(cpu.element_seconds)
+    ratios = [s / builtin[k] for k, s in elementwise.items() if builtin.get(k)]
+    if ratios:
+        scale = statistics.median(ratios)
+        elementwise.update({k: s * scale for k, s in builtin.items() if k not in elementwise})
+    lockstep = lockstep_slowdown(points["lockstep"]) if points.get("lockstep") else cpu.lockstep_slowdown
+    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
+                         attention_efficiency=cpu.attention_efficiency,
+                         view_overhead_s=view, call_overhead_s=cpu.call_overhead_s,
+                         arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
+                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s,
+                         cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
+                         fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
+                         element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,
+                         lockstep_slowdown=lockstep)
+
+
+def _cache_share() -> float | None:
+    """Half of this rank's share of the caches (L2 + L3 / ranks on this host, from Linux's sysfs): the bytes
+    one op can move at cache speed, leaving room for what else stays resident. None where sysfs says nothing."""
+    import glob
+
+    sizes = {}
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{d}/level") as f:
+                level = int(f.read())
+            with open(f"{d}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        digits, unit = text.rstrip("KMG"), text[len(text.rstrip("KMG")):]
+        if digits.isdigit() and level in (2, 3):
+            sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
+    if not sizes.get(2) and not sizes.get(3):
+        return None
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    return (sizes.get(2, 0) + sizes.get(3, 0) / ranks) / 2
+
+
+def memory_per_rank() -> float:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 16e9
+    return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
