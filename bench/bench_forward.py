@@ -132,19 +132,26 @@ def is_megatron(summary: dict, layers: int) -> bool:
     return summary == {("all_reduce", "tp"): 2 * layers}
 
 
+def default_spec(mesh):
+    """The MeshSpec `spmd.compile` plans with when given none: the gloo links and this host's device
+    (runtime/host.py; collective: every rank calls it)."""
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.host import host_cpu_profile
+
+    return MeshSpec.from_device_mesh(mesh, host_cpu_profile())
+
+
 def megatron_mesh_spec(mesh):
     """The gloo MeshSpec with every collective's latency raised to PLAN_LATENCY_S: planning only (the
     runtime is unchanged). With latency dominating, the plan with the fewest collectives wins; under the
     Megatron pins that is one all_reduce after o_proj and one after fc2. The per-collective entries of
     the profile (all_gather, reduce_scatter, all_to_all) are raised too: raising only the default
     latency, as this bench once did, now prices all_reduce alone at 10 ms and steers away from it."""
-    from spmd.core.mesh import MeshSpec
-
     def slow(link):
         return dataclasses.replace(link, name=link.name + "-slow", latency_s=PLAN_LATENCY_S,
                                    per_collective=tuple((k, PLAN_LATENCY_S, bw) for k, _, bw in link.per_collective))
 
-    spec = MeshSpec.from_device_mesh(mesh)
+    spec = default_spec(mesh)
     return dataclasses.replace(spec, links=tuple(slow(l) for l in spec.links))
 
 
@@ -266,16 +273,15 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
         # The pins fix the weights, not the activations: the solver may shard tokens somewhere (sequence
         # or batch parallel) where it predicts compute savings that beat the extra collectives. Keep that
         # plan as "a2sp" and re-plan with every collective's latency high (fewest collectives wins).
-        from spmd.core.mesh import MeshSpec
 
         a2_free = a2
         t0 = time.perf_counter()
         a2 = spmd.compile(model, mesh, example_inputs=(tokens,), mesh_spec=megatron_mesh_spec(mesh), **pins)
         t_a2 = time.perf_counter() - t0
-        comp, comm = repriced(a2.plan, MeshSpec.from_device_mesh(mesh))
+        comp, comm = repriced(a2.plan, default_spec(mesh))
         # What this bench's earlier workaround (only the default latency raised) gives now that the gloo
         # profile has per-collective numbers: all_reduce alone gets expensive.
-        real = MeshSpec.from_device_mesh(mesh)
+        real = default_spec(mesh)
         old_spec = dataclasses.replace(real, links=tuple(dataclasses.replace(l, latency_s=PLAN_LATENCY_S)
                                                           for l in real.links))
         old = spmd.plan(model, old_spec, (tokens,), **pins)

@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_forward import (SIZES, count_ops, cpu_model, dtensor_megatron, fmt_ms, git_state,  # noqa: E402
-                           launch, megatron_mesh_spec, megatron_param_pins, paired_ratio, percentile,
+                           default_spec, launch, megatron_mesh_spec, megatron_param_pins, paired_ratio, percentile,
                            register_cpu_sdpa_rule, repriced, summary_str, time_interleaved, timed)
 
 # (rounds, calls per variant per round, warmup calls per variant); see bench_forward.SCHEDULE.
@@ -252,7 +252,6 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
     import spmd
     from torch.distributed.tensor import Replicate
     from examples.models import GPT, GPTConfig
-    from spmd.core.mesh import MeshSpec
     from spmd.core.specs import placements_str
 
     vocab, seq, dim, heads, layers, batch = SIZES[size]
@@ -281,7 +280,7 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
         a2 = spmd.compile(copy.deepcopy(model), mesh, example_inputs=example, loss_fn=lm_loss,
                           mesh_spec=megatron_mesh_spec(mesh), **pins)
         compile_s["a2"] = time.perf_counter() - t0
-        comp, comm = repriced(a2.plan, MeshSpec.from_device_mesh(mesh), 4 * 2**20)
+        comp, comm = repriced(a2.plan, default_spec(mesh), 4 * 2**20)
         sp = compiled["a2sp"].plan
         a2_note = (f"with only the pins spmd picks forward {counts_str(graph_collectives(compiled['a2sp'].split.forward))}, "
                    f"backward {counts_str(graph_collectives(compiled['a2sp'].split.backward))} (timed as a2sp), estimated "

@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("SPMD_VERIFY", "1")
 # CPU meshes plan with the built-in device profile, not this machine's measured one (runtime/host.py):
 # a test's plan must not depend on the machine running it
-os.environ.setdefault("SPMD_CPU_PROFILE", "builtin")
+os.environ["SPMD_CPU_PROFILE"] = "builtin"
 E2E = Path(__file__).parent / "e2e"
 
 

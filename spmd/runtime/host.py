@@ -1,63 +1,78 @@
-"""The CPU these ranks run on, as the cost model sees it: measured at first use, then kept on disk.
+"""The CPU these ranks run on, as the cost model sees it: timed at first use, then kept on disk.
 
 The built-in `cpu` device profile (core/profiles.py) holds one VM's numbers. Hosts differ by more than
-the plan can afford: on 2026-11-27 this project's box ran fp32 matmuls at 188 GFLOP/s and a small ATen op
-in 4.4 us, where the built-in says 58 GFLOP/s and 20 us. Priced with the built-in numbers there, a plan
-believes compute 3x dearer against gloo's collectives than it is (so it shards where it should not) and
-predicts GPT-2-small's step at twice its measured time. So `spmd.compile` on a CPU mesh plans with
-this host's own device profile, chosen by the environment variable SPMD_CPU_PROFILE:
+a plan can afford: on 2026-11-27 this project's box ran fp32 matmuls at 175-188 GFLOP/s and a small ATen
+op in 4.6 us, where the built-in says 58 GFLOP/s and 20 us. Priced with the built-in there, compute
+looks 3x dearer against gloo's collectives than it is, and plans shard where they should not
+(bench/results_predict.md). So `spmd.compile` on a CPU mesh plans with this host's own device profile,
+as the environment variable SPMD_CPU_PROFILE says:
 
-    unset or "measured"   measured here once (every rank on the host at once, ~2 s), then read from the
-                          cache below
+    unset or "measured"   timed here once (every rank at once, ~2 s; `measure.measure_device`, quick),
+                          then read from the cache below
     "builtin"             the built-in `cpu`, scaled by the rank's share of the cores (the test suite
                           sets this, so its plans do not depend on the machine running it)
     a path                the device of a profile file written by `spmd calibrate`
 
-The cache holds one file per (CPU model, cores, ranks on this host, threads per rank, torch version),
-in $SPMD_CACHE_DIR, else $XDG_CACHE_HOME/spmd, else ~/.cache/spmd; delete the file to measure again.
+The cache holds the timings (not the fitted profile: a fit made from them follows later changes to
+`fit_device` and to the built-in numbers it borrows), one file per (CPU model, cores this process may
+use, ranks on this host, threads per rank, torch version), in $SPMD_CACHE_DIR, else
+$XDG_CACHE_HOME/spmd, else ~/.cache/spmd; delete it to time again. A lock file keeps two jobs starting
+on one host from timing at once (the second reads what the first wrote).
 
-Every rank must plan with the same numbers, or the ranks' plans differ: rank 0 reads the cache and sends
-the profile to the others. Where it has none, every rank measures at once (each timed call is long
-enough that ranks sharing a core compete for it, as they do in a step: `measure.measure_device`), and
-rank 0 fits its timings, sends the profile and writes the cache. The links keep the built-in gloo
-profile: timing the collectives takes about 30 s (`spmd calibrate` does it).
+Every rank must plan with the same numbers, and no rank may wait in a collective another never joins.
+So the ranks first agree on SPMD_CPU_PROFILE (all raise the same error if they differ); then rank 0
+alone resolves it (builtin, file, or cache) and sends the profile, or an error every rank raises, or
+"time it", and then all ranks time the device together (each timed call long enough that ranks sharing
+a core compete for it, as in a step) and rank 0 fits its timings, sends the profile and writes the
+cache. The links keep the built-in gloo profile: timing the collectives takes ~30 s (`spmd calibrate`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
 import platform
+import tempfile
+import warnings
 from pathlib import Path
 
 from spmd.core.errors import SpmdError
 from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, load_profile
-from spmd.runtime.measure import builtin_cpu, fit_device, measure_device, memory_per_rank
+from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
 
 ENV = "SPMD_CPU_PROFILE"
-CACHE_VERSION = 1  # raised when what is measured, or how, changes: older files are then not read
+CACHE_VERSION = 1  # raised when what is timed, or how, changes: older files are then not read
+_timed: dict[str, dict] = {}  # cache file -> its timings, for this process (also when the file cannot be written)
 
 
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() in ("model name", "Model", "CPU part"):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cache_key() -> dict:
-    """What the measured numbers depend on: the same key, the same file."""
+    """What the timings depend on: the same key, the same file."""
     import torch
 
-    return {"version": CACHE_VERSION, "cpu": _cpu_model(), "cores": os.cpu_count() or 1,
-            "ranks_on_host": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))),
-            "threads_per_rank": torch.get_num_threads(), "torch": torch.__version__.split("+")[0]}
+    return {"version": CACHE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(), "cores": _cores(),
+            "ranks_on_host": local_ranks(), "threads_per_rank": torch.get_num_threads(),
+            "torch": torch.__version__.split("+")[0]}
 
 
 def cache_path(key: dict | None = None) -> Path:
@@ -67,71 +82,131 @@ def cache_path(key: dict | None = None) -> Path:
     return Path(base) / f"cpu-{digest}.json"
 
 
-def _read(path: Path, key: dict) -> dict | None:
-    """The cached profile (JSON), or None where there is none, or it is unreadable or for another key."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(doc, dict) or doc.get("key") != key or not isinstance(doc.get("device"), dict):
-        return None
-    try:
-        device_from_json(doc["device"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    return doc["device"]
-
-
-def _write(path: Path, key: dict, device: dict) -> None:
-    """Write the cache atomically (a reader never sees half a file); a cache that cannot be written
-    only means measuring again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "device": device}, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def measure_host() -> DeviceProfile:
-    """This rank's device profile from a quick timing (every rank of the process group must call it at
-    once; alone without one)."""
-    points = measure_device(quick=True)
-    ranks = cache_key()["ranks_on_host"]
-    day = datetime.date.today().isoformat()
-    source = (f"measured on this host at first use ({_cpu_model()}, {ranks} rank(s) at once, {day}; "
-              "spmd.runtime.host): matmul on squares, streaming adds, a small joint graph per op, four "
-              "element-wise kernels; the rest as the built-in cpu")
+def _fitted(points: dict) -> DeviceProfile:
+    """The device profile of `measure_device`'s timings (read from the cache or just taken)."""
+    day = points.get("day", "")
+    source = (f"timed on this host ({_cpu_model()}, {local_ranks()} rank(s) at once{', ' + day if day else ''}; "
+              "spmd.runtime.host): matmuls, adds in cache and from DRAM, views and a small joint graph per op, "
+              "four element-wise kernels (the others scaled from the built-in); the rest as the built-in cpu")
     return dataclasses.replace(fit_device(points, source, memory_per_rank()), name="measured-cpu")
 
 
-def host_cpu_profile() -> DeviceProfile:
-    """The device profile to plan this host's ranks with (see the module's docstring). Collective when a
-    process group is up and SPMD_CPU_PROFILE is "measured": every rank must call it."""
-    import torch.distributed as dist
+def _read(path: Path, key: dict) -> DeviceProfile | None:
+    """The profile fitted from the cached timings, or None where there are none, or they are unreadable
+    or for another key."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc["key"] != key:
+            return None
+        return _fitted(doc["points"])
+    except Exception:  # noqa: BLE001 - any damage to the file means timing again, never failing
+        return None
 
-    choice = os.environ.get(ENV, "measured")
+
+def _write(path: Path, key: dict, points: dict) -> None:
+    """Write the cache atomically (a reader never sees half a file). A cache that cannot be written
+    means timing again in the next process (this one remembers), with a warning."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "points": points}, f)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        warnings.warn(f"spmd: could not cache this host's timings in {path} ({e}); set SPMD_CACHE_DIR to a "
+                      "writable folder, or each new process times the host again (~2 s)", stacklevel=3)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock next to the cache file while it is read, timed and written (where locks are
+    unavailable, go on without)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "w")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def _timings() -> dict:
+    """`measure_device`'s quick timings, JSON-able (every rank of the process group at once)."""
+    points = measure_device(quick=True)
+    points = {k: ([list(p) for p in v] if isinstance(v, list) else v) for k, v in points.items()}
+    points["day"] = datetime.date.today().isoformat()
+    return points
+
+
+def _resolve(choice: str, key: dict, path: Path) -> DeviceProfile | None:
+    """What `choice` gives without timing: the built-in, a file's device, or the cached timings' fit
+    (None: nothing cached, time the host)."""
     if choice == "builtin":
         return builtin_cpu()
     if choice != "measured":
         try:
             return load_profile(choice).device
         except (OSError, ValueError, KeyError) as e:
-            raise SpmdError(f"{ENV}={choice!r}: not a profile file ({type(e).__name__}: {e}). What to do: set it "
-                            "to 'measured' (this host, timed once), 'builtin', or the path of a profile written "
-                            "by `spmd calibrate`.") from e
+            raise SpmdError(f"{ENV}={choice!r}: not a profile file ({type(e).__name__}: {e}). What to do: set "
+                            "it to 'measured' (this host, timed once), 'builtin', or the path of a profile "
+                            "written by `spmd calibrate`.") from e
+    if str(path) in _timed:
+        return _fitted(_timed[str(path)])
+    return _read(path, key)
+
+
+def host_cpu_profile() -> DeviceProfile:
+    """The device profile to plan this host's ranks with (see the module's docstring). Collective when a
+    process group is up: every rank must call it, and every rank gets the same profile or the same error."""
+    import torch.distributed as dist
+
+    choice = os.environ.get(ENV, "measured")
     distributed = dist.is_available() and dist.is_initialized()
-    first = not distributed or dist.get_rank() == 0
-    key = cache_key()
-    path = cache_path(key)
-    got = [_read(path, key) if first else None]
     if distributed:
-        dist.broadcast_object_list(got, src=0)
-    if got[0] is None:
-        got = [device_to_json(measure_host())]
-        if distributed:
-            dist.broadcast_object_list(got, src=0)
+        choices = [None] * dist.get_world_size()
+        dist.all_gather_object(choices, choice)
+        if len(set(choices)) > 1:
+            raise SpmdError(f"the ranks were started with different {ENV}: "
+                            + ", ".join(f"rank {r}: {c!r}" for r, c in enumerate(choices))
+                            + f". What to do: give every rank the same {ENV} (or none).")
+    first = not distributed or dist.get_rank() == 0
+    key, path = cache_key(), cache_path()
+    with _locked(path) if first and choice == "measured" else contextlib.nullcontext():
+        message = [None]  # what rank 0 sends: ("device", json), ("time", None) or ("error", text)
         if first:
-            _write(path, key, got[0])
-    return device_from_json(got[0])
+            try:
+                got = _resolve(choice, key, path)
+                message[0] = ("time", None) if got is None else ("device", device_to_json(got))
+            except Exception as e:  # noqa: BLE001 - every rank raises it, none is left waiting
+                message[0] = ("error", str(e) if isinstance(e, SpmdError) else f"{type(e).__name__}: {e}")
+        if distributed:
+            dist.broadcast_object_list(message, src=0)
+        kind, body = message[0]
+        if kind == "time":
+            points = _timings()  # every rank: ranks sharing the cores compete as in a step
+            if first:
+                try:
+                    _timed[str(path)] = points
+                    message[0] = ("device", device_to_json(_fitted(points)))
+                    _write(path, key, points)
+                except Exception as e:  # noqa: BLE001
+                    message[0] = ("error", f"timing this host failed: {type(e).__name__}: {e}")
+            if distributed:
+                dist.broadcast_object_list(message, src=0)
+            kind, body = message[0]
+    if kind == "error":
+        raise SpmdError(body)
+    return device_from_json(body)

@@ -181,7 +181,8 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     """kind -> [(x, seconds)]: "matmul" x = FLOPs of an fp32 mm (transformer shapes; squares when quick);
     "stream", "dram", "fault" x =
     bytes an out-of-place add moves (2 reads + 1 write) in cache, from DRAM, and with a fresh output; "op"
-    x = non-view nodes of a small joint graph, t = its time per call / x; "elementwise": op name -> seconds
+    x = non-view nodes of a small joint graph, t = its time per call (less its views') / x; "view" x = nodes
+    of a graph of views alone, t = its time per call / x; "elementwise": op name -> seconds
     per output element (`measure_elementwise`). Each timed call repeats the kernel for about `seconds`
     (see `_repeats`)."""
     import torch
@@ -317,12 +318,23 @@ def lockstep_slowdown(per_rank: list[list[float]]) -> float:
     return max(1.0, slowest / mean) if mean > 0 else 1.0
 
 
+def local_ranks() -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else the process group's size (ranks started
+    some other way on one host), else WORLD_SIZE, else 1 (as MeshSpec.from_device_mesh counts them)."""
+    import torch.distributed as dist
+
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if _distributed():
+        return dist.get_world_size()
+    return max(1, int(os.environ.get("WORLD_SIZE", 1)))
+
+
 def builtin_cpu():
     """The built-in `cpu` profile scaled by this rank's share of the cores (as MeshSpec.from_device_mesh)."""
     from spmd.core.profiles import device_profile_for
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / max(local, 1)))
+    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / local_ranks()))
 
 
 def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
@@ -354,7 +366,7 @@ def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
 
 def fit_device(points: dict, source: str, memory_bytes: float):
     """The device profile from `measure_device`'s points; what was not timed (the per-call wrapper,
-    attention's efficiency, in quick runs the DRAM and page-fault rates) comes from the built-in cpu,
+    attention's efficiency, in quick runs the page-fault rate) comes from the built-in cpu,
     scaled by this rank's core share. Element-wise kernels a quick run did not time take the built-in's
     seconds per element times the median ratio, measured / built-in, of those it timed."""
     import statistics
@@ -362,8 +374,8 @@ def fit_device(points: dict, source: str, memory_bytes: float):
     from spmd.core.profiles import DeviceProfile
 
     cpu = builtin_cpu()
-    op = points["op"][0][1]
     view = points["view"][0][1] if points.get("view") else cpu.view_overhead_s
+    op = max(points["op"][0][1], view)  # (a noisy view timing may leave nothing: an op dispatches at least as a view)
     _, flops = fit_alpha_beta(*zip(*points["matmul"]))
     _, bandwidth = fit_alpha_beta(*zip(*points["stream"]))
     dram = fit_alpha_beta(*zip(*points["dram"]))[1] if points.get("dram") else cpu.dram_bandwidth
@@ -407,7 +419,7 @@ def _cache_share() -> float | None:
             sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
     if not sizes.get(2) and not sizes.get(3):
         return None
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    ranks = local_ranks()
     return (sizes.get(2, 0) + sizes.get(3, 0) / ranks) / 2
 
 
@@ -416,4 +428,4 @@ def memory_per_rank() -> float:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         total = 16e9
-    return float(total) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    return float(total) / local_ranks()

@@ -1,17 +1,19 @@
-"""The host's CPU profile (runtime/host.py): measured once, then read from the cache; the built-in or a
-profile file where SPMD_CPU_PROFILE says so. The timing itself is replaced by fixed points here (no
-processes, no seconds spent); tests/e2e/test_host_profile.py measures for real on 2 gloo ranks."""
+"""The host's CPU profile (runtime/host.py): timed once, then fitted from the cache; the built-in or a
+profile file where SPMD_CPU_PROFILE says so; on a process group, rank 0 decides and every rank gets the
+same profile or the same error. The timing itself is replaced by fixed points here (no processes, no
+seconds spent); tests/e2e/test_host_profile.py times for real on 2 gloo ranks."""
 import json
 import os
 
 import pytest
+import torch.distributed as dist
 
 from spmd.core.errors import SpmdError
-from spmd.core.profiles import link_profile_for, save_profile
+from spmd.core.profiles import device_profile_for, device_to_json, link_profile_for, save_profile
 from spmd.runtime import host
 from spmd.runtime.measure import builtin_cpu, fit_device
 
-# what measure_device(quick=True) returns, at 200 GFLOP/s, 100 GB/s, 5 us per op
+# what measure_device(quick=True) returns, at 200 GFLOP/s, 100 GB/s, 5 us per op, 2 us per view
 POINTS = {"matmul": [(2e9, 0.01), (4e9, 0.02)], "stream": [(12e5, 12e-6), (24e5, 24e-6)],
           "dram": [(12e7, 12e-3)], "fault": [], "elementwise": {"gelu": 0.5e-9, "exp": 0.3e-9},
           "op": [(40.0, 5e-6)], "view": [(80.0, 2e-6)]}
@@ -22,6 +24,7 @@ def measured(tmp_path, monkeypatch):
     """SPMD_CPU_PROFILE=measured with a fresh cache; returns the list of measure_device calls."""
     monkeypatch.setenv("SPMD_CPU_PROFILE", "measured")
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(host, "_timed", {})
     calls = []
 
     def measure_device(quick=False):
@@ -31,51 +34,122 @@ def measured(tmp_path, monkeypatch):
     return calls
 
 
-def test_the_host_is_measured_once_then_read_from_the_cache(measured):
+def test_the_host_is_timed_once_then_fitted_from_the_cache(measured, monkeypatch):
     first = host.host_cpu_profile()
     assert measured == [True]  # the quick timing
-    assert first.name == "measured-cpu" and "first use" in first.source
+    assert first.name == "measured-cpu" and "timed on this host" in first.source
     assert first.flops == pytest.approx(200e9, rel=1e-6)
-    assert first.op_overhead_s == pytest.approx(5e-6)
-    assert first.view_overhead_s == pytest.approx(2e-6)
+    assert first.op_overhead_s == pytest.approx(5e-6) and first.view_overhead_s == pytest.approx(2e-6)
     kernels, builtin = dict(first.element_seconds), dict(builtin_cpu().element_seconds)
     assert kernels["gelu"] == pytest.approx(0.5e-9)
-    # kernels the quick run did not time: the built-in's, times the median measured / built-in ratio
-    scale = sorted([0.5e-9 / builtin["gelu"], 0.3e-9 / builtin["exp"]])
-    assert kernels["tanh"] == pytest.approx(builtin["tanh"] * (scale[0] + scale[1]) / 2)
-    assert host.cache_path().exists()
-    again = host.host_cpu_profile()
-    assert measured == [True]  # not measured again
-    assert again == first
+    # kernels the quick run did not time: the built-in's, times the median timed / built-in ratio
+    scale = (0.5e-9 / builtin["gelu"] + 0.3e-9 / builtin["exp"]) / 2
+    assert kernels["tanh"] == pytest.approx(builtin["tanh"] * scale)
+    assert "points" in json.loads(host.cache_path().read_text())  # the timings, fitted again when read
+    assert host.host_cpu_profile() == first
+    monkeypatch.setattr(host, "_timed", {})  # a new process: only the file is left
+    assert host.host_cpu_profile() == first
+    assert measured == [True]  # never timed again
 
 
-def test_a_cache_for_another_key_or_unreadable_is_measured_again(measured):
+def test_a_cache_for_another_key_or_damaged_is_timed_again(measured, monkeypatch):
     path = host.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    other = {**host.cache_key(), "cpu": "another CPU"}
-    path.write_text(json.dumps({"key": other, "device": {"name": "x"}}))
+    path.write_text(json.dumps({"key": {**host.cache_key(), "cpu": "another CPU"}, "points": POINTS}))
     host.host_cpu_profile()
-    path.write_text("{ not json")
-    host.host_cpu_profile()
-    assert measured == [True, True]
+    for damaged in ("{ not json", json.dumps({"key": host.cache_key(), "points": {"op": "x"}})):
+        monkeypatch.setattr(host, "_timed", {})
+        path.write_text(damaged)
+        host.host_cpu_profile()
+    assert measured == [True, True, True]
     assert json.loads(path.read_text())["key"] == host.cache_key()
+
+
+def test_an_unwritable_cache_warns_and_this_process_remembers(measured, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(blocker / "cache"))  # a folder inside a file: cannot exist
+    with pytest.warns(UserWarning, match="could not cache"):
+        first = host.host_cpu_profile()
+    assert host.host_cpu_profile() == first and measured == [True]
 
 
 def test_the_cache_depends_on_the_ranks_sharing_the_host(measured, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     two = host.cache_path()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert host.cache_path() != two  # four ranks on the cores measure slower ranks than two
+    assert host.cache_path() != two  # four ranks on the cores time slower ranks than two
 
 
-def test_builtin_and_a_profile_file(tmp_path, monkeypatch):
+class FakeGroup:
+    """torch.distributed as rank `rank` of `world` sees it: the other ranks' SPMD_CPU_PROFILE and what
+    rank 0 broadcasts are given."""
+
+    def __init__(self, monkeypatch, rank: int, world: int, choices: list[str], sent: list | None = None):
+        self.reads = []
+        self.sent = list(sent or [])
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+        def all_gather_object(out, obj, group=None):
+            out[:] = choices
+
+        def broadcast_object_list(objs, src=0, group=None):
+            if rank != 0:
+                objs[0] = self.sent.pop(0)
+        monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+        monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+        real = host._resolve
+        monkeypatch.setattr(host, "_resolve", lambda *a: self.reads.append(a) or real(*a))
+
+
+def test_other_ranks_take_what_rank_0_sends(measured, monkeypatch):
+    theirs = fit_device(POINTS, "rank 0's", 8e9)
+    group = FakeGroup(monkeypatch, rank=1, world=2, choices=["measured", "measured"],
+                      sent=[("device", device_to_json(theirs))])
+    assert host.host_cpu_profile() == theirs
+    assert group.reads == [] and measured == []  # rank 1 neither reads the cache nor times alone
+
+
+def test_ranks_time_together_when_rank_0_says_so(measured, monkeypatch):
+    theirs = fit_device(POINTS, "rank 0's", 8e9)
+    FakeGroup(monkeypatch, rank=1, world=2, choices=["measured"] * 2,
+              sent=[("time", None), ("device", device_to_json(theirs))])
+    assert host.host_cpu_profile() == theirs
+    assert measured == [True]  # it timed with rank 0, and took rank 0's fit
+    assert not host.cache_path().exists()  # rank 0 writes the cache
+
+
+def test_ranks_started_with_different_settings_all_fail_alike(measured, monkeypatch):
+    FakeGroup(monkeypatch, rank=1, world=2, choices=["measured", "builtin"])
+    with pytest.raises(SpmdError, match=r"different SPMD_CPU_PROFILE: rank 0: 'measured', rank 1: 'builtin'"):
+        host.host_cpu_profile()
+    assert measured == []
+
+
+def test_an_error_on_rank_0_reaches_every_rank(monkeypatch, tmp_path):
+    bad = str(tmp_path / "missing.json")
+    monkeypatch.setenv("SPMD_CPU_PROFILE", bad)
+    FakeGroup(monkeypatch, rank=1, world=2, choices=[bad, bad], sent=[("error", "SPMD_CPU_PROFILE=...: not a profile file")])
+    with pytest.raises(SpmdError, match="not a profile file"):
+        host.host_cpu_profile()
+
+
+def test_builtin_is_the_built_in_scaled_by_the_ranks_sharing_the_cores(monkeypatch):
     monkeypatch.setenv("SPMD_CPU_PROFILE", "builtin")
-    assert host.host_cpu_profile() == builtin_cpu()
+    FakeGroup(monkeypatch, rank=0, world=4 * (os.cpu_count() or 1), choices=["builtin"] * 4 * (os.cpu_count() or 1))
+    got = host.host_cpu_profile()  # no LOCAL_WORLD_SIZE: the group's size counts the ranks (as torch spawns them)
+    assert got == device_profile_for("cpu").scaled(0.25)
+
+
+def test_a_profile_file(tmp_path, monkeypatch):
     path = tmp_path / "profile.json"
     calibrated = fit_device(POINTS, "test", 8e9)
     save_profile(str(path), {"tp": link_profile_for("gloo")}, calibrated)
     monkeypatch.setenv("SPMD_CPU_PROFILE", str(path))
-    assert host.host_cpu_profile().flops == pytest.approx(calibrated.flops)
+    assert host.host_cpu_profile() == calibrated
 
 
 def test_a_bad_setting_names_the_variable_and_the_way_out(tmp_path, monkeypatch):
