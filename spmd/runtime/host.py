@@ -7,7 +7,7 @@ looks 3x dearer against gloo's collectives than it is, and plans shard where the
 (bench/results_predict.md). So `spmd.compile` on a CPU mesh plans with this host's own device profile,
 as the environment variable SPMD_CPU_PROFILE says:
 
-    unset or "measured"   timed here once (every rank at once, ~2 s; `measure.measure_device`, quick),
+    unset or "measured"   timed here once (every rank at once, ~3 s; `measure.measure_device`, quick),
                           then read from the cache below
     "builtin"             the built-in `cpu`, scaled by the rank's share of the cores (the test suite
                           sets this, so its plans do not depend on the machine running it)
@@ -44,7 +44,7 @@ from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, 
 from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
 
 ENV = "SPMD_CPU_PROFILE"
-CACHE_VERSION = 1  # raised when what is timed, or how, changes: older files are then not read
+CACHE_VERSION = 2  # raised when what is timed, or how, changes: older files are then not read
 _timed: dict[str, dict] = {}  # cache file -> its timings, for this process (also when the file cannot be written)
 
 
@@ -87,7 +87,8 @@ def _fitted(points: dict) -> DeviceProfile:
     day = points.get("day", "")
     source = (f"timed on this host ({_cpu_model()}, {local_ranks()} rank(s) at once{', ' + day if day else ''}; "
               "spmd.runtime.host): matmuls, adds in cache and from DRAM, views and a small joint graph per op, "
-              "four element-wise kernels (the others scaled from the built-in); the rest as the built-in cpu")
+              "four element-wise kernels (the others scaled from the built-in), a transformer block's graph "
+              "whole; the rest as the built-in cpu")
     return dataclasses.replace(fit_device(points, source, memory_per_rank()), name="measured-cpu")
 
 
@@ -116,7 +117,7 @@ def _write(path: Path, key: dict, points: dict) -> None:
         tmp = None
     except OSError as e:
         warnings.warn(f"spmd: could not cache this host's timings in {path} ({e}); set SPMD_CACHE_DIR to a "
-                      "writable folder, or each new process times the host again (~2 s)", stacklevel=3)
+                      "writable folder, or each new process times the host again (~3 s)", stacklevel=3)
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):

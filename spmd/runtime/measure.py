@@ -150,6 +150,73 @@ def _view_graph():
     return make_fx(f)(x), x
 
 
+# A transformer block's joint graph at two sizes: one where the fixed cost per node is most of the time,
+# one where the kernels' work is (batch, sequence, width, heads)
+BLOCK_SIZES = ((2, 8, 16, 2), (4, 64, 256, 4))
+
+
+def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
+    """The forward+backward graph of `layers` pre-norm transformer blocks (layer norm, q/k/v, causal
+    attention, output projection, GELU MLP, residuals) traced to ATen by make_fx, and its inputs: the
+    ops a generated rank graph runs, in the order it runs them."""
+    import torch
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    d = width
+
+    def f(x, *ws):
+        h = x
+        for i in range(layers):
+            lw, lb, wqkv, bqkv, wo, bo, lw2, lb2, w1, b1, w2, b2 = ws[12 * i: 12 * i + 12]
+            qkv = F.linear(F.layer_norm(h, (d,), lw, lb), wqkv, bqkv)
+            q, k, v = qkv.view(batch, seq, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + F.linear(o.transpose(1, 2).reshape(batch, seq, d), wo, bo)
+            h = h + F.linear(F.gelu(F.linear(F.layer_norm(h, (d,), lw2, lb2), w1, b1)), w2, b2)
+        return torch.autograd.grad(h.sum(), (x, *ws))
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    # weights at nn.Linear's scale (1 / sqrt(fan in)): with unit weights the attention saturates, its
+    # gradients underflow to subnormal floats, and those run a matmul 4x slower here
+    args = [torch.randn(batch, seq, d, generator=g, requires_grad=True)] + \
+        [(torch.randn(*shape, generator=g) / shape[-1] ** 0.5).requires_grad_() for shape in shapes * layers]
+    return make_fx(f)(*args), [a.detach() for a in args]
+
+
+def priced(gm, device) -> tuple[float, float]:
+    """(fixed, work) seconds the cost model gives an unsharded make_fx graph on `device`: the per-node
+    fixed costs (ops and views), and the rest of `compute.compute_cost` (kernels' work, bytes, faults)."""
+    import torch
+    import torch.fx as fx
+
+    from spmd.core.specs import TensorInfo
+    from spmd.cost_model.compute import compute_cost, local_call
+    from spmd.passes.trace_module import tensor_info_of
+
+    infos = {n.name: tensor_info_of(n) for n in gm.graph.nodes}
+
+    def is_tensor(a) -> bool:
+        return isinstance(infos.get(a.name), TensorInfo)
+
+    fixed = work = 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue  # (getitem: the generated code's Python alone)
+        if is_view(n.target):
+            fixed += device.view_overhead_s
+            continue
+        ins = [infos[a.name] for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+               if isinstance(a, fx.Node) and is_tensor(a)]
+        out = infos[n.name]
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, TensorInfo)]
+        args, kwargs = local_call(n, is_tensor, ins)
+        fixed += device.op_overhead_s
+        work += compute_cost(n.target, args, kwargs, ins, outs, device) - device.op_overhead_s
+    return fixed, work
+
+
 def _repeats(fn, seconds: float) -> int:
     """How many calls of `fn` last about `seconds`. Ranks sharing a core only
     compete if their timed calls overlap; short calls after a barrier get staggered and each sees a whole
@@ -218,6 +285,11 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     nonview = sum(1 for n in calls if not is_view(n.target))
     per_call = _timed_per_call(lambda: gm(*xs), warmup, reps, seconds)
     views_s = (len(calls) - nonview) * out["view"][0][1]
+    # the same kernels as a graph runs them, once each among the others (`fit_device` reads the gap)
+    out["block"] = []
+    for size in BLOCK_SIZES:
+        bg, bx = _block_graph(*size)
+        out["block"].append((*size, _timed_per_call(lambda: bg(*bx), warmup, reps, seconds)))
     out["op"] = [(float(nonview), max(per_call - views_s, 0.0) / nonview)]
     return out
 
@@ -389,7 +461,7 @@ def fit_device(points: dict, source: str, memory_bytes: float):
         scale = statistics.median(ratios)
         elementwise.update({k: s * scale for k, s in builtin.items() if k not in elementwise})
     lockstep = lockstep_slowdown(points["lockstep"]) if points.get("lockstep") else cpu.lockstep_slowdown
-    return DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
+    looped = DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
                          attention_efficiency=cpu.attention_efficiency,
                          view_overhead_s=view, call_overhead_s=cpu.call_overhead_s,
                          arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
@@ -398,6 +470,34 @@ def fit_device(points: dict, source: str, memory_bytes: float):
                          fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
                          element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,
                          lockstep_slowdown=lockstep)
+    return in_graph(looped, points.get("block") or ())
+
+
+def in_graph(device, blocks):
+    """`device` (its numbers timed in loops, one kernel over and over) as a graph runs its kernels, once
+    each among the others: slower, with colder caches and predictors. `blocks`: (batch, seq, width, heads,
+    seconds per call) of `_block_graph`s; their times t = a * fixed + b * work (`priced`) fitted by least
+    squares give a (the fixed costs per node) and b (the kernels' work) in a graph against in a loop.
+    Without two sizes, or where the fit is not positive, `device` as it is."""
+    import dataclasses
+
+    import numpy as np
+
+    if len(blocks) < 2:
+        return device
+    rows = [(*priced(_block_graph(*size)[0], device), t) for *size, t in blocks]
+    a, b = np.linalg.lstsq(np.array([[f, w] for f, w, _ in rows]), np.array([t for *_, t in rows]), rcond=None)[0]
+    if not (a > 0 and b > 0):
+        return device
+    a, b = float(a), float(b)
+    return dataclasses.replace(
+        device, op_overhead_s=device.op_overhead_s * a, view_overhead_s=device.view_overhead_s * a,
+        flops=device.flops / b, memory_bandwidth=device.memory_bandwidth / b,
+        dram_bandwidth=None if device.dram_bandwidth is None else device.dram_bandwidth / b,
+        page_fault_bandwidth=device.page_fault_bandwidth / b,
+        element_seconds=tuple((k, v * b) for k, v in device.element_seconds),
+        source=device.source + f"; in a graph, fixed costs per node x{a:.2f} and kernels' work x{b:.2f} of their "
+        "timings in a loop (a transformer block's joint graph at two sizes, timed whole)")
 
 
 def _cache_share() -> float | None:
