@@ -13,9 +13,10 @@ as the environment variable SPMD_CPU_PROFILE says:
                           sets this, so its plans do not depend on the machine running it)
     a path                the device of a profile file written by `spmd calibrate`
 
-The cache holds the timings (not the fitted profile: a fit made from them follows later changes to
-`fit_device` and to the built-in numbers it borrows), one file per (CPU model, cores this process may
-use, ranks on this host, threads per rank, torch version), in $SPMD_CACHE_DIR, else
+The cache holds the timings and the profile fitted from them, stamped with the built-in numbers the
+fit borrows and `FIT_VERSION`: where either changed, the timings are fitted again (and the file
+rewritten). One file per (CPU model, cores this process may use, ranks on this host, threads per rank,
+torch version), in $SPMD_CACHE_DIR, else
 $XDG_CACHE_HOME/spmd, else ~/.cache/spmd; delete it to time again. A lock file keeps two jobs starting
 on one host from timing at once (the second reads what the first wrote).
 
@@ -45,7 +46,8 @@ from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_d
 
 ENV = "SPMD_CPU_PROFILE"
 CACHE_VERSION = 2  # raised when what is timed, or how, changes: older files are then not read
-_timed: dict[str, dict] = {}  # cache file -> its timings, for this process (also when the file cannot be written)
+FIT_VERSION = 1  # raised when `fit_device` changes: cached timings are then fitted again
+_known: dict[str, DeviceProfile] = {}  # cache file -> its profile, for this process (also when unwritable)
 
 
 def _cpu_model() -> str:
@@ -92,19 +94,26 @@ def _fitted(points: dict) -> DeviceProfile:
     return dataclasses.replace(fit_device(points, source, memory_per_rank()), name="measured-cpu")
 
 
-def _read(path: Path, key: dict) -> DeviceProfile | None:
-    """The profile fitted from the cached timings, or None where there are none, or they are unreadable
-    or for another key."""
+def _stamp() -> str:
+    """What a fit depends on beside the timings: `FIT_VERSION` and the built-in numbers it borrows."""
+    doc = json.dumps([FIT_VERSION, device_to_json(builtin_cpu())], sort_keys=True)
+    return hashlib.sha1(doc.encode()).hexdigest()[:16]
+
+
+def _read(path: Path, key: dict) -> tuple[dict, DeviceProfile | None] | None:
+    """(the cached timings, their fitted profile where it is still current), or None where there are none,
+    or they are unreadable or for another key."""
     try:
         doc = json.loads(path.read_text())
-        if doc["key"] != key:
+        if doc["key"] != key or not isinstance(doc["points"], dict):
             return None
-        return _fitted(doc["points"])
+        fitted = doc.get("fitted") or {}
+        return doc["points"], device_from_json(fitted["device"]) if fitted.get("stamp") == _stamp() else None
     except Exception:  # noqa: BLE001 - any damage to the file means timing again, never failing
         return None
 
 
-def _write(path: Path, key: dict, points: dict) -> None:
+def _write(path: Path, key: dict, points: dict, device: DeviceProfile) -> None:
     """Write the cache atomically (a reader never sees half a file). A cache that cannot be written
     means timing again in the next process (this one remembers), with a warning."""
     tmp = None
@@ -112,7 +121,7 @@ def _write(path: Path, key: dict, points: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "points": points}, f)
+            json.dump({"key": key, "points": points, "fitted": {"stamp": _stamp(), "device": device_to_json(device)}}, f)
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
@@ -164,9 +173,20 @@ def _resolve(choice: str, key: dict, path: Path) -> DeviceProfile | None:
             raise SpmdError(f"{ENV}={choice!r}: not a profile file ({type(e).__name__}: {e}). What to do: set "
                             "it to 'measured' (this host, timed once), 'builtin', or the path of a profile "
                             "written by `spmd calibrate`.") from e
-    if str(path) in _timed:
-        return _fitted(_timed[str(path)])
-    return _read(path, key)
+    if str(path) in _known:
+        return _known[str(path)]
+    cached = _read(path, key)
+    if cached is None:
+        return None
+    points, device = cached
+    if device is None:  # the fit changed since: fit the timings again, keep that
+        try:
+            device = _fitted(points)
+        except Exception:  # noqa: BLE001 - timings it cannot fit: time the host again
+            return None
+        _write(path, key, points, device)
+    _known[str(path)] = device
+    return device
 
 
 def host_cpu_profile() -> DeviceProfile:
@@ -200,9 +220,9 @@ def host_cpu_profile() -> DeviceProfile:
             points = _timings()  # every rank: ranks sharing the cores compete as in a step
             if first:
                 try:
-                    _timed[str(path)] = points
-                    message[0] = ("device", device_to_json(_fitted(points)))
-                    _write(path, key, points)
+                    device = _known[str(path)] = _fitted(points)
+                    message[0] = ("device", device_to_json(device))
+                    _write(path, key, points, device)
                 except Exception as e:  # noqa: BLE001
                     message[0] = ("error", f"timing this host failed: {type(e).__name__}: {e}")
             if distributed:

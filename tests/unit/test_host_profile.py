@@ -24,7 +24,7 @@ def measured(tmp_path, monkeypatch):
     """SPMD_CPU_PROFILE=measured with a fresh cache; returns the list of measure_device calls."""
     monkeypatch.setenv("SPMD_CPU_PROFILE", "measured")
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(host, "_timed", {})
+    monkeypatch.setattr(host, "_known", {})
     calls = []
 
     def measure_device(quick=False):
@@ -45,11 +45,21 @@ def test_the_host_is_timed_once_then_fitted_from_the_cache(measured, monkeypatch
     # kernels the quick run did not time: the built-in's, times the median timed / built-in ratio
     scale = (0.5e-9 / builtin["gelu"] + 0.3e-9 / builtin["exp"]) / 2
     assert kernels["tanh"] == pytest.approx(builtin["tanh"] * scale)
-    assert "points" in json.loads(host.cache_path().read_text())  # the timings, fitted again when read
+    cached = json.loads(host.cache_path().read_text())
+    assert cached["points"]["matmul"] == [list(p) for p in POINTS["matmul"]]  # the timings and their fit
     assert host.host_cpu_profile() == first
-    monkeypatch.setattr(host, "_timed", {})  # a new process: only the file is left
+    monkeypatch.setattr(host, "_known", {})  # a new process: only the file is left
     assert host.host_cpu_profile() == first
     assert measured == [True]  # never timed again
+    # a changed fit (or built-in) fits the cached timings again, and keeps that fit
+    monkeypatch.setattr(host, "_known", {})
+    monkeypatch.setattr(host, "FIT_VERSION", host.FIT_VERSION + 1)
+    fits = []
+    real = host._fitted
+    monkeypatch.setattr(host, "_fitted", lambda points: fits.append(1) or real(points))
+    assert host.host_cpu_profile() == first and fits == [1] and measured == [True]
+    monkeypatch.setattr(host, "_known", {})
+    assert host.host_cpu_profile() == first and fits == [1]  # the file holds the new fit
 
 
 def test_a_cache_for_another_key_or_damaged_is_timed_again(measured, monkeypatch):
@@ -58,7 +68,7 @@ def test_a_cache_for_another_key_or_damaged_is_timed_again(measured, monkeypatch
     path.write_text(json.dumps({"key": {**host.cache_key(), "cpu": "another CPU"}, "points": POINTS}))
     host.host_cpu_profile()
     for damaged in ("{ not json", json.dumps({"key": host.cache_key(), "points": {"op": "x"}})):
-        monkeypatch.setattr(host, "_timed", {})
+        monkeypatch.setattr(host, "_known", {})
         path.write_text(damaged)
         host.host_cpu_profile()
     assert measured == [True, True, True]
