@@ -94,6 +94,11 @@ class DeviceProfile:
     dram_bandwidth: float | None = None  # None: memory_bandwidth
     fresh_page_bytes: float = math.inf
     page_fault_bandwidth: float = math.inf
+    # Where a graph's kernels read their operands and write their outputs cold (a CPU: the caches do not
+    # keep a graph's tensors from one op to the next, and the cores do not overlap that traffic with the
+    # work), the bytes each op moves at this bandwidth come on top of its work; inf: the roofline alone
+    # (the larger of work and bytes, as on GPUs). Fitted by `measure.in_graph`.
+    operand_bandwidth: float = math.inf
     # (ATen op name, seconds per output element): kernels whose work per element is many instructions
     # (exp, tanh, erf in gelu, a row's statistics, a random draw in dropout), measured on this device;
     # an op named here costs max(that x elements, its bytes / bandwidth) instead of its FLOPs / flops.
@@ -114,6 +119,7 @@ class DeviceProfile:
             if getattr(self, f) < 0:
                 raise ValueError(f"DeviceProfile {self.name}: {f} must be >= 0")
         if self.cache_bytes <= 0 or self.fresh_page_bytes <= 0 or self.page_fault_bandwidth <= 0 or \
+                self.operand_bandwidth <= 0 or \
                 (self.dram_bandwidth is not None and self.dram_bandwidth <= 0):
             raise ValueError(f"DeviceProfile {self.name}: cache_bytes, fresh_page_bytes and the bandwidths must be > 0")
         if not self.lockstep_slowdown >= 1.0:
@@ -139,6 +145,7 @@ class DeviceProfile:
                              dram_bandwidth=None if self.dram_bandwidth is None else self.dram_bandwidth * share,
                              fresh_page_bytes=self.fresh_page_bytes,
                              page_fault_bandwidth=self.page_fault_bandwidth * share,
+                             operand_bandwidth=self.operand_bandwidth * share,
                              element_seconds=tuple((op, s / share) for op, s in self.element_seconds),
                              lockstep_slowdown=self.lockstep_slowdown,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
@@ -316,7 +323,7 @@ def link_from_json(d: dict) -> LinkProfile:
     return LinkProfile(d["name"], float(d["latency_s"]), float(d["bandwidth"]), d.get("source", ""), per, large)
 
 
-_HIERARCHY = ("cache_bytes", "fresh_page_bytes", "page_fault_bandwidth")  # inf (none) is saved as null
+_HIERARCHY = ("cache_bytes", "fresh_page_bytes", "page_fault_bandwidth", "operand_bandwidth")  # inf (none) saved as null
 
 
 def device_to_json(device: DeviceProfile) -> dict:

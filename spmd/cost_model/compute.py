@@ -90,8 +90,9 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
                  out_infos: list[TensorInfo], device, symbolic: bool = False) -> float:
     """Seconds one rank spends running `op` on tensors of these (local) shapes: the larger of its work
     (measured seconds per output element where the device has them, else FLOPs at the peak rate) and its
-    bytes at the bandwidth of the memory level they fit in, plus the page faults of fresh large outputs
-    and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
+    bytes at the bandwidth of the memory level they fit in, plus its bytes read and written cold where the
+    device says a graph's kernels do (`DeviceProfile.operand_bandwidth`), the page faults of fresh large
+    outputs and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
     if is_view(op):
         return device.view_overhead_s
     out_shapes = [o.shape for o in out_infos]
@@ -103,7 +104,8 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
         work = op_flops(op, args_with_shapes, kwargs, out_shapes) / rate
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
     larger = _larger(symbolic)
-    return larger(work, streaming_seconds(device, moved, symbolic)) + \
+    cold = 0.0 if math.isinf(device.operand_bandwidth) else moved / device.operand_bandwidth
+    return larger(work, streaming_seconds(device, moved, symbolic)) + cold + \
         fault_seconds(device, [o.nbytes for o in out_infos], symbolic) + device.op_overhead_s
 
 

@@ -8,6 +8,7 @@ average). The device is timed with each call ~20 ms long, so that ranks sharing 
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -185,9 +186,10 @@ def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
     return make_fx(f)(*args), [a.detach() for a in args]
 
 
-def priced(gm, device) -> tuple[float, float]:
-    """(fixed, work) seconds the cost model gives an unsharded make_fx graph on `device`: the per-node
-    fixed costs (ops and views), and the rest of `compute.compute_cost` (kernels' work, bytes, faults)."""
+def priced(gm, device) -> tuple[float, float, float]:
+    """(fixed, work, bytes) the cost model gives an unsharded make_fx graph on `device`: the seconds of its
+    per-node fixed costs (ops and views), the seconds of the rest of `compute.compute_cost` (kernels' work,
+    bytes at their cache level, faults), and the bytes its ops read and write."""
     import torch
     import torch.fx as fx
 
@@ -200,7 +202,7 @@ def priced(gm, device) -> tuple[float, float]:
     def is_tensor(a) -> bool:
         return isinstance(infos.get(a.name), TensorInfo)
 
-    fixed = work = 0.0
+    fixed = work = moved = 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue  # (getitem: the generated code's Python alone)
@@ -214,7 +216,8 @@ def priced(gm, device) -> tuple[float, float]:
         args, kwargs = local_call(n, is_tensor, ins)
         fixed += device.op_overhead_s
         work += compute_cost(n.target, args, kwargs, ins, outs, device) - device.op_overhead_s
-    return fixed, work
+        moved += sum(i.nbytes for i in ins) + sum(o.nbytes for o in outs)
+    return fixed, work, moved
 
 
 def _repeats(fn, seconds: float) -> int:
@@ -475,29 +478,30 @@ def fit_device(points: dict, source: str, memory_bytes: float):
 
 def in_graph(device, blocks):
     """`device` (its numbers timed in loops, one kernel over and over) as a graph runs its kernels, once
-    each among the others: slower, with colder caches and predictors. `blocks`: (batch, seq, width, heads,
-    seconds per call) of `_block_graph`s; their times t = a * fixed + b * work (`priced`) fitted by least
-    squares give a (the fixed costs per node) and b (the kernels' work) in a graph against in a loop.
+    each among the others: their operands and outputs are not in the caches the loop kept them in, and
+    their fixed costs are higher (colder instruction caches and predictors). `blocks`: (batch, seq, width,
+    heads, seconds per call) of `_block_graph`s. Their times t = a * fixed + work + bytes / B, with
+    (fixed, work, bytes) the loop-timed device's price of each (`priced`), fitted by least squares, give
+    a (the fixed costs per node, in a graph against in a loop) and B (`DeviceProfile.operand_bandwidth`).
     Without two sizes, or where the fit is not positive, `device` as it is."""
     import dataclasses
 
     import numpy as np
 
-    if len(blocks) < 2:
+    if len(blocks) < 2 or not math.isinf(device.operand_bandwidth):
         return device
     rows = [(*priced(_block_graph(*size)[0], device), t) for *size, t in blocks]
-    a, b = np.linalg.lstsq(np.array([[f, w] for f, w, _ in rows]), np.array([t for *_, t in rows]), rcond=None)[0]
-    if not (a > 0 and b > 0):
+    (a, per_byte), *_ = np.linalg.lstsq(np.array([[f, b] for f, _, b, _ in rows]),
+                                        np.array([t - w for _, w, _, t in rows]), rcond=None)
+    if not (a > 0 and per_byte > 0):
         return device
-    a, b = float(a), float(b)
+    a = float(a)
     return dataclasses.replace(
         device, op_overhead_s=device.op_overhead_s * a, view_overhead_s=device.view_overhead_s * a,
-        flops=device.flops / b, memory_bandwidth=device.memory_bandwidth / b,
-        dram_bandwidth=None if device.dram_bandwidth is None else device.dram_bandwidth / b,
-        page_fault_bandwidth=device.page_fault_bandwidth / b,
-        element_seconds=tuple((k, v * b) for k, v in device.element_seconds),
-        source=device.source + f"; in a graph, fixed costs per node x{a:.2f} and kernels' work x{b:.2f} of their "
-        "timings in a loop (a transformer block's joint graph at two sizes, timed whole)")
+        operand_bandwidth=1.0 / float(per_byte),
+        source=device.source + f"; in a graph: fixed costs per node x{a:.2f} their timings in a loop, and each "
+        f"op's bytes read and written at {1e-9 / float(per_byte):.1f} GB/s on top of its work (a transformer "
+        "block's joint graph at two sizes, timed whole)")
 
 
 def _cache_share() -> float | None:

@@ -108,7 +108,7 @@ def calibrate(device_mesh, sizes: list[int], kinds=KINDS, warmup: int = 3, reps:
     dev = (fit_device(dev_points, src.replace("collectives on dim 0", "mm/add/FX-node timings, all ranks at once"),
                       memory_per_rank()) if device else device_profile_for("cpu"))
     points = {"links": {a: {k: [[b, t] for b, t in pts] for k, pts in bk.items()} for a, bk in link_points.items()},
-              "device": {k: dict(pts) if isinstance(pts, dict) else pts if k == "lockstep" else [[x, t] for x, t in pts]
+              "device": {k: dict(pts) if isinstance(pts, dict) else pts if k == "lockstep" else [list(p) for p in pts]
                          for k, pts in dev_points.items()}}
     meta = {"backend": dist.get_backend(), "world": world, "mesh": shape, "date": when, "host": platform.node(),
             "torch": torch.__version__, "cores": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from spmd.core.errors import SpmdError
@@ -174,20 +175,31 @@ def test_the_suite_plans_with_the_builtin_profile():
 
 
 def test_a_graph_runs_its_kernels_slower_than_a_loop_does_and_the_profile_says_by_how_much():
-    """`in_graph`: a transformer block's graph timed whole at two sizes, t = a * fixed + b * work of the
-    loop-timed profile's price of it, gives a (per-node fixed costs) and b (the kernels' work)."""
+    """`in_graph`: a transformer block's graph timed whole at two sizes, t = a * fixed + work + bytes / B
+    of the loop-timed profile's price of it, gives a (per-node fixed costs) and B (the bandwidth at which
+    a graph's ops read and write their tensors on top of their work)."""
+    import math
+
+    from spmd.cost_model.compute import compute_cost
+    from spmd.core.specs import TensorInfo
     from spmd.runtime.measure import BLOCK_SIZES, _block_graph, in_graph, priced
 
     looped = fit_device(POINTS, "test", 8e9)
+    assert math.isinf(looped.operand_bandwidth)  # (no block timings: the roofline alone)
     prices = [priced(_block_graph(*size)[0], looped) for size in BLOCK_SIZES]
-    assert all(fixed > 0 and work > 0 for fixed, work in prices)
+    assert all(fixed > 0 and work > 0 and moved > 0 for fixed, work, moved in prices)
     assert prices[0][0] / prices[0][1] > prices[1][0] / prices[1][1]  # the small graph is its fixed costs
-    timed = [(*size, 1.5 * fixed + 2.0 * work) for size, (fixed, work) in zip(BLOCK_SIZES, prices)]
+    timed = [(*size, 1.5 * fixed + work + moved / 20e9) for size, (fixed, work, moved) in zip(BLOCK_SIZES, prices)]
     dev = in_graph(looped, timed)
     assert dev.op_overhead_s == pytest.approx(1.5 * looped.op_overhead_s)
     assert dev.view_overhead_s == pytest.approx(1.5 * looped.view_overhead_s)
-    assert dev.flops == pytest.approx(looped.flops / 2.0) and dev.memory_bandwidth == pytest.approx(looped.memory_bandwidth / 2.0)
-    assert dict(dev.element_seconds)["gelu"] == pytest.approx(2.0 * dict(looped.element_seconds)["gelu"])
+    assert dev.operand_bandwidth == pytest.approx(20e9) and dev.flops == looped.flops
+    # an op then pays its bytes at that bandwidth on top of the roofline
+    x = TensorInfo((256, 256), torch.float32)
+    add = torch.ops.aten.add.Tensor
+    extra = compute_cost(add, ((256, 256), (256, 256)), {}, [x, x], [x], dev) - \
+        compute_cost(add, ((256, 256), (256, 256)), {}, [x, x], [x], looped)
+    assert extra == pytest.approx(3 * x.nbytes / 20e9 + 0.5 * looped.op_overhead_s)
     assert in_graph(looped, timed[:1]) == looped  # one size cannot tell the two apart
     assert in_graph(looped, [(*size, 0.0) for size in BLOCK_SIZES]) == looped  # nothing positive: as timed
     assert fit_device({**POINTS, "block": timed}, "test", 8e9) == dev
