@@ -94,10 +94,11 @@ class DeviceProfile:
     dram_bandwidth: float | None = None  # None: memory_bandwidth
     fresh_page_bytes: float = math.inf
     page_fault_bandwidth: float = math.inf
-    # Where a graph's kernels read their operands and write their outputs cold (a CPU: the caches do not
-    # keep a graph's tensors from one op to the next, and the cores do not overlap that traffic with the
-    # work), the bytes each op moves at this bandwidth come on top of its work; inf: the roofline alone
-    # (the larger of work and bytes, as on GPUs). Fitted by `measure.in_graph`.
+    # Where a graph's kernels find their tensors colder than the loop that timed the rates above did (a
+    # CPU: an op that fits in `cache_bytes` was timed with its tensors in cache, but in a graph they come
+    # from other ops or from long ago, and the cores do not overlap that traffic with the work), the bytes
+    # such an op moves at this bandwidth come on top of its work (`compute.cold_seconds`); inf: the
+    # roofline alone (the larger of work and bytes, as on GPUs). Fitted by `measure.in_graph`.
     operand_bandwidth: float = math.inf
     # (ATen op name, seconds per output element): kernels whose work per element is many instructions
     # (exp, tanh, erf in gelu, a row's statistics, a random draw in dropout), measured on this device;

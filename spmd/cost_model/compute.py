@@ -90,9 +90,8 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
                  out_infos: list[TensorInfo], device, symbolic: bool = False) -> float:
     """Seconds one rank spends running `op` on tensors of these (local) shapes: the larger of its work
     (measured seconds per output element where the device has them, else FLOPs at the peak rate) and its
-    bytes at the bandwidth of the memory level they fit in, plus its bytes read and written cold where the
-    device says a graph's kernels do (`DeviceProfile.operand_bandwidth`), the page faults of fresh large
-    outputs and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
+    bytes at the bandwidth of the memory level they fit in, plus, for an op that fits in the caches, its
+    bytes read and written cold (`cold_seconds`), the page faults of fresh large outputs and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
     if is_view(op):
         return device.view_overhead_s
     out_shapes = [o.shape for o in out_infos]
@@ -104,8 +103,7 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
         work = op_flops(op, args_with_shapes, kwargs, out_shapes) / rate
     moved = sum(i.nbytes for i in in_infos) + sum(o.nbytes for o in out_infos)
     larger = _larger(symbolic)
-    cold = 0.0 if math.isinf(device.operand_bandwidth) else moved / device.operand_bandwidth
-    return larger(work, streaming_seconds(device, moved, symbolic)) + cold + \
+    return larger(work, streaming_seconds(device, moved, symbolic)) + cold_seconds(device, moved, symbolic) + \
         fault_seconds(device, [o.nbytes for o in out_infos], symbolic) + device.op_overhead_s
 
 
@@ -140,6 +138,16 @@ def streaming_seconds(device, moved, symbolic: bool = False):
     fit in: `memory_bandwidth` up to `cache_bytes`, `dram_bandwidth` beyond."""
     return _pick(symbolic)(moved <= device.cache_bytes, moved / device.memory_bandwidth,
                            moved / (device.dram_bandwidth or device.memory_bandwidth))
+
+
+def cold_seconds(device, moved, symbolic: bool = False):
+    """What an op that fits in the caches pays in a graph for its `moved` bytes not being there: a loop
+    (where the device's rates were timed) kept them in cache; in a graph they were written by other ops,
+    or long ago (`DeviceProfile.operand_bandwidth`; 0 where it is inf). An op beyond the caches streams
+    from DRAM in the loop as well (`streaming_seconds`)."""
+    if math.isinf(device.operand_bandwidth):
+        return 0.0
+    return _pick(symbolic)(moved <= device.cache_bytes, moved / device.operand_bandwidth, 0.0)
 
 
 def fault_seconds(device, outputs, symbolic: bool = False):

@@ -189,7 +189,8 @@ def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
 def priced(gm, device) -> tuple[float, float, float]:
     """(fixed, work, bytes) the cost model gives an unsharded make_fx graph on `device`: the seconds of its
     per-node fixed costs (ops and views), the seconds of the rest of `compute.compute_cost` (kernels' work,
-    bytes at their cache level, faults), and the bytes its ops read and write."""
+    bytes at their cache level, faults), and the bytes its ops that fit in the caches read and write (what
+    `compute.cold_seconds` charges)."""
     import torch
     import torch.fx as fx
 
@@ -216,7 +217,8 @@ def priced(gm, device) -> tuple[float, float, float]:
         args, kwargs = local_call(n, is_tensor, ins)
         fixed += device.op_overhead_s
         work += compute_cost(n.target, args, kwargs, ins, outs, device) - device.op_overhead_s
-        moved += sum(i.nbytes for i in ins) + sum(o.nbytes for o in outs)
+        nbytes = sum(i.nbytes for i in ins) + sum(o.nbytes for o in outs)
+        moved += nbytes if nbytes <= device.cache_bytes else 0.0  # (what `compute.cold_seconds` charges)
     return fixed, work, moved
 
 
