@@ -28,7 +28,7 @@ def measured(tmp_path, monkeypatch):
     monkeypatch.setattr(host, "_known", {})
     calls = []
 
-    def measure_device(quick=False):
+    def measure_device(warmup=2, reps=9, quick=False):
         calls.append(quick)
         return POINTS
     monkeypatch.setattr(host, "measure_device", measure_device)
