@@ -144,10 +144,13 @@ def cold_seconds(device, moved, symbolic: bool = False):
     """What an op that fits in the caches pays in a graph for its `moved` bytes not being there: a loop
     (where the device's rates were timed) kept them in cache; in a graph they were written by other ops,
     or long ago (`DeviceProfile.operand_bandwidth`; 0 where it is inf). An op beyond the caches streams
-    from DRAM in the loop as well (`streaming_seconds`)."""
+    from DRAM in the loop as well (`streaming_seconds`); it pays no less than the largest op that fits
+    (what that op's cold bytes cost beyond the DRAM rate), so an op never gets cheaper as it grows."""
     if math.isinf(device.operand_bandwidth):
         return 0.0
-    return _pick(symbolic)(moved <= device.cache_bytes, moved / device.operand_bandwidth, 0.0)
+    dram = device.dram_bandwidth or device.memory_bandwidth
+    edge = device.cache_bytes * (1 / device.memory_bandwidth + 1 / device.operand_bandwidth - 1 / dram)
+    return _pick(symbolic)(moved <= device.cache_bytes, moved / device.operand_bandwidth, max(0.0, edge))
 
 
 def fault_seconds(device, outputs, symbolic: bool = False):

@@ -46,7 +46,7 @@ from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_d
 
 ENV = "SPMD_CPU_PROFILE"
 CACHE_VERSION = 2  # raised when what is timed, or how, changes: older files are then not read
-FIT_VERSION = 3  # raised when `fit_device` changes: cached timings are then fitted again
+FIT_VERSION = 4  # raised when `fit_device` changes: cached timings are then fitted again
 _known: dict[str, DeviceProfile] = {}  # cache file -> its profile, for this process (also when unwritable)
 
 

@@ -8,6 +8,7 @@ average). The device is timed with each call ~20 ms long, so that ranks sharing 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -133,7 +134,8 @@ def _small_joint_graph():
     g = torch.Generator().manual_seed(0)
     shapes = [(4, 8, 16), (64, 16), (64,), (16, 64), (16,), (16,), (16,)]
     args = [torch.randn(*s, generator=g, requires_grad=True) for s in shapes]
-    return make_fx(f)(*args), [a.detach() for a in args]
+    with torch.enable_grad():
+        return make_fx(f)(*args), [a.detach() for a in args]
 
 
 def _view_graph():
@@ -156,6 +158,7 @@ def _view_graph():
 BLOCK_SIZES = ((2, 8, 16, 2), (4, 64, 256, 4))
 
 
+@functools.lru_cache(maxsize=4)  # (traced once per process: timed on every rank, priced again on rank 0)
 def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
     """The forward+backward graph of `layers` pre-norm transformer blocks (layer norm, q/k/v, causal
     attention, output projection, GELU MLP, residuals) traced to ATen by make_fx, and its inputs: the
@@ -183,7 +186,8 @@ def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
     # gradients underflow to subnormal floats, and those run a matmul 4x slower here
     args = [torch.randn(batch, seq, d, generator=g, requires_grad=True)] + \
         [(torch.randn(*shape, generator=g) / shape[-1] ** 0.5).requires_grad_() for shape in shapes * layers]
-    return make_fx(f)(*args), [a.detach() for a in args]
+    with torch.enable_grad():  # (a caller under no_grad would leave nothing to differentiate)
+        return make_fx(f)(*args), [a.detach() for a in args]
 
 
 def priced(gm, device) -> tuple[float, float, float]:
@@ -218,7 +222,7 @@ def priced(gm, device) -> tuple[float, float, float]:
         fixed += device.op_overhead_s
         work += compute_cost(n.target, args, kwargs, ins, outs, device) - device.op_overhead_s
         nbytes = sum(i.nbytes for i in ins) + sum(o.nbytes for o in outs)
-        moved += nbytes if nbytes <= device.cache_bytes else 0.0  # (what `compute.cold_seconds` charges)
+        moved += nbytes if nbytes <= device.cache_bytes else 0.0  # (what `compute.cold_seconds` charges per byte)
     return fixed, work, moved
 
 
@@ -493,17 +497,22 @@ def in_graph(device, blocks):
     if len(blocks) < 2 or not math.isinf(device.operand_bandwidth):
         return device
     rows = [(*priced(_block_graph(*size)[0], device), t) for *size, t in blocks]
-    (a, per_byte), *_ = np.linalg.lstsq(np.array([[f, b] for f, _, b, _ in rows]),
-                                        np.array([t - w for _, w, _, t in rows]), rcond=None)
-    if not (a > 0 and per_byte > 0):
+    (a, per_byte), *_ = np.linalg.lstsq(np.array([[f, b * 1e-9] for f, _, b, _ in rows]),
+                                        np.array([t - w for _, w, _, t in rows]), rcond=None)  # (per GB: scaled)
+    per_byte *= 1e-9
+    if not per_byte > 0:  # the larger graph's work already over-priced: the fixed costs from the smallest alone
+        f, w, _, t = min(rows, key=lambda r: r[1])
+        a, per_byte = (t - w) / f, 0.0
+    if not a > 0:
         return device
     a = float(a)
+    cold = (f"each op that fits in the caches reads and writes its bytes at {1e-9 / float(per_byte):.1f} GB/s "
+            "on top of its work") if per_byte > 0 else "no cold bytes (the fit found none)"
     return dataclasses.replace(
         device, op_overhead_s=device.op_overhead_s * a, view_overhead_s=device.view_overhead_s * a,
-        operand_bandwidth=1.0 / float(per_byte),
-        source=device.source + f"; in a graph: fixed costs per node x{a:.2f} their timings in a loop, and each "
-        f"op's bytes read and written at {1e-9 / float(per_byte):.1f} GB/s on top of its work (a transformer "
-        "block's joint graph at two sizes, timed whole)")
+        operand_bandwidth=1.0 / float(per_byte) if per_byte > 0 else math.inf,
+        source=device.source + f"; in a graph: fixed costs per node x{a:.2f} their timings in a loop, {cold} "
+        "(a transformer block's joint graph at two sizes, timed whole)")
 
 
 def _cache_share() -> float | None:

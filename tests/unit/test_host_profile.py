@@ -2,6 +2,7 @@
 profile file where SPMD_CPU_PROFILE says so; on a process group, rank 0 decides and every rank gets the
 same profile or the same error. The timing itself is replaced by fixed points here (no processes, no
 seconds spent); tests/e2e/test_host_profile.py times for real on 2 gloo ranks."""
+import dataclasses
 import json
 import os
 
@@ -200,6 +201,35 @@ def test_a_graph_runs_its_kernels_slower_than_a_loop_does_and_the_profile_says_b
     extra = compute_cost(add, ((256, 256), (256, 256)), {}, [x, x], [x], dev) - \
         compute_cost(add, ((256, 256), (256, 256)), {}, [x, x], [x], looped)
     assert extra == pytest.approx(3 * x.nbytes / 20e9 + 0.5 * looped.op_overhead_s)
+    for (gm, _), (*size, t) in zip((_block_graph(*size) for size in BLOCK_SIZES), timed):
+        fixed, work, _ = priced(gm, dev)  # the fitted device prices each block at its time
+        assert fixed + work == pytest.approx(t)
     assert in_graph(looped, timed[:1]) == looped  # one size cannot tell the two apart
     assert in_graph(looped, [(*size, 0.0) for size in BLOCK_SIZES]) == looped  # nothing positive: as timed
     assert fit_device({**POINTS, "block": timed}, "test", 8e9) == dev
+
+
+def test_an_op_never_gets_cheaper_as_it_grows_past_the_caches():
+    from spmd.cost_model.compute import compute_cost
+    from spmd.core.specs import TensorInfo
+
+    # (the cold rate below the caches is dearer than DRAM beyond them: the edge case)
+    dev = dataclasses.replace(fit_device(POINTS, "test", 8e9), cache_bytes=8 * 2**20, operand_bandwidth=13e9,
+                              dram_bandwidth=25e9)
+    add = torch.ops.aten.add.Tensor
+    prices = []
+    for n in range(2**17, 2**21, 2**15):  # 1.5 to 24 MiB moved, across cache_bytes
+        x = TensorInfo((n,), torch.float32)
+        prices.append(compute_cost(add, ((n,), (n,)), {}, [x, x], [x], dev))
+    assert all(b >= a for a, b in zip(prices, prices[1:]))
+
+
+def test_the_graphs_it_times_trace_under_no_grad():
+    """A compile under torch.no_grad() (inference code) still times the host."""
+    from spmd.runtime.measure import _block_graph, _small_joint_graph
+
+    _block_graph.cache_clear()
+    with torch.no_grad():
+        gm, _ = _block_graph(2, 8, 16, 2)
+        small, _ = _small_joint_graph()
+    assert len(gm.graph.nodes) > 100 and len(small.graph.nodes) > 50
