@@ -90,8 +90,9 @@ def compute_cost(op, args_with_shapes: tuple, kwargs: dict, in_infos: list[Tenso
                  out_infos: list[TensorInfo], device, symbolic: bool = False) -> float:
     """Seconds one rank spends running `op` on tensors of these (local) shapes: the larger of its work
     (measured seconds per output element where the device has them, else FLOPs at the peak rate) and its
-    bytes at the bandwidth of the memory level they fit in, plus, for an op that fits in the caches, its
-    bytes read and written cold (`cold_seconds`), the page faults of fresh large outputs and a fixed cost. `symbolic`: shapes hold sympy expressions (cost_model/symbolic.py)."""
+    bytes at the bandwidth of the memory level they fit in, plus its bytes read and written cold
+    (`cold_seconds`), the page faults of fresh large outputs and a fixed cost. `symbolic`: shapes hold
+    sympy expressions (cost_model/symbolic.py)."""
     if is_view(op):
         return device.view_overhead_s
     out_shapes = [o.shape for o in out_infos]

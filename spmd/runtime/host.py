@@ -204,7 +204,8 @@ def host_cpu_profile() -> DeviceProfile:
                             + ", ".join(f"rank {r}: {c!r}" for r, c in enumerate(choices))
                             + f". What to do: give every rank the same {ENV} (or none).")
     first = not distributed or dist.get_rank() == 0
-    key, path = cache_key(), cache_path()
+    key = cache_key() if first else None  # (rank 0 alone reads and writes the cache)
+    path = cache_path(key) if first else None
     with _locked(path) if first and choice == "measured" else contextlib.nullcontext():
         message = [None]  # what rank 0 sends: ("device", json), ("time", None) or ("error", text)
         if first:
