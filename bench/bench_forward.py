@@ -402,7 +402,7 @@ def profile_size(a2, x2, model, tokens, rank: int, world: int) -> str:
     n = 200 if model.cfg.dim < 256 else 10
     hand_nocomm = HandMegatron(model, rank, world, all_reduce=lambda t: None)
     gm_nocomm = without_collectives(a2)
-    args_ = [getattr(a2, attr) if kind == "state" else x2[0] for kind, attr in a2._order]
+    args_ = a2._graph_args(x2[:1])
     n_ops = len([nd for nd in a2.graph_module.graph.nodes if nd.op == "call_function"])
     act = torch.randn(tokens.shape[0], tokens.shape[1], model.cfg.dim)
     group = a2.group_names[0]

@@ -103,8 +103,7 @@ def step_fn(compiled, local, train: bool):
 def graph_fn(compiled, local, train: bool):
     """The calibrated plan's generated graphs called directly: no CompiledModule.__call__, no autograd
     (what the plan prices: its nodes and collectives, nothing around them)."""
-    it = iter(local)
-    args = [getattr(compiled, attr) if kind == "state" else next(it) for kind, attr in compiled._order]
+    args = compiled._graph_args(local)
     if not train:
         gm = compiled.graph_module
 
@@ -150,8 +149,7 @@ def per_op_table(compiled, local, train: bool, top: int = 16, sync=None, calls: 
     import torch.fx as fx
 
     sync = sync or (lambda: None)
-    it = iter(local)
-    args = [(getattr(compiled, attr) if kind == "state" else next(it)).detach() for kind, attr in compiled._order]
+    args = [a.detach() for a in compiled._graph_args(local)]
     acc: dict[str, list[float]] = collections.defaultdict(list)
     targets: dict[str, str] = {}
     chains: dict[str, tuple] = {}

@@ -444,8 +444,7 @@ def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, w
     split = a2.split
     no_comm = {C.all_reduce: _no_all_reduce, C.bucket_start: _bucket_start_local, C.bucket_wait: _bucket_wait_local}
     fwd_nc, bwd_nc = _replace_targets(split.forward, no_comm), _replace_targets(split.backward, no_comm)
-    it = iter(x2)
-    args_ = [getattr(a2, attr) if kind == "state" else next(it) for kind, attr in a2._order]
+    args_ = a2._graph_args(x2)
     with torch.no_grad():
         flat = split.forward(*[a.detach() for a in args_])
     saved = flat[split.n_outputs:]

@@ -16,7 +16,9 @@ in module globals: two compilations in one process never interfere. `run_pipelin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -260,10 +262,34 @@ def _graph_modules(values: dict) -> list[fx.GraphModule]:
     return found
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while the pipeline runs, as it was after. The passes make
+    millions of small objects that live until the pipeline ends (FX nodes, placements, the program's
+    rows); every 700 allocations the collector walks the young ones, and each time the heap grows by a
+    quarter it walks all of them: 1.7-2 s of LLaMA3-8B's 5.1-5.7 s plan on (8, 8) went there. The
+    cycles the passes leave behind are freed by the first collection after (peak RSS 0.70 GB against
+    0.65 GB over three such plans in one process)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None = None,
                  binding: RankBinding | None = None) -> Compilation:
     """Plan `model` on `mesh` (a `MeshSpec`) for `example_inputs`; with a `binding`, also emit that rank's
-    graphs."""
+    graphs. The garbage collector is paused meanwhile (`collector_paused`)."""
+    with collector_paused():
+        return _run_pipeline(model, example_inputs, mesh, options, binding)
+
+
+def _run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None,
+                  binding: RankBinding | None) -> Compilation:
     options = options or PlanOptions()
     values: dict[str, Any] = {"model": model, "example_inputs": tuple(example_inputs), "mesh": mesh,
                               "options": options, "binding": binding, "stacks": (), "blocks": None,

@@ -13,7 +13,7 @@ from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime import compare, optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
-from spmd.runtime.inputs import InputSpec, check_full, check_local
+from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 
 
@@ -49,7 +49,7 @@ class CompiledModule(nn.Module):
         self.__dict__["_compiled_graphs"] = {}
         self.device_mesh = device_mesh
         self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
-        self.last_saved_bytes = 0
+        self._saved_bytes: int | None = None  # see last_saved_bytes
         self._out_spec = c.traced.out_spec
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
@@ -97,8 +97,9 @@ class CompiledModule(nn.Module):
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
             self._global_shapes[gi.name] = tuple(info.shape)
-            self._order.append(("state", attr))
+            self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
+        self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
 
     @property
     def code(self) -> str:
@@ -373,12 +374,25 @@ class CompiledModule(nn.Module):
             made = self._compiled_graphs[which] = (gm, _runner(gm, self.compile_backend))
         return made[1]
 
+    @property
+    def last_saved_bytes(self) -> int:
+        """Bytes of the activations a training step saves for backward (parameters saved are counted as
+        parameters, not here); 0 before the first step. The graph's shapes are fixed, so every step saves
+        the same: found at the first."""
+        return self._saved_bytes or 0
+
+    def _graph_args(self, inputs) -> list:
+        """The graph's placeholders in order: this rank's parameters and buffers (read from nn.Module's own
+        tables, as `getattr` would find them but without its fallback path: ~1 us each) and the inputs."""
+        it, params, buffers = iter(inputs), self._parameters, self._buffers
+        return [params[attr] if kind == "parameter" else buffers[attr] if kind == "buffer" else next(it)
+                for kind, attr in self._order]
+
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._require_values()
         inputs = self._call.flatten(inputs, kw_inputs)
-        check_local(inputs, self._input_specs, self.mesh_spec, self.rank, self._device)
-        it = iter(inputs)
-        args = [getattr(self, attr) if kind == "state" else next(it) for kind, attr in self._order]
+        self._check_inputs(inputs)
+        args = self._graph_args(inputs)
         if self.split is None:
             flat = self._graph("graph")(*args)
         else:
@@ -431,9 +445,9 @@ class _RankStep(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable
                                       and isinstance(t, torch.Tensor)))
-        # parameters saved for backward are counted under "parameters", not as activations
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        module.last_saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
+        if module._saved_bytes is None:  # parameters saved for backward are counted as parameters, not here
+            params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+            module._saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
                                                  and t.untyped_storage().data_ptr() not in params)
         return tuple(outs)
 
@@ -442,5 +456,5 @@ class _RankStep(torch.autograd.Function):
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
         grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
-        return (None,) + tuple(grads.get(name) if kind == "state" else None
+        return (None,) + tuple(grads.get(name) if kind != "input" else None
                                for (kind, _), name in zip(module._order, module._order_names))

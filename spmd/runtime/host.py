@@ -45,8 +45,8 @@ from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, 
 from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
 
 ENV = "SPMD_CPU_PROFILE"
-CACHE_VERSION = 2  # raised when what is timed, or how, changes: older files are then not read
-FIT_VERSION = 4  # raised when `fit_device` changes: cached timings are then fitted again
+CACHE_VERSION = 3  # raised when what is timed, or how, changes: older files are then not read
+FIT_VERSION = 5  # raised when `fit_device` changes: cached timings are then fitted again
 _known: dict[str, DeviceProfile] = {}  # cache file -> its profile, for this process (also when unwritable)
 
 
@@ -90,7 +90,8 @@ def _fitted(points: dict) -> DeviceProfile:
     source = (f"timed on this host ({_cpu_model()}, {local_ranks()} rank(s) at once{', ' + day if day else ''}; "
               "spmd.runtime.host): matmuls, adds in cache and from DRAM, views and a small joint graph per op, "
               "four element-wise kernels (the others scaled from the built-in), a transformer block's graph "
-              "whole; the rest as the built-in cpu")
+              "whole, a compiled module's call and training step around its graphs; the rest as the built-in "
+              "cpu")
     return dataclasses.replace(fit_device(points, source, memory_per_rank()), name="measured-cpu")
 
 

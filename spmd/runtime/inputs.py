@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd.core.errors import SpmdError
+from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import Placements, local_shape, placements_str
 
 
@@ -39,6 +39,25 @@ def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
         raise SpmdError("shard_inputs cuts full inputs of the shapes the model was compiled for:\n" + "\n".join(problems)
                         + "\nWhat to do: recompile with example inputs of these shapes (the plan is for the "
                           "compiled ones), or pass batches of the compiled size.")
+
+
+class LocalCheck:
+    """`check_local` for one compiled module, its expectations worked out once: a call whose inputs
+    all match (local shape, dtype, device) costs a comparison per input; any other gets
+    `check_local`'s message."""
+
+    def __init__(self, specs: list[InputSpec], mesh, rank: int, device: torch.device | None):
+        self.specs, self.mesh, self.rank, self.device = specs, mesh, rank, device
+        self.expected = tuple((torch.Size(local_shape(s.shape, s.placements, mesh.shape)), s.dtype) for s in specs)
+
+    def __call__(self, inputs: tuple) -> None:
+        if len(inputs) == len(self.expected) and all(
+                isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+                and (self.device is None or t.device == self.device)
+                for t, (shape, dtype) in zip(inputs, self.expected)):
+            return
+        check_local(inputs, self.specs, self.mesh, self.rank, self.device)
+        raise SpmdInternalError("LocalCheck refused inputs that check_local accepts")
 
 
 def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: torch.device | None) -> None:

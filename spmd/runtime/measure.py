@@ -190,6 +190,77 @@ def _block_graph(batch: int, seq: int, width: int, heads: int, layers: int = 2):
         return make_fx(f)(*args), [a.detach() for a in args]
 
 
+WRAPPER_LAYERS = (1, 6)  # Linear layers of the two models whose compiled wrapper is timed
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped(layers: int, training: bool):
+    """(a `CompiledModule` of `layers` Linear(8, 8) + tanh on a mesh of one device, its local inputs, its
+    graphs called directly): what `measure_device` times around the graphs. Planned with the built-in
+    profile (no process group: a mesh of one device has no collectives)."""
+    import torch
+
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(m for _ in range(layers) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())))
+        inputs = (torch.randn(4, 8), torch.randn(4, 8)) if training else (torch.randn(4, 8),)
+    loss = (lambda out, target: torch.nn.functional.mse_loss(out, target)) if training else None
+    options = PlanOptions(training=training, loss_fn=loss, stamp_layers=False)
+    with torch.enable_grad():
+        c = run_pipeline(model, inputs, MeshSpec((1,), ("probe",), device=builtin_cpu()), options,
+                         RankBinding(0, ("",)))
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    args = [a.detach() for a in compiled._graph_args(inputs)]
+    if not training:
+        gm = compiled.graph_module
+        return compiled, inputs, lambda: gm(*args)
+    split = compiled.split
+    with torch.no_grad():
+        flat = split.forward(*args)
+    saved, tangents = flat[split.n_outputs:], [torch.ones_like(o) for o in flat[:split.n_outputs]]
+
+    def graphs():
+        split.forward(*args)
+        split.backward(*saved, *tangents)
+    return compiled, inputs, graphs
+
+
+def measure_wrapper(warmup: int, reps: int, seconds: float) -> list[tuple[float, float, float, float, float]]:
+    """[(training, placeholders, parameters, saved values, seconds)]: per call of a compiled module (and
+    `.backward()` in training), the time around its graphs, the call less the graphs called directly
+    (`Plan.wrapper_overhead_s` prices it from the same counts, `Plan.wrapper_counts`)."""
+    import torch
+
+    points = []
+    for training in (False, True):
+        for layers in WRAPPER_LAYERS:
+            compiled, inputs, graphs = _wrapped(layers, training)
+            params = list(compiled.parameters())
+
+            def step():
+                with torch.enable_grad():
+                    compiled(*inputs).backward()
+                for p in params:
+                    p.grad = None
+
+            def forward():
+                with torch.no_grad():
+                    compiled(*inputs)
+
+            def alone():
+                with torch.no_grad():
+                    graphs()
+            whole = _timed_per_call(step if training else forward, warmup, reps, seconds)
+            points.append((float(training), *map(float, compiled.plan.wrapper_counts),
+                           max(whole - _timed_per_call(alone, warmup, reps, seconds), 0.0)))
+    return points
+
+
 def priced(gm, device) -> tuple[float, float, float]:
     """(fixed, work, bytes) the cost model gives an unsharded make_fx graph on `device`: the seconds of its
     per-node fixed costs (ops and views), the seconds of the rest of `compute.compute_cost` (kernels' work,
@@ -300,6 +371,7 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     for size in BLOCK_SIZES:
         bg, bx = _block_graph(*size)
         out["block"].append((*size, _timed_per_call(lambda: bg(*bx), warmup, reps, seconds)))
+    out["wrapper"] = measure_wrapper(warmup, reps, seconds / 2)
     return out
 
 
@@ -445,9 +517,25 @@ def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
     return float(alpha), float(1.0 / slope)
 
 
+def _line(points) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of t = intercept + slope * x over (x, t) points, neither negative
+    (a negative one is dropped to 0 and the other refitted alone)."""
+    import numpy as np
+
+    x, t = np.array([p[0] for p in points], float), np.array([p[1] for p in points], float)
+    if len(x) >= 2 and np.ptp(x) > 0:
+        intercept, slope = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), t, rcond=None)[0]
+        if intercept >= 0 and slope >= 0:
+            return float(intercept), float(slope)
+        if slope < 0:
+            return max(float(t.mean()), 0.0), 0.0
+        return 0.0, max(float(x @ t / (x @ x)), 0.0) if x @ x > 0 else 0.0
+    return max(float(t.mean()), 0.0) if len(t) else 0.0, 0.0
+
+
 def fit_device(points: dict, source: str, memory_bytes: float):
-    """The device profile from `measure_device`'s points; what was not timed (the per-call wrapper,
-    attention's efficiency, in quick runs the page-fault rate) comes from the built-in cpu,
+    """The device profile from `measure_device`'s points; what was not timed (attention's efficiency, in
+    quick runs the page-fault rate; the per-call wrapper in timings older than its points) comes from the built-in cpu,
     scaled by this rank's core share. Element-wise kernels a quick run did not time take the built-in's
     seconds per element times the median ratio, measured / built-in, of those it timed."""
     import statistics
@@ -470,11 +558,18 @@ def fit_device(points: dict, source: str, memory_bytes: float):
         scale = statistics.median(ratios)
         elementwise.update({k: s * scale for k, s in builtin.items() if k not in elementwise})
     lockstep = lockstep_slowdown(points["lockstep"]) if points.get("lockstep") else cpu.lockstep_slowdown
+    wrapper = points.get("wrapper")
+    if wrapper:  # per call + per placeholder; in training, + per parameter and saved value (Plan.wrapper_overhead_s)
+        call, per_arg = _line([(args, t) for training, args, _, _, t in wrapper if not training])
+        backward, per_tensor = _line([(params + saved, t - call - per_arg * args)
+                                      for training, args, params, saved, t in wrapper if training])
+    else:
+        call, per_arg = cpu.call_overhead_s, cpu.arg_overhead_s
+        backward, per_tensor = cpu.backward_overhead_s, cpu.autograd_tensor_overhead_s
     looped = DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
                          attention_efficiency=cpu.attention_efficiency,
-                         view_overhead_s=view, call_overhead_s=cpu.call_overhead_s,
-                         arg_overhead_s=cpu.arg_overhead_s, backward_overhead_s=cpu.backward_overhead_s,
-                         autograd_tensor_overhead_s=cpu.autograd_tensor_overhead_s,
+                         view_overhead_s=view, call_overhead_s=call, arg_overhead_s=per_arg,
+                         backward_overhead_s=backward, autograd_tensor_overhead_s=per_tensor,
                          cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
                          fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
                          element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,

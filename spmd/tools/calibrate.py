@@ -135,8 +135,11 @@ def summary(profile) -> str:
                  f"(up to {d.cache_bytes / 2**20:.1f} MiB moved), "
                  f"{(d.dram_bandwidth or d.memory_bandwidth) / 1e9:.2f} GB/s from DRAM, page faults "
                  f"{d.page_fault_bandwidth / 1e9:.2f} GB/s for outputs of {d.fresh_page_bytes / 2**20:.0f} MiB or "
-                 f"more, {d.op_overhead_s * 1e6:.1f} us per (non-view) op; ranks stepping together run at the slowest's "
-                 f"pace, {d.lockstep_slowdown:.3f}x one rank's")
+                 f"more, {d.op_overhead_s * 1e6:.1f} us per (non-view) op; around the graphs "
+                 f"{d.call_overhead_s * 1e6:.1f} us per call + {d.arg_overhead_s * 1e6:.2f} us per argument, per "
+                 f"training step {d.backward_overhead_s * 1e6:.1f} us + {d.autograd_tensor_overhead_s * 1e6:.2f} us per "
+                 f"parameter and saved value; ranks stepping together run at the slowest's pace, "
+                 f"{d.lockstep_slowdown:.3f}x one rank's")
     if d.element_seconds:
         lines.append("ns per element: " + ", ".join(f"{op} {s * 1e9:.2f}" for op, s in d.element_seconds))
     return "\n".join(lines)

@@ -233,3 +233,36 @@ def test_the_graphs_it_times_trace_under_no_grad():
         gm, _ = _block_graph(2, 8, 16, 2)
         small, _ = _small_joint_graph()
     assert len(gm.graph.nodes) > 100 and len(small.graph.nodes) > 50
+
+
+def test_the_wrapper_around_the_graphs_is_fitted_from_its_timings():
+    """Per call 6 us + 0.5 us per argument; per training step 50 us + 2 us per parameter and saved value:
+    four timings (forward and training, two sizes) give back exactly those, and the plan prices them."""
+    def t(training, args, params, saved):
+        return 6e-6 + 0.5e-6 * args + training * (50e-6 + 2e-6 * (params + saved))
+    wrapper = [(tr, a, p, s, t(tr, a, p, s)) for tr, a, p, s in ((0.0, 3.0, 2.0, 0.0), (0.0, 13.0, 12.0, 0.0),
+                                                                  (1.0, 4.0, 2.0, 4.0), (1.0, 14.0, 12.0, 19.0))]
+    dev = fit_device({**POINTS, "wrapper": wrapper}, "test", 8e9)
+    assert dev.call_overhead_s == pytest.approx(6e-6) and dev.arg_overhead_s == pytest.approx(0.5e-6)
+    assert dev.backward_overhead_s == pytest.approx(50e-6) and dev.autograd_tensor_overhead_s == pytest.approx(2e-6)
+    # timings that fall with size (noise) give a flat cost, never a negative one; none: the built-in's
+    flat = fit_device({**POINTS, "wrapper": [(0.0, 3.0, 2.0, 0.0, 9e-6), (0.0, 13.0, 12.0, 0.0, 5e-6),
+                                             (1.0, 4.0, 2.0, 4.0, 80e-6), (1.0, 14.0, 12.0, 19.0, 70e-6)]}, "test", 8e9)
+    assert (flat.call_overhead_s, flat.arg_overhead_s) == (pytest.approx(7e-6), 0.0)
+    assert (flat.backward_overhead_s, flat.autograd_tensor_overhead_s) == (pytest.approx(68e-6), 0.0)
+    cpu = builtin_cpu()
+    assert fit_device(POINTS, "test", 8e9).backward_overhead_s == cpu.backward_overhead_s
+
+
+def test_the_timed_wrappers_are_compiled_modules_with_the_counts_plans_price():
+    from spmd.runtime.measure import WRAPPER_LAYERS, _wrapped, measure_wrapper
+
+    points = measure_wrapper(warmup=0, reps=1, seconds=1e-4)
+    assert len(points) == 2 * len(WRAPPER_LAYERS) and all(p[-1] >= 0 for p in points)
+    for training in (False, True):
+        compiled, inputs, _ = _wrapped(WRAPPER_LAYERS[-1], training)
+        args, params, saved = compiled.plan.wrapper_counts
+        assert (args, params) == (2 * WRAPPER_LAYERS[-1] + 1 + training, 2 * WRAPPER_LAYERS[-1])
+        assert (saved > 0) == training
+        out = compiled(*inputs)
+        assert out.shape == (() if training else (4, 8))

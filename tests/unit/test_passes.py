@@ -188,6 +188,20 @@ def test_rank_graphs_differ_only_in_rank_coordinates():
     assert a.rank_gm.code.replace("index = 0", "index = 1") == b.rank_gm.code
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_an_input_named_like_a_builtin_passes_every_check(training):
+    """nn.Sequential's argument is `input`: FX renames the placeholder `input_1` in the graphs it makes,
+    and the checks after insert_collectives still find it (the tests run with SPMD_VERIFY=1)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+    loss = (lambda out, target: ((out - target) ** 2).mean()) if training else None
+    c = compile_graph(model, (x, torch.randn(4, 8)) if training else (x,), MESH, 0, verify=True,
+                      training=training, loss_fn=loss)
+    if not training:  # (a joint graph's placeholders are primals_<i>)
+        assert [n.name for n in c.traced.graph.find_nodes(op="placeholder")][-1] == "input"
+        assert [n.name for n in c.global_gm.graph.find_nodes(op="placeholder")][-1] == "input_1"
+
+
 def test_dump_writes_one_file_per_pass(tmp_path):
     compile_graph(MLP(16, 64), (torch.randn(3, 16),), MESH, 0, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
