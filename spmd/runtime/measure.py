@@ -255,10 +255,35 @@ def measure_wrapper(warmup: int, reps: int, seconds: float) -> list[tuple[float,
             def alone():
                 with torch.no_grad():
                     graphs()
-            whole = _timed_per_call(step if training else forward, warmup, reps, seconds)
             points.append((float(training), *map(float, compiled.plan.wrapper_counts),
-                           max(whole - _timed_per_call(alone, warmup, reps, seconds), 0.0)))
+                           _paired_difference(step if training else forward, alone, warmup, reps, seconds)))
     return points
+
+
+def _paired_difference(fn, base, warmup: int, reps: int, seconds: float) -> float:
+    """Seconds per call of `fn` less `base`'s, each timed as `_timed_per_call` does, the two taken in turn
+    and the median of the per-turn differences (never negative): ranks sharing the cores drift in speed
+    over a second, and a difference of two medians taken at different times (4 ranks on 2 cores: half a
+    second apart) mixed the drift into a few microseconds."""
+    import torch.distributed as dist
+
+    k = _repeats(fn, seconds)
+    if _distributed():
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, k)
+        k = max(counts)
+
+    def repeated(f):
+        def call():
+            for _ in range(k):
+                f()
+        return call
+    gaps = []
+    for i in range(warmup + reps):
+        gap = (_timed(repeated(fn), 0, 1) - _timed(repeated(base), 0, 1)) / k
+        if i >= warmup:
+            gaps.append(gap)
+    return max(statistics.median(gaps), 0.0)
 
 
 def priced(gm, device) -> tuple[float, float, float]:
@@ -371,7 +396,7 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     for size in BLOCK_SIZES:
         bg, bx = _block_graph(*size)
         out["block"].append((*size, _timed_per_call(lambda: bg(*bx), warmup, reps, seconds)))
-    out["wrapper"] = measure_wrapper(warmup, reps, seconds / 2)
+    out["wrapper"] = measure_wrapper(warmup, reps + 2, seconds / 2)
     return out
 
 
