@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -262,44 +263,56 @@ def _graph_modules(values: dict) -> list[fx.GraphModule]:
     return found
 
 
+_collector_lock = threading.Lock()
+_collector_pausers = 0  # pipelines running now (threads may compile at once)
+_collector_paused_by_us = False
+
+
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off while the pipeline runs, as it was after. The passes make
     millions of small objects that live until the pipeline ends (FX nodes, placements, the program's
     rows); every 700 allocations the collector walks the young ones, and each time the heap grows by a
-    quarter it walks all of them: 1.7-2 s of LLaMA3-8B's 5.1-5.7 s plan on (8, 8) went there. The
+    quarter it walks all of them: 1.4-1.7 s of LLaMA3-8B's 5.8-6.4 s plan on (8, 8) went there. The
     cycles the passes leave behind are freed by the first collection after (peak RSS 0.70 GB against
-    0.65 GB over three such plans in one process)."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    0.65 GB over three such plans in one process). Pipelines running at once in several threads pause it
+    together; the last to end turns it back on, and only if it was on before the first began."""
+    global _collector_pausers, _collector_paused_by_us
+    with _collector_lock:
+        if _collector_pausers == 0:
+            _collector_paused_by_us = gc.isenabled()
+            gc.disable()
+        _collector_pausers += 1
     try:
         yield
     finally:
-        gc.enable()
+        with _collector_lock:
+            _collector_pausers -= 1
+            if _collector_pausers == 0 and _collector_paused_by_us:
+                gc.enable()
 
 
 def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None = None,
-                 binding: RankBinding | None = None) -> Compilation:
+                 binding: RankBinding | None = None, quiet: bool = False) -> Compilation:
     """Plan `model` on `mesh` (a `MeshSpec`) for `example_inputs`; with a `binding`, also emit that rank's
-    graphs. The garbage collector is paused meanwhile (`collector_paused`)."""
+    graphs. The garbage collector is paused meanwhile (`collector_paused`). `quiet`: no progress line and
+    no dumps whatever SPMD_DUMP says (a compilation of spmd's own, such as the host probe's)."""
     with collector_paused():
-        return _run_pipeline(model, example_inputs, mesh, options, binding)
+        return _run_pipeline(model, example_inputs, mesh, options, binding, quiet)
 
 
 def _run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None,
-                  binding: RankBinding | None) -> Compilation:
+                  binding: RankBinding | None, quiet: bool) -> Compilation:
     options = options or PlanOptions()
     values: dict[str, Any] = {"model": model, "example_inputs": tuple(example_inputs), "mesh": mesh,
                               "options": options, "binding": binding, "stacks": (), "blocks": None,
                               "strategies": None, "costs": None,
                               "stamp_note": "", "recomputable": Recomputable(), "global_gm": None, "rank_gm": None, "split": None}
-    dump = Dumper(options.dump_dir or os.environ.get("SPMD_DUMP"))
+    dump = Dumper(None if quiet else options.dump_dir or os.environ.get("SPMD_DUMP"))
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
     timings: dict[str, float] = {}
     since = fx_sources.mark()
-    progress = Progress([p.name for p in PIPELINE], binding.rank if binding is not None else None)
+    progress = Progress([p.name for p in PIPELINE], binding.rank if binding is not None else None, enabled=not quiet)
     values["progress"] = progress
     try:
         for p in PIPELINE:

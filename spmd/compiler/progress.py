@@ -12,9 +12,9 @@ import sys
 
 
 class Progress:
-    def __init__(self, passes: list[str], rank: int | None = None, stream=None):
+    def __init__(self, passes: list[str], rank: int | None = None, stream=None, enabled: bool = True):
         stream = stream if stream is not None else sys.stderr
-        on = (os.environ.get("SPMD_PROGRESS", "1") != "0" and (rank in (None, 0))
+        on = (enabled and os.environ.get("SPMD_PROGRESS", "1") != "0" and (rank in (None, 0))
               and getattr(stream, "isatty", lambda: False)())
         self.bar = None
         if on:

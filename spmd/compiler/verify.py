@@ -121,10 +121,7 @@ def check_global_graph(pass_name: str, v: dict) -> None:
     """insert_collectives: every traced node is there under its name, with its planned placements, and
     every input it reads arrives in the placements its strategy needs."""
     gm, plan, traced = v["global_gm"], v["plan"], v["traced"]
-    # a placeholder may be renamed: FX gives a builtin's name (nn.Sequential's `input`) a suffix
-    traced_name = {new.name: old.name for new, old in zip(gm.graph.find_nodes(op="placeholder"),
-                                                            traced.graph.find_nodes(op="placeholder"))}
-    nodes = {traced_name.get(n.name, n.name): n for n in gm.graph.nodes}
+    nodes = {n.name: n for n in gm.graph.nodes}
     problems = []
     for n in traced.graph.nodes:
         if n.op in ("placeholder", "call_function") and n.name not in nodes:
@@ -137,8 +134,7 @@ def check_global_graph(pass_name: str, v: dict) -> None:
         wanted = plan.choices[n.name].inputs
         leaves, _ = tree_flatten((n.args, n.kwargs))
         got = [a.meta.get("spmd_placements", (None,))[0] for a in leaves
-               if isinstance(a, fx.Node)
-               and isinstance(traced.tensor_info.get(traced_name.get(_source(a).name, _source(a).name)), TensorInfo)]
+               if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(_source(a).name), TensorInfo)]
         if got != list(wanted):
             problems.append(f"{n.name} reads {got}, needs {list(wanted)}")
     _fail(pass_name, problems, gm.graph)

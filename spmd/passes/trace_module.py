@@ -182,6 +182,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         ) from e
 
     _drop_assertions(ep.graph_module)
+    renamed = _fx_placeholder_names(ep.graph_module)
     sig = ep.graph_signature
     _drop_effect_tokens(ep.graph_module, {spec.arg.name for spec in sig.input_specs if spec.kind == InputKind.TOKEN})
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
@@ -193,7 +194,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         if spec.kind not in kinds:
             raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
-        inputs.append(GraphInput(spec.arg.name, kinds[spec.kind], name))
+        inputs.append(GraphInput(renamed.get(spec.arg.name, spec.arg.name), kinds[spec.kind], name))
     for spec in sig.output_specs:
         if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.TOKEN):
             raise SpmdError(
@@ -211,6 +212,21 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, frozen=frozen, aliases=shared_names(model))
+
+
+def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Renames the placeholders torch.export named as FX itself never would (a Python builtin's name:
+    nn.Sequential's `input`) to the name FX gives them when the passes copy the graph (`input_1`), so
+    every graph made from this one knows the input by one name; returns old -> new for those renamed."""
+    scratch = torch.fx.Graph()
+    renamed = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = scratch.placeholder(node.name).name
+        if name != node.name:
+            renamed[node.name], node.name = name, name
+    if renamed:
+        gm.recompile()
+    return renamed
 
 
 def shared_names(model: torch.nn.Module, prefix: str = "") -> dict[str, str]:

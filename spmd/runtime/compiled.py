@@ -136,7 +136,7 @@ class CompiledModule(nn.Module):
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Measured bytes this rank holds, by the plan's categories (`plan.memory` predicts them):
-        parameters, gradients, optimizer state, and the activations the last forward saved."""
+        parameters, gradients, optimizer state, and the activations a training step saves (found at the first)."""
         params = [p for p in self.parameters()]
         report = {"parameters": _storage_bytes(params),
                   "gradients": _storage_bytes(p.grad for p in params if p.grad is not None),
@@ -385,8 +385,12 @@ class CompiledModule(nn.Module):
         """The graph's placeholders in order: this rank's parameters and buffers (read from nn.Module's own
         tables, as `getattr` would find them but without its fallback path: ~1 us each) and the inputs."""
         it, params, buffers = iter(inputs), self._parameters, self._buffers
-        return [params[attr] if kind == "parameter" else buffers[attr] if kind == "buffer" else next(it)
-                for kind, attr in self._order]
+        try:
+            return [params[attr] if kind == "parameter" else buffers[attr] if kind == "buffer" else next(it)
+                    for kind, attr in self._order]
+        except KeyError:  # moved out of the tables (torch.nn.utils.parametrize): as getattr finds it
+            it = iter(inputs)
+            return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._require_values()

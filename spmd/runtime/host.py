@@ -7,7 +7,7 @@ looks 3x dearer against gloo's collectives than it is, and plans shard where the
 (bench/results_predict.md). So `spmd.compile` on a CPU mesh plans with this host's own device profile,
 as the environment variable SPMD_CPU_PROFILE says:
 
-    unset or "measured"   timed here once (every rank at once, ~3 s; `measure.measure_device`, quick),
+    unset or "measured"   timed here once (every rank at once, ~3-4 s; `measure.measure_device`, quick),
                           then read from the cache below
     "builtin"             the built-in `cpu`, scaled by the rank's share of the cores (the test suite
                           sets this, so its plans do not depend on the machine running it)
@@ -127,7 +127,7 @@ def _write(path: Path, key: dict, points: dict, device: DeviceProfile) -> None:
         tmp = None
     except OSError as e:
         warnings.warn(f"spmd: could not cache this host's timings in {path} ({e}); set SPMD_CACHE_DIR to a "
-                      "writable folder, or each new process times the host again (~3 s)", stacklevel=3)
+                      "writable folder, or each new process times the host again (~3-4 s)", stacklevel=3)
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -156,7 +156,10 @@ def _locked(path: Path):
 
 def _timings() -> dict:
     """`measure_device`'s quick timings, JSON-able (every rank of the process group at once)."""
-    points = measure_device(warmup=1, reps=5, quick=True)  # (the median of 5: ~2.5 s with 2 ranks on 2 cores)
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the timings draw random tensors: the user's seed stays as it was
+        points = measure_device(warmup=1, reps=5, quick=True)  # (the median of 5: ~4 s with 2 ranks on 2 cores)
     points = {k: ([list(p) for p in v] if isinstance(v, list) else v) for k, v in points.items()}
     points["day"] = datetime.date.today().isoformat()
     return points

@@ -205,7 +205,7 @@ def _wrapped(layers: int, training: bool):
     from spmd.core.mesh import MeshSpec
     from spmd.runtime.compiled import CompiledModule
 
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(m for _ in range(layers) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())))
         inputs = (torch.randn(4, 8), torch.randn(4, 8)) if training else (torch.randn(4, 8),)
@@ -213,7 +213,7 @@ def _wrapped(layers: int, training: bool):
     options = PlanOptions(training=training, loss_fn=loss, stamp_layers=False)
     with torch.enable_grad():
         c = run_pipeline(model, inputs, MeshSpec((1,), ("probe",), device=builtin_cpu()), options,
-                         RankBinding(0, ("",)))
+                         RankBinding(0, ("",)), quiet=True)
     compiled = CompiledModule(c, None, src_data_rank=None)
     args = [a.detach() for a in compiled._graph_args(inputs)]
     if not training:
@@ -355,7 +355,8 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     bytes an out-of-place add moves (2 reads + 1 write) in cache, from DRAM, and with a fresh output; "op"
     x = non-view nodes of a small joint graph, t = its time per call (less its views') / x; "view" x = nodes
     of a graph of views alone, t = its time per call / x; "elementwise": op name -> seconds
-    per output element (`measure_elementwise`). Each timed call repeats the kernel for about `seconds`
+    per output element (`measure_elementwise`); "block": (batch, seq, width, heads, seconds per call) of
+    `_block_graph`s (`in_graph`); "wrapper": `measure_wrapper`'s points. Each timed call repeats the kernel for about `seconds`
     (see `_repeats`)."""
     import torch
 

@@ -266,3 +266,39 @@ def test_the_timed_wrappers_are_compiled_modules_with_the_counts_plans_price():
         assert (saved > 0) == training
         out = compiled(*inputs)
         assert out.shape == (() if training else (4, 8))
+
+
+def test_timing_the_host_leaves_the_users_random_numbers_alone(monkeypatch):
+    """The probe draws random tensors; a seed the user set before compiling gives what it gave before."""
+    def measure_device(**_):
+        torch.randn(100)
+        return dict(POINTS)
+    monkeypatch.setattr(host, "measure_device", measure_device)
+    torch.manual_seed(7)
+    expected = torch.randn(3)
+    torch.manual_seed(7)
+    host._timings()
+    assert torch.equal(torch.randn(3), expected)
+
+
+def test_a_compiled_module_reads_a_parameter_moved_out_of_its_table():
+    """The wrapper reads parameters from nn.Module's table; one a parametrization moved out is found as
+    getattr finds it (the probe's tiny compiled model serves as the module)."""
+    from torch.nn.utils import parametrize
+
+    from spmd.runtime.measure import _wrapped
+
+    compiled, inputs, _ = _wrapped(1, False)
+    before = compiled(*inputs).detach()
+    attr = next(name for name, _ in compiled.named_parameters() if name.endswith("weight"))
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+    parametrize.register_parametrization(compiled, attr, Doubled())
+    try:
+        assert attr not in compiled._parameters
+        assert not torch.allclose(compiled(*inputs), before)
+    finally:
+        parametrize.remove_parametrizations(compiled, attr, leave_parametrized=False)
+    assert torch.allclose(compiled(*inputs), before)

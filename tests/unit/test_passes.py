@@ -14,6 +14,7 @@ from spmd.passes.enumerate_strategies import enumerate_strategies
 from spmd.passes.estimate_costs import estimate_costs
 from spmd.passes.solve_placements import solve_placements
 from spmd.passes.trace_module import trace_module
+from spmd.runtime.simulate import simulate
 from spmd.core import collectives
 from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph, spec
 
@@ -190,16 +191,47 @@ def test_rank_graphs_differ_only_in_rank_coordinates():
 
 @pytest.mark.parametrize("training", [False, True])
 def test_an_input_named_like_a_builtin_passes_every_check(training):
-    """nn.Sequential's argument is `input`: FX renames the placeholder `input_1` in the graphs it makes,
-    and the checks after insert_collectives still find it (the tests run with SPMD_VERIFY=1)."""
+    """nn.Sequential's argument is `input`, a name FX suffixes (`input_1`) in every graph it makes: the
+    trace takes FX's name, so the checks after insert_collectives, `simulate` and `compiled.verify`
+    find the input by the name the graphs they read give it (the tests run with SPMD_VERIFY=1)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
     x = torch.randn(4, 8)
     loss = (lambda out, target: ((out - target) ** 2).mean()) if training else None
     c = compile_graph(model, (x, torch.randn(4, 8)) if training else (x,), MESH, 0, verify=True,
                       training=training, loss_fn=loss)
     if not training:  # (a joint graph's placeholders are primals_<i>)
-        assert [n.name for n in c.traced.graph.find_nodes(op="placeholder")][-1] == "input"
-        assert [n.name for n in c.global_gm.graph.find_nodes(op="placeholder")][-1] == "input_1"
+        for gm in (c.traced.gm, c.global_gm, c.rank_gm):
+            assert [n.name for n in gm.graph.find_nodes(op="placeholder")][-1] == "input_1"
+        assert c.traced.inputs[-1].placeholder == "input_1" and c.traced.inputs[-1].name == "input"
+    outs = simulate(c, (x, torch.randn(4, 8), torch.ones(())) if training else (x,))  # (the loss's tangent)
+    assert len(outs) == 2
+
+
+def test_the_pipeline_runs_with_the_collector_paused_and_leaves_it_as_it_was():
+    import gc
+
+    from spmd.compiler.pipeline import collector_paused
+
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(phase))
+    try:
+        compile_graph(MLP(16, 64), (torch.randn(8, 16),), MESH, 0)
+    finally:
+        gc.callbacks.pop()
+    # at most the one collection the first allocation after the pipeline starts (without the pause: dozens)
+    assert collections.count("start") <= 1 and gc.isenabled()
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pipeline still runs
+    assert gc.isenabled()
+    gc.disable()  # a user who turned it off keeps it off
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_dump_writes_one_file_per_pass(tmp_path):
