@@ -273,7 +273,7 @@ def collector_paused():
     """Python's cyclic garbage collector off while the pipeline runs, as it was after. The passes make
     millions of small objects that live until the pipeline ends (FX nodes, placements, the program's
     rows); every 700 allocations the collector walks the young ones, and each time the heap grows by a
-    quarter it walks all of them: 1.4-1.7 s of LLaMA3-8B's 5.8-6.4 s plan on (8, 8) went there. The
+    quarter it walks all of them: 0.6-1.7 s of LLaMA3-8B's 3.7-6.4 s plan on (8, 8) went there. The
     cycles the passes leave behind are freed by the first collection after (peak RSS 0.70 GB against
     0.65 GB over three such plans in one process). Pipelines running at once in several threads pause it
     together; the last to end turns it back on, and only if it was on before the first began."""
