@@ -234,6 +234,18 @@ def test_the_pipeline_runs_with_the_collector_paused_and_leaves_it_as_it_was():
         gc.enable()
 
 
+def test_a_quiet_pipeline_writes_no_dumps_whatever_the_environment_says(tmp_path, monkeypatch):
+    """spmd's own compilations (the host probe's) stay out of the user's SPMD_DUMP folder."""
+    from spmd.compiler.options import PlanOptions
+    from spmd.compiler.pipeline import run_pipeline
+
+    monkeypatch.setenv("SPMD_DUMP", str(tmp_path))
+    run_pipeline(MLP(16, 64), (torch.randn(3, 16),), MESH, PlanOptions(), quiet=True)
+    assert list(tmp_path.iterdir()) == []
+    run_pipeline(MLP(16, 64), (torch.randn(3, 16),), MESH, PlanOptions())
+    assert list(tmp_path.iterdir())
+
+
 def test_dump_writes_one_file_per_pass(tmp_path):
     compile_graph(MLP(16, 64), (torch.randn(3, 16),), MESH, 0, dump_dir=str(tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())

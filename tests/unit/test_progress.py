@@ -21,8 +21,8 @@ def _compile_with(stream, monkeypatch, rank=None, **options):
     made = []
 
     class Recording(progress_module.Progress):
-        def __init__(self, passes, rank_=None, stream_=None):
-            super().__init__(passes, rank if rank is not None else rank_, stream)
+        def __init__(self, passes, rank_=None, stream_=None, enabled=True):
+            super().__init__(passes, rank if rank is not None else rank_, stream, enabled)
             made.append(self)
 
     monkeypatch.setattr("spmd.compiler.pipeline.Progress", Recording)
