@@ -268,6 +268,17 @@ _collector_pausers = 0  # pipelines running now (threads may compile at once)
 _collector_paused_by_us = False
 
 
+def _collector_after_fork() -> None:
+    """A process forked while a pipeline ran starts with none running: the collector as it was before."""
+    global _collector_lock, _collector_pausers, _collector_paused_by_us
+    if _collector_pausers and _collector_paused_by_us:
+        gc.enable()
+    _collector_lock, _collector_pausers, _collector_paused_by_us = threading.Lock(), 0, False
+
+
+os.register_at_fork(after_in_child=_collector_after_fork)
+
+
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off while the pipeline runs, as it was after. The passes make

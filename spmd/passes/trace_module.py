@@ -182,9 +182,9 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         ) from e
 
     _drop_assertions(ep.graph_module)
-    renamed = _fx_placeholder_names(ep.graph_module)
     sig = ep.graph_signature
     _drop_effect_tokens(ep.graph_module, {spec.arg.name for spec in sig.input_specs if spec.kind == InputKind.TOKEN})
+    renamed = _fx_placeholder_names(ep.graph_module)
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     inputs = []
@@ -215,17 +215,20 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
 
 
 def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """Renames the placeholders torch.export named as FX itself never would (a Python builtin's name:
-    nn.Sequential's `input`) to the name FX gives them when the passes copy the graph (`input_1`), so
-    every graph made from this one knows the input by one name; returns old -> new for those renamed."""
+    """Where torch.export named a placeholder as FX itself never would (a Python builtin's name:
+    nn.Sequential's `input`, `forward(self, sum)`), the graph is copied as the passes' copies will copy
+    it, so every graph made from this one knows each node by one name (`input_1`; an op node export had
+    already suffixed keeps its name, and the copy's names are registered as taken); returns old -> new
+    for the placeholders renamed."""
     scratch = torch.fx.Graph()
-    renamed = {}
-    for node in gm.graph.find_nodes(op="placeholder"):
-        name = scratch.placeholder(node.name).name
-        if name != node.name:
-            renamed[node.name], node.name = name, name
-    if renamed:
-        gm.recompile()
+    if all(scratch.placeholder(n.name).name == n.name for n in gm.graph.find_nodes(op="placeholder")):
+        return {}
+    old_output = gm.graph.output_node()
+    graph, env = torch.fx.Graph(), {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out, type_expr=old_output.type).meta = dict(old_output.meta)
+    renamed = {old.name: env[old].name for old in gm.graph.find_nodes(op="placeholder") if env[old].name != old.name}
+    gm.graph = graph  # (recompiles)
     return renamed
 
 

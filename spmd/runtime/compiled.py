@@ -389,8 +389,26 @@ class CompiledModule(nn.Module):
             return [params[attr] if kind == "parameter" else buffers[attr] if kind == "buffer" else next(it)
                     for kind, attr in self._order]
         except KeyError:  # moved out of the tables (torch.nn.utils.parametrize): as getattr finds it
-            it = iter(inputs)
-            return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
+            return self._moved_state_args(inputs)
+
+    def _moved_state_args(self, inputs) -> list:
+        """`_graph_args` where a parameter or buffer is no longer in nn.Module's tables: a parametrization
+        (torch.nn.utils.parametrize) computes it on this rank's piece, which is the full computation's
+        piece only where the piece is the whole tensor (replicated on every axis)."""
+        from torch.distributed.tensor import Replicate
+
+        fqn = {attr: name for name, attr in self._param_names.items()}
+        for kind, attr in self._order:
+            table = self._parameters if kind == "parameter" else self._buffers if kind == "buffer" else None
+            if table is not None and attr not in table and any(
+                    not isinstance(p, Replicate) for p in self._state_placements[fqn[attr]]):
+                raise SpmdError(f"{fqn[attr]} is computed by a parametrization (torch.nn.utils.parametrize), but "
+                                f"this rank holds a piece of it ({self._state_placements[fqn[attr]]}), and the "
+                                "parametrization would run on the piece alone. What to do: parametrize the model "
+                                "before spmd.compile (the plan then shards what it computes), or pin the "
+                                "parameter replicated (param_placements).")
+        it = iter(inputs)
+        return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._require_values()

@@ -279,10 +279,13 @@ def _paired_difference(fn, base, warmup: int, reps: int, seconds: float) -> floa
                 f()
         return call
     gaps = []
-    for i in range(warmup + reps):
-        gap = (_timed(repeated(fn), 0, 1) - _timed(repeated(base), 0, 1)) / k
+    for i in range(warmup + reps):  # (which goes first alternates: no order bias)
+        if i % 2:
+            gap = -_timed(repeated(base), 0, 1) + _timed(repeated(fn), 0, 1)
+        else:
+            gap = _timed(repeated(fn), 0, 1) - _timed(repeated(base), 0, 1)
         if i >= warmup:
-            gaps.append(gap)
+            gaps.append(gap / k)
     return max(statistics.median(gaps), 0.0)
 
 

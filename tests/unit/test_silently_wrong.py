@@ -143,3 +143,44 @@ def test_dropout_mask_is_taken_as_the_dropout_made_it():
         assert sum(k.kind == "grad" for k in kinds) == len(list(model.parameters()))
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_parametrization_on_a_sharded_parameter_fails_instead_of_running_on_the_piece():
+    """torch.nn.utils.parametrize moves a parameter out of nn.Module's table; computed on this rank's
+    piece, a weight norm would be the piece's norm: the call says so instead."""
+    from torch.distributed.tensor import Shard
+    from torch.nn.utils import parametrize
+
+    from spmd.core.errors import SpmdError
+    from spmd.runtime.compiled import CompiledModule
+    from tests.models import MLP
+
+    x = torch.randn(8, 16)
+    c = compile_graph(MLP(16, 64), (x,), spec((2,), ("tp",)), 0, param_placements={"fc1.weight": [Shard(0)]})
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    attr = compiled._param_names["fc1.weight"]
+    parametrize.register_parametrization(compiled, attr, nn.Identity())
+    with pytest.raises(SpmdError, match=r"fc1\.weight is computed by a parametrization.*piece"):
+        compiled(*compiled.shard_inputs(x))
+
+
+def test_an_input_named_like_a_builtin_and_an_op_keeps_every_node_name_unique():
+    """`forward(self, sum)`: torch.export names the input `sum` and suffixes the op (`sum_1`); FX would
+    rename the input `sum_1` too. The trace copies the graph as FX does, so names stay unique and the
+    plan computes the model."""
+    class Summed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, sum):
+            return torch.sum(self.proj(sum), -1) + torch.max(sum)
+
+    model, x = Summed(), torch.randn(6, 4)
+    c = compile_graph(model, (x,), spec((2,), ("dp",)), 0, verify=True)
+    names = [n.name for n in c.traced.graph.nodes]
+    assert len(names) == len(set(names)) and c.traced.inputs[-1].name == "sum"
+    c.traced.graph.lint()
+    outs, expected = [out[0] for out in simulate(c, (x,))], model(x).detach()
+    got = torch.cat(outs) if outs[0].shape != expected.shape else outs[0]  # split on the batch, or whole
+    torch.testing.assert_close(got, expected)
