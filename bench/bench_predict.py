@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench_forward import cpu_model, git_state, percentile, summary_str, time_interleaved  # noqa: E402
+from spmd.runtime.measure import graphs_alone  # noqa: E402
 
 CASES = {  # name: (kind, config, batch shape); rounds (tiny, medium) set below
     "mlp-tiny": ("mlp", (16, 64), (8, 16)),
@@ -97,30 +98,6 @@ def step_fn(compiled, local, train: bool):
         compiled(*local).backward()
         for p in params:
             p.grad = None
-    return step
-
-
-def graph_fn(compiled, local, train: bool):
-    """The calibrated plan's generated graphs called directly: no CompiledModule.__call__, no autograd
-    (what the plan prices: its nodes and collectives, nothing around them)."""
-    args = compiled._graph_args(local)
-    if not train:
-        gm = compiled.graph_module
-
-        def fwd():
-            with torch.no_grad():
-                gm(*args)
-        return fwd
-    split = compiled.split
-    with torch.no_grad():
-        flat = split.forward(*[a.detach() for a in args])
-    saved = flat[split.n_outputs:]
-    tangents = [torch.ones_like(o) for o in flat[:split.n_outputs]]
-
-    def step():
-        with torch.no_grad():
-            split.forward(*args)
-            split.backward(*saved, *tangents)
     return step
 
 
@@ -232,7 +209,7 @@ def run_world(world: int, args, rank: int) -> dict:
                 local = compiled.shard_inputs(*inputs)
                 fns[pname] = step_fn(compiled, local, train)
                 if pname == "calibrated":
-                    fns["graphs"] = graph_fn(compiled, local, train)
+                    fns["graphs"] = graphs_alone(compiled, local)
                 info[pname] = {"objective": plan.objective, "predicted": plan.predicted_step_s,
                                "wrapper": plan.wrapper_overhead_s, "compute": plan.compute_cost, "comm": plan.comm_cost,
                                "collectives": summary_str(plan.collective_summary()), "nodes": call_nodes(compiled),

@@ -397,13 +397,12 @@ class CompiledModule(nn.Module):
         piece only where the piece is the whole tensor (replicated on every axis)."""
         from torch.distributed.tensor import Replicate
 
-        fqn = {attr: name for name, attr in self._param_names.items()}
-        for kind, attr in self._order:
+        for (kind, attr), fqn in zip(self._order, self._order_names):
             table = self._parameters if kind == "parameter" else self._buffers if kind == "buffer" else None
             if table is not None and attr not in table and any(
-                    not isinstance(p, Replicate) for p in self._state_placements[fqn[attr]]):
-                raise SpmdError(f"{fqn[attr]} is computed by a parametrization (torch.nn.utils.parametrize), but "
-                                f"this rank holds a piece of it ({self._state_placements[fqn[attr]]}), and the "
+                    not isinstance(p, Replicate) for p in self._state_placements[fqn]):
+                raise SpmdError(f"{fqn} is computed by a parametrization (torch.nn.utils.parametrize), but "
+                                f"this rank holds a piece of it ({self._state_placements[fqn]}), and the "
                                 "parametrization would run on the piece alone. What to do: parametrize the model "
                                 "before spmd.compile (the plan then shards what it computes), or pin the "
                                 "parameter replicated (param_placements).")

@@ -215,19 +215,33 @@ def _wrapped(layers: int, training: bool):
         c = run_pipeline(model, inputs, MeshSpec((1,), ("probe",), device=builtin_cpu()), options,
                          RankBinding(0, ("",)), quiet=True)
     compiled = CompiledModule(c, None, src_data_rank=None)
-    args = [a.detach() for a in compiled._graph_args(inputs)]
-    if not training:
+    return compiled, inputs, graphs_alone(compiled, inputs)
+
+
+def graphs_alone(compiled, local: tuple):
+    """A call of `compiled`'s generated graphs themselves on its local inputs `local`, under no_grad: no
+    `CompiledModule.__call__`, no autograd (what a plan's objective prices: its nodes and collectives);
+    in training the forward graph, then the backward graph on values saved once and tangents of ones."""
+    import torch
+
+    args = [a.detach() for a in compiled._graph_args(local)]
+    if compiled.split is None:
         gm = compiled.graph_module
-        return compiled, inputs, lambda: gm(*args)
+
+        def forward():
+            with torch.no_grad():
+                gm(*args)
+        return forward
     split = compiled.split
     with torch.no_grad():
         flat = split.forward(*args)
     saved, tangents = flat[split.n_outputs:], [torch.ones_like(o) for o in flat[:split.n_outputs]]
 
-    def graphs():
-        split.forward(*args)
-        split.backward(*saved, *tangents)
-    return compiled, inputs, graphs
+    def step():
+        with torch.no_grad():
+            split.forward(*args)
+            split.backward(*saved, *tangents)
+    return step
 
 
 def measure_wrapper(warmup: int, reps: int, seconds: float) -> list[tuple[float, float, float, float, float]]:
@@ -251,12 +265,8 @@ def measure_wrapper(warmup: int, reps: int, seconds: float) -> list[tuple[float,
             def forward():
                 with torch.no_grad():
                     compiled(*inputs)
-
-            def alone():
-                with torch.no_grad():
-                    graphs()
             points.append((float(training), *map(float, compiled.plan.wrapper_counts),
-                           _paired_difference(step if training else forward, alone, warmup, reps, seconds)))
+                           _paired_difference(step if training else forward, graphs, warmup, reps, seconds)))
     return points
 
 
@@ -265,27 +275,14 @@ def _paired_difference(fn, base, warmup: int, reps: int, seconds: float) -> floa
     and the median of the per-turn differences (never negative): ranks sharing the cores drift in speed
     over a second, and a difference of two medians taken at different times (4 ranks on 2 cores: half a
     second apart) mixed the drift into a few microseconds."""
-    import torch.distributed as dist
-
-    k = _repeats(fn, seconds)
-    if _distributed():
-        counts = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, k)
-        k = max(counts)
-
-    def repeated(f):
-        def call():
-            for _ in range(k):
-                f()
-        return call
+    k = _agreed_repeats(fn, seconds)
+    timed = {f: _repeated(f, k) for f in (fn, base)}
     gaps = []
-    for i in range(warmup + reps):  # (which goes first alternates: no order bias)
-        if i % 2:
-            gap = -_timed(repeated(base), 0, 1) + _timed(repeated(fn), 0, 1)
-        else:
-            gap = _timed(repeated(fn), 0, 1) - _timed(repeated(base), 0, 1)
+    for i in range(warmup + reps):
+        order = (fn, base) if i % 2 == 0 else (base, fn)  # which goes first alternates: no order bias
+        t = {f: _timed(timed[f], 0, 1) for f in order}
         if i >= warmup:
-            gaps.append(gap / k)
+            gaps.append((t[fn] - t[base]) / k)
     return max(statistics.median(gaps), 0.0)
 
 
@@ -335,20 +332,28 @@ def _repeats(fn, seconds: float) -> int:
     return max(1, round(seconds / max(time.perf_counter() - t0, 1e-7)))
 
 
-def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
+def _agreed_repeats(fn, seconds: float) -> int:
+    """`_repeats`, the same on every rank (each must repeat as often as the others): the largest."""
     import torch.distributed as dist
 
-    # every rank must repeat the same number of times: agree on the largest count
     k = _repeats(fn, seconds)
     if _distributed():
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, k)
         k = max(counts)
+    return k
 
-    def agreed():
+
+def _repeated(fn, k: int):
+    def call():
         for _ in range(k):
             fn()
-    return _timed(agreed, warmup, reps) / k
+    return call
+
+
+def _timed_per_call(fn, warmup: int, reps: int, seconds: float) -> float:
+    k = _agreed_repeats(fn, seconds)
+    return _timed(_repeated(fn, k), warmup, reps) / k
 
 
 def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
