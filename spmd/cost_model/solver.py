@@ -227,10 +227,13 @@ class IlpBuilder:
         search.droppable = budget.droppable
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
-                 "over": [], "proven": False}  # plans whose row fits but not their extra; none fits, proven
+                 "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
+                 "polished": set()}  # ids of the plans of "over" that `polish(over=True)` started from
 
         def gap() -> float:
             best = state["objective"]
+            if state["x"] is None:  # (no plan: (inf - bound) / inf is nan, which max() would make 0)
+                return float("inf")
             return 0.0 if best <= 0 else max(0.0, (best - state["bound"]) / abs(best))
 
         def needs(x) -> float:
@@ -324,12 +327,15 @@ class IlpBuilder:
             if not budget.polish:
                 return
             starts = [] if state["x"] is None else [state["x"]]
-            if over:
+            if over:  # (each plan once: this may run after the price search too, and again at the end)
                 starts = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
                           if float(costs @ x) < state["objective"]][:POLISH_OVER]
+                starts = [x for x in starts if id(x) not in state["polished"]]
             for x in starts:
-                if search.out_of_time():
+                if search.out_of_time() or (over and gap() <= budget.gap):
                     break
+                if over:
+                    state["polished"].add(id(x))
                 improve(search.polish(costs, weight, room(x), x, np.asarray(budget.polish)), -float("inf"))
 
         first = probe(0.0)
@@ -337,13 +343,24 @@ class IlpBuilder:
             if budget.weights_only and not search.out_of_time():
                 # the cheapest plan's other placements with its weights re-laid out under the row: a plan
                 # in hand before the prices of memory, which may turn slow where the plan changes
+                # (within the search's gap: LLaMA3-8B in transformers at 80 GB, 0.76% from its optimum after
+                # 2 s, and 8 s more to prove 0.04%, for a plan the polishes below replaced)
                 x = state["leanest"]
-                got = search.polish(costs, weight, room(x), x, np.asarray(budget.weights_only))
+                got = search.polish(costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
                 if got is not None:
                     improve(got, -float("inf"))
                     met(got, needs(got))
             prices(first)
             polish()  # (cheap, and a better start for branch and bound)
+            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
+                # the plans over by their temporaries alone with their layers' recomputation re-chosen: a few
+                # seconds each, where branch and bound from the best plan may not finish its root in its time
+                # (LLaMA3-8B in transformers at 80 GB: 151k columns, the first cut round's root relaxation
+                # unsolved after 10 s, then 15 s of cuts and out of time; the first of these polishes closes the
+                # gap, to 0.96%). With no plan that
+                # fits yet, they wait until the end: a fitting plan found first would keep the cut loop from
+                # a better one.
+                polish(over=True)
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries
                 exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
@@ -532,6 +549,43 @@ def _added(status) -> None:
     row dropped so would pass plans that do not fit."""
     if status == highspy.HighsStatus.kError:  # (a warning: coefficients under 1e-9 dropped, the row stands)
         raise SpmdInternalError(f"HiGHS refused a row of the budgeted program ({status})")
+
+
+def _add_cuts(mip: "highspy.Highs", cuts, limit: float) -> None:
+    """Add `cuts` (`Cut`) to `mip` as rows `<= limit`, each helper a new column in [0, 1] after the
+    program's with its rows z - sum(row) >= const. All at once: HiGHS's addRow costs about a millisecond
+    a call on a program of LLaMA3-8B's size (53k cut and helper rows one by one took 61 s)."""
+    if not cuts:
+        return
+    first = mip.getNumCol()
+    lower, upper, starts, index, values = [], [], [], [], []
+
+    def row(coef: dict, lo: float, hi: float) -> None:
+        lower.append(lo)
+        upper.append(hi)
+        starts.append(len(index))
+        index.extend(coef)
+        values.extend(coef.values())
+
+    z = first
+    for cut in cuts:
+        terms = dict(cut.terms)
+        for size, rows in cut.helpers:
+            terms[z] = terms.get(z, 0.0) + size
+            for terms_of, const in rows:  # z - sum(row) >= const
+                coef = {z: 1.0}
+                for c, v in terms_of:  # (a row may name a column twice; HiGHS refuses that unsummed)
+                    coef[c] = coef.get(c, 0.0) - v
+                row(coef, float(const), highspy.kHighsInf)
+            z += 1
+        row(terms, -highspy.kHighsInf, limit)
+    if z > first:
+        none = np.zeros(0, dtype=np.int32)
+        _added(mip.addCols(z - first, np.zeros(z - first), np.zeros(z - first), np.ones(z - first), 0, none, none,
+                           np.zeros(0)))
+    _added(mip.addRows(len(lower), np.asarray(lower, dtype=float), np.asarray(upper, dtype=float), len(index),
+                       np.asarray(starts, dtype=np.int32), np.asarray(index, dtype=np.int32),
+                       np.asarray(values, dtype=float)))
 
 
 def _seed(mip: "highspy.Highs", x: np.ndarray) -> None:
@@ -744,25 +798,11 @@ class _Search:
         cols = np.flatnonzero(weight).astype(np.int32)
         mip.addRow(-highspy.kHighsInf, limit, len(cols), cols, weight[cols])
         n = len(costs)
-        helpers = []  # the seed's value of each helper column: the least its rows allow
-        for cut in cuts:
-            terms = dict(cut.terms)
-            for size, lower in cut.helpers:
-                z = mip.getNumCol()
-                mip.addCol(0.0, 0.0, 1.0, 0, np.zeros(0, dtype=np.int32), np.zeros(0))
-                terms[z] = terms.get(z, 0.0) + size
-                for row, const in lower:  # z - sum(row) >= const
-                    coef = {z: 1.0}
-                    for c, v in row:  # (a row may name a column twice; HiGHS refuses that unsummed)
-                        coef[c] = coef.get(c, 0.0) - v
-                    idx = np.asarray(list(coef), dtype=np.int32)
-                    _added(mip.addRow(float(const), highspy.kHighsInf, len(idx), idx,
-                                      np.asarray(list(coef.values()))))
-                if start is not None:
-                    helpers.append(min(1.0, max([0.0, *(sum(v * start[c] for c, v in row) + const
-                                                        for row, const in lower)])))
-            idx = np.asarray(list(terms), dtype=np.int32)
-            _added(mip.addRow(-highspy.kHighsInf, limit, len(idx), idx, np.asarray(list(terms.values()), dtype=float)))
+        _add_cuts(mip, cuts, limit)
+        # the seed's value of each helper column: the least its rows allow
+        helpers = [] if start is None else [
+            min(1.0, max([0.0, *(sum(v * start[c] for c, v in row) + const for row, const in lower)]))
+            for cut in cuts for _, lower in cut.helpers]
         if start is not None:
             _seed(mip, np.concatenate([start, helpers]))
         _report(mip, on_progress, None if fits is None else (lambda x: fits(x[:n])))
@@ -771,9 +811,12 @@ class _Search:
         x = np.asarray(mip.getSolution().col_value)[:n] if info.primal_solution_status == 2 else None
         return x, float(info.mip_dual_bound), mip.getModelStatus() == highspy.HighsModelStatus.kInfeasible
 
-    def polish(self, costs, weight, limit, x, free: np.ndarray) -> np.ndarray | None:
-        """The cheapest solution with the budget row that keeps `x`'s binary columns, except `free`."""
+    def polish(self, costs, weight, limit, x, free: np.ndarray, rel_gap: float | None = None) -> np.ndarray | None:
+        """The cheapest solution with the budget row that keeps `x`'s binary columns, except `free`
+        (`rel_gap`: or one proven within this of it)."""
         mip = self._mip(costs, min(BRANCH_SECONDS, self.remaining()))
+        if rel_gap is not None:
+            mip.setOptionValue("mip_rel_gap", rel_gap)
         fixed = np.setdiff1d(np.flatnonzero(self.binary), free).astype(np.int32)
         mip.changeColsBounds(len(fixed), fixed, np.round(x[fixed]), np.round(x[fixed]))
         cols = np.flatnonzero(weight).astype(np.int32)
