@@ -356,10 +356,9 @@ class IlpBuilder:
                 # the plans over by their temporaries alone with their layers' recomputation re-chosen: a few
                 # seconds each, where branch and bound from the best plan may not finish its root in its time
                 # (LLaMA3-8B in transformers at 80 GB: 151k columns, the first cut round's root relaxation
-                # unsolved after 10 s, then 15 s of cuts and out of time; the first of these polishes closes the
-                # gap, to 0.96%). With no plan that
-                # fits yet, they wait until the end: a fitting plan found first would keep the cut loop from
-                # a better one.
+                # unsolved after 10 s, then 15 s of cuts and out of time; the first of these polishes closes
+                # the gap, to 0.96%). With no plan that fits yet, they wait until the end: a fitting plan
+                # found first would keep the cut loop from a better one.
                 polish(over=True)
             if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
                 # branch and bound from the best plan, with room for its temporaries

@@ -915,8 +915,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     budget = None
     if memory_budget is not None:
         # the plans asked about last (by their binary columns: a plan is its choices): (plan, (temporaries,
-        # worst point)). A walk takes ~0.3 s on LLaMA3-8B, and the search asks again of plans it holds (the polishes'
-        # starts): 16 walks of 10 plans there.
+        # worst point)). Making a plan and walking it take ~0.3 s on LLaMA3-8B, and the search asks again
+        # of plans it holds (the polishes' starts): 16 walks where 9 plans were asked about.
         walked: dict[bytes, tuple] = {}
         binary = np.asarray(ilp.integral, dtype=bool)
 
