@@ -771,14 +771,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 else:
                     by_pair.setdefault((region, *pair), (seconds, {}))[1].setdefault(use, []).append(col)
         for seconds, per_use in by_pair.values():
-            seconds *= count
-            if len(per_use) == 1:  # one consumer: nothing to share
-                for col in next(iter(per_use.values())):
-                    ilp.add_cost(col, seconds)
-                continue
-            y = ilp.add_var(seconds, binary=False, upper=1.0)  # y >= each consumer's use of it
-            for cols in per_use.values():
-                ilp.add_ge([(y, 1.0)] + [(col, -1.0) for col in cols], 0.0)
+            ilp.add_shared(seconds * count, list(per_use.values()), family=value_uses)  # paid once
     _bucket_latency(ilp, buckets, costs)
 
     for name, ns in table.nodes.items():  # ties: both nodes pick the same placements

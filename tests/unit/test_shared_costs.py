@@ -1,0 +1,82 @@
+"""Shared costs (`IlpBuilder.add_shared`): priced at even shares first, exactly where a solution takes
+one partly. The answer must be the optimum of the program priced exactly, at its true cost."""
+import itertools
+
+import numpy as np
+import pytest
+
+from spmd.cost_model import solver
+from spmd.cost_model.solver import IlpBuilder
+
+
+def _choice(ilp: IlpBuilder, costs) -> list[int]:
+    cols = [ilp.add_var(c, binary=True) for c in costs]
+    ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+    return cols
+
+
+def test_a_resharding_one_consumer_takes_alone_is_paid_whole():
+    # c1 takes layout A (0) or B (12); c2 takes A (3) or B (1); A needs a resharding of 10 that both share.
+    # At shares (5 each) c1 takes A and c2 B: 6, but that plan costs 11 (c1 pays the resharding alone).
+    ilp = IlpBuilder()
+    a1, b1 = _choice(ilp, [0.0, 12.0])
+    a2, b2 = _choice(ilp, [3.0, 1.0])
+    ilp.add_shared(10.0, [[a1], [a2]])
+    r = ilp.solve()
+    assert r.objective == pytest.approx(11.0)
+    assert r.lower_bound == pytest.approx(11.0) and r.gap == pytest.approx(0.0)
+    assert np.round(r.values[[a1, b1, a2, b2]]).tolist() == [1, 0, 0, 1]
+
+
+def test_a_resharding_every_consumer_takes_is_paid_once():
+    ilp = IlpBuilder()
+    a1, _ = _choice(ilp, [0.0, 12.0])
+    a2, _ = _choice(ilp, [3.0, 9.0])
+    ilp.add_shared(10.0, [[a1], [a2]])
+    r = ilp.solve()
+    assert r.objective == pytest.approx(13.0)  # both A: 0 + 3 + 10 once
+
+
+def _random_program(rng, consumers: int, groups: int):
+    """Choices of `consumers` consumers (4 options each) and `groups` shared costs over random options."""
+    ilp = IlpBuilder()
+    choices = [_choice(ilp, rng.uniform(0, 10, size=4)) for _ in range(consumers)]
+    shared = []
+    for _ in range(groups):
+        who = rng.choice(consumers, size=rng.integers(2, consumers + 1), replace=False)
+        uses = [[int(c) for c in rng.choice(choices[w], size=rng.integers(1, 3), replace=False)] for w in who]
+        seconds = float(rng.uniform(0, 20))
+        ilp.add_shared(seconds, uses)
+        shared.append((seconds, uses))
+    return ilp, choices, shared
+
+
+def _true_cost(ilp: IlpBuilder, choices, shared, picked) -> float:
+    x = np.zeros(len(ilp.cost))
+    x[list(picked)] = 1.0
+    own = sum(ilp.cost[c] for c in picked)
+    return own + sum(seconds for seconds, uses in shared if any(x[u].sum() > 0.5 for u in uses))
+
+
+@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("all_at", [0.0, 1.0])  # most taken partly (exact afresh) / rounds of rows
+def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, monkeypatch):
+    monkeypatch.setattr(solver, "SHARED_ALL_AT", all_at)
+    rng = np.random.default_rng(seed)
+    ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
+    best = min(_true_cost(ilp, choices, shared, picked) for picked in itertools.product(*choices))
+    r = ilp.solve()
+    picked = [c for cols in choices for c in cols if r.values[c] > 0.5]
+    assert r.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+    assert _true_cost(ilp, choices, shared, picked) == pytest.approx(r.objective, rel=1e-6, abs=1e-6)
+    assert r.lower_bound <= r.objective + 1e-9
+
+
+def test_under_a_budget_shared_costs_are_exact_from_the_start():
+    ilp = IlpBuilder()
+    a1, b1 = _choice(ilp, [0.0, 12.0])
+    a2, b2 = _choice(ilp, [3.0, 1.0])
+    ilp.add_shared(10.0, [[a1], [a2]])
+    r = ilp.solve(budget=solver.Budget(bytes={a1: 1.0, b1: 2.0, a2: 1.0, b2: 1.0}, limit=10.0))
+    assert r.objective == pytest.approx(11.0)
+    assert np.round(r.values[[a1, b1, a2, b2]]).tolist() == [1, 0, 0, 1]
