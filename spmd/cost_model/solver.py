@@ -129,10 +129,12 @@ class IlpBuilder:
         self._lower: list[float] = []
         self.upper: list[float] = []
         # costs paid once if any of several consumers takes them (`add_shared`): (seconds, columns per
-        # consumer, column y, rows y >= each consumer's)
-        self._shared: list[tuple[float, tuple[tuple[int, ...], ...], int, tuple[int, ...]]] = []
+        # consumer, column y)
+        self._shared: list[tuple[float, tuple[tuple[int, ...], ...], int]] = []
         self._family: list[object] = []  # per shared cost, what it is made exact with (`add_shared`)
-        self._flat = None  # `_shared` as arrays (`_shared_arrays`)
+        self._flat_lists: dict[str, list[int]] = {k: [] for k in ("row", "row_group", "use_start", "use_group", "col")}
+        self._flat = None  # the same as arrays (`_shared_arrays`)
+        self._matrix = None  # (entries, rows, columns) -> the column-wise matrix (`_model`)
 
     def add_var(self, cost: float, binary: bool, upper: float = 1.0) -> int:
         """A column in [0, upper] (binary ones in {0, 1})."""
@@ -178,27 +180,29 @@ class IlpBuilder:
                 self.add_cost(col, seconds)
             return
         y = self.add_var(0.0, binary=False)
-        rows = tuple(self.add_ge([(y, 1.0)] + [(col, -1.0) for col in u], 0.0) for u in uses)
-        self._shared.append((float(seconds), uses, y, rows))
-        self._family.append(len(self._family) if family is None else family)
+        g = len(self._shared)
+        flat = self._flat_lists
+        for u in uses:
+            flat["row"].append(self.add_ge([(y, 1.0)] + [(col, -1.0) for col in u], 0.0))
+            flat["row_group"].append(g)
+            flat["use_start"].append(len(flat["col"]))
+            flat["use_group"].append(g)
+            flat["col"].extend(u)
+        self._shared.append((float(seconds), uses, y))
+        self._family.append(g if family is None else family)
         self._flat = None
 
-    def _shared_arrays(self):
-        """`_shared` as arrays: seconds, y and consumers per shared cost; per consumer its shared cost and
-        first entry; per entry its column and its consumer; the rows of each."""
+    def _shared_arrays(self) -> dict[str, np.ndarray]:
+        """`_shared` as arrays: per shared cost its seconds, y and number of consumers; per consumer its
+        shared cost and first entry in `col`; per entry its column; per row of a y its shared cost."""
         if self._flat is None:
-            cols, use_of, use_starts, use_group, rows = [], [], [], [], []
-            for g, (_, uses, _, grows) in enumerate(self._shared):
-                for u in uses:
-                    use_starts.append(len(cols))
-                    use_group.append(g)
-                    use_of.extend([len(use_group) - 1] * len(u))
-                    cols.extend(u)
-                rows.append(grows)
-            as_int = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
-            self._flat = (np.asarray([sec for sec, *_ in self._shared]), as_int([y for _, _, y, _ in self._shared]),
-                          as_int([len(u) for _, u, _, _ in self._shared]), as_int(use_group), as_int(use_starts),
-                          as_int(cols), as_int(use_of), rows)
+            flat = {k: np.asarray(v, dtype=np.int64) for k, v in self._flat_lists.items()}
+            flat["seconds"] = np.asarray([sec for sec, _, _ in self._shared], dtype=float)
+            flat["y"] = np.asarray([y for _, _, y in self._shared], dtype=np.int64)
+            flat["k"] = np.bincount(flat["use_group"], minlength=len(self._shared))
+            lengths = np.diff(np.append(flat["use_start"], len(flat["col"])))
+            flat["col_group"] = np.repeat(flat["use_group"], lengths)  # per entry, its shared cost
+            self._flat = flat
         return self._flat
 
     def _priced(self, exact: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -208,13 +212,12 @@ class IlpBuilder:
         row_lower = np.asarray(self._lower, dtype=float)
         if not self._shared:
             return costs, upper, row_lower
-        seconds, ys, k, use_group, _, cols, use_of, rows = self._shared_arrays()
-        costs[ys] += np.where(exact, seconds, 0.0)
-        upper[ys[~exact]] = 0.0
-        lazy_rows = [r for g in np.flatnonzero(~exact).tolist() for r in rows[g]]
-        row_lower[np.asarray(lazy_rows, dtype=np.int64)] = -np.inf
-        share = np.where(exact, 0.0, seconds / k)[use_group[use_of]]
-        costs += np.bincount(cols, weights=share, minlength=len(costs))
+        f = self._shared_arrays()
+        costs[f["y"]] += np.where(exact, f["seconds"], 0.0)
+        upper[f["y"][~exact]] = 0.0
+        row_lower[f["row"][~exact[f["row_group"]]]] = -np.inf
+        share = np.where(exact, 0.0, f["seconds"] / f["k"])[f["col_group"]]
+        costs += np.bincount(f["col"], weights=share, minlength=len(costs))
         return costs, upper, row_lower
 
     def _partly_taken(self, x: np.ndarray, exact: np.ndarray) -> tuple[float, np.ndarray]:
@@ -222,11 +225,12 @@ class IlpBuilder:
         all consumers take, priced at their shares), and a mask of those shared costs' families, whole."""
         if not self._shared:
             return 0.0, np.zeros(0, dtype=bool)
-        seconds, _, k, use_group, use_starts, cols, _, _ = self._shared_arrays()
-        taken = np.add.reduceat(x[cols], use_starts)
+        f = self._shared_arrays()
+        seconds, use_group = f["seconds"], f["use_group"]
+        taken = np.add.reduceat(x[f["col"]], f["use_start"])
         most = np.full(len(seconds), -np.inf)
         np.maximum.at(most, use_group, taken)
-        over = np.where(exact, 0.0, most - np.bincount(use_group, weights=taken, minlength=len(seconds)) / k)
+        over = np.where(exact, 0.0, most - np.bincount(use_group, weights=taken, minlength=len(seconds)) / f["k"])
         missed = over > 1e-6
         families = {self._family[g] for g in np.flatnonzero(missed).tolist()}
         return float(seconds[missed] @ over[missed]), ~exact & np.fromiter(
@@ -287,31 +291,51 @@ class IlpBuilder:
         # near them and a vertex 0.1% off the optimum passes as optimal. Scaled so the largest cost is
         # 1000, every cost that matters to 1e-10 of the largest is seen. (The shares of shared costs are
         # never larger than their whole: the scale is the exact program's.)
-        largest = float(np.abs(self._priced(np.ones(len(self._shared), dtype=bool))[0]).max()) if n else 0.0
+        whole = self._priced(np.ones(len(self._shared), dtype=bool))  # (the exact program)
+        largest = float(np.abs(whole[0]).max()) if n else 0.0
         scale = 1e3 / max(largest, 1e-9)  # (a nanosecond at most: 1e12)
         binary = np.asarray(self.integral, dtype=bool)
         sizes = (int(binary.sum()), n - int(binary.sum()), len(self._rhs) + (budget is not None))
-        search = _Search(self._model(costs * scale, upper, row_lower), binary, self._choice_groups(binary),
-                         t0 + time_limit, mip_rel_gap)
+        groups = self._choice_groups(binary)
+        # On a large program the exact one's relaxation starts first, on a second core, beside the split
+        # one's: where most shared costs are taken partly it is the answer, and it is ready sooner (LLaMA3-8B)
+        exact_first = None
+        if budget is None and len(self._shared) and n >= BESIDE_MIN_COLUMNS and (os.cpu_count() or 1) >= 2:
+            whole_costs, whole_upper, whole_lower = whole
+            exact_first = _Search(self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups,
+                                  t0 + time_limit, mip_rel_gap)
+            beside = _Beside(lambda: exact_first.relaxation_instance(whole_costs * scale), simplex=True)
+        search = _Search(self._model(costs * scale, upper, row_lower), binary, groups, t0 + time_limit, mip_rel_gap)
+        search.beside = exact_first is None  # (two threads are enough)
         report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
 
         if budget is None:
-            while True:
-                x, bound, status = search.integral(costs * scale, on_progress=report)
-                excess, missed = (0.0, None) if x is None else self._partly_taken(x, exact)
-                if missed is None or not missed.any() or search.out_of_time():
-                    break
-                if missed.sum() <= SHARED_ALL_AT * len(exact):  # those priced exactly, from the last basis
-                    exact |= missed
-                    costs, upper, row_lower = self._priced(exact)
-                    search.reprice(self._model(costs * scale, upper, row_lower), upper, row_lower)
-                    continue
-                # most of them: the exact program, solved afresh (from the split optimum's basis the dual
-                # simplex takes longer than cold: LLaMA3-8B on (8, 8), 5,339 of 10,412 taken partly)
-                exact[:] = True
-                costs, upper, row_lower = self._priced(exact)
-                search = _Search(self._model(costs * scale, upper, row_lower), binary, search.groups,
-                                 search.deadline, mip_rel_gap)
+            try:
+                while True:
+                    x, bound, status = search.integral(costs * scale, on_progress=report)
+                    excess, missed = (0.0, None) if x is None else self._partly_taken(x, exact)
+                    if missed is None or not missed.any() or search.out_of_time():
+                        break
+                    if missed.sum() <= SHARED_ALL_AT * len(exact):  # those priced exactly, from the last basis
+                        exact |= missed
+                        costs, upper, row_lower = self._priced(exact)
+                        search.reprice(self._model(costs * scale, upper, row_lower), upper, row_lower)
+                        continue
+                    # most of them: the exact program, solved afresh (from the split optimum's basis the dual
+                    # simplex takes longer than cold: LLaMA3-8B on (8, 8), 5,339 of 10,412 taken partly)
+                    exact[:] = True
+                    costs, upper, row_lower = whole
+                    if exact_first is not None:  # (and now interior point beside its simplex, as `integral` does)
+                        ipm = _Beside(lambda: exact_first._interior_point_instance(costs * scale, search.deadline,
+                                                                                   exact_first.lp))
+                        exact_first.start_from(costs * scale, beside, ipm)
+                        search, exact_first = exact_first, None
+                    else:
+                        search = _Search(self._model(costs * scale, upper, row_lower), binary, search.groups,
+                                         search.deadline, mip_rel_gap)
+            finally:
+                if exact_first is not None:
+                    beside.stop()
             if x is None:
                 return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
                                  status, *sizes)
@@ -618,9 +642,13 @@ class IlpBuilder:
         if upper is None or row_lower is None:
             _, upper, row_lower = self._priced(np.ones(len(self._shared), dtype=bool))
         n, m = len(costs), len(self._rhs)
-        rows, cols = np.asarray(self._rows, dtype=np.int64), np.asarray(self._cols, dtype=np.int64)
-        key, where = np.unique(cols * max(m, 1) + rows, return_inverse=True)
-        values = np.bincount(where, weights=np.asarray(self._vals, dtype=float), minlength=len(key))
+        if self._matrix is None or self._matrix[0] != (len(self._vals), m, n):
+            rows, cols = np.asarray(self._rows, dtype=np.int64), np.asarray(self._cols, dtype=np.int64)
+            key, where = np.unique(cols * max(m, 1) + rows, return_inverse=True)
+            values = np.bincount(where, weights=np.asarray(self._vals, dtype=float), minlength=len(key))
+            starts = np.concatenate([[0], np.cumsum(np.bincount(key // max(m, 1), minlength=n))])
+            self._matrix = ((len(self._vals), m, n), starts, key % max(m, 1), values)
+        _, starts, index, values = self._matrix
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = n, m
         lp.col_cost_ = costs
@@ -628,9 +656,7 @@ class IlpBuilder:
         lp.row_lower_, lp.row_upper_ = row_lower, np.asarray(self._rhs, dtype=float)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, m
-        lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(np.bincount(key // max(m, 1), minlength=n))])
-        lp.a_matrix_.index_ = key % max(m, 1)
-        lp.a_matrix_.value_ = values
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = starts, index, values
         return lp
 
 
@@ -729,11 +755,13 @@ def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
 
 
 class _Beside:
-    """An interior point instance (`make()`) made and run on a thread of its own until it finishes or is
-    stopped."""
+    """An instance (`make()`) made and run on a thread of its own until it finishes or is stopped (an
+    interior point one by default; `simplex`: a simplex one)."""
 
-    def __init__(self, make: Callable[[], "highspy.Highs"]):
+    def __init__(self, make: Callable[[], "highspy.Highs"], simplex: bool = False):
         self.ipm, self._stop = None, False
+        kind = highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt if simplex else \
+            highspy.cb.HighsCallbackType.kCallbackIpmInterrupt
 
         def interrupt(kind, message, out, into, user):
             into.user_interrupt = self._stop
@@ -741,7 +769,7 @@ class _Beside:
         def run():
             self.ipm = make()
             self.ipm.setCallback(interrupt, None)
-            self.ipm.startCallback(highspy.cb.HighsCallbackType.kCallbackIpmInterrupt)
+            self.ipm.startCallback(kind)
             if not self._stop:
                 self.ipm.run()
 
@@ -767,6 +795,7 @@ class _Search:
         self.mip_rel_gap = mip_rel_gap
         self.droppable: tuple[int, ...] = ()  # rows the relaxation may leave out (`Budget.droppable`)
         self.solved = False  # whether the relaxation has been solved once (later solves start warm)
+        self.beside = True  # whether a first relaxation may start interior point beside it
         self.fixed = None  # a second instance, for plans with every choice fixed
         self.relaxed = _highs(self.remaining(), presolve=False)
         self.relaxed.passModel(lp)
@@ -778,6 +807,31 @@ class _Search:
 
     def remaining(self) -> float:
         return max(1.0, self.deadline - time.perf_counter())
+
+    def relaxation_instance(self, costs: np.ndarray) -> "highspy.Highs":
+        """A fresh instance of the relaxation at `costs` as `integral` first solves it (its iteration
+        cap, no presolve), by the deadline."""
+        h = _highs(self.remaining(), presolve=False)
+        h.passModel(self.lp)
+        h.changeColsCost(len(costs), self.columns, costs)
+        h.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
+        return h
+
+    def start_from(self, costs: np.ndarray, simplex: "_Beside", ipm: "_Beside") -> None:
+        """Solve the relaxation at `costs` as `integral` first would, from two instances of it already
+        started on threads: `simplex` (`relaxation_instance`) and `ipm` (`_interior_point_instance`).
+        Where the simplex finishes, its basis; where it reaches its iteration cap, interior point's.
+        Either way the next `integral` confirms it in no iterations, and the vertex is the one `integral`
+        would have found alone."""
+        solved = simplex.finished()
+        if solved.getModelStatus() == highspy.HighsModelStatus.kOptimal and solved.getBasis().valid:
+            ipm.stop()
+            self.relaxed.setBasis(solved.getBasis())
+        elif solved.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
+            self._interior_point(costs, self.deadline, ipm.finished())
+        else:
+            ipm.stop()
+        self.solved = True
 
     def reprice(self, lp, upper: np.ndarray, row_lower: np.ndarray) -> None:
         """The program becomes `lp`: the same columns and rows with new column upper bounds and row lower
@@ -807,7 +861,8 @@ class _Search:
                                     min(self.simplex_iterations, DROPPABLE_ITERATIONS) if self.droppable else
                                     self.simplex_iterations)
         beside = None
-        if not self.solved and not self.droppable and len(costs) >= BESIDE_MIN_COLUMNS and (os.cpu_count() or 1) >= 2:
+        if not self.solved and not self.droppable and self.beside and len(costs) >= BESIDE_MIN_COLUMNS and \
+                (os.cpu_count() or 1) >= 2:
             beside = _Beside(lambda: self._interior_point_instance(costs, until, self.lp))
         self.solved = True
         try:

@@ -572,7 +572,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     `on_progress(objective, bound, gap)`: called as the solver improves (seconds).
     `regions`: consumer -> "is_forward"/"is_backward" (`TracedGraph.regions`). Consumers of one value in
     one region that need the same placements share one resharding in the rank graph (insert_collectives),
-    so the program prices it once: a continuous y >= each such consumer's column carries its cost.
+    so the program prices it once (`IlpBuilder.add_shared`: at even shares while the solution takes it
+    for all of them or none, else exactly).
     `recompute`: layers backward may run again instead of saving their activations (see `_recompute`):
     chosen where a memory budget needs it ("auto", only with a budget) or everywhere ("all")."""
     regions = regions or {}

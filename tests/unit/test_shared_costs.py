@@ -59,9 +59,12 @@ def _true_cost(ilp: IlpBuilder, choices, shared, picked) -> float:
 
 
 @pytest.mark.parametrize("seed", range(25))
-@pytest.mark.parametrize("all_at", [0.0, 1.0])  # most taken partly (exact afresh) / rounds of rows
-def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, monkeypatch):
+@pytest.mark.parametrize("all_at,beside", [(0.0, False), (1.0, False), (0.0, True)])
+def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, beside, monkeypatch):
+    # all_at 0: any shared cost taken partly sends the solve to the exact program (beside: the one whose
+    # relaxation started on a second thread), 1: rounds of rows from the last basis
     monkeypatch.setattr(solver, "SHARED_ALL_AT", all_at)
+    monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 1 << 40)
     rng = np.random.default_rng(seed)
     ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
     best = min(_true_cost(ilp, choices, shared, picked) for picked in itertools.product(*choices))
