@@ -236,6 +236,18 @@ class IlpBuilder:
         return float(seconds[missed] @ over[missed]), ~exact & np.fromiter(
             (f in families for f in self._family), dtype=bool, count=len(self._family))
 
+    def _completed(self, x: np.ndarray) -> np.ndarray:
+        """`x` with each shared cost's y at least what its consumers take (a solution of a program that
+        priced some at their shares, made a solution of the exact one, at its true cost)."""
+        if not self._shared:
+            return x
+        f = self._shared_arrays()
+        most = np.zeros(len(f["seconds"]))
+        np.maximum.at(most, f["use_group"], np.add.reduceat(x[f["col"]], f["use_start"]))
+        x = x.copy()
+        x[f["y"]] = np.maximum(x[f["y"]], np.minimum(most, 1.0))
+        return x
+
     def add_eq(self, terms: list[tuple[int, float]], rhs: float) -> int:
         return self._add_row(terms, rhs, rhs)
 
@@ -276,16 +288,15 @@ class IlpBuilder:
         `mip_rel_gap`: where branch and bound stops without a budget. `on_progress(objective, bound,
         gap)`, in the builder's units, is called as the incumbent or bound improve.
 
-        Shared costs (`add_shared`) start at their shares, without a budget: where the relaxation's
-        solution takes one partly, those are priced exactly (their columns and rows join the relaxation,
-        which goes on from its basis) and it is solved again, until no shared cost is taken partly. Each
-        solve is a lower bound; the last one prices its solution at its true cost, so its optimum is the
-        program's. With a budget every shared cost is priced exactly from the start (the price search
-        solves the relaxation at many prices, and a plan changing its layouts with each would need as many
-        rounds of rows)."""
+        Shared costs (`add_shared`) start at their shares: where the relaxation's solution takes one
+        partly, those are priced exactly (their columns and rows join the relaxation, which goes on from
+        its basis) and it is solved again, until no shared cost is taken partly. Each solve is a lower
+        bound; the last one prices its solution at its true cost, so its optimum is the program's. With a
+        budget the price search's relaxations do the same (`_LazyShares`: the rows made exact at one price
+        stay for the next), and branch and bound and the polishes work on the exact program."""
         t0 = time.perf_counter()
         n = len(self.cost)
-        exact = np.full(len(self._shared), budget is not None)
+        exact = np.zeros(len(self._shared), dtype=bool)
         costs, upper, row_lower = self._priced(exact)
         # HiGHS's optimality tolerances are absolute (1e-7): in seconds, a small op's cost (1e-6) sits
         # near them and a vertex 0.1% off the optimum passes as optimal. Scaled so the largest cost is
@@ -345,21 +356,28 @@ class IlpBuilder:
             gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / abs(objective))
             return IlpResult(x, objective, min(bound, objective), gap, time.perf_counter() - t0, status, *sizes)
 
-        costs = costs * scale
-        return self._within_budget(search, costs, scale, budget, report, t0, sizes)
+        # The price search's relaxations price shared costs lazily too (`_LazyShares`); branch and bound,
+        # the polishes and every plan's price use the exact program
+        whole_costs, whole_upper, whole_lower = whole
+        exact_search = search if not self._shared else _Search(
+            self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline, mip_rel_gap)
+        probes = _LazyShares(self, scale, exact, search, exact_search)
+        return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
 
-    def _within_budget(self, search: "_Search", costs: np.ndarray, scale: float, budget: Budget,
-                       report, t0: float, sizes: tuple) -> IlpResult:
+    def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
+                       budget: Budget, report, t0: float, sizes: tuple) -> IlpResult:
         """The Lagrangian search of `solve`. Each price `lam` gives a solution x and a line,
         c.x + mu * (w.x - limit), that lies above the dual function; the next price is where the lines
         of the dearest price that does not fit and the cheapest that does cross (Newton's step for a
         one-row dual), so the search ends in a few solves, at the dual optimum or when the gap closes.
-        `report(objective, bound, gap)`: progress in the scaled `costs`' units."""
+        `report(objective, bound, gap)`: progress in the scaled `costs`' units. `search` is the exact
+        program's (branch and bound, polishes), `probes` the prices' relaxations (shared costs lazily: each
+        bound is a bound, and each plan it gives is priced here at its true cost, `costs`)."""
         weight = np.zeros(len(costs))
         for col, b in budget.bytes.items():
             weight[col] += b
         limit = float(budget.limit)
-        search.droppable = budget.droppable
+        probes.droppable(budget.droppable)
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
@@ -394,11 +412,13 @@ class IlpBuilder:
             state["probes"] += 1
             # with a plan that fits in hand, a relaxation gets a branch and bound's time, not the rest of the
             # limit (a 2-layer transformers Llama on (2, 2): 79 s for the price where its plan changes)
-            x, value, status = search.integral(costs + lam * weight, first_found=True,
+            x, value, status = probes.integral(lam * weight, first_found=True,
                                                seconds=None if state["x"] is None else budget.seconds)
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)
+                if np.isfinite(value):  # (no plan in time, but the relaxation's optimum is a bound all the same)
+                    improve(None, value - lam * limit)
                 return None
             need = needs(x)  # (the temporaries walk the schedule: once per plan)
             state["row"] = float(weight @ x)
@@ -473,8 +493,45 @@ class IlpBuilder:
                     state["polished"].add(id(x))
                 improve(search.polish(costs, weight, room(x), x, np.asarray(budget.polish)), -float("inf"))
 
+        def branch() -> None:
+            """Branch and bound from the best plan, with room for its temporaries, then the cut loop."""
+            if state["x"] is None or gap() <= budget.gap or search.out_of_time():
+                return
+            # branch and bound from the best plan, with room for its temporaries
+            exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
+            best, stuck = state["objective"], False
+            # (a plan as dear as the best to rounding is no better: the 2-layer transformers Llama at 0.8
+            # of its peak got its own plan back 1e-12 cheaper, and polished and branched again, 11 s)
+            better = lambda: state["objective"] < best - 1e-9 * abs(best)  # noqa: E731
+            if not (state["over"] and budget.cuts is not None):
+                # no plan was over by its temporaries alone: branch and bound from the best plan, with
+                # room for its temporaries (where some were, the cut loop below prices every plan's)
+                x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
+                                                      report if exact else None, budget.seconds)
+                improve(x, bound if exact else -float("inf"))
+                if x is not None:
+                    met(x, needs(x))  # (a plan over by its temporaries here is a cut below)
+                # out of time with nothing better and no cut to add: the loop below would run the same
+                # branch and bound with a little more room (a 2-layer transformers Llama on (2, 2): 10 s
+                # each, neither one past its root)
+                stuck = not better() and not state["over"] and (
+                    x is None or float(costs @ x) - bound > budget.gap * abs(float(costs @ x)))
+            if better():
+                polish()
+            if gap() > budget.gap and budget.cuts is not None and not exact and not stuck \
+                    and not search.out_of_time():
+                # branch and bound with the best plan's room (if it ran) could not reach a plan with
+                # smaller temporaries. With the whole limit and the cuts of each plan over by its extra,
+                # from the best plan, branch and bound finds it, and its bound is a bound
+                self._cut_loop(search, costs, weight, limit, budget, state, needs, improve, start=state["x"])
+                polish()  # a plan branch and bound left when its time ran out may recompute more than it needs
+
         first = probe(0.0)
-        if first is not None and not first[0]:
+        if first is not None and first[0]:
+            # the unbudgeted plan fits; where its relaxation was fractional, it is only the first plan branch
+            # and bound found (a random program of 4 choices: 66.0 against an optimum of 56.0 that fits)
+            branch()
+        elif first is not None:
             if budget.weights_only and not search.out_of_time():
                 # the cheapest plan's other placements with its weights re-laid out under the row: a plan
                 # in hand before the prices of memory, which may turn slow where the plan changes
@@ -495,35 +552,7 @@ class IlpBuilder:
                 # the gap, to 0.96%). With no plan that fits yet, they wait until the end: a fitting plan
                 # found first would keep the cut loop from a better one.
                 polish(over=True)
-            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
-                # branch and bound from the best plan, with room for its temporaries
-                exact = budget.extra is None  # else the row is a guess at the room, and its bound no bound
-                best, stuck = state["objective"], False
-                # (a plan as dear as the best to rounding is no better: the 2-layer transformers Llama at 0.8
-                # of its peak got its own plan back 1e-12 cheaper, and polished and branched again, 11 s)
-                better = lambda: state["objective"] < best - 1e-9 * abs(best)  # noqa: E731
-                if not (state["over"] and budget.cuts is not None):
-                    # no plan was over by its temporaries alone: branch and bound from the best plan, with
-                    # room for its temporaries (where some were, the cut loop below prices every plan's)
-                    x, bound, _ = search.branch_and_bound(costs, weight, room(state["x"]), state["x"], budget.gap,
-                                                          report if exact else None, budget.seconds)
-                    improve(x, bound if exact else -float("inf"))
-                    if x is not None:
-                        met(x, needs(x))  # (a plan over by its temporaries here is a cut below)
-                    # out of time with nothing better and no cut to add: the loop below would run the same
-                    # branch and bound with a little more room (a 2-layer transformers Llama on (2, 2): 10 s
-                    # each, neither one past its root)
-                    stuck = not better() and not state["over"] and (
-                        x is None or float(costs @ x) - bound > budget.gap * abs(float(costs @ x)))
-                if better():
-                    polish()
-                if gap() > budget.gap and budget.cuts is not None and not exact and not stuck \
-                        and not search.out_of_time():
-                    # branch and bound with the best plan's room (if it ran) could not reach a plan with
-                    # smaller temporaries. With the whole limit and the cuts of each plan over by its extra,
-                    # from the best plan, branch and bound finds it, and its bound is a bound
-                    self._cut_loop(search, costs, weight, limit, budget, state, needs, improve, start=state["x"])
-                    polish()  # a plan branch and bound left when its time ran out may recompute more than it needs
+            branch()
             if state["x"] is None and budget.cuts is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
                 polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
@@ -550,7 +579,7 @@ class IlpBuilder:
                       "impossible)" + leanest)
             return IlpResult(np.zeros(len(costs)), float("inf"), float("nan"), float("inf"), seconds, status, *sizes)
         status = (f"Within {gap():.2%} of the bound ({state['probes']} prices of memory tried)"
-                  if state["probes"] > 1 else "Optimal (the unbudgeted optimum fits)")
+                  if state["probes"] > 1 or gap() > 1e-9 else "Optimal (the unbudgeted optimum fits)")
         objective = state["objective"]
         return IlpResult(state["x"], objective / scale, min(state["bound"], objective) / scale, gap(), seconds,
                          status, *sizes)
@@ -786,6 +815,46 @@ class _Beside:
         self._thread.join()
 
 
+class _LazyShares:
+    """The price search's relaxations (`IlpBuilder._within_budget`) with shared costs at their shares until a
+    solution takes one partly, as the unbudgeted solve prices them (`IlpBuilder.solve`): each probe goes on
+    in rounds until none is, and the shared costs made exact stay so for the next price. Where more than
+    `SHARED_ALL_AT` of them are taken partly, it moves to `exact` (the exact program's search), and stays."""
+
+    def __init__(self, builder: IlpBuilder, scale: float, exact: np.ndarray, search: "_Search",
+                 exact_search: "_Search"):
+        self.builder, self.scale, self.exact = builder, scale, exact
+        self.search, self.exact_search = (exact_search, None) if exact.all() else (search, exact_search)
+        self.costs = builder._priced(exact)[0] * scale
+        self._droppable: tuple[int, ...] = ()
+
+    def droppable(self, rows: tuple[int, ...]) -> None:
+        """Rows the relaxation may leave out (`Budget.droppable`)."""
+        self._droppable = self.search.droppable = tuple(rows)
+
+    def integral(self, extra: np.ndarray, **options) -> tuple[np.ndarray | None, float, str]:
+        """`_Search.integral` at the program's costs plus `extra`, its solution completed (`_completed`):
+        a solution of the exact program, and a bound on it."""
+        builder = self.builder
+        while True:
+            x, bound, status = self.search.integral(self.costs + extra, **options)
+            if x is None:
+                return x, bound, status
+            _, missed = builder._partly_taken(x, self.exact)
+            if self.exact_search is None or not missed.any() or self.search.out_of_time():
+                return builder._completed(x), bound, status
+            if missed.sum() <= SHARED_ALL_AT * len(self.exact):
+                self.exact |= missed
+                costs, upper, row_lower = builder._priced(self.exact)
+                self.search.reprice(builder._model(costs * self.scale, upper, row_lower), upper, row_lower)
+            else:  # most of them: the exact program, from its own first solve (see `solve`)
+                self.exact[:] = True
+                costs = builder._priced(self.exact)[0]
+                self.search, self.exact_search = self.exact_search, None
+                self.search.droppable = self._droppable
+            self.costs = costs * self.scale
+
+
 class _Search:
     """One HiGHS instance over the program without the budget row, re-solved from its last basis as
     its costs change."""
@@ -794,6 +863,7 @@ class _Search:
         self.lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
         self.mip_rel_gap = mip_rel_gap
         self.droppable: tuple[int, ...] = ()  # rows the relaxation may leave out (`Budget.droppable`)
+        self.dropped: tuple[int, ...] = ()  # and those it has left out
         self.solved = False  # whether the relaxation has been solved once (later solves start warm)
         self.beside = True  # whether a first relaxation may start interior point beside it
         self.fixed = None  # a second instance, for plans with every choice fixed
@@ -836,9 +906,11 @@ class _Search:
     def reprice(self, lp, upper: np.ndarray, row_lower: np.ndarray) -> None:
         """The program becomes `lp`: the same columns and rows with new column upper bounds and row lower
         bounds (and costs, which `integral` sets); the relaxation keeps its basis and goes on from it."""
-        cols, rows = np.arange(len(upper), dtype=np.int32), np.arange(len(row_lower), dtype=np.int32)
+        cols = np.arange(len(upper), dtype=np.int32)
+        kept = np.setdiff1d(np.arange(len(row_lower)), np.asarray(self.dropped, dtype=np.int64))
+        rows = np.arange(len(kept), dtype=np.int32)  # (the relaxation's rows: those it has not dropped)
         self.relaxed.changeColsBounds(len(cols), cols, np.zeros(len(cols)), upper)
-        self.relaxed.changeRowsBounds(len(rows), rows, row_lower, np.asarray(lp.row_upper_, dtype=float))
+        self.relaxed.changeRowsBounds(len(rows), rows, row_lower[kept], np.asarray(lp.row_upper_, dtype=float)[kept])
         self.lp = lp
         self.fixed = None  # (made again from the relaxation when next needed)
 
@@ -917,7 +989,7 @@ class _Search:
         for h in (self.relaxed, self.fixed):
             if h is not None:
                 h.deleteRows(len(rows), rows)
-        self.droppable = ()
+        self.dropped, self.droppable = tuple(self.droppable), ()
 
     def _interior_point_instance(self, costs: np.ndarray, until: float, lp=None) -> "highspy.Highs":
         """An instance solving the relaxation at `costs` by interior point and crossover, by `until`

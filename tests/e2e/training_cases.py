@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from spmd.core.profiles import device_profile_for, link_profile_for
 from tests.models import GPT, MLP, GPTConfig
 from tests.support import lm_loss, megatron_spec, spec
 
@@ -21,7 +22,8 @@ class TrainCase:
     names: tuple[str, ...]
     optimizer: str = "sgd"  # sgd | adamw
     profile: str = "default"  # default (the real gloo profile) | compute (slow device, fast links) |
-    # megatron (slow device, latency-bound links, the outer one 10x slower: TP on tp, DP on dp)
+    # megatron (slow device, latency-bound links, the outer one 10x slower: TP on tp, DP on dp) |
+    # builtin (the built-in gloo and cpu profiles: the default's kind of plan, whatever the host's load)
     batch: int = 4
     in_placements: dict = field(default_factory=dict)
     param_placements: dict = field(default_factory=dict)
@@ -45,8 +47,10 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("gpt-2d-adamw-megatron", "gpt", (2, 2), ("dp", "tp"), "adamw", "megatron", batch=2),
     TrainCase("gpt-2d-sgd-default", "gpt", (2, 2), ("dp", "tp"), "sgd", batch=4),
     # data parallel pinned: unpinned, the gloo profile makes replicating everything cheapest at this size,
-    # and a budget is then met by splitting the batch alone
-    TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", batch=8, budget_fraction=0.6,
+    # and a budget is then met by splitting the batch alone. The built-in profiles: the host's measured one
+    # moves with its load, and with it the free plan the budget is a fraction of (a loaded host's free plan
+    # needed so much that 0.6 of it held every kind at its most)
+    TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", "builtin", batch=8, budget_fraction=0.6,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]}),
     # FlexAttention: head-parallel under a causal block mask; with ALiBi (reads the head index) on 2-D
     TrainCase("gpt-flex-1d2-adamw-compute", "gpt-flex", (2,), ("tp",), "adamw", "compute", batch=1),
@@ -127,7 +131,9 @@ def _run_training(case: TrainCase, steps: int) -> dict:
     reference = copy.deepcopy(model)
     mesh = spmd.init_mesh(case.mesh, case.names)
     mesh_spec = {"compute": lambda: spec(case.mesh, case.names), "megatron": lambda: megatron_spec(),
-                 "default": lambda: spmd.MeshSpec.from_device_mesh(mesh)}[case.profile]()
+                 "default": lambda: spmd.MeshSpec.from_device_mesh(mesh),
+                 "builtin": lambda: spmd.MeshSpec(case.mesh, case.names, (link_profile_for("gloo"),) * len(case.mesh),
+                                                  device_profile_for("cpu"))}[case.profile]()
     budget, free_memory = None, {}
     if case.budget_fraction is not None:
         free = spmd.plan(model, mesh_spec, inputs, loss_fn=loss_fn, in_placements=case.in_placements,

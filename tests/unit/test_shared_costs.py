@@ -75,11 +75,39 @@ def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, beside, 
     assert r.lower_bound <= r.objective + 1e-9
 
 
-def test_under_a_budget_shared_costs_are_exact_from_the_start():
+def test_under_a_budget_a_plan_is_priced_at_its_true_cost(monkeypatch):
+    # the unbudgeted optimum fits: at shares the price search's first relaxation takes A, B (6), which takes
+    # the resharding partly; a round with it priced exactly finds A, B at 11 (a round of rows: SHARED_ALL_AT 1)
+    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
+    rounds = []
+    reprice = solver._Search.reprice
+    monkeypatch.setattr(solver._Search, "reprice", lambda self, *a: (rounds.append(1), reprice(self, *a)))
     ilp = IlpBuilder()
     a1, b1 = _choice(ilp, [0.0, 12.0])
     a2, b2 = _choice(ilp, [3.0, 1.0])
     ilp.add_shared(10.0, [[a1], [a2]])
     r = ilp.solve(budget=solver.Budget(bytes={a1: 1.0, b1: 2.0, a2: 1.0, b2: 1.0}, limit=10.0))
-    assert r.objective == pytest.approx(11.0)
+    assert r.objective == pytest.approx(11.0) and r.lower_bound == pytest.approx(11.0)
     assert np.round(r.values[[a1, b1, a2, b2]]).tolist() == [1, 0, 0, 1]
+    assert rounds == [1]
+
+
+@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("all_at", [0.0, 1.0])
+def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed, all_at, monkeypatch):
+    # the price search's relaxations price shared costs lazily (rounds of rows, or the exact program once
+    # any is taken partly); the plans it hands on, branch and bound's and the answer are priced exactly
+    monkeypatch.setattr(solver, "SHARED_ALL_AT", all_at)
+    rng = np.random.default_rng(100 + seed)
+    ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
+    size = {c: float(rng.integers(1, 10)) for cols in choices for c in cols}
+    plans = list(itertools.product(*choices))
+    need = [sum(size[c] for c in picked) for picked in plans]
+    limit = float(np.quantile(need, 0.3))  # about a third of the plans fit
+    best = min(_true_cost(ilp, choices, shared, p) for p, n in zip(plans, need) if n <= limit)
+    r = ilp.solve(budget=solver.Budget(bytes=size, limit=limit, gap=0.0))
+    picked = [c for cols in choices for c in cols if r.values[c] > 0.5]
+    assert sum(size[c] for c in picked) <= limit
+    assert r.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+    assert _true_cost(ilp, choices, shared, picked) == pytest.approx(r.objective, rel=1e-6, abs=1e-6)
+    assert r.lower_bound <= r.objective + 1e-9
