@@ -310,9 +310,9 @@ class IlpBuilder:
         groups = self._choice_groups(binary)
         # On a large program the exact one's relaxation starts first, on a second core, beside the split
         # one's: where most shared costs are taken partly it is the answer, and it is ready sooner (LLaMA3-8B)
+        whole_costs, whole_upper, whole_lower = whole
         exact_first = None
         if budget is None and len(self._shared) and n >= BESIDE_MIN_COLUMNS and (os.cpu_count() or 1) >= 2:
-            whole_costs, whole_upper, whole_lower = whole
             exact_first = _Search(self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups,
                                   t0 + time_limit, mip_rel_gap)
             beside = _Beside(lambda: exact_first.relaxation_instance(whole_costs * scale), simplex=True)
@@ -321,47 +321,38 @@ class IlpBuilder:
         report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
 
         if budget is None:
+            def to_exact(scaled: np.ndarray) -> _Search:
+                """The exact program's search, solved afresh (from the split optimum's basis the dual simplex
+                takes longer than cold: LLaMA3-8B on (8, 8), 5,339 of 10,412 taken partly)."""
+                nonlocal exact_first
+                if exact_first is None:
+                    return _Search(self._model(scaled, whole_upper, whole_lower), binary, groups, search.deadline,
+                                   mip_rel_gap)
+                # its relaxation started on a thread; now interior point beside its simplex, as `integral` does
+                ipm = _Beside(lambda: exact_first._interior_point_instance(scaled, search.deadline, exact_first.lp))
+                exact_first.start_from(scaled, beside, ipm)
+                started, exact_first = exact_first, None
+                return started
+
             try:
-                while True:
-                    x, bound, status = search.integral(costs * scale, on_progress=report)
-                    excess, missed = (0.0, None) if x is None else self._partly_taken(x, exact)
-                    if missed is None or not missed.any() or search.out_of_time():
-                        break
-                    if missed.sum() <= SHARED_ALL_AT * len(exact):  # those priced exactly, from the last basis
-                        exact |= missed
-                        costs, upper, row_lower = self._priced(exact)
-                        search.reprice(self._model(costs * scale, upper, row_lower), upper, row_lower)
-                        continue
-                    # most of them: the exact program, solved afresh (from the split optimum's basis the dual
-                    # simplex takes longer than cold: LLaMA3-8B on (8, 8), 5,339 of 10,412 taken partly)
-                    exact[:] = True
-                    costs, upper, row_lower = whole
-                    if exact_first is not None:  # (and now interior point beside its simplex, as `integral` does)
-                        ipm = _Beside(lambda: exact_first._interior_point_instance(costs * scale, search.deadline,
-                                                                                   exact_first.lp))
-                        exact_first.start_from(costs * scale, beside, ipm)
-                        search, exact_first = exact_first, None
-                    else:
-                        search = _Search(self._model(costs * scale, upper, row_lower), binary, search.groups,
-                                         search.deadline, mip_rel_gap)
+                x, bound, status = _LazyShares(self, scale, exact, search, to_exact).integral(on_progress=report)
             finally:
                 if exact_first is not None:
                     beside.stop()
             if x is None:
                 return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
                                  status, *sizes)
-            # (out of time with shared costs taken partly: the plan at its true cost, the bound as it is)
-            objective = float(costs @ x) + excess
+            # (x completed: its true cost, also where time ran out with shared costs taken partly)
+            objective = float(whole_costs @ x)
             bound = bound / scale
             gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / abs(objective))
             return IlpResult(x, objective, min(bound, objective), gap, time.perf_counter() - t0, status, *sizes)
 
         # The price search's relaxations price shared costs lazily too (`_LazyShares`); branch and bound,
         # the polishes and every plan's price use the exact program
-        whole_costs, whole_upper, whole_lower = whole
         exact_search = search if not self._shared else _Search(
             self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline, mip_rel_gap)
-        probes = _LazyShares(self, scale, exact, search, exact_search)
+        probes = _LazyShares(self, scale, exact, search, lambda scaled: exact_search)
         return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
 
     def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
@@ -821,15 +812,14 @@ class _Beside:
 
 
 class _LazyShares:
-    """The price search's relaxations (`IlpBuilder._within_budget`) with shared costs at their shares until a
-    solution takes one partly, as the unbudgeted solve prices them (`IlpBuilder.solve`): each probe goes on
-    in rounds until none is, and the shared costs made exact stay so for the next price. Where more than
-    `SHARED_ALL_AT` of them are taken partly, it moves to `exact` (the exact program's search), and stays."""
+    """A relaxation with shared costs at their shares until a solution takes one partly (`IlpBuilder.solve`):
+    each solve goes on in rounds until none is, and the shared costs made exact stay so for the next (the
+    budget's price search solves at many prices). Where more than `SHARED_ALL_AT` of them are taken partly,
+    it moves to `to_exact(costs)`, the exact program's search at those (scaled) costs, and stays."""
 
     def __init__(self, builder: IlpBuilder, scale: float, exact: np.ndarray, search: "_Search",
-                 exact_search: "_Search"):
-        self.builder, self.scale, self.exact = builder, scale, exact
-        self.search, self.exact_search = (exact_search, None) if exact.all() else (search, exact_search)
+                 to_exact: Callable[[np.ndarray], "_Search"]):
+        self.builder, self.scale, self.exact, self.search, self.to_exact = builder, scale, exact, search, to_exact
         self.costs = builder._priced(exact)[0] * scale
         self._droppable: tuple[int, ...] = ()
 
@@ -837,27 +827,27 @@ class _LazyShares:
         """Rows the relaxation may leave out (`Budget.droppable`)."""
         self._droppable = self.search.droppable = tuple(rows)
 
-    def integral(self, extra: np.ndarray, **options) -> tuple[np.ndarray | None, float, str]:
-        """`_Search.integral` at the program's costs plus `extra`, its solution completed (`_completed`):
+    def integral(self, extra: np.ndarray | None = None, **options) -> tuple[np.ndarray | None, float, str]:
+        """`_Search.integral` at the program's costs (plus `extra`), its solution completed (`_completed`):
         a solution of the exact program, and a bound on it."""
         builder = self.builder
         while True:
-            x, bound, status = self.search.integral(self.costs + extra, **options)
+            x, bound, status = self.search.integral(self.costs if extra is None else self.costs + extra, **options)
             if x is None:
                 return x, bound, status
             _, missed = builder._partly_taken(x, self.exact)
-            if self.exact_search is None or not missed.any() or self.search.out_of_time():
+            if not missed.any() or self.search.out_of_time():
                 return builder._completed(x), bound, status
-            if missed.sum() <= SHARED_ALL_AT * len(self.exact):
+            if missed.sum() <= SHARED_ALL_AT * len(self.exact):  # those priced exactly, from the last basis
                 self.exact |= missed
                 costs, upper, row_lower = builder._priced(self.exact)
                 self.search.reprice(builder._model(costs * self.scale, upper, row_lower), upper, row_lower)
-            else:  # most of them: the exact program, from its own first solve (see `solve`)
+                self.costs = costs * self.scale
+            else:  # most of them: the exact program
                 self.exact[:] = True
-                costs = builder._priced(self.exact)[0]
-                self.search, self.exact_search = self.exact_search, None
+                self.costs = builder._priced(self.exact)[0] * self.scale
+                self.search = self.to_exact(self.costs)
                 self.search.droppable = self._droppable
-            self.costs = costs * self.scale
 
 
 class _Search:
