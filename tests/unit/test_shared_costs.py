@@ -111,3 +111,60 @@ def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed, all_at, m
     assert r.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
     assert _true_cost(ilp, choices, shared, picked) == pytest.approx(r.objective, rel=1e-6, abs=1e-6)
     assert r.lower_bound <= r.objective + 1e-9
+
+
+@pytest.mark.parametrize("later", ["worse", "none"])
+def test_a_later_round_never_makes_the_plan_worse(later, monkeypatch):
+    # At shares the first round takes A, B (6; true cost 11). The shared cost is then priced exactly and
+    # the next round's branch and bound runs out of time, with a dearer plan (B, A: 25) or none. The answer
+    # is the first round's plan at its true cost, and the next round was handed it to start from.
+    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
+    ilp = IlpBuilder()
+    a1, b1 = _choice(ilp, [0.0, 12.0])
+    a2, b2 = _choice(ilp, [3.0, 1.0])
+    ilp.add_shared(10.0, [[a1], [a2]])
+    y = len(ilp.cost) - 1  # (add_shared's column)
+    integral, starts = solver._Search.integral, []
+
+    def out_of_time_later(self, costs, **options):
+        if not starts:
+            starts.append(None)
+            return integral(self, costs, **options)
+        starts.append(options.get("start"))
+        if later == "none":
+            return None, float("nan"), "Time limit reached"
+        x = np.zeros(len(costs))
+        x[[b1, a2, y]] = 1.0
+        return x, 0.0, "Time limit reached"
+
+    monkeypatch.setattr(solver._Search, "integral", out_of_time_later)
+    r = ilp.solve()
+    assert r.objective == pytest.approx(11.0)
+    assert np.round(r.values[[a1, b1, a2, b2]]).tolist() == [1, 0, 0, 1]
+    assert r.lower_bound <= r.objective + 1e-9
+    assert len(starts) == 2 and np.round(starts[1][[a1, b1, a2, b2, y]]).tolist() == [1, 0, 0, 1, 1]
+
+
+def test_a_fractional_relaxation_taking_a_shared_cost_partly_is_tightened_before_branching(monkeypatch):
+    # The first relaxation (faked) is fractional and takes the resharding for c1 by half and not for c2:
+    # before any branch and bound, that shared cost is priced exactly and the relaxation solved again
+    # (here integral: the optimum, 11, with no branch and bound at all).
+    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
+    ilp = IlpBuilder()
+    a1, b1 = _choice(ilp, [0.0, 12.0])
+    a2, b2 = _choice(ilp, [3.0, 1.0])
+    ilp.add_shared(10.0, [[a1], [a2]])
+    integral, calls = solver._Search.integral, []
+
+    def fractional_first(self, costs, **options):
+        calls.append(options.get("branch", True))
+        if len(calls) == 1:
+            x = np.zeros(len(costs))
+            x[[a1, b1, b2]] = [0.5, 0.5, 1.0]
+            return x, 4.0, solver.FRACTIONAL
+        return integral(self, costs, **options)
+
+    monkeypatch.setattr(solver._Search, "integral", fractional_first)
+    r = ilp.solve()
+    assert calls == [False, False]
+    assert r.objective == pytest.approx(11.0) and r.lower_bound == pytest.approx(11.0)

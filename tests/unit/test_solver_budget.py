@@ -314,11 +314,11 @@ def test_weights_first_gives_a_fitting_plan_when_the_prices_run_out_of_time(monk
 
     integral, calls = solver._Search.integral, []
 
-    def slow(self, costs, first_found=False, on_progress=None, seconds=None):
+    def slow(self, costs, **options):
         calls.append(1)
         if len(calls) > 1:
             return None, float("nan"), "Time limit reached"
-        return integral(self, costs, first_found, on_progress, seconds)
+        return integral(self, costs, **options)
 
     monkeypatch.setattr(solver._Search, "integral", slow)
     groups = [[(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (1.0, 4.0)]]
@@ -345,11 +345,11 @@ def test_branch_and_bound_is_skipped_where_a_price_relaxation_ran_out_of_time(mo
 
     integral, calls, runs = solver._Search.integral, [], []
 
-    def slow(self, costs, first_found=False, on_progress=None, seconds=None):
+    def slow(self, costs, **options):
         calls.append(1)
         if len(calls) > 1:  # every price after the first: nothing in time
             return None, (0.0 if relaxation_solved else float("nan")), "Time limit reached"
-        return integral(self, costs, first_found, on_progress, seconds)
+        return integral(self, costs, **options)
 
     def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=(), fits=None):
         runs.append(1)
