@@ -25,6 +25,12 @@ from spmd.core.errors import SpmdInternalError
 
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
+# Where branch and bound stops without a budget: once its plan is proven within this of the optimum, as a
+# budgeted search stops (`Budget.gap`). The costs it compares are predictions, good to ~25% (the predicted /
+# measured rows of bench/results_predict.md), and proving the last fraction of a percent is what made it run
+# its whole time: a 2-layer GPT on (2, 2, 2) held a plan 0.46% over its bound after a second and spent 10 s
+# (twice) not closing it; the plan then also depended on how far the search got in that time.
+PLAN_GAP = 1e-2
 # The dual simplex's iterations on a relaxation before interior point (with crossover, so still a vertex)
 # takes over: a few degenerate programs of 3-D meshes stall the simplex (the 1.1B search's hardest: 36,500
 # iterations for 68k columns, 0.53 per column, 15 s, where interior point takes 5 s). The others need 0.1-0.24
@@ -278,7 +284,7 @@ class IlpBuilder:
         self._rhs.append(float(upper))
         return row
 
-    def solve(self, time_limit: float = 60.0, mip_rel_gap: float = 1e-6,
+    def solve(self, time_limit: float = 60.0, mip_rel_gap: float | None = None,
               on_progress: Callable[[float, float, float], None] | None = None,
               budget: Budget | None = None) -> IlpResult:
         """The optimum, or with a `budget` the best solution found within `budget.gap` of a proven bound.
@@ -295,7 +301,8 @@ class IlpBuilder:
         that fits; branch and bound runs (from that plan) only if the certified gap is still above
         `budget.gap`.
 
-        `mip_rel_gap`: where branch and bound stops without a budget. `on_progress(objective, bound,
+        `mip_rel_gap`: where branch and bound stops without a budget (default `PLAN_GAP`; with a budget
+        it is the polishes', default 1e-6, and `budget.gap` says where the search stops). `on_progress(objective, bound,
         gap)`, in the builder's units, is called as the incumbent or bound improve.
 
         Shared costs (`add_shared`) start at their shares: where the relaxation's solution takes one
@@ -305,6 +312,8 @@ class IlpBuilder:
         budget the price search's relaxations do the same (`_LazyShares`: the rows made exact at one price
         stay for the next), and branch and bound and the polishes work on the exact program."""
         t0 = time.perf_counter()
+        if mip_rel_gap is None:
+            mip_rel_gap = PLAN_GAP if budget is None else 1e-6
         n = len(self.cost)
         exact = np.zeros(len(self._shared), dtype=bool)
         costs, upper, row_lower = self._priced(exact)
@@ -1008,6 +1017,12 @@ class _Search:
                 return rounded, bound, "Rounded (each choice its relaxation's largest)"
         if not branch:
             return x, bound, FRACTIONAL
+        near = self.near(x, costs, until)
+        if near is not None and (rounded is None or float(costs @ near) < float(costs @ rounded)):
+            rounded = near
+            if float(costs @ near) <= bound + self.mip_rel_gap * abs(float(costs @ near)) or first_found:
+                return near, bound, "Optimal (within the gap of the relaxation's bound)" if not first_found \
+                    else "Rounded (branch and bound on the relaxation's fractional choices)"
         # branch and bound gets BRANCH_SECONDS to find a plan (or start from the rounded one) and improve
         # or prove it: on symmetric meshes it can spend its whole time limit closing a gap of 0.3%, and a
         # 2-layer GPT with FlexAttention on (2, 2), whose rounding is inconsistent, spent 46 s proving a
@@ -1028,7 +1043,9 @@ class _Search:
         status = mip.modelStatusToString(mip.getModelStatus())
         if mip.getInfo().primal_solution_status != 2:
             return (None, bound, status) if incumbent is None else (incumbent, bound, status)
-        return np.asarray(mip.getSolution().col_value), max(bound, float(mip.getInfo().mip_dual_bound)), status
+        found = np.asarray(mip.getSolution().col_value)
+        settled = self.settled(found, costs)
+        return found if settled is None else settled, max(bound, float(mip.getInfo().mip_dual_bound)), status
 
     def _drop_rows(self) -> None:
         """Leave `droppable` out of the relaxation (and of the instance completing rounded plans) from now
@@ -1068,10 +1085,18 @@ class _Search:
         choices are inconsistent, e.g. across tied nodes, or a binary column is in no choice)."""
         if not self.roundable:
             return None
-        chosen = np.zeros(len(self.lp.col_cost_), dtype=bool)
-        chosen[[g[np.argmax(x[g])] for g in self.groups]] = True
+        chosen = np.zeros(len(self.lp.col_cost_), dtype=float)
+        chosen[[g[np.argmax(x[g])] for g in self.groups]] = 1.0
+        return self.settled(chosen, costs)
+
+    def settled(self, x: np.ndarray, costs: np.ndarray) -> np.ndarray | None:
+        """The cheapest solution with `x`'s binary columns (rounded), its continuous columns at their least
+        cost: a plan branch and bound hands back where it stopped within its gap may carry slack in them
+        (a bucket's latency paid twice); None if those columns admit no solution."""
+        if not self.roundable:
+            return x
         covered = self.covered
-        lower = chosen[covered].astype(float)
+        lower = np.round(x[covered])
         upper = np.minimum(lower, np.asarray(self.lp.col_upper_)[covered])
         if self.fixed is None:
             self.fixed = _highs(self.remaining(), presolve=True)
@@ -1083,6 +1108,17 @@ class _Search:
         if self.fixed.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         return np.asarray(self.fixed.getSolution().col_value)
+
+    def near(self, x: np.ndarray, costs: np.ndarray, until: float) -> np.ndarray | None:
+        """The cheapest plan that keeps every binary column the relaxation `x` holds at 0 or 1 where it is
+        (branch and bound over its fractional choices only), or None where none does (in time)."""
+        whole = np.flatnonzero(self.binary & (np.abs(x - np.round(x)) <= 1e-7)).astype(np.int32)
+        mip = self._mip(costs, min(BRANCH_SECONDS, max(1.0, until - time.perf_counter())))
+        mip.changeColsBounds(len(whole), whole, np.round(x[whole]), np.round(x[whole]))
+        mip.run()
+        if mip.getInfo().primal_solution_status != 2:
+            return None
+        return self.settled(np.asarray(mip.getSolution().col_value), costs)
 
     def branch_and_bound(self, costs, weight, limit, start, rel_gap, on_progress, seconds, cuts=(), fits=None):
         """Branch and bound with the budget row and `cuts` (rows with the same limit), from the solution

@@ -65,11 +65,13 @@ def test_gpt_with_random_pins_matches_single_device(mesh_shape, sdpa, data):
 
 
 def test_gpt_compute_bound_2d_plan_matches_single_device():
-    """The compute-bound profile shards everything it can: many collectives of every kind."""
+    """The compute-bound profile shards everything it can: many collectives, gathers and all_to_alls on
+    both axes (reduce_scatter's turn is in training, below; a forward plan with it is 0.01% from one
+    without, within the solver's gap)."""
     torch.manual_seed(0)
     plan = _check(GPT(GPTConfig()), (torch.randint(0, 128, (2, 32)),), spec((2, 2), ("dp", "tp")))
-    kinds = {k for k, _ in plan.collective_summary()}
-    assert {"all_gather", "all_to_all", "reduce_scatter"} <= kinds
+    assert {(k, axis) for k, axis in plan.collective_summary()} >= {
+        (k, axis) for k in ("all_gather", "all_to_all") for axis in ("dp", "tp")}
 
 
 @pytest.mark.parametrize("profile", ["megatron", "compute"])
@@ -87,6 +89,9 @@ def test_2d_training_gradients_match_single_device(profile):
     loss = loss_fn(model(*inputs[:-1]), inputs[-1])
     loss.backward()
     assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
+    if profile == "compute":  # the plan runs collectives of every kind, each checked by the simulation
+        assert {"all_gather", "all_to_all", "reduce_scatter", "all_reduce"} <= {
+            k for k, _ in c.plan.collective_summary()}
 
 
 def test_vit_training_with_a_token_mean_matches_single_device():
