@@ -879,6 +879,8 @@ class _LazyShares:
                 done = builder._completed(x)
                 if float(whole @ done) < best_value:
                     best, best_value, best_status = done, float(whole @ done), status
+                else:  # (an earlier round's plan stays: the status says so, not this round's "Optimal")
+                    best_status = f"an earlier round's plan, cheaper than the last round's ({status})"
             if x is None or self.search.out_of_time():
                 return (None, bound, status) if best is None else (best, best_bound, best_status)
             _, missed = builder._partly_taken(x, self.exact)
