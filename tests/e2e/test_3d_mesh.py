@@ -4,7 +4,8 @@ every rank equal one device's, with the plan using all three axes.
 The layout is pinned the way torchtitan composes it: the batch split over dp and fsdp, every block's
 Linear weights Megatron-style on tp (column-parallel q/k/v/fc1, row-parallel o_proj/fc2) and FSDP-style
 on fsdp (the other dim), replicated on dp. Unpinned, the solver's program for this mesh (11.6k binaries,
-336k edge columns) runs into HiGHS's 60 s limit on every rank; pinned, it is solved at the root in ~9 s.
+336k edge columns) runs into HiGHS's 60 s limit; pinned, its relaxation is fractional and rank 0 plans it in
+~12 s (branch and bound over the fractional choices, within 1% of the bound; bench/results_plan.md, session 43).
 The rest (embeddings, norms, biases, every activation and collective) is the solver's."""
 from __future__ import annotations
 
