@@ -25,6 +25,7 @@ from spmd.core.errors import SpmdInternalError
 
 
 BRANCH_SECONDS = 10.0  # branch and bound's time from a plan in hand (see `_Search.integral`, `Budget`)
+FRACTIONAL = "Fractional"  # `_Search.integral(branch=False)`'s status for a relaxation it did not branch on
 # Where branch and bound stops without a budget: once its plan is proven within this of the optimum, as a
 # budgeted search stops (`Budget.gap`). The costs it compares are predictions, good to ~25% (the predicted /
 # measured rows of bench/results_predict.md), and proving the last fraction of a percent is what made it run
@@ -63,7 +64,6 @@ STALLED_PROBES = 3
 CUT_ROUNDS = 12
 # Without a budget, shared costs (`IlpBuilder.add_shared`) start at their shares; where more than this
 # fraction of them are taken partly, the program is priced exactly everywhere and solved afresh.
-FRACTIONAL = "Fractional"  # `_Search.integral(branch=False)`'s status for a relaxation it did not branch on
 SHARED_ALL_AT = 0.25  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), more cuts each
 
 
@@ -840,6 +840,7 @@ class _LazyShares:
                  to_exact: Callable[[np.ndarray], "_Search"]):
         self.builder, self.scale, self.exact, self.search, self.to_exact = builder, scale, exact, search, to_exact
         self.costs = builder._priced(exact)[0] * scale
+        self.whole = builder._priced(np.ones(len(exact), dtype=bool))[0] * scale  # (every plan's true cost)
         self._droppable: tuple[int, ...] = ()
 
     def droppable(self, rows: tuple[int, ...]) -> None:
@@ -857,9 +858,7 @@ class _LazyShares:
         (2, 2, 2) returned a plan 3.5x the first round's that way). Every round's bound holds for the
         exact program; the largest is returned."""
         builder = self.builder
-        whole = builder._priced(np.ones(len(self.exact), dtype=bool))[0] * self.scale
-        if extra is not None:
-            whole = whole + extra
+        whole = self.whole if extra is None else self.whole + extra
         best, best_value, best_bound, best_status, start = None, np.inf, -np.inf, "", None
         while True:
             costs = self.costs if extra is None else self.costs + extra
@@ -877,8 +876,9 @@ class _LazyShares:
                     best_bound = max(best_bound, bound)
             if x is not None:
                 done = builder._completed(x)
-                if float(whole @ done) < best_value:
-                    best, best_value, best_status = done, float(whole @ done), status
+                value = float(whole @ done)
+                if value < best_value:
+                    best, best_value, best_status = done, value, status
                 else:  # (an earlier round's plan stays: the status says so, not this round's "Optimal")
                     best_status = f"an earlier round's plan, cheaper than the last round's ({status})"
             if x is None or self.search.out_of_time():
@@ -1020,11 +1020,13 @@ class _Search:
         if not branch:
             return x, bound, FRACTIONAL
         near = self.near(x, costs, until)
-        if near is not None and (rounded is None or float(costs @ near) < float(costs @ rounded)):
-            rounded = near
-            if float(costs @ near) <= bound + self.mip_rel_gap * abs(float(costs @ near)) or first_found:
-                return near, bound, "Optimal (within the gap of the relaxation's bound)" if not first_found \
-                    else "Rounded (branch and bound on the relaxation's fractional choices)"
+        near_cost = np.inf if near is None else float(costs @ near)
+        if near_cost < (np.inf if rounded is None else float(costs @ rounded)):
+            if first_found:
+                return near, bound, "Rounded (branch and bound on the relaxation's fractional choices)"
+            if near_cost <= bound + self.mip_rel_gap * abs(near_cost):
+                return near, bound, "Optimal (within the gap of the relaxation's bound)"
+            rounded = near  # (the better start)
         # branch and bound gets BRANCH_SECONDS to find a plan (or start from the rounded one) and improve
         # or prove it: on symmetric meshes it can spend its whole time limit closing a gap of 0.3%, and a
         # 2-layer GPT with FlexAttention on (2, 2), whose rounding is inconsistent, spent 46 s proving a
