@@ -190,7 +190,7 @@ class IlpBuilder:
         g = len(self._shared)
         flat = self._flat_lists
         for u in uses:
-            flat["row"].append(self.add_ge([(y, 1.0)] + [(col, -1.0) for col in u], 0.0))
+            flat["row"].append(self._add_entries([y, *u], [1.0] + [-1.0] * len(u), 0.0, np.inf))
             flat["row_group"].append(g)
             flat["use_start"].append(len(flat["col"]))
             flat["use_group"].append(g)
@@ -275,11 +275,16 @@ class IlpBuilder:
 
     def _add_row(self, terms, lower: float, upper: float) -> int:
         """Adds the row; returns its index."""
+        terms = list(terms)
+        return self._add_entries([col for col, _ in terms], [coef for _, coef in terms], lower, upper)
+
+    def _add_entries(self, cols: list[int], coefs: list[float], lower: float, upper: float) -> int:
+        """Adds the row `coefs . x[cols]` in [lower, upper] (a row per consumer of every shared cost: the
+        program's most numerous rows, added in bulk); returns its index."""
         row = len(self._rhs)
-        for col, coef in terms:
-            self._rows.append(row)
-            self._cols.append(col)
-            self._vals.append(coef)
+        self._rows.extend([row] * len(cols))
+        self._cols.extend(cols)
+        self._vals.extend(coefs)
         self._lower.append(float(lower))
         self._rhs.append(float(upper))
         return row

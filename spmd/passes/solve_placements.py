@@ -789,12 +789,14 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     # from the node that makes it (`Schedule`), and all of them with the persistent terms, when backward
     # ends, are a second row, kept in the program (the price search's relaxation drops it where it makes
     # the relaxation too hard: `Budget.droppable`). (Without a schedule, the row counts them too.)
+    # Only a budget, or recomputation (which takes what it frees off the row), reads them.
     memory_row: dict[int, float] = {}
     ending: dict[int, float] = {}
-    for term in costs.memory:
+    rows_read = memory_budget is not None or bool(recompute) and recompute.mode in ("all", "selective")
+    for term in costs.memory if rows_read else ():
         for ps, expr in value_expr[term.value].items():
+            b = term.bytes(ps, mesh_shape) if expr else 0.0
             for col in expr:
-                b = term.bytes(ps, mesh_shape)
                 if term.kind != "activations":
                     ending[col] = ending.get(col, 0.0) + b
                 if term.kind != "gradients" or schedule is None:
@@ -818,15 +820,19 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
     # reads a plan from each candidate it checks whole)
-    pair_of_col, col_of, pair_node, pair_strategy = [], [], [], []
-    for n, name in enumerate(table.nodes):
-        for i, expr in enumerate(node_expr[name]):
-            pair_of_col.extend([len(pair_node)] * len(expr))
-            col_of.extend(expr)
-            pair_node.append(n)
-            pair_strategy.append(i)
-    pair_of_col, col_of = np.asarray(pair_of_col, dtype=np.int64), np.asarray(col_of, dtype=np.int64)
-    pair_node, pair_strategy = np.asarray(pair_node, dtype=np.int64), np.asarray(pair_strategy, dtype=np.int64)
+    # (lists extended in C per node: a 70B-shaped model's search has ~370k pairs per program)
+    strategies_per_node, columns_per_pair, cols = [], [], []
+    for name in table.nodes:
+        exprs = node_expr[name]
+        strategies_per_node.append(len(exprs))
+        columns_per_pair.extend(map(len, exprs))
+        cols.extend(itertools.chain.from_iterable(exprs))
+    pairs = len(columns_per_pair)
+    pair_node = np.repeat(np.arange(len(strategies_per_node), dtype=np.int64), strategies_per_node)
+    first_pair = np.cumsum(strategies_per_node, dtype=np.int64) - strategies_per_node
+    pair_strategy = np.arange(pairs, dtype=np.int64) - np.repeat(first_pair, strategies_per_node)
+    pair_of_col = np.repeat(np.arange(pairs, dtype=np.int64), columns_per_pair)
+    col_of = np.asarray(cols, dtype=np.int64)
 
     resharding: dict[tuple, tuple] = {}  # (value, its maker's and reader's strategies, slot) -> (src, dst, steps, s)
 
