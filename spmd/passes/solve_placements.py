@@ -792,8 +792,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     # Only a budget, or recomputation (which takes what it frees off the row), reads them.
     memory_row: dict[int, float] = {}
     ending: dict[int, float] = {}
-    rows_read = memory_budget is not None or bool(recompute) and recompute.mode in ("all", "selective")
-    for term in costs.memory if rows_read else ():
+    recomputing = bool(recompute) and (memory_budget is not None and recompute.mode == "auto" or
+                                       recompute.mode in ("all", "selective"))
+    for term in costs.memory if memory_budget is not None or recomputing else ():
         for ps, expr in value_expr[term.value].items():
             b = term.bytes(ps, mesh_shape) if expr else 0.0
             for col in expr:
@@ -813,7 +814,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
     counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
     rebuilds: list[Rebuild] = []  # per recomputable layer and way, for the cuts
-    if recompute and (memory_budget is not None and recompute.mode == "auto" or recompute.mode in ("all", "selective")):
+    if recomputing:
         counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
                             memory_row, flows, copies, rebuilds)
     last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
