@@ -108,9 +108,15 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
     outer = tuple(range(mesh_axes - 1))
     on_axes = _Projections()
 
+    diagonals: dict[int, tuple] = {}  # id of a strategy list -> (the list, its diagonal)
+
     def diagonal(name: str, ns: NodeStrategies) -> tuple[int, ...]:
-        return tuple(sorted(i for p, ix in on_axes(ns, outer).items()
-                            if all(ps is None or len(set(ps)) == 1 for ps in p) for i in ix))
+        got = diagonals.get(id(ns.strategies))
+        if got is None:  # once per list: nodes of tied layers share theirs (kept, so its id is its own)
+            got = diagonals[id(ns.strategies)] = (ns.strategies, tuple(sorted(
+                i for p, ix in on_axes(ns, outer).items() if all(ps is None or len(set(ps)) == 1 for ps in p)
+                for i in ix)))
+        return got[1]
 
     t = time.perf_counter()
     try:
