@@ -61,7 +61,7 @@ def wanted(table: StrategyTable, mesh_axes: int, option: bool | None) -> bool:
 
 
 def _on_axes(s: Strategy, axes: tuple[int, ...]) -> tuple:
-    return tuple(None if ps is None else tuple(ps[a] for a in axes) for ps in (*s.inputs, *s.outputs))
+    return tuple([None if ps is None else tuple([ps[a] for a in axes]) for ps in (*s.inputs, *s.outputs)])
 
 
 class _Projections:
@@ -69,17 +69,27 @@ class _Projections:
     indices, worked out once per list (nodes of tied layers share theirs, and every step asks again)."""
 
     def __init__(self):
-        self._lists: dict[tuple, tuple] = {}  # (id of the list, axes) -> (the list, projection -> indices)
+        self._lists: dict[tuple, tuple] = {}  # (id of the list, axes) -> (the list, projection -> indices, by strategy)
 
-    def __call__(self, ns: NodeStrategies, axes: tuple[int, ...]) -> dict[tuple, tuple[int, ...]]:
+    def _of(self, ns: NodeStrategies, axes: tuple[int, ...]) -> tuple:
         got = self._lists.get((id(ns.strategies), axes))
         if got is None:  # (the list is kept with its projections, so its id is not reused)
             groups: dict[tuple, list[int]] = {}
             for i, s in enumerate(ns.strategies):
                 groups.setdefault(_on_axes(s, axes), []).append(i)
-            got = self._lists[(id(ns.strategies), axes)] = (ns.strategies,
-                                                           {p: tuple(ix) for p, ix in groups.items()})
-        return got[1]
+            by_projection = {p: tuple(ix) for p, ix in groups.items()}
+            by_strategy = {id(ns.strategies[i]): ix for ix in by_projection.values() for i in ix}
+            got = self._lists[(id(ns.strategies), axes)] = (ns.strategies, by_projection, by_strategy)
+        return got
+
+    def __call__(self, ns: NodeStrategies, axes: tuple[int, ...]) -> dict[tuple, tuple[int, ...]]:
+        return self._of(ns, axes)[1]
+
+    def alike(self, ns: NodeStrategies, axes: tuple[int, ...], s: Strategy) -> tuple[int, ...]:
+        """The indices of the strategies placed as `s` is on `axes` (none if no strategy is)."""
+        _, by_projection, by_strategy = self._of(ns, axes)
+        found = by_strategy.get(id(s))  # (a plan's choices are the list's own objects: no placements hashed)
+        return by_projection.get(_on_axes(s, axes), ()) if found is None else found
 
 
 def restrict(table: StrategyTable, costs: CostTable,
@@ -88,15 +98,22 @@ def restrict(table: StrategyTable, costs: CostTable,
     gives none). Nodes that shared a strategy list (one variant) and keep the same part share the new list."""
     nodes, node_costs = dict(table.nodes), dict(costs.node_costs)
     fresh = max((ns.variant for ns in table.nodes.values()), default=0) + 1
-    variants: dict[tuple, int] = {}
+    variants: dict[tuple, tuple[int, tuple]] = {}  # (variant, kept) -> (its new variant, its strategies)
+    rows: dict[tuple, tuple] = {}  # (id of a cost row, kept) -> (the row, its kept part): tied nodes share rows
     for name, ns in table.nodes.items():
         kept = keep(name, ns)
         if not kept or len(kept) == len(ns.strategies):
             continue
-        variant = variants.setdefault((ns.variant, kept), fresh + len(variants))
-        nodes[name] = dataclasses.replace(ns, strategies=tuple(ns.strategies[i] for i in kept), variant=variant)
-        if name in costs.node_costs:
-            node_costs[name] = tuple(costs.node_costs[name][i] for i in kept)
+        got = variants.get((ns.variant, kept))
+        if got is None:
+            got = variants[(ns.variant, kept)] = (fresh + len(variants), tuple(ns.strategies[i] for i in kept))
+        nodes[name] = NodeStrategies(got[1], ns.inputs, ns.outputs, ns.source, got[0], ns.excluded, ns.tie)
+        row = costs.node_costs.get(name)
+        if row is not None:
+            got = rows.get((id(row), kept))
+            if got is None:
+                got = rows[(id(row), kept)] = (row, tuple([row[i] for i in kept]))
+            node_costs[name] = got[1]
     return (StrategyTable(nodes, table.fallbacks, table.copied, table.merged_followers),
             dataclasses.replace(costs, node_costs=node_costs))
 
@@ -132,9 +149,8 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
             if solved_at.get(free) == version:
                 continue  # nothing changed since: the incumbent is that neighbourhood's optimum
             fixed = tuple(a for a in range(mesh_axes) if a not in free)
-            incumbent = {name: _on_axes(s, fixed) for name, s in best.choices.items()}
             t = time.perf_counter()
-            plan = solve(*restrict(table, costs, lambda name, ns: on_axes(ns, fixed).get(incumbent[name], ())))
+            plan = solve(*restrict(table, costs, lambda name, ns: on_axes.alike(ns, fixed, best.choices[name])))
             steps.append(f"axes {free[0]},{free[1]} free: {plan.objective * 1e3:.3f} ms ({time.perf_counter() - t:.1f} s)")
             if plan.objective < best.objective * (1 - 1e-9):
                 best, version = plan, version + 1
