@@ -55,17 +55,22 @@ def local_rewrite(*ops) -> Callable[[LocalRewrite], LocalRewrite]:
 
 def expand_single_dim(single: list[list], n_out: int, mesh_ndim: int) -> list[Strategy]:
     """Combine single-axis rules over all mesh axes: one Strategy per element of the product."""
-    rows = [tuple(r) for r in single]
+    rows = list(dict.fromkeys(tuple(r) for r in single))  # (a repeated row repeats only strategies)
     all_rep = next((r for r in rows if all(isinstance(p, Replicate) or p is None for p in r)), None)
     if all_rep is None and rows:
         rows.insert(0, tuple(Replicate() for _ in rows[0]))
+    # Distinct rows give distinct strategies (each axis's row can be read back from the strategy) unless
+    # a None (no tensor) in some output hides which row it came from: only then are duplicates looked for.
+    hidden = any(p is None for r in rows for p in r[:n_out])
     seen, out = set(), []
     for combo in itertools.product(rows, repeat=mesh_ndim):
         n = len(combo[0])
         cols = [tuple(combo[a][k] for a in range(mesh_ndim)) for k in range(n)]
         outs = tuple(None if any(p is None for p in c) else c for c in cols[:n_out])
         s = Strategy(outs, tuple(cols[n_out:]))
-        if s not in seen:
+        if hidden:
+            if s in seen:
+                continue
             seen.add(s)
-            out.append(s)
+        out.append(s)
     return out
