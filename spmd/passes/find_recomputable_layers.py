@@ -62,16 +62,19 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
 
     read_back = [n for n in graph.nodes if n.op == "call_function" and not in_backward(n)
                  and any(in_backward(u) for u in n.users)]
-    saved = {view_base(n) for n in read_back}
-    saved = {b for b in saved if b.op == "call_function" and isinstance(traced.tensor_info.get(b.name), TensorInfo)}
+    read_back_of: dict = {}  # base -> the forward nodes living in it that backward reads
+    for n in read_back:
+        read_back_of.setdefault(view_base(n), []).append(n)
+    saved = {b for b in read_back_of if b.op == "call_function" and isinstance(traced.tensor_info.get(b.name), TensorInfo)}
 
     def region_of(key: str, nodes, keep=None) -> RecomputableLayer | None:
         region, frontier = recompute_region([n for n in nodes if not in_backward(n)], in_backward, keep)
         if not region:
             return None
         members = set(region)
-        still = {view_base(n) for n in (*frontier, *(n for n in read_back if n not in members))}
-        frees = [b for b in dict.fromkeys(view_base(n) for n in region) if b in saved and b not in still]
+        held = {view_base(n) for n in frontier}  # (and a base some reader outside the region keeps)
+        frees = [b for b in dict.fromkeys(view_base(n) for n in region) if b in saved and b not in held
+                 and all(n in members for n in read_back_of[b])]
         adds = [b for b in dict.fromkeys(view_base(f) for f in frontier)
                 if b.op == "call_function" and b not in saved and isinstance(traced.tensor_info.get(b.name), TensorInfo)]
         return RecomputableLayer(key, tuple(n.name for n in region), tuple(b.name for b in frees),
