@@ -856,7 +856,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     pair_of_col = np.repeat(np.arange(pairs, dtype=np.int64), columns_per_pair)
     col_of = np.asarray(cols, dtype=np.int64)
 
-    resharding: dict[tuple, tuple] = {}  # (value, its maker's and reader's strategies, slot) -> (src, dst, steps, s)
+    resharding: dict[tuple, tuple] = {}  # (tensor, output, maker's and reader's strategies, slot, gradient) -> (src, dst, steps, s)
 
     def to_plan(x, result) -> Plan:
         """The plan a solution vector makes (`result`: the solve's figures, None while searching)."""
@@ -875,8 +875,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         for name, ns in table.nodes.items():
             gradient = is_gradient_sink(ns)
             for j, value in enumerate(ns.inputs):
-                # (strategies are the table's own objects, alive through the solve: their ids are keys)
-                key = (value, id(choices[value[0]]), id(choices[name]), j, gradient)
+                # (strategies are the table's own objects, alive through the solve: their ids are keys; the
+                # steps depend on the tensor, not on which one: tied layers' edges are worked out once)
+                key = (costs.value_info[value], value[1], id(choices[value[0]]), id(choices[name]), j, gradient)
                 found = resharding.get(key)
                 if found is None:
                     src, dst = choices[value[0]].outputs[value[1]], choices[name].inputs[j]
