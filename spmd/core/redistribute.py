@@ -78,20 +78,22 @@ class Step:
 
 
 def _direct(src, dst) -> tuple[str, int | None, int | None, str | None] | None:
-    """The single-step transition src -> dst on one axis, or None if it needs an intermediate R."""
-    if isinstance(src, Partial):
-        if isinstance(dst, Replicate):
-            return ("all_reduce", None, None, src.reduce_op)
-        if isinstance(dst, Shard):
-            return ("reduce_scatter", None, dst.dim, src.reduce_op)
-        return None
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
+    """The single-step transition src -> dst on one axis, or None if it needs an intermediate R.
+    (Shard and Replicate by type, as `specs.shard_factor` does: they have no subclasses; Partial does.)"""
+    kind = type(src)
+    if kind is Shard:
+        if type(dst) is Replicate:
             return ("all_gather", src.dim, None, None)
-        if isinstance(dst, Shard):
+        if type(dst) is Shard:
             return ("all_to_all", src.dim, dst.dim, None)
         return None
-    if isinstance(dst, Shard):
+    if kind is not Replicate and isinstance(src, Partial):
+        if type(dst) is Replicate:
+            return ("all_reduce", None, None, src.reduce_op)
+        if type(dst) is Shard:
+            return ("reduce_scatter", None, dst.dim, src.reduce_op)
+        return None
+    if type(dst) is Shard:
         return ("shard_local", None, dst.dim, None)
     if isinstance(dst, Partial):
         return ("partial_local", None, None, dst.reduce_op)
@@ -100,7 +102,7 @@ def _direct(src, dst) -> tuple[str, int | None, int | None, str | None] | None:
 
 def _legal(cur, axis: int, dims) -> bool:
     """A step on `axis` may touch dim d only if no axis to its right shards d."""
-    return not any(isinstance(p, Shard) and p.dim in dims for j, p in enumerate(cur) if j > axis)
+    return not any(type(p) is Shard and p.dim in dims for p in cur[axis + 1:])
 
 
 def single_steps(cur: Placements, tensor: TensorInfo, mesh, partials, skip=()) -> Iterator[tuple[Placements, Step]]:

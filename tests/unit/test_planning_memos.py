@@ -91,3 +91,15 @@ def test_merged_followers_keep_what_their_producer_offers():
         offered = set(check.output_candidates(ns.inputs[0]))
         kept = tuple(s for s in before.strategies if s.inputs[0] in offered)
         assert ns.strategies == (kept if kept else before.strategies), name
+
+
+def test_shard_and_replicate_have_no_subclasses():
+    """specs.shard_factor, pieces, is_even and redistribute._direct test `type(p) is Shard` (or Replicate),
+    not isinstance, which runs torch's Python `__instancecheck__` on every miss: right only while no
+    placement subclasses them (Partial has subclasses, and is tested with isinstance)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def subclasses(cls):
+        return [s for c in cls.__subclasses__() for s in (c, *subclasses(c))]
+
+    assert subclasses(Shard) == [] and subclasses(Replicate) == []
