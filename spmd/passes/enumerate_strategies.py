@@ -55,16 +55,22 @@ class StrategyTable:
     copied: int = 0  # nodes whose strategies were copied from their repeated-block representative
     merged_followers: int = 0  # nodes pruned to follow their input (merge_followers)
     _candidates: dict = field(default_factory=dict, repr=False, compare=False)  # memo of output_candidates
+    # (id of a strategy list, output index) -> (the list, its candidates): tied layers share their lists
+    _by_list: dict = field(default_factory=dict, repr=False, compare=False)
 
     def output_candidates(self, value: Value) -> list[Placements]:
         """The placements `value` can come out in."""
         found = self._candidates.get(value)
         if found is None:
             name, idx = value
-            seen: dict[Placements, None] = {}
-            for s in self.nodes[name].strategies:
-                seen.setdefault(s.outputs[idx], None)
-            found = self._candidates[value] = list(seen)
+            strategies = self.nodes[name].strategies
+            listed = self._by_list.get((id(strategies), idx))
+            if listed is None:  # (the list is kept with its answer, so its id is not reused)
+                seen: dict[Placements, None] = {}
+                for s in strategies:
+                    seen.setdefault(s.outputs[idx], None)
+                listed = self._by_list[(id(strategies), idx)] = (strategies, list(seen))
+            found = self._candidates[value] = listed[1]
         return found
 
 
