@@ -61,10 +61,7 @@ DROPPABLE_ITERATIONS = 20_000
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 STALLED_PROBES = 3
-CUT_ROUNDS = 12
-# Without a budget, shared costs (`IlpBuilder.add_shared`) start at their shares; where more than this
-# fraction of them are taken partly, the program is priced exactly everywhere and solved afresh.
-SHARED_ALL_AT = 0.25  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), more cuts each
+CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), more cuts each
 
 
 @dataclass(frozen=True)
@@ -332,37 +329,12 @@ class IlpBuilder:
         binary = np.asarray(self.integral, dtype=bool)
         sizes = (int(binary.sum()), n - int(binary.sum()), len(self._rhs) + (budget is not None))
         groups = self._choice_groups(binary)
-        # On a large program the exact one's relaxation starts first, on a second core, beside the split
-        # one's: where most shared costs are taken partly it is the answer, and it is ready sooner (LLaMA3-8B)
         whole_costs, whole_upper, whole_lower = whole
-        exact_first = None
-        if budget is None and len(self._shared) and n >= BESIDE_MIN_COLUMNS and (os.cpu_count() or 1) >= 2:
-            exact_first = _Search(self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups,
-                                  t0 + time_limit, mip_rel_gap)
-            beside = _Beside(lambda: exact_first.relaxation_instance(whole_costs * scale), simplex=True)
         search = _Search(self._model(costs * scale, upper, row_lower), binary, groups, t0 + time_limit, mip_rel_gap)
-        search.beside = exact_first is None  # (two threads are enough)
         report = None if on_progress is None else (lambda o, b, g: on_progress(o / scale, b / scale, g))
 
         if budget is None:
-            def to_exact(scaled: np.ndarray) -> _Search:
-                """The exact program's search, solved afresh (from the split optimum's basis the dual simplex
-                takes longer than cold: LLaMA3-8B on (8, 8), 5,339 of 10,412 taken partly)."""
-                nonlocal exact_first
-                if exact_first is None:
-                    return _Search(self._model(scaled, whole_upper, whole_lower), binary, groups, search.deadline,
-                                   mip_rel_gap)
-                # its relaxation started on a thread; now interior point beside its simplex, as `integral` does
-                ipm = _Beside(lambda: exact_first._interior_point_instance(scaled, search.deadline, exact_first.lp))
-                exact_first.start_from(scaled, beside, ipm)
-                started, exact_first = exact_first, None
-                return started
-
-            try:
-                x, bound, status = _LazyShares(self, scale, exact, search, to_exact).integral(on_progress=report)
-            finally:
-                if exact_first is not None:
-                    beside.stop()
+            x, bound, status = _LazyShares(self, scale, exact, search).integral(on_progress=report)
             if x is None:
                 return IlpResult(np.zeros(n), float("inf"), float("nan"), float("inf"), time.perf_counter() - t0,
                                  status, *sizes)
@@ -376,7 +348,7 @@ class IlpBuilder:
         # the polishes and every plan's price use the exact program
         exact_search = search if not self._shared else _Search(
             self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline, mip_rel_gap)
-        probes = _LazyShares(self, scale, exact, search, lambda scaled: exact_search)
+        probes = _LazyShares(self, scale, exact, search)
         return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
 
     def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
@@ -804,13 +776,11 @@ def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
 
 
 class _Beside:
-    """An instance (`make()`) made and run on a thread of its own until it finishes or is stopped (an
-    interior point one by default; `simplex`: a simplex one)."""
+    """An interior point instance (`make()`) made and run on a thread of its own until it finishes or is
+    stopped."""
 
-    def __init__(self, make: Callable[[], "highspy.Highs"], simplex: bool = False):
+    def __init__(self, make: Callable[[], "highspy.Highs"]):
         self.ipm, self._stop = None, False
-        kind = highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt if simplex else \
-            highspy.cb.HighsCallbackType.kCallbackIpmInterrupt
 
         def interrupt(kind, message, out, into, user):
             into.user_interrupt = self._stop
@@ -818,7 +788,7 @@ class _Beside:
         def run():
             self.ipm = make()
             self.ipm.setCallback(interrupt, None)
-            self.ipm.startCallback(kind)
+            self.ipm.startCallback(highspy.cb.HighsCallbackType.kCallbackIpmInterrupt)
             if not self._stop:
                 self.ipm.run()
 
@@ -838,19 +808,16 @@ class _Beside:
 class _LazyShares:
     """A relaxation with shared costs at their shares until a solution takes one partly (`IlpBuilder.solve`):
     each solve goes on in rounds until none is, and the shared costs made exact stay so for the next (the
-    budget's price search solves at many prices). Where more than `SHARED_ALL_AT` of them are taken partly,
-    it moves to `to_exact(costs)`, the exact program's search at those (scaled) costs, and stays."""
+    budget's price search solves at many prices)."""
 
-    def __init__(self, builder: IlpBuilder, scale: float, exact: np.ndarray, search: "_Search",
-                 to_exact: Callable[[np.ndarray], "_Search"]):
-        self.builder, self.scale, self.exact, self.search, self.to_exact = builder, scale, exact, search, to_exact
+    def __init__(self, builder: IlpBuilder, scale: float, exact: np.ndarray, search: "_Search"):
+        self.builder, self.scale, self.exact, self.search = builder, scale, exact, search
         self.costs = builder._priced(exact)[0] * scale
         self.whole = builder._priced(np.ones(len(exact), dtype=bool))[0] * scale  # (every plan's true cost)
-        self._droppable: tuple[int, ...] = ()
 
     def droppable(self, rows: tuple[int, ...]) -> None:
         """Rows the relaxation may leave out (`Budget.droppable`)."""
-        self._droppable = self.search.droppable = tuple(rows)
+        self.search.droppable = tuple(rows)
 
     def integral(self, extra: np.ndarray | None = None, **options) -> tuple[np.ndarray | None, float, str]:
         """`_Search.integral` at the program's costs (plus `extra`), its solution completed (`_completed`):
@@ -895,19 +862,14 @@ class _LazyShares:
             start = builder._at_shares(best, self.exact)
 
     def _more_exact(self, missed: np.ndarray) -> None:
-        """Price the shared costs `missed` exactly from now on: in the relaxation, from its last basis, or
-        where that makes more than `SHARED_ALL_AT` of them, by moving to the exact program."""
+        """Price the shared costs `missed` exactly from now on, in the relaxation, from its last basis.
+        (Moving to the exact program, solved afresh, once more than a quarter were taken partly was slower
+        or no faster: bench/results_plan.md, session 45.)"""
         builder = self.builder
-        if missed.sum() <= SHARED_ALL_AT * len(self.exact):
-            self.exact |= missed
-            costs, upper, row_lower = builder._priced(self.exact)
-            self.search.reprice(builder._model(costs * self.scale, upper, row_lower), upper, row_lower)
-            self.costs = costs * self.scale
-        else:  # most of them: the exact program
-            self.exact[:] = True
-            self.costs = builder._priced(self.exact)[0] * self.scale
-            self.search = self.to_exact(self.costs)
-            self.search.droppable = self._droppable
+        self.exact |= missed
+        costs, upper, row_lower = builder._priced(self.exact)
+        self.search.reprice(builder._model(costs * self.scale, upper, row_lower), upper, row_lower)
+        self.costs = costs * self.scale
 
 
 class _Search:
@@ -920,7 +882,6 @@ class _Search:
         self.droppable: tuple[int, ...] = ()  # rows the relaxation may leave out (`Budget.droppable`)
         self.dropped: tuple[int, ...] = ()  # and those it has left out
         self.solved = False  # whether the relaxation has been solved once (later solves start warm)
-        self.beside = True  # whether a first relaxation may start interior point beside it
         self.fixed = None  # a second instance, for plans with every choice fixed
         self.relaxed = _highs(self.remaining(), presolve=False)
         self.relaxed.passModel(lp)
@@ -932,31 +893,6 @@ class _Search:
 
     def remaining(self) -> float:
         return max(1.0, self.deadline - time.perf_counter())
-
-    def relaxation_instance(self, costs: np.ndarray) -> "highspy.Highs":
-        """A fresh instance of the relaxation at `costs` as `integral` first solves it (its iteration
-        cap, no presolve), by the deadline."""
-        h = _highs(self.remaining(), presolve=False)
-        h.passModel(self.lp)
-        h.changeColsCost(len(costs), self.columns, costs)
-        h.setOptionValue("simplex_iteration_limit", self.simplex_iterations)
-        return h
-
-    def start_from(self, costs: np.ndarray, simplex: "_Beside", ipm: "_Beside") -> None:
-        """Solve the relaxation at `costs` as `integral` first would, from two instances of it already
-        started on threads: `simplex` (`relaxation_instance`) and `ipm` (`_interior_point_instance`).
-        Where the simplex finishes, its basis; where it reaches its iteration cap, interior point's.
-        Either way the next `integral` confirms it in no iterations, and the vertex is the one `integral`
-        would have found alone."""
-        solved = simplex.finished()
-        if solved.getModelStatus() == highspy.HighsModelStatus.kOptimal and solved.getBasis().valid:
-            ipm.stop()
-            self.relaxed.setBasis(solved.getBasis())
-        elif solved.getModelStatus() == highspy.HighsModelStatus.kIterationLimit:
-            self._interior_point(costs, self.deadline, ipm.finished())
-        else:
-            ipm.stop()
-        self.solved = True
 
     def reprice(self, lp, upper: np.ndarray, row_lower: np.ndarray) -> None:
         """The program becomes `lp`: the same columns and rows with new column upper bounds and row lower
@@ -992,7 +928,7 @@ class _Search:
                                     min(self.simplex_iterations, DROPPABLE_ITERATIONS) if self.droppable else
                                     self.simplex_iterations)
         beside = None
-        if not self.solved and not self.droppable and self.beside and len(costs) >= BESIDE_MIN_COLUMNS and \
+        if not self.solved and not self.droppable and len(costs) >= BESIDE_MIN_COLUMNS and \
                 (os.cpu_count() or 1) >= 2:
             beside = _Beside(lambda: self._interior_point_instance(costs, until, self.lp))
         self.solved = True

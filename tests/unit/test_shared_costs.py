@@ -59,11 +59,10 @@ def _true_cost(ilp: IlpBuilder, choices, shared, picked) -> float:
 
 
 @pytest.mark.parametrize("seed", range(25))
-@pytest.mark.parametrize("all_at,beside", [(0.0, False), (1.0, False), (0.0, True)])
-def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, beside, monkeypatch):
-    # all_at 0: any shared cost taken partly sends the solve to the exact program (beside: the one whose
-    # relaxation started on a second thread), 1: rounds of rows from the last basis
-    monkeypatch.setattr(solver, "SHARED_ALL_AT", all_at)
+@pytest.mark.parametrize("beside", [False, True])
+def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, beside, monkeypatch):
+    # rounds of rows from the last basis until no shared cost is taken partly (beside: the first
+    # relaxation with interior point beside it on a second thread, as on large programs)
     monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 1 << 40)
     rng = np.random.default_rng(seed)
     ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
@@ -77,8 +76,7 @@ def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, all_at, beside, 
 
 def test_under_a_budget_a_plan_is_priced_at_its_true_cost(monkeypatch):
     # the unbudgeted optimum fits: at shares the price search's first relaxation takes A, B (6), which takes
-    # the resharding partly; a round with it priced exactly finds A, B at 11 (a round of rows: SHARED_ALL_AT 1)
-    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
+    # the resharding partly; a round with it priced exactly finds A, B at 11 (a round of rows)
     rounds = []
     reprice = solver._Search.reprice
     monkeypatch.setattr(solver._Search, "reprice", lambda self, *a: (rounds.append(1), reprice(self, *a)))
@@ -93,11 +91,9 @@ def test_under_a_budget_a_plan_is_priced_at_its_true_cost(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(25))
-@pytest.mark.parametrize("all_at", [0.0, 1.0])
-def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed, all_at, monkeypatch):
-    # the price search's relaxations price shared costs lazily (rounds of rows, or the exact program once
-    # any is taken partly); the plans it hands on, branch and bound's and the answer are priced exactly
-    monkeypatch.setattr(solver, "SHARED_ALL_AT", all_at)
+def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed):
+    # the price search's relaxations price shared costs lazily (rounds of rows); the plans it hands on,
+    # branch and bound's and the answer are priced exactly
     rng = np.random.default_rng(100 + seed)
     ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
     size = {c: float(rng.integers(1, 10)) for cols in choices for c in cols}
@@ -118,7 +114,6 @@ def test_a_later_round_never_makes_the_plan_worse(later, monkeypatch):
     # At shares the first round takes A, B (6; true cost 11). The shared cost is then priced exactly and
     # the next round's branch and bound runs out of time, with a dearer plan (B, A: 25) or none. The answer
     # is the first round's plan at its true cost, and the next round was handed it to start from.
-    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
     ilp = IlpBuilder()
     a1, b1 = _choice(ilp, [0.0, 12.0])
     a2, b2 = _choice(ilp, [3.0, 1.0])
@@ -149,7 +144,6 @@ def test_a_fractional_relaxation_taking_a_shared_cost_partly_is_tightened_before
     # The first relaxation (faked) is fractional and takes the resharding for c1 by half and not for c2:
     # before any branch and bound, that shared cost is priced exactly and the relaxation solved again
     # (here integral: the optimum, 11, with no branch and bound at all).
-    monkeypatch.setattr(solver, "SHARED_ALL_AT", 1.0)
     ilp = IlpBuilder()
     a1, b1 = _choice(ilp, [0.0, 12.0])
     a2, b2 = _choice(ilp, [3.0, 1.0])
