@@ -50,6 +50,10 @@ SIMPLEX_ITERATIONS_MIN = 20_000
 # The 1.1B Llama's axis search on (4, 4, 4): its degenerate program reached the cap after ~5 s and interior
 # point then took 4.9 s more.
 BESIDE_MIN_COLUMNS = 50_000
+# Interior point waits this long before it starts: most relaxations are solved by then (LLaMA3-8B's first in
+# 0.16 s, the 70B-shaped search's in 0.12-0.3 s, against 3 s and more to the cap), and an instance started at
+# once cost each of them ~0.08 s (LLaMA3-8B's HiGHS 0.61-0.65 s without it, 0.70-0.72 with).
+BESIDE_AFTER = 0.5
 # The relaxation's iterations while it holds rows it may drop (`Budget.droppable`). The row of what is alive
 # when backward ends tightens the price search's bound (the 2-layer GPT of the e2e budget test at 0.8 of its
 # peak: a gap of 0.97% with it, 17.8% without), but on the 2-layer transformers Llama at 0.6 it made the first
@@ -776,20 +780,22 @@ def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
 
 
 class _Beside:
-    """An interior point instance (`make()`) made and run on a thread of its own until it finishes or is
-    stopped."""
+    """An interior point instance (`make()`) made, `after` seconds from now unless stopped before, and run
+    on a thread of its own until it finishes or is stopped."""
 
-    def __init__(self, make: Callable[[], "highspy.Highs"]):
-        self.ipm, self._stop = None, False
+    def __init__(self, make: Callable[[], "highspy.Highs"], after: float = 0.0):
+        self.ipm, self._stopped = None, threading.Event()
 
         def interrupt(kind, message, out, into, user):
-            into.user_interrupt = self._stop
+            into.user_interrupt = self._stopped.is_set()
 
         def run():
+            if self._stopped.wait(after):  # (not needed after all: never made)
+                return
             self.ipm = make()
             self.ipm.setCallback(interrupt, None)
             self.ipm.startCallback(highspy.cb.HighsCallbackType.kCallbackIpmInterrupt)
-            if not self._stop:
+            if not self._stopped.is_set():
                 self.ipm.run()
 
         self._thread = threading.Thread(target=run, name="spmd-interior-point", daemon=True)
@@ -801,8 +807,11 @@ class _Beside:
         return self.ipm
 
     def stop(self) -> None:
-        self._stop = True
-        self._thread.join()
+        """Stop it. Once its instance runs, without waiting: one still in its presolve, which no callback
+        interrupts, ends at its first interior point iteration, on its own thread."""
+        self._stopped.set()
+        if self.ipm is None:  # (not made, or being made: it ends without running)
+            self._thread.join()
 
 
 class _LazyShares:
@@ -930,7 +939,7 @@ class _Search:
         beside = None
         if not self.solved and not self.droppable and len(costs) >= BESIDE_MIN_COLUMNS and \
                 (os.cpu_count() or 1) >= 2:
-            beside = _Beside(lambda: self._interior_point_instance(costs, until, self.lp))
+            beside = _Beside(lambda: self._interior_point_instance(costs, until, self.lp), after=BESIDE_AFTER)
         self.solved = True
         try:
             self.relaxed.run()

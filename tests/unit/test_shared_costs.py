@@ -64,6 +64,7 @@ def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, beside, monkeypa
     # rounds of rows from the last basis until no shared cost is taken partly (beside: the first
     # relaxation with interior point beside it on a second thread, as on large programs)
     monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 1 << 40)
+    monkeypatch.setattr(solver, "BESIDE_AFTER", 0.0)  # (at once: these relaxations take milliseconds)
     rng = np.random.default_rng(seed)
     ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
     best = min(_true_cost(ilp, choices, shared, picked) for picked in itertools.product(*choices))

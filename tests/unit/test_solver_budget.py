@@ -196,6 +196,7 @@ def test_a_relaxation_the_simplex_does_not_finish_goes_to_interior_point(monkeyp
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_MIN", 0)
     monkeypatch.setattr(solver, "SIMPLEX_ITERATIONS_PER_COLUMN", 0.0)
     monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 10**9)
+    monkeypatch.setattr(solver, "BESIDE_AFTER", 0.0)  # (at once: these relaxations take milliseconds)
     run = solver._Search._interior_point
 
     def spy(self, costs, until, ipm=None):
