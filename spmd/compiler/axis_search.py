@@ -104,16 +104,17 @@ def restrict(table: StrategyTable, costs: CostTable,
         kept = keep(name, ns)
         if not kept or len(kept) == len(ns.strategies):
             continue
-        got = variants.get((ns.variant, kept))
-        if got is None:
-            got = variants[(ns.variant, kept)] = (fresh + len(variants), tuple(ns.strategies[i] for i in kept))
-        nodes[name] = NodeStrategies(got[1], ns.inputs, ns.outputs, ns.source, got[0], ns.excluded, ns.tie)
+        listed = variants.get((ns.variant, kept))
+        if listed is None:
+            listed = variants[(ns.variant, kept)] = (fresh + len(variants), tuple(ns.strategies[i] for i in kept))
+        variant, strategies = listed
+        nodes[name] = NodeStrategies(strategies, ns.inputs, ns.outputs, ns.source, variant, ns.excluded, ns.tie)
         row = costs.node_costs.get(name)
         if row is not None:
-            got = rows.get((id(row), kept))
-            if got is None:
-                got = rows[(id(row), kept)] = (row, tuple([row[i] for i in kept]))
-            node_costs[name] = got[1]
+            part = rows.get((id(row), kept))
+            if part is None:
+                part = rows[(id(row), kept)] = (row, tuple([row[i] for i in kept]))
+            node_costs[name] = part[1]
     return (StrategyTable(nodes, table.fallbacks, table.copied, table.merged_followers),
             dataclasses.replace(costs, node_costs=node_costs))
 

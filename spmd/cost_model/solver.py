@@ -783,7 +783,7 @@ class _Beside:
     """An interior point instance (`make()`) made, `after` seconds from now unless stopped before, and run
     on a thread of its own until it finishes or is stopped."""
 
-    def __init__(self, make: Callable[[], "highspy.Highs"], after: float = 0.0):
+    def __init__(self, make: Callable[[], "highspy.Highs"], after: float):
         self.ipm, self._stopped = None, threading.Event()
 
         def interrupt(kind, message, out, into, user):
