@@ -18,7 +18,7 @@ from spmd.compiler.agreement import weights_summary
 from spmd.compiler.call import positional_call
 from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.options import PlanOptions, RankBinding
-from spmd.compiler.pipeline import run_pipeline
+from spmd.compiler.pipeline import collector_paused, run_pipeline
 from spmd.core.errors import SpmdError
 from spmd.core.mesh import MeshSpec
 from spmd.report.result import PlanReport, report_of
@@ -120,9 +120,11 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
                           meeting.share_plan if meeting else None, meeting.agree_on if meeting else None,
                           plans=meeting is None or meeting.plans_here())
     try:
-        # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh
-        traced_model, traced_inputs = fake_model(view, flat_inputs, device)
-        c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
+        # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh (its
+        # copy, like the pipeline, runs with the garbage collector paused: `collector_paused`)
+        with collector_paused():
+            traced_model, traced_inputs = fake_model(view, flat_inputs, device)
+            c = run_pipeline(traced_model, traced_inputs, spec, options, binding)
     except BaseException as e:
         if meeting is not None:  # the other ranks wait at the meeting: bring them the error
             meeting.fail(e)
@@ -150,7 +152,8 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
         example_inputs = (example_inputs,)
     view, flat_inputs, _ = positional_call(model, example_inputs, example_kwargs,
                                            loss_only=options.joint and options.loss_fn is None)
-    faked, inputs = fake_model(view, flat_inputs)
-    c = run_pipeline(faked, inputs, mesh_spec, options)
+    with collector_paused():  # (the meta model's copy too: `collector_paused`)
+        faked, inputs = fake_model(view, flat_inputs)
+        c = run_pipeline(faked, inputs, mesh_spec, options)
     # asked again at another batch size (cost_formula, crossover), the model is faked again as given
     return report_of(c, Request(view, flat_inputs, mesh_spec, options))
