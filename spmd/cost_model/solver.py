@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +65,7 @@ DROPPABLE_ITERATIONS = 20_000
 # 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
+POLISH_AT_ONCE = 2  # polishes side by side, at most (and at most one per core)
 STALLED_PROBES = 3
 CUT_ROUNDS = 12  # branch and bound runs of the last resort (`IlpBuilder._cut_loop`), more cuts each
 
@@ -468,23 +470,28 @@ class IlpBuilder:
                 else:
                     lo, lo_line = mid, got[1:]
 
-        def polish(over: bool = False) -> None:
-            """The polish columns re-chosen under the row for the best plan, or (`over`) for the cheapest
-            plans that were over by their temporaries alone: with their placements, a few layers
-            recomputed may make the room (their extra does not move with the polish columns)."""
+        def polish(best: bool = True, over: bool = False) -> None:
+            """The polish columns re-chosen under the row for the best plan (`best`) and (`over`) for the
+            cheapest plans that were over by their temporaries alone: with their placements, a few layers
+            recomputed may make the room (their extra does not move with the polish columns). Polished
+            side by side (`_Search.polish_each`), as many at a time as there are cores; the plans over
+            stop once the gap is closed."""
             if not budget.polish:
                 return
-            starts = [] if state["x"] is None else [state["x"]]
-            if over:  # (each plan once: this may run after the price search too, and again at the end)
-                starts = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
-                          if float(costs @ x) < state["objective"]][:POLISH_OVER]
-                starts = [x for x in starts if id(x) not in state["polished"]]
-            for x in starts:
-                if search.out_of_time() or (over and gap() <= budget.gap):
-                    break
-                if over:
-                    state["polished"].add(id(x))
-                improve(search.polish(costs, weight, room(x), x, np.asarray(budget.polish)), -float("inf"))
+            mine = [state["x"]] if best and state["x"] is not None else []
+            # (each plan over once: this may run after the price search too, and again at the end)
+            overs = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
+                     if float(costs @ x) < state["objective"] and id(x) not in state["polished"]
+                     ][:POLISH_OVER] if over else []
+            at_once = max(1, min(os.cpu_count() or 1, POLISH_AT_ONCE))
+            while (mine or overs) and not search.out_of_time():
+                if gap() <= budget.gap:
+                    overs = []
+                taken, overs = overs[:at_once - len(mine)], overs[at_once - len(mine):]
+                batch, mine = mine + taken, []
+                state["polished"].update(map(id, taken))
+                for got in search.polish_each(costs, weight, [(room(x), x) for x in batch], np.asarray(budget.polish)):
+                    improve(got, -float("inf"))
 
         def branch() -> None:
             """Branch and bound from the best plan, with room for its temporaries, then the cut loop. Not
@@ -539,21 +546,20 @@ class IlpBuilder:
                     improve(got, -float("inf"))
                     met(got, needs(got))
             prices(first)
-            polish()  # (cheap, and a better start for branch and bound)
-            if state["x"] is not None and gap() > budget.gap and not search.out_of_time():
-                # the plans over by their temporaries alone with their layers' recomputation re-chosen: a few
-                # seconds each, where branch and bound from the best plan may not finish its root in its time
-                # (LLaMA3-8B in transformers at 80 GB: 151k columns, the first cut round's root relaxation
-                # unsolved after 10 s, then 15 s of cuts and out of time; the first of these polishes closes
-                # the gap, to 0.96%). With no plan that fits yet, they wait until the end: a fitting plan
-                # found first would keep the cut loop from a better one.
-                polish(over=True)
+            # the best plan polished (cheap, and a better start for branch and bound), and beside it the
+            # plans over by their temporaries alone with their layers' recomputation re-chosen: a few
+            # seconds each, where branch and bound from the best plan may not finish its root in its time
+            # (LLaMA3-8B in transformers at 80 GB: 151k columns, the first cut round's root relaxation
+            # unsolved after 10 s, then 15 s of cuts and out of time; the first of these polishes closes
+            # the gap, to 0.96%). With no plan that fits yet, those wait until the end: a fitting plan
+            # found first would keep the cut loop from a better one.
+            polish(over=state["x"] is not None and gap() > budget.gap)
             branch()
             if state["x"] is None and budget.cuts is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
                 polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
             # last (a plan that fits, found here first, would keep the cut loop from a better one)
-            polish(over=True)
+            polish(best=False, over=True)
         seconds = time.perf_counter() - t0
         lean = state["leanest"]
         if state["x"] is None and lean is not None and float(weight @ lean) <= limit * (1 + 1e-9):
@@ -1116,6 +1122,15 @@ class _Search:
             _seed(mip, x)                           # it: 0.1 s of each of LLaMA3-8B's polishes at 80 GB)
         mip.run()
         return np.asarray(mip.getSolution().col_value) if mip.getInfo().primal_solution_status == 2 else None
+
+    def polish_each(self, costs, weight, starts: list[tuple[float, np.ndarray]], free: np.ndarray
+                    ) -> list[np.ndarray | None]:
+        """`polish` from each (limit, x) of `starts`, in order; two or more side by side on threads of
+        their own (each a fresh instance of the program: HiGHS lets go of Python while it runs)."""
+        if len(starts) < 2:
+            return [self.polish(costs, weight, limit, x, free) for limit, x in starts]
+        with ThreadPoolExecutor(max_workers=len(starts), thread_name_prefix="spmd-polish") as pool:
+            return list(pool.map(lambda start: self.polish(costs, weight, *start, free), starts))
 
     def _mip(self, costs: np.ndarray, time_limit: float) -> "highspy.Highs":
         """A fresh instance of the program at `costs` with its binary columns integral."""

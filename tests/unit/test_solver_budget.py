@@ -467,3 +467,54 @@ def test_with_no_plan_fitting_the_polish_of_a_plan_over_finds_one():
                                 polish=tuple(cols)))
     assert r.objective == pytest.approx(6.0), r.status
     assert r.values[cols[1]] == pytest.approx(1.0)
+
+
+def test_polishes_side_by_side_give_what_each_gives_alone(monkeypatch):
+    """`_Search.polish_each` runs two or more polishes at once, each on a thread of its own with a fresh
+    instance: every result is the one `polish` gives alone, in the order of the starts."""
+    import threading
+    import time
+
+    from spmd.cost_model.solver import _Search
+
+    groups = [[(5.0, 9.0), (7.0, 4.0), (9.0, 1.0)], [(2.0, 8.0), (6.0, 2.0)], [(1.0, 7.0), (4.0, 3.0), (8.0, 1.0)],
+              [(3.0, 6.0), (5.0, 1.0)]]
+    ilp, cols, weights = _program(groups)
+    costs, upper, lower = ilp._priced(np.zeros(0, dtype=bool))
+    binary = np.asarray(ilp.integral, dtype=bool)
+    search = _Search(ilp._model(costs, upper, lower), binary, ilp._choice_groups(binary), time.perf_counter() + 60,
+                     1e-6)
+    weight = np.zeros(len(costs))
+    for c, b in weights.items():
+        weight[c] = b
+
+    def plan(picks) -> np.ndarray:
+        x = np.zeros(len(costs))
+        x[[g[i] for g, i in zip(cols, picks)]] = 1.0
+        return x
+
+    free = np.asarray(cols[0] + cols[2])  # groups 1 and 3 stay as each start has them
+    starts = [(14.0, plan((0, 0, 0, 0))), (14.0, plan((0, 1, 0, 1))), (9.0, plan((2, 0, 2, 0))),
+              (21.0, plan((0, 0, 0, 0)))]
+    names = []
+    alone = _Search.polish
+
+    def polish(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return alone(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Search, "polish", polish)
+    together = search.polish_each(costs, weight, starts, free)
+    assert len(names) == 4 and all(n.startswith("spmd-polish") for n in names)
+    want = [alone(search, costs, weight, limit, x, free) for limit, x in starts]
+    assert [None if x is None else _picks(x, cols) for x in together] == \
+        [None if x is None else _picks(x, cols) for x in want]
+
+    def brute_force(limit, x):  # groups 1 and 3 as the start has them, 0 and 2 re-chosen under the row
+        fixed = _picks(x, cols)
+        fits = [p for p in itertools.product(*(range(len(g)) for g in groups))
+                if p[1] == fixed[1] and p[3] == fixed[3] and sum(g[i][1] for g, i in zip(groups, p)) <= limit]
+        return min(fits, key=lambda p: sum(g[i][0] for g, i in zip(groups, p)), default=None)
+
+    assert [None if x is None else _picks(x, cols) for x in want] == [brute_force(*s) for s in starts] == \
+        [None, (1, 1, 0, 1), None, (1, 0, 1, 0)]
