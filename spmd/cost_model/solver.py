@@ -374,7 +374,8 @@ class IlpBuilder:
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
-                 "polished": set()}  # ids of the plans of "over" that `polish(over=True)` started from
+                 "polished": set(),  # ids of the plans of "over" that `polish(over=True)` started from
+                 "weights_first": None}  # the weights-first polish's plan (a future) until the prices end
 
         def gap() -> float:
             best = state["objective"]
@@ -403,10 +404,12 @@ class IlpBuilder:
             solution. The bound is the row's alone (`extra` is not linear; every fitting plan satisfies the
             row); the search steers by what plans need whole."""
             state["probes"] += 1
-            # with a plan that fits in hand, a relaxation gets a branch and bound's time, not the rest of the
-            # limit (a 2-layer transformers Llama on (2, 2): 79 s for the price where its plan changes)
+            # with a plan that fits in hand (or on its way: the weights-first polish), a relaxation gets a
+            # branch and bound's time, not the rest of the limit (a 2-layer transformers Llama on (2, 2): 79 s
+            # for the price where its plan changes)
+            in_hand = state["x"] is not None or state["weights_first"] is not None
             x, value, status = probes.integral(lam * weight, first_found=True,
-                                               seconds=None if state["x"] is None else budget.seconds)
+                                               seconds=budget.seconds if in_hand else None)
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)
@@ -537,15 +540,24 @@ class IlpBuilder:
         elif first is not None:
             if budget.weights_only and not search.out_of_time():
                 # the cheapest plan's other placements with its weights re-laid out under the row: a plan
-                # in hand before the prices of memory, which may turn slow where the plan changes
-                # (within the search's gap: LLaMA3-8B in transformers at 80 GB, 0.76% from its optimum after
-                # 2 s, and 8 s more to prove 0.04%, for a plan the polishes below replaced)
+                # for the prices of memory, which may turn slow where the plan changes (within the search's
+                # gap: LLaMA3-8B in transformers at 80 GB, 0.76% from its optimum after 2 s, and 8 s more to
+                # prove 0.04%, for a plan the polishes below replaced). With a second core, made beside the
+                # prices and taken once they end (the 2-layer transformers Llama at 0.8 of its peak: 6 s)
                 x = state["leanest"]
-                got = search.polish(costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
+                args = (costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
+                if (os.cpu_count() or 1) >= 2:
+                    pool = ThreadPoolExecutor(1, thread_name_prefix="spmd-polish")
+                    state["weights_first"] = pool.submit(search.polish, *args)
+                    pool.shutdown(wait=False)
+                else:
+                    state["weights_first"] = _Done(search.polish(*args))
+            prices(first)
+            if state["weights_first"] is not None:
+                got, state["weights_first"] = state["weights_first"].result(), None
                 if got is not None:
                     improve(got, -float("inf"))
                     met(got, needs(got))
-            prices(first)
             # the best plan polished (cheap, and a better start for branch and bound), and beside it the
             # plans over by their temporaries alone with their layers' recomputation re-chosen: a few
             # seconds each, where branch and bound from the best plan may not finish its root in its time
@@ -783,6 +795,16 @@ def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("presolve", "on" if presolve else "off")
     return h
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A result already made, read as a future's."""
+
+    value: object
+
+    def result(self):
+        return self.value
 
 
 class _Beside:

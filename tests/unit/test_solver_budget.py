@@ -518,3 +518,31 @@ def test_polishes_side_by_side_give_what_each_gives_alone(monkeypatch):
 
     assert [None if x is None else _picks(x, cols) for x in want] == [brute_force(*s) for s in starts] == \
         [None, (1, 1, 0, 1), None, (1, 0, 1, 0)]
+
+
+def test_the_weights_first_polish_runs_beside_the_prices_and_finds_what_it_finds_in_turn(monkeypatch):
+    """With a second core the weights-first polish (`Budget.weights_only`) runs on a thread of its own
+    while the prices are searched, and its plan is taken once they end: the same answer as on one core,
+    where it runs first."""
+    import threading
+
+    from spmd.cost_model import solver
+
+    names, polish = [], solver._Search.polish
+
+    def recorded(self, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return polish(self, *args, **kwargs)
+
+    monkeypatch.setattr(solver._Search, "polish", recorded)
+    groups = [[(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (1.0, 4.0)], [(0.0, 3.0), (5.0, 1.0)]]
+    found = {}
+    for cores in (2, 1):
+        monkeypatch.setattr(solver.os, "cpu_count", lambda: cores)
+        names.clear()
+        ilp, cols, weights = _program(groups)
+        free = tuple(c for g in cols[:2] for c in g)
+        r = ilp.solve(budget=Budget(weights, 20.0, extra=lambda x: 0.0, weights_only=free))
+        found[cores] = (r.objective, _picks(r.values, cols), names[0])
+    assert found[2][:2] == found[1][:2] and found[1][0] == _brute_force(groups, 20.0)
+    assert found[2][2].startswith("spmd-polish") and found[1][2] == threading.main_thread().name
