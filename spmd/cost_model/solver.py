@@ -542,8 +542,9 @@ class IlpBuilder:
                 # the cheapest plan's other placements with its weights re-laid out under the row: a plan
                 # for the prices of memory, which may turn slow where the plan changes (within the search's
                 # gap: LLaMA3-8B in transformers at 80 GB, 0.76% from its optimum after 2 s, and 8 s more to
-                # prove 0.04%, for a plan the polishes below replaced). With a second core, made beside the
-                # prices and taken once they end (the 2-layer transformers Llama at 0.8 of its peak: 6 s)
+                # prove 0.04%, for a plan the polishes below replaced). With a second core it is made beside
+                # the prices (the 2-layer transformers Llama at 0.8 of its peak: 6 s), on one before them;
+                # either way its plan joins the search once they end: the same path on any number of cores
                 x = state["leanest"]
                 args = (costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
                 if (os.cpu_count() or 1) >= 2:
