@@ -484,8 +484,8 @@ class IlpBuilder:
             mine = [state["x"]] if best and state["x"] is not None else []
             # (each plan over once: this may run after the price search too, and again at the end)
             overs = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
-                     if float(costs @ x) < state["objective"] and id(x) not in state["polished"]
-                     ][:POLISH_OVER] if over else []
+                     if float(costs @ x) < state["objective"]][:POLISH_OVER] if over else []
+            overs = [x for x in overs if id(x) not in state["polished"]]
             at_once = max(1, min(os.cpu_count() or 1, POLISH_AT_ONCE))
             while (mine or overs) and not search.out_of_time():
                 if gap() <= budget.gap:
