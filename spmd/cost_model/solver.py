@@ -407,9 +407,15 @@ class IlpBuilder:
             # with a plan that fits in hand (or on its way: the weights-first polish), a relaxation gets a
             # branch and bound's time, not the rest of the limit (a 2-layer transformers Llama on (2, 2): 79 s
             # for the price where its plan changes)
-            in_hand = state["x"] is not None or state["weights_first"] is not None
+            on_its_way = state["x"] is None and state["weights_first"] is not None
             x, value, status = probes.integral(lam * weight, first_found=True,
-                                               seconds=budget.seconds if in_hand else None)
+                                               seconds=budget.seconds if state["x"] is not None or on_its_way
+                                               else None)
+            if x is None and on_its_way and "time limit" in status.lower() and \
+                    state["weights_first"].result() is None:
+                # the plan on its way did not come: as with none in hand, the relaxation goes on (from where it
+                # stopped) for the rest of the limit
+                x, value, status = probes.integral(lam * weight, first_found=True)
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)

@@ -546,3 +546,30 @@ def test_the_weights_first_polish_runs_beside_the_prices_and_finds_what_it_finds
         found[cores] = (r.objective, _picks(r.values, cols), names[0])
     assert found[2][:2] == found[1][:2] and found[1][0] == _brute_force(groups, 20.0)
     assert found[2][2].startswith("spmd-polish") and found[1][2] == threading.main_thread().name
+
+
+def test_a_price_cut_short_for_a_weights_first_plan_that_does_not_come_goes_on(monkeypatch):
+    """While the weights-first polish runs, a price's relaxation gets branch and bound's time, as with a plan
+    in hand. Where it runs out of that time and the polish brings no plan, the relaxation goes on for the
+    rest of the limit, as it would have with no plan in hand: here every price relaxation "runs out" of a
+    time cut short, and without going on the search would end with no plan."""
+    from spmd.cost_model import solver
+
+    seconds_asked, integral = [], solver._Search.integral
+
+    def cut_short(self, costs, seconds=None, **options):
+        seconds_asked.append(seconds)
+        if seconds is not None:
+            return None, float("nan"), "Time limit reached"
+        return integral(self, costs, seconds=seconds, **options)
+
+    monkeypatch.setattr(solver._Search, "integral", cut_short)
+    monkeypatch.setattr(solver._Search, "polish", lambda self, *args, **kwargs: None)  # no weights-first plan
+    groups = [[(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (2.0, 5.0)], [(0.0, 10.0), (1.0, 4.0)]]
+    ilp, cols, weights = _program(groups)
+    free = tuple(c for g in cols[:2] for c in g)
+    r = ilp.solve(budget=Budget(weights, 20.0, extra=lambda x: 0.0, weights_only=free))
+    picks = _picks(r.values, cols)
+    assert sum(g[i][1] for g, i in zip(groups, picks)) <= 20.0 and r.objective >= _brute_force(groups, 20.0), r.status
+    # a price asked with branch and bound's time, then again with the rest of the limit (None)
+    assert any(a is not None and b is None for a, b in zip(seconds_asked, seconds_asked[1:]))
