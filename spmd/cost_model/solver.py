@@ -459,6 +459,7 @@ class IlpBuilder:
                 if stalled >= STALLED_PROBES:
                     break
                 lo, lo_line, lam = lam, got[1:], lam * 8
+            weights_first()  # (the steps between prices below steer by the best plan)
             stalled = 0  # probes in a row that improved neither the best plan nor the bound
             for _ in range(16):
                 if hi is None or gap() <= budget.gap or search.out_of_time() or hi - lo <= 1e-9 * hi \
@@ -478,6 +479,14 @@ class IlpBuilder:
                     hi, hi_line = mid, got[1:]
                 else:
                     lo, lo_line = mid, got[1:]
+
+        def weights_first() -> None:
+            """The weights-first polish's plan joins the search (waiting for it where it is still made)."""
+            if state["weights_first"] is not None:
+                got, state["weights_first"] = state["weights_first"].result(), None
+                if got is not None:
+                    improve(got, -float("inf"))
+                    met(got, needs(got))
 
         def polish(best: bool = True, over: bool = False) -> None:
             """The polish columns re-chosen under the row for the best plan (`best`) and (`over`) for the
@@ -549,8 +558,9 @@ class IlpBuilder:
                 # for the prices of memory, which may turn slow where the plan changes (within the search's
                 # gap: LLaMA3-8B in transformers at 80 GB, 0.76% from its optimum after 2 s, and 8 s more to
                 # prove 0.04%, for a plan the polishes below replaced). With a second core it is made beside
-                # the prices (the 2-layer transformers Llama at 0.8 of its peak: 6 s), on one before them;
-                # either way its plan joins the search once they end: the same path on any number of cores
+                # the prices 8x apart (the 2-layer transformers Llama at 0.8 of its peak: 6 s), on one before
+                # them; either way its plan joins the search once they end, before the steps between them
+                # that steer by the best plan: the same path on any number of cores
                 x = state["leanest"]
                 args = (costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
                 if (os.cpu_count() or 1) >= 2:
@@ -560,11 +570,7 @@ class IlpBuilder:
                 else:
                     state["weights_first"] = _Done(search.polish(*args))
             prices(first)
-            if state["weights_first"] is not None:
-                got, state["weights_first"] = state["weights_first"].result(), None
-                if got is not None:
-                    improve(got, -float("inf"))
-                    met(got, needs(got))
+            weights_first()
             # the best plan polished (cheap, and a better start for branch and bound), and beside it the
             # plans over by their temporaries alone with their layers' recomputation re-chosen: a few
             # seconds each, where branch and bound from the best plan may not finish its root in its time
