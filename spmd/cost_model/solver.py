@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -501,7 +501,7 @@ class IlpBuilder:
             overs = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
                      if float(costs @ x) < state["objective"]][:POLISH_OVER] if over else []
             overs = [x for x in overs if id(x) not in state["polished"]]
-            at_once = max(1, min(os.cpu_count() or 1, POLISH_AT_ONCE))
+            at_once = min(_cores(), POLISH_AT_ONCE)
             while (mine or overs) and not search.out_of_time():
                 if gap() <= budget.gap:
                     overs = []
@@ -562,13 +562,8 @@ class IlpBuilder:
                 # them; either way its plan joins the search once they end, before the steps between them
                 # that steer by the best plan: the same path on any number of cores
                 x = state["leanest"]
-                args = (costs, weight, room(x), x, np.asarray(budget.weights_only), budget.gap)
-                if (os.cpu_count() or 1) >= 2:
-                    pool = ThreadPoolExecutor(1, thread_name_prefix="spmd-polish")
-                    state["weights_first"] = pool.submit(search.polish, *args)
-                    pool.shutdown(wait=False)
-                else:
-                    state["weights_first"] = _Done(search.polish(*args))
+                state["weights_first"] = _aside(search.polish, costs, weight, room(x), x,
+                                                np.asarray(budget.weights_only), budget.gap)
             prices(first)
             weights_first()
             # the best plan polished (cheap, and a better start for branch and bound), and beside it the
@@ -810,14 +805,22 @@ def _highs(time_limit: float, presolve: bool) -> "highspy.Highs":
     return h
 
 
-@dataclass(frozen=True)
-class _Done:
-    """A result already made, read as a future's."""
+def _cores() -> int:
+    """The cores this machine has: where there are two or more, HiGHS instances run side by side."""
+    return os.cpu_count() or 1
 
-    value: object
 
-    def result(self):
-        return self.value
+def _aside(fn: Callable, *args) -> Future:
+    """`fn(*args)` on a thread of its own where there is a second core (HiGHS lets go of Python while it
+    runs), else now; its answer is the future's either way."""
+    if _cores() >= 2:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="spmd-polish")
+        future = pool.submit(fn, *args)
+        pool.shutdown(wait=False)  # (its thread ends with its task)
+        return future
+    done = Future()
+    done.set_result(fn(*args))
+    return done
 
 
 class _Beside:
@@ -978,8 +981,7 @@ class _Search:
                                     min(self.simplex_iterations, DROPPABLE_ITERATIONS) if self.droppable else
                                     self.simplex_iterations)
         beside = None
-        if not self.solved and not self.droppable and len(costs) >= BESIDE_MIN_COLUMNS and \
-                (os.cpu_count() or 1) >= 2:
+        if not self.solved and not self.droppable and len(costs) >= BESIDE_MIN_COLUMNS and _cores() >= 2:
             beside = _Beside(lambda: self._interior_point_instance(costs, until, self.lp), after=BESIDE_AFTER)
         self.solved = True
         try:
