@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from spmd.core.errors import SpmdError
+from spmd.core.memo import ByIdentity
 from spmd.core.plan import Plan
 from spmd.core.specs import Strategy
 from spmd.passes.enumerate_strategies import NodeStrategies, StrategyTable
@@ -64,30 +65,31 @@ def _on_axes(s: Strategy, axes: tuple[int, ...]) -> tuple:
     return tuple([None if ps is None else tuple([ps[a] for a in axes]) for ps in (*s.inputs, *s.outputs)])
 
 
+def _projected(strategies: tuple[Strategy, ...], axes: tuple[int, ...]) -> tuple[dict, dict]:
+    """(projection on `axes` -> the indices of the strategies with it, id of a strategy -> the same)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(strategies):
+        groups.setdefault(_on_axes(s, axes), []).append(i)
+    by_projection = {p: tuple(ix) for p, ix in groups.items()}
+    return by_projection, {id(strategies[i]): ix for ix in by_projection.values() for i in ix}
+
+
 class _Projections:
     """A strategy list's strategies by their placements on some mesh axes (`_on_axes`): projection ->
     indices, worked out once per list (nodes of tied layers share theirs, and every step asks again)."""
 
     def __init__(self):
-        self._lists: dict[tuple, tuple] = {}  # (id of the list, axes) -> (the list, projection -> indices, by strategy)
+        self._lists = ByIdentity()  # (list, axes) -> (projection -> indices, id of a strategy -> indices)
 
-    def _of(self, ns: NodeStrategies, axes: tuple[int, ...]) -> tuple:
-        got = self._lists.get((id(ns.strategies), axes))
-        if got is None:  # (the list is kept with its projections, so its id is not reused)
-            groups: dict[tuple, list[int]] = {}
-            for i, s in enumerate(ns.strategies):
-                groups.setdefault(_on_axes(s, axes), []).append(i)
-            by_projection = {p: tuple(ix) for p, ix in groups.items()}
-            by_strategy = {id(ns.strategies[i]): ix for ix in by_projection.values() for i in ix}
-            got = self._lists[(id(ns.strategies), axes)] = (ns.strategies, by_projection, by_strategy)
-        return got
+    def _of(self, ns: NodeStrategies, axes: tuple[int, ...]) -> tuple[dict, dict]:
+        return self._lists.get(ns.strategies, axes, lambda: _projected(ns.strategies, axes))
 
     def __call__(self, ns: NodeStrategies, axes: tuple[int, ...]) -> dict[tuple, tuple[int, ...]]:
-        return self._of(ns, axes)[1]
+        return self._of(ns, axes)[0]
 
     def alike(self, ns: NodeStrategies, axes: tuple[int, ...], s: Strategy) -> tuple[int, ...]:
         """The indices of the strategies placed as `s` is on `axes` (none if no strategy is)."""
-        _, by_projection, by_strategy = self._of(ns, axes)
+        by_projection, by_strategy = self._of(ns, axes)
         found = by_strategy.get(id(s))  # (a plan's choices are the list's own objects: no placements hashed)
         return by_projection.get(_on_axes(s, axes), ()) if found is None else found
 
@@ -99,7 +101,7 @@ def restrict(table: StrategyTable, costs: CostTable,
     nodes, node_costs = dict(table.nodes), dict(costs.node_costs)
     fresh = max((ns.variant for ns in table.nodes.values()), default=0) + 1
     variants: dict[tuple, tuple[int, tuple]] = {}  # (variant, kept) -> (its new variant, its strategies)
-    rows: dict[tuple, tuple] = {}  # (id of a cost row, kept) -> (the row, its kept part): tied nodes share rows
+    rows = ByIdentity()  # (a cost row, kept) -> its kept part: tied nodes share rows
     for name, ns in table.nodes.items():
         kept = keep(name, ns)
         if not kept or len(kept) == len(ns.strategies):
@@ -111,10 +113,7 @@ def restrict(table: StrategyTable, costs: CostTable,
         nodes[name] = NodeStrategies(strategies, ns.inputs, ns.outputs, ns.source, variant, ns.excluded, ns.tie)
         row = costs.node_costs.get(name)
         if row is not None:
-            part = rows.get((id(row), kept))
-            if part is None:
-                part = rows[(id(row), kept)] = (row, tuple([row[i] for i in kept]))
-            node_costs[name] = part[1]
+            node_costs[name] = rows.get(row, kept, lambda: tuple([row[i] for i in kept]))
     return (StrategyTable(nodes, table.fallbacks, table.copied, table.merged_followers),
             dataclasses.replace(costs, node_costs=node_costs))
 
@@ -126,15 +125,12 @@ def solve_by_axes(solve: Callable[[StrategyTable, CostTable], Plan], table: Stra
     outer = tuple(range(mesh_axes - 1))
     on_axes = _Projections()
 
-    diagonals: dict[int, tuple] = {}  # id of a strategy list -> (the list, its diagonal)
+    diagonals = ByIdentity()  # strategy list -> its diagonal: nodes of tied layers share theirs
 
     def diagonal(name: str, ns: NodeStrategies) -> tuple[int, ...]:
-        got = diagonals.get(id(ns.strategies))
-        if got is None:  # once per list: nodes of tied layers share theirs (kept, so its id is its own)
-            got = diagonals[id(ns.strategies)] = (ns.strategies, tuple(sorted(
-                i for p, ix in on_axes(ns, outer).items() if all(ps is None or len(set(ps)) == 1 for ps in p)
-                for i in ix)))
-        return got[1]
+        return diagonals.get(ns.strategies, None, lambda: tuple(sorted(
+            i for p, ix in on_axes(ns, outer).items() if all(ps is None or len(set(ps)) == 1 for ps in p)
+            for i in ix)))
 
     t = time.perf_counter()
     try:

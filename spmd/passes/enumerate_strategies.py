@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError, describe_node
 from spmd.core.graph_facts import hashable_args
+from spmd.core.memo import ByIdentity
 from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
 from spmd.passes.rules import dtensor_adapter
@@ -55,8 +56,8 @@ class StrategyTable:
     copied: int = 0  # nodes whose strategies were copied from their repeated-block representative
     merged_followers: int = 0  # nodes pruned to follow their input (merge_followers)
     _candidates: dict = field(default_factory=dict, repr=False, compare=False)  # memo of output_candidates
-    # (id of a strategy list, output index) -> (the list, its candidates): tied layers share their lists
-    _by_list: dict = field(default_factory=dict, repr=False, compare=False)
+    # (strategy list, output index) -> its candidates: tied layers share their lists
+    _by_list: ByIdentity = field(default_factory=ByIdentity, repr=False, compare=False)
 
     def output_candidates(self, value: Value) -> list[Placements]:
         """The placements `value` can come out in."""
@@ -64,13 +65,8 @@ class StrategyTable:
         if found is None:
             name, idx = value
             strategies = self.nodes[name].strategies
-            listed = self._by_list.get((id(strategies), idx))
-            if listed is None:  # (the list is kept with its answer, so its id is not reused)
-                seen: dict[Placements, None] = {}
-                for s in strategies:
-                    seen.setdefault(s.outputs[idx], None)
-                listed = self._by_list[(id(strategies), idx)] = (strategies, list(seen))
-            found = self._candidates[value] = listed[1]
+            found = self._candidates[value] = self._by_list.get(
+                strategies, idx, lambda: list(dict.fromkeys(s.outputs[idx] for s in strategies)))
         return found
 
 

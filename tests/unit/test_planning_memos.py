@@ -103,3 +103,26 @@ def test_shard_and_replicate_have_no_subclasses():
         return [s for c in cls.__subclasses__() for s in (c, *subclasses(c))]
 
     assert subclasses(Shard) == [] and subclasses(Replicate) == []
+
+
+def test_answers_by_identity_are_per_object_and_keep_it_alive():
+    """`ByIdentity`: one answer per (object, extra), made once; an equal object is another object; and the
+    object is kept alive with its answer, so its id cannot pass to a new object and fetch a stale answer."""
+    import gc
+    import weakref
+
+    from spmd.core.memo import ByIdentity
+
+    class Row(list):
+        pass
+
+    memo, made = ByIdentity(), []
+    row = Row([1, 2])
+    assert memo.get(row, 0, lambda: made.append("a") or "a") == "a"
+    assert memo.get(row, 0, lambda: made.append("again") or "again") == "a" and made == ["a"]
+    assert memo.get(row, 1, lambda: "a1") == "a1"
+    assert memo.get(Row([1, 2]), 0, lambda: "equal, not the same") == "equal, not the same"
+    alive = weakref.ref(row)
+    del row
+    gc.collect()
+    assert alive() is not None
