@@ -294,7 +294,7 @@ class IlpBuilder:
 
     def solve(self, time_limit: float = 60.0, mip_rel_gap: float | None = None,
               on_progress: Callable[[float, float, float], None] | None = None,
-              budget: Budget | None = None) -> IlpResult:
+              budget: Budget | None = None, twin: "tuple[IlpBuilder, Budget] | None" = None) -> IlpResult:
         """The optimum, or with a `budget` the best solution found within `budget.gap` of a proven bound.
 
         Without a budget the LP relaxation goes first: on placement programs it is usually integral
@@ -318,7 +318,13 @@ class IlpBuilder:
         its basis) and it is solved again, until no shared cost is taken partly. Each solve is a lower
         bound; the last one prices its solution at its true cost, so its optimum is the program's. With a
         budget the price search's relaxations do the same (`_LazyShares`: the rows made exact at one price
-        stay for the next), and branch and bound and the polishes work on the exact program."""
+        stay for the next), and branch and bound and the polishes work on the exact program.
+
+        `twin`: with a budget, a smaller program the price search's relaxations solve instead, and its
+        budget row: the same binary columns in the same order, and for every plan a cost and a row no
+        larger than this program's (solve_placements' pooled reads). Each of its bounds is then a bound
+        here, and each plan it gives is this program's plan with those binary columns (its continuous
+        columns at their least cost), priced here."""
         t0 = time.perf_counter()
         if mip_rel_gap is None:
             mip_rel_gap = PLAN_GAP if budget is None else 1e-6
@@ -354,28 +360,63 @@ class IlpBuilder:
         # the polishes and every plan's price use the exact program
         exact_search = search if not self._shared else _Search(
             self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline, mip_rel_gap)
-        probes = _LazyShares(self, scale, exact, search)
-        return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
+        if twin is None or not exact_search.roundable:
+            probes = _LazyShares(self, scale, exact, search)
+            return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
+        other, other_budget = twin
+        other_binary = np.asarray(other.integral, dtype=bool)
+        if int(other_binary.sum()) != int(binary.sum()):
+            raise SpmdInternalError(f"IlpBuilder.solve: a twin of {int(other_binary.sum())} binary columns for a "
+                                    f"program of {int(binary.sum())}")
+        other_exact = np.zeros(len(other._shared), dtype=bool)
+        other_costs, other_upper, other_lower = other._priced(other_exact)
+        other_search = _Search(other._model(other_costs * scale, other_upper, other_lower), other_binary,
+                               other._choice_groups(other_binary), search.deadline, mip_rel_gap)
+        probe_weight = np.zeros(len(other.cost))
+        for col, b in other_budget.bytes.items():
+            probe_weight[col] += b
+        # a twin's plan here: its binary columns, the rest at their least cost without the droppable rows (a
+        # plan over what is alive when backward ends is over by its extra, and still a plan)
+        lifter = _Search(self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline,
+                         mip_rel_gap)
+        lifter.droppable = tuple(budget.droppable)
+        lifter._drop_rows()
+        at, other_at = np.flatnonzero(binary), np.flatnonzero(other_binary)
+
+        def lift(x: np.ndarray) -> np.ndarray | None:
+            plan = np.zeros(n)
+            plan[at] = np.round(x[other_at])
+            return lifter.settled(plan, whole_costs * scale)
+
+        probes = _LazyShares(other, scale, other_exact, other_search)
+        return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes,
+                                   (probe_weight, other_budget.droppable, lift))
 
     def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
-                       budget: Budget, report, t0: float, sizes: tuple) -> IlpResult:
+                       budget: Budget, report, t0: float, sizes: tuple, twin: tuple | None = None) -> IlpResult:
         """The Lagrangian search of `solve`. Each price `lam` gives a solution x and a line,
         c.x + mu * (w.x - limit), that lies above the dual function; the next price is where the lines
         of the dearest price that does not fit and the cheapest that does cross (Newton's step for a
         one-row dual), so the search ends in a few solves, at the dual optimum or when the gap closes.
         `report(objective, bound, gap)`: progress in the scaled `costs`' units. `search` is the exact
         program's (branch and bound, polishes), `probes` the prices' relaxations (shared costs lazily: each
-        bound is a bound, and each plan it gives is priced here at its true cost, `costs`)."""
+        bound is a bound, and each plan it gives is priced here at its true cost, `costs`). `twin`: where
+        `probes` solve the twin of `solve` instead, its (budget row, droppable rows, plan here of its plan)."""
         weight = np.zeros(len(costs))
         for col, b in budget.bytes.items():
             weight[col] += b
         limit = float(budget.limit)
-        probes.droppable(budget.droppable)
+        probe_weight, droppable, lift = (weight, budget.droppable, None) if twin is None else twin
+        probes.droppable(droppable)
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
                  "polished": set(),  # ids of the plans of "over" that `polish(over=True)` started from
-                 "weights_first": None}  # the weights-first polish's plan (a future) until the prices end
+                 "weights_first": None,  # the weights-first polish's plan (a future) until the prices end
+                 # no branch and bound from the best plan where the prices solved a twin: its root is this
+                 # program's relaxation with the row, which the twin is there to avoid (the 2-layer transformers
+                 # Llama at 0.8 of its peak: 10 s, and no better plan)
+                 "hard": twin is not None}
 
         def gap() -> float:
             best = state["objective"]
@@ -408,14 +449,18 @@ class IlpBuilder:
             # branch and bound's time, not the rest of the limit (a 2-layer transformers Llama on (2, 2): 79 s
             # for the price where its plan changes)
             on_its_way = state["x"] is None and state["weights_first"] is not None
-            x, value, status = probes.integral(lam * weight, first_found=True,
+            x, value, status = probes.integral(lam * probe_weight, first_found=True,
                                                seconds=budget.seconds if state["x"] is not None or on_its_way
                                                else None)
             if x is None and on_its_way and "time limit" in status.lower() and \
                     state["weights_first"].result() is None:
                 # the plan on its way did not come: as with none in hand, the relaxation goes on (from where it
                 # stopped) for the rest of the limit
-                x, value, status = probes.integral(lam * weight, first_found=True)
+                x, value, status = probes.integral(lam * probe_weight, first_found=True)
+            if x is not None and lift is not None:
+                x = lift(x)
+                if x is None and not search.out_of_time():  # (a twin that is not one)
+                    raise SpmdInternalError("IlpBuilder.solve: a plan of the twin program is not a plan of the program")
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)

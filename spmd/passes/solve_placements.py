@@ -28,6 +28,10 @@ from spmd.passes.find_recomputable_layers import Recomputable, RecomputableLayer
 Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
 FLOW_MIN_PAIRS = 64  # an edge with at least this many (made, needed) layout pairs may become a flow
+# With a budget, the price search solves the program's pooled twin (`_Program`) where the pair columns of
+# the reads it pools are at least this share of the program's columns (the 2-layer transformers Llama on
+# (2, 2): 32%; not LLaMA3-8B on (8, 8) at 80 GB: 22%, where its search took 20 s against 8 for a worse plan)
+POOLED_SHARE = 0.3
 # A plan over the budget by its temporaries gives a cut at each of this many hills of its schedule (the worst
 # first): the next plan is often over at the plan's second hill (a 2-layer GPT on (4,): at the two matmuls
 # of its last MLP, one cut loop round each)
@@ -556,6 +560,35 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     return out
 
 
+@dataclasses.dataclass
+class _Program:
+    """One build of the placement program (`solve_placements`), and what reading its solutions needs.
+
+    With a memory budget, where a value's reads in one region are many (the layouts of small tensors on
+    a 2-D mesh: 20-36 each), the program has a twin for the price search, `pooled`: the same binary
+    columns in the same order, and the same budget row, but the reads of such a value in one region
+    priced together as one unit of flow over the layout graph, from the layout it is made in to the
+    average of the layouts they need. For any plan that costs (1/k) of the k reads' reshardings, each at
+    its cheapest path: no more than the program's price, where a resharding several reads share is paid
+    once and each read pays its own otherwise, and the same where all k need one layout and its steps
+    hold a collective, the usual case. So the twin's relaxations are bounds on the program's, over
+    a few arcs per value where the program has a transport of layout pairs per read and a column per
+    shared resharding (the 2-layer transformers Llama on (2, 2): 188k columns, 89k in the twin). The
+    twin leaves out the reshardings of those reads that recomputing a layer runs again (also a bound).
+    `pooled_columns`: in the program, the columns of the reads the twin pools (pair columns)."""
+
+    ilp: IlpBuilder
+    node_expr: dict
+    value_expr: dict
+    memory_row: dict
+    droppable: tuple
+    copies: dict
+    counts: list
+    rebuilds: list
+    last_stack: int
+    pooled_columns: int
+
+
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
                      memory_budget: float | None = None, time_limit: float = 60.0,
                      blocks=None, schedule: Schedule | None = None,
@@ -577,268 +610,321 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
     `recompute`: layers backward may run again instead of saving their activations (see `_recompute`):
     chosen where a memory budget needs it ("auto", only with a budget) or everywhere ("all")."""
     regions = regions or {}
-    rep_of = blocks.representative if blocks is not None else {}
-    shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
-    group_index: dict[tuple, int] = {}  # (structure, tensor, gradient) -> its index in edge_groups
-    edge_groups: list[tuple] = []  # (terms, bucket shares) of each distinct edge
-    uses: dict[Value, list[tuple[int, str | None]]] = {}  # value -> (edge group, region) per consumer
-    own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
-    variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
-    ilp = IlpBuilder()
-    node_expr: dict[str, list[Expr]] = {}
-    col_group: dict[int, tuple[int, ...]] = {}  # column -> the columns of its "exactly one of" (choices, edge pairs)
-    edge_at: dict[tuple[str, int], int] = {}  # (consumer, input slot) -> its edge group
-    value_expr: dict[Value, dict[Placements, Expr]] = {}
-    # The edges of a value read by one consumer in its region may be flows over the layout graph: no
-    # other consumer shares their collectives, so the cheapest path is all they cost.
-    readers: dict[tuple[Value, str | None], int] = {}
-    for name, ns in table.nodes.items():
-        for value in ns.inputs:
-            readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
-    flows: dict[int, tuple] = {}  # first arc column -> (made, needed, arcs), for `_recompute`
+    mesh_shape = costs.mesh.shape
+    saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
+    forward_readers = _forward_readers(table, saved, schedule.phase) if saved else {}
 
-    # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
-    # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
-    # hashing placements is most of the work of building the program for a deep model.
-    memo: dict[tuple, object] = {}
+    def build(pooled: bool) -> _Program:
+        """The program (`pooled`: its price-search twin, see `_Program`)."""
+        rep_of = blocks.representative if blocks is not None else {}
+        shared_edges: dict[tuple, dict] = {}  # column structure of an edge -> its edge variables
+        group_index: dict[tuple, int] = {}  # (structure, tensor, gradient) -> its index in edge_groups
+        edge_groups: list[tuple] = []  # (terms, bucket shares) of each distinct edge
+        uses: dict[Value, list[tuple[int, str | None]]] = {}  # value -> (edge group, region) per consumer
+        own_vars: set[str] = set()  # nodes with one choice column per strategy (not followers)
+        variants: dict[str, list[str]] = {}  # representative -> counterparts with their own columns
+        ilp = IlpBuilder()
+        node_expr: dict[str, list[Expr]] = {}
+        col_group: dict[int, tuple[int, ...]] = {}  # column -> the columns of its "exactly one of" (choices, edge pairs)
+        edge_at: dict[tuple[str, int], int] = {}  # (consumer, input slot) -> its edge group
+        value_expr: dict[Value, dict[Placements, Expr]] = {}
+        # The edges of a value read by one consumer in its region may be flows over the layout graph: no
+        # other consumer shares their collectives, so the cheapest path is all they cost.
+        readers: dict[tuple[Value, str | None], int] = {}
+        for name, ns in table.nodes.items():
+            for value in ns.inputs:
+                readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
+        flows: dict[int, tuple] = {}  # first arc column -> (made, needed, arcs), for `_recompute`
+        # (`pooled`) the reads of a value in one region to price as one flow: (value, region) -> (consumer, slot,
+        # producer, needed, structure) per read; their flows' first arc columns; the pair columns they would have
+        reads: dict[tuple[Value, str | None], list[tuple]] = {}
+        pooled_flows: dict[tuple, int] = {}
+        pooled_columns = [0]
 
-    def publish(name: str) -> None:
-        ns = table.nodes[name]
-        for k in range(len(ns.outputs)):
-            key = ("out", ns.variant, k, tuple(node_expr[name]))
+        # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
+        # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
+        # hashing placements is most of the work of building the program for a deep model.
+        memo: dict[tuple, object] = {}
+
+        def publish(name: str) -> None:
+            ns = table.nodes[name]
+            for k in range(len(ns.outputs)):
+                key = ("out", ns.variant, k, tuple(node_expr[name]))
+                if key not in memo:
+                    groups: dict[Placements, list[int]] = {}
+                    for s, expr in zip(ns.strategies, node_expr[name]):
+                        if s.outputs[k] is not None:
+                            groups.setdefault(s.outputs[k], []).extend(expr)
+                    memo[key] = {ps: tuple(cols) for ps, cols in groups.items()}
+                value_expr[(name, k)] = memo[key]
+
+        def follows(ns, producer: dict) -> bool:
+            key = ("follows", ns.variant, id(producer))  # `producer` is a memo entry: alive, so its id is its own
             if key not in memo:
-                groups: dict[Placements, list[int]] = {}
-                for s, expr in zip(ns.strategies, node_expr[name]):
-                    if s.outputs[k] is not None:
-                        groups.setdefault(s.outputs[k], []).extend(expr)
-                memo[key] = {ps: tuple(cols) for ps, cols in groups.items()}
-            value_expr[(name, k)] = memo[key]
+                memo[key] = follows_input(ns, producer)
+            return memo[key]
 
-    def follows(ns, producer: dict) -> bool:
-        key = ("follows", ns.variant, id(producer))  # `producer` is a memo entry: alive, so its id is its own
-        if key not in memo:
-            memo[key] = follows_input(ns, producer)
-        return memo[key]
-
-    def followed(ns, producer: dict) -> list[Expr]:
-        """A follower's columns per strategy: its producer's for the placements it takes as they come."""
-        key = ("followed", ns.variant, id(producer))
-        if key not in memo:
-            memo[key] = [producer.get(s.inputs[0], ()) for s in ns.strategies]
-        return memo[key]
-
-    # Layouts as small integers, for the keys that pool the consumers of a value reading one resharding:
-    # hashing a pair of placements tuples per term and consumer was a quarter of all hashing in a 3-D search.
-    layout_ids: dict[Placements, int] = {}
-
-    def _flow_terms(value: Value, producer: dict, needed: dict, arcs, structure: tuple):
-        """Terms pricing one edge as a unit of flow over `arcs` (the layout graph's arcs on cheapest
-        paths from a made to a needed layout): per layout v, flow in - flow out = [needed v] - [made v].
-        For chosen layouts a and b the cheapest flow is the cheapest path, exactly the pair's cost; the
-        relaxation is the same transport problem over the same distances as the pair form's."""
-        key = ("flow", structure, costs.value_info[value])
-        first = shared_edges.get(key)
-        if first is None:
-            first = shared_edges[key] = ilp.add_vars(len(arcs))
-            flows[first] = (producer, needed, arcs)
-            _add_flow_balance(ilp, producer, needed, arcs, range(first, first + len(arcs)))
-        return [(first + k, arc.seconds, None) for k, arc in enumerate(arcs)], []
-
-    def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool,
-                    chain_dim: int | None):
-        """(column, seconds, (src, dst layout ids) or None) terms pricing one edge, with edge variables
-        where both ends have choices; the placements where consumers of the value share the steps
-        (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce.
-        `alone`: no other consumer in the region reads the value (a large edge may then be a flow).
-        `chain_dim`: both ends are nodes of a chain priced fused (`CostTable.chains`) reducing this dim;
-        a resharding between layouts that both keep it whole is forbidden (it would cut the chain)."""
-        made, wanted = list(producer), list(needed)
-        if chain_dim is None and alone and not gradient and len(made) > 1 and len(wanted) > 1 and len(made) * len(wanted) >= FLOW_MIN_PAIRS:
-            arcs = layout_graph(costs.value_info[value], costs.mesh).between(made, wanted)
-            if arcs is not None and len(arcs) < len(made) * len(wanted):
-                return _flow_terms(value, producer, needed, arcs, structure)
-        # paths[i][k]: (seconds, shareable, steps) from made[i] to wanted[k]; None where no steps reach it;
-        # looked up once per pair of placements (hashing placements is the slow part of building the
-        # program). Away from gradients (whose bucketed all_reduces need the steps) a pair needs only its
-        # seconds and whether its steps hold a collective, which the layout graph has for all pairs at once.
-        table = None if gradient else costs.pair_table(value, made, wanted)
-        if table is not None:
-            inf = float("inf")
-            paths = [[None if sec == inf else (sec, coll, ()) for sec, coll in zip(sec_row, coll_row)]
-                     for sec_row, coll_row in zip(table[0].tolist(), table[1].tolist())]
-        else:
-            paths = []
-            for a in made:
-                row = costs.paths_from(value, a, gradient)
-                found = [(0.0, ()) if a == r else row.get(r) for r in wanted]
-                paths.append([None if p is None else (p[0], _shareable(p[1], gradient), p[1]) for p in found])
-        if len(made) == 1:
-            pairs = [(col, 0, k) for k, rcols in enumerate(needed.values()) for col in rcols]
-        elif len(wanted) == 1:
-            pairs = [(col, i, 0) for i, acols in enumerate(producer.values()) for col in acols]
-        else:
-            e = shared_edges.get(structure)
-            if e is None:
-                first = ilp.add_vars(len(made) * len(wanted))  # e[i * len(wanted) + k]: made[i] -> wanted[k]
-                e = shared_edges[structure] = range(first, first + len(made) * len(wanted))
-                col_group.update(dict.fromkeys(e, tuple(e)))
-                for i, acols in enumerate(producer.values()):
-                    ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
-                for k, rcols in enumerate(needed.values()):
-                    ilp.add_eq([(e[i * len(wanted) + k], 1.0) for i in range(len(made))] + [(c, -1.0) for c in rcols], 0.0)
-            pairs = ((col, i, k) for col, (i, k) in zip(e, itertools.product(range(len(made)), range(len(wanted)))))
-        terms, shares = [], []
-        rank = len(costs.value_info[value].shape)
-        made_ids = [layout_ids.setdefault(a, len(layout_ids)) for a in made]
-        wanted_ids = [layout_ids.setdefault(r, len(layout_ids)) for r in wanted]
-        for col, i, k in pairs:
-            path = paths[i][k]
-            if path is None:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
-                ilp.forbid(col)
-                continue
-            if chain_dim is not None and made[i] != wanted[k] and \
-                    keeps_whole(made[i], chain_dim, rank) and keeps_whole(wanted[k], chain_dim, rank):
-                ilp.forbid(col)
-                continue
-            seconds, shareable, steps = path
-            for step in steps if gradient and costs.bucket_bytes else ():
-                if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
-                    share = bucket_share(step.in_bytes, costs.bucket_bytes)
-                    seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
-                    shares.append((step.axis, col, share))
-            terms.append((col, seconds, (made_ids[i], wanted_ids[k]) if shareable else None))
-        return terms, shares
-
-    def _edges(name: str, ns, exprs: list[Expr]) -> None:
-        """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
-        tied layers have the same columns on both ends, hence the same placements (equal strategies,
-        output index and slot fixed) and, for the same tensor, the same terms: priced once, counted."""
-        exprs_key = tuple(exprs)
-        for j, value in enumerate(ns.inputs):
-            producer = value_expr[value]
-            key = ("in", ns.variant, j, exprs_key)
+        def followed(ns, producer: dict) -> list[Expr]:
+            """A follower's columns per strategy: its producer's for the placements it takes as they come."""
+            key = ("followed", ns.variant, id(producer))
             if key not in memo:
-                needed: dict[Placements, list[int]] = {}
-                for s, expr in zip(ns.strategies, exprs):
-                    needed.setdefault(s.inputs[j], []).extend(expr)
-                memo[key] = needed, tuple(tuple(rcols) for rcols in needed.values())
-            needed, needed_cols = memo[key]
-            gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
-            structure = (value[1], j, tuple(producer.values()), needed_cols)
-            alone = readers.get((value, regions.get(name))) == 1
-            chain = costs.chains.get(name)
-            chain_dim = chain[1] if chain is not None and costs.chains.get(value[0]) == chain else None
+                memo[key] = [producer.get(s.inputs[0], ()) for s in ns.strategies]
+            return memo[key]
+
+        # Layouts as small integers, for the keys that pool the consumers of a value reading one resharding:
+        # hashing a pair of placements tuples per term and consumer was a quarter of all hashing in a 3-D search.
+        layout_ids: dict[Placements, int] = {}
+
+        def _flow_terms(value: Value, producer: dict, needed: dict, arcs, structure: tuple):
+            """Terms pricing one edge as a unit of flow over `arcs` (the layout graph's arcs on cheapest
+            paths from a made to a needed layout): per layout v, flow in - flow out = [needed v] - [made v].
+            For chosen layouts a and b the cheapest flow is the cheapest path, exactly the pair's cost; the
+            relaxation is the same transport problem over the same distances as the pair form's."""
+            key = ("flow", structure, costs.value_info[value])
+            first = shared_edges.get(key)
+            if first is None:
+                first = shared_edges[key] = ilp.add_vars(len(arcs))
+                flows[first] = (producer, needed, arcs)
+                _add_flow_balance(ilp, producer, needed, arcs, range(first, first + len(arcs)))
+            return [(first + k, arc.seconds, None) for k, arc in enumerate(arcs)], []
+
+        def _edge_terms(value: Value, producer: dict, needed: dict, gradient: bool, structure: tuple, alone: bool,
+                        chain_dim: int | None):
+            """(column, seconds, (src, dst layout ids) or None) terms pricing one edge, with edge variables
+            where both ends have choices; the placements where consumers of the value share the steps
+            (`_shareable`); for a gradient, also (axis, column, share of a bucket) per bucketed all_reduce.
+            `alone`: no other consumer in the region reads the value (a large edge may then be a flow).
+            `chain_dim`: both ends are nodes of a chain priced fused (`CostTable.chains`) reducing this dim;
+            a resharding between layouts that both keep it whole is forbidden (it would cut the chain)."""
+            made, wanted = list(producer), list(needed)
+            if chain_dim is None and alone and not gradient and len(made) > 1 and len(wanted) > 1 and len(made) * len(wanted) >= FLOW_MIN_PAIRS:
+                arcs = layout_graph(costs.value_info[value], costs.mesh).between(made, wanted)
+                if arcs is not None and len(arcs) < len(made) * len(wanted):
+                    return _flow_terms(value, producer, needed, arcs, structure)
+            # paths[i][k]: (seconds, shareable, steps) from made[i] to wanted[k]; None where no steps reach it;
+            # looked up once per pair of placements (hashing placements is the slow part of building the
+            # program). Away from gradients (whose bucketed all_reduces need the steps) a pair needs only its
+            # seconds and whether its steps hold a collective, which the layout graph has for all pairs at once.
+            table = None if gradient else costs.pair_table(value, made, wanted)
+            if table is not None:
+                inf = float("inf")
+                paths = [[None if sec == inf else (sec, coll, ()) for sec, coll in zip(sec_row, coll_row)]
+                         for sec_row, coll_row in zip(table[0].tolist(), table[1].tolist())]
+            else:
+                paths = []
+                for a in made:
+                    row = costs.paths_from(value, a, gradient)
+                    found = [(0.0, ()) if a == r else row.get(r) for r in wanted]
+                    paths.append([None if p is None else (p[0], _shareable(p[1], gradient), p[1]) for p in found])
+            if len(made) == 1:
+                pairs = [(col, 0, k) for k, rcols in enumerate(needed.values()) for col in rcols]
+            elif len(wanted) == 1:
+                pairs = [(col, i, 0) for i, acols in enumerate(producer.values()) for col in acols]
+            else:
+                e = shared_edges.get(structure)
+                if e is None:
+                    first = ilp.add_vars(len(made) * len(wanted))  # e[i * len(wanted) + k]: made[i] -> wanted[k]
+                    e = shared_edges[structure] = range(first, first + len(made) * len(wanted))
+                    col_group.update(dict.fromkeys(e, tuple(e)))
+                    for i, acols in enumerate(producer.values()):
+                        ilp.add_eq([(e[i * len(wanted) + k], 1.0) for k in range(len(wanted))] + [(c, -1.0) for c in acols], 0.0)
+                    for k, rcols in enumerate(needed.values()):
+                        ilp.add_eq([(e[i * len(wanted) + k], 1.0) for i in range(len(made))] + [(c, -1.0) for c in rcols], 0.0)
+                pairs = ((col, i, k) for col, (i, k) in zip(e, itertools.product(range(len(made)), range(len(wanted)))))
+            terms, shares = [], []
+            rank = len(costs.value_info[value].shape)
+            made_ids = [layout_ids.setdefault(a, len(layout_ids)) for a in made]
+            wanted_ids = [layout_ids.setdefault(r, len(layout_ids)) for r in wanted]
+            for col, i, k in pairs:
+                path = paths[i][k]
+                if path is None:  # no sequence of steps turns a into r (e.g. into P(avg)): not an option
+                    ilp.forbid(col)
+                    continue
+                if chain_dim is not None and made[i] != wanted[k] and \
+                        keeps_whole(made[i], chain_dim, rank) and keeps_whole(wanted[k], chain_dim, rank):
+                    ilp.forbid(col)
+                    continue
+                seconds, shareable, steps = path
+                for step in steps if gradient and costs.bucket_bytes else ():
+                    if step.kind == "all_reduce":  # its latency share moves to the per-axis bucket floor
+                        share = bucket_share(step.in_bytes, costs.bucket_bytes)
+                        seconds -= share * costs.mesh.links[step.axis].alpha_beta("all_reduce")[0]
+                        shares.append((step.axis, col, share))
+                terms.append((col, seconds, (made_ids[i], wanted_ids[k]) if shareable else None))
+            return terms, shares
+
+        def _edges(name: str, ns, exprs: list[Expr]) -> None:
+            """Resharding costs of every input of a node whose strategies are chosen by `exprs`. Edges of
+            tied layers have the same columns on both ends, hence the same placements (equal strategies,
+            output index and slot fixed) and, for the same tensor, the same terms: priced once, counted."""
+            exprs_key = tuple(exprs)
+            for j, value in enumerate(ns.inputs):
+                producer = value_expr[value]
+                key = ("in", ns.variant, j, exprs_key)
+                if key not in memo:
+                    needed: dict[Placements, list[int]] = {}
+                    for s, expr in zip(ns.strategies, exprs):
+                        needed.setdefault(s.inputs[j], []).extend(expr)
+                    memo[key] = needed, tuple(tuple(rcols) for rcols in needed.values())
+                needed, needed_cols = memo[key]
+                gradient = is_gradient_sink(ns)  # a parameter's gradient leaving
+                structure = (value[1], j, tuple(producer.values()), needed_cols)
+                alone = readers.get((value, regions.get(name))) == 1
+                chain = costs.chains.get(name)
+                chain_dim = chain[1] if chain is not None and costs.chains.get(value[0]) == chain else None
+                poolable = not alone and not gradient and chain_dim is None and \
+                    isinstance(costs.value_info[value], TensorInfo)
+                if pooled and poolable:  # (priced with the value's other reads in the region, below)
+                    reads.setdefault((value, regions.get(name)), []).append((name, j, producer, needed, structure))
+                    continue
+                _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable)
+
+        def _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable) -> None:
             group = (structure, costs.value_info[value], gradient, alone, chain_dim)
             if group not in group_index:
                 group_index[group] = len(edge_groups)
+                before = len(ilp.cost)
                 edge_groups.append(_edge_terms(value, producer, needed, gradient, structure, alone, chain_dim))
+                if poolable:
+                    pooled_columns[0] += len(ilp.cost) - before
             uses.setdefault(value, []).append((group_index[group], regions.get(name)))
             edge_at[(name, j)] = group_index[group]
 
-    for name, ns in table.nodes.items():
-        node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
-        if ns.source == "follow" or ns.source != "placeholder" and ns.inputs and follows(ns, value_expr[ns.inputs[0]]):
-            # a getitem always takes its element as the producer makes it (code generation reshards
-            # nothing between them); a placement its producer no longer offers is never chosen
-            src = value_expr[ns.inputs[0]]
-            node_expr[name] = followed(ns, src)
-            for expr, c in zip(node_expr[name], node_cost):
-                for col in expr:
+        def _pool(value: Value, group_reads: list[tuple]) -> None:
+            """Each of the k reads of `value` in one region as a unit of flow over the layout graph, from the
+            layout it is made in to the one the read needs, its arcs at 1/k of their cost (see `_Program`);
+            its edge has no terms of its own. A read whose layouts are not all vertices of the layout graph
+            keeps its edge, and then so do the others."""
+            info, share = costs.value_info[value], 1.0 / len(group_reads)
+            graph = layout_graph(info, costs.mesh)
+            arcs = [graph.between(list(producer), list(needed)) for _, _, producer, needed, _ in group_reads]
+            if any(a is None for a in arcs):
+                for name, j, producer, needed, structure in group_reads:
+                    _edge(name, j, value, producer, needed, False, structure, False, None, True)
+                return
+            for (name, j, producer, needed, structure), read_arcs in zip(group_reads, arcs):
+                key = (structure, info)
+                first = pooled_flows.get(key)
+                if first is None:  # (tied layers' reads have the same columns: one flow, priced for each)
+                    first = pooled_flows[key] = ilp.add_vars(len(read_arcs))
+                    _add_flow_balance(ilp, producer, needed, read_arcs, range(first, first + len(read_arcs)))
+                for g, arc in enumerate(read_arcs, start=first):
+                    ilp.add_cost(g, arc.seconds * share)
+                edge_at[(name, j)] = no_terms
+
+        for name, ns in table.nodes.items():
+            node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
+            if ns.source == "follow" or ns.source != "placeholder" and ns.inputs and follows(ns, value_expr[ns.inputs[0]]):
+                # a getitem always takes its element as the producer makes it (code generation reshards
+                # nothing between them); a placement its producer no longer offers is never chosen
+                src = value_expr[ns.inputs[0]]
+                node_expr[name] = followed(ns, src)
+                for expr, c in zip(node_expr[name], node_cost):
+                    for col in expr:
+                        ilp.add_cost(col, c)
+                publish(name)
+                continue
+            if not ns.strategies:
+                raise SpmdInternalError(f"node {name} has no strategy")
+            rep = rep_of.get(name)
+            seen = variants.setdefault(rep, [rep] if rep in own_vars else []) if rep is not None else []
+            twin = next((v for v in seen if table.nodes[v].variant == ns.variant or
+                         table.nodes[v].strategies == ns.strategies), None)
+            if twin is not None:  # an identical node of an earlier layer: the same choice, its columns
+                cols = [expr[0] for expr in node_expr[twin]]
+                for col, c in zip(cols, node_cost):
                     ilp.add_cost(col, c)
+            else:
+                seen.append(name)
+                cols = [ilp.add_var(c, binary=True) for c in node_cost]
+                ilp.add_eq([(c, 1.0) for c in cols], 1.0)
+                col_group.update(dict.fromkeys(cols, tuple(cols)))
+            own_vars.add(name)
+            node_expr[name] = [(c,) for c in cols]
+            _edges(name, ns, node_expr[name])
             publish(name)
-            continue
-        if not ns.strategies:
-            raise SpmdInternalError(f"node {name} has no strategy")
-        rep = rep_of.get(name)
-        seen = variants.setdefault(rep, [rep] if rep in own_vars else []) if rep is not None else []
-        twin = next((v for v in seen if table.nodes[v].variant == ns.variant or
-                     table.nodes[v].strategies == ns.strategies), None)
-        if twin is not None:  # an identical node of an earlier layer: the same choice, its columns
-            cols = [expr[0] for expr in node_expr[twin]]
-            for col, c in zip(cols, node_cost):
-                ilp.add_cost(col, c)
-        else:
-            seen.append(name)
-            cols = [ilp.add_var(c, binary=True) for c in node_cost]
-            ilp.add_eq([(c, 1.0) for c in cols], 1.0)
-            col_group.update(dict.fromkeys(cols, tuple(cols)))
-        own_vars.add(name)
-        node_expr[name] = [(c,) for c in cols]
-        _edges(name, ns, node_expr[name])
-        publish(name)
 
-    # Values of tied layers have the same edges on the same columns: priced once, counted.
-    pools: dict[tuple, int] = {}
-    for value_uses in uses.values():
-        pools[tuple(value_uses)] = pools.get(tuple(value_uses), 0) + 1
-    buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
-    for value_uses, count in pools.items():
-        # (region, src, dst) -> (seconds, per consumer the columns selecting it: at most one is 1)
-        by_pair: dict[tuple, tuple[float, dict[int, list[int]]]] = {}
-        for use, (group, region) in enumerate(value_uses):
-            terms, shares = edge_groups[group]
-            for axis, col, share in shares:
-                buckets.setdefault(axis, []).append((col, share * count))
-            for col, seconds, pair in terms:
-                if pair is None:
-                    ilp.add_cost(col, seconds * count)
-                else:
-                    by_pair.setdefault((region, *pair), (seconds, {}))[1].setdefault(use, []).append(col)
-        for seconds, per_use in by_pair.values():
-            ilp.add_shared(seconds * count, list(per_use.values()), family=value_uses)  # paid once
-    _bucket_latency(ilp, buckets, costs)
+        no_terms = len(edge_groups)
+        edge_groups.append(([], []))
+        for (value, _), group_reads in reads.items():
+            _pool(value, group_reads)
 
-    # Ties: both nodes pick the same placements. The parameters of tied layers and their gradients have
-    # their twins' columns (equal columns mean equal strategies), so their rows are the same rows, added
-    # once (63 of the 76 ties of the 1.1B's programs).
-    tied: set[tuple] = set()
-    for name, ns in table.nodes.items():
-        if ns.tie is None:
-            continue
-        key = (tuple(node_expr[name]), tuple(node_expr[ns.tie]))
-        if key in tied:
-            continue
-        tied.add(key)
-        other = table.nodes[ns.tie]
-        mine, theirs = _by_key(ns, node_expr[name]), _by_key(other, node_expr[ns.tie])
-        for ps in dict.fromkeys([*mine, *theirs]):  # ordered: rows must be the same on every rank
-            ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
+        # Values of tied layers have the same edges on the same columns: priced once, counted.
+        pools: dict[tuple, int] = {}
+        for value_uses in uses.values():
+            pools[tuple(value_uses)] = pools.get(tuple(value_uses), 0) + 1
+        buckets: dict[int, list[tuple[int, float]]] = {}  # mesh axis -> (column, bucket share)
+        for value_uses, count in pools.items():
+            # (region, src, dst) -> (seconds, per consumer the columns selecting it: at most one is 1)
+            by_pair: dict[tuple, tuple[float, dict[int, list[int]]]] = {}
+            for use, (group, region) in enumerate(value_uses):
+                terms, shares = edge_groups[group]
+                for axis, col, share in shares:
+                    buckets.setdefault(axis, []).append((col, share * count))
+                for col, seconds, pair in terms:
+                    if pair is None:
+                        ilp.add_cost(col, seconds * count)
+                    else:
+                        by_pair.setdefault((region, *pair), (seconds, {}))[1].setdefault(use, []).append(col)
+            for seconds, per_use in by_pair.values():
+                ilp.add_shared(seconds * count, list(per_use.values()), family=value_uses)  # paid once
+        _bucket_latency(ilp, buckets, costs)
 
-    mesh_shape = costs.mesh.shape
-    # The budget row: what one rank holds when backward starts (parameters, optimizer state, buffers, inputs,
-    # saved activations). The gradients come later, as backward frees activations: the schedule holds each
-    # from the node that makes it (`Schedule`), and all of them with the persistent terms, when backward
-    # ends, are a second row, kept in the program (the price search's relaxation drops it where it makes
-    # the relaxation too hard: `Budget.droppable`). (Without a schedule, the row counts them too.)
-    # Only a budget, or recomputation (which takes what it frees off the row), reads them.
-    memory_row: dict[int, float] = {}
-    ending: dict[int, float] = {}
-    recomputing = bool(recompute) and (memory_budget is not None and recompute.mode == "auto" or
-                                       recompute.mode in ("all", "selective"))
-    for term in costs.memory if memory_budget is not None or recomputing else ():
-        for ps, expr in value_expr[term.value].items():
-            b = term.bytes(ps, mesh_shape) if expr else 0.0
-            for col in expr:
-                if term.kind != "activations":
-                    ending[col] = ending.get(col, 0.0) + b
-                if term.kind != "gradients" or schedule is None:
-                    memory_row[col] = memory_row.get(col, 0.0) + b
-    droppable = ()
-    if memory_budget is not None and schedule is not None and any(t.kind == "gradients" for t in costs.memory):
-        droppable = (ilp.add_le(sorted(ending.items()), memory_budget),)
+        # Ties: both nodes pick the same placements. The parameters of tied layers and their gradients have
+        # their twins' columns (equal columns mean equal strategies), so their rows are the same rows, added
+        # once (63 of the 76 ties of the 1.1B's programs).
+        tied: set[tuple] = set()
+        for name, ns in table.nodes.items():
+            if ns.tie is None:
+                continue
+            key = (tuple(node_expr[name]), tuple(node_expr[ns.tie]))
+            if key in tied:
+                continue
+            tied.add(key)
+            other = table.nodes[ns.tie]
+            mine, theirs = _by_key(ns, node_expr[name]), _by_key(other, node_expr[ns.tie])
+            for ps in dict.fromkeys([*mine, *theirs]):  # ordered: rows must be the same on every rank
+                ilp.add_eq([(c, 1.0) for c in mine.get(ps, ())] + [(c, -1.0) for c in theirs.get(ps, ())], 0.0)
 
-    saved = saved_readers(schedule)  # (without a budget the row is not built: the plan still reports them)
-    forward_readers = _forward_readers(table, saved, schedule.phase) if saved else {}
-    copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, forward_readers, memory_row) \
-        if saved and memory_budget is not None else {}
+        # The budget row: what one rank holds when backward starts (parameters, optimizer state, buffers, inputs,
+        # saved activations). The gradients come later, as backward frees activations: the schedule holds each
+        # from the node that makes it (`Schedule`), and all of them with the persistent terms, when backward
+        # ends, are a second row, kept in the program (the price search's relaxation drops it where it makes
+        # the relaxation too hard: `Budget.droppable`). (Without a schedule, the row counts them too.)
+        # Only a budget, or recomputation (which takes what it frees off the row), reads them.
+        memory_row: dict[int, float] = {}
+        ending: dict[int, float] = {}
+        recomputing = bool(recompute) and (memory_budget is not None and recompute.mode == "auto" or
+                                           recompute.mode in ("all", "selective"))
+        for term in costs.memory if memory_budget is not None or recomputing else ():
+            for ps, expr in value_expr[term.value].items():
+                b = term.bytes(ps, mesh_shape) if expr else 0.0
+                for col in expr:
+                    if term.kind != "activations":
+                        ending[col] = ending.get(col, 0.0) + b
+                    if term.kind != "gradients" or schedule is None:
+                        memory_row[col] = memory_row.get(col, 0.0) + b
+        droppable = ()
+        if memory_budget is not None and schedule is not None and any(t.kind == "gradients" for t in costs.memory):
+            droppable = (ilp.add_le(sorted(ending.items()), memory_budget),)
+
+        copies = _saved_copies(ilp, table, costs, node_expr, value_expr, saved, forward_readers, memory_row) \
+            if saved and memory_budget is not None else {}
+
+        counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
+        rebuilds: list[Rebuild] = []  # per recomputable layer and way, for the cuts
+        if recomputing:
+            counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
+                                memory_row, flows, copies, rebuilds)
+        last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
+        return _Program(ilp, node_expr, value_expr, memory_row, droppable, copies, counts, rebuilds, last_stack,
+                        pooled_columns[0])
+
+    program = build(pooled=False)
+    ilp, node_expr, value_expr, memory_row, droppable = (program.ilp, program.node_expr, program.value_expr,
+                                                         program.memory_row, program.droppable)
+    copies, counts, rebuilds, last_stack = program.copies, program.counts, program.rebuilds, program.last_stack
     copy_cols = frozenset(z for kept in copies.values() for z, *_ in kept)
-
-    counts: list[tuple[list, list[int]]] = []  # per stack, the (whole, selective) counts allowed and their columns
-    rebuilds: list[Rebuild] = []  # per recomputable layer and way, for the cuts
-    if recomputing:
-        counts = _recompute(ilp, recompute, table, costs, node_expr, value_expr, col_group, edge_at, edge_groups,
-                            memory_row, flows, copies, rebuilds)
-    last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
 
     # Every (node, strategy) pair's columns, flat, to read a solution's choices with numpy (the search
     # reads a plan from each candidate it checks whole)
@@ -988,7 +1074,11 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                         polish=tuple(c for _, cols in counts for c in cols), cuts=None if schedule is None else cuts,
                         droppable=droppable)
 
-    result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget)
+    twin = None  # (the price search's program and budget row, where pooling the reads shrinks it: see `_Program`)
+    if budget is not None and program.pooled_columns >= POOLED_SHARE * len(ilp.cost):
+        pooled = build(pooled=True)
+        twin = pooled.ilp, Budget(pooled.memory_row, memory_budget, droppable=pooled.droppable)
+    result = ilp.solve(time_limit=time_limit, on_progress=on_progress, budget=budget, twin=twin)
     if result.objective == float("inf"):
         if memory_budget is not None:
             least = {}  # each kind sharded as far as the mesh allows
