@@ -410,6 +410,7 @@ class IlpBuilder:
         probes.droppable(droppable)
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
+                 "nearest": None, "nearest_need": float("inf"),  # and of those that do not fit
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
                  "polished": set(),  # ids of the plans of "over" that `polish(over=True)` started from
                  "weights_first": None,  # the weights-first polish's plan (a future) until the prices end
@@ -476,9 +477,12 @@ class IlpBuilder:
             return need <= limit * (1 + 1e-9), float(costs @ x), need
 
         def met(x, need: float) -> None:
-            """Keep the leanest plan, and each plan over by its extra alone (a cut for `_cut_loop`)."""
+            """Keep the leanest plan, the leanest of those over (for `repair`), and each plan over by its extra
+            alone (a cut for `_cut_loop`)."""
             if need < state["leanest_need"]:
                 state["leanest"], state["leanest_need"] = x, need
+            if limit * (1 + 1e-9) < need < state["nearest_need"]:
+                state["nearest"], state["nearest_need"] = x, need
             if need > limit * (1 + 1e-9) >= float(weight @ x) * (1 + 1e-9) and \
                     not any(np.array_equal(x[search.binary], seen[search.binary]) for _, seen in state["over"]):
                 state["over"].append((need, x))
@@ -556,6 +560,20 @@ class IlpBuilder:
                 for got in search.polish_each(costs, weight, [(room(x), x) for x in batch], np.asarray(budget.polish)):
                     improve(got, -float("inf"))
 
+        def repair() -> None:
+            """The plan the prices found nearest to fitting, over by its row, with its weights re-laid out
+            under the row, every other choice kept (as the weights-first polish does for the leanest plan at
+            price 0): between a price whose plan is over and a dearer one whose plan fits, the search often
+            meets only plans far apart (the 2-layer transformers Llama at 0.8 of its peak: 0.5% over at 4,453,
+            fitting at 6,370; repaired, 4,846 in 0.7 s)."""
+            near = state["nearest"]
+            if near is None or gap() <= budget.gap or not budget.weights_only or search.out_of_time():
+                return
+            got = search.polish(costs, weight, room(near), near, np.asarray(budget.weights_only), budget.gap)
+            if got is not None:
+                improve(got, -float("inf"))
+                met(got, needs(got))
+
         def branch() -> None:
             """Branch and bound from the best plan, with room for its temporaries, then the cut loop. Not
             where a price's relaxation ran out of its time: branch and bound's root is that relaxation with
@@ -619,6 +637,7 @@ class IlpBuilder:
             # the gap, to 0.96%). With no plan that fits yet, those wait until the end: a fitting plan
             # found first would keep the cut loop from a better one.
             polish(over=state["x"] is not None and gap() > budget.gap)
+            repair()
             branch()
             if state["x"] is None and budget.cuts is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
