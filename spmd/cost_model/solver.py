@@ -567,12 +567,14 @@ class IlpBuilder:
             meets only plans far apart (the 2-layer transformers Llama at 0.8 of its peak: 0.5% over at 4,453,
             fitting at 6,370; repaired, 4,846 in 0.7 s)."""
             near = state["nearest"]
-            if near is None or gap() <= budget.gap or not budget.weights_only or search.out_of_time():
+            # (with no plan that fits yet, not at all: a fitting plan found here would keep the cut loop, which
+            # then runs, from a better one)
+            if near is None or state["x"] is None or gap() <= budget.gap or not budget.weights_only or \
+                    search.out_of_time():
                 return
             got = search.polish(costs, weight, room(near), near, np.asarray(budget.weights_only), budget.gap)
-            if got is not None:
-                improve(got, -float("inf"))
-                met(got, needs(got))
+            if got is not None:  # (kept if it fits whole; one over by its temporaries is not a cut for the loop
+                improve(got, -float("inf"))  # below: the cuts come from the prices' plans, as they did)
 
         def branch() -> None:
             """Branch and bound from the best plan, with room for its temporaries, then the cut loop. Not
@@ -637,8 +639,8 @@ class IlpBuilder:
             # the gap, to 0.96%). With no plan that fits yet, those wait until the end: a fitting plan
             # found first would keep the cut loop from a better one.
             polish(over=state["x"] is not None and gap() > budget.gap)
-            repair()
             branch()
+            repair()  # (after branch and bound and the cut loop: a plan it finds first would change their start)
             if state["x"] is None and budget.cuts is not None and state["over"] and not search.out_of_time():
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve)
                 polish()  # the first plan the cuts let through may leave room for fewer recomputed layers
