@@ -29,9 +29,12 @@ Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 
 FLOW_MIN_PAIRS = 64  # an edge with at least this many (made, needed) layout pairs may become a flow
 # With a budget, the price search solves the program's pooled twin (`_Program`) where the pair columns of
-# the reads it pools are at least this share of the program's columns (the 2-layer transformers Llama on
-# (2, 2): 32%; not LLaMA3-8B on (8, 8) at 80 GB: 22%, where its search took 20 s against 8 for a worse plan)
-POOLED_SHARE = 0.3
+# the reads it pools are at least this share of the program's columns. Measured: the 2-layer transformers
+# Llama on (2, 2), 32% (at 0.8 of its peak 14.2 s and 22.09 ms before, 19.4 s and 11.90 ms with the twin);
+# tests' 2-layer GPT on (2, 2) at 0.7, 29% (14.5 -> 3.5 s and 14.7 -> 2.4 s, the same plans); not LLaMA3-8B on
+# (8, 8) at 80 GB, 22% (its search 20 s against 8, a plan 4.4% dearer, gap 24%: reads of a large value that
+# need different layouts, each priced at 1/k, are its backward's large reshardings), nor a 1-D mesh (13%)
+POOLED_SHARE = 0.25
 # A plan over the budget by its temporaries gives a cut at each of this many hills of its schedule (the worst
 # first): the next plan is often over at the plan's second hill (a 2-layer GPT on (4,): at the two matmuls
 # of its last MLP, one cut loop round each)
