@@ -365,13 +365,15 @@ class IlpBuilder:
             return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes)
         other, other_budget = twin
         other_binary = np.asarray(other.integral, dtype=bool)
-        if int(other_binary.sum()) != int(binary.sum()):
-            raise SpmdInternalError(f"IlpBuilder.solve: a twin of {int(other_binary.sum())} binary columns for a "
-                                    f"program of {int(binary.sum())}")
+        other_groups = other._choice_groups(other_binary)
+        if [len(g) for g in other_groups] != [len(g) for g in groups]:
+            raise SpmdInternalError(f"IlpBuilder.solve: a twin whose choices ({len(other_groups)}, "
+                                    f"{int(other_binary.sum())} binary columns) are not the program's ({len(groups)}, "
+                                    f"{int(binary.sum())})")
         other_exact = np.zeros(len(other._shared), dtype=bool)
         other_costs, other_upper, other_lower = other._priced(other_exact)
         other_search = _Search(other._model(other_costs * scale, other_upper, other_lower), other_binary,
-                               other._choice_groups(other_binary), search.deadline, mip_rel_gap)
+                               other_groups, search.deadline, mip_rel_gap)
         probe_weight = np.zeros(len(other.cost))
         for col, b in other_budget.bytes.items():
             probe_weight[col] += b
@@ -388,9 +390,11 @@ class IlpBuilder:
             plan[at] = np.round(x[other_at])
             return lifter.settled(plan, whole_costs * scale)
 
+        search.droppable = tuple(budget.droppable)  # (price 0 here: the relaxation without them, as the twin's)
+        search._drop_rows()
         probes = _LazyShares(other, scale, other_exact, other_search)
         return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes,
-                                   (probe_weight, other_budget.droppable, lift))
+                                   (probe_weight, other_budget.droppable, lift, _LazyShares(self, scale, exact, search)))
 
     def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
                        budget: Budget, report, t0: float, sizes: tuple, twin: tuple | None = None) -> IlpResult:
@@ -401,12 +405,13 @@ class IlpBuilder:
         `report(objective, bound, gap)`: progress in the scaled `costs`' units. `search` is the exact
         program's (branch and bound, polishes), `probes` the prices' relaxations (shared costs lazily: each
         bound is a bound, and each plan it gives is priced here at its true cost, `costs`). `twin`: where
-        `probes` solve the twin of `solve` instead, its (budget row, droppable rows, plan here of its plan)."""
+        `probes` solve the twin of `solve` instead, its (budget row, droppable rows, plan here of its plan, and
+        this program's relaxation at shares without its droppable rows, for price 0)."""
         weight = np.zeros(len(costs))
         for col, b in budget.bytes.items():
             weight[col] += b
         limit = float(budget.limit)
-        probe_weight, droppable, lift = (weight, budget.droppable, None) if twin is None else twin
+        probe_weight, droppable, lift, unbudgeted = (weight, budget.droppable, None, None) if twin is None else twin
         probes.droppable(droppable)
         state = {"x": None, "objective": float("inf"), "bound": -float("inf"), "probes": 0,
                  "leanest": None, "leanest_need": float("inf"),  # the plan needing least, fitting or not
@@ -441,27 +446,27 @@ class IlpBuilder:
             if report is not None and state["x"] is not None:
                 report(state["objective"], state["bound"], gap())
 
-        def probe(lam: float):
+        def probe(lam: float, here: "_LazyShares | None" = None):
             """(fits, c.x, what x needs) at price `lam` per byte of the row, or None when there is no
             solution. The bound is the row's alone (`extra` is not linear; every fitting plan satisfies the
-            row); the search steers by what plans need whole."""
+            row); the search steers by what plans need whole. `here`: this program's relaxation, where
+            `probes` solve a twin."""
             state["probes"] += 1
+            relaxation, row, to_here = (probes, probe_weight, lift) if here is None else (here, weight, None)
             # with a plan that fits in hand (or on its way: the weights-first polish), a relaxation gets a
             # branch and bound's time, not the rest of the limit (a 2-layer transformers Llama on (2, 2): 79 s
             # for the price where its plan changes)
             on_its_way = state["x"] is None and state["weights_first"] is not None
-            x, value, status = probes.integral(lam * probe_weight, first_found=True,
-                                               seconds=budget.seconds if state["x"] is not None or on_its_way
-                                               else None)
+            x, value, status = relaxation.integral(lam * row, first_found=True,
+                                                   seconds=budget.seconds if state["x"] is not None or on_its_way
+                                                   else None)
             if x is None and on_its_way and "time limit" in status.lower() and \
                     state["weights_first"].result() is None:
                 # the plan on its way did not come: as with none in hand, the relaxation goes on (from where it
                 # stopped) for the rest of the limit
-                x, value, status = probes.integral(lam * probe_weight, first_found=True)
-            if x is not None and lift is not None:
-                x = lift(x)
-                if x is None and not search.out_of_time():  # (a twin that is not one)
-                    raise SpmdInternalError("IlpBuilder.solve: a plan of the twin program is not a plan of the program")
+                x, value, status = relaxation.integral(lam * row, first_found=True)
+            if x is not None and to_here is not None:
+                x = to_here(x)  # (None only out of time, or from a twin that is not one: no plan, the bound kept)
             if x is None:
                 state["out_of_time"] = search.out_of_time() or "time limit" in status.lower()
                 state["proven"] |= status.lower() == "infeasible"  # (the relaxation has no solution)
@@ -561,8 +566,9 @@ class IlpBuilder:
                     improve(got, -float("inf"))
 
         def repair() -> None:
-            """The plan the prices found nearest to fitting, over by its row, with its weights re-laid out
-            under the row, every other choice kept (as the weights-first polish does for the leanest plan at
+            """The plan the prices found nearest to fitting (the least it needs of those over the budget, by
+            their row or their temporaries), with its weights re-laid out under the row (room for its
+            temporaries), every other choice kept (as the weights-first polish does for the leanest plan at
             price 0): between a price whose plan is over and a dearer one whose plan fits, the search often
             meets only plans far apart (the 2-layer transformers Llama at 0.8 of its peak: 0.5% over at 4,453,
             fitting at 6,370; repaired, 4,846 in 0.7 s)."""
@@ -612,7 +618,11 @@ class IlpBuilder:
                 self._cut_loop(search, costs, weight, limit, budget, state, needs, improve, start=state["x"])
                 polish()  # a plan branch and bound left when its time ran out may recompute more than it needs
 
-        first = probe(0.0)
+        # where a twin prices the search, price 0 is this program's (the twin's optimum may be another plan,
+        # dearer here): if its plan fits, it is the answer
+        first = None if unbudgeted is None else probe(0.0, unbudgeted)
+        if first is None or not first[0]:
+            first = probe(0.0)
         if first is not None and first[0]:
             # the unbudgeted plan fits; where its relaxation was fractional, it is only the first plan branch
             # and bound found (a random program of 4 choices: 66.0 against an optimum of 56.0 that fits)

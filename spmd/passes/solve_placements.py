@@ -567,17 +567,19 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
 class _Program:
     """One build of the placement program (`solve_placements`), and what reading its solutions needs.
 
-    With a memory budget, where a value's reads in one region are many (the layouts of small tensors on
-    a 2-D mesh: 20-36 each), the program has a twin for the price search, `pooled`: the same binary
-    columns in the same order, and the same budget row, but the reads of such a value in one region
-    priced together as one unit of flow over the layout graph, from the layout it is made in to the
-    average of the layouts they need. For any plan that costs (1/k) of the k reads' reshardings, each at
-    its cheapest path: no more than the program's price, where a resharding several reads share is paid
-    once and each read pays its own otherwise, and the same where all k need one layout and its steps
-    hold a collective, the usual case. So the twin's relaxations are bounds on the program's, over
-    a few arcs per value where the program has a transport of layout pairs per read and a column per
-    shared resharding (the 2-layer transformers Llama on (2, 2): 188k columns, 89k in the twin). The
-    twin leaves out the reshardings of those reads that recomputing a layer runs again (also a bound).
+    With a memory budget, where the reads of values read several times in one region make much of the
+    program (the layouts of small tensors on a 2-D mesh: 20-36 each), the program has a twin for the price
+    search, `pooled`: the same binary columns in the same order, and the same budget row at every plan, but
+    each of the k reads of such a value in one region a unit of flow over the layout graph, from the layout
+    the value is made in to the one the read needs, its arcs at 1/k of their cost. For any plan that costs
+    (1/k) of the k reads' reshardings, each at its cheapest path: no more than the program's price, where
+    a resharding several reads share is paid once and each read pays its own otherwise, and the same
+    where all k need one layout and its steps hold a collective, the usual case. So the twin's relaxations
+    are bounds on the program's, over a few arcs per read where the program has a transport of layout
+    pairs per read and a column per shared resharding (the 2-layer transformers Llama on (2, 2): 188k
+    columns, 89k in the twin). A value with a read the twin cannot pool (a gradient's, a fused chain's)
+    keeps the program's edges for all its reads in that region. The twin leaves out the reshardings of
+    those reads that recomputing a layer runs again (also a bound).
     `pooled_columns`: in the program, the columns of the reads the twin pools (pair columns)."""
 
     ilp: IlpBuilder
@@ -641,6 +643,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         # (`pooled`) the reads of a value in one region to price as one flow: (value, region) -> (consumer, slot,
         # producer, needed, structure) per read; their flows' first arc columns; the pair columns they would have
         reads: dict[tuple[Value, str | None], list[tuple]] = {}
+        kept: set[tuple[Value, str | None]] = set()  # (value, region) with a read the twin cannot pool
         pooled_flows: dict[tuple, int] = {}
         pooled_columns = [0]
 
@@ -780,6 +783,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 if pooled and poolable:  # (priced with the value's other reads in the region, below)
                     reads.setdefault((value, regions.get(name)), []).append((name, j, producer, needed, structure))
                     continue
+                if pooled and not alone:  # (a read that shares the value's reshardings as they are priced here:
+                    kept.add((value, regions.get(name)))  # the others keep theirs too, below)
                 _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable)
 
         def _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable) -> None:
@@ -806,7 +811,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     _edge(name, j, value, producer, needed, False, structure, False, None, True)
                 return
             for (name, j, producer, needed, structure), read_arcs in zip(group_reads, arcs):
-                key = (structure, info)
+                key = (structure, info, tuple(producer), tuple(needed))
                 first = pooled_flows.get(key)
                 if first is None:  # (tied layers' reads have the same columns: one flow, priced for each)
                     first = pooled_flows[key] = ilp.add_vars(len(read_arcs))
@@ -849,8 +854,12 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
         no_terms = len(edge_groups)
         edge_groups.append(([], []))
-        for (value, _), group_reads in reads.items():
-            _pool(value, group_reads)
+        for (value, region), group_reads in reads.items():
+            if (value, region) in kept:
+                for name, j, producer, needed, structure in group_reads:
+                    _edge(name, j, value, producer, needed, False, structure, False, None, True)
+            else:
+                _pool(value, group_reads)
 
         # Values of tied layers have the same edges on the same columns: priced once, counted.
         pools: dict[tuple, int] = {}

@@ -17,14 +17,17 @@ from tests.models import GPT, GPTConfig
 from tests.support import lm_loss
 
 
-def _least_cost(builder, x_binary: np.ndarray) -> float:
-    """The least cost of `builder`'s program (shared costs exact) with its binary columns at `x_binary`."""
+def _least_cost(builder, x_binary: np.ndarray, droppable: tuple) -> float:
+    """The least cost of `builder`'s program (shared costs exact, without its `droppable` rows: a plan over
+    what is alive when backward ends is a plan) with its binary columns at `x_binary`."""
     from spmd.cost_model import solver
 
     binary = np.asarray(builder.integral, dtype=bool)
     costs, upper, lower = builder._priced(np.ones(len(builder._shared), dtype=bool))
     search = solver._Search(builder._model(costs, upper, lower), binary, builder._choice_groups(binary),
                             float("inf"), 1e-6)
+    search.droppable = tuple(droppable)
+    search._drop_rows()
     x = np.zeros(len(costs))
     x[np.flatnonzero(binary)] = x_binary
     settled = search.settled(x, costs)
@@ -80,7 +83,7 @@ def test_twin_prices_every_plan_of_the_search_at_most_as_the_program(monkeypatch
     equal = below = 0
     for x in plans:
         price = float(exact @ x)
-        lower = _least_cost(twin, np.round(x[binary]))
+        lower = _least_cost(twin, np.round(x[binary]), twin_budget.droppable)
         assert lower <= price * (1 + 1e-9) + 1e-12, (lower, price)
         equal += lower >= price * (1 - 1e-9)
         below += lower < price * (1 - 1e-6)
@@ -88,3 +91,38 @@ def test_twin_prices_every_plan_of_the_search_at_most_as_the_program(monkeypatch
     assert below, "no plan had reads of one value needing different layouts: the case checks too little"
     # and the plan the search returns is one it checked, priced by the program itself
     assert any(plan.objective == pytest.approx(float(exact @ x), rel=1e-9) for x in plans)
+
+
+def test_where_the_unbudgeted_optimum_fits_it_is_the_answer_with_a_twin(monkeypatch):
+    """Price 0 is the program's own relaxation, not the twin's: the twin's optimum may be another plan, dearer
+    in the program, and with the twin the search does no branch and bound that would find the better one."""
+    from spmd.cost_model import solver
+    from spmd.passes import solve_placements as sp
+
+    monkeypatch.setattr(sp, "POOLED_SHARE", 0.0)
+    solved: list = []  # the builder of each relaxation the budgeted search solved, and the twin it had
+    solve, integral = solver.IlpBuilder.solve, solver._LazyShares.integral
+
+    def spy_solve(self, *args, budget=None, twin=None, **kwargs):
+        if budget is not None:
+            solved.append(("twin", twin[0] if twin is not None else None))
+        return solve(self, *args, budget=budget, twin=twin, **kwargs)
+
+    def spy_integral(self, *args, **kwargs):
+        solved.append(("relaxation", self.builder))
+        return integral(self, *args, **kwargs)
+
+    monkeypatch.setattr(solver.IlpBuilder, "solve", spy_solve)
+    monkeypatch.setattr(solver._LazyShares, "integral", spy_integral)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sdpa=True, seq=16))
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
+    mesh = MeshSpec((2, 2), ("dp", "tp"), (link_profile_for("gloo"),) * 2, device_profile_for("cpu"))
+    free = spmd.plan(model, mesh, inputs, loss_fn=lm_loss)
+    solved.clear()
+    plan = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, memory_budget=1.5 * free.predicted_peak_bytes)
+    (_, twin), *relaxations = solved
+    assert twin is not None and relaxations and all(builder is not twin for _, builder in relaxations)
+    assert plan.objective == pytest.approx(free.objective, rel=1e-9)
+    assert plan.stats["status"] == "Optimal (the unbudgeted optimum fits)", plan.stats["status"]
