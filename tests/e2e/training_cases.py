@@ -52,6 +52,10 @@ TRAIN_CASES = {c.name: c for c in [
     # needed so much that 0.6 of it held every kind at its most)
     TrainCase("gpt-1d4-adamw-budget", "gpt", (4,), ("dp",), "adamw", "builtin", batch=8, budget_fraction=0.6,
               in_placements={"tokens": [torch.distributed.tensor.Shard(0)]}),
+    # a budget on (2, 2): the reads of small values are 29% of the program, so the price search solves its
+    # pooled twin (solve_placements._Program) and lifts the twin's plans into the program
+    TrainCase("gpt-2d-adamw-budget-twin", "gpt", (2, 2), ("dp", "tp"), "adamw", "builtin", batch=8,
+              budget_fraction=0.7),
     # FlexAttention: head-parallel under a causal block mask; with ALiBi (reads the head index) on 2-D
     TrainCase("gpt-flex-1d2-adamw-compute", "gpt-flex", (2,), ("tp",), "adamw", "compute", batch=1),
     TrainCase("gpt-flex-alibi-2d-sgd-compute", "gpt-flex-alibi", (2, 2), ("dp", "tp"), "sgd", "compute", batch=2),
