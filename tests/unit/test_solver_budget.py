@@ -573,3 +573,20 @@ def test_a_price_cut_short_for_a_weights_first_plan_that_does_not_come_goes_on(m
     assert sum(g[i][1] for g, i in zip(groups, picks)) <= 20.0 and r.objective >= _brute_force(groups, 20.0), r.status
     # a price asked with branch and bound's time, then again with the rest of the limit (None)
     assert any(a is not None and b is None for a, b in zip(seconds_asked, seconds_asked[1:]))
+
+
+def test_the_plan_nearest_to_fitting_is_repaired_by_its_weights():
+    """A knapsack the prices cannot split. Price 0's plan (a0, b0, w0) needs 28 bytes of 21, and 27 with its
+    weights re-chosen (the weights-first polish finds nothing). Between prices 1/3 and 10/12 per byte the
+    plan is (a0, b1, w0), 22 bytes; above, (a1, b1, w0) fits at cost 12. The optimum, (a0, b1, w1) at cost
+    3, is no price's plan. With a twin there is no branch and bound to find it (here the program is its own
+    twin), so the repair does: the nearest plan over, (a0, b1, w0), its weights re-chosen under the row."""
+    groups = [[(0.0, 12.0), (10.0, 0.0)], [(0.0, 6.0), (2.0, 0.0)], [(0.0, 10.0), (1.0, 9.0)]]
+    ilp, cols, weights = _program(groups)
+    assert _brute_force(groups, 21.0) == pytest.approx(3.0)
+    budget = Budget(weights, 21.0, weights_only=tuple(cols[2]))
+    r = ilp.solve(budget=budget, twin=(ilp, budget))
+    assert _picks(r.values, cols) == (0, 1, 1) and r.objective == pytest.approx(3.0)
+    # without the weights to re-choose, the prices' plan stays
+    r = ilp.solve(budget=Budget(weights, 21.0), twin=(ilp, Budget(weights, 21.0)))
+    assert _picks(r.values, cols) == (1, 1, 0) and r.objective == pytest.approx(12.0)
