@@ -30,7 +30,7 @@ Expr = tuple[int, ...]  # columns whose sum is 1 when the choice holds
 FLOW_MIN_PAIRS = 64  # an edge with at least this many (made, needed) layout pairs may become a flow
 # With a budget, the price search solves the program's pooled twin (`_Program`) where the pair columns of
 # the reads it pools are at least this share of the program's columns. Measured: the 2-layer transformers
-# Llama on (2, 2), 32% (at 0.8 of its peak 14.2 s and 22.09 ms before, 19.4 s and 11.90 ms with the twin);
+# Llama on (2, 2), 32% (at 0.8 of its peak 14.2 s and 22.09 ms before, 19.4 s and 14.66 ms with the twin);
 # tests' 2-layer GPT on (2, 2) at 0.7, 29% (14.5 -> 3.5 s and 14.7 -> 2.4 s, the same plans); not LLaMA3-8B on
 # (8, 8) at 80 GB, 22% (its search 20 s against 8, a plan 4.4% dearer, gap 24%: reads of a large value that
 # need different layouts, each priced at 1/k, are its backward's large reshardings), nor a 1-D mesh (13%)
@@ -563,7 +563,7 @@ def _by_key(ns, exprs: list[Expr]) -> dict[Placements, list[int]]:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Program:
     """One build of the placement program (`solve_placements`), and what reading its solutions needs.
 
