@@ -127,6 +127,13 @@ class Budget:
     # is over by its extra (the walk holds the same bytes).
     droppable: tuple[int, ...] = ()
 
+    def row(self, n: int) -> np.ndarray:
+        """The row's bytes per column of a program of `n` columns."""
+        weight = np.zeros(n)
+        for col, b in self.bytes.items():
+            weight[col] += b
+        return weight
+
 
 class IlpBuilder:
     def __init__(self):
@@ -374,27 +381,23 @@ class IlpBuilder:
         other_costs, other_upper, other_lower = other._priced(other_exact)
         other_search = _Search(other._model(other_costs * scale, other_upper, other_lower), other_binary,
                                other_groups, search.deadline, mip_rel_gap)
-        probe_weight = np.zeros(len(other.cost))
-        for col, b in other_budget.bytes.items():
-            probe_weight[col] += b
-        # a twin's plan here: its binary columns, the rest at their least cost without the droppable rows (a
-        # plan over what is alive when backward ends is over by its extra, and still a plan)
-        lifter = _Search(self._model(whole_costs * scale, whole_upper, whole_lower), binary, groups, search.deadline,
-                         mip_rel_gap)
-        lifter.droppable = tuple(budget.droppable)
-        lifter._drop_rows()
+        # Price 0 here, and each twin's plan made a plan here (its binary columns, the rest at their least cost:
+        # `settled`), without the droppable rows: a plan over what is alive when backward ends is over by its
+        # extra, and still a plan. (The exact program's relaxation is not solved with a twin; its rows go too.)
+        for s in dict.fromkeys([search, exact_search]):
+            s.droppable = tuple(budget.droppable)
+            s._drop_rows()
         at, other_at = np.flatnonzero(binary), np.flatnonzero(other_binary)
 
         def lift(x: np.ndarray) -> np.ndarray | None:
             plan = np.zeros(n)
             plan[at] = np.round(x[other_at])
-            return lifter.settled(plan, whole_costs * scale)
+            return exact_search.settled(plan, whole_costs * scale)
 
-        search.droppable = tuple(budget.droppable)  # (price 0 here: the relaxation without them, as the twin's)
-        search._drop_rows()
         probes = _LazyShares(other, scale, other_exact, other_search)
         return self._within_budget(exact_search, probes, whole_costs * scale, scale, budget, report, t0, sizes,
-                                   (probe_weight, other_budget.droppable, lift, _LazyShares(self, scale, exact, search)))
+                                   (other_budget.row(len(other.cost)), other_budget.droppable, lift,
+                                    _LazyShares(self, scale, exact, search)))
 
     def _within_budget(self, search: "_Search", probes: "_LazyShares", costs: np.ndarray, scale: float,
                        budget: Budget, report, t0: float, sizes: tuple, twin: tuple | None = None) -> IlpResult:
@@ -407,9 +410,7 @@ class IlpBuilder:
         bound is a bound, and each plan it gives is priced here at its true cost, `costs`). `twin`: where
         `probes` solve the twin of `solve` instead, its (budget row, droppable rows, plan here of its plan, and
         this program's relaxation at shares without its droppable rows, for price 0)."""
-        weight = np.zeros(len(costs))
-        for col, b in budget.bytes.items():
-            weight[col] += b
+        weight = budget.row(len(costs))
         limit = float(budget.limit)
         probe_weight, droppable, lift, unbudgeted = (weight, budget.droppable, None, None) if twin is None else twin
         probes.droppable(droppable)

@@ -640,12 +640,13 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             for value in ns.inputs:
                 readers[(value, regions.get(name))] = readers.get((value, regions.get(name)), 0) + 1
         flows: dict[int, tuple] = {}  # first arc column -> (made, needed, arcs), for `_recompute`
-        # (`pooled`) the reads of a value in one region to price as one flow: (value, region) -> (consumer, slot,
-        # producer, needed, structure) per read; their flows' first arc columns; the pair columns they would have
+        # (`pooled`) the reads of a value in one region to price as flows: (value, region) -> (consumer, slot,
+        # producer, needed, structure) per read; their flows' first arc columns; (not `pooled`) the pair columns
+        # of the reads the twin would pool
         reads: dict[tuple[Value, str | None], list[tuple]] = {}
         kept: set[tuple[Value, str | None]] = set()  # (value, region) with a read the twin cannot pool
         pooled_flows: dict[tuple, int] = {}
-        pooled_columns = [0]
+        pooled_columns = 0
 
         # Nodes of tied layers share their strategy list (its variant) and their columns with an earlier
         # twin, so what is derived from (strategies, columns) is derived once and looked up after that:
@@ -788,28 +789,27 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable)
 
         def _edge(name, j, value, producer, needed, gradient, structure, alone, chain_dim, poolable) -> None:
+            nonlocal pooled_columns
             group = (structure, costs.value_info[value], gradient, alone, chain_dim)
             if group not in group_index:
                 group_index[group] = len(edge_groups)
                 before = len(ilp.cost)
                 edge_groups.append(_edge_terms(value, producer, needed, gradient, structure, alone, chain_dim))
                 if poolable:
-                    pooled_columns[0] += len(ilp.cost) - before
+                    pooled_columns += len(ilp.cost) - before
             uses.setdefault(value, []).append((group_index[group], regions.get(name)))
             edge_at[(name, j)] = group_index[group]
 
-        def _pool(value: Value, group_reads: list[tuple]) -> None:
+        def _pool(value: Value, group_reads: list[tuple]) -> bool:
             """Each of the k reads of `value` in one region as a unit of flow over the layout graph, from the
             layout it is made in to the one the read needs, its arcs at 1/k of their cost (see `_Program`);
-            its edge has no terms of its own. A read whose layouts are not all vertices of the layout graph
-            keeps its edge, and then so do the others."""
+            its edge has no terms of its own. False (nothing added) where some read's layouts are not all
+            vertices of the layout graph."""
             info, share = costs.value_info[value], 1.0 / len(group_reads)
             graph = layout_graph(info, costs.mesh)
             arcs = [graph.between(list(producer), list(needed)) for _, _, producer, needed, _ in group_reads]
             if any(a is None for a in arcs):
-                for name, j, producer, needed, structure in group_reads:
-                    _edge(name, j, value, producer, needed, False, structure, False, None, True)
-                return
+                return False
             for (name, j, producer, needed, structure), read_arcs in zip(group_reads, arcs):
                 key = (structure, info, tuple(producer), tuple(needed))
                 first = pooled_flows.get(key)
@@ -819,6 +819,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 for g, arc in enumerate(read_arcs, start=first):
                     ilp.add_cost(g, arc.seconds * share)
                 edge_at[(name, j)] = no_terms
+            return True
 
         for name, ns in table.nodes.items():
             node_cost = costs.node_costs.get(name, [0.0] * len(ns.strategies))
@@ -855,11 +856,9 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
         no_terms = len(edge_groups)
         edge_groups.append(([], []))
         for (value, region), group_reads in reads.items():
-            if (value, region) in kept:
+            if (value, region) in kept or not _pool(value, group_reads):  # (then every read keeps its edge)
                 for name, j, producer, needed, structure in group_reads:
                     _edge(name, j, value, producer, needed, False, structure, False, None, True)
-            else:
-                _pool(value, group_reads)
 
         # Values of tied layers have the same edges on the same columns: priced once, counted.
         pools: dict[tuple, int] = {}
@@ -930,7 +929,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                                 memory_row, flows, copies, rebuilds)
         last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
         return _Program(ilp, node_expr, value_expr, memory_row, droppable, copies, counts, rebuilds, last_stack,
-                        pooled_columns[0])
+                        pooled_columns)
 
     program = build(pooled=False)
     ilp, node_expr, value_expr, memory_row, droppable = (program.ilp, program.node_expr, program.value_expr,

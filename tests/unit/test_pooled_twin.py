@@ -17,6 +17,16 @@ from tests.models import GPT, GPTConfig
 from tests.support import lm_loss
 
 
+def _small_gpt():
+    """A 2-layer GPT on (2, 2) with the built-in gloo and cpu profiles: its budgeted program's pooled reads are
+    29% of its columns (the twin is used at `POOLED_SHARE`)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sdpa=True, seq=16))
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
+    return model, inputs, MeshSpec((2, 2), ("dp", "tp"), (link_profile_for("gloo"),) * 2, device_profile_for("cpu"))
+
+
 def _least_cost(builder, x_binary: np.ndarray, droppable: tuple) -> float:
     """The least cost of `builder`'s program (shared costs exact, without its `droppable` rows: a plan over
     what is alive when backward ends is a plan) with its binary columns at `x_binary`."""
@@ -55,11 +65,7 @@ def test_twin_prices_every_plan_of_the_search_at_most_as_the_program(monkeypatch
         return solve(self, *args, budget=budget, twin=twin, **kwargs)
 
     monkeypatch.setattr(solver.IlpBuilder, "solve", spy_solve)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(sdpa=True, seq=16))
-    g = torch.Generator().manual_seed(1)
-    inputs = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
-    mesh = MeshSpec((2, 2), ("dp", "tp"), (link_profile_for("gloo"),) * 2, device_profile_for("cpu"))
+    model, inputs, mesh = _small_gpt()
     free = spmd.plan(model, mesh, inputs, loss_fn=lm_loss)
     budget = 0.7 * free.predicted_peak_bytes
     plan = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, memory_budget=budget)
@@ -114,11 +120,7 @@ def test_where_the_unbudgeted_optimum_fits_it_is_the_answer_with_a_twin(monkeypa
 
     monkeypatch.setattr(solver.IlpBuilder, "solve", spy_solve)
     monkeypatch.setattr(solver._LazyShares, "integral", spy_integral)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(sdpa=True, seq=16))
-    g = torch.Generator().manual_seed(1)
-    inputs = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
-    mesh = MeshSpec((2, 2), ("dp", "tp"), (link_profile_for("gloo"),) * 2, device_profile_for("cpu"))
+    model, inputs, mesh = _small_gpt()
     free = spmd.plan(model, mesh, inputs, loss_fn=lm_loss)
     solved.clear()
     plan = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, memory_budget=1.5 * free.predicted_peak_bytes)
