@@ -214,9 +214,13 @@ def percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: int) -> dict:
+def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: int, warm_each: bool = False) -> dict:
     """Per variant, per call: the max over ranks of (barrier; t0; fn(); t1). `fns[name]` is None on a
-    rank that sits the variant out (it still joins the barriers)."""
+    rank that sits the variant out (it still joins the barriers). `warm_each`: (barrier; fn(); t0; fn(); t1),
+    each timed call after an untimed one, as a step follows a step in a training loop: the barrier's
+    networking evicts the caches the dispatcher runs from, and on a graph of a few ops the first call
+    after it pays for that (MLP(16, 64)'s forward on 2 gloo ranks: 37-51 us right after a barrier, 20-21 us
+    as the second call, 18 us in a loop)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -230,6 +234,8 @@ def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: 
             fn = fns[name]
             for _ in range(per_round):
                 dist.barrier()
+                if warm_each and fn is not None:
+                    fn()
                 t0 = time.perf_counter()
                 if fn is not None:
                     fn()

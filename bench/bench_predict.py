@@ -20,8 +20,10 @@ Run from the repository root (spawns its own ranks; `--worlds 2` for one mesh on
     python bench/bench_predict.py                       # calibrates first, writes bench/profile_gloo_<W>.json
     python bench/bench_predict.py --profiles bench/profile_gloo_2.json,bench/profile_gloo_4.json
 
-Per call: barrier, call, time; the max over ranks; the two profiles' compiled models run interleaved
-(one call each per round), so load changes hit both. Rank 0 writes bench/results_predict.md.
+Per call: barrier, an untimed call, the timed call (as a step follows a step in a training loop: right
+after the barrier, a graph of a few ops runs 2-2.5x slower, its caches evicted by the barrier's
+networking); the max over ranks; the profiles' compiled models run interleaved (one timed call each per
+round), so load changes hit all. Rank 0 writes bench/results_predict.md.
 """
 from __future__ import annotations
 
@@ -218,7 +220,7 @@ def run_world(world: int, args, rank: int) -> dict:
             tiny = "tiny" in case
             rounds = max(5, int((60 if tiny else 12) * args.scale))
             fns["ref"], ref_predicted = reference(specs["calibrated"].device, info["calibrated"]["objective"])
-            times = time_interleaved(fns, rank, rounds, 1, 10 if tiny else 2)
+            times = time_interleaved(fns, rank, rounds, 1, 10 if tiny else 2, warm_each=True)
             info["ref_predicted"] = ref_predicted
             rows.append({"case": case, "mode": mode, "info": info, "times": times})
             if world == 1 and f"{case}:{mode}" in args.per_op.split(","):
@@ -321,7 +323,7 @@ def header(wall: float, load) -> str:
         f"{load[0][0]:.2f} at start, {load[1][0]:.2f} at end",
         "- predicted: `plan.predicted_step_s` (`plan.objective`, compute + communication seconds per call, plus "
         "`plan.wrapper_overhead_s`); measured: per call the max over "
-        "ranks after a barrier, median over rounds; forward under no_grad; train = forward + loss + backward "
+        "ranks of the second of two calls after a barrier, median over rounds; forward under no_grad; train = forward + loss + backward "
         "(the optimizer step is not in the plan and is not timed)", ""])
 
 
