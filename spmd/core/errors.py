@@ -10,7 +10,7 @@ import os
 
 import torch.fx as fx
 
-_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(fx.__file__)))
+TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(fx.__file__)))  # torch's own source files
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -46,7 +46,7 @@ def user_source_line(node: fx.Node) -> str:
             lineno = line.split("line ")[1].split(",")[0]
         except IndexError:
             continue
-        if os.path.abspath(path).startswith(_TORCH_DIR):
+        if os.path.abspath(path).startswith(TORCH_DIR):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
         line = f"{path}:{lineno}  {code}".rstrip()

@@ -556,9 +556,7 @@ class IlpBuilder:
                 return
             mine = [state["x"]] if best and state["x"] is not None else []
             # (each plan over once: this may run after the price search too, and again at the end)
-            overs = [x for x in sorted((x for _, x in state["over"]), key=lambda x: float(costs @ x))
-                     if float(costs @ x) < state["objective"]][:POLISH_OVER] if over else []
-            overs = [x for x in overs if id(x) not in state["polished"]]
+            overs = [x for x in cheaper_overs()[:POLISH_OVER] if id(x) not in state["polished"]] if over else []
             at_once = min(_cores(), POLISH_AT_ONCE)
             while (mine or overs) and not search.out_of_time():
                 if gap() <= budget.gap:
@@ -576,12 +574,16 @@ class IlpBuilder:
             steps, 1 s, that moved nothing, before the polish that took the gap from 2.45% to 0.96%)."""
             if not budget.polish or state["x"] is None or gap() <= budget.gap:
                 return None
-            overs = sorted((x for _, x in state["over"] if id(x) not in state["polished"]
-                            and float(costs @ x) < state["objective"]), key=lambda x: float(costs @ x))
-            if not overs:
+            x = next((x for x in cheaper_overs() if id(x) not in state["polished"]), None)
+            if x is None:
                 return None
-            state["polished"].add(id(overs[0]))
-            return _aside(search.polish, costs, weight, room(overs[0]), overs[0], np.asarray(budget.polish))
+            state["polished"].add(id(x))
+            return _aside(search.polish, costs, weight, room(x), x, np.asarray(budget.polish))
+
+        def cheaper_overs() -> list[np.ndarray]:
+            """The plans over by their temporaries alone that are cheaper than the best, the cheapest first."""
+            return sorted((x for _, x in state["over"] if float(costs @ x) < state["objective"]),
+                          key=lambda x: float(costs @ x))
 
         def repair() -> None:
             """The plan the prices found nearest to fitting (the least it needs of those over the budget, by
@@ -657,8 +659,7 @@ class IlpBuilder:
                 x = state["leanest"]
                 state["weights_first"] = _aside(search.polish, costs, weight, room(x), x,
                                                 np.asarray(budget.weights_only), budget.gap)
-            prices(first)
-            weights_first()
+            prices(first)  # (the weights-first plan joined in it)
             # the best plan polished (cheap, and a better start for branch and bound), and beside it the
             # plans over by their temporaries alone with their layers' recomputation re-chosen: a few
             # seconds each, where branch and bound from the best plan may not finish its root in its time

@@ -24,7 +24,7 @@ import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.overrides import TorchFunctionMode
 
-from spmd.core.errors import SpmdError
+from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       shared_names, tensor_infos)
 
@@ -206,9 +206,6 @@ def custom_functions():
         torch.autograd.Function.apply = descriptor
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
 class _StackTraces(TorchFunctionMode):
     """Every traced op carries the Python stack of the torch call that made it, as torch.export's
     `stack_trace` has it (for our error messages and dumps): the frames outside torch, outermost first,
@@ -223,7 +220,7 @@ class _StackTraces(TorchFunctionMode):
         sites, frame = [], sys._getframe(1)
         while frame is not None:
             code = frame.f_code
-            if not code.co_filename.startswith(_TORCH_DIR):
+            if not code.co_filename.startswith(TORCH_DIR + os.sep):
                 sites.append((code, frame.f_lineno))
             frame = frame.f_back
         key = tuple(sites)
