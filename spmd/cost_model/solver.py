@@ -951,7 +951,10 @@ class _Beside:
             if not self._stopped.is_set():
                 self.ipm.run()
 
-        self._thread = threading.Thread(target=run, name="spmd-interior-point", daemon=True)
+        # not a daemon: a process that ends right after a plan waits for it (a stopped instance ends at its
+        # first interior point iteration). Killed inside HiGHS at exit, it aborted the process (SIGABRT,
+        # exit status 134: "terminate called without an active exception") after a plan that had succeeded
+        self._thread = threading.Thread(target=run, name="spmd-interior-point", daemon=False)
         self._thread.start()
 
     def finished(self) -> "highspy.Highs":
@@ -961,7 +964,8 @@ class _Beside:
 
     def stop(self) -> None:
         """Stop it. Once its instance runs, without waiting: one still in its presolve, which no callback
-        interrupts, ends at its first interior point iteration, on its own thread."""
+        interrupts, ends at its first interior point iteration, on its own thread (which the end of the
+        process waits for)."""
         self._stopped.set()
         if self.ipm is None:  # (not made, or being made: it ends without running)
             self._thread.join()
