@@ -425,6 +425,7 @@ class IlpBuilder:
                  "nearest": None, "nearest_need": float("inf"),  # and of those that do not fit
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
                  "polished": set(),  # ids of the plans of "over" that `polish(over=True)` started from
+                 "repaired": set(),  # ids of the nearest plans `repair` started from
                  "weights_first": None,  # the weights-first polish's plan (a future) until the prices end
                  # no branch and bound from the best plan where the prices solved a twin: its root is this
                  # program's relaxation with the row, which the twin is there to avoid (the 2-layer transformers
@@ -535,10 +536,11 @@ class IlpBuilder:
                 cross = (c_hi - c_lo) / (w_lo - w_hi) if w_lo > w_hi else -1.0
                 mid = cross if lo < cross < hi else ((lo + hi) / 2 if lo == 0 else (lo * hi) ** 0.5)
                 before = (state["objective"], state["bound"])
-                polishing = polish_over_aside()
+                polishing, repairing = polish_over_aside(), repair_aside(steps=True)
                 got = probe(mid)
-                if polishing is not None:  # (joined here whatever the cores: the same path on any number)
-                    improve(polishing.result(), -float("inf"))
+                for aside in (polishing, repairing):  # (joined here whatever the cores: the same path on any number)
+                    if aside is not None:
+                        improve(aside.result(), -float("inf"))
                 if got is None:
                     break
                 stalled = stalled + 1 if (state["objective"], state["bound"]) == before else 0
@@ -609,15 +611,25 @@ class IlpBuilder:
             price 0): between a price whose plan is over and a dearer one whose plan fits, the search often
             meets only plans far apart (the 2-layer transformers Llama at 0.8 of its peak: 0.5% over at 4,453,
             fitting at 6,370; repaired, 4,846 in 0.7 s)."""
+            got = repair_aside()
+            if got is not None:  # (kept if it fits whole; one over by its temporaries is not a cut for the loop
+                improve(got.result(), -float("inf"))  # below: the cuts come from the prices' plans, as they did)
+
+        def repair_aside(steps: bool = False) -> "Future | None":
+            """`repair`'s polish, unless the plan nearest to fitting was repaired already. `steps`: beside a
+            step between prices, where no branch and bound follows (a price's relaxation ran out of its time, or
+            a twin priced the search: `branch` would not run, and the repaired plan changes no start of
+            one). There the best plan it makes stops the steps sooner: the 2-layer transformers Llama at 0.8 of
+            its peak met its nearest plan at the second step and repaired it only after ten more."""
             near = state["nearest"]
             # (with no plan that fits yet, not at all: a fitting plan found here would keep the cut loop, which
             # then runs, from a better one)
             if near is None or state["x"] is None or gap() <= budget.gap or not budget.weights_only or \
-                    search.out_of_time():
-                return
-            got = search.polish(costs, weight, room(near), near, np.asarray(budget.weights_only), budget.gap)
-            if got is not None:  # (kept if it fits whole; one over by its temporaries is not a cut for the loop
-                improve(got, -float("inf"))  # below: the cuts come from the prices' plans, as they did)
+                    search.out_of_time() or (steps and not state.get("hard")) or id(near) in state["repaired"]:
+                return None
+            state["repaired"].add(id(near))
+            return _aside(search.polish, costs, weight, room(near), near, np.asarray(budget.weights_only),
+                          budget.gap)
 
         def branch() -> None:
             """Branch and bound from the best plan, with room for its temporaries, then the cut loop. Not
