@@ -75,6 +75,20 @@ def budget_rows(monkeypatch) -> list[float]:
     return rows
 
 
+def choice_program(groups: list[list[tuple[float, float]]]):
+    """A 0-1 program of "exactly one of" choices, (cost, bytes) per option: the builder, each choice's
+    columns, and the budget row's bytes per column."""
+    from spmd.cost_model.solver import IlpBuilder
+
+    ilp, cols, weights = IlpBuilder(), [], {}
+    for options in groups:
+        mine = [ilp.add_var(cost, binary=True) for cost, _ in options]
+        ilp.add_eq([(c, 1.0) for c in mine], 1.0)
+        weights.update({c: b for c, (_, b) in zip(mine, options)})
+        cols.append(mine)
+    return ilp, cols, weights
+
+
 def compile_graph(model, example_inputs, mesh: MeshSpec, rank: int | None = None, **options) -> Compilation:
     """The compiler as spmd.compile runs it, without processes: `rank` given, this rank's graphs are
     emitted too (process groups named g0, g1, ... per mesh axis)."""

@@ -110,7 +110,8 @@ def _tightened(entries: Entries, lower: np.ndarray, upper: np.ndarray, row_lower
         if not moved.any():
             break
         upper = np.minimum(upper, tighter)
-        upper[upper - lower <= TOLERANCE] = lower[upper - lower <= TOLERANCE]
+        meet = upper - lower <= TOLERANCE
+        upper[meet] = lower[meet]
     return upper
 
 

@@ -425,7 +425,7 @@ class IlpBuilder:
                  "nearest": None, "nearest_need": float("inf"),  # and of those that do not fit
                  "over": [], "proven": False,  # plans whose row fits but not their extra; none fits, proven
                  "polished": set(),  # ids of the plans of "over" that `polish(over=True)` started from
-                 "repaired": set(),  # ids of the nearest plans `repair` started from
+                 "repaired": None,  # the nearest plan `repair` last started from (nearer ones replace it)
                  "weights_first": None,  # the weights-first polish's plan (a future) until the prices end
                  # no branch and bound from the best plan where the prices solved a twin: its root is this
                  # program's relaxation with the row, which the twin is there to avoid (the 2-layer transformers
@@ -625,9 +625,9 @@ class IlpBuilder:
             # (with no plan that fits yet, not at all: a fitting plan found here would keep the cut loop, which
             # then runs, from a better one)
             if near is None or state["x"] is None or gap() <= budget.gap or not budget.weights_only or \
-                    search.out_of_time() or (steps and not state.get("hard")) or id(near) in state["repaired"]:
+                    search.out_of_time() or (steps and not state.get("hard")) or near is state["repaired"]:
                 return None
-            state["repaired"].add(id(near))
+            state["repaired"] = near
             return _aside(search.polish, costs, weight, room(near), near, np.asarray(budget.weights_only),
                           budget.gap)
 

@@ -14,18 +14,14 @@ from hypothesis import strategies as st
 
 from spmd.cost_model.restrict import Entries, restrict
 from spmd.cost_model.solver import IlpBuilder, _Search
+from tests.support import choice_program
 
 
 def _chain(nodes: list[list[tuple[float, float]]], edge_costs: list[np.ndarray]):
     """Choices (cost, bytes) per node; edges between neighbours in the marginal form (e[a, b] sums to
     a's choice over b and to b's over a), each pair at its cost. Returns the builder, the choices'
     columns per node and the budget row's weights."""
-    ilp, cols, weight = IlpBuilder(), [], {}
-    for options in nodes:
-        mine = [ilp.add_var(cost, binary=True) for cost, _ in options]
-        ilp.add_eq([(c, 1.0) for c in mine], 1.0)
-        weight.update({c: b for c, (_, b) in zip(mine, options)})
-        cols.append(mine)
+    ilp, cols, weight = choice_program(nodes)
     for (u, v), costs in zip(itertools.pairwise(cols), edge_costs):
         e = {(a, b): ilp.add_var(float(costs[a, b]), binary=False) for a in range(len(u)) for b in range(len(v))}
         for a, ca in enumerate(u):

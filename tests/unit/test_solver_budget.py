@@ -11,18 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spmd.cost_model.solver import Budget, IlpBuilder
+from tests.support import choice_program as _program
 
 Group = list[tuple[float, float]]  # (cost, bytes) per option
-
-
-def _program(groups: list[Group]) -> tuple[IlpBuilder, list[list[int]], dict[int, float]]:
-    ilp, cols, weights = IlpBuilder(), [], {}
-    for options in groups:
-        mine = [ilp.add_var(cost, binary=True) for cost, _ in options]
-        ilp.add_eq([(c, 1.0) for c in mine], 1.0)
-        weights.update({c: b for c, (_, b) in zip(mine, options)})
-        cols.append(mine)
-    return ilp, cols, weights
 
 
 def _brute_force(groups: list[Group], limit: float, extra=lambda picks: 0.0) -> float:
