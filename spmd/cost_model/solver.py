@@ -65,6 +65,14 @@ DROPPABLE_ITERATIONS = 20_000
 # the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
 # 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
+# A round of the lazy pricing (`_LazyShares`) makes the shared costs a solution took partly exact with their
+# whole families, unless those families hold more than this share of the program's rows: then only the parts
+# of them (`add_shared`) that were taken partly. Rows added in bulk make the warm simplex go on nearly as long
+# as a cold solve: the 1.1B Llama's axis search on (4, 4, 4) took 11 shared costs partly in 10 families of
+# 300-800 each, and their 5,339 rows (13% of 41k) took the next relaxation 15.7k iterations (3.2 s) where a
+# few rounds of their parts (250 rows or less each) took 1.9 s. LLaMA3-8B's rounds (two families, at most 4%
+# of its rows) stay whole: by parts it needs more rounds (its 80 GB plan 5.5 -> 6.7 s).
+WHOLE_FAMILIES_MAX = 0.05
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 POLISH_AT_ONCE = 2  # polishes side by side, at most (and at most one per core)
 STALLED_PROBES = 3
@@ -155,6 +163,7 @@ class IlpBuilder:
         # consumer, column y)
         self._shared: list[tuple[float, tuple[tuple[int, ...], ...], int]] = []
         self._family: list[object] = []  # per shared cost, what it is made exact with (`add_shared`)
+        self._part: list[object] = []  # per shared cost, (family, part): what it is made exact with in a large round
         self._flat_lists: dict[str, list[int]] = {k: [] for k in ("row", "row_group", "use_start", "use_group", "col")}
         self._flat = None  # the same as arrays (`_shared_arrays`)
         self._matrix = None  # (entries, rows, columns) -> the column-wise matrix (`_model`)
@@ -181,7 +190,7 @@ class IlpBuilder:
     def add_cost(self, col: int, cost: float) -> None:
         self.cost[col] += float(cost)
 
-    def add_shared(self, seconds: float, uses: list[list[int]], family: object = None) -> None:
+    def add_shared(self, seconds: float, uses: list[list[int]], family: object = None, part: object = None) -> None:
         """`seconds` paid once if any consumer in `uses` takes it (each consumer's columns, at most one
         of them 1 in any solution): a resharding several consumers of one value share.
 
@@ -194,7 +203,8 @@ class IlpBuilder:
         wherever no shared cost is taken by some consumers but not all. Where some are, they are priced
         exactly and the program solved again. Shared costs of one `family` (the reshardings of one value)
         are made exact together: a plan that takes one of them partly has its reasons to take the others
-        so. y and its rows are in the program from the start, in order, so that priced exactly everywhere
+        so. Where a round's families would add too many rows at once (`WHOLE_FAMILIES_MAX`), only the
+        shared costs of the same `part` of a family are (the reshardings from one made layout). y and its rows are in the program from the start, in order, so that priced exactly everywhere
         it is the same program, column for column, as without the lazy pricing.
         """
         uses = [tuple(u) for u in uses]
@@ -213,6 +223,7 @@ class IlpBuilder:
             flat["col"].extend(u)
         self._shared.append((float(seconds), uses, y))
         self._family.append(g if family is None else family)
+        self._part.append((self._family[-1], part))
         self._flat = None
 
     def _shared_arrays(self) -> dict[str, np.ndarray]:
@@ -245,7 +256,8 @@ class IlpBuilder:
 
     def _partly_taken(self, x: np.ndarray, exact: np.ndarray) -> tuple[float, np.ndarray]:
         """What `x` costs beyond the program's price of it (shared costs not in `exact` that some but not
-        all consumers take, priced at their shares), and a mask of those shared costs' families, whole."""
+        all consumers take, priced at their shares), and a mask of those shared costs' families, whole (or
+        of their parts, where the families hold more than `WHOLE_FAMILIES_MAX` of the program's rows)."""
         if not self._shared:
             return 0.0, np.zeros(0, dtype=bool)
         f = self._shared_arrays()
@@ -255,9 +267,13 @@ class IlpBuilder:
         np.maximum.at(most, use_group, taken)
         over = np.where(exact, 0.0, most - np.bincount(use_group, weights=taken, minlength=len(seconds)) / f["k"])
         missed = over > 1e-6
-        families = {self._family[g] for g in np.flatnonzero(missed).tolist()}
-        return float(seconds[missed] @ over[missed]), ~exact & np.fromiter(
-            (f in families for f in self._family), dtype=bool, count=len(self._family))
+        taken = np.flatnonzero(missed).tolist()
+        families = {self._family[g] for g in taken}
+        mask = ~exact & np.fromiter((f in families for f in self._family), dtype=bool, count=len(self._family))
+        if mask.sum() > WHOLE_FAMILIES_MAX * len(self._rhs):
+            parts = {self._part[g] for g in taken}
+            mask = ~exact & np.fromiter((p in parts for p in self._part), dtype=bool, count=len(self._part))
+        return float(seconds[missed] @ over[missed]), mask
 
     def _completed(self, x: np.ndarray) -> np.ndarray:
         """`x` with each shared cost's y at least what its consumers take (a solution of a program that
@@ -1017,7 +1033,10 @@ class _LazyShares:
         best, best_value, best_bound, best_status, start = None, np.inf, -np.inf, "", None
         while True:
             costs = self.costs if extra is None else self.costs + extra
-            x, bound, status = self.search.integral(costs, start=start, branch=False, **options)
+            # (a probe's plan is its rounded relaxation, taken as it is: rounded first; else a fractional
+            # relaxation is tightened first, and rounded once, with the branching below)
+            x, bound, status = self.search.integral(costs, start=start, branch=False,
+                                                    round_first=options.get("first_found", False), **options)
             if bound == bound:  # (not nan)
                 best_bound = max(best_bound, bound)
             if status == FRACTIONAL:
@@ -1048,10 +1067,13 @@ class _LazyShares:
         """Price the shared costs `missed` exactly from now on, in the relaxation, from its last basis.
         (Moving to the exact program, solved afresh, once more than a quarter were taken partly was slower
         or no faster: bench/results_plan.md, session 45.)"""
-        builder = self.builder
+        builder, f = self.builder, self.builder._shared_arrays()
+        new = missed & ~self.exact
         self.exact |= missed
         costs, upper, row_lower = builder._priced(self.exact)
-        self.search.reprice(builder._model(costs * self.scale, upper, row_lower), upper, row_lower)
+        cols, rows = f["y"][new], f["row"][new[f["row_group"]]]  # (what changes: their y and y's rows)
+        self.search.reprice(lambda: builder._model(costs * self.scale, upper, row_lower),
+                            cols, upper[cols], rows, row_lower[rows], np.asarray(builder._rhs, dtype=float)[rows])
         self.costs = costs * self.scale
 
 
@@ -1060,7 +1082,7 @@ class _Search:
     its costs change."""
 
     def __init__(self, lp, binary: np.ndarray, groups: list[np.ndarray], deadline: float, mip_rel_gap: float):
-        self.lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
+        self._lp, self.binary, self.groups, self.deadline = lp, binary, groups, deadline
         self.mip_rel_gap = mip_rel_gap
         self.droppable: tuple[int, ...] = ()  # rows the relaxation may leave out (`Budget.droppable`)
         self.dropped: tuple[int, ...] = ()  # and those it has left out
@@ -1078,23 +1100,37 @@ class _Search:
     def remaining(self) -> float:
         return max(1.0, self.deadline - time.perf_counter())
 
-    def reprice(self, lp, upper: np.ndarray, row_lower: np.ndarray) -> None:
-        """The program becomes `lp`: the same columns and rows with new column upper bounds and row lower
-        bounds (and costs, which `integral` sets); the relaxation keeps its basis and goes on from it."""
-        cols = np.arange(len(upper), dtype=np.int32)
-        kept = np.setdiff1d(np.arange(len(row_lower)), np.asarray(self.dropped, dtype=np.int64))
-        rows = np.arange(len(kept), dtype=np.int32)  # (the relaxation's rows: those it has not dropped)
-        self.relaxed.changeColsBounds(len(cols), cols, np.zeros(len(cols)), upper)
-        self.relaxed.changeRowsBounds(len(rows), rows, row_lower[kept], np.asarray(lp.row_upper_, dtype=float)[kept])
-        self.lp, self.entries = lp, None
-        self.fixed = None  # (made again from the relaxation when next needed)
+    @property
+    def lp(self):
+        """The program (a `HighsLp`), made when first needed after a `reprice`."""
+        if callable(self._lp):
+            self._lp = self._lp()
+        return self._lp
+
+    def reprice(self, lp: Callable[[], object], cols: np.ndarray, upper: np.ndarray, rows: np.ndarray,
+                row_lower: np.ndarray, row_upper: np.ndarray) -> None:
+        """The program becomes `lp()`: the same columns and rows, the columns `cols` with new upper bounds and
+        the rows `rows` (the program's indices) with new bounds (and new costs, which `integral` sets). The
+        relaxation keeps its basis and goes on from it; only what changed is changed there and in the
+        instance completing rounded plans (a whole program's bounds and matrix cost 0.06 s a round on the
+        70B-shaped search's 100k rows)."""
+        dropped = np.asarray(sorted(self.dropped), dtype=np.int64)
+        if np.isin(rows, dropped).any():
+            raise SpmdInternalError("_Search.reprice: a repriced row is one the relaxation dropped")
+        at = (rows - np.searchsorted(dropped, rows)).astype(np.int32)  # (the relaxation's rows: those not dropped)
+        cols = np.asarray(cols, dtype=np.int32)
+        for h in (self.relaxed, self.fixed):
+            if h is not None:
+                h.changeColsBounds(len(cols), cols, np.zeros(len(cols)), np.asarray(upper, dtype=float))
+                h.changeRowsBounds(len(at), at, np.asarray(row_lower, dtype=float), np.asarray(row_upper, dtype=float))
+        self._lp, self.entries = lp, None
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
 
     def integral(self, costs: np.ndarray, first_found: bool = False, on_progress=None,
                  seconds: float | None = None, start: np.ndarray | None = None,
-                 branch: bool = True) -> tuple[np.ndarray | None, float, str]:
+                 branch: bool = True, round_first: bool = True) -> tuple[np.ndarray | None, float, str]:
         """An optimal integral solution at `costs`, the relaxation's optimum (a bound), and a status.
         `first_found`: where the relaxation is fractional, the first integral solution branch and bound
         finds (a probe of the budget search needs a plan and a bound, not the best plan at its price).
@@ -1102,7 +1138,9 @@ class _Search:
         `seconds`: at most this long (else until the deadline). `start`: a solution of this program to
         start branch and bound from, where the rounded relaxation is no better (or there is none).
         `branch=False`: where the relaxation is fractional and its rounding does not meet its bound, its
-        solution as it is, status "Fractional" (no branch and bound)."""
+        solution as it is, status "Fractional" (no branch and bound); with `round_first=False` too, without
+        rounding it first (a caller that tightens a fractional relaxation before anything else: each
+        rounding completes the plan in a HiGHS instance made afresh after a reprice, 0.16 s on the 70B's)."""
         until = self.deadline if seconds is None else min(self.deadline, time.perf_counter() + seconds)
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
@@ -1135,6 +1173,8 @@ class _Search:
             x = x.copy()
             x[self.binary] = np.round(x[self.binary])
             return x, bound, "Optimal (the LP relaxation's optimum is integral)"
+        if not branch and not round_first:
+            return x, bound, FRACTIONAL
         rounded = self.rounded(x, costs)
         if rounded is not None:
             if float(costs @ rounded) <= bound + 1e-9 * max(1.0, abs(bound)):

@@ -877,8 +877,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                         ilp.add_cost(col, seconds * count)
                     else:
                         by_pair.setdefault((region, *pair), (seconds, {}))[1].setdefault(use, []).append(col)
-            for seconds, per_use in by_pair.values():
-                ilp.add_shared(seconds * count, list(per_use.values()), family=value_uses)  # paid once
+            for (_, made, _), (seconds, per_use) in by_pair.items():  # paid once
+                ilp.add_shared(seconds * count, list(per_use.values()), family=value_uses, part=made)
         _bucket_latency(ilp, buckets, costs)
 
         # Ties: both nodes pick the same placements. The parameters of tied layers and their gradients have

@@ -37,8 +37,9 @@ def test_a_resharding_every_consumer_takes_is_paid_once():
     assert r.objective == pytest.approx(13.0)  # both A: 0 + 3 + 10 once
 
 
-def _random_program(rng, consumers: int, groups: int):
-    """Choices of `consumers` consumers (4 options each) and `groups` shared costs over random options."""
+def _random_program(rng, consumers: int, groups: int, families: bool = False):
+    """Choices of `consumers` consumers (4 options each) and `groups` shared costs over random options
+    (`families`: in two families of two parts each, made exact together as `add_shared` says)."""
     ilp = IlpBuilder()
     choices = [_choice(ilp, rng.uniform(0, 10, size=4)) for _ in range(consumers)]
     shared = []
@@ -46,7 +47,10 @@ def _random_program(rng, consumers: int, groups: int):
         who = rng.choice(consumers, size=rng.integers(2, consumers + 1), replace=False)
         uses = [[int(c) for c in rng.choice(choices[w], size=rng.integers(1, 3), replace=False)] for w in who]
         seconds = float(rng.uniform(0, 20))
-        ilp.add_shared(seconds, uses)
+        if families:
+            ilp.add_shared(seconds, uses, family=int(rng.integers(2)), part=int(rng.integers(2)))
+        else:
+            ilp.add_shared(seconds, uses)
         shared.append((seconds, uses))
     return ilp, choices, shared
 
@@ -60,13 +64,16 @@ def _true_cost(ilp: IlpBuilder, choices, shared, picked) -> float:
 
 @pytest.mark.parametrize("seed", range(25))
 @pytest.mark.parametrize("beside", [False, True])
-def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, beside, monkeypatch):
+@pytest.mark.parametrize("rounds", ["one by one", "whole families", "parts"])
+def test_the_answer_is_the_exact_optimum_at_its_true_cost(seed, beside, rounds, monkeypatch):
     # rounds of rows from the last basis until no shared cost is taken partly (beside: the first
-    # relaxation with interior point beside it on a second thread, as on large programs)
+    # relaxation with interior point beside it on a second thread, as on large programs), each round
+    # making exact what was taken partly, with its family or, where families are too large, its part
     monkeypatch.setattr(solver, "BESIDE_MIN_COLUMNS", 0 if beside else 1 << 40)
     monkeypatch.setattr(solver, "BESIDE_AFTER", 0.0)  # (at once: these relaxations take milliseconds)
+    monkeypatch.setattr(solver, "WHOLE_FAMILIES_MAX", 0.0 if rounds == "parts" else 1e9)
     rng = np.random.default_rng(seed)
-    ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
+    ilp, choices, shared = _random_program(rng, consumers=4, groups=6, families=rounds != "one by one")
     best = min(_true_cost(ilp, choices, shared, picked) for picked in itertools.product(*choices))
     r = ilp.solve()
     picked = [c for cols in choices for c in cols if r.values[c] > 0.5]
@@ -92,11 +99,13 @@ def test_under_a_budget_a_plan_is_priced_at_its_true_cost(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(25))
-def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed):
+@pytest.mark.parametrize("rounds", ["one by one", "parts"])
+def test_under_a_budget_the_answer_is_the_exact_budgeted_optimum(seed, rounds, monkeypatch):
     # the price search's relaxations price shared costs lazily (rounds of rows); the plans it hands on,
     # branch and bound's and the answer are priced exactly
+    monkeypatch.setattr(solver, "WHOLE_FAMILIES_MAX", 0.0)
     rng = np.random.default_rng(100 + seed)
-    ilp, choices, shared = _random_program(rng, consumers=4, groups=6)
+    ilp, choices, shared = _random_program(rng, consumers=4, groups=6, families=rounds == "parts")
     size = {c: float(rng.integers(1, 10)) for cols in choices for c in cols}
     plans = list(itertools.product(*choices))
     need = [sum(size[c] for c in picked) for picked in plans]
@@ -163,3 +172,52 @@ def test_a_fractional_relaxation_taking_a_shared_cost_partly_is_tightened_before
     r = ilp.solve()
     assert calls == [False, False]
     assert r.objective == pytest.approx(11.0) and r.lower_bound == pytest.approx(11.0)
+
+
+def _layouts_program(parts_per_family: int):
+    """Two consumers of a value made in one of 3 layouts, each needing one of 2: per consumer a choice of
+    (made, needed) pair, and a resharding per pair that the consumers taking it share, all of one family,
+    a part per made layout."""
+    ilp = IlpBuilder()
+    c1, c2 = _choice(ilp, np.arange(6.0)), _choice(ilp, np.arange(6.0)[::-1])
+    for pair in range(6):
+        ilp.add_shared(3.0, [[c1[pair]], [c2[pair]]], family="value", part=(pair // 2) % parts_per_family)
+    return ilp, c1, c2
+
+
+@pytest.mark.parametrize("most", [1e9, 0.0])
+def test_a_round_takes_whole_families_unless_they_are_too_many_rows(most, monkeypatch):
+    # c1 takes the pair (made 0, needed 0), c2 (made 0, needed 1): each resharding is taken by one of its
+    # two consumers. With room, the whole family (the value's six reshardings) is made exact; without,
+    # only the part made in layout 0
+    monkeypatch.setattr(solver, "WHOLE_FAMILIES_MAX", most)
+    ilp, c1, c2 = _layouts_program(parts_per_family=3)
+    x = np.zeros(len(ilp.cost))
+    x[[c1[0], c2[1]]] = 1.0
+    extra, mask = ilp._partly_taken(x, np.zeros(6, dtype=bool))
+    assert extra == pytest.approx(2 * (3.0 - 3.0 / 2))  # (each paid whole, priced at its share)
+    assert mask.tolist() == ([True] * 6 if most > 1 else [True, True, False, False, False, False])
+    assert not ilp._partly_taken(x, mask)[1].any()  # (priced exactly now: nothing more to make exact)
+
+
+def test_a_reprice_changes_the_rows_it_names_around_the_dropped_ones():
+    # a round changes only the new exact costs' y columns and their rows, in the relaxation and in the
+    # instance that completes rounded plans, at the relaxation's own row indices (rows it dropped skipped)
+    ilp, c1, c2 = _layouts_program(parts_per_family=3)
+    exact = np.zeros(6, dtype=bool)
+    costs, upper, lower = ilp._priced(exact)
+    binary = np.asarray(ilp.integral, dtype=bool)
+    search = solver._Search(ilp._model(costs, upper, lower), binary, ilp._choice_groups(binary), 1e9, 1e-6)
+    search.droppable = (0,)  # (c1's "exactly one of": any row but the shared costs' own)
+    search._drop_rows()
+    assert search.rounded(np.where(binary, 0.5, 0.0), costs) is not None  # (the completing instance, made)
+    lazy = solver._LazyShares(ilp, 1.0, exact, search)
+    lazy._more_exact(np.array([False, True, False, False, True, False]))
+    want = ilp._priced(lazy.exact)
+    kept = list(range(1, len(ilp._rhs)))
+    for h in (search.relaxed, search.fixed):
+        lp = h.getLp()
+        assert np.asarray(lp.col_upper_)[~binary].tolist() == want[1][~binary].tolist()
+        assert np.asarray(lp.row_lower_).tolist() == want[2][kept].tolist()
+        assert np.asarray(lp.row_upper_).tolist() == np.asarray(ilp._rhs)[kept].tolist()
+    assert np.asarray(search.lp.row_lower_).tolist() == want[2].tolist()  # (the program, made when asked)
