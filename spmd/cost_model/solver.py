@@ -67,12 +67,14 @@ DROPPABLE_ITERATIONS = 20_000
 # row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 # A round of the lazy pricing (`_LazyShares`) makes the shared costs a solution took partly exact with their
 # whole families, unless those families hold more than this share of the program's rows: then only the parts
-# of them (`add_shared`) that were taken partly. Rows added in bulk make the warm simplex go on nearly as long
-# as a cold solve: the 1.1B Llama's axis search on (4, 4, 4) took 11 shared costs partly in 10 families of
-# 300-800 each, and their 5,339 rows (13% of 41k) took the next relaxation 15.7k iterations (3.2 s) where a
-# few rounds of their parts (250 rows or less each) took 1.9 s. LLaMA3-8B's rounds (two families, at most 4%
-# of its rows) stay whole: by parts it needs more rounds (its 80 GB plan 5.5 -> 6.7 s).
-WHOLE_FAMILIES_MAX = 0.05
+# of them (`add_shared`) that were taken partly, in that round and every later one of the solve. Rows added in
+# bulk make the warm simplex go on nearly as long as a cold solve: the 1.1B Llama's axis search on (4, 4, 4)
+# took 11 shared costs partly in 10 families of 300-800 each, and their 5,339 rows (13% of 41k) took the
+# next relaxation 15.7k iterations (3.2 s) where a few rounds of their parts (250 rows or less each) took
+# 1.9 s; a later round's whole families there (7.9%) cost 0.4 s more than its parts. Below it: LLaMA3-8B's
+# rounds (at most 4% of its rows; by parts its 80 GB plan took 6.7 s, not 5.5), the 70B-shaped search's
+# (5.5-6.2%: by parts 0.3-0.5 s slower) and ViT-60B's at 80 GB (6.5-7.3%: by parts a plan 0.2% dearer).
+WHOLE_FAMILIES_MAX = 0.08
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 POLISH_AT_ONCE = 2  # polishes side by side, at most (and at most one per core)
 STALLED_PROBES = 3
@@ -254,12 +256,13 @@ class IlpBuilder:
         costs += np.bincount(f["col"], weights=share, minlength=len(costs))
         return costs, upper, row_lower
 
-    def _partly_taken(self, x: np.ndarray, exact: np.ndarray) -> tuple[float, np.ndarray]:
+    def _partly_taken(self, x: np.ndarray, exact: np.ndarray, by_parts: bool = False) -> tuple[float, np.ndarray, bool]:
         """What `x` costs beyond the program's price of it (shared costs not in `exact` that some but not
-        all consumers take, priced at their shares), and a mask of those shared costs' families, whole (or
-        of their parts, where the families hold more than `WHOLE_FAMILIES_MAX` of the program's rows)."""
+        all consumers take, priced at their shares), a mask of those shared costs' families, whole, and
+        False; or, with `by_parts` or where the families hold more than `WHOLE_FAMILIES_MAX` of the
+        program's rows, a mask of their parts, and True."""
         if not self._shared:
-            return 0.0, np.zeros(0, dtype=bool)
+            return 0.0, np.zeros(0, dtype=bool), by_parts
         f = self._shared_arrays()
         seconds, use_group = f["seconds"], f["use_group"]
         taken = np.add.reduceat(x[f["col"]], f["use_start"])
@@ -267,13 +270,14 @@ class IlpBuilder:
         np.maximum.at(most, use_group, taken)
         over = np.where(exact, 0.0, most - np.bincount(use_group, weights=taken, minlength=len(seconds)) / f["k"])
         missed = over > 1e-6
-        taken = np.flatnonzero(missed).tolist()
-        families = {self._family[g] for g in taken}
-        mask = ~exact & np.fromiter((f in families for f in self._family), dtype=bool, count=len(self._family))
-        if mask.sum() > WHOLE_FAMILIES_MAX * len(self._rhs):
-            parts = {self._part[g] for g in taken}
-            mask = ~exact & np.fromiter((p in parts for p in self._part), dtype=bool, count=len(self._part))
-        return float(seconds[missed] @ over[missed]), mask
+        extra, taken = float(seconds[missed] @ over[missed]), np.flatnonzero(missed).tolist()
+        if not by_parts:
+            families = {self._family[g] for g in taken}
+            mask = ~exact & np.fromiter((f in families for f in self._family), dtype=bool, count=len(self._family))
+            if mask.sum() <= WHOLE_FAMILIES_MAX * len(self._rhs):
+                return extra, mask, False
+        parts = {self._part[g] for g in taken}
+        return extra, ~exact & np.fromiter((p in parts for p in self._part), dtype=bool, count=len(self._part)), True
 
     def _completed(self, x: np.ndarray) -> np.ndarray:
         """`x` with each shared cost's y at least what its consumers take (a solution of a program that
@@ -1011,6 +1015,7 @@ class _LazyShares:
 
     def __init__(self, builder: IlpBuilder, scale: float, exact: np.ndarray, search: "_Search"):
         self.builder, self.scale, self.exact, self.search = builder, scale, exact, search
+        self.by_parts = False  # (once a round went by parts, `_partly_taken`, every later one does)
         self.costs = builder._priced(exact)[0] * scale
         self.whole = builder._priced(np.ones(len(exact), dtype=bool))[0] * scale  # (every plan's true cost)
 
@@ -1040,7 +1045,7 @@ class _LazyShares:
             if bound == bound:  # (not nan)
                 best_bound = max(best_bound, bound)
             if status == FRACTIONAL:
-                _, missed = builder._partly_taken(x, self.exact)
+                _, missed, self.by_parts = builder._partly_taken(x, self.exact, self.by_parts)
                 if missed.any() and not self.search.out_of_time():
                     self._more_exact(missed)  # a tighter relaxation first, then branch and bound once
                     start = None if best is None else builder._at_shares(best, self.exact)
@@ -1057,7 +1062,7 @@ class _LazyShares:
                     best_status = f"an earlier round's plan, cheaper than the last round's ({status})"
             if x is None or self.search.out_of_time():
                 return (None, bound, status) if best is None else (best, best_bound, best_status)
-            _, missed = builder._partly_taken(x, self.exact)
+            _, missed, self.by_parts = builder._partly_taken(x, self.exact, self.by_parts)
             if not missed.any():
                 return best, best_bound, best_status
             self._more_exact(missed)

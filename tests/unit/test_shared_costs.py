@@ -194,10 +194,15 @@ def test_a_round_takes_whole_families_unless_they_are_too_many_rows(most, monkey
     ilp, c1, c2 = _layouts_program(parts_per_family=3)
     x = np.zeros(len(ilp.cost))
     x[[c1[0], c2[1]]] = 1.0
-    extra, mask = ilp._partly_taken(x, np.zeros(6, dtype=bool))
+    extra, mask, by_parts = ilp._partly_taken(x, np.zeros(6, dtype=bool))
     assert extra == pytest.approx(2 * (3.0 - 3.0 / 2))  # (each paid whole, priced at its share)
     assert mask.tolist() == ([True] * 6 if most > 1 else [True, True, False, False, False, False])
+    assert by_parts == (most < 1)
     assert not ilp._partly_taken(x, mask)[1].any()  # (priced exactly now: nothing more to make exact)
+    # once by parts, by parts: a later round does not go back to whole families
+    monkeypatch.setattr(solver, "WHOLE_FAMILIES_MAX", 1e9)
+    _, mask, by_parts = ilp._partly_taken(x, np.zeros(6, dtype=bool), by_parts=True)
+    assert mask.tolist() == [True, True, False, False, False, False] and by_parts
 
 
 def test_a_reprice_changes_the_rows_it_names_around_the_dropped_ones():
