@@ -61,10 +61,6 @@ BESIDE_AFTER = 0.5
 # peak: a gap of 0.97% with it, 17.8% without), but on the 2-layer transformers Llama at 0.6 it made the first
 # relaxation take 44 s (56k iterations to the cap, then 9 s without it) where 9 s does without it.
 DROPPABLE_ITERATIONS = 20_000
-# The price search stops after this many prices in a row improved neither its best plan nor its bound: near
-# the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
-# 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
-# row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 # A round of the lazy pricing (`_LazyShares`) makes the shared costs a solution took partly exact with their
 # whole families, unless those families hold more than this share of the program's rows: then only the parts
 # of them (`add_shared`) that were taken partly, in that round and every later one of the solve. Rows added in
@@ -75,6 +71,10 @@ DROPPABLE_ITERATIONS = 20_000
 # rounds (at most 4% of its rows; by parts its 80 GB plan took 6.7 s, not 5.5), the 70B-shaped search's
 # (5.5-6.2%: by parts 0.3-0.5 s slower) and ViT-60B's at 80 GB (6.5-7.3%: by parts a plan 0.2% dearer).
 WHOLE_FAMILIES_MAX = 0.08
+# The price search stops after this many prices in a row improved neither its best plan nor its bound: near
+# the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
+# 80 GB: 14 such prices after the 5th, ~6 s). Raising the price stops as soon after this many plans whose
+# row fit but were over by their temporaries, no leaner than before (ViT-120B at batch 512: 14, ~10 s).
 POLISH_OVER = 3  # plans over by their temporaries alone that `polish` also tries, the cheapest first
 POLISH_AT_ONCE = 2  # polishes side by side, at most (and at most one per core)
 STALLED_PROBES = 3
@@ -206,8 +206,9 @@ class IlpBuilder:
         exactly and the program solved again. Shared costs of one `family` (the reshardings of one value)
         are made exact together: a plan that takes one of them partly has its reasons to take the others
         so. Where a round's families would add too many rows at once (`WHOLE_FAMILIES_MAX`), only the
-        shared costs of the same `part` of a family are (the reshardings from one made layout). y and its rows are in the program from the start, in order, so that priced exactly everywhere
-        it is the same program, column for column, as without the lazy pricing.
+        shared costs of the same `part` of a family are (the reshardings from one made layout). y and its
+        rows are in the program from the start, in order, so that priced exactly everywhere it is the same
+        program, column for column, as without the lazy pricing.
         """
         uses = [tuple(u) for u in uses]
         if len(uses) == 1:
@@ -1144,8 +1145,8 @@ class _Search:
         start branch and bound from, where the rounded relaxation is no better (or there is none).
         `branch=False`: where the relaxation is fractional and its rounding does not meet its bound, its
         solution as it is, status "Fractional" (no branch and bound); with `round_first=False` too, without
-        rounding it first (a caller that tightens a fractional relaxation before anything else: each
-        rounding completes the plan in a HiGHS instance made afresh after a reprice, 0.16 s on the 70B's)."""
+        rounding it first (for a caller that tightens a fractional relaxation before anything else: a
+        rounding completes its plan in a second HiGHS instance, 0.1-0.16 s on the 70B-shaped search)."""
         until = self.deadline if seconds is None else min(self.deadline, time.perf_counter() + seconds)
         if len(costs):
             self.relaxed.changeColsCost(len(costs), self.columns, costs)
