@@ -14,6 +14,7 @@ backward nodes keep the stack trace of the line they came from.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import linecache
 import os
@@ -83,7 +84,13 @@ ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 
 
 def _decompositions():
-    """Core ATen and the ops in DECOMPOSED, except fused attention and the fused kernels kept whole."""
+    """Core ATen and the ops in DECOMPOSED, except fused attention and the fused kernels kept whole (a
+    copy of the table made once per process: making it took 20-30 ms of each trace)."""
+    return dict(_decomposition_table())
+
+
+@functools.cache
+def _decomposition_table():
     aten = torch.ops.aten
     table = dict(torch._decomp.core_aten_decompositions())
     table.update(torch._decomp.get_decompositions([getattr(aten, name) for name in DECOMPOSED]))
