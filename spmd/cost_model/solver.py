@@ -62,14 +62,15 @@ BESIDE_AFTER = 0.5
 # relaxation take 44 s (56k iterations to the cap, then 9 s without it) where 9 s does without it.
 DROPPABLE_ITERATIONS = 20_000
 # A round of the lazy pricing (`_LazyShares`) makes the shared costs a solution took partly exact with their
-# whole families, unless those families hold more than this share of the program's rows: then only the parts
-# of them (`add_shared`) that were taken partly, in that round and every later one of the solve. Rows added in
-# bulk make the warm simplex go on nearly as long as a cold solve: the 1.1B Llama's axis search on (4, 4, 4)
-# took 11 shared costs partly in 10 families of 300-800 each, and their 5,339 rows (13% of 41k) took the
-# next relaxation 15.7k iterations (3.2 s) where a few rounds of their parts (250 rows or less each) took
-# 1.9 s; a later round's whole families there (7.9%) cost 0.4 s more than its parts. Below it: LLaMA3-8B's
-# rounds (at most 4% of its rows; by parts its 80 GB plan took 6.7 s, not 5.5), the 70B-shaped search's
-# (5.5-6.2%: by parts 0.3-0.5 s slower) and ViT-60B's at 80 GB (6.5-7.3%: by parts a plan 0.2% dearer).
+# whole families, unless those families hold more shared costs than this share of the program's row count (each
+# adds a column and a row per consumer): then only the parts of them (`add_shared`) that were taken partly, in
+# that round and every later one of the solve. Rows added in bulk make the warm simplex go on nearly as long as
+# a cold solve: the 1.1B Llama's axis search on (4, 4, 4) took 11 shared costs partly in 10 families of 300-800
+# each, and their 5,339 shared costs (13% of its 41k rows in number) took the next relaxation 15.7k iterations
+# (3.2 s) where a few rounds of their parts (250 shared costs or fewer each) took 1.9 s; a later round's whole
+# families there (7.9%) cost 0.4 s more than its parts. Below it: LLaMA3-8B's rounds (at most 4% of its row
+# count; by parts its 80 GB plan took 6.7 s, not 5.5), the 70B-shaped search's (5.5-6.2%: by parts 0.3-0.5 s
+# slower) and ViT-60B's at 80 GB (6.5-7.3%: by parts a plan 0.2% dearer).
 WHOLE_FAMILIES_MAX = 0.08
 # The price search stops after this many prices in a row improved neither its best plan nor its bound: near
 # the dual optimum the interval keeps halving over plans that differ by a layer's layout (LLaMA3-8B at
@@ -260,8 +261,8 @@ class IlpBuilder:
     def _partly_taken(self, x: np.ndarray, exact: np.ndarray, by_parts: bool = False) -> tuple[float, np.ndarray, bool]:
         """What `x` costs beyond the program's price of it (shared costs not in `exact` that some but not
         all consumers take, priced at their shares), a mask of those shared costs' families, whole, and
-        False; or, with `by_parts` or where the families hold more than `WHOLE_FAMILIES_MAX` of the
-        program's rows, a mask of their parts, and True."""
+        False; or, with `by_parts` or where the families hold more shared costs than `WHOLE_FAMILIES_MAX`
+        of the program's row count, a mask of their parts, and True."""
         if not self._shared:
             return 0.0, np.zeros(0, dtype=bool), by_parts
         f = self._shared_arrays()
