@@ -1130,7 +1130,7 @@ class _Search:
             if h is not None:
                 h.changeColsBounds(len(cols), cols, np.zeros(len(cols)), np.asarray(upper, dtype=float))
                 h.changeRowsBounds(len(at), at, np.asarray(row_lower, dtype=float), np.asarray(row_upper, dtype=float))
-        self._lp, self.entries = lp, None
+        self._lp = lp  # (its matrix, and so `entries`, stays as it was: only bounds and costs change)
 
     def out_of_time(self) -> bool:
         return time.perf_counter() > self.deadline
