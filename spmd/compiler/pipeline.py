@@ -6,6 +6,7 @@
        ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
        ──insert_collectives──▶ global graph with explicit steps ──emit_rank_graph──▶ this rank's graph
        ──recompute_layers, fuse_decomposed_ops──▶ what backward runs again; decomposed kernels fused
+       ──reduce_in_place──▶ all_reduces without a copy where nothing else reads their input
        ──split_joint_graph, bucket_gradients (training)──▶ forward and backward graphs
 
 Each `Pass` names the values it reads and the one it writes; the runner hands it those values, stores
@@ -52,6 +53,7 @@ from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
 from spmd.passes.recompute_layers import recompute_layers
+from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import trace_joint, with_loss
@@ -237,6 +239,9 @@ PIPELINE: tuple[Pass, ...] = (
     # Ops traced apart so that a split class dim could reduce across ranks, one kernel again where this
     # rank runs them on whole rows (log_softmax and its backward).
     Pass("fuse_decomposed_ops", fuse_decomposed_ops, ("rank_gm",), "rank_gm", _bound, lambda v: v["rank_gm"].code),
+    # Then, with every reader of every value in sight (the joint graph: a value backward reads has a
+    # reader here), each all_reduce whose input nothing else reads reduces it where it is, without a copy.
+    Pass("reduce_in_place", reduce_in_place, ("rank_gm",), "rank_gm", _bound, lambda v: v["rank_gm"].code),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
     Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),

@@ -154,6 +154,18 @@ def check_rank_graph(pass_name: str, v: dict) -> None:
     _fail(pass_name, problems, gm.graph)
 
 
+def check_in_place(pass_name: str, v: dict) -> None:
+    """reduce_in_place: a rank graph whose in-place all_reduces read a value that nothing else reads and
+    that is no placeholder (the caller's tensors are never written)."""
+    check_rank_graph(pass_name, v)
+    gm = v["rank_gm"]
+    problems = [f"{n.name} reduces {n.args[0]} in place, which is read by {len(n.args[0].users)} nodes or is a "
+                "placeholder" for n in gm.graph.nodes
+                if n.op == "call_function" and n.target is STEP_FUNCTIONS["all_reduce"] and n.kwargs.get("inplace")
+                and (len(n.args[0].users) != 1 or n.args[0].op == "placeholder")]
+    _fail(pass_name, problems, gm.graph)
+
+
 def check_split(pass_name: str, v: dict) -> None:
     """split_joint_graph / bucket_gradients: forward returns the outputs and the saved values; backward
     takes the saved values and one tangent per output and returns one gradient per trainable parameter."""
@@ -175,6 +187,6 @@ CHECKS = {
     "trace": check_traced, "merge_tied_parameters": check_traced, "find_repeated_blocks": check_blocks,
     "enumerate_strategies": check_strategies, "merge_followers": check_strategies, "estimate_costs": check_costs,
     "solve_placements": check_plan, "insert_collectives": check_global_graph, "emit_rank_graph": check_rank_graph,
-    "fuse_decomposed_ops": check_rank_graph,
+    "fuse_decomposed_ops": check_rank_graph, "reduce_in_place": check_in_place,
     "split_joint_graph": check_split, "bucket_gradients": check_split,
 }

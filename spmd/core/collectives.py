@@ -55,12 +55,19 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 @speaking
-def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int) -> torch.Tensor:
-    # Out of place on purpose: the Partial value may have other readers in the graph, which an
-    # in-place `all_reduce_` would hand the reduced value.
+def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
+    """Out of place by default: the Partial value may have other readers in the graph, which reducing it
+    in place would hand the reduced value (and the functional all_reduce clones its input for that).
+    `inplace`: `x` is read by nothing else and aliases nothing that is (passes/reduce_in_place.py), so
+    its buffer is reduced where it is: no clone, no fresh allocation. Under torch.compile the functional
+    form always (its functionalization takes no in-place collective; inductor places buffers itself)."""
     op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
-    y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
-    return y / world if reduce_op == "avg" else y
+    if not inplace or torch.compiler.is_compiling():
+        y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
+        return y / world if reduce_op == "avg" else y
+    y = x.contiguous()  # (x itself where it is contiguous)
+    _wait(_c10d.all_reduce_(y, op, group))
+    return y.div_(world) if reduce_op == "avg" else y
 
 
 @speaking
@@ -106,19 +113,24 @@ def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world:
     """One all_reduce for many tensors: flatten them into one buffer and launch it."""
     op = "sum" if reduce_op == "avg" else reduce_op
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    return _c10d.all_reduce(flat, op, group)
+    if torch.compiler.is_compiling():  # (see all_reduce)
+        return _c10d.all_reduce(flat, op, group)
+    return _c10d.all_reduce_(flat, op, group)  # in place: the buffer is new, and read by bucket_wait alone
 
 
 @speaking
 def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int,
-                group: str | None = None) -> list[torch.Tensor]:
-    """Wait for a bucket and cut it back into tensors shaped like `tensors`."""
+                group: str | None = None, views: bool = False) -> list[torch.Tensor]:
+    """Wait for a bucket and cut it back into tensors shaped like `tensors`. `views`: the pieces are views
+    of the bucket, which is right where every piece lives as long as the others (all are the graph's
+    outputs, gradients held until the optimizer's step); else copies, since a view would keep the whole
+    bucket alive for as long as any one piece lives, which the memory plan does not count."""
     flat = _wait(flat)
     if reduce_op == "avg":
-        flat = flat / world
+        flat = flat.div_(world)
     pieces = flat.split([t.numel() for t in tensors])
-    # Copies, not views: a view would keep the whole bucket alive for as long as any one gradient
-    # lives (and some pieces are only sliced further), which the memory plan does not count.
+    if views:
+        return [p.view(t.shape) for p, t in zip(pieces, tensors)]
     return [p.view(t.shape).clone() for p, t in zip(pieces, tensors)]
 
 

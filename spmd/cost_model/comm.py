@@ -22,7 +22,9 @@ bandwidth plus its share of a bucket's latency, `bucket_share` = min(1, B / buck
 larger than a bucket fills one of its own); together the gradients on an axis pay
 `latency * max(1, sum of shares)`, at least one launch: `bucketed_latency`. The solver, the symbolic
 costs and the plan's explanations all price buckets with these two functions. Each bucketed gradient
-also pays its packing (`bucket_packing`): copied into the bucket's flat buffer, and out of it again.
+also pays its packing (`bucket_packing`): copied into the bucket's flat buffer, which is reduced in place
+and read back through views (where a piece flows on to another collective instead of leaving the graph,
+the runtime copies it out: a chain over two mesh axes, which this leaves unpriced).
 """
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ def bucket_share(nbytes, bucket_bytes: float):
 
 def bucket_packing(device, nbytes):
     """What packing a gradient of `nbytes` into its bucket costs: `bucket_start` copies it into the flat
-    buffer, `bucket_wait` copies its reduced piece back out (runtime: core/collectives.py)."""
-    return 2 * copy_seconds(device, nbytes)
+    buffer; the reduced piece comes back as a view of it (runtime: core/collectives.py)."""
+    return copy_seconds(device, nbytes)
 
 
 def bucketed_latency(latency: float, shares: list):

@@ -5,7 +5,8 @@ Before: a backward rank graph whose parameter gradients leave through chains of 
 process group in the order backward produces them, are `bucket_start` / `bucket_wait` pairs of at most
 `bucket_bytes` each: one launch per bucket as soon as its last gradient is ready and one wait just
 before the first read of its results (or the next collective on its group), so buckets overlap with the
-rest of backward, on NCCL and gloo alike.
+rest of backward, on NCCL and gloo alike. The bucket is reduced in place, and its pieces are views of it
+where all of them leave the graph (one copy per gradient: into the bucket).
 The cost model prices exactly this: a bucketed all_reduce pays its share of one latency.
 """
 from __future__ import annotations
@@ -70,10 +71,13 @@ def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], buck
             start = graph.call_function(C.bucket_start, (inputs,),
                                         {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"],
                                          "where": where})
+        # Views of the bucket where every piece is a gradient the graph returns: they all live until the
+        # optimizer's step, so a view keeps nothing alive that the pieces would not (and saves a copy).
+        views = all(u.op == "output" for n in bucket for u in n.users)
         with graph.inserting_after(start):
             done = graph.call_function(C.bucket_wait, (start, inputs),
                                        {"reduce_op": kw["reduce_op"], "world": kw["world"], "group": kw["group"],
-                                        "where": where})
+                                        "views": views, "where": where})
         for i, node in enumerate(bucket):
             with graph.inserting_after(done):
                 piece = graph.call_function(operator.getitem, (done, i))

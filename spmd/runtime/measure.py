@@ -72,10 +72,13 @@ def _timed(fn, warmup: int, reps: int, gap_s: float = 0.0, stat: str = "median")
 
 
 def _collective_fn(kind: str, x, group: str, n: int):
+    import torch
+
     from spmd.core import collectives as C
 
-    if kind == "all_reduce":
-        return lambda: C.all_reduce(x, "sum", group, n)
+    if kind == "all_reduce":  # in place, as the runtime reduces a value nothing else reads (and buckets);
+        y = torch.zeros_like(x)  # zeros, which the repeated sums leave as they are
+        return lambda: C.all_reduce(y, "sum", group, n, inplace=True)
     if kind == "all_gather":
         return lambda: C.all_gather(x, 0, group, n)
     if kind == "reduce_scatter":

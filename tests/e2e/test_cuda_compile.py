@@ -11,7 +11,8 @@ import pytest
 from tests import fake_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
-NCCL_COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"}
+NCCL_COLLECTIVES = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+                    "all_to_all_single"}  # all_reduce_: in place (passes/reduce_in_place.py, gradient buckets)
 NCCL_REDUCE_OPS = {"sum", "prod", "product", "min", "max", "avg", "premul_sum"}  # no band/bor/bxor
 STATIC = ("parameters", "gradients", "optimizer", "inputs")  # the memory a kernel choice cannot change
 

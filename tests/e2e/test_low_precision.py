@@ -287,7 +287,7 @@ def test_an_fp32_sum_the_model_rounds_to_bf16_is_reduced_in_fp32(ranks):
     eps = _eps("bfloat16")
     for r in results:
         fwd = r["forward"]
-        reductions = {dt for (name, dt) in r["collectives"]["forward"] if name in ("all_reduce", "reduce_scatter_tensor")}
+        reductions = {dt for (name, dt) in r["collectives"]["forward"] if name in ("all_reduce", "all_reduce_", "reduce_scatter_tensor")}
         assert reductions == {"float32"}, r["collectives"]
         assert fwd["err"] <= eps * fwd["scale"], fwd
         assert r["train"]["losses"] == pytest.approx(r["train"]["ref_losses"], rel=LOSS_EPS * eps)

@@ -1,0 +1,141 @@
+"""reduce_in_place: which all_reduces reduce their input where it is, and what the steps then run."""
+from __future__ import annotations
+
+import datetime
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from spmd.core import collectives as C
+from spmd.passes.bucket_gradients import bucket_gradients
+from spmd.passes.reduce_in_place import reduce_in_place
+
+aten = torch.ops.aten
+KW = {"reduce_op": "sum", "group": "g0", "world": 2}
+
+
+def _in_place(graph: fx.Graph) -> dict[str, bool]:
+    """all_reduce node name -> whether the pass reduces it in place (the given graph left as it is)."""
+    before = {n.name: dict(n.kwargs) for n in graph.nodes}
+    out = reduce_in_place(fx.GraphModule(torch.nn.Module(), graph))
+    assert {n.name: dict(n.kwargs) for n in graph.nodes} == before
+    return {n.name: bool(n.kwargs.get("inplace")) for n in out.graph.nodes if n.target is C.all_reduce}
+
+
+def test_a_fresh_value_read_by_its_all_reduce_alone_is_reduced_in_place():
+    g = fx.Graph()
+    a, w = g.placeholder("a"), g.placeholder("w")
+    mm = g.call_function(aten.mm.default, (a, w))
+    r = g.call_function(C.all_reduce, (mm,), KW, name="ar_mm")
+    g.output(r)
+    assert _in_place(g) == {"ar_mm": True}
+
+
+def test_values_other_nodes_read_or_see_stay_out_of_place():
+    g = fx.Graph()
+    a, w = g.placeholder("a"), g.placeholder("w")
+    mm = g.call_function(aten.mm.default, (a, w))
+    shared = g.call_function(C.all_reduce, (mm,), KW, name="ar_read_twice")
+    also = g.call_function(aten.relu.default, (mm,))  # a second reader: it must see mm unreduced
+    placeholder = g.call_function(C.all_reduce, (a,), KW, name="ar_placeholder")  # the caller's tensor
+    base = g.call_function(aten.mm.default, (a, w))
+    view = g.call_function(aten.view.default, (base, [-1]))
+    seen = g.call_function(aten.sum.default, (base,))  # reads the view's base
+    through_view = g.call_function(C.all_reduce, (view,), KW, name="ar_view_of_read_base")
+    param_view = g.call_function(aten.t.default, (w,))
+    of_param = g.call_function(C.all_reduce, (param_view,), KW, name="ar_view_of_placeholder")
+    g.output((shared, also, placeholder, seen, through_view, of_param))
+    assert _in_place(g) == {"ar_read_twice": False, "ar_placeholder": False, "ar_view_of_read_base": False,
+                            "ar_view_of_placeholder": False}
+
+
+def test_views_and_fresh_pieces_whose_buffer_nothing_else_reads_are_reduced_in_place():
+    g = fx.Graph()
+    a, w, b = g.placeholder("a"), g.placeholder("w"), g.placeholder("b")
+    mm = g.call_function(aten.mm.default, (a, w))
+    view = g.call_function(aten.view.default, (mm, [-1]))
+    r1 = g.call_function(C.all_reduce, (view,), KW, name="ar_view_chain")
+    ln = g.call_function(aten.native_layer_norm.default, (a, [4], None, None, 1e-5))
+    out = g.call_function(operator.getitem, (ln, 0))
+    r2 = g.call_function(C.all_reduce, (out,), KW, name="ar_layer_norm_output")
+    gathered = g.call_function(C.all_gather, (b,), {"dim": 0, "group": "g0", "world": 2})
+    r3 = g.call_function(C.all_reduce, (gathered,), KW, name="ar_collective_output")
+    mm2 = g.call_function(aten.mm.default, (a, w))
+    split = g.call_function(aten.split.Tensor, (mm2, 2))  # its pieces are views of mm2: not owned
+    piece = g.call_function(operator.getitem, (split, 0))
+    r4 = g.call_function(C.all_reduce, (piece,), KW, name="ar_split_piece")
+    g.output((r1, r2, r3, r4))
+    assert _in_place(g) == {"ar_view_chain": True, "ar_layer_norm_output": True, "ar_collective_output": True,
+                            "ar_split_piece": False}
+
+
+def test_a_joint_graph_value_saved_for_backward_stays_out_of_place():
+    """Run before the cut: a value backward reads has that reader in the joint graph."""
+    g = fx.Graph()
+    a, w, tangent = g.placeholder("a"), g.placeholder("w"), g.placeholder("tangents_1")
+    mm = g.call_function(aten.mm.default, (a, w))
+    fwd = g.call_function(C.all_reduce, (mm,), KW, name="ar_forward")
+    grad = g.call_function(aten.mul.Tensor, (tangent, mm))  # backward reads mm
+    g.output((fwd, grad))
+    assert _in_place(g) == {"ar_forward": False}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A one-rank gloo world in this process: the steps run for real (a sum over one rank is the value)."""
+    started = not dist.is_initialized()
+    if started:
+        path = tmp_path_factory.mktemp("pg") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+    yield dist.group.WORLD.group_name
+    if started:
+        dist.destroy_process_group()
+
+
+def test_the_in_place_step_reduces_the_buffer_it_is_given(one_rank):
+    x = torch.arange(6.0).reshape(2, 3)
+    kept = x.clone()
+    out = C.all_reduce(x, "sum", one_rank, 1)
+    assert out.data_ptr() != x.data_ptr() and torch.equal(out, kept)
+    y = C.all_reduce(x, "sum", one_rank, 1, inplace=True)
+    assert y.data_ptr() == x.data_ptr() and torch.equal(y, kept)
+    avg = C.all_reduce(x, "avg", one_rank, 1, inplace=True)
+    assert avg.data_ptr() == x.data_ptr() and torch.equal(avg, kept)
+    t = x.t()  # not contiguous: reduced in a contiguous copy, the input untouched
+    z = C.all_reduce(t, "sum", one_rank, 1, inplace=True)
+    assert z.is_contiguous() and torch.equal(z, kept.t())
+
+
+def test_a_bucket_hands_back_views_only_where_asked(one_rank):
+    grads = [torch.randn(3, 4), torch.randn(5)]
+    flat = C.bucket_start(grads, "sum", one_rank, 1)
+    views = C.bucket_wait(flat, grads, "sum", 1, views=True)
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)
+    assert all(torch.equal(v, g) for v, g in zip(views, grads))
+    flat = C.bucket_start(grads, "avg", one_rank, 1)
+    copies = C.bucket_wait(flat, grads, "avg", 1)
+    assert all(c.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for c in copies)
+    assert all(torch.equal(c, g) for c, g in zip(copies, grads))
+
+
+def test_bucket_pieces_are_views_only_where_every_piece_leaves_the_graph():
+    """A gradient reduced over one axis and then another feeds the second bucket: its first bucket copies."""
+    g = fx.Graph()
+    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
+    for x in (a, b, c):
+        x.meta["val"] = torch.empty(64)
+        x.meta["spmd_placements"] = ((),)
+    ga = g.call_function(C.all_reduce, (a,), {"reduce_op": "sum", "group": "g0", "world": 2})
+    gb = g.call_function(C.all_reduce, (b,), {"reduce_op": "sum", "group": "g0", "world": 2})
+    gc = g.call_function(C.all_reduce, (c,), {"reduce_op": "sum", "group": "g1", "world": 2})
+    gc2 = g.call_function(C.all_reduce, (gc,), {"reduce_op": "sum", "group": "g0", "world": 2})
+    for n in (ga, gb, gc, gc2):
+        n.meta = dict(a.meta)
+    g.output((ga, gb, gc2))
+    out = bucket_gradients(fx.GraphModule(torch.nn.Module(), g), (2, 2), bucket_bytes=1e9)
+    waits = {n.kwargs["group"]: n.kwargs["views"] for n in out.graph.nodes if n.target is C.bucket_wait}
+    assert waits == {"g1": False, "g0": True}
