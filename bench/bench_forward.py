@@ -352,11 +352,11 @@ def run_size(size: str, mesh, rank: int, world: int, args) -> dict:
 def without_collectives(compiled):
     """`compiled`'s rank graph with every all_reduce replaced by its input (wrong numbers, same compute)."""
     import torch.fx as fx
-    from spmd.core.collectives import STEP_FUNCTIONS
+    from spmd.core import collectives as C
 
     gm, graph, env = compiled.graph_module, fx.Graph(), {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is STEP_FUNCTIONS["all_reduce"]:
+        if node.op == "call_function" and node.target in (C.all_reduce, C.all_reduce_start, C.all_reduce_wait):
             env[node] = env[node.args[0]]
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])

@@ -235,8 +235,8 @@ def graph_collectives(gm) -> dict[str, int]:
     from collections import Counter
 
     names = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "bucket_start", "all_reduce_start"}
-    c = Counter(n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"
-                and getattr(n.target, "__name__", "") in names)
+    c = Counter(n.target.__name__.removesuffix("_start") if n.target.__name__ == "all_reduce_start" else n.target.__name__
+                for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") in names)
     return dict(sorted(c.items()))
 
 
@@ -426,6 +426,10 @@ def _no_all_reduce(x, reduce_op="sum", group=None, world=1, inplace=False, **_):
     return x
 
 
+def _no_wait(pending, reduce_op="sum", world=1, **_):
+    return pending
+
+
 def _bucket_start_local(tensors, reduce_op, group, world, **_):
     return torch.cat([t.reshape(-1) for t in tensors])  # the packing copy, no communication
 
@@ -442,7 +446,8 @@ def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, w
     from spmd.runtime.compiled import _RankStep
 
     split = a2.split
-    no_comm = {C.all_reduce: _no_all_reduce, C.bucket_start: _bucket_start_local, C.bucket_wait: _bucket_wait_local}
+    no_comm = {C.all_reduce: _no_all_reduce, C.all_reduce_start: _no_all_reduce, C.all_reduce_wait: _no_wait,
+               C.bucket_start: _bucket_start_local, C.bucket_wait: _bucket_wait_local}
     fwd_nc, bwd_nc = _replace_targets(split.forward, no_comm), _replace_targets(split.backward, no_comm)
     args_ = a2._graph_args(x2)
     with torch.no_grad():

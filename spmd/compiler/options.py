@@ -41,7 +41,8 @@ class PlanOptions:
     axes act as one (compiler/axis_search.py: fast, a local optimum, not proven optimal; None: when the
     exact program would be large; False: always solve exactly).
     bucket_bytes: gradient all_reduces are packed into buckets of this size; defer_waits: wait for a
-    bucket at its first use, not right after its launch.
+    bucket, and any all_reduce, at its first use, not right after its launch (passes/overlap_collectives.py;
+    False: every all_reduce synchronous, where the trace put it).
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
     pass's stated postcondition as it runs (also SPMD_VERIFY=1; the tests turn it on).
     """

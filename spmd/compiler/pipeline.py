@@ -8,6 +8,7 @@
        ──recompute_layers, fuse_decomposed_ops──▶ what backward runs again; decomposed kernels fused
        ──reduce_in_place──▶ all_reduces without a copy where nothing else reads their input
        ──split_joint_graph, bucket_gradients (training)──▶ forward and backward graphs
+       ──overlap_collectives──▶ all_reduces launched early, waited for late
 
 Each `Pass` names the values it reads and the one it writes; the runner hands it those values, stores
 what it returns, and (with `PlanOptions.verify` or SPMD_VERIFY=1) checks the pass's postcondition
@@ -52,6 +53,7 @@ from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
+from spmd.passes.overlap_collectives import overlap_collectives
 from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
@@ -179,6 +181,11 @@ def _bucket(split: SplitGraphs, mesh, options: PlanOptions) -> SplitGraphs:
     return dataclasses.replace(split, backward=backward)
 
 
+def _overlap(split: SplitGraphs) -> SplitGraphs:
+    return dataclasses.replace(split, forward=overlap_collectives(split.forward),
+                               backward=overlap_collectives(split.backward))
+
+
 def _bound(v: dict) -> bool:
     return v["binding"] is not None
 
@@ -248,6 +255,13 @@ PIPELINE: tuple[Pass, ...] = (
     # ... and the gradient all_reduces of backward are packed into buckets (the cost model priced them so).
     Pass("bucket_gradients", _bucket, ("split", "mesh", "options"), "split", _training_rank,
          lambda v: v["split"].backward.code),
+    # Then each all_reduce is launched as soon as its input is ready and waited for where it is read, with
+    # the work that needs neither in between (the buckets are launches too).
+    Pass("overlap_collectives", overlap_collectives, ("rank_gm",), "rank_gm",
+         lambda v: _bound(v) and not v["traced"].joint and v["options"].defer_waits, lambda v: v["rank_gm"].code),
+    Pass("overlap_collectives", _overlap, ("split",), "split",
+         lambda v: _training_rank(v) and v["options"].defer_waits,
+         lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),
 )
 
 

@@ -166,6 +166,30 @@ def check_in_place(pass_name: str, v: dict) -> None:
     _fail(pass_name, problems, gm.graph)
 
 
+def check_overlap(pass_name: str, v: dict) -> None:
+    """overlap_collectives: each rank graph has at most one collective in flight per process group (a
+    launch or a synchronous collective on a group waits for the one before), and every launch is waited for."""
+    from spmd.core import collectives as C
+
+    starts = {C.all_reduce_start: C.all_reduce_wait, C.bucket_start: C.bucket_wait}
+    if v.get("split") is not None:
+        check_split(pass_name, v)
+    graphs = [v["split"].forward, v["split"].backward] if v.get("split") is not None else [v["rank_gm"]]
+    for gm in graphs:
+        problems, in_flight = [], {}  # group -> the launch not waited for yet
+        for n in gm.graph.nodes:
+            group = n.kwargs.get("group") if n.op == "call_function" else None
+            if n.target in starts.values():
+                in_flight.pop(group, None)
+            elif group is not None and getattr(n.target, "__module__", "") == C.__name__:
+                if group in in_flight:
+                    problems.append(f"{n.name} uses group {group} while {in_flight[group].name} is in flight")
+                if n.target in starts:
+                    in_flight[group] = n
+        problems += [f"{n.name} is never waited for" for n in in_flight.values()]
+        _fail(pass_name, problems, gm.graph)
+
+
 def check_split(pass_name: str, v: dict) -> None:
     """split_joint_graph / bucket_gradients: forward returns the outputs and the saved values; backward
     takes the saved values and one tangent per output and returns one gradient per trainable parameter."""
@@ -188,5 +212,5 @@ CHECKS = {
     "enumerate_strategies": check_strategies, "merge_followers": check_strategies, "estimate_costs": check_costs,
     "solve_placements": check_plan, "insert_collectives": check_global_graph, "emit_rank_graph": check_rank_graph,
     "fuse_decomposed_ops": check_rank_graph, "reduce_in_place": check_in_place,
-    "split_joint_graph": check_split, "bucket_gradients": check_split,
+    "split_joint_graph": check_split, "bucket_gradients": check_split, "overlap_collectives": check_overlap,
 }

@@ -71,6 +71,24 @@ def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace:
 
 
 @speaking
+def all_reduce_start(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
+    """`all_reduce` launched, not waited for: read the result only through `all_reduce_wait`, and launch
+    nothing else on `group` in between (gloo pairs up two collectives in flight on one group wrongly).
+    passes/overlap_collectives.py places the two around work that does not need the result."""
+    op = "sum" if reduce_op == "avg" else reduce_op
+    if not inplace or torch.compiler.is_compiling():
+        return _c10d.all_reduce(x.contiguous(), op, group)
+    return _c10d.all_reduce_(x.contiguous(), op, group)
+
+
+@speaking
+def all_reduce_wait(pending: torch.Tensor, reduce_op: str, world: int, group: str | None = None) -> torch.Tensor:
+    """The result of `all_reduce_start`'s all_reduce, once it has arrived."""
+    y = _wait(pending)
+    return y / world if reduce_op == "avg" else y
+
+
+@speaking
 def all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
     y = _wait(_c10d.all_gather_into_tensor(x.contiguous(), world, group))
     return y if dim == 0 else torch.cat(y.chunk(world, 0), dim)

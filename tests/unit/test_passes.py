@@ -273,7 +273,7 @@ def test_dump_writes_one_file_per_pass(tmp_path):
     assert files == ["01-find_layer_stacks.txt", "02-trace.txt", "03-merge_tied_parameters.txt",
                      "04-find_repeated_blocks.txt", "05-enumerate_strategies.txt", "06-estimate_costs.txt",
                      "07-solve_placements.txt", "08-insert_collectives.txt", "09-emit_rank_graph.txt",
-                     "10-fuse_decomposed_ops.txt", "11-reduce_in_place.txt"]
+                     "10-fuse_decomposed_ops.txt", "11-reduce_in_place.txt", "12-overlap_collectives.txt"]
     lines = (tmp_path / "07-solve_placements.txt").read_text().splitlines()
     # the user's source line heads the block of nodes it made
     head = next(i for i, line in enumerate(lines) if line.startswith("# ") and "tests/models.py:" in line)

@@ -15,9 +15,10 @@ def _launches(gm, groups):
     """(kind, axis name) -> how many collectives this graph launches."""
     out = collections.Counter()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (C.all_reduce, C.all_gather, C.reduce_scatter,
-                                                          C.all_to_all, C.bucket_start):
-            out[(node.target.__name__, groups[node.kwargs["group"]])] += 1
+        if node.op == "call_function" and node.target in (C.all_reduce, C.all_reduce_start, C.all_gather,
+                                                          C.reduce_scatter, C.all_to_all, C.bucket_start):
+            kind = "all_reduce" if node.target is C.all_reduce_start else node.target.__name__
+            out[(kind, groups[node.kwargs["group"]])] += 1
     return out
 
 
