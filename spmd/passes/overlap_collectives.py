@@ -8,7 +8,8 @@ gradients' matmuls that came first in the trace but do not feed it, and right be
 After: each all_reduce is an `all_reduce_start` and an `all_reduce_wait`. Between two launches on the
 graph (all_reduce starts and gradient bucket starts), the nodes the second launch does not need move
 after it, in their order: the launch comes right after what its input needs. Collective steps and ops
-that draw random numbers or have effects stay before it, with what they need, in their order. Each wait then moves down to just before the first reader
+that draw random numbers or have effects stay before it, with what they need, in their order, and no
+node moves past a write (an in-place op, a copy into a buffer), which may change what it reads. Each wait then moves down to just before the first reader
 of its result, or the next collective on its group, or the output (gloo pairs up two collectives in
 flight on one group wrongly; the bucket waits of bucket_gradients follow the same rule). The values
 computed are the same; only the order changes, and nodes move only within the stretch between two
@@ -62,6 +63,10 @@ def _launch_order(graph: fx.Graph) -> list[fx.Node]:
         if node.op == "call_function" and node.target in LAUNCHES:
             within = set(stretch)
             roots = [a for a in node.all_input_nodes if a in within] + [n for n in stretch if _stays(n)]
+            # nothing moves past a write (an in-place op, a copy into a buffer): it may read what is written
+            writes = [i for i, n in enumerate(stretch) if n.is_impure() and not _group(n)]
+            if writes:
+                roots += stretch[:writes[-1] + 1]
             needed = _ancestors(roots, within)
             order += [n for n in stretch if n in needed] + [node] + [n for n in stretch if n not in needed]
             stretch = []

@@ -74,6 +74,21 @@ def test_collectives_on_the_group_and_random_draws_keep_their_place_before_a_lau
     assert order.index("free_work") > order.index("ar_start")
 
 
+def test_nothing_moves_past_a_write_it_may_read_before():
+    """relu reads b before add_ writes it: moved after the launch, it would read the written b."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    early = g.call_function(aten.relu.default, (b,), name="reads_b")
+    g.call_function(aten.add_.Tensor, (b, a), name="writes_b")
+    later = g.call_function(aten.neg.default, (a,), name="after_the_write")
+    x = g.call_function(aten.mm.default, (a, a), name="x")
+    r = g.call_function(C.all_reduce, (x,), _kw(), name="ar")
+    g.output((early, later, r))
+    order = _order(overlap_collectives(fx.GraphModule(torch.nn.Module(), g)))
+    assert order.index("reads_b") < order.index("writes_b") < order.index("ar_start")
+    assert order.index("after_the_write") > order.index("ar_start")
+
+
 def test_a_graph_without_all_reduces_is_returned_as_it_is():
     g = fx.Graph()
     a = g.placeholder("a")
