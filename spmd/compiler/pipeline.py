@@ -181,6 +181,10 @@ def _bucket(split: SplitGraphs, mesh, options: PlanOptions) -> SplitGraphs:
     return dataclasses.replace(split, backward=backward)
 
 
+def _reduce_in_place(rank_gm: fx.GraphModule, traced: TracedGraph) -> fx.GraphModule:
+    return reduce_in_place(rank_gm, frozenset(i.placeholder for i in traced.inputs if i.kind == "tangent"))
+
+
 def _overlap(split: SplitGraphs) -> SplitGraphs:
     return dataclasses.replace(split, forward=overlap_collectives(split.forward),
                                backward=overlap_collectives(split.backward))
@@ -248,7 +252,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("fuse_decomposed_ops", fuse_decomposed_ops, ("rank_gm",), "rank_gm", _bound, lambda v: v["rank_gm"].code),
     # Then, with every reader of every value in sight (the joint graph: a value backward reads has a
     # reader here), each all_reduce whose input nothing else reads reduces it where it is, without a copy.
-    Pass("reduce_in_place", reduce_in_place, ("rank_gm",), "rank_gm", _bound, lambda v: v["rank_gm"].code),
+    Pass("reduce_in_place", _reduce_in_place, ("rank_gm", "traced"), "rank_gm", _bound, lambda v: v["rank_gm"].code),
     # Last: autograd runs forward and backward separately, so the joint rank graph is cut in two ...
     Pass("split_joint_graph", split_joint_graph, ("rank_gm", "traced"), "split", _training_rank,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),

@@ -54,15 +54,24 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _c10d.wait_tensor(t)
 
 
+def _in_place(x: torch.Tensor, asked: bool) -> bool:
+    """Whether to reduce `x` in its own buffer, as `asked`: never under torch.compile, nor where autograd
+    records the graph (an inference module called with grad enabled), since autograd may have saved `x`
+    for a backward and the in-place collective does not bump its version (the reduced value would be used
+    silently)."""
+    return asked and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
+
+
 @speaking
 def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
     """Out of place by default: the Partial value may have other readers in the graph, which reducing it
     in place would hand the reduced value (and the functional all_reduce clones its input for that).
     `inplace`: `x` is read by nothing else and aliases nothing that is (passes/reduce_in_place.py), so
-    its buffer is reduced where it is: no clone, no fresh allocation. Under torch.compile the functional
-    form always (its functionalization takes no in-place collective; inductor places buffers itself)."""
+    its buffer is reduced where it is: no clone, no fresh allocation. The functional form all the same
+    under torch.compile (its functionalization takes no in-place collective; inductor places buffers
+    itself) and where autograd records the call (`_in_place`)."""
     op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
-    if not inplace or torch.compiler.is_compiling():
+    if not _in_place(x, inplace):
         y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
         return y / world if reduce_op == "avg" else y
     y = x.contiguous()  # (x itself where it is contiguous)
@@ -76,7 +85,7 @@ def all_reduce_start(x: torch.Tensor, reduce_op: str, group: str, world: int, in
     nothing else on `group` in between (gloo pairs up two collectives in flight on one group wrongly).
     passes/overlap_collectives.py places the two around work that does not need the result."""
     op = "sum" if reduce_op == "avg" else reduce_op
-    if not inplace or torch.compiler.is_compiling():
+    if not _in_place(x, inplace):
         return _c10d.all_reduce(x.contiguous(), op, group)
     return _c10d.all_reduce_(x.contiguous(), op, group)
 
@@ -131,7 +140,7 @@ def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world:
     """One all_reduce for many tensors: flatten them into one buffer and launch it."""
     op = "sum" if reduce_op == "avg" else reduce_op
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if torch.compiler.is_compiling():  # (see all_reduce)
+    if not _in_place(flat, True):  # (see all_reduce)
         return _c10d.all_reduce(flat, op, group)
     return _c10d.all_reduce_(flat, op, group)  # in place: the buffer is new, and read by bucket_wait alone
 

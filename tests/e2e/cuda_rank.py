@@ -103,7 +103,8 @@ class Record(TorchDispatchMode):
 
 def graph_facts(compiled) -> dict:
     graphs = [compiled.split.forward, compiled.split.backward] if compiled.split is not None else [compiled.graph_module]
-    steps = {f: n for n, f in C.STEP_FUNCTIONS.items()} | {C.bucket_start: "bucket_start"}
+    steps = {f: n for n, f in C.STEP_FUNCTIONS.items()} | {C.bucket_start: "bucket_start",
+                                                            C.all_reduce_start: "all_reduce"}
     ops, devices, factories, collectives = set(), set(), [], []
     for gm in graphs:
         for n in gm.graph.nodes:

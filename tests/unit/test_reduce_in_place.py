@@ -17,10 +17,10 @@ aten = torch.ops.aten
 KW = {"reduce_op": "sum", "group": "g0", "world": 2}
 
 
-def _in_place(graph: fx.Graph) -> dict[str, bool]:
+def _in_place(graph: fx.Graph, tangents=frozenset()) -> dict[str, bool]:
     """all_reduce node name -> whether the pass reduces it in place (the given graph left as it is)."""
     before = {n.name: dict(n.kwargs) for n in graph.nodes}
-    out = reduce_in_place(fx.GraphModule(torch.nn.Module(), graph))
+    out = reduce_in_place(fx.GraphModule(torch.nn.Module(), graph), frozenset(tangents))
     assert {n.name: dict(n.kwargs) for n in graph.nodes} == before
     return {n.name: bool(n.kwargs.get("inplace")) for n in out.graph.nodes if n.target is C.all_reduce}
 
@@ -83,6 +83,34 @@ def test_a_joint_graph_value_saved_for_backward_stays_out_of_place():
     assert _in_place(g) == {"ar_forward": False}
 
 
+def test_a_backward_step_never_reduces_a_forward_value_in_place():
+    """Backward reads what forward saved: a tensor autograd hands back (and again on a second backward)."""
+    g = fx.Graph()
+    a, w, tangent = g.placeholder("a"), g.placeholder("w"), g.placeholder("tangents_1")
+    saved = g.call_function(aten.mm.default, (a, w), name="saved")
+    in_backward = g.call_function(C.all_reduce, (saved,), KW, name="ar_of_saved")
+    in_backward.meta["partitioner_tag"] = "is_backward"
+    grad = g.call_function(aten.mm.default, (tangent, w), name="grad")
+    own = g.call_function(C.all_reduce, (grad,), KW, name="ar_of_backward_value")
+    g.output((g.call_function(aten.mul.Tensor, (in_backward, tangent)), own))
+    assert _in_place(g, {"tangents_1"}) == {"ar_of_saved": False, "ar_of_backward_value": True}
+
+
+def test_results_that_are_views_whatever_their_schema_says_are_not_owned():
+    g = fx.Graph()
+    a, w = g.placeholder("a"), g.placeholder("w")
+    mm = g.call_function(aten.mm.default, (a, w))
+    unsafe = g.call_function(aten._unsafe_view.default, (mm, [-1]))  # declared fresh, a view of mm
+    r1 = g.call_function(C.all_reduce, (unsafe,), KW, name="ar_unsafe_view")
+    seen = g.call_function(aten.sum.default, (mm,))
+    ln = g.call_function(aten.native_layer_norm.default, (a, [4], None, None, 1e-5))
+    twice = g.call_function(operator.getitem, (ln, 0))
+    again = g.call_function(operator.getitem, (ln, 0))  # the same result picked out twice
+    r2 = g.call_function(C.all_reduce, (twice,), KW, name="ar_picked_twice")
+    g.output((r1, seen, r2, again))
+    assert _in_place(g) == {"ar_unsafe_view": False, "ar_picked_twice": False}
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     """A one-rank gloo world in this process: the steps run for real (a sum over one rank is the value)."""
@@ -108,6 +136,19 @@ def test_the_in_place_step_reduces_the_buffer_it_is_given(one_rank):
     t = x.t()  # not contiguous: reduced in a contiguous copy, the input untouched
     z = C.all_reduce(t, "sum", one_rank, 1, inplace=True)
     assert z.is_contiguous() and torch.equal(z, kept.t())
+
+
+def test_where_autograd_records_the_call_the_step_reduces_out_of_place(one_rank):
+    """An inference module called with grad enabled: autograd may have saved x for its backward, and the
+    in-place collective would change it without bumping its version."""
+    x = torch.arange(6.0, requires_grad=True) * 1.0
+    y = C.all_reduce(x, "sum", one_rank, 1, inplace=True)
+    assert y.data_ptr() != x.data_ptr()
+    with torch.no_grad():
+        z = x * 1.0
+        assert C.all_reduce(z, "sum", one_rank, 1, inplace=True).data_ptr() == z.data_ptr()
+    pending = C.all_reduce_start(x, "sum", one_rank, 1, inplace=True)
+    assert C.all_reduce_wait(pending, "sum", 1).data_ptr() != x.data_ptr()
 
 
 def test_a_bucket_hands_back_views_only_where_asked(one_rank):
