@@ -10,6 +10,7 @@ import operator
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from spmd.core import collectives as C
 from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import SpmdInternalError
 from spmd.core.specs import TensorInfo
@@ -169,8 +170,6 @@ def check_in_place(pass_name: str, v: dict) -> None:
 def check_overlap(pass_name: str, v: dict) -> None:
     """overlap_collectives: each rank graph has at most one collective in flight per process group (a
     launch or a synchronous collective on a group waits for the one before), and every launch is waited for."""
-    from spmd.core import collectives as C
-
     starts = {C.all_reduce_start: C.all_reduce_wait, C.bucket_start: C.bucket_wait}
     if v.get("split") is not None:
         check_split(pass_name, v)

@@ -62,6 +62,13 @@ def _in_place(x: torch.Tensor, asked: bool) -> bool:
     return asked and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
 
 
+def _launch(x: torch.Tensor, reduce_op: str, group: str, inplace: bool) -> torch.Tensor:
+    """The all_reduce of `x` launched, not waited for: in `x`'s own buffer where `inplace` (`_in_place`)."""
+    op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
+    x = x.contiguous()  # (x itself where it is contiguous)
+    return _c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group)
+
+
 @speaking
 def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace: bool = False) -> torch.Tensor:
     """Out of place by default: the Partial value may have other readers in the graph, which reducing it
@@ -70,13 +77,11 @@ def all_reduce(x: torch.Tensor, reduce_op: str, group: str, world: int, inplace:
     its buffer is reduced where it is: no clone, no fresh allocation. The functional form all the same
     under torch.compile (its functionalization takes no in-place collective; inductor places buffers
     itself) and where autograd records the call (`_in_place`)."""
-    op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
-    if not _in_place(x, inplace):
-        y = _wait(_c10d.all_reduce(x.contiguous(), op, group))
-        return y / world if reduce_op == "avg" else y
-    y = x.contiguous()  # (x itself where it is contiguous)
-    _wait(_c10d.all_reduce_(y, op, group))
-    return y.div_(world) if reduce_op == "avg" else y
+    inplace = _in_place(x, inplace)
+    y = _wait(_launch(x, reduce_op, group, inplace))
+    if reduce_op != "avg":
+        return y
+    return y.div_(world) if inplace else y / world
 
 
 @speaking
@@ -84,10 +89,7 @@ def all_reduce_start(x: torch.Tensor, reduce_op: str, group: str, world: int, in
     """`all_reduce` launched, not waited for: read the result only through `all_reduce_wait`, and launch
     nothing else on `group` in between (gloo pairs up two collectives in flight on one group wrongly).
     passes/overlap_collectives.py places the two around work that does not need the result."""
-    op = "sum" if reduce_op == "avg" else reduce_op
-    if not _in_place(x, inplace):
-        return _c10d.all_reduce(x.contiguous(), op, group)
-    return _c10d.all_reduce_(x.contiguous(), op, group)
+    return _launch(x, reduce_op, group, _in_place(x, inplace))
 
 
 @speaking
@@ -138,11 +140,9 @@ def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:
 @speaking
 def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world: int) -> torch.Tensor:
     """One all_reduce for many tensors: flatten them into one buffer and launch it."""
-    op = "sum" if reduce_op == "avg" else reduce_op
+    # in place (see all_reduce): the buffer is new, and read by bucket_wait alone
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if not _in_place(flat, True):  # (see all_reduce)
-        return _c10d.all_reduce(flat, op, group)
-    return _c10d.all_reduce_(flat, op, group)  # in place: the buffer is new, and read by bucket_wait alone
+    return _launch(flat, reduce_op, group, _in_place(flat, True))
 
 
 @speaking

@@ -272,13 +272,13 @@ class IlpBuilder:
         np.maximum.at(most, use_group, taken)
         over = np.where(exact, 0.0, most - np.bincount(use_group, weights=taken, minlength=len(seconds)) / f["k"])
         missed = over > 1e-6
-        extra, taken = float(seconds[missed] @ over[missed]), np.flatnonzero(missed).tolist()
+        extra, partly = float(seconds[missed] @ over[missed]), np.flatnonzero(missed).tolist()
         if not by_parts:
-            families = {self._family[g] for g in taken}
+            families = {self._family[g] for g in partly}
             mask = ~exact & np.fromiter((f in families for f in self._family), dtype=bool, count=len(self._family))
             if mask.sum() <= WHOLE_FAMILIES_MAX * len(self._rhs):
                 return extra, mask, False
-        parts = {self._part[g] for g in taken}
+        parts = {self._part[g] for g in partly}
         return extra, ~exact & np.fromiter((p in parts for p in self._part), dtype=bool, count=len(self._part)), True
 
     def _completed(self, x: np.ndarray) -> np.ndarray:

@@ -115,24 +115,24 @@ def _uses_group(node: fx.Node, group: str) -> bool:
         and node.kwargs.get("group") == group
 
 
+def sink_wait(wait: fx.Node, group: str) -> None:
+    """Move `wait` (with the getitems that pick out its results) down to just before the first node that
+    reads its result, or that launches another collective on `group`, or the output: gloo mismatches
+    collectives when two are in flight on one group (seen here), so each group keeps at most one
+    outstanding."""
+    carried = [u for u in wait.users if u.target is operator.getitem]
+    readers = (set(wait.users) - set(carried)) | {u for g in carried for u in g.users}
+    node = wait.next
+    while node.op not in ("root", "output") and node not in readers and not _uses_group(node, group):
+        node = node.next
+    if node is wait.next:
+        return
+    node.prepend(wait)
+    for g in carried:
+        node.prepend(g)
+
+
 def _sink_bucket_waits(graph: fx.Graph) -> None:
-    """Move each bucket_wait (and its getitems) down to just before the first node that reads them,
-    or that launches another collective on the same process group: gloo mismatches collectives when
-    two are in flight on one group (seen here), so each group keeps at most one outstanding."""
+    """Move each bucket_wait (and its getitems) down to just before the first node that reads them (`sink_wait`)."""
     for wait in [n for n in graph.nodes if n.target is C.bucket_wait]:
-        start = wait.args[0]
-        group = start.kwargs["group"]
-        readers = {u for g in wait.users for u in g.users}
-        stop = None
-        node = wait.next
-        while node.op != "root":
-            if node in readers or node.op == "output" or (_uses_group(node, group) and node is not wait):
-                stop = node
-                break
-            node = node.next
-        if stop is None or stop is wait.next:
-            continue
-        getitems = list(wait.users)
-        stop.prepend(wait)
-        for g in getitems:
-            stop.prepend(g)
+        sink_wait(wait, wait.args[0].kwargs["group"])

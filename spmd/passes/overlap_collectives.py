@@ -24,14 +24,14 @@ import torch
 import torch.fx as fx
 
 from spmd.core import collectives as C
+from spmd.passes.bucket_gradients import sink_wait
 
 LAUNCHES = (C.all_reduce, C.bucket_start)
 
 
-def _group(node: fx.Node) -> str | None:
-    if node.op != "call_function" or getattr(node.target, "__module__", "") != C.__name__:
-        return None
-    return node.kwargs.get("group")
+def _step(node: fx.Node) -> bool:
+    """A step of core/collectives.py (a collective, or a local slice or zeros of one)."""
+    return getattr(node.target, "__module__", "") == C.__name__
 
 
 def _ancestors(roots: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
@@ -51,8 +51,7 @@ def _stays(node: fx.Node) -> bool:
     group must end first, and steps on one group keep their order), or an op that draws random numbers
     or has effects (their order is kept)."""
     op = node.target
-    return (getattr(op, "__module__", "") == C.__name__ or node.is_impure()
-            or (hasattr(op, "tags") and torch.Tag.nondeterministic_seeded in op.tags))
+    return _step(node) or node.is_impure() or (hasattr(op, "tags") and torch.Tag.nondeterministic_seeded in op.tags)
 
 
 def _launch_order(graph: fx.Graph) -> list[fx.Node]:
@@ -64,7 +63,7 @@ def _launch_order(graph: fx.Graph) -> list[fx.Node]:
             within = set(stretch)
             roots = [a for a in node.all_input_nodes if a in within] + [n for n in stretch if _stays(n)]
             # nothing moves past a write (an in-place op, a copy into a buffer): it may read what is written
-            writes = [i for i, n in enumerate(stretch) if n.is_impure() and not _group(n)]
+            writes = [i for i, n in enumerate(stretch) if n.is_impure() and not _step(n)]
             if writes:
                 roots += stretch[:writes[-1] + 1]
             needed = _ancestors(roots, within)
@@ -73,16 +72,6 @@ def _launch_order(graph: fx.Graph) -> list[fx.Node]:
         else:
             stretch.append(node)
     return order + stretch
-
-
-def _sink_wait(wait: fx.Node) -> None:
-    """Move `wait` down to just before the first node that reads it or that uses its process group."""
-    group = wait.kwargs.get("group")
-    node = wait.next
-    while node.op not in ("root", "output") and node not in wait.users and _group(node) != group:
-        node = node.next
-    if node is not wait.next:
-        node.prepend(wait)
 
 
 def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
@@ -109,6 +98,6 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
         graph.erase_node(node)
         waits.append(wait)
     for wait in waits:
-        _sink_wait(wait)
+        sink_wait(wait, wait.kwargs["group"])
     graph.lint()
     return fx.GraphModule(gm, graph)

@@ -27,8 +27,6 @@ from spmd.core.graph_facts import backward_nodes
 # collective steps whose result is a buffer of their own (an in-place all_reduce's is its input's,
 # which had no other reader)
 FRESH_STEPS = frozenset({C.all_reduce, C.all_gather, C.reduce_scatter, C.all_to_all, C.shard_local})
-
-
 # ops whose schema declares a fresh result but that return a view of their input
 UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
@@ -62,7 +60,7 @@ def _owned(node: fx.Node) -> bool:
         if not _returns_alias(target, None):
             return True
         # a view (or an in-place op): its base must be read by it alone, and owned in turn
-        bases = [a for a in node.all_input_nodes]
+        bases = node.all_input_nodes
         if len(bases) != 1 or len(bases[0].users) != 1:
             return False
         node = bases[0]

@@ -1,11 +1,9 @@
 """overlap_collectives: where all_reduces are launched and waited for, and that the values stay the same."""
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from spmd.compiler.verify import check_overlap
@@ -107,19 +105,6 @@ def test_the_check_names_a_second_collective_in_flight_on_a_group():
     g.output((w1, w2))
     with pytest.raises(SpmdInternalError, match="second uses group g0 while first is in flight"):
         check_overlap("overlap_collectives", {"rank_gm": fx.GraphModule(torch.nn.Module(), g)})
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-rank gloo world in this process: the steps run for real."""
-    started = not dist.is_initialized()
-    if started:
-        path = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    if started:
-        dist.destroy_process_group()
 
 
 def test_the_reordered_graph_computes_the_same_values(one_rank):

@@ -1,12 +1,9 @@
 """reduce_in_place: which all_reduces reduce their input where it is, and what the steps then run."""
 from __future__ import annotations
 
-import datetime
 import operator
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from spmd.core import collectives as C
@@ -109,19 +106,6 @@ def test_results_that_are_views_whatever_their_schema_says_are_not_owned():
     r2 = g.call_function(C.all_reduce, (twice,), KW, name="ar_picked_twice")
     g.output((r1, seen, r2, again))
     assert _in_place(g) == {"ar_unsafe_view": False, "ar_picked_twice": False}
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A one-rank gloo world in this process: the steps run for real (a sum over one rank is the value)."""
-    started = not dist.is_initialized()
-    if started:
-        path = tmp_path_factory.mktemp("pg") / "store"
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD.group_name
-    if started:
-        dist.destroy_process_group()
 
 
 def test_the_in_place_step_reduces_the_buffer_it_is_given(one_rank):
