@@ -23,7 +23,9 @@ from spmd.runtime.distribute import local_shard
 
 # A profile where compute dominates and links are fast: the solver then shards as much as it can, so
 # the tests exercise many collectives (pinning a profile, never tuning the real one).
-SLOW_DEVICE = DeviceProfile("test-slow-device", 1e8, 1e9, 0.0, 1e12)
+# Its optimizer steps next to free (the graph alone decides these tests' plans; at 1 GB/s an AdamW step
+# would shard every parameter: tests/unit/test_optimizer_cost.py is about that).
+SLOW_DEVICE = DeviceProfile("test-slow-device", 1e8, 1e9, 0.0, 1e12, optimizer_bandwidth=1e18)
 # The same FLOP rate with memory traffic (local copies, gradient-bucket packing) next to free: for tests
 # about FLOPs against links, where SLOW_DEVICE's 1 GB/s would let copies decide between near-equal plans.
 COMPUTE_BOUND_DEVICE = dataclasses.replace(SLOW_DEVICE, name="test-compute-bound", memory_bandwidth=1e13)

@@ -66,8 +66,10 @@ class Plan:
     @property
     def predicted_step_s(self) -> float:
         """Estimated seconds per call of the compiled module, what a timer around `compiled(*inputs)`
-        (and `.backward()` when training) reads: `objective` (this rank's graph: compute + communication,
-        what the solver minimises) plus `wrapper_overhead_s`, which no plan changes."""
+        reads, and when training around the whole step (`.backward()` and the optimizer's step over this
+        rank's pieces, of the kind `optimizer_state_factor` says: AdamW by default): `objective` (this
+        rank's graph: compute + communication, and the optimizer's step on each parameter, what the solver
+        minimises) plus `wrapper_overhead_s`, which no plan changes."""
         return self.objective + self.wrapper_overhead_s
 
     @property

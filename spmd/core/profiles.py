@@ -110,6 +110,13 @@ class DeviceProfile:
     # the slowest rank's time / the mean rank's (`calibrate` measures it; 1: even cores, GPUs).
     # `in_lockstep` applies it for a mesh of several ranks.
     lockstep_slowdown: float = 1.0
+    # The optimizer's step after backward (cost_model/compute.py `optimizer_cost`): its element-wise passes
+    # over each parameter's local piece, its gradient and its state stream at `optimizer_bandwidth` bytes/s
+    # of element accesses (None: `dram_bandwidth`, else `memory_bandwidth`: a step touches every
+    # parameter once, more than the caches hold), and `optimizer_tensor_overhead_s` per parameter
+    # (AdamW's; its ops are launched once per tensor). The host profile times torch's AdamW.
+    optimizer_bandwidth: float | None = None
+    optimizer_tensor_overhead_s: float = 0.0
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
@@ -125,6 +132,8 @@ class DeviceProfile:
             raise ValueError(f"DeviceProfile {self.name}: cache_bytes, fresh_page_bytes and the bandwidths must be > 0")
         if not self.lockstep_slowdown >= 1.0:
             raise ValueError(f"DeviceProfile {self.name}: lockstep_slowdown must be >= 1")
+        if self.optimizer_bandwidth is not None and not self.optimizer_bandwidth > 0:
+            raise ValueError(f"DeviceProfile {self.name}: optimizer_bandwidth must be > 0")
         for op, s in self.element_seconds:
             if s < 0:
                 raise ValueError(f"DeviceProfile {self.name}: element_seconds of {op} must be >= 0")
@@ -149,6 +158,8 @@ class DeviceProfile:
                              operand_bandwidth=self.operand_bandwidth * share,
                              element_seconds=tuple((op, s / share) for op, s in self.element_seconds),
                              lockstep_slowdown=self.lockstep_slowdown,
+                             optimizer_bandwidth=None if self.optimizer_bandwidth is None
+                             else self.optimizer_bandwidth * share,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
 
     def in_lockstep(self, ranks: int) -> "DeviceProfile":
@@ -164,7 +175,7 @@ class DeviceProfile:
 
 # fixed costs of a DeviceProfile (seconds; scaled together, saved in profile files)
 _OVERHEADS = ("op_overhead_s", "view_overhead_s", "call_overhead_s", "arg_overhead_s", "backward_overhead_s",
-              "autograd_tensor_overhead_s")
+              "autograd_tensor_overhead_s", "optimizer_tensor_overhead_s")
 
 
 LINKS: dict[str, LinkProfile] = {
@@ -333,7 +344,7 @@ def device_to_json(device: DeviceProfile) -> dict:
          "memory_bytes": device.memory_bytes, "source": device.source,
          "attention_efficiency": device.attention_efficiency, **{f: getattr(device, f) for f in _OVERHEADS},
          "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds},
-         "lockstep_slowdown": device.lockstep_slowdown}
+         "lockstep_slowdown": device.lockstep_slowdown, "optimizer_bandwidth": device.optimizer_bandwidth}
     d.update({f: None if math.isinf(getattr(device, f)) else getattr(device, f) for f in _HIERARCHY})
     return d
 
@@ -348,6 +359,8 @@ def device_from_json(d: dict) -> DeviceProfile:
                          dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
                          element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
                          lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy,
+                         optimizer_bandwidth=None if d.get("optimizer_bandwidth") is None
+                         else float(d["optimizer_bandwidth"]),
                          **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
 
 

@@ -33,23 +33,32 @@ class MemoryTerm:
         return self.info.nbytes / pieces(placements, mesh_shape) * self.factor
 
 
+def stepped_parameters(traced) -> set[str]:
+    """The placeholders of the parameters a training step's optimizer updates: those backward gives a
+    gradient (not frozen, and reached from the loss: torch's optimizers skip a parameter whose .grad is
+    None). Empty for an inference graph."""
+    if not traced.joint:
+        return set()
+    outs = traced.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (list, tuple)) else [outs]
+    graded = {k.name for a, k in zip(outs, traced.output_kinds()) if k.kind == "grad" and a is not None}
+    return {gi.placeholder for gi in traced.inputs
+            if gi.kind == "parameter" and gi.name not in traced.frozen and gi.name in graded}
+
+
 def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm]:
     """What one rank holds, as terms over graph values. `optimizer_state_factor`: optimizer state per
     parameter element, in parameter sizes (Adam/AdamW 2, SGD with momentum 1, plain SGD 0). A parameter
     that backward gives no gradient (frozen, or not reached from the loss: its output is None) gets no
     gradient and no optimizer state (torch's optimizers skip a parameter whose .grad is None)."""
     terms: list[MemoryTerm] = []
-    graded: set[str] = set()  # parameters (names) backward makes a gradient for
-    if traced.joint:
-        outs = traced.graph.output_node().args[0]
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        graded = {k.name for a, k in zip(outs, traced.output_kinds()) if k.kind == "grad" and a is not None}
+    stepped = stepped_parameters(traced)
     for gi in traced.inputs:
         info = traced.tensor_info[gi.placeholder]
         value = (gi.placeholder, 0)
         if gi.kind == "parameter":
             terms.append(MemoryTerm(value, "parameters", info))
-            if traced.joint and gi.name not in traced.frozen and gi.name in graded:
+            if gi.placeholder in stepped:
                 terms.append(MemoryTerm(value, "gradients", info))
                 if optimizer_state_factor:
                     terms.append(MemoryTerm(value, "optimizer", info, optimizer_state_factor))

@@ -3,6 +3,7 @@
     the graph traced at b0 and 2*b0 ──▶ every dim: constant, or proportional to `batch`
         ──the plan's own placements, local shapes in `batch`──▶ compute (roofline, sympy.Max)
         + resharding steps (alpha-beta) + gradient buckets (comm.bucketed_latency, as the solver prices them)
+        + the optimizer's step on each parameter (a constant: parameters do not scale with the batch)
         = plan.cost_formula
 
 Only the batch is symbolic: every dim of every tensor must either stay put or scale with it. The
@@ -82,6 +83,9 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
     terms = []
     for node in small.graph.nodes:
         strategy = plan.choices.get(node.name)
+        if node.op == "placeholder" and plan.node_costs.get(node.name):  # the optimizer's step on a parameter
+            terms.append(sympy.Float(plan.node_costs[node.name]))
+            continue
         if node.op != "call_function" or strategy is None or node.target is operator.getitem:
             continue
         ins = [_local(sym[a.name], ps, mesh.shape) for a, ps in zip(_in_order(node, sym), strategy.inputs)]

@@ -2,7 +2,8 @@
 
 Before: a `StrategyTable`. After: a `CostTable` with the compute seconds of each (node, strategy) on
 local shards (a node of a chain `fuse_decomposed_ops` puts back together, in a strategy that keeps
-the reduced dim whole: its share of the one fused kernel, which is what the rank graph runs), an
+the reduced dim whole: its share of the one fused kernel, which is what the rank graph runs; in
+training, a parameter's placeholder: the optimizer's step on its piece, `compute.optimizer_cost`), an
 edge-cost function (seconds to turn one placement of a value into another) whose
 steps come from the one redistribute planner, so the solver prices exactly what will run, and the
 per-rank memory terms (parameters, gradients, optimizer state, saved activations).
@@ -16,9 +17,9 @@ import torch.fx as fx
 from spmd.core.graph_facts import hashable_args
 from spmd.core.redistribute import pick
 from spmd.core.specs import Placements, Strategy, TensorInfo, Value, local_shape
-from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call
+from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call, optimizer_cost
 from spmd.cost_model.layout_graph import cheapest_paths, layout_graph
-from spmd.cost_model.memory import MemoryTerm, memory_terms
+from spmd.cost_model.memory import MemoryTerm, memory_terms, stepped_parameters
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.fuse_decomposed_ops import fusible_chains
 from spmd.passes.trace_module import TracedGraph
@@ -179,8 +180,13 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
     fused = _fused_chains(traced)
 
     node_costs: dict[str, tuple[float, ...]] = {}
+    stepped = stepped_parameters(traced)
     for name, ns in table.nodes.items():
         node = nodes.get(name)
+        if name in stepped:  # the optimizer's step on this rank's piece, after backward
+            node_costs[name] = tuple(optimizer_cost(_local(info[(name, 0)], s.outputs[0], mesh.shape), mesh.device,
+                                                    optimizer_state_factor) for s in ns.strategies)
+            continue
         if node is None or node.op != "call_function" or ns.source == "follow":
             node_costs[name] = (0.0,) * len(ns.strategies)
             continue

@@ -131,8 +131,9 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         lines.append("  none")
     if not detail:
         return "\n".join(lines) + "\n"
-    lines += ["", "Nodes (per rank and call: compute, resharding of the inputs, memory held; the best "
-              "alternative is the cheapest other strategy with the rest of the plan fixed):"]
+    lines += ["", "Nodes (per rank and call: compute (a parameter in training: the optimizer's step on its piece), "
+              "resharding of the inputs, memory held; the best alternative is the cheapest other strategy with the "
+              "rest of the plan fixed):"]
     rows = [["node", "module", "op", "chosen", "compute", "comm in", "memory", "best alternative",
              "why it lost"]]
     for r in details.nodes:
