@@ -26,7 +26,8 @@ class PlanOptions:
     training: plan the joint forward+backward graph (default: True when there is a loss_fn).
     memory_budget: bytes per rank the predicted peak (parameters, gradients, optimizer state, saved
     activations, inputs, temporaries) must fit in. optimizer_state_factor: optimizer state per parameter
-    in parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0).
+    in parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0); it also prices the optimizer's step
+    on each parameter's piece (cost_model/compute.py `optimizer_cost`).
     tie_blocks: identical layers get identical placements, which keeps the solve one layer deep (None:
     layers that repeat at least 4 times; False: every layer solved on its own). merge_followers:
     single-input ops follow their input's placement (an approximation that shrinks the solve; None: on
