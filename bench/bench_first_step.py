@@ -110,8 +110,8 @@ def worker(args) -> None:
             pred = compiled.plan.predicted_step_s
             print(f"\nlater steps (median of {len(steady)}): {med:.2f} s, forward + backward {fmed:.2f} s; one process "
                   f"eager: {emed:.2f} s (first {eager[0]:.2f} s); speedup {emed / med:.2f}x\n"
-                  f"plan: predicted forward + backward {pred:.2f} s (measured / predicted {fmed / pred:.2f}); "
-                  f"collectives {compiled.plan.comm_cost:.2f} s of it")
+                  f"plan: predicted step (forward, backward, AdamW's step) {pred:.2f} s (measured / predicted "
+                  f"{med / pred:.2f}); collectives {compiled.plan.comm_cost:.2f} s of it")
     dist.barrier()
     dist.destroy_process_group()
 
