@@ -121,7 +121,9 @@ def plan_table(plan) -> str:
     lines.append("  inputs and parameters:")
     for name, s in plan.choices.items():
         if name in plan.labels:
-            lines.append(f"    {plan.labels[name]:<{width}}  {placements_str(s.outputs[0])}")
+            step = plan.node_costs.get(name, 0.0) * 1e6  # a parameter in training: the optimizer's step
+            lines.append(f"    {plan.labels[name]:<{width}}  {placements_str(s.outputs[0])}"
+                         + (f"  optimizer step {step:.1f} us" if step >= 0.05 else ""))
     lines.append("  ops (placements of outputs, compute per rank; <- resharding of an input):")
     for name, s in plan.choices.items():
         if name in plan.labels or (plan.node_costs.get(name, 0.0) == 0.0 and name not in incoming):

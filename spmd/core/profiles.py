@@ -111,11 +111,14 @@ class DeviceProfile:
     # `in_lockstep` applies it for a mesh of several ranks.
     lockstep_slowdown: float = 1.0
     # The optimizer's step after backward (cost_model/compute.py `optimizer_cost`): its element-wise passes
-    # over each parameter's local piece, its gradient and its state stream at `optimizer_bandwidth` bytes/s
-    # of element accesses (None: `dram_bandwidth`, else `memory_bandwidth`: a step touches every
-    # parameter once, more than the caches hold), and `optimizer_tensor_overhead_s` per parameter
-    # (AdamW's; its ops are launched once per tensor). The host profile times torch's AdamW.
+    # over each parameter's local piece, its gradient and its state, at `optimizer_bandwidth` bytes/s of
+    # element accesses for a piece of OPTIMIZER_LARGE_BYTES or more (its passes stream it from DRAM; None:
+    # `dram_bandwidth`, else `memory_bandwidth`) and `optimizer_cached_bandwidth` for one of
+    # OPTIMIZER_CACHED_BYTES or less (its later passes find it in cache; None: the same), between them
+    # log-linearly; and `optimizer_tensor_overhead_s` per parameter (AdamW's; its ops are launched once
+    # per tensor). The host profile times torch's AdamW.
     optimizer_bandwidth: float | None = None
+    optimizer_cached_bandwidth: float | None = None
     optimizer_tensor_overhead_s: float = 0.0
 
     def __post_init__(self):
@@ -132,8 +135,10 @@ class DeviceProfile:
             raise ValueError(f"DeviceProfile {self.name}: cache_bytes, fresh_page_bytes and the bandwidths must be > 0")
         if not self.lockstep_slowdown >= 1.0:
             raise ValueError(f"DeviceProfile {self.name}: lockstep_slowdown must be >= 1")
-        if self.optimizer_bandwidth is not None and not self.optimizer_bandwidth > 0:
-            raise ValueError(f"DeviceProfile {self.name}: optimizer_bandwidth must be > 0")
+        for f in ("optimizer_bandwidth", "optimizer_cached_bandwidth"):
+            v = getattr(self, f)
+            if v is not None and not 0 < v < math.inf:
+                raise ValueError(f"DeviceProfile {self.name}: {f} must be > 0 and finite (None: from the memory's)")
         for op, s in self.element_seconds:
             if s < 0:
                 raise ValueError(f"DeviceProfile {self.name}: element_seconds of {op} must be >= 0")
@@ -160,6 +165,8 @@ class DeviceProfile:
                              lockstep_slowdown=self.lockstep_slowdown,
                              optimizer_bandwidth=None if self.optimizer_bandwidth is None
                              else self.optimizer_bandwidth * share,
+                             optimizer_cached_bandwidth=None if self.optimizer_cached_bandwidth is None
+                             else self.optimizer_cached_bandwidth * share,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
 
     def in_lockstep(self, ranks: int) -> "DeviceProfile":
@@ -172,6 +179,10 @@ class DeviceProfile:
         return dataclasses.replace(slowed, name=f"{self.name} in lockstep x{self.lockstep_slowdown:g}",
                                    lockstep_slowdown=1.0)
 
+
+# the optimizer's piece sizes at which `optimizer_cached_bandwidth` and `optimizer_bandwidth` hold
+OPTIMIZER_CACHED_BYTES = 1 << 20
+OPTIMIZER_LARGE_BYTES = 16 << 20
 
 # fixed costs of a DeviceProfile (seconds; scaled together, saved in profile files)
 _OVERHEADS = ("op_overhead_s", "view_overhead_s", "call_overhead_s", "arg_overhead_s", "backward_overhead_s",
@@ -260,6 +271,10 @@ DEVICES: dict[str, DeviceProfile] = {
                       attention_efficiency=0.4,
                       cache_bytes=8.25 * 2**20, dram_bandwidth=11.7e9, fresh_page_bytes=32 * 2**20,
                       page_fault_bandwidth=1.27e9,
+                      # torch's AdamW, 2 ranks stepping at once on a later host of the same kind (2026-11-30,
+                      # `measure.measure_optimizer`): 1.6 ns per element on 1 MB tensors, 2.8 on 16 MB ones
+                      # (20 accesses of 4 bytes: 50 and 28 GB/s), 17 us per tensor
+                      optimizer_bandwidth=28e9, optimizer_cached_bandwidth=50e9, optimizer_tensor_overhead_s=17e-6,
                       # 2 ranks, the same 40 ms of a transformer layer's ops each, a barrier before each of 40
                       # segments: the slowest's sum / the mean's 1.05-1.11 in 4 runs (2026-11-26); inside
                       # GPT-2-small's training step the ranks waited 13-15% of their compute at collectives
@@ -344,7 +359,8 @@ def device_to_json(device: DeviceProfile) -> dict:
          "memory_bytes": device.memory_bytes, "source": device.source,
          "attention_efficiency": device.attention_efficiency, **{f: getattr(device, f) for f in _OVERHEADS},
          "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds},
-         "lockstep_slowdown": device.lockstep_slowdown, "optimizer_bandwidth": device.optimizer_bandwidth}
+         "lockstep_slowdown": device.lockstep_slowdown, "optimizer_bandwidth": device.optimizer_bandwidth,
+         "optimizer_cached_bandwidth": device.optimizer_cached_bandwidth}
     d.update({f: None if math.isinf(getattr(device, f)) else getattr(device, f) for f in _HIERARCHY})
     return d
 
@@ -359,8 +375,8 @@ def device_from_json(d: dict) -> DeviceProfile:
                          dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
                          element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
                          lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy,
-                         optimizer_bandwidth=None if d.get("optimizer_bandwidth") is None
-                         else float(d["optimizer_bandwidth"]),
+                         **{f: None if d.get(f) is None else float(d[f])
+                            for f in ("optimizer_bandwidth", "optimizer_cached_bandwidth")},
                          **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})
 
 

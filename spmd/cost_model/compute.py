@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from spmd.core.graph_facts import is_view
+from spmd.core.profiles import OPTIMIZER_CACHED_BYTES, OPTIMIZER_LARGE_BYTES
 from spmd.core.specs import TensorInfo
 
 aten = torch.ops.aten
@@ -218,14 +219,29 @@ def optimizer_accesses(state_factor: float) -> float:
     return ADAM_ACCESSES + (ADAM_ACCESSES - 3.0) / 2.0 * (state_factor - 2.0)
 
 
+def optimizer_seconds_per_byte(nbytes: float, device) -> float:
+    """Seconds per byte of element accesses the optimizer's step pays on a piece of `nbytes`: at
+    `optimizer_cached_bandwidth` up to OPTIMIZER_CACHED_BYTES, at `optimizer_bandwidth` from
+    OPTIMIZER_LARGE_BYTES, log-linearly between (a piece never gets cheaper per byte as it grows)."""
+    large = 1.0 / (device.optimizer_bandwidth or device.dram_bandwidth or device.memory_bandwidth)
+    cached = 1.0 / device.optimizer_cached_bandwidth if device.optimizer_cached_bandwidth else large
+    cached = min(cached, large)
+    if nbytes <= OPTIMIZER_CACHED_BYTES:
+        return cached
+    if nbytes >= OPTIMIZER_LARGE_BYTES:
+        return large
+    w = math.log(nbytes / OPTIMIZER_CACHED_BYTES) / math.log(OPTIMIZER_LARGE_BYTES / OPTIMIZER_CACHED_BYTES)
+    return cached + (large - cached) * w
+
+
 def optimizer_cost(info: TensorInfo, device, state_factor: float) -> float:
     """Seconds the optimizer's step spends on one parameter whose local piece is `info`: its element
-    accesses at the device's optimizer bandwidth, plus the per-tensor fixed cost (timed for AdamW, scaled
-    by the accesses). A training step runs it after backward, once per trainable parameter; how the
-    parameter is laid out sets the elements, so the solver weighs it (a replicated parameter is stepped
-    whole on every rank, a sharded one in pieces)."""
+    accesses (`optimizer_accesses`) at the device's rate for a piece of that size
+    (`optimizer_seconds_per_byte`), plus the per-tensor fixed cost (timed for AdamW, scaled by the
+    accesses). A training step runs it after backward, once per trainable parameter; how the parameter
+    is laid out sets the elements, so the solver weighs it (a replicated parameter is stepped whole on
+    every rank, a sharded one in pieces)."""
     accesses = optimizer_accesses(state_factor)
-    bandwidth = device.optimizer_bandwidth or device.dram_bandwidth or device.memory_bandwidth
-    numel = math.prod(info.shape)
-    return (accesses * numel * info.dtype.itemsize / bandwidth
+    nbytes = math.prod(info.shape) * info.dtype.itemsize
+    return (accesses * nbytes * optimizer_seconds_per_byte(nbytes, device)
             + device.optimizer_tensor_overhead_s * accesses / ADAM_ACCESSES)

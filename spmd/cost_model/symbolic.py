@@ -106,6 +106,8 @@ def cost_formula(plan, small, large, b0: int, symbol: str = "batch") -> sympy.Ex
     shares: dict[int, list] = {}
     bucket = plan.stats.get("bucket_bytes")
     for edge in plan.edges:
+        if edge.shared:  # an earlier consumer's resharding serves it (priced there, launched once)
+            continue
         info = sym[edge.value[0]]
         info = info[edge.value[1]] if isinstance(info, tuple) else info
         bucketed = bucket and edge.consumer in grads

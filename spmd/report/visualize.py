@@ -185,6 +185,9 @@ class _Drawing:
         if n.op == "placeholder":
             kind = self.kinds.get(n.name, "input")
             title = f"{_esc(self.plan.labels.get(n.name, n.name).rsplit('.', 1)[-1])} <i>{_esc(kind)}</i>"
+            step = self.plan.node_costs.get(n.name, 0.0)  # a parameter in training: the optimizer's step
+            if step >= 5e-8:  # (one that rounds to 0.0 us says nothing)
+                title += f" <font point-size=\"9\">step {format_seconds(step)}</font>"
             attrs = {"shape": "plain" if ps is None else "none"}
         else:
             cost = self.plan.node_costs.get(n.name, 0.0)

@@ -11,9 +11,9 @@ from torch.distributed.tensor import Replicate, Shard
 import spmd
 from spmd.core.profiles import LinkProfile, device_from_json, device_to_json
 from spmd.core.specs import TensorInfo, local_shape
-from spmd.cost_model.compute import optimizer_accesses, optimizer_cost
-from spmd.runtime.measure import builtin_cpu, fit_device
-from tests.models import MLP
+from spmd.cost_model.compute import optimizer_accesses, optimizer_cost, optimizer_seconds_per_byte
+from spmd.runtime.measure import OPTIMIZER_CASES, builtin_cpu, fit_device
+from tests.models import GPT, MLP, GPTConfig
 from tests.support import COMPUTE_BOUND_DEVICE
 
 LINK = LinkProfile("test-link", 1e-5, 1e10)
@@ -47,9 +47,21 @@ def test_a_piece_costs_its_share_of_the_elements_and_the_whole_fixed_cost():
     assert whole - half == pytest.approx(20 * 4 * 512 * 256 / 1e9)
     sgd = optimizer_cost(TensorInfo((1024, 256), torch.float32), device, 0.0)
     assert sgd == pytest.approx(3 * 4 * 1024 * 256 / 1e9 + 1e-5 * 3 / 20)
-    # unmeasured: the bytes at DRAM's bandwidth (the built-in cpu), else the memory's (GPUs)
-    cpu = builtin_cpu()
-    assert optimizer_cost(TensorInfo((1000,), torch.float32), cpu, 2.0) == pytest.approx(20 * 4000 / cpu.dram_bandwidth)
+    # unmeasured: the bytes at DRAM's bandwidth (a CPU), else the memory's (GPUs)
+    bare = dataclasses.replace(builtin_cpu(), optimizer_bandwidth=None, optimizer_cached_bandwidth=None,
+                               optimizer_tensor_overhead_s=0.0)
+    assert optimizer_cost(TensorInfo((1000,), torch.float32), bare, 2.0) == pytest.approx(20 * 4000 / bare.dram_bandwidth)
+
+
+def test_a_piece_pays_more_per_byte_once_it_outgrows_the_caches():
+    """1 MiB and less at the cached rate, 16 MiB and more at the streaming one, log-linear between."""
+    device = dataclasses.replace(COMPUTE_BOUND_DEVICE, optimizer_cached_bandwidth=40e9, optimizer_bandwidth=20e9)
+    assert optimizer_seconds_per_byte(1000, device) == optimizer_seconds_per_byte(1 << 20, device) == 1 / 40e9
+    assert optimizer_seconds_per_byte(16 << 20, device) == optimizer_seconds_per_byte(1 << 30, device) == 1 / 20e9
+    assert optimizer_seconds_per_byte(4 << 20, device) == pytest.approx((1 / 40e9 + 1 / 20e9) / 2)
+    # a cached rate below the streaming one is not believed: never cheaper as it grows
+    odd = dataclasses.replace(device, optimizer_cached_bandwidth=10e9)
+    assert optimizer_seconds_per_byte(1000, odd) == 1 / 20e9
 
 
 def test_training_plans_price_each_parameters_step_on_its_piece():
@@ -88,24 +100,56 @@ def test_a_dear_optimizer_step_shards_the_parameters():
 
 
 def test_the_formula_carries_the_optimizer_step():
+    """Exactly the objective at the solved batch, also where a dear step shards the weights and several
+    readers share one gathering (priced once, as the rank graph launches it once)."""
     model, inputs = mlp_training()
     plan = spmd.plan(model, mesh(1e8), inputs, loss_fn=F.mse_loss)
     steps = sum(plan.node_costs.get(name, 0.0) for name in plan.labels)
     assert steps > 0.1 * plan.objective
     assert float(plan.cost_formula.subs("batch", 64)) == pytest.approx(plan.objective, rel=1e-9)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 16))
+    gpt = spmd.plan(GPT(GPTConfig()), mesh(1e8), (tokens, tokens),
+                    loss_fn=lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()))
+    assert any(e.shared for e in gpt.edges)
+    assert float(gpt.cost_formula.subs("batch", 4)) == pytest.approx(gpt.objective, rel=1e-9)
+
+
+POINTS = {"matmul": [(2e9, 0.01), (4e9, 0.02)], "stream": [(12e5, 12e-6), (24e5, 24e-6)],
+          "dram": [(12e7, 12e-3)], "op": [(40.0, 5e-6)], "view": [(80.0, 2e-6)]}  # 100 GB/s in cache
+
+
+def adamw_points(per_tensor=15e-6, cached=40e9, large=25e9):
+    (k0, n0), (k1, n1), (k2, n2) = OPTIMIZER_CASES
+    return [(k0, k0 * n0, k0 * per_tensor), (k1, k1 * n1, k1 * per_tensor + 80 * k1 * n1 / cached),
+            (k2, k2 * n2, k2 * per_tensor + 80 * k2 * n2 / large)]
 
 
 def test_the_host_fits_adamw_and_profiles_keep_it():
-    """Per tensor from 64 tiny parameters, the bandwidth from the accesses of 64 large ones over the rest."""
-    points = {"matmul": [(2e9, 0.01), (4e9, 0.02)], "stream": [(12e5, 12e-6), (24e5, 24e-6)],
-              "dram": [(12e7, 12e-3)], "op": [(40.0, 5e-6)], "view": [(80.0, 2e-6)],
-              "optimizer": [(64.0, 1024.0, 64 * 15e-6), (64.0, 64 * 2.0**18, 64 * 15e-6 + 20 * 4 * 64 * 2**18 / 40e9)]}
-    dev = fit_device(points, "test", 8e9)
+    """Per tensor from 64 tiny parameters, each bandwidth from its case's accesses over the rest."""
+    dev = fit_device({**POINTS, "optimizer": adamw_points()}, "test", 8e9)
     assert dev.optimizer_tensor_overhead_s == pytest.approx(15e-6)
-    assert dev.optimizer_bandwidth == pytest.approx(40e9)
+    assert (dev.optimizer_cached_bandwidth, dev.optimizer_bandwidth) == (pytest.approx(40e9), pytest.approx(25e9))
     assert device_from_json(device_to_json(dev)) == dev
-    half = dev.scaled(0.5)  # two ranks on a core: half the bandwidth, twice the fixed cost
-    assert (half.optimizer_bandwidth, half.optimizer_tensor_overhead_s) == (pytest.approx(20e9), pytest.approx(30e-6))
-    # timings from before it was measured: the built-in's (the bytes at DRAM's bandwidth, no fixed cost)
-    old = fit_device({k: v for k, v in points.items() if k != "optimizer"}, "test", 8e9)
-    assert old.optimizer_bandwidth is None and old.optimizer_tensor_overhead_s == 0.0
+    half = dev.scaled(0.5)  # two ranks on a core: half the bandwidths, twice the fixed cost
+    assert (half.optimizer_bandwidth, half.optimizer_cached_bandwidth, half.optimizer_tensor_overhead_s) == \
+        (pytest.approx(12.5e9), pytest.approx(20e9), pytest.approx(30e-6))
+
+
+def test_timings_that_say_nothing_sane_give_the_builtins():
+    cpu = builtin_cpu()
+    builtin = (cpu.optimizer_tensor_overhead_s, cpu.optimizer_cached_bandwidth, cpu.optimizer_bandwidth)
+
+    def fitted(points):
+        dev = fit_device({**POINTS, **({"optimizer": points} if points is not None else {})}, "test", 8e9)
+        return dev.optimizer_tensor_overhead_s, dev.optimizer_cached_bandwidth, dev.optimizer_bandwidth
+    assert fitted(None) == builtin  # timings from before it was timed
+    assert fitted(adamw_points()[:1]) == builtin  # a case missing
+    noise = adamw_points()
+    noise[2] = (noise[2][0], noise[2][1], noise[2][0] * 15e-6 * 1.01)  # no slower than its fixed costs
+    assert fitted(noise) == builtin
+    # faster than an add in cache is not believed (capped at it); larger pieces never cheaper per byte
+    assert fitted(adamw_points(cached=200e9, large=150e9))[1:] == (pytest.approx(100e9), pytest.approx(100e9))
+    assert fitted(adamw_points(cached=20e9, large=30e9))[1:] == (pytest.approx(20e9), pytest.approx(20e9))
+    with pytest.raises(ValueError, match="finite"):
+        dataclasses.replace(cpu, optimizer_bandwidth=float("inf"))
