@@ -100,6 +100,8 @@ class CompiledModule(nn.Module):
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
+        if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
+            optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
 
     @property
     def code(self) -> str:

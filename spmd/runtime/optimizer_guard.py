@@ -1,14 +1,22 @@
-"""Catch the optimizer trap: an optimizer built over the original model's parameters after compile.
+"""Catch the optimizer traps, at each optimizer's first step.
 
-The compiled module holds its own parameters (this rank's shards); the original model's parameters
-never get a gradient from it, so `torch.optim.AdamW(model.parameters())` would step nothing and the
-loss would stay flat without a word. `watch(model)` remembers the original parameters (weakly), and one
-process-wide optimizer step pre-hook checks each optimizer once, at its first step: if it holds any of
-them, the step raises `SpmdError` naming them and the fix.
+- An optimizer built over the original model's parameters after compile. The compiled module holds its
+  own parameters (this rank's shards); the original model's parameters never get a gradient from it, so
+  `torch.optim.AdamW(model.parameters())` would step nothing and the loss would stay flat without a
+  word. `watch(model)` remembers the original parameters (weakly); an optimizer holding any of them
+  raises `SpmdError` naming them and the fix.
+- An optimizer other than the one the plan assumed. A training plan counts `optimizer_state_factor`
+  parameter sizes of optimizer state per parameter (AdamW's 2 by default) in its memory and prices the
+  optimizer's step by it. `expect(parameters, factor)` remembers the compiled module's parameters with
+  that factor; a torch optimizer over them that keeps another amount (SGD 0, SGD with momentum 1, Adam
+  with amsgrad 3, ...: `state_factor`) gets a warning naming both and the option to re-plan with.
+
+One process-wide optimizer step pre-hook checks each optimizer once, at its first step.
 """
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -18,19 +26,54 @@ from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
+_expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -> (ref, the plan's state factor)
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _hook = None
 
 
+def _install() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_check)
+
+
 def watch(model: torch.nn.Module) -> None:
     """Remember `model`'s parameters as ones no optimizer may step once it is compiled."""
-    global _hook
     with _lock:
         for fqn, p in model.named_parameters():
             key = id(p)
             _watched[key] = (weakref.ref(p, lambda _, key=key: _watched.pop(key, None)), fqn, type(model).__name__)
-        if _hook is None:
-            _hook = register_optimizer_step_pre_hook(_check)
+        _install()
+
+
+def expect(parameters, state_factor: float) -> None:
+    """Remember a compiled training module's `parameters` as planned for an optimizer keeping
+    `state_factor` parameter sizes of state per parameter."""
+    with _lock:
+        for p in parameters:
+            key = id(p)
+            _expected[key] = (weakref.ref(p, lambda _, key=key: _expected.pop(key, None)), float(state_factor))
+        _install()
+
+
+def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
+    """Parameter sizes of state one of torch's optimizers keeps per parameter, as its first param group's
+    options make it (None: an optimizer this does not know, or one whose state is not per element)."""
+    g = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        return None  # a subclass or wrapper may keep anything (master weights, factored moments)
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1.0 if g.get("momentum", 0) else 0.0
+    if name in ("Adam", "AdamW"):
+        return 3.0 if g.get("amsgrad") else 2.0
+    if name in ("Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "SparseAdam"):
+        return 2.0
+    if name in ("Adagrad", "ASGD"):
+        return 1.0
+    if name == "RMSprop":
+        return 1.0 + bool(g.get("momentum", 0)) + bool(g.get("centered"))
+    return None
 
 
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -50,3 +93,14 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "which the compiled module does not use: they never get a gradient, so training would change "
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
+    planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
+               if (entry := _expected.get(id(p))) is not None and entry[0]() is p}
+    keeps = state_factor(optimizer) if planned else None
+    if keeps is not None and any(abs(f - keeps) > 1e-9 for f in planned):
+        f = max(planned, key=lambda f: abs(f - keeps))
+        warnings.warn(
+            f"{type(optimizer).__name__} keeps {keeps:g} parameter size(s) of state per parameter, but the compiled "
+            f"module was planned for optimizer_state_factor={f:g} (AdamW's 2 by default): its predicted memory "
+            "counts the wrong optimizer state, and the optimizer's step is priced as another optimizer's, so the "
+            "plan may not be the best for this one. What to do: compile with "
+            f"`spmd.compile(..., optimizer_state_factor={keeps:g})`.", stacklevel=3)
