@@ -118,7 +118,13 @@ class Plan:
 
     @property
     def compute_cost(self) -> float:
+        """The nodes' seconds, the optimizer's step on the parameters (`optimizer_cost`) included."""
         return sum(self.node_costs.values())
+
+    @property
+    def optimizer_cost(self) -> float:
+        """The optimizer's step on this rank's parameter pieces, in training (the parameters' rows)."""
+        return sum(self.node_costs.get(name, 0.0) for name in self.labels)
 
     def fingerprint(self) -> str:
         """Stable hash of every choice and every resharding step: equal on ranks that agree."""

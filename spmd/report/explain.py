@@ -88,8 +88,10 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     """The plan in words. Without `detail`: the screen a person reads first (time, memory, module
     layouts, inputs, collective totals); with it, also every costed node and its best alternative."""
     names = plan.mesh.axis_names
+    step = plan.optimizer_cost
+    of_it = f" with the optimizer's step {step * 1e3:.3f} ms" if step >= 5e-8 else ""
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
-             f"(compute {plan.compute_cost * 1e3:.3f} ms, communication {plan.comm_cost * 1e3:.3f} ms), "
+             f"(compute {plan.compute_cost * 1e3:.3f} ms{of_it}, communication {plan.comm_cost * 1e3:.3f} ms), "
              f"optimality gap {plan.gap_text}"]
     search = plan.stats.get("axis_search")
     if search:

@@ -77,9 +77,13 @@ def test_training_plans_price_each_parameters_step_on_its_piece():
                 optimizer_cost(TensorInfo(local, torch.float32), spec.device, 2.0))
         else:  # inputs, targets, tangents
             assert plan.node_costs.get(name, 0.0) == 0.0
+    steps = sum(plan.node_costs[name] for name, label in plan.labels.items() if label in params)
+    assert plan.optimizer_cost == pytest.approx(steps) and steps > 0
+    assert f"with the optimizer's step {steps * 1e3:.3f} ms" in plan.explain().splitlines()[0]
     # inference steps no optimizer
     forward = spmd.plan(model, spec, inputs[:1])
     assert all(forward.node_costs.get(name, 0.0) == 0.0 for name in forward.labels)
+    assert forward.optimizer_cost == 0.0 and "optimizer's step" not in forward.explain().splitlines()[0]
 
 
 def test_a_dear_optimizer_step_shards_the_parameters():
