@@ -44,9 +44,8 @@ def merge_tied_parameters(traced: TracedGraph) -> TracedGraph:
             names = [canonical] + [a for a, c in merged.items() if c == canonical]
             grads = [flat[slot[n]] for n in names if n in slot and flat[slot[n]] is not None]
             total = grads[0] if grads else None
-            for g in grads[1:]:  # autograd's answer for one tensor used in several places
-                with graph.inserting_before(graph.output_node()):
-                    add = graph.call_function(aten.add.Tensor, (total, g))
+            for g in grads[1:]:  # autograd's answer for one tensor used in several places (appended: the
+                add = graph.call_function(aten.add.Tensor, (total, g))  # output comes last, below)
                 add.meta = {"val": g.meta.get("val"), "partitioner_tag": "is_backward",
                             "stack_trace": g.meta.get("stack_trace"), "fwd_nn_module_stack": g.meta.get("fwd_nn_module_stack")}
                 total = add

@@ -6,10 +6,13 @@ given) followed by one gradient per trainable parameter (`GraphOutput("grad", fq
 placeholder per forward output carries the incoming gradient; every node has
 `meta["partitioner_tag"]` (is_forward / is_backward) and the user's stack trace.
 
-How: torch.export first (non-strict, keeps the user's source lines), then AOTAutograd's
-`aot_export_joint_with_descriptors` over the exported module with core-ATen decompositions (minus fused
-attention and the fused backward kernels in `KEPT_WHOLE`), inside `preserve_node_meta` so forward and
-backward nodes keep the stack trace of the line they came from.
+How: AOTAutograd's `aot_export_joint_with_descriptors` over the module itself, with core-ATen
+decompositions (minus fused attention and the fused backward kernels in `KEPT_WHOLE`), as torch.export
+would trace it (`torch.compiler.is_exporting()` true) and recording what torch.export records (each
+node's module stack and the user's source lines; backward nodes take their forward op's). Where that
+fails, torch.export (non-strict) first and AOTAutograd over the exported module, the road every model
+took before (0.2 s more of LLaMA3-8B's 0.8 s trace). Example inputs that share memory are traced as
+separate inputs (`distinct_inputs`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      shared_names, tensor_infos)
+                                      distinct_inputs, shared_names, tensor_infos)
 
 _PREFIX = "model."
 
@@ -103,25 +106,19 @@ def _decomposition_table():
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     root = with_loss(model, loss_fn)
+    example_inputs, _ = distinct_inputs(example_inputs)
     try:
-        with custom_functions() as applied:
-            ep = torch.export.export(root, tuple(example_inputs), strict=False)
-        out_spec = ep.module_call_graph[0].signature.out_spec
-        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
-            if applied:  # the exported module has inlined their forward and lost their backward
-                with source_meta(root):
-                    joint = aot_export_joint_with_descriptors(stack, root, tuple(example_inputs),
-                                                              decompositions=_decompositions())
-                _backward_meta_from_forward(joint.graph_module.graph)
-            else:
-                joint = aot_export_joint_with_descriptors(stack, ep.module(), tuple(example_inputs),
-                                                          decompositions=_decompositions())
-            gm = joint.graph_module
-    except Exception as e:
-        raise SpmdError(
-            f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
-            "What to do: make the forward traceable by torch.export (no data-dependent Python control flow)."
-        ) from e
+        gm, out_spec, applied = _aot_over_module(root, example_inputs)
+    except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
+        try:
+            gm, out_spec, applied = _aot_over_export(root, example_inputs)
+        except Exception as e:
+            if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
+                e = direct
+            raise SpmdError(
+                f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
+                "What to do: make the forward traceable by torch.export (no data-dependent Python control flow)."
+            ) from e
 
     prefix = _PREFIX if root is not model else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
@@ -170,6 +167,64 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
 
 
+def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
+    """(joint graph, out_spec, custom Functions applied): AOTAutograd over `root` itself, as torch.export
+    would see it (`torch.compiler.is_exporting()` true: models skip their data-dependent shortcuts for
+    export, e.g. transformers' causal-mask check), with the module stack and source lines torch.export
+    would have recorded (`source_meta`). A `torch.autograd.Function` keeps the backward it defines."""
+    with custom_functions() as applied, contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
+            _exporting():
+        with source_meta(root):
+            joint = aot_export_joint_with_descriptors(stack, root, example_inputs, decompositions=_decompositions())
+        _backward_meta_from_forward(joint.graph_module.graph)
+        _drop_disable_notes(joint.graph_module.graph)
+        return joint.graph_module, joint.out_spec, applied
+
+
+def _aot_over_export(root: torch.nn.Module, example_inputs: tuple) -> tuple:
+    """The same through torch.export (non-strict) first, then AOTAutograd over the exported module: the
+    road for what only torch.export's tracing handles. It inlines a custom Function's forward and drops its
+    backward, so a model applying one fails here (the road above failed first)."""
+    with custom_functions() as applied:
+        ep = torch.export.export(root, example_inputs, strict=False)
+    if applied:
+        raise _DropsBackward(applied)
+    with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
+        joint = aot_export_joint_with_descriptors(stack, ep.module(), example_inputs, decompositions=_decompositions())
+        return joint.graph_module, ep.module_call_graph[0].signature.out_spec, applied
+
+
+_DISABLE_NOTES = ("_torchdynamo_disable", "_torchdynamo_disable_recursive", "_torchdynamo_disable_method")
+
+
+def _drop_disable_notes(graph: torch.fx.Graph) -> None:
+    """torch notes on every node traced while `is_exporting()` that the trace ran under `torch._dynamo.disable`
+    (`meta["custom"]`); torch.export's own road drops them. Anything else the user annotated stays."""
+    for n in graph.nodes:
+        custom = n.meta.get("custom")
+        if isinstance(custom, dict) and any(k in custom for k in _DISABLE_NOTES):
+            custom = {k: v for k, v in custom.items() if k not in _DISABLE_NOTES}
+            if custom:
+                n.meta["custom"] = custom
+            else:
+                del n.meta["custom"]
+
+
+class _DropsBackward(Exception):
+    """torch.export inlined the forward of these custom Functions and dropped their backward."""
+
+
+@contextlib.contextmanager
+def _exporting():
+    """`torch.compiler.is_compiling()` and `is_exporting()` true, as inside torch.export."""
+    compiling, exporting = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
+
+
 def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
     """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
     targets by the loss's parameter names after the first (`def lm_loss(logits, labels)`: `labels`);
@@ -197,7 +252,7 @@ def _positional(fn) -> list[str]:
 def custom_functions():
     """The names of the user's `torch.autograd.Function`s the model applies while this is open. torch.export
     (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
-    keeps the backward they define, so `trace_joint` takes that road when there are any."""
+    keeps the backward they define (`trace_joint`'s first road; its second, through torch.export, refuses them)."""
     applied: set[str] = set()
     descriptor = torch.autograd.Function.__dict__["apply"]
 
@@ -216,16 +271,22 @@ def custom_functions():
 class _StackTraces(TorchFunctionMode):
     """Every traced op carries the Python stack of the torch call that made it, as torch.export's
     `stack_trace` has it (for our error messages and dumps): the frames outside torch, outermost first,
-    each `File "path", line n, in fn` and its code. Formatted once per call site (the same frames
+    each `File "path", line n, in fn` and its code, from the model's forward in (not the frames that called
+    the trace). Formatted once per call site (the same frames
     recur across layers): `traceback.format_stack` at each call cost a third of tracing LLaMA3-8B."""
 
     def __init__(self):
         super().__init__()
         self._formatted: dict[tuple, str] = {}
+        # the frames that called the trace (still running while it runs): not the model's, so not recorded
+        self._callers, frame = set(), sys._getframe(1)
+        while frame is not None:
+            self._callers.add(id(frame))
+            frame = frame.f_back
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         sites, frame = [], sys._getframe(1)
-        while frame is not None:
+        while frame is not None and id(frame) not in self._callers:
             code = frame.f_code
             if not code.co_filename.startswith(TORCH_DIR + os.sep):
                 sites.append((code, frame.f_lineno))
@@ -249,7 +310,10 @@ def source_meta(root: torch.nn.Module):
     stack: list[tuple[str, str]] = []
 
     def publish():
-        fx_traceback.current_meta["nn_module_stack"] = {f"L__self__{p}": (p, t) for p, t in stack}
+        if stack:
+            fx_traceback.current_meta["nn_module_stack"] = {f"L__self__{p}": (p, t) for p, t in stack}
+        else:  # (outside the model, as the backward's nodes and the placeholders are)
+            fx_traceback.current_meta.pop("nn_module_stack", None)
 
     def enter(module, path):
         stack.append((path, f"{type(module).__module__}.{type(module).__qualname__}"))

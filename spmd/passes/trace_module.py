@@ -175,7 +175,27 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
         gm.recompile()
 
 
+def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -> tuple[tuple, dict]:
+    """The example inputs with each tensor that shares memory with an earlier one (the same tensor passed
+    twice, e.g. transformers' `input_ids=ids, labels=ids`, or a view of another input) replaced by a copy.
+    torch.export traces inputs that alias as one: every read of them reads the last placeholder, so a
+    graph traced from `(t, t)` and run on `(a, b)` computed with `b` for both (a training step's loss
+    came out wrong, silently). Copied, each input has its own placeholder, as the user's calls do."""
+    leaves, spec = torch.utils._pytree.tree_flatten((tuple(example_inputs), dict(example_kwargs or {})))
+    seen: set[int] = set()
+    for k, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        storage = x.untyped_storage()._cdata  # (the storage itself: meta and fake tensors have no data pointer)
+        if storage in seen:
+            with torch.no_grad():
+                leaves[k] = x.clone().requires_grad_(x.requires_grad)
+        seen.add(storage)
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
+    example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     try:
         ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
         ep = ep.run_decompositions(_decomposition_table())

@@ -122,7 +122,7 @@ ROWS = [
      [r"node 'nonzero' \(aten.nonzero.default\)", r"depends on the data", r"torch.where"]),
     ("custom-function-backward-reads-a-value", lambda w: _plan(_WithBadFunction(), (torch.randn(4, 8),) * 2,
                                                                loss_fn=F.mse_loss),
-     [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction"]),
+     [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction: aten._local_scalar_dense"]),
     ("budget-impossible", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, memory_budget=100),
      [r"no plan fits memory_budget=0.0 MiB per rank", r"raise the budget"]),
     ("option-misspelled", lambda w: _plan(MLP(16, 64), (x16,), memory_budgt=1e9),

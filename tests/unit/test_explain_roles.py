@@ -47,9 +47,9 @@ def plan_of(model, tokens, train: bool):
 
 
 def whole_tokens(model: nn.Module, train: bool) -> dict:
-    """Training: the tokens pinned whole, as the styles assume (on this slow device, splitting the loss's
-    element-wise ops and its gather by batch pays as well)."""
-    return {argument_names(model, 1)[0]: [Replicate()]} if train else {}
+    """Training: the tokens and the targets pinned whole, as the styles assume (on this slow device,
+    splitting the loss's element-wise ops and its gather by batch pays as well)."""
+    return {argument_names(model, 1)[0]: [Replicate()], "targets": [Replicate()]} if train else {}
 
 
 def megatron_and_unused(model: nn.Module) -> dict:

@@ -97,6 +97,64 @@ def test_data_dependent_shape_names_the_node_and_the_way_out():
         spmd.plan(NonZero(), spec((2,), ("tp",)), (torch.randn(4, 8),))
 
 
+# ---- example inputs that are one tensor ------------------------------------------------------------
+
+class _TokensAndTargets(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.fc(x) * 2 + y
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("road", ["direct", "through torch.export"])
+def test_one_tensor_passed_as_tokens_and_targets_traces_two_inputs(road, monkeypatch):
+    """Traced from `(ids, ids)` (transformers' `input_ids=ids, labels=ids`), torch.export gave both arguments
+    one placeholder: the step then embedded the targets it was later called with, a wrong loss and wrong
+    gradients, silently. Called with other tokens and targets, every rank's loss and gradients are now the
+    model's. Also on the road through torch.export that models it alone traces take (`_aot_over_export`)."""
+    import spmd.passes.trace_joint as trace_joint
+    if road != "direct":
+        monkeypatch.setattr(trace_joint, "_aot_over_module", lambda *a: 1 / 0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _TokensAndTargets()
+        ids = torch.randint(0, 16, (4, 6))
+        c = compile_graph(model, (ids, ids), spec((2,), ("dp",)), loss_fn=_lm_loss)
+        tokens, targets = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
+        loss = _lm_loss(model(tokens), targets)
+        loss.backward()
+        assert check_simulated_training(c, simulate(c, (tokens, targets, torch.ones(()))), loss, model) == 4
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_one_tensor_passed_as_two_inputs_of_a_forward_traces_two_inputs():
+    torch.manual_seed(0)
+    model, t = _TwoInputs(), torch.randn(4, 8)
+    c = compile_graph(model, (t, t), spec((2,), ("tp",)), training=False)
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    want = model(a, b).detach()
+    ps = c.plan.choices["output_0"].inputs[0]
+    for rank, out in enumerate(simulate(c, (a, b))):
+        torch.testing.assert_close(out[0], local_shard(want, ps, (2,), (rank,)))
+
+
 # ---- an element of a several-output op, taken as made ------------------------------------------------
 
 def test_dropout_mask_is_taken_as_the_dropout_made_it():
