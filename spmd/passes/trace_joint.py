@@ -10,9 +10,11 @@ How: AOTAutograd's `aot_export_joint_with_descriptors` over the module itself, w
 decompositions (minus fused attention and the fused backward kernels in `KEPT_WHOLE`), as torch.export
 would trace it (`torch.compiler.is_exporting()` true) and recording what torch.export records (each
 node's module stack and the user's source lines; backward nodes take their forward op's). Where that
-fails, torch.export (non-strict) first and AOTAutograd over the exported module, the road every model
-took before (0.2 s more of LLaMA3-8B's 0.8 s trace). Example inputs that share memory are traced as
-separate inputs (`distinct_inputs`).
+fails, or for a model with a submodule registered under two names (which AOTAutograd over the module
+breaks), torch.export (non-strict) first and AOTAutograd over the exported module, the road every model
+took before (0.2 s more of LLaMA3-8B's 0.8 s trace). Either way the model's attributes, parameters and
+buffers are as they were after the trace (`_state_kept`). Example inputs that share memory are traced
+as separate inputs (`distinct_inputs`).
 """
 from __future__ import annotations
 
@@ -108,7 +110,12 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
     try:
-        gm, out_spec, applied = _aot_over_module(root, example_inputs)
+        if _shares_submodules(root):
+            raise _NotThisRoad("a submodule registered under two names")
+        with _state_kept(root) as kept:
+            gm, out_spec, applied = _aot_over_module(root, example_inputs)
+        if kept.registered_changed:
+            raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
             gm, out_spec, applied = _aot_over_export(root, example_inputs)
@@ -210,6 +217,61 @@ def _drop_disable_notes(graph: torch.fx.Graph) -> None:
                 del n.meta["custom"]
 
 
+class _NotThisRoad(Exception):
+    """The direct road cannot be trusted with this model: the road through torch.export traces it."""
+
+
+def _shares_submodules(root: torch.nn.Module) -> bool:
+    """One submodule registered under two names (ALBERT's shared layer, `self.b = self.a`). AOTAutograd over
+    such a module swapped its parameters for its tracer's and did not put them all back (torch 2.13), which
+    broke the model; torch.export traces it."""
+    seen: set[int] = set()
+    for _, m in root.named_modules(remove_duplicate=False):
+        if id(m) in seen:
+            return True
+        seen.add(id(m))
+    return False
+
+
+class _state_kept:
+    """The model's state as it was before the trace, put back after it, whatever the trace did: the
+    attributes a forward assigns (`self.last = h.detach()`, a cache made at the first call) would keep
+    the tracer's tensors, which broke the model and the road through torch.export after a failed trace
+    (torch.export puts them back too). `registered_changed`: some parameter, buffer or submodule had
+    to be put back, so the trace ran on a model that was not the user's."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+                      for m in root.modules()]
+        self.registered_changed = False
+
+    def __enter__(self) -> "_state_kept":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, attrs, params, buffers, modules in self.saved:
+            for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
+                                            (m._modules, modules, True), (m.__dict__, attrs, False)):
+                if now is not before and _put_back(now, before):
+                    self.registered_changed |= registered
+
+
+def _put_back(now: dict, before: dict) -> bool:
+    """`now` made equal to `before` (entry by entry, by identity); whether anything differed."""
+    changed = False
+    for key in [k for k in now if k not in before]:
+        del now[key]
+        changed = True
+    for key, value in before.items():
+        if now.get(key, _MISSING) is not value:
+            now[key] = value
+            changed = True
+    return changed
+
+
+_MISSING = object()
+
+
 class _DropsBackward(Exception):
     """torch.export inlined the forward of these custom Functions and dropped their backward."""
 
@@ -278,11 +340,16 @@ class _StackTraces(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self._formatted: dict[tuple, str] = {}
-        # the frames that called the trace (still running while it runs): not the model's, so not recorded
-        self._callers, frame = set(), sys._getframe(1)
+        # the frames that called the trace: not the model's, so not recorded. Held while the trace runs, so
+        # that no frame made during it takes the address of one (contextlib's `__enter__` ends before it)
+        self._held, frame = [], sys._getframe(1)
         while frame is not None:
-            self._callers.add(id(frame))
+            self._held.append(frame)
             frame = frame.f_back
+        self._callers = {id(f) for f in self._held}
+
+    def release(self) -> None:
+        self._held, self._callers = [], set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         sites, frame = [], sys._getframe(1)
@@ -332,6 +399,7 @@ def source_meta(root: torch.nn.Module):
         with mode:
             yield
     finally:
+        mode.release()
         for h in handles:
             h.remove()
         fx_traceback.current_meta.pop("nn_module_stack", None)

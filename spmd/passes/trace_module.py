@@ -186,7 +186,10 @@ def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -
     for k, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
             continue
-        storage = x.untyped_storage()._cdata  # (the storage itself: meta and fake tensors have no data pointer)
+        try:
+            storage = x.untyped_storage()._cdata  # (the storage itself: meta and fake tensors have no data pointer)
+        except (NotImplementedError, RuntimeError):  # (a sparse tensor has none: not one that aliases)
+            continue
         if storage in seen:
             with torch.no_grad():
                 leaves[k] = x.clone().requires_grad_(x.requires_grad)

@@ -1,0 +1,104 @@
+"""trace_joint's two roads: AOTAutograd over the model itself first, torch.export first where that cannot be
+trusted or fails. The model comes back as it was either way, and the graph's source lines are the model's."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd.passes.trace_joint as trace_joint_module
+from spmd.passes.trace_joint import trace_joint
+from spmd.passes.trace_module import distinct_inputs
+from spmd.runtime.simulate import simulate
+from tests.support import check_simulated_training, compile_graph, spec
+
+
+class _SharedLayer(nn.Module):
+    """One Linear registered twice (ALBERT's shared layers, `self.b = self.a`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = self.a
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+class _KeepsLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.last = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.last = h.detach()  # an attribute the forward assigns
+        return h
+
+
+class _LazyCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.cache = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.arange(8.0)  # made at the first call
+        return self.fc(x) + self.cache
+
+
+def _export_road_calls(monkeypatch) -> list:
+    calls = []
+    road = trace_joint_module._aot_over_export
+    monkeypatch.setattr(trace_joint_module, "_aot_over_export", lambda *a: (calls.append(1), road(*a))[1])
+    return calls
+
+
+def test_a_layer_registered_twice_trains_equal_and_stays_the_users(monkeypatch):
+    """AOTAutograd over such a model left its tracer's tensors in the layer (torch 2.13): the model broke at
+    its next call. It takes the road through torch.export, and every rank trains equal to one device."""
+    calls = _export_road_calls(monkeypatch)
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _SharedLayer()
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+        assert calls and type(model.a.weight) is nn.Parameter
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 3
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_attributes_the_forward_assigns_are_put_back(monkeypatch):
+    calls = _export_road_calls(monkeypatch)
+    model, x = _KeepsLast(), torch.randn(4, 8)
+    traced = trace_joint(model, (x, x.clone()), F.mse_loss)
+    assert model.last is None and not calls  # (the direct road, its tracer's tensor not left behind)
+    assert any(n.op == "call_function" for n in traced.graph.nodes)
+
+    lazy = _LazyCache()  # the direct road fails on the cache it makes; the model is the user's again for
+    trace_joint(lazy, (x, x.clone()), F.mse_loss)  # the road through torch.export, and after
+    assert calls and lazy.cache is None
+    torch.testing.assert_close(lazy(x), lazy.fc(x) + torch.arange(8.0))
+
+
+def test_source_lines_are_the_models_not_the_callers():
+    model, x = _KeepsLast(), torch.randn(4, 8)
+    traced = trace_joint(model, (x, x.clone()), F.mse_loss)  # CALLER
+    traces = [n.meta.get("stack_trace") or "" for n in traced.graph.nodes if n.op == "call_function"]
+    assert any("h = self.fc(x)" in t for t in traces)
+    assert not any("# CALLER" in t or "test_source_lines_are" in t for t in traces)
+
+
+def test_distinct_inputs_copies_what_shares_memory_and_only_that():
+    t = torch.randn(4, 8, requires_grad=True)
+    view = t.detach()[1:]
+    sparse = torch.eye(4).to_sparse()
+    (a, b, c, d, e), kw = distinct_inputs((t, t, view, sparse, 3), {"again": t})
+    assert a is t and b is not t and torch.equal(b, t) and b.requires_grad
+    assert c is not view and torch.equal(c, view)  # (a view of an earlier input)
+    assert d is sparse and e == 3  # (no storage to share: kept; not a tensor: kept)
+    assert kw["again"] is not t and torch.equal(kw["again"], t)
