@@ -122,9 +122,15 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
                 e = direct
+            attrs = _tensor_attributes(model)
+            named = ", ".join(f"`{a}`" for a in attrs[:3]) + (" and others" if len(attrs) > 3 else "")
+            way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
+                       "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
+                       "the model holds only as parameters or buffers" if attrs and "FakeTensor" in str(e) else
+                       "make the forward traceable by torch.export (no data-dependent Python control flow)")
             raise SpmdError(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
-                "What to do: make the forward traceable by torch.export (no data-dependent Python control flow)."
+                f"What to do: {way_out}."
             ) from e
 
     prefix = _PREFIX if root is not model else ""
@@ -215,6 +221,12 @@ def _drop_disable_notes(graph: torch.fx.Graph) -> None:
                 n.meta["custom"] = custom
             else:
                 del n.meta["custom"]
+
+
+def _tensor_attributes(model: torch.nn.Module) -> list[str]:
+    """Paths of the tensors the model's modules hold as plain attributes (not parameters or buffers)."""
+    return [f"{path}.{name}" if path else name for path, m in model.named_modules()
+            for name, value in vars(m).items() if isinstance(value, torch.Tensor)]
 
 
 class _NotThisRoad(Exception):

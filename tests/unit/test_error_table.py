@@ -72,6 +72,15 @@ class _WithBadFunction(nn.Module):
         return _BackwardItem.apply(self.fc(x))
 
 
+class _TensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 8), torch.ones(8)  # a plain attribute, not a buffer
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -123,6 +132,9 @@ ROWS = [
     ("custom-function-backward-reads-a-value", lambda w: _plan(_WithBadFunction(), (torch.randn(4, 8),) * 2,
                                                                loss_fn=F.mse_loss),
      [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction: aten._local_scalar_dense"]),
+    ("training-tensor-attribute", lambda w: _plan(_TensorAttribute(), (torch.randn(4, 8),) * 2, loss_fn=F.mse_loss),
+     [r"trace_joint: could not trace the forward\+backward graph of _TensorAttribute",
+      r"What to do: register `scale` as a buffer \(`self.register_buffer\(name, tensor, persistent=False\)`\)"]),
     ("budget-impossible", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, memory_budget=100),
      [r"no plan fits memory_budget=0.0 MiB per rank", r"raise the budget"]),
     ("option-misspelled", lambda w: _plan(MLP(16, 64), (x16,), memory_budgt=1e9),
