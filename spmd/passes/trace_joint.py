@@ -198,10 +198,10 @@ def _aot_over_export(root: torch.nn.Module, example_inputs: tuple) -> tuple:
     """The same through torch.export (non-strict) first, then AOTAutograd over the exported module: the
     road for what only torch.export's tracing handles. It inlines a custom Function's forward and drops its
     backward, so a model applying one fails here (the road above failed first)."""
-    with custom_functions() as applied:
+    with custom_functions() as applied, _tensor_hooks() as hooked:
         ep = torch.export.export(root, example_inputs, strict=False)
-    if applied:
-        raise _DropsBackward(applied)
+    if applied or hooked or any(m._backward_hooks or m._backward_pre_hooks for m in root.modules()):
+        raise _DropsBackward(applied)  # (so do gradient hooks: a plan from here would train otherwise than eager)
     with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta():
         joint = aot_export_joint_with_descriptors(stack, ep.module(), example_inputs, decompositions=_decompositions())
         return joint.graph_module, ep.module_call_graph[0].signature.out_spec, applied
@@ -285,7 +285,25 @@ _MISSING = object()
 
 
 class _DropsBackward(Exception):
-    """torch.export inlined the forward of these custom Functions and dropped their backward."""
+    """torch.export inlined the forward of these custom Functions and dropped their backward (or the model
+    has gradient hooks, which it drops too)."""
+
+
+@contextlib.contextmanager
+def _tensor_hooks():
+    """Whether the forward registers a gradient hook on a tensor (`tensor.register_hook`) while this is open."""
+    hooked: list[bool] = []
+    register = torch.Tensor.register_hook
+
+    def spy(self, hook):
+        hooked.append(True)
+        return register(self, hook)
+
+    torch.Tensor.register_hook = spy
+    try:
+        yield hooked
+    finally:
+        torch.Tensor.register_hook = register
 
 
 @contextlib.contextmanager

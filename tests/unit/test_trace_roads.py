@@ -2,11 +2,13 @@
 trusted or fails. The model comes back as it was either way, and the graph's source lines are the model's."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd.passes.trace_joint as trace_joint_module
+from spmd.core.errors import SpmdError
 from spmd.passes.trace_joint import trace_joint
 from spmd.passes.trace_module import distinct_inputs
 from spmd.runtime.simulate import simulate
@@ -102,3 +104,42 @@ def test_distinct_inputs_copies_what_shares_memory_and_only_that():
     assert c is not view and torch.equal(c, view)  # (a view of an earlier input)
     assert d is sparse and e == 3  # (no storage to share: kept; not a tensor: kept)
     assert kw["again"] is not t and torch.equal(kw["again"], t)
+
+
+class _HalvesItsGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)
+        return self.fc2(h)
+
+
+def test_gradient_hooks_are_applied_or_the_trace_fails(monkeypatch):
+    """The direct road applies a gradient hook as eager does; the road through torch.export drops it, so a
+    model with one never takes that road quietly (its gradients would not be the model's)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _HalvesItsGradient()
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 5
+
+        def fails(*args):
+            raise RuntimeError("the direct road failed")
+
+        monkeypatch.setattr(trace_joint_module, "_aot_over_module", fails)
+        with pytest.raises(SpmdError, match="the direct road failed"):
+            trace_joint(model, (x, y), F.mse_loss)
+        model.fc2.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 3,))
+        model.forward = lambda x: model.fc2(model.fc1(x))  # (no tensor hook: the module's own is enough)
+        with pytest.raises(SpmdError, match="the direct road failed"):
+            trace_joint(model, (x, y), F.mse_loss)
+    finally:
+        torch.set_default_dtype(torch.float32)
