@@ -411,10 +411,24 @@ class CompiledModule(nn.Module):
         it = iter(inputs)
         return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
 
+    def _check_input_grads(self, inputs) -> None:
+        """An input that requires grad, where the step was traced without its gradient: autograd would leave
+        it (and the layers that made it) without one, silently. Its example input must have required grad."""
+        names = [name for kind, name in self._order if kind == "input"]
+        for t, name in zip(inputs, names):
+            if isinstance(t, torch.Tensor) and t.requires_grad and name not in self.split.grads:
+                raise SpmdError(
+                    f"input {name!r} requires grad, but the compiled step was traced from an example {name!r} "
+                    "that did not, so it computes no gradient for it (the layers before it would not train). "
+                    "What to do: pass an example input that requires grad (`x.requires_grad_()`) to "
+                    "spmd.compile, or `.detach()` the input where its gradient is not wanted.")
+
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._require_values()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
+        if self.split is not None and torch.is_grad_enabled():
+            self._check_input_grads(inputs)
         args = self._graph_args(inputs)
         if self.split is None:
             flat = self._graph("graph")(*args)
@@ -479,5 +493,4 @@ class _RankStep(torch.autograd.Function):
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
         grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
-        return (None,) + tuple(grads.get(name) if kind != "input" else None
-                               for (kind, _), name in zip(module._order, module._order_names))
+        return (None,) + tuple(grads.get(name) for name in module._order_names)  # (inputs' too, where traced)

@@ -155,6 +155,65 @@ def test_one_tensor_passed_as_two_inputs_of_a_forward_traces_two_inputs():
         torch.testing.assert_close(out[0], local_shard(want, ps, (2,), (rank,)))
 
 
+# ---- gradients of inputs ------------------------------------------------------------------------------
+
+def _compiled_on_one_device(model, example: tuple, loss_fn):
+    """`model` compiled for training on a mesh of one device, in this process (no process group)."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    with torch.enable_grad():
+        c = run_pipeline(model, example, MeshSpec((1,), ("dp",), device=builtin_cpu()),
+                         PlanOptions(training=True, loss_fn=loss_fn, stamp_layers=False), RankBinding(0, ("",)),
+                         quiet=True)
+    return CompiledModule(c, None, src_data_rank=None)
+
+
+def test_an_input_that_requires_grad_gets_its_gradient():
+    """A compiled block inside a larger model: the layers before it train only if its input gets its
+    gradient. Before, the step returned none for any input, and autograd left the input (and every layer
+    that made it) without a gradient, silently. With an example input that requires grad, the step
+    computes it, placed as the input: on 2 ranks each holds its piece of the model's input gradient."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+        kinds = c.traced.output_kinds()
+        k = next(i for i, o in enumerate(kinds) if o.kind == "grad" and o.name == "input")
+        a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+        F.mse_loss(model(a), b).backward()
+        ps = c.plan.choices[f"output_{k}"].inputs[0]
+        assert ps == c.plan.choices[next(i.placeholder for i in c.traced.inputs if i.name == "input")].outputs[0]
+        for rank, out in enumerate(simulate(c, (a.detach(), b, torch.ones(())))):
+            torch.testing.assert_close(out[k], local_shard(a.grad, ps, (2,), (rank,)))
+
+        compiled = _compiled_on_one_device(model, (x, y), F.mse_loss)  # and autograd hands it to the input
+        a2 = a.detach().clone().requires_grad_(True)
+        compiled(a2, b).backward()
+        torch.testing.assert_close(a2.grad, a.grad)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_input_requiring_grad_the_step_was_not_traced_for_fails_loudly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _compiled_on_one_device(model, (x, y), F.mse_loss)
+    with pytest.raises(spmd.SpmdError, match=r"input 'input' requires grad, but the compiled step was traced "
+                                             r"from an example 'input' that did not.*What to do: pass an example "
+                                             r"input that requires grad"):
+        compiled(torch.randn(4, 8, requires_grad=True), y)
+    compiled(torch.randn(4, 8), y).backward()  # (one that does not require grad runs as before)
+    with torch.no_grad():
+        compiled(torch.randn(4, 8, requires_grad=True), y)  # (nor under no_grad, where none is wanted)
+
+
 # ---- an element of a several-output op, taken as made ------------------------------------------------
 
 def test_dropout_mask_is_taken_as_the_dropout_made_it():
