@@ -431,7 +431,14 @@ class CompiledModule(nn.Module):
             self._check_input_grads(inputs)
         args = self._graph_args(inputs)
         if self.split is None:
-            flat = self._graph("graph")(*args)
+            anchor = next((t for t in args if isinstance(t, torch.Tensor) and t.requires_grad), None) \
+                if torch.is_grad_enabled() else None
+            if anchor is None:
+                flat = self._graph("graph")(*args)
+            else:  # autograd would go back through the collectives as if they were not there: no graph, and
+                with torch.no_grad():  # a backward that says so (below)
+                    flat = self._graph("graph")(*args)
+                flat = _ForwardOnly.apply(anchor, *flat)
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
@@ -467,6 +474,24 @@ def _storage_bytes(tensors) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """The outputs of a module compiled without training, where gradients were asked for (grad enabled, a
+    parameter or an input requiring grad): they take part in autograd, and a backward through them fails,
+    saying how to compile for training. The graph's collectives have no backward of their own: autograd went
+    through them as through the identity (torch warns, "silently incorrect behavior"), so a gather's or a
+    reduction's gradient came out wrong on every mesh larger than one device."""
+
+    @staticmethod
+    def forward(ctx, anchor, *outputs):
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise SpmdError("this module was compiled without training (training=False, or no loss_fn), so it has "
+                        "no backward. What to do: spmd.compile(..., training=True) (or with a loss_fn), or run "
+                        "it under torch.no_grad() where no gradient is wanted.")
 
 
 class _RankStep(torch.autograd.Function):

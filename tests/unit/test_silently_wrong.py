@@ -214,6 +214,31 @@ def test_an_input_requiring_grad_the_step_was_not_traced_for_fails_loudly():
         compiled(torch.randn(4, 8, requires_grad=True), y)  # (nor under no_grad, where none is wanted)
 
 
+def test_a_backward_through_a_module_compiled_without_training_fails_and_says_so():
+    """Compiled for inference, a module's graph was still recorded by autograd when grad was on, and a
+    backward went through its collectives as if they were the identity (torch only warns): a gather's or a
+    reduction's gradient came out wrong on any real mesh. It now computes without recording, and a
+    backward through its outputs stops with the way out."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(4, 8)
+    c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
+                     RankBinding(0, ("",)), quiet=True)
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    with pytest.raises(spmd.SpmdError, match=r"compiled without training .* What to do: "
+                                             r"spmd.compile\(\.\.\., training=True\)"):
+        out.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+
+
 # ---- an element of a several-output op, taken as made ------------------------------------------------
 
 def test_dropout_mask_is_taken_as_the_dropout_made_it():
