@@ -100,6 +100,11 @@ class CompiledModule(nn.Module):
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
+        # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
+        # the model would behave otherwise in the other mode (None: nothing)
+        self._traced_mode = self._source_model.training
+        self._mode_dependent = _mode_dependent(c.traced.graph, self._source_model)
+        self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
             optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
 
@@ -424,6 +429,13 @@ class CompiledModule(nn.Module):
                     "spmd.compile, or `.detach()` the input where its gradient is not wanted.")
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
+        if self.training != self._traced_mode and self._mode_dependent:
+            traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
+            raise SpmdError(
+                f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
+                f"does ({self._mode_dependent}); .{now}() does not change a compiled graph, so this call would "
+                f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
+                f"(spmd.compile(model.{now}(), ...)), or call .{traced}() on this module again.")
         self._require_values()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
@@ -474,6 +486,25 @@ def _storage_bytes(tensors) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+_RANDOM_OPS = ("native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randperm")
+
+
+def _mode_dependent(graph, model: nn.Module) -> str | None:
+    """What makes a graph traced in one mode wrong in the other: the dropout it draws (random ops in the
+    graph, or a dropout module with p > 0) or batch norm (statistics of the batch in train mode, the running
+    ones in eval). None when nothing in the graph or the model's modules depends on the mode."""
+    found = []
+    targets = {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+               for n in graph.nodes if n.op == "call_function"}
+    if any(t in _RANDOM_OPS for t in targets) or any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        found.append("dropout")
+    if any("batch_norm" in t for t in targets) or any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        found.append("batch norm")
+    return " and ".join(found) or None
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -239,6 +239,42 @@ def test_a_backward_through_a_module_compiled_without_training_fails_and_says_so
         torch.testing.assert_close(compiled(x), model(x))
 
 
+@pytest.mark.parametrize("traced_in", ["train", "eval"])
+def test_switching_a_compiled_module_to_the_other_mode_fails_instead_of_running_the_traced_one(traced_in):
+    """`.eval()` on a module compiled in train mode changed nothing: its graph still drew dropout (a
+    validation loss with dropout on, silently), and `.train()` on one compiled in eval mode drew none.
+    Where the graph or the model depends on the mode, a call in the other mode now fails with the way out;
+    back in the traced mode it runs as before."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    def compiled(model):
+        c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
+                         RankBinding(0, ("",)), quiet=True)
+        return CompiledModule(c, None, src_data_rank=None)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = getattr(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)), traced_in)()
+    module = compiled(model)
+    assert module.training == (traced_in == "train")
+    other = "eval" if traced_in == "train" else "train"
+    getattr(module, other)()
+    with pytest.raises(spmd.SpmdError, match=rf"compiled from the model in {traced_in} mode.*\(dropout\).*"
+                                             rf"What to do: compile the model in {other} mode"):
+        module(x)
+    getattr(module, traced_in)()
+    with torch.no_grad():
+        module(x)
+    plain = compiled(getattr(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), traced_in)())  # (nothing depends on
+    getattr(plain, other)()  # the mode: either runs)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), torch.tanh(plain._source_model[0](x)))
+
+
 # ---- an element of a several-output op, taken as made ------------------------------------------------
 
 def test_dropout_mask_is_taken_as_the_dropout_made_it():
