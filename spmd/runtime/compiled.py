@@ -5,13 +5,14 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
-from spmd.runtime import compare, optimizer_guard
+from spmd.runtime import clip_guard, compare, optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -107,6 +108,10 @@ class CompiledModule(nn.Module):
         self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
             optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
+        # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm
+        clip_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
+                          if isinstance(getattr(self, attr), nn.Parameter)
+                          and any(isinstance(p, Shard) for p in self._state_placements[fqn])})
 
     @property
     def code(self) -> str:

@@ -1,0 +1,47 @@
+"""torch's clip_grad_norm_ over a compiled module's shards would clip each rank by its own norm (the replicas
+drift apart, silently): it raises with the way out (runtime/clip_guard.py). Everything else clips as before."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
+
+import spmd
+from spmd.compiler.options import PlanOptions, RankBinding
+from spmd.compiler.pipeline import run_pipeline
+from spmd.core.mesh import MeshSpec
+from spmd.runtime.compiled import CompiledModule
+from spmd.runtime.measure import builtin_cpu
+
+
+def _compiled(group: str, pins: dict):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    opts = PlanOptions(training=True, loss_fn=F.mse_loss, stamp_layers=False, param_placements=pins)
+    with torch.enable_grad():
+        c = run_pipeline(model, (x, y), MeshSpec((1,), ("dp",), device=builtin_cpu()), opts, RankBinding(0, (group,)),
+                         quiet=True)
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    compiled(x, y).backward()
+    return compiled, model
+
+
+def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_rank):
+    compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
+    with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ was handed this rank's pieces of sharded parameters "
+                                             r"\(0.weight\).*What to do: call compiled.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1.0)
+    with pytest.raises(spmd.SpmdError, match="0.weight"):  # (under either of torch's names for it)
+        torch.nn.utils.clip_grad.clip_grad_norm_(compiled.parameters(), 1.0)
+    assert float(compiled.clip_grad_norm_(1.0)) > 0
+
+
+def test_replicated_parameters_and_other_models_clip_as_before(one_rank):
+    compiled, _ = _compiled(one_rank, {})  # (on one device nothing is sharded)
+    full = float(compiled.clip_grad_norm_(1e9))  # (a norm far under the limit: nothing scaled)
+    assert float(torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e9)) == pytest.approx(full, rel=1e-6)
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    assert float(torch.nn.utils.clip_grad_norm_([p], 1.0)) == pytest.approx(12 ** 0.5)
+    assert float(torch.nn.utils.clip_grad_norm_(p, 1.0)) == pytest.approx(1.0, rel=1e-5)  # (a lone tensor)
