@@ -105,6 +105,9 @@ class CompiledModule(nn.Module):
         # the model would behave otherwise in the other mode (None: nothing)
         self._traced_mode = self._source_model.training
         self._mode_dependent = _mode_dependent(c.traced.graph, self._source_model)
+        # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
+        # generators must agree, which the first call checks (one small all_gather)
+        self._generators_agreed = not _draws(c.traced.graph) or self.mesh_spec.size == 1
         self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
             optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
@@ -421,6 +424,38 @@ class CompiledModule(nn.Module):
         it = iter(inputs)
         return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
 
+    def _agree_on_generators(self) -> None:
+        """Every rank's random generator in the same state, before the first call of a graph that draws (it
+        draws each dropout mask whole on every rank, and a replicated value's must be the same mask
+        everywhere). A rank seeded otherwise (`torch.manual_seed(rank)` for its data, say) would drop other
+        elements than its peers, and the replicas would drift apart, silently: every rank raises instead."""
+        import hashlib
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            self._generators_agreed = True
+            return
+        cuda = self._device is not None and self._device.type == "cuda"
+        state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16])
+        self._generators_agreed = True
+        if len(set(digests)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            ranks = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+                               for rs in groups.values())
+            self._generators_agreed = False
+            raise SpmdError(
+                f"the ranks' random generators differ ({len(groups)} states among {len(digests)} ranks: {ranks}), "
+                "and this graph draws random numbers "
+                "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "
+                "on each rank and the replicas would drift apart. What to do: seed every rank alike before "
+                "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
+                "data shuffling a torch.Generator of its own.")
+
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave
         it (and the layers that made it) without one, silently. Its example input must have required grad."""
@@ -442,6 +477,8 @@ class CompiledModule(nn.Module):
                 f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
                 f"(spmd.compile(model.{now}(), ...)), or call .{traced}() on this module again.")
         self._require_values()
+        if not self._generators_agreed:
+            self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
         if self.split is not None and torch.is_grad_enabled():
@@ -493,7 +530,14 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-_RANDOM_OPS = ("native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randperm")
+_RANDOM_OPS = ("native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+               "randperm", "normal", "normal_functional", "uniform")
+
+
+def _draws(graph) -> bool:
+    """Whether the graph draws random numbers."""
+    return any((getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")) in _RANDOM_OPS
+               for n in graph.nodes if n.op == "call_function")
 
 
 def _mode_dependent(graph, model: nn.Module) -> str | None:

@@ -86,3 +86,34 @@ def test_custom_autograd_functions_keep_their_backward_in_training(ranks):
         assert r["param_err"] < 1e-9, r
 
 
+
+
+# ---- random generators that differ across ranks -------------------------------------------------------
+
+def _dropout_step(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).train()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
+    local = compiled.shard_inputs(x, y)
+    torch.manual_seed(100 + rank)  # per-rank seeds (for data order, say) left in the global generator
+    try:
+        compiled(*local)
+        differs = None
+    except spmd.SpmdError as e:
+        differs = str(e)
+    torch.manual_seed(7)  # seeded alike: the step runs, and every rank drew the same mask
+    loss = float(compiled(*local))
+    return {"differs": differs, "loss": loss}
+
+
+def test_ranks_whose_random_generators_differ_stop_before_drawing_different_masks(ranks):
+    """A graph with dropout draws each mask whole on every rank (rules/random.py). Ranks seeded apart drew
+    different masks for one replicated value, and the replicas drifted apart without a word; every rank
+    now raises at the first call, and seeded alike they run and agree."""
+    results = ranks(2).run(_dropout_step)
+    for r in results:
+        assert r["differs"] and "random generators differ (2 states among 2 ranks: rank 0 | rank 1)" in r["differs"], r
+        assert "What to do: seed every rank alike" in r["differs"]
+    assert results[0]["loss"] == results[1]["loss"]
