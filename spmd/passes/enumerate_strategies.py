@@ -157,6 +157,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     copied = 0
     by_ph = traced.input_by_placeholder()
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer", "input")}
+    by_input = {i.name: i.placeholder for i in traced.inputs if i.kind == "input"}
     kinds = traced.output_kinds()
     next_variant = iter(range(1 << 62)).__next__
     answers: dict[tuple, tuple] = {}  # _query_key -> (strategies, source, excluded)
@@ -200,8 +201,9 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                         raise SpmdError(f"pin {placements_str(pin)} for output {k} cannot be met: it has shape "
                                         f"{t.shape}, and on mesh {mesh} that placement is uneven: "
                                         f"{_uneven(pin, t.shape, mesh)}. What to do: pin an even placement.")
-                # gradients land in their parameter's own placements
-                tie = by_fqn[kinds[k].name] if kinds[k].kind == "grad" else None
+                # gradients land in their parameter's (an input's: the input's) own placements
+                tie = by_fqn[kinds[k].name] if kinds[k].kind == "grad" else \
+                    by_input[kinds[k].name] if kinds[k].kind == "input_grad" else None
                 nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
                                                       next_variant(), tie=tie)
             continue

@@ -22,7 +22,12 @@ class SplitGraphs:
     backward: fx.GraphModule
     n_outputs: int  # forward returns n_outputs user outputs, then the saved values
     saved: tuple[str, ...]
-    grads: tuple[str, ...]  # FQN of the parameter each backward output is the gradient of
+    grads: tuple[str, ...]  # FQN of the parameter each backward output is the gradient of (`input_grad_key`)
+
+
+def input_grad_key(name: str) -> str:
+    """How `SplitGraphs.grads` names the gradient of the input `name` (apart from a parameter so named)."""
+    return f"input {name}"
 
 
 def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGraphs:
@@ -36,7 +41,8 @@ def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGrap
                                     rank_gm.code)
     outs = flat_outputs(graph.output_node())
     user_outs = [a for a, k in zip(outs, kinds) if k.kind == "output"]
-    grad_outs = [(a, k.name) for a, k in zip(outs, kinds) if k.kind == "grad" and a is not None]
+    grad_outs = [(a, k.name if k.kind == "grad" else input_grad_key(k.name)) for a, k in zip(outs, kinds)
+                 if k.kind in ("grad", "input_grad") and a is not None]
     saved = [n for n in forward if any(u in backward for u in n.users)]
     saved += [a for a, _ in grad_outs if a not in backward and a not in saved]  # grads known in forward
 

@@ -3,7 +3,7 @@
 Before: an eager module, example inputs and optionally a loss function. After: a `TracedGraph` like
 `trace_module`'s, with `joint=True`: its outputs are the forward outputs (the loss, when a loss_fn is
 given) followed by one gradient per trainable parameter (`GraphOutput("grad", fqn)`) and per example input
-that requires grad (`GraphOutput("grad", input name)`: placed as the input, as a parameter's is); one `tangent`
+that requires grad (`GraphOutput("input_grad", input name)`: placed as the input); one `tangent`
 placeholder per forward output carries the incoming gradient; every node has
 `meta["partitioner_tag"]` (is_forward / is_backward) and the user's stack trace.
 
@@ -166,8 +166,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
         elif kind == "PlainAOTOutput":
             outputs.append(GraphOutput("output", f"output_{desc.idx}"))
         elif kind == "GradAOTOutput" and type(desc.grad_of).__name__ == "PlainAOTInput":
-            # an input that required grad in the example: its gradient, named (and so placed) as the input
-            outputs.append(GraphOutput("grad", arg_names[desc.grad_of.idx]))
+            # an input that required grad in the example: its gradient, placed as the input
+            outputs.append(GraphOutput("input_grad", arg_names[desc.grad_of.idx]))
         elif kind == "GradAOTOutput":
             outputs.append(GraphOutput("grad", strip(getattr(desc.grad_of, "target", None) or str(desc.grad_of))))
         else:

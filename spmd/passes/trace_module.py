@@ -75,7 +75,7 @@ class TracedGraph:
             return {}
         out = {n.name: n.meta["partitioner_tag"] for n in self.graph.nodes if "partitioner_tag" in n.meta}
         for k, kind in enumerate(self.output_kinds()):
-            out[f"output_{k}"] = "is_backward" if kind.kind == "grad" else "is_forward"
+            out[f"output_{k}"] = "is_backward" if kind.kind in ("grad", "input_grad") else "is_forward"
         return out
 
 

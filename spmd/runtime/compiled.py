@@ -12,6 +12,7 @@ from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.passes.split_joint_graph import input_grad_key
 from spmd.runtime import clip_guard, compare, optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
@@ -60,6 +61,8 @@ class CompiledModule(nn.Module):
         self._traced_gm = c.traced.gm
         self._graph_inputs = tuple(c.traced.inputs)
         self._graph_outputs = tuple(c.traced.output_kinds())
+        # the inputs whose example required grad (their gradient is computed, where one reaches them)
+        self._traced_with_grad = {k.name for k in self._graph_outputs if k.kind == "input_grad"}
         self._tensor_info = dict(c.traced.tensor_info)
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
         # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
@@ -461,7 +464,7 @@ class CompiledModule(nn.Module):
         it (and the layers that made it) without one, silently. Its example input must have required grad."""
         names = [name for kind, name in self._order if kind == "input"]
         for t, name in zip(inputs, names):
-            if isinstance(t, torch.Tensor) and t.requires_grad and name not in self.split.grads:
+            if isinstance(t, torch.Tensor) and t.requires_grad and name not in self._traced_with_grad:
                 raise SpmdError(
                     f"input {name!r} requires grad, but the compiled step was traced from an example {name!r} "
                     "that did not, so it computes no gradient for it (the layers before it would not train). "
@@ -489,10 +492,8 @@ class CompiledModule(nn.Module):
                 if torch.is_grad_enabled() else None
             if anchor is None:
                 flat = self._graph("graph")(*args)
-            else:  # autograd would go back through the collectives as if they were not there: no graph, and
-                with torch.no_grad():  # a backward that says so (below)
-                    flat = self._graph("graph")(*args)
-                flat = _ForwardOnly.apply(anchor, *flat)
+            else:  # autograd would go back through the collectives as if they were not there: the graph runs
+                flat = _ForwardOnly.apply(self, anchor, *args)  # unrecorded, and its backward says so
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
@@ -531,27 +532,35 @@ def _storage_bytes(tensors) -> int:
 
 
 _RANDOM_OPS = ("native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
-               "randperm", "normal", "normal_functional", "uniform")
+               "randperm", "normal", "normal_functional", "uniform", "multinomial", "exponential", "poisson",
+               "rrelu_with_noise", "rrelu_with_noise_functional")
+_DROPOUT_OPS = ("native_dropout", "bernoulli")  # (what dropout traces to in train mode)
 
 
 def _draws(graph) -> bool:
     """Whether the graph draws random numbers."""
-    return any((getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")) in _RANDOM_OPS
-               for n in graph.nodes if n.op == "call_function")
+    return bool(_targets(graph) & set(_RANDOM_OPS))
+
+
+def _targets(graph) -> set[str]:
+    return {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+            for n in graph.nodes if n.op == "call_function"}
 
 
 def _mode_dependent(graph, model: nn.Module) -> str | None:
-    """What makes a graph traced in one mode wrong in the other: the dropout it draws (random ops in the
-    graph, or a dropout module with p > 0) or batch norm (statistics of the batch in train mode, the running
-    ones in eval). None when nothing in the graph or the model's modules depends on the mode."""
+    """What makes a graph traced in one mode wrong in the other: dropout (drawn in train mode, not in eval)
+    and batch norm keeping running statistics (the batch's in train mode, the running ones in eval). Traced
+    in train mode, the graph says whether it drops; traced in eval mode it cannot, so the model's dropout
+    modules with p > 0 say it (a dropout called as `F.dropout(x, p, self.training)` is not seen there). None
+    when nothing depends on the mode (random draws that are not dropout, such as a VAE's noise, do not)."""
     found = []
-    targets = {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
-               for n in graph.nodes if n.op == "call_function"}
-    if any(t in _RANDOM_OPS for t in targets) or any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+    if model.training:
+        dropout = bool(_targets(graph) & set(_DROPOUT_OPS))
+    else:
+        dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    if dropout:
         found.append("dropout")
-    if any("batch_norm" in t for t in targets) or any(
-            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules()):
         found.append("batch norm")
     return " and ".join(found) or None
 
@@ -564,8 +573,10 @@ class _ForwardOnly(torch.autograd.Function):
     reduction's gradient came out wrong on every mesh larger than one device."""
 
     @staticmethod
-    def forward(ctx, anchor, *outputs):
-        return outputs
+    def forward(ctx, module: "CompiledModule", anchor, *args):
+        # (the graph runs here, where autograd records nothing: its outputs are its own, not views of the
+        # Function's inputs, so a caller may still change them in place)
+        return tuple(module._graph("graph")(*args))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -598,4 +609,5 @@ class _RankStep(torch.autograd.Function):
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
         grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
-        return (None,) + tuple(grads.get(name) for name in module._order_names)  # (inputs' too, where traced)
+        return (None,) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
+                               for (kind, _), name in zip(module._order, module._order_names))

@@ -184,7 +184,7 @@ def test_an_input_that_requires_grad_gets_its_gradient():
         x, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
         c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
         kinds = c.traced.output_kinds()
-        k = next(i for i, o in enumerate(kinds) if o.kind == "grad" and o.name == "input")
+        k = next(i for i, o in enumerate(kinds) if o.kind == "input_grad" and o.name == "input")
         a, b = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
         F.mse_loss(model(a), b).backward()
         ps = c.plan.choices[f"output_{k}"].inputs[0]
@@ -214,6 +214,31 @@ def test_an_input_requiring_grad_the_step_was_not_traced_for_fails_loudly():
         compiled(torch.randn(4, 8, requires_grad=True), y)  # (nor under no_grad, where none is wanted)
 
 
+class _WeightNamedInput(nn.Module):
+    """An input named like a parameter, and an input no gradient reaches (a mask compared, not multiplied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, weight, mask):
+        return (weight @ self.weight) * (mask > 0)
+
+
+def test_input_gradients_keep_apart_from_parameters_so_named_and_may_be_none():
+    torch.manual_seed(0)
+    model = _WeightNamedInput()
+    w, mask, y = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    compiled = _compiled_on_one_device(model, (w, mask, y), F.mse_loss)
+    a, m = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    compiled(a, m, y).backward()  # (m required grad in the example: no error although none reaches it)
+    a2 = a.detach().clone().requires_grad_(True)
+    F.mse_loss(model(a2, m.detach()), y).backward()
+    torch.testing.assert_close(a.grad, a2.grad)
+    torch.testing.assert_close(compiled.weight.grad, model.weight.grad)
+    assert m.grad is None
+
+
 def test_a_backward_through_a_module_compiled_without_training_fails_and_says_so():
     """Compiled for inference, a module's graph was still recorded by autograd when grad was on, and a
     backward went through its collectives as if they were the identity (torch only warns): a gather's or a
@@ -237,6 +262,9 @@ def test_a_backward_through_a_module_compiled_without_training_fails_and_says_so
         out.sum().backward()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
+    again = compiled(x)
+    again.div_(2)  # (its outputs are its own: a caller may still change them in place)
+    torch.testing.assert_close(again, model(x) / 2)
 
 
 @pytest.mark.parametrize("traced_in", ["train", "eval"])
@@ -273,6 +301,27 @@ def test_switching_a_compiled_module_to_the_other_mode_fails_instead_of_running_
     getattr(plain, other)()  # the mode: either runs)
     with torch.no_grad():
         torch.testing.assert_close(plain(x), torch.tanh(plain._source_model[0](x)))
+
+
+class _Noisy(nn.Module):
+    """Random draws that are not dropout (a VAE's noise), a dropout module never called, a batch norm
+    without running statistics: none of them behaves otherwise in the other mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused, self.bn = nn.Linear(8, 8), nn.Dropout(0.1), nn.BatchNorm1d(8, track_running_stats=False)
+
+    def forward(self, x):
+        return self.fc(x) + torch.randn_like(x)
+
+
+def test_what_does_not_depend_on_the_mode_runs_in_either():
+    from spmd.runtime.compiled import _mode_dependent
+    from spmd.passes.trace_module import trace_module
+
+    model = _Noisy().train()
+    traced = trace_module(model, (torch.randn(4, 8),))
+    assert _mode_dependent(traced.graph, model) is None
 
 
 # ---- an element of a several-output op, taken as made ------------------------------------------------
