@@ -28,6 +28,7 @@ import sys
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._export.utils import _compiling_state_context
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.overrides import TorchFunctionMode
 
@@ -190,7 +191,7 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
     export, e.g. transformers' causal-mask check), with the module stack and source lines torch.export
     would have recorded (`source_meta`). A `torch.autograd.Function` keeps the backward it defines."""
     with custom_functions() as applied, contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
-            _exporting():
+            _compiling_state_context():  # (torch.export's own: is_compiling() and is_exporting() true)
         with source_meta(root):
             joint = aot_export_joint_with_descriptors(stack, root, example_inputs, decompositions=_decompositions())
         _backward_meta_from_forward(joint.graph_module.graph)
@@ -308,17 +309,6 @@ def _tensor_hooks():
         yield hooked
     finally:
         torch.Tensor.register_hook = register
-
-
-@contextlib.contextmanager
-def _exporting():
-    """`torch.compiler.is_compiling()` and `is_exporting()` true, as inside torch.export."""
-    compiling, exporting = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
-    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
 
 
 def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:

@@ -106,11 +106,13 @@ class CompiledModule(nn.Module):
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
         # the model would behave otherwise in the other mode (None: nothing)
+        ops = _op_names(c.traced.graph)
         self._traced_mode = self._source_model.training
-        self._mode_dependent = _mode_dependent(c.traced.graph, self._source_model)
+        self._mode_dependent = _mode_dependent(ops, self._source_model)
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
-        self._generators_agreed = not _draws(c.traced.graph) or self.mesh_spec.size == 1
+        self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
+        self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
             optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
@@ -443,14 +445,13 @@ class CompiledModule(nn.Module):
         state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
         digests = [None] * dist.get_world_size()
         dist.all_gather_object(digests, hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16])
-        self._generators_agreed = True
-        if len(set(digests)) > 1:
+        self._generators_agreed = len(set(digests)) == 1  # (apart: asked again at the next call)
+        if not self._generators_agreed:
             groups: dict[str, list[int]] = {}
             for r, d in enumerate(digests):
                 groups.setdefault(d, []).append(r)
             ranks = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
                                for rs in groups.values())
-            self._generators_agreed = False
             raise SpmdError(
                 f"the ranks' random generators differ ({len(groups)} states among {len(digests)} ranks: {ranks}), "
                 "and this graph draws random numbers "
@@ -462,8 +463,7 @@ class CompiledModule(nn.Module):
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave
         it (and the layers that made it) without one, silently. Its example input must have required grad."""
-        names = [name for kind, name in self._order if kind == "input"]
-        for t, name in zip(inputs, names):
+        for t, name in zip(inputs, self._input_names):
             if isinstance(t, torch.Tensor) and t.requires_grad and name not in self._traced_with_grad:
                 raise SpmdError(
                     f"input {name!r} requires grad, but the compiled step was traced from an example {name!r} "
@@ -531,23 +531,19 @@ def _storage_bytes(tensors) -> int:
     return total
 
 
-_RANDOM_OPS = ("native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
-               "randperm", "normal", "normal_functional", "uniform", "multinomial", "exponential", "poisson",
-               "rrelu_with_noise", "rrelu_with_noise_functional")
-_DROPOUT_OPS = ("native_dropout", "bernoulli")  # (what dropout traces to in train mode)
+_RANDOM_OPS = frozenset({"native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint",
+                         "randint_like", "randperm", "normal", "normal_functional", "uniform", "multinomial",
+                         "exponential", "poisson", "rrelu_with_noise", "rrelu_with_noise_functional"})
+_DROPOUT_OPS = frozenset({"native_dropout", "bernoulli"})  # (what dropout traces to in train mode)
 
 
-def _draws(graph) -> bool:
-    """Whether the graph draws random numbers."""
-    return bool(_targets(graph) & set(_RANDOM_OPS))
-
-
-def _targets(graph) -> set[str]:
+def _op_names(graph) -> set[str]:
+    """The names of the ops the graph calls (`native_dropout` for aten.native_dropout.default)."""
     return {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
             for n in graph.nodes if n.op == "call_function"}
 
 
-def _mode_dependent(graph, model: nn.Module) -> str | None:
+def _mode_dependent(ops: set[str], model: nn.Module) -> str | None:
     """What makes a graph traced in one mode wrong in the other: dropout (drawn in train mode, not in eval)
     and batch norm keeping running statistics (the batch's in train mode, the running ones in eval). Traced
     in train mode, the graph says whether it drops; traced in eval mode it cannot, so the model's dropout
@@ -555,7 +551,7 @@ def _mode_dependent(graph, model: nn.Module) -> str | None:
     when nothing depends on the mode (random draws that are not dropout, such as a VAE's noise, do not)."""
     found = []
     if model.training:
-        dropout = bool(_targets(graph) & set(_DROPOUT_OPS))
+        dropout = bool(ops & _DROPOUT_OPS)
     else:
         dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
     if dropout:

@@ -56,22 +56,29 @@ def _export_road_calls(monkeypatch) -> list:
     return calls
 
 
+def _trained_on_two_ranks(make) -> tuple:
+    """`make()`'s model in float64 compiled with an MSE loss on (dp=2) and run once in eager: (model, x, y,
+    how many of the outputs every simulated rank gives equal the eager loss and gradients)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = make()
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return model, x, y, check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_a_layer_registered_twice_trains_equal_and_stays_the_users(monkeypatch):
     """AOTAutograd over such a model left its tracer's tensors in the layer (torch 2.13): the model broke at
     its next call. It takes the road through torch.export, and every rank trains equal to one device."""
     calls = _export_road_calls(monkeypatch)
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = _SharedLayer()
-        x, y = torch.randn(4, 8), torch.randn(4, 8)
-        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
-        assert calls and type(model.a.weight) is nn.Parameter
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 3
-    finally:
-        torch.set_default_dtype(torch.float32)
+    model, _, _, checked = _trained_on_two_ranks(_SharedLayer)
+    assert calls and type(model.a.weight) is nn.Parameter
+    assert checked == 3
 
 
 def test_attributes_the_forward_assigns_are_put_back(monkeypatch):
@@ -121,25 +128,16 @@ class _HalvesItsGradient(nn.Module):
 def test_gradient_hooks_are_applied_or_the_trace_fails(monkeypatch):
     """The direct road applies a gradient hook as eager does; the road through torch.export drops it, so a
     model with one never takes that road quietly (its gradients would not be the model's)."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = _HalvesItsGradient()
-        x, y = torch.randn(4, 8), torch.randn(4, 8)
-        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        assert check_simulated_training(c, simulate(c, (x, y, torch.ones(()))), loss, model) == 5
+    model, x, y, checked = _trained_on_two_ranks(_HalvesItsGradient)
+    assert checked == 5
 
-        def fails(*args):
-            raise RuntimeError("the direct road failed")
+    def fails(*args):
+        raise RuntimeError("the direct road failed")
 
-        monkeypatch.setattr(trace_joint_module, "_aot_over_module", fails)
-        with pytest.raises(SpmdError, match="the direct road failed"):
-            trace_joint(model, (x, y), F.mse_loss)
-        model.fc2.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 3,))
-        model.forward = lambda x: model.fc2(model.fc1(x))  # (no tensor hook: the module's own is enough)
-        with pytest.raises(SpmdError, match="the direct road failed"):
-            trace_joint(model, (x, y), F.mse_loss)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    monkeypatch.setattr(trace_joint_module, "_aot_over_module", fails)
+    with pytest.raises(SpmdError, match="the direct road failed"):
+        trace_joint(model, (x, y), F.mse_loss)
+    model.fc2.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 3,))
+    model.forward = lambda x: model.fc2(model.fc1(x))  # (no tensor hook: the module's own is enough)
+    with pytest.raises(SpmdError, match="the direct road failed"):
+        trace_joint(model, (x, y), F.mse_loss)
