@@ -78,7 +78,9 @@ class Plan:
         the autograd Function and engine), from the mesh's `DeviceProfile`: `call_overhead_s` +
         `arg_overhead_s` per placeholder (parameters, buffers, inputs), and when training
         `backward_overhead_s` + `autograd_tensor_overhead_s` per parameter and per value saved for
-        backward. A plan without `wrapper_counts` gets `call_overhead_s` alone."""
+        backward, and the optimizer's `step()` call (`optimizer_call_overhead_s`, where there are
+        parameters; its work per parameter is in `objective`). A plan without `wrapper_counts` gets
+        `call_overhead_s` alone."""
         d = self.mesh.device
         if self.wrapper_counts is None:
             return d.call_overhead_s
@@ -86,6 +88,7 @@ class Plan:
         t = d.call_overhead_s + d.arg_overhead_s * args
         if self.joint:
             t += d.backward_overhead_s + d.autograd_tensor_overhead_s * (params + saved)
+            t += d.optimizer_call_overhead_s if params else 0.0
         return t
 
     @property

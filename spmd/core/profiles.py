@@ -115,11 +115,14 @@ class DeviceProfile:
     # element accesses for a piece of OPTIMIZER_LARGE_BYTES or more (its passes stream it from DRAM; None:
     # `dram_bandwidth`, else `memory_bandwidth`) and `optimizer_cached_bandwidth` for one of
     # OPTIMIZER_CACHED_BYTES or less (its later passes find it in cache; None: the same), between them
-    # log-linearly; and `optimizer_tensor_overhead_s` per parameter (AdamW's; its ops are launched once
-    # per tensor). The host profile times torch's AdamW.
+    # log-linearly; `optimizer_tensor_overhead_s` per parameter (AdamW's; its ops are launched once per
+    # tensor); and `optimizer_call_overhead_s` once per step, whatever the parameters (`step()` itself: its
+    # groups, its checks; a constant of the training step, in `Plan.wrapper_overhead_s`). The host profile
+    # times torch's AdamW.
     optimizer_bandwidth: float | None = None
     optimizer_cached_bandwidth: float | None = None
     optimizer_tensor_overhead_s: float = 0.0
+    optimizer_call_overhead_s: float = 0.0
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
@@ -186,7 +189,7 @@ OPTIMIZER_LARGE_BYTES = 16 << 20
 
 # fixed costs of a DeviceProfile (seconds; scaled together, saved in profile files)
 _OVERHEADS = ("op_overhead_s", "view_overhead_s", "call_overhead_s", "arg_overhead_s", "backward_overhead_s",
-              "autograd_tensor_overhead_s", "optimizer_tensor_overhead_s")
+              "autograd_tensor_overhead_s", "optimizer_tensor_overhead_s", "optimizer_call_overhead_s")
 
 
 LINKS: dict[str, LinkProfile] = {
@@ -273,8 +276,10 @@ DEVICES: dict[str, DeviceProfile] = {
                       page_fault_bandwidth=1.27e9,
                       # torch's AdamW, 2 ranks stepping at once on a later host of the same kind (2026-11-30,
                       # `measure.measure_optimizer`): 1.6 ns per element on 1 MB tensors, 2.8 on 16 MB ones
-                      # (20 accesses of 4 bytes: 50 and 28 GB/s), 17 us per tensor
+                      # (20 accesses of 4 bytes: 50 and 28 GB/s), 17 us per tensor; per step() ~2.5 tensors'
+                      # worth (a slower host of the kind, 2026-12-02: 54-73 us per step, 24-27 per tensor)
                       optimizer_bandwidth=28e9, optimizer_cached_bandwidth=50e9, optimizer_tensor_overhead_s=17e-6,
+                      optimizer_call_overhead_s=40e-6,
                       # 2 ranks, the same 40 ms of a transformer layer's ops each, a barrier before each of 40
                       # segments: the slowest's sum / the mean's 1.05-1.11 in 4 runs (2026-11-26); inside
                       # GPT-2-small's training step the ranks waited 13-15% of their compute at collectives

@@ -433,28 +433,43 @@ class CompiledModule(nn.Module):
         """Every rank's random generator in the same state, before the first call of a graph that draws (it
         draws each dropout mask whole on every rank, and a replicated value's must be the same mask
         everywhere). A rank seeded otherwise (`torch.manual_seed(rank)` for its data, say) would drop other
-        elements than its peers, and the replicas would drift apart, silently: every rank raises instead."""
+        elements than its peers, and the replicas would drift apart, silently: every rank raises instead.
+
+        The digests are gathered over each mesh axis's own group: the ranks agree along every axis exactly
+        when all of the mesh agrees (its axes connect it), and only the mesh's ranks take part (a module
+        compiled over part of the world, or one mesh of several, would hang in a gather over the world)."""
         import hashlib
 
         import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed.distributed_c10d import _resolve_process_group
 
         if not dist.is_initialized():
             self._generators_agreed = True
             return
         cuda = self._device is not None and self._device.type == "cuda"
         state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16])
-        self._generators_agreed = len(set(digests)) == 1  # (apart: asked again at the next call)
-        if not self._generators_agreed:
-            groups: dict[str, list[int]] = {}
-            for r, d in enumerate(digests):
-                groups.setdefault(d, []).append(r)
-            ranks = " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
-                               for rs in groups.values())
+        digest = int.from_bytes(hashlib.sha1(state.numpy().tobytes()).digest()[:8], "little", signed=True)
+        mine = torch.tensor([digest], dtype=torch.int64, device=self._device if cuda else "cpu")
+        apart = []  # (axis name, {digest: [ranks]}) for each axis whose ranks differ
+        for axis, (name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
+            if size == 1:
+                continue
+            group = self.group_names[axis]
+            digests = funcol.all_gather_tensor(mine, 0, group).wait().tolist()  # (the group's ranks in order)
+            if len(set(digests)) > 1:
+                states: dict[int, list[int]] = {}
+                for r, d in zip(dist.get_process_group_ranks(_resolve_process_group(group)), digests):
+                    states.setdefault(d, []).append(r)
+                apart.append((name, states))
+        self._generators_agreed = not apart  # (apart: asked again at the next call)
+        if apart:
+            where = "; ".join(
+                f"along mesh axis {name!r}, {len(states)} states among {sum(map(len, states.values()))} ranks: "
+                + " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in states.values())
+                for name, states in apart)
             raise SpmdError(
-                f"the ranks' random generators differ ({len(groups)} states among {len(digests)} ranks: {ranks}), "
-                "and this graph draws random numbers "
+                f"the ranks' random generators differ ({where}), and this graph draws random numbers "
                 "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "
                 "on each rank and the replicas would drift apart. What to do: seed every rank alike before "
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "

@@ -45,7 +45,7 @@ from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, 
 from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
 
 ENV = "SPMD_CPU_PROFILE"
-CACHE_VERSION = 6  # raised when what is timed, or how, changes: older files are then not read
+CACHE_VERSION = 7  # raised when what is timed, or how, changes: older files are then not read
 FIT_VERSION = 7  # raised when `fit_device` changes: cached timings are then fitted again
 _known: dict[str, DeviceProfile] = {}  # cache file -> its profile, for this process (also when unwritable)
 

@@ -413,19 +413,19 @@ def measure_device(warmup: int = 2, reps: int = 9, quick: bool = False,
     return out
 
 
-# (tensors, elements each) of the AdamW steps timed: fixed costs; pieces of OPTIMIZER_CACHED_BYTES; of
-# OPTIMIZER_LARGE_BYTES (fp32)
-OPTIMIZER_CASES = ((64, 16), (64, 1 << 18), (4, 1 << 22))
+# (tensors, elements each) of the AdamW steps timed: the fixed costs (one tiny tensor, 64 of them: per step
+# and per tensor); pieces of OPTIMIZER_CACHED_BYTES; of OPTIMIZER_LARGE_BYTES (fp32)
+OPTIMIZER_CASES = ((1, 16), (64, 16), (64, 1 << 18), (4, 1 << 22))
 
 
 def measure_optimizer(warmup: int = 2, reps: int = 9) -> list[tuple[float, float, float]]:
     """[(tensors, elements, seconds)] of one torch.optim.AdamW step (as torch picks its implementation
-    for these tensors) over parameters with gradients, `OPTIMIZER_CASES`: many tiny ones (its fixed cost
-    per tensor), 64 of 1 MB and 4 of 16 MB (each 256 MB with gradients and moments, more than the caches
-    hold, as a model's are). Per element the larger pieces cost more: their seven passes no longer find
-    the piece in cache (`fit_device`: `optimizer_tensor_overhead_s`, `optimizer_cached_bandwidth`,
-    `optimizer_bandwidth`; on a 2-core EPYC with 2 ranks stepping at once: 17 us, 1.6 and 2.8 ns per
-    element)."""
+    for these tensors) over parameters with gradients, `OPTIMIZER_CASES`: one and 64 tiny ones (its fixed
+    costs, per step and per tensor), 64 of 1 MB and 4 of 16 MB (each 256 MB with gradients and moments,
+    more than the caches hold, as a model's are). Per element the larger pieces cost more: their seven
+    passes no longer find the piece in cache (`fit_device`: `optimizer_call_overhead_s`,
+    `optimizer_tensor_overhead_s`, `optimizer_cached_bandwidth`, `optimizer_bandwidth`; on a 2-core EPYC
+    with 2 ranks stepping at once: 17 us per tensor, 1.6 and 2.8 ns per element)."""
     import torch
 
     out = []
@@ -630,7 +630,7 @@ def fit_device(points: dict, source: str, memory_bytes: float):
     else:
         call, per_arg = cpu.call_overhead_s, cpu.arg_overhead_s
         backward, per_tensor = cpu.backward_overhead_s, cpu.autograd_tensor_overhead_s
-    opt_tensor, opt_cached, opt_bw = _fit_optimizer(points.get("optimizer"), bandwidth, cpu)
+    opt_call, opt_tensor, opt_cached, opt_bw = _fit_optimizer(points.get("optimizer"), bandwidth, cpu)
     looped = DeviceProfile("calibrated-cpu", flops, bandwidth, op, memory_bytes, source,
                          attention_efficiency=cpu.attention_efficiency,
                          view_overhead_s=view, call_overhead_s=call, arg_overhead_s=per_arg,
@@ -638,32 +638,40 @@ def fit_device(points: dict, source: str, memory_bytes: float):
                          cache_bytes=_cache_share() or cpu.cache_bytes, dram_bandwidth=dram,
                          fresh_page_bytes=FRESH_PAGE_BYTES, page_fault_bandwidth=fault_bw,
                          element_seconds=tuple(sorted(elementwise.items())) or cpu.element_seconds,
-                         lockstep_slowdown=lockstep, optimizer_tensor_overhead_s=opt_tensor,
+                         lockstep_slowdown=lockstep, optimizer_call_overhead_s=opt_call,
+                         optimizer_tensor_overhead_s=opt_tensor,
                          optimizer_cached_bandwidth=opt_cached, optimizer_bandwidth=opt_bw)
     return in_graph(looped, points.get("block") or ())
 
 
-def _fit_optimizer(points, bandwidth: float, cpu) -> tuple[float, float | None, float | None]:
-    """(seconds per tensor, cached and large bandwidths of element accesses) from `measure_optimizer`'s
-    points: per tensor from the tiny ones, each bandwidth from AdamW's accesses over the rest of its
-    case's time, none above `bandwidth` (an add in cache moves bytes no slower than AdamW) and the large
-    pieces' none above the cached ones'. Timings that say nothing sane (missing, or a case no slower than
-    its fixed costs) give the built-in's three numbers."""
+def _fit_optimizer(points, bandwidth: float, cpu) -> tuple[float, float, float | None, float | None]:
+    """(seconds per step, per tensor, cached and large bandwidths of element accesses) from
+    `measure_optimizer`'s points: per step and per tensor from the line through the tiny cases (one and 64
+    tensors: the step's own cost is what one tensor takes beyond the rest's share; never negative), each
+    bandwidth from AdamW's accesses over the rest of its case's time, none above `bandwidth` (an add in
+    cache moves bytes no slower than AdamW) and the large pieces' none above the cached ones'. Timings
+    that say nothing sane (missing, from before the one-tensor case, or a case no slower than its fixed
+    costs) give the built-in's four numbers."""
     from spmd.cost_model.compute import ADAM_ACCESSES
 
-    builtin = (cpu.optimizer_tensor_overhead_s, cpu.optimizer_cached_bandwidth, cpu.optimizer_bandwidth)
+    builtin = (cpu.optimizer_call_overhead_s, cpu.optimizer_tensor_overhead_s, cpu.optimizer_cached_bandwidth,
+               cpu.optimizer_bandwidth)
     if not points or len(points) != len(OPTIMIZER_CASES):
         return builtin
-    (k0, _, t0), *cases = points
-    per_tensor = t0 / k0
+    (k1, _, t1), (k0, _, t0), *cases = points
+    if t0 > t1:
+        per_tensor = (t0 - t1) / (k0 - k1)
+        per_step = max(t1 - k1 * per_tensor, 0.0)
+    else:  # one tensor no faster than 64: noise, and every tensor pays its share of the 64's time
+        per_tensor, per_step = t0 / k0, 0.0
     rates = []
     for tensors, elements, t in cases:
-        work = t - tensors * per_tensor
+        work = t - per_step - tensors * per_tensor
         if not work > 0.1 * t:  # the elements' time lost in the fixed costs' noise
             return builtin
         rates.append(min(ADAM_ACCESSES * 4 * elements / work, bandwidth))
     cached, large = rates
-    return per_tensor, cached, min(large, cached)
+    return per_step, per_tensor, cached, min(large, cached)
 
 
 def in_graph(device, blocks):

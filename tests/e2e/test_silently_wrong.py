@@ -90,14 +90,14 @@ def test_custom_autograd_functions_keep_their_backward_in_training(ranks):
 
 # ---- random generators that differ across ranks -------------------------------------------------------
 
-def _dropout_step(rank: int, world: int) -> dict:
+def _dropout_step(rank: int, world: int, shape=(2,), names=("tp",), seed_of=lambda rank: rank) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).train()
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    mesh = spmd.init_mesh((2,), ("tp",))
-    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
+    mesh = spmd.init_mesh(shape, names)
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec(shape, names))
     local = compiled.shard_inputs(x, y)
-    torch.manual_seed(100 + rank)  # per-rank seeds (for data order, say) left in the global generator
+    torch.manual_seed(100 + seed_of(rank))  # per-rank seeds (for data order, say) left in the global generator
     try:
         compiled(*local)
         differs = None
@@ -114,6 +114,21 @@ def test_ranks_whose_random_generators_differ_stop_before_drawing_different_mask
     now raises at the first call, and seeded alike they run and agree."""
     results = ranks(2).run(_dropout_step)
     for r in results:
-        assert r["differs"] and "random generators differ (2 states among 2 ranks: rank 0 | rank 1)" in r["differs"], r
+        assert r["differs"] and "random generators differ (along mesh axis 'tp', 2 states among 2 ranks: rank 0 | rank 1)" in r["differs"], r
         assert "What to do: seed every rank alike" in r["differs"]
     assert results[0]["loss"] == results[1]["loss"]
+
+
+def _seed_per_dp_row(rank: int) -> int:
+    return rank // 2  # the (dp, tp) coordinate's dp: tp peers alike, dp peers apart
+
+
+def test_generators_are_compared_along_each_mesh_axis(ranks):
+    """On a (2, 2) mesh the digests are gathered over each axis's own group (no collective over the world):
+    ranks alike along tp but apart along dp are caught, and the message names the axis and its ranks."""
+    results = ranks(4).run(_dropout_step, (2, 2), ("dp", "tp"), _seed_per_dp_row)
+    for rank, r in enumerate(results):
+        peers = f"rank {rank % 2} | rank {rank % 2 + 2}"
+        assert r["differs"] and f"along mesh axis 'dp', 2 states among 2 ranks: {peers}" in r["differs"], r
+        assert "'tp'" not in r["differs"], r
+    assert len({r["loss"] for r in results}) == 1

@@ -123,37 +123,47 @@ POINTS = {"matmul": [(2e9, 0.01), (4e9, 0.02)], "stream": [(12e5, 12e-6), (24e5,
           "dram": [(12e7, 12e-3)], "op": [(40.0, 5e-6)], "view": [(80.0, 2e-6)]}  # 100 GB/s in cache
 
 
-def adamw_points(per_tensor=15e-6, cached=40e9, large=25e9):
-    (k0, n0), (k1, n1), (k2, n2) = OPTIMIZER_CASES
-    return [(k0, k0 * n0, k0 * per_tensor), (k1, k1 * n1, k1 * per_tensor + 80 * k1 * n1 / cached),
-            (k2, k2 * n2, k2 * per_tensor + 80 * k2 * n2 / large)]
+def adamw_points(per_tensor=15e-6, cached=40e9, large=25e9, per_step=30e-6):
+    (k, n), (k0, n0), (k1, n1), (k2, n2) = OPTIMIZER_CASES
+    return [(k, k * n, per_step + k * per_tensor), (k0, k0 * n0, per_step + k0 * per_tensor),
+            (k1, k1 * n1, per_step + k1 * per_tensor + 80 * k1 * n1 / cached),
+            (k2, k2 * n2, per_step + k2 * per_tensor + 80 * k2 * n2 / large)]
 
 
 def test_the_host_fits_adamw_and_profiles_keep_it():
-    """Per tensor from 64 tiny parameters, each bandwidth from its case's accesses over the rest."""
+    """Per step and per tensor from one and 64 tiny parameters, each bandwidth from its case's accesses
+    over the rest."""
     dev = fit_device({**POINTS, "optimizer": adamw_points()}, "test", 8e9)
-    assert dev.optimizer_tensor_overhead_s == pytest.approx(15e-6)
+    assert (dev.optimizer_call_overhead_s, dev.optimizer_tensor_overhead_s) == (pytest.approx(30e-6),
+                                                                               pytest.approx(15e-6))
     assert (dev.optimizer_cached_bandwidth, dev.optimizer_bandwidth) == (pytest.approx(40e9), pytest.approx(25e9))
     assert device_from_json(device_to_json(dev)) == dev
     half = dev.scaled(0.5)  # two ranks on a core: half the bandwidths, twice the fixed cost
-    assert (half.optimizer_bandwidth, half.optimizer_cached_bandwidth, half.optimizer_tensor_overhead_s) == \
-        (pytest.approx(12.5e9), pytest.approx(20e9), pytest.approx(30e-6))
+    assert (half.optimizer_bandwidth, half.optimizer_cached_bandwidth, half.optimizer_tensor_overhead_s,
+            half.optimizer_call_overhead_s) == (pytest.approx(12.5e9), pytest.approx(20e9), pytest.approx(30e-6),
+                                                pytest.approx(60e-6))
 
 
 def test_timings_that_say_nothing_sane_give_the_builtins():
     cpu = builtin_cpu()
-    builtin = (cpu.optimizer_tensor_overhead_s, cpu.optimizer_cached_bandwidth, cpu.optimizer_bandwidth)
+    builtin = (cpu.optimizer_call_overhead_s, cpu.optimizer_tensor_overhead_s, cpu.optimizer_cached_bandwidth,
+               cpu.optimizer_bandwidth)
 
     def fitted(points):
         dev = fit_device({**POINTS, **({"optimizer": points} if points is not None else {})}, "test", 8e9)
-        return dev.optimizer_tensor_overhead_s, dev.optimizer_cached_bandwidth, dev.optimizer_bandwidth
+        return (dev.optimizer_call_overhead_s, dev.optimizer_tensor_overhead_s, dev.optimizer_cached_bandwidth,
+                dev.optimizer_bandwidth)
     assert fitted(None) == builtin  # timings from before it was timed
-    assert fitted(adamw_points()[:1]) == builtin  # a case missing
+    assert fitted(adamw_points()[1:]) == builtin  # a case missing (timings from before the one-tensor case)
     noise = adamw_points()
-    noise[2] = (noise[2][0], noise[2][1], noise[2][0] * 15e-6 * 1.01)  # no slower than its fixed costs
+    noise[3] = (noise[3][0], noise[3][1], 30e-6 + noise[3][0] * 15e-6 * 1.01)  # no slower than its fixed costs
     assert fitted(noise) == builtin
     # faster than an add in cache is not believed (capped at it); larger pieces never cheaper per byte
-    assert fitted(adamw_points(cached=200e9, large=150e9))[1:] == (pytest.approx(100e9), pytest.approx(100e9))
-    assert fitted(adamw_points(cached=20e9, large=30e9))[1:] == (pytest.approx(20e9), pytest.approx(20e9))
+    assert fitted(adamw_points(cached=200e9, large=150e9))[2:] == (pytest.approx(100e9), pytest.approx(100e9))
+    assert fitted(adamw_points(cached=20e9, large=30e9))[2:] == (pytest.approx(20e9), pytest.approx(20e9))
+    # one tensor slower than 64 (noise): no per-step cost, each of the 64 pays its share
+    slow_one = adamw_points()
+    slow_one[0] = (1.0, 16.0, 2e-3)
+    assert fitted(slow_one)[:2] == (0.0, pytest.approx(slow_one[1][2] / 64))
     with pytest.raises(ValueError, match="finite"):
         dataclasses.replace(cpu, optimizer_bandwidth=float("inf"))

@@ -65,6 +65,18 @@ def test_training_step_adds_autograd_per_parameter_and_saved_value():
     assert tensors == pytest.approx(4 + len(split.saved))
 
 
+def test_training_step_adds_the_optimizers_step_call_once():
+    """`step()` itself costs the same for any parameters (`optimizer_call_overhead_s`, once per training
+    step, no plan changes it); a forward has none."""
+    model, x, y = MLP(16, 64), torch.randn(8, 16), torch.randn(8, 16)
+    mesh, with_step = _mesh(_device(**OVERHEADS)), _mesh(_device(**OVERHEADS, optimizer_call_overhead_s=3e-5))
+    plan, stepped = (spmd.plan(model, m, (x, y), loss_fn=F.mse_loss) for m in (mesh, with_step))
+    assert stepped.wrapper_overhead_s - plan.wrapper_overhead_s == pytest.approx(3e-5)
+    assert stepped.objective == pytest.approx(plan.objective)
+    forward, forward_stepped = (spmd.plan(model, m, (x,)) for m in (mesh, with_step))
+    assert forward_stepped.wrapper_overhead_s == pytest.approx(forward.wrapper_overhead_s)
+
+
 def test_scaled_device_divides_every_fixed_cost():
     d = _device(**OVERHEADS, attention_efficiency=0.4).scaled(0.5)
     assert d.attention_efficiency == 0.4
