@@ -190,13 +190,15 @@ def check_overlap(pass_name: str, v: dict) -> None:
 
 
 def check_split(pass_name: str, v: dict) -> None:
-    """split_joint_graph / bucket_gradients: forward returns the outputs and the saved values; backward
+    """split_joint_graph / bucket_gradients: forward returns the outputs, the buffers' new values and the
+    saved values; backward
     takes the saved values and one tangent per output and returns one gradient per trainable parameter."""
     split, traced = v["split"], v["traced"]
     problems = []
     fwd_out = flat_outputs(split.forward.graph.output_node())
-    if len(fwd_out) != split.n_outputs + len(split.saved):
-        problems.append(f"forward returns {len(fwd_out)} values, not {split.n_outputs} outputs + {len(split.saved)} saved")
+    if len(fwd_out) != split.n_outputs + len(split.updates) + len(split.saved):
+        problems.append(f"forward returns {len(fwd_out)} values, not {split.n_outputs} outputs + "
+                        f"{len(split.updates)} buffer updates + {len(split.saved)} saved")
     bwd_in = [n for n in split.backward.graph.nodes if n.op == "placeholder"]
     tangents = sum(1 for gi in traced.inputs if gi.kind == "tangent")
     if len(bwd_in) != len(split.saved) + tangents:

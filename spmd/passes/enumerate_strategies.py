@@ -201,8 +201,9 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                         raise SpmdError(f"pin {placements_str(pin)} for output {k} cannot be met: it has shape "
                                         f"{t.shape}, and on mesh {mesh} that placement is uneven: "
                                         f"{_uneven(pin, t.shape, mesh)}. What to do: pin an even placement.")
-                # gradients land in their parameter's (an input's: the input's) own placements
-                tie = by_fqn[kinds[k].name] if kinds[k].kind == "grad" else \
+                # gradients land in their parameter's (an input's: the input's) own placements, a buffer's
+                # new value in the buffer's
+                tie = by_fqn[kinds[k].name] if kinds[k].kind in ("grad", "buffer_update") else \
                     by_input[kinds[k].name] if kinds[k].kind == "input_grad" else None
                 nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
                                                       next_variant(), tie=tie)

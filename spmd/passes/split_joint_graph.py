@@ -2,7 +2,7 @@
 
 Before: a rank graph from a joint trace, nodes tagged `partitioner_tag` is_forward / is_backward (steps
 inserted for an edge carry their consumer's tag). After: `forward(state..., inputs...) -> (outputs...,
-saved...)` and `backward(saved..., tangents...) -> (one gradient per joint grad output)`. Saved values
+buffer updates..., saved...)` and `backward(saved..., tangents...) -> (one gradient per joint grad output)`. Saved values
 keep the placements the plan gave them: backward reshards them at use, never silently up front.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ class SplitGraphs:
     n_outputs: int  # forward returns n_outputs user outputs, then the saved values
     saved: tuple[str, ...]
     grads: tuple[str, ...]  # FQN of the parameter each backward output is the gradient of (`input_grad_key`)
+    updates: tuple[str, ...] = ()  # FQN of the buffer each forward output after the user's is the new value of
 
 
 def input_grad_key(name: str) -> str:
@@ -41,6 +42,7 @@ def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGrap
                                     rank_gm.code)
     outs = flat_outputs(graph.output_node())
     user_outs = [a for a, k in zip(outs, kinds) if k.kind == "output"]
+    updates = [(a, k.name) for a, k in zip(outs, kinds) if k.kind == "buffer_update"]
     grad_outs = [(a, k.name if k.kind == "grad" else input_grad_key(k.name)) for a, k in zip(outs, kinds)
                  if k.kind in ("grad", "input_grad") and a is not None]
     saved = [n for n in forward if any(u in backward for u in n.users)]
@@ -50,7 +52,8 @@ def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGrap
     env: dict[fx.Node, fx.Node] = {}
     for node in forward:
         env[node] = fwd.node_copy(node, lambda n: env[n])
-    fwd.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in user_outs) + tuple(env[n] for n in saved))
+    fwd.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in user_outs)
+               + tuple(env[a] for a, _ in updates) + tuple(env[n] for n in saved))
 
     bwd = fx.Graph()
     env = {}
@@ -62,4 +65,5 @@ def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGrap
             env[node] = bwd.node_copy(node, lambda n: env[n])
     bwd.output(tuple(env[a] for a, _ in grad_outs))
     return SplitGraphs(fx.GraphModule(rank_gm, fwd), fx.GraphModule(rank_gm, bwd), len(user_outs),
-                       tuple(n.name for n in saved), tuple(name for _, name in grad_outs))
+                       tuple(n.name for n in saved), tuple(name for _, name in grad_outs),
+                       tuple(name for _, name in updates))

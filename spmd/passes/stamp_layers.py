@@ -70,6 +70,9 @@ def _renumbered(fqn: str, stack: str, layer: int) -> str:
 
 def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
     graph = traced.graph
+    updated = [k.name for k in traced.output_kinds() if k.kind == "buffer_update" and _layer_of(k.name, stack.fqn) is not None]
+    if updated:  # (each copy would need its own buffers' new values among the outputs: traced whole instead)
+        raise CannotStamp(f"layer buffers are updated in place ({updated[0]})")
     n = stack.depth - TRACED  # layers to add
     P, M, N = MIDDLE - 1, MIDDLE, MIDDLE + 1
     phases = ("fwd", "bwd") if traced.joint else ("fwd",)

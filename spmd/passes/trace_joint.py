@@ -3,7 +3,9 @@
 Before: an eager module, example inputs and optionally a loss function. After: a `TracedGraph` like
 `trace_module`'s, with `joint=True`: its outputs are the forward outputs (the loss, when a loss_fn is
 given) followed by one gradient per trainable parameter (`GraphOutput("grad", fqn)`) and per example input
-that requires grad (`GraphOutput("input_grad", input name)`: placed as the input); one `tangent`
+that requires grad (`GraphOutput("input_grad", input name)`: placed as the input); before them, the new
+value of each buffer the forward updates in place (`GraphOutput("buffer_update", fqn)`: batch norm's
+running statistics, placed as the buffer, copied into it by the runtime); one `tangent`
 placeholder per forward output carries the incoming gradient; every node has
 `meta["partitioner_tag"]` (is_forward / is_backward) and the user's stack trace.
 
@@ -171,9 +173,16 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             outputs.append(GraphOutput("input_grad", arg_names[desc.grad_of.idx]))
         elif kind == "GradAOTOutput":
             outputs.append(GraphOutput("grad", strip(getattr(desc.grad_of, "target", None) or str(desc.grad_of))))
+        elif kind == "InputMutationAOTOutput" and type(desc.mutated_input).__name__ == "BufferAOTInput":
+            # a buffer the forward updates in place (batch norm's running statistics): its new value, which
+            # the runtime copies into the buffer's piece after the forward (placed as the buffer)
+            outputs.append(GraphOutput("buffer_update", strip(desc.mutated_input.target)))
         else:
-            raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model mutates its inputs "
-                            "or buffers. What to do: return the new value instead of updating in place.")
+            what = "an input" if type(getattr(desc, "mutated_input", None)).__name__ == "PlainAOTInput" else \
+                "a parameter" if type(getattr(desc, "mutated_input", None)).__name__ == "ParamAOTInput" else "state"
+            raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model updates {what} in "
+                            "place. What to do: return the new value instead of updating in place (buffers may "
+                            "be updated in place).")
     _drop_assertions(gm)
     state = {}
     state.update({strip(k): v for k, v in root.named_parameters(remove_duplicate=False)})

@@ -29,7 +29,8 @@ class GraphInput:
 
 @dataclass(frozen=True, slots=True)
 class GraphOutput:
-    """One flat graph output: `kind` output (the user's) | grad (of parameter/input `name`)."""
+    """One flat graph output: `kind` output (the user's) | grad (of parameter `name`) | input_grad (of input
+    `name`) | buffer_update (the new value of buffer `name`, which the forward updates in place) | none."""
 
     kind: str
     name: str
@@ -223,11 +224,19 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
         inputs.append(GraphInput(renamed.get(spec.arg.name, spec.arg.name), kinds[spec.kind], name))
+    outputs, user = [], 0
     for spec in sig.output_specs:
-        if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.TOKEN):
+        if spec.kind == OutputKind.TOKEN:
+            continue
+        if spec.kind == OutputKind.BUFFER_MUTATION:  # (batch norm's running statistics in train mode)
+            outputs.append(GraphOutput("buffer_update", spec.target))
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(GraphOutput("output", f"output_{user}"))
+            user += 1
+        else:
             raise SpmdError(
-                f"trace_module: the model mutates state ({spec.kind.name} of {spec.target}); in-place updates of "
-                "buffers are not supported yet. What to do: compute the new value as an output instead."
+                f"trace_module: the model mutates state ({spec.kind.name} of {spec.target}); only buffers may be "
+                "updated in place. What to do: compute the new value as an output instead."
             )
 
     state: dict[str, torch.Tensor] = {}
@@ -238,8 +247,10 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     tensor_info = tensor_infos(gm)
     call_sig = ep.module_call_graph[0].signature
     frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
+    updates = any(o.kind == "buffer_update" for o in outputs)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
-                       call_sig.out_spec, call_sig.in_spec, tensor_info, frozen=frozen, aliases=shared_names(model))
+                       call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
+                       frozen=frozen, aliases=shared_names(model))
 
 
 def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -336,6 +336,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             via = step.name if isinstance(step, fx.Node) and step.name != ref_node.name else ""
             if kind is not None and kind.kind == "grad":
                 grads.append(replace(_difference(f"grad {kind.name}", ref_node, full, ref), via=via))
+            elif kind is not None and kind.kind == "buffer_update":
+                outputs.append(replace(_difference(f"buffer {kind.name}", ref_node, full, ref), via=via))
             else:
                 outputs.append(replace(_difference(f"output {len(outputs)}", ref_node, full, ref), via=via))
 

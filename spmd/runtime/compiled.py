@@ -63,6 +63,9 @@ class CompiledModule(nn.Module):
         self._graph_outputs = tuple(c.traced.output_kinds())
         # the inputs whose example required grad (their gradient is computed, where one reaches them)
         self._traced_with_grad = {k.name for k in self._graph_outputs if k.kind == "input_grad"}
+        # an inference graph's flat outputs: the user's, and the new values of the buffers it updates in place
+        self._user_outputs = [k for k, o in enumerate(self._graph_outputs) if o.kind == "output"]
+        self._buffer_updates = [(k, o.name) for k, o in enumerate(self._graph_outputs) if o.kind == "buffer_update"]
         self._tensor_info = dict(c.traced.tensor_info)
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
         # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
@@ -475,6 +478,14 @@ class CompiledModule(nn.Module):
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
                 "data shuffling a torch.Generator of its own.")
 
+    def _update_buffers(self, names, values) -> None:
+        """Each buffer of `names` (FQNs) takes its new value, this rank's piece (placed as the buffer): what
+        the forward updates in place in eager (batch norm's running statistics), the graph returns."""
+        with torch.no_grad():
+            for name, value in zip(names, values):
+                attr = self._param_names.get(name) or self._param_names[self._aliases[name]]
+                getattr(self, attr).copy_(value)
+
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave
         it (and the layers that made it) without one, silently. Its example input must have required grad."""
@@ -509,6 +520,9 @@ class CompiledModule(nn.Module):
                 flat = self._graph("graph")(*args)
             else:  # autograd would go back through the collectives as if they were not there: the graph runs
                 flat = _ForwardOnly.apply(self, anchor, *args)  # unrecorded, and its backward says so
+            if self._buffer_updates:
+                self._update_buffers([name for _, name in self._buffer_updates], [flat[k] for k, _ in self._buffer_updates])
+                flat = [flat[k] for k in self._user_outputs]
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
@@ -604,7 +618,10 @@ class _RankStep(torch.autograd.Function):
     def forward(ctx, module: CompiledModule, *args):
         split = module.split
         flat = module._graph("forward")(*args)
-        outs, saved = flat[:split.n_outputs], flat[split.n_outputs:]
+        n, updated = split.n_outputs, split.n_outputs + len(split.updates)
+        outs, saved = flat[:n], flat[updated:]
+        if split.updates:
+            module._update_buffers(split.updates, flat[n:updated])
         ctx.module = module
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable

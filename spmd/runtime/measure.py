@@ -238,7 +238,8 @@ def graphs_alone(compiled, local: tuple):
     split = compiled.split
     with torch.no_grad():
         flat = split.forward(*args)
-    saved, tangents = flat[split.n_outputs:], [torch.ones_like(o) for o in flat[:split.n_outputs]]
+    saved = flat[split.n_outputs + len(split.updates):]
+    tangents = [torch.ones_like(o) for o in flat[:split.n_outputs]]
 
     def step():
         with torch.no_grad():

@@ -42,6 +42,11 @@ TRAIN_CASES = {c.name: c for c in [
     TrainCase("mlp-1d2-adamw-compute", "mlp", (2,), ("tp",), "adamw", "compute", batch=3),
     TrainCase("mlp-1d4-adamw", "mlp", (4,), ("dp",), "adamw", batch=8),
     TrainCase("mlp-dropout-1d2-sgd-compute", "mlp-dropout", (2,), ("tp",), "sgd", "compute", batch=4),
+    # batch norm in training: its statistics over the whole batch, split on dp (as SyncBatchNorm), and its
+    # running statistics updated in place on every rank
+    TrainCase("mlp-batchnorm-2d-sgd-compute", "mlp-batchnorm", (2, 2), ("dp", "tp"), "sgd", "compute", batch=8,
+              in_placements={name: [torch.distributed.tensor.Shard(0), torch.distributed.tensor.Replicate()]
+                             for name in ("input", "target")}),
     TrainCase("gpt-1d2-adamw-compute", "gpt", (2,), ("tp",), "adamw", "compute", batch=1),
     TrainCase("gpt-softmax-1d2-sgd-compute", "gpt-softmax", (2,), ("tp",), "sgd", "compute", batch=2),
     TrainCase("gpt-2d-adamw-megatron", "gpt", (2, 2), ("dp", "tp"), "adamw", "megatron", batch=2),
@@ -92,6 +97,8 @@ def _build(case: TrainCase):
         model = MLP(16, 64)
         if case.model == "mlp-dropout":  # random ops: dropout between the two Linears
             model = torch.nn.Sequential(model.fc1, torch.nn.GELU(), torch.nn.Dropout(0.3), model.fc2)
+        if case.model == "mlp-batchnorm":
+            model = torch.nn.Sequential(model.fc1, torch.nn.BatchNorm1d(64), torch.nn.GELU(), model.fc2)
         x = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(1))
         y = torch.randn(case.batch, 16, generator=torch.Generator().manual_seed(2))
         return model, (x, y), F.mse_loss
@@ -174,6 +181,9 @@ def _run_training(case: TrainCase, steps: int) -> dict:
         ref_losses.append(ref_loss.item())
         full = compiled.full_state_dict()
         param_err = max(param_err, max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters()))
+        # buffers the forward updates (batch norm's running statistics) too
+        param_err = max([param_err] + [float((full[k].double() - v.double()).abs().max())
+                                       for k, v in reference.named_buffers()])
     placements = {compiled.plan.labels[n]: s.outputs[0] for n, s in compiled.plan.choices.items()
                   if n in compiled.plan.labels}
     return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,

@@ -1,0 +1,139 @@
+"""Buffers the forward updates in place (batch norm's running statistics in train mode): the graph returns
+their new values (`GraphOutput("buffer_update", fqn)`, placed as the buffer) and the runtime copies them into
+the buffers' pieces. Before, both trace roads refused such a model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import spmd
+from spmd.compiler.options import PlanOptions, RankBinding
+from spmd.compiler.pipeline import run_pipeline
+from spmd.core.mesh import MeshSpec
+from spmd.runtime.compiled import CompiledModule
+from spmd.runtime.distribute import local_shard
+from spmd.runtime.measure import builtin_cpu
+from spmd.runtime.simulate import simulate
+from tests.support import compile_graph, spec
+
+RUNNING = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8)).train()
+
+
+def _one_device(model, example, **options):
+    c = run_pipeline(model, example, MeshSpec((1,), ("dp",), device=builtin_cpu()),
+                     PlanOptions(stamp_layers=False, **options), RankBinding(0, ("",)), quiet=True)
+    return CompiledModule(c, None, src_data_rank=None)
+
+
+def _buffers(module) -> dict:
+    return {fqn: getattr(module, fqn.replace(".", "__")) for fqn in RUNNING}
+
+
+def test_the_joint_graph_returns_each_updated_buffer_placed_as_the_buffer():
+    """Simulated on 2 ranks with the batch split on dp: the statistics are the whole batch's (as
+    SyncBatchNorm's), and every rank's new running statistics, loss and gradients equal one device's."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _model()
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        reference = copy.deepcopy(model)
+        loss = F.mse_loss(reference(x), y)
+        loss.backward()
+        c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss,
+                          in_placements={"input": [Shard(0)], "target": [Shard(0)]})
+        kinds = c.traced.output_kinds()
+        assert [k.name for k in kinds if k.kind == "buffer_update"] == list(RUNNING)
+        want = {**dict(reference.named_buffers()), **{n: p.grad for n, p in reference.named_parameters()}}
+        outs = simulate(c, (x, y, torch.ones(())))
+        checked = 0
+        for k, kind in enumerate(kinds):
+            if kind.kind not in ("buffer_update", "grad", "output"):
+                continue
+            ps = c.plan.choices[f"output_{k}"].inputs[0]
+            if kind.kind == "buffer_update":  # (placed as the buffer, whatever the plan chose for it)
+                assert ps == c.plan.choices[next(i.placeholder for i in c.traced.inputs if i.name == kind.name)].outputs[0]
+            expected = loss.detach() if kind.kind == "output" else want[kind.name]
+            for rank, out in enumerate(outs):
+                torch.testing.assert_close(out[k], local_shard(expected, ps, (2,), (rank,)))
+            checked += 1
+        assert checked == 3 + 6 + 1  # the buffers, the parameters' gradients, the loss
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_training_updates_the_running_statistics_as_eager_does():
+    model = _model()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt, ref_opt = torch.optim.SGD(compiled.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        a, b = torch.randn(4, 8), torch.randn(4, 8)
+        for run, o in ((lambda: compiled(a, b), opt), (lambda: F.mse_loss(reference(a), b), ref_opt)):
+            run().backward()
+            o.step()
+            o.zero_grad()
+    for fqn, value in _buffers(compiled).items():
+        torch.testing.assert_close(value, reference.get_buffer(fqn))
+    assert int(_buffers(compiled)["1.num_batches_tracked"]) == 3
+
+
+def test_a_forward_in_train_mode_updates_the_running_statistics_too():
+    """The forward-only road (torch.export's buffer mutations): compiled without training, in train mode."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    compiled = _one_device(model, (torch.randn(4, 8),))
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(compiled(x), reference(x))
+    for fqn, value in _buffers(compiled).items():
+        torch.testing.assert_close(value, reference.get_buffer(fqn))
+
+
+class _Blocks(nn.Module):
+    def __init__(self, depth: int = 8):  # (stacks of 8 or more are stamped)
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layers_that_update_buffers_are_traced_whole_not_stamped():
+    """Stamped copies of a layer would leave their own buffers' new values out of the graph: such layers
+    are traced every one (the plan's note says why), and each layer's buffers are updated."""
+    model = _Blocks().train()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plan = spmd.plan(model, MeshSpec((2,), ("dp",), device=builtin_cpu()), (x, y), loss_fn=F.mse_loss)
+    assert "updated in place (layers.0.1.running_mean)" in plan.stats["stamped_layers"], plan.stats
+    c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+    updated = {k.name for k in c.traced.output_kinds() if k.kind == "buffer_update"}
+    assert updated == {f"layers.{i}.1.{b}" for i in range(8) for b in ("running_mean", "running_var", "num_batches_tracked")}
+
+
+def test_an_input_updated_in_place_is_still_refused_with_the_way_out():
+    class Mutates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.mul_(2)
+            return self.fc(x)
+
+    with pytest.raises(spmd.SpmdError, match=r"updates an input in place\. What to do: return the new value"):
+        compile_graph(Mutates(), (torch.randn(4, 8), torch.randn(4, 8)), spec((2,), ("dp",)), loss_fn=F.mse_loss,
+                      in_placements={"x": [Replicate()]})
