@@ -13,10 +13,12 @@ from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
+from spmd.passes.trace_joint import with_loss
 from spmd.runtime import clip_guard, compare, optimizer_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
+from spmd.runtime.mode_check import ops_differ_by_mode
 
 
 class CompiledModule(nn.Module):
@@ -112,6 +114,10 @@ class CompiledModule(nn.Module):
         ops = _op_names(c.traced.graph)
         self._traced_mode = self._source_model.training
         self._mode_dependent = _mode_dependent(ops, self._source_model)
+        # what was traced (the model, with its loss), run in both modes on fake tensors at the first call in the
+        # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
+        self.__dict__["_traced_root"] = with_loss(c.model, c.options.loss_fn if c.traced.joint else None)
+        self._mode_checked: str | None | bool = False
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
@@ -497,14 +503,25 @@ class CompiledModule(nn.Module):
                     "What to do: pass an example input that requires grad (`x.requires_grad_()`) to "
                     "spmd.compile, or `.detach()` the input where its gradient is not wanted.")
 
+    def _ops_differ_by_mode(self) -> str | None:
+        """What the traced forward does in only one mode, found by running it in both on fake tensors
+        (runtime/mode_check.py): code that reads `self.training` itself (`F.dropout(x, p, self.training)`),
+        which `_mode_dependent` cannot see. Asked once."""
+        if self._mode_checked is False:
+            inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
+            self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
+        return self._mode_checked
+
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
-        if self.training != self._traced_mode and self._mode_dependent:
-            traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
-            raise SpmdError(
-                f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
-                f"does ({self._mode_dependent}); .{now}() does not change a compiled graph, so this call would "
-                f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
-                f"(spmd.compile(model.{now}(), ...)), or call .{traced}() on this module again.")
+        if self.training != self._traced_mode:
+            reason = self._mode_dependent or self._ops_differ_by_mode()
+            if reason:
+                traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
+                raise SpmdError(
+                    f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
+                    f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
+                    f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
+                    f"(spmd.compile(model.{now}(), ...)), or call .{traced}() on this module again.")
         self._require_values()
         if not self._generators_agreed:
             self._agree_on_generators()
@@ -576,7 +593,8 @@ def _mode_dependent(ops: set[str], model: nn.Module) -> str | None:
     """What makes a graph traced in one mode wrong in the other: dropout (drawn in train mode, not in eval)
     and batch norm keeping running statistics (the batch's in train mode, the running ones in eval). Traced
     in train mode, the graph says whether it drops; traced in eval mode it cannot, so the model's dropout
-    modules with p > 0 say it (a dropout called as `F.dropout(x, p, self.training)` is not seen there). None
+    modules with p > 0 say it (a dropout called as `F.dropout(x, p, self.training)` is not seen here, but
+    by `CompiledModule._ops_differ_by_mode`, which runs the forward in both modes). None
     when nothing depends on the mode (random draws that are not dropout, such as a VAE's noise, do not)."""
     found = []
     if model.training:

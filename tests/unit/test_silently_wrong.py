@@ -303,6 +303,49 @@ def test_switching_a_compiled_module_to_the_other_mode_fails_instead_of_running_
         torch.testing.assert_close(plain(x), torch.tanh(plain._source_model[0](x)))
 
 
+class _FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), 0.5, self.training)
+
+
+def test_a_forward_that_reads_self_training_itself_fails_in_the_other_mode():
+    """`F.dropout(x, p, self.training)` in a model compiled in eval mode leaves nothing in the graph or in
+    the modules to see; `.train()` then ran without dropout, silently. The first call in the other mode now
+    runs the traced forward in both modes on fake tensors and compares the ops."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    def compiled(model):
+        c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
+                         RankBinding(0, ("",)), quiet=True)
+        return CompiledModule(c, None, src_data_rank=None)
+
+    x = torch.randn(4, 8)
+    model = _FunctionalDropout().eval()
+    module = compiled(model)
+    assert module._mode_dependent is None  # (no dropout module, nothing drawn in the graph)
+    module.train()
+    with pytest.raises(spmd.SpmdError, match=r"compiled from the model in eval mode.*\(bernoulli_.*only in train "
+                                             r"mode\).*What to do: compile the model in train mode"):
+        module(x)
+    assert not model.training and not model.fc.training and not hasattr(model, "_fake")  # (kept as it was)
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x))
+    plain = compiled(nn.Sequential(nn.Linear(8, 8), nn.Tanh()).eval())  # the same ops in both modes: runs
+    plain.train()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), torch.tanh(plain._source_model[0](x)))
+    assert plain._mode_checked is None
+
+
 class _Noisy(nn.Module):
     """Random draws that are not dropout (a VAE's noise), a dropout module never called, a batch norm
     without running statistics: none of them behaves otherwise in the other mode."""
