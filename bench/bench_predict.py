@@ -154,7 +154,8 @@ def per_op_table(compiled, local, train: bool, top: int = 16, sync=None, calls: 
             if train:
                 split = compiled.split
                 flat = Timer(split.forward).run(*args)
-                Timer(split.backward).run(*flat[split.n_outputs:], *[torch.ones_like(o) for o in flat[:split.n_outputs]])
+                saved = flat[split.n_outputs + len(split.updates):]  # (after the outputs and buffers' new values)
+                Timer(split.backward).run(*saved, *[torch.ones_like(o) for o in flat[:split.n_outputs]])
             else:
                 Timer(compiled.graph_module).run(*args)
     by_op: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0])

@@ -452,7 +452,7 @@ def profile_size(a2, x2, opt2, hand, opt_c, model, tokens, targets, rank: int, w
     args_ = a2._graph_args(x2)
     with torch.no_grad():
         flat = split.forward(*[a.detach() for a in args_])
-    saved = flat[split.n_outputs:]
+    saved = flat[split.n_outputs + len(split.updates):]  # (after the outputs and buffers' new values)
     tangents = [torch.ones_like(o) for o in flat[:split.n_outputs]]
     n = 100 if model.cfg.dim < 256 else 6
 

@@ -110,7 +110,8 @@ def restrict(table: StrategyTable, costs: CostTable,
         if listed is None:
             listed = variants[(ns.variant, kept)] = (fresh + len(variants), tuple(ns.strategies[i] for i in kept))
         variant, strategies = listed
-        nodes[name] = NodeStrategies(strategies, ns.inputs, ns.outputs, ns.source, variant, ns.excluded, ns.tie)
+        nodes[name] = NodeStrategies(strategies, ns.inputs, ns.outputs, ns.source, variant, ns.excluded, ns.tie,
+                                     ns.buffer_update)
         row = costs.node_costs.get(name)
         if row is not None:
             node_costs[name] = rows.get(row, kept, lambda: tuple([row[i] for i in kept]))

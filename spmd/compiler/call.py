@@ -19,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from spmd.core.errors import SpmdError
 from spmd.passes.trace_joint import argument_names
@@ -27,10 +27,13 @@ from spmd.passes.trace_joint import argument_names
 
 @dataclass(frozen=True)
 class Call:
-    """The names of the flat inputs: `positional` first, then `keywords`, in the order given."""
+    """The names of the flat inputs: `positional` first, then `keywords`, in the order given. `constants`:
+    keyword arguments that hold no tensor (CLIP's `return_loss=True`), fixed when traced: the graph takes
+    no input for them, and a call must pass the same values."""
 
     positional: tuple[str, ...]
     keywords: tuple[str, ...]
+    constants: tuple[tuple[str, object], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -38,6 +41,15 @@ class Call:
 
     def flatten(self, args: tuple, kwargs: dict, what: str = "compiled") -> tuple:
         """`args` and `kwargs` of a call as the flat tuple the graph takes."""
+        if self.constants:
+            kwargs = dict(kwargs)
+            for name, value in self.constants:
+                given = kwargs.pop(name, _MISSING)
+                if given is _MISSING or not _same(given, value):
+                    raise SpmdError(
+                        f"{what}(...): the model was compiled with {name}={value!r}, which holds no tensor, so the "
+                        f"graph was traced for that value; got {'no ' + name if given is _MISSING else repr(given)}. "
+                        f"What to do: pass {name}={value!r}, or compile again with the other value.")
         if not self.keywords and not kwargs:
             return tuple(args)
         unknown = sorted(set(kwargs) - set(self.keywords))
@@ -53,7 +65,18 @@ class Call:
 
     def unflatten(self, flat: tuple) -> tuple[tuple, dict]:
         n = len(self.positional)
-        return tuple(flat[:n]), dict(zip(self.keywords, flat[n:]))
+        return tuple(flat[:n]), {**dict(zip(self.keywords, flat[n:])), **dict(self.constants)}
+
+
+_MISSING = object()
+
+
+def _same(a, b) -> bool:
+    """Whether a constant keyword argument is the one traced (same type and equal)."""
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # (a comparison that is not a truth value)
+        return False
 
 
 def _loss_only(out):
@@ -70,7 +93,10 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     """(the view to trace, the flat example inputs, the names). With no keywords and `loss_only` False,
     the model itself."""
     kwargs = dict(kwargs or {})
-    call = Call(tuple(argument_names(model, len(args))), tuple(kwargs))
+    constants = tuple((k, v) for k, v in kwargs.items()
+                      if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(v)))
+    fixed = dict(constants)
+    call = Call(tuple(argument_names(model, len(args))), tuple(k for k in kwargs if k not in fixed), constants)
     clash = set(call.positional) & set(call.keywords)
     if clash:
         raise SpmdError(f"example_kwargs {sorted(clash)} are also given positionally. What to do: pass each input "

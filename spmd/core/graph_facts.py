@@ -278,8 +278,9 @@ def follows_input(ns, offered: Iterable) -> bool:
 
 def is_gradient_sink(ns) -> bool:
     """The output slot a parameter's gradient leaves through: it is tied to the parameter's placements,
-    and its all_reduces are bucketed (see cost_model/comm.py)."""
-    return ns.source == "output" and ns.tie is not None
+    and its all_reduces are bucketed (see cost_model/comm.py). Not a buffer's new value (tied to the
+    buffer, made in forward)."""
+    return ns.source == "output" and ns.tie is not None and not ns.buffer_update
 
 
 # ---- units --------------------------------------------------------------------------------------

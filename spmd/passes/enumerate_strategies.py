@@ -43,6 +43,7 @@ class NodeStrategies:
     variant: int
     excluded: int = 0  # strategies dropped as uneven
     tie: str | None = None  # another node whose placements this one must equal (grad <-> parameter)
+    buffer_update: bool = False  # an output tied to a buffer: its new value, made in forward (not a gradient)
 
     def key(self, s: Strategy) -> Placements:
         """The placements a tie compares: a placeholder's output, a sink's input."""
@@ -206,7 +207,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 tie = by_fqn[kinds[k].name] if kinds[k].kind in ("grad", "buffer_update") else \
                     by_input[kinds[k].name] if kinds[k].kind == "input_grad" else None
                 nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
-                                                      next_variant(), tie=tie)
+                                                      next_variant(), tie=tie,
+                                                      buffer_update=kinds[k].kind == "buffer_update")
             continue
         if node.op == "get_attr" and isinstance(getattr(traced.gm, node.target, None), fx.GraphModule):
             continue  # a higher-order op's subgraph (flex_attention's score_mod): travels with its op

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      distinct_inputs, shared_names, tensor_infos)
+                                      distinct_inputs, shared_names, tensor_infos, user_outputs_first)
 
 _PREFIX = "model."
 
@@ -113,16 +113,18 @@ def _decomposition_table():
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
+    assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
-        with _state_kept(root) as kept:
+        with _state_kept(root) as kept, _buffers_assigned() as assigned:
             gm, out_spec, applied = _aot_over_module(root, example_inputs)
-        if kept.registered_changed:
+        if kept.registered_changed and not assigned:
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            gm, out_spec, applied = _aot_over_export(root, example_inputs)
+            with _buffers_assigned() as assigned:
+                gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
                 e = direct
@@ -136,6 +138,14 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
                 f"What to do: {way_out}."
             ) from e
+
+    if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
+        raise SpmdError(
+            f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
+            "training graph keeps the module's own buffer, so the new value would be lost. What to do: update "
+            "the buffer in place under torch.no_grad() (`self.name.copy_(new)`, as batch norm updates its "
+            "statistics), reading a clone (`self.name.clone()`) where the forward uses its old value for "
+            "gradients.")
 
     prefix = _PREFIX if root is not model else ""
     strip = lambda fqn: fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn  # noqa: E731
@@ -183,8 +193,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model updates {what} in "
                             "place. What to do: return the new value instead of updating in place (buffers may "
                             "be updated in place).")
+    outputs = user_outputs_first(gm, outputs)
+    inputs, constants = _lift_constants(gm, inputs)
     _drop_assertions(gm)
-    state = {}
+    state = dict(constants)
     state.update({strip(k): v for k, v in root.named_parameters(remove_duplicate=False)})
     state.update({strip(k): v for k, v in root.named_buffers(remove_duplicate=False)})
     tensor_info = tensor_infos(gm)
@@ -192,6 +204,33 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
+
+
+def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:
+    """The tensor constants the trace made (an index given as a Python list, Falcon's `qkv[..., [-2], :]`:
+    `get_attr` of `_tensor_constant0`) as inputs of kind "constant", as torch.export lifts them: placeholders
+    before the tangents, their values in the state (the runtime holds them as buffers). Returns (inputs,
+    {name: tensor})."""
+    graph = gm.graph
+    lifted = [n for n in graph.nodes if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor)]
+    if not lifted:
+        return inputs, {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    at = next((k for k, gi in enumerate(inputs) if gi.kind == "tangent"), len(inputs))
+    anchor = placeholders[at] if at < len(placeholders) else next(n for n in graph.nodes if n.op != "placeholder")
+    constants, new = {}, []
+    for node in lifted:
+        value = getattr(gm, node.target)
+        with graph.inserting_before(anchor):
+            ph = graph.placeholder(node.target)
+        ph.meta = dict(node.meta)
+        node.replace_all_uses_with(ph)
+        graph.erase_node(node)
+        delattr(gm, node.target)
+        constants[node.target] = value.detach()
+        new.append(GraphInput(ph.name, "constant", node.target))
+    gm.recompile()
+    return inputs[:at] + new + inputs[at:], constants
 
 
 def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
@@ -257,6 +296,35 @@ def _shares_submodules(root: torch.nn.Module) -> bool:
             return True
         seen.add(id(m))
     return False
+
+
+class _buffers_assigned:
+    """The buffers a forward replaces (`self.scale = self.scale * 0.5`, where a batch norm updates its
+    statistics in place), as "module class.name", found by comparing each module's buffers before and after
+    its forward. AOTAutograd over the module sees no mutation there (the buffer it traced through is
+    untouched) and puts the module's tensors back after the call, so the new value would be lost; torch.export
+    records it as a mutation."""
+
+    def __enter__(self) -> list[str]:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        found, before = [], {}
+
+        def pre(module, args):
+            before[id(module)] = dict(module._buffers)
+
+        def post(module, args, output):
+            was = before.pop(id(module), None)
+            if was is not None:
+                found.extend(f"{type(module).__name__}.{name}" for name, t in module._buffers.items()
+                             if name in was and t is not was[name])
+
+        self.handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
+        return found
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class _state_kept:

@@ -103,6 +103,24 @@ def flat_outputs(output_node: fx.Node) -> list:
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
+def user_outputs_first(gm: fx.GraphModule, kinds: list[GraphOutput]) -> list[GraphOutput]:
+    """The graph's outputs reordered so the user's come first, then the buffers' new values, then the rest
+    (gradients), and their kinds so reordered. torch lists a mutated buffer before the user's outputs; with
+    the user's first, the user's output i is the graph's flat output i (`output_{i}` in a plan), as where no
+    buffer is updated."""
+    rank = {"output": 0, "buffer_update": 1}
+    order = sorted(range(len(kinds)), key=lambda k: rank.get(kinds[k].kind, 2))
+    if order == list(range(len(kinds))):
+        return kinds
+    out = gm.graph.output_node()
+    flat = flat_outputs(out)
+    out.args = (tuple(flat[k] for k in order),)
+    if isinstance(out.meta.get("desc"), (list, tuple)) and len(out.meta["desc"]) == len(flat):
+        out.meta["desc"] = [out.meta["desc"][k] for k in order]
+    gm.recompile()
+    return [kinds[k] for k in order]
+
+
 def _decomposition_table():
     table = torch.export.default_decompositions()
     # SDPA has a sharding rule of its own and its CPU decomposition breaks on GPT-2 (see NOTES).
@@ -248,6 +266,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     call_sig = ep.module_call_graph[0].signature
     frozen = frozenset(k for k, v in model.named_parameters(remove_duplicate=False) if not v.requires_grad)
     updates = any(o.kind == "buffer_update" for o in outputs)
+    if updates:
+        outputs = user_outputs_first(ep.graph_module, outputs)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
                        frozen=frozen, aliases=shared_names(model))

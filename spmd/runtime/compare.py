@@ -338,8 +338,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
                 grads.append(replace(_difference(f"grad {kind.name}", ref_node, full, ref), via=via))
             elif kind is not None and kind.kind == "buffer_update":
                 outputs.append(replace(_difference(f"buffer {kind.name}", ref_node, full, ref), via=via))
-            else:
-                outputs.append(replace(_difference(f"output {len(outputs)}", ref_node, full, ref), via=via))
+            else:  # (the user's outputs come first: `trace_module.user_outputs_first`)
+                outputs.append(replace(_difference(f"output {k}", ref_node, full, ref), via=via))
 
     report = None
     if rank0 and failure:

@@ -84,6 +84,8 @@ class CompiledModule(nn.Module):
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
                                 for b in m._non_persistent_buffers_set}
+        # (and the tensor constants the trace lifted: the model holds none of them)
+        self._non_persistent |= {gi.name for gi in c.traced.inputs if gi.kind == "constant"}
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -352,7 +354,7 @@ class CompiledModule(nn.Module):
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
         local = tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
                       for t, s in zip(flat, self._input_specs))
-        return self._call.unflatten(local) if self._call.keywords else local
+        return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
     def gather_outputs(self, outputs):
         """Full outputs on every rank from this rank's local output shards."""
@@ -446,7 +448,9 @@ class CompiledModule(nn.Module):
 
         The digests are gathered over each mesh axis's own group: the ranks agree along every axis exactly
         when all of the mesh agrees (its axes connect it), and only the mesh's ranks take part (a module
-        compiled over part of the world, or one mesh of several, would hang in a gather over the world)."""
+        compiled over part of the world, or one mesh of several, would hang in a gather over the world). A
+        rank whose own axes agree learns that some other rank's do not from a flag reduced along each axis in
+        turn (the mesh's maximum), so every rank raises."""
         import hashlib
 
         import torch.distributed as dist
@@ -471,12 +475,16 @@ class CompiledModule(nn.Module):
                 for r, d in zip(dist.get_process_group_ranks(_resolve_process_group(group)), digests):
                     states.setdefault(d, []).append(r)
                 apart.append((name, states))
-        self._generators_agreed = not apart  # (apart: asked again at the next call)
-        if apart:
+        flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=mine.device)
+        for axis, size in enumerate(self.mesh_spec.shape):
+            if size > 1:
+                flag = funcol.all_reduce(flag, "max", self.group_names[axis]).wait()
+        self._generators_agreed = not int(flag.item())  # (apart: asked again at the next call)
+        if not self._generators_agreed:
             where = "; ".join(
                 f"along mesh axis {name!r}, {len(states)} states among {sum(map(len, states.values()))} ranks: "
                 + " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in states.values())
-                for name, states in apart)
+                for name, states in apart) or "along none of this rank's mesh axes, but elsewhere in the mesh"
             raise SpmdError(
                 f"the ranks' random generators differ ({where}), and this graph draws random numbers "
                 "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "

@@ -132,3 +132,17 @@ def test_generators_are_compared_along_each_mesh_axis(ranks):
         assert r["differs"] and f"along mesh axis 'dp', 2 states among 2 ranks: {peers}" in r["differs"], r
         assert "'tp'" not in r["differs"], r
     assert len({r["loss"] for r in results}) == 1
+
+
+def _seed_apart_on_rank_3(rank: int) -> int:
+    return int(rank == 3)
+
+
+def test_every_rank_stops_when_one_rank_alone_is_seeded_apart(ranks):
+    """Rank 0's own axes (ranks 0-1 on tp, 0-2 on dp) agree when rank 3 alone differs: it learns of it from
+    a flag reduced over the mesh, and stops too, instead of running into a collective its peers left."""
+    results = ranks(4).run(_dropout_step, (2, 2), ("dp", "tp"), _seed_apart_on_rank_3)
+    assert "elsewhere in the mesh" in results[0]["differs"], results[0]
+    for r in results[1:]:
+        assert "along mesh axis" in r["differs"], r
+    assert len({r["loss"] for r in results}) == 1

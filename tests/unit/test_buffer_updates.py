@@ -137,3 +137,61 @@ def test_an_input_updated_in_place_is_still_refused_with_the_way_out():
     with pytest.raises(spmd.SpmdError, match=r"updates an input in place\. What to do: return the new value"):
         compile_graph(Mutates(), (torch.randn(4, 8), torch.randn(4, 8)), spec((2,), ("dp",)), loss_fn=F.mse_loss,
                       in_placements={"x": [Replicate()]})
+
+
+def test_the_users_outputs_come_first_so_tangents_pins_and_gathers_find_them():
+    """torch lists a mutated buffer before the user's outputs; the graph puts the user's first, so the
+    user's output i is `output_{i}`: the incoming gradient is tied to it (not to running_mean: on 2 ranks a
+    batch-split output's tangent came in replicated), `out_placements={0: ...}` pins it, and
+    `gather_outputs` reads its placement."""
+    model = _model()
+    x = torch.randn(4, 8)
+    c = compile_graph(model, (x,), spec((2,), ("dp",)), training=True, in_placements={"input": [Shard(0)]},
+                      out_placements={0: [Shard(0)]}, param_placements={"1.running_mean": [Shard(0)]})
+    kinds = c.traced.output_kinds()
+    assert [k.kind for k in kinds[:4]] == ["output", "buffer_update", "buffer_update", "buffer_update"]
+    tangent = next(i.placeholder for i in c.traced.inputs if i.kind == "tangent")
+    assert c.plan.choices[tangent].outputs[0] == c.plan.choices["output_0"].inputs[0] == (Shard(0),)
+    assert c.plan.choices["output_1"].inputs[0] == (Shard(0),)  # (running_mean, as pinned)
+    forward = compile_graph(_model(), (x,), spec((2,), ("dp",)), in_placements={"input": [Shard(0)]},
+                            out_placements=[[Shard(0)]])
+    assert forward.traced.output_kinds()[0].kind == "output"
+    assert forward.plan.choices["output_0"].inputs[0] == (Shard(0),)
+
+
+class _Decays(nn.Module):
+    """A buffer given a new value in the forward: assigned (`in_place=False`) or copied in place."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.in_place, self.fc = in_place, nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        if not self.in_place:
+            y = self.fc(x) * self.scale
+            self.scale = self.scale * 0.5 + 0.25
+            return y
+        y = self.fc(x) * self.scale.clone()
+        with torch.no_grad():
+            self.scale.copy_(self.scale * 0.5 + 0.25)
+        return y
+
+
+def test_a_buffer_assigned_in_training_fails_and_the_in_place_update_it_names_works():
+    """AOTAutograd keeps the module's own tensor where the forward assigns a new one, and torch.export's road
+    lost it too: the buffer kept its old value, silently. Now the trace stops and names the in-place update,
+    which trains as eager does."""
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(spmd.SpmdError, match=r"assigns a new tensor to buffer _Decays\.scale.*What to do: update "
+                                             r"the buffer in place under torch\.no_grad\(\)"):
+        _one_device(_Decays(in_place=False), (x, t), training=True, loss_fn=F.mse_loss)
+    torch.manual_seed(0)
+    model = _Decays(in_place=True)
+    reference = copy.deepcopy(model)
+    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    for _ in range(2):
+        compiled(x, t).backward()
+        F.mse_loss(reference(x), t).backward()
+    torch.testing.assert_close(compiled.scale, reference.scale)
+    torch.testing.assert_close(compiled.fc__weight.grad, reference.fc.weight.grad)

@@ -73,3 +73,51 @@ def test_targets_take_the_loss_functions_parameter_names(loss_fn, name):
     y = torch.randint(0, 16, (4,)) if loss_fn is _cls_loss else torch.randn(4, 16)
     plan = spmd.plan(MLP(16, 64), TP, (x, y), loss_fn=loss_fn, in_placements={name: [Replicate()]})
     assert f"    {name} " in plan.table()
+
+
+def test_keyword_arguments_that_hold_no_tensor_are_fixed_when_traced():
+    """CLIP's `return_loss=True`: a bool became a graph input of no tensor, and planning failed (KeyError in
+    enumerate_strategies). It is now a constant of the view's call: no input, and a call must pass it alike."""
+    model = Masked()
+    x = torch.randn(4, 16)
+    view, flat, call = positional_call(model, (x,), {"scale": 2.0})
+    assert call == Call(("x",), (), (("scale", 2.0),)) and flat == (x,)
+    assert torch.equal(view(x)["y"], model(x, scale=2.0)["y"])
+    plan = spmd.plan(model, TP, (x,), example_kwargs={"scale": 2.0, "mask": torch.ones(4, 16)})
+    assert {n for n in plan.labels.values()} >= {"x", "mask"} and "scale" not in plan.labels.values()
+    assert call.flatten((x,), {"scale": 2.0}) == (x,)
+    for wrong, said in (({"scale": 3.0}, "got 3.0"), ({}, "got no scale"), ({"scale": 2}, "got 2")):
+        with pytest.raises(spmd.SpmdError, match=rf"compiled with scale=2.0, which holds no tensor.*{said}.*What to "
+                                                 r"do: pass scale=2.0"):
+            call.flatten((x,), wrong)
+
+
+def test_an_index_given_as_a_python_list_is_a_constant_input_of_the_training_graph():
+    """Falcon's `qkv[..., [-2], :]`: the trace keeps the list as a tensor constant (`get_attr`), which
+    planning refused (unsupported node kind get_attr); it is lifted as an input of kind constant, and the
+    step trains as eager does."""
+    import copy
+
+    from spmd.runtime.simulate import simulate
+    from tests.support import check_simulated_training, compile_graph
+
+    class Picks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 12)
+
+        def forward(self, x):
+            return self.fc(x).view(4, 3, 4)[..., [-2, 0], :].sum(1)
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, x, t = Picks(), torch.randn(4, 8), torch.randn(4, 4)
+        reference = copy.deepcopy(model)
+        loss = F.mse_loss(reference(x), t)
+        loss.backward()
+        c = compile_graph(model, (x, t), spec((2, 2), ("dp", "tp")), loss_fn=F.mse_loss)
+        assert [gi.kind for gi in c.traced.inputs].count("constant") == 1
+        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 3
+    finally:
+        torch.set_default_dtype(torch.float32)
