@@ -14,7 +14,7 @@ from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
-from spmd.runtime import clip_guard, compare, optimizer_guard
+from spmd.runtime import clip_guard, compare, optimizer_guard, scaler_guard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -127,10 +127,14 @@ class CompiledModule(nn.Module):
         self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
             optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
-        # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm
-        clip_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
-                          if isinstance(getattr(self, attr), nn.Parameter)
-                          and any(isinstance(p, Shard) for p in self._state_placements[fqn])})
+        # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm, and
+        # GradScaler would skip the step on the ranks whose piece overflowed only
+        sharded = {fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
+                   if isinstance(getattr(self, attr), nn.Parameter)
+                   and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
+        clip_guard.watch(sharded)
+        scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names,
+                           self._device if self._device is not None and self._device.type == "cuda" else None)
 
     @property
     def code(self) -> str:

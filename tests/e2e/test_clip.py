@@ -21,3 +21,40 @@ def test_clipped_training_matches_single_device(ranks, name):
     assert any("Shard" in ps for ps in r["grad_placements"]), r["grad_placements"]  # some norm needs a reduction
     if case.mesh == (2, 2) and case.model == "mlp":  # fc1.weight pinned [S(0), S(1)]: reduced over both axes
         assert "(Shard(dim=0), Shard(dim=1))" in r["grad_placements"], r["grad_placements"]
+
+
+def _scaled_step_with_an_overflow_on_rank_0(rank: int, world: int) -> dict:
+    """One GradScaler step where only rank 0's piece of a sharded gradient overflows."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import spmd
+    from tests.models import MLP
+    from tests.support import spec
+
+    torch.manual_seed(0)
+    model = MLP(16, 64)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"fc1.weight": [Shard(0)]})
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(compiled(*compiled.shard_inputs(x, y))).backward()
+    piece = compiled.get_parameter("fc1__weight")
+    if rank == 0:
+        piece.grad[0, 0] = float("inf")
+    before = {n: p.detach().clone() for n, p in compiled.named_parameters()}
+    scaler.step(opt)
+    scaler.update()
+    moved = [n for n, p in compiled.named_parameters() if not torch.equal(p.detach(), before[n])]
+    return {"moved": moved, "scale": scaler.get_scale()}
+
+
+def test_a_grad_scaler_skips_the_step_on_every_rank_when_one_ranks_piece_overflows(ranks):
+    """GradScaler looks for non-finite values in the gradients the optimizer holds: pieces, on a rank of a
+    sharded parameter. Rank 0 alone skipped its step and halved its scale while rank 1 stepped, and the
+    replicas drifted apart, silently; the flag is now agreed over the mesh (runtime/scaler_guard.py)."""
+    for r in ranks(2).run(_scaled_step_with_an_overflow_on_rank_0):
+        assert r == {"moved": [], "scale": 512.0}, r
