@@ -13,6 +13,8 @@ from spmd.core.mesh import MeshSpec
 from spmd.runtime.compiled import CompiledModule
 from spmd.runtime.measure import builtin_cpu
 
+_EARLY_CLIP = torch.nn.utils.clip_grad_norm_  # (as a training loop's `from torch.nn.utils import ...` holds it)
+
 
 def _compiled(group: str, pins: dict):
     torch.manual_seed(0)
@@ -29,11 +31,19 @@ def _compiled(group: str, pins: dict):
 
 def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_rank):
     compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
-    with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ was handed this rank's pieces of sharded parameters "
+    with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ \(or clip_grads_with_norm_\) was handed this rank's "
+                                             r"pieces of sharded parameters "
                                              r"\(0.weight\).*What to do: call compiled.clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1.0)
     with pytest.raises(spmd.SpmdError, match="0.weight"):  # (under either of torch's names for it)
         torch.nn.utils.clip_grad.clip_grad_norm_(compiled.parameters(), 1.0)
+    # imported before compiling (the function object torch had then): caught too, nothing scaled
+    grads = [p.grad.clone() for p in compiled.parameters()]
+    with pytest.raises(spmd.SpmdError, match="0.weight"):
+        _EARLY_CLIP(compiled.parameters(), 1e-3)
+    with pytest.raises(spmd.SpmdError, match="0.weight"):
+        torch.nn.utils.clip_grads_with_norm_(compiled.parameters(), 1e-3, torch.tensor(5.0))
+    assert all(torch.equal(p.grad, g) for p, g in zip(compiled.parameters(), grads))
     assert float(compiled.clip_grad_norm_(1.0)) > 0
 
 
