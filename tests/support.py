@@ -103,13 +103,15 @@ def compile_graph(model, example_inputs, mesh: MeshSpec, rank: int | None = None
 
 def check_simulated_training(c, outs, loss, model) -> int:
     """Every rank's simulated loss and gradients (`outs`, from `simulate` of a joint compilation `c`)
-    equal the eager `loss` (backward already run) and `model`'s gradients, each in the layout the plan
-    gives it. Returns how many outputs were checked."""
+    equal the eager `loss` (backward already run) and `model`'s gradients (and buffers the forward updated),
+    each in the layout the plan gives it. Returns how many outputs were checked."""
     grads, mesh, checked = dict(model.named_parameters()), c.mesh, 0
     for k, kind in enumerate(c.traced.output_kinds()):
-        if kind.kind == "none":
-            continue
-        want = loss.detach() if kind.kind == "output" else grads[kind.name].grad
+        if kind.kind == "none" or f"output_{k}" not in c.plan.choices:  # (a parameter no gradient reaches:
+            assert all(out[k] is None for out in outs) and (kind.kind != "grad" or grads[kind.name].grad is None)
+            continue                                                    # none, as in eager)
+        want = loss.detach() if kind.kind == "output" else \
+            dict(model.named_buffers())[kind.name] if kind.kind == "buffer_update" else grads[kind.name].grad
         ps = c.plan.choices[f"output_{k}"].inputs[0]
         for rank, out in enumerate(outs):
             torch.testing.assert_close(out[k], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)),
