@@ -71,10 +71,21 @@ class Call:
 _MISSING = object()
 
 
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _plain(value) -> bool:
+    """A keyword argument made only of plain values (None, bool, numbers, strings, dtypes, devices, in lists,
+    tuples and dicts): fixed when traced. Anything else (tensors, an object that may hold some) is an input
+    or is refused by the trace."""
+    return all(isinstance(leaf, _PLAIN) for leaf in tree_leaves(value))
+
+
 def _same(a, b) -> bool:
-    """Whether a constant keyword argument is the one traced (same type and equal)."""
+    """Whether a constant keyword argument is the one traced (`b`, a copy made then): the same type and
+    equal (not the same object: a list changed in place since is another value)."""
     try:
-        return a is b or (type(a) is type(b) and bool(a == b))
+        return type(a) is type(b) and bool(a == b)
     except Exception:  # (a comparison that is not a truth value)
         return False
 
@@ -93,8 +104,7 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     """(the view to trace, the flat example inputs, the names). With no keywords and `loss_only` False,
     the model itself."""
     kwargs = dict(kwargs or {})
-    constants = tuple((k, v) for k, v in kwargs.items()
-                      if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(v)))
+    constants = tuple((k, copy.deepcopy(v)) for k, v in kwargs.items() if _plain(v))
     fixed = dict(constants)
     call = Call(tuple(argument_names(model, len(args))), tuple(k for k in kwargs if k not in fixed), constants)
     clash = set(call.positional) & set(call.keywords)

@@ -223,7 +223,7 @@ def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]
         value = getattr(gm, node.target)
         with graph.inserting_before(anchor):
             ph = graph.placeholder(node.target)
-        ph.meta = dict(node.meta)
+        ph.meta = {k: v for k, v in node.meta.items() if k != "partitioner_tag"}  # (an input: forward's)
         node.replace_all_uses_with(ph)
         graph.erase_node(node)
         delattr(gm, node.target)
@@ -317,7 +317,7 @@ class _buffers_assigned:
             was = before.pop(id(module), None)
             if was is not None:
                 found.extend(f"{type(module).__name__}.{name}" for name, t in module._buffers.items()
-                             if name in was and t is not was[name])
+                             if was.get(name) is not None and t is not was[name])  # (not a cache made lazily)
 
         self.handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
         return found

@@ -231,6 +231,8 @@ class CompiledModule(nn.Module):
             for fqn, attr in self._param_names.items():
                 names = [fqn] + [a for a, c in self._aliases.items() if c == fqn]
                 value = next((state[n] for n in names if n in state), None)
+                if value is None and fqn in self._non_persistent:  # (computed, or a lifted constant: not saved)
+                    continue
                 if value is None:
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")

@@ -14,26 +14,39 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+# ops that only move or re-wrap a tensor: how a forward hands values around, not what it computes
+_BOOKKEEPING = frozenset({"lift_fresh", "lift_fresh_copy", "alias", "detach", "_to_copy", "clone"})
 
 
 class _Ops(TorchDispatchMode):
-    """The names of the ATen ops run under it, counted."""
+    """The names of the ATen ops run under it that compute floating-point values, counted. Integer and
+    boolean work (masks and positions a model builds only in one mode, such as transformers' caches, which
+    it switches off in training) and bookkeeping do not change what the graph computes with the weights."""
 
     def __init__(self):
         super().__init__()
         self.seen: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten":  # (not prim.device and the like: how a tensor is asked about itself)
-            self.seen[func._overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if func.namespace == "aten" and name not in _BOOKKEEPING and any(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
+            self.seen[name] += 1
+        return out
 
 
 def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str | None:
-    """The ops `root`'s forward runs in only one of the two modes (a short description), or None where both
-    run the same ops. `inputs`: the shape and dtype of each positional input of `root` (the traced call).
-    A forward that cannot run on fake tensors (data-dependent Python, say) answers None: nothing is known.
-    `root` and its submodules keep their modes and attributes."""
+    """The floating-point ops `root`'s forward runs in only one of the two modes (a short description), or
+    None where both run the same ones. `inputs`: the shape and dtype of each positional input of `root`
+    (the traced call). The forward runs on fake copies of the parameters and buffers (an in-place update of
+    a buffer, a step counter, changes nothing real), with grad enabled and the attention fast path off as in
+    a training step (torch's eval-only fast paths are what the graph was traced without, not a difference
+    of the model's). A forward that cannot run on fake tensors (data-dependent Python, say) answers None:
+    nothing is known. `root` and its submodules keep their modes and attributes."""
     from torch._export.utils import _compiling_state_context
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -41,17 +54,26 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
 
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     seen = {}
+    fastpath = torch.backends.mha.get_fastpath_enabled()
     try:
+        torch.backends.mha.set_fastpath_enabled(False)
         for training in (True, False):
             with _state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), _compiling_state_context(), \
-                    torch.no_grad():
+                    torch.enable_grad():
+                state = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
+                                                   ).requires_grad_(t.requires_grad)
+                         for kind in (root.named_parameters(remove_duplicate=False),
+                                      root.named_buffers(remove_duplicate=False))
+                         for name, t in kind if t is not None}
                 args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
                 root.train(training)
                 with _Ops() as ops:
-                    root(*args)
+                    torch.func.functional_call(root, state, tuple(args), tie_weights=True, strict=False)
             seen[training] = ops.seen
     except Exception:  # (the trace ran this forward under AOTAutograd; a plain fake run may still not)
         return None
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     only = {mode: sorted(set(seen[mode]) - set(seen[not mode])) for mode in (True, False)}
     if not only[True] and not only[False] and seen[True] == seen[False]:
         return None

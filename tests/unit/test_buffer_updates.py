@@ -195,3 +195,26 @@ def test_a_buffer_assigned_in_training_fails_and_the_in_place_update_it_names_wo
         F.mse_loss(reference(x), t).backward()
     torch.testing.assert_close(compiled.scale, reference.scale)
     torch.testing.assert_close(compiled.fc__weight.grad, reference.fc.weight.grad)
+
+
+class _LazyMask(nn.Module):
+    """A cache registered as None and made at the first forward (rotary tables, causal masks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mask", None, persistent=False)
+
+    def forward(self, x):
+        if self.mask is None:
+            self.mask = torch.ones(x.shape[1], x.shape[1]).tril()
+        return self.fc(x) @ self.mask
+
+
+def test_a_cache_made_at_the_first_forward_is_no_assigned_buffer():
+    """The assigned-buffer check's first version refused this (a regression a review found)."""
+    torch.manual_seed(0)
+    model, x, y = _LazyMask(), torch.randn(4, 8), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    compiled = _one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(reference(x), y))

@@ -121,3 +121,89 @@ def test_an_index_given_as_a_python_list_is_a_constant_input_of_the_training_gra
         assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 3
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_constant_keyword_changed_in_place_and_an_object_holding_tensors_are_not_taken_as_traced():
+    """Only plain values are fixed (copied when traced, compared by value): a list changed in place since
+    is another value, and an object that may hold tensors is left to the trace, which refuses it."""
+    class Picks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, cols=None, extra=None):
+            y = self.fc(x)[:, cols]
+            return y if extra is None else y + extra.t
+
+    cols = [0, 1]
+    x = torch.randn(2, 4)
+    _, _, call = positional_call(Picks(), (x,), {"cols": cols})
+    cols[0] = 3
+    with pytest.raises(spmd.SpmdError, match=r"compiled with cols=\[0, 1\].*got \[3, 1\]"):
+        call.flatten((x,), {"cols": cols})
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    _, _, call = positional_call(Picks(), (x,), {"cols": [0], "extra": Holder(torch.ones(1))})
+    assert [name for name, _ in call.constants] == ["cols"] and call.keywords == ("extra",)
+
+
+def test_a_state_dict_without_the_lifted_constants_loads():
+    """Lifted constants are no state of the model: `load_sharded_state_dict(model.state_dict())` loads."""
+    from tests.unit.test_buffer_updates import _one_device
+
+    class Picks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 12)
+
+        def forward(self, x):
+            return self.fc(x).view(4, 3, 4)[..., [-2, 0], :].sum(1)
+
+    model, x, t = Picks(), torch.randn(4, 8), torch.randn(4, 4)
+    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    assert [k for k in compiled._non_persistent if "constant" in k]
+    compiled.device_mesh = None
+    compiled.load_sharded_state_dict(model.state_dict())
+    torch.testing.assert_close(compiled.fc__weight, model.fc.weight)
+
+
+class _Weighs(torch.autograd.Function):
+    """Its backward makes a tensor constant: the joint graph reads it in backward only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], dtype=g.dtype)
+
+
+def test_a_constant_read_only_in_backward_is_an_input_of_the_forward():
+    """A lifted constant kept its backward tag, and the forward graph then took one input too few (a
+    review's repro): it is an input like any other, saved for backward."""
+    import copy
+
+    from tests.unit.test_buffer_updates import _one_device
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(_Weighs.apply(self.a(x))[:, [1, 3, 5, 7, 0, 2, 4, 6]])
+
+    torch.manual_seed(0)
+    model, x, t = Model(), torch.randn(4, 8), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    loss = compiled(x, t)
+    loss.backward()
+    ref_loss = F.mse_loss(reference(x), t)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(compiled.a__weight.grad, reference.a.weight.grad)

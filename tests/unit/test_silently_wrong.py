@@ -454,3 +454,52 @@ def test_an_input_named_like_a_builtin_and_an_op_keeps_every_node_name_unique():
     outs, expected = [out[0] for out in simulate(c, (x,))], model(x).detach()
     got = torch.cat(outs) if outs[0].shape != expected.shape else outs[0]  # split on the batch, or whole
     torch.testing.assert_close(got, expected)
+
+
+class _Counts(nn.Module):
+    """A step counter every forward (either mode), and integer work done in train mode only (a cache's
+    positions, which transformers switches off in training): neither changes what the weights compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.steps.add_(1)
+        positions = torch.arange(x.shape[0])
+        if self.training:
+            positions = positions.flip(0).flip(0)
+        return self.fc(x)[positions]
+
+
+@pytest.mark.parametrize("model", ["encoder", "counts"])
+def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model):
+    """Found by a review of the mode check's first version: it ran under no_grad, where torch's attention
+    takes an eval-only fast path (a TransformerEncoderLayer with dropout 0 was refused), it ran in-place
+    updates on the real buffers (a step counter moved), and it counted integer work (transformers'
+    cache positions made only in one mode refused a gradient-checkpointed Llama)."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    torch.manual_seed(0)
+    source = (nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) if model == "encoder"
+              else _Counts()).train()
+    x = torch.randn(2, 3, 8) if model == "encoder" else torch.randn(4, 8)
+    c = run_pipeline(source, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
+                     RankBinding(0, ("",)), quiet=True)
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    steps = source.steps.clone() if model == "counts" else None
+    compiled.eval()
+    with torch.no_grad():
+        out = compiled(x)
+    assert compiled._mode_checked is None
+    if model == "counts":
+        assert torch.equal(source.steps, steps)  # (the check ran on fakes of the buffers)
+    source.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out, source(x), rtol=1e-5, atol=1e-6)
