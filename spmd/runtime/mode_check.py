@@ -5,8 +5,8 @@ reasons a call in the other mode would differ without running anything (dropout 
 running statistics: `compiled._mode_dependent`). Code that reads `self.training` itself escapes that:
 `F.dropout(x, p, self.training)`, a branch taken only in training. So the first call in the other mode,
 where nothing known depends on it, runs the traced forward in both modes on fake tensors (no memory, no
-values: FakeTensorMode) and compares the ATen ops each ran. Different ops mean the compiled graph would
-compute what the traced mode computes, not what this one does.
+values: FakeTensorMode) and compares the floating-point ATen ops each ran. Different ops mean the compiled
+graph would compute what the traced mode computes, not what this one does.
 """
 from __future__ import annotations
 
