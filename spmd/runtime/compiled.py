@@ -244,6 +244,26 @@ class CompiledModule(nn.Module):
                 local.copy_(value)
         self._uninitialized.clear()
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's `load_state_dict`, which also takes the model's own state dict: keyed by the model's names
+        (`model.state_dict()`, a checkpoint of the single-device model: full tensors, or DTensors) it goes to
+        `load_sharded_state_dict` (each rank cuts its pieces); keyed as this module holds its pieces
+        (`compiled.state_dict()`: `0__weight`, this rank's pieces) it loads as torch loads any module. With
+        `strict`, keys of neither kind are an error."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        known = set(self._param_names) | set(self._aliases)
+        if not any(k in known for k in state_dict) or any(k in self._buffers or k in self._parameters
+                                                             for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        unexpected = [k for k in state_dict if k not in known]
+        if strict and unexpected:
+            raise SpmdError(f"load_state_dict: {len(unexpected)} keys that are not the model's: "
+                            f"{', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}. What to do: load "
+                            "the model's own state dict (or pass strict=False).")
+        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k in known})
+        return _IncompatibleKeys([], unexpected)
+
     def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
         """Give this rank's shards of a model compiled from the meta device the values of the model's own
         init: the local pieces of what `torch.manual_seed(seed); model = Model(cfg)` (then

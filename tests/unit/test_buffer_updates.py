@@ -218,3 +218,28 @@ def test_a_cache_made_at_the_first_forward_is_no_assigned_buffer():
     reference = copy.deepcopy(model)
     compiled = _one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(reference(x), y))
+
+
+def test_load_state_dict_takes_the_models_own_state_dict():
+    """`compiled.load_state_dict(model.state_dict())`, the usual line after `torch.load`, failed with
+    missing keys `0__weight`: the model's names go to `load_sharded_state_dict` (each rank cuts its
+    pieces); the module's own names load as torch loads them."""
+    model = _model()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+        other[1].running_mean.fill_(0.5)
+    assert compiled.load_state_dict(other.state_dict()) is not None
+    torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
+    torch.testing.assert_close(compiled.get_buffer("1__running_mean"), other[1].running_mean)
+    with pytest.raises(spmd.SpmdError, match=r"keys that are not the model's: extra"):
+        compiled.load_state_dict({**other.state_dict(), "extra": torch.ones(1)})
+    assert compiled.load_state_dict({**other.state_dict(), "extra": torch.ones(1)}, strict=False).unexpected_keys == \
+        ["extra"]
+    own = {k: v.clone() for k, v in compiled.state_dict().items()}
+    compiled.load_state_dict(_one_device(model, (x, y), training=True, loss_fn=F.mse_loss).state_dict())
+    compiled.load_state_dict(own)  # (its own names: torch's load)
+    torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
