@@ -244,6 +244,24 @@ class CompiledModule(nn.Module):
                 local.copy_(value)
         self._uninitialized.clear()
 
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(...)`, `.half()`, `.cuda()` and the like, on the pieces. Where they would change a dtype or a
+        device, the graph (traced for the old ones, its collectives bound to this rank's device) would fail
+        at the first call with an error about mismatched operands: this refuses before anything is
+        converted (each conversion tried first on an empty tensor of the piece's kind)."""
+        for name, t in self._state_items():
+            probe = fn(torch.empty((0,), dtype=t.dtype, device=t.device))
+            if (probe.dtype, probe.device) != (t.dtype, t.device):
+                raise SpmdError(
+                    f"this module's graph was compiled for its parameters and buffers as they are ({name}: "
+                    f"{t.dtype} on {t.device}); converting them (to {probe.dtype} on {probe.device}) would not "
+                    "change the graph. What to do: convert the model before compiling (model.to(...), then "
+                    "spmd.compile); for mixed precision, torch.autocast around the compiled call.")
+        return super()._apply(fn, recurse)
+
+    def _state_items(self):
+        return [(n, t) for n, t in list(self._parameters.items()) + list(self._buffers.items()) if t is not None]
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's `load_state_dict`, which also takes the model's own state dict: keyed by the model's names
         (`model.state_dict()`, a checkpoint of the single-device model: full tensors, or DTensors) it goes to

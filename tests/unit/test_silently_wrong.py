@@ -503,3 +503,21 @@ def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model
     source.eval()
     with torch.no_grad():
         torch.testing.assert_close(out, source(x), rtol=1e-5, atol=1e-6)
+
+
+def test_converting_a_compiled_modules_pieces_is_refused_before_anything_changes():
+    """`compiled.to(torch.bfloat16)` converted the pieces under a graph traced in fp32, which then failed
+    deep in a matmul; it is refused up front with the way out, the pieces untouched, and a conversion that
+    changes nothing (`.float()`, `.to("cpu")`) passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _compiled_on_one_device(model, (x, y), F.mse_loss)
+    weight = compiled.get_parameter("0__weight").detach().clone()
+    with pytest.raises(spmd.SpmdError, match=r"compiled for its parameters and buffers as they are \(0__weight: "
+                                             r"torch.float32 on cpu\).*to torch.bfloat16.*What to do: convert the "
+                                             r"model before compiling"):
+        compiled.to(torch.bfloat16)
+    assert torch.equal(compiled.get_parameter("0__weight"), weight)
+    compiled.float().to("cpu")
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
