@@ -5,7 +5,7 @@ import os
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from spmd.compiler.call import Call
@@ -123,6 +123,11 @@ class CompiledModule(nn.Module):
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
+        # inputs replicated over a mesh axis must be the same along it, which the first call checks
+        # (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch)
+        self._inputs_agreed = self.mesh_spec.size == 1 or not any(
+            isinstance(p, Replicate) and n > 1 for spec in self._input_specs
+            for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
         if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
@@ -536,6 +541,52 @@ class CompiledModule(nn.Module):
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
                 "data shuffling a torch.Generator of its own.")
 
+    def _agree_on_inputs(self, inputs) -> None:
+        """Every input the plan replicates over a mesh axis the same along it, at the first call: a
+        data-parallel loader feeding each rank a batch of its own, where the plan takes the batch whole on
+        every rank, would have each rank train on other data with weights it holds in common with its
+        peers, and the replicas would drift apart, silently. One digest per such input, all_gathered over
+        each axis's group; a flag reduced along each axis in turn makes every rank raise."""
+        import hashlib
+
+        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as funcol
+
+        if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
+            self._inputs_agreed = True  # (fake tensors, as a CUDA rank planned on this host: no values to compare)
+            return
+        where = self._device if self._device is not None and self._device.type == "cuda" else torch.device("cpu")
+
+        def digest(t: torch.Tensor) -> int:
+            try:
+                raw = t.detach().to("cpu").contiguous().flatten()
+                raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
+                return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
+            except (RuntimeError, TypeError):  # (no bytes to read: a tensor subclass; every rank says 0 alike)
+                return 0
+
+        apart = []
+        for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
+            names = [k for k, spec in enumerate(self._input_specs) if size > 1 and isinstance(spec.placements[axis], Replicate)]
+            if not names:
+                continue
+            mine = torch.tensor([digest(inputs[k]) for k in names], dtype=torch.int64, device=where)
+            every = funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait().view(size, len(names))
+            apart += [(self._input_specs[k].name, axis_name) for j, k in enumerate(names) if len(set(every[:, j].tolist())) > 1]
+        flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=where)
+        for axis, size in enumerate(self.mesh_spec.shape):
+            if size > 1:
+                flag = funcol.all_reduce(flag, "max", self.group_names[axis]).wait()
+        self._inputs_agreed = not int(flag.item())  # (apart: asked again at the next call)
+        if not self._inputs_agreed:
+            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
+            raise SpmdError(
+                f"inputs the plan replicates differ between ranks ({what}): every rank must hold the same full "
+                "value of a replicated input, or the ranks train on other data with weights they hold in common, "
+                "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
+                "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
+                "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
+
     def _update_buffers(self, names, values) -> None:
         """Each buffer of `names` (FQNs) takes its new value, this rank's piece (placed as the buffer): what
         the forward updates in place in eager (batch norm's running statistics), the graph returns."""
@@ -579,6 +630,8 @@ class CompiledModule(nn.Module):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
+        if not self._inputs_agreed:
+            self._agree_on_inputs(inputs)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs)
         args = self._graph_args(inputs)

@@ -146,3 +146,34 @@ def test_every_rank_stops_when_one_rank_alone_is_seeded_apart(ranks):
     for r in results[1:]:
         assert "along mesh axis" in r["differs"], r
     assert len({r["loss"] for r in results}) == 1
+
+
+# ---- replicated inputs that differ across ranks -------------------------------------------------------
+
+def _own_batches(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
+                            in_placements={"input": [Replicate()], "target": [Replicate()]})
+    g = torch.Generator().manual_seed(rank)  # a data-parallel loader: a batch of this rank's own
+    try:
+        compiled(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+        differs = None
+    except spmd.SpmdError as e:
+        differs = str(e)
+    return {"differs": differs, "loss": float(compiled(*compiled.shard_inputs(x, y)))}
+
+
+def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first_call(ranks):
+    """A plan that takes the batch whole on every rank, fed by a data-parallel loader (each rank its own
+    batch): each rank trained on other data with the weights it holds in common with its peers, and the
+    replicas drifted apart, silently. The first call compares the replicated inputs' digests."""
+    results = ranks(2).run(_own_batches)
+    for r in results:
+        assert r["differs"] and "inputs the plan replicates differ between ranks ('input' along 'dp', 'target' " \
+            "along 'dp')" in r["differs"] and "compiled.shard_inputs" in r["differs"], r
+    assert results[0]["loss"] == results[1]["loss"]
