@@ -229,15 +229,16 @@ class CompiledModule(nn.Module):
                 state[alias] = state[canonical]
         return state
 
-    def load_sharded_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_sharded_state_dict(self, state: dict[str, torch.Tensor], _partial: bool = False) -> None:
         """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
-        tensors into this rank's shards."""
+        tensors into this rank's shards. (`_partial`: entries that are absent are left as they are.)"""
+        loaded = set()
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 names = [fqn] + [a for a, c in self._aliases.items() if c == fqn]
                 value = next((state[n] for n in names if n in state), None)
-                if value is None and fqn in self._non_persistent:  # (computed, or a lifted constant: not saved)
-                    continue
+                if value is None and (_partial or fqn in self._non_persistent):  # (computed, or a lifted
+                    continue                                                     # constant: not saved)
                 if value is None:
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
@@ -247,7 +248,8 @@ class CompiledModule(nn.Module):
                 elif tuple(value.shape) != tuple(local.shape):
                     value = local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
                 local.copy_(value)
-        self._uninitialized.clear()
+                loaded.add(fqn)
+        self._uninitialized -= loaded
 
     def _apply(self, fn, recurse: bool = True):
         """`.to(...)`, `.half()`, `.cuda()` and the like, on the pieces. Where they would change a dtype or a
@@ -272,20 +274,27 @@ class CompiledModule(nn.Module):
         (`model.state_dict()`, a checkpoint of the single-device model: full tensors, or DTensors) it goes to
         `load_sharded_state_dict` (each rank cuts its pieces); keyed as this module holds its pieces
         (`compiled.state_dict()`: `0__weight`, this rank's pieces) it loads as torch loads any module. With
-        `strict`, keys of neither kind are an error."""
+        `strict`, keys of neither kind, or a persistent entry missing, are an error; without, they are
+        reported as torch reports them. (The model's names go around torch's load hooks, and `assign`.)"""
         from torch.nn.modules.module import _IncompatibleKeys
 
         known = set(self._param_names) | set(self._aliases)
-        if not any(k in known for k in state_dict) or any(k in self._buffers or k in self._parameters
-                                                             for k in state_dict):
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        own_only = (set(self._parameters) | set(self._buffers)) - known  # (a root parameter: both names alike)
+        if not any(k in known for k in state_dict) or any(k in own_only for k in state_dict):
+            out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+            self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
+            return out
         unexpected = [k for k in state_dict if k not in known]
-        if strict and unexpected:
-            raise SpmdError(f"load_state_dict: {len(unexpected)} keys that are not the model's: "
-                            f"{', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}. What to do: load "
-                            "the model's own state dict (or pass strict=False).")
-        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k in known})
-        return _IncompatibleKeys([], unexpected)
+        missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
+                   and not any(n in state_dict for n in (fqn, *self._names_of(fqn)))]
+        if strict and (unexpected or missing):
+            raise SpmdError(
+                "load_state_dict: " + "; ".join(
+                    f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+                    for what, keys in (("keys that are not the model's", unexpected), ("entries missing", missing))
+                    if keys) + ". What to do: load the model's own, whole state dict (or pass strict=False).")
+        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k in known}, _partial=True)
+        return _IncompatibleKeys(missing, unexpected)
 
     def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
         """Give this rank's shards of a model compiled from the meta device the values of the model's own
@@ -518,7 +527,8 @@ class CompiledModule(nn.Module):
             if size == 1:
                 continue
             group = self.group_names[axis]
-            digests = funcol.all_gather_tensor(mine, 0, group).wait().tolist()  # (the group's ranks in order)
+            digests = _first_call(lambda: funcol.all_gather_tensor(mine, 0, group).wait(), "random generators"
+                                  ).tolist()  # (the group's ranks in order)
             if len(set(digests)) > 1:
                 states: dict[int, list[int]] = {}
                 for r, d in zip(dist.get_process_group_ranks(_resolve_process_group(group)), digests):
@@ -527,7 +537,8 @@ class CompiledModule(nn.Module):
         flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=mine.device)
         for axis, size in enumerate(self.mesh_spec.shape):
             if size > 1:
-                flag = funcol.all_reduce(flag, "max", self.group_names[axis]).wait()
+                flag = _first_call(lambda: funcol.all_reduce(flag, "max", self.group_names[axis]).wait(),
+                                   "random generators")
         self._generators_agreed = not int(flag.item())  # (apart: asked again at the next call)
         if not self._generators_agreed:
             where = "; ".join(
@@ -559,7 +570,7 @@ class CompiledModule(nn.Module):
 
         def digest(t: torch.Tensor) -> int:
             try:
-                raw = t.detach().to("cpu").contiguous().flatten()
+                raw = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
                 raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
                 return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
             except (RuntimeError, TypeError):  # (no bytes to read: a tensor subclass; every rank says 0 alike)
@@ -571,12 +582,14 @@ class CompiledModule(nn.Module):
             if not names:
                 continue
             mine = torch.tensor([digest(inputs[k]) for k in names], dtype=torch.int64, device=where)
-            every = funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait().view(size, len(names))
+            every = _first_call(lambda: funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait(),
+                                "replicated inputs").view(size, len(names))
             apart += [(self._input_specs[k].name, axis_name) for j, k in enumerate(names) if len(set(every[:, j].tolist())) > 1]
         flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=where)
         for axis, size in enumerate(self.mesh_spec.shape):
             if size > 1:
-                flag = funcol.all_reduce(flag, "max", self.group_names[axis]).wait()
+                flag = _first_call(lambda: funcol.all_reduce(flag, "max", self.group_names[axis]).wait(),
+                                   "replicated inputs")
         self._inputs_agreed = not int(flag.item())  # (apart: asked again at the next call)
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
@@ -648,6 +661,22 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
+
+
+def _first_call(collective, what: str):
+    """A collective of a compiled module's first call (its check of the ranks' `what`), whose failure says
+    that the call is collective: a module called on some ranks only (rank 0 alone, to evaluate) waits for
+    the others there, even where its graph has no collective of its own."""
+    from spmd.core.errors import SpmdCollectiveError
+
+    try:
+        return collective()
+    except RuntimeError as e:
+        raise SpmdCollectiveError(
+            f"the first call of a compiled module checks, on every rank of its mesh, that the ranks' {what} agree, "
+            f"and the collective failed or timed out ({e}). What to do: call the compiled module on every rank of "
+            "its mesh (a call on some ranks only waits for the others; to evaluate on one rank, compile the "
+            "model for a mesh of that rank alone).") from e
 
 
 def graph_backend(compile_graphs: bool | str | None) -> str | None:

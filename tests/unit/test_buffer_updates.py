@@ -243,3 +243,32 @@ def test_load_state_dict_takes_the_models_own_state_dict():
     compiled.load_state_dict(_one_device(model, (x, y), training=True, loss_fn=F.mse_loss).state_dict())
     compiled.load_state_dict(own)  # (its own names: torch's load)
     torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
+
+
+class _RootParam(nn.Module):
+    """A parameter at the model's root (ViT's cls_token): its attribute name is its model name too."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_load_state_dict_with_a_root_parameter_and_partial_dicts():
+    """Found by a review: a root parameter sent the model's dict to torch's load (missing `fc__weight`),
+    and strict=False with a partial dict raised where torch reports the missing keys."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _one_device(_RootParam(), (x, y), training=True, loss_fn=F.mse_loss)
+    other = _RootParam()
+    assert compiled.load_state_dict(other.state_dict()) is not None
+    torch.testing.assert_close(compiled.get_parameter("fc__weight"), other.fc.weight)
+    partial = {k: v + 1 for k, v in other.state_dict().items() if k != "fc.bias"}
+    with pytest.raises(spmd.SpmdError, match=r"1 entries missing: fc.bias"):
+        compiled.load_state_dict(partial)
+    result = compiled.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["fc.bias"] and result.unexpected_keys == []
+    torch.testing.assert_close(compiled.get_parameter("fc__weight"), other.fc.weight + 1)
+    torch.testing.assert_close(compiled.get_parameter("fc__bias"), other.fc.bias)  # (left as it was)
