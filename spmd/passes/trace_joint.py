@@ -188,8 +188,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             # the runtime copies into the buffer's piece after the forward (placed as the buffer)
             outputs.append(GraphOutput("buffer_update", strip(desc.mutated_input.target)))
         else:
-            what = "an input" if type(getattr(desc, "mutated_input", None)).__name__ == "PlainAOTInput" else \
-                "a parameter" if type(getattr(desc, "mutated_input", None)).__name__ == "ParamAOTInput" else "state"
+            mutated = type(getattr(desc, "mutated_input", None)).__name__
+            what = {"PlainAOTInput": "an input", "ParamAOTInput": "a parameter"}.get(mutated, "state")
             raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model updates {what} in "
                             "place. What to do: return the new value instead of updating in place (buffers may "
                             "be updated in place).")

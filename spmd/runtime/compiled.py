@@ -15,7 +15,7 @@ from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import clip_guard, compare, optimizer_guard, scaler_guard
-from spmd.runtime.distribute import gather_full, local_shard, local_slices, total_norm
+from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -138,8 +138,7 @@ class CompiledModule(nn.Module):
                    if isinstance(getattr(self, attr), nn.Parameter)
                    and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
         clip_guard.watch(sharded)
-        scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names,
-                           self._device if self._device is not None and self._device.type == "cuda" else None)
+        scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names, self._collective_device())
 
     @property
     def code(self) -> str:
@@ -509,44 +508,33 @@ class CompiledModule(nn.Module):
         compiled over part of the world, or one mesh of several, would hang in a gather over the world). A
         rank whose own axes agree learns that some other rank's do not from a flag reduced along each axis in
         turn (the mesh's maximum), so every rank raises."""
-        import hashlib
-
         import torch.distributed as dist
-        from torch.distributed import _functional_collectives as funcol
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         if not dist.is_initialized():
             self._generators_agreed = True
             return
-        cuda = self._device is not None and self._device.type == "cuda"
+        cuda = self._collective_device().type == "cuda"
         state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
-        digest = int.from_bytes(hashlib.sha1(state.numpy().tobytes()).digest()[:8], "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64, device=self._device if cuda else "cpu")
         apart = []  # (axis name, {digest: [ranks]}) for each axis whose ranks differ
         for axis, (name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
             if size == 1:
                 continue
-            group = self.group_names[axis]
-            digests = _first_call(lambda: funcol.all_gather_tensor(mine, 0, group).wait(), "random generators"
-                                  ).tolist()  # (the group's ranks in order)
+            digests = self._gather_digests(axis, [_digest(state)], "random generators")[:, 0].tolist()
             if len(set(digests)) > 1:
                 states: dict[int, list[int]] = {}
-                for r, d in zip(dist.get_process_group_ranks(_resolve_process_group(group)), digests):
+                group = _resolve_process_group(self.group_names[axis])
+                for r, d in zip(dist.get_process_group_ranks(group), digests):  # (the group's ranks in order)
                     states.setdefault(d, []).append(r)
                 apart.append((name, states))
-        flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=mine.device)
-        for axis, size in enumerate(self.mesh_spec.shape):
-            if size > 1:
-                flag = _first_call(lambda: funcol.all_reduce(flag, "max", self.group_names[axis]).wait(),
-                                   "random generators")
-        self._generators_agreed = not int(flag.item())  # (apart: asked again at the next call)
+        self._generators_agreed = not self._apart_anywhere(bool(apart), "random generators")  # (else asked again)
         if not self._generators_agreed:
-            where = "; ".join(
+            seen = "; ".join(
                 f"along mesh axis {name!r}, {len(states)} states among {sum(map(len, states.values()))} ranks: "
                 + " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in states.values())
                 for name, states in apart) or "along none of this rank's mesh axes, but elsewhere in the mesh"
             raise SpmdError(
-                f"the ranks' random generators differ ({where}), and this graph draws random numbers "
+                f"the ranks' random generators differ ({seen}), and this graph draws random numbers "
                 "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "
                 "on each rank and the replicas would drift apart. What to do: seed every rank alike before "
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
@@ -558,39 +546,19 @@ class CompiledModule(nn.Module):
         every rank, would have each rank train on other data with weights it holds in common with its
         peers, and the replicas would drift apart, silently. One digest per such input, all_gathered over
         each axis's group; a flag reduced along each axis in turn makes every rank raise."""
-        import hashlib
-
         import torch.distributed as dist
-        from torch.distributed import _functional_collectives as funcol
 
         if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
             self._inputs_agreed = True  # (fake tensors, as a CUDA rank planned on this host: no values to compare)
             return
-        where = self._device if self._device is not None and self._device.type == "cuda" else torch.device("cpu")
-
-        def digest(t: torch.Tensor) -> int:
-            try:
-                raw = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
-                raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
-                return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
-            except (RuntimeError, TypeError):  # (no bytes to read: a tensor subclass; every rank says 0 alike)
-                return 0
-
         apart = []
         for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
             names = [k for k, spec in enumerate(self._input_specs) if size > 1 and isinstance(spec.placements[axis], Replicate)]
             if not names:
                 continue
-            mine = torch.tensor([digest(inputs[k]) for k in names], dtype=torch.int64, device=where)
-            every = _first_call(lambda: funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait(),
-                                "replicated inputs").view(size, len(names))
+            every = self._gather_digests(axis, [_digest(inputs[k]) for k in names], "replicated inputs")
             apart += [(self._input_specs[k].name, axis_name) for j, k in enumerate(names) if len(set(every[:, j].tolist())) > 1]
-        flag = torch.tensor([int(bool(apart))], dtype=torch.int64, device=where)
-        for axis, size in enumerate(self.mesh_spec.shape):
-            if size > 1:
-                flag = _first_call(lambda: funcol.all_reduce(flag, "max", self.group_names[axis]).wait(),
-                                   "replicated inputs")
-        self._inputs_agreed = not int(flag.item())  # (apart: asked again at the next call)
+        self._inputs_agreed = not self._apart_anywhere(bool(apart), "replicated inputs")  # (else asked again)
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             raise SpmdError(
@@ -599,6 +567,24 @@ class CompiledModule(nn.Module):
                 "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
                 "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
+
+    def _collective_device(self) -> torch.device:
+        """Where this rank's own small collectives run: its CUDA device under NCCL, else the CPU."""
+        return self._device if self._device is not None and self._device.type == "cuda" else torch.device("cpu")
+
+    def _gather_digests(self, axis: int, digests: list[int], what: str) -> torch.Tensor:
+        """Every rank's `digests` along mesh axis `axis`: one row per rank of its group, in the group's order."""
+        from torch.distributed import _functional_collectives as funcol
+
+        mine = torch.tensor(digests, dtype=torch.int64, device=self._collective_device())
+        every = _first_call(lambda: funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait(), what)
+        return every.view(self.mesh_spec.shape[axis], len(digests))
+
+    def _apart_anywhere(self, apart_here: bool, what: str) -> bool:
+        """Whether any rank of the mesh found its `what` apart from its peers' (a flag reduced over the
+        mesh), so that every rank raises, not only those whose own axes saw it."""
+        flag = torch.tensor([int(apart_here)], dtype=torch.int64, device=self._collective_device())
+        return bool(_first_call(lambda: max_over_mesh(flag, self.mesh_spec.shape, self.group_names), what).item())
 
     def _update_buffers(self, names, values) -> None:
         """Each buffer of `names` (FQNs) takes its new value, this rank's piece (placed as the buffer): what
@@ -661,6 +647,19 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return tree_unflatten(list(flat), self._out_spec)
+
+
+def _digest(t: torch.Tensor) -> int:
+    """64 bits of the SHA-1 of `t`'s values (the same values: the same digest, whatever the strides or
+    views); 0 for a tensor with no bytes to read (a subclass), on every rank alike."""
+    import hashlib
+
+    try:
+        raw = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
+        raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
+        return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
+    except (RuntimeError, TypeError):
+        return 0
 
 
 def _first_call(collective, what: str):

@@ -45,6 +45,17 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     return t
 
 
+def max_over_mesh(t: torch.Tensor, mesh_shape: tuple[int, ...], group_names: tuple[str, ...]) -> torch.Tensor:
+    """The elementwise maximum of `t` over every rank of the mesh: an all_reduce along each axis in turn
+    (the mesh's axes connect it). The first-call checks' flags and GradScaler's found-inf use it."""
+    from torch.distributed import _functional_collectives as funcol
+
+    for axis, size in enumerate(mesh_shape):
+        if size > 1:
+            t = funcol.all_reduce(t, "max", group_names[axis]).wait()
+    return t
+
+
 def total_norm(tensors: list[tuple[torch.Tensor, Placements]], norm_type: float, mesh_shape: tuple[int, ...],
                group_names: tuple[str, ...]) -> torch.Tensor:
     """The `norm_type`-norm of all the full tensors together (as `torch.nn.utils.get_total_norm` of the

@@ -20,6 +20,8 @@ import weakref
 import torch
 from torch.amp import grad_scaler
 
+from spmd.runtime.distribute import max_over_mesh
+
 _lock = threading.Lock()
 # id(parameter piece) -> (ref, the mesh: (shape, process group names per axis, device of its collectives))
 _watched: dict[int, tuple[weakref.ref, tuple]] = {}
@@ -27,9 +29,9 @@ _torch_unscale = None  # GradScaler's own _unscale_grads_, once ours stands in i
 
 
 def watch(parameters: list[torch.Tensor], mesh_shape: tuple[int, ...], group_names: tuple[str, ...],
-          device: torch.device | None) -> None:
+          device: torch.device) -> None:
     """This rank's pieces of sharded parameters, cut on a mesh of `mesh_shape` whose axes' collectives run on
-    `group_names` (on `device`: CUDA for NCCL, None for the CPU)."""
+    `group_names` (with tensors on `device`: CUDA for NCCL, the CPU for gloo)."""
     global _torch_unscale
     mesh = (tuple(mesh_shape), tuple(group_names), device)
     with _lock:
@@ -55,15 +57,10 @@ def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
     holds (the maximum: a non-finite value on any rank is one on every rank)."""
     per_device = _torch_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
     for shape, groups, device in _meshes(optimizer):
-        from torch.distributed import _functional_collectives as funcol
-
-        where = device if device is not None else torch.device("cpu")
-        flag = torch.zeros((), dtype=torch.float32, device=where)
+        flag = torch.zeros((), dtype=torch.float32, device=device)
         for t in per_device.values():
-            flag = torch.maximum(flag, t.to(where))
-        for axis, size in enumerate(shape):
-            if size > 1:
-                flag = funcol.all_reduce(flag, "max", groups[axis]).wait()
+            flag = torch.maximum(flag, t.to(device))
+        flag = max_over_mesh(flag, shape, groups)
         for t in per_device.values():
             t.copy_(flag)
         if not per_device:  # (no gradient here: what the others found still decides this rank's step)

@@ -12,14 +12,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd
-from spmd.compiler.options import PlanOptions, RankBinding
-from spmd.compiler.pipeline import run_pipeline
 from spmd.core.mesh import MeshSpec
-from spmd.runtime.compiled import CompiledModule
 from spmd.runtime.distribute import local_shard
 from spmd.runtime.measure import builtin_cpu
 from spmd.runtime.simulate import simulate
-from tests.support import compile_graph, spec
+from tests.support import compile_graph, one_device, spec
 
 RUNNING = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
 
@@ -27,12 +24,6 @@ RUNNING = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8)).train()
-
-
-def _one_device(model, example, **options):
-    c = run_pipeline(model, example, MeshSpec((1,), ("dp",), device=builtin_cpu()),
-                     PlanOptions(stamp_layers=False, **options), RankBinding(0, ("",)), quiet=True)
-    return CompiledModule(c, None, src_data_rank=None)
 
 
 def _buffers(module) -> dict:
@@ -75,7 +66,7 @@ def test_training_updates_the_running_statistics_as_eager_does():
     model = _model()
     reference = copy.deepcopy(model)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    compiled = _one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     opt, ref_opt = torch.optim.SGD(compiled.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(3):
         a, b = torch.randn(4, 8), torch.randn(4, 8)
@@ -92,7 +83,7 @@ def test_a_forward_in_train_mode_updates_the_running_statistics_too():
     """The forward-only road (torch.export's buffer mutations): compiled without training, in train mode."""
     model = _model()
     reference = copy.deepcopy(model)
-    compiled = _one_device(model, (torch.randn(4, 8),))
+    compiled = one_device(model, (torch.randn(4, 8),))
     with torch.no_grad():
         for _ in range(2):
             x = torch.randn(4, 8)
@@ -185,11 +176,11 @@ def test_a_buffer_assigned_in_training_fails_and_the_in_place_update_it_names_wo
     x, t = torch.randn(3, 4), torch.randn(3, 4)
     with pytest.raises(spmd.SpmdError, match=r"assigns a new tensor to buffer _Decays\.scale.*What to do: update "
                                              r"the buffer in place under torch\.no_grad\(\)"):
-        _one_device(_Decays(in_place=False), (x, t), training=True, loss_fn=F.mse_loss)
+        one_device(_Decays(in_place=False), (x, t), training=True, loss_fn=F.mse_loss)
     torch.manual_seed(0)
     model = _Decays(in_place=True)
     reference = copy.deepcopy(model)
-    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
     for _ in range(2):
         compiled(x, t).backward()
         F.mse_loss(reference(x), t).backward()
@@ -216,7 +207,7 @@ def test_a_cache_made_at_the_first_forward_is_no_assigned_buffer():
     torch.manual_seed(0)
     model, x, y = _LazyMask(), torch.randn(4, 8), torch.randn(4, 8)
     reference = copy.deepcopy(model)
-    compiled = _one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(reference(x), y))
 
 
@@ -226,7 +217,7 @@ def test_load_state_dict_takes_the_models_own_state_dict():
     pieces); the module's own names load as torch loads them."""
     model = _model()
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    compiled = _one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
     other = _model()
     with torch.no_grad():
         for p in other.parameters():
@@ -240,7 +231,7 @@ def test_load_state_dict_takes_the_models_own_state_dict():
     assert compiled.load_state_dict({**other.state_dict(), "extra": torch.ones(1)}, strict=False).unexpected_keys == \
         ["extra"]
     own = {k: v.clone() for k, v in compiled.state_dict().items()}
-    compiled.load_state_dict(_one_device(model, (x, y), training=True, loss_fn=F.mse_loss).state_dict())
+    compiled.load_state_dict(one_device(model, (x, y), training=True, loss_fn=F.mse_loss).state_dict())
     compiled.load_state_dict(own)  # (its own names: torch's load)
     torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
 
@@ -261,7 +252,7 @@ def test_load_state_dict_with_a_root_parameter_and_partial_dicts():
     """Found by a review: a root parameter sent the model's dict to torch's load (missing `fc__weight`),
     and strict=False with a partial dict raised where torch reports the missing keys."""
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    compiled = _one_device(_RootParam(), (x, y), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(_RootParam(), (x, y), training=True, loss_fn=F.mse_loss)
     other = _RootParam()
     assert compiled.load_state_dict(other.state_dict()) is not None
     torch.testing.assert_close(compiled.get_parameter("fc__weight"), other.fc.weight)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 import spmd
 from spmd.compiler.call import Call, positional_call
 from tests.models import MLP
-from tests.support import spec
+from tests.support import one_device, spec
 
 TP = spec((2,), ("tp",))
 
@@ -92,6 +92,17 @@ def test_keyword_arguments_that_hold_no_tensor_are_fixed_when_traced():
             call.flatten((x,), wrong)
 
 
+class _ListIndex(nn.Module):
+    """An index given as a Python list (Falcon's `qkv[..., [-2], :]`): a tensor constant in the trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 12)
+
+    def forward(self, x):
+        return self.fc(x).view(4, 3, 4)[..., [-2, 0], :].sum(1)
+
+
 def test_an_index_given_as_a_python_list_is_a_constant_input_of_the_training_graph():
     """Falcon's `qkv[..., [-2], :]`: the trace keeps the list as a tensor constant (`get_attr`), which
     planning refused (unsupported node kind get_attr); it is lifted as an input of kind constant, and the
@@ -101,18 +112,10 @@ def test_an_index_given_as_a_python_list_is_a_constant_input_of_the_training_gra
     from spmd.runtime.simulate import simulate
     from tests.support import check_simulated_training, compile_graph
 
-    class Picks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 12)
-
-        def forward(self, x):
-            return self.fc(x).view(4, 3, 4)[..., [-2, 0], :].sum(1)
-
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        model, x, t = Picks(), torch.randn(4, 8), torch.randn(4, 4)
+        model, x, t = _ListIndex(), torch.randn(4, 8), torch.randn(4, 4)
         reference = copy.deepcopy(model)
         loss = F.mse_loss(reference(x), t)
         loss.backward()
@@ -152,18 +155,8 @@ def test_a_constant_keyword_changed_in_place_and_an_object_holding_tensors_are_n
 
 def test_a_state_dict_without_the_lifted_constants_loads():
     """Lifted constants are no state of the model: `load_sharded_state_dict(model.state_dict())` loads."""
-    from tests.unit.test_buffer_updates import _one_device
-
-    class Picks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 12)
-
-        def forward(self, x):
-            return self.fc(x).view(4, 3, 4)[..., [-2, 0], :].sum(1)
-
-    model, x, t = Picks(), torch.randn(4, 8), torch.randn(4, 4)
-    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    model, x, t = _ListIndex(), torch.randn(4, 8), torch.randn(4, 4)
+    compiled = one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
     assert [k for k in compiled._non_persistent if "constant" in k]
     compiled.device_mesh = None
     compiled.load_sharded_state_dict(model.state_dict())
@@ -187,8 +180,6 @@ def test_a_constant_read_only_in_backward_is_an_input_of_the_forward():
     review's repro): it is an input like any other, saved for backward."""
     import copy
 
-    from tests.unit.test_buffer_updates import _one_device
-
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -200,7 +191,7 @@ def test_a_constant_read_only_in_backward_is_an_input_of_the_forward():
     torch.manual_seed(0)
     model, x, t = Model(), torch.randn(4, 8), torch.randn(4, 8)
     reference = copy.deepcopy(model)
-    compiled = _one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    compiled = one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
     loss = compiled(x, t)
     loss.backward()
     ref_loss = F.mse_loss(reference(x), t)

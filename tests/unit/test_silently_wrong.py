@@ -16,7 +16,7 @@ from spmd.passes.insert_collectives import insert_collectives
 from spmd.runtime.distribute import local_shard
 from spmd.runtime.simulate import simulate
 from tests.models import Quantized
-from tests.support import check_simulated_training, compile_graph, spec
+from tests.support import check_simulated_training, compile_graph, one_device, spec
 
 
 # ---- custom autograd Functions -------------------------------------------------------------------
@@ -159,17 +159,8 @@ def test_one_tensor_passed_as_two_inputs_of_a_forward_traces_two_inputs():
 
 def _compiled_on_one_device(model, example: tuple, loss_fn):
     """`model` compiled for training on a mesh of one device, in this process (no process group)."""
-    from spmd.compiler.options import PlanOptions, RankBinding
-    from spmd.compiler.pipeline import run_pipeline
-    from spmd.core.mesh import MeshSpec
-    from spmd.runtime.compiled import CompiledModule
-    from spmd.runtime.measure import builtin_cpu
-
     with torch.enable_grad():
-        c = run_pipeline(model, example, MeshSpec((1,), ("dp",), device=builtin_cpu()),
-                         PlanOptions(training=True, loss_fn=loss_fn, stamp_layers=False), RankBinding(0, ("",)),
-                         quiet=True)
-    return CompiledModule(c, None, src_data_rank=None)
+        return one_device(model, example, training=True, loss_fn=loss_fn)
 
 
 def test_an_input_that_requires_grad_gets_its_gradient():
@@ -244,17 +235,9 @@ def test_a_backward_through_a_module_compiled_without_training_fails_and_says_so
     backward went through its collectives as if they were the identity (torch only warns): a gather's or a
     reduction's gradient came out wrong on any real mesh. It now computes without recording, and a
     backward through its outputs stops with the way out."""
-    from spmd.compiler.options import PlanOptions, RankBinding
-    from spmd.compiler.pipeline import run_pipeline
-    from spmd.core.mesh import MeshSpec
-    from spmd.runtime.compiled import CompiledModule
-    from spmd.runtime.measure import builtin_cpu
-
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(4, 8)
-    c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
-                     RankBinding(0, ("",)), quiet=True)
-    compiled = CompiledModule(c, None, src_data_rank=None)
+    compiled = one_device(model, (x,))
     out = compiled(x)
     torch.testing.assert_close(out, model(x))
     with pytest.raises(spmd.SpmdError, match=r"compiled without training .* What to do: "
@@ -273,16 +256,8 @@ def test_switching_a_compiled_module_to_the_other_mode_fails_instead_of_running_
     validation loss with dropout on, silently), and `.train()` on one compiled in eval mode drew none.
     Where the graph or the model depends on the mode, a call in the other mode now fails with the way out;
     back in the traced mode it runs as before."""
-    from spmd.compiler.options import PlanOptions, RankBinding
-    from spmd.compiler.pipeline import run_pipeline
-    from spmd.core.mesh import MeshSpec
-    from spmd.runtime.compiled import CompiledModule
-    from spmd.runtime.measure import builtin_cpu
-
     def compiled(model):
-        c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
-                         RankBinding(0, ("",)), quiet=True)
-        return CompiledModule(c, None, src_data_rank=None)
+        return one_device(model, (x,))
 
     torch.manual_seed(0)
     x = torch.randn(4, 8)
@@ -316,16 +291,8 @@ def test_a_forward_that_reads_self_training_itself_fails_in_the_other_mode():
     """`F.dropout(x, p, self.training)` in a model compiled in eval mode leaves nothing in the graph or in
     the modules to see; `.train()` then ran without dropout, silently. The first call in the other mode now
     runs the traced forward in both modes on fake tensors and compares the ops."""
-    from spmd.compiler.options import PlanOptions, RankBinding
-    from spmd.compiler.pipeline import run_pipeline
-    from spmd.core.mesh import MeshSpec
-    from spmd.runtime.compiled import CompiledModule
-    from spmd.runtime.measure import builtin_cpu
-
     def compiled(model):
-        c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
-                         RankBinding(0, ("",)), quiet=True)
-        return CompiledModule(c, None, src_data_rank=None)
+        return one_device(model, (x,))
 
     x = torch.randn(4, 8)
     model = _FunctionalDropout().eval()
@@ -480,19 +447,11 @@ def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model
     takes an eval-only fast path (a TransformerEncoderLayer with dropout 0 was refused), it ran in-place
     updates on the real buffers (a step counter moved), and it counted integer work (transformers'
     cache positions made only in one mode refused a gradient-checkpointed Llama)."""
-    from spmd.compiler.options import PlanOptions, RankBinding
-    from spmd.compiler.pipeline import run_pipeline
-    from spmd.core.mesh import MeshSpec
-    from spmd.runtime.compiled import CompiledModule
-    from spmd.runtime.measure import builtin_cpu
-
     torch.manual_seed(0)
     source = (nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) if model == "encoder"
               else _Counts()).train()
     x = torch.randn(2, 3, 8) if model == "encoder" else torch.randn(4, 8)
-    c = run_pipeline(source, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
-                     RankBinding(0, ("",)), quiet=True)
-    compiled = CompiledModule(c, None, src_data_rank=None)
+    compiled = one_device(source, (x,))
     steps = source.steps.clone() if model == "counts" else None
     compiled.eval()
     with torch.no_grad():
