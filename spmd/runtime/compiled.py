@@ -14,8 +14,8 @@ from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
-from spmd.runtime import clip_guard, compare, optimizer_guard, scaler_guard
-from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, total_norm
+from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard
+from spmd.runtime.distribute import contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -139,6 +139,10 @@ class CompiledModule(nn.Module):
                    and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
         clip_guard.watch(sharded)
         scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names, self._collective_device())
+        # and torch.distributed.checkpoint would take plain pieces (the optimizer's state_dict()) for replicated
+        # tensors: it would save one rank's and load it into all
+        checkpoint_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
+                                if any(isinstance(p, Shard) for p in self._state_placements[fqn])})
 
     @property
     def code(self) -> str:
@@ -210,16 +214,58 @@ class CompiledModule(nn.Module):
         return norm
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers as DTensors over the runtime mesh (local shards, no copies), the form
-        torch.distributed.checkpoint saves and loads in parallel."""
-        from torch.distributed.tensor import DTensor
-
+        """Parameters and buffers (the non-persistent ones too) as DTensors over the runtime mesh (local
+        shards, no copies), keyed by the model's names: the form torch.distributed.checkpoint saves and
+        loads in parallel. (`state_dict()` is the same without the non-persistent buffers.)"""
         if self.device_mesh is None:
             raise SpmdError("sharded_state_dict needs the runtime mesh: compile with spmd.compile")
-        out = {fqn: DTensor.from_local(getattr(self, attr).detach(), self.device_mesh,
-                                       list(self._state_placements[fqn]), run_check=False)
-               for fqn, attr in self._param_names.items()}
+        return self._named_state(keep_vars=False, persistent_only=False)
+
+    def _named_state(self, keep_vars: bool, persistent_only: bool) -> dict[str, torch.Tensor]:
+        """The model's names (a tied parameter under each of them) -> this rank's piece as a DTensor over the
+        runtime mesh, where it lies in the whole (the piece itself without a runtime mesh: a mesh of one)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for fqn, attr in self._param_names.items():
+            if persistent_only and fqn in self._non_persistent:
+                continue
+            local = getattr(self, attr)
+            local = local if keep_vars else local.detach()
+            if self.device_mesh is not None:
+                shape = self._global_shapes[fqn]
+                local = DTensor.from_local(local, self.device_mesh, list(self._state_placements[fqn]), run_check=False,
+                                           shape=torch.Size(shape), stride=contiguous_strides(shape))
+            out[fqn] = local
         return self._with_aliases(out)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """`state_dict()` is the model's: its names (a tied parameter under each), its persistent entries,
+        and each value this rank's piece as a DTensor over the runtime mesh (no copy), as FSDP2's modules
+        give theirs. torch.distributed.checkpoint then saves each piece where it lies in the whole, and
+        loads it back on any mesh and plan. (Plain pieces under one name on every rank would be taken for
+        one replicated tensor: it would save one rank's piece and load it into all of them.)"""
+        for name, value in self._named_state(keep_vars, persistent_only=True).items():
+            destination[prefix + name] = value
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """`optimizer`'s state (an optimizer over `compiled.parameters()`) keyed by the model's names, each
+        state cut like its parameter a DTensor over the runtime mesh: what torch.distributed.checkpoint saves
+        beside `state_dict()`, and loads on any mesh and plan (`load_optimizer_state_dict`). An optimizer
+        that has not stepped yet is given its state first (a step at a learning rate of 0, as torch's
+        `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load into. (The optimizer's
+        own `state_dict()` holds plain pieces keyed by position: right for torch.save on each rank and a
+        load on the same plan, wrong for torch.distributed.checkpoint, which refuses it.)"""
+        from spmd.runtime.optimizer_state import named_state_dict
+
+        return named_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load `optimizer_state_dict`'s form (as torch.distributed.checkpoint filled it in, or full tensors
+        under the model's names) into `optimizer`: each rank takes its pieces."""
+        from spmd.runtime.optimizer_state import load_named_state_dict
+
+        load_named_state_dict(self, optimizer, state)
 
     def _with_aliases(self, state: dict) -> dict:
         """`state` with every tied parameter listed under each of its names too (one tensor, many keys)."""
@@ -270,9 +316,9 @@ class CompiledModule(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's `load_state_dict`, which also takes the model's own state dict: keyed by the model's names
-        (`model.state_dict()`, a checkpoint of the single-device model: full tensors, or DTensors) it goes to
-        `load_sharded_state_dict` (each rank cuts its pieces); keyed as this module holds its pieces
-        (`compiled.state_dict()`: `0__weight`, this rank's pieces) it loads as torch loads any module. With
+        (`model.state_dict()`, a checkpoint of the single-device model: full tensors; `compiled.state_dict()`:
+        DTensors) it goes to `load_sharded_state_dict` (each rank cuts or takes its pieces); keyed as this
+        module holds its pieces as attributes (`0__weight`, this rank's pieces) it loads as torch loads any module. With
         `strict`, keys of neither kind, or a persistent entry missing, are an error; without, they are
         reported as torch reports them. (The model's names go around torch's load hooks, and `assign`.)"""
         from torch.nn.modules.module import _IncompatibleKeys
@@ -294,6 +340,21 @@ class CompiledModule(nn.Module):
                     if keys) + ". What to do: load the model's own, whole state dict (or pass strict=False).")
         self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k in known}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A compiled module inside another module: the outer module's `load_state_dict` hands it the entries
+        under its prefix, keyed as `state_dict()` keys them (the model's names) or as it holds its pieces."""
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        known = set(self._param_names) | set(self._aliases)
+        if not any(k in known for k in mine):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        self.load_sharded_state_dict({k: v for k, v in mine.items() if k in known}, _partial=True)
+        missing_keys.extend(prefix + fqn for fqn in self._param_names if fqn not in self._non_persistent
+                            and not any(n in mine for n in (fqn, *self._names_of(fqn))))
+        if strict:
+            unexpected_keys.extend(prefix + k for k in mine if k not in known)
 
     def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
         """Give this rank's shards of a model compiled from the meta device the values of the model's own

@@ -1,0 +1,111 @@
+"""Catch torch.distributed.checkpoint handed a rank's plain pieces of a compiled module's sharded tensors.
+
+torch.distributed.checkpoint takes a plain tensor stored under the same key on every rank for one
+replicated tensor: it saves one rank's copy and loads that copy into every rank. A rank's piece of a
+sharded parameter, or the optimizer state cut like it (AdamW's `exp_avg`), is no such tensor. Saved so,
+every rank but one loses its piece, and after the load the ranks train on one rank's pieces, without a word.
+(`compiled.state_dict()` and `compiled.optimizer_state_dict(opt)` give DTensors, which it saves right;
+`opt.state_dict()` gives the plain pieces.)
+
+`watch(pieces)` remembers (weakly) this rank's pieces of sharded parameters and buffers; an optimizer
+stepping one of them is remembered at its step. From the first piece on, the default save and load
+planners (`DefaultSavePlanner.set_up_planner`, `DefaultLoadPlanner.set_up_planner`: `dcp.save`,
+`dcp.async_save` and `dcp.load` all go through them, however imported) look through the state dict they
+are handed and raise `SpmdError` naming the entry, its parameter and the way out when a plain tensor there
+is one of those pieces or their optimizer's state. Anything else saves and loads as before.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from spmd.core.errors import SpmdError
+
+_lock = threading.Lock()
+_watched: dict[int, tuple[weakref.ref, str]] = {}  # id(piece) -> (ref, FQN)
+_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # those stepping a watched piece
+_looked_at: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_torch_planners: dict[type, object] = {}  # planner class -> its own set_up_planner, once ours stands in
+
+
+def watch(pieces: dict[str, torch.Tensor]) -> None:
+    """FQN -> this rank's piece of a sharded parameter or buffer."""
+    with _lock:
+        for fqn, t in pieces.items():
+            _watched[id(t)] = (weakref.ref(t, lambda _, key=id(t): _watched.pop(key, None)), fqn)
+        if not _torch_planners and _watched:
+            from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+            register_optimizer_step_post_hook(_seen)
+            for cls in (DefaultSavePlanner, DefaultLoadPlanner):
+                _torch_planners[cls] = cls.set_up_planner
+                cls.set_up_planner = _checked_set_up(cls)
+
+
+def _piece(t: torch.Tensor) -> str | None:
+    entry = _watched.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
+
+
+def _seen(optimizer, args, kwargs) -> None:
+    """Remember, once per optimizer, one that steps a watched piece (its state is cut like the piece)."""
+    if optimizer in _looked_at:
+        return
+    _looked_at.add(optimizer)
+    if any(_piece(p) for g in optimizer.param_groups for p in g["params"]):
+        _optimizers.add(optimizer)
+
+
+def _pieces_and_states() -> dict[int, str]:
+    """id -> what it is, for every watched piece and every optimizer state cut like one."""
+    found = {}
+    for key, (ref, fqn) in list(_watched.items()):
+        if ref() is not None:
+            found[key] = f"this rank's piece of {fqn}"
+    for optimizer in list(_optimizers):
+        for p, state in optimizer.state.items():
+            fqn = _piece(p)
+            if fqn is None:
+                continue
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    found[id(value)] = f"this rank's piece of {type(optimizer).__name__}'s {name!r} of {fqn}"
+    return found
+
+
+def _plain_pieces(state, known: dict[int, str], path: str = "") -> list[tuple[str, str]]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return []
+    if isinstance(state, torch.Tensor):
+        return [(path, known[id(state)])] if id(state) in known else []
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    return [hit for key, value in items for hit in _plain_pieces(value, known, f"{path}.{key}" if path else str(key))]
+
+
+def _checked_set_up(cls):
+    torch_set_up = _torch_planners[cls]
+    verb = "save" if "Save" in cls.__name__ else "load"
+
+    @functools.wraps(torch_set_up)  # (its signature too: torch passes storage_meta where the signature names it)
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        hits = _plain_pieces(state_dict, _pieces_and_states()) if _watched else []
+        if hits:
+            listed = "; ".join(f"{path!r} ({what})" for path, what in hits[:3]) + \
+                (f"; and {len(hits) - 3} more" if len(hits) > 3 else "")
+            raise SpmdError(
+                f"torch.distributed.checkpoint was asked to {verb} plain pieces of sharded tensors: {listed}. It "
+                "takes a plain tensor under one key on every rank for one replicated tensor, so it would save one "
+                "rank's piece and load that piece into every rank: the ranks would go on training other values, "
+                "without a word. What to do: checkpoint `compiled.state_dict()` and "
+                "`compiled.optimizer_state_dict(optimizer)` (DTensors: each piece where it lies in the whole, "
+                "loadable on any mesh), and load them back with `compiled.load_state_dict(...)` and "
+                "`compiled.load_optimizer_state_dict(optimizer, ...)`.")
+        return torch_set_up(self, state_dict, *args, **kwargs)
+
+    return set_up_planner

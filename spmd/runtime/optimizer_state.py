@@ -1,0 +1,122 @@
+"""An optimizer's state over a compiled module's pieces, keyed by the model's names, as DTensors.
+
+A torch optimizer built over `compiled.parameters()` keeps, per parameter, state cut like the piece it steps
+(AdamW's `exp_avg` and `exp_avg_sq`) and keys it by the parameter's position. Its own `state_dict()` is
+right for `torch.save` on each rank and a load on the same mesh and plan, but not for
+torch.distributed.checkpoint: a plain tensor under the same key on every rank is taken for one replicated
+tensor, and one rank's piece is saved and loaded into all of them.
+
+`named_state_dict` gives the form torch's `get_optimizer_state_dict` gives for FSDP2 modules: `{"state":
+{fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`, each state cut like its parameter a
+DTensor over the runtime mesh (where it lies in the whole: a checkpoint loads on any mesh and plan).
+`load_named_state_dict` takes that form back (or full tensors: one device's optimizer, keyed by its
+model's names) into the optimizer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from spmd.core.errors import SpmdError
+from spmd.runtime.distribute import contiguous_strides, local_shard
+
+
+def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each param group's parameters by the model's names (an error naming any that is not the module's)."""
+    fqn_of = {id(getattr(compiled, attr)): fqn for fqn, attr in compiled._param_names.items()
+              if isinstance(getattr(compiled, attr), nn.Parameter)}
+    names, foreign = [], 0
+    for group in optimizer.param_groups:
+        names.append([fqn_of.get(id(p)) for p in group["params"]])
+        foreign += names[-1].count(None)
+    if foreign:
+        raise SpmdError(f"{type(optimizer).__name__} holds {foreign} parameter(s) that are not this compiled "
+                        "module's: its state cannot be keyed by this model's names. What to do: one optimizer per "
+                        "compiled module, over `compiled.parameters()`, or the optimizer's own `state_dict()` saved "
+                        "by each rank with torch.save (a load on the same mesh and plan).")
+    return names
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet its state (a step with zero gradients at a learning rate of
+    0, as torch's `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load it."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, rates):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    names = _names(compiled, optimizer)
+    _init_state(optimizer)
+    torch_form = optimizer.state_dict()
+    flat = [fqn for group in names for fqn in group]
+    state = {}
+    for index, entries in torch_form["state"].items():
+        fqn = flat[index]
+        piece = getattr(compiled, compiled._param_names[fqn])
+        placements = list(compiled._state_placements[fqn])
+        cut = any(n > 1 for n in compiled.mesh_spec.shape)
+        state[fqn] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if tuple(value.shape) != tuple(piece.shape):
+                    if cut:  # (Adafactor's row and column factors: not cut like the piece)
+                        raise SpmdError(
+                            f"{type(optimizer).__name__}'s state {key!r} of {fqn} has shape {tuple(value.shape)}, "
+                            f"neither a number nor cut like the parameter's piece {tuple(piece.shape)}: it cannot "
+                            "be described as a piece of a whole. What to do: save the optimizer's own "
+                            "`state_dict()` on each rank with torch.save (a load on the same mesh and plan).")
+                elif compiled.device_mesh is not None:
+                    shape = compiled._global_shapes[fqn]
+                    value = DTensor.from_local(value, compiled.device_mesh, placements, run_check=False,
+                                               shape=torch.Size(shape), stride=contiguous_strides(shape))
+            state[fqn][key] = value
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group_names}
+              for group, group_names in zip(torch_form["param_groups"], names)]
+    return {"state": state, "param_groups": groups}
+
+
+def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
+    names = _names(compiled, optimizer)
+    index = {fqn: k for k, fqn in enumerate(fqn for group in names for fqn in group)}
+    if len(named["param_groups"]) != len(names):
+        raise SpmdError(f"load_optimizer_state_dict: the state has {len(named['param_groups'])} param groups, the "
+                        f"optimizer {len(names)}. What to do: build the optimizer as it was built when saved.")
+    state = {}
+    for fqn, entries in named["state"].items():
+        fqn = compiled._aliases.get(fqn, fqn)
+        if fqn not in index:
+            raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
+                            "What to do: load the state of an optimizer over the same model's parameters.")
+        piece = getattr(compiled, compiled._param_names[fqn])
+        placements = compiled._state_placements[fqn]
+        state[index[fqn]] = {}
+        for key, value in entries.items():
+            if hasattr(value, "to_local"):  # a DTensor: as saved, resharded to this plan's layout where it differs
+                value = value.redistribute(compiled.device_mesh, list(placements)).to_local()
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
+                value = local_shard(value, placements, compiled.mesh_spec.shape, compiled.coord)
+            state[index[fqn]][key] = value
+    groups = []
+    for group, group_names in zip(named["param_groups"], names):
+        saved = [compiled._aliases.get(n, n) for n in group["params"]]
+        if sorted(saved) != sorted(group_names):
+            raise SpmdError("load_optimizer_state_dict: a param group holds other parameters than when it was "
+                            "saved. What to do: build the optimizer as it was built when saved.")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [index[n] for n in group_names]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+

@@ -1,0 +1,113 @@
+"""torch.distributed.checkpoint on gloo ranks: a model and its optimizer saved under one plan resume under
+another, equal to the run that did not stop; plain pieces, which it would save once for all ranks, are refused."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import spmd
+from examples.models import GPT, GPTConfig
+from tests.support import spec
+
+
+def _lm_loss(out, targets):
+    return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+def _gpt(pins: dict):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(GPT(GPTConfig(layers=1)), mesh, (tokens, tokens), loss_fn=_lm_loss,
+                            mesh_spec=spec((2,), ("dp",)), param_placements=pins)
+    return compiled, compiled.shard_inputs(tokens, tokens)
+
+
+def _step(compiled, opt, inputs) -> None:
+    compiled(*inputs).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _full(compiled) -> dict:
+    return {k: v.clone() for k, v in compiled.full_state_dict().items()}
+
+
+def _resume(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})  # each rank holds half of fc1
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    for _ in range(2):
+        _step(compiled, opt, inputs)
+    dcp.save({"model": compiled.state_dict(), "opt": compiled.optimizer_state_dict(opt)}, checkpoint_id=folder)
+    saved = _full(compiled)
+    _step(compiled, opt, inputs)
+    went_on = _full(compiled)
+
+    # another plan (fc1 whole, fc2 cut), another process's optimizer that has not stepped
+    other, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Replicate()], "blocks.0.mlp.fc2.weight": [Shard(1)]})
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    state = {"model": other.state_dict(), "opt": other.optimizer_state_dict(other_opt)}
+    dcp.load(state, checkpoint_id=folder)
+    other.load_state_dict(state["model"])
+    other.load_optimizer_state_dict(other_opt, state["opt"])
+    loaded = _full(other)
+    _step(other, other_opt, inputs)
+    resumed = _full(other)
+
+    # the model alone, its optimizer afresh: the step after it must differ (the moments matter)
+    fresh, inputs = _gpt({})
+    fresh.load_state_dict(state["model"])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _step(fresh, fresh_opt, inputs)
+    return {"loaded": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()),
+            "resumed": max(float((resumed[k] - v).abs().max()) for k, v in went_on.items()),
+            "fresh": max(float((_full(fresh)[k] - v).abs().max()) for k, v in went_on.items()),
+            "placements": [str(other.sharded_state_dict()["blocks.0.mlp.fc1.weight"].placements),
+                           str(compiled.sharded_state_dict()["blocks.0.mlp.fc1.weight"].placements)]}
+
+
+def test_model_and_optimizer_resume_on_another_plan(ranks, tmp_path):
+    """`compiled.state_dict()` (DTensors under the model's names) and `compiled.optimizer_state_dict(opt)`
+    saved by torch.distributed.checkpoint under one plan load under another, and the next step equals the
+    step of the run that went on. (Before, `state_dict()` gave plain pieces under `0__weight`-like names, and
+    the checkpoint kept rank 0's half of fc1 for both ranks: rank 1 resumed with rank 0's values.)"""
+    for r in ranks(2).run(_resume, str(tmp_path)):
+        assert r["placements"] == ["(Replicate(),)", "(Shard(dim=0),)"], r["placements"]
+        assert r["loaded"] == 0.0 and r["resumed"] == 0.0, r
+        assert r["fresh"] > 1e-4, r  # (without the optimizer's moments the step is another one)
+
+
+def _plain_pieces(rank: int, world: int, folder: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    _step(compiled, opt, inputs)
+    piece = compiled.get_parameter("blocks__0__mlp__fc1__weight")
+    dcp.save({"w": compiled.state_dict()["blocks.0.mlp.fc1.weight"]}, checkpoint_id=folder)  # (right: a DTensor)
+    refused = []
+    for what, call in (
+            ("save the optimizer's own state_dict", lambda: dcp.save({"model": compiled.state_dict(),
+                                                                      "opt": opt.state_dict()}, checkpoint_id=folder)),
+            ("load into plain pieces", lambda: dcp.load({"w": piece}, checkpoint_id=folder))):
+        try:
+            call()
+        except BaseException as e:  # (torch.distributed.checkpoint's CheckpointException is a BaseException)
+            refused.append(f"{what}: {e}")
+    return refused
+
+
+def test_plain_pieces_are_refused(ranks, tmp_path):
+    """The optimizer's own `state_dict()` holds plain pieces of fc1's moments: saved by
+    torch.distributed.checkpoint, one rank's would have been kept for both. Refused on every rank, naming
+    the entry and the way out; so is a load into a plain piece."""
+    for refused in ranks(2).run(_plain_pieces, str(tmp_path)):
+        assert len(refused) == 2, refused
+        assert re.search(r"'opt\.state\.\d+\.exp_avg' \(this rank's piece of AdamW's 'exp_avg' of blocks\.0\.", refused[0])
+        assert "compiled.optimizer_state_dict(optimizer)" in refused[0]
+        assert "asked to load plain pieces" in refused[1] and "piece of blocks.0.mlp.fc1.weight" in refused[1]

@@ -1,0 +1,117 @@
+"""A compiled module's state dicts under the model's names (one device, in process): `state_dict()` is the
+model's (its names, a tied weight under each, no non-persistent buffer), `optimizer_state_dict` keys the
+optimizer's state by those names and loads back, and what cannot be described so is refused by name.
+(Multi-rank: DTensors, torch.distributed.checkpoint across plans: tests/e2e/test_checkpoint.py.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd
+from tests.support import one_device
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("cache", torch.arange(8.0), persistent=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.fc(self.emb(ids)) + self.cache))
+
+
+def _compiled():
+    torch.manual_seed(0)
+    model = _Net()
+    ids, labels = torch.randint(0, 16, (6,)), torch.randint(0, 16, (6,))
+    return model, one_device(copy.deepcopy(model), (ids, labels), training=True, loss_fn=F.cross_entropy), (ids, labels)
+
+
+def test_state_dict_is_the_models():
+    model, compiled, _ = _compiled()
+    mine, theirs = compiled.state_dict(), model.state_dict()
+    assert sorted(mine) == sorted(theirs), (list(mine), list(theirs))
+    assert "cache" not in mine and "head.weight" in mine  # (non-persistent out; the tied head under its name)
+    for k, v in theirs.items():
+        torch.testing.assert_close(mine[k], v)
+    assert mine["head.weight"] is mine["emb.weight"]
+    # and it loads back (the model's names: load_sharded_state_dict), after the module's pieces moved
+    with torch.no_grad():
+        compiled.get_parameter("fc__weight").add_(1.0)
+    compiled.load_state_dict(theirs)
+    torch.testing.assert_close(compiled.get_parameter("fc__weight"), model.fc.weight)
+
+
+def test_optimizer_state_round_trip_by_the_models_names():
+    """Saved after two steps and loaded into another optimizer over another compile of the model, the third
+    step equals the run that went on; the state is keyed by the model's names, the tied weight once."""
+    model, compiled, (ids, labels) = _compiled()
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    for _ in range(2):
+        compiled(ids, labels).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(compiled.optimizer_state_dict(opt))
+    model_state = copy.deepcopy(compiled.state_dict())
+    assert sorted(saved["state"]) == sorted(k for k, _ in model.named_parameters())  # (emb.weight once)
+    assert saved["param_groups"][0]["params"] == [n for n, _ in model.named_parameters()]
+    assert set(saved["state"]["fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    compiled(ids, labels).backward()
+    opt.step()
+    went_on = {k: v.clone() for k, v in compiled.state_dict().items()}
+
+    _, other, _ = _compiled()
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other.load_state_dict(model_state)
+    other.load_optimizer_state_dict(other_opt, saved)
+    other(ids, labels).backward()
+    other_opt.step()
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
+
+
+def test_an_optimizer_that_has_not_stepped_gets_its_state_first():
+    """A checkpoint is loaded into the state dict it is given: an optimizer with no state yet would load no
+    moments. As torch's `get_optimizer_state_dict`, it is given its state by a step at a learning rate of 0,
+    which moves no parameter (AdamW's weight decay is scaled by the rate too)."""
+    _, compiled, _ = _compiled()
+    before = {k: v.clone() for k, v in compiled.state_dict().items()}
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2, weight_decay=0.1)
+    state = compiled.optimizer_state_dict(opt)
+    assert set(state["state"]["fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.param_groups[0]["lr"] == 1e-2 and all(p.grad is None for p in compiled.parameters())
+    for k, v in compiled.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_an_optimizer_over_other_parameters_is_named():
+    _, compiled, _ = _compiled()
+    opt = torch.optim.SGD(list(compiled.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(spmd.SpmdError, match=r"SGD holds 1 parameter\(s\) that are not this compiled module's"):
+        compiled.optimizer_state_dict(opt)
+
+
+def test_a_compiled_module_inside_another_saves_and_loads_with_it():
+    """The outer module's state dict holds the compiled module's entries under its prefix and the model's
+    names, and its `load_state_dict` puts them back (strict: a missing or foreign entry is reported)."""
+    model, compiled, _ = _compiled()
+    outer = nn.ModuleDict({"net": compiled, "extra": nn.Linear(2, 2)})
+    state = {k: v.clone() for k, v in outer.state_dict().items()}
+    assert "net.fc.weight" in state and "extra.weight" in state
+    with torch.no_grad():
+        compiled.get_parameter("fc__weight").add_(1.0)
+    outer.load_state_dict(state)
+    torch.testing.assert_close(compiled.get_parameter("fc__weight"), model.fc.weight)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "net.fc.bias"'):
+        outer.load_state_dict({k: v for k, v in state.items() if k != "net.fc.bias"})
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "net.nothing"'):
+        outer.load_state_dict({**state, "net.nothing": torch.ones(1)})
