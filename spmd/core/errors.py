@@ -31,6 +31,20 @@ class SpmdInternalError(RuntimeError):
         self.graph_dump = graph_dump
 
 
+def user_stacklevel() -> int:
+    """The `stacklevel` for `warnings.warn`, called from spmd, that points at the innermost caller outside
+    spmd and torch (the user's `spmd.compile(...)` line), however deep in the pipeline the warning is."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_SPMD_DIR + os.sep) and not path.startswith(TORCH_DIR):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 def user_source_line(node: fx.Node) -> str:
     """The innermost frame of `node`'s stack trace outside torch and spmd: the user's `file:line  code`
     (spmd's own, such as the wrapper that calls a loss_fn, when no frame of the user's is there)."""

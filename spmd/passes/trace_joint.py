@@ -36,7 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      distinct_inputs, shared_names, tensor_infos, user_outputs_first)
+                                      distinct_inputs, shared_names, tensor_infos, user_outputs_first,
+                                      warn_module_hooks)
 
 _PREFIX = "model."
 
@@ -111,6 +112,8 @@ def _decomposition_table():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
+    _refuse_gradient_hooks(model)
+    warn_module_hooks(model)
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
     assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
@@ -245,6 +248,24 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         _backward_meta_from_forward(joint.graph_module.graph)
         _drop_disable_notes(joint.graph_module.graph)
         return joint.graph_module, joint.out_spec, applied
+
+
+def _refuse_gradient_hooks(model: torch.nn.Module) -> None:
+    """A hook registered on a parameter of the model (`p.register_hook`, `p.register_post_accumulate_grad_hook`)
+    is the parameter's own: the compiled module holds new tensors (this rank's pieces), so the hook would never
+    run, and the gradients it masks or scales, or the optimizer step it takes in backward, would not happen,
+    silently. Refused, naming the parameters and the way out."""
+    hooked = [name for name, p in model.named_parameters(remove_duplicate=False)
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise SpmdError(
+            f"trace_joint: {len(hooked)} parameter(s) of {type(model).__name__} carry gradient hooks "
+            f"({', '.join(hooked[:4])}{', ...' if len(hooked) > 4 else ''}: `register_hook` or "
+            "`register_post_accumulate_grad_hook`). The compiled module trains its own pieces of the parameters, "
+            "so these hooks would never run: the gradients they change, or the optimizer step they take in "
+            "backward, would not happen. What to do: register the hooks after compiling, on the compiled "
+            "module's parameters (`compiled.parameters()`: a hook there gets this rank's piece of the full "
+            "gradient), and not on the model's.")
 
 
 def _aot_over_export(root: torch.nn.Module, example_inputs: tuple) -> tuple:

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from spmd.core.errors import SpmdError, describe_node
+from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
 
 
@@ -216,7 +216,27 @@ def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def warn_module_hooks(model: torch.nn.Module) -> None:
+    """A module hook runs while the model is traced: what it computes into the values is in the graph, and
+    anything else it does (record an activation, print, count, append an auxiliary loss to a list) happened
+    then and never again. Say so, naming the modules, since nothing else would."""
+    import warnings
+
+    hooked = [name or type(model).__name__ for name, m in model.named_modules() if any(getattr(m, h) for h in _MODULE_HOOKS)]
+    if hooked:
+        warnings.warn(
+            f"{len(hooked)} module(s) carry forward or backward hooks ({', '.join(hooked[:4])}"
+            f"{', ...' if len(hooked) > 4 else ''}): what they compute into the values is compiled into the "
+            "graph, but they ran only while it was traced. Anything else they do (record activations, print, "
+            "count, store an auxiliary loss) will not happen when the compiled module is called. What to do: "
+            "return such values from the forward.", stacklevel=user_stacklevel())
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
+    warn_module_hooks(model)
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     try:
         ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)

@@ -480,3 +480,50 @@ def test_converting_a_compiled_modules_pieces_is_refused_before_anything_changes
     assert torch.equal(compiled.get_parameter("0__weight"), weight)
     compiled.float().to("cpu")
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
+
+# ---- hooks ---------------------------------------------------------------------------------------
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_models_parameter_is_refused(register):
+    """`model[0].weight.register_hook(mask)` (or an optimizer step in backward) on the model's parameter:
+    the compiled module trains its own pieces, so the hook never ran, and the gradient came back unmasked
+    (0.28 where eager gives 0), or no step was taken at all, silently."""
+    model = _mlp()
+    getattr(model[0].weight, register)(lambda g: g * 0 if register == "register_hook" else None)
+    with pytest.raises(spmd.SpmdError, match=r"1 parameter\(s\) of Sequential carry gradient hooks \(0\.weight: "
+                                             r".*What to do: register the hooks after compiling"):
+        one_device(model, (torch.randn(6, 4), torch.randn(6, 2)), training=True, loss_fn=F.mse_loss)
+
+
+def test_the_way_out_a_gradient_hook_on_the_compiled_parameter_runs():
+    """The error's way out: the same hook on the compiled module's parameter masks its gradient as eager does."""
+    model, reference = _mlp(), _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    compiled.get_parameter("0__weight").register_hook(lambda g: g * 0)
+    reference[0].weight.register_hook(lambda g: g * 0)
+    compiled(x, y).backward()
+    F.mse_loss(reference(x), y).backward()
+    torch.testing.assert_close(compiled.get_parameter("0__weight").grad, reference[0].weight.grad)
+    torch.testing.assert_close(compiled.get_parameter("2__weight").grad, reference[2].weight.grad)
+
+
+def test_a_module_hook_is_named_as_running_only_while_traced():
+    """A forward hook that records activations ran twice while the model was traced and never when the
+    compiled module was called; what it computes into the values (a pre-hook doubling the input) is in the
+    graph. The compile says so, pointing at the caller's line."""
+    model, seen = _mlp(), []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    model[2].register_forward_pre_hook(lambda m, a: (a[0] * 2,))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.warns(UserWarning, match=r"2 module\(s\) carry forward or backward hooks \(0, 2\).*will not happen "
+                                         r"when the compiled module is called") as caught:
+        compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    assert caught[0].filename.endswith("support.py")  # (the caller's line, not spmd's)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
