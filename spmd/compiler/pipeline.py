@@ -34,6 +34,7 @@ from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
 from spmd.compiler.progress import Progress
 from spmd.compiler.agreement import summarize
+from spmd.compiler.attribute_reads import for_every_layer, reading
 from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -102,7 +103,15 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     """The full-depth graph, and how it was made. With layer stacks: the model traced with each stack
     cut to its first layers, stamped to full depth; when the cut model does not trace or its layers do
     not chain simply, the whole model traced (the note says why). For a graph that will run (`binding`),
-    stamping is checked first against the forward at full depth (`check_stamping`)."""
+    stamping is checked first against the forward at full depth (`check_stamping`). The graph notes the
+    plain attributes of modules the forward read (`TracedGraph.reads`, every stamped layer's too)."""
+    with reading(model) as reads:
+        traced, note = _trace_graph(model, example_inputs, options, stacks, binding)
+    traced.reads = tuple(sorted(for_every_layer(reads, stacks) if traced.stamped else reads))
+    return traced, note
+
+
+def _trace_graph(model, example_inputs, options: PlanOptions, stacks, binding) -> tuple[TracedGraph, str]:
     def trace(m):
         if options.joint:
             return trace_joint(m, example_inputs, options.loss_fn)

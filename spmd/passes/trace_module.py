@@ -52,6 +52,9 @@ class TracedGraph:
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
     stamped: dict[str, str] = field(default_factory=dict)
+    # (module path, attribute) of the plain values the forward read from its modules: constants of the graph
+    # (compiler/attribute_reads.py; the runtime names any that changes on the model after compiling)
+    reads: tuple[tuple[str, str], ...] = ()
 
     def output_kinds(self) -> list[GraphOutput]:
         flat = flat_outputs(self.graph.output_node())

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from spmd.compiler.attribute_reads import AttributeGuard
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
@@ -120,6 +121,9 @@ class CompiledModule(nn.Module):
         # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
         self.__dict__["_traced_root"] = with_loss(c.model, c.options.loss_fn if c.traced.joint else None)
         self._mode_checked: str | None | bool = False
+        # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
+        # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
+        self._attributes = AttributeGuard(self._source_model, c.traced.reads)
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
@@ -673,9 +677,11 @@ class CompiledModule(nn.Module):
         if self._mode_checked is False:
             inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
             self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
+            self._attributes.refresh()  # (the forward ran again: what it sets itself is not the user's change)
         return self._mode_checked
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
+        self._attributes.check()
         if self.training != self._traced_mode:
             reason = self._mode_dependent or self._ops_differ_by_mode()
             if reason:

@@ -527,3 +527,75 @@ def test_a_module_hook_is_named_as_running_only_while_traced():
         compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     assert caught[0].filename.endswith("support.py")  # (the caller's line, not spmd's)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
+
+# ---- plain attributes the forward reads ----------------------------------------------------------
+
+class _Scaled(nn.Module):
+    """Reads plain attributes: a temperature the training loop anneals, a dropout rate, a call counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.0)
+        self.temperature = 2.0
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # (written by the forward itself: no change of the user's)
+        return self.drop(self.fc(x) / self.temperature)
+
+
+def test_an_attribute_the_forward_read_changed_on_the_model_is_named():
+    """`model.temperature = 1.0` after compiling reached nothing: the graph holds 2.0, and the compiled module
+    went on dividing by it, silently. Each call now checks the values the forward read."""
+    model = _Scaled()
+    x, y = torch.randn(6, 4), torch.randn(6, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    compiled(x, y)
+    model.temperature = 1.0
+    with pytest.raises(spmd.SpmdError, match=r"`temperature` \(2\.0 -> 1\.0\) changed after compiling.*What to do: "
+                                             r"compile again"):
+        compiled(x, y)
+    model.temperature = 2.0
+    model.drop.p = 0.1
+    with pytest.raises(spmd.SpmdError, match=r"`drop\.p` \(0\.0 -> 0\.1\)"):
+        compiled(x, y)
+    model.drop.p = 0.0
+    compiled.eval()  # (the mode check runs the forward again, which counts its calls: not the user's change)
+    compiled(x, y)
+    compiled.train()
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * self.scale
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[_Layer() for _ in range(8)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def test_an_attribute_of_a_stamped_layer_is_watched_too():
+    """Eight alike layers: three traced, five stamped. The stamped layers' attributes are guarded as well."""
+    torch.manual_seed(0)
+    model = _Stack()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss, stamp_layers=True)
+    assert "5 stamped" in compiled.plan.stats["stamped_layers"]
+    assert ("layers.6", "scale") in compiled._attributes.watched()
+    model.layers[6].scale = 0.5
+    with pytest.raises(spmd.SpmdError, match=r"`layers\.6\.scale` \(1\.0 -> 0\.5\)"):
+        compiled(x, y)
