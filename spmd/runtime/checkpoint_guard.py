@@ -7,12 +7,16 @@ every rank but one loses its piece, and after the load the ranks train on one ra
 (`compiled.state_dict()` and `compiled.optimizer_state_dict(opt)` give DTensors, which it saves right;
 `opt.state_dict()` gives the plain pieces.)
 
-`watch(pieces)` remembers (weakly) this rank's pieces of sharded parameters and buffers; an optimizer
-stepping one of them is remembered at its step. From the first piece on, the default save and load
-planners (`DefaultSavePlanner.set_up_planner`, `DefaultLoadPlanner.set_up_planner`: `dcp.save`,
-`dcp.async_save` and `dcp.load` all go through them, however imported) look through the state dict they
-are handed and raise `SpmdError` naming the entry, its parameter and the way out when a plain tensor there
-is one of those pieces or their optimizer's state. Anything else saves and loads as before.
+`watch(pieces)` remembers (weakly) this rank's pieces of sharded parameters and buffers (cut over a mesh
+axis of more than one rank); an optimizer stepping one of them is remembered at its step. From the first
+piece on, what `dcp.save` and `dcp.async_save` save (`state_dict_saver._stateful_to_state_dict`, which both
+look up at each call, before `async_save` stages copies) and what the default save and load planners are
+handed (`DefaultSavePlanner.set_up_planner`, `DefaultLoadPlanner.set_up_planner`: `dcp.load` too) is looked
+through, and a plain tensor there that is one of those pieces or their optimizer's state raises `SpmdError`
+naming the entry, its parameter and the way out. Anything else saves and loads as before.
+
+Pieces are known by identity: the live tensors (`compiled.parameters()`, the optimizer's state, its
+`state_dict()`). Copies of them (`p.detach().clone()`, `copy.deepcopy(opt.state_dict())`) are not caught.
 """
 from __future__ import annotations
 
@@ -38,12 +42,15 @@ def watch(pieces: dict[str, torch.Tensor]) -> None:
         for fqn, t in pieces.items():
             _watched[id(t)] = (weakref.ref(t, lambda _, key=id(t): _watched.pop(key, None)), fqn)
         if not _torch_planners and _watched:
+            from torch.distributed.checkpoint import state_dict_saver
             from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
             register_optimizer_step_post_hook(_seen)
             for cls in (DefaultSavePlanner, DefaultLoadPlanner):
                 _torch_planners[cls] = cls.set_up_planner
                 cls.set_up_planner = _checked_set_up(cls)
+            if hasattr(state_dict_saver, "_stateful_to_state_dict"):
+                state_dict_saver._stateful_to_state_dict = _checked_to_state_dict(state_dict_saver._stateful_to_state_dict)
 
 
 def _piece(t: torch.Tensor) -> str | None:
@@ -88,24 +95,40 @@ def _plain_pieces(state, known: dict[int, str], path: str = "") -> list[tuple[st
     return [hit for key, value in items for hit in _plain_pieces(value, known, f"{path}.{key}" if path else str(key))]
 
 
+def _check(state_dict, verb: str) -> None:
+    hits = _plain_pieces(state_dict, _pieces_and_states()) if _watched else []
+    if hits:
+        listed = "; ".join(f"{path!r} ({what})" for path, what in hits[:3]) + \
+            (f"; and {len(hits) - 3} more" if len(hits) > 3 else "")
+        raise SpmdError(
+            f"torch.distributed.checkpoint was asked to {verb} plain pieces of sharded tensors: {listed}. It "
+            "takes a plain tensor under one key on every rank for one replicated tensor, so it would save one "
+            "rank's piece and load that piece into every rank: the ranks would go on training other values, "
+            "without a word. What to do: checkpoint `compiled.state_dict()` and "
+            "`compiled.optimizer_state_dict(optimizer)` (DTensors: each piece where it lies in the whole, "
+            "loadable on any mesh), and load them back with `compiled.load_state_dict(...)` and "
+            "`compiled.load_optimizer_state_dict(optimizer, ...)`.")
+
+
+def _checked_to_state_dict(torch_to_state_dict):
+    """`dcp.save` and `dcp.async_save` turn their argument into the state dict to save here, before
+    `async_save` stages copies of it (which the planner would see instead of the pieces)."""
+    @functools.wraps(torch_to_state_dict)
+    def to_state_dict(state_dict):
+        out = torch_to_state_dict(state_dict)
+        _check(out, "save")
+        return out
+
+    return to_state_dict
+
+
 def _checked_set_up(cls):
     torch_set_up = _torch_planners[cls]
     verb = "save" if "Save" in cls.__name__ else "load"
 
     @functools.wraps(torch_set_up)  # (its signature too: torch passes storage_meta where the signature names it)
     def set_up_planner(self, state_dict, *args, **kwargs):
-        hits = _plain_pieces(state_dict, _pieces_and_states()) if _watched else []
-        if hits:
-            listed = "; ".join(f"{path!r} ({what})" for path, what in hits[:3]) + \
-                (f"; and {len(hits) - 3} more" if len(hits) > 3 else "")
-            raise SpmdError(
-                f"torch.distributed.checkpoint was asked to {verb} plain pieces of sharded tensors: {listed}. It "
-                "takes a plain tensor under one key on every rank for one replicated tensor, so it would save one "
-                "rank's piece and load that piece into every rank: the ranks would go on training other values, "
-                "without a word. What to do: checkpoint `compiled.state_dict()` and "
-                "`compiled.optimizer_state_dict(optimizer)` (DTensors: each piece where it lies in the whole, "
-                "loadable on any mesh), and load them back with `compiled.load_state_dict(...)` and "
-                "`compiled.load_optimizer_state_dict(optimizer, ...)`.")
+        _check(state_dict, verb)
         return torch_set_up(self, state_dict, *args, **kwargs)
 
     return set_up_planner

@@ -146,7 +146,8 @@ class CompiledModule(nn.Module):
         # and torch.distributed.checkpoint would take plain pieces (the optimizer's state_dict()) for replicated
         # tensors: it would save one rank's and load it into all
         checkpoint_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
-                                if any(isinstance(p, Shard) for p in self._state_placements[fqn])})
+                                if any(isinstance(p, Shard) and n > 1
+                                       for p, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
 
     @property
     def code(self) -> str:
@@ -257,7 +258,9 @@ class CompiledModule(nn.Module):
         state cut like its parameter a DTensor over the runtime mesh: what torch.distributed.checkpoint saves
         beside `state_dict()`, and loads on any mesh and plan (`load_optimizer_state_dict`). An optimizer
         that has not stepped yet is given its state first (a step at a learning rate of 0, as torch's
-        `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load into. (The optimizer's
+        `get_optimizer_state_dict` does; the optimizer itself is left without it), so that a checkpoint has
+        somewhere to load into: saved before the first step, a checkpoint holds that made-up state (AdamW: step 1,
+        zero moments), so save after it. (The optimizer's
         own `state_dict()` holds plain pieces keyed by position: right for torch.save on each rank and a
         load on the same plan, wrong for torch.distributed.checkpoint, which refuses it.)"""
         from spmd.runtime.optimizer_state import named_state_dict
@@ -329,7 +332,7 @@ class CompiledModule(nn.Module):
 
         known = set(self._param_names) | set(self._aliases)
         own_only = (set(self._parameters) | set(self._buffers)) - known  # (a root parameter: both names alike)
-        if not any(k in known for k in state_dict) or any(k in own_only for k in state_dict):
+        if any(k in own_only for k in state_dict):
             out = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
             return out
@@ -351,7 +354,8 @@ class CompiledModule(nn.Module):
         under its prefix, keyed as `state_dict()` keys them (the model's names) or as it holds its pieces."""
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         known = set(self._param_names) | set(self._aliases)
-        if not any(k in known for k in mine):
+        own_only = (set(self._parameters) | set(self._buffers)) - known  # (as `load_state_dict` tells them apart)
+        if any(k in own_only for k in mine):
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
         self.load_sharded_state_dict({k: v for k, v in mine.items() if k in known}, _partial=True)

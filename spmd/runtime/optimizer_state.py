@@ -37,12 +37,13 @@ def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     return names
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
+def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
     """Give an optimizer that has not stepped yet its state (a step with zero gradients at a learning rate of
-    0, as torch's `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load it."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if optimizer.state or any(p.grad is not None for p in params):
-        return
+    0, as torch's `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load it. Only the
+    parameters a gradient reaches (ids in `trained`) get state, as they do when training. True if it did."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) in trained]
+    if optimizer.state or not params or any(p.grad is not None for p in params):
+        return False
     for p in params:
         p.grad = torch.zeros_like(p)
     rates = [g["lr"] for g in optimizer.param_groups]
@@ -54,14 +55,19 @@ def _init_state(optimizer: torch.optim.Optimizer) -> None:
         for g, lr in zip(optimizer.param_groups, rates):
             g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+    return True
 
 
 def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.tensor import DTensor
 
     names = _names(compiled, optimizer)
-    _init_state(optimizer)
+    grads = compiled.split.grads if compiled.split is not None else ()  # (the parameters a gradient reaches)
+    trained = {id(getattr(compiled, compiled._param_names[name])) for name in grads if name in compiled._param_names}
+    made_up = _init_state(optimizer, trained)
     torch_form = optimizer.state_dict()
+    if made_up:  # (the live optimizer stays as it was: the state of a step at rate 0 is not a fresh one's)
+        optimizer.state.clear()
     flat = [fqn for group in names for fqn in group]
     state = {}
     for index, entries in torch_form["state"].items():

@@ -89,6 +89,8 @@ def test_an_optimizer_that_has_not_stepped_gets_its_state_first():
     state = compiled.optimizer_state_dict(opt)
     assert set(state["state"]["fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert opt.param_groups[0]["lr"] == 1e-2 and all(p.grad is None for p in compiled.parameters())
+    assert not opt.state  # (the live optimizer is left as it was: a step at rate 0 is not a fresh state; Rprop's
+    #                        step sizes would have stayed 0, AdamW's count 1)
     for k, v in compiled.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
@@ -115,3 +117,49 @@ def test_a_compiled_module_inside_another_saves_and_loads_with_it():
         outer.load_state_dict({k: v for k, v in state.items() if k != "net.fc.bias"})
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "net.nothing"'):
         outer.load_state_dict({**state, "net.nothing": torch.ones(1)})
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.pooler = nn.Linear(8, 8)  # (no gradient reaches it: no optimizer state, as in eager)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_parameter_no_gradient_reaches_gets_no_made_up_state():
+    """Found by a review: the fresh optimizer's template had state for the pooler, which the trained one never
+    had, and torch.distributed.checkpoint's load failed (`Missing key ... optim.state.pooler.weight.step`)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    compiled = one_device(_Unused(), (x, y), training=True, loss_fn=F.cross_entropy)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    assert sorted(compiled.optimizer_state_dict(opt)["state"]) == ["fc.bias", "fc.weight"]
+
+
+def test_a_nested_load_names_what_is_missing_by_the_models_names():
+    """A parent's dict holding none of the compiled module's entries is reported missing by the model's names
+    (a review found the attribute names, `net.fc__weight`, and the non-persistent `net.cache` there)."""
+    _, compiled, _ = _compiled()
+    outer = nn.ModuleDict({"net": compiled, "extra": nn.Linear(2, 2)})
+    result = outer.load_state_dict({k: v for k, v in outer.state_dict().items() if k.startswith("extra.")},
+                                   strict=False)
+    expected = set(_compiled()[0].state_dict()) - {"head.weight"}  # (the tied head: found under emb.weight)
+    assert sorted(result.missing_keys) == sorted(f"net.{k}" for k in expected), result
+
+
+def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
+    """Pinned Shard(0) over a mesh axis of one rank, fc's weight is whole on the rank: the checkpoint guard
+    leaves it (a review found it refused, though a plain save of it is right)."""
+    from torch.distributed.tensor import Shard
+
+    from spmd.runtime import checkpoint_guard
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    compiled = one_device(_Unused(), (x, y), training=True, loss_fn=F.cross_entropy,
+                          param_placements={"fc.weight": [Shard(0)]})
+    assert compiled._state_placements["fc.weight"] == (Shard(0),)
+    assert checkpoint_guard._piece(compiled.get_parameter("fc__weight")) is None
