@@ -36,8 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      distinct_inputs, shared_names, tensor_infos, user_outputs_first,
-                                      warn_module_hooks)
+                                      distinct_inputs, random_draws, refuse_random_draws, shared_names,
+                                      tensor_infos, user_outputs_first, warn_module_hooks)
 
 _PREFIX = "model."
 
@@ -116,32 +116,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     warn_module_hooks(model)
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
-    assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
-    try:
-        if _shares_submodules(root):
-            raise _NotThisRoad("a submodule registered under two names")
-        with _state_kept(root) as kept, _buffers_assigned() as assigned:
-            gm, out_spec, applied = _aot_over_module(root, example_inputs)
-        if kept.registered_changed and not assigned:
-            raise _NotThisRoad("the trace left other parameters or buffers on the model")
-    except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
-        try:
-            with _buffers_assigned() as assigned:
-                gm, out_spec, applied = _aot_over_export(root, example_inputs)
-        except Exception as e:
-            if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
-                e = direct
-            attrs = _tensor_attributes(model)
-            named = ", ".join(f"`{a}`" for a in attrs[:3]) + (" and others" if len(attrs) > 3 else "")
-            way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
-                       "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
-                       "the model holds only as parameters or buffers" if attrs and "FakeTensor" in str(e) else
-                       "make the forward traceable by torch.export (no data-dependent Python control flow)")
-            raise SpmdError(
-                f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
-                f"What to do: {way_out}."
-            ) from e
-
+    with random_draws() as draws:  # (Python's or numpy's generator: the trace would keep what they drew)
+        gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
+    refuse_random_draws(draws, model)
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
             f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
@@ -248,6 +225,37 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         _backward_meta_from_forward(joint.graph_module.graph)
         _drop_disable_notes(joint.graph_module.graph)
         return joint.graph_module, joint.out_spec, applied
+
+
+def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
+    """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
+    over the module, or, where that road fails, over torch.export's module."""
+    assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
+    try:
+        if _shares_submodules(root):
+            raise _NotThisRoad("a submodule registered under two names")
+        with _state_kept(root) as kept, _buffers_assigned() as assigned:
+            gm, out_spec, applied = _aot_over_module(root, example_inputs)
+        if kept.registered_changed and not assigned:
+            raise _NotThisRoad("the trace left other parameters or buffers on the model")
+    except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
+        try:
+            with _buffers_assigned() as assigned:
+                gm, out_spec, applied = _aot_over_export(root, example_inputs)
+        except Exception as e:
+            if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
+                e = direct
+            attrs = _tensor_attributes(model)
+            named = ", ".join(f"`{a}`" for a in attrs[:3]) + (" and others" if len(attrs) > 3 else "")
+            way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
+                       "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
+                       "the model holds only as parameters or buffers" if attrs and "FakeTensor" in str(e) else
+                       "make the forward traceable by torch.export (no data-dependent Python control flow)")
+            raise SpmdError(
+                f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
+                f"What to do: {way_out}."
+            ) from e
+    return gm, out_spec, applied, assigned
 
 
 def _refuse_gradient_hooks(model: torch.nn.Module) -> None:

@@ -219,6 +219,75 @@ def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -
     return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
+_PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+              "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits")
+_NP_RANDOM = ("rand", "randn", "random", "random_sample", "ranf", "sample", "randint", "random_integers", "choice",
+              "permutation", "shuffle", "uniform", "normal", "binomial", "poisson", "beta", "exponential",
+              "standard_normal", "bytes")
+
+
+class random_draws:
+    """Notes the draws of Python's and numpy's global random generators while it is open (`random.random`,
+    `np.random.rand`, ...), each as "np.random.rand at file:line". A trace records what they return as
+    constants: every call of the compiled graph would reuse the numbers drawn while tracing."""
+
+    def __enter__(self) -> list[str]:
+        import random
+
+        self.draws: list[str] = []
+        self.patched = []
+        owners = [(random, "random", _PY_RANDOM)]
+        try:
+            import numpy as np
+            owners.append((np.random, "np.random", _NP_RANDOM))
+        except ImportError:
+            pass
+        for owner, prefix, names in owners:
+            for name in names:
+                fn = getattr(owner, name, None)
+                if fn is not None:
+                    self.patched.append((owner, name, fn))
+                    setattr(owner, name, self._noting(fn, f"{prefix}.{name}"))
+        return self.draws
+
+    def _noting(self, fn, label: str):
+        def drawn(*args, **kwargs):
+            self.draws.append(f"{label} at {_caller()}")
+            return fn(*args, **kwargs)
+
+        return drawn
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self.patched):
+            setattr(owner, name, fn)
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside this file, torch and numpy (the model's line that drew)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and "/torch/" not in path and "/numpy/" not in path and not path.endswith("random.py"):
+            return f"{path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def refuse_random_draws(draws: list[str], model: torch.nn.Module) -> None:
+    if draws:
+        listed = ", ".join(dict.fromkeys(draws[:8]))
+        raise SpmdError(
+            f"the forward of {type(model).__name__} draws random numbers with Python's or numpy's generator "
+            f"({listed}). A trace keeps the numbers drawn while tracing as constants, so every call of the compiled "
+            "module would reuse them (the same mask, the same dropped layers at every step), without a word. What "
+            "to do: draw them with torch (torch.rand, torch.randint, torch.bernoulli), which the graph draws anew "
+            "at each call; or draw them outside the model and pass them in as an input (transformers' wav2vec2 "
+            "takes `mask_time_indices`); or turn the feature off (transformers' SpecAugment: "
+            "`apply_spec_augment=False`).")
+
+
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -242,7 +311,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     warn_module_hooks(model)
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     try:
-        ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        with random_draws() as draws:
+            ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
         ep = ep.run_decompositions(_decomposition_table())
     except Exception as e:  # torch's own message says which line failed to trace
         raise SpmdError(
@@ -250,6 +320,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             "What to do: make the forward traceable by torch.export (no data-dependent Python control "
             "flow; for transformers models pass use_cache=False)."
         ) from e
+    refuse_random_draws(draws, model)
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature

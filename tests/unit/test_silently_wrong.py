@@ -599,3 +599,61 @@ def test_an_attribute_of_a_stamped_layer_is_watched_too():
     model.layers[6].scale = 0.5
     with pytest.raises(spmd.SpmdError, match=r"`layers\.6\.scale` \(1\.0 -> 0\.5\)"):
         compiled(x, y)
+
+
+# ---- Python's and numpy's random numbers ----------------------------------------------------------
+
+class _LayerDrop(nn.Module):
+    """Skips its second layer at random with Python's generator, and masks its input with numpy's."""
+
+    def __init__(self, draw: str):
+        super().__init__()
+        self.a, self.b, self.draw = nn.Linear(8, 8), nn.Linear(8, 8), draw
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        if self.draw == "numpy":
+            x = x * torch.tensor(np.random.rand(*x.shape) > 0.3, dtype=x.dtype)
+        x = self.a(x)
+        if self.draw == "python" and random.random() < 0.5:
+            return x
+        return self.b(x)
+
+
+@pytest.mark.parametrize("draw", ["python", "numpy"])
+@pytest.mark.parametrize("training", [True, False])
+def test_random_numbers_drawn_by_python_or_numpy_are_refused(draw, training):
+    """The trace kept what `random.random()` or `np.random.rand` drew as constants: every step dropped the same
+    layer, or masked the same elements, silently. Refused, naming the call and the model's line."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    options = dict(training=True, loss_fn=F.mse_loss) if training else {}
+    with pytest.raises(spmd.SpmdError, match=r"draws random numbers with Python's or numpy's generator \("
+                                             + ("random\\.random" if draw == "python" else "np\\.random\\.rand")
+                                             + r" at .*test_silently_wrong\.py:\d+\).*What to do: draw them with torch"):
+        one_device(_LayerDrop(draw), (x, y) if training else (x,), **options)
+
+
+def test_a_model_drawing_with_torch_is_not_refused():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = one_device(_LayerDrop("torch"), (x, y), training=True, loss_fn=F.mse_loss)
+    assert compiled(x, y).item() > 0
+
+
+def test_whispers_spec_augment_is_refused():
+    """transformers' Whisper with SpecAugment (`apply_spec_augment`, `mask_time_prob` > 0) masks its input
+    features where numpy's generator says: compiled, every step would have masked the same frames."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.WhisperConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=16, apply_spec_augment=True, mask_time_prob=0.3, mask_time_length=2, use_cache=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(cfg).train()
+    kwargs = dict(input_features=torch.randn(2, 8, 32), labels=torch.randint(3, 64, (2, 6)))
+    with pytest.raises(spmd.SpmdError, match=r"np\.random\.rand at .*modeling_whisper\.py:\d+.*apply_spec_augment=False"):
+        spmd.plan(model, spec((2,), ("dp",)), example_kwargs=kwargs, training=True)
