@@ -297,7 +297,9 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
     then and never again. Say so, naming the modules, since nothing else would."""
     import warnings
 
-    hooked = [name or type(model).__name__ for name, m in model.named_modules() if any(getattr(m, h) for h in _MODULE_HOOKS)]
+    hooked = [name or type(model).__name__ for name, m in model.named_modules()  # (spmd's own guard aside:
+              if any(not getattr(hook, "spmd_guard", False)                      # runtime/source_guard.py)
+                     for h in _MODULE_HOOKS for hook in getattr(m, h).values())]
     if hooked:
         warnings.warn(
             f"{len(hooked)} module(s) carry forward or backward hooks ({', '.join(hooked[:4])}"

@@ -15,7 +15,7 @@ from spmd.core import collectives
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
-from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard
+from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard
 from spmd.runtime.distribute import contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -148,6 +148,8 @@ class CompiledModule(nn.Module):
         checkpoint_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
                                 if any(isinstance(p, Shard) and n > 1
                                        for p, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
+        # and the model it was made from keeps its old weights once these move: calling or saving it then raises
+        source_guard.watch(self._source_model, self)
 
     @property
     def code(self) -> str:
@@ -680,7 +682,8 @@ class CompiledModule(nn.Module):
         which `_mode_dependent` cannot see. Asked once."""
         if self._mode_checked is False:
             inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
-            self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
+            with source_guard.inside():
+                self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
             self._attributes.refresh()  # (the forward ran again: what it sets itself is not the user's change)
         return self._mode_checked
 

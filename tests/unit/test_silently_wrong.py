@@ -657,3 +657,39 @@ def test_whispers_spec_augment_is_refused():
     kwargs = dict(input_features=torch.randn(2, 8, 32), labels=torch.randint(3, 64, (2, 6)))
     with pytest.raises(spmd.SpmdError, match=r"np\.random\.rand at .*modeling_whisper\.py:\d+.*apply_spec_augment=False"):
         spmd.plan(model, spec((2,), ("dp",)), example_kwargs=kwargs, training=True)
+
+
+# ---- the model a compiled module was made from ----------------------------------------------------
+
+def test_the_model_after_its_compiled_module_trained_is_refused():
+    """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
+    module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
+    out, until the weights are copied back; copies of the model (deepcopy, pickling) are not guarded."""
+    import copy
+    import io
+
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model(x), model.state_dict()  # (not trained yet: the same weights)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(x, y).backward()
+    opt.step()
+    for call in (lambda: model(x), lambda: model.state_dict()):
+        with pytest.raises(spmd.SpmdError, match=r"the compiled module has trained since.*What to do: call the "
+                                                 r"compiled module"):
+            call()
+    copy.deepcopy(model)(x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False)(x)
+    compiled.eval()  # (the mode check runs the model's forward itself)
+    compiled(x, y)
+    compiled.train()
+    model.load_state_dict(compiled.full_state_dict())  # the way out
+    torch.testing.assert_close(F.mse_loss(model(x), y), compiled(x, y))
+    compiled(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"trained since"):
+        model(x)
