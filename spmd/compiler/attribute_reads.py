@@ -1,4 +1,4 @@
-"""The plain attributes of the model's modules that its forward reads, and a guard on their values.
+"""The plain attributes of the model's modules that their forward reads, and a guard on their values.
 
 A trace turns what the forward reads from its modules into constants of the graph: a temperature
 (`self.temperature`, annealed by the training loop through `model.set_gumbel_temperature(t)`), a dropout
@@ -6,80 +6,105 @@ probability (`nn.Dropout.p`), a flag (`self.gradient_checkpointing`), a layer-dr
 after compiling, the new value reaches nothing: the compiled module goes on with the old one, silently
 (torch.compile guards on them and recompiles; spmd compiles once).
 
-`reading(model)` notes, while the model is traced, which plain attributes (None, bools, numbers, strings,
-dtypes, devices, and tuples of them; `training` aside: `CompiledModule` checks the mode itself) each module
-reads from its own `__dict__`. `AttributeGuard` holds their values on the user's model when compiled and
-names any that changed when the compiled module is called.
+`forward_reads(cls)` reads the bytecode of a module class's `forward` (through its decorators, each class of
+its MRO, and the methods it calls on `self`, transitively) for the attributes it reads through `self`, less
+those it writes (a counter the forward keeps is state, not a constant). Reading the code instead of watching
+the trace leaves the model's classes alone (a recording subclass changed what `type(self.act) is Act` said
+while tracing) and covers every layer, stamped or traced. It over-approximates where a branch the trace did
+not take reads an attribute, and misses reads through `getattr(self, name)` or an alias of `self`.
+`AttributeGuard` holds the plain values (None, bools, numbers, strings, dtypes, devices, tuples of them;
+`training` aside: `CompiledModule` checks the mode itself) of those attributes on the user's model when
+compiled, and names any that changed when the compiled module is called.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
+import dis
+import functools
+import inspect
+import types
 
 import torch
 
 from spmd.core.errors import SpmdError
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-_recorders: dict[type, type] = {}  # a module class -> its recording subclass
-_active: list[tuple[dict[int, str], set]] = []  # (id(module) -> path, reads) of the traces under way
+_SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
+_ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 
 
 def plain(value) -> bool:
     return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(plain(v) for v in value))
 
 
-def _recording(cls: type) -> type:
-    """A subclass of `cls`, named as it is, that notes reads of plain instance attributes."""
-    if cls not in _recorders:
-        def __getattribute__(self, name):
-            value = cls.__getattribute__(self, name)
-            if _active and name != "training" and not name.startswith("__") and plain(value):
-                paths, reads = _active[-1]
-                path = paths.get(id(self))
-                if path is not None and name in object.__getattribute__(self, "__dict__"):
-                    reads.add((path, name))
-            return value
-
-        _recorders[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                                      "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _recorders[cls]
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
 
 
-@contextlib.contextmanager
-def reading(model: torch.nn.Module):
-    """Yields a set that holds, after the block, the (module path, attribute) pairs of plain values the
-    block read from `model`'s modules (each module's class is a recording subclass while the block runs)."""
-    modules = list(model.named_modules(remove_duplicate=False))
-    paths = {id(m): path for path, m in reversed(modules)}  # (a shared module: its first name)
-    reads: set = set()
-    swapped = []
-    try:
-        for _, m in modules:
-            if type(m) not in _recorders.values() and not any(s is m for s, _ in swapped):
-                swapped.append((m, type(m)))
-                m.__class__ = _recording(type(m))
-        _active.append((paths, reads))
-        yield reads
-    finally:
-        if _active and _active[-1][1] is reads:
-            _active.pop()
-        for m, cls in reversed(swapped):
-            m.__class__ = cls
+def _scan(fn) -> tuple[set[str], set[str]]:
+    """(attributes read through `self`, attributes stored anywhere) in `fn` and the functions nested in it."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or not code.co_varnames:
+        return set(), set()
+    me = code.co_varnames[0]  # (the method's self, by whatever name)
+    reads, writes = set(), set()
+    for c in _codes(code):
+        previous = None
+        for ins in dis.get_instructions(c):
+            if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \
+                    and previous.argval == me:
+                reads.add(ins.argval)
+            elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
+                writes.add(ins.argval)
+            previous = ins
+    return reads, writes
 
 
-def for_every_layer(reads: set, stacks) -> set:
-    """`reads` of a model traced with each stack cut to its first layers, also for the layers stamped after
-    them ("layers.0.attn.scaling" -> "layers.k.attn.scaling" for every k of the stack's depth)."""
-    out = set(reads)
-    for path, name in reads:
-        for stack in stacks:
-            head = stack.fqn + "."
-            if path.startswith(head):
-                rest = path[len(head):].split(".", 1)
-                tail = "." + rest[1] if len(rest) > 1 else ""
-                out.update((f"{head}{k}{tail}", name) for k in range(stack.depth))
-    return out
+@functools.cache
+def forward_reads(cls: type) -> frozenset[str]:
+    """The attributes `cls`'s forward reads through `self` and never writes, over its MRO (a `super()` call
+    reaches the base's forward) and the methods it calls on `self`."""
+    reads, writes, todo, done = set(), set(), ["forward"], set()
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        done.add(name)
+        for klass in cls.__mro__:
+            if klass in (torch.nn.Module, object):
+                continue
+            fn = klass.__dict__.get(name)
+            if isinstance(fn, (staticmethod, classmethod)):
+                fn = fn.__func__
+            if not callable(fn):
+                continue
+            r, w = _scan(fn)
+            reads |= r
+            writes |= w
+            todo.extend(n for n in r if callable(inspect.getattr_static(cls, n, None)) and n not in done)
+    return frozenset(reads - writes - {"training"})
+
+
+def _value(module, name):
+    """The plain value `module.name` reads now (instance or class), or a marker where it is none."""
+    static = inspect.getattr_static(module, name, _NONE)
+    if static is _NONE or (name not in module.__dict__ and hasattr(static, "__get__")):
+        return _NONE  # (absent, or a property or method: not a stored value)
+    return static if plain(static) else _NONE
+
+
+_NONE = object()
+
+
+def _now(module, name):
+    """`_value`, fast where the value sits in the instance (the usual case: a few microseconds a call)."""
+    value = module.__dict__.get(name, _NONE)
+    if value is _NONE:
+        return _value(module, name)
+    return value if plain(value) else _NONE
 
 
 def _both_nan(a, b) -> bool:
@@ -87,17 +112,20 @@ def _both_nan(a, b) -> bool:
 
 
 class AttributeGuard:
-    """The values of `reads` on `model` now; `check()` raises, naming each that changed since."""
+    """The plain attributes each module of `roots` (label -> module) reads in its forward, with their values
+    now; `check()` raises, naming each that changed since."""
 
-    def __init__(self, model: torch.nn.Module, reads):
+    def __init__(self, roots: dict[str, torch.nn.Module]):
         self._entries = []
-        for path, name in sorted(reads):
-            try:
-                module = model.get_submodule(path)
-            except AttributeError:
-                continue  # (a path of a wrapper the trace made, not of the user's model)
-            if name in module.__dict__:
-                self._entries.append((module, name, path, copy.copy(module.__dict__[name])))
+        for label, root in roots.items():
+            if not isinstance(root, torch.nn.Module):
+                continue
+            for path, module in root.named_modules():
+                for name in sorted(forward_reads(type(module))):
+                    value = _value(module, name)
+                    if value is not _NONE:
+                        where = ".".join(p for p in (label, path) if p)
+                        self._entries.append((module, name, where, value))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,15 +134,17 @@ class AttributeGuard:
         """The (module path, attribute) pairs checked."""
         return {(path, name) for _, name, path, _ in self._entries}
 
-    def refresh(self) -> None:
-        """Take the values as they are now (after spmd itself ran the forward again: `mode_check`)."""
-        self._entries = [(m, name, path, copy.copy(m.__dict__.get(name))) for m, name, path, _ in self._entries]
-
     def check(self) -> None:
-        changed = [(path, name, old, new) for m, name, path, old in self._entries
-                   if (new := m.__dict__.get(name)) is not old and new != old and not _both_nan(new, old)]
+        changed = []
+        for m, name, path, old in self._entries:
+            if m.__dict__.get(name, _NONE) is old:  # (the usual case: the very object compiled with)
+                continue
+            new = _now(m, name)
+            if new is not old and new != old and not _both_nan(new, old):
+                changed.append((path, name, old, new))
         if changed:
-            listed = ", ".join(f"`{path + '.' if path else ''}{name}` ({old!r} -> {new!r})"
+            listed = ", ".join(f"`{path + '.' if path else ''}{name}` ({old!r} -> "
+                               f"{'not a plain value' if new is _NONE else repr(new)})"
                                for path, name, old, new in changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise SpmdError(
                 f"the model's {listed} changed after compiling. The forward read the value when it was traced, "

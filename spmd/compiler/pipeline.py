@@ -34,7 +34,6 @@ from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
 from spmd.compiler.progress import Progress
 from spmd.compiler.agreement import summarize
-from spmd.compiler.attribute_reads import for_every_layer, reading
 from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -59,8 +58,8 @@ from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.trace_joint import trace_joint, with_loss
-from spmd.passes.trace_module import TracedGraph, trace_module
+from spmd.passes.trace_joint import refuse_gradient_hooks, trace_joint, with_loss
+from spmd.passes.trace_module import TracedGraph, trace_module, warn_module_hooks
 
 
 @dataclass(frozen=True)
@@ -103,15 +102,12 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     """The full-depth graph, and how it was made. With layer stacks: the model traced with each stack
     cut to its first layers, stamped to full depth; when the cut model does not trace or its layers do
     not chain simply, the whole model traced (the note says why). For a graph that will run (`binding`),
-    stamping is checked first against the forward at full depth (`check_stamping`). The graph notes the
-    plain attributes of modules the forward read (`TracedGraph.reads`, every stamped layer's too)."""
-    with reading(model) as reads:
-        traced, note = _trace_graph(model, example_inputs, options, stacks, binding)
-    traced.reads = tuple(sorted(for_every_layer(reads, stacks) if traced.stamped else reads))
-    return traced, note
+    stamping is checked first against the forward at full depth (`check_stamping`). Hooks are looked at on
+    the whole model first (a stamped layer's are not traced)."""
+    if options.joint:
+        refuse_gradient_hooks(model)
+    warn_module_hooks(model)
 
-
-def _trace_graph(model, example_inputs, options: PlanOptions, stacks, binding) -> tuple[TracedGraph, str]:
     def trace(m):
         if options.joint:
             return trace_joint(m, example_inputs, options.loss_fn)

@@ -36,8 +36,8 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      distinct_inputs, random_draws, refuse_random_draws, shared_names,
-                                      tensor_infos, user_outputs_first, warn_module_hooks)
+                                      distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
+                                      refuse_random_draws, shared_names, tensor_infos, user_outputs_first)
 
 _PREFIX = "model."
 
@@ -112,13 +112,17 @@ def _decomposition_table():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
-    _refuse_gradient_hooks(model)
-    warn_module_hooks(model)
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
-    with random_draws() as draws:  # (Python's or numpy's generator: the trace would keep what they drew)
+    with random_draws() as drew:
         gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
-    refuse_random_draws(draws, model)
+    # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
+    # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
+    # graph traced again with the generators seeded apart says whether it keeps them
+    refuse_random_draws(drew.unseeded, model)
+    if drew.unnamed:
+        refuse_random_draws(draws_change_the_graph(
+            lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
             f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
@@ -258,7 +262,7 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     return gm, out_spec, applied, assigned
 
 
-def _refuse_gradient_hooks(model: torch.nn.Module) -> None:
+def refuse_gradient_hooks(model: torch.nn.Module) -> None:
     """A hook registered on a parameter of the model (`p.register_hook`, `p.register_post_accumulate_grad_hook`)
     is the parameter's own: the compiled module holds new tensors (this rank's pieces), so the hook would never
     run, and the gradients it masks or scales, or the optimizer step it takes in backward, would not happen,

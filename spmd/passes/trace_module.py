@@ -6,6 +6,8 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 """
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +54,6 @@ class TracedGraph:
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
     stamped: dict[str, str] = field(default_factory=dict)
-    # (module path, attribute) of the plain values the forward read from its modules: constants of the graph
-    # (compiler/attribute_reads.py; the runtime names any that changes on the model after compiling)
-    reads: tuple[tuple[str, str], ...] = ()
 
     def output_kinds(self) -> list[GraphOutput]:
         flat = flat_outputs(self.graph.output_node())
@@ -220,26 +219,59 @@ def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -
 
 
 _PY_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
-              "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits")
+              "normalvariate", "lognormvariate", "betavariate", "gammavariate", "expovariate", "vonmisesvariate",
+              "paretovariate", "weibullvariate", "triangular", "getrandbits", "randbytes")
 _NP_RANDOM = ("rand", "randn", "random", "random_sample", "ranf", "sample", "randint", "random_integers", "choice",
-              "permutation", "shuffle", "uniform", "normal", "binomial", "poisson", "beta", "exponential",
-              "standard_normal", "bytes")
+              "permutation", "shuffle", "uniform", "normal", "binomial", "poisson", "beta", "exponential", "gamma",
+              "laplace", "multinomial", "standard_normal", "bytes")
+_naming_lock = threading.Lock()
+
+
+def _generator_states() -> tuple:
+    """Python's and numpy's global generators, as they are now (comparable: numpy's key array as bytes)."""
+    import random
+
+    states = [random.getstate()]
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        states.append((kind, keys.tobytes(), pos, has_gauss, gauss))
+    except ImportError:
+        pass
+    return tuple(states)
+
+
+def _set_generator_states(states: tuple) -> None:
+    import random
+
+    random.setstate(states[0])
+    if len(states) > 1:
+        import numpy as np
+        kind, keys, pos, has_gauss, gauss = states[1]
+        np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, gauss))
 
 
 class random_draws:
-    """Notes the draws of Python's and numpy's global random generators while it is open (`random.random`,
-    `np.random.rand`, ...), each as "np.random.rand at file:line". A trace records what they return as
-    constants: every call of the compiled graph would reuse the numbers drawn while tracing."""
+    """What Python's and numpy's global generators did while it was open. A trace keeps what they returned as
+    constants, and every call of the compiled graph would reuse them. `unseeded`: the draws this thread made
+    through the generators' functions with no seed set before them in the same block ("np.random.rand at
+    file:line"; numbers drawn after the model's own `np.random.seed(k)` are the same at every call);
+    `unnamed`: the generators moved and no such call says why (a function bound before the block, as
+    `from random import random`, or another thread's draw). Functions are patched meanwhile, one block at a
+    time (a lock)."""
 
-    def __enter__(self) -> list[str]:
+    def __enter__(self) -> "random_draws":
         import random
 
-        self.draws: list[str] = []
+        _naming_lock.acquire()
+        self.before = _generator_states()
+        self.events: list[tuple[str, str]] = []
+        self.thread = threading.get_ident()
         self.patched = []
-        owners = [(random, "random", _PY_RANDOM)]
+        owners = [(random, "random", _PY_RANDOM + ("seed",))]
         try:
             import numpy as np
-            owners.append((np.random, "np.random", _NP_RANDOM))
+            owners.append((np.random, "np.random", _NP_RANDOM + ("seed",)))
         except ImportError:
             pass
         for owner, prefix, names in owners:
@@ -247,25 +279,35 @@ class random_draws:
                 fn = getattr(owner, name, None)
                 if fn is not None:
                     self.patched.append((owner, name, fn))
-                    setattr(owner, name, self._noting(fn, f"{prefix}.{name}"))
-        return self.draws
+                    setattr(owner, name, self._noting(fn, f"{prefix}.{name}", "seed" if name == "seed" else "draw"))
+        return self
 
-    def _noting(self, fn, label: str):
+    def _noting(self, fn, label: str, kind: str):
         def drawn(*args, **kwargs):
-            self.draws.append(f"{label} at {_caller()}")
+            if threading.get_ident() == self.thread:
+                self.events.append((kind, f"{label} at {_caller()}"))
             return fn(*args, **kwargs)
 
         return drawn
 
     def __exit__(self, *exc) -> None:
-        for owner, name, fn in reversed(self.patched):
-            setattr(owner, name, fn)
+        try:
+            for owner, name, fn in reversed(self.patched):
+                setattr(owner, name, fn)
+            moved = _generator_states() != self.before
+        finally:
+            _naming_lock.release()
+        seeded = False
+        self.unseeded = []
+        for kind, what in self.events:
+            seeded |= kind == "seed"
+            if kind == "draw" and not seeded:
+                self.unseeded.append(what)
+        self.unnamed = moved and not any(kind == "draw" for kind, _ in self.events)
 
 
 def _caller() -> str:
     """file:line of the innermost frame outside this file, torch and numpy (the model's line that drew)."""
-    import sys
-
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
@@ -275,54 +317,129 @@ def _caller() -> str:
     return "<unknown>"
 
 
+def graph_signature(gm: fx.GraphModule, constants: dict | None = None):
+    """What two traces of one model must share to be the same graph: the code, and the values of the tensor
+    constants (attributes the graph reads, or torch.export's lifted `constants`). None where a constant's
+    values are not known (a fake tensor): no two such graphs are known to be the same."""
+    tensors = {n.target: getattr(gm, n.target, None) for n in gm.graph.nodes if n.op == "get_attr"}
+    tensors.update(constants or {})
+    values = []
+    for name, t in sorted(tensors.items()):
+        if isinstance(t, torch.Tensor):
+            if torch._subclasses.fake_tensor.is_fake(t) or t.is_meta:
+                return None
+            values.append((name, str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                           .numpy().tobytes() if t.numel() else b""))
+    return gm.code, tuple(values)
+
+
+def draws_change_the_graph(trace, signature, named: list[str]) -> list[str]:
+    """`trace()` again, twice, with Python's and numpy's generators seeded apart from the first trace, whose
+    `signature` (`graph_signature`) is given: [] where every graph is the same (the draws reached nothing the
+    graph keeps: a value only training reads), else the draws named (`named`, or those the retraces saw).
+    The generators are left as the first trace left them."""
+    import random
+
+    states = _generator_states()
+    try:
+        for seed in (0x5EED, 0xD1CE):
+            random.seed(seed)
+            try:
+                import numpy as np
+                np.random.seed(seed)
+            except ImportError:
+                pass
+            with random_draws() as again:
+                other = trace()
+            if signature is None or other != signature:
+                return named or again.unseeded or [
+                    "a draw from the global generators (a function bound before the trace, or another thread's)"]
+        return []
+    finally:
+        _set_generator_states(states)
+
+
 def refuse_random_draws(draws: list[str], model: torch.nn.Module) -> None:
     if draws:
         listed = ", ".join(dict.fromkeys(draws[:8]))
         raise SpmdError(
             f"the forward of {type(model).__name__} draws random numbers with Python's or numpy's generator "
-            f"({listed}). A trace keeps the numbers drawn while tracing as constants, so every call of the compiled "
-            "module would reuse them (the same mask, the same dropped layers at every step), without a word. What "
-            "to do: draw them with torch (torch.rand, torch.randint, torch.bernoulli), which the graph draws anew "
-            "at each call; or draw them outside the model and pass them in as an input (transformers' wav2vec2 "
-            "takes `mask_time_indices`); or turn the feature off (transformers' SpecAugment: "
+            f"({listed}). A trace keeps those numbers as constants, so every call of the compiled module would "
+            "reuse them (the same mask, the same dropped layers at every step), without a word. What to do: draw "
+            "them with torch (torch.rand, torch.randint, torch.bernoulli), which the graph draws anew at each "
+            "call; or draw them outside the model and pass them in as an input (transformers' wav2vec2 takes "
+            "`mask_time_indices`); or turn the feature off (transformers' SpecAugment: "
             "`apply_spec_augment=False`).")
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+# hooks that only compute values (all of it in the graph): transformers' `enable_input_require_grads`, torch's
+# weight_norm / spectral_norm (the old, hook-based ones)
+_VALUE_ONLY_HOOKS = ("make_inputs_require_grads", "WeightNorm", "SpectralNorm")
+
+
+def _hook_name(hook) -> str:
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _users_hook(hook) -> bool:
+    """Not spmd's own guard (runtime/source_guard.py) nor a hook known to compute values only."""
+    return not getattr(hook, "spmd_guard", False) and not any(k in _hook_name(hook) for k in _VALUE_ONLY_HOOKS)
+
+
 def warn_module_hooks(model: torch.nn.Module) -> None:
     """A module hook runs while the model is traced: what it computes into the values is in the graph, and
     anything else it does (record an activation, print, count, append an auxiliary loss to a list) happened
-    then and never again. Say so, naming the modules, since nothing else would."""
+    then and never again. Say so, naming the modules and hooks (global ones too), since nothing else would."""
     import warnings
 
-    hooked = [name or type(model).__name__ for name, m in model.named_modules()  # (spmd's own guard aside:
-              if any(not getattr(hook, "spmd_guard", False)                      # runtime/source_guard.py)
-                     for h in _MODULE_HOOKS for hook in getattr(m, h).values())]
+    from torch.nn.modules import module as nn_module
+
+    hooked = {}
+    for name, m in model.named_modules():
+        for h in _MODULE_HOOKS:
+            for hook in getattr(m, h).values():
+                if _users_hook(hook):
+                    hooked.setdefault(f"{name or type(model).__name__} ({_hook_name(hook)})", None)
+    for h in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+              "_global_backward_hooks"):
+        for hook in getattr(nn_module, h, {}).values():
+            if _users_hook(hook):
+                hooked.setdefault(f"every module ({_hook_name(hook)})", None)
     if hooked:
+        names = list(hooked)
         warnings.warn(
-            f"{len(hooked)} module(s) carry forward or backward hooks ({', '.join(hooked[:4])}"
-            f"{', ...' if len(hooked) > 4 else ''}): what they compute into the values is compiled into the "
+            f"{len(names)} forward or backward hook(s) on the model ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): what they compute into the values is compiled into the "
             "graph, but they ran only while it was traced. Anything else they do (record activations, print, "
             "count, store an auxiliary loss) will not happen when the compiled module is called. What to do: "
             "return such values from the forward.", stacklevel=user_stacklevel())
 
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
-    warn_module_hooks(model)
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
+    def export():
+        return torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+
     try:
-        with random_draws() as draws:
-            ep = torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        with random_draws() as drew:
+            ep = export()
+        if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
+            refuse_random_draws(draws_change_the_graph(
+                lambda: graph_signature((again := export()).graph_module, again.constants),
+                graph_signature(ep.graph_module, ep.constants), drew.unseeded), model)
         ep = ep.run_decompositions(_decomposition_table())
+    except SpmdError:
+        raise
     except Exception as e:  # torch's own message says which line failed to trace
         raise SpmdError(
             f"trace_module: torch.export could not trace {type(model).__name__}: {e}\n"
             "What to do: make the forward traceable by torch.export (no data-dependent Python control "
             "flow; for transformers models pass use_cache=False)."
         ) from e
-    refuse_random_draws(draws, model)
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature

@@ -123,7 +123,7 @@ class CompiledModule(nn.Module):
         self._mode_checked: str | None | bool = False
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
-        self._attributes = AttributeGuard(self._source_model, c.traced.reads)
+        self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
@@ -684,7 +684,6 @@ class CompiledModule(nn.Module):
             inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
             with source_guard.inside():
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
-            self._attributes.refresh()  # (the forward ran again: what it sets itself is not the user's change)
         return self._mode_checked
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):

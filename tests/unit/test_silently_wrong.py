@@ -522,8 +522,8 @@ def test_a_module_hook_is_named_as_running_only_while_traced():
     model[0].register_forward_hook(lambda m, i, o: seen.append(o))
     model[2].register_forward_pre_hook(lambda m, a: (a[0] * 2,))
     x, y = torch.randn(6, 4), torch.randn(6, 2)
-    with pytest.warns(UserWarning, match=r"2 module\(s\) carry forward or backward hooks \(0, 2\).*will not happen "
-                                         r"when the compiled module is called") as caught:
+    with pytest.warns(UserWarning, match=r"2 forward or backward hook\(s\) on the model \(0 \(.*<lambda>\), 2 "
+                                         r"\(.*<lambda>\)\).*will not happen when the compiled module is called") as caught:
         compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     assert caught[0].filename.endswith("support.py")  # (the caller's line, not spmd's)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
@@ -693,3 +693,103 @@ def test_the_model_after_its_compiled_module_trained_is_refused():
     opt.step()
     with pytest.raises(spmd.SpmdError, match=r"trained since"):
         model(x)
+
+
+# ---- found by a review of the guards above -------------------------------------------------------
+
+class _Act(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+class _Typed(nn.Module):
+    """A class-level default the loop changes on the instance, a `type()` check, and a counter it keeps."""
+
+    temperature = 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.calls = nn.Linear(4, 8), _Act(), 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.fc(x) / self.temperature
+        return self.act(y) if type(self.act) is _Act else y
+
+
+def test_reads_are_found_in_the_code_not_by_swapping_classes():
+    """The first version swapped each module's class for a recording subclass while tracing: `type(self.act)
+    is _Act` took the other branch (compiled != eager, silently). A class-level default changed on the
+    instance was not watched, and a counter the forward keeps was (a false alarm after an eager call)."""
+    model = _Typed()
+    x, y = torch.randn(6, 4), torch.randn(6, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))  # (and model(x) moved `calls`)
+    compiled(x, y)
+    assert ("", "temperature") in compiled._attributes.watched() and ("", "calls") not in compiled._attributes.watched()
+    model.temperature = 1.0
+    with pytest.raises(spmd.SpmdError, match=r"`temperature` \(2\.0 -> 1\.0\)"):
+        compiled(x, y)
+
+
+class _Seeded(nn.Module):
+    """Draws with numpy after a seed of its own (transformers' BigBird block-sparse attention): the same
+    numbers at every call, so the traced constant is right."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import numpy as np
+
+        np.random.seed(3)
+        return self.fc(x)[:, torch.as_tensor(np.random.permutation(8))]
+
+
+class _DrawnInTraining(nn.Module):
+    """Draws at every call and uses the number only in training (wav2vec2's adapter layer drop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        import numpy as np
+
+        drop = np.random.random()
+        x = self.a(x)
+        return x if self.training and drop < 0.5 else self.b(x)
+
+
+def test_draws_that_do_not_reach_the_graph_are_not_refused():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    model = _Seeded()
+    torch.testing.assert_close(one_device(model, (x, y), training=True, loss_fn=F.mse_loss)(x, y),
+                               F.mse_loss(model(x), y))
+    model = _DrawnInTraining().eval()
+    torch.testing.assert_close(one_device(model, (x,))(x), model(x))
+    with pytest.raises(spmd.SpmdError, match=r"np\.random\.random at .*test_silently_wrong\.py"):
+        one_device(_DrawnInTraining(), (x, y), training=True, loss_fn=F.mse_loss)
+
+
+def test_another_threads_draws_are_not_the_models():
+    """A loader thread drawing with Python's generator while the model compiles: the generator moves, the
+    model drew nothing (traced again with the generators seeded apart, the graph is the same)."""
+    import random
+    import threading
+
+    stop = threading.Event()
+
+    def loader():
+        while not stop.is_set():
+            random.random()
+
+    thread = threading.Thread(target=loader, daemon=True)
+    thread.start()
+    try:
+        compiled = one_device(_mlp(), (torch.randn(6, 4), torch.randn(6, 2)), training=True, loss_fn=F.mse_loss)
+    finally:
+        stop.set()
+        thread.join()
+    assert compiled is not None
