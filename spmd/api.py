@@ -23,6 +23,7 @@ from spmd.core.errors import SpmdError
 from spmd.core.mesh import MeshSpec
 from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
+from spmd.runtime import source_guard
 from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule, graph_backend
 from spmd.runtime.host import host_cpu_profile
@@ -102,6 +103,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     """
     options = PlanOptions.build(options, **kwargs)
     graph_backend(compile_graphs)  # a wrong value fails before planning
+    source_guard.check_compile(model)  # (a module compiled from it has trained: its own weights are the old ones)
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")

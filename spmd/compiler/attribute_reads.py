@@ -121,7 +121,11 @@ class AttributeGuard:
             if not isinstance(root, torch.nn.Module):
                 continue
             for path, module in root.named_modules():
-                for name in sorted(forward_reads(type(module))):
+                names = set(forward_reads(type(module)))
+                own = module.__dict__.get("forward")  # (a forward set on the instance: PEFT, accelerate)
+                if own is not None and callable(own):
+                    names |= _scan(getattr(own, "__func__", own))[0] - {"training"}
+                for name in sorted(names):
                     value = _value(module, name)
                     if value is not _NONE:
                         where = ".".join(p for p in (label, path) if p)

@@ -263,8 +263,6 @@ class random_draws:
     def __enter__(self) -> "random_draws":
         import random
 
-        _naming_lock.acquire()
-        self.before = _generator_states()
         self.events: list[tuple[str, str]] = []
         self.thread = threading.get_ident()
         self.patched = []
@@ -274,18 +272,28 @@ class random_draws:
             owners.append((np.random, "np.random", _NP_RANDOM + ("seed",)))
         except ImportError:
             pass
-        for owner, prefix, names in owners:
-            for name in names:
-                fn = getattr(owner, name, None)
-                if fn is not None:
-                    self.patched.append((owner, name, fn))
-                    setattr(owner, name, self._noting(fn, f"{prefix}.{name}", "seed" if name == "seed" else "draw"))
+        _naming_lock.acquire()
+        try:
+            self.before = _generator_states()
+            for owner, prefix, names in owners:
+                for name in names:
+                    fn = getattr(owner, name, None)
+                    if fn is not None:
+                        self.patched.append((owner, name, fn))
+                        setattr(owner, name, self._noting(fn, f"{prefix}.{name}", "seed" if name == "seed" else "draw"))
+        except BaseException:
+            for owner, name, fn in reversed(self.patched):
+                setattr(owner, name, fn)
+            _naming_lock.release()
+            raise
         return self
 
     def _noting(self, fn, label: str, kind: str):
         def drawn(*args, **kwargs):
             if threading.get_ident() == self.thread:
-                self.events.append((kind, f"{label} at {_caller()}"))
+                # (a seed with no value is drawn from the system: the numbers after it differ at every call)
+                seeded = kind == "seed" and (args[0] if args else kwargs.get("a", kwargs.get("seed"))) is not None
+                self.events.append(("seed" if seeded else "draw", f"{label} at {_caller()}"))
             return fn(*args, **kwargs)
 
         return drawn

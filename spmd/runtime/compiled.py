@@ -304,6 +304,7 @@ class CompiledModule(nn.Module):
                 local.copy_(value)
                 loaded.add(fqn)
         self._uninitialized -= loaded
+        self.__dict__["_loaded"] = True  # (given weights: not stale beside a module compiled alike that trained)
 
     def _apply(self, fn, recurse: bool = True):
         """`.to(...)`, `.half()`, `.cuda()` and the like, on the pieces. Where they would change a dtype or a
@@ -337,6 +338,7 @@ class CompiledModule(nn.Module):
         if any(k in own_only for k in state_dict):
             out = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
+            self.__dict__["_loaded"] = True
             return out
         unexpected = [k for k in state_dict if k not in known]
         missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
@@ -688,6 +690,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._attributes.check()
+        source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
         if self.training != self._traced_mode:
             reason = self._mode_dependent or self._ops_differ_by_mode()
             if reason:
@@ -696,7 +699,10 @@ class CompiledModule(nn.Module):
                     f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
                     f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
                     f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
-                    f"(spmd.compile(model.{now}(), ...)), or call .{traced}() on this module again.")
+                    f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
+                    "model first, `model.load_state_dict(compiled.full_state_dict())`, or give the new module "
+                    f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
+                    "module again.")
         self._require_values()
         if not self._generators_agreed:
             self._agree_on_generators()

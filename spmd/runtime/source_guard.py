@@ -1,15 +1,20 @@
-"""Catch the model a compiled module was made from used after the compiled module trained.
+"""Catch the model a compiled module was made from, and the other modules compiled from it, used after the
+compiled module trained.
 
 `spmd.compile` copies the model's weights into the compiled module's pieces; training steps those pieces, and
-the model itself keeps the weights it had. Evaluating with it afterwards (`model.eval(); model(x_val)`) or
-saving it (`torch.save(model.state_dict(), ...)`) would give the numbers of the untrained weights, without a
-word. (DDP and FSDP2 train the model's own parameters; spmd cannot: a piece is not the whole.)
+the model itself keeps the weights it had (DDP and FSDP2 train the model's own parameters; spmd cannot: a
+piece is not the whole). So does every other module compiled from the same model: an evaluation module
+compiled with `spmd.compile(model.eval(), ...)` beside the training one. Evaluating or saving with any of
+them afterwards would give the numbers of the untrained weights, without a word.
 
-`watch(model, compiled)` puts a forward pre-hook and a state_dict pre-hook on the model; once an optimizer has
-stepped the compiled module's pieces, calling or saving the model raises `SpmdError` with the way out, until
-weights are loaded into the model (`model.load_state_dict(compiled.full_state_dict())`). A copy of the model (`copy.deepcopy`, pickling)
-carries a hook that does nothing. A model built on the meta device (it has no weights to go stale) is not
-watched.
+`watch(model, compiled)` puts hooks on the model; once an optimizer has stepped a compiled module's pieces:
+- calling the model, its `state_dict()`, copying it (`copy.deepcopy`, `torch.save(model)`) or compiling it
+  again raises `SpmdError` with the way out, until weights are loaded into the model
+  (`model.load_state_dict(compiled.full_state_dict())`, with nothing missing);
+- another module compiled from the model that has not stepped itself raises at its next call (`stale`),
+  until weights are loaded into it.
+A copy of the model made before any step is another model: its hooks do nothing. spmd's own mode check runs
+the model past them (`inside`). A model built on the meta device (no weights to go stale) is not watched.
 """
 from __future__ import annotations
 
@@ -23,13 +28,19 @@ from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
 _owners: dict[int, weakref.ref] = {}  # id(compiled parameter) -> the compiled module holding it
-_stepping: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> the compiled modules it steps
+_stepping: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (its parameter count, modules)
+_compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled modules (refs)
 _hook = None
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
+_WAY_OUT = ("call the compiled module that trained (evaluation too: `compiled.eval()`, with `torch.no_grad()`), save "
+            "with `compiled.state_dict()`, `compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy "
+            "its weights back first (`model.load_state_dict(compiled.full_state_dict())`, on every rank; until the "
+            "next step)")
+
 
 class _Inert:
-    """What a watched model's hook becomes in a copy of the model: nothing to guard there."""
+    """What a watched model's hook becomes in a copy of the model made before any step: nothing to guard."""
 
     spmd_guard = True  # (not the user's hook: `trace_module.warn_module_hooks` leaves it out)
 
@@ -37,45 +48,83 @@ class _Inert:
         return None
 
 
+def _trained(model) -> bool:
+    return any(c.__dict__.get("_weights_moved") for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+
+
 class _Guard:
     spmd_guard = True
 
-    def __init__(self, model: torch.nn.Module, compiled, what: str):
-        self.model, self.compiled, self.what = weakref.ref(model), weakref.ref(compiled), what
+    def __init__(self, model: torch.nn.Module, what: str | None):
+        self.model, self.what = weakref.ref(model), what
 
-    def __reduce__(self):  # (a copy of the model is another model: its hook does nothing)
-        return (_Inert, ())
+    def __reduce__(self):
+        model = self.model()
+        if model is not None and _trained(model) and not getattr(_inside, "depth", 0):
+            raise _stale_model(model, "copying it (copy.deepcopy, torch.save of the whole model)")
+        return (_Inert, ())  # (a copy of the model is another model)
 
-    def __call__(self, module, *args, **kwargs):
-        compiled = self.compiled()
-        if module is not self.model() or compiled is None or getattr(_inside, "depth", 0):
+    def __call__(self, module, *args):
+        if module is not self.model() or getattr(_inside, "depth", 0):
             return None
-        if self.what is None:  # (a load into the model: its weights are what the user put there now)
-            compiled.__dict__["_weights_moved"] = False
+        if self.what is None:  # a load into the model: its weights are what the user put there, if whole
+            if not args or not getattr(args[0], "missing_keys", ()):
+                for ref in _compiled_from.get(module, ()):
+                    if (c := ref()) is not None:
+                        c.__dict__["_weights_moved"] = False
             return None
-        if not compiled.__dict__.get("_weights_moved"):
-            return None
+        if _trained(module):
+            raise _stale_model(module, self.what)
+        return None
+
+
+def _stale_model(model, what: str) -> SpmdError:
+    return SpmdError(
+        f"{type(model).__name__} was compiled by spmd.compile, and the compiled module has trained since: the "
+        f"model's own weights are still those it was compiled with, so {what} would give the numbers of the old "
+        f"weights. What to do: {_WAY_OUT}.")
+
+
+def check_compile(model: torch.nn.Module) -> None:
+    """Compiling a model again after a module compiled from it trained would start from the old weights."""
+    if _trained(model):
         raise SpmdError(
-            f"{type(module).__name__} was compiled by spmd.compile, and the compiled module has trained since: the "
-            f"model's own weights are still those it was compiled with, so {self.what} "
-            "would give the numbers of the old weights. What to do: call the compiled module (evaluation too: "
-            "`compiled.eval()`, with `torch.no_grad()`), save with `compiled.state_dict()`, "
-            "`compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy its weights back first "
-            "(`model.load_state_dict(compiled.full_state_dict())`, on every rank; until the next step).")
+            f"spmd.compile: a module compiled from this {type(model).__name__} has trained since, and the model's "
+            "own weights are still those it was compiled with: a new compile would start from them. What to do: "
+            "copy the trained weights back first (`model.load_state_dict(compiled.full_state_dict())`, on every "
+            "rank), then compile.")
 
 
 def watch(model: torch.nn.Module, compiled) -> None:
     global _hook
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         return
-    model.register_forward_pre_hook(_Guard(model, compiled, "calling it"))
-    model.register_state_dict_pre_hook(_Guard(model, compiled, "its state_dict()"))
-    model.register_load_state_dict_post_hook(_Guard(model, compiled, None))
     with _lock:
+        siblings = _compiled_from.setdefault(model, [])
+        if not siblings:  # (the model's hooks once, however many modules are compiled from it)
+            model.register_forward_pre_hook(_Guard(model, "calling it"))
+            model.register_state_dict_pre_hook(_Guard(model, "its state_dict()"))
+            model.register_load_state_dict_post_hook(_Guard(model, None))
+        siblings.append(weakref.ref(compiled))
+        compiled.__dict__["_siblings"] = siblings
         for p in compiled.parameters():
             _owners[id(p)] = weakref.ref(compiled, lambda _, key=id(p): _owners.pop(key, None))
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_stepped)
+
+
+def stale(compiled) -> None:
+    """Raise where another module compiled from the same model has trained and this one has not (nor been given
+    weights since): its weights are the untrained ones."""
+    trained = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
+               and c.__dict__.get("_weights_moved")]
+    if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded"):
+        raise SpmdError(
+            "another module compiled from the same model has trained since this one was compiled, and this one "
+            "still holds the weights it was compiled with (a module for evaluation beside the one for training?). "
+            "What to do: give it the trained weights first (`this.load_state_dict(trained.state_dict())`, on every "
+            "rank, after each stretch of training), or compile each from its own copy of the model "
+            "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
 
 
 class inside:
@@ -89,17 +138,22 @@ class inside:
 
 
 def _stepped(optimizer, args, kwargs) -> None:
-    """After each step: the compiled modules whose pieces the optimizer steps (found at its first) have moved."""
-    stepping = _stepping.get(optimizer)
-    if stepping is None:
+    """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
+    step, and again when its param groups grow); their siblings' loads are out of date."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    known = _stepping.get(optimizer)
+    if known is None or known[0] != count:
         found = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 ref = _owners.get(id(p))
                 if ref is not None and ref() is not None:
                     found[id(ref())] = ref
-        stepping = _stepping[optimizer] = list(found.values())
-    for ref in stepping:
+        known = _stepping[optimizer] = (count, list(found.values()))
+    for ref in known[1]:
         compiled = ref()
         if compiled is not None:
             compiled.__dict__["_weights_moved"] = True
+            for sibling in compiled.__dict__.get("_siblings", ()):
+                if (s := sibling()) is not None and s is not compiled:
+                    s.__dict__["_loaded"] = False

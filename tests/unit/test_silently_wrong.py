@@ -664,7 +664,8 @@ def test_whispers_spec_augment_is_refused():
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
-    out, until the weights are copied back; copies of the model (deepcopy, pickling) are not guarded."""
+    out, until the weights are copied back (with nothing missing); so is a copy of the model made after
+    training (a review found `best = copy.deepcopy(model)` unguarded). A copy made before is another model."""
     import copy
     import io
 
@@ -672,27 +673,55 @@ def test_the_model_after_its_compiled_module_trained_is_refused():
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     model(x), model.state_dict()  # (not trained yet: the same weights)
+    before = copy.deepcopy(model)
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     compiled(x, y).backward()
     opt.step()
-    for call in (lambda: model(x), lambda: model.state_dict()):
+    for call in (lambda: model(x), lambda: model.state_dict(), lambda: copy.deepcopy(model),
+                 lambda: torch.save(model, io.BytesIO())):
         with pytest.raises(spmd.SpmdError, match=r"the compiled module has trained since.*What to do: call the "
                                                  r"compiled module"):
             call()
-    copy.deepcopy(model)(x)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    torch.load(buffer, weights_only=False)(x)
+    before(x)  # (a copy from before: another model)
     compiled.eval()  # (the mode check runs the model's forward itself)
     compiled(x, y)
     compiled.train()
+    model.load_state_dict({}, strict=False)  # (nothing loaded: still stale)
+    with pytest.raises(spmd.SpmdError, match=r"trained since"):
+        model(x)
     model.load_state_dict(compiled.full_state_dict())  # the way out
     torch.testing.assert_close(F.mse_loss(model(x), y), compiled(x, y))
     compiled(x, y).backward()
     opt.step()
     with pytest.raises(spmd.SpmdError, match=r"trained since"):
         model(x)
+
+
+def test_a_module_compiled_beside_the_one_that_trained_is_refused():
+    """Compiled from the same model for evaluation (as the mode guard advises), it held the untrained weights
+    once its sibling trained (a review measured 0.18 off), and compiling the model again started from them.
+    Both refused, with the way out; the evaluation module given the trained weights runs."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    trained(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained.*What to do: "
+                                             r"give it the trained weights"):
+        evaluate(x)
+    evaluate.load_state_dict(trained.state_dict())
+    torch.testing.assert_close(evaluate(x), _mlp_with(trained)(x))
+    with pytest.raises(spmd.SpmdError, match=r"a module compiled from this Sequential has trained since"):
+        spmd.compile(model, None)
+
+
+def _mlp_with(compiled) -> nn.Sequential:
+    model = _mlp()
+    model.load_state_dict(compiled.full_state_dict())
+    return model
 
 
 # ---- found by a review of the guards above -------------------------------------------------------
