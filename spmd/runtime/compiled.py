@@ -124,6 +124,12 @@ class CompiledModule(nn.Module):
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
+        # requires_grad set on the model's parameters after compiling (a layer frozen or unfrozen by the training
+        # loop): followed by this module's pieces, which the model's flags would otherwise not reach
+        model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
+        self._flags = [(model_params[fqn], getattr(self, attr), fqn, model_params[fqn].requires_grad)
+                       for fqn, attr in self._param_names.items()
+                       if fqn in model_params and isinstance(getattr(self, attr), nn.Parameter)] if self.split else []
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
@@ -688,9 +694,27 @@ class CompiledModule(nn.Module):
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
         return self._mode_checked
 
+    def _follow_requires_grad(self) -> None:
+        """A `requires_grad` the model's parameter changed since the last call goes to its piece (freezing: no
+        gradient accumulates; unfreezing: where the graph computes the gradient, else an error)."""
+        for k, (param, piece, fqn, was) in enumerate(self._flags):
+            now = param.requires_grad
+            if now is was:
+                continue
+            if now and fqn not in self.split.grads:
+                raise SpmdError(
+                    f"{fqn} was frozen (requires_grad=False) when the model was compiled, so the compiled graph "
+                    "computes no gradient for it; unfreezing it on the model now would train nothing. What to do: "
+                    "compile the model with it unfrozen (a parameter frozen later is followed: its gradient is "
+                    "simply not kept).")
+            piece.requires_grad_(now)
+            self._flags[k] = (param, piece, fqn, now)
+
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._attributes.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
+        if self._flags:
+            self._follow_requires_grad()
         if self.training != self._traced_mode:
             reason = self._mode_dependent or self._ops_differ_by_mode()
             if reason:

@@ -822,3 +822,28 @@ def test_another_threads_draws_are_not_the_models():
         stop.set()
         thread.join()
     assert compiled is not None
+
+
+def test_a_layer_frozen_or_unfrozen_on_the_model_is_followed():
+    """`model[0].requires_grad_(False)` after compiling (a backbone frozen for a while) reached nothing: the
+    compiled module's pieces went on training. The pieces now follow the model's flags at each call, as eager
+    does; unfreezing a parameter the graph has no gradient for (frozen when compiled) is refused."""
+    model, reference = _mlp(), _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    for frozen in (True, False):
+        for m in (model, reference):
+            m[0].requires_grad_(not frozen)
+        compiled.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        compiled(x, y).backward()
+        F.mse_loss(reference(x), y).backward()
+        assert (compiled.get_parameter("0__weight").grad is None) == frozen == (reference[0].weight.grad is None)
+        torch.testing.assert_close(compiled.get_parameter("2__weight").grad, reference[2].weight.grad)
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen \(requires_grad=False\) when the model was "
+                                             r"compiled"):
+        compiled(x, y)
