@@ -49,6 +49,8 @@ def find_layer_stacks(model: torch.nn.Module, min_layers: int = MIN_LAYERS) -> t
         seen[id(t)] = seen.get(id(t), 0) + 1  # a tensor tied across layers: copies would untie it
     stacks: list[LayerStack] = []
     for name, module in model.named_modules():
+        if not name:
+            continue  # (the model itself: a list at the root has no parent to hold it cut; traced whole)
         if any(name.startswith(s.fqn + ".") for s in stacks):
             continue  # inside a stack already found: its own lists are copied with it
         layers = layers_of(module)

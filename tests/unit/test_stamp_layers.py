@@ -138,6 +138,8 @@ class Stack(nn.Module):
 def test_layers_must_be_interchangeable():
     assert find_layer_stacks(Stack([Layer() for _ in range(8)])) == (LayerStack("layers", 8),)
     assert find_layer_stacks(Stack([Layer() for _ in range(7)])) == ()  # too shallow to pay
+    # the model itself a list of layers: no parent to hold it cut (the plan's note said "KeyError: ''")
+    assert find_layer_stacks(nn.Sequential(*[Layer() for _ in range(8)])) == ()
     # an attribute that differs: a stack, whose forward is watched for reads of it (see below)
     assert find_layer_stacks(Stack([Layer(scale=1.0 + (i == 5)) for i in range(8)])) == (
         LayerStack("layers", 8, (("", "scale"),)),)
