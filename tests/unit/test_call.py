@@ -198,3 +198,18 @@ def test_a_constant_read_only_in_backward_is_an_input_of_the_forward():
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(compiled.a__weight.grad, reference.a.weight.grad)
+
+
+def test_a_positional_example_input_holding_no_tensor_names_the_keyword_way():
+    """`spmd.compile(model, mesh, (x, 0.5))` crashed with `KeyError: 't'` (the graph has no input for a
+    float); it now says to pass the value by keyword, where it is a constant of the call."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            return self.fc(x) / t
+
+    with pytest.raises(spmd.SpmdError, match=r"example input t=0\.5 holds no tensor.*example_kwargs=\{'t': 0\.5\}"):
+        positional_call(Scaled(), (torch.randn(2, 4), 0.5), None)
