@@ -107,14 +107,17 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     constants = tuple((k, copy.deepcopy(v)) for k, v in kwargs.items() if _plain(v))
     fixed = dict(constants)
     call = Call(tuple(argument_names(model, len(args))), tuple(k for k in kwargs if k not in fixed), constants)
-    plain = [(name, a) for name, a in zip(call.positional, args) if _plain(a)]
-    if plain:  # (the graph takes tensors; a value given by keyword is fixed as a constant of the call instead)
+    # (the graph takes tensors; a value given by keyword is fixed as a constant of the call instead)
+    plain = [(name, a) for name, a in zip(call.positional, args)
+             if any(not isinstance(leaf, torch.Tensor) for leaf in tree_leaves(a))]
+    if plain:
         name, value = plain[0]
+        what = "holds no tensor" if _plain(value) else "holds values that are not tensors"
         raise SpmdError(
-            f"spmd.compile: example input {name}={value!r} holds no tensor, and positional inputs are the graph's "
-            f"inputs. What to do: pass it by keyword (example_kwargs={{{name!r}: {value!r}}}, and "
-            f"`compiled(..., {name}={value!r})`): a value that holds no tensor is fixed when traced, and a call "
-            "with another one is refused.")
+            f"example input {name}={value!r} {what}, and positional inputs are the graph's inputs (tensors). What "
+            f"to do: pass such a value by keyword (example_kwargs={{{name!r}: ...}}, and `compiled(..., "
+            f"{name}=...)`): a value that holds no tensor is fixed when traced, and a call with another one is "
+            "refused.")
     clash = set(call.positional) & set(call.keywords)
     if clash:
         raise SpmdError(f"example_kwargs {sorted(clash)} are also given positionally. What to do: pass each input "

@@ -127,6 +127,7 @@ class CompiledModule(nn.Module):
         # requires_grad set on the model's parameters after compiling (a layer frozen or unfrozen by the training
         # loop): followed by this module's pieces, which the model's flags would otherwise not reach
         model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
+        self._frozen_when_compiled = set(c.traced.frozen)
         self._flags = [(model_params[fqn], getattr(self, attr), fqn, model_params[fqn].requires_grad)
                        for fqn, attr in self._param_names.items()
                        if fqn in model_params and isinstance(getattr(self, attr), nn.Parameter)] if self.split else []
@@ -701,7 +702,7 @@ class CompiledModule(nn.Module):
             now = param.requires_grad
             if now is was:
                 continue
-            if now and fqn not in self.split.grads:
+            if now and fqn in self._frozen_when_compiled:  # (one no gradient reaches is only set: none comes)
                 raise SpmdError(
                     f"{fqn} was frozen (requires_grad=False) when the model was compiled, so the compiled graph "
                     "computes no gradient for it; unfreezing it on the model now would train nothing. What to do: "

@@ -211,5 +211,8 @@ def test_a_positional_example_input_holding_no_tensor_names_the_keyword_way():
         def forward(self, x, t):
             return self.fc(x) / t
 
-    with pytest.raises(spmd.SpmdError, match=r"example input t=0\.5 holds no tensor.*example_kwargs=\{'t': 0\.5\}"):
+    with pytest.raises(spmd.SpmdError, match=r"example input t=0\.5 holds no tensor.*example_kwargs=\{'t': \.\.\.\}"):
         positional_call(Scaled(), (torch.randn(2, 4), 0.5), None)
+    with pytest.raises(spmd.SpmdError, match=r"example input t=\[.*None\] holds values that are not tensors"):
+        positional_call(Scaled(), (torch.randn(2, 4), [torch.ones(1), None]), None)
+    positional_call(Scaled(), (torch.randn(2, 4), ()), None)  # (an empty container: nothing to fix, as before)

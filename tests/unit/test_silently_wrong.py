@@ -847,3 +847,23 @@ def test_a_layer_frozen_or_unfrozen_on_the_model_is_followed():
     with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen \(requires_grad=False\) when the model was "
                                              r"compiled"):
         compiled(x, y)
+
+
+def test_a_parameter_no_gradient_reaches_may_be_frozen_and_unfrozen():
+    """Found by a review: unfreezing a parameter the loss never reaches (a pooler) was refused as "frozen when
+    compiled"; it was trainable then, and eager takes the same sequence."""
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.a(x)
+
+    model, x, y = TwoHeads(), torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model.b.requires_grad_(False)
+    compiled(x, y).backward()
+    model.b.requires_grad_(True)
+    compiled(x, y).backward()
+    assert compiled.get_parameter("b__weight").grad is None and compiled.get_parameter("a__weight").grad is not None
