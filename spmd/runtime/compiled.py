@@ -238,20 +238,32 @@ class CompiledModule(nn.Module):
     def _named_state(self, keep_vars: bool, persistent_only: bool) -> dict[str, torch.Tensor]:
         """The model's names (a tied parameter under each of them) -> this rank's piece as a DTensor over the
         runtime mesh, where it lies in the whole (the piece itself without a runtime mesh: a mesh of one)."""
-        from torch.distributed.tensor import DTensor
-
         out = {}
         for fqn, attr in self._param_names.items():
             if persistent_only and fqn in self._non_persistent:
                 continue
             local = getattr(self, attr)
-            local = local if keep_vars else local.detach()
-            if self.device_mesh is not None:
-                shape = self._global_shapes[fqn]
-                local = DTensor.from_local(local, self.device_mesh, list(self._state_placements[fqn]), run_check=False,
-                                           shape=torch.Size(shape), stride=contiguous_strides(shape))
-            out[fqn] = local
+            out[fqn] = self._as_whole(fqn, local if keep_vars else local.detach())
         return self._with_aliases(out)
+
+    def _as_whole(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        """`local`, cut as `fqn`'s piece, as a DTensor over the runtime mesh (itself without one)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.device_mesh is None:
+            return local
+        shape = self._global_shapes[fqn]
+        return DTensor.from_local(local, self.device_mesh, list(self._state_placements[fqn]), run_check=False,
+                                  shape=torch.Size(shape), stride=contiguous_strides(shape))
+
+    def _piece_of(self, fqn: str, value, piece: torch.Tensor):
+        """This rank's piece of `value` for `fqn`, whose piece is shaped as `piece`: a DTensor resharded to
+        this plan's layout, a full tensor cut; anything else (already a piece, a number) as it is."""
+        if hasattr(value, "to_local"):
+            return value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
+            return local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
+        return value
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """`state_dict()` is the model's: its names (a tied parameter under each), its persistent entries,
@@ -296,19 +308,14 @@ class CompiledModule(nn.Module):
         loaded = set()
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
-                names = [fqn] + [a for a, c in self._aliases.items() if c == fqn]
-                value = next((state[n] for n in names if n in state), None)
+                value = next((state[n] for n in (fqn, *self._names_of(fqn)) if n in state), None)
                 if value is None and (_partial or fqn in self._non_persistent):  # (computed, or a lifted
                     continue                                                     # constant: not saved)
                 if value is None:
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
                 local = getattr(self, attr)
-                if hasattr(value, "to_local"):
-                    value = value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
-                elif tuple(value.shape) != tuple(local.shape):
-                    value = local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
-                local.copy_(value)
+                local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
         self.__dict__["_loaded"] = True  # (given weights: not stale beside a module compiled alike that trained)
@@ -340,40 +347,49 @@ class CompiledModule(nn.Module):
         reported as torch reports them. (The model's names go around torch's load hooks, and `assign`.)"""
         from torch.nn.modules.module import _IncompatibleKeys
 
-        known = set(self._param_names) | set(self._aliases)
-        own_only = (set(self._parameters) | set(self._buffers)) - known  # (a root parameter: both names alike)
-        if any(k in own_only for k in state_dict):
+        keys = self._model_keys(state_dict)
+        if keys is None:
             out = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
             self.__dict__["_loaded"] = True
             return out
-        unexpected = [k for k in state_dict if k not in known]
-        missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
-                   and not any(n in state_dict for n in (fqn, *self._names_of(fqn)))]
+        missing, unexpected = keys
         if strict and (unexpected or missing):
             raise SpmdError(
                 "load_state_dict: " + "; ".join(
                     f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
                     for what, keys in (("keys that are not the model's", unexpected), ("entries missing", missing))
                     if keys) + ". What to do: load the model's own, whole state dict (or pass strict=False).")
-        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k in known}, _partial=True)
+        foreign = set(unexpected)
+        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _model_keys(self, state: dict) -> tuple[list[str], list[str]] | None:
+        """(persistent entries missing, keys that are not the model's) of `state` keyed by the model's names;
+        None where it is keyed as this module holds its pieces (`0__weight`: torch's own load)."""
+        known = set(self._param_names) | set(self._aliases)
+        own_only = (set(self._parameters) | set(self._buffers)) - known  # (a root parameter: both names alike)
+        if any(k in own_only for k in state):
+            return None
+        missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
+                   and not any(n in state for n in (fqn, *self._names_of(fqn)))]
+        return missing, [k for k in state if k not in known]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A compiled module inside another module: the outer module's `load_state_dict` hands it the entries
         under its prefix, keyed as `state_dict()` keys them (the model's names) or as it holds its pieces."""
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        known = set(self._param_names) | set(self._aliases)
-        own_only = (set(self._parameters) | set(self._buffers)) - known  # (as `load_state_dict` tells them apart)
-        if any(k in own_only for k in mine):
+        keys = self._model_keys(mine)
+        if keys is None:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
-        self.load_sharded_state_dict({k: v for k, v in mine.items() if k in known}, _partial=True)
-        missing_keys.extend(prefix + fqn for fqn in self._param_names if fqn not in self._non_persistent
-                            and not any(n in mine for n in (fqn, *self._names_of(fqn))))
+        missing, unexpected = keys
+        foreign = set(unexpected)
+        self.load_sharded_state_dict({k: v for k, v in mine.items() if k not in foreign}, _partial=True)
+        missing_keys.extend(prefix + fqn for fqn in missing)
         if strict:
-            unexpected_keys.extend(prefix + k for k in mine if k not in known)
+            unexpected_keys.extend(prefix + k for k in unexpected)
 
     def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
         """Give this rank's shards of a model compiled from the meta device the values of the model's own

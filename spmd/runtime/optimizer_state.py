@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from spmd.core.errors import SpmdError
-from spmd.runtime.distribute import contiguous_strides, local_shard
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -59,8 +58,6 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
 
 
 def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
-    from torch.distributed.tensor import DTensor
-
     names = _names(compiled, optimizer)
     grads = compiled.split.grads if compiled.split is not None else ()  # (the parameters a gradient reaches)
     trained = {id(getattr(compiled, compiled._param_names[name])) for name in grads if name in compiled._param_names}
@@ -69,12 +66,11 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     if made_up:  # (the live optimizer stays as it was: the state of a step at rate 0 is not a fresh one's)
         optimizer.state.clear()
     flat = [fqn for group in names for fqn in group]
+    cut = any(n > 1 for n in compiled.mesh_spec.shape)
     state = {}
     for index, entries in torch_form["state"].items():
         fqn = flat[index]
         piece = getattr(compiled, compiled._param_names[fqn])
-        placements = list(compiled._state_placements[fqn])
-        cut = any(n > 1 for n in compiled.mesh_spec.shape)
         state[fqn] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -85,10 +81,8 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
                             f"neither a number nor cut like the parameter's piece {tuple(piece.shape)}: it cannot "
                             "be described as a piece of a whole. What to do: save the optimizer's own "
                             "`state_dict()` on each rank with torch.save (a load on the same mesh and plan).")
-                elif compiled.device_mesh is not None:
-                    shape = compiled._global_shapes[fqn]
-                    value = DTensor.from_local(value, compiled.device_mesh, placements, run_check=False,
-                                               shape=torch.Size(shape), stride=contiguous_strides(shape))
+                else:
+                    value = compiled._as_whole(fqn, value)
             state[fqn][key] = value
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group_names}
               for group, group_names in zip(torch_form["param_groups"], names)]
@@ -108,14 +102,7 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")
         piece = getattr(compiled, compiled._param_names[fqn])
-        placements = compiled._state_placements[fqn]
-        state[index[fqn]] = {}
-        for key, value in entries.items():
-            if hasattr(value, "to_local"):  # a DTensor: as saved, resharded to this plan's layout where it differs
-                value = value.redistribute(compiled.device_mesh, list(placements)).to_local()
-            elif isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
-                value = local_shard(value, placements, compiled.mesh_spec.shape, compiled.coord)
-            state[index[fqn]][key] = value
+        state[index[fqn]] = {key: compiled._piece_of(fqn, value, piece) for key, value in entries.items()}
     groups = []
     for group, group_names in zip(named["param_groups"], names):
         saved = [compiled._aliases.get(n, n) for n in group["params"]]
