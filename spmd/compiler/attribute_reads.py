@@ -25,15 +25,17 @@ import types
 
 import torch
 
+from spmd.compiler.call import PLAIN_TYPES
 from spmd.core.errors import SpmdError
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 
 
 def plain(value) -> bool:
-    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(plain(v) for v in value))
+    """A value a trace fixes as a constant: `call.PLAIN_TYPES`, or a tuple of them (immutable: a list changed in
+    place would be the same object, compared with itself)."""
+    return isinstance(value, PLAIN_TYPES) or (isinstance(value, tuple) and all(plain(v) for v in value))
 
 
 def _codes(code: types.CodeType):
@@ -88,23 +90,15 @@ def forward_reads(cls: type) -> frozenset[str]:
     return frozenset(reads - writes - {"training"})
 
 
+_NONE = object()
+
+
 def _value(module, name):
     """The plain value `module.name` reads now (instance or class), or a marker where it is none."""
     static = inspect.getattr_static(module, name, _NONE)
     if static is _NONE or (name not in module.__dict__ and hasattr(static, "__get__")):
         return _NONE  # (absent, or a property or method: not a stored value)
     return static if plain(static) else _NONE
-
-
-_NONE = object()
-
-
-def _now(module, name):
-    """`_value`, fast where the value sits in the instance (the usual case: a few microseconds a call)."""
-    value = module.__dict__.get(name, _NONE)
-    if value is _NONE:
-        return _value(module, name)
-    return value if plain(value) else _NONE
 
 
 def _both_nan(a, b) -> bool:
@@ -143,7 +137,7 @@ class AttributeGuard:
         for m, name, path, old in self._entries:
             if m.__dict__.get(name, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue
-            new = _now(m, name)
+            new = _value(m, name)
             if new is not old and new != old and not _both_nan(new, old):
                 changed.append((path, name, old, new))
         if changed:

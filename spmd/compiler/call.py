@@ -71,14 +71,14 @@ class Call:
 _MISSING = object()
 
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+PLAIN_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)  # (values a trace fixes as constants)
 
 
 def _plain(value) -> bool:
     """A keyword argument made only of plain values (None, bool, numbers, strings, dtypes, devices, in lists,
     tuples and dicts): fixed when traced. Anything else (tensors, an object that may hold some) is an input
     or is refused by the trace."""
-    return all(isinstance(leaf, _PLAIN) for leaf in tree_leaves(value))
+    return all(isinstance(leaf, PLAIN_TYPES) for leaf in tree_leaves(value))
 
 
 def _same(a, b) -> bool:
