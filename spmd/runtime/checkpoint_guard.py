@@ -26,11 +26,12 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
-_watched: dict[int, tuple[weakref.ref, str]] = {}  # id(piece) -> (ref, FQN)
+_watched = WeakIdKeyDictionary()  # piece -> FQN
 _optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # those stepping a watched piece
 _looked_at: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _torch_planners: dict[type, object] = {}  # planner class -> its own set_up_planner, once ours stands in
@@ -40,10 +41,13 @@ def watch(pieces: dict[str, torch.Tensor]) -> None:
     """FQN -> this rank's piece of a sharded parameter or buffer."""
     with _lock:
         for fqn, t in pieces.items():
-            _watched[id(t)] = (weakref.ref(t, lambda _, key=id(t): _watched.pop(key, None)), fqn)
+            _watched[t] = fqn
         if not _torch_planners and _watched:
             from torch.distributed.checkpoint import state_dict_saver
-            from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+            from torch.distributed.checkpoint.default_planner import (
+                DefaultLoadPlanner,
+                DefaultSavePlanner,
+            )
 
             register_optimizer_step_post_hook(_seen)
             for cls in (DefaultSavePlanner, DefaultLoadPlanner):
@@ -54,8 +58,7 @@ def watch(pieces: dict[str, torch.Tensor]) -> None:
 
 
 def _piece(t: torch.Tensor) -> str | None:
-    entry = _watched.get(id(t))
-    return entry[1] if entry is not None and entry[0]() is t else None
+    return _watched.get(t)
 
 
 def _seen(optimizer, args, kwargs) -> None:
@@ -70,9 +73,8 @@ def _seen(optimizer, args, kwargs) -> None:
 def _pieces_and_states() -> dict[int, str]:
     """id -> what it is, for every watched piece and every optimizer state cut like one."""
     found = {}
-    for key, (ref, fqn) in list(_watched.items()):
-        if ref() is not None:
-            found[key] = f"this rank's piece of {fqn}"
+    for t, fqn in list(_watched.items()):
+        found[id(t)] = f"this rank's piece of {fqn}"
     for optimizer in list(_optimizers):
         for p, state in optimizer.state.items():
             fqn = _piece(p)

@@ -15,16 +15,16 @@ import clip_grad_norm_` before compiling, too). Anything else clips as before.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
-_watched: dict[int, tuple[weakref.ref, str]] = {}  # id(parameter piece) -> (ref, FQN)
+_watched = WeakIdKeyDictionary()  # parameter piece -> FQN
 _torch_scale = None  # torch's own _clip_grads_with_norm_, once ours stands in its place
 
 
@@ -33,7 +33,7 @@ def watch(parameters: dict[str, torch.Tensor]) -> None:
     global _torch_scale
     with _lock:
         for fqn, p in parameters.items():
-            _watched[id(p)] = (weakref.ref(p, lambda _, key=id(p): _watched.pop(key, None)), fqn)
+            _watched[p] = fqn
         if _torch_scale is None and _watched:
             _torch_scale = clip_grad._clip_grads_with_norm_
             clip_grad._clip_grads_with_norm_ = _clip_grads_with_norm_
@@ -42,12 +42,7 @@ def watch(parameters: dict[str, torch.Tensor]) -> None:
 
 
 def _sharded(params: list) -> list[str]:
-    found = []
-    for p in params:
-        entry = _watched.get(id(p))
-        if entry is not None and entry[0]() is p:
-            found.append(entry[1])
-    return found
+    return [_watched[p] for p in params if p in _watched]
 
 
 def _clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor, foreach: bool | None = None) -> None:

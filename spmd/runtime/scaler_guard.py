@@ -15,16 +15,16 @@ no such piece unscales as before, with no collective.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 from torch.amp import grad_scaler
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.runtime.distribute import max_over_mesh
 
 _lock = threading.Lock()
 # id(parameter piece) -> (ref, the mesh: (shape, process group names per axis, device of its collectives))
-_watched: dict[int, tuple[weakref.ref, tuple]] = {}
+_watched = WeakIdKeyDictionary()
 _torch_unscale = None  # GradScaler's own _unscale_grads_, once ours stands in its place
 
 
@@ -36,7 +36,7 @@ def watch(parameters: list[torch.Tensor], mesh_shape: tuple[int, ...], group_nam
     mesh = (tuple(mesh_shape), tuple(group_names), device)
     with _lock:
         for p in parameters:
-            _watched[id(p)] = (weakref.ref(p, lambda _, key=id(p): _watched.pop(key, None)), mesh)
+            _watched[p] = mesh
         if _torch_unscale is None and _watched:
             _torch_unscale = grad_scaler.GradScaler._unscale_grads_
             grad_scaler.GradScaler._unscale_grads_ = _unscale_grads_
@@ -46,9 +46,8 @@ def _meshes(optimizer) -> list[tuple]:
     found = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            entry = _watched.get(id(p))
-            if entry is not None and entry[0]() is p:
-                found[entry[1]] = None
+            if p in _watched:
+                found[_watched[p]] = None
     return list(found)
 
 

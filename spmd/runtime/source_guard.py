@@ -23,11 +23,12 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
 
 _lock = threading.Lock()
-_owners: dict[int, weakref.ref] = {}  # id(compiled parameter) -> the compiled module holding it
+_owners = WeakIdKeyDictionary()  # compiled parameter -> the compiled module holding it (a weak reference)
 _stepping: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (its parameter count, modules)
 _compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled modules (refs)
 _hook = None
@@ -108,7 +109,7 @@ def watch(model: torch.nn.Module, compiled) -> None:
         siblings.append(weakref.ref(compiled))
         compiled.__dict__["_siblings"] = siblings
         for p in compiled.parameters():
-            _owners[id(p)] = weakref.ref(compiled, lambda _, key=id(p): _owners.pop(key, None))
+            _owners[p] = weakref.ref(compiled)
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_stepped)
 
@@ -146,7 +147,7 @@ def _stepped(optimizer, args, kwargs) -> None:
         found = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                ref = _owners.get(id(p))
+                ref = _owners.get(p)
                 if ref is not None and ref() is not None:
                     found[id(ref())] = ref
         known = _stepping[optimizer] = (count, list(found.values()))
