@@ -429,6 +429,7 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
+
     def export():
         return torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
