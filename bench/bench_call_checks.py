@@ -1,0 +1,67 @@
+"""What the checks at the start of each call of a compiled module cost (no processes): transformers Llama
+models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on a mesh of one device.
+
+- the attribute guard: the plain attributes each module's forward reads, compared with their values when
+  compiled (`compiler/attribute_reads.AttributeGuard.check`);
+- the sibling check: another module compiled from the same model trained (`runtime/source_guard.stale`);
+- requires_grad followed from the model's parameters (`CompiledModule._follow_requires_grad`).
+
+    python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _compiled(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spmd.compiler.call import positional_call
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    view, flat, call = positional_call(model, (), dict(input_ids=ids, labels=ids), loss_only=True)
+    c = run_pipeline(view, flat, MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(training=True),
+                     RankBinding(0, ("",)), quiet=True)
+    return CompiledModule(c, None, src_data_rank=None, source_model=model, call=call)
+
+
+def _us(fn, calls: int = 2000, rounds: int = 5) -> float:
+    """Median over rounds of the mean time of one call, in microseconds."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    from spmd.runtime import source_guard
+
+    print("| layers | attributes watched | attribute guard, us | sibling check, us | parameters followed | "
+          "requires_grad followed, us | all three, us |")
+    print("|---|---|---|---|---|---|---|")
+    for layers in (2, 8, 32):
+        compiled = _compiled(layers)
+        guard = _us(compiled._attributes.check)
+        sibling = _us(lambda: source_guard.stale(compiled))
+        flags = _us(compiled._follow_requires_grad)
+        print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
+              f"{flags:.1f} | {guard + sibling + flags:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
