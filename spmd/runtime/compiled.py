@@ -16,6 +16,7 @@ from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard
+from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -124,6 +125,8 @@ class CompiledModule(nn.Module):
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
+        # the torch.autocast state of the trace (the graph holds its casts): each call is made under the same
+        self._autocast = AutocastGuard()
         # requires_grad set on the model's parameters after compiling (a layer frozen or unfrozen by the training
         # loop): followed by this module's pieces, which the model's flags would otherwise not reach
         model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
@@ -332,7 +335,8 @@ class CompiledModule(nn.Module):
                     f"this module's graph was compiled for its parameters and buffers as they are ({name}: "
                     f"{t.dtype} on {t.device}); converting them (to {probe.dtype} on {probe.device}) would not "
                     "change the graph. What to do: convert the model before compiling (model.to(...), then "
-                    "spmd.compile); for mixed precision, torch.autocast around the compiled call.")
+                    "spmd.compile); for mixed precision, spmd.compile under torch.autocast, and call the "
+                    "compiled module under the same autocast.")
         return super()._apply(fn, recurse)
 
     def _state_items(self):
@@ -729,6 +733,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._attributes.check()
+        self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
         if self._flags:
             self._follow_requires_grad()
@@ -754,6 +759,11 @@ class CompiledModule(nn.Module):
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs)
         args = self._graph_args(inputs)
+        with AutocastGuard.off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
+            flat = self._run_graphs(args)
+        return tree_unflatten(list(flat), self._out_spec)
+
+    def _run_graphs(self, args: list) -> list:
         if self.split is None:
             anchor = next((t for t in args if isinstance(t, torch.Tensor) and t.requires_grad), None) \
                 if torch.is_grad_enabled() else None
@@ -766,7 +776,7 @@ class CompiledModule(nn.Module):
                 flat = [flat[k] for k in self._user_outputs]
         else:
             flat = _RankStep.apply(self, *args)
-        return tree_unflatten(list(flat), self._out_spec)
+        return flat
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -907,6 +917,7 @@ class _RankStep(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
-        grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
+        with AutocastGuard.off():  # (a backward called inside the user's autocast block: the traced dtypes)
+            grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
         return (None,) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
                                for (kind, _), name in zip(module._order, module._order_names))
