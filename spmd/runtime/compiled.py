@@ -144,8 +144,13 @@ class CompiledModule(nn.Module):
             for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
-        if c.plan.joint:  # an optimizer keeping other state than planned warns at its first step
-            optimizer_guard.expect(self.parameters(), c.options.optimizer_state_factor)
+        self._state_factor = c.options.optimizer_state_factor if c.plan.joint else None
+        self._watch_pieces()
+
+    def _watch_pieces(self) -> None:
+        """This module's pieces, known to the guards that catch torch's tools misused on them."""
+        if self._state_factor is not None:  # an optimizer keeping other state than planned warns at its first step
+            optimizer_guard.expect(self.parameters(), self._state_factor)
         # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm, and
         # GradScaler would skip the step on the ranks whose piece overflowed only
         sharded = {fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
@@ -321,7 +326,29 @@ class CompiledModule(nn.Module):
                 local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
-        self.__dict__["_loaded"] = True  # (given weights: not stale beside a module compiled alike that trained)
+        source_guard.given(self)  # (given weights: not stale beside a module compiled alike that trained)
+
+    def __deepcopy__(self, memo):
+        """A copy with pieces of its own (an exponential moving average of the weights kept beside the module
+        that trains, as timm's `ModelEma` makes it): the same model, plan, graphs and mesh. A copy made before
+        training is stale once the original steps, until it is given weights (loaded, or updated in place);
+        one made after holds the trained weights. (Copying the model itself after training would be refused:
+        its weights are the old ones; the copy does not copy it.)"""
+        import copy
+
+        new = copy.copy(self)
+        new.__dict__ = dict(self.__dict__)
+        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_flags",
+                     "_uninitialized", "_compiled_graphs", *(k for k, v in self.__dict__.items()
+                                                              if k.endswith("_hooks") and isinstance(v, dict))):
+            value = self.__dict__[name]
+            new.__dict__[name] = type(value)(value) if not isinstance(value, list) else list(value)
+        memo[id(self)] = new
+        for store in ("_parameters", "_buffers"):
+            new.__dict__[store] = {k: copy.deepcopy(v, memo) for k, v in self.__dict__[store].items()}
+        new._flags = [(param, memo.get(id(piece), piece), fqn, was) for param, piece, fqn, was in self._flags]
+        new._watch_pieces()  # (compiled from the same model: the guards know the copy's pieces too)
+        return new
 
     def _apply(self, fn, recurse: bool = True):
         """`.to(...)`, `.half()`, `.cuda()` and the like, on the pieces. Where they would change a dtype or a
@@ -355,7 +382,7 @@ class CompiledModule(nn.Module):
         if keys is None:
             out = super().load_state_dict(state_dict, strict=strict, assign=assign)
             self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
-            self.__dict__["_loaded"] = True
+            source_guard.given(self)
             return out
         missing, unexpected = keys
         if strict and (unexpected or missing):

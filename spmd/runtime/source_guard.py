@@ -108,18 +108,40 @@ def watch(model: torch.nn.Module, compiled) -> None:
             model.register_load_state_dict_post_hook(_Guard(model, None))
         siblings.append(weakref.ref(compiled))
         compiled.__dict__["_siblings"] = siblings
+        given(compiled)  # (its weights as compiled: the mark its in-place changes are seen against)
+        compiled.__dict__["_loaded"] = False
         for p in compiled.parameters():
             _owners[p] = weakref.ref(compiled)
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_stepped)
 
 
+def given(compiled) -> None:
+    """Weights were loaded into `compiled`: not stale until a sibling steps again. Its parameters' versions now
+    are the mark `_untouched` compares with."""
+    compiled.__dict__["_loaded"] = True
+    params = list(compiled.parameters())
+    compiled.__dict__["_weights_at"] = (tuple(weakref.ref(p) for p in params), tuple(p._version for p in params))
+
+
+def _untouched(compiled) -> bool:
+    """Whether `compiled`'s parameters are as they were when it was compiled, last loaded, or copied: no
+    in-place change since (an exponential moving average kept in a copy, `copy.deepcopy(compiled)` updated
+    with `ema.lerp_(p, 1 - decay)`, holds the weights its user gives it: not stale)."""
+    params = list(compiled.parameters())
+    refs, versions = compiled.__dict__.get("_weights_at", ((), ()))
+    if len(refs) != len(params) or any(r() is not p for r, p in zip(refs, params)):
+        versions = (0,) * len(params)  # (a copy: its parameters are fresh clones, made by the copy)
+    return all(p._version == v for p, v in zip(params, versions))
+
+
 def stale(compiled) -> None:
     """Raise where another module compiled from the same model has trained and this one has not (nor been given
-    weights since): its weights are the untrained ones."""
+    weights since, by a load or in place): its weights are the untrained ones."""
     trained = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
                and c.__dict__.get("_weights_moved")]
-    if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded"):
+    if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded") \
+            and _untouched(compiled):
         raise SpmdError(
             "another module compiled from the same model has trained since this one was compiled, and this one "
             "still holds the weights it was compiled with (a module for evaluation beside the one for training?). "

@@ -177,3 +177,47 @@ def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first
         assert r["differs"] and "inputs the plan replicates differ between ranks ('input' along 'dp', 'target' " \
             "along 'dp')" in r["differs"] and "compiled.shard_inputs" in r["differs"], r
     assert results[0]["loss"] == results[1]["loss"]
+
+
+def _lm_loss(out, targets):
+    return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+def _average_in_a_copy(rank: int, world: int) -> dict:
+    import copy
+
+    from torch.distributed.tensor import Shard
+
+    from examples.models import GPT, GPTConfig
+    from tests.support import spec
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=1))
+    eager = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    trained = spmd.compile(model, mesh, (tokens, tokens), loss_fn=_lm_loss, mesh_spec=spec((2,), ("dp",)),
+                           param_placements={"blocks.0.mlp.fc1.weight": [Shard(0)]})
+    ema, eager_ema = copy.deepcopy(trained), copy.deepcopy(eager)
+    opt, eager_opt = torch.optim.SGD(trained.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    local = trained.shard_inputs(tokens, tokens)
+    for _ in range(2):
+        trained(*local).backward()
+        _lm_loss(eager(tokens), tokens).backward()
+        for o in (opt, eager_opt):
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            for mine, theirs in ((ema, trained), (eager_ema, eager)):
+                for a, b in zip(mine.parameters(), theirs.parameters()):
+                    a.lerp_(b, 0.5)
+    full, want = ema.full_state_dict(), eager_ema.state_dict()
+    return {"pieces": tuple(ema.get_parameter("blocks__0__mlp__fc1__weight").shape),
+            "err": max(float((full[k] - v).abs().max()) for k, v in want.items())}
+
+
+def test_a_copy_of_a_sharded_module_keeps_its_own_average(ranks):
+    """`copy.deepcopy(compiled)` on gloo ranks: its own pieces (fc1 split on dp), the same mesh; updated in place
+    as an average of the trained weights, it gathers to the eager average."""
+    for r in ranks(2).run(_average_in_a_copy):
+        assert r["pieces"] == (128, 64) and r["err"] < 1e-5, r

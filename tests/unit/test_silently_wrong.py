@@ -718,6 +718,38 @@ def test_a_module_compiled_beside_the_one_that_trained_is_refused():
         spmd.compile(model, None)
 
 
+def test_a_copy_of_the_compiled_module_keeps_an_average_of_its_weights():
+    """`copy.deepcopy(compiled)` (timm's ModelEma) before training, updated in place after each step, holds the
+    average the user gave it: it ran as a stale sibling before, and the way out offered (load the trained
+    weights) would have thrown the average away. A copy nobody updates is still refused; one made after
+    training holds the trained weights; none copies the model (which, after training, is refused)."""
+    import copy
+
+    model = _mlp()
+    eager, eager_ema = copy.deepcopy(model), copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    ema, untouched = copy.deepcopy(trained), copy.deepcopy(trained)
+    assert ema._source_model is model and untouched.plan is trained.plan
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (trained, eager))
+    for _ in range(3):
+        for m, o in ((trained, opt), (eager, eager_opt)):
+            F.mse_loss(m(x), y).backward() if m is eager else m(x, y).backward()
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            for mine, theirs in ((ema, trained), (eager_ema, eager)):
+                for a, b in zip(mine.parameters(), theirs.parameters()):
+                    a.lerp_(b, 0.25)
+    with torch.no_grad():
+        torch.testing.assert_close(ema(x, y), F.mse_loss(eager_ema(x), y))
+        with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
+            untouched(x, y)
+        later = copy.deepcopy(trained)
+        torch.testing.assert_close(later(x, y), F.mse_loss(eager(x), y))
+    assert later._source_model is model and dict(later.named_parameters()).keys() == dict(trained.named_parameters()).keys()
+
+
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
     model.load_state_dict(compiled.full_state_dict())
