@@ -328,6 +328,42 @@ class CompiledModule(nn.Module):
         self._uninitialized -= loaded
         source_guard.given(self)  # (given weights: not stale beside a module compiled alike that trained)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's pieces under the model's names (`blocks.0.ln.weight`, not the attribute they are held
+        under, `blocks__0__ln__weight`), so choices a training loop makes by name see what they see on the model:
+        `no_decay = ["bias", "LayerNorm.weight"]` (BERT fine-tuning) put every LayerNorm weight into weight
+        decay, silently, under the attribute names. With `remove_duplicate=False` a tied weight comes under each
+        of its names, as the model's does."""
+        return self._model_named(super().named_parameters(recurse=recurse, remove_duplicate=remove_duplicate),
+                                 prefix, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's buffers under the model's names (as `named_parameters`)."""
+        return self._model_named(super().named_buffers(recurse=recurse, remove_duplicate=remove_duplicate),
+                                 prefix, remove_duplicate)
+
+    def _model_named(self, named, prefix: str, remove_duplicate: bool):
+        fqn_of = {attr: fqn for fqn, attr in self._param_names.items()}
+        aliases: dict[str, list[str]] = {}
+        if not remove_duplicate:
+            for alias, canonical in self._aliases.items():
+                aliases.setdefault(canonical, []).append(alias)
+        lead = prefix + "." if prefix else ""
+        for name, t in named:
+            fqn = fqn_of.get(name, name)
+            yield lead + fqn, t
+            for alias in aliases.get(fqn, ()):
+                yield lead + alias, t
+
+    def get_parameter(self, target: str):
+        """The piece of the model's parameter `target` (one of its names), or as torch finds an attribute."""
+        attr = self._param_names.get(self._aliases.get(target, target))
+        return super().get_parameter(attr if attr is not None else target)
+
+    def get_buffer(self, target: str):
+        attr = self._param_names.get(self._aliases.get(target, target))
+        return super().get_buffer(attr if attr is not None else target)
+
     def __deepcopy__(self, memo):
         """A copy with pieces of its own (an exponential moving average of the weights kept beside the module
         that trains, as timm's `ModelEma` makes it): the same model, plan, graphs and mesh. A copy made before

@@ -163,3 +163,34 @@ def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
                           param_placements={"fc.weight": [Shard(0)]})
     assert compiled._state_placements["fc.weight"] == (Shard(0),)
     assert checkpoint_guard._piece(compiled.get_parameter("fc__weight")) is None
+
+
+def test_parameters_are_named_as_the_models():
+    """BERT fine-tuning's weight decay groups, made by name from the compiled module, are the model's (under the
+    attribute names, `bert__embeddings__LayerNorm__weight`, every LayerNorm weight went into weight decay); a
+    tied weight comes under each name with remove_duplicate=False, and get_parameter takes the model's names."""
+    from tests.models import tied_lm
+
+    torch.manual_seed(0)
+    model = tied_lm("bert")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def mlm_loss(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    compiled = one_device(model, (ids, ids), training=True, loss_fn=mlm_loss)
+    no_decay = ["bias", "LayerNorm.weight"]
+
+    def groups(m) -> tuple[list, list]:
+        named = list(m.named_parameters())
+        return ([n for n, _ in named if not any(nd in n for nd in no_decay)],
+                [n for n, _ in named if any(nd in n for nd in no_decay)])
+
+    assert groups(compiled) == groups(model)
+    assert "bert.embeddings.LayerNorm.weight" in groups(compiled)[1]
+    assert sorted(n for n, _ in compiled.named_parameters(remove_duplicate=False)) == \
+        sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
+    assert [n for n, _ in compiled.named_buffers()] == [n for n, _ in model.named_buffers()]
+    tied = compiled.get_parameter("cls.predictions.decoder.weight")
+    assert tied is compiled.get_parameter("bert.embeddings.word_embeddings.weight")
+    assert dict(compiled.named_parameters(prefix="m")).keys() == {"m." + n for n, _ in model.named_parameters()}
