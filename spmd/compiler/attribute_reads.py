@@ -8,7 +8,8 @@ after compiling, the new value reaches nothing: the compiled module goes on with
 
 `forward_reads(cls)` reads the bytecode of a module class's `forward` (through its decorators, each class of
 its MRO, and the methods it calls on `self`, transitively) for the attributes it reads through `self`, less
-those it writes (a counter the forward keeps is state, not a constant). Reading the code instead of watching
+those it writes (a counter the forward keeps is state, not a constant), and one object further
+(`self.config.temperature`, an attribute of a configuration object the module holds). Reading the code instead of watching
 the trace leaves the model's classes alone (a recording subclass changed what `type(self.act) is Act` said
 while tracing) and covers every layer, stamped or traced. It over-approximates where a branch the trace did
 not take reads an attribute, and misses reads through `getattr(self, name)` or an alias of `self`.
@@ -46,7 +47,8 @@ def _codes(code: types.CodeType):
 
 
 def _scan(fn) -> tuple[set[str], set[str]]:
-    """(attributes read through `self`, attributes stored anywhere) in `fn` and the functions nested in it."""
+    """(attributes read through `self`, attributes stored anywhere) in `fn` and the functions nested in it. A
+    read one attribute further (`self.config.pad_token_id`) is "config.pad_token_id" as well as "config"."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None or not code.co_varnames:
@@ -54,14 +56,17 @@ def _scan(fn) -> tuple[set[str], set[str]]:
     me = code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
     for c in _codes(code):
-        previous = None
+        before = previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \
                     and previous.argval == me:
                 reads.add(ins.argval)
+            elif ins.opname == "LOAD_ATTR" and previous is not None and previous.opname in _ATTR_LOADS \
+                    and before is not None and before.opname in _SELF_LOADS and before.argval == me:
+                reads.add(f"{previous.argval}.{ins.argval}")
             elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 writes.add(ins.argval)
-            previous = ins
+            before, previous = previous, ins
     return reads, writes
 
 
@@ -87,10 +92,26 @@ def forward_reads(cls: type) -> frozenset[str]:
             reads |= r
             writes |= w
             todo.extend(n for n in r if callable(inspect.getattr_static(cls, n, None)) and n not in done)
-    return frozenset(reads - writes - {"training"})
+    # (a read through an object, `self.config.problem_type`, that the forward also writes, is state too)
+    return frozenset(r for r in reads - writes - {"training"} if r.rpartition(".")[2] not in writes)
 
 
 _NONE = object()
+
+
+def _holder(module, name: str):
+    """(the object holding the attribute `name` reads, its last part): `module` itself, or for "config.x" the
+    plain object `module.config` (a model's configuration: not a module or tensor, which are watched apart,
+    nor a plain value), or None."""
+    first, _, last = name.rpartition(".")
+    if not first:
+        return module, name
+    holder = inspect.getattr_static(module, first, _NONE)
+    if holder is _NONE or first not in module.__dict__ or plain(holder) or callable(holder) or \
+            isinstance(holder, (torch.nn.Module, torch.Tensor, type, types.ModuleType, dict, list, set)) \
+            or last.startswith("_"):  # (private: `_attn_implementation` picks a kernel, not a result)
+        return None, last
+    return holder, last
 
 
 def _value(module, name):
@@ -110,7 +131,8 @@ class AttributeGuard:
     now; `check()` raises, naming each that changed since."""
 
     def __init__(self, roots: dict[str, torch.nn.Module]):
-        self._entries = []
+        self._entries = []  # (the object holding it, attribute, module path, name read, value)
+        seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
                 continue
@@ -120,30 +142,33 @@ class AttributeGuard:
                 if own is not None and callable(own):
                     names |= _scan(getattr(own, "__func__", own))[0] - {"training"}
                 for name in sorted(names):
-                    value = _value(module, name)
+                    holder, attr = _holder(module, name)
+                    if holder is None or (id(holder), attr) in seen:
+                        continue
+                    value = _value(holder, attr)
                     if value is not _NONE:
-                        where = ".".join(p for p in (label, path) if p)
-                        self._entries.append((module, name, where, value))
+                        seen.add((id(holder), attr))
+                        self._entries.append((holder, attr, ".".join(p for p in (label, path) if p), name, value))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def watched(self) -> set[tuple[str, str]]:
-        """The (module path, attribute) pairs checked."""
-        return {(path, name) for _, name, path, _ in self._entries}
+        """The (module path, attribute) pairs checked ("config.pad_token_id" for an attribute of an object the
+        module holds)."""
+        return {(path, name) for _, _, path, name, _ in self._entries}
 
     def check(self) -> None:
         changed = []
-        for m, name, path, old in self._entries:
-            if m.__dict__.get(name, _NONE) is old:  # (the usual case: the very object compiled with)
+        for holder, attr, path, name, old in self._entries:
+            if holder.__dict__.get(attr, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue
-            new = _value(m, name)
+            new = _value(holder, attr)
             if new is not old and new != old and not _both_nan(new, old):
-                changed.append((path, name, old, new))
+                changed.append((f"{path}.{name}" if path else name, old, new))
         if changed:
-            listed = ", ".join(f"`{path + '.' if path else ''}{name}` ({old!r} -> "
-                               f"{'not a plain value' if new is _NONE else repr(new)})"
-                               for path, name, old, new in changed[:4]) + (", ..." if len(changed) > 4 else "")
+            listed = ", ".join(f"`{shown}` ({old!r} -> {'not a plain value' if new is _NONE else repr(new)})"
+                               for shown, old, new in changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise SpmdError(
                 f"the model's {listed} changed after compiling. The forward read the value when it was traced, "
                 "and the compiled graph holds that value: this call would run with the old one. What to do: "

@@ -568,6 +568,45 @@ def test_an_attribute_the_forward_read_changed_on_the_model_is_named():
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
 
 
+@dataclasses.dataclass
+class _Config:
+    temperature: float = 2.0
+    label_smoothing: float = 0.0
+    calls: int = 0
+
+
+class _Configured(nn.Module):
+    """Reads its settings through a configuration object every layer shares (`self.config.temperature`), and
+    keeps a counter there (state, not a setting)."""
+
+    def __init__(self, config: _Config):
+        super().__init__()
+        self.config, self.fc = config, nn.Linear(4, 8)
+        self.inner = nn.Sequential(nn.Linear(8, 8))
+        self.inner.config = config
+
+    def forward(self, x):
+        self.config.calls += 1
+        return self.inner(self.fc(x)) / self.config.temperature
+
+
+def test_an_attribute_of_the_models_configuration_changed_is_named():
+    """`model.config.temperature = 1.0` after compiling reached nothing (the graph holds 2.0), silently."""
+    model = _Configured(_Config())
+    x, y = torch.randn(6, 4), torch.randn(6, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    assert ("", "config.temperature") in compiled._attributes.watched()
+    assert not any("calls" in name for _, name in compiled._attributes.watched())
+    compiled(x, y)
+    model.config.label_smoothing = 0.1  # (not read by the forward: no alarm)
+    compiled(x, y)
+    model.config.temperature = 1.0
+    with pytest.raises(spmd.SpmdError, match=r"`config\.temperature` \(2\.0 -> 1\.0\) changed after compiling"):
+        compiled(x, y)
+    model.config.temperature = 2.0
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
+
 class _Layer(nn.Module):
     def __init__(self):
         super().__init__()
