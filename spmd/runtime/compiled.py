@@ -798,6 +798,7 @@ class CompiledModule(nn.Module):
         self._attributes.check()
         self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
+        source_guard.model_changed(self)  # (the model given new weights after compiling, before this trained)
         if self._flags:
             self._follow_requires_grad()
         if self.training != self._traced_mode:

@@ -13,6 +13,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
   (`model.load_state_dict(compiled.full_state_dict())`, with nothing missing);
 - another module compiled from the model that has not stepped itself raises at its next call (`stale`),
   until weights are loaded into it.
+Before a compiled module has trained, the other way round: weights given to the model after compiling (a
+checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
+(`model_changed`, by the parameters' version counters) until they are given to it.
 A copy of the model made before any step is another model: its hooks do nothing. spmd's own mode check runs
 the model past them (`inside`). A model built on the meta device (no weights to go stale) is not watched.
 """
@@ -71,8 +74,12 @@ class _Guard:
         if self.what is None:  # a load into the model: its weights are what the user put there, if whole
             if not args or not getattr(args[0], "missing_keys", ()):
                 for ref in _compiled_from.get(module, ()):
-                    if (c := ref()) is not None:
+                    if (c := ref()) is not None and c.__dict__.get("_weights_moved"):
+                        # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict())`):
+                        # the model and the module agree again. (Into a model whose modules have not trained,
+                        # a load is new weights the modules do not have: `model_changed` says so.)
                         c.__dict__["_weights_moved"] = False
+                        mark_model(c)
             return None
         if _trained(module):
             raise _stale_model(module, self.what)
@@ -116,9 +123,42 @@ def watch(model: torch.nn.Module, compiled) -> None:
             _hook = register_optimizer_step_post_hook(_stepped)
 
 
+def mark_model(compiled) -> None:
+    """The model's parameters as they are now: what `compiled`'s pieces hold (`model_changed` compares)."""
+    model = compiled.__dict__.get("_source_model")
+    if model is not None:
+        compiled.__dict__["_model_versions"] = [(p, p._version) for p in model.parameters()]
+
+
+def model_changed(compiled) -> None:
+    """Raise where the model's weights changed in place after `compiled` cut its pieces from them (or was last
+    given weights), before it trained: a checkpoint loaded into the model after compiling
+    (`model.load_state_dict(torch.load(...))`), an init function applied (`model.apply(init_weights)`). The
+    module holds the weights it was compiled with and would train from them, silently. Once it has trained,
+    the model's weights are the old ones (`stale`'s business), and this costs nothing."""
+    if compiled.__dict__.get("_weights_moved"):
+        return
+    versions = compiled.__dict__.get("_model_versions")
+    if not versions:
+        return
+    changed = [p for p, v in versions if p._version != v]
+    if not changed:
+        return
+    model = compiled._source_model
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of.get(id(p), "?") for p in changed]
+    raise SpmdError(
+        f"{type(model).__name__}'s weights changed after it was compiled ({', '.join(names[:4])}"
+        f"{', ...' if len(names) > 4 else ''}: loaded or set in place), and the compiled module holds the pieces "
+        "it cut from them when compiled: it would run and train on the old weights. What to do: give it the new "
+        "ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and initialize the model "
+        "before spmd.compile.")
+
+
 def given(compiled) -> None:
     """Weights were loaded into `compiled`: not stale until a sibling steps again. Its parameters' versions now
-    are the mark `_untouched` compares with."""
+    are the mark `_untouched` compares with, and the model's what `model_changed` does."""
+    mark_model(compiled)
     compiled.__dict__["_loaded"] = True
     params = list(compiled.parameters())
     compiled.__dict__["_weights_at"] = (tuple(weakref.ref(p) for p in params), tuple(p._version for p in params))

@@ -789,6 +789,41 @@ def test_a_copy_of_the_compiled_module_keeps_an_average_of_its_weights():
     assert later._source_model is model and dict(later.named_parameters()).keys() == dict(trained.named_parameters()).keys()
 
 
+def test_weights_given_to_the_model_after_compiling_are_named():
+    """A checkpoint loaded into the model after `spmd.compile` (or an init function applied then) never reached
+    the compiled module's pieces: it trained from the weights it was compiled with, silently. Its next call now
+    raises, naming the parameters and the way out, which then trains as eager does. The trained weights copied
+    back into the model (the documented way) are no such change."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    torch.manual_seed(5)
+    model.load_state_dict(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).state_dict())
+    with pytest.raises(spmd.SpmdError, match=r"Sequential's weights changed after it was compiled \(0\.weight, "
+                                             r"0\.bias, 2\.weight, 2\.bias: .*`compiled\.load_state_dict"):
+        compiled(x, y)
+    compiled.load_state_dict(model.state_dict())
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+    with torch.no_grad():
+        nn.init.zeros_(model[2].bias)  # (an init function applied to the model)
+    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled \(2\.bias: "):
+        compiled(x, y)
+    compiled.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(x, y).backward()
+    opt.step()
+    model.load_state_dict(compiled.full_state_dict())  # (copied back: the model and the module agree)
+    evaluate = one_device(model.eval(), (x,))  # (compiled from the model, now with the trained weights)
+    model.train()
+    compiled(x, y).backward()
+    opt.step()
+    model.load_state_dict(compiled.full_state_dict())
+    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled"):
+        evaluate(x)  # (the model has the weights of the second step; the evaluation module those of the first)
+    evaluate.load_state_dict(compiled.state_dict())
+    torch.testing.assert_close(evaluate(x), model.eval()(x))
+
+
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
     model.load_state_dict(compiled.full_state_dict())
