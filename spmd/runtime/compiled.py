@@ -979,6 +979,13 @@ class _RankStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # (autograd runs a backward with grad on only for create_graph=True)
+            raise SpmdError(
+                "a gradient of a compiled module's gradients was asked for (torch.autograd.grad(..., "
+                "create_graph=True), as a gradient penalty does): its backward graph runs as one step autograd "
+                "does not see into, so the second-order gradients would be missing (no gradient reached the "
+                "parameters, silently). Second-order gradients through a compiled module are not supported. What to "
+                "do: compute such a penalty with the model outside spmd, or train without it.")
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
         with AutocastGuard.off():  # (a backward called inside the user's autocast block: the traced dtypes)
