@@ -34,6 +34,7 @@ from torch._export.utils import _compiling_state_context
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.overrides import TorchFunctionMode
 
+from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
@@ -234,6 +235,45 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
     """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
     over the module, or, where that road fails, over torch.export's module."""
+    with _autocast_in_forward(root):
+        return _either_road_as_eager(model, root, example_inputs)
+
+
+class _autocast_in_forward:
+    """Under torch.autocast, the trace runs the forward (the model and its loss) under it and the backward
+    outside it, as eager training does (`with autocast: loss = ...; loss.backward()`): autocast's casts in the
+    backward would round regions the model keeps in fp32 (`torch.autocast(enabled=False)` around them) in
+    bf16. Nothing where autocast is off."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.root, self.state = root, autocast_state()
+
+    def __enter__(self):
+        if not self.state:
+            return self
+        root, state = self.root, self.state
+        self.own = root.__dict__.get("forward")
+        inner = self.own if self.own is not None else functools.partial(type(root).forward, root)
+
+        def forward(*args, **kwargs):
+            with autocast_on(state):
+                return inner(*args, **kwargs)
+        self.off = autocast_off()
+        self.off.__enter__()
+        root.__dict__["forward"] = functools.wraps(inner)(forward)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.state:
+            return
+        if self.own is not None:
+            self.root.__dict__["forward"] = self.own
+        else:
+            self.root.__dict__.pop("forward", None)
+        self.off.__exit__(*exc)
+
+
+def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
     assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
     try:
         if _shares_submodules(root):

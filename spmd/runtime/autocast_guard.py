@@ -20,16 +20,8 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
+from spmd.core.autocast import autocast_off, autocast_state
 from spmd.core.errors import SpmdError
-
-DEVICE_TYPES = ("cpu", "cuda")
-
-
-def autocast_state() -> tuple:
-    """((device type, autocast dtype), ...) for each device type where autocast is on; () where it is off."""
-    return tuple((t, torch.get_autocast_dtype(t)) for t in DEVICE_TYPES if torch.is_autocast_enabled(t))
 
 
 def _described(state: tuple) -> str:
@@ -62,10 +54,4 @@ class AutocastGuard:
     @staticmethod
     def off() -> contextlib.AbstractContextManager:
         """Autocast off for every device type where it is on now (the graph's casts are the traced ones)."""
-        on = [t for t in DEVICE_TYPES if torch.is_autocast_enabled(t)]
-        if not on:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for t in on:
-            stack.enter_context(torch.autocast(t, enabled=False))
-        return stack
+        return autocast_off()

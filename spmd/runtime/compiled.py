@@ -23,6 +23,28 @@ from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
 
 
+class _Pieces(nn.Module):
+    """Holds this rank's pieces under the model's names (`CompiledModule._place`): a module only so that names
+    go through it. The compiled module saves and loads them itself (its state dict is the model's)."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        pass
+
+    def forward(self, *args, **kwargs):
+        raise SpmdError("this module only holds pieces of the model's weights under their names: call the "
+                        "compiled module itself")
+
+
+# names a model's first-level child may not take in the compiled module's tree (its own attributes, set before
+# or after the pieces are placed); such a child's pieces are held flat (`CompiledModule._place`)
+_RESERVED = frozenset({"graph_module", "plan", "split", "rank", "coord", "mesh_spec", "group_names", "device_mesh",
+                       "compile_backend"})
+
+
 class CompiledModule(nn.Module):
     """Runs one rank's graph. Parameters are this rank's shards, as ordinary `nn.Parameter`s.
 
@@ -102,16 +124,17 @@ class CompiledModule(nn.Module):
             local = local_piece(full, ps, c.mesh, self.rank, c.binding.device, src_data_rank)
             if is_placeholder_value(full):
                 self._uninitialized.add(gi.name)
-            attr = gi.name.replace(".", "__")
-            if gi.kind == "parameter":
-                self.register_parameter(attr, nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen))
-            else:
-                self.register_buffer(attr, local)
+            tensor = nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen) \
+                if gi.kind == "parameter" else local
+            attr = self._place(gi.name, tensor)
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
             self._global_shapes[gi.name] = tuple(info.shape)
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
+        for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
+            self._place(alias, self._get(self._param_names[canonical]), alias=True)
+        self._index()
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
         # the model would behave otherwise in the other mode (None: nothing)
@@ -131,9 +154,9 @@ class CompiledModule(nn.Module):
         # loop): followed by this module's pieces, which the model's flags would otherwise not reach
         model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
         self._frozen_when_compiled = set(c.traced.frozen)
-        self._flags = [(model_params[fqn], getattr(self, attr), fqn, model_params[fqn].requires_grad)
+        self._flags = [(model_params[fqn], self._get(attr), fqn, model_params[fqn].requires_grad)
                        for fqn, attr in self._param_names.items()
-                       if fqn in model_params and isinstance(getattr(self, attr), nn.Parameter)] if self.split else []
+                       if fqn in model_params and isinstance(self._get(attr), nn.Parameter)] if self.split else []
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather)
         self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
@@ -153,14 +176,14 @@ class CompiledModule(nn.Module):
             optimizer_guard.expect(self.parameters(), self._state_factor)
         # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm, and
         # GradScaler would skip the step on the ranks whose piece overflowed only
-        sharded = {fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
-                   if isinstance(getattr(self, attr), nn.Parameter)
+        sharded = {fqn: self._get(attr) for fqn, attr in self._param_names.items()
+                   if isinstance(self._get(attr), nn.Parameter)
                    and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
         clip_guard.watch(sharded)
         scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names, self._collective_device())
         # and torch.distributed.checkpoint would take plain pieces (the optimizer's state_dict()) for replicated
         # tensors: it would save one rank's and load it into all
-        checkpoint_guard.watch({fqn: getattr(self, attr) for fqn, attr in self._param_names.items()
+        checkpoint_guard.watch({fqn: self._get(attr) for fqn, attr in self._param_names.items()
                                 if any(isinstance(p, Shard) and n > 1
                                        for p, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
         # and the model it was made from keeps its old weights once these move: calling or saving it then raises
@@ -219,8 +242,8 @@ class CompiledModule(nn.Module):
         min(1, max_norm / (norm + 1e-6)) in place. Gradients come out of backward in their parameter's
         placements (Shard or Replicate, never Partial), so each mesh axis that shards some gradient
         reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
-        params = [(fqn, getattr(self, attr)) for fqn, attr in self._param_names.items()
-                  if isinstance(getattr(self, attr), nn.Parameter)]
+        params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()
+                  if isinstance(self._get(attr), nn.Parameter)]
         grads = [(p.grad, self._state_placements[fqn]) for fqn, p in params if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
@@ -250,7 +273,7 @@ class CompiledModule(nn.Module):
         for fqn, attr in self._param_names.items():
             if persistent_only and fqn in self._non_persistent:
                 continue
-            local = getattr(self, attr)
+            local = self._get(attr)
             out[fqn] = self._as_whole(fqn, local if keep_vars else local.detach())
         return self._with_aliases(out)
 
@@ -316,59 +339,72 @@ class CompiledModule(nn.Module):
         loaded = set()
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
-                value = next((state[n] for n in (fqn, *self._names_of(fqn)) if n in state), None)
+                value = next((state[n] for n in self._load_names(fqn) if n in state), None)
                 if value is None and (_partial or fqn in self._non_persistent):  # (computed, or a lifted
                     continue                                                     # constant: not saved)
                 if value is None:
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
-                local = getattr(self, attr)
+                local = self._get(attr)
                 local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
         source_guard.given(self)  # (given weights: not stale beside a module compiled alike that trained)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's pieces under the model's names (`blocks.0.ln.weight`, not the attribute they are held
-        under, `blocks__0__ln__weight`), so choices a training loop makes by name see what they see on the model:
-        `no_decay = ["bias", "LayerNorm.weight"]` (BERT fine-tuning) put every LayerNorm weight into weight
-        decay, silently, under the attribute names. With `remove_duplicate=False` a tied weight comes under each
-        of its names, as the model's does."""
-        return self._model_named(super().named_parameters(recurse=recurse, remove_duplicate=remove_duplicate),
-                                 prefix, remove_duplicate)
+    def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
+        """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a
+        tree of `_Pieces` modules named as the model's, so every tool that goes by names (parameter groups made
+        by name, `get_parameter`, `torch.func.functional_call`, a parent module's `named_parameters()`) sees the
+        model's names. Where the first name would hide an attribute of this module (`plan`, `forward`), flat
+        under `_p__blocks__0__...` instead. Returns where it is held (its path)."""
+        parts = fqn.split(".")
+        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or \
+                (len(parts) == 1 and parts[0] in self._modules) or not all(parts):
+            owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
+        else:
+            owner, leaf, path = self, parts[-1], fqn
+            for part in parts[:-1]:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = _Pieces()
+                    owner.add_module(part, child)
+                elif not isinstance(child, _Pieces):
+                    raise SpmdInternalError(f"CompiledModule: {fqn!r} goes through {part!r}, which is not a holder")
+                owner = child
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(leaf, tensor)
+        else:
+            owner.register_buffer(leaf, tensor, persistent=not alias)
+        return path
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's buffers under the model's names (as `named_parameters`)."""
-        return self._model_named(super().named_buffers(recurse=recurse, remove_duplicate=remove_duplicate),
-                                 prefix, remove_duplicate)
+    def _owner(self, path: str) -> tuple[nn.Module, str]:
+        *parts, leaf = path.split(".")
+        owner = self
+        for part in parts:
+            owner = owner._modules[part]
+        return owner, leaf
 
-    def _model_named(self, named, prefix: str, remove_duplicate: bool):
-        fqn_of = {attr: fqn for fqn, attr in self._param_names.items()}
-        aliases: dict[str, list[str]] = {}
-        if not remove_duplicate:
-            for alias, canonical in self._aliases.items():
-                aliases.setdefault(canonical, []).append(alias)
-        lead = prefix + "." if prefix else ""
-        for name, t in named:
-            fqn = fqn_of.get(name, name)
-            yield lead + fqn, t
-            for alias in aliases.get(fqn, ()):
-                yield lead + alias, t
+    def _index(self) -> None:
+        """(holder, name) of each piece, found once: the calls read the pieces through them (a parametrization
+        registered on a holder is read as torch reads it)."""
+        self.__dict__["_slots"] = {path: self._owner(path) for path in self._param_names.values()}
+        self.__dict__["_arg_slots"] = [self._slots[attr] if kind != "input" else (None, None)
+                                       for kind, attr in self._order]
+        self.__dict__["_arg_tables"] = [
+            (None, None) if kind == "input" else
+            ((owner._parameters if kind == "parameter" else owner._buffers), leaf)
+            for (kind, _), (owner, leaf) in zip(self._order, self._arg_slots)]
 
-    def get_parameter(self, target: str):
-        """The piece of the model's parameter `target` (one of its names), or as torch finds an attribute."""
-        attr = self._param_names.get(self._aliases.get(target, target))
-        return super().get_parameter(attr if attr is not None else target)
-
-    def get_buffer(self, target: str):
-        attr = self._param_names.get(self._aliases.get(target, target))
-        return super().get_buffer(attr if attr is not None else target)
+    def _get(self, path: str) -> torch.Tensor:
+        """The piece held at `path` (`_param_names` gives each FQN's)."""
+        owner, leaf = self._slots[path] if "_slots" in self.__dict__ else self._owner(path)
+        return getattr(owner, leaf)
 
     def __deepcopy__(self, memo):
         """A copy with pieces of its own (an exponential moving average of the weights kept beside the module
         that trains, as timm's `ModelEma` makes it): the same model, plan, graphs and mesh. A copy made before
-        training is stale once the original steps, until it is given weights (loaded, or updated in place);
-        one made after holds the trained weights. (Copying the model itself after training would be refused:
+                training holds the weights of then until its user updates them (in place, through `.data`, or by a load):
+        a copy is a snapshot, never refused as stale. (Copying the model itself after training would be refused:
         its weights are the old ones; the copy does not copy it.)"""
         import copy
 
@@ -382,8 +418,13 @@ class CompiledModule(nn.Module):
         memo[id(self)] = new
         for store in ("_parameters", "_buffers"):
             new.__dict__[store] = {k: copy.deepcopy(v, memo) for k, v in self.__dict__[store].items()}
+        for name, child in self._modules.items():  # the holders of the pieces (the graphs are shared)
+            if isinstance(child, _Pieces):
+                new._modules[name] = copy.deepcopy(child, memo)
+        new._index()
         new._flags = [(param, memo.get(id(piece), piece), fqn, was) for param, piece, fqn, was in self._flags]
         new._watch_pieces()  # (compiled from the same model: the guards know the copy's pieces too)
+        new.__dict__["_copy"] = True  # (a snapshot its user keeps up to date, or not: never stale)
         return new
 
     def _apply(self, fn, recurse: bool = True):
@@ -403,24 +444,18 @@ class CompiledModule(nn.Module):
         return super()._apply(fn, recurse)
 
     def _state_items(self):
-        return [(n, t) for n, t in list(self._parameters.items()) + list(self._buffers.items()) if t is not None]
+        return [(fqn, t) for fqn, attr in self._param_names.items() if (t := self._get(attr)) is not None]
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """torch's `load_state_dict`, which also takes the model's own state dict: keyed by the model's names
+        """torch's `load_state_dict`, for the model's own state dict: keyed by the model's names
         (`model.state_dict()`, a checkpoint of the single-device model: full tensors; `compiled.state_dict()`:
-        DTensors) it goes to `load_sharded_state_dict` (each rank cuts or takes its pieces); keyed as this
-        module holds its pieces as attributes (`0__weight`, this rank's pieces) it loads as torch loads any module. With
-        `strict`, keys of neither kind, or a persistent entry missing, are an error; without, they are
-        reported as torch reports them. (The model's names go around torch's load hooks, and `assign`.)"""
+        DTensors) it goes to `load_sharded_state_dict` (each rank cuts or takes its pieces); the attribute names
+        of older versions (`0__weight`: this rank's pieces) are taken too. With `strict`, keys of neither kind,
+        or a persistent entry missing, are an error; without, they are reported as torch reports them. (This
+        goes around torch's load hooks, and `assign`.)"""
         from torch.nn.modules.module import _IncompatibleKeys
 
-        keys = self._model_keys(state_dict)
-        if keys is None:
-            out = super().load_state_dict(state_dict, strict=strict, assign=assign)
-            self._uninitialized -= {fqn for fqn, attr in self._param_names.items() if attr in state_dict}
-            source_guard.given(self)
-            return out
-        missing, unexpected = keys
+        missing, unexpected = self._model_keys(state_dict)
         if strict and (unexpected or missing):
             raise SpmdError(
                 "load_state_dict: " + "; ".join(
@@ -431,27 +466,25 @@ class CompiledModule(nn.Module):
         self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
 
-    def _model_keys(self, state: dict) -> tuple[list[str], list[str]] | None:
-        """(persistent entries missing, keys that are not the model's) of `state` keyed by the model's names;
-        None where it is keyed as this module holds its pieces (`0__weight`: torch's own load)."""
-        known = set(self._param_names) | set(self._aliases)
-        own_only = (set(self._parameters) | set(self._buffers)) - known  # (a root parameter: both names alike)
-        if any(k in own_only for k in state):
-            return None
+    def _load_names(self, fqn: str) -> tuple[str, ...]:
+        """The keys `fqn` may come under in a state dict: its names, and the attribute names older versions
+        held the pieces under (`blocks__0__weight`)."""
+        names = (fqn, *self._names_of(fqn))
+        return names + tuple(n.replace(".", "__") for n in names if "." in n)
+
+    def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
+        """(persistent entries missing, keys that are not the model's) of `state`."""
+        known = {n for fqn in self._param_names for n in self._load_names(fqn)}
         missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
-                   and not any(n in state for n in (fqn, *self._names_of(fqn)))]
+                   and not any(n in state for n in self._load_names(fqn))]
         return missing, [k for k in state if k not in known]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A compiled module inside another module: the outer module's `load_state_dict` hands it the entries
-        under its prefix, keyed as `state_dict()` keys them (the model's names) or as it holds its pieces."""
+        under its prefix, keyed as `state_dict()` keys them (the model's names), or by older attribute names."""
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        keys = self._model_keys(mine)
-        if keys is None:
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
-        missing, unexpected = keys
+        missing, unexpected = self._model_keys(mine)
         foreign = set(unexpected)
         self.load_sharded_state_dict({k: v for k, v in mine.items() if k not in foreign}, _partial=True)
         missing_keys.extend(prefix + fqn for fqn in missing)
@@ -486,7 +519,7 @@ class CompiledModule(nn.Module):
                 piece = local.pop(fqn, None)
                 if piece is None:
                     continue
-                target = getattr(self, attr)
+                target = self._get(attr)
                 if tuple(piece.shape) != tuple(target.shape):
                     raise SpmdInternalError(f"init_weights: {fqn} came as {tuple(piece.shape)}, its shard is "
                                             f"{tuple(target.shape)}")
@@ -514,8 +547,9 @@ class CompiledModule(nn.Module):
         pieces = read_pieces(files, wanted)
         with torch.no_grad():
             for fqn, name in stored_as.items():
-                getattr(self, self._param_names[fqn]).copy_(pieces.pop(name))
+                self._get(self._param_names[fqn]).copy_(pieces.pop(name))
                 self._uninitialized.discard(fqn)
+        source_guard.given(self)
         if missing and strict:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
@@ -531,13 +565,13 @@ class CompiledModule(nn.Module):
                  for n in (fqn, *self._names_of(fqn))]
         writer = None
         if self.rank == 0:
-            specs = [(n, getattr(self, self._param_names[fqn]).dtype, self._global_shapes[fqn]) for fqn, n in names]
+            specs = [(n, self._get(self._param_names[fqn]).dtype, self._global_shapes[fqn]) for fqn, n in names]
             tmp, final = atomic_path(path)
             writer = SafetensorsWriter(tmp, specs, metadata)
         try:
             for fqn, name in names:
                 attr = self._param_names[fqn]
-                full = gather_full(getattr(self, attr).detach(), self._state_placements[fqn], self.mesh_spec,
+                full = gather_full(self._get(attr).detach(), self._state_placements[fqn], self.mesh_spec,
                                    self.coord, self.group_names)
                 if writer is not None:
                     writer.write(name, full)
@@ -560,7 +594,7 @@ class CompiledModule(nn.Module):
         """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN."""
         out = {}
         for gi_name, attr in self._param_names.items():
-            local = getattr(self, attr)
+            local = self._get(attr)
             ps = self._state_placements[gi_name]
             out[gi_name] = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
         return self._with_aliases(out)
@@ -633,12 +667,11 @@ class CompiledModule(nn.Module):
         return self._saved_bytes or 0
 
     def _graph_args(self, inputs) -> list:
-        """The graph's placeholders in order: this rank's parameters and buffers (read from nn.Module's own
+        """The graph's placeholders in order: this rank's parameters and buffers (read from their holders'
         tables, as `getattr` would find them but without its fallback path: ~1 us each) and the inputs."""
-        it, params, buffers = iter(inputs), self._parameters, self._buffers
+        it = iter(inputs)
         try:
-            return [params[attr] if kind == "parameter" else buffers[attr] if kind == "buffer" else next(it)
-                    for kind, attr in self._order]
+            return [table[leaf] if table is not None else next(it) for table, leaf in self._arg_tables]
         except KeyError:  # moved out of the tables (torch.nn.utils.parametrize): as getattr finds it
             return self._moved_state_args(inputs)
 
@@ -648,9 +681,8 @@ class CompiledModule(nn.Module):
         piece only where the piece is the whole tensor (replicated on every axis)."""
         from torch.distributed.tensor import Replicate
 
-        for (kind, attr), fqn in zip(self._order, self._order_names):
-            table = self._parameters if kind == "parameter" else self._buffers if kind == "buffer" else None
-            if table is not None and attr not in table and any(
+        for (table, leaf), fqn in zip(self._arg_tables, self._order_names):
+            if table is not None and leaf not in table and any(
                     not isinstance(p, Replicate) for p in self._state_placements[fqn]):
                 raise SpmdError(f"{fqn} is computed by a parametrization (torch.nn.utils.parametrize), but "
                                 f"this rank holds a piece of it ({self._state_placements[fqn]}), and the "
@@ -658,7 +690,7 @@ class CompiledModule(nn.Module):
                                 "before spmd.compile (the plan then shards what it computes), or pin the "
                                 "parameter replicated (param_placements).")
         it = iter(inputs)
-        return [getattr(self, attr) if kind != "input" else next(it) for kind, attr in self._order]
+        return [getattr(owner, leaf) if owner is not None else next(it) for owner, leaf in self._arg_slots]
 
     def _agree_on_generators(self) -> None:
         """Every rank's random generator in the same state, before the first call of a graph that draws (it
@@ -755,7 +787,7 @@ class CompiledModule(nn.Module):
         with torch.no_grad():
             for name, value in zip(names, values):
                 attr = self._param_names.get(name) or self._param_names[self._aliases[name]]
-                getattr(self, attr).copy_(value)
+                self._get(attr).copy_(value)
 
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave

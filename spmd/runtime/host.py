@@ -40,6 +40,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError
 from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, load_profile
 from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
@@ -158,7 +159,9 @@ def _timings() -> dict:
     """`measure_device`'s quick timings, JSON-able (every rank of the process group at once)."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):  # the timings draw random tensors: the user's seed stays as it was
+    # the timings draw random tensors: the user's seed stays as it was; and they time fp32 kernels, whatever
+    # autocast the user compiles under (a review measured the fp32 matmul at bf16 speed, cached for good)
+    with torch.random.fork_rng(devices=[]), autocast_off():
         points = measure_device(warmup=1, reps=5, quick=True)  # (the median of 5: ~4 s with 2 ranks on 2 cores)
     points = {k: ([list(p) for p in v] if isinstance(v, list) else v) for k, v in points.items()}
     points["day"] = datetime.date.today().isoformat()

@@ -22,8 +22,8 @@ from spmd.core.errors import SpmdError
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """Each param group's parameters by the model's names (an error naming any that is not the module's)."""
-    fqn_of = {id(getattr(compiled, attr)): fqn for fqn, attr in compiled._param_names.items()
-              if isinstance(getattr(compiled, attr), nn.Parameter)}
+    fqn_of = {id(compiled._get(attr)): fqn for fqn, attr in compiled._param_names.items()
+              if isinstance(compiled._get(attr), nn.Parameter)}
     names, foreign = [], 0
     for group in optimizer.param_groups:
         names.append([fqn_of.get(id(p)) for p in group["params"]])
@@ -60,7 +60,7 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
 def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     names = _names(compiled, optimizer)
     grads = compiled.split.grads if compiled.split is not None else ()  # (the parameters a gradient reaches)
-    trained = {id(getattr(compiled, compiled._param_names[name])) for name in grads if name in compiled._param_names}
+    trained = {id(compiled._get(compiled._param_names[name])) for name in grads if name in compiled._param_names}
     made_up = _init_state(optimizer, trained)
     torch_form = optimizer.state_dict()
     if made_up:  # (the live optimizer stays as it was: the state of a step at rate 0 is not a fresh one's)
@@ -70,7 +70,7 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     state = {}
     for index, entries in torch_form["state"].items():
         fqn = flat[index]
-        piece = getattr(compiled, compiled._param_names[fqn])
+        piece = compiled._get(compiled._param_names[fqn])
         state[fqn] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -101,7 +101,7 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
         if fqn not in index:
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")
-        piece = getattr(compiled, compiled._param_names[fqn])
+        piece = compiled._get(compiled._param_names[fqn])
         state[index[fqn]] = {key: compiled._piece_of(fqn, value, piece) for key, value in entries.items()}
     groups = []
     for group, group_names in zip(named["param_groups"], names):

@@ -160,14 +160,18 @@ def given(compiled) -> None:
     are the mark `_untouched` compares with, and the model's what `model_changed` does."""
     mark_model(compiled)
     compiled.__dict__["_loaded"] = True
+    _mark_pieces(compiled)
+
+
+def _mark_pieces(compiled) -> None:
     params = list(compiled.parameters())
     compiled.__dict__["_weights_at"] = (tuple(weakref.ref(p) for p in params), tuple(p._version for p in params))
 
 
 def _untouched(compiled) -> bool:
-    """Whether `compiled`'s parameters are as they were when it was compiled, last loaded, or copied: no
-    in-place change since (an exponential moving average kept in a copy, `copy.deepcopy(compiled)` updated
-    with `ema.lerp_(p, 1 - decay)`, holds the weights its user gives it: not stale)."""
+    """Whether `compiled`'s parameters are as they were when it was compiled, last loaded, or when a sibling last
+    stepped: no in-place change since (a module its user updates in place, `p.lerp_(trained, 1 - decay)`,
+    holds the weights given to it: not stale). (Changes through `.data` are not seen.)"""
     params = list(compiled.parameters())
     refs, versions = compiled.__dict__.get("_weights_at", ((), ()))
     if len(refs) != len(params) or any(r() is not p for r, p in zip(refs, params)):
@@ -178,6 +182,8 @@ def _untouched(compiled) -> bool:
 def stale(compiled) -> None:
     """Raise where another module compiled from the same model has trained and this one has not (nor been given
     weights since, by a load or in place): its weights are the untrained ones."""
+    if compiled.__dict__.get("_copy"):  # (`copy.deepcopy(compiled)`: a snapshot the user keeps, an EMA)
+        return
     trained = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
                and c.__dict__.get("_weights_moved")]
     if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded") \
@@ -220,3 +226,4 @@ def _stepped(optimizer, args, kwargs) -> None:
             for sibling in compiled.__dict__.get("_siblings", ()):
                 if (s := sibling()) is not None and s is not compiled:
                     s.__dict__["_loaded"] = False
+                    _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)

@@ -205,7 +205,7 @@ def _big_meta_training(rank: int, world: int) -> dict:
     compiled.init_weights(seed=0)
     peak_growth = _rss("VmHWM") - before
     # (lists: tensors through the pool's queue would go through shared memory, which outlives no rank)
-    samples = {name: getattr(compiled, name.replace(".", "__"))[:3].tolist()
+    samples = {name: compiled.get_parameter(name)[:3].tolist()
                for name in ("tok_emb.weight", "blocks.3.attn.q_proj.weight", "blocks.7.mlp.fc2.weight", "lm_head.weight")}
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
     local = compiled.shard_inputs(tokens, tokens)

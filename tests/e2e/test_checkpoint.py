@@ -88,7 +88,7 @@ def _plain_pieces(rank: int, world: int, folder: str) -> list[str]:
     compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     _step(compiled, opt, inputs)
-    piece = compiled.get_parameter("blocks__0__mlp__fc1__weight")
+    piece = compiled.get_parameter("blocks.0.mlp.fc1.weight")
     dcp.save({"w": compiled.state_dict()["blocks.0.mlp.fc1.weight"]}, checkpoint_id=folder)  # (right: a DTensor)
     refused = []
     for what, call in (

@@ -42,7 +42,7 @@ def _scaled_step_with_an_overflow_on_rank_0(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(compiled(*compiled.shard_inputs(x, y))).backward()
-    piece = compiled.get_parameter("fc1__weight")
+    piece = compiled.get_parameter("fc1.weight")
     if rank == 0:
         piece.grad[0, 0] = float("inf")
     before = {n: p.detach().clone() for n, p in compiled.named_parameters()}

@@ -181,7 +181,7 @@ def run_low_precision(rank: int, world: int, model: str, mesh_shape: tuple[int, 
             ref_loss.backward()
             if step == 0:
                 for fqn, attr in compiled._param_names.items():
-                    p = getattr(compiled, attr)
+                    p = compiled.get_parameter(fqn)
                     if p.grad is None:
                         continue
                     g = gather_full(p.grad, compiled._state_placements[fqn], compiled.mesh_spec, compiled.coord,

@@ -212,7 +212,7 @@ def _average_in_a_copy(rank: int, world: int) -> dict:
                 for a, b in zip(mine.parameters(), theirs.parameters()):
                     a.lerp_(b, 0.5)
     full, want = ema.full_state_dict(), eager_ema.state_dict()
-    return {"pieces": tuple(ema.get_parameter("blocks__0__mlp__fc1__weight").shape),
+    return {"pieces": tuple(ema.get_parameter("blocks.0.mlp.fc1.weight").shape),
             "err": max(float((full[k] - v).abs().max()) for k, v in want.items())}
 
 

@@ -27,7 +27,7 @@ def _model():
 
 
 def _buffers(module) -> dict:
-    return {fqn: getattr(module, fqn.replace(".", "__")) for fqn in RUNNING}
+    return {fqn: module.get_buffer(fqn) for fqn in RUNNING}
 
 
 def test_the_joint_graph_returns_each_updated_buffer_placed_as_the_buffer():
@@ -185,7 +185,7 @@ def test_a_buffer_assigned_in_training_fails_and_the_in_place_update_it_names_wo
         compiled(x, t).backward()
         F.mse_loss(reference(x), t).backward()
     torch.testing.assert_close(compiled.scale, reference.scale)
-    torch.testing.assert_close(compiled.fc__weight.grad, reference.fc.weight.grad)
+    torch.testing.assert_close(compiled.fc.weight.grad, reference.fc.weight.grad)
 
 
 class _LazyMask(nn.Module):
@@ -224,8 +224,8 @@ def test_load_state_dict_takes_the_models_own_state_dict():
             p.add_(1.0)
         other[1].running_mean.fill_(0.5)
     assert compiled.load_state_dict(other.state_dict()) is not None
-    torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
-    torch.testing.assert_close(compiled.get_buffer("1__running_mean"), other[1].running_mean)
+    torch.testing.assert_close(compiled.get_parameter("0.weight"), other[0].weight)
+    torch.testing.assert_close(compiled.get_buffer("1.running_mean"), other[1].running_mean)
     with pytest.raises(spmd.SpmdError, match=r"keys that are not the model's: extra"):
         compiled.load_state_dict({**other.state_dict(), "extra": torch.ones(1)})
     assert compiled.load_state_dict({**other.state_dict(), "extra": torch.ones(1)}, strict=False).unexpected_keys == \
@@ -233,7 +233,7 @@ def test_load_state_dict_takes_the_models_own_state_dict():
     own = {k: v.clone() for k, v in compiled.state_dict().items()}
     compiled.load_state_dict(one_device(model, (x, y), training=True, loss_fn=F.mse_loss).state_dict())
     compiled.load_state_dict(own)  # (its own names: torch's load)
-    torch.testing.assert_close(compiled.get_parameter("0__weight"), other[0].weight)
+    torch.testing.assert_close(compiled.get_parameter("0.weight"), other[0].weight)
 
 
 class _RootParam(nn.Module):
@@ -255,11 +255,11 @@ def test_load_state_dict_with_a_root_parameter_and_partial_dicts():
     compiled = one_device(_RootParam(), (x, y), training=True, loss_fn=F.mse_loss)
     other = _RootParam()
     assert compiled.load_state_dict(other.state_dict()) is not None
-    torch.testing.assert_close(compiled.get_parameter("fc__weight"), other.fc.weight)
+    torch.testing.assert_close(compiled.get_parameter("fc.weight"), other.fc.weight)
     partial = {k: v + 1 for k, v in other.state_dict().items() if k != "fc.bias"}
     with pytest.raises(spmd.SpmdError, match=r"1 entries missing: fc.bias"):
         compiled.load_state_dict(partial)
     result = compiled.load_state_dict(partial, strict=False)
     assert result.missing_keys == ["fc.bias"] and result.unexpected_keys == []
-    torch.testing.assert_close(compiled.get_parameter("fc__weight"), other.fc.weight + 1)
-    torch.testing.assert_close(compiled.get_parameter("fc__bias"), other.fc.bias)  # (left as it was)
+    torch.testing.assert_close(compiled.get_parameter("fc.weight"), other.fc.weight + 1)
+    torch.testing.assert_close(compiled.get_parameter("fc.bias"), other.fc.bias)  # (left as it was)

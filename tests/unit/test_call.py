@@ -160,7 +160,7 @@ def test_a_state_dict_without_the_lifted_constants_loads():
     assert [k for k in compiled._non_persistent if "constant" in k]
     compiled.device_mesh = None
     compiled.load_sharded_state_dict(model.state_dict())
-    torch.testing.assert_close(compiled.fc__weight, model.fc.weight)
+    torch.testing.assert_close(compiled.fc.weight, model.fc.weight)
 
 
 class _Weighs(torch.autograd.Function):
@@ -197,7 +197,7 @@ def test_a_constant_read_only_in_backward_is_an_input_of_the_forward():
     ref_loss = F.mse_loss(reference(x), t)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss)
-    torch.testing.assert_close(compiled.a__weight.grad, reference.a.weight.grad)
+    torch.testing.assert_close(compiled.a.weight.grad, reference.a.weight.grad)
 
 
 def test_a_positional_example_input_holding_no_tensor_names_the_keyword_way():

@@ -290,15 +290,16 @@ def test_a_compiled_module_reads_a_parameter_moved_out_of_its_table():
 
     compiled, inputs, _ = _wrapped.__wrapped__(1, False)  # (not the probe's cached one)
     before = compiled(*inputs).detach()
-    attr = next(name for name in compiled._parameters if name.endswith("weight"))  # (the attribute: model names have dots)
+    name = next(name for name, _ in compiled.named_parameters() if name.endswith("weight"))
+    holder, attr = compiled.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
 
     class Doubled(torch.nn.Module):
         def forward(self, w):
             return 2 * w
-    parametrize.register_parametrization(compiled, attr, Doubled())
+    parametrize.register_parametrization(holder, attr, Doubled())
     try:
-        assert attr not in compiled._parameters
+        assert attr not in holder._parameters
         assert not torch.allclose(compiled(*inputs), before)
     finally:
-        parametrize.remove_parametrizations(compiled, attr, leave_parametrized=False)
+        parametrize.remove_parametrizations(holder, attr, leave_parametrized=False)
     assert torch.allclose(compiled(*inputs), before)

@@ -46,9 +46,9 @@ def test_state_dict_is_the_models():
     assert mine["head.weight"] is mine["emb.weight"]
     # and it loads back (the model's names: load_sharded_state_dict), after the module's pieces moved
     with torch.no_grad():
-        compiled.get_parameter("fc__weight").add_(1.0)
+        compiled.get_parameter("fc.weight").add_(1.0)
     compiled.load_state_dict(theirs)
-    torch.testing.assert_close(compiled.get_parameter("fc__weight"), model.fc.weight)
+    torch.testing.assert_close(compiled.get_parameter("fc.weight"), model.fc.weight)
 
 
 def test_optimizer_state_round_trip_by_the_models_names():
@@ -110,9 +110,9 @@ def test_a_compiled_module_inside_another_saves_and_loads_with_it():
     state = {k: v.clone() for k, v in outer.state_dict().items()}
     assert "net.fc.weight" in state and "extra.weight" in state
     with torch.no_grad():
-        compiled.get_parameter("fc__weight").add_(1.0)
+        compiled.get_parameter("fc.weight").add_(1.0)
     outer.load_state_dict(state)
-    torch.testing.assert_close(compiled.get_parameter("fc__weight"), model.fc.weight)
+    torch.testing.assert_close(compiled.get_parameter("fc.weight"), model.fc.weight)
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "net.fc.bias"'):
         outer.load_state_dict({k: v for k, v in state.items() if k != "net.fc.bias"})
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "net.nothing"'):
@@ -162,7 +162,7 @@ def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
     compiled = one_device(_Unused(), (x, y), training=True, loss_fn=F.cross_entropy,
                           param_placements={"fc.weight": [Shard(0)]})
     assert compiled._state_placements["fc.weight"] == (Shard(0),)
-    assert checkpoint_guard._piece(compiled.get_parameter("fc__weight")) is None
+    assert checkpoint_guard._piece(compiled.get_parameter("fc.weight")) is None
 
 
 def test_parameters_are_named_as_the_models():
