@@ -400,6 +400,15 @@ class CompiledModule(nn.Module):
         owner, leaf = self._slots[path] if "_slots" in self.__dict__ else self._owner(path)
         return getattr(owner, leaf)
 
+    def __getstate__(self):
+        """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process
+        groups and this rank's pieces, which are no checkpoint. Its weights are."""
+        raise SpmdError("a compiled module cannot be pickled whole (torch.save(compiled), pickle.dumps): it holds "
+                        "its graphs, the mesh's process groups and this rank's pieces. What to do: save its weights: "
+                        "`torch.save(compiled.state_dict(), f'ckpt_rank{rank}.pt')` on every rank, "
+                        "`compiled.save_safetensors(path)` (one file, gathered), or torch.distributed.checkpoint "
+                        "with `compiled.state_dict()`; compile the model again to load them.")
+
     def __deepcopy__(self, memo):
         """A copy with pieces of its own (an exponential moving average of the weights kept beside the module
         that trains, as timm's `ModelEma` makes it): the same model, plan, graphs and mesh. A copy made before
@@ -408,7 +417,7 @@ class CompiledModule(nn.Module):
         its weights are the old ones; the copy does not copy it.)"""
         import copy
 
-        new = copy.copy(self)
+        new = object.__new__(type(self))
         new.__dict__ = dict(self.__dict__)
         for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_flags",
                      "_uninitialized", "_compiled_graphs", *(k for k, v in self.__dict__.items()

@@ -194,3 +194,13 @@ def test_parameters_are_named_as_the_models():
     tied = compiled.get_parameter("cls.predictions.decoder.weight")
     assert tied is compiled.get_parameter("bert.embeddings.word_embeddings.weight")
     assert dict(compiled.named_parameters(prefix="m")).keys() == {"m." + n for n, _ in model.named_parameters()}
+
+
+def test_a_compiled_module_is_not_pickled_whole():
+    """`torch.save(compiled)` failed with "cannot pickle 'weakref'": it now says to save the weights."""
+    import io
+
+    compiled = _compiled()[1]
+    with pytest.raises(spmd.SpmdError, match=r"cannot be pickled whole.*compiled\.state_dict\(\)"):
+        torch.save(compiled, io.BytesIO())
+    assert copy.deepcopy(compiled) is not compiled  # (a copy still works)
