@@ -4,7 +4,10 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - the attribute guard: the plain attributes each module's forward reads, compared with their values when
   compiled (`compiler/attribute_reads.AttributeGuard.check`);
 - the sibling check: another module compiled from the same model trained (`runtime/source_guard.stale`);
-- requires_grad followed from the model's parameters (`CompiledModule._follow_requires_grad`).
+- requires_grad followed from the model's parameters (`CompiledModule._follow_requires_grad`);
+- the autocast state the module was compiled under (`runtime/autocast_guard.AutocastGuard.check`);
+- the model's weights changed after compiling, before the module trained (`runtime/source_guard.model_changed`:
+  one version counter per parameter; nothing once it has trained).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -52,16 +55,18 @@ def main() -> None:
     from spmd.runtime import source_guard
 
     print("| layers | attributes watched | attribute guard, us | sibling check, us | parameters followed | "
-          "requires_grad followed, us | all three, us |")
-    print("|---|---|---|---|---|---|---|")
+          "requires_grad followed, us | autocast, us | model's weights (before training), us | all, us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for layers in (2, 8, 32):
         compiled = _compiled(layers)
         guard = _us(compiled._attributes.check)
         sibling = _us(lambda: source_guard.stale(compiled))
         flags = _us(compiled._follow_requires_grad)
+        autocast = _us(compiled._autocast.check)
+        weights = _us(lambda: source_guard.model_changed(compiled))
         print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
-              f"{flags:.1f} | {guard + sibling + flags:.1f} |", flush=True)
-
+              f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {guard + sibling + flags + autocast + weights:.1f} |",
+              flush=True)
 
 if __name__ == "__main__":
     main()
