@@ -240,10 +240,11 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
 
 
 class _autocast_in_forward:
-    """Under torch.autocast, the trace runs the forward (the model and its loss) under it and the backward
-    outside it, as eager training does (`with autocast: loss = ...; loss.backward()`): autocast's casts in the
-    backward would round regions the model keeps in fp32 (`torch.autocast(enabled=False)` around them) in
-    bf16. Nothing where autocast is off."""
+    """Under torch.autocast, the trace runs the forward (the model with its hooks, and its loss) under it and
+    the backward outside it, as eager training does (`with autocast: loss = ...; loss.backward()`): autocast's
+    casts in the backward would round regions the model keeps in fp32 (`torch.autocast(enabled=False)` around
+    them) in bf16. The root's call is wrapped (`_call_impl`, where its hooks run too). Nothing where autocast
+    is off."""
 
     def __init__(self, root: torch.nn.Module):
         self.root, self.state = root, autocast_state()
@@ -252,24 +253,24 @@ class _autocast_in_forward:
         if not self.state:
             return self
         root, state = self.root, self.state
-        self.own = root.__dict__.get("forward")
-        inner = self.own if self.own is not None else functools.partial(type(root).forward, root)
+        self.own = root.__dict__.get("_call_impl")
+        inner = root._call_impl
 
-        def forward(*args, **kwargs):
+        def call(*args, **kwargs):
             with autocast_on(state):
                 return inner(*args, **kwargs)
         self.off = autocast_off()
         self.off.__enter__()
-        root.__dict__["forward"] = functools.wraps(inner)(forward)
+        root.__dict__["_call_impl"] = call
         return self
 
     def __exit__(self, *exc):
         if not self.state:
             return
         if self.own is not None:
-            self.root.__dict__["forward"] = self.own
+            self.root.__dict__["_call_impl"] = self.own
         else:
-            self.root.__dict__.pop("forward", None)
+            self.root.__dict__.pop("_call_impl", None)
         self.off.__exit__(*exc)
 
 

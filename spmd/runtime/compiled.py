@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import weakref
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -25,7 +27,13 @@ from spmd.runtime.mode_check import ops_differ_by_mode
 
 class _Pieces(nn.Module):
     """Holds this rank's pieces under the model's names (`CompiledModule._place`): a module only so that names
-    go through it. The compiled module saves and loads them itself (its state dict is the model's)."""
+    go through it. The compiled module saves and loads them (its state dict is the model's): in its walk a
+    holder adds nothing; asked itself (`compiled.encoder.state_dict()`, `.load_state_dict(...)`), it answers
+    for its part of the compiled module. It is never called, so hooks on it are refused."""
+
+    def __init__(self, root: "CompiledModule", prefix: str):
+        super().__init__()
+        self.__dict__["_root"], self.__dict__["_prefix"] = weakref.ref(root), prefix
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
@@ -33,6 +41,29 @@ class _Pieces(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         pass
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if destination is not None or args:  # (a walk from above: the compiled module saves its pieces itself)
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        mine = self._prefix + "."
+        return OrderedDict((prefix + k[len(mine):], v) for k, v in self._root().state_dict(keep_vars=keep_vars).items()
+                           if k.startswith(mine))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._root()._load_part(self._prefix + ".", state_dict, strict)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._root()._refuse_conversion(fn, self._prefix + ".")
+        return super()._apply(fn, recurse)
+
+    def _refused(self, *args, **kwargs):
+        raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
+                        "under their names: it is never called, so a hook on it would never run. What to do: hook the "
+                        "model before spmd.compile (the hook runs while tracing, into the graph), or the compiled "
+                        "module itself.")
+
+    register_forward_hook = register_forward_pre_hook = _refused
+    register_full_backward_hook = register_full_backward_pre_hook = _refused
 
     def forward(self, *args, **kwargs):
         raise SpmdError("this module only holds pieces of the model's weights under their names: call the "
@@ -99,7 +130,8 @@ class CompiledModule(nn.Module):
         self.__dict__["_source_model"] = source_model if source_model is not None else c.model
         optimizer_guard.watch(self._source_model)  # an optimizer over the original parameters fails at its first step
         self._uninitialized: set[str] = set()  # FQNs allocated but not yet given values (a meta model)
-        self._param_names: dict[str, str] = {}  # FQN -> attribute name
+        self._param_names: dict[str, str] = {}  # FQN -> where the piece is held (its path: the FQN itself, mostly)
+        self._flat_names: dict[str, str] = {}  # `_p__...` -> FQN, for a name that would hide an attribute
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
         self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
         self._order_names: list[str] = []  # FQN or input name per placeholder
@@ -349,7 +381,8 @@ class CompiledModule(nn.Module):
                 local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
-        source_guard.given(self)  # (given weights: not stale beside a module compiled alike that trained)
+        if loaded:  # (given weights: not stale beside a module compiled alike that trained)
+            source_guard.given(self)
 
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
         """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a
@@ -361,12 +394,13 @@ class CompiledModule(nn.Module):
         if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or \
                 (len(parts) == 1 and parts[0] in self._modules) or not all(parts):
             owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
+            self._flat_names[path] = fqn
         else:
             owner, leaf, path = self, parts[-1], fqn
-            for part in parts[:-1]:
+            for k, part in enumerate(parts[:-1]):
                 child = owner._modules.get(part)
                 if child is None:
-                    child = _Pieces()
+                    child = _Pieces(self, ".".join(parts[:k + 1]))
                     owner.add_module(part, child)
                 elif not isinstance(child, _Pieces):
                     raise SpmdInternalError(f"CompiledModule: {fqn!r} goes through {part!r}, which is not a holder")
@@ -387,6 +421,9 @@ class CompiledModule(nn.Module):
     def _index(self) -> None:
         """(holder, name) of each piece, found once: the calls read the pieces through them (a parametrization
         registered on a holder is read as torch reads it)."""
+        for holder in self.modules():  # (a copy's holders answer for the copy)
+            if isinstance(holder, _Pieces):
+                holder.__dict__["_root"] = weakref.ref(self)
         self.__dict__["_slots"] = {path: self._owner(path) for path in self._param_names.values()}
         self.__dict__["_arg_slots"] = [self._slots[attr] if kind != "input" else (None, None)
                                        for kind, attr in self._order]
@@ -441,7 +478,13 @@ class CompiledModule(nn.Module):
         device, the graph (traced for the old ones, its collectives bound to this rank's device) would fail
         at the first call with an error about mismatched operands: this refuses before anything is
         converted (each conversion tried first on an empty tensor of the piece's kind)."""
+        self._refuse_conversion(fn)
+        return super()._apply(fn, recurse)
+
+    def _refuse_conversion(self, fn, under: str = "") -> None:
         for name, t in self._state_items():
+            if not name.startswith(under):
+                continue
             probe = fn(torch.empty((0,), dtype=t.dtype, device=t.device))
             if (probe.dtype, probe.device) != (t.dtype, t.device):
                 raise SpmdError(
@@ -450,7 +493,6 @@ class CompiledModule(nn.Module):
                     "change the graph. What to do: convert the model before compiling (model.to(...), then "
                     "spmd.compile); for mixed precision, spmd.compile under torch.autocast, and call the "
                     "compiled module under the same autocast.")
-        return super()._apply(fn, recurse)
 
     def _state_items(self):
         return [(fqn, t) for fqn, attr in self._param_names.items() if (t := self._get(attr)) is not None]
@@ -474,6 +516,52 @@ class CompiledModule(nn.Module):
         foreign = set(unexpected)
         self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _load_part(self, under: str, state_dict: dict, strict: bool):
+        """`load_state_dict` asked of a holder (`compiled.encoder.load_state_dict(...)`): its entries, named from
+        it, loaded into the pieces under `under` (`encoder.`)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        missing, unexpected = self._model_keys({under + k: v for k, v in state_dict.items()})
+        missing = [k[len(under):] for k in missing if k.startswith(under)]
+        mine = {n for fqn in self._param_names if fqn.startswith(under) for n in self._load_names(fqn)}
+        unexpected = [k for k in state_dict if under + k not in mine]
+        if strict and (unexpected or missing):
+            raise SpmdError(f"load_state_dict of `{under[:-1]}`: " + "; ".join(
+                f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+                for what, keys in (("unexpected keys", unexpected), ("entries missing", missing)) if keys)
+                + ". What to do: load that module's own state dict (or pass strict=False).")
+        foreign = set(unexpected)
+        self.load_sharded_state_dict({under + k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The pieces under the model's names (as the tree holds them; a name held flat, `_p__plan__weight`, as
+        the model's: `plan.weight`), in the model's order."""
+        named = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._model_named(named, prefix) if self._flat_names else named
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        named = super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._model_named(named, prefix) if self._flat_names else named
+
+    def _model_named(self, named, prefix: str):
+        lead = prefix + "." if prefix else ""
+        rank = {fqn: k for k, fqn in enumerate(self._order_names)}
+        out = [(lead + self._flat_names.get(n[len(lead):], n[len(lead):]), t) for n, t in named]
+        return iter(sorted(out, key=lambda item: rank.get(item[0][len(lead):], len(rank))))
+
+    def get_parameter(self, target: str):
+        path = self._param_names.get(self._aliases.get(target, target))
+        return self._get(path) if path in self._flat_names else super().get_parameter(target)
+
+    def get_buffer(self, target: str):
+        path = self._param_names.get(self._aliases.get(target, target))
+        return self._get(path) if path in self._flat_names else super().get_buffer(target)
+
+    def __copy__(self):
+        raise SpmdError("copy.copy of a compiled module would share its pieces with the original under a second "
+                        "module. What to do: copy.deepcopy(compiled) (pieces of its own), or use the module itself.")
 
     def _load_names(self, fqn: str) -> tuple[str, ...]:
         """The keys `fqn` may come under in a state dict: its names, and the attribute names older versions
@@ -558,11 +646,12 @@ class CompiledModule(nn.Module):
             for fqn, name in stored_as.items():
                 self._get(self._param_names[fqn]).copy_(pieces.pop(name))
                 self._uninitialized.discard(fqn)
-        source_guard.given(self)
         if missing and strict:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
                             "checkpoint of this model, or strict=False to keep the others as they are.")
+        if stored_as:
+            source_guard.given(self)
 
     def save_safetensors(self, path, metadata: dict | None = None):
         """Write the full model (every persistent parameter and buffer, a tied one under each of its names)

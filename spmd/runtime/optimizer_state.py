@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from spmd.core.errors import SpmdError
+from spmd.runtime import source_guard
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -49,7 +50,8 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
-        optimizer.step()
+        with source_guard.priming():  # (no weight moves: not training, for the guards)
+            optimizer.step()
     finally:
         for g, lr in zip(optimizer.param_groups, rates):
             g["lr"] = lr

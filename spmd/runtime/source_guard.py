@@ -73,13 +73,16 @@ class _Guard:
             return None
         if self.what is None:  # a load into the model: its weights are what the user put there, if whole
             if not args or not getattr(args[0], "missing_keys", ()):
-                for ref in _compiled_from.get(module, ()):
-                    if (c := ref()) is not None and c.__dict__.get("_weights_moved"):
-                        # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict())`):
-                        # the model and the module agree again. (Into a model whose modules have not trained,
-                        # a load is new weights the modules do not have: `model_changed` says so.)
-                        c.__dict__["_weights_moved"] = False
-                        mark_model(c)
+                modules = [c for ref in _compiled_from.get(module, ()) if (c := ref()) is not None]
+                if any(c.__dict__.get("_weights_moved") for c in modules):
+                    # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict())`): the
+                    # model agrees again with the module that trained, and with those given its weights since
+                    # its last step. (Into a model whose modules have not trained, a load is new weights the
+                    # modules do not have: `model_changed` says so.)
+                    for c in modules:
+                        if c.__dict__.get("_weights_moved") or c.__dict__.get("_loaded"):
+                            c.__dict__["_weights_moved"] = False
+                            mark_model(c)
             return None
         if _trained(module):
             raise _stale_model(module, self.what)
@@ -136,7 +139,7 @@ def model_changed(compiled) -> None:
     (`model.load_state_dict(torch.load(...))`), an init function applied (`model.apply(init_weights)`). The
     module holds the weights it was compiled with and would train from them, silently. Once it has trained,
     the model's weights are the old ones (`stale`'s business), and this costs nothing."""
-    if compiled.__dict__.get("_weights_moved"):
+    if compiled.__dict__.get("_weights_moved") or compiled.__dict__.get("_copy"):  # (a copy: a snapshot)
         return
     versions = compiled.__dict__.get("_model_versions")
     if not versions:
@@ -206,9 +209,35 @@ class inside:
         _inside.depth -= 1
 
 
+_priming = threading.local()  # spmd giving an optimizer its state (a step at a learning rate of 0)
+
+
+class priming:
+    """A step that moves no weight (`optimizer_state._init_state`'s): not training."""
+
+    def __enter__(self):
+        _priming.depth = getattr(_priming, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _priming.depth -= 1
+
+
+def _moves_nothing(optimizer) -> bool:
+    """A step at a learning rate of 0 in every group (torch's own way of giving an optimizer its state, as
+    `get_optimizer_state_dict` does), or one spmd takes to the same end."""
+    if getattr(_priming, "depth", 0):
+        return True
+    try:
+        return all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def _stepped(optimizer, args, kwargs) -> None:
     """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
     step, and again when its param groups grow); their siblings' loads are out of date."""
+    if _moves_nothing(optimizer):
+        return
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     known = _stepping.get(optimizer)
     if known is None or known[0] != count:

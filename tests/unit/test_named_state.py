@@ -204,3 +204,57 @@ def test_a_compiled_module_is_not_pickled_whole():
     with pytest.raises(spmd.SpmdError, match=r"cannot be pickled whole.*compiled\.state_dict\(\)"):
         torch.save(compiled, io.BytesIO())
     assert copy.deepcopy(compiled) is not compiled  # (a copy still works)
+
+
+class _Enc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def test_a_holder_answers_for_its_part_and_refuses_hooks():
+    """Found by a review: `compiled.encoder` (a holder of pieces) took `load_state_dict` and said "All keys
+    matched" without loading, gave an empty `state_dict()`, took hooks that never ran, and `.half()` on it
+    skipped the dtype check."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(_Enc(), (x, y), training=True, loss_fn=F.mse_loss)
+    pretrained = nn.Linear(4, 8)
+    compiled.encoder.load_state_dict(pretrained.state_dict())
+    assert torch.equal(compiled.encoder.weight, pretrained.weight)
+    assert compiled.encoder.state_dict().keys() == pretrained.state_dict().keys()
+    with pytest.raises(spmd.SpmdError, match=r"load_state_dict of `encoder`: 1 unexpected keys: nonsense"):
+        compiled.encoder.load_state_dict({"nonsense": torch.ones(1), **pretrained.state_dict()})
+    with pytest.raises(spmd.SpmdError, match=r"`encoder` of a compiled module only holds.*never called"):
+        compiled.encoder.register_forward_hook(lambda *a: None)
+    with pytest.raises(spmd.SpmdError, match=r"converting them"):
+        compiled.encoder.half()
+    assert compiled.encoder.weight.dtype == torch.float32
+    with pytest.raises(spmd.SpmdError, match=r"copy\.copy of a compiled module"):
+        copy.copy(compiled)
+
+
+class _Clash(nn.Module):
+    """First-level names that are attributes of a compiled module (`plan`, `split`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.split, self.plan = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.plan(self.split(torch.relu(self.body(x))))
+
+
+def test_names_that_would_hide_an_attribute_keep_the_models_names():
+    torch.manual_seed(0)
+    model = _Clash()
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert torch.equal(compiled.get_parameter("split.weight"), model.split.weight)
+    compiled.load_state_dict({n: p.detach() + 1 for n, p in compiled.named_parameters()})
+    assert torch.equal(compiled.get_parameter("plan.bias"), model.plan.bias + 1)
+    assert compiled.plan.objective > 0  # (the plan is still the plan)

@@ -849,6 +849,29 @@ def test_a_gradient_penalty_through_a_compiled_module_is_refused():
     assert g.shape == x.shape
 
 
+def test_the_guards_see_what_moved_weights_and_what_did_not():
+    """Found by a review: an optimizer given its state before its first step (`optimizer_state_dict`, a step at a
+    learning rate of 0) counted as training, and the model was refused; a `load_state_dict(strict=False)` that
+    loaded nothing took the evaluation module for given weights (it then ran the untrained ones); and the
+    trained weights copied back into the model refused an evaluation module already given them."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    opt = torch.optim.AdamW(trained.parameters())
+    trained.optimizer_state_dict(opt)
+    model(x)  # (nothing trained yet)
+    trained(x, y).backward()
+    opt.step()
+    evaluate.load_state_dict({"module." + k: v for k, v in trained.state_dict().items()}, strict=False)
+    with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
+        evaluate(x)
+    evaluate.load_state_dict(trained.state_dict())
+    model.load_state_dict(trained.full_state_dict())  # (the trained weights copied back, to save them)
+    torch.testing.assert_close(evaluate(x), model.eval()(x))
+
+
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
     model.load_state_dict(compiled.full_state_dict())
