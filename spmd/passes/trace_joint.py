@@ -253,24 +253,26 @@ class _autocast_in_forward:
         if not self.state:
             return self
         root, state = self.root, self.state
-        self.own = root.__dict__.get("_call_impl")
-        inner = root._call_impl
+        # (`model.compile()` left a compiled call that nn.Module calls instead of `_call_impl`: wrapped instead)
+        self.attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
+        self.own = root.__dict__.get(self.attr)
+        inner = getattr(root, self.attr)
 
         def call(*args, **kwargs):
             with autocast_on(state):
                 return inner(*args, **kwargs)
         self.off = autocast_off()
         self.off.__enter__()
-        root.__dict__["_call_impl"] = call
+        root.__dict__[self.attr] = call
         return self
 
     def __exit__(self, *exc):
         if not self.state:
             return
         if self.own is not None:
-            self.root.__dict__["_call_impl"] = self.own
+            self.root.__dict__[self.attr] = self.own
         else:
-            self.root.__dict__.pop("_call_impl", None)
+            self.root.__dict__.pop(self.attr, None)
         self.off.__exit__(*exc)
 
 

@@ -53,8 +53,26 @@ class _Pieces(nn.Module):
         return self._root()._load_part(self._prefix + ".", state_dict, strict)
 
     def _apply(self, fn, recurse: bool = True):
-        self._root()._refuse_conversion(fn, self._prefix + ".")
+        self._root()._refuse_conversion(fn, [(f"{self._prefix}.{n}", t) for n, t in
+                                             [*self.named_parameters(), *self.named_buffers()]])
         return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo):
+        root = self._root()
+        if root is None or id(root) not in memo:
+            raise SpmdError(f"`{self._prefix}` of a compiled module holds pieces of the compiled module's own "
+                            "weights: a copy of it alone would still answer for the compiled module. What to do: "
+                            "copy the compiled module (copy.deepcopy(compiled)), or copy its state_dict().")
+        import copy
+
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__ = {k: (v if k == "_root" else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()}
+        return new  # (its `_root` is set by the copied compiled module's `_index`)
+
+    def __getstate__(self):
+        raise SpmdError(f"`{self._prefix}` of a compiled module cannot be pickled: it holds pieces of the compiled "
+                        "module's weights. What to do: save its `state_dict()`.")
 
     def _refused(self, *args, **kwargs):
         raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
@@ -62,8 +80,9 @@ class _Pieces(nn.Module):
                         "model before spmd.compile (the hook runs while tracing, into the graph), or the compiled "
                         "module itself.")
 
-    register_forward_hook = register_forward_pre_hook = _refused
+    register_forward_hook = register_forward_pre_hook = register_backward_hook = _refused
     register_full_backward_hook = register_full_backward_pre_hook = _refused
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _refused
 
     def forward(self, *args, **kwargs):
         raise SpmdError("this module only holds pieces of the model's weights under their names: call the "
@@ -381,8 +400,8 @@ class CompiledModule(nn.Module):
                 local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
-        if loaded:  # (given weights: not stale beside a module compiled alike that trained)
-            source_guard.given(self)
+        if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
+            source_guard.given(self, loaded)
 
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
         """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a
@@ -481,10 +500,11 @@ class CompiledModule(nn.Module):
         self._refuse_conversion(fn)
         return super()._apply(fn, recurse)
 
-    def _refuse_conversion(self, fn, under: str = "") -> None:
-        for name, t in self._state_items():
-            if not name.startswith(under):
-                continue
+    def _persistent_names(self) -> set[str]:
+        return set(self._param_names) - self._non_persistent
+
+    def _refuse_conversion(self, fn, items=None) -> None:
+        for name, t in (self._state_items() if items is None else items):
             probe = fn(torch.empty((0,), dtype=t.dtype, device=t.device))
             if (probe.dtype, probe.device) != (t.dtype, t.device):
                 raise SpmdError(
@@ -522,9 +542,11 @@ class CompiledModule(nn.Module):
         it, loaded into the pieces under `under` (`encoder.`)."""
         from torch.nn.modules.module import _IncompatibleKeys
 
-        missing, unexpected = self._model_keys({under + k: v for k, v in state_dict.items()})
-        missing = [k[len(under):] for k in missing if k.startswith(under)]
-        mine = {n for fqn in self._param_names if fqn.startswith(under) for n in self._load_names(fqn)}
+        names = {fqn: [n for n in self._load_names(fqn) if n.startswith(under)] for fqn in self._param_names}
+        names = {fqn: ns for fqn, ns in names.items() if ns}  # (a tied weight held here under another name too)
+        mine = {n for ns in names.values() for n in ns}
+        missing = [ns[0][len(under):] for fqn, ns in names.items()
+                   if fqn not in self._non_persistent and not any(n[len(under):] in state_dict for n in ns)]
         unexpected = [k for k in state_dict if under + k not in mine]
         if strict and (unexpected or missing):
             raise SpmdError(f"load_state_dict of `{under[:-1]}`: " + "; ".join(
@@ -537,27 +559,49 @@ class CompiledModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The pieces under the model's names (as the tree holds them; a name held flat, `_p__plan__weight`, as
-        the model's: `plan.weight`), in the model's order."""
-        named = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-        return self._model_named(named, prefix) if self._flat_names else named
+        the model's: `plan.weight`, in the model's order)."""
+        if not self._flat_names:
+            return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._model_named(super().named_parameters(recurse=recurse, remove_duplicate=False), prefix, recurse,
+                                 remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        named = super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-        return self._model_named(named, prefix) if self._flat_names else named
+        if not self._flat_names:
+            return super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._model_named(super().named_buffers(recurse=recurse, remove_duplicate=False), prefix, recurse,
+                                 remove_duplicate)
 
-    def _model_named(self, named, prefix: str):
+    def _model_named(self, named, prefix: str, recurse: bool, remove_duplicate: bool):
+        """`named` (every name, duplicates too) under the model's names, in the model's order, each tensor
+        once under its first name where `remove_duplicate`."""
+        if "_model_order" not in self.__dict__:
+            model = self._source_model
+            order = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+            order += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+            self.__dict__["_model_order"] = {n: k for k, n in enumerate(order)}
+        rank = self._model_order
+        out = sorted(((self._flat_names.get(n, n), t) for n, t in named), key=lambda item: rank.get(item[0], len(rank)))
+        if not recurse:  # (the model's own, at its root)
+            out = [(n, t) for n, t in out if "." not in n]
+        seen = set()
         lead = prefix + "." if prefix else ""
-        rank = {fqn: k for k, fqn in enumerate(self._order_names)}
-        out = [(lead + self._flat_names.get(n[len(lead):], n[len(lead):]), t) for n, t in named]
-        return iter(sorted(out, key=lambda item: rank.get(item[0][len(lead):], len(rank))))
+        for name, t in out:
+            if remove_duplicate and id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield lead + name, t
 
     def get_parameter(self, target: str):
         path = self._param_names.get(self._aliases.get(target, target))
-        return self._get(path) if path in self._flat_names else super().get_parameter(target)
+        if path in self._flat_names and isinstance(self._get(path), nn.Parameter):
+            return self._get(path)
+        return super().get_parameter(target)
 
     def get_buffer(self, target: str):
         path = self._param_names.get(self._aliases.get(target, target))
-        return self._get(path) if path in self._flat_names else super().get_buffer(target)
+        if path in self._flat_names and not isinstance(self._get(path), nn.Parameter):
+            return self._get(path)
+        return super().get_buffer(target)
 
     def __copy__(self):
         raise SpmdError("copy.copy of a compiled module would share its pieces with the original under a second "
@@ -651,7 +695,7 @@ class CompiledModule(nn.Module):
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
                             "checkpoint of this model, or strict=False to keep the others as they are.")
         if stored_as:
-            source_guard.given(self)
+            source_guard.given(self, set(stored_as))
 
     def save_safetensors(self, path, metadata: dict | None = None):
         """Write the full model (every persistent parameter and buffer, a tied one under each of its names)

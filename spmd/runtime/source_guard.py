@@ -25,7 +25,7 @@ import threading
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
@@ -119,18 +119,28 @@ def watch(model: torch.nn.Module, compiled) -> None:
         siblings.append(weakref.ref(compiled))
         compiled.__dict__["_siblings"] = siblings
         given(compiled)  # (its weights as compiled: the mark its in-place changes are seen against)
-        compiled.__dict__["_loaded"] = False
+        compiled.__dict__["_loaded"], compiled.__dict__["_given"] = False, set()
         for p in compiled.parameters():
             _owners[p] = weakref.ref(compiled)
         if _hook is None:
-            _hook = register_optimizer_step_post_hook(_stepped)
+            _hook = (register_optimizer_step_pre_hook(_stepping_now), register_optimizer_step_post_hook(_stepped))
 
 
-def mark_model(compiled) -> None:
-    """The model's parameters as they are now: what `compiled`'s pieces hold (`model_changed` compares)."""
+def mark_model(compiled, fqns=None) -> None:
+    """The model's parameters (those named `fqns`; None: all) as they are now: what `compiled`'s pieces hold
+    (`model_changed` compares)."""
     model = compiled.__dict__.get("_source_model")
-    if model is not None:
-        compiled.__dict__["_model_versions"] = [(p, p._version) for p in model.parameters()]
+    if model is None:
+        return
+    marks = compiled.__dict__.setdefault("_model_versions", {})
+    if fqns is None:
+        marks.clear()
+        params = model.parameters()
+    else:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        params = [named[f] for f in fqns if f in named]
+    for p in params:
+        marks[id(p)] = (p, p._version)
 
 
 def model_changed(compiled) -> None:
@@ -144,7 +154,7 @@ def model_changed(compiled) -> None:
     versions = compiled.__dict__.get("_model_versions")
     if not versions:
         return
-    changed = [p for p, v in versions if p._version != v]
+    changed = [p for p, v in versions.values() if p._version != v]
     if not changed:
         return
     model = compiled._source_model
@@ -158,11 +168,17 @@ def model_changed(compiled) -> None:
         "before spmd.compile.")
 
 
-def given(compiled) -> None:
-    """Weights were loaded into `compiled`: not stale until a sibling steps again. Its parameters' versions now
-    are the mark `_untouched` compares with, and the model's what `model_changed` does."""
-    mark_model(compiled)
-    compiled.__dict__["_loaded"] = True
+def given(compiled, fqns=None) -> None:
+    """Weights were loaded into `compiled` (those named `fqns`; None: all): the model's parameters they came from
+    are marked (`model_changed`), and once every persistent entry was given since a sibling last stepped, it
+    is not stale until one steps again. Its parameters' versions now are the mark `_untouched` compares with."""
+    mark_model(compiled, fqns)
+    if fqns is None:
+        compiled.__dict__["_given"] = None  # (all)
+    elif compiled.__dict__.get("_given", set()) is not None:
+        compiled.__dict__.setdefault("_given", set()).update(fqns)
+    got = compiled.__dict__.get("_given", set())
+    compiled.__dict__["_loaded"] = got is None or not (compiled._persistent_names() - got)
     _mark_pieces(compiled)
 
 
@@ -222,13 +238,29 @@ class priming:
         _priming.depth -= 1
 
 
+_fresh: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> it had no state before this step
+
+
+def _stepping_now(optimizer, args, kwargs) -> None:
+    if not optimizer.state:
+        _fresh[optimizer] = True
+    elif optimizer in _fresh:
+        del _fresh[optimizer]
+
+
 def _moves_nothing(optimizer) -> bool:
-    """A step at a learning rate of 0 in every group (torch's own way of giving an optimizer its state, as
-    `get_optimizer_state_dict` does), or one spmd takes to the same end."""
+    """spmd's own step giving an optimizer its state, or a step at a learning rate of 0 (on the CPU) in every
+    group of an optimizer that had no state before it (torch's way of giving one its state, as
+    `get_optimizer_state_dict` does). (A later step at lr 0 may move weights: Rprop's step sizes are state.)"""
     if getattr(_priming, "depth", 0):
         return True
+    if not _fresh.pop(optimizer, False):
+        return False
+    rates = [g.get("lr", 1.0) for g in optimizer.param_groups]
+    if any(isinstance(r, torch.Tensor) and r.device.type != "cpu" for r in rates):
+        return False  # (no device sync for this)
     try:
-        return all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups)
+        return all(float(r) == 0.0 for r in rates)
     except (TypeError, ValueError, RuntimeError):
         return False
 
@@ -254,5 +286,5 @@ def _stepped(optimizer, args, kwargs) -> None:
             compiled.__dict__["_weights_moved"] = True
             for sibling in compiled.__dict__.get("_siblings", ()):
                 if (s := sibling()) is not None and s is not compiled:
-                    s.__dict__["_loaded"] = False
+                    s.__dict__["_loaded"], s.__dict__["_given"] = False, set()
                     _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)

@@ -258,3 +258,55 @@ def test_names_that_would_hide_an_attribute_keep_the_models_names():
     compiled.load_state_dict({n: p.detach() + 1 for n, p in compiled.named_parameters()})
     assert torch.equal(compiled.get_parameter("plan.bias"), model.plan.bias + 1)
     assert compiled.plan.objective > 0  # (the plan is still the plan)
+
+
+def test_a_holder_of_a_tied_weight_loads_it_and_refuses_to_convert_it():
+    """Found by a review: GPT-2's `lm_head.weight` (tied to `transformer.wte.weight`) refused its own state dict
+    as unexpected, `.half()` on its holder converted the tied tensor unchecked, and a holder copied or pickled
+    alone still answered for the compiled module."""
+    import pickle
+
+    from tests.models import tied_lm
+
+    torch.manual_seed(0)
+    model = tied_lm("gpt2")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def lm_loss(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    compiled = one_device(model, (ids, ids), training=True, loss_fn=lm_loss)
+    new = torch.randn(128, 64)
+    compiled.lm_head.load_state_dict({"weight": new})
+    assert torch.equal(compiled.transformer.wte.weight, new)
+    assert compiled.lm_head.state_dict().keys() == {"weight"}
+    with pytest.raises(spmd.SpmdError, match=r"converting them"):
+        compiled.lm_head.half()
+    assert compiled.transformer.wte.weight.dtype == torch.float32
+    with pytest.raises(spmd.SpmdError, match=r"a copy of it alone"):
+        copy.deepcopy(compiled.lm_head)
+    with pytest.raises(spmd.SpmdError, match=r"cannot be pickled"):
+        pickle.dumps(compiled.transformer)
+
+
+class _TiedClash(nn.Module):
+    """A name that would hide an attribute (`plan`), tied to the first weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.plan = nn.Linear(4, 4, bias=False), nn.Linear(4, 4), nn.Linear(4, 4, bias=False)
+        self.plan.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.plan(torch.relu(self.mid(self.emb(x))))
+
+
+def test_names_held_flat_keep_the_models_order_and_ties():
+    torch.manual_seed(0)
+    model = _TiedClash()
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    for dedup in (True, False):
+        assert [n for n, _ in compiled.named_parameters(remove_duplicate=dedup)] == \
+            [n for n, _ in model.named_parameters(remove_duplicate=dedup)]
+    assert [n for n, _ in compiled.named_parameters(prefix="m", recurse=False)] == []

@@ -872,6 +872,37 @@ def test_the_guards_see_what_moved_weights_and_what_did_not():
     torch.testing.assert_close(evaluate(x), model.eval()(x))
 
 
+def test_a_part_loaded_is_not_the_whole():
+    """Found by a review: with holders, loading a part is easy (`compiled[0].load_state_dict(...)`), and one such
+    load marked the whole module as given weights: the model's new head went unnoticed, and an evaluation module
+    given the trained first layer only ran on its untrained last one. And a step at lr 0 after the first (Rprop
+    keeps its step sizes as state: it moves weights) counts as training."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    with torch.no_grad():
+        model[2].weight.add_(1.0)  # (new weights for the head)
+    trained.get_submodule("0").load_state_dict(model[0].state_dict())
+    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled \(2\.weight"):
+        trained(x, y)
+    trained.load_state_dict(model.state_dict())
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    opt = torch.optim.Rprop(trained.parameters(), lr=0.01)
+    trained(x, y).backward()
+    opt.step()
+    evaluate.get_submodule("0").load_state_dict(trained.get_submodule("0").state_dict())
+    with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
+        evaluate(x)
+    evaluate.load_state_dict(trained.state_dict())
+    evaluate(x)
+    opt.param_groups[0]["lr"] = 0.0
+    trained(x, y).backward()
+    opt.step()  # (Rprop moves the weights by its step sizes, whatever the lr)
+    with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
+        evaluate(x)
+
+
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
     model.load_state_dict(compiled.full_state_dict())
