@@ -89,6 +89,9 @@ class _Pieces(nn.Module):
                         "compiled module itself")
 
 
+# after calls 1, 2, 4, ..., the ranks' generators are compared at every this many calls of a graph that draws
+GENERATOR_CHECK_EVERY = 1024
+
 # names a model's first-level child may not take in the compiled module's tree (its own attributes, set before
 # or after the pieces are placed); such a child's pieces are held flat (`CompiledModule._place`)
 _RESERVED = frozenset({"graph_module", "plan", "split", "rank", "coord", "mesh_spec", "group_names", "device_mesh",
@@ -209,8 +212,12 @@ class CompiledModule(nn.Module):
                        for fqn, attr in self._param_names.items()
                        if fqn in model_params and isinstance(self._get(attr), nn.Parameter)] if self.split else []
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
-        # generators must agree, which the first call checks (one small all_gather)
-        self._generators_agreed = not (ops & _RANDOM_OPS) or self.mesh_spec.size == 1
+        # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
+        # every GENERATOR_CHECK_EVERY-th after it (a rank that drew numbers its peers did not since: sampling on
+        # rank 0 alone for a log)
+        self._draws = bool(ops & _RANDOM_OPS) and self.mesh_spec.size > 1
+        self._generators_agreed = not self._draws
+        self._calls = 0
         # inputs replicated over a mesh axis must be the same along it, which the first call checks
         # (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch)
         self._inputs_agreed = self.mesh_spec.size == 1 or not any(
@@ -870,12 +877,16 @@ class CompiledModule(nn.Module):
                 f"along mesh axis {name!r}, {len(states)} states among {sum(map(len, states.values()))} ranks: "
                 + " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in states.values())
                 for name, states in apart) or "along none of this rank's mesh axes, but elsewhere in the mesh"
+            since = "" if self._calls <= 1 else (
+                f" at call {self._calls} of this module (they agreed before: some rank has since drawn random numbers "
+                "its peers did not, such as sampling on rank 0 alone for a log, or a data loader iterated on one "
+                "rank)")
             raise SpmdError(
-                f"the ranks' random generators differ ({seen}), and this graph draws random numbers "
+                f"the ranks' random generators differ ({seen}){since}, and this graph draws random numbers "
                 "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "
                 "on each rank and the replicas would drift apart. What to do: seed every rank alike before "
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
-                "data shuffling a torch.Generator of its own.")
+                "data shuffling or sampling a torch.Generator of its own.")
 
     def _agree_on_inputs(self, inputs) -> None:
         """Every input the plan replicates over a mesh axis the same along it, at the first call: a
@@ -988,8 +999,11 @@ class CompiledModule(nn.Module):
                     f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
                     "module again.")
         self._require_values()
-        if not self._generators_agreed:
-            self._agree_on_generators()
+        if self._draws:
+            self._calls += 1
+            n = self._calls
+            if not self._generators_agreed or n & (n - 1) == 0 or n % GENERATOR_CHECK_EVERY == 0:
+                self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
         if not self._inputs_agreed:

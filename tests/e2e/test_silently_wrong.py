@@ -221,3 +221,31 @@ def test_a_copy_of_a_sharded_module_keeps_its_own_average(ranks):
     as an average of the trained weights, it gathers to the eager average."""
     for r in ranks(2).run(_average_in_a_copy):
         assert r["pieces"] == (128, 64) and r["err"] < 1e-5, r
+
+
+def _drawn_apart_later(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).train()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
+    local = compiled.shard_inputs(x, y)
+    compiled(*local)  # (agreed: seeded alike)
+    if rank == 0:
+        torch.rand(3)  # (rank 0 alone samples something for a log)
+    said = []
+    for _ in range(3):  # calls 2, 3, 4: checked at 2 and again at 4 after a failure
+        try:
+            compiled(*local)
+        except spmd.SpmdError as e:
+            said.append(str(e))
+    return {"said": said}
+
+
+def test_generators_drawn_apart_after_the_first_call_are_caught(ranks):
+    """The generators were compared at the first call only: a rank that drew a number its peers did not later
+    (rank 0 sampling for a log) dropped other elements of replicated values from then on, silently. They are
+    compared again at calls 2, 4, 8, ... and every 1024th; a failed check is repeated at the next call."""
+    for r in ranks(2).run(_drawn_apart_later):
+        assert len(r["said"]) == 3, r
+        assert "at call 2 of this module (they agreed before" in r["said"][0]
