@@ -417,8 +417,9 @@ class CompiledModule(nn.Module):
         model's names. Where the first name would hide an attribute of this module (`plan`, `forward`), flat
         under `_p__blocks__0__...` instead. Returns where it is held (its path)."""
         parts = fqn.split(".")
-        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or \
-                (len(parts) == 1 and parts[0] in self._modules) or not all(parts):
+        taken = self._modules.get(parts[0])  # (a graph module of this one's, or a holder: only a holder is shared)
+        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or not all(parts) \
+                or (taken is not None and (len(parts) == 1 or not isinstance(taken, _Pieces))):
             owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
             self._flat_names[path] = fqn
         else:
