@@ -89,6 +89,10 @@ class _Pieces(nn.Module):
                         "compiled module itself")
 
 
+# names of a holder's own (a model name through one of them is held flat); first-level names beginning with
+# "_" are too (the compiled module's own attributes, set after the pieces are placed, begin so)
+_HOLDER_OWN = frozenset(vars(_Pieces)) | {"_root", "_prefix"}
+
 # after calls 1, 2, 4, ..., the ranks' generators are compared at every this many calls of a graph that draws
 GENERATOR_CHECK_EVERY = 1024
 
@@ -419,6 +423,7 @@ class CompiledModule(nn.Module):
         parts = fqn.split(".")
         taken = self._modules.get(parts[0])  # (a graph module of this one's, or a holder: only a holder is shared)
         if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or not all(parts) \
+                or parts[0].startswith("_") or any(p in _HOLDER_OWN for p in parts[1:]) \
                 or (taken is not None and (len(parts) == 1 or not isinstance(taken, _Pieces))):
             owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
             self._flat_names[path] = fqn
@@ -859,6 +864,7 @@ class CompiledModule(nn.Module):
         if not dist.is_initialized():
             self._generators_agreed = True
             return
+        agreed_before = self._generators_agreed
         cuda = self._collective_device().type == "cuda"
         state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
         apart = []  # (axis name, {digest: [ranks]}) for each axis whose ranks differ
@@ -878,7 +884,7 @@ class CompiledModule(nn.Module):
                 f"along mesh axis {name!r}, {len(states)} states among {sum(map(len, states.values()))} ranks: "
                 + " | ".join(("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs)) for rs in states.values())
                 for name, states in apart) or "along none of this rank's mesh axes, but elsewhere in the mesh"
-            since = "" if self._calls <= 1 else (
+            since = "" if self._calls <= 1 or not agreed_before else (
                 f" at call {self._calls} of this module (they agreed before: some rank has since drawn random numbers "
                 "its peers did not, such as sampling on rank 0 alone for a log, or a data loader iterated on one "
                 "rank)")
@@ -1055,10 +1061,12 @@ def _first_call(collective, what: str):
         return collective()
     except RuntimeError as e:
         raise SpmdCollectiveError(
-            f"the first call of a compiled module checks, on every rank of its mesh, that the ranks' {what} agree, "
-            f"and the collective failed or timed out ({e}). What to do: call the compiled module on every rank of "
-            "its mesh (a call on some ranks only waits for the others; to evaluate on one rank, compile the "
-            "model for a mesh of that rank alone).") from e
+            f"a compiled module checks, on every rank of its mesh, that the ranks' {what} agree (at its first call; "
+            "the random generators of a graph that draws again at calls 2, 4, 8, ... and every "
+            f"{GENERATOR_CHECK_EVERY}th), and the collective failed or timed out ({e}). What to do: call the "
+            "compiled module on every rank of its mesh, as many times on each (a call on some ranks only waits for "
+            "the others, or moves their count of calls apart; to evaluate on one rank, compile the model for a mesh "
+            "of that rank alone).") from e
 
 
 def graph_backend(compile_graphs: bool | str | None) -> str | None:

@@ -249,3 +249,4 @@ def test_generators_drawn_apart_after_the_first_call_are_caught(ranks):
     for r in ranks(2).run(_drawn_apart_later):
         assert len(r["said"]) == 3, r
         assert "at call 2 of this module (they agreed before" in r["said"][0]
+        assert "agreed before" not in r["said"][1]  # (the retry: they never agreed since)
