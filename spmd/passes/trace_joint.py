@@ -239,41 +239,32 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
         return _either_road_as_eager(model, root, example_inputs)
 
 
-class _autocast_in_forward:
+@contextlib.contextmanager
+def _autocast_in_forward(root: torch.nn.Module):
     """Under torch.autocast, the trace runs the forward (the model with its hooks, and its loss) under it and
     the backward outside it, as eager training does (`with autocast: loss = ...; loss.backward()`): autocast's
     casts in the backward would round regions the model keeps in fp32 (`torch.autocast(enabled=False)` around
-    them) in bf16. The root's call is wrapped (`_call_impl`, where its hooks run too). Nothing where autocast
-    is off."""
+    them) in bf16. The root's call is wrapped (`_call_impl`, where its hooks run too; the compiled call
+    `model.compile()` left, which nn.Module calls instead). Nothing where autocast is off."""
+    state = autocast_state()
+    if not state:
+        yield
+        return
+    attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
+    own, inner = root.__dict__.get(attr), getattr(root, attr)
 
-    def __init__(self, root: torch.nn.Module):
-        self.root, self.state = root, autocast_state()
-
-    def __enter__(self):
-        if not self.state:
-            return self
-        root, state = self.root, self.state
-        # (`model.compile()` left a compiled call that nn.Module calls instead of `_call_impl`: wrapped instead)
-        self.attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
-        self.own = root.__dict__.get(self.attr)
-        inner = getattr(root, self.attr)
-
-        def call(*args, **kwargs):
-            with autocast_on(state):
-                return inner(*args, **kwargs)
-        self.off = autocast_off()
-        self.off.__enter__()
-        root.__dict__[self.attr] = call
-        return self
-
-    def __exit__(self, *exc):
-        if not self.state:
-            return
-        if self.own is not None:
-            self.root.__dict__[self.attr] = self.own
+    def call(*args, **kwargs):
+        with autocast_on(state):
+            return inner(*args, **kwargs)
+    root.__dict__[attr] = call
+    try:
+        with autocast_off():
+            yield
+    finally:
+        if own is not None:
+            root.__dict__[attr] = own
         else:
-            self.root.__dict__.pop(self.attr, None)
-        self.off.__exit__(*exc)
+            root.__dict__.pop(attr, None)
 
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:

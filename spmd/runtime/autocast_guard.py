@@ -13,14 +13,12 @@ program, silently:
 
 `AutocastGuard` holds the state at compile time (per device type: enabled, and the dtype) and refuses a
 call made under another, with the way out; a call under the same state runs its graphs with autocast off
-(`off()`), so the traced casts are the only ones (autocast applied again to a traced graph could cast ops
+(`core.autocast.autocast_off`), so the traced casts are the only ones (autocast applied again to a traced graph could cast ops
 the trace left alone, such as the exponentials of a decomposed log_softmax).
 """
 from __future__ import annotations
 
-import contextlib
-
-from spmd.core.autocast import autocast_off, autocast_state
+from spmd.core.autocast import autocast_state
 from spmd.core.errors import SpmdError
 
 
@@ -50,8 +48,3 @@ class AutocastGuard:
             + ") and call it under that autocast only; for another precision (evaluating in fp32), compile a "
             "second module for it (before training, or after `model.load_state_dict(compiled.full_state_dict())`) "
             "and give it this one's weights when you use it (`other.load_state_dict(compiled.state_dict())`).")
-
-    @staticmethod
-    def off() -> contextlib.AbstractContextManager:
-        """Autocast off for every device type where it is on now (the graph's casts are the traced ones)."""
-        return autocast_off()

@@ -237,7 +237,7 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
     for node in module.graph_module.graph.find_nodes(op="placeholder"):
         gi = by_placeholder[node.name]
         if gi.kind in ("parameter", "buffer", "constant"):
-            args.append(module._get(module._param_names[gi.name]).detach())
+            args.append(module.piece(gi.name).detach())
         else:
             info = module._tensor_info[node.name]
             full = (full_by_name[gi.name] if gi.kind == "input"

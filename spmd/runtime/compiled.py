@@ -14,6 +14,7 @@ from spmd.compiler.attribute_reads import AttributeGuard
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
+from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
@@ -191,7 +192,7 @@ class CompiledModule(nn.Module):
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
         for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
-            self._place(alias, self._get(self._param_names[canonical]), alias=True)
+            self._place(alias, self.piece(canonical), alias=True)
         self._index()
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
@@ -469,6 +470,10 @@ class CompiledModule(nn.Module):
         owner, leaf = self._slots[path] if "_slots" in self.__dict__ else self._owner(path)
         return getattr(owner, leaf)
 
+    def piece(self, fqn: str) -> torch.Tensor:
+        """This rank's piece of the model's parameter or buffer `fqn` (its canonical name)."""
+        return self._get(self._param_names[fqn])
+
     def __getstate__(self):
         """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process
         groups and this rank's pieces, which are no checkpoint. Its weights are."""
@@ -481,18 +486,16 @@ class CompiledModule(nn.Module):
     def __deepcopy__(self, memo):
         """A copy with pieces of its own (an exponential moving average of the weights kept beside the module
         that trains, as timm's `ModelEma` makes it): the same model, plan, graphs and mesh. A copy made before
-                training holds the weights of then until its user updates them (in place, through `.data`, or by a load):
+        training holds the weights of then until its user updates them (in place, through `.data`, or by a load):
         a copy is a snapshot, never refused as stale. (Copying the model itself after training would be refused:
         its weights are the old ones; the copy does not copy it.)"""
         import copy
 
         new = object.__new__(type(self))
         new.__dict__ = dict(self.__dict__)
-        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_flags",
-                     "_uninitialized", "_compiled_graphs", *(k for k, v in self.__dict__.items()
-                                                              if k.endswith("_hooks") and isinstance(v, dict))):
-            value = self.__dict__[name]
-            new.__dict__[name] = type(value)(value) if not isinstance(value, list) else list(value)
+        for name in ("_modules", "_non_persistent_buffers_set", "_uninitialized", "_compiled_graphs",
+                     *(k for k, v in self.__dict__.items() if k.endswith("_hooks") and isinstance(v, dict))):
+            new.__dict__[name] = type(self.__dict__[name])(self.__dict__[name])  # (its own table, same entries)
         memo[id(self)] = new
         for store in ("_parameters", "_buffers"):
             new.__dict__[store] = {k: copy.deepcopy(v, memo) for k, v in self.__dict__[store].items()}
@@ -541,11 +544,9 @@ class CompiledModule(nn.Module):
 
         missing, unexpected = self._model_keys(state_dict)
         if strict and (unexpected or missing):
-            raise SpmdError(
-                "load_state_dict: " + "; ".join(
-                    f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
-                    for what, keys in (("keys that are not the model's", unexpected), ("entries missing", missing))
-                    if keys) + ". What to do: load the model's own, whole state dict (or pass strict=False).")
+            raise SpmdError("load_state_dict: " + _listed((("keys that are not the model's", unexpected),
+                                                           ("entries missing", missing)))
+                            + ". What to do: load the model's own, whole state dict (or pass strict=False).")
         foreign = set(unexpected)
         self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
@@ -562,10 +563,9 @@ class CompiledModule(nn.Module):
                    if fqn not in self._non_persistent and not any(n[len(under):] in state_dict for n in ns)]
         unexpected = [k for k in state_dict if under + k not in mine]
         if strict and (unexpected or missing):
-            raise SpmdError(f"load_state_dict of `{under[:-1]}`: " + "; ".join(
-                f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
-                for what, keys in (("unexpected keys", unexpected), ("entries missing", missing)) if keys)
-                + ". What to do: load that module's own state dict (or pass strict=False).")
+            raise SpmdError(f"load_state_dict of `{under[:-1]}`: "
+                            + _listed((("unexpected keys", unexpected), ("entries missing", missing)))
+                            + ". What to do: load that module's own state dict (or pass strict=False).")
         foreign = set(unexpected)
         self.load_sharded_state_dict({under + k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
@@ -701,7 +701,7 @@ class CompiledModule(nn.Module):
         pieces = read_pieces(files, wanted)
         with torch.no_grad():
             for fqn, name in stored_as.items():
-                self._get(self._param_names[fqn]).copy_(pieces.pop(name))
+                self.piece(fqn).copy_(pieces.pop(name))
                 self._uninitialized.discard(fqn)
         if missing and strict:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
@@ -720,7 +720,7 @@ class CompiledModule(nn.Module):
                  for n in (fqn, *self._names_of(fqn))]
         writer = None
         if self.rank == 0:
-            specs = [(n, self._get(self._param_names[fqn]).dtype, self._global_shapes[fqn]) for fqn, n in names]
+            specs = [(n, self.piece(fqn).dtype, self._global_shapes[fqn]) for fqn, n in names]
             tmp, final = atomic_path(path)
             writer = SafetensorsWriter(tmp, specs, metadata)
         try:
@@ -1018,7 +1018,7 @@ class CompiledModule(nn.Module):
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs)
         args = self._graph_args(inputs)
-        with AutocastGuard.off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
+        with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
             flat = self._run_graphs(args)
         return tree_unflatten(list(flat), self._out_spec)
 
@@ -1036,6 +1036,12 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return flat
+
+
+def _listed(kinds) -> str:
+    """"3 entries missing: a, b, c; 1 unexpected keys: d", for each (what, keys) with keys."""
+    return "; ".join(f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+                     for what, keys in kinds if keys)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -1185,7 +1191,7 @@ class _RankStep(torch.autograd.Function):
                 "do: compute such a penalty with the model outside spmd, or train without it.")
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
-        with AutocastGuard.off():  # (a backward called inside the user's autocast block: the traced dtypes)
+        with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
             grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
         return (None,) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
                                for (kind, _), name in zip(module._order, module._order_names))

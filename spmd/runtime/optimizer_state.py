@@ -62,7 +62,7 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
 def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     names = _names(compiled, optimizer)
     grads = compiled.split.grads if compiled.split is not None else ()  # (the parameters a gradient reaches)
-    trained = {id(compiled._get(compiled._param_names[name])) for name in grads if name in compiled._param_names}
+    trained = {id(compiled.piece(name)) for name in grads if name in compiled._param_names}
     made_up = _init_state(optimizer, trained)
     torch_form = optimizer.state_dict()
     if made_up:  # (the live optimizer stays as it was: the state of a step at rate 0 is not a fresh one's)
@@ -72,7 +72,7 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     state = {}
     for index, entries in torch_form["state"].items():
         fqn = flat[index]
-        piece = compiled._get(compiled._param_names[fqn])
+        piece = compiled.piece(fqn)
         state[fqn] = {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -103,7 +103,7 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
         if fqn not in index:
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")
-        piece = compiled._get(compiled._param_names[fqn])
+        piece = compiled.piece(fqn)
         state[index[fqn]] = {key: compiled._piece_of(fqn, value, piece) for key, value in entries.items()}
     groups = []
     for group, group_names in zip(named["param_groups"], names):

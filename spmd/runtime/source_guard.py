@@ -132,15 +132,13 @@ def mark_model(compiled, fqns=None) -> None:
     model = compiled.__dict__.get("_source_model")
     if model is None:
         return
-    marks = compiled.__dict__.setdefault("_model_versions", {})
     if fqns is None:
-        marks.clear()
-        params = model.parameters()
+        marks, params = {}, model.parameters()
     else:
         named = dict(model.named_parameters(remove_duplicate=False))
-        params = [named[f] for f in fqns if f in named]
-    for p in params:
-        marks[id(p)] = (p, p._version)
+        marks, params = dict(compiled.__dict__.get("_model_versions", {})), [named[f] for f in fqns if f in named]
+    # (a new dict each time: a copy of the compiled module starts with its original's)
+    compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
 
 
 def model_changed(compiled) -> None:
@@ -173,29 +171,22 @@ def given(compiled, fqns=None) -> None:
     are marked (`model_changed`), and once every persistent entry was given since a sibling last stepped, it
     is not stale until one steps again. Its parameters' versions now are the mark `_untouched` compares with."""
     mark_model(compiled, fqns)
-    if fqns is None:
-        compiled.__dict__["_given"] = None  # (all)
-    elif compiled.__dict__.get("_given", set()) is not None:
-        compiled.__dict__.setdefault("_given", set()).update(fqns)
-    got = compiled.__dict__.get("_given", set())
-    compiled.__dict__["_loaded"] = got is None or not (compiled._persistent_names() - got)
+    # (a new set, not one updated in place: a copy of the compiled module starts with its original's)
+    got = compiled.__dict__["_given"] = compiled.__dict__.get("_given", set()) | set(
+        compiled._param_names if fqns is None else fqns)
+    compiled.__dict__["_loaded"] = not (compiled._persistent_names() - got)
     _mark_pieces(compiled)
 
 
 def _mark_pieces(compiled) -> None:
-    params = list(compiled.parameters())
-    compiled.__dict__["_weights_at"] = (tuple(weakref.ref(p) for p in params), tuple(p._version for p in params))
+    compiled.__dict__["_weights_at"] = tuple((p, p._version) for p in compiled.parameters())
 
 
 def _untouched(compiled) -> bool:
     """Whether `compiled`'s parameters are as they were when it was compiled, last loaded, or when a sibling last
     stepped: no in-place change since (a module its user updates in place, `p.lerp_(trained, 1 - decay)`,
     holds the weights given to it: not stale). (Changes through `.data` are not seen.)"""
-    params = list(compiled.parameters())
-    refs, versions = compiled.__dict__.get("_weights_at", ((), ()))
-    if len(refs) != len(params) or any(r() is not p for r, p in zip(refs, params)):
-        versions = (0,) * len(params)  # (a copy: its parameters are fresh clones, made by the copy)
-    return all(p._version == v for p, v in zip(params, versions))
+    return all(p._version == v for p, v in compiled.__dict__.get("_weights_at", ()))
 
 
 def stale(compiled) -> None:

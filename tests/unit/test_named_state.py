@@ -165,6 +165,10 @@ def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
     assert checkpoint_guard._piece(compiled.get_parameter("fc.weight")) is None
 
 
+def _logits_loss(out, labels):
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
 def test_parameters_are_named_as_the_models():
     """BERT fine-tuning's weight decay groups, made by name from the compiled module, are the model's (under the
     attribute names, `bert__embeddings__LayerNorm__weight`, every LayerNorm weight went into weight decay); a
@@ -175,10 +179,7 @@ def test_parameters_are_named_as_the_models():
     model = tied_lm("bert")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
-    def mlm_loss(out, labels):
-        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-    compiled = one_device(model, (ids, ids), training=True, loss_fn=mlm_loss)
+    compiled = one_device(model, (ids, ids), training=True, loss_fn=_logits_loss)
     no_decay = ["bias", "LayerNorm.weight"]
 
     def groups(m) -> tuple[list, list]:
@@ -272,10 +273,7 @@ def test_a_holder_of_a_tied_weight_loads_it_and_refuses_to_convert_it():
     model = tied_lm("gpt2")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
-    def lm_loss(out, labels):
-        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-    compiled = one_device(model, (ids, ids), training=True, loss_fn=lm_loss)
+    compiled = one_device(model, (ids, ids), training=True, loss_fn=_logits_loss)
     new = torch.randn(128, 64)
     compiled.lm_head.load_state_dict({"weight": new})
     assert torch.equal(compiled.transformer.wte.weight, new)
