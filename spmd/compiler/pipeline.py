@@ -224,7 +224,8 @@ PIPELINE: tuple[Pass, ...] = (
          ("traced", "options.tie_blocks"), "blocks", lambda v: v["options"].tie_blocks is not False,
          lambda v: v["blocks"].summary()),
     # Training: what recomputing each layer in backward would run again and free, for the solver to weigh.
-    Pass("find_recomputable_layers", find_recomputable_layers, ("traced", "blocks", "options.recompute"),
+    Pass("find_recomputable_layers", find_recomputable_layers,
+         ("traced", "blocks", "options.recompute", "options.memory_budget"),
          "recomputable", lambda v: v["traced"].joint or bool(v["options"].recompute), lambda v: "\n".join(
              f"{len(s)} x {s[0].key}: {len(s[0].nodes)} nodes, frees {len(s[0].frees)}, adds {len(s[0].adds)}" + (
                  f"; selectively {len(s[0].selective.nodes)} nodes, frees {len(s[0].selective.frees)}, adds "

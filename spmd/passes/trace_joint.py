@@ -38,7 +38,8 @@ from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
-                                      refuse_random_draws, shared_names, tensor_infos, user_outputs_first)
+                                      refuse_random_draws, shared_names, tensor_infos, untraceable_way_out,
+                                      user_outputs_first)
 
 _PREFIX = "model."
 
@@ -115,7 +116,7 @@ def _decomposition_table():
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
-    with random_draws() as drew:
+    with random_draws() as drew, checkpoints_run_through() as checkpoints:
         gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
@@ -188,7 +189,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     frozen = frozenset(strip(k) for k, v in root.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
-                       aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)))
+                       aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)),
+                       checkpoints=len(checkpoints))
 
 
 def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:
@@ -288,7 +290,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
                        "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
                        "the model holds only as parameters or buffers" if attrs and "FakeTensor" in str(e) else
-                       "make the forward traceable by torch.export (no data-dependent Python control flow)")
+                       untraceable_way_out(e))
             raise SpmdError(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
                 f"What to do: {way_out}."
@@ -476,6 +478,46 @@ def _positional(fn) -> list[str]:
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return []
+
+
+@contextlib.contextmanager
+def checkpoints_run_through():
+    """While this is open, `torch.utils.checkpoint.checkpoint(fn, *args)` calls `fn(*args)` (each call listed
+    in what it yields). Its reentrant form (`use_reentrant=True`, transformers' default before v5) runs `fn`
+    under no_grad and differentiates it again inside its own backward, which AOTAutograd cannot trace: the
+    trace fell back to torch.export's road, which inlined that no_grad forward: the model compiled for
+    training with no gradient at all (its first `loss.backward()` failed). The non-reentrant form's
+    saved-tensor hooks are left out too: which layers
+    backward runs again is the plan's to say (`find_recomputable_layers`; every layer, where the model
+    checkpoints and no memory budget asks otherwise). The values are the same: checkpointing runs the same
+    ops, with the random state it had in forward."""
+    import torch.utils.checkpoint as ckpt
+
+    calls: list[str] = []
+    reentrant = ckpt.CheckpointFunction
+    own_apply = reentrant.__dict__.get("apply")
+    hooked = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+
+    def apply(cls, function, preserve_rng_state, *args):
+        calls.append("reentrant")
+        return function(*args)
+
+    def without_reentrant(*args, **kwargs):  # (checkpoint() runs the function between its two steps)
+        calls.append("non-reentrant")
+        yield
+
+    reentrant.apply = classmethod(apply)
+    if hooked is not None:
+        ckpt._checkpoint_without_reentrant_generator = without_reentrant
+    try:
+        yield calls
+    finally:
+        if own_apply is not None:
+            reentrant.apply = own_apply
+        else:
+            del reentrant.apply
+        if hooked is not None:
+            ckpt._checkpoint_without_reentrant_generator = hooked
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ class TracedGraph:
     joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
     aliases: dict[str, str] = field(default_factory=dict)  # extra name of a shared tensor -> canonical FQN
     custom_functions: tuple[str, ...] = ()  # autograd.Functions traced with their own backward (joint)
+    checkpoints: int = 0  # calls of torch.utils.checkpoint the forward made, run through (joint)
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
     stamped: dict[str, str] = field(default_factory=dict)
@@ -194,6 +195,17 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
         changed = True
     if changed:
         gm.recompile()
+
+
+def untraceable_way_out(error: BaseException, otherwise: str = "") -> str:
+    """The way out of a trace that failed with `error` (torch's message names the line)."""
+    if "data-dependent" in str(error):
+        return ("the line torch names above (\"Caused by\") branches in Python on a tensor's values, and a graph "
+                "holds one branch. Write it as tensor ops (`torch.where`), or keep it out of the forward: a check of the inputs (transformers' "
+                "`labels.max() >= vocab_size`) belongs in the training loop, with the loss computed by a `loss_fn` "
+                "from the model's output (`spmd.compile(..., loss_fn=...)`, the labels not passed to the model)")
+    return "make the forward traceable by torch.export (no data-dependent Python control flow" + (
+        f"; {otherwise})" if otherwise else ")")
 
 
 def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -> tuple[tuple, dict]:
@@ -446,8 +458,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     except Exception as e:  # torch's own message says which line failed to trace
         raise SpmdError(
             f"trace_module: torch.export could not trace {type(model).__name__}: {e}\n"
-            "What to do: make the forward traceable by torch.export (no data-dependent Python control "
-            "flow; for transformers models pass use_cache=False)."
+            f"What to do: {untraceable_way_out(e, 'for transformers models pass use_cache=False')}."
         ) from e
 
     _drop_assertions(ep.graph_module)

@@ -474,6 +474,26 @@ class CompiledModule(nn.Module):
         """This rank's piece of the model's parameter or buffer `fqn` (its canonical name)."""
         return self._get(self._param_names[fqn])
 
+    def __getattr__(self, name: str):
+        """nn.Module's lookup (parameters, buffers, holders), and where that fails for a name the model has
+        (`compiled.generate`, `compiled.config`, `compiled.save_pretrained`), an AttributeError that says why
+        the compiled module does not answer for the model and what does. (Forwarding would run the model's
+        own code on the weights it was compiled with, or report its device and dtype for the pieces'.)"""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            source = self.__dict__.get("_source_model")
+            if source is None or name.startswith("__") or not _has_static(source, name):
+                raise
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'; the model it was compiled from "
+            f"({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
+            f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
+            f"What to do: read values from the model (`model.{name}`); for its methods with the trained weights "
+            f"(`generate`, `save_pretrained`), copy them back first, `model.load_state_dict(compiled.full_state_dict())` "
+            f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
+            f"change it and compile again.") from None
+
     def __getstate__(self):
         """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process
         groups and this rank's pieces, which are no checkpoint. Its weights are."""
@@ -932,7 +952,7 @@ class CompiledModule(nn.Module):
         from torch.distributed import _functional_collectives as funcol
 
         mine = torch.tensor(digests, dtype=torch.int64, device=self._collective_device())
-        every = _first_call(lambda: funcol.all_gather_tensor(mine, 0, self.group_names[axis]).wait(), what)
+        every = _first_call(lambda: funcol.wait_tensor(funcol.all_gather_single(mine, 0, self.group_names[axis])), what)
         return every.view(self.mesh_spec.shape[axis], len(digests))
 
     def _apart_anywhere(self, apart_here: bool, what: str) -> bool:
@@ -1036,6 +1056,14 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return flat
+
+
+def _has_static(model: nn.Module, name: str) -> bool:
+    """Whether `model` has attribute `name`, found without running it (a property such as transformers'
+    deprecated `is_gradient_checkpointing` warns when read)."""
+    if name in model.__dict__ or any(name in model.__dict__.get(k, ()) for k in ("_parameters", "_buffers", "_modules")):
+        return True
+    return any(name in vars(cls) for cls in type(model).__mro__)
 
 
 def _listed(kinds) -> str:

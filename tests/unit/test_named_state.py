@@ -207,6 +207,34 @@ def test_a_compiled_module_is_not_pickled_whole():
     assert copy.deepcopy(compiled) is not compiled  # (a copy still works)
 
 
+def test_what_only_the_model_has_is_named_with_the_way_out():
+    """`compiled.generate(...)` or `compiled.config` said only "'CompiledModule' object has no attribute";
+    forwarding them would run the model on the weights it was compiled with. Now the error says so and
+    what to do, and it stays an AttributeError (`hasattr` answers False); the model's properties are not
+    run to find out."""
+
+    class Lm(_Net):
+        @property
+        def noisy(self):
+            raise AssertionError("a property of the model was run")
+
+        def generate(self, ids):
+            return self(ids).argmax(-1)
+
+    torch.manual_seed(0)
+    model = Lm()
+    model.config = {"vocab": 16}
+    compiled = one_device(model, (torch.randint(0, 16, (6,)),))
+    for name in ("generate", "config", "noisy"):
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}'; the model it was compiled from \(Lm\) "
+                                                 r"has one\..*model\.load_state_dict\(compiled\.full_state_dict\(\)\)"):
+            getattr(compiled, name)
+    assert not hasattr(compiled, "generate")
+    with pytest.raises(AttributeError, match=r"no attribute 'missing'$"):  # (what the model lacks: as before)
+        compiled.missing
+    assert isinstance(compiled.fc.weight, nn.Parameter)  # (its pieces, under the model's names, as before)
+
+
 class _Enc(nn.Module):
     def __init__(self):
         super().__init__()

@@ -256,3 +256,47 @@ def test_recomputed_reshardings_priced_as_flows_cost_what_the_plan_says():
         offsets.append(plan.objective - (plan.compute_cost + plan.comm_cost + plan.recompute_cost))
     assert flows_into_layers and plan.recompute and plan.recompute_cost > 0
     assert offsets[1] == pytest.approx(offsets[0], abs=1e-8)
+
+
+class Checkpointed(Stack):
+    """Each block run through torch.utils.checkpoint, as transformers' `gradient_checkpointing_enable()` runs
+    its decoder layers."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Linear(16, 16)  # (the reentrant form gives no gradient where no input needs one)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_model_that_checkpoints_its_layers_trains_as_eager_and_recomputes_them(reentrant):
+    """The reentrant checkpoint (transformers' default before v5) cannot be traced by AOTAutograd, and the
+    trace's other road inlined its forward under no_grad: the layers it checkpoints got no gradient, silently
+    (a transformers Llama compiled for training got none at all). The trace now runs checkpointed calls
+    through, and without a budget the plan recomputes every layer, as the model asked."""
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    reference = Checkpointed(reentrant)
+    reference.load_state_dict(model.state_dict())
+    compiled = one_device(model, (x, y), loss_fn=_mse, tie_blocks=True)
+    assert compiled.plan.recompute == ("model.blocks.0", "model.blocks.1", "model.blocks.2")
+    torch.manual_seed(1)
+    loss = compiled(x, y)
+    loss.backward()
+    torch.manual_seed(1)
+    want = _mse(reference(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want)  # (dropout drew the same masks, once)
+    for (name, p), q in zip(compiled.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    plan = spmd.plan(model, spec((2,), ("tp",)), (x, y), loss_fn=_mse, tie_blocks=True, recompute=False)
+    assert plan.recompute == ()  # (what the user asks of spmd comes first)
