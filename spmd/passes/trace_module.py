@@ -199,6 +199,11 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
 
 def untraceable_way_out(error: BaseException, otherwise: str = "") -> str:
     """The way out of a trace that failed with `error` (torch's message names the line)."""
+    if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
+        return (f"{error}'s output shape depends on its input values, and torch's tracing has no rule for it "
+                "(CTC's loss is one). Compute it outside the compiled module, from its outputs: compiled with "
+                "`training=True` and no `loss_fn`, they take `.backward()` from a loss computed after the call "
+                "(from this rank's pieces, as the plan lays them out: pin `out_placements` to the layout it needs)")
     if "data-dependent" in str(error):
         return ("the line torch names above (\"Caused by\") branches in Python on a tensor's values, and a graph "
                 "holds one branch. Write it as tensor ops (`torch.where`), or keep it out of the forward: a check of the inputs (transformers' "

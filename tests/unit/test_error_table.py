@@ -91,6 +91,12 @@ class _Searchsorted(nn.Module):
         return self.fc(x) + torch.searchsorted(self.edges, x.contiguous())
 
 
+def _ctc(out, labels):
+    """CTC's loss: torch's tracing has no rule for its output's shape."""
+    lengths = torch.full((out.shape[1],), out.shape[0], dtype=torch.long)
+    return F.ctc_loss(out.log_softmax(-1), labels, lengths, torch.full_like(lengths, labels.shape[1]))
+
+
 def _plan(model, inputs, **kw):
     return spmd.plan(model, TP, inputs, **kw)
 
@@ -130,6 +136,9 @@ ROWS = [
      [r"torch.export could not trace _Item", r"branches in Python on a tensor's values"]),
     ("trace-nonzero", lambda w: _plan(_NonZero(), (x16,)),
      [r"node 'nonzero' \(aten.nonzero.default\)", r"depends on the data", r"torch.where"]),
+    ("trace-op-without-a-shape-rule", lambda w: _plan(nn.Linear(16, 8), (torch.randn(6, 2, 16), torch.randint(1, 8, (2, 3))),
+                                                      loss_fn=_ctc),
+     [r"aten._ctc_loss.Tensor's output shape depends on its input values", r"training=True` and no `loss_fn`"]),
     ("custom-function-backward-reads-a-value", lambda w: _plan(_WithBadFunction(), (torch.randn(4, 8),) * 2,
                                                                loss_fn=F.mse_loss),
      [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction: aten._local_scalar_dense"]),
