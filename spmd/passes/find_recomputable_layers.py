@@ -50,17 +50,16 @@ class Recomputable:
 def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: bool | str | None,
                              memory_budget: float | None = None) -> Recomputable:
     """`recompute`: None lets the solver decide (under `memory_budget`), True recomputes every layer,
-    "selective" every layer selectively, False none. None where the model checkpoints its own activations
-    (`torch.utils.checkpoint`, transformers' `gradient_checkpointing_enable()`: `traced.checkpoints`, which
-    the trace runs through) and there is no budget: every layer, as the model asked."""
+    "selective" every layer selectively, False none. None where the model checkpoints every one of its layers
+    itself (`torch.utils.checkpoint`, transformers' `activation_checkpointing_enable()`: `traced.checkpoints`,
+    the modules the trace ran through it) and there is no budget: every layer, as the model asked. (A model
+    that checkpoints some layers only, or through a function of no module, `checkpoint_sequential`: as
+    without checkpoints.)"""
     if not traced.joint:
         if recompute:
             raise SpmdError("recompute=True: only training recomputes (backward runs a layer's forward again). "
                             "What to do: pass a loss_fn (or training=True), or leave recompute unset.")
         return Recomputable()
-    asked = recompute
-    if recompute is None and traced.checkpoints and memory_budget is None:
-        recompute = True
     graph = traced.graph
 
     def in_backward(node) -> bool:
@@ -109,7 +108,11 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
                 layers = [dataclasses.replace(lay, selective=None) for lay in layers]
             stacks.append(tuple(layers))
     stacks.sort(key=lambda s: order[found[s[0].key][0]])
-    if asked and not stacks:
+    checkpointed = [c for c in traced.checkpoints if c]
+    if recompute is None and memory_budget is None and checkpointed and stacks and all(
+            any(layer.key == c or layer.key.startswith(c + ".") for c in checkpointed) for s in stacks for layer in s):
+        return Recomputable(tuple(stacks), "all")  # (the model checkpoints every layer: so does the plan)
+    if recompute and not stacks:
         raise SpmdError(f"recompute={recompute!r}: the model has no layers to recompute (a layer is an element of "
                         "an nn.ModuleList or nn.Sequential whose forward saves activations for backward). What to do: "
                         "keep the blocks in a module list, or leave recompute unset.")

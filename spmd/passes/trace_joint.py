@@ -27,6 +27,7 @@ import inspect
 import linecache
 import os
 import sys
+import threading
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -116,7 +117,7 @@ def _decomposition_table():
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
-    with random_draws() as drew, checkpoints_run_through() as checkpoints:
+    with random_draws() as drew, checkpoints_run_through(root) as checkpoints:
         gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
@@ -190,7 +191,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)),
-                       checkpoints=len(checkpoints))
+                       checkpoints=tuple(dict.fromkeys(checkpoints)))
 
 
 def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:
@@ -480,44 +481,84 @@ def _positional(fn) -> list[str]:
         return []
 
 
+_CHECKPOINTS_LOCK = threading.Lock()
+_checkpoints_depth = 0  # traces inside `checkpoints_run_through`, on any thread (the patch is process-wide)
+_checkpoints_here = threading.local()  # .calls: this thread's innermost trace's list, else absent
+
+
 @contextlib.contextmanager
-def checkpoints_run_through():
-    """While this is open, `torch.utils.checkpoint.checkpoint(fn, *args)` calls `fn(*args)` (each call listed
-    in what it yields). Its reentrant form (`use_reentrant=True`, transformers' default before v5) runs `fn`
-    under no_grad and differentiates it again inside its own backward, which AOTAutograd cannot trace: the
-    trace fell back to torch.export's road, which inlined that no_grad forward: the model compiled for
-    training with no gradient at all (its first `loss.backward()` failed). The non-reentrant form's
-    saved-tensor hooks are left out too: which layers
-    backward runs again is the plan's to say (`find_recomputable_layers`; every layer, where the model
-    checkpoints and no memory budget asks otherwise). The values are the same: checkpointing runs the same
+def checkpoints_run_through(root: torch.nn.Module):
+    """While this is open, `torch.utils.checkpoint.checkpoint(fn, *args)` on this thread calls `fn(*args)`, and
+    what it yields lists each call's module under `root` (its path; "" where `fn` is no module's). Other
+    threads' checkpoints work as torch's own. Its reentrant form (`use_reentrant=True`, torch's default
+    where unset) runs `fn` under no_grad and differentiates it again inside its own backward, which
+    AOTAutograd cannot trace: the trace fell back to torch.export's road, which inlined that no_grad
+    forward, and the module compiled for training had no gradient at all (its first backward failed). The
+    non-reentrant form's saved-tensor hooks (and a selective `context_fn`) are left out too: which layers
+    backward runs again is the plan's to say (`find_recomputable_layers`: every layer, where the model
+    checkpoints every one and no memory budget asks otherwise). The values are the same: checkpointing runs the same
     ops, with the random state it had in forward."""
+    global _checkpoints_depth
     import torch.utils.checkpoint as ckpt
 
+    paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     calls: list[str] = []
-    reentrant = ckpt.CheckpointFunction
-    own_apply = reentrant.__dict__.get("apply")
-    hooked = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
 
-    def apply(cls, function, preserve_rng_state, *args):
-        calls.append("reentrant")
-        return function(*args)
+    def owner(function) -> str:
+        """The path of the module `function` runs: the module, its bound method, or transformers'
+        `partial(forward, layer, **kwargs)`."""
+        for candidate in (function, getattr(function, "__self__", None), getattr(function, "func", None),
+                          *getattr(function, "args", ())[:1]):
+            if isinstance(candidate, torch.nn.Module) and id(candidate) in paths:
+                return paths[id(candidate)]
+            if getattr(candidate, "__self__", None) is not None and id(candidate.__self__) in paths:
+                return paths[id(candidate.__self__)]
+        return ""
 
-    def without_reentrant(*args, **kwargs):  # (checkpoint() runs the function between its two steps)
-        calls.append("non-reentrant")
-        yield
+    with _CHECKPOINTS_LOCK:
+        if _checkpoints_depth == 0:
+            reentrant = ckpt.CheckpointFunction
+            own_apply, torch_apply = reentrant.__dict__.get("apply"), reentrant.apply
+            torch_generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
 
-    reentrant.apply = classmethod(apply)
-    if hooked is not None:
-        ckpt._checkpoint_without_reentrant_generator = without_reentrant
+            def apply(cls, function, preserve_rng_state, *args):
+                here = getattr(_checkpoints_here, "calls", None)
+                if here is None:
+                    return torch_apply(function, preserve_rng_state, *args)
+                here[0].append(here[1](function))
+                return function(*args)
+
+            def without_reentrant(function, *args, **kwargs):  # (checkpoint() runs it between its two steps)
+                here = getattr(_checkpoints_here, "calls", None)
+                if here is None:
+                    yield from torch_generator(function, *args, **kwargs)
+                    return
+                here[0].append(here[1](function))
+                yield
+
+            reentrant.apply = classmethod(apply)
+            if torch_generator is not None:
+                ckpt._checkpoint_without_reentrant_generator = without_reentrant
+            checkpoints_run_through.restore = (reentrant, own_apply, torch_generator)
+        _checkpoints_depth += 1
+    outer = getattr(_checkpoints_here, "calls", None)
+    _checkpoints_here.calls = (calls, owner)
     try:
         yield calls
     finally:
-        if own_apply is not None:
-            reentrant.apply = own_apply
-        else:
-            del reentrant.apply
-        if hooked is not None:
-            ckpt._checkpoint_without_reentrant_generator = hooked
+        _checkpoints_here.calls = outer
+        if outer is None:
+            del _checkpoints_here.calls
+        with _CHECKPOINTS_LOCK:
+            _checkpoints_depth -= 1
+            if _checkpoints_depth == 0:
+                reentrant, own_apply, torch_generator = checkpoints_run_through.restore
+                if own_apply is not None:
+                    reentrant.apply = own_apply
+                else:
+                    del reentrant.apply
+                if torch_generator is not None:
+                    ckpt._checkpoint_without_reentrant_generator = torch_generator
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ class TracedGraph:
     joint: bool = False  # forward+backward graph (nodes carry meta["partitioner_tag"])
     aliases: dict[str, str] = field(default_factory=dict)  # extra name of a shared tensor -> canonical FQN
     custom_functions: tuple[str, ...] = ()  # autograd.Functions traced with their own backward (joint)
-    checkpoints: int = 0  # calls of torch.utils.checkpoint the forward made, run through (joint)
+    checkpoints: tuple[str, ...] = ()  # the modules torch.utils.checkpoint ran, run through (their paths; joint)
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
     stamped: dict[str, str] = field(default_factory=dict)
@@ -199,16 +199,19 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
 
 def untraceable_way_out(error: BaseException, otherwise: str = "") -> str:
     """The way out of a trace that failed with `error` (torch's message names the line)."""
+    tail = f" ({otherwise})" if otherwise else ""
     if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
-        return (f"{error}'s output shape depends on its input values, and torch's tracing has no rule for it "
-                "(CTC's loss is one). Compute it outside the compiled module, from its outputs: compiled with "
-                "`training=True` and no `loss_fn`, they take `.backward()` from a loss computed after the call "
-                "(from this rank's pieces, as the plan lays them out: pin `out_placements` to the layout it needs)")
+        return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values, and torch's tracing "
+                "has no rule for it. Replace it with ops of a fixed shape, or compute it outside the compiled "
+                "module: a loss such as CTC's from its outputs (compiled with `training=True` and no `loss_fn`, "
+                "they take `.backward()` from a loss computed after the call, on this rank's pieces as the plan "
+                "lays them out: pin `out_placements` to the layout it needs)" + tail)
     if "data-dependent" in str(error):
-        return ("the line torch names above (\"Caused by\") branches in Python on a tensor's values, and a graph "
-                "holds one branch. Write it as tensor ops (`torch.where`), or keep it out of the forward: a check of the inputs (transformers' "
-                "`labels.max() >= vocab_size`) belongs in the training loop, with the loss computed by a `loss_fn` "
-                "from the model's output (`spmd.compile(..., loss_fn=...)`, the labels not passed to the model)")
+        return ("the line torch names above (\"Caused by\") reads a tensor's values in Python (a branch, or a size), "
+                "and a graph holds one outcome. Write it as tensor ops (`torch.where`), or keep it out of the "
+                "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
+                "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
+                "model)" + tail)
     return "make the forward traceable by torch.export (no data-dependent Python control flow" + (
         f"; {otherwise})" if otherwise else ")")
 

@@ -46,5 +46,5 @@ class AutocastGuard:
             f"{_described(now)}. What to do: compile under the autocast you call it with ("
             + (f"`{how}: compiled = spmd.compile(...)`" if how else "spmd.compile outside torch.autocast")
             + ") and call it under that autocast only; for another precision (evaluating in fp32), compile a "
-            "second module for it (before training, or after `model.load_state_dict(compiled.full_state_dict())`) "
+            "second module for it (before training, or after `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`) "
             "and give it this one's weights when you use it (`other.load_state_dict(compiled.state_dict())`).")

@@ -490,7 +490,7 @@ class CompiledModule(nn.Module):
             f"({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
             f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
             f"What to do: read values from the model (`model.{name}`); for its methods with the trained weights "
-            f"(`generate`, `save_pretrained`), copy them back first, `model.load_state_dict(compiled.full_state_dict())` "
+            f"(`generate`, `save_pretrained`), copy them back first, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))` "
             f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
             f"change it and compile again.") from None
 
@@ -765,10 +765,14 @@ class CompiledModule(nn.Module):
         """The other names of a tied parameter."""
         return [a for a, c in self._aliases.items() if c == fqn]
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN."""
+    def full_state_dict(self, persistent_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN. `persistent_only`:
+        the keys of the model's own `state_dict()` (no non-persistent buffer, such as a rotary embedding's
+        `inv_freq`, nor a constant the trace lifted), for `model.load_state_dict(...)`."""
         out = {}
         for gi_name, attr in self._param_names.items():
+            if persistent_only and gi_name in self._non_persistent:
+                continue
             local = self._get(attr)
             ps = self._state_placements[gi_name]
             out[gi_name] = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
@@ -1022,7 +1026,7 @@ class CompiledModule(nn.Module):
                     f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
                     f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
                     f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
-                    "model first, `model.load_state_dict(compiled.full_state_dict())`, or give the new module "
+                    "model first, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, or give the new module "
                     f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
                     "module again.")
         self._require_values()

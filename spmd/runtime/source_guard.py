@@ -10,7 +10,7 @@ them afterwards would give the numbers of the untrained weights, without a word.
 `watch(model, compiled)` puts hooks on the model; once an optimizer has stepped a compiled module's pieces:
 - calling the model, its `state_dict()`, copying it (`copy.deepcopy`, `torch.save(model)`) or compiling it
   again raises `SpmdError` with the way out, until weights are loaded into the model
-  (`model.load_state_dict(compiled.full_state_dict())`, with nothing missing);
+  (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, with nothing missing);
 - another module compiled from the model that has not stepped itself raises at its next call (`stale`),
   until weights are loaded into it.
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
@@ -39,7 +39,7 @@ _inside = threading.local()  # spmd itself running the model (the mode check): n
 
 _WAY_OUT = ("call the compiled module that trained (evaluation too: `compiled.eval()`, with `torch.no_grad()`), save "
             "with `compiled.state_dict()`, `compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy "
-            "its weights back first (`model.load_state_dict(compiled.full_state_dict())`, on every rank; until the "
+            "its weights back first (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, on every rank; until the "
             "next step)")
 
 
@@ -75,7 +75,7 @@ class _Guard:
             if not args or not getattr(args[0], "missing_keys", ()):
                 modules = [c for ref in _compiled_from.get(module, ()) if (c := ref()) is not None]
                 if any(c.__dict__.get("_weights_moved") for c in modules):
-                    # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict())`): the
+                    # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`): the
                     # model agrees again with the module that trained, and with those given its weights since
                     # its last step. (Into a model whose modules have not trained, a load is new weights the
                     # modules do not have: `model_changed` says so.)
@@ -102,7 +102,7 @@ def check_compile(model: torch.nn.Module) -> None:
         raise SpmdError(
             f"spmd.compile: a module compiled from this {type(model).__name__} has trained since, and the model's "
             "own weights are still those it was compiled with: a new compile would start from them. What to do: "
-            "copy the trained weights back first (`model.load_state_dict(compiled.full_state_dict())`, on every "
+            "copy the trained weights back first (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, on every "
             "rank), then compile.")
 
 

@@ -227,7 +227,7 @@ def test_what_only_the_model_has_is_named_with_the_way_out():
     compiled = one_device(model, (torch.randint(0, 16, (6,)),))
     for name in ("generate", "config", "noisy"):
         with pytest.raises(AttributeError, match=rf"no attribute '{name}'; the model it was compiled from \(Lm\) "
-                                                 r"has one\..*model\.load_state_dict\(compiled\.full_state_dict\(\)\)"):
+                                                 r"has one\..*model\.load_state_dict\(compiled\.full_state_dict\(persistent_only=True\)\)"):
             getattr(compiled, name)
     assert not hasattr(compiled, "generate")
     with pytest.raises(AttributeError, match=r"no attribute 'missing'$"):  # (what the model lacks: as before)
@@ -336,3 +336,14 @@ def test_names_held_flat_keep_the_models_order_and_ties():
         assert [n for n, _ in compiled.named_parameters(remove_duplicate=dedup)] == \
             [n for n, _ in model.named_parameters(remove_duplicate=dedup)]
     assert [n for n, _ in compiled.named_parameters(prefix="m", recurse=False)] == []
+
+
+def test_the_whole_weights_load_back_into_the_model():
+    """The way out the guards name, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`:
+    without the keyword, a non-persistent buffer (a rotary embedding's `inv_freq`, here `cache`) is one more
+    key than the model's state dict holds, and a strict load refused it."""
+    model, compiled, _ = _compiled()
+    assert "cache" in compiled.full_state_dict() and "cache" not in compiled.full_state_dict(persistent_only=True)
+    model.load_state_dict(compiled.full_state_dict(persistent_only=True))  # (strict)
+    with pytest.raises(RuntimeError, match="Unexpected key.*cache"):
+        model.load_state_dict(compiled.full_state_dict())

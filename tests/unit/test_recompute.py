@@ -276,9 +276,9 @@ class Checkpointed(Stack):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_model_that_checkpoints_its_layers_trains_as_eager_and_recomputes_them(reentrant):
-    """The reentrant checkpoint (transformers' default before v5) cannot be traced by AOTAutograd, and the
-    trace's other road inlined its forward under no_grad: the layers it checkpoints got no gradient, silently
-    (a transformers Llama compiled for training got none at all). The trace now runs checkpointed calls
+    """The reentrant checkpoint (torch's default where `use_reentrant` is unset) cannot be traced by
+    AOTAutograd, and the trace's other road inlined its forward under no_grad: the module compiled for
+    training had no gradient at all (its first backward failed). The trace now runs checkpointed calls
     through, and without a budget the plan recomputes every layer, as the model asked."""
     from tests.support import one_device
 
@@ -300,3 +300,45 @@ def test_a_model_that_checkpoints_its_layers_trains_as_eager_and_recomputes_them
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     plan = spmd.plan(model, spec((2,), ("tp",)), (x, y), loss_fn=_mse, tie_blocks=True, recompute=False)
     assert plan.recompute == ()  # (what the user asks of spmd comes first)
+
+
+class CheckpointedFirst(Checkpointed):
+    def forward(self, x):
+        x = self.embed(x)
+        for k, b in enumerate(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True) if k == 0 else b(x)
+        return x
+
+
+def test_a_model_that_checkpoints_some_layers_is_planned_as_without_checkpoints():
+    """(transformers' `activation_checkpointing_enable(every_n_layers=2)`): recomputing every layer is not what
+    it asked, and the plan modes are all, selective, none or the budget's choice."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    c = compile_graph(CheckpointedFirst(True), (x, y), spec((2,), ("tp",)), loss_fn=_mse, tie_blocks=True)
+    assert c.traced.checkpoints == ("model.blocks.0",)
+    assert c.plan.recompute == ()
+
+
+def test_the_trace_runs_checkpoints_through_on_its_own_thread_only():
+    """The patch is process-wide: another thread's checkpoint (and every one after the trace) is torch's own."""
+    import threading
+
+    from spmd.passes.trace_joint import checkpoints_run_through
+
+    block = Block(16)
+    x = torch.randn(2, 16, requires_grad=True)
+    seen = {}
+
+    def eager():
+        seen["other"] = type(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True).grad_fn).__name__
+
+    with checkpoints_run_through(nn.Sequential(block)) as calls:
+        here = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        thread = threading.Thread(target=eager)
+        thread.start()
+        thread.join()
+    assert calls == ["0"] and type(here.grad_fn).__name__ != "CheckpointFunctionBackward"
+    assert seen["other"] == "CheckpointFunctionBackward"
+    after = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    assert type(after.grad_fn).__name__ == "CheckpointFunctionBackward"
