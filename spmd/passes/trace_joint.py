@@ -484,6 +484,7 @@ def _positional(fn) -> list[str]:
 _CHECKPOINTS_LOCK = threading.Lock()
 _checkpoints_depth = 0  # traces inside `checkpoints_run_through`, on any thread (the patch is process-wide)
 _checkpoints_here = threading.local()  # .calls: this thread's innermost trace's list, else absent
+_checkpoints_restore: tuple = ()  # torch's own (CheckpointFunction, its own apply, generator) while patched
 
 
 @contextlib.contextmanager
@@ -496,9 +497,9 @@ def checkpoints_run_through(root: torch.nn.Module):
     forward, and the module compiled for training had no gradient at all (its first backward failed). The
     non-reentrant form's saved-tensor hooks (and a selective `context_fn`) are left out too: which layers
     backward runs again is the plan's to say (`find_recomputable_layers`: every layer, where the model
-    checkpoints every one and no memory budget asks otherwise). The values are the same: checkpointing runs the same
-    ops, with the random state it had in forward."""
-    global _checkpoints_depth
+    checkpoints every one and no memory budget asks otherwise). The values are the same: checkpointing runs
+    the same ops, with the random state it had in forward."""
+    global _checkpoints_depth, _checkpoints_restore
     import torch.utils.checkpoint as ckpt
 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
@@ -539,7 +540,7 @@ def checkpoints_run_through(root: torch.nn.Module):
             reentrant.apply = classmethod(apply)
             if torch_generator is not None:
                 ckpt._checkpoint_without_reentrant_generator = without_reentrant
-            checkpoints_run_through.restore = (reentrant, own_apply, torch_generator)
+            _checkpoints_restore = (reentrant, own_apply, torch_generator)
         _checkpoints_depth += 1
     outer = getattr(_checkpoints_here, "calls", None)
     _checkpoints_here.calls = (calls, owner)
@@ -552,7 +553,7 @@ def checkpoints_run_through(root: torch.nn.Module):
         with _CHECKPOINTS_LOCK:
             _checkpoints_depth -= 1
             if _checkpoints_depth == 0:
-                reentrant, own_apply, torch_generator = checkpoints_run_through.restore
+                reentrant, own_apply, torch_generator = _checkpoints_restore
                 if own_apply is not None:
                     reentrant.apply = own_apply
                 else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from spmd.core.autocast import autocast_state
 from spmd.core.errors import SpmdError
+from spmd.runtime.source_guard import COPY_BACK
 
 
 def _described(state: tuple) -> str:
@@ -46,5 +47,5 @@ class AutocastGuard:
             f"{_described(now)}. What to do: compile under the autocast you call it with ("
             + (f"`{how}: compiled = spmd.compile(...)`" if how else "spmd.compile outside torch.autocast")
             + ") and call it under that autocast only; for another precision (evaluating in fp32), compile a "
-            "second module for it (before training, or after `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`) "
+            f"second module for it (before training, or after `{COPY_BACK}`) "
             "and give it this one's weights when you use it (`other.load_state_dict(compiled.state_dict())`).")

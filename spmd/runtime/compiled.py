@@ -490,7 +490,7 @@ class CompiledModule(nn.Module):
             f"({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
             f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
             f"What to do: read values from the model (`model.{name}`); for its methods with the trained weights "
-            f"(`generate`, `save_pretrained`), copy them back first, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))` "
+            f"(`generate`, `save_pretrained`), copy them back first, `{source_guard.COPY_BACK}` "
             f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
             f"change it and compile again.") from None
 
@@ -1026,7 +1026,7 @@ class CompiledModule(nn.Module):
                     f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
                     f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
                     f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
-                    "model first, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, or give the new module "
+                    f"model first, `{source_guard.COPY_BACK}`, or give the new module "
                     f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
                     "module again.")
         self._require_values()
@@ -1065,9 +1065,8 @@ class CompiledModule(nn.Module):
 def _has_static(model: nn.Module, name: str) -> bool:
     """Whether `model` has attribute `name`, found without running it (a property such as transformers'
     deprecated `is_gradient_checkpointing` warns when read)."""
-    if name in model.__dict__ or any(name in model.__dict__.get(k, ()) for k in ("_parameters", "_buffers", "_modules")):
-        return True
-    return any(name in vars(cls) for cls in type(model).__mro__)
+    stores = (model.__dict__, *(model.__dict__.get(k, {}) for k in ("_parameters", "_buffers", "_modules")))
+    return any(name in store for store in (*stores, *map(vars, type(model).__mro__)))
 
 
 def _listed(kinds) -> str:

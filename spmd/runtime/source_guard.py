@@ -37,10 +37,11 @@ _compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mod
 _hook = None
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
+# The copy of a compiled module's trained weights back into the model, as every guard's way out names it
+COPY_BACK = "model.load_state_dict(compiled.full_state_dict(persistent_only=True))"
 _WAY_OUT = ("call the compiled module that trained (evaluation too: `compiled.eval()`, with `torch.no_grad()`), save "
             "with `compiled.state_dict()`, `compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy "
-            "its weights back first (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, on every rank; until the "
-            "next step)")
+            f"its weights back first (`{COPY_BACK}`, on every rank; until the next step)")
 
 
 class _Inert:
@@ -75,7 +76,7 @@ class _Guard:
             if not args or not getattr(args[0], "missing_keys", ()):
                 modules = [c for ref in _compiled_from.get(module, ()) if (c := ref()) is not None]
                 if any(c.__dict__.get("_weights_moved") for c in modules):
-                    # the trained weights copied back (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`): the
+                    # the trained weights copied back (`COPY_BACK`): the
                     # model agrees again with the module that trained, and with those given its weights since
                     # its last step. (Into a model whose modules have not trained, a load is new weights the
                     # modules do not have: `model_changed` says so.)
@@ -102,8 +103,7 @@ def check_compile(model: torch.nn.Module) -> None:
         raise SpmdError(
             f"spmd.compile: a module compiled from this {type(model).__name__} has trained since, and the model's "
             "own weights are still those it was compiled with: a new compile would start from them. What to do: "
-            "copy the trained weights back first (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, on every "
-            "rank), then compile.")
+            f"copy the trained weights back first (`{COPY_BACK}`, on every rank), then compile.")
 
 
 def watch(model: torch.nn.Module, compiled) -> None:
