@@ -1010,6 +1010,10 @@ class CompiledModule(nn.Module):
             piece.requires_grad_(now)
             self._flags[k] = (param, piece, fqn, now)
 
+    # torch.compile around this module (or a model holding it) runs it as it is: dynamo does not trace its
+    # runtime (guards, copy-back, collectives' bookkeeping; tracing it recursed without end). The rank graphs
+    # themselves go through torch.compile with `compile_graphs=True`
+    @torch.compiler.disable
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
         self._attributes.check()
         self._autocast.check()

@@ -2,6 +2,8 @@
 loss function's own parameter names (`target0` only for a loss without names), pins use those names."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -216,3 +218,31 @@ def test_a_positional_example_input_holding_no_tensor_names_the_keyword_way():
     with pytest.raises(spmd.SpmdError, match=r"example input t=\[.*None\] holds values that are not tensors"):
         positional_call(Scaled(), (torch.randn(2, 4), [torch.ones(1), None]), None)
     positional_call(Scaled(), (torch.randn(2, 4), ()), None)  # (an empty container: nothing to fix, as before)
+
+
+@pytest.mark.parametrize("graphs", [None, "aot_eager"])
+def test_torch_compile_around_a_compiled_module_runs_it_as_it_is(graphs):
+    """torch.compile of the compiled module (or of a model holding it) leaves its runtime to run eagerly (dynamo
+    tracing its guards recursed without end); its rank graphs go through torch.compile with compile_graphs.
+    (aot_eager here: inductor starts a compiler process, which unit tests do not.)"""
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    compiled.compile_backend = graphs
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = compiled
+
+        def forward(self, x, y):
+            return self.inner(x, y) * 2
+
+    loss = torch.compile(compiled, backend="aot_eager")(x, y)
+    (torch.compile(Holder(), backend="aot_eager")(x, y) / 2).backward()
+    want = F.mse_loss(model(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for (name, got), ref in zip(compiled.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, msg=name)
