@@ -75,6 +75,22 @@ class _Pieces(nn.Module):
         raise SpmdError(f"`{self._prefix}` of a compiled module cannot be pickled: it holds pieces of the compiled "
                         "module's weights. What to do: save its `state_dict()`.")
 
+    def __getattr__(self, name: str):
+        """As the compiled module's: a name only the model's submodule has (`compiled.lm_head.in_features`) is
+        refused with the way out."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            root = self.__dict__["_root"]()
+            source = None if root is None else root.__dict__.get("_source_model")
+            try:
+                part = None if source is None else source.get_submodule(self._prefix)
+            except AttributeError:
+                part = None
+            if part is None or name.startswith("__") or not _has_static(part, name):
+                raise
+        raise _only_the_model_has(type(self).__name__, part, name, self._prefix + ".") from None
+
     def _refused(self, *args, **kwargs):
         raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
                         "under their names: it is never called, so a hook on it would never run. What to do: hook the "
@@ -485,14 +501,7 @@ class CompiledModule(nn.Module):
             source = self.__dict__.get("_source_model")
             if source is None or name.startswith("__") or not _has_static(source, name):
                 raise
-        raise AttributeError(
-            f"'{type(self).__name__}' object has no attribute '{name}'; the model it was compiled from "
-            f"({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
-            f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
-            f"What to do: read values from the model (`model.{name}`); for its methods with the trained weights "
-            f"(`generate`, `save_pretrained`), copy them back first, `{source_guard.COPY_BACK}` "
-            f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
-            f"change it and compile again.") from None
+        raise _only_the_model_has(type(self).__name__, source, name, "") from None
 
     def __getstate__(self):
         """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process
@@ -1064,6 +1073,19 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return flat
+
+
+def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> AttributeError:
+    """The error for `name`, which the model's module at `path` ("" or "lm_head.") has and the compiled module's
+    `owner` does not."""
+    whose = f"the model's `{path[:-1]}`" if path else "the model it was compiled from"
+    return AttributeError(
+        f"'{owner}' object has no attribute '{name}'; {whose} ({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
+        f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
+        f"What to do: read values from the model (`model.{path}{name}`); for its methods with the trained weights "
+        f"(`generate`, `save_pretrained`), copy them back first, `{source_guard.COPY_BACK}` "
+        f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
+        f"change it and compile again.")
 
 
 def _has_static(model: nn.Module, name: str) -> bool:

@@ -233,6 +233,11 @@ def test_what_only_the_model_has_is_named_with_the_way_out():
     with pytest.raises(AttributeError, match=r"no attribute 'missing'$"):  # (what the model lacks: as before)
         compiled.missing
     assert isinstance(compiled.fc.weight, nn.Parameter)  # (its pieces, under the model's names, as before)
+    # and through a holder of pieces (`compiled.fc` holds the pieces of `model.fc`)
+    with pytest.raises(AttributeError, match=r"no attribute 'in_features'; the model's `fc` \(Linear\) has one\..*"
+                                             r"read values from the model \(`model\.fc\.in_features`\)"):
+        compiled.fc.in_features
+    assert not hasattr(compiled.fc, "forward_pre_hook_missing")
 
 
 class _Enc(nn.Module):
