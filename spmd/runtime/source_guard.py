@@ -37,6 +37,18 @@ _compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mod
 _hook = None
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
+# Bumped by every parameter or submodule set on any module (torch's global registration hooks, below): the model's
+# tree is walked again, to find a parameter or module replaced after compiling, only after one (`model_changed`)
+_registered = [0]
+
+
+def _bump(module, name, value) -> None:
+    _registered[0] += 1  # (returns None: the registration goes on as it was)
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
+torch.nn.modules.module.register_module_module_registration_hook(_bump)
+
 # The copy of a compiled module's trained weights back into the model, as every guard's way out names it
 COPY_BACK = "model.load_state_dict(compiled.full_state_dict(persistent_only=True))"
 _WAY_OUT = ("call the compiled module that trained (evaluation too: `compiled.eval()`, with `torch.no_grad()`), save "
@@ -132,13 +144,22 @@ def mark_model(compiled, fqns=None) -> None:
     model = compiled.__dict__.get("_source_model")
     if model is None:
         return
-    if fqns is None:
-        marks, params = {}, model.parameters()
+    tree = compiled.__dict__.get("_model_tree")
+    if fqns is None or tree is None:
+        marks, params, tree = {}, model.parameters(), _tree(model)
     else:
         named = dict(model.named_parameters(remove_duplicate=False))
         marks, params = dict(compiled.__dict__.get("_model_versions", {})), [named[f] for f in fqns if f in named]
-    # (a new dict each time: a copy of the compiled module starts with its original's)
+        tree = {**tree, **{("parameter", f): named[f] for f in fqns if f in named}}
+    # (new dicts each time: a copy of the compiled module starts with its original's)
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
+    compiled.__dict__["_model_tree"], compiled.__dict__["_tree_at"] = tree, _registered[0]
+
+
+def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """("parameter" or "module", name) -> the object the model holds there."""
+    return {**{("parameter", n): p for n, p in model.named_parameters(remove_duplicate=False)},
+            **{("module", n): m for n, m in model.named_modules(remove_duplicate=False) if n}}
 
 
 def model_changed(compiled) -> None:
@@ -152,6 +173,8 @@ def model_changed(compiled) -> None:
     versions = compiled.__dict__.get("_model_versions")
     if not versions:
         return
+    if compiled.__dict__.get("_tree_at") != _registered[0]:  # (something was set on some module since the last look)
+        _replaced(compiled)
     changed = [p for p, v in versions.values() if p._version != v]
     if not changed:
         return
@@ -164,6 +187,27 @@ def model_changed(compiled) -> None:
         "it cut from them when compiled: it would run and train on the old weights. What to do: give it the new "
         "ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and initialize the model "
         "before spmd.compile.")
+
+
+def _replaced(compiled) -> None:
+    """Raise where a parameter or submodule of the model was replaced or removed since `compiled` cut its pieces
+    (`model.lm_head.weight = nn.Parameter(...)`, transformers' `resize_token_embeddings`, a `load_state_dict(...,
+    assign=True)`, an activation module swapped): the version counters `model_changed` reads are the old
+    objects', which nothing changed."""
+    model = compiled._source_model
+    before, now = compiled.__dict__["_model_tree"], _tree(model)
+    gone = [name for (kind, name), obj in before.items() if now.get((kind, name)) is not obj]
+    if not gone:
+        compiled.__dict__["_tree_at"] = _registered[0]
+        return
+    shown = [n for n in gone if not any(n.startswith(m + ".") for m in gone)]  # (a module replaced: not its parts)
+    raise SpmdError(
+        f"{type(model).__name__} was changed after it was compiled: {', '.join(shown[:4])}"
+        f"{', ...' if len(shown) > 4 else ''} replaced or removed (a new parameter or module set on the model, "
+        "resize_token_embeddings, a load with assign=True), and the compiled module holds the graph traced and the "
+        "pieces cut from the old ones: it would run and train on those, silently. What to do: compile the model "
+        "again after changing it; where only values changed (the same shapes and modules), give them to the "
+        "compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")
 
 
 def given(compiled, fqns=None) -> None:

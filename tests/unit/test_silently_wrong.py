@@ -1052,3 +1052,44 @@ def test_a_parameter_no_gradient_reaches_may_be_frozen_and_unfrozen():
     model.b.requires_grad_(True)
     compiled(x, y).backward()
     assert compiled.get_parameter("b.weight").grad is None and compiled.get_parameter("a.weight").grad is not None
+
+
+def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
+    """The version counters the check above reads are the old objects': a parameter replaced on the model after
+    compiling (`model[2].weight = nn.Parameter(...)`, a load with assign=True, transformers'
+    `resize_token_embeddings`) or a module swapped went unnoticed, and the compiled module trained the old
+    ones, silently. Only a walk after something was set on some module looks for them: a module built beside the
+    training loop, or a parameter set again to itself (a tie renewed), is no change."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    nn.Linear(3, 3)  # (something registered elsewhere: a walk, and nothing of this model replaced)
+    model[2].weight = model[2].weight  # (the same parameter set again)
+    compiled(x, y)
+    model[2].weight = nn.Parameter(torch.zeros(2, 8))
+    with pytest.raises(spmd.SpmdError, match=r"Sequential was changed after it was compiled: 2\.weight replaced or "
+                                             r"removed .*compile the model again.*compiled\.load_state_dict"):
+        compiled(x, y)
+    compiled.load_state_dict(model.state_dict())  # (the same shape: given to the compiled module, which follows)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+    model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(spmd.SpmdError, match=r"changed after it was compiled: 0\.weight, 0\.bias, 2\.weight, "
+                                             r"2\.bias replaced"):
+        compiled(x, y)
+    compiled.load_state_dict(model.state_dict())
+    model[1] = nn.Tanh()  # (the traced ReLU swapped: no parameter, no version counter)
+    with pytest.raises(spmd.SpmdError, match=r"changed after it was compiled: 1 replaced"):
+        compiled(x, y)
+
+
+def test_after_the_first_step_the_model_is_no_longer_looked_at_for_changes():
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW(compiled.parameters())
+    compiled(x, y).backward()
+    opt.step()
+    model[1] = nn.Tanh()  # (the model is stale once the compiled module trained: its own guards say so)
+    compiled(x, y).backward()
+    with pytest.raises(spmd.SpmdError, match=r"compiled module has trained since"):
+        model(x)
