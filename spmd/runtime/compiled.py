@@ -110,8 +110,11 @@ class _Pieces(nn.Module):
 # "_" are too (the compiled module's own attributes, set after the pieces are placed, begin so)
 _HOLDER_OWN = frozenset(vars(_Pieces)) | {"_root", "_prefix"}
 
-# after calls 1, 2, 4, ..., the ranks' generators are compared at every this many calls of a graph that draws
+# after calls 1, 2, 4, ..., the ranks' generators are compared every so many calls of a graph that draws (a power
+# of two): as often as the check costs at most GENERATOR_CHECK_SHARE of a call (`generator_check_period`), and at
+# least every GENERATOR_CHECK_EVERY calls
 GENERATOR_CHECK_EVERY = 1024
+GENERATOR_CHECK_SHARE = 0.01
 
 # names a model's first-level child may not take in the compiled module's tree (its own attributes, set before
 # or after the pieces are placed); such a child's pieces are held flat (`CompiledModule._place`)
@@ -234,10 +237,11 @@ class CompiledModule(nn.Module):
                        if fqn in model_params and isinstance(self._get(attr), nn.Parameter)] if self.split else []
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
-        # every GENERATOR_CHECK_EVERY-th after it (a rank that drew numbers its peers did not since: sampling on
+        # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
         # rank 0 alone for a log)
         self._draws = bool(ops & _RANDOM_OPS) and self.mesh_spec.size > 1
         self._generators_agreed = not self._draws
+        self._generator_period = generator_check_period(self.mesh_spec, self.plan.predicted_step_s)
         self._calls = 0
         # inputs replicated over a mesh axis must be the same along it, which the first call checks
         # (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch)
@@ -1046,7 +1050,7 @@ class CompiledModule(nn.Module):
         if self._draws:
             self._calls += 1
             n = self._calls
-            if not self._generators_agreed or n & (n - 1) == 0 or n % GENERATOR_CHECK_EVERY == 0:
+            if not self._generators_agreed or n & (n - 1) == 0 or n % self._generator_period == 0:
                 self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
@@ -1125,11 +1129,27 @@ def _first_call(collective, what: str):
     except RuntimeError as e:
         raise SpmdCollectiveError(
             f"a compiled module checks, on every rank of its mesh, that the ranks' {what} agree (at its first call; "
-            "the random generators of a graph that draws again at calls 2, 4, 8, ... and every "
-            f"{GENERATOR_CHECK_EVERY}th), and the collective failed or timed out ({e}). What to do: call the "
+            "the random generators of a graph that draws again at calls 2, 4, 8, ... and then every few calls, "
+            f"at most every {GENERATOR_CHECK_EVERY}th), and the collective failed or timed out ({e}). What to do: call the "
             "compiled module on every rank of its mesh, as many times on each (a call on some ranks only waits for "
             "the others, or moves their count of calls apart; to evaluate on one rank, compile the model for a mesh "
             "of that rank alone).") from e
+
+
+def generator_check_period(mesh_spec, step_s: float) -> int:
+    """Every how many calls the ranks' random generators are compared once past the powers of two: the
+    smallest power of two at which the check (an all_gather of digests and a flag all_reduce along each mesh axis,
+    priced by the mesh's links) costs at most GENERATOR_CHECK_SHARE of the plan's predicted call, at most
+    GENERATOR_CHECK_EVERY. From the plan and the mesh alone, so every rank checks at the same calls (each check
+    is collective). A rank that draws numbers its peers do not (rank 0 sampling for a log) is caught within
+    that many calls: every call where a call takes seconds, every 1024th where it takes a millisecond."""
+    check = sum(sum(link.alpha_beta(kind)[0] for kind in ("all_gather", "all_reduce"))
+                for link, size in zip(mesh_spec.links, mesh_spec.shape) if size > 1)
+    calls = check / max(GENERATOR_CHECK_SHARE * step_s, 1e-30)
+    period = 1
+    while period < min(calls, GENERATOR_CHECK_EVERY):
+        period *= 2
+    return period
 
 
 def graph_backend(compile_graphs: bool | str | None) -> str | None:

@@ -245,8 +245,38 @@ def _drawn_apart_later(rank: int, world: int) -> dict:
 def test_generators_drawn_apart_after_the_first_call_are_caught(ranks):
     """The generators were compared at the first call only: a rank that drew a number its peers did not later
     (rank 0 sampling for a log) dropped other elements of replicated values from then on, silently. They are
-    compared again at calls 2, 4, 8, ... and every 1024th; a failed check is repeated at the next call."""
+    compared again at calls 2, 4, 8, ... and then every k-th call (k <= 1024, below); a failed check is repeated
+    at the next call."""
     for r in ranks(2).run(_drawn_apart_later):
         assert len(r["said"]) == 3, r
         assert "at call 2 of this module (they agreed before" in r["said"][0]
         assert "agreed before" not in r["said"][1]  # (the retry: they never agreed since)
+
+
+def _drawn_apart_at_call_three(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 32)).train()
+    x, y = torch.randn(32, 32), torch.randn(32, 32)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
+    local = compiled.shard_inputs(x, y)
+    compiled(*local)
+    compiled(*local)  # (checked at calls 1 and 2: agreed)
+    if rank == 0:
+        torch.rand(3)
+    try:
+        compiled(*local)
+        said = None
+    except spmd.SpmdError as e:
+        said = str(e)
+    return {"said": said, "period": compiled._generator_period,
+            "step_s": compiled.plan.predicted_step_s}
+
+
+def test_generators_drawn_apart_are_caught_at_the_next_call_where_a_check_is_cheap(ranks):
+    """Past the powers of two, the check came every 1024th call whatever a call cost: a drift after call 2 ran
+    to call 4 unseen. Where a check costs at most 1% of the plan's call (this mesh's 1 us links against a call
+    of ~2 ms on its slow device), every call is checked, and call 3 is caught before its graph draws."""
+    for r in ranks(2).run(_drawn_apart_at_call_three):
+        assert r["period"] == 1, r
+        assert r["said"] is not None and "at call 3 of this module (they agreed before" in r["said"], r

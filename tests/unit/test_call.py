@@ -246,3 +246,19 @@ def test_torch_compile_around_a_compiled_module_runs_it_as_it_is(graphs):
     torch.testing.assert_close(loss, want)
     for (name, got), ref in zip(compiled.named_parameters(), model.parameters()):
         torch.testing.assert_close(got.grad, ref.grad, msg=name)
+
+
+def test_the_generator_check_comes_as_often_as_it_costs_a_hundredth_of_a_call():
+    """Every rank must compute the same period (each check is collective): from the mesh's links and the plan's
+    predicted call alone. A power of two, 1 for calls of seconds, at most 1024."""
+    from spmd.core.profiles import LinkProfile
+    from spmd.runtime.compiled import GENERATOR_CHECK_EVERY, generator_check_period
+
+    gloo = LinkProfile("gloo-like", 1e-3, 1e9)  # (1 ms per collective: a check is 2 ms per axis of two ranks)
+    assert generator_check_period(spec((2,), ("tp",), link=gloo), 3.0) == 1
+    assert generator_check_period(spec((2,), ("tp",), link=gloo), 0.05) == 4  # (2 ms / 0.5 ms)
+    assert generator_check_period(spec((2, 2), ("dp", "tp"), link=gloo), 0.05) == 8
+    assert generator_check_period(spec((1, 2), ("dp", "tp"), link=gloo), 0.05) == 4  # (an axis of one rank: none)
+    assert generator_check_period(spec((2,), ("tp",), link=gloo), 1e-3) == 256  # (2 ms / 10 us: 200)
+    assert generator_check_period(spec((2,), ("tp",), link=gloo), 1e-4) == GENERATOR_CHECK_EVERY
+    assert generator_check_period(spec((2,), ("tp",), link=gloo), 0.0) == GENERATOR_CHECK_EVERY
