@@ -5,6 +5,7 @@ under every plan."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -56,10 +57,11 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
                 if plans and plans[-1][0] is None:
                     plans[-1] = (x, *plans[-1][1:])
                 return got
-            # (each round's time doubled: on a loaded machine the first round ran out of its 10 s before it met
-            # the plan over the budget it meets in 2-5 s unloaded, and returned its start, a path this test is
-            # not about)
-            budget = dataclasses.replace(budget, cuts=cuts, extra=extra, seconds=2 * budget.seconds)
+            # (each round's time doubled, and more on a loaded machine: there the first round ran out of its
+            # 10 s, and of 20 s at a load of 4 per core, before it met the plan over the budget it meets in 2-5 s
+            # unloaded, and returned its start, a path this test is not about)
+            load = os.getloadavg()[0] / (os.cpu_count() or 1)
+            budget = dataclasses.replace(budget, cuts=cuts, extra=extra, seconds=max(2.0, load) * budget.seconds)
         return solve(self, *args, budget=budget, **kwargs)
 
     rounds = solver._Search.branch_and_bound
