@@ -41,7 +41,30 @@ def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[in
 
 def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[int, ...],
                 group_names: tuple[str, ...]) -> torch.Tensor:
-    """The full tensor on every rank, from this rank's `local` piece laid out as `placements`."""
+    """The full tensor on every rank, from this rank's `local` piece laid out as `placements`. Differentiable
+    as DTensor's `full_tensor()` is: every rank is taken to compute the same thing from the full tensor (a
+    loss), so the gradient of this rank's piece is its own piece of the full gradient, moved nowhere (a
+    reduce_scatter, the gather's autograd transpose, would sum the ranks' copies of one gradient: a loss of
+    the gathered outputs got the gradients of a batch split over 2 ranks 2x one device's)."""
+    if torch.is_grad_enabled() and local.requires_grad:
+        return _GatherFull.apply(local, tuple(placements), mesh, tuple(coord), tuple(group_names))
+    return _gathered(local, placements, mesh, group_names)
+
+
+class _GatherFull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, placements, mesh, coord, group_names):
+        # (a Partial axis sums pieces into the whole: each piece's gradient is the whole's, as a Replicate's is)
+        ctx.layout = (tuple(p if isinstance(p, Shard) else Replicate() for p in placements), mesh.shape, coord)
+        return _gathered(local, placements, mesh, group_names)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements, shape, coord = ctx.layout
+        return local_shard(grad, placements, shape, coord), None, None, None, None
+
+
+def _gathered(local: torch.Tensor, placements: Placements, mesh, group_names: tuple[str, ...]) -> torch.Tensor:
     replicated = tuple(Replicate() for _ in placements)
     shape = list(local.shape)
     for axis, p in enumerate(placements):

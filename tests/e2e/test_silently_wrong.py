@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import spmd
 from tests.models import Quantized, tied_lm
@@ -280,3 +281,37 @@ def test_generators_drawn_apart_are_caught_at_the_next_call_where_a_check_is_che
     for r in ranks(2).run(_drawn_apart_at_call_three):
         assert r["period"] == 1, r
         assert r["said"] is not None and "at call 3 of this module (they agreed before" in r["said"], r
+
+
+def _loss_outside(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    eager = copy.deepcopy(model)
+    F.mse_loss(eager(x), y).backward()
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x,), training=True, in_placements={"input": [Shard(0)]},
+                            out_placements={0: [Shard(0)]}, mesh_spec=spec((2,), ("dp",)))
+    errs = {}
+    for how in ("gathered", "own piece"):
+        out = compiled(*compiled.shard_inputs(x))
+        if how == "gathered":  # (one loss of the full outputs, the same on every rank)
+            loss = F.mse_loss(compiled.gather_outputs(out), y)
+        else:  # (DDP's way: each rank's own piece, the mean over the 2 pieces as DDP's average of gradients)
+            loss = F.mse_loss(out, y[4 * rank:4 * rank + 4]) / 2
+        loss.backward()
+        grads = {n: compiled._as_whole(n, p.grad).full_tensor() for n, p in compiled.named_parameters()}
+        errs[how] = max(float((grads[n] - p.grad).abs().max()) for n, p in eager.named_parameters())
+        compiled.zero_grad()
+    torch.set_default_dtype(torch.float32)
+    return errs
+
+
+def test_a_loss_of_the_gathered_outputs_gets_one_devices_gradients(ranks):
+    """Found by a probe: compiled for training without a loss_fn, with the batch split over dp, a loss of
+    `compiled.gather_outputs(out)` (the full outputs on every rank) got gradients 2x one device's, silently: the
+    gather's backward summed the ranks' copies of one gradient. It now takes this rank's piece of it, as
+    DTensor's full_tensor() does. A loss of each rank's own piece is the sum over the pieces (docs/training.md)."""
+    for r in ranks(2).run(_loss_outside):
+        assert r["gathered"] < 1e-12 and r["own piece"] < 1e-12, r
