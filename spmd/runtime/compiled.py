@@ -263,6 +263,10 @@ class CompiledModule(nn.Module):
                    if isinstance(self._get(attr), nn.Parameter)
                    and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
         clip_guard.watch(sharded)
+        # (an optimizer that reads more than each element: refused over pieces that are not the whole)
+        optimizer_guard.watch_pieces({fqn: p for fqn, p in sharded.items()
+                                      if any(isinstance(pl, Shard) and n > 1
+                                             for pl, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
         scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names, self._collective_device())
         # and torch.distributed.checkpoint would take plain pieces (the optimizer's state_dict()) for replicated
         # tensors: it would save one rank's and load it into all

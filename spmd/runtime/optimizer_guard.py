@@ -11,6 +11,12 @@
   that factor; a torch optimizer over them that keeps another amount (SGD 0, SGD with momentum 1, Adam
   with amsgrad 3, ...: `state_factor`) gets a warning naming both and the option to re-plan with.
 
+- An optimizer whose update of an element reads other elements (Adafactor's factored moments, Muon's
+  orthogonalized matrices, LBFGS's dot products over every parameter), over the pieces of a sharded parameter:
+  each rank would compute its update from its piece alone, and the result would differ from one device's,
+  silently. `watch_pieces(pieces)` remembers the sharded pieces; torch's optimizers of that kind raise, and an
+  optimizer from elsewhere (whose update spmd cannot read) warns, naming the pieces and the ways out.
+
 One process-wide optimizer step pre-hook checks each optimizer once, at its first step.
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
 
@@ -28,7 +35,16 @@ _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
 _expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -> (ref, the plan's state factor)
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 _hook = None
+
+# torch's optimizers whose update of each element reads only that element's gradient and state
+PER_ELEMENT = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "ASGD", "RMSprop",
+                         "Rprop", "SparseAdam"})
+# and those whose update reads more: what it reads, and which parameters it reads so (their least ndim)
+WHOLE = {"Adafactor": ("the row and column means of each matrix's squared gradients (its factored second moment)", 2),
+         "Muon": ("each matrix whole, to orthogonalize its update", 2),
+         "LBFGS": ("dot products over every parameter, and its line search the whole loss", 0)}
 
 
 def _install() -> None:
@@ -54,6 +70,60 @@ def expect(parameters, state_factor: float) -> None:
             key = id(p)
             _expected[key] = (weakref.ref(p, lambda _, key=key: _expected.pop(key, None)), float(state_factor))
         _install()
+
+
+def watch_pieces(pieces: dict[str, torch.Tensor]) -> None:
+    """FQN -> this rank's piece of a sharded parameter: an optimizer that is not per element over one of them
+    raises or warns at its first step."""
+    with _lock:
+        for fqn, p in pieces.items():
+            _pieces[p] = fqn
+        _install()
+
+
+def _torch_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of torch's optimizer whose update `optimizer` runs (itself, or a subclass that keeps its `step`),
+    or None: an optimizer from elsewhere, or one with a `step` of its own."""
+    import inspect
+
+    step = inspect.unwrap(type(optimizer).step)  # (torch wraps a class's step in its profiling hook)
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and (cls.__name__ in PER_ELEMENT or cls.__name__ in WHOLE):
+            return cls.__name__ if inspect.unwrap(cls.step) is step else None
+    return None
+
+
+def _not_per_element(optimizer: torch.optim.Optimizer) -> None:
+    """Raise (torch's optimizers that read more than each element) or warn (one spmd cannot read) where
+    `optimizer` steps pieces of sharded parameters."""
+    cut = [(fqn, p) for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
+    if not cut:
+        return
+    kind, name = _torch_kind(optimizer), type(optimizer).__name__
+    if kind in PER_ELEMENT:
+        return
+    if kind in WHOLE:
+        reads, least = WHOLE[kind]
+        cut = [(fqn, p) for fqn, p in cut if p.ndim >= least]
+        if not cut:
+            return
+    shown = ", ".join(fqn for fqn, _ in cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+    pin = f'param_placements={{"{cut[0][0]}": [Replicate()] * mesh.ndim, ...}}'
+    if kind in WHOLE:
+        raise SpmdError(
+            f"{name} steps this rank's pieces of sharded parameters ({shown}), and its update reads {reads}: "
+            "each rank would compute it from its piece alone, and the parameters would train otherwise than on "
+            f"one device, silently. What to do: compile with those parameters replicated ({pin}: each rank then "
+            "holds and steps them whole), or train them with an optimizer whose update is per element (AdamW, SGD, "
+            "...), e.g. in a second optimizer over them.")
+    warnings.warn(
+        f"{name} steps this rank's pieces of sharded parameters ({shown}), and spmd cannot tell whether its "
+        "update of an element reads only that element's gradient and state (as AdamW's and SGD's do). One that "
+        "reads more (factored moments as Adafactor's, orthogonalization as Muon's or Shampoo's, norms per tensor "
+        "as LAMB's or LARS's, state quantized in blocks as 8-bit Adam's) would compute each rank's update from "
+        f"its piece alone, and train otherwise than on one device. What to do: if it does, compile with those "
+        f"parameters replicated ({pin}); if its update is per element, nothing (filter this warning).",
+        stacklevel=4)
 
 
 def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
@@ -93,6 +163,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "which the compiled module does not use: they never get a gradient, so training would change "
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
+    _not_per_element(optimizer)
     planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
                if (entry := _expected.get(id(p))) is not None and entry[0]() is p}
     keeps = state_factor(optimizer) if planned else None

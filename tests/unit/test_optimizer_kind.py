@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 
+import spmd
+
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import run_pipeline
 from spmd.core.mesh import MeshSpec
@@ -82,3 +84,57 @@ def test_state_factors_of_torchs_optimizers():
     assert optimizer_guard.state_factor(torch.optim.Adagrad(p)) == 1.0
     assert optimizer_guard.state_factor(torch.optim.RMSprop(p)) == 1.0
     assert optimizer_guard.state_factor(torch.optim.LBFGS(p)) is None
+
+
+def _stepped(make, piece: torch.Tensor):
+    """One step of `make([piece])` over a tensor watched as this rank's piece of a sharded parameter."""
+    optimizer_guard.watch_pieces({"layer.weight": piece})
+    optimizer = make([piece])
+    piece.grad = torch.ones_like(piece)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step(lambda: piece.sum()) if isinstance(optimizer, torch.optim.LBFGS) else optimizer.step()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("make, reads", [
+    (lambda ps: torch.optim.Adafactor(ps), "factored second moment"),
+    (lambda ps: torch.optim.Muon(ps), "orthogonalize"),
+    (lambda ps: torch.optim.LBFGS(ps), "dot products over every parameter"),
+])
+def test_an_optimizer_reading_more_than_each_element_over_a_piece_is_refused(make, reads):
+    """Found by a probe: Adafactor and Muon over the pieces of sharded weights computed their factored moments
+    and orthogonalized updates from each rank's piece alone: 7.5e-4 and 6.7e-3 off one device after one step,
+    silently (AdamW: 3e-17)."""
+    with pytest.raises(spmd.SpmdError, match=rf"steps this rank's pieces of sharded parameters \(layer\.weight\).*"
+                                             rf"{reads}.*param_placements=\{{\"layer\.weight\": \[Replicate\(\)\]"):
+        _stepped(make, torch.nn.Parameter(torch.randn(4, 4)))
+
+
+def test_per_element_optimizers_and_vectors_step_pieces_quietly():
+    assert _stepped(lambda ps: torch.optim.AdamW(ps), torch.nn.Parameter(torch.randn(4, 4))) == []
+
+    class Mine(torch.optim.SGD):  # (torch's update, kept: a subclass that only sets defaults)
+        def __init__(self, params):
+            super().__init__(params, lr=0.1, momentum=0.9)
+
+    assert _stepped(Mine, torch.nn.Parameter(torch.randn(4, 4))) == []
+    # Adafactor does not factor a vector's moment: per element there
+    assert _stepped(lambda ps: torch.optim.Adafactor(ps), torch.nn.Parameter(torch.randn(4))) == []
+
+
+def test_an_optimizer_spmd_cannot_read_over_a_piece_warns():
+    class Lamb(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:  # (a trust ratio per tensor: its piece's norm on each rank)
+                    p.add_(p.grad, alpha=-group["lr"] * float(p.norm() / p.grad.norm()))
+
+    said = _stepped(Lamb, torch.nn.Parameter(torch.randn(4, 4)))
+    assert len(said) == 1 and "Lamb steps this rank's pieces" in said[0] and "norms per tensor" in said[0], said
+    assert _stepped(Lamb, torch.nn.Parameter(torch.randn(4, 4), requires_grad=True)) != []  # (each optimizer once)
+
