@@ -235,6 +235,7 @@ class CompiledModule(nn.Module):
         self._flags = [(model_params[fqn], self._get(attr), fqn, model_params[fqn].requires_grad)
                        for fqn, attr in self._param_names.items()
                        if fqn in model_params and isinstance(self._get(attr), nn.Parameter)] if self.split else []
+        self._frozen_pieces = [(piece, fqn) for _, piece, fqn, _ in self._flags if fqn in self._frozen_when_compiled]
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
@@ -1014,16 +1015,15 @@ class CompiledModule(nn.Module):
     def _follow_requires_grad(self) -> None:
         """A `requires_grad` the model's parameter changed since the last call goes to its piece (freezing: no
         gradient accumulates; unfreezing: where the graph computes the gradient, else an error)."""
+        for piece, fqn in self._frozen_pieces:  # (unfrozen on the compiled module itself: its piece's flag)
+            if piece.requires_grad:
+                raise _unfrozen(fqn, "on the compiled module (its parameter's requires_grad_(True))")
         for k, (param, piece, fqn, was) in enumerate(self._flags):
             now = param.requires_grad
             if now is was:
                 continue
             if now and fqn in self._frozen_when_compiled:  # (one no gradient reaches is only set: none comes)
-                raise SpmdError(
-                    f"{fqn} was frozen (requires_grad=False) when the model was compiled, so the compiled graph "
-                    "computes no gradient for it; unfreezing it on the model now would train nothing. What to do: "
-                    "compile the model with it unfrozen (a parameter frozen later is followed: its gradient is "
-                    "simply not kept).")
+                raise _unfrozen(fqn, "on the model")
             piece.requires_grad_(now)
             self._flags[k] = (param, piece, fqn, now)
 
@@ -1138,6 +1138,14 @@ def _first_call(collective, what: str):
             "compiled module on every rank of its mesh, as many times on each (a call on some ranks only waits for "
             "the others, or moves their count of calls apart; to evaluate on one rank, compile the model for a mesh "
             "of that rank alone).") from e
+
+
+def _unfrozen(fqn: str, where: str) -> SpmdError:
+    return SpmdError(
+        f"{fqn} was frozen (requires_grad=False) when the model was compiled, so the compiled graph computes no "
+        f"gradient for it; unfreezing it {where} now would train nothing (its .grad would stay None). What to do: "
+        "compile the model with it unfrozen (a parameter frozen later is followed: its gradient is simply not "
+        "kept).")
 
 
 def generator_check_period(mesh_spec, step_s: float) -> int:

@@ -1030,7 +1030,13 @@ def test_a_layer_frozen_or_unfrozen_on_the_model_is_followed():
     compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     model[0].weight.requires_grad_(True)
     with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen \(requires_grad=False\) when the model was "
-                                             r"compiled"):
+                                             r"compiled.*unfreezing it on the model"):
+        compiled(x, y)
+    # (found by a probe: unfrozen on the compiled module's own parameter, it said requires_grad=True and never
+    # got a gradient, silently)
+    model[0].weight.requires_grad_(False)
+    compiled.get_parameter("0.weight").requires_grad_(True)
+    with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen .*unfreezing it on the compiled module"):
         compiled(x, y)
 
 
