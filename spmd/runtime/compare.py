@@ -121,8 +121,12 @@ def _difference(what: str, node: fx.Node, actual: torch.Tensor, ref: torch.Tenso
     if a.shape != r.shape:
         max_abs = float("inf")
     else:
-        max_abs = float((a - r).abs().max()) if a.numel() else 0.0
-    scale = float(r.abs().max()) if r.numel() else 0.0
+        # (equal elements differ by 0, infinities and NaNs in the same places included: an attention mask's -inf
+        # made nan, and transformers' SDPA models failed verify at a `scalar_tensor(-inf)` they computed alike)
+        same = (a == r) | (a.isnan() & r.isnan())
+        max_abs = float((a - r).abs().masked_fill(same, 0.0).max()) if a.numel() else 0.0
+    finite = r.abs()[r.isfinite()]  # (the scale of what is finite: an infinity would hide every difference)
+    scale = float(finite.max()) if finite.numel() else 0.0
     op = str(node.target) if node.op == "call_function" else node.op
     return Difference(what, node.name, op, user_source_line(node), max_abs, scale,
                       TOLERANCE.get(actual.dtype, 0.0 if not actual.is_floating_point() else 1e-4))

@@ -1099,3 +1099,20 @@ def test_after_the_first_step_the_model_is_no_longer_looked_at_for_changes():
     compiled(x, y).backward()
     with pytest.raises(spmd.SpmdError, match=r"compiled module has trained since"):
         model(x)
+
+
+def test_verify_takes_equal_infinities_as_equal():
+    """Found by a docs check: transformers' SDPA attention computes `scalar_tensor(-inf)` for its mask, alike on
+    one device and on the ranks, and verify's difference of it was inf - inf = nan: MISMATCH for a model that
+    trained equal. Equal elements now differ by 0 (NaNs in the same places too), and the scale is the finite
+    part's, so an infinity hides no other difference."""
+    import torch.fx as fx
+
+    from spmd.runtime.compare import _difference
+
+    node = next(iter(fx.symbolic_trace(nn.Identity()).graph.nodes))
+    inf = float("inf")
+    assert _difference("v", node, torch.tensor([-inf, 1.0, float("nan")]), torch.tensor([-inf, 1.0, float("nan")])).ok
+    off = _difference("v", node, torch.tensor([-inf, 2.0]), torch.tensor([-inf, 1.0]))
+    assert off.max_abs == 1.0 and off.scale == 1.0 and not off.ok
+    assert not _difference("v", node, torch.tensor([0.0, 1.0]), torch.tensor([-inf, 1.0])).ok
