@@ -829,7 +829,31 @@ class CompiledModule(nn.Module):
         "auto" picks "one device" when its run fits half of rank 0's free memory. Weights, gradients
         and optimizer state are left as they were. See runtime/compare.py."""
         self._require_values()
-        return compare.verify(self, self._full_inputs(full_inputs, full_kwargs, "verify"), mode)
+        full = self._full_inputs(full_inputs, full_kwargs, "verify")
+        self._agree_on_full_inputs(full)
+        return compare.verify(self, full, mode)
+
+    def _agree_on_full_inputs(self, full: tuple) -> None:
+        """`verify`'s full inputs the same on every rank (it cuts each rank's shard from them and runs the reference
+        on rank 0's): inputs drawn unseeded on each rank gave a MISMATCH at the first op that reads them, for a
+        module that trains equal to one device (found by a check of the docs' examples)."""
+        import torch.distributed as dist
+
+        tensors = [(spec.name, t) for spec, t in zip(self._input_specs, full) if isinstance(t, torch.Tensor)]
+        if not dist.is_initialized() or not tensors or torch._guards.detect_fake_mode(full) is not None:
+            return
+        apart = []
+        for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
+            if size > 1:
+                every = self._gather_digests(axis, [_digest(t) for _, t in tensors], "verify's full inputs")
+                apart += [(name, axis_name) for j, (name, _) in enumerate(tensors) if len(set(every[:, j].tolist())) > 1]
+        if self._apart_anywhere(bool(apart), "verify's full inputs"):
+            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
+            raise SpmdError(
+                f"verify's full inputs differ between ranks ({what}): it takes the same full inputs on every rank, "
+                "cuts each rank's shard from them and runs one device's reference on rank 0's, so its comparison "
+                "would be of other data. What to do: give every rank the same full inputs (seed the generator alike "
+                "before drawing random ones: torch.manual_seed(0) on every rank; or load the same batch).")
 
     def _full_inputs(self, args: tuple, kwargs: dict, what: str) -> tuple:
         """Full inputs given by position and keyword, as the graph's flat tuple, checked."""
