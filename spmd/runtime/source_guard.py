@@ -243,8 +243,10 @@ def stale(compiled) -> None:
     if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded") \
             and _untouched(compiled):
         raise SpmdError(
-            "another module compiled from the same model has trained since this one was compiled, and this one "
-            "still holds the weights it was compiled with (a module for evaluation beside the one for training?). "
+            "another module compiled from the same model has trained since this one last had the model's weights, "
+            "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
+            "copied back into the model): a module for evaluation beside the one for training, or one for another "
+            "batch size? "
             "What to do: give it the trained weights first (`this.load_state_dict(trained.state_dict())`, on every "
             "rank, after each stretch of training), or compile each from its own copy of the model "
             "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
