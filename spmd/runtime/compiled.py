@@ -242,7 +242,9 @@ class CompiledModule(nn.Module):
         # rank 0 alone for a log)
         self._draws = bool(ops & _RANDOM_OPS) and self.mesh_spec.size > 1
         self._generators_agreed = not self._draws
-        self._generator_period = generator_check_period(self.mesh_spec, self.plan.predicted_step_s)
+        # (from the plan, rank 0's on every rank, links included: a rank's own mesh spec may price its links
+        # otherwise, and ranks checking at other calls would meet in different collectives)
+        self._generator_period = generator_check_period(self.plan.mesh, self.plan.predicted_step_s)
         self._calls = 0
         # inputs replicated over a mesh axis must be the same along it, which the first call checks
         # (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch)
@@ -542,6 +544,7 @@ class CompiledModule(nn.Module):
                 new._modules[name] = copy.deepcopy(child, memo)
         new._index()
         new._flags = [(param, memo.get(id(piece), piece), fqn, was) for param, piece, fqn, was in self._flags]
+        new._frozen_pieces = [(memo.get(id(piece), piece), fqn) for piece, fqn in self._frozen_pieces]
         new._watch_pieces()  # (compiled from the same model: the guards know the copy's pieces too)
         new.__dict__["_copy"] = True  # (a snapshot its user keeps up to date, or not: never stale)
         return new

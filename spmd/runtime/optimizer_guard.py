@@ -42,7 +42,8 @@ _hook = None
 PER_ELEMENT = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "ASGD", "RMSprop",
                          "Rprop", "SparseAdam"})
 # and those whose update reads more: what it reads, and which parameters it reads so (their least ndim)
-WHOLE = {"Adafactor": ("the row and column means of each matrix's squared gradients (its factored second moment)", 2),
+WHOLE = {"Adafactor": ("the row and column means of each matrix's squared gradients (its factored second moment) "
+                       "and each parameter's and update's root mean square (its step size and clipping)", 0),
          "Muon": ("each matrix whole, to orthogonalize its update", 2),
          "LBFGS": ("dot products over every parameter, and its line search the whole loss", 0)}
 
@@ -149,7 +150,6 @@ def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer in _checked:
         return
-    _checked.add(optimizer)
     stale = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -164,6 +164,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _not_per_element(optimizer)
+    _checked.add(optimizer)  # (once it passed: a refused step taken again is refused again)
     planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
                if (entry := _expected.get(id(p))) is not None and entry[0]() is p}
     keeps = state_factor(optimizer) if planned else None

@@ -144,16 +144,26 @@ def mark_model(compiled, fqns=None) -> None:
     model = compiled.__dict__.get("_source_model")
     if model is None:
         return
+    if compiled.__dict__.get("_siblings") is None:  # (a model built on meta is not watched: nothing goes stale)
+        return
     tree = compiled.__dict__.get("_model_tree")
-    if fqns is None or tree is None:
-        marks, params, tree = {}, model.parameters(), _tree(model)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    if fqns is None:
+        marks, params = {}, model.parameters()
     else:
-        named = dict(model.named_parameters(remove_duplicate=False))
         marks, params = dict(compiled.__dict__.get("_model_versions", {})), [named[f] for f in fqns if f in named]
-        tree = {**tree, **{("parameter", f): named[f] for f in fqns if f in named}}
+    if tree is None:  # (when compiled: the model's tree as it is now, walked again after any registration)
+        tree = _tree(model)
+        compiled.__dict__["_tree_at"] = _registered[0]
+    else:
+        # the parameters given (under every name of each, a tie's too) are the model's now; its modules stay as
+        # compiled (a module swapped is not undone by a load: its forward is not the traced one), and the next
+        # call walks the tree again (`_tree_at` kept), so nothing replaced before this load goes unseen
+        given = {id(named[f]) for f in (named if fqns is None else fqns) if f in named}
+        tree = {**tree, **{("parameter", n): p for n, p in named.items() if id(p) in given}}
     # (new dicts each time: a copy of the compiled module starts with its original's)
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
-    compiled.__dict__["_model_tree"], compiled.__dict__["_tree_at"] = tree, _registered[0]
+    compiled.__dict__["_model_tree"] = tree
 
 
 def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:

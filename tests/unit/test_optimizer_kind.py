@@ -119,8 +119,19 @@ def test_per_element_optimizers_and_vectors_step_pieces_quietly():
             super().__init__(params, lr=0.1, momentum=0.9)
 
     assert _stepped(Mine, torch.nn.Parameter(torch.randn(4, 4))) == []
-    # Adafactor does not factor a vector's moment: per element there
-    assert _stepped(lambda ps: torch.optim.Adafactor(ps), torch.nn.Parameter(torch.randn(4))) == []
+
+
+def test_adafactor_over_a_vector_piece_and_a_refused_step_taken_again_are_refused():
+    """Found by a review: Adafactor's step size and clipping read each parameter's root mean square, vectors too
+    (a sharded bias: 6.8e-3 off one device after one step); and the first refusal marked the optimizer checked,
+    so its next step ran unchecked."""
+    piece = torch.nn.Parameter(torch.randn(4))
+    optimizer_guard.watch_pieces({"layer.bias": piece})
+    optimizer = torch.optim.Adafactor([piece])
+    piece.grad = torch.ones_like(piece)
+    for _ in range(2):
+        with pytest.raises(spmd.SpmdError, match=r"Adafactor steps this rank's pieces .*\(layer\.bias\).*root mean"):
+            optimizer.step()
 
 
 def test_an_optimizer_spmd_cannot_read_over_a_piece_warns():

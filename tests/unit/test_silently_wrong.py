@@ -2,6 +2,7 @@
 outputs and no rule of their own. Each trains (or runs) equal to one device."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 
@@ -1086,6 +1087,66 @@ def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
     model[1] = nn.Tanh()  # (the traced ReLU swapped: no parameter, no version counter)
     with pytest.raises(spmd.SpmdError, match=r"changed after it was compiled: 1 replaced"):
         compiled(x, y)
+
+
+def test_a_module_swapped_then_weights_loaded_and_a_tie_renewed_are_judged_right():
+    """Found by a review: a load into the compiled module refreshed the whole tree, so a module swapped before it
+    (ReLU -> Tanh) went unseen; and a partial refresh missed a tie's other name, so a later registration made
+    the renewed tie a false "replaced"."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model[1] = nn.Tanh()
+    compiled.load_state_dict(model.state_dict())  # (the values: the same; the module: not the traced one)
+    with pytest.raises(spmd.SpmdError, match=r"changed after it was compiled: 1 replaced"):
+        compiled(x, y)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    torch.manual_seed(0)
+    tied = Tied()
+    ids = torch.randint(0, 8, (5,))
+    compiled = one_device(tied, (ids, ids), training=True, loss_fn=F.cross_entropy)
+    tied.load_state_dict({k: v + 1 for k, v in tied.state_dict().items()}, assign=True)
+    tied.head.weight = tied.emb.weight  # (the tie renewed, as transformers' tie_weights() does)
+    compiled.load_state_dict(tied.state_dict())  # (the way out the error names)
+    compiled(ids, ids)
+    nn.Linear(2, 2)  # (a registration elsewhere: the next call walks the tree)
+    torch.testing.assert_close(compiled(ids, ids), F.cross_entropy(tied(ids), ids))
+
+
+def test_a_model_built_on_meta_is_not_watched_after_loads_either():
+    """Found by a review: a load into a compiled module of a meta model recorded the meta parameters, and the
+    model materialized later (`to_empty`: new objects, no registration) was taken as replaced at the next walk."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x.to("meta"), y.to("meta")), training=True, loss_fn=F.mse_loss)
+    compiled.load_state_dict(_mlp().state_dict())
+    compiled(x, y)
+    model.to_empty(device="cpu")
+    nn.Linear(2, 2)
+    compiled(x, y)
+
+
+def test_a_copy_follows_its_own_frozen_pieces():
+    """Found by a review: `copy.deepcopy(compiled)` checked the original's frozen pieces, not its own."""
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    copy_ = copy.deepcopy(compiled)
+    copy_.get_parameter("0.weight").requires_grad_(True)
+    with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen .*on the compiled module"):
+        copy_(x, y)
+    compiled(x, y)  # (the original's own piece is still frozen)
 
 
 def test_after_the_first_step_the_model_is_no_longer_looked_at_for_changes():
