@@ -845,12 +845,8 @@ class CompiledModule(nn.Module):
         tensors = [(spec.name, t) for spec, t in zip(self._input_specs, full) if isinstance(t, torch.Tensor)]
         if not dist.is_initialized() or not tensors or torch._guards.detect_fake_mode(full) is not None:
             return
-        apart = []
-        for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
-            if size > 1:
-                every = self._gather_digests(axis, [_digest(t) for _, t in tensors], "verify's full inputs")
-                apart += [(name, axis_name) for j, (name, _) in enumerate(tensors) if len(set(every[:, j].tolist())) > 1]
-        if self._apart_anywhere(bool(apart), "verify's full inputs"):
+        apart, anywhere = self._values_apart(tensors, lambda axis, k: True, "verify's full inputs")
+        if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             raise SpmdError(
                 f"verify's full inputs differ between ranks ({what}): it takes the same full inputs on every rank, "
@@ -975,14 +971,10 @@ class CompiledModule(nn.Module):
         if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
             self._inputs_agreed = True  # (fake tensors, as a CUDA rank planned on this host: no values to compare)
             return
-        apart = []
-        for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
-            names = [k for k, spec in enumerate(self._input_specs) if size > 1 and isinstance(spec.placements[axis], Replicate)]
-            if not names:
-                continue
-            every = self._gather_digests(axis, [_digest(inputs[k]) for k in names], "replicated inputs")
-            apart += [(self._input_specs[k].name, axis_name) for j, k in enumerate(names) if len(set(every[:, j].tolist())) > 1]
-        self._inputs_agreed = not self._apart_anywhere(bool(apart), "replicated inputs")  # (else asked again)
+        apart, anywhere = self._values_apart(
+            [(spec.name, t) for spec, t in zip(self._input_specs, inputs)],
+            lambda axis, k: isinstance(self._input_specs[k].placements[axis], Replicate), "replicated inputs")
+        self._inputs_agreed = not anywhere  # (else asked again)
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             raise SpmdError(
@@ -991,6 +983,18 @@ class CompiledModule(nn.Module):
                 "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
                 "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
+
+    def _values_apart(self, values: list[tuple[str, torch.Tensor]], compared, what: str) -> tuple[list, bool]:
+        """((name, mesh axis) of each of `values` that differs between the ranks along an axis where
+        `compared(axis, k)` asks for value k, and whether any rank of the mesh found one): a digest per value,
+        all_gathered over each axis's group, and a flag reduced over the mesh, so every rank learns it."""
+        apart = []
+        for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
+            picked = [k for k in range(len(values)) if size > 1 and compared(axis, k)]
+            if picked:
+                every = self._gather_digests(axis, [_digest(values[k][1]) for k in picked], what)
+                apart += [(values[k][0], axis_name) for j, k in enumerate(picked) if len(set(every[:, j].tolist())) > 1]
+        return apart, self._apart_anywhere(bool(apart), what)
 
     def _collective_device(self) -> torch.device:
         """Where this rank's own small collectives run: its CUDA device under NCCL, else the CPU."""

@@ -224,13 +224,20 @@ def test_a_copy_of_a_sharded_module_keeps_its_own_average(ranks):
         assert r["pieces"] == (128, 64) and r["err"] < 1e-5, r
 
 
-def _drawn_apart_later(rank: int, world: int) -> dict:
+def _with_dropout(width: int, batch: int) -> tuple:
+    """A Linear-Dropout-Linear stack compiled for training on (tp=2), seeded alike on every rank, and its inputs
+    as this rank's pieces."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).train()
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(width, width)).train()
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
     mesh = spmd.init_mesh((2,), ("tp",))
     compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
-    local = compiled.shard_inputs(x, y)
+    return compiled, compiled.shard_inputs(x, y)
+
+
+def _drawn_apart_later(rank: int, world: int) -> dict:
+    compiled, local = _with_dropout(16, 8)
     compiled(*local)  # (agreed: seeded alike)
     if rank == 0:
         torch.rand(3)  # (rank 0 alone samples something for a log)
@@ -255,12 +262,7 @@ def test_generators_drawn_apart_after_the_first_call_are_caught(ranks):
 
 
 def _drawn_apart_at_call_three(rank: int, world: int) -> dict:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 32)).train()
-    x, y = torch.randn(32, 32), torch.randn(32, 32)
-    mesh = spmd.init_mesh((2,), ("tp",))
-    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)))
-    local = compiled.shard_inputs(x, y)
+    compiled, local = _with_dropout(32, 32)
     compiled(*local)
     compiled(*local)  # (checked at calls 1 and 2: agreed)
     if rank == 0:
