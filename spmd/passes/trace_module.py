@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -422,8 +423,6 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
     """A module hook runs while the model is traced: what it computes into the values is in the graph, and
     anything else it does (record an activation, print, count, append an auxiliary loss to a list) happened
     then and never again. Say so, naming the modules and hooks (global ones too), since nothing else would."""
-    import warnings
-
     from torch.nn.modules import module as nn_module
 
     hooked = {}
@@ -460,7 +459,10 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             refuse_random_draws(draws_change_the_graph(
                 lambda: graph_signature((again := export()).graph_module, again.constants),
                 graph_signature(ep.graph_module, ep.constants), drew.unseeded), model)
-        ep = ep.run_decompositions(_decomposition_table())
+        with warnings.catch_warnings():  # (torch's own deepcopy of the export's call graph warns, once per compile)
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            ep = ep.run_decompositions(_decomposition_table())
     except SpmdError:
         raise
     except Exception as e:  # torch's own message says which line failed to trace
