@@ -3,7 +3,8 @@
 Before: the graph from `insert_collectives` (global shapes, steps naming mesh axes). After: a plain
 GraphModule for rank `rank`: shape arguments of views and factories rewritten to local shapes, each
 step bound to this rank's process group name, axis size and coordinate, ops that index a split dim
-(vocab-parallel embedding and loss) rewritten to their masked local forms for this rank's rows. Its code is what
+(vocab-parallel embedding and loss) rewritten to their masked local forms for this rank's rows, and size
+arguments of the whole tensors made this rank's (`rules/local_sizes.py`: squeeze, group norm). Its code is what
 `compiled.code` prints.
 """
 from __future__ import annotations
@@ -58,7 +59,8 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
                            isinstance(a.meta.get("val"), torch.Tensor) else None for a in node.args)
             local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)
             if local is not None:
-                new.target, new.args, new.kwargs = local
+                new.target, new.args = local[:2]
+                new.kwargs = new.kwargs if local[2] is None else local[2]
         if node.target is aten.view.default:
             # Local tensors can be laid out differently from the traced run (collectives return
             # contiguous tensors, kernels pick layouts by shape), so a view may need a copy: reshape.

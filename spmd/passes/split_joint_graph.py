@@ -24,6 +24,9 @@ class SplitGraphs:
     saved: tuple[str, ...]
     grads: tuple[str, ...]  # FQN of the parameter each backward output is the gradient of (`input_grad_key`)
     updates: tuple[str, ...] = ()  # FQN of the buffer each forward output after the user's is the new value of
+    # per gradient of `grads`, a bit mask of the tangents it depends on (bit k: the k-th tangent), read on the
+    # single-device graph (the rank graph's gradient buckets join gradients that depend on different outputs)
+    grad_tangents: tuple[int, ...] = ()
 
 
 def input_grad_key(name: str) -> str:
@@ -64,6 +67,26 @@ def split_joint_graph(rank_gm: fx.GraphModule, traced: TracedGraph) -> SplitGrap
         if node in backward:
             env[node] = bwd.node_copy(node, lambda n: env[n])
     bwd.output(tuple(env[a] for a, _ in grad_outs))
+    masks = _tangents_reaching(traced)
     return SplitGraphs(fx.GraphModule(rank_gm, fwd), fx.GraphModule(rank_gm, bwd), len(user_outs),
                        tuple(n.name for n in saved), tuple(name for _, name in grad_outs),
-                       tuple(name for _, name in updates))
+                       tuple(name for _, name in updates), tuple(masks.get(name, -1) for _, name in grad_outs))
+
+
+def _tangents_reaching(traced: TracedGraph) -> dict[str, int]:
+    """Gradient name (as `SplitGraphs.grads`) -> a bit mask of the tangents its value depends on in the traced
+    graph (bit k: the k-th tangent placeholder). A gradient none of whose tangents came (outputs no loss used)
+    is None on one device, not zeros: an optimizer then leaves its parameter alone."""
+    tangents = [gi.placeholder for gi in traced.inputs if gi.kind == "tangent"]
+    bit = {name: 1 << k for k, name in enumerate(tangents)}
+    reach: dict[fx.Node, int] = {}
+    for node in traced.graph.nodes:
+        mask = bit.get(node.name, 0) if node.op == "placeholder" else 0
+        for a in node.all_input_nodes:
+            mask |= reach.get(a, 0)
+        reach[node] = mask
+    out = {}
+    for a, k in zip(flat_outputs(traced.graph.output_node()), traced.output_kinds()):
+        if k.kind in ("grad", "input_grad") and isinstance(a, fx.Node):
+            out[k.name if k.kind == "grad" else input_grad_key(k.name)] = reach[a]
+    return out

@@ -287,11 +287,20 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
                 e = direct
             attrs = _tensor_attributes(model)
-            named = ", ".join(f"`{a}`" for a in attrs[:3]) + (" and others" if len(attrs) > 3 else "")
-            way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
-                       "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
-                       "the model holds only as parameters or buffers" if attrs and "FakeTensor" in str(e) else
-                       untraceable_way_out(e))
+            captured = _captured_tensors(root.loss_fn) if isinstance(root, WithLoss) else []
+            named = ", ".join(f"`{a}`" for a in (attrs or captured)[:3]) + (
+                " and others" if len(attrs or captured) > 3 else "")
+            if attrs and "FakeTensor" in str(e):
+                way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
+                           "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
+                           "the model holds only as parameters or buffers")
+            elif captured and "FakeTensor" in str(e):
+                way_out = (f"the loss_fn reads {named}, a tensor it captured (not one of its inputs), and a training "
+                           "graph takes tensors only as inputs, parameters or buffers: give the loss a module that "
+                           "holds it (`loss_fn=nn.CrossEntropyLoss(weight=w)`, `nn.BCEWithLogitsLoss(pos_weight=w)`), "
+                           "or make the loss_fn an nn.Module holding it as a buffer (`self.register_buffer('w', w)`)")
+            else:
+                way_out = untraceable_way_out(e)
             raise SpmdError(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
                 f"What to do: {way_out}."
@@ -344,6 +353,27 @@ def _drop_disable_notes(graph: torch.fx.Graph) -> None:
                 n.meta["custom"] = custom
             else:
                 del n.meta["custom"]
+
+
+def _captured_tensors(fn) -> list[str]:
+    """Names of the tensors a loss function reads besides its inputs: its closure's and globals' (a lambda's
+    class weights), a `functools.partial`'s arguments, a loss module's plain attributes."""
+    if isinstance(fn, torch.nn.Module):
+        return _tensor_attributes(fn)
+    if isinstance(fn, functools.partial):
+        return [f"{k}=" for k, v in fn.keywords.items() if isinstance(v, torch.Tensor)] + [
+            f"argument {k}" for k, v in enumerate(fn.args) if isinstance(v, torch.Tensor)]
+    code, names = getattr(fn, "__code__", None), []
+    if code is None:
+        return names
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            if isinstance(cell.cell_contents, torch.Tensor):
+                names.append(name)
+        except ValueError:  # (a cell not filled yet)
+            pass
+    found = getattr(fn, "__globals__", {})
+    return names + [n for n in code.co_names if isinstance(found.get(n), torch.Tensor)]
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

@@ -414,7 +414,7 @@ def _hook_name(hook) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-def _users_hook(hook) -> bool:
+def user_hook(hook) -> bool:
     """Not spmd's own guard (runtime/source_guard.py) nor a hook known to compute values only."""
     return not getattr(hook, "spmd_guard", False) and not any(k in _hook_name(hook) for k in _VALUE_ONLY_HOOKS)
 
@@ -429,12 +429,12 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
     for name, m in model.named_modules():
         for h in _MODULE_HOOKS:
             for hook in getattr(m, h).values():
-                if _users_hook(hook):
+                if user_hook(hook):
                     hooked.setdefault(f"{name or type(model).__name__} ({_hook_name(hook)})", None)
     for h in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
               "_global_backward_hooks"):
         for hook in getattr(nn_module, h, {}).values():
-            if _users_hook(hook):
+            if user_hook(hook):
                 hooked.setdefault(f"every module ({_hook_name(hook)})", None)
     if hooked:
         names = list(hooked)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.compiler.attribute_reads import AttributeGuard
 from spmd.compiler.call import Call
@@ -20,7 +21,8 @@ from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard
 from spmd.runtime.autocast_guard import AutocastGuard
-from spmd.runtime.distribute import contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, total_norm
+from spmd.runtime.distribute import (contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, shard_full,
+                                     total_norm)
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -115,6 +117,9 @@ _HOLDER_OWN = frozenset(vars(_Pieces)) | {"_root", "_prefix"}
 # least every GENERATOR_CHECK_EVERY calls
 GENERATOR_CHECK_EVERY = 1024
 GENERATOR_CHECK_SHARE = 0.01
+
+# model -> the live modules compiled from it, whose traced modes explain the model's mode (`_model_mode_unexplained`)
+_compiled_modules = WeakIdKeyDictionary()
 
 # names a model's first-level child may not take in the compiled module's tree (its own attributes, set before
 # or after the pieces are placed); such a child's pieces are held flat (`CompiledModule._place`)
@@ -218,6 +223,8 @@ class CompiledModule(nn.Module):
         # the model would behave otherwise in the other mode (None: nothing)
         ops = _op_names(c.traced.graph)
         self._traced_mode = self._source_model.training
+        _compiled_modules.setdefault(self._source_model, weakref.WeakSet()).add(self)
+        source_guard.mark_hooks(self)
         self._mode_dependent = _mode_dependent(ops, self._source_model)
         # what was traced (the model, with its loss), run in both modes on fake tensors at the first call in the
         # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
@@ -806,7 +813,7 @@ class CompiledModule(nn.Module):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
-        local = tuple(local_shard(t, s.placements, self.mesh_spec.shape, self.coord)
+        local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
@@ -1043,6 +1050,14 @@ class CompiledModule(nn.Module):
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
         return self._mode_checked
 
+    def _model_mode_unexplained(self) -> bool:
+        """The model in the other mode than this module was traced in, and no live module compiled from it in
+        that mode (`spmd.compile(model.eval(), ...)` beside a training module leaves the model in eval mode):
+        the user's `model.eval()`, which this module would not follow."""
+        mode = self._source_model.training
+        return not any(c is not self and c._traced_mode == mode
+                       for c in _compiled_modules.get(self._source_model, ()))
+
     def _follow_requires_grad(self) -> None:
         """A `requires_grad` the model's parameter changed since the last call goes to its piece (freezing: no
         gradient accumulates; unfreezing: where the graph computes the gradient, else an error)."""
@@ -1067,6 +1082,7 @@ class CompiledModule(nn.Module):
         self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
         source_guard.model_changed(self)  # (the model given new weights after compiling, before this trained)
+        source_guard.hooks_added(self)  # (hooks on the model after compiling, which would never run)
         if self._flags:
             self._follow_requires_grad()
         if self.training != self._traced_mode:
@@ -1081,6 +1097,17 @@ class CompiledModule(nn.Module):
                     f"model first, `{source_guard.COPY_BACK}`, or give the new module "
                     f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
                     "module again.")
+        elif self._source_model.training != self._traced_mode and self._model_mode_unexplained():
+            reason = self._mode_dependent or self._ops_differ_by_mode()
+            if reason:
+                traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
+                raise SpmdError(
+                    f"the model this module was compiled from in {traced} mode is in {now} mode now (`model.{now}()` "
+                    f"after compiling), and this module's graph does what {traced} mode does ({reason}): a compiled "
+                    f"graph keeps the mode it was traced in, so this call would run in {traced} mode. What to do: "
+                    f"to use it in {now} mode, compile the model in that mode (spmd.compile(model.{now}(), ...); where "
+                    f"this module has trained, give the new module its weights, `new.load_state_dict("
+                    f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
         self._require_values()
         if self._draws:
             self._calls += 1
@@ -1292,6 +1319,9 @@ class _RankStep(torch.autograd.Function):
             module._update_buffers(split.updates, flat[n:updated])
         ctx.module = module
         ctx.save_for_backward(*saved)
+        # an output no loss used gets None, not zeros (`backward`): the gradients only it reaches stay None
+        ctx.set_materialize_grads(False)
+        ctx.tangent_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in module._differentiable]
         ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable
                                       and isinstance(t, torch.Tensor)))
         if module._saved_bytes is None:  # parameters saved for backward are counted as parameters, not here
@@ -1311,7 +1341,17 @@ class _RankStep(torch.autograd.Function):
                 "do: compute such a penalty with the model outside spmd, or train without it.")
         module = ctx.module
         tangents = [grad_outputs[k] for k in module._differentiable]
+        unused = 0  # (bit k: the k-th tangent did not come, its output unused by the loss)
+        for k, (g, (shape, dtype, device)) in enumerate(zip(tangents, ctx.tangent_like)):
+            if g is None:
+                unused |= 1 << k
+                tangents[k] = torch.zeros(shape, dtype=dtype, device=device)
         with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
             grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
+        if unused:  # one device leaves None where no used output reaches (an optimizer then skips the parameter:
+            # zeros would move it by its momentum and weight decay)
+            for name, needs in zip(module.split.grads, module.split.grad_tangents):
+                if needs and needs & ~unused == 0:
+                    grads[name] = None
         return (None,) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
                                for (kind, _), name in zip(module._order, module._order_names))

@@ -39,6 +39,30 @@ def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[in
     return full[local_slices(tuple(full.shape), placements, mesh_shape, coord)].contiguous()
 
 
+def shard_full(full: torch.Tensor, placements: Placements, mesh, coord: tuple[int, ...],
+               group_names: tuple[str, ...]) -> torch.Tensor:
+    """`local_shard`, differentiable as DTensor's redistribute from Replicate is: the full tensor (the same on
+    every rank) gets the whole gradient, its pieces' gradients gathered. (Autograd's own gradient of the slice
+    is zero outside this rank's piece: the gradient of an input the user asked for, `x.requires_grad_()`,
+    came back with only this rank's rows.)"""
+    if torch.is_grad_enabled() and full.requires_grad:
+        return _ShardFull.apply(full, tuple(placements), mesh, tuple(coord), tuple(group_names))
+    return local_shard(full, placements, mesh.shape, coord)
+
+
+class _ShardFull(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, full, placements, mesh, coord, group_names):
+        ctx.layout = (placements, mesh, group_names)
+        piece = local_shard(full, placements, mesh.shape, coord)
+        return piece.clone() if piece._base is not None or piece is full else piece  # (never a view of the input)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements, mesh, group_names = ctx.layout
+        return _gathered(grad.contiguous(), placements, mesh, group_names), None, None, None, None
+
+
 def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[int, ...],
                 group_names: tuple[str, ...]) -> torch.Tensor:
     """The full tensor on every rank, from this rank's `local` piece laid out as `placements`. Differentiable

@@ -147,6 +147,28 @@ def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
     return None
 
 
+def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
+    """Raise where a per-element torch optimizer over compiled pieces holds state of another shape than its piece:
+    a single-device optimizer's `state_dict()` (or another plan's) loaded with `optimizer.load_state_dict`, which
+    takes it as it is, and the step then fails on a shape that names nothing. Whether it steps compiled pieces."""
+    pieces = [p for group in optimizer.param_groups for p in group["params"]
+              if (entry := _expected.get(id(p))) is not None and entry[0]() is p]
+    if not pieces or _torch_kind(optimizer) not in PER_ELEMENT:  # (other optimizers' state may be shaped otherwise)
+        return bool(pieces)
+    for p in pieces:
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
+                raise SpmdError(
+                    f"{type(optimizer).__name__} holds state of another shape than the compiled module's pieces (its "
+                    f"{key!r} is {tuple(value.shape)}, the piece {tuple(p.shape)}): a single-device optimizer's "
+                    "state_dict() (or one saved on another mesh or plan), loaded with `optimizer.load_state_dict`, "
+                    "which takes each tensor as it is. What to do: load it with `compiled.load_optimizer_state_dict("
+                    "optimizer, state)`, which gives each rank its pieces, from the state under the model's names "
+                    "(`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, single_device_optimizer)`"
+                    ", or `compiled.optimizer_state_dict(optimizer)` as saved).")
+    return True
+
+
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if optimizer in _checked:
         return
@@ -164,6 +186,8 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _not_per_element(optimizer)
+    if _state_shapes(optimizer):  # (and again after each later load into it)
+        optimizer.register_load_state_dict_post_hook(_state_shapes)
     _checked.add(optimizer)  # (once it passed: a refused step taken again is refused again)
     planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
                if (entry := _expected.get(id(p))) is not None and entry[0]() is p}

@@ -26,9 +26,11 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
+from spmd.passes.trace_module import user_hook
 
 _lock = threading.Lock()
 _owners = WeakIdKeyDictionary()  # compiled parameter -> the compiled module holding it (a weak reference)
@@ -218,6 +220,59 @@ def _replaced(compiled) -> None:
         "pieces cut from the old ones: it would run and train on those, silently. What to do: compile the model "
         "again after changing it; where only values changed (the same shapes and modules), give them to the "
         "compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")
+
+
+# the hooks a module and a parameter hold (module hooks: their dicts keyed by the handle's id)
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooks(model: torch.nn.Module) -> dict[tuple[str, str, int], object]:
+    """(module or parameter name, hook dict, handle id) -> the hook, for every hook on the model's modules and
+    parameters."""
+    found = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        for d in _MODULE_HOOK_DICTS:
+            for key, hook in getattr(m, d).items():
+                found[(name, d, key)] = hook
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for d in _TENSOR_HOOK_DICTS:
+            for key, hook in (getattr(p, d, None) or {}).items():
+                found[(name, d, key)] = hook
+    return found
+
+
+def mark_hooks(compiled) -> None:
+    """The model's hooks as they are when compiled: those `hooks_added` compares with."""
+    compiled.__dict__["_hooks_at"] = RemovableHandle.next_id
+    compiled.__dict__["_model_hooks"] = frozenset(_hooks(compiled._source_model))
+
+
+def hooks_added(compiled) -> None:
+    """Raise where a hook was registered on the model's modules or parameters after compiling
+    (`model.fc.register_forward_pre_hook(...)`, `model.fc.weight.register_hook(...)`): the compiled module runs
+    its own graph on its own pieces, so it would never run, and what it changes in a value or a gradient would
+    not happen, silently. Every hook registration takes the next handle id (`RemovableHandle.next_id`, global),
+    so the model is walked again only after one somewhere: a call pays one integer compare."""
+    if compiled.__dict__.get("_hooks_at") == RemovableHandle.next_id:
+        return
+    at = RemovableHandle.next_id
+    model = compiled._source_model
+    new = [(name, d, hook) for (name, d, key), hook in _hooks(model).items()
+           if (name, d, key) not in compiled._model_hooks and user_hook(hook)]
+    if not new:
+        compiled.__dict__["_hooks_at"] = at  # (removed ones, or another module's: nothing to see until the next)
+        return
+    names = list(dict.fromkeys(f"{name or type(model).__name__} ({d.strip('_').replace('_hooks', '')})"
+                               for name, d, _ in new))
+    raise SpmdError(
+        f"{len(new)} hook(s) were registered on {type(model).__name__} after it was compiled ({', '.join(names[:4])}"
+        f"{', ...' if len(names) > 4 else ''}): the compiled module runs its own graph on its own pieces of the "
+        "weights, so they would never run, and what they change in a value or a gradient would not happen. What to "
+        "do: a module hook that changes values, register it before compiling (it is traced into the graph); a "
+        "gradient hook, register it on the compiled module's parameter (`compiled.get_parameter(name).register_hook"
+        "(...)`: it gets this rank's piece of the gradient); a hook for the model's own use, remove it "
+        "(`handle.remove()`) before calling the compiled module.")
 
 
 def given(compiled, fqns=None) -> None:

@@ -317,3 +317,58 @@ def test_a_loss_of_the_gathered_outputs_gets_one_devices_gradients(ranks):
     DTensor's full_tensor() does. A loss of each rank's own piece is the sum over the pieces (docs/training.md)."""
     for r in ranks(2).run(_loss_outside):
         assert r["gathered"] < 1e-12 and r["own piece"] < 1e-12, r
+
+
+def _input_gradient_and_optimizer_state(rank: int, world: int) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        reference = copy.deepcopy(model)
+        mesh = spmd.init_mesh((2,), ("dp",))
+        # an input's gradient (adversarial training, saliency): the whole batch's, on every rank
+        xg, wanted = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        compiled = spmd.compile(model, mesh, (xg, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)]},
+                                param_placements={"0.weight": [Shard(0)]}, mesh_spec=spec((2,), ("dp",)))
+        compiled(*compiled.shard_inputs(xg, y)).backward()
+        F.mse_loss(reference(wanted), y).backward()
+        input_grad = float((xg.grad - wanted.grad).abs().max())
+        compiled.zero_grad(), reference.zero_grad()
+        # a single-device optimizer's state, loaded as it is, then as the error says
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step(), ref_opt.zero_grad()
+        compiled.load_state_dict(reference.state_dict())
+        opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
+        opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        compiled(*compiled.shard_inputs(x, y)).backward()
+        try:
+            opt.step()
+            said = None
+        except spmd.SpmdError as e:
+            said = str(e)
+        opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
+        compiled.load_optimizer_state_dict(opt, copy.deepcopy(get_optimizer_state_dict(reference, ref_opt)))
+        opt.step()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        full = compiled.full_state_dict()
+        return {"input_grad": input_grad, "scale": float(wanted.grad.abs().max()), "said": said,
+                "after_load": max(float((full[n] - p).abs().max()) for n, p in reference.named_parameters())}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_inputs_gradient_is_the_whole_and_a_single_device_optimizer_state_is_refused(ranks):
+    """Found by a probe: `x.requires_grad_()` on the full batch, cut by `shard_inputs`, got only this rank's
+    rows of its gradient (zeros elsewhere, silently); the cut's backward now gathers the pieces' gradients, as
+    DTensor's redistribute from Replicate does. A single-device AdamW's `state_dict()` loaded with
+    `opt.load_state_dict` failed at the step with a shape error naming nothing; now the step names the way out,
+    `compiled.load_optimizer_state_dict` of the state under the model's names, which trains equal."""
+    for r in ranks(2).run(_input_gradient_and_optimizer_state):
+        assert r["input_grad"] < 1e-12 < r["scale"], r
+        assert r["said"] is not None and "compiled.load_optimizer_state_dict(optimizer, state)" in r["said"], r
+        assert r["after_load"] < 1e-12, r

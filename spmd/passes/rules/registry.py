@@ -17,7 +17,7 @@ from spmd.core.specs import Strategy, TensorInfo
 SingleDimRule = Callable[["RuleInput"], list[list]]
 RULES: dict[Any, SingleDimRule] = {}
 # op -> (the node's args, its Strategy, the global shape of each arg (None: not a tensor), the mesh shape,
-# this rank's coordinate) -> (local op, args, kwargs), or None to keep the op: what a rank runs where the
+# this rank's coordinate) -> (local op, args, kwargs or None: the node's), or None to keep the op: what a rank runs where the
 # op on its piece is not the op itself (emit_rank_graph; the vocab-parallel and random forms)
 LocalRewrite = Callable[..., "tuple | None"]
 LOCAL_REWRITES: dict[Any, LocalRewrite] = {}
