@@ -1271,3 +1271,34 @@ def test_a_tensor_the_loss_fn_captured_is_named_with_the_way_out():
                                              r"nn.CrossEntropyLoss\(weight=w\)"):
         one_device(_mlp(), (torch.randn(6, 4), torch.randint(0, 2, (6,))), training=True,
                    loss_fn=lambda out, t: F.cross_entropy(out, t, weight=class_weights))
+
+
+class _ModeConstants(nn.Module):
+    """The same ops in both modes, with other constants, slices or order (found by a probe, session 59)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x):
+        y, t = self.fc(x), self.training
+        if self.how == "constant":
+            return y * (2.0 if t else 3.0)
+        if self.how == "slice":
+            return y[:, :2] if t else y[:, 3:5]
+        return (y.relu() * 2 - 1) if t else (y * 2 - 1).relu()
+
+
+@pytest.mark.parametrize("how,said", [("constant", r"aten.mul.Tensor with other arguments \(op \d+: tensor\[4, 8\], "
+                                                   r"2.0 in train mode, tensor\[4, 8\], 3.0 in eval mode\)"),
+                                      ("slice", r"aten.slice.Tensor with other arguments"),
+                                      ("order", r"the same ops in another order")])
+def test_a_forward_whose_modes_differ_only_in_constants_or_order_fails_in_the_other_mode(how, said):
+    """The mode check compared the names of the ops each mode ran, counted: `y * (2.0 if self.training else
+    3.0)`, a slice or an order chosen by the mode ran the traced mode's graph in the other one (1.29 off, silently).
+    It now compares the ops in order with their arguments (tensors by shape and dtype)."""
+    x = torch.randn(4, 8)
+    module = one_device(_ModeConstants(how).train(), (x,))
+    module.eval()
+    with pytest.raises(spmd.SpmdError, match=rf"compiled from the model in train mode.*\({said}"):
+        module(x)
