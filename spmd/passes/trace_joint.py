@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import inspect
 import linecache
 import os
@@ -155,6 +156,14 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             inputs.append(GraphInput(node.name, "input", arg_names[desc.idx]))
         elif kind == "TangentAOTInput" and type(desc.output).__name__ == "PlainAOTOutput":
             inputs.append(GraphInput(node.name, "tangent", f"output_{desc.output.idx}"))
+        elif kind == "TangentAOTInput" and "ParamAOTInput" in repr(desc.output):
+            target = re.search(r"target='([^']+)'", repr(desc.output))
+            raise SpmdError(
+                f"trace_joint: the forward of {type(model).__name__} changes parameter "
+                f"{strip(target.group(1)) if target else '?'} in place (an Embedding with max_norm renormalizes the "
+                "rows it looks up), and a training graph cannot differentiate through a parameter it also "
+                "updates. What to do: leave such updates out of the forward (renormalize after the optimizer's step, "
+                "under torch.no_grad(), on the compiled module's parameter), or drop max_norm.")
         else:
             raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
                             "this model; inputs that are mutated or tensor subclasses are not supported yet.")
@@ -300,7 +309,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                            "holds it (`loss_fn=nn.CrossEntropyLoss(weight=w)`, `nn.BCEWithLogitsLoss(pos_weight=w)`), "
                            "or make the loss_fn an nn.Module holding it as a buffer (`self.register_buffer('w', w)`)")
             else:
-                way_out = untraceable_way_out(e)
+                way_out = untraceable_way_out(e, model=model)
             raise SpmdError(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
                 f"What to do: {way_out}."

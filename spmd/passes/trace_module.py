@@ -198,9 +198,16 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
         gm.recompile()
 
 
-def untraceable_way_out(error: BaseException, otherwise: str = "") -> str:
-    """The way out of a trace that failed with `error` (torch's message names the line)."""
+def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.nn.Module | None = None) -> str:
+    """The way out of a trace that failed with `error` (torch's message names the line), or of what in `model`
+    is known to fail so."""
     tail = f" ({otherwise})" if otherwise else ""
+    cumulative = [name for name, m in (model.named_modules() if model is not None else ())
+                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None and m.training]
+    if cumulative and "data-dependent" in str(error):
+        return (f"{', '.join(cumulative[:3])}: a batch norm with momentum=None (a cumulative average of the "
+                "statistics) computes its factor from `num_batches_tracked` in Python, which a graph cannot hold. "
+                "Give it a momentum (`momentum=0.1`, torch's default), or compile the model in eval mode")
     if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
         return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values, and torch's tracing "
                 "has no rule for it. Replace it with ops of a fixed shape, or compute it outside the compiled "
@@ -468,7 +475,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     except Exception as e:  # torch's own message says which line failed to trace
         raise SpmdError(
             f"trace_module: torch.export could not trace {type(model).__name__}: {e}\n"
-            f"What to do: {untraceable_way_out(e, 'for transformers models pass use_cache=False')}."
+            f"What to do: {untraceable_way_out(e, 'for transformers models pass use_cache=False', model)}."
         ) from e
 
     _drop_assertions(ep.graph_module)
@@ -481,6 +488,12 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     for spec in sig.input_specs:
         if spec.kind == InputKind.TOKEN:
             continue  # dropped with the checks it ordered (_drop_effect_tokens)
+        if spec.kind == InputKind.CUSTOM_OBJ:
+            raise SpmdError(
+                f"trace_module: the forward of {type(model).__name__} makes or holds an object torch traces as a "
+                f"script object ({spec.arg.name}: a torch.Generator made in the forward, say), which a graph of "
+                "tensors cannot hold. What to do: draw random numbers with torch's generator, seeded outside the "
+                "forward (`torch.manual_seed`), not with one the forward makes.")
         if spec.kind not in kinds:
             raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name

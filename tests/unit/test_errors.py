@@ -44,3 +44,51 @@ def test_unknown_op_falls_back_to_replicate_with_a_warning_naming_op_and_line():
         plan = spmd.plan(_UsesSearchsorted(), spec((2,), ("tp",)), (torch.randn(4, 16),))
     name = next(n for n in plan.choices if n.startswith("searchsorted"))
     assert plan.choices[name].outputs[0] == (Replicate(),)
+
+
+class _MaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.l = nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.l(self.e(ids))
+
+
+class _CumulativeNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.l(x))
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x) + torch.rand(x.shape, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case,said", [
+    ("max_norm", r"changes parameter e.weight in place \(an Embedding with max_norm.*or drop max_norm"),
+    ("cumulative", r"What to do: bn: a batch norm with momentum=None.*`momentum=0.1`"),
+    ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward")])
+def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
+    """Found by a probe (session 59): these failed with torch's internals ("unsupported graph input tangents_1
+    (...ParamAOTInput...) report this model", a data-dependent dump, "unsupported graph input kind CUSTOM_OBJ")."""
+    import torch.nn.functional as F
+
+    from tests.support import one_device
+
+    x = torch.randn(6, 4)
+    with pytest.raises(SpmdError, match=said):
+        if case == "max_norm":
+            one_device(_MaxNorm(), (torch.randint(0, 10, (6,)), torch.randn(6, 2)), loss_fn=F.mse_loss)
+        elif case == "cumulative":
+            one_device(_CumulativeNorm(), (x, x), loss_fn=F.mse_loss)
+        else:
+            one_device(_OwnGenerator(), (x,))
