@@ -54,11 +54,14 @@ class _ShardFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, full, placements, mesh, coord, group_names):
         ctx.layout = (placements, mesh, group_names)
+        ctx.set_materialize_grads(False)  # (a piece no used output reaches: None, as the whole's in eager)
         piece = local_shard(full, placements, mesh.shape, coord)
         return piece.clone() if piece._base is not None or piece is full else piece  # (never a view of the input)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None, None
         placements, mesh, group_names = ctx.layout
         return _gathered(grad.contiguous(), placements, mesh, group_names), None, None, None, None
 

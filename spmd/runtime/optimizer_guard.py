@@ -35,6 +35,7 @@ _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
 _expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -> (ref, the plan's state factor)
 _checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # (a load post hook registered)
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 _hook = None
 
@@ -158,6 +159,7 @@ def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     for p in pieces:
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
+                _checked.discard(optimizer)  # (its next step asks again: the state stays loaded)
                 raise SpmdError(
                     f"{type(optimizer).__name__} holds state of another shape than the compiled module's pieces (its "
                     f"{key!r} is {tuple(value.shape)}, the piece {tuple(p.shape)}): a single-device optimizer's "
@@ -186,8 +188,9 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _not_per_element(optimizer)
-    if _state_shapes(optimizer):  # (and again after each later load into it)
+    if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)
+        _loads_watched.add(optimizer)
     _checked.add(optimizer)  # (once it passed: a refused step taken again is refused again)
     planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
                if (entry := _expected.get(id(p))) is not None and entry[0]() is p}

@@ -39,6 +39,9 @@ def _full(compiled) -> dict:
 def _resume(rank: int, world: int, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
+    # float64: the two plans sum in other orders, and AdamW's first steps magnify float32's rounding of a
+    # near-zero gradient (5.5e-5 on one host, 0 on another)
+    torch.set_default_dtype(torch.float64)
     compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})  # each rank holds half of fc1
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     for _ in range(2):
@@ -64,6 +67,7 @@ def _resume(rank: int, world: int, folder: str) -> dict:
     fresh.load_state_dict(state["model"])
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     _step(fresh, fresh_opt, inputs)
+    torch.set_default_dtype(torch.float32)
     return {"loaded": max(float((loaded[k] - v).abs().max()) for k, v in saved.items()),
             "resumed": max(float((resumed[k] - v).abs().max()) for k, v in went_on.items()),
             "fresh": max(float((_full(fresh)[k] - v).abs().max()) for k, v in went_on.items()),
@@ -78,7 +82,7 @@ def test_model_and_optimizer_resume_on_another_plan(ranks, tmp_path):
     the checkpoint kept one rank's half of fc1 for both ranks: the other resumed with its values.)"""
     for r in ranks(2).run(_resume, str(tmp_path)):
         assert r["placements"] == ["(Replicate(),)", "(Shard(dim=0),)"], r["placements"]
-        assert r["loaded"] == 0.0 and r["resumed"] == 0.0, r
+        assert r["loaded"] == 0.0 and r["resumed"] < 1e-10, r
         assert r["fresh"] > 1e-4, r  # (without the optimizer's moments the step is another one)
 
 
