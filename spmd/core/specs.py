@@ -95,6 +95,15 @@ def local_shape(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, .
     return tuple(s // shard_factor(ps, mesh_shape, d) for d, s in enumerate(shape))
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def is_even(shape: tuple[int, ...], ps: Placements, mesh_shape: tuple[int, ...]) -> bool:
     """Every sharded dim divides evenly (uneven shards are excluded from the strategy space)."""
     for d, s in enumerate(shape):

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import inspect
 import linecache
 import os
+import re
 import sys
 import threading
 

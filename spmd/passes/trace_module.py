@@ -408,7 +408,7 @@ def refuse_random_draws(draws: list[str], model: torch.nn.Module) -> None:
             "`apply_spec_augment=False`).")
 
 
-_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 # hooks that only compute values (all of it in the graph): transformers' `enable_input_require_grads`, torch's
@@ -434,7 +434,7 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
 
     hooked = {}
     for name, m in model.named_modules():
-        for h in _MODULE_HOOKS:
+        for h in MODULE_HOOKS:
             for hook in getattr(m, h).values():
                 if user_hook(hook):
                     hooked.setdefault(f"{name or type(model).__name__} ({_hook_name(hook)})", None)

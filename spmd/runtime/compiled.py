@@ -17,12 +17,12 @@ from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.specs import contiguous_strides
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard
 from spmd.runtime.autocast_guard import AutocastGuard
-from spmd.runtime.distribute import (contiguous_strides, gather_full, local_shard, local_slices, max_over_mesh, shard_full,
-                                     total_norm)
+from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, shard_full, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -1050,6 +1050,34 @@ class CompiledModule(nn.Module):
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
         return self._mode_checked
 
+    def _refuse_another_mode(self) -> None:
+        """Raise where this module (`.eval()` on it) or the model it was compiled from (`model.eval()` after
+        compiling, with no live module compiled from it in that mode) is in the other mode than the traced one,
+        and the graph does what the traced mode does."""
+        by_module = self.training != self._traced_mode
+        if not by_module and not self._model_mode_unexplained():
+            return
+        reason = self._mode_dependent or self._ops_differ_by_mode()
+        if not reason:
+            return
+        traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
+        if by_module:
+            raise SpmdError(
+                f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
+                f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
+                f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
+                f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
+                f"model first, `{source_guard.COPY_BACK}`, or give the new module "
+                f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
+                "module again.")
+        raise SpmdError(
+            f"the model this module was compiled from in {traced} mode is in {now} mode now (`model.{now}()` "
+            f"after compiling), and this module's graph does what {traced} mode does ({reason}): a compiled "
+            f"graph keeps the mode it was traced in, so this call would run in {traced} mode. What to do: "
+            f"to use it in {now} mode, compile the model in that mode (spmd.compile(model.{now}(), ...); where "
+            f"this module has trained, give the new module its weights, `new.load_state_dict("
+            f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
+
     def _model_mode_unexplained(self) -> bool:
         """The model in the other mode than this module was traced in, and no live module compiled from it in
         that mode (`spmd.compile(model.eval(), ...)` beside a training module leaves the model in eval mode):
@@ -1085,29 +1113,8 @@ class CompiledModule(nn.Module):
         source_guard.hooks_added(self)  # (hooks on the model after compiling, which would never run)
         if self._flags:
             self._follow_requires_grad()
-        if self.training != self._traced_mode:
-            reason = self._mode_dependent or self._ops_differ_by_mode()
-            if reason:
-                traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
-                raise SpmdError(
-                    f"this module was compiled from the model in {traced} mode, and its graph does what that mode "
-                    f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
-                    f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
-                    f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
-                    f"model first, `{source_guard.COPY_BACK}`, or give the new module "
-                    f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
-                    "module again.")
-        elif self._source_model.training != self._traced_mode and self._model_mode_unexplained():
-            reason = self._mode_dependent or self._ops_differ_by_mode()
-            if reason:
-                traced, now = ("train", "eval") if self._traced_mode else ("eval", "train")
-                raise SpmdError(
-                    f"the model this module was compiled from in {traced} mode is in {now} mode now (`model.{now}()` "
-                    f"after compiling), and this module's graph does what {traced} mode does ({reason}): a compiled "
-                    f"graph keeps the mode it was traced in, so this call would run in {traced} mode. What to do: "
-                    f"to use it in {now} mode, compile the model in that mode (spmd.compile(model.{now}(), ...); where "
-                    f"this module has trained, give the new module its weights, `new.load_state_dict("
-                    f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
+        if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
+            self._refuse_another_mode()
         self._require_values()
         if self._draws:
             self._calls += 1

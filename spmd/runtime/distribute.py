@@ -24,15 +24,6 @@ def local_slices(shape: tuple[int, ...], placements: Placements, mesh_shape: tup
     return tuple(slice(i * (n // k), (i + 1) * (n // k)) for (i, k), n in zip(cuts, shape))
 
 
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[int, ...],
                 coord: tuple[int, ...]) -> torch.Tensor:
     """This rank's piece of `full` (a contiguous tensor; a view of `full` where that one already is)."""

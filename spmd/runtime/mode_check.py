@@ -23,25 +23,23 @@ _BOOKKEEPING = frozenset({"lift_fresh", "lift_fresh_copy", "alias", "detach", "_
 
 
 class _Ops(TorchDispatchMode):
-    """The ATen ops run under it that compute floating-point values: their names, counted, and in order each
-    with its arguments (tensors as shape and dtype, the rest as written: a constant or a slice that only one
-    mode uses, `x * (2.0 if self.training else 3.0)`, runs the same ops). Integer and boolean work (masks and
-    positions a model builds only in one mode, such as transformers' caches, which it switches off in
-    training) and bookkeeping do not change what the graph computes with the weights."""
+    """The ATen ops run under it that compute floating-point values, in order, each with its arguments
+    (tensors as shape and dtype, the rest as written: a constant or a slice that only one mode uses,
+    `x * (2.0 if self.training else 3.0)`, runs the same ops). Integer and boolean work (masks and positions a
+    model builds only in one mode, such as transformers' caches, which it switches off in training) and
+    bookkeeping do not change what the graph computes with the weights."""
 
     def __init__(self):
         super().__init__()
-        self.seen: Counter[str] = Counter()
-        self.calls: list[tuple] = []
+        self.calls: list[tuple] = []  # (op name, overload, arguments)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         if func.namespace == "aten" and name not in _BOOKKEEPING and any(
                 isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
-            self.seen[name] += 1
-            self.calls.append((str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
-                                                for a in tree_leaves((args, kwargs or {})))))
+            self.calls.append((name, str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
+                                                      else repr(a) for a in tree_leaves((args, kwargs or {})))))
         return out
 
 
@@ -75,25 +73,25 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
                 root.train(training)
                 with _Ops() as ops:
                     torch.func.functional_call(root, state, tuple(args), tie_weights=True, strict=False)
-            seen[training] = ops
+            seen[training] = ops.calls
     except Exception:  # (the trace ran this forward under AOTAutograd; a plain fake run may still not)
         return None
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
-    if seen[True].calls == seen[False].calls:
+    if seen[True] == seen[False]:
         return None
-    only = {mode: sorted(set(seen[mode].seen) - set(seen[not mode].seen)) for mode in (True, False)}
+    counts = {mode: Counter(name for name, _, _ in calls) for mode, calls in seen.items()}
+    only = {mode: sorted(set(counts[mode]) - set(counts[not mode])) for mode in (True, False)}
     parts = [f"{', '.join(ops[:6])}{f' and {len(ops) - 6} more' if len(ops) > 6 else ''} only in "
              f"{'train' if mode else 'eval'} mode" for mode, ops in only.items() if ops]
     if parts:
         return "; ".join(parts)
-    if seen[True].seen != seen[False].seen:
+    if counts[True] != counts[False]:
         return "the same ops, run a different number of times"
-    k, (train, eval_) = next((k, pair) for k, pair in enumerate(zip(seen[True].calls, seen[False].calls))
-                             if pair[0] != pair[1])
-    if train[0] != eval_[0]:
-        return f"the same ops in another order (op {k}: {train[0]} in train mode, {eval_[0]} in eval mode)"
-    return (f"{train[0]} with other arguments (op {k}: {_shown(train[1])} in train mode, {_shown(eval_[1])} in eval "
+    k, (train, eval_) = next((k, pair) for k, pair in enumerate(zip(seen[True], seen[False])) if pair[0] != pair[1])
+    if train[1] != eval_[1]:
+        return f"the same ops in another order (op {k}: {train[1]} in train mode, {eval_[1]} in eval mode)"
+    return (f"{train[1]} with other arguments (op {k}: {_shown(train[2])} in train mode, {_shown(eval_[2])} in eval "
             "mode)")
 
 

@@ -148,12 +148,17 @@ def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
     return None
 
 
+def _planned(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, float]]:
+    """The compiled training modules' parameters `optimizer` steps, each with its plan's state factor."""
+    return [(p, entry[1]) for group in optimizer.param_groups for p in group["params"]
+            if (entry := _expected.get(id(p))) is not None and entry[0]() is p]
+
+
 def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     """Raise where a per-element torch optimizer over compiled pieces holds state of another shape than its piece:
     a single-device optimizer's `state_dict()` (or another plan's) loaded with `optimizer.load_state_dict`, which
     takes it as it is, and the step then fails on a shape that names nothing. Whether it steps compiled pieces."""
-    pieces = [p for group in optimizer.param_groups for p in group["params"]
-              if (entry := _expected.get(id(p))) is not None and entry[0]() is p]
+    pieces = [p for p, _ in _planned(optimizer)]
     if not pieces or _torch_kind(optimizer) not in PER_ELEMENT:  # (other optimizers' state may be shaped otherwise)
         return bool(pieces)
     for p in pieces:
@@ -192,8 +197,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         optimizer.register_load_state_dict_post_hook(_state_shapes)
         _loads_watched.add(optimizer)
     _checked.add(optimizer)  # (once it passed: a refused step taken again is refused again)
-    planned = {entry[1] for group in optimizer.param_groups for p in group["params"]
-               if (entry := _expected.get(id(p))) is not None and entry[0]() is p}
+    planned = {factor for _, factor in _planned(optimizer)}
     keeps = state_factor(optimizer) if planned else None
     if keeps is not None and any(abs(f - keeps) > 1e-9 for f in planned):
         f = max(planned, key=lambda f: abs(f - keeps))

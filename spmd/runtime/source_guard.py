@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
-from spmd.passes.trace_module import user_hook
+from spmd.passes.trace_module import MODULE_HOOKS, user_hook
 
 _lock = threading.Lock()
 _owners = WeakIdKeyDictionary()  # compiled parameter -> the compiled module holding it (a weak reference)
@@ -222,8 +222,7 @@ def _replaced(compiled) -> None:
         "compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")
 
 
-# the hooks a module and a parameter hold (module hooks: their dicts keyed by the handle's id)
-_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# the hooks a parameter holds (a module's: trace_module.MODULE_HOOKS; both dicts keyed by the handle's id)
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
@@ -232,7 +231,7 @@ def _hooks(model: torch.nn.Module) -> dict[tuple[str, str, int], object]:
     parameters."""
     found = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        for d in _MODULE_HOOK_DICTS:
+        for d in MODULE_HOOKS:
             for key, hook in getattr(m, d).items():
                 found[(name, d, key)] = hook
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from spmd.core.specs import local_shape
+from spmd.core.specs import contiguous_strides, local_shape
 from spmd.passes.rules.registry import local_rewrite
 
 aten = torch.ops.aten
@@ -62,8 +62,4 @@ def _group_norm_backward(args, strategy, shapes, mesh_shape, coord):
 @local_rewrite(aten.new_empty_strided.default)
 def _new_empty_strided(args, strategy, shapes, mesh_shape, coord):
     size = local_shape(tuple(args[1]), strategy.outputs[0], mesh_shape)
-    stride, step = [], 1
-    for n in reversed(size):
-        stride.append(step)
-        step *= max(n, 1)
-    return aten.new_empty_strided.default, (args[0], list(size), stride[::-1], *args[3:]), None
+    return aten.new_empty_strided.default, (args[0], list(size), list(contiguous_strides(size)), *args[3:]), None
