@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from spmd.core.graph_facts import any_layer, follows_input, format_seconds, is_gradient_sink, module_paths, \
     op_label, phase_of
 from spmd.core.specs import placements_str
+from spmd.report.tp_regions import StyleRegions, style_of, style_regions
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class PlanDetails:
     nodes: tuple[NodeReport, ...] = ()
     params: tuple[ParamUse, ...] = ()
     inputs: dict[str, str] = field(default_factory=dict)  # user input name -> placements
+    # mesh axis name -> where DTensor's parallel styles need whole tensors to compute what the plan does
+    # (report/tp_regions.py); None: not worked out (a plan file from before it)
+    style_regions: dict[str, StyleRegions] | None = None
 
 
 class _Local:
@@ -258,7 +262,15 @@ def compute_details(plan, src) -> PlanDetails:
             _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies), n))
     inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
               for ph, k in src.kinds.items() if k == "input"}
-    return PlanDetails(tuple(reports), tuple(_param_roles(plan, table, params, where, types, local.follower)), inputs)
+    uses = _param_roles(plan, table, params, where, types, local.follower)
+    regions = {}
+    for i, axis in enumerate(plan.mesh.axis_names):
+        styles = {p.module: style for p in uses if p.fqn.rsplit(".", 1)[-1] == "weight"
+                  for style in [style_of(p.module_type, p.roles[i])] if style is not None}
+        if styles:
+            embeddings = frozenset(p.module for p in uses if p.module in styles and p.module_type == "Embedding")
+            regions[axis] = style_regions(src.graph, plan, table, styles, where, i, embeddings)
+    return PlanDetails(tuple(reports), tuple(uses), inputs, regions)
 
 
 def _show(s, source: str, other=None) -> str:

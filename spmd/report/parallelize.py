@@ -6,6 +6,7 @@ from collections import Counter
 
 from spmd.core.plan import Plan
 from spmd.report.details import ParamUse, PlanDetails
+from spmd.report.tp_regions import COLWISE, style_of
 
 
 class ParallelizePlan(dict):
@@ -20,9 +21,15 @@ class ParallelizePlan(dict):
 def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | None = None) -> ParallelizePlan:
     """The tensor-parallel layouts on `axis` (default: the axis with the most of them) as DTensor styles:
     Linear column-parallel -> ColwiseParallel, row-parallel -> RowwiseParallel; Embedding sharded on the
-    vocabulary -> RowwiseParallel, on the hidden dim -> ColwiseParallel. Anything else (FSDP, data
-    parallel, other sharded parameters, biases laid out differently from the style's) goes to `notes`,
-    and a warning lists them."""
+    vocabulary -> RowwiseParallel, on the hidden dim -> ColwiseParallel. Between the styles the model's
+    own code runs eagerly on the local tensors they hand out; where that would not compute what the plan
+    does (the plan gathers an activation there, a model output is sharded, the code's sizes are the
+    whole model's), the styles around that region gather and split (`output_layouts=Replicate()`,
+    `input_layouts=Replicate()`: see `spmd.report.tp_regions`), so the exported plan is right, if slower
+    there. Anything else (FSDP, data parallel, other sharded parameters, biases laid out differently
+    from the style's, regions run whole where the plan keeps them sharded) goes to `notes`, and a
+    warning lists them."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if details is None:
@@ -39,6 +46,10 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
         notes.append("no tensor-parallel layouts in this plan: nothing to export")
     else:
         i = plan.mesh.axis(axis)
+        regions = (details.style_regions or {}).get(axis)
+        if details.style_regions is None:
+            notes.append("this plan file predates the check of the code between the styles: the styles assume "
+                         "it runs on their local tensors as the plan does (plan and save it again to check)")
         by_module: dict[str, dict[str, ParamUse]] = {}
         for p in details.params:
             by_module.setdefault(p.module, {})[p.fqn.rsplit(".", 1)[-1]] = p
@@ -46,11 +57,16 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
             weight = uses.get("weight")
             role = weight.roles[i] if weight else None
             kind = weight.module_type if weight else ""
-            style = {("Linear", "column-parallel"): ColwiseParallel, ("Linear", "row-parallel"): RowwiseParallel,
-                     ("Embedding", "vocab-parallel"): RowwiseParallel,
-                     ("Embedding", "hidden-sharded"): ColwiseParallel}.get((kind, role))
+            name = style_of(kind, role) if role is not None else None
+            style = None if name is None else ColwiseParallel if name == COLWISE else RowwiseParallel
             if style is not None:
-                styles[module] = style()
+                layouts = {}
+                if regions is not None and module in regions.gather_outputs:
+                    layouts["output_layouts"] = Replicate()
+                if (regions is not None and module in regions.split_inputs) or (style is RowwiseParallel and
+                                                                                 kind == "Embedding"):
+                    layouts["input_layouts"] = Replicate()  # (an embedding reads whole indices)
+                styles[module] = style(**layouts)
                 bias = uses.get("bias")
                 want = "column-parallel" if style is ColwiseParallel else "replicated"
                 if bias is not None and bias.roles[i] != want:
@@ -63,6 +79,7 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
             for j, r in enumerate(p.roles):
                 if j != i and r != "replicated":
                     notes.append(f"{p.fqn}: {r} on {names[j]} (another axis: use fully_shard / data parallel there)")
+        notes.extend(regions.notes if regions is not None else ())
         for name, ps in details.inputs.items():
             if "S(" in ps.strip("[]").split(",")[i]:
                 notes.append(f"input {name!r} is sharded on {axis} ({ps}); the styles assume it replicated there")

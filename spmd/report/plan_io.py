@@ -23,6 +23,7 @@ from spmd.core.profiles import device_from_json, device_to_json, link_from_json,
 from spmd.core.redistribute import Step
 from spmd.core.specs import Placements, Strategy, placement_from_text, placement_str
 from spmd.report.details import NodeReport, ParamUse, PlanDetails, Split
+from spmd.report.tp_regions import StyleRegions
 
 SCHEMA = "spmd-plan"
 VERSION = 1
@@ -60,8 +61,10 @@ def _step_json(s: Step) -> dict:
 def _details_json(details: PlanDetails | None) -> dict | None:
     if details is None:
         return None
+    regions = None if details.style_regions is None else \
+        {axis: asdict(r) for axis, r in details.style_regions.items()}
     return {"nodes": [asdict(r) for r in details.nodes], "params": [asdict(p) for p in details.params],
-            "inputs": dict(details.inputs)}
+            "inputs": dict(details.inputs), "style_regions": regions}
 
 
 def _details_from(d: dict | None) -> PlanDetails | None:
@@ -74,7 +77,10 @@ def _details_from(d: dict | None) -> PlanDetails | None:
         r["alternative_cost"] = Split(**r["alternative_cost"]) if r["alternative_cost"] else None
         nodes.append(NodeReport(**r))
     params = [ParamUse(**{**p, "roles": tuple(p["roles"])}) for p in d["params"]]
-    return PlanDetails(tuple(nodes), tuple(params), dict(d["inputs"]))
+    regions = d.get("style_regions")
+    if regions is not None:
+        regions = {axis: StyleRegions(**{k: tuple(v) for k, v in r.items()}) for axis, r in regions.items()}
+    return PlanDetails(tuple(nodes), tuple(params), dict(d["inputs"]), regions)
 
 
 def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:

@@ -78,13 +78,34 @@ def test_diff_names_changed_placements_collectives_and_costs():
     assert str(spmd.diff_plans(a, a)) == "plans are the same (placements and collectives)"
 
 
-def test_to_parallelize_plan_on_gpt():
-    styles = megatron_gpt_plan().to_parallelize_plan()
-    assert styles.axis == "tp" and styles.notes == []
+def test_to_parallelize_plan_on_gpt(tmp_path):
+    """Megatron's MLP exports as is; attention, whose code views to the whole head count, and the
+    logits, which parallelize_module's user gets whole, are gathered (tests/e2e/test_parallelize_export.py
+    runs it). A plan file keeps that; one from before it says the check was not made."""
+    plan = megatron_gpt_plan()
+    with pytest.warns(UserWarning, match="not expressed as parallel styles"):
+        styles = plan.to_parallelize_plan()
+    assert styles.axis == "tp"
     assert isinstance(styles["blocks.0.attn.q_proj"], ColwiseParallel)
+    assert styles["blocks.0.attn.q_proj"].output_layouts == (Replicate(),)
     assert isinstance(styles["blocks.1.mlp.fc2"], RowwiseParallel)
-    assert isinstance(styles["lm_head"], ColwiseParallel)
+    assert styles["blocks.1.mlp.fc2"].input_layouts == (Shard(-1),)
+    assert isinstance(styles["lm_head"], ColwiseParallel) and styles["lm_head"].output_layouts == (Replicate(),)
     assert "blocks.0.ln1" not in styles and "tok_emb" not in styles
+    assert len(styles.notes) == 3 and "view" in styles.notes[0] and "each rank's 2" in styles.notes[0]
+    assert styles.notes[2] == "the model's output 0 is [S(2)] in the plan (each rank returns its piece); the styles " \
+        "return it whole"
+
+    plan.save(tmp_path / "plan.json")
+    with pytest.warns(UserWarning):
+        loaded = spmd.load_plan(tmp_path / "plan.json").to_parallelize_plan()
+    assert loaded.notes == styles.notes and loaded.keys() == styles.keys()
+    assert all(repr(loaded[k].__dict__) == repr(styles[k].__dict__) for k in styles)
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    del doc["details"]["style_regions"]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="predates the check"):
+        spmd.load_plan(tmp_path / "old.json").to_parallelize_plan()
 
 
 def test_to_parallelize_plan_says_what_it_cannot_express():
