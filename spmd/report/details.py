@@ -202,6 +202,8 @@ def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], typ
                 roles.append("FSDP")
             elif isinstance(p, Shard) and mtype == "Linear":
                 roles.append("column-parallel" if p.dim == 0 else "row-parallel")
+            elif isinstance(p, Shard) and mtype == "Conv1D":  # transformers' GPT-2 Linear: weight (in, out)
+                roles.append("column-parallel" if p.dim == 1 or leaf == "bias" else "row-parallel")
             elif isinstance(p, Shard) and mtype == "Embedding" and leaf == "weight":
                 roles.append("vocab-parallel" if p.dim == 0 else "hidden-sharded")
             elif isinstance(p, Shard):

@@ -73,8 +73,9 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
                     notes.append(f"{bias.fqn}: {bias.roles[i]} on {axis}, {style.__name__} makes it {want}")
             for use in uses.values():
                 if use.roles[i] not in ("replicated",) and style is None:
-                    notes.append(f"{use.fqn} ({use.module_type or 'no module type'}): {use.roles[i]} on {axis}, "
-                                 "no parallel style for it")
+                    why = "DTensor's styles take nn.Linear and nn.Embedding only (Conv1D holds its weight " \
+                        "transposed)" if use.module_type == "Conv1D" else "no parallel style for it"
+                    notes.append(f"{use.fqn} ({use.module_type or 'no module type'}): {use.roles[i]} on {axis}, {why}")
         for p in details.params:
             for j, r in enumerate(p.roles):
                 if j != i and r != "replicated":

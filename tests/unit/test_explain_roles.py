@@ -243,3 +243,20 @@ def test_a_child_called_model_keeps_its_layers_tied_in_training_without_a_loss_f
     wrapped = compile_graph(Wrap(), (tokens,), spec((2,), ("tp",)), training=True, tie_blocks=True)
     assert len(wrapped.blocks.representative) == len(plain.blocks.representative) == 495
     assert wrapped.plan.objective == pytest.approx(plain.plan.objective)
+
+
+def test_gpt2_conv1d_roles():
+    """transformers' Conv1D holds its weight (in, out): Shard(1) is column-parallel, Shard(0) row-parallel.
+    DTensor's styles take nn.Linear only, and the export says so (it used to say "sharded dim 1")."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=32, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg)
+    pins = {"transformer.h.0.mlp.c_fc.weight": [Shard(1)], "transformer.h.0.mlp.c_proj.weight": [Shard(0)]}
+    plan = spmd.plan(model, TP, (torch.randint(0, 128, (2, 16)),), param_placements=pins)
+    text = plan.explain(detail=False)
+    assert "transformer.h.0.mlp.c_fc     Conv1D     column-parallel on tp" in text, text
+    assert "transformer.h.0.mlp.c_proj   Conv1D     row-parallel on tp" in text, text
+    with pytest.warns(UserWarning, match="nn.Linear and nn.Embedding only"):
+        styles = plan.to_parallelize_plan()
+    assert "transformer.h.0.mlp.c_fc" not in styles
