@@ -120,6 +120,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     example_inputs, _ = distinct_inputs(example_inputs)
     with random_draws() as drew, checkpoints_run_through(root) as checkpoints:
         gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
+        aliased = _aliased_outputs(gm)
+        if aliased:  # traced again with those outputs copied: each then gets its own gradient
+            with _outputs_copied(root, aliased):
+                gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
     # graph traced again with the generators seeded apart says whether it keeps them
@@ -242,6 +246,51 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         _backward_meta_from_forward(joint.graph_module.graph)
         _drop_disable_notes(joint.graph_module.graph)
         return joint.graph_module, joint.out_spec, applied
+
+
+def _aliased_outputs(gm) -> tuple[int, ...]:
+    """The user's outputs that are views of another output or of a parameter (`return y, y.t()`). The joint
+    graph gives them no incoming gradient (AOTAutograd regenerates such aliases outside its graph, which a
+    compiled module does not), so a loss on one would reach no parameter."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    descs = out_node.meta.get("desc") or []
+    tangent_of = {d.output.idx for n in gm.graph.nodes if n.op == "placeholder"
+                  for d in [n.meta.get("desc")] if type(d).__name__ == "TangentAOTInput"
+                  and type(d.output).__name__ == "PlainAOTOutput"}
+    found = []
+    for arg, desc in zip(out_node.args[0], descs):
+        if type(desc).__name__ != "PlainAOTOutput" or desc.idx in tangent_of or not isinstance(arg, torch.fx.Node):
+            continue
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+            continue
+        node, through_view = arg, False
+        while node.op == "call_function" and getattr(node.target, "is_view", False):
+            node, through_view = node.args[0], True
+        root = type(node.meta.get("desc")).__name__ if node.op == "placeholder" else "computed"
+        if through_view and root in ("computed", "ParamAOTInput"):
+            found.append(desc.idx)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
+    """Within: the root's call returns a copy of its flat outputs at `indices` (`_aliased_outputs`)."""
+    attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
+    own, inner = root.__dict__.get(attr), getattr(root, attr)
+
+    def call(*args, **kwargs):
+        flat, spec = torch.utils._pytree.tree_flatten(inner(*args, **kwargs))
+        return torch.utils._pytree.tree_unflatten(
+            [t.clone() if k in indices and isinstance(t, torch.Tensor) else t for k, t in enumerate(flat)], spec)
+    root.__dict__[attr] = call
+    try:
+        yield
+    finally:
+        if own is not None:
+            root.__dict__[attr] = own
+        else:
+            root.__dict__.pop(attr, None)
 
 
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:

@@ -372,3 +372,42 @@ def test_an_inputs_gradient_is_the_whole_and_a_single_device_optimizer_state_is_
         assert r["input_grad"] < 1e-12 < r["scale"], r
         assert r["said"] is not None and "compiled.load_optimizer_state_dict(optimizer, state)" in r["said"], r
         assert r["after_load"] < 1e-12, r
+
+
+class _ViewOutputs(torch.nn.Module):
+    """Returns a view of its first output, or of its weight, next to it."""
+
+    def __init__(self, which: str):
+        super().__init__()
+        self.lin, self.which = torch.nn.Linear(8, 8), which
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, {"t": y.t(), "rows": y[:2], "weight": self.lin.weight.t()}[self.which]
+
+
+def _loss_on_a_view_output(rank: int, world: int, which: str) -> dict:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model, x = _ViewOutputs(which), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    out = eager(x)
+    (out[1].square().sum() + out[0].sum()).backward()
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x,), training=True, mesh_spec=spec((2,), ("dp",)))
+    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    (out[1].square().sum() + out[0].sum()).backward()
+    grads = {n: compiled._as_whole(n, p.grad).full_tensor() for n, p in compiled.named_parameters() if p.grad is not None}
+    torch.set_default_dtype(torch.float32)
+    return {"missing": sorted(n for n, _ in eager.named_parameters() if n not in grads),
+            "error": max(float((grads[n] - p.grad).abs().max()) for n, p in eager.named_parameters() if n in grads)}
+
+
+@pytest.mark.parametrize("which", ["t", "rows", "weight"])
+def test_a_loss_on_an_output_that_views_another_reaches_the_parameters(ranks, which):
+    """Found by a probe: with `return y, y.t()` (or a slice of y, or a view of a weight), a loss on the view
+    reached no parameter, silently: AOTAutograd gives such an alias no incoming gradient (it regenerates it
+    outside its graph), and the compiled module returned it as a plain tensor. The trace now copies those
+    outputs, so each gets its gradient."""
+    for r in ranks(2).run(_loss_on_a_view_output, which):
+        assert r["missing"] == [] and r["error"] < 1e-12, r
