@@ -17,9 +17,13 @@ class PlanDiff:
     only_b: list[str] = field(default_factory=list)
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (kind, axis) -> counts
     costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # seconds / bytes in a and b
+    recompute: list[tuple[str, str, str]] = field(default_factory=list)  # (layer, in a, in b)
+    # the graphs differ (another model, or parameters added): ops were not compared node by node
+    graphs_differ: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.mesh or self.placements or self.only_a or self.only_b or self.collectives)
+        return bool(self.mesh or self.placements or self.only_a or self.only_b or self.collectives or self.recompute
+                    or self.graphs_differ)
 
     def __str__(self) -> str:
         if not self:
@@ -31,6 +35,12 @@ class PlanDiff:
             width = max(len(n) for n, _, _ in self.placements)
             lines.append(f"placements ({len(self.placements)} changed):")
             lines += [f"  {n:<{width}}  {a} -> {b}" for n, a, b in self.placements]
+        if self.graphs_differ:
+            lines.append("the graphs differ: parameters and inputs compared by name, ops not compared")
+        if self.recompute:
+            width = max(len(n) for n, _, _ in self.recompute)
+            lines.append(f"recomputation ({len(self.recompute)} changed):")
+            lines += [f"  {n:<{width}}  {a} -> {b}" for n, a, b in self.recompute]
         for what, names in (("only in a", self.only_a), ("only in b", self.only_b)):
             if names:
                 lines.append(f"{what} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
@@ -53,17 +63,31 @@ def _show(s: Strategy, other: Strategy | None) -> str:
 
 
 def diff_plans(a: Plan, b: Plan) -> PlanDiff:
+    """Parameters and inputs are matched by name (FQN, argument name). Ops are matched by graph node name
+    where both plans come from the same graph (the same node names, parameters and inputs in the same
+    order); otherwise only parameters, inputs, collectives, recomputation and costs are compared."""
     d = PlanDiff()
     if str(a.mesh) != str(b.mesh):
         d.mesh = (str(a.mesh), str(b.mesh))
-    for name, sa in a.choices.items():
-        sb = b.choices.get(name)
-        label = a.labels.get(name, name)
+    same_graph = list(a.choices) == list(b.choices) and \
+        [a.labels.get(n) for n in a.choices] == [b.labels.get(n) for n in b.choices]
+    d.graphs_differ = not same_graph
+
+    def keyed(plan: Plan) -> dict[str, tuple]:
+        return {plan.labels.get(n, n): s for n, s in plan.choices.items() if same_graph or n in plan.labels}
+
+    ka, kb = keyed(a), keyed(b)
+    for label, sa in ka.items():
+        sb = kb.get(label)
         if sb is None:
             d.only_a.append(label)
         elif sa != sb:
             d.placements.append((label, _show(sa, sb), _show(sb, sa)))
-    d.only_b = [b.labels.get(n, n) for n in b.choices if n not in a.choices]
+    d.only_b = [label for label in kb if label not in ka]
+    how = lambda plan, layer: ("recomputed" if layer in plan.recompute else  # noqa: E731
+                               "recomputed, matmuls kept" if layer in plan.recompute_selective else "saved")
+    layers = sorted(set(a.recompute) | set(b.recompute) | set(a.recompute_selective) | set(b.recompute_selective))
+    d.recompute = [(layer, how(a, layer), how(b, layer)) for layer in layers if how(a, layer) != how(b, layer)]
     ca, cb = a.collective_summary(), b.collective_summary()
     d.collectives = {k: (ca.get(k, 0), cb.get(k, 0)) for k in sorted(set(ca) | set(cb)) if ca.get(k, 0) != cb.get(k, 0)}
     d.costs = {"estimated time": (a.objective, b.objective), "compute": (a.compute_cost, b.compute_cost),
