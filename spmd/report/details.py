@@ -93,8 +93,12 @@ class _Local:
         for term in costs.memory:
             self.memory[term.value[0]].append(term)
         self._deliver: dict = {}
+        self.planned = {(e.consumer, e.slot): e for e in plan.edges}
 
-    def _edge(self, value, src, dst, consumer) -> float:
+    def _edge(self, value, src, dst, consumer, slot) -> float:
+        if src == self.plan.output_placements(value) and dst == self.plan.choices[consumer].inputs[slot]:
+            e = self.planned.get((consumer, slot))  # as the plan pays it (a shared resharding: nothing)
+            return e.cost if e is not None else 0.0
         gradient = is_gradient_sink(self.table.nodes[consumer])
         try:
             return self.costs.edge_cost(value, src, dst, gradient)
@@ -112,7 +116,7 @@ class _Local:
                     total += sum(self.deliver((c, k), o) for k, o in enumerate(match[0].outputs)
                                  if o is not None) if match else math.inf
                 else:
-                    total += self._edge(value, ps, self.plan.choices[c].inputs[j], c)
+                    total += self._edge(value, ps, self.plan.choices[c].inputs[j], c, j)
             self._deliver[key] = total
         return self._deliver[key]
 
@@ -120,7 +124,7 @@ class _Local:
         ns = self.table.nodes[name]
         s = ns.strategies[idx]
         compute = self.costs.node_costs.get(name, [0.0] * len(ns.strategies))[idx]
-        comm_in = sum(self._edge(v, self.plan.output_placements(v), s.inputs[j], name)
+        comm_in = sum(self._edge(v, self.plan.output_placements(v), s.inputs[j], name, j)
                       for j, v in enumerate(ns.inputs))
         comm_out = sum(self.deliver((name, k), o) for k, o in enumerate(s.outputs) if o is not None)
         shape = self.costs.mesh.shape

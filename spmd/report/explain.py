@@ -61,10 +61,13 @@ def module_summary(details: PlanDetails, axis_names) -> list[tuple[str, str, str
 
 
 def step_seconds(plan) -> list[tuple[Any, Any, float]]:
-    """(edge, step, seconds) for every step: the plan's edge cost (gradient buckets included) shared
-    over its steps in proportion to their own cost."""
+    """(edge, step, seconds) for every step the rank graph launches: the plan's edge cost (gradient
+    buckets included) shared over its steps in proportion to their own cost. A shared edge reuses an
+    earlier consumer's resharding and launches nothing."""
     out = []
     for e in plan.edges:
+        if e.shared:
+            continue
         raw = [step_cost(s, plan.mesh) for s in e.steps]
         scale = e.cost / sum(raw) if sum(raw) > 0 else 1.0
         out += [(e, s, r * scale) for s, r in zip(e.steps, raw)]
@@ -90,8 +93,13 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     names = plan.mesh.axis_names
     step = plan.optimizer_cost
     of_it = f" with the optimizer's step {step * 1e3:.3f} ms" if step >= 5e-8 else ""
+    # the rest of the objective: recomputation, and the gradient all_reduces' latency, paid per bucket
+    # (`_bucket_latency` in the program; their edges carry the bandwidth)
+    buckets = plan.objective - plan.compute_cost - plan.comm_cost - plan.recompute_cost
+    rest = "".join(f", {what} {t * 1e3:.3f} ms" for what, t in (
+        ("recomputation", plan.recompute_cost), ("gradient buckets' latency", buckets)) if t >= 5e-7)
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
-             f"(compute {plan.compute_cost * 1e3:.3f} ms{of_it}, communication {plan.comm_cost * 1e3:.3f} ms), "
+             f"(compute {plan.compute_cost * 1e3:.3f} ms{of_it}, communication {plan.comm_cost * 1e3:.3f} ms{rest}), "
              f"optimality gap {plan.gap_text}"]
     search = plan.stats.get("axis_search")
     if search:
