@@ -90,15 +90,22 @@ def _layout(plan) -> tuple:
 @dataclass
 class Crossover:
     symbol: str
-    at: float  # the formulas of `below` and `above` are equal here
+    at: float | None  # the formulas of `below` and `above` are equal here; None: they do not cross in `between`
     below: Any  # Plan, best just under `at`
     above: Any  # Plan, best just over `at`
     changed: list[tuple[str, str, str]]  # (parameter or input, placements below, placements above)
     below_formula: Any = None  # their costs in the batch size (sympy)
     above_formula: Any = None
+    between: tuple[int, int] = (0, 0)  # the two sizes solved: `below` best at the first, `above` at the second
 
     def __str__(self) -> str:
-        lines = [f"at {self.symbol} ~ {self.at:.4g} the best plan changes"]
+        if self.at is None:
+            lo, hi = self.between
+            lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; their formulas do not cross "
+                     "there (each plan's formula also counts sizes its layout cannot split evenly, where it "
+                     "cannot run; or one solve stopped within its optimality gap)"]
+        else:
+            lines = [f"at {self.symbol} ~ {self.at:.4g} the best plan changes"]
         for name, a, b in self.changed[:12]:
             lines.append(f"  {name}: {a} -> {b}")
         if len(self.changed) > 12:
@@ -108,7 +115,8 @@ class Crossover:
 
 def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[int] | None = None) -> list[Crossover]:
     """Re-solve at other batch sizes (default: the plan's batch times 1/8 ... 64, where whole) and
-    report every size where the best plan changes, located where the two plans' formulas cross."""
+    report every size where the best plan changes, located where the two plans' formulas cross (`at`;
+    None where they do not cross between the two sizes solved, `between`)."""
     request = _need(request, "crossover")
     b0 = request.batch
     if sizes is None:
@@ -127,8 +135,8 @@ def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[
         f1, f2 = cost_formula(p1, request, symbol, b1), cost_formula(p2, request, symbol, b2)
         formula = sympy.lambdify(x, f1 - f2, "math")
         lo, hi = float(b1), float(b2)
-        if formula(lo) > 0 or formula(hi) < 0:  # no sign change between the two sizes: report the midpoint
-            at = (lo + hi) / 2
+        if formula(lo) > 0 or formula(hi) < 0:  # no sign change between the two sizes: no crossing to report
+            at = None
         else:
             for _ in range(60):
                 mid = (lo + hi) / 2
@@ -137,5 +145,5 @@ def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[
         labels = p1.labels
         changed = [(labels[n], placements_str(p1.choices[n].outputs[0]), placements_str(p2.choices[n].outputs[0]))
                    for n in labels if n in p2.choices and p1.choices[n].outputs[0] != p2.choices[n].outputs[0]]
-        found.append(Crossover(symbol, at, p1, p2, changed, f1, f2))
+        found.append(Crossover(symbol, at, p1, p2, changed, f1, f2, (b1, b2)))
     return found

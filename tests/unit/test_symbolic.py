@@ -90,3 +90,20 @@ def test_formula_equals_the_objective_when_a_gradient_fills_more_than_one_bucket
                                           for s in e.steps)]
     assert grads, "the 8 MiB weight gradient is all_reduced in one piece larger than a bucket"
     assert float(plan.cost_formula.subs("batch", 8)) == pytest.approx(plan.objective, rel=1e-9)
+
+
+def test_crossover_without_a_crossing_names_the_sizes_not_a_midpoint(monkeypatch):
+    """Found by a probe: where the two plans' formulas do not cross between the sizes solved, crossover
+    reported their midpoint as where they cost the same. It now says between which sizes the plan
+    changes (`at` None)."""
+    from spmd.report import whatif
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    plan = spmd.plan(model, FAST_MEMORY_1D, (torch.randn(8, 64), torch.randn(8, 64)), loss_fn=F.mse_loss)
+    real = whatif.cost_formula
+    # the plan above the change priced as if cheaper everywhere: no sign change between the two sizes
+    monkeypatch.setattr(whatif, "cost_formula", lambda p, *a: real(p, *a) * (0.01 if p.collective_summary() else 1))
+    found = plan.crossover()
+    assert len(found) == 1 and found[0].at is None and found[0].between[0] < found[0].between[1]
+    assert str(found[0]).startswith(f"between batch {found[0].between[0]} and {found[0].between[1]} the best plan")
