@@ -120,6 +120,9 @@ GENERATOR_CHECK_SHARE = 0.01
 
 # model -> the live modules compiled from it, whose traced modes explain the model's mode (`_model_mode_unexplained`)
 _compiled_modules = WeakIdKeyDictionary()
+# model -> the mode it was last compiled in (`spmd.compile(model.eval(), ...)` leaves the model in eval mode, also
+# once that module is gone or where a copy of it lives on)
+_last_compiled_mode = WeakIdKeyDictionary()
 
 # names a model's first-level child may not take in the compiled module's tree (its own attributes, set before
 # or after the pieces are placed); such a child's pieces are held flat (`CompiledModule._place`)
@@ -224,6 +227,7 @@ class CompiledModule(nn.Module):
         ops = _op_names(c.traced.graph)
         self._traced_mode = self._source_model.training
         _compiled_modules.setdefault(self._source_model, weakref.WeakSet()).add(self)
+        _last_compiled_mode[self._source_model] = self._traced_mode
         source_guard.mark_hooks(self)
         self._mode_dependent = _mode_dependent(ops, self._source_model)
         # what was traced (the model, with its loss), run in both modes on fake tensors at the first call in the
@@ -1079,10 +1083,13 @@ class CompiledModule(nn.Module):
             f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
 
     def _model_mode_unexplained(self) -> bool:
-        """The model in the other mode than this module was traced in, and no live module compiled from it in
-        that mode (`spmd.compile(model.eval(), ...)` beside a training module leaves the model in eval mode):
-        the user's `model.eval()`, which this module would not follow."""
+        """The model in the other mode than this module was traced in, not the mode the last compile from it
+        left it in, and no live module compiled from it in that mode (`spmd.compile(model.eval(), ...)` beside a
+        training module leaves the model in eval mode, also once that module is gone): the user's
+        `model.eval()`, which this module would not follow."""
         mode = self._source_model.training
+        if _last_compiled_mode.get(self._source_model) == mode:
+            return False  # as the last compile left it
         return not any(c is not self and c._traced_mode == mode
                        for c in _compiled_modules.get(self._source_model, ()))
 
@@ -1115,6 +1122,10 @@ class CompiledModule(nn.Module):
             self._follow_requires_grad()
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
             self._refuse_another_mode()
+        elif _last_compiled_mode.get(self._source_model, self._traced_mode) != self._traced_mode:
+            # the model is back in this module's mode since a compile in the other one: its next switch is
+            # the user's (`model.eval()` to evaluate with this module), no longer what that compile left
+            del _last_compiled_mode[self._source_model]
         self._require_values()
         if self._draws:
             self._calls += 1

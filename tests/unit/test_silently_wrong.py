@@ -3,6 +3,7 @@ outputs and no rule of their own. Each trains (or runs) equal to one device."""
 from __future__ import annotations
 
 import copy
+import gc
 import dataclasses
 import operator
 
@@ -1236,6 +1237,17 @@ def test_the_model_put_in_the_other_mode_after_compiling_is_refused():
     plain._source_model.eval()
     with torch.no_grad():
         plain(x)
+    # found by a probe: once the eval-mode module was gone (a temporary evaluator), the model, still in the
+    # eval mode that compile left it in, got the training module refused
+    del evaluating
+    gc.collect()
+    with torch.no_grad():
+        compiled(x)
+    model.train()
+    compiled(x)
+    model.eval()  # (the user's, after the last compile: refused again)
+    with pytest.raises(spmd.SpmdError, match="is in eval mode now"):
+        compiled(x)
 
 
 def test_a_hook_registered_on_the_model_after_compiling_is_refused():
