@@ -7,7 +7,10 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - requires_grad followed from the model's parameters (`CompiledModule._follow_requires_grad`);
 - the autocast state the module was compiled under (`runtime/autocast_guard.AutocastGuard.check`);
 - the model's weights changed after compiling, before the module trained (`runtime/source_guard.model_changed`:
-  one version counter per parameter; nothing once it has trained).
+  one version counter per parameter; nothing once it has trained);
+- hooks registered on the model after compiling (`runtime/source_guard.hooks_added`): one integer compare,
+  and after a hook registration anywhere (a backward hook on an eager module at every step) a read of the
+  model's hook tables, against the walk of the module tree it was before session 60 (`_hooks`).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -55,8 +58,9 @@ def main() -> None:
     from spmd.runtime import source_guard
 
     print("| layers | attributes watched | attribute guard, us | sibling check, us | parameters followed | "
-          "requires_grad followed, us | autocast, us | model's weights (before training), us | all, us |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "requires_grad followed, us | autocast, us | model's weights (before training), us | hooks, us | "
+          "all, us | hooks after a registration elsewhere, us | (the tree walk instead, us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in (2, 8, 32):
         compiled = _compiled(layers)
         guard = _us(compiled._attributes.check)
@@ -64,8 +68,16 @@ def main() -> None:
         flags = _us(compiled._follow_requires_grad)
         autocast = _us(compiled._autocast.check)
         weights = _us(lambda: source_guard.model_changed(compiled))
+        hooks = _us(lambda: source_guard.hooks_added(compiled))
+
+        def after_a_registration():
+            compiled.__dict__["_hooks_at"] = -1
+            source_guard.hooks_added(compiled)
+        walk = _us(after_a_registration, calls=200)
+        tree = _us(lambda: source_guard._hooks(compiled._source_model), calls=200)
+        total = guard + sibling + flags + autocast + weights + hooks
         print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
-              f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {guard + sibling + flags + autocast + weights:.1f} |",
+              f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {hooks:.2f} | {total:.1f} | {walk:.0f} | {tree:.0f} |",
               flush=True)
 
 if __name__ == "__main__":

@@ -558,6 +558,7 @@ class CompiledModule(nn.Module):
         new._frozen_pieces = [(memo.get(id(piece), piece), fqn) for piece, fqn in self._frozen_pieces]
         new._watch_pieces()  # (compiled from the same model: the guards know the copy's pieces too)
         new.__dict__["_copy"] = True  # (a snapshot its user keeps up to date, or not: never stale)
+        _compiled_modules.setdefault(self._source_model, weakref.WeakSet()).add(new)  # (its mode explains the model's)
         return new
 
     def _apply(self, fn, recurse: bool = True):
