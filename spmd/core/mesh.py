@@ -128,8 +128,11 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     shape, names = [], []
     for part in text.split(","):
         name, eq, size = part.partition("=")
-        if not eq or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        if not eq or not name.strip() or not size.strip().isdigit():
             raise ValueError(f"mesh {text!r}: expected axis=size pairs like dp=2,tp=4")
+        if int(size) < 1:
+            raise ValueError(f"mesh {text!r}: axis {name.strip()!r} has size {int(size)}; each axis needs at least "
+                             "one device")
         names.append(name.strip())
         shape.append(int(size))
     return tuple(shape), tuple(names)

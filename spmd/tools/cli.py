@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import sys
 import threading
 import time
@@ -62,6 +63,14 @@ def load_build(target: str):
     build = getattr(module, fn, None)
     if not callable(build):
         raise SpmdError(f"{target}: {where} has no function {fn!r}")
+    try:
+        inspect.signature(build).bind()
+    except TypeError:
+        raise SpmdError(f"{target}: {fn}{inspect.signature(build)} needs arguments; the build function takes none "
+                        "and returns (model, example_inputs) or (model, example_inputs, loss_fn). What to do: give "
+                        "its parameters defaults, or wrap it: `def build(): return my_build(...)`.") from None
+    except ValueError:
+        pass  # (no signature to read: a builtin; calling it says what is wrong)
     return build
 
 

@@ -75,6 +75,13 @@ def test_user_errors_say_what_to_do(tmp_path, capsys):
     assert "has no function 'build_missing'" in capsys.readouterr().err
     assert cli.main(["plan", f"{tmp_path / 'model.py'}:NOT_A_FUNCTION", "--mesh", "dp=2"]) == 2
     assert "has no function 'NOT_A_FUNCTION'" in capsys.readouterr().err
+    # found by a probe: a build function with parameters raised a bare TypeError; a size-0 axis got the
+    # syntax message
+    (tmp_path / "needs.py").write_text("def build(width):\n    raise AssertionError('not called')\n")
+    assert cli.main(["plan", f"{tmp_path / 'needs.py'}:build", "--mesh", "dp=2"]) == 2
+    assert "build(width) needs arguments; the build function takes none" in capsys.readouterr().err
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=0"]) == 2
+    assert "axis 'dp' has size 0; each axis needs at least one device" in capsys.readouterr().err
 
 
 def test_calibrate_is_forwarded(monkeypatch):
