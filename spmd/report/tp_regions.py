@@ -202,9 +202,12 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
         regions.setdefault(find(at), []).extend(whys)
     gather, split, notes = set(), set(), []
 
+    def listed(modules: set) -> str:
+        names = sorted(modules)
+        return ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+
     def changed(why: str, g: set, sp: set) -> str:
-        parts = [f"gathers the output of {', '.join(sorted(g))}" if g else "",
-                 f"splits the input of {', '.join(sorted(sp))}" if sp else ""]
+        parts = [f"gathers the output of {listed(g)}" if g else "", f"splits the input of {listed(sp)}" if sp else ""]
         return f"{why}; the export {' and '.join(p for p in parts if p)} (whole tensors where the plan keeps pieces)"
 
     for root, whys in regions.items():
