@@ -392,6 +392,18 @@ class CompiledModule(nn.Module):
         """This rank's piece of `value` for `fqn`, whose piece is shaped as `piece`: a DTensor resharded to
         this plan's layout, a full tensor cut; anything else (already a piece, a number) as it is."""
         if hasattr(value, "to_local"):
+            whole = tuple(value.shape)  # (a DTensor's shape is the whole's)
+        else:
+            whole = tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+        shape = self._global_shapes.get(fqn)
+        # (a state of another shape than its parameter's, as a factored optimizer keeps, has other dims)
+        if whole is not None and shape is not None and len(whole) == len(shape) and whole != tuple(shape):
+            # (a piece-shaped tensor was once taken for this rank's piece: half a bias from a smaller
+            # configuration loaded into both halves, silently; a tensor of one broadcast over the whole)
+            raise SpmdError(f"size mismatch for {fqn}: copying a tensor of shape {list(whole)} from the state dict, "
+                            f"the model's is {list(shape)}. What to do: load a state dict of this model's "
+                            "configuration (whole tensors, or the DTensors of its state_dict()).")
+        if hasattr(value, "to_local"):
             return value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
         if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
             return local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)

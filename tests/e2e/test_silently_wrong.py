@@ -411,3 +411,33 @@ def test_a_loss_on_an_output_that_views_another_reaches_the_parameters(ranks, wh
     outputs, so each gets its gradient."""
     for r in ranks(2).run(_loss_on_a_view_output, which):
         assert r["missing"] == [] and r["error"] < 1e-12, r
+
+
+def _load_wrong_shapes(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)), torch.randn(4, 8)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"0.weight": [Shard(0)], "0.bias": [Shard(0)]})
+    said = {}
+    for name, value in (("0.bias", torch.zeros(8)), ("2.bias", torch.ones(1)), ("0.weight", torch.zeros(8, 8))):
+        state = {**model.state_dict(), name: value}
+        try:
+            compiled.load_state_dict(state)
+        except spmd.SpmdError as e:
+            said[name] = str(e)
+    state = {k: v + 1 for k, v in model.state_dict().items()}  # whole tensors of the right shapes: taken
+    compiled.load_state_dict(state)
+    errors = {k: float((compiled.full_state_dict()[k] - v).abs().max()) for k, v in state.items()}
+    return {"said": said, "errors": errors}
+
+
+def test_a_state_dict_entry_of_another_shape_is_refused(ranks):
+    """Found by a probe: an entry shaped like this rank's piece (half a Shard(0) bias: a checkpoint of a
+    smaller configuration) was taken for the piece on every rank, and a tensor of one broadcast over a whole
+    bias, silently. Every entry must now have the parameter's whole shape, as torch's load requires."""
+    for r in ranks(2).run(_load_wrong_shapes):
+        assert set(r["said"]) == {"0.bias", "2.bias", "0.weight"}, r
+        assert "size mismatch for 0.bias: copying a tensor of shape [8] from the state dict, the model's is [16]" \
+            in r["said"]["0.bias"]
+        assert max(r["errors"].values()) == 0.0, r
