@@ -57,6 +57,8 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
             weight = uses.get("weight")
             role = weight.roles[i] if weight else None
             kind = weight.module_type if weight else ""
+            if regions is not None and module in regions.unstyled:
+                continue  # (its parameter is read elsewhere too: a note says so)
             name = style_of(kind, role) if role is not None else None
             style = None if name is None else ColwiseParallel if name == COLWISE else RowwiseParallel
             if style is not None:

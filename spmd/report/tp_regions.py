@@ -49,6 +49,7 @@ class StyleRegions:
     gather_outputs: tuple[str, ...] = ()
     split_inputs: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    unstyled: tuple[str, ...] = ()  # modules whose parameter is read elsewhere too: left without a style
 
 
 # What the eager code holds for a value, against the plan's local tensor: LOCAL, the same tensor (a
@@ -90,6 +91,19 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
     # the model's outputs (the table's `output_k`), which parallelize_module's user gets whole
     nodes += [_Output(name) for name, ns in table.nodes.items() if ns.source == "output"
               and all(v[0] not in backward for v in ns.inputs)]
+    # a styled module's parameter read elsewhere (a tied weight, `F.linear(h, self.emb.weight)`) would be a
+    # DTensor there: mixed with plain tensors (an error), or a tie broken (parallelize_module replaces one
+    # name's tensor), so that module is left unstyled
+    unstyled: dict[str, str] = {}
+    for node in nodes:
+        for value in table.nodes[node.name].inputs:
+            owner = styled(value[0]) if value[0] in params and value[0] not in backward else None
+            if owner is not None and styled(node.name) != owner and owner not in unstyled:
+                reader = styled(node.name) or where.get(node.name) or _what(node)
+                unstyled[owner] = (f"{params[value[0]]} is read outside {owner} too (by {reader}: a tied weight, or "
+                                   f"code using it directly), where a parallel style would make it a DTensor; "
+                                   f"{owner} is left unstyled (whole on every rank)")
+    styles = {m: s for m, s in styles.items() if m not in unstyled}
     state: dict[str, str | None] = {}  # value outside the styled modules -> LOCAL | WHOLE | None (differs)
     parent: dict[str, str] = {}  # union-find over those values and "out:<module>" for styled outputs
 
@@ -154,10 +168,8 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
                     else:  # input_layouts=Replicate() splits a whole input as the plan does: no difference
                         fail(value[0], why, st != WHOLE)
                 continue
-            if vmodule is not None:
-                join(node.name, f"out:{vmodule}")
-            elif value[0] in parent:
-                join(node.name, value[0])
+            if st != WHOLE:  # (a region is what pieces reach: whole values do not tie regions together)
+                join(node.name, f"out:{vmodule}" if vmodule is not None else value[0])
             if isinstance(node, _Output):
                 if not isinstance(dst, Replicate):
                     info.append(f"{_what(node)} is {placements_str((dst,))} in the plan (each rank returns its "
@@ -210,12 +222,23 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
         parts = [f"gathers the output of {listed(g)}" if g else "", f"splits the input of {listed(sp)}" if sp else ""]
         return f"{why}; the export {' and '.join(p for p in parts if p)} (whole tensors where the plan keeps pieces)"
 
+    # a column-parallel module gathered for a pair with nothing between makes the region it feeds whole too
+    for producer, _, why in direct:
+        if styles[producer] == COLWISE and f"out:{producer}" in parent:
+            regions.setdefault(find(f"out:{producer}"), []).append((why, False))
+    readers: dict[str, set[str]] = {}  # a styled module's output or a glue value -> the row-parallel modules reading it
+    for node in nodes:
+        m = styled(node.name)
+        if m is not None and styles[m] == ROWWISE:
+            for v in table.nodes[node.name].inputs:
+                source = styled(v[0])
+                if source != m and v[0] not in backward:
+                    readers.setdefault(f"out:{source}" if source is not None else v[0], set()).add(m)
     for root, whys in regions.items():
         members = {x for x in parent if find(x) == root}
-        g = {x.removeprefix("out:") for x in members if x.startswith("out:")}
-        g = {m for m in g if styles[m] == COLWISE}
-        sp = {m for node in nodes for m in [styled(node.name)] if m is not None and styles[m] == ROWWISE
-              and any(v[0] in members and styled(v[0]) != m for v in table.nodes[node.name].inputs)}
+        g = {m for x in members if x.startswith("out:") for m in [x.removeprefix("out:")] if styles[m] == COLWISE}
+        # the row-parallel modules reading the region, or reading a gathered module's output directly
+        sp = set().union(*(readers.get(x, set()) for x in members | {f"out:{m}" for m in g}))
         gather |= g
         split |= sp
         differs = [w for w, d in whys if d]
@@ -224,10 +247,12 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
     for producer, consumer, why in direct:
         g = {producer} if styles[producer] == COLWISE else set()
         sp = {consumer} if styles[consumer] == ROWWISE else set()
+        sp |= readers.get(f"out:{producer}", set()) if g else set()
         gather |= g
         split |= sp
         notes.append(changed(why, g, sp))
-    return StyleRegions(tuple(sorted(gather)), tuple(sorted(split)), tuple(notes + info))
+    return StyleRegions(tuple(sorted(gather)), tuple(sorted(split)), tuple(notes + info + list(unstyled.values())),
+                        tuple(sorted(unstyled)))
 
 
 @dataclass(frozen=True)
@@ -256,7 +281,18 @@ def _resized(node: fx.Node, plan, mesh_shape: tuple[int, ...]) -> str:
     strategy = plan.choices.get(node.name)
     if strategy is None or node.op != "call_function":
         return ""
-    if node.target in SHAPE_ARG:
+    axis = next(i for i, n in enumerate(mesh_shape) if n > 1) if any(n > 1 for n in mesh_shape) else 0
+    for a, p in zip([a for a in node.args if isinstance(a, fx.Node)], strategy.inputs):
+        # a number equal to the whole size of a dim this op holds a piece of: the code may read it from the
+        # tensor's shape (`h / h.shape[-1]`), which each rank's eager code would read as its own
+        val = a.meta.get("val")
+        shard = p[axis] if p is not None else None
+        if isinstance(val, torch.Tensor) and isinstance(shard, Shard) and shard.dim < val.dim():
+            whole = int(val.shape[shard.dim])
+            if whole != whole // mesh_shape[axis] and any(
+                    type(x) in (int, float) and x == whole for x in node.args[1:]):
+                return f"the number {whole}, the whole size of a dim each rank holds {whole // mesh_shape[axis]} of"
+    if node.target in SHAPE_ARG and _sized_by_the_user(node):
         val = node.meta.get("val")
         sizes = node.args[SHAPE_ARG[node.target]] if len(node.args) > SHAPE_ARG[node.target] else None
         if isinstance(val, torch.Tensor) and isinstance(sizes, (list, tuple)) and len(sizes) == val.dim():
@@ -270,3 +306,14 @@ def _resized(node: fx.Node, plan, mesh_shape: tuple[int, ...]) -> str:
         if local is not None and (local[0] is not node.target or tuple(local[1]) != tuple(node.args)):
             return "its local form"
     return ""
+
+
+# the torch functions whose size arguments are the user's (a view or expand a decomposition made, of a
+# matmul say, takes its sizes from its inputs, which each rank's eager code reads as its own)
+_SIZED = ("view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "new_full", "unflatten", "view_copy",
+          "expand_copy", "_unsafe_view", "broadcast_to")
+
+
+def _sized_by_the_user(node: fx.Node) -> bool:
+    fn = node.meta.get("torch_fn")
+    return fn is None or str(fn[1]).rsplit(".", 1)[-1] in _SIZED
