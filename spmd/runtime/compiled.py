@@ -887,6 +887,13 @@ class CompiledModule(nn.Module):
     def _require_values(self) -> None:
         if self._uninitialized:
             names = sorted(self._uninitialized)
+            if set(names) <= set(self._non_persistent):  # (no checkpoint holds them: a load cannot give them)
+                raise SpmdError(
+                    f"the model was compiled from the meta device and {len(names)} of its buffers have no values yet "
+                    f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); they are not persistent, so no "
+                    "checkpoint holds them (a rotary embedding's inv_freq is computed in __init__). What to do: "
+                    "compiled.init_weights(seed=...) first, which computes them (and draws the weights), then load the "
+                    "checkpoint: compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
             raise SpmdError(f"the model was compiled from the meta device and {len(names)} of its parameters and "
                             f"buffers have no values yet ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). "
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
