@@ -10,7 +10,7 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
   one version counter per parameter; nothing once it has trained);
 - hooks registered on the model after compiling (`runtime/source_guard.hooks_added`): one integer compare,
   and after a hook registration anywhere (a backward hook on an eager module at every step) a read of the
-  model's hook tables, against the walk of the module tree it was before session 60 (`_hooks`).
+  model's hook tables, against the walk of the module tree it was before session 60.
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -74,7 +74,9 @@ def main() -> None:
             compiled.__dict__["_hooks_at"] = -1
             source_guard.hooks_added(compiled)
         walk = _us(after_a_registration, calls=200)
-        tree = _us(lambda: source_guard._hooks(compiled._source_model), calls=200)
+        model = compiled._source_model
+        tree = _us(lambda: source_guard._hooks(model.named_modules(remove_duplicate=False),
+                                               model.named_parameters(remove_duplicate=False)), calls=200)
         total = guard + sibling + flags + autocast + weights + hooks
         print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
               f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {hooks:.2f} | {total:.1f} | {walk:.0f} | {tree:.0f} |",

@@ -274,16 +274,12 @@ def _aliased_outputs(gm) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
-    """Within: the root's call returns a copy of its flat outputs at `indices` (`_aliased_outputs`)."""
+def _root_call(root: torch.nn.Module, wrap):
+    """Within: calling `root` runs `wrap(call)(*args, **kwargs)`, `call` being its own call (`_call_impl`,
+    where its hooks run too; the compiled call `model.compile()` left, which nn.Module calls instead)."""
     attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
-    own, inner = root.__dict__.get(attr), getattr(root, attr)
-
-    def call(*args, **kwargs):
-        flat, spec = torch.utils._pytree.tree_flatten(inner(*args, **kwargs))
-        return torch.utils._pytree.tree_unflatten(
-            [t.clone() if k in indices and isinstance(t, torch.Tensor) else t for k, t in enumerate(flat)], spec)
-    root.__dict__[attr] = call
+    own = root.__dict__.get(attr)
+    root.__dict__[attr] = wrap(getattr(root, attr))
     try:
         yield
     finally:
@@ -291,6 +287,17 @@ def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
             root.__dict__[attr] = own
         else:
             root.__dict__.pop(attr, None)
+
+
+def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
+    """Within: the root's call returns a copy of its flat outputs at `indices` (`_aliased_outputs`)."""
+    def wrap(inner):
+        def call(*args, **kwargs):
+            flat, spec = torch.utils._pytree.tree_flatten(inner(*args, **kwargs))
+            return torch.utils._pytree.tree_unflatten(
+                [t.clone() if k in indices and isinstance(t, torch.Tensor) else t for k, t in enumerate(flat)], spec)
+        return call
+    return _root_call(root, wrap)
 
 
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
@@ -311,21 +318,14 @@ def _autocast_in_forward(root: torch.nn.Module):
     if not state:
         yield
         return
-    attr = "_compiled_call_impl" if getattr(root, "_compiled_call_impl", None) is not None else "_call_impl"
-    own, inner = root.__dict__.get(attr), getattr(root, attr)
 
-    def call(*args, **kwargs):
-        with autocast_on(state):
-            return inner(*args, **kwargs)
-    root.__dict__[attr] = call
-    try:
-        with autocast_off():
-            yield
-    finally:
-        if own is not None:
-            root.__dict__[attr] = own
-        else:
-            root.__dict__.pop(attr, None)
+    def wrap(inner):
+        def call(*args, **kwargs):
+            with autocast_on(state):
+                return inner(*args, **kwargs)
+        return call
+    with _root_call(root, wrap), autocast_off():
+        yield
 
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:

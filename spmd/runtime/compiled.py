@@ -390,11 +390,8 @@ class CompiledModule(nn.Module):
 
     def _piece_of(self, fqn: str, value, piece: torch.Tensor):
         """This rank's piece of `value` for `fqn`, whose piece is shaped as `piece`: a DTensor resharded to
-        this plan's layout, a full tensor cut; anything else (already a piece, a number) as it is."""
-        if hasattr(value, "to_local"):
-            whole = tuple(value.shape)  # (a DTensor's shape is the whole's)
-        else:
-            whole = tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+        this plan's layout, a full tensor cut; a number, or a whole that is the piece, as it is."""
+        whole = tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() > 0 else None  # (DTensor: whole)
         shape = self._global_shapes.get(fqn)
         # (a state of another shape than its parameter's, as a factored optimizer keeps, has other dims)
         if whole is not None and shape is not None and len(whole) == len(shape) and whole != tuple(shape):
