@@ -11,6 +11,7 @@ from spmd.core.mesh import MeshSpec
 from spmd.passes.enumerate_strategies import UnknownOpWarning
 from spmd.report.diff import diff_plans
 from spmd.report.result import load_plan
+from spmd.runtime.init_tape import deferred_init
 
 __all__ = ["compile", "plan", "init_mesh", "MeshSpec", "PlanOptions", "SpmdError", "SpmdInternalError",
-           "UnknownOpWarning", "load_plan", "diff_plans"]
+           "UnknownOpWarning", "load_plan", "diff_plans", "deferred_init"]

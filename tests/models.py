@@ -355,3 +355,42 @@ class Quantized(nn.Module):
 
     def forward(self, x):
         return self.fc2(ScaleGrad.apply(RoundSTE.apply(self.fc1(x) * 4) / 4))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.c_fc, self.c_proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln(x))))
+
+
+class NanoGPT(nn.Module):
+    """karpathy/nanoGPT's construction: the embedding takes the head's weight (`earlier.weight =
+    later.weight`), `self.apply(self._init_weights)`, then a scaled normal_ on every c_proj weight."""
+
+    def __init__(self, vocab=64, d=32, layers=2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList(NanoBlock(d) for _ in range(layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))

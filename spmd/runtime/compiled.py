@@ -449,7 +449,7 @@ class CompiledModule(nn.Module):
         loaded = set()
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
-                value = next((state[n] for n in self._load_names(fqn) if n in state), None)
+                value = self._entry(state, fqn)
                 if value is None and (_partial or fqn in self._non_persistent):  # (computed, or a lifted
                     continue                                                     # constant: not saved)
                 if value is None:
@@ -688,6 +688,16 @@ class CompiledModule(nn.Module):
         names = (fqn, *self._names_of(fqn))
         return names + tuple(n.replace(".", "__") for n in names if "." in n)
 
+    def _entry(self, state: dict, fqn: str):
+        """`fqn`'s entry in `state`, as torch's `load_state_dict` leaves it: each module copies its own names in
+        turn, so of a tied tensor's names the last one present (in module order) wins; then the older attribute
+        names. None where there is none."""
+        names = (fqn, *self._names_of(fqn))
+        present = [n for n in names if n in state]
+        if present:
+            return state[present[-1]]
+        return next((state[n] for n in self._load_names(fqn)[len(names):] if n in state), None)
+
     def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
         """(persistent entries missing, keys that are not the model's) of `state`."""
         known = {n for fqn in self._param_names for n in self._load_names(fqn)}
@@ -717,19 +727,32 @@ class CompiledModule(nn.Module):
         model replays its own post_init as construction runs it (`hf_init_kwargs`). `replay`: reset_fns
         (for modules that set tensors in `__init__` without a `reset_parameters`), init_roots,
         discard_writes, tied_reset_owner, strict, init_dtype (see `init_weights.init_local_shards`)."""
+        from spmd.runtime.init_tape import record_init_fn, replay_local_shards, tape_of
         from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, is_transformers
 
         model = self._source_model
         if not is_meta(model):
             raise SpmdError("init_weights replays the init of a model built on the meta device; this one was built "
                             "with values, and its shards already hold them (from rank src_data_rank).")
-        kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
-        kwargs.update(replay)
         placements = dict(self._state_placements)
         for alias, canonical in self._aliases.items():
             placements.setdefault(alias, placements[canonical])
-        local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,
-                                  device=self._device or "cpu", **kwargs)
+        recorded = None if is_transformers(model) else tape_of(model)  # (transformers: its post_init, below)
+        if recorded is not None:
+            if replay:
+                raise SpmdError(f"init_weights: {', '.join(sorted(replay))} describe the construction of a model built "
+                                "under torch.device('meta'); this one was built by spmd.deferred_init, which recorded "
+                                "its construction. What to do: leave them out (do any change inside the build function).")
+            tape, final = recorded
+            if init_fn is not None:
+                tape = record_init_fn(model, tape, final, init_fn)
+            local = replay_local_shards(tape, final, placements, self.mesh_spec.shape, self.coord, seed=seed,
+                                        device=self._device or "cpu")
+        else:
+            kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
+            kwargs.update(replay)
+            local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,
+                                      device=self._device or "cpu", **kwargs)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 piece = local.pop(fqn, None)
@@ -753,7 +776,7 @@ class CompiledModule(nn.Module):
         for fqn in self._param_names:
             if fqn in self._non_persistent:
                 continue
-            name = next((n for n in (fqn, *self._names_of(fqn)) if n in files), None)
+            name = next((n for n in reversed((fqn, *self._names_of(fqn))) if n in files), None)  # (as `_entry`)
             if name is None:
                 missing.append(fqn)
                 continue

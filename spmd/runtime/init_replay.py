@@ -251,7 +251,7 @@ class _Recorder(TorchDispatchMode):
 def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
               reset_fns: Mapping[type, Callable | None] | None = None,
               init_roots: Mapping[str, Callable] | None = None,
-              discard_writes: Iterable[str] = (), tied_reset_owner: str = "first", order: str = "post"):
+              discard_writes: Iterable[str] = (), tied_reset_owner: str | None = None, order: str = "post"):
     """Dry-run the replay on the meta model: (tensors, events with what each touched, classes of modules
     with tensors and no reset, which slots each event writes to scratch). See `init_weights.init_local_shards`
     for the arguments. order="pre" (resets in named_modules() pre-order) exists to show where it departs
@@ -276,12 +276,12 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
         raise SpmdError(f"discard_writes names no parameter or buffer: {sorted(unknown_discard)}")
     always = {s for s, names in slot_names.items() if names & discard_fqns}
     reset_only = set()
-    if tied_reset_owner == "first":
+    if tied_reset_owner in ("first", None):
         for info in infos.values():
             for (m, kind, attr, fqn) in info.holders[1:]:
                 reset_only.add((id(m), kind, attr))
     elif tied_reset_owner != "all":
-        raise SpmdError("tied_reset_owner: 'first' or 'all'")
+        raise SpmdError("tied_reset_owner: 'first', 'all' or None")
     discard = {ev.index: always | (reset_only if ev.kind == "reset" else set()) for ev in events}
     # dry run
     rec = _Recorder()
@@ -324,4 +324,28 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
                         table[attr] = old
     finally:
         torch.set_rng_state(rng_before)
+    if tied_reset_owner is None:
+        _refuse_unknown_tie_makers(infos, events, always)
     return infos, events, unknown, discard
+
+
+def _refuse_unknown_tie_makers(infos: dict[int, _TensorInfo], events: list[_Event], discarded: set) -> None:
+    """A tied tensor two modules' resets write, and no init_fn overwrites after: its values are those of the
+    module that made it, which a meta model cannot tell (`lm_head.weight = wte.weight` or the other way,
+    nanoGPT's). Found by a probe: nanoGPT's tie came out with the embedding's init, 4.01 off."""
+    resets = {id(ev.module) for ev in events if ev.kind == "reset"}
+    overwritten = set().union(*(ev.kills for ev in events if ev.kind == "init")) if events else set()
+    for info in infos.values():
+        makers = [(m, fqn) for (m, kind, attr, fqn) in info.holders
+                  if (id(m), kind, attr) not in discarded and id(m) in resets]
+        if len(makers) < 2 or info.key in overwritten:
+            continue
+        (a, fa), (b, fb) = makers[:2]
+        where = lambda m, fqn: f"{type(m).__name__} {fqn.rpartition('.')[0] or '<root>'}"  # noqa: E731
+        raise SpmdError(
+            f"init_weights: {fa} and {fb} are one tensor, and the reset_parameters of both {where(a, fa)} and "
+            f"{where(b, fb)} write it. On a model built under torch.device('meta') the tie does not say which "
+            "module made the tensor, and that decides its values. What to do: build the model with "
+            "spmd.deferred_init(Model, ...), which records its construction; or say which made it: "
+            f"tied_reset_owner='first' (the tie was made as `{fb} = {fa}`) or 'all' (made as `{fa} = {fb}`, "
+            "nanoGPT's way: the last reset wins).")

@@ -238,3 +238,28 @@ def test_a_model_no_rank_holds_trains_after_init_on_shards(ranks):
                 per_rank = rows[0] if name in ("tok_emb.weight", "lm_head.weight") else param.shape[0] // 4
                 start = rank * per_rank
                 assert torch.equal(torch.tensor(r["samples"][name]), param.detach()[start:start + 3]), (name, rank)
+
+
+def _deferred_nanogpt(rank: int, world: int) -> dict:
+    from tests.models import NanoGPT
+
+    torch.manual_seed(0)
+    reference = NanoGPT()
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(spmd.deferred_init(NanoGPT), mesh, (x,), mesh_spec=spec((2,), ("tp",)))
+    compiled.init_weights(seed=0)
+    full = compiled.full_state_dict()
+    errors = {k: float((full[k] - v).abs().max()) for k, v in reference.state_dict().items()}
+    out = float((compiled.gather_outputs(compiled(*compiled.shard_inputs(x))) - reference(x)).abs().max())
+    return {"errors": errors, "out": out, "tied": compiled.get_parameter("wte.weight") is compiled.get_parameter(
+        "lm_head.weight")}
+
+
+def test_a_deferred_model_initializes_as_its_constructor_does(ranks):
+    """nanoGPT's construction (its tie made as `wte.weight = lm_head.weight`, `self.apply(self._init_weights)`,
+    a scaled normal_ on each c_proj) recorded by spmd.deferred_init and replayed on each rank's shards: bit
+    for bit the single-device model's values, and its output."""
+    for r in ranks(2).run(_deferred_nanogpt):
+        assert max(r["errors"].values()) == 0.0, r["errors"]
+        assert r["out"] < 1e-6 and r["tied"], r

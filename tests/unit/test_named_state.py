@@ -352,3 +352,18 @@ def test_the_whole_weights_load_back_into_the_model():
     model.load_state_dict(compiled.full_state_dict(persistent_only=True))  # (strict)
     with pytest.raises(RuntimeError, match="Unexpected key.*cache"):
         model.load_state_dict(compiled.full_state_dict())
+
+
+def test_tied_entries_that_disagree_load_as_torch_loads_them():
+    """Found by a probe: a state dict whose two names of one tied tensor hold different values loaded the
+    first name's; torch's load_state_dict copies each module's own names in turn, so the last one wins."""
+    torch.manual_seed(0)
+    model = _TiedClash()
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=F.mse_loss)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["plan.weight"] = torch.full((4, 4), 3.0)
+    model.load_state_dict(state)
+    compiled.load_state_dict(state)
+    assert torch.equal(model.emb.weight, torch.full((4, 4), 3.0))
+    assert torch.equal(compiled.get_parameter("emb.weight"), model.emb.weight)
