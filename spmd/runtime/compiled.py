@@ -1,6 +1,7 @@
 """`CompiledModule`: this rank's generated graph plus its local parameter shards."""
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections import OrderedDict
@@ -20,7 +21,7 @@ from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import contiguous_strides
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
-from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard
+from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, shard_full, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
@@ -129,6 +130,16 @@ _last_compiled_mode = WeakIdKeyDictionary()
 _RESERVED = frozenset({"graph_module", "plan", "split", "rank", "coord", "mesh_spec", "group_names", "device_mesh",
                        "compile_backend"})
 
+
+
+def _collective(method):
+    """A method every rank must call (it gathers or reduces over the mesh): a rank left waiting in it says so
+    (runtime/waiting.py)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with waiting.collective(method.__name__, self.rank, self.mesh_spec.size):
+            return method(self, *args, **kwargs)
+    return call
 
 class CompiledModule(nn.Module):
     """Runs one rank's graph. Parameters are this rank's shards, as ordinary `nn.Parameter`s.
@@ -337,6 +348,7 @@ class CompiledModule(nn.Module):
             report["activations"] = self.last_saved_bytes
         return report
 
+    @_collective
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (the same
         on every rank, equal to the single-device model's) and scales this rank's gradient shards by
@@ -795,6 +807,7 @@ class CompiledModule(nn.Module):
         if stored_as:
             source_guard.given(self, set(stored_as))
 
+    @_collective
     def save_safetensors(self, path, metadata: dict | None = None):
         """Write the full model (every persistent parameter and buffer, a tied one under each of its names)
         to one safetensors file. Call it on every rank: each tensor is gathered in turn and rank 0 writes
@@ -830,6 +843,7 @@ class CompiledModule(nn.Module):
         """The other names of a tied parameter."""
         return [a for a, c in self._aliases.items() if c == fqn]
 
+    @_collective
     def full_state_dict(self, persistent_only: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN. `persistent_only`:
         the keys of the model's own `state_dict()` (no non-persistent buffer, such as a rotary embedding's
@@ -854,6 +868,7 @@ class CompiledModule(nn.Module):
                       for t, s in zip(flat, self._input_specs))
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
+    @_collective
     def gather_outputs(self, outputs):
         """Full outputs on every rank from this rank's local output shards."""
         flat, spec = tree_flatten(outputs)
@@ -864,6 +879,7 @@ class CompiledModule(nn.Module):
                         if ps is not None and isinstance(t, torch.Tensor) else t)
         return tree_unflatten(full, spec)
 
+    @_collective
     def verify(self, *full_inputs: torch.Tensor, mode: str = "auto", **full_kwargs: torch.Tensor):
         """Check this compiled model against one device before a long run; call it on every rank with
         the same full inputs (as for `shard_inputs`; with the targets when training with a loss_fn).

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import spmd
 from tests.models import GPT, GPTConfig
@@ -263,3 +264,38 @@ def test_a_deferred_model_initializes_as_its_constructor_does(ranks):
     for r in ranks(2).run(_deferred_nanogpt):
         assert max(r["errors"].values()) == 0.0, r["errors"]
         assert r["out"] < 1e-6 and r["tied"], r
+
+
+def _one_rank_late(rank: int, world: int) -> dict:
+    import io
+    import os
+    import sys
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (torch.randn(4, 8),), mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"0.weight": [Shard(0)]})
+    os.environ["SPMD_WAIT_WARN_S"] = "0.5"
+    if rank == 1:
+        time.sleep(2.5)  # (rank 0 alone in the gather: as under `if rank == 0:`, but this one comes at last)
+    said, stderr = io.StringIO(), sys.stderr
+    sys.stderr = said
+    try:
+        full = compiled.full_state_dict()
+    finally:
+        sys.stderr = stderr
+        del os.environ["SPMD_WAIT_WARN_S"]
+    return {"said": said.getvalue(), "equal": all(torch.equal(full[k], v) for k, v in model.state_dict().items())}
+
+
+def test_a_rank_waiting_alone_in_a_collective_call_says_so(ranks):
+    """Found by a probe: `full_state_dict()` called on rank 0 only waited forever without a word. A rank that
+    waits in a call every rank must make now names the call and the way out (and the call still completes
+    when the others come)."""
+    first, second = ranks(2).run(_one_rank_late)
+    assert "spmd: rank 0 has waited 0.5 s in full_state_dict() for the other ranks. full_state_dict() is " \
+           "collective: every rank must call it" in first["said"], first["said"]
+    assert "What to do: call it on every rank, and keep only the writing to one" in first["said"]
+    assert second["said"] == "" and first["equal"] and second["equal"]

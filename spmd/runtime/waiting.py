@@ -1,0 +1,51 @@
+"""A rank left waiting in a collective call says so, instead of hanging without a word.
+
+`full_state_dict()`, `save_safetensors()`, `gather_outputs()`, `verify()` and `clip_grad_norm_()` gather or
+reduce over the mesh: every rank must call them. Called on one rank only (`if rank == 0:
+torch.save(compiled.full_state_dict(), ...)`, the usual habit from single-device code), that rank waits in
+the collective forever (found by a probe: no message, no timeout for 30 minutes). `collective(...)` starts a
+timer around such a call; if the call has not returned after `SPMD_WAIT_WARN_S` seconds (default 60), the
+waiting rank writes, once, what it is waiting in and the way out. It cannot end the wait (the process group's
+own timeout does that); it only turns a silent hang into a named one. Nested calls arm one timer.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+
+_state = threading.local()
+
+
+def _wait_limit() -> float:
+    try:
+        return float(os.environ.get("SPMD_WAIT_WARN_S", "60"))
+    except ValueError:
+        return 60.0
+
+
+def _say(what: str, rank: int, seconds: float) -> None:
+    print(f"spmd: rank {rank} has waited {seconds:g} s in {what}() for the other ranks. {what}() is collective: "
+          f"every rank must call it, and a rank that does not leaves the others waiting here for good (an "
+          f"`if rank == 0:` around it does that). What to do: call it on every rank, and keep only the writing "
+          f"to one (`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`).",
+          file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def collective(what: str, rank: int, world: int):
+    """Around a call every rank must make: a message on stderr if this rank waits in it too long."""
+    if world <= 1 or getattr(_state, "armed", False):
+        yield
+        return
+    limit = _wait_limit()
+    timer = threading.Timer(limit, _say, (what, rank, limit))
+    timer.daemon = True
+    _state.armed = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        _state.armed = False
