@@ -6,6 +6,8 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 """
 from __future__ import annotations
 
+import inspect
+
 import sys
 import threading
 import warnings
@@ -453,11 +455,59 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
             "return such values from the forward.", stacklevel=user_stacklevel())
 
 
+def _graph_module_names() -> frozenset[str]:
+    """The attributes a GraphModule has and a plain module has not (`code`, `graph`, `meta`, ...)."""
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    return frozenset(dir(gm)) - frozenset(dir(torch.nn.Module()))
+
+
+class _Holder(torch.nn.Module):
+    """The model as the only child `m`, with the model's own signature (export names inputs by it)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+        def forward(*args, **kwargs):
+            return model(*args, **kwargs)
+        forward.__signature__ = inspect.signature(model.forward)
+        self.forward = forward
+
+
+def _held(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, or where one of its own names is an attribute of GraphModule (a submodule named `code` or
+    `graph`), `_Holder(model)`: torch.export's decomposition unlifts the graph into a GraphModule holding
+    `code.weight` under its own `code` and fails its lint (found by a probe; torch's own bug). Under a holder
+    every name starts with `m.`, which `_unheld` takes off again."""
+    own = {*model._modules, *model._parameters, *model._buffers}
+    return _Holder(model) if own & _graph_module_names() else model
+
+
+def _unheld(ep) -> None:
+    """The names of a graph traced through `_Holder`, made the model's own: `m.` off the signature's
+    targets, the lifted constants and the module stacks (the holder's own entry dropped)."""
+    def strip(name):
+        return name[2:] if isinstance(name, str) and name.startswith("m.") else name
+
+    for spec in (*ep.graph_signature.input_specs, *ep.graph_signature.output_specs):
+        if getattr(spec, "target", None) is not None:
+            spec.target = strip(spec.target)
+    for key in list(ep.constants):
+        ep.constants[strip(key)] = ep.constants.pop(key)
+    for node in ep.graph_module.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                "L__self__" + ("" if path == "m" else strip(path)): ("" if path == "m" else strip(path), kind)
+                for _, (path, kind) in stack.items() if path != ""}
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
+    held = _held(model)
 
     def export():
-        return torch.export.export(model, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     try:
         with random_draws() as drew:
@@ -470,6 +520,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                     category=FutureWarning)
             ep = ep.run_decompositions(_decomposition_table())
+        if held is not model:
+            _unheld(ep)
     except SpmdError:
         raise
     except Exception as e:  # torch's own message says which line failed to trace

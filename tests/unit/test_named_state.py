@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd
-from tests.support import one_device
+from tests.support import one_device, spec
 
 
 class _Net(nn.Module):
@@ -367,3 +367,33 @@ def test_tied_entries_that_disagree_load_as_torch_loads_them():
     compiled.load_state_dict(state)
     assert torch.equal(model.emb.weight, torch.full((4, 4), 3.0))
     assert torch.equal(compiled.get_parameter("emb.weight"), model.emb.weight)
+
+
+class _GraphModuleNames(nn.Module):
+    """Own names that are attributes of torch.fx.GraphModule (`code`, `graph`, `meta`, `recompile`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.code, self.graph, self.meta = nn.Linear(8, 8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 4)
+        self.register_buffer("recompile", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.head(self.meta(self.graph(self.code(x))) * self.recompile)
+
+
+def test_names_that_a_graph_module_has_trace_and_train():
+    """Found by a probe: a submodule named `code` stopped spmd.plan with "references nonexistent attribute"
+    (torch.export's decomposition unlifts into a GraphModule, whose own `code` hid the submodule)."""
+    torch.manual_seed(0)
+    model = _GraphModuleNames()
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    plan = spmd.plan(model, spec((2,), ("dp",)), (x,))
+    assert "code    Linear" in plan.explain()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    loss = compiled(x, y)
+    ref_loss = F.mse_loss(reference(x), y)
+    assert torch.equal(loss.detach(), ref_loss.detach())
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert torch.equal(compiled.get_buffer("meta.running_mean"), reference.meta.running_mean)
