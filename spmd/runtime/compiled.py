@@ -757,7 +757,7 @@ class CompiledModule(nn.Module):
                                 "its construction. What to do: leave them out (do any change inside the build function).")
             tape, final = recorded
             if init_fn is not None:
-                tape = record_init_fn(model, tape, final, init_fn)
+                tape, final = record_init_fn(model, tape, init_fn)
             local = replay_local_shards(tape, final, placements, self.mesh_spec.shape, self.coord, seed=seed,
                                         device=self._device or "cpu")
         else:

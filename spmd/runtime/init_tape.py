@@ -9,6 +9,12 @@ tape on CPU, so each rank's pieces equal those of `torch.manual_seed(seed); Mode
 with no guess about which module made a tied tensor or what `__init__` did beyond `reset_parameters`
 (the module-by-module replay of runtime/init_replay.py has to guess both).
 
+What the dispatch mode cannot see is recorded at the Python level, by a profile hook: the `nn.init`
+functions torch returns from at once on meta (`trunc_normal_`, whose redraws depend on values,
+`orthogonal_`, `dirac_`, `sparse_`: replayed by calling them on the real tensor) and `torch.manual_seed`
+(replayed). What cannot be replayed is refused: a generator state set from a saved state, a tensor's
+values read while building (`.item()`, `.tolist()`), a storage swapped by `set_`.
+
 The tape names tensors by storage and geometry (size, stride, offset), not by object: views and
 `nn.Parameter` wrappers need no replay, and a tie is one storage under two names. Replaying it would
 hold the whole model at once; instead, reading the tape backwards from the model's final tensors:
@@ -20,16 +26,20 @@ hold the whole model at once; instead, reading the tape backwards from the model
                 construction did; writes to dead storages go to scratch of the same geometry (the
                 CPU generator's draws depend on contiguity), and are dropped
 
-so each storage lives from its last kill (or its making) to its last use, where this rank's piece is
-cut and the storage dropped: at most about one module in full beside the pieces, as in init_weights.py.
+and the ops that draw nothing and read something (a `.to(torch.bfloat16)`, a `mul_` after the init) run as
+early as their data allows, between the random ones, which keep their order. Each storage lives from its
+last kill (or its making) to its last use, where this rank's piece is cut and the storage dropped: about
+one module in full beside the pieces, as in init_weights.py.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import sys
+import traceback
+import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -46,6 +56,9 @@ aten = torch.ops.aten
 
 _KILL = {aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, aten.random_, aten.exponential_,
          aten.bernoulli_, aten.geometric_, aten.cauchy_, aten.log_normal_}
+# ops that read only the shape, dtype and strides of their first argument
+_SHAPE_ONLY = {aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like,
+               aten.randint_like, aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,14 @@ class _Ref:
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """An argument whose values the op does not read (`zeros_like(w)`): scratch of its geometry."""
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _Gen:
     """A torch.Generator argument, with its state when the tape first saw it."""
     index: int
@@ -66,21 +87,21 @@ class _Gen:
 
 @dataclass(eq=False)
 class _Op:
-    func: Any
+    func: Any                            # an aten op, or a Python function (`_Calls`)
     args: tuple
     kwargs: dict
     outs: list                           # per flat output: the storage it made, or None
     writes: dict[int, bool]              # storage -> whether the whole of it is overwritten unread (a kill)
     reads: frozenset[int]                # storages whose values it reads (partly written ones too)
-    random: bool
+    random: bool                         # draws random numbers, or reseeds: keeps its place
 
 
 @dataclass
 class _Storage:
     nbytes: int
     dtype: torch.dtype
-    made_by: int | None                  # the op that made it; None: not made by any recorded op
-    describe: str = ""
+    made_by: int | None                  # the op that made it; None: made before the recording
+    constant: torch.Tensor | None = None  # a real tensor made before the recording: its values (1-D)
 
 
 @dataclass(eq=False)
@@ -90,33 +111,44 @@ class InitTape:
     storages: list[_Storage] = field(default_factory=list)
     generators: list[torch.Tensor] = field(default_factory=list)   # their states when first seen
     keys: dict[Any, int] = field(default_factory=dict)             # StorageWeakRef -> storage index
-    keep: list = field(default_factory=list)                       # the meta tensors, kept alive
+    keep: list = field(default_factory=list)                       # the recorded tensors, kept alive
 
     def key_of(self, t: torch.Tensor) -> int | None:
         return self.keys.get(StorageWeakRef(t.untyped_storage()))
 
     def ref(self, t: torch.Tensor) -> _Ref:
+        """`t` as a view of its storage, registering the storage the first time (a real one, made before the
+        recording, with its values)."""
         key = self.key_of(t)
         if key is None:
             key = len(self.storages)
             self.keys[StorageWeakRef(t.untyped_storage())] = key
-            self.storages.append(_Storage(t.untyped_storage().nbytes(), t.dtype, None))
+            constant = None
+            if not t.is_meta:
+                constant = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).detach().clone()
+            self.storages.append(_Storage(t.untyped_storage().nbytes(), t.dtype, None, constant))
             self.keep.append(t)
         return _Ref(key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
     def copy(self) -> "InitTape":
-        return InitTape(list(self.ops), list(self.storages), list(self.generators), dict(self.keys), list(self.keep))
+        return InitTape(list(self.ops), [replace(s) for s in self.storages], list(self.generators), dict(self.keys),
+                        list(self.keep))
 
 
 # ---- recording -----------------------------------------------------------------------------------
 
-def _where() -> str:
-    import traceback
-
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if "/torch/" not in frame.filename and "/spmd/" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+def _user_line(frames) -> str:
+    """The innermost frame of the user's code (not torch's, this file's, nor the standard library's)."""
+    stdlib = contextlib.__file__.rsplit("/", 1)[0] + "/"
+    for frame in reversed(frames):
+        if "/torch/" not in frame.filename and "/spmd/runtime/init_tape" not in frame.filename \
+                and not (frame.filename.startswith(stdlib) and "site-packages" not in frame.filename):
+            return f"{frame.filename}:{frame.lineno}: {frame.line}"
     return "?"
+
+
+def _whole(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
 class _Recorder(TorchDispatchMode):
@@ -128,49 +160,60 @@ class _Recorder(TorchDispatchMode):
 
     def _arg(self, x):
         if isinstance(x, torch.Tensor):
-            if not x.is_meta:  # a real tensor made before the build (or from Python data): a constant
-                return x.detach().clone()
             return self.tape.ref(x)
-        if isinstance(x, torch.Generator):
-            if id(x) not in self.gens:
-                self.gens[id(x)] = len(self.tape.generators)
+        if isinstance(x, torch.Generator):  # (the dispatcher hands its own wrapper of the user's generator)
+            if x._cdata not in self.gens:
+                self.gens[x._cdata] = len(self.tape.generators)
                 self.tape.generators.append(x.get_state())
                 self.tape.keep.append(x)
-            return _Gen(self.gens[id(x)])
+            return _Gen(self.gens[x._cdata])
         if isinstance(x, torch.device) and x.type == "meta":
             return torch.device("cpu")
         return x
 
     def record_call(self, fn, values: list) -> None:
+        """A Python function recorded whole (`_Calls`): `fn(*values)`, writing its first argument if a tensor."""
         t = values[0]
-        key = self.tape.ref(t).storage
-        whole = t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-        self.tape.ops.append(_Op(fn, tuple(self._arg(v) for v in values), {}, [None], {key: whole},
-                                 frozenset() if whole else frozenset({key}), True))
+        writes, reads = {}, frozenset()
+        if isinstance(t, torch.Tensor):
+            key = self.tape.ref(t).storage
+            writes = {key: _whole(t)}
+            reads = frozenset() if writes[key] else frozenset({key})
+        self.tape.ops.append(_Op(fn, tuple(self._arg(v) for v in values), {}, [None], writes, reads, True))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.calls.inside is not None:  # (inside a recorded call: replayed by calling it)
             return out
-        if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-                    aten.resize_.default):
-            raise SpmdError(f"deferred_init: the model's construction calls {func} ({_where()}), which changes a "
-                            "tensor's storage; the recording cannot follow it. What to do: build the tensor "
-                            "at its final size.")
+        if func.overloadpacket in (aten.set_, aten.resize_):
+            raise SpmdError(
+                f"deferred_init: the construction calls {func} ({_user_line(traceback.extract_stack()[:-1])}), "
+                "which swaps or resizes a tensor's storage; the recording cannot follow it (torch.nn.utils."
+                "parametrize does this to register a parametrization). What to do: build the tensor at its final "
+                "size, and register parametrizations after init_weights; or build under torch.device('meta'), "
+                "where init_weights replays each module's reset_parameters().")
         tape = self.tape
         writes: dict[int, bool] = {}
         reads = set()
-        schema = func._schema
-        for i, a in enumerate(schema.arguments):
-            v = kwargs.get(a.name) if (a.kwarg_only or i >= len(args)) else args[i]
+        shape_only = func.overloadpacket in _SHAPE_ONLY
+        args, kwargs = list(args), dict(kwargs)
+        for i, a in enumerate(func._schema.arguments):
+            positional = not a.kwarg_only and i < len(args)
+            v = args[i] if positional else kwargs.get(a.name)
+            if shape_only and i == 0:
+                shape = _Shape(tuple(v.shape), tuple(v.stride()), v.dtype)
+                if positional:
+                    args[0] = shape
+                else:
+                    kwargs[a.name] = shape
+                continue
             for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if not isinstance(t, torch.Tensor) or not t.is_meta:
+                if not isinstance(t, torch.Tensor):
                     continue
                 key = tape.ref(t).storage
                 if a.alias_info is not None and a.alias_info.is_write:
-                    whole = (i == 0 and func.overloadpacket in _KILL and t.storage_offset() == 0
-                             and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+                    whole = i == 0 and func.overloadpacket in _KILL and _whole(t)
                     writes[key] = writes.get(key, True) and whole
                 else:
                     reads.add(key)
@@ -179,16 +222,18 @@ class _Recorder(TorchDispatchMode):
                 writes[k] = False
         outs, made = [], False
         for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and o.is_meta and tape.key_of(o) is None:
-                tape.ref(o)
-                key = tape.key_of(o)
-                tape.storages[key].made_by = len(tape.ops)
+            if isinstance(o, torch.Tensor) and tape.key_of(o) is None:
+                key = tape.ref(o).storage
+                tape.storages[key] = _Storage(o.untyped_storage().nbytes(), o.dtype, len(tape.ops))
                 outs.append(key)
                 made = True
             else:
                 outs.append(None)
         random = torch.Tag.nondeterministic_seeded in func.tags
         if made or writes or random:  # (a view needs no replay: arguments are named by storage and geometry)
+            names = {a.name for a in func._schema.arguments}
+            if "dtype" in names and "device" in names and kwargs.get("dtype") is None and isinstance(out, torch.Tensor):
+                kwargs["dtype"] = out.dtype  # (a factory's dtype is the default one, which may differ later)
             kept = {k for k, whole in writes.items() if not whole}  # a partial write keeps the rest
             tape.ops.append(_Op(func, tree_map(self._arg, tuple(args)), tree_map(self._arg, dict(kwargs)), outs,
                                 writes, frozenset(reads | kept), random))
@@ -196,20 +241,26 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _skipped_on_meta() -> dict:
-    """torch.nn.init functions that return at once on the meta device: their draws depend on values
-    (trunc_normal_ redraws what falls outside [a, b]), so they run no op the dispatch mode could record."""
+def _python_calls() -> tuple[dict, dict]:
+    """({code: (function, parameter names)} of the Python functions recorded whole: the torch.nn.init functions
+    that return at once on the meta device (their draws depend on values: trunc_normal_ redraws what falls
+    outside [a, b]) and torch.manual_seed; {code: name} of those refused: generator states set from a saved
+    state (what it holds depends on when the build ran) or from the clock."""
     fns = [getattr(nn.init, n) for n in ("trunc_normal_", "orthogonal_", "dirac_", "sparse_") if hasattr(nn.init, n)]
-    return {f.__code__: (f, tuple(inspect.signature(f).parameters)) for f in fns}
+    fns.append(torch.random.manual_seed)
+    recorded = {f.__code__: (f, tuple(inspect.signature(f).parameters)) for f in fns}
+    refused = {f.__code__: f"torch.{f.__name__}" for f in (torch.random.set_rng_state, torch.random.seed)}
+    return recorded, refused
 
 
 class _Calls:
-    """Records each call of a `_skipped_on_meta` function as one op of the tape, replayed by calling it on the
-    real tensor. A profile hook sees it however the model imported it (`nn.init.trunc_normal_`, or the
-    name alone); the ops it runs inside (none on meta, in this torch) are not recorded."""
+    """Records each call of a `_python_calls` function as one op of the tape, replayed by calling it (on the
+    real tensor). A profile hook sees it however the model imported it (`nn.init.trunc_normal_`, or the
+    name alone); the ops it runs inside are not recorded."""
 
     def __init__(self, recorder: "_Recorder"):
-        self.recorder, self.codes, self.inside = recorder, _skipped_on_meta(), None
+        self.recorder, self.inside, self.refused_call = recorder, None, None
+        self.codes, self.refused = _python_calls()
 
     def __enter__(self):
         self.before = sys.getprofile()
@@ -219,17 +270,30 @@ class _Calls:
     def __exit__(self, *exc):
         sys.setprofile(self.before)
 
+    def _refuse(self, name: str, frame) -> None:
+        """Noted, and raised once the build returns (`_recording`)."""
+        if self.refused_call is None:
+            self.refused_call = (name, _user_line(traceback.extract_stack(frame)))
+
     def _hook(self, frame, event, arg):
         if self.before is not None:
             self.before(frame, event, arg)
-        if event == "call" and self.inside is None and frame.f_code in self.codes:
-            fn, params = self.codes[frame.f_code]
-            values = [frame.f_locals[p] for p in params]
-            if isinstance(values[0], torch.Tensor) and values[0].is_meta:
-                self.recorder.record_call(fn, values)
-                self.inside = frame
-        elif event == "return" and frame is self.inside:
-            self.inside = None
+        if self.inside is not None:
+            if event == "return" and frame is self.inside:
+                self.inside = None
+            return
+        if event == "call":
+            if frame.f_code in self.refused:
+                self._refuse(self.refused[frame.f_code], frame.f_back)
+            if frame.f_code in self.codes:
+                fn, params = self.codes[frame.f_code]
+                values = [frame.f_locals[p] for p in params]
+                if fn is torch.random.manual_seed or isinstance(values[0], torch.Tensor) and values[0].is_meta:
+                    self.recorder.record_call(fn, values)
+                    self.inside = frame
+        elif event == "c_call" and getattr(arg, "__self__", None) is torch.default_generator \
+                and getattr(arg, "__name__", "") in ("manual_seed", "set_state", "seed"):
+            self._refuse(f"torch.default_generator.{arg.__name__}", frame)
 
 
 class _Literals(TorchFunctionMode):
@@ -239,7 +303,8 @@ class _Literals(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self._MAKERS and kwargs.get("device") in (None, "meta", torch.device("meta")):
+        if func in self._MAKERS and kwargs.get("device") in (None, "meta", torch.device("meta")) \
+                and not (args and isinstance(args[0], torch.Tensor)):
             with torch._C.DisableTorchFunction():
                 real = func(*args, **{**kwargs, "device": "cpu"})
             return real.to("meta")
@@ -249,16 +314,43 @@ class _Literals(TorchFunctionMode):
 @contextlib.contextmanager
 def _recording(tape: InitTape):
     recorder = _Recorder(tape)
-    with torch.device("meta"), _Literals(), recorder, recorder.calls:
-        yield
+    try:
+        with torch.device("meta"), _Literals(), recorder, recorder.calls:
+            yield
+        if recorder.calls.refused_call is not None:
+            name, line = recorder.calls.refused_call
+            raise SpmdError(
+                f"deferred_init: the construction calls {name} ({line}), which sets the random generator from a "
+                "saved state or the clock: a replay cannot know it. What to do: seed with torch.manual_seed(n) "
+                "(recorded and replayed), or draw from a torch.Generator of your own.")
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise SpmdError(
+            f"deferred_init: the construction read a tensor's values ({_user_line(traceback.extract_tb(e.__traceback__))}"
+            f"), which the meta device does not hold: {type(e).__name__}: {e}. What to do: compute such numbers in "
+            "Python (drop-path rates: `[rate * i / (depth - 1) for i in range(depth)]` for "
+            "`torch.linspace(0, rate, depth).tolist()`), or build the model under torch.device('meta') yourself.") from e
 
 
 _TAPES: "weakref.WeakKeyDictionary[nn.Module, tuple[InitTape, dict]]" = weakref.WeakKeyDictionary()
 
 
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in (*model.named_parameters(remove_duplicate=False),
+                                 *model.named_buffers(remove_duplicate=False)) if t is not None]
+
+
 def _final(model: nn.Module, tape: InitTape) -> dict[str, _Ref]:
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    return {name: tape.ref(t) for name, t in named if t is not None and t.is_meta}
+    return {name: tape.ref(t) for name, t in _named_tensors(model)}
+
+
+def _has_transformers(model: nn.Module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
 
 
 def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module:
@@ -266,13 +358,18 @@ def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module
     `spmd.compile` plans it as any meta model, and `compiled.init_weights(seed)` gives each rank the pieces of
     what `torch.manual_seed(seed); build(*args, **kwargs)` holds on one CPU device, whatever `__init__` did
     (a nanoGPT-style `self.apply(self._init_weights)`, ties either way, parameters drawn with torch.randn).
-    Conversions belong inside: `deferred_init(lambda: Model(cfg).to(torch.bfloat16))`."""
+    Conversions belong inside: `deferred_init(lambda: Model(cfg).to(torch.bfloat16))`. Python's `random` and
+    numpy draws are taken as they fell while recording (seed them in the build for the same on every rank)."""
     tape = InitTape()
     with _recording(tape):
         model = build(*args, **kwargs)
     if not isinstance(model, nn.Module):
         raise SpmdError(f"deferred_init: {getattr(build, '__name__', build)!r} returned a {type(model).__name__}, "
                         "not an nn.Module")
+    if _has_transformers(model):
+        raise SpmdError("deferred_init: the model holds a transformers model, whose own init (post_init) does not run "
+                        "under the meta device, so the recording would miss it. What to do: build it under "
+                        "torch.device('meta'): init_weights replays transformers' post_init itself.")
     _TAPES[model] = (tape, _final(model, tape))
     return model
 
@@ -286,9 +383,7 @@ def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, _Ref]] | None:
             continue
         prefix = "" if root is model else next(n for n, m in root.named_modules() if m is model) + "."
         mine = {}
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            if t is None:
-                continue
+        for name, t in _named_tensors(model):
             ref = final.get(prefix + name)
             if ref is None or tape.key_of(t) != ref.storage or tuple(t.shape) != ref.size or t.dtype != ref.dtype:
                 raise SpmdError(
@@ -300,29 +395,32 @@ def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, _Ref]] | None:
     return None
 
 
-def record_init_fn(model: nn.Module, tape: InitTape, final: dict[str, _Ref], init_fn: Callable) -> InitTape:
-    """The tape with `model.apply(init_fn)` recorded after the build (on meta; the stored tape is unchanged)."""
+def record_init_fn(model: nn.Module, tape: InitTape, init_fn: Callable) -> tuple[InitTape, dict[str, _Ref]]:
+    """The tape with `model.apply(init_fn)` recorded after the build, and the model's tensors at its end (an
+    init_fn may write in place, set `.data`, or put in new tensors). The model is left as it was."""
     tape = tape.copy()
-    slots = [(m, table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
-             for name, t in table.items()]
-    with _recording(tape), torch.no_grad():
-        model.apply(init_fn)
-    for m, table, name, t in slots:
-        if table[name] is not t:
+    slots = [(table, name, t, t.detach()) for m in model.modules() for table in (m._parameters, m._buffers)
+             for name, t in table.items() if t is not None]
+    try:
+        with _recording(tape), torch.no_grad():
+            model.apply(init_fn)
+        final = _final(model, tape)
+    finally:
+        for table, name, t, data in slots:
             table[name] = t
-            raise SpmdError(f"init_fn replaced {name!r} of a {type(m).__name__} with a new tensor instead of writing "
-                            "into it; write in place (tensor.normal_(), nn.init.*_) instead")
-    return tape
+            if StorageWeakRef(t.untyped_storage()) != StorageWeakRef(data.untyped_storage()) or t.shape != data.shape:
+                t.data = data  # (`.data = ...` in the init_fn)
+    return tape, final
 
 
 # ---- replay ----------------------------------------------------------------------------------------
 
 @dataclass
 class _Schedule:
-    needed: list[bool]
+    order: list[int]                     # the needed ops, in the order they run
     allocate: dict[int, list[int]]       # op -> storages allocated empty just before it (killed there)
     scratch: dict[int, set[int]]         # op -> storages it writes whose values are dead: scratch instead
-    last_use: dict[int, int]             # storage -> the last needed op touching it for real
+    last_use: dict[int, int]             # storage -> the position in `order` after which it is dropped (cut)
 
 
 def _schedule(tape: InitTape, finals: Mapping[int, list[str]]) -> _Schedule:
@@ -346,19 +444,55 @@ def _schedule(tape: InitTape, finals: Mapping[int, list[str]]) -> _Schedule:
                 allocate.setdefault(i, []).append(s)
         need.difference_update(live_makes)
         need |= op.reads - dead
-    if need:  # values no recorded op made
-        names = [n for s in need for n in finals.get(s, ())] or ["an intermediate value"]
+    lost = [s for s in need if tape.storages[s].constant is None]
+    if lost:  # values no recorded op made
+        names = [n for s in lost for n in finals.get(s, ())] or ["an intermediate value"]
         raise SpmdError(f"init_weights: the values of {', '.join(sorted(names)[:6])} come from tensors no op of the "
-                        "recording made (made before deferred_init's build ran, or in a way the meta device drops). "
-                        "What to do: make them inside the build function.")
+                        "recording made (made on the meta device before deferred_init's build ran). What to do: make "
+                        "them inside the build function.")
+    order = _run_order(tape, needed, scratch)
     last_use: dict[int, int] = {}
+    for p, i in enumerate(order):
+        op = tape.ops[i]
+        dead = scratch.get(i, set())
+        for s in (*op.writes, *op.reads, *(s for s in op.outs if s is not None)):
+            if s not in dead:
+                last_use[s] = p
+    for s in need:  # (constants: held from the start)
+        last_use.setdefault(s, -1)
+    return _Schedule(order, allocate, scratch, last_use)
+
+
+def _run_order(tape: InitTape, needed: list[bool], scratch: Mapping[int, set[int]]) -> list[int]:
+    """The needed ops in the order they run: the random ones (and recorded calls) in the tape's order, so the
+    generator draws the same numbers into the same tensors; each other op that reads something right after
+    the last op it depends on (what wrote or made what it reads or writes, what read what it writes), so
+    that a `.to()` or a `mul_` after the init frees its input as soon as that input is done, not at the end
+    of the build; an op reading nothing (a factory) stays where it was, so as not to allocate early."""
+    epoch = -1                                   # the random ops before, counted
+    key: dict[int, tuple] = {}
+    last_write: dict[int, int] = {}              # storage -> epoch of the last op writing or making it
+    last_read: dict[int, int] = {}               # storage -> epoch of the last op reading it
     for i, op in enumerate(tape.ops):
-        if needed[i]:
-            dead = scratch.get(i, set())
-            for s in (*op.writes, *op.reads, *(s for s in op.outs if s is not None)):
-                if s not in dead:
-                    last_use[s] = i
-    return _Schedule(needed, allocate, scratch, last_use)
+        if not needed[i]:
+            continue
+        dead = scratch.get(i, set())
+        writes = [s for s in op.writes if s not in dead] + [s for s in op.outs if s is not None]
+        reads = [s for s in op.reads if s not in dead]
+        if op.random:
+            epoch += 1
+            key[i] = (epoch, 0, i)
+        elif reads:
+            at = max([last_write.get(s, -1) for s in (*reads, *writes)] + [last_read.get(s, -1) for s in writes] + [-1])
+            key[i] = (at, 1, i)
+        else:
+            key[i] = (epoch, 1, i)
+        at = key[i][0]
+        for s in writes:
+            last_write[s] = max(last_write.get(s, -1), at)
+        for s in reads:
+            last_read[s] = max(last_read.get(s, -1), at)
+    return sorted(key, key=key.get)
 
 
 def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: Mapping[str, tuple], mesh_shape,
@@ -371,7 +505,9 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
     for name, ref in final.items():
         by_storage.setdefault(ref.storage, []).append(name)
     sched = _schedule(tape, by_storage)
-    real: dict[int, torch.Tensor] = {}
+    _warn_unwritten(tape, sched, by_storage)
+    real: dict[int, torch.Tensor] = {s: tape.storages[s].constant.clone() for s in sched.last_use
+                                     if tape.storages[s].constant is not None}
     pieces: dict[str, torch.Tensor] = {}
     gens = []
     for state in tape.generators:
@@ -395,33 +531,36 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
                 made[ref, ps] = view(ref)[local_slices(ref.size, ps, mesh_shape, coord)].clone().to(device=device)
             pieces[name] = made[ref, ps]
 
+    for s in [s for s, last in sched.last_use.items() if last == -1]:  # (constants nothing else touches)
+        cut(s)
+        del real[s]
     peak = 0
     if seed is not None:
         torch.manual_seed(seed)
     with torch.no_grad():
-        for i, op in enumerate(tape.ops):
-            if not sched.needed[i]:
-                continue
+        for p, i in enumerate(sched.order):
+            op = tape.ops[i]
             for s in sched.allocate.get(i, ()):
                 st = tape.storages[s]
                 real[s] = torch.empty(st.nbytes // st.dtype.itemsize, dtype=st.dtype)
-
             dead = sched.scratch.get(i, ())
 
             def resolve(x):
                 if isinstance(x, _Ref):  # (scratch of the same geometry: the CPU generator's draws depend on it)
                     return torch.empty_strided(x.size, x.stride, dtype=x.dtype) if x.storage in dead else view(x)
+                if isinstance(x, _Shape):
+                    return torch.empty_strided(x.size, x.stride, dtype=x.dtype)
                 if isinstance(x, _Gen):
                     return gens[x.index]
                 return x
 
             out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
             for s, o in zip(op.outs, tree_flatten(out)[0]):
-                if s is not None and sched.last_use.get(s, -1) >= i:
+                if s is not None:
                     real[s] = o
             peak = max(peak, sum(t.untyped_storage().nbytes() for t in real.values()))
             for s in {*op.writes, *op.reads, *(s for s in op.outs if s is not None)}:
-                if sched.last_use.get(s) == i and s in real:
+                if sched.last_use.get(s) == p and s in real:
                     cut(s)
                     del real[s]
     if stats is not None:
@@ -430,3 +569,16 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
     if left:
         raise SpmdInternalError(f"init replay: no piece cut for {left[:6]}")
     return pieces
+
+
+def _warn_unwritten(tape: InitTape, sched: _Schedule, by_storage: Mapping[int, list[str]]) -> None:
+    """A tensor made by `torch.empty` that nothing writes holds whatever memory held, on one device too; here its
+    pieces differ between ranks (a replicated one disagrees with itself)."""
+    written = {s for i in sched.order for s in tape.ops[i].writes if s not in sched.scratch.get(i, ())}
+    empty = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
+    names = [n for s, ns in by_storage.items() if s not in written and tape.storages[s].made_by is not None
+             and getattr(tape.ops[tape.storages[s].made_by].func, "overloadpacket", None) in empty for n in ns]
+    if names:
+        warnings.warn(f"init_weights: {', '.join(sorted(names)[:6])} {'is' if len(names) == 1 else 'are'} made by "
+                      "torch.empty and never written: the values are whatever memory held, different on each rank. "
+                      "What to do: initialize them in the build (or load them from a checkpoint).", stacklevel=3)

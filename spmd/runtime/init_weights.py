@@ -394,14 +394,15 @@ _RNG_WORDS = re.compile(r"\b(randn|rand|randint|randperm|normal_|uniform_|trunc_
 
 
 def is_transformers(model: nn.Module) -> bool:
-    """A transformers `PreTrainedModel` (checked without importing transformers when it is not loaded)."""
+    """A transformers `PreTrainedModel`, or a model holding one (checked without importing transformers when it
+    is not loaded): its post_init is replayed (a plain module around GPT-2 got torch's default init, 11.8 off)."""
     import sys
 
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel)
+    return any(isinstance(m, PreTrainedModel) for m in model.modules())
 
 
 def hf_init_kwargs(model: nn.Module) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Replicate
 from torch.nn.init import trunc_normal_  # (by name: the replay must see it however it is called)
 
 import spmd
@@ -24,7 +25,7 @@ def check_tape(factory, style: str, seed: int, init_fn=None) -> dict:
     meta = spmd.deferred_init(factory)
     tape, final = tape_of(meta)
     if init_fn is not None:
-        tape = record_init_fn(meta, tape, final, init_fn)
+        tape, final = record_init_fn(meta, tape, init_fn)
     placements = make_placements(meta, style, seed)
     outs, stats = {}, {}
     for c in COORDS:
@@ -161,3 +162,112 @@ def test_a_meta_built_model_whose_init_does_more_is_refused_with_the_way_out():
         plan_init(drawn).check()
     with pytest.warns(UserWarning, match="NanoGPT.__init__"):
         plan_init(nano, init_fn=nano._init_weights).check(strict=False)
+
+
+# ---- found by a probe of the recording ---------------------------------------------------------------
+
+class Defaults(nn.Module):
+    """Factories that take the default dtype, a generator shared by an aten op and a recorded nn.init call,
+    a reseed, a draw torch makes on CPU whatever the device context, a parameter made on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(8))
+        g = torch.Generator().manual_seed(3)
+        self.a = nn.Parameter(torch.randn(8, generator=g))
+        self.b = nn.Parameter(torch.empty(8, 8))
+        nn.init.orthogonal_(self.b, generator=g)
+        self.c = nn.Linear(8, 8)
+        torch.manual_seed(42)
+        self.d = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.d.weight.add_(torch.normal(0.0, 0.02, size=(8, 8)))
+        self.e = nn.Parameter(torch.arange(8.0, device="cpu"))
+
+
+def test_default_dtypes_generators_reseeds_and_cpu_draws_replay_as_built():
+    """Each of these came out silently wrong (up to 2e28 off, or NaN): factories replayed in the default dtype
+    of the replay, not of the build; the dispatcher's wrapper of a generator taken for a second generator;
+    `torch.manual_seed` in __init__ not replayed; `torch.normal(0.0, 0.02, size=...)`, which draws on CPU
+    whatever the device context, kept as a constant drawn while recording."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        meta = spmd.deferred_init(Defaults)
+        ref = build(Defaults, 0)
+    finally:
+        torch.set_default_dtype(old)
+    tape, final = tape_of(meta)
+    placements = make_placements(meta, "2d")
+    for default in (torch.float32, torch.bfloat16):
+        torch.set_default_dtype(default)
+        try:
+            pieces = {c: replay_local_shards(tape, final, placements, MESH, c, seed=0) for c in COORDS}
+        finally:
+            torch.set_default_dtype(old)
+        for n, t in all_tensors(ref).items():
+            assert torch.equal(assemble({c: pieces[c][n] for c in COORDS}, tuple(t.shape), placements[n]), t.detach()), n
+
+
+def test_an_init_fn_setting_data_is_replayed_and_the_model_left_as_it_was():
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            m.weight.data = torch.randn_like(m.weight) * 0.02
+    r = check_tape(MLP, "2d", seed=4, init_fn=init_fn)
+    meta = spmd.deferred_init(MLP)
+    tape, _ = tape_of(meta)
+    record_init_fn(meta, tape, init_fn)
+    assert tape_of(meta) is not None  # (a second init_weights still finds the model it recorded)
+    assert r["ops"] > 0
+
+
+def test_a_conversion_at_the_end_holds_one_weight_at_a_time():
+    """`lambda: Model(cfg).to(torch.bfloat16)` (the form the docstring recommends) held every float32 weight
+    from its init to the conversion at the end of the build: the whole model. Ops that draw nothing now run as
+    early as their data allows."""
+    def stack():
+        return nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)]).to(torch.bfloat16)
+    r = check_tape(stack, "2d", seed=2)
+    assert r["peak_bytes"] <= 128 * 128 * (4 + 2) + 128 * (4 + 2), r["peak_bytes"]  # one weight, both dtypes
+
+
+class Reads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rates = torch.linspace(0, 0.1, 4).tolist()
+        self.lin = nn.Linear(4, 4)
+
+
+class Restores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        state = torch.get_rng_state()
+        self.lin = nn.Linear(4, 4)
+        torch.set_rng_state(state)
+
+
+def test_what_a_recording_cannot_replay_is_refused_with_the_line():
+    with pytest.raises(SpmdError, match=r"read a tensor's values \(.*test_init_tape.py:\d+: self.rates = "
+                                        r"torch.linspace\(0, 0.1, 4\).tolist\(\)\).*What to do: compute such numbers"):
+        spmd.deferred_init(Reads)
+    with pytest.raises(SpmdError, match=r"calls torch.set_rng_state \(.*test_init_tape.py:\d+: "
+                                        r"torch.set_rng_state\(state\)\).*What to do: seed with torch.manual_seed"):
+        spmd.deferred_init(Restores)
+    from torch.nn.utils import parametrizations
+    with pytest.raises(SpmdError, match=r"swaps or resizes a tensor's storage.*torch.nn.utils.parametrize"):
+        spmd.deferred_init(lambda: parametrizations.spectral_norm(nn.Linear(8, 8)))
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(SpmdError, match=r"holds a transformers model.*build it under torch.device\('meta'\)"):
+        spmd.deferred_init(lambda: nn.Sequential(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                                            vocab_size=32, n_positions=16))))
+
+
+def test_a_tensor_nothing_writes_is_named():
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 4))
+    meta = spmd.deferred_init(Empty)
+    tape, final = tape_of(meta)
+    with pytest.warns(UserWarning, match=r"w is made by torch.empty and never written"):
+        replay_local_shards(tape, final, {"w": (Replicate(), Replicate())}, MESH, (0, 0), seed=0)
