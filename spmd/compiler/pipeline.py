@@ -58,7 +58,7 @@ from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.trace_joint import refuse_gradient_hooks, trace_joint, with_loss
+from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
 from spmd.passes.trace_module import TracedGraph, trace_module, warn_module_hooks
 
 
@@ -155,6 +155,9 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
             stats["stamped_layers"] = stamp_note
         if traced.custom_functions:
             stats["custom_functions"] = list(traced.custom_functions)
+        if options.loss_fn is not None:  # (the trailing inputs: for the export, which runs the model alone)
+            inputs = [gi.name for gi in traced.inputs if gi.kind == "input"]
+            stats["loss_targets"] = inputs[len(inputs) - loss_targets(options.loss_fn):]
         return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks, stats,
                                    options.bucket_bytes, on_progress=progress.solving, recompute=recomputable,
                                    by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))

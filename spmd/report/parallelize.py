@@ -83,8 +83,9 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
                 if j != i and r != "replicated":
                     notes.append(f"{p.fqn}: {r} on {names[j]} (another axis: use fully_shard / data parallel there)")
         notes.extend(regions.notes if regions is not None else ())
+        targets = set(plan.stats.get("loss_targets", ()))  # (the loss runs outside the model's styles)
         for name, ps in details.inputs.items():
-            if "S(" in ps.strip("[]").split(",")[i]:
+            if name not in targets and "S(" in ps.strip("[]").split(",")[i]:
                 notes.append(f"input {name!r} is sharded on {axis} ({ps}); the styles assume it replicated there")
     if notes:
         warnings.warn("to_parallelize_plan: not expressed as parallel styles:\n  " + "\n  ".join(notes), stacklevel=3)

@@ -260,3 +260,22 @@ def test_gpt2_conv1d_roles():
     with pytest.warns(UserWarning, match="nn.Linear and nn.Embedding only"):
         styles = plan.to_parallelize_plan()
     assert "transformer.h.0.mlp.c_fc" not in styles
+
+
+def test_the_export_notes_sharded_model_inputs_not_loss_targets():
+    """The export's styles run the model alone (the loss stays the user's): a note on a target split over tp
+    named an input `model(x)` never takes."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    plan = spmd.plan(model, TP, (x, y), loss_fn=F.mse_loss, in_placements={"input": [Shard(0)], "target": [Shard(0)]},
+                     param_placements={"0.weight": [Shard(0)], "2.weight": [Shard(1)]})
+    assert plan.stats["loss_targets"] == ["target"]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plan.to_parallelize_plan()
+    text = "\n".join(str(w.message) for w in said)
+    assert "input 'input' is sharded on tp" in text, text
+    assert "'target'" not in text, text
