@@ -29,7 +29,7 @@ class PlanOptions:
     in parameter sizes (AdamW 2, SGD with momentum 1, plain SGD 0); it also prices the optimizer's step
     on each parameter's piece (cost_model/compute.py `optimizer_cost`).
     tie_blocks: identical layers get identical placements, which keeps the solve one layer deep (None:
-    layers that repeat at least 4 times; False: every layer solved on its own). merge_followers:
+    layers that repeat; False: every layer solved on its own). merge_followers:
     single-input ops follow their input's placement (an approximation that shrinks the solve; None: on
     graphs of more than 1500 ops). stamp_layers: trace a stack of 8 or more identical layers 3 layers deep
     and copy the middle one to full depth (None or True: yes, and when compiling only after

@@ -103,7 +103,14 @@ def _same_ops(nodes: list[fx.Node], others: list[fx.Node]) -> bool:
     return len(nodes) == len(others) and all(a.target == b.target for a, b in zip(nodes, others))
 
 
-AUTO_MIN_REPEATS = 4  # below this, solving every layer is cheap and tying would only cost optimality
+# By default (`tie_blocks=None`) layers tie from two repeats. Tying only costs optimality among plans that lay
+# out identical layers differently, which measured nothing on the tests' models (GPT, Llama, transformers
+# GPT-2 and Llama, 2 layers, (2, 2), training: the same objective tied and untied), while a 2-layer
+# transformers Llama's untied program (115k columns, 54k rows, degenerate at latency-bound costs: 31k dual
+# simplex iterations) took 20 s to plan on `megatron_spec`, 8 s tied. Below `AUTO_MIN_REPEATS` a class
+# whose parameters the user pinned stays untied: pins on a few layers are usually meant for those layers
+# (`0.weight` of `Sequential(Linear, Tanh, Linear)` would pin `2.weight` too).
+AUTO_MIN_REPEATS = 4
 
 
 def instances(traced) -> dict[str, list[fx.Node]]:
@@ -130,9 +137,14 @@ def instances(traced) -> dict[str, list[fx.Node]]:
     return found
 
 
-def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
-    """Classes of at least `min_repeats` identical instances."""
+def find_repeated_blocks(traced, min_repeats: int = 2, pinned: frozenset[str] = frozenset(),
+                         pinned_min_repeats: int = 2) -> RepeatedBlocks:
+    """Classes of at least `min_repeats` identical instances; of at least `pinned_min_repeats` where a
+    member's parameters are among `pinned` (FQNs)."""
     by_key = instances(traced)
+    by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
+    prefix = module_prefix(traced.graph, by_fqn) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
+    pinned_layers = {layer_of(prefix + fqn) for fqn in pinned}
     # layers stamp_layers copied are their source node for node: they join its class unhashed
     copies: dict[str, list[str]] = {}
     for key, source in traced.stamped.items():
@@ -155,7 +167,8 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
             by_sig.setdefault(signature(by_key[key]), []).append(key)
         for members in by_sig.values():
             members = sorted(members + [c for key in members for c in copies.get(key, ())], key=order.__getitem__)
-            if len(members) < max(2, min_repeats):
+            least = pinned_min_repeats if any(m.split("/")[0] in pinned_layers for m in members) else min_repeats
+            if len(members) < max(2, least):
                 continue
             first = by_key[members[0]]
             blocks.classes.append(members)
@@ -174,8 +187,6 @@ def find_repeated_blocks(traced, min_repeats: int = 2) -> RepeatedBlocks:
             param_rep.setdefault(key.split("/")[0], first)
 
     # parameters (placeholders, outside every instance) follow their layer: layers.7.x -> layers.0.x
-    by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
-    prefix = module_prefix(traced.graph, by_fqn) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
     for fqn, placeholder in by_fqn.items():
         layer = layer_of(prefix + fqn)
         if layer in param_rep:
