@@ -249,9 +249,11 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
 
 
 def _aliased_outputs(gm) -> tuple[int, ...]:
-    """The user's outputs that are views of another output or of a parameter (`return y, y.t()`). The joint
-    graph gives them no incoming gradient (AOTAutograd regenerates such aliases outside its graph, which a
-    compiled module does not), so a loss on one would reach no parameter."""
+    """The user's outputs that are views of another output (`return y, y.t()`), or a parameter or an input
+    itself or viewed (`return y, self.logit_bias`; a block's `return out, x`). The joint graph gives them no
+    incoming gradient (AOTAutograd regenerates such aliases outside its graph, which a compiled module does
+    not), so a loss on one would reach no parameter (SigLIP's logit_bias never trained) or input (the
+    residual's share of x.grad was dropped: 7.41 off)."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     descs = out_node.meta.get("desc") or []
     tangent_of = {d.output.idx for n in gm.graph.nodes if n.op == "placeholder"
@@ -268,7 +270,7 @@ def _aliased_outputs(gm) -> tuple[int, ...]:
         while node.op == "call_function" and getattr(node.target, "is_view", False):
             node, through_view = node.args[0], True
         root = type(node.meta.get("desc")).__name__ if node.op == "placeholder" else "computed"
-        if through_view and root in ("computed", "ParamAOTInput"):
+        if root in ("ParamAOTInput", "PlainAOTInput") or through_view and root == "computed":
             found.append(desc.idx)
     return tuple(found)
 

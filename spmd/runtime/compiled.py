@@ -18,6 +18,7 @@ from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.graph_facts import is_random
 from spmd.core.specs import contiguous_strides
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
@@ -262,7 +263,8 @@ class CompiledModule(nn.Module):
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
         # rank 0 alone for a log)
-        self._draws = bool(ops & _RANDOM_OPS) and self.mesh_spec.size > 1
+        self._draws = (bool(ops & _RANDOM_OPS) or any(is_random(n) for n in c.traced.graph.nodes if n.op == "call_function")
+                       ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
         self._generators_agreed = not self._draws
         # (from the plan, rank 0's on every rank, links included: a rank's own mesh spec may price its links
         # otherwise, and ranks checking at other calls would meet in different collectives)

@@ -383,34 +383,39 @@ class _ViewOutputs(torch.nn.Module):
 
     def forward(self, x):
         y = self.lin(x)
-        return y, {"t": y.t(), "rows": y[:2], "weight": self.lin.weight.t()}[self.which]
+        return y, {"t": y.t(), "rows": y[:2], "weight": self.lin.weight.t(), "bias": self.lin.bias, "x": x,
+                   "x rows": x[:2]}[self.which]
 
 
 def _loss_on_a_view_output(rank: int, world: int, which: str) -> dict:
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model, x = _ViewOutputs(which), torch.randn(4, 8)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
     eager = copy.deepcopy(model)
-    out = eager(x)
+    out = eager(x_eager)
     (out[1].square().sum() + out[0].sum()).backward()
     mesh = spmd.init_mesh((2,), ("dp",))
-    compiled = spmd.compile(model, mesh, (x,), training=True, mesh_spec=spec((2,), ("dp",)))
-    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    compiled = spmd.compile(model, mesh, (x_compiled,), training=True, mesh_spec=spec((2,), ("dp",)))
+    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x_compiled)))
     (out[1].square().sum() + out[0].sum()).backward()
     grads = {n: compiled._as_whole(n, p.grad).full_tensor() for n, p in compiled.named_parameters() if p.grad is not None}
     torch.set_default_dtype(torch.float32)
     return {"missing": sorted(n for n, _ in eager.named_parameters() if n not in grads),
-            "error": max(float((grads[n] - p.grad).abs().max()) for n, p in eager.named_parameters() if n in grads)}
+            "error": max(float((grads[n] - p.grad).abs().max()) for n, p in eager.named_parameters() if n in grads),
+            "input error": float((x_compiled.grad - x_eager.grad).abs().max())}
 
 
-@pytest.mark.parametrize("which", ["t", "rows", "weight"])
+@pytest.mark.parametrize("which", ["t", "rows", "weight", "bias", "x", "x rows"])
 def test_a_loss_on_an_output_that_views_another_reaches_the_parameters(ranks, which):
-    """Found by a probe: with `return y, y.t()` (or a slice of y, or a view of a weight), a loss on the view
+    """Found by probes: with `return y, y.t()` (or a slice of y, or a view of a weight), a loss on the view
     reached no parameter, silently: AOTAutograd gives such an alias no incoming gradient (it regenerates it
-    outside its graph), and the compiled module returned it as a plain tensor. The trace now copies those
-    outputs, so each gets its gradient."""
+    outside its graph), and the compiled module returned it as a plain tensor. So did a parameter returned
+    as it is (SigLIP's logit_bias never trained) and an input returned, or a view of it (a block's residual:
+    its share of the input's gradient was dropped, 7.41 off). The trace now copies those outputs, so each
+    gets its gradient."""
     for r in ranks(2).run(_loss_on_a_view_output, which):
-        assert r["missing"] == [] and r["error"] < 1e-12, r
+        assert r["missing"] == [] and r["error"] < 1e-12 and r["input error"] < 1e-12, r
 
 
 def _load_wrong_shapes(rank: int, world: int) -> dict:
@@ -441,3 +446,37 @@ def test_a_state_dict_entry_of_another_shape_is_refused(ranks):
         assert "size mismatch for 0.bias: copying a tensor of shape [8] from the state dict, the model's is [16]" \
             in r["said"]["0.bias"]
         assert max(r["errors"].values()) == 0.0, r
+
+
+class _DroppedAttention(torch.nn.Module):
+    """Attention with dropout left on for inference (MC dropout): the graph keeps the kernel whole."""
+
+    def __init__(self, d: int = 16, heads: int = 4):
+        super().__init__()
+        self.qkv, self.heads = torch.nn.Linear(d, 3 * d), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0)
+
+
+def _attention_dropout_in_inference(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = _DroppedAttention().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("tp",)), in_placements={"x": [Shard(0)]})
+    torch.manual_seed(5)
+    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    torch.manual_seed(5)
+    return {"error": float((out - reference(x)).abs().max()), "checks_generators": compiled._draws}
+
+
+def test_attention_dropout_in_an_inference_graph_draws_the_single_device_mask(ranks):
+    """Found by a probe: the kernel draws its mask inside, and a rank holding half the batch drew the first
+    half's mask for its own rows (1.51 off), with the generator check off (no dropout op in the graph). It now
+    runs whole on every rank, and the ranks' generators are compared."""
+    for r in ranks(2).run(_attention_dropout_in_inference):
+        assert r["error"] < 1e-6 and r["checks_generators"], r
