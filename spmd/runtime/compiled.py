@@ -208,6 +208,12 @@ class CompiledModule(nn.Module):
                                 for b in m._non_persistent_buffers_set}
         # (and the tensor constants the trace lifted: the model holds none of them)
         self._non_persistent |= {gi.name for gi in c.traced.inputs if gi.kind == "constant"}
+        # a loss_fn module's own parameters (`loss_fn.log_var`): trained and checkpointed here, but not the model's,
+        # so neither in the model's state dict (`full_state_dict(persistent_only=True)`) nor needed from one
+        model_names = {n for n, _ in (*self._source_model.named_parameters(remove_duplicate=False),
+                                      *self._source_model.named_buffers(remove_duplicate=False))}
+        self._loss_names = {gi.name for gi in c.traced.inputs if gi.kind in ("parameter", "buffer")
+                            and gi.name.startswith("loss_fn.") and gi.name not in model_names}
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -715,7 +721,7 @@ class CompiledModule(nn.Module):
     def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
         """(persistent entries missing, keys that are not the model's) of `state`."""
         known = {n for fqn in self._param_names for n in self._load_names(fqn)}
-        missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent
+        missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent and fqn not in self._loss_names
                    and not any(n in state for n in self._load_names(fqn))]
         return missing, [k for k in state if k not in known]
 
@@ -849,10 +855,11 @@ class CompiledModule(nn.Module):
     def full_state_dict(self, persistent_only: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN. `persistent_only`:
         the keys of the model's own `state_dict()` (no non-persistent buffer, such as a rotary embedding's
-        `inv_freq`, nor a constant the trace lifted), for `model.load_state_dict(...)`."""
+        `inv_freq`, nor a constant the trace lifted, nor a loss_fn module's parameter), for
+        `model.load_state_dict(...)`."""
         out = {}
         for gi_name, attr in self._param_names.items():
-            if persistent_only and gi_name in self._non_persistent:
+            if persistent_only and (gi_name in self._non_persistent or gi_name in self._loss_names):
                 continue
             local = self._get(attr)
             ps = self._state_placements[gi_name]

@@ -397,3 +397,34 @@ def test_names_that_a_graph_module_has_trace_and_train():
     assert torch.equal(loss.detach(), ref_loss.detach())
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in reference.named_parameters()]
     assert torch.equal(compiled.get_buffer("meta.running_mean"), reference.meta.running_mean)
+
+
+class _WeightedLoss(nn.Module):
+    """A loss with a parameter of its own (uncertainty weighting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_var = nn.Parameter(torch.zeros(1))
+
+    def forward(self, out, target):
+        return F.mse_loss(out, target) * torch.exp(-self.log_var) + self.log_var
+
+
+def test_a_loss_modules_parameters_train_but_are_not_the_models():
+    """The documented copy-back, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, failed
+    on `loss_fn.log_var` (not the model's key), and loading the model's own state dict said it was missing."""
+    torch.manual_seed(0)
+    model, loss = nn.Linear(4, 4), _WeightedLoss()
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(copy.deepcopy(model), (x, y), training=True, loss_fn=loss, optimizer_state_factor=0)
+    assert "loss_fn.log_var" in dict(compiled.named_parameters())
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(x, y).backward()
+    opt.step()
+    assert float(compiled.get_parameter("loss_fn.log_var").detach()) != 0.0
+    assert set(compiled.full_state_dict(persistent_only=True)) == {"weight", "bias"}
+    model.load_state_dict(compiled.full_state_dict(persistent_only=True))
+    assert torch.equal(model.weight, compiled.get_parameter("weight"))
+    trained = compiled.get_parameter("loss_fn.log_var").detach().clone()
+    compiled.load_state_dict(nn.Linear(4, 4).state_dict())  # (the model's keys only: the loss keeps its own)
+    assert torch.equal(compiled.get_parameter("loss_fn.log_var"), trained)
