@@ -307,7 +307,7 @@ class CompiledModule(nn.Module):
                                 if any(isinstance(p, Shard) and n > 1
                                        for p, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
         # and the model it was made from keeps its old weights once these move: calling or saving it then raises
-        source_guard.watch(self._source_model, self)
+        source_guard.watch(self._source_model, self, getattr(self._traced_root, "loss_fn", None))
 
     @property
     def code(self) -> str:

@@ -120,11 +120,56 @@ def check_compile(model: torch.nn.Module) -> None:
             f"copy the trained weights back first (`{COPY_BACK}`, on every rank), then compile.")
 
 
-def watch(model: torch.nn.Module, compiled) -> None:
+class _LossGuard:
+    """A loss_fn module with parameters of its own: the compiled module trains them (`loss_fn.log_var`), the
+    module keeps the old ones; calling it or its `state_dict()` after a step raises, until they are loaded
+    into it (its load hook)."""
+    spmd_guard = True
+
+    def __init__(self, what: str | None):
+        self.what = what
+
+    def __call__(self, module, *args):
+        if getattr(_inside, "depth", 0):
+            return None
+        users = [c for ref in _loss_users.get(module, ()) if (c := ref()) is not None]
+        if self.what is None:  # a load into it: its values are the trained ones now, if whole
+            if not args or not getattr(args[0], "missing_keys", ()):
+                for c in users:
+                    c.__dict__["_loss_moved"] = False
+            return None
+        if any(c.__dict__.get("_loss_moved") for c in users):
+            names = sorted(n for n, _ in module.named_parameters())
+            raise SpmdError(
+                f"the loss_fn {type(module).__name__} has parameters of its own ({', '.join(names[:3])}), which the "
+                f"compiled module trains as loss_fn.*: its own are still those it was compiled with, so {self.what} "
+                "would give the numbers of the old ones. What to do: load the trained ones into it first, on every "
+                "rank: `loss_fn.load_state_dict({k.removeprefix('loss_fn.'): v for k, v in "
+                "compiled.full_state_dict().items() if k.startswith('loss_fn.')})`.")
+        return None
+
+
+_loss_users = WeakIdKeyDictionary()  # loss_fn module -> the compiled modules training its parameters (refs)
+
+
+def _watch_loss(loss_fn, compiled) -> None:
+    if not isinstance(loss_fn, torch.nn.Module) or not any(True for _ in loss_fn.parameters()) \
+            or any(t.is_meta for t in loss_fn.parameters()):
+        return
+    users = _loss_users.setdefault(loss_fn, [])
+    if not users:
+        loss_fn.register_forward_pre_hook(_LossGuard("calling it"))
+        loss_fn.register_state_dict_pre_hook(_LossGuard("its state_dict()"))
+        loss_fn.register_load_state_dict_post_hook(_LossGuard(None))
+    users.append(weakref.ref(compiled))
+
+
+def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
     global _hook
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         return
     with _lock:
+        _watch_loss(loss_fn, compiled)
         siblings = _compiled_from.setdefault(model, [])
         if not siblings:  # (the model's hooks once, however many modules are compiled from it)
             model.register_forward_pre_hook(_Guard(model, "calling it"))
@@ -392,7 +437,7 @@ def _stepped(optimizer, args, kwargs) -> None:
     for ref in known[1]:
         compiled = ref()
         if compiled is not None:
-            compiled.__dict__["_weights_moved"] = True
+            compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
             for sibling in compiled.__dict__.get("_siblings", ()):
                 if (s := sibling()) is not None and s is not compiled:
                     s.__dict__["_loaded"], s.__dict__["_given"] = False, set()

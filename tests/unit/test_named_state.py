@@ -412,7 +412,8 @@ class _WeightedLoss(nn.Module):
 
 def test_a_loss_modules_parameters_train_but_are_not_the_models():
     """The documented copy-back, `model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, failed
-    on `loss_fn.log_var` (not the model's key), and loading the model's own state dict said it was missing."""
+    on `loss_fn.log_var` (not the model's key), and loading the model's own state dict said it was missing.
+    Found by a probe: the loss module itself kept its initial values after training, silently (0.175 off)."""
     torch.manual_seed(0)
     model, loss = nn.Linear(4, 4), _WeightedLoss()
     x, y = torch.randn(6, 4), torch.randn(6, 4)
@@ -426,5 +427,13 @@ def test_a_loss_modules_parameters_train_but_are_not_the_models():
     model.load_state_dict(compiled.full_state_dict(persistent_only=True))
     assert torch.equal(model.weight, compiled.get_parameter("weight"))
     trained = compiled.get_parameter("loss_fn.log_var").detach().clone()
+    # the loss module's own parameter is the old one: calling it (or saving it) says so, until it is given them
+    with pytest.raises(spmd.SpmdError, match=r"the loss_fn _WeightedLoss has parameters of its own \(log_var\).*"
+                                             r"What to do: load the trained ones into it first"):
+        loss(model(x), y)
+    loss.load_state_dict({k.removeprefix("loss_fn."): v for k, v in compiled.full_state_dict().items()
+                          if k.startswith("loss_fn.")})
+    assert torch.equal(loss.log_var, trained)
+    loss(model(x), y)
     compiled.load_state_dict(nn.Linear(4, 4).state_dict())  # (the model's keys only: the loss keeps its own)
     assert torch.equal(compiled.get_parameter("loss_fn.log_var"), trained)
