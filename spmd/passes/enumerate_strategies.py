@@ -110,11 +110,11 @@ def _uneven(pin: Placements, shape: tuple[int, ...], mesh) -> str:
     return "; ".join(why) or "it is excluded"
 
 
-def _restrict(strategies: list[Strategy], pin: Placements, what: str, node_desc: str, shape, mesh) -> list:
+def _restrict(strategies: list[Strategy], pin: Placements, what: str, shape, mesh) -> list:
     kept = [s for s in strategies if s.outputs[0] == pin]
-    if not kept:
+    if not kept:  # (named as the user named it: not by its placeholder, `primals_3`)
         raise SpmdError(
-            f"pin {placements_str(pin)} for {what} cannot be met: {node_desc} has shape {shape}, and on mesh "
+            f"pin {placements_str(pin)} for {what} cannot be met: it has shape {shape}, and on mesh "
             f"{mesh} that placement is uneven: {_uneven(pin, shape, mesh)} (uneven shards are not supported). "
             "What to do: pin a placement whose sharded dims divide by the mesh axis sizes, or change the size.")
     return kept
@@ -182,8 +182,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                           if is_even(t.shape, ps, mesh.shape)]
             book = pins.inputs if gi.kind == "input" else pins.params
             if gi.name in book:
-                strategies = _restrict(strategies, book[gi.name], f"{gi.kind} {gi.name!r}",
-                                       f"placeholder '{node.name}'", t.shape, mesh)
+                strategies = _restrict(strategies, book[gi.name], f"{gi.kind} {gi.name!r}", t.shape, mesh)
             # a tangent (the incoming gradient) arrives laid out like its output
             nodes[node.name] = NodeStrategies(tuple(strategies), (), (t,), "placeholder", next_variant(),
                                               tie=gi.name if gi.kind == "tangent" else None)
