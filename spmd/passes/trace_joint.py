@@ -40,8 +40,8 @@ from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
-                                      refuse_random_draws, shared_names, tensor_infos, untraceable_way_out,
-                                      user_outputs_first)
+                                      refuse_random_draws, shared_names, tensor_infos, untraceable_message,
+                                      untraceable_way_out, user_outputs_first)
 
 _PREFIX = "model."
 
@@ -361,10 +361,8 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                            "or make the loss_fn an nn.Module holding it as a buffer (`self.register_buffer('w', w)`)")
             else:
                 way_out = untraceable_way_out(e, model=model)
-            raise SpmdError(
-                f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}: {e}\n"
-                f"What to do: {way_out}."
-            ) from e
+            raise SpmdError(untraceable_message(
+                f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}", e, way_out)) from e
     return gm, out_spec, applied, assigned
 
 

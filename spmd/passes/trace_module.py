@@ -200,6 +200,21 @@ def _drop_effect_tokens(gm: fx.GraphModule, token_names: set[str]) -> None:
         gm.recompile()
 
 
+def torch_said(error: BaseException) -> tuple[str, str]:
+    """(the gist of torch's message: its first line, with the user's line it names, "Caused by: ..."; the whole
+    message if there is more): a failed trace put about ten lines of torch's advice before spmd's way out."""
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    gist = lines[0] if lines else type(error).__name__
+    caused = next((line for line in lines[1:] if line.startswith("Caused by")), None)
+    return (f"{gist} ({caused})" if caused else gist), (text if len(lines) > 1 else "")
+
+
+def untraceable_message(head: str, error: BaseException, way_out: str) -> str:
+    gist, whole = torch_said(error)
+    return f"{head}: {gist}\nWhat to do: {way_out}." + (f"\n\ntorch's whole message:\n{whole}" if whole else "")
+
+
 def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.nn.Module | None = None) -> str:
     """The way out of a trace that failed with `error` (torch's message names the line), or of what in `model`
     is known to fail so."""
@@ -525,10 +540,9 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     except SpmdError:
         raise
     except Exception as e:  # torch's own message says which line failed to trace
-        raise SpmdError(
-            f"trace_module: torch.export could not trace {type(model).__name__}: {e}\n"
-            f"What to do: {untraceable_way_out(e, 'for transformers models pass use_cache=False', model)}."
-        ) from e
+        raise SpmdError(untraceable_message(
+            f"trace_module: torch.export could not trace {type(model).__name__}", e,
+            untraceable_way_out(e, 'for transformers models pass use_cache=False', model))) from e
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature
