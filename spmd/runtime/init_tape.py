@@ -253,6 +253,9 @@ def _python_calls() -> tuple[dict, dict]:
     return recorded, refused
 
 
+_PY_SEED = __import__("random").Random.seed.__code__
+
+
 class _Calls:
     """Records each call of a `_python_calls` function as one op of the tape, replayed by calling it (on the
     real tensor). A profile hook sees it however the model imported it (`nn.init.trunc_normal_`, or the
@@ -261,6 +264,7 @@ class _Calls:
     def __init__(self, recorder: "_Recorder"):
         self.recorder, self.inside, self.refused_call = recorder, None, None
         self.codes, self.refused = _python_calls()
+        self.seeded_python = False  # (random.seed in the build: Python's draws are the same every build)
 
     def __enter__(self):
         self.before = sys.getprofile()
@@ -283,6 +287,8 @@ class _Calls:
                 self.inside = None
             return
         if event == "call":
+            if frame.f_code is _PY_SEED:
+                self.seeded_python = True
             if frame.f_code in self.refused:
                 self._refuse(self.refused[frame.f_code], frame.f_back)
             if frame.f_code in self.codes:
@@ -311,12 +317,23 @@ class _Literals(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _other_generators() -> dict[str, object]:
+    """The states of Python's and numpy's global generators (numpy only if imported)."""
+    import random
+
+    states: dict[str, object] = {"random": random.getstate()}
+    if "numpy" in sys.modules:
+        state = sys.modules["numpy"].random.get_state()
+        states["numpy.random"] = (state[0], state[1].tobytes(), *state[2:])
+    return states
+
+
 @contextlib.contextmanager
 def _recording(tape: InitTape):
     recorder = _Recorder(tape)
     try:
         with torch.device("meta"), _Literals(), recorder, recorder.calls:
-            yield
+            yield recorder.calls
         if recorder.calls.refused_call is not None:
             name, line = recorder.calls.refused_call
             raise SpmdError(
@@ -361,8 +378,17 @@ def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module
     Conversions belong inside: `deferred_init(lambda: Model(cfg).to(torch.bfloat16))`. Python's `random` and
     numpy draws are taken as they fell while recording (seed them in the build for the same on every rank)."""
     tape = InitTape()
-    with _recording(tape):
+    before = _other_generators()
+    with _recording(tape) as calls:
         model = build(*args, **kwargs)
+    drew = [name for name, state in _other_generators().items() if state != before.get(name)
+            and not (name == "random" and calls.seeded_python)]
+    if drew:
+        warnings.warn(
+            f"deferred_init: the build drew numbers from {' and '.join(drew)}, which the recording cannot replay: the "
+            "values they gave are kept as they fell here, so a fresh build gives others, and so may another rank. "
+            "What to do: seed them inside the build (`random.seed(0)`, `numpy.random.seed(0)`), or draw with torch.",
+            stacklevel=2)
     if not isinstance(model, nn.Module):
         raise SpmdError(f"deferred_init: {getattr(build, '__name__', build)!r} returned a {type(model).__name__}, "
                         "not an nn.Module")

@@ -271,3 +271,23 @@ def test_a_tensor_nothing_writes_is_named():
     tape, final = tape_of(meta)
     with pytest.warns(UserWarning, match=r"w is made by torch.empty and never written"):
         replay_local_shards(tape, final, {"w": (Replicate(), Replicate())}, MESH, (0, 0), seed=0)
+
+
+def test_draws_from_pythons_or_numpys_generators_are_named():
+    """Found by a probe: values drawn with Python's `random` in __init__ are kept as they fell while recording
+    (2.9 off a fresh build, and another rank's recording differs), without a word."""
+    import random
+
+    class PyDrawn(nn.Module):
+        def __init__(self, seed=None):
+            super().__init__()
+            if seed is not None:
+                random.seed(seed)
+            self.scale = nn.Parameter(torch.full((4,), random.random()))
+
+    with pytest.warns(UserWarning, match=r"the build drew numbers from random.*seed them inside the build"):
+        spmd.deferred_init(PyDrawn)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        spmd.deferred_init(PyDrawn, 3)  # (seeded in the build: the same every time)
