@@ -357,6 +357,16 @@ class Quantized(nn.Module):
         return self.fc2(ScaleGrad.apply(RoundSTE.apply(self.fc1(x) * 4) / 4))
 
 
+def nanogpt_init(m: nn.Module) -> None:
+    """nanoGPT's `_init_weights`: normal(0, 0.02) for Linear and Embedding weights, zero biases."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+
 class NanoBlock(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -382,12 +392,7 @@ class NanoGPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
 
     def _init_weights(self, m):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        nanogpt_init(m)
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))

@@ -204,17 +204,21 @@ def view_base(node: fx.Node) -> fx.Node:
     return node
 
 
+def dropout_p(op, args: tuple, kwargs: dict):
+    """The dropout probability an op with a `dropout_p` argument (an attention kernel) is called with; None for
+    an op without one."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == "dropout_p":
+            return args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+    return None
+
+
 def is_random(node: fx.Node) -> bool:
     """An op that draws from the random generator (dropout): run again, it would draw other numbers.
     Attention kernels are tagged so for their dropout, and draw nothing when its probability is 0."""
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
-    schema = node.target._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
-            return p != 0
-    return True
+    return dropout_p(node.target, node.args, node.kwargs) != 0
 
 
 _SELECTIVE_KEEPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product_attention",

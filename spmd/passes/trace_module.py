@@ -6,8 +6,8 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 """
 from __future__ import annotations
 
+import functools
 import inspect
-
 import sys
 import threading
 import warnings
@@ -470,6 +470,7 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
             "return such values from the forward.", stacklevel=user_stacklevel())
 
 
+@functools.cache
 def _graph_module_names() -> frozenset[str]:
     """The attributes a GraphModule has and a plain module has not (`code`, `graph`, `meta`, ...)."""
     gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
@@ -512,9 +513,8 @@ def _unheld(ep) -> None:
     for node in ep.graph_module.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
-            node.meta["nn_module_stack"] = {
-                "L__self__" + ("" if path == "m" else strip(path)): ("" if path == "m" else strip(path), kind)
-                for _, (path, kind) in stack.items() if path != ""}
+            paths = [("" if path == "m" else strip(path), kind) for path, kind in stack.values() if path != ""]
+            node.meta["nn_module_stack"] = {"L__self__" + path: (path, kind) for path, kind in paths}
 
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:

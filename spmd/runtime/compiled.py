@@ -132,7 +132,6 @@ _RESERVED = frozenset({"graph_module", "plan", "split", "rank", "coord", "mesh_s
                        "compile_backend"})
 
 
-
 def _collective(method):
     """A method every rank must call (it gathers or reduces over the mesh): a rank left waiting in it says so
     (runtime/waiting.py)."""
@@ -141,6 +140,7 @@ def _collective(method):
         with waiting.collective(method.__name__, self.rank, self.mesh_spec.size):
             return method(self, *args, **kwargs)
     return call
+
 
 class CompiledModule(nn.Module):
     """Runs one rank's graph. Parameters are this rank's shards, as ordinary `nn.Parameter`s.
@@ -708,15 +708,18 @@ class CompiledModule(nn.Module):
         names = (fqn, *self._names_of(fqn))
         return names + tuple(n.replace(".", "__") for n in names if "." in n)
 
+    def _stored_as(self, fqn: str, keys) -> str | None:
+        """The name of `fqn` among `keys` (a state dict, a checkpoint's tensors) whose entry torch's
+        `load_state_dict` leaves in it: each module copies its own names in turn, so of a tied tensor's names
+        the last one present (in module order) wins."""
+        return next((n for n in reversed((fqn, *self._names_of(fqn))) if n in keys), None)
+
     def _entry(self, state: dict, fqn: str):
-        """`fqn`'s entry in `state`, as torch's `load_state_dict` leaves it: each module copies its own names in
-        turn, so of a tied tensor's names the last one present (in module order) wins; then the older attribute
-        names. None where there is none."""
-        names = (fqn, *self._names_of(fqn))
-        present = [n for n in names if n in state]
-        if present:
-            return state[present[-1]]
-        return next((state[n] for n in self._load_names(fqn)[len(names):] if n in state), None)
+        """`fqn`'s entry in `state` (`_stored_as`, then the older attribute names); None where there is none."""
+        name = self._stored_as(fqn, state)
+        if name is None:
+            name = next((n for n in self._load_names(fqn)[1 + len(self._names_of(fqn)):] if n in state), None)
+        return None if name is None else state[name]
 
     def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
         """(persistent entries missing, keys that are not the model's) of `state`."""
@@ -796,7 +799,7 @@ class CompiledModule(nn.Module):
         for fqn in self._param_names:
             if fqn in self._non_persistent:
                 continue
-            name = next((n for n in reversed((fqn, *self._names_of(fqn))) if n in files), None)  # (as `_entry`)
+            name = self._stored_as(fqn, files)
             if name is None:
                 missing.append(fqn)
                 continue

@@ -329,6 +329,11 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
     return infos, events, unknown, discard
 
 
+def _holder(module: nn.Module, fqn: str) -> str:
+    """"Embedding tok_emb": the class and path of the module holding `fqn`."""
+    return f"{type(module).__name__} {fqn.rpartition('.')[0] or '<root>'}"
+
+
 def _refuse_unknown_tie_makers(infos: dict[int, _TensorInfo], events: list[_Event], discarded: set) -> None:
     """A tied tensor two modules' resets write, and no init_fn overwrites after: its values are those of the
     module that made it, which a meta model cannot tell (`lm_head.weight = wte.weight` or the other way,
@@ -341,10 +346,9 @@ def _refuse_unknown_tie_makers(infos: dict[int, _TensorInfo], events: list[_Even
         if len(makers) < 2 or info.key in overwritten:
             continue
         (a, fa), (b, fb) = makers[:2]
-        where = lambda m, fqn: f"{type(m).__name__} {fqn.rpartition('.')[0] or '<root>'}"  # noqa: E731
         raise SpmdError(
-            f"init_weights: {fa} and {fb} are one tensor, and the reset_parameters of both {where(a, fa)} and "
-            f"{where(b, fb)} write it. On a model built under torch.device('meta') the tie does not say which "
+            f"init_weights: {fa} and {fb} are one tensor, and the reset_parameters of both {_holder(a, fa)} and "
+            f"{_holder(b, fb)} write it. On a model built under torch.device('meta') the tie does not say which "
             "module made the tensor, and that decides its values. What to do: build the model with "
             "spmd.deferred_init(Model, ...), which records its construction; or say which made it: "
             f"tied_reset_owner='first' (the tie was made as `{fb} = {fa}`) or 'all' (made as `{fa} = {fb}`, "

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import random
 import sys
 import traceback
 import warnings
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -51,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime.distribute import local_slices
+from spmd.runtime.init_weights import is_transformers
 
 aten = torch.ops.aten
 
@@ -116,23 +118,22 @@ class InitTape:
     def key_of(self, t: torch.Tensor) -> int | None:
         return self.keys.get(StorageWeakRef(t.untyped_storage()))
 
-    def ref(self, t: torch.Tensor) -> _Ref:
-        """`t` as a view of its storage, registering the storage the first time (a real one, made before the
-        recording, with its values)."""
+    def ref(self, t: torch.Tensor, made_by: int | None = None) -> _Ref:
+        """`t` as a view of its storage, registering the storage the first time: made by op `made_by`, or else
+        before the recording (a real one with its values)."""
         key = self.key_of(t)
         if key is None:
             key = len(self.storages)
             self.keys[StorageWeakRef(t.untyped_storage())] = key
             constant = None
-            if not t.is_meta:
+            if made_by is None and not t.is_meta:
                 constant = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).detach().clone()
-            self.storages.append(_Storage(t.untyped_storage().nbytes(), t.dtype, None, constant))
+            self.storages.append(_Storage(t.untyped_storage().nbytes(), t.dtype, made_by, constant))
             self.keep.append(t)
         return _Ref(key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
     def copy(self) -> "InitTape":
-        return InitTape(list(self.ops), [replace(s) for s in self.storages], list(self.generators), dict(self.keys),
-                        list(self.keep))
+        return InitTape(list(self.ops), list(self.storages), list(self.generators), dict(self.keys), list(self.keep))
 
 
 # ---- recording -----------------------------------------------------------------------------------
@@ -223,20 +224,18 @@ class _Recorder(TorchDispatchMode):
         outs, made = [], False
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor) and tape.key_of(o) is None:
-                key = tape.ref(o).storage
-                tape.storages[key] = _Storage(o.untyped_storage().nbytes(), o.dtype, len(tape.ops))
-                outs.append(key)
+                outs.append(tape.ref(o, made_by=len(tape.ops)).storage)
                 made = True
             else:
                 outs.append(None)
-        random = torch.Tag.nondeterministic_seeded in func.tags
-        if made or writes or random:  # (a view needs no replay: arguments are named by storage and geometry)
+        draws = torch.Tag.nondeterministic_seeded in func.tags
+        if made or writes or draws:  # (a view needs no replay: arguments are named by storage and geometry)
             names = {a.name for a in func._schema.arguments}
             if "dtype" in names and "device" in names and kwargs.get("dtype") is None and isinstance(out, torch.Tensor):
                 kwargs["dtype"] = out.dtype  # (a factory's dtype is the default one, which may differ later)
             kept = {k for k, whole in writes.items() if not whole}  # a partial write keeps the rest
             tape.ops.append(_Op(func, tree_map(self._arg, tuple(args)), tree_map(self._arg, dict(kwargs)), outs,
-                                writes, frozenset(reads | kept), random))
+                                writes, frozenset(reads | kept), draws))
             tape.keep.append(out)
         return out
 
@@ -253,7 +252,7 @@ def _python_calls() -> tuple[dict, dict]:
     return recorded, refused
 
 
-_PY_SEED = __import__("random").Random.seed.__code__
+_PY_SEED = random.Random.seed.__code__
 
 
 class _Calls:
@@ -319,8 +318,6 @@ class _Literals(TorchFunctionMode):
 
 def _other_generators() -> dict[str, object]:
     """The states of Python's and numpy's global generators (numpy only if imported)."""
-    import random
-
     states: dict[str, object] = {"random": random.getstate()}
     if "numpy" in sys.modules:
         state = sys.modules["numpy"].random.get_state()
@@ -362,14 +359,6 @@ def _final(model: nn.Module, tape: InitTape) -> dict[str, _Ref]:
     return {name: tape.ref(t) for name, t in _named_tensors(model)}
 
 
-def _has_transformers(model: nn.Module) -> bool:
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
-
-    return any(isinstance(m, PreTrainedModel) for m in model.modules())
-
-
 def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module:
     """`build(*args, **kwargs)` on the meta device (shapes only, no memory), with its construction recorded:
     `spmd.compile` plans it as any meta model, and `compiled.init_weights(seed)` gives each rank the pieces of
@@ -392,7 +381,7 @@ def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module
     if not isinstance(model, nn.Module):
         raise SpmdError(f"deferred_init: {getattr(build, '__name__', build)!r} returned a {type(model).__name__}, "
                         "not an nn.Module")
-    if _has_transformers(model):
+    if is_transformers(model):
         raise SpmdError("deferred_init: the model holds a transformers model, whose own init (post_init) does not run "
                         "under the meta device, so the recording would miss it. What to do: build it under "
                         "torch.device('meta'): init_weights replays transformers' post_init itself.")

@@ -318,10 +318,6 @@ def plan_init(meta_model: nn.Module, **kwargs) -> InitPlan:
     return plan
 
 
-_INIT_WORDS = re.compile(r"\.apply\(|\b(normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|orthogonal_|dirac_|sparse_|"
-                         r"zeros_|ones_|constant_|fill_|copy_|eye_|randn|rand|randint|randperm|bernoulli_?)\b")
-
-
 def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
     """`Class.__init__ (file:line: code)` for each class of the model's own (not torch's, not transformers')
     whose `__init__` writes or draws values itself, beyond the reset_parameters() of its modules: a
@@ -391,6 +387,8 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
 
 _RNG_WORDS = re.compile(r"\b(randn|rand|randint|randperm|normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|"
                         r"orthogonal_|bernoulli|multinomial|random_|sparse_)\b")
+# an __init__ that draws, or writes values in place, or applies an init over its modules (`own_inits`)
+_INIT_WORDS = re.compile(rf"\.apply\(|{_RNG_WORDS.pattern}|\b(dirac_|zeros_|ones_|constant_|fill_|copy_|eye_|bernoulli_)\b")
 
 
 def is_transformers(model: nn.Module) -> bool:

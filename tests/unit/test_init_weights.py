@@ -18,7 +18,8 @@ from torch.distributed.tensor import Replicate, Shard
 from spmd.core.errors import SpmdError
 from spmd.runtime.distribute import local_slices
 from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, plan_init, rng_trace
-from tests.models import GPT, MLP, CausalSelfAttention, GPTConfig, Llama, LlamaConfig, ViT, ViTConfig, tied_lm
+from tests.models import (GPT, MLP, CausalSelfAttention, GPTConfig, Llama, LlamaConfig, ViT, ViTConfig, nanogpt_init,
+                          tied_lm)
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 MESH = (2, 2)
@@ -151,15 +152,6 @@ def test_missing_placements_are_named_unless_replicated():
 
 
 # ---------------------------------------------------------------------------------------------- init_fn
-
-def nanogpt_init(m):
-    if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.Embedding):
-        nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
 
 def test_nanogpt_style_init_fn_equals_model_apply():
     check_equal(lambda: GPT(GPTConfig()), "mixed", 1, init_fn=nanogpt_init)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from spmd.core.graph_facts import dropout_p
 from spmd.passes.rules.registry import RuleInput, rule
 
 aten = torch.ops.aten
@@ -27,20 +28,13 @@ def _mask_placement(mask, q, d: int):
     return Shard(md) if md >= 0 and mask.shape[md] == q.shape[d] else Replicate()
 
 
-def _dropout_p(inp: RuleInput) -> float:
-    for i, a in enumerate(inp.op._schema.arguments):
-        if a.name == "dropout_p":
-            return inp.args[i] if i < len(inp.args) else inp.kwargs.get("dropout_p", a.default_value)
-    return 0.0
-
-
 @rule(*_OPS)
 def sdpa(inp: RuleInput) -> list[list]:
     """Batch- or head-parallel: every 3-D/4-D tensor (q, k, v, out, grads, logsumexp) on the same dim. With
     dropout (an inference graph keeps the op whole: a model left in train mode, MC dropout), whole on every
     rank: the kernel draws its mask inside, so a rank holding a piece drew the first rows' mask for its own
     rows (found by a probe: both halves of the batch got the same mask, 1.51 off)."""
-    if _dropout_p(inp) != 0 and inp.op is not _CPU_FLASH_BWD_OP:
+    if dropout_p(inp.op, inp.args, inp.kwargs) not in (0, None) and inp.op is not _CPU_FLASH_BWD_OP:
         return [[Replicate() for _ in (*inp.outputs, *inp.inputs)]]
     q = inp.inputs[1] if inp.op is _CPU_FLASH_BWD_OP else inp.inputs[0]
     mask = inp.kwargs.get("attn_mask")
