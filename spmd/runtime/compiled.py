@@ -358,26 +358,36 @@ class CompiledModule(nn.Module):
 
     @_collective
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (the same
-        on every rank, equal to the single-device model's) and scales this rank's gradient shards by
-        min(1, max_norm / (norm + 1e-6)) in place. Gradients come out of backward in their parameter's
-        placements (Shard or Replicate, never Partial), so each mesh axis that shards some gradient
-        reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
-        params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()
-                  if isinstance(self._get(attr), nn.Parameter)]
-        grads = [(p.grad, self._state_placements[fqn]) for fqn, p in params if p.grad is not None]
+        """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (`grad_norm`,
+        the same on every rank, equal to the single-device model's) and scales this rank's gradient shards
+        by min(1, max_norm / (norm + 1e-6)) in place. Call it on every rank, after backward."""
+        norm = self.grad_norm(norm_type, error_if_nonfinite)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self._grads():
+            g.mul_(coef.to(g.device))
+        return norm
+
+    @_collective
+    def grad_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.get_total_norm` of the full gradients (the norm a training loop logs): the same
+        on every rank, equal to the single-device model's. Gradients come out of backward in their
+        parameter's placements (Shard or Replicate, never Partial), so each mesh axis that shards some
+        gradient reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
+        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads(named=True)]
         if not grads:
             return torch.tensor(0.0)
-        dtype = grads[0][0].dtype
-        norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(dtype)
+        norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(grads[0][0].dtype)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the "
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g, _ in grads:
-            g.mul_(coef.to(g.device))
         return norm
+
+    def _grads(self, named: bool = False) -> list:
+        """This rank's gradient pieces (with their parameter's name), in the model's parameter order."""
+        params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()
+                  if isinstance(self._get(attr), nn.Parameter)]
+        return [(fqn, p.grad) if named else p.grad for fqn, p in params if p.grad is not None]
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers (the non-persistent ones too) as DTensors over the runtime mesh (local

@@ -1,5 +1,5 @@
-"""Gradient clipping by global norm on gloo processes: `compiled.clip_grad_norm_` returns the full
-gradients' norm on every rank, and training with it tracks one device clipping with
+"""Gradient clipping by global norm on gloo processes: `compiled.clip_grad_norm_` (and `grad_norm`, the
+norm alone) returns the full gradients' norm on every rank, and training with it tracks one device clipping with
 `torch.nn.utils.clip_grad_norm_` (losses, parameters, and the norm of every step)."""
 import pytest
 

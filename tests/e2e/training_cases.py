@@ -165,8 +165,10 @@ def _run_training(case: TrainCase, steps: int) -> dict:
         loss.backward()
         if step == 1:  # optimizer state exists from step 0 on; gradients are live right now
             measured = compiled.memory_report(opt)
-        if case.clip is not None:
+        if case.clip is not None:  # (the norm alone, as a loop logs it, then clipped by it)
+            logged = float(compiled.grad_norm(case.norm_type))
             norms.append(float(compiled.clip_grad_norm_(case.clip, case.norm_type)))
+            assert logged == norms[-1], (logged, norms[-1])
         opt.step()
         opt.zero_grad()
         torch.manual_seed(100 + step)

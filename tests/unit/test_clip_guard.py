@@ -1,5 +1,6 @@
 """torch's clip_grad_norm_ over a compiled module's shards would clip each rank by its own norm (the replicas
-drift apart, silently): it raises with the way out (runtime/clip_guard.py). Everything else clips as before."""
+drift apart, silently), and its get_total_norm over their gradients would log each rank's own norm: both
+raise with the way out (runtime/clip_guard.py). Everything else clips as before."""
 import pytest
 import torch
 import torch.nn as nn
@@ -31,8 +32,8 @@ def _compiled(group: str, pins: dict):
 
 def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_rank):
     compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
-    with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ \(or clip_grads_with_norm_\) was handed this rank's "
-                                             r"pieces of sharded parameters "
+    with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ \(or get_total_norm, or clip_grads_with_norm_\) was "
+                                             r"handed this rank's pieces of sharded parameters or their gradients "
                                              r"\(0.weight\).*What to do: call compiled.clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1.0)
     with pytest.raises(spmd.SpmdError, match="0.weight"):  # (under either of torch's names for it)
@@ -45,6 +46,23 @@ def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_r
         torch.nn.utils.clip_grads_with_norm_(compiled.parameters(), 1e-3, torch.tensor(5.0))
     assert all(torch.equal(p.grad, g) for p, g in zip(compiled.parameters(), grads))
     assert float(compiled.clip_grad_norm_(1.0)) > 0
+
+
+def test_torchs_norm_of_sharded_gradients_raises_and_the_compiled_norm_is_the_full_one(one_rank):
+    compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
+    grads = [p.grad for p in compiled.parameters()]
+    for get_total_norm in (torch.nn.utils.get_total_norm, torch.nn.utils.clip_grad._get_total_norm):
+        with pytest.raises(spmd.SpmdError, match=r"\(0.weight\).*or compiled.grad_norm\(norm_type\) for the norm"):
+            get_total_norm(grads)
+        with pytest.raises(spmd.SpmdError, match="0.weight"):
+            get_total_norm(compiled.get_parameter("0.weight").grad)  # (a lone tensor)
+    # the gradients of the parameters nobody shards, and any other tensors: as before
+    assert float(torch.nn.utils.get_total_norm(grads[1:])) > 0
+    assert float(torch.nn.utils.get_total_norm([torch.full((4,), 2.0)])) == pytest.approx(4.0)
+    # (on a mesh of one, the piece is the whole: the full norm is torch's over the pieces)
+    assert float(compiled.grad_norm()) == pytest.approx(float(torch.linalg.vector_norm(
+        torch.cat([g.flatten() for g in grads]))), rel=1e-6)
+    assert float(compiled.grad_norm(float("inf"))) == pytest.approx(max(float(g.abs().max()) for g in grads))
 
 
 def test_replicated_parameters_and_other_models_clip_as_before(one_rank):
