@@ -101,8 +101,23 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     deep and stamped to full depth, once the forward at full depth is checked to run those layers
     repeated and nothing else), ...
     """
-    options = PlanOptions.build(options, **kwargs)
+    # (under torch.inference_mode the pieces would be inference tensors: no version counters for the guards,
+    # no autograd; compiled outside it, the module is called under it as the user likes)
+    with torch.inference_mode(False):
+        return _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
+                        PlanOptions.build(options, **kwargs))
+
+
+def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
+             options: PlanOptions) -> CompiledModule:
     graph_backend(compile_graphs)  # a wrong value fails before planning
+    made_so = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
+    if made_so:
+        raise SpmdError(
+            f"compile: {type(model).__name__}'s {', '.join(made_so[:3])}{', ...' if len(made_so) > 3 else ''} were "
+            "made under torch.inference_mode (inference tensors: no autograd, no version counters), which tracing "
+            "cannot take. What to do: build or load the model outside torch.inference_mode; the compiled module "
+            "can then be called under it.")
     source_guard.check_compile(model)  # (a module compiled from it has trained: its own weights are the old ones)
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "

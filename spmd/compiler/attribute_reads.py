@@ -173,5 +173,6 @@ class AttributeGuard:
                 f"the model's {listed} changed after compiling. The forward read the value when it was traced, "
                 "and the compiled graph holds that value: this call would run with the old one. What to do: "
                 "compile again after the change; for a value that changes during training (a temperature, a "
-                "rate), keep it in a buffer updated in place (`self.register_buffer('t', torch.tensor(1.0))`, "
-                "`model.t.fill_(new)`) and read that in the forward.")
+                "rate), keep it in a buffer (`self.register_buffer('t', torch.tensor(1.0))`), read that in the "
+                "forward, and set it on the compiled module (`compiled.get_buffer('t').fill_(new)`), which holds "
+                "its own copy.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 import threading
 import warnings
@@ -225,6 +226,11 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         return (f"{', '.join(cumulative[:3])}: a batch norm with momentum=None (a cumulative average of the "
                 "statistics) computes its factor from `num_batches_tracked` in Python, which a graph cannot hold. "
                 "Give it a momentum (`momentum=0.1`, torch's default), or compile the model in eval mode")
+    cache = re.search(r"\b(\w*Cache)\b", str(error))
+    if cache and ("pytree" in str(error) or "not a known type" in str(error)):  # (transformers' KV cache)
+        return (f"the model returns a {cache.group(1)} (transformers' key/value cache, on by default), which a graph "
+                "cannot hold: build it with `use_cache=False` in its config, or pass `use_cache=False` in the "
+                "example kwargs")
     if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
         return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values, and torch's tracing "
                 "has no rule for it. Replace it with ops of a fixed shape, or compute it outside the compiled "

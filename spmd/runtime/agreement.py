@@ -21,8 +21,12 @@ WHAT_TO_DO = ("What to do: build the same model with the same example inputs (sh
               "pins on every rank: the same script, seeds and data.")
 
 
-def _one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
+def _shown(error: BaseException) -> str:
+    """The error as the other ranks show it: its type and whole message (a refusal's list of problems and its way
+    out are on the lines after the first), within 3,000 characters, the lines after the first indented."""
+    text = f"{type(error).__name__}: {error}"
+    text = text if len(text) <= 3000 else text[:3000] + " ..."
+    return "\n    ".join(text.splitlines())
 
 
 def _stopped(failed: list[tuple[int, str]]) -> SpmdError:
@@ -69,7 +73,7 @@ class Rendezvous:
         then both go to the second meeting (`agree_on_plan`) with the error."""
         if not dist.is_initialized():
             return
-        message = {"error": _one_line(error)}
+        message = {"error": _shown(error)}
         if not self.met:
             self._gather(message)
             self.met = True
@@ -115,7 +119,7 @@ class Rendezvous:
         """Rank 0 failed while the others wait for its plan: bring them the error (one broadcast, the one
         they wait in)."""
         self.plan_pending = False
-        dist.broadcast_object_list([("error", _one_line(error))], src=0)
+        dist.broadcast_object_list([("error", _shown(error))], src=0)
 
     def agree_on_plan(self, fingerprint: str) -> None:
         """The second meeting, after code generation: every rank brings its plan's fingerprint, or the

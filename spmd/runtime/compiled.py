@@ -1195,7 +1195,8 @@ class CompiledModule(nn.Module):
         self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
         source_guard.model_changed(self)  # (the model given new weights after compiling, before this trained)
-        source_guard.hooks_added(self)  # (hooks on the model after compiling, which would never run)
+        source_guard.hooks_changed(self)  # (hooks on the model added after compiling, or removed)
+        source_guard.buffers_changed(self)  # (the model's buffers set after compiling, which this holds copies of)
         if self._flags:
             self._follow_requires_grad()
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:

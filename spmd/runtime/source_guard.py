@@ -15,7 +15,11 @@ them afterwards would give the numbers of the untrained weights, without a word.
   until weights are loaded into it.
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
 checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
-(`model_changed`, by the parameters' version counters) until they are given to it.
+(`model_changed`, by the parameters' version counters) until they are given to it. The model's buffers, at
+any time (`buffers_changed`): one set on the model after compiling (`model.temperature.fill_(t)`, a new
+tensor assigned) never reaches the compiled module's own copy, and its next call raises unless the copy
+already holds the same values; what the model's own forward changes in them (its running statistics) is
+the model's business (`_OwnForward`).
 A copy of the model made before any step is another model: its hooks do nothing. spmd's own mode check runs
 the model past them (`inside`). A model built on the meta device (no weights to go stale) is not watched.
 """
@@ -50,6 +54,7 @@ def _bump(module, name, value) -> None:
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
 torch.nn.modules.module.register_module_module_registration_hook(_bump)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
 
 # The copy of a compiled module's trained weights back into the model, as every guard's way out names it
 COPY_BACK = "model.load_state_dict(compiled.full_state_dict(persistent_only=True))"
@@ -175,6 +180,8 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
             model.register_forward_pre_hook(_Guard(model, "calling it"))
             model.register_state_dict_pre_hook(_Guard(model, "its state_dict()"))
             model.register_load_state_dict_post_hook(_Guard(model, None))
+            model.register_forward_pre_hook(_OwnForward(model, after=False))
+            model.register_forward_hook(_OwnForward(model, after=True))
         siblings.append(weakref.ref(compiled))
         compiled.__dict__["_siblings"] = siblings
         given(compiled)  # (its weights as compiled: the mark its in-place changes are seen against)
@@ -183,6 +190,99 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
             _owners[p] = weakref.ref(compiled)
         if _hook is None:
             _hook = (register_optimizer_step_pre_hook(_stepping_now), register_optimizer_step_post_hook(_stepped))
+
+
+class _OwnForward:
+    """Around the model's own forward (a pre-hook, then a hook): the buffers it changes (batch norm's running
+    statistics, a counter) are its own state, not values given to the modules compiled from it, whose marks
+    (`buffers_changed`) move with them. A buffer set outside since (`model.t.fill_(0.5)`, then a call of the
+    model) stays changed."""
+    spmd_guard = True
+
+    def __init__(self, model: torch.nn.Module, after: bool):
+        self.model, self.after = weakref.ref(model), after
+
+    def __reduce__(self):
+        return (_Inert, ())  # (a copy of the model is another model)
+
+    def __call__(self, module, *args):
+        if module is not self.model():
+            return None
+        modules = [c for ref in _compiled_from.get(module, ()) if (c := ref()) is not None]
+        if not self.after:
+            _versions_before[module] = {id(b): b._version for c in modules
+                                        for b, _ in c.__dict__.get("_buffer_marks", {}).values()}
+            return None
+        before = _versions_before.pop(module, {})
+        for c in modules:
+            marks = c.__dict__.get("_buffer_marks")
+            if marks and any(b._version != v and before.get(id(b)) == v for b, v in marks.values()):
+                c.__dict__["_buffer_marks"] = {fqn: (b, b._version if before.get(id(b)) == v else v)
+                                               for fqn, (b, v) in marks.items()}
+        return None
+
+
+_versions_before = WeakIdKeyDictionary()  # model -> its buffers' versions when its forward began
+
+
+def _mark_buffers(compiled, model: torch.nn.Module, fqns=None) -> None:
+    """The model's buffers (those named `fqns`; None: all) that `compiled` holds a copy of, as they are now."""
+    marks = {} if fqns is None else dict(compiled.__dict__.get("_buffer_marks", {}))
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        if fqn in compiled._param_names and (fqns is None or fqn in fqns):
+            marks[fqn] = (b, b._version)
+    compiled.__dict__["_buffer_marks"] = marks
+    compiled.__dict__["_buffers_at"] = _registered[0]
+
+
+def _buffer(model: torch.nn.Module, fqn: str):
+    try:
+        return model.get_buffer(fqn)
+    except AttributeError:
+        return None
+
+
+def _holds(compiled, fqn: str, value) -> bool:
+    """Whether `compiled`'s piece of `fqn` is this rank's piece of `value`."""
+    piece = compiled._get(compiled._param_names[fqn])
+    try:
+        expected = compiled._piece_of(fqn, value, piece)
+    except Exception:  # noqa: BLE001 - (another shape: not what it holds)
+        return False
+    return isinstance(expected, torch.Tensor) and expected.shape == piece.shape and torch.equal(
+        expected.to(piece.dtype), piece)
+
+
+def buffers_changed(compiled) -> None:
+    """Raise where a buffer of the model was set after `compiled` copied it (in place, by version counter, or
+    a new tensor assigned), and the compiled module's copy does not hold the same values: a temperature
+    annealed on the model (`model.t.fill_(0.5)`), a mask replaced. The compiled module would run with its old
+    copy, silently. Equal values (the trained buffers copied back, a load into both) are taken as seen."""
+    marks = compiled.__dict__.get("_buffer_marks")
+    if not marks or compiled.__dict__.get("_copy"):
+        return
+    model = compiled._source_model
+    walk = compiled.__dict__.get("_buffers_at") != _registered[0]  # (something was set on some module)
+    changed, seen = [], {}
+    for fqn, (b, version) in marks.items():
+        now = _buffer(model, fqn) if walk else b
+        if now is b and b._version == version:
+            continue
+        if now is not None and _holds(compiled, fqn, now):
+            seen[fqn] = (now, now._version)
+        else:
+            changed.append(fqn)
+    if seen:
+        compiled.__dict__["_buffer_marks"] = {**marks, **seen}
+    if changed:
+        raise SpmdError(
+            f"{type(model).__name__}'s buffer(s) {', '.join(f'`{n}`' for n in changed[:4])}"
+            f"{', ...' if len(changed) > 4 else ''} changed after it was compiled (set in place or assigned), and "
+            "the compiled module holds its own copy of each: this call would run with the old values. What to do: "
+            f"set them on the compiled module instead (`compiled.get_buffer('{changed[0]}').fill_(new)`, on every "
+            "rank), or give it the model's (`compiled.load_state_dict(model.state_dict())`, for persistent ones).")
+    if walk:
+        compiled.__dict__["_buffers_at"] = _registered[0]
 
 
 def mark_model(compiled, fqns=None) -> None:
@@ -211,6 +311,7 @@ def mark_model(compiled, fqns=None) -> None:
     # (new dicts each time: a copy of the compiled module starts with its original's)
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
     compiled.__dict__["_model_tree"] = tree
+    _mark_buffers(compiled, model, fqns)
 
 
 def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:
@@ -271,10 +372,21 @@ def _replaced(compiled) -> None:
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
+# the hooks every module runs (`torch.nn.modules.module.register_module_forward_hook` and its kin)
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                      "_global_backward_hooks")
+_EVERY_MODULE = "every module"
+
+
 def _hooks(modules, params) -> dict[tuple[str, str, int], object]:
     """(module or parameter name, hook dict, handle id) -> the hook, for every hook on `modules` and `params`
-    ((name, module) and (name, parameter) pairs: a model's, listed once by `mark_hooks`)."""
+    ((name, module) and (name, parameter) pairs: a model's, listed once by `mark_hooks`), and every module's
+    (named `_EVERY_MODULE`)."""
     found = {}
+    for d in _GLOBAL_HOOK_DICTS:
+        hooks = getattr(torch.nn.modules.module, d, None)
+        if hooks:
+            found.update(((_EVERY_MODULE, d.replace("_global", ""), key), hook) for key, hook in hooks.items())
     for name, m in modules:
         for d in MODULE_HOOKS:
             hooks = getattr(m, d)
@@ -289,22 +401,46 @@ def _hooks(modules, params) -> dict[tuple[str, str, int], object]:
 
 
 def mark_hooks(compiled) -> None:
-    """The model's hooks as they are when compiled: those `hooks_added` compares with; and its modules and
+    """The model's hooks as they are when compiled: those `hooks_changed` compares with; and its modules and
     parameters, listed once, so a look after a registration elsewhere reads their hook tables without walking
     the module tree again (a 32-layer Llama: 0.33 ms, against 2.2 ms with the walk)."""
     model = compiled._source_model
     compiled.__dict__["_hooks_at"] = RemovableHandle.next_id
     compiled.__dict__["_hooked_modules"] = tuple(model.named_modules(remove_duplicate=False))
     compiled.__dict__["_hooked_params"] = tuple(model.named_parameters(remove_duplicate=False))
-    compiled.__dict__["_model_hooks"] = frozenset(_hooks(compiled._hooked_modules, compiled._hooked_params))
+    hooks = _hooks(compiled._hooked_modules, compiled._hooked_params)
+    compiled.__dict__["_model_hooks"] = frozenset(hooks)
+    # the user's hooks the trace ran (module and every-module hooks: traced into the graph), each with the
+    # table that holds it, so that a call sees one removed by looking in a few tables (most models: none)
+    tables = {**{(name, d): getattr(m, d) for name, m in compiled._hooked_modules for d in MODULE_HOOKS},
+              **{(_EVERY_MODULE, d.replace("_global", "")): getattr(torch.nn.modules.module, d)
+                 for d in _GLOBAL_HOOK_DICTS if hasattr(torch.nn.modules.module, d)}}
+    compiled.__dict__["_traced_hooks"] = tuple(
+        (_shown(name, d, compiled._source_model), tables[name, d], key) for (name, d, key), hook in hooks.items()
+        if (name, d) in tables and user_hook(hook))
 
 
-def hooks_added(compiled) -> None:
-    """Raise where a hook was registered on the model's modules or parameters after compiling
-    (`model.fc.register_forward_pre_hook(...)`, `model.fc.weight.register_hook(...)`): the compiled module runs
-    its own graph on its own pieces, so it would never run, and what it changes in a value or a gradient would
-    not happen, silently. Every hook registration takes the next handle id (`RemovableHandle.next_id`, global),
-    so the model is walked again only after one somewhere: a call pays one integer compare."""
+def _shown(name: str, d: str, model) -> str:
+    return f"{name or type(model).__name__} ({d.strip('_').replace('_hooks', '')})"
+
+
+def hooks_changed(compiled) -> None:
+    """Raise where a hook was registered on the model's modules or parameters, or on every module, after
+    compiling (`model.fc.register_forward_pre_hook(...)`, `model.fc.weight.register_hook(...)`): the compiled
+    module runs its own graph on its own pieces, so it would never run, and what it changes in a value or a
+    gradient would not happen, silently. Likewise where a module hook the model had when compiled was removed
+    (`handle.remove()`): the graph holds what it computed, and would go on applying it. Every hook registration
+    takes the next handle id (`RemovableHandle.next_id`, global), so the model is walked again only after one
+    somewhere: a call pays one integer compare, and a look in the tables of the hooks traced."""
+    removed = [shown for shown, table, key in compiled.__dict__.get("_traced_hooks", ()) if key not in table]
+    if removed:
+        model = compiled._source_model
+        names = list(dict.fromkeys(removed))
+        raise SpmdError(
+            f"{len(removed)} hook(s) that {type(model).__name__} had when it was compiled were removed after "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): the compiled graph holds what they "
+            "computed (they ran in the trace, as part of the forward), so it would go on applying them. What to do: "
+            "compile the model again after removing them.")
     if compiled.__dict__.get("_hooks_at") == RemovableHandle.next_id:
         return
     at = RemovableHandle.next_id
@@ -315,8 +451,7 @@ def hooks_added(compiled) -> None:
     if not new:
         compiled.__dict__["_hooks_at"] = at  # (removed ones, or another module's: nothing to see until the next)
         return
-    names = list(dict.fromkeys(f"{name or type(model).__name__} ({d.strip('_').replace('_hooks', '')})"
-                               for name, d, _ in new))
+    names = list(dict.fromkeys(_shown(name, d, model) for name, d, _ in new))
     raise SpmdError(
         f"{len(new)} hook(s) were registered on {type(model).__name__} after it was compiled ({', '.join(names[:4])}"
         f"{', ...' if len(names) > 4 else ''}): the compiled module runs its own graph on its own pieces of the "

@@ -113,6 +113,8 @@ def test_ranks_that_disagree_all_raise_the_first_difference(ranks, what, expecte
     messages = ranks(2).run(_disagree, what)
     if what == "trace":  # the rank that failed raises its own error, the other one names it
         assert "torch.export could not trace _Branchy" in messages[1]
+        # (the whole of it, its way out too: it reached the others as its first line once)
+        assert "\n    What to do: " in messages[0], messages[0]
         messages = messages[:1]
     for m in messages:
         assert m is not None and re.search(expected, m), m

@@ -203,8 +203,23 @@ def solve_triangular(draw):
     return Case(("solve_triangular", a, b, left, upper), (a, b), frozenset({aten.linalg_solve_triangular.default}), fn)
 
 
+_SCANS = {"cumsum": (aten.cumsum.default, torch.cumsum), "cumprod": (aten.cumprod.default, torch.cumprod),
+          "logcumsumexp": (aten.logcumsumexp.default, torch.logcumsumexp)}
+
+
+@st.composite
+def scan(draw):
+    """Running sums, products and log-sum-exps, over a dim given as positive or negative (a value split along
+    the scanned dim must be gathered first; DTensor's rule took dim=-1 for no dim of the split)."""
+    shape = tuple(_dims(draw, draw(st.integers(1, 3))))
+    dim = draw(st.integers(-len(shape), len(shape) - 1))
+    name = draw(st.sampled_from(sorted(_SCANS)))
+    target, fn = _SCANS[name]
+    return Case(("scan", name, shape, dim), (shape,), frozenset({target}), lambda x: fn(x, dim))
+
+
 CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
-                                 embedding, gather, reduction, mean_then_add, sdpa, split, solve_triangular)}
+                                 embedding, gather, reduction, mean_then_add, sdpa, split, solve_triangular, scan)}
 
 
 def _all_even(traced: TracedGraph) -> bool:
@@ -288,3 +303,15 @@ def test_view_keeps_its_even_strategies_when_one_candidate_is_uneven():
     case = Case(("linear", 2, 4, 8, 8), ((2, 4, 8), (8, 8), (8,)), frozenset({aten.view.default}), F.linear)
     table = strategies_of(case, (4,))
     assert not table.fallbacks, table.fallbacks
+
+
+@pytest.mark.parametrize("name", sorted(_SCANS))
+def test_a_scan_over_the_last_dim_named_negative_never_keeps_it_split(name):
+    """`x.cumsum(-1)` on a value split along its last dim: each rank would scan only its own part."""
+    target, fn = _SCANS[name]
+    for dim in (-1, 1):
+        case = Case(("scan", name, (4, 8), dim), ((4, 8),), frozenset({target}), lambda x, dim=dim: fn(x, dim))
+        ns = strategies_of(case, (2,)).nodes[name]
+        assert ns.strategies and all(s.inputs[0][0] != Shard(1) and s.outputs[0][0] != Shard(1)
+                                     for s in ns.strategies), (dim, ns.strategies)
+        assert any(s.inputs[0][0] == Shard(0) for s in ns.strategies)  # (the other dim still splits)

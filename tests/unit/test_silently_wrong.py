@@ -1275,6 +1275,90 @@ def test_a_hook_registered_on_the_model_after_compiling_is_refused():
     compiled(x, y)
 
 
+def test_a_hook_the_model_had_when_compiled_is_refused_once_removed():
+    """A forward hook, pre-hook or every-module hook the model had when compiled is traced into the graph; removed
+    afterwards, the compiled module went on applying it (0.68 off one device, silently; found by a probe)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    x = torch.randn(6, 4)
+    for register, shown in ((lambda m: m[0].register_forward_hook(lambda mod, i, o: o * 2), r"0 \(forward\)"),
+                            (lambda m: m[2].register_forward_pre_hook(lambda mod, a: (a[0] * 0.5,)),
+                             r"2 \(forward_pre\)"),
+                            (lambda m: register_module_forward_hook(lambda mod, i, o: o + 1 if mod is m[2] else o),
+                             r"every module \(forward\)")):
+        model = _mlp()
+        handle = register(model)
+        with pytest.warns(UserWarning):  # (the hook is compiled into the graph: said when compiling)
+            compiled = one_device(model, (x,))
+        expected = model(x)
+        assert torch.allclose(compiled(x), expected)
+        handle.remove()
+        with pytest.raises(spmd.SpmdError, match=r"1 hook\(s\) that Sequential had when it was compiled were removed "
+                                                 rf"after \({shown}\).*What to do: compile the model again"):
+            compiled(x)
+        assert torch.allclose(one_device(model, (x,))(x), model(x))  # (compiled again: as the model is now)
+
+
+def test_a_hook_on_every_module_registered_after_compiling_is_refused():
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    model, x = _mlp(), torch.randn(6, 4)
+    compiled = one_device(model, (x,))
+    handle = register_module_forward_pre_hook(lambda mod, args: None)
+    try:
+        with pytest.raises(spmd.SpmdError, match=r"registered on Sequential after it was compiled \(every module "
+                                                 r"\(forward_pre\)\)"):
+            compiled(x)
+    finally:
+        handle.remove()
+    compiled(x)
+
+
+class _Annealed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("t", torch.tensor(1.0))
+        self.register_buffer("shift", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        return self.bn(self.fc(x) / self.t + self.shift)
+
+
+def test_a_buffer_set_on_the_model_after_compiling_is_refused_until_the_compiled_module_holds_it():
+    """A temperature annealed on the model (`model.t.fill_(0.5)`, as spmd's own message about plain attributes
+    advised) never reached the compiled module's copy (1.49 off one device, silently; found by a probe)."""
+    model, x = _Annealed(), torch.randn(6, 4)
+    compiled = one_device(model, (x,))
+    compiled(x)
+    model(x)  # (the model's own forward moves its running statistics: its state, nothing to say)
+    compiled(x)
+    model.t.fill_(0.5)
+    with pytest.raises(spmd.SpmdError, match=r"_Annealed's buffer\(s\) `t` changed after it was compiled.*"
+                                             r"compiled.get_buffer\('t'\).fill_\(new\)"):
+        compiled(x)
+    model(x)  # (a call of the model since does not make the change its forward's)
+    with pytest.raises(spmd.SpmdError, match="`t` changed"):
+        compiled(x)
+    compiled.get_buffer("t").fill_(0.5)  # (the way out: the compiled module's copy)
+    assert torch.allclose(compiled(x), model(x))  # (batch statistics in train mode: the running ones aside)
+    model.shift = torch.ones(4)  # (assigned: another tensor, not persistent)
+    with pytest.raises(spmd.SpmdError, match="`shift` changed"):
+        compiled(x)
+    compiled.get_buffer("shift").fill_(1.0)
+    assert torch.allclose(compiled(x), model(x))
+
+
+def test_trained_buffers_copied_back_into_the_model_raise_nothing():
+    model, x, y = _Annealed(), torch.randn(6, 4), torch.randn(6, 4)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(x, y).backward()
+    opt.step()
+    model.load_state_dict(compiled.full_state_dict(persistent_only=True))  # (running statistics too)
+    compiled(x, y)
+
+
 def test_a_tensor_the_loss_fn_captured_is_named_with_the_way_out():
     """Class weights captured by a lambda loss failed with FakeTensor internals and advice about data-dependent
     control flow."""
@@ -1314,3 +1398,31 @@ def test_a_forward_whose_modes_differ_only_in_constants_or_order_fails_in_the_ot
     module.eval()
     with pytest.raises(spmd.SpmdError, match=rf"compiled from the model in train mode.*\({said}"):
         module(x)
+
+
+def test_compiling_under_inference_mode_makes_an_ordinary_module(one_rank):
+    """Compiled under torch.inference_mode, its pieces were inference tensors, and compile failed in the guards
+    with torch's "Inference tensors do not track version counter" (found by a probe). A model made under it
+    is refused with the way out."""
+    model, x = _mlp().eval(), torch.randn(6, 4)
+    mesh = spmd.init_mesh((1,), ("tp",))
+    with torch.inference_mode():
+        compiled = spmd.compile(model, mesh, (x,))
+        assert torch.equal(compiled(x), model(x))
+        built = nn.Linear(4, 2)
+    assert not any(p.is_inference() for p in compiled.parameters())
+    with pytest.raises(spmd.SpmdError, match=r"Linear's weight, bias were made under torch.inference_mode.*What to "
+                                             r"do: build or load the model outside torch.inference_mode"):
+        spmd.compile(built, mesh, (x,))
+
+
+def test_a_transformers_model_with_its_cache_on_is_told_to_turn_it_off():
+    """transformers' models return their key/value cache by default; torch.export's message about pytrees did not
+    say so (found by a probe)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(spmd.SpmdError, match=r"What to do: the model returns a DynamicCache \(transformers' key/value "
+                                             r"cache, on by default\).*`use_cache=False`"):
+        spmd.plan(model, spec((2,), ("tp",)), example_kwargs=dict(input_ids=ids))

@@ -73,6 +73,22 @@ def _meta(info: TensorInfo) -> TensorMeta:
     return TensorMeta(torch.Size(info.shape), torch.empty(info.shape, device="meta").stride(), info.dtype)
 
 
+# Ops whose DTensor rule reads a dim argument (at this position) as given, without making it positive first:
+# torch 2.13's `scan_strategy` compares it with `Shard.dim` (never negative), so a running sum over dim=-1 of
+# a value split along its last dim kept the split, and each rank summed its own part, silently (Bloom's and
+# Falcon's `attention_mask.cumsum(-1)` under sequence-parallel pins)
+_DIM_AS_GIVEN = {torch.ops.aten.cumsum.default: 1, torch.ops.aten.cumprod.default: 1,
+                 torch.ops.aten.logcumsumexp.default: 1}
+
+
+def _positive_dim(op, args: tuple, arg_infos: dict) -> tuple:
+    at = _DIM_AS_GIVEN.get(op)
+    if at is None or len(args) <= at or not isinstance(args[at], int) or args[at] >= 0:
+        return args
+    ndim = max(len(arg_infos[args[0].index].shape), 1) if isinstance(args[0], TensorArg) else None
+    return args if ndim is None else (*args[:at], args[at] % ndim, *args[at + 1:])
+
+
 def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
                candidates: dict[int, list[Placements]], outputs: tuple[TensorInfo | None, ...],
                mesh) -> list[Strategy] | None:
@@ -87,6 +103,7 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
     if info is None and func is None:
         return None
     dmesh = offline_mesh(mesh.shape, mesh.axis_names)
+    args = _positive_dim(op, tuple(args), arg_infos)
 
     def schema(cands: dict[int, list[Placements]], schema_info) -> OpSchema:
         """The OpSchema DTensor's rules read: each tensor arg an OpStrategy over its candidates."""
