@@ -8,9 +8,12 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - the autocast state the module was compiled under (`runtime/autocast_guard.AutocastGuard.check`);
 - the model's weights changed after compiling, before the module trained (`runtime/source_guard.model_changed`:
   one version counter per parameter; nothing once it has trained);
-- hooks registered on the model after compiling (`runtime/source_guard.hooks_added`): one integer compare,
-  and after a hook registration anywhere (a backward hook on an eager module at every step) a read of the
-  model's hook tables, against the walk of the module tree it was before session 60.
+- hooks registered on the model after compiling, or removed (`runtime/source_guard.hooks_changed`): one
+  integer compare and a look in the tables of the hooks traced (none here), and after a hook registration
+  anywhere (a backward hook on an eager module at every step) a read of the model's hook tables, against the
+  walk of the module tree it was before session 60;
+- the model's buffers set after compiling (`runtime/source_guard.buffers_changed`: one version counter per
+  buffer the compiled module holds a copy of; transformers' Llama: each layer's rotary `inv_freq`).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -59,8 +62,9 @@ def main() -> None:
 
     print("| layers | attributes watched | attribute guard, us | sibling check, us | parameters followed | "
           "requires_grad followed, us | autocast, us | model's weights (before training), us | hooks, us | "
-          "all, us | hooks after a registration elsewhere, us | (the tree walk instead, us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "buffers watched | buffers, us | all, us | hooks after a registration elsewhere, us | "
+          "(the tree walk instead, us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in (2, 8, 32):
         compiled = _compiled(layers)
         guard = _us(compiled._attributes.check)
@@ -68,19 +72,21 @@ def main() -> None:
         flags = _us(compiled._follow_requires_grad)
         autocast = _us(compiled._autocast.check)
         weights = _us(lambda: source_guard.model_changed(compiled))
-        hooks = _us(lambda: source_guard.hooks_added(compiled))
+        hooks = _us(lambda: source_guard.hooks_changed(compiled))
+        buffers = _us(lambda: source_guard.buffers_changed(compiled))
 
         def after_a_registration():
             compiled.__dict__["_hooks_at"] = -1
-            source_guard.hooks_added(compiled)
+            source_guard.hooks_changed(compiled)
         walk = _us(after_a_registration, calls=200)
         model = compiled._source_model
         tree = _us(lambda: source_guard._hooks(model.named_modules(remove_duplicate=False),
                                                model.named_parameters(remove_duplicate=False)), calls=200)
-        total = guard + sibling + flags + autocast + weights + hooks
+        total = guard + sibling + flags + autocast + weights + hooks + buffers
         print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
-              f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {hooks:.2f} | {total:.1f} | {walk:.0f} | {tree:.0f} |",
-              flush=True)
+              f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {hooks:.2f} | "
+              f"{len(compiled.__dict__.get('_buffer_marks', {}))} | {buffers:.2f} | {total:.1f} | {walk:.0f} | "
+              f"{tree:.0f} |", flush=True)
 
 if __name__ == "__main__":
     main()
