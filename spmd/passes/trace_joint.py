@@ -41,7 +41,7 @@ from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
                                       distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
                                       refuse_random_draws, shared_names, tensor_infos, untraceable_message,
-                                      untraceable_way_out, user_outputs_first)
+                                      untraceable_way_out, user_outputs_first, without_random_decompositions)
 
 _PREFIX = "model."
 
@@ -112,7 +112,7 @@ def _decomposition_table():
         packet = getattr(aten, name, None)
         for overload in (packet.overloads() if packet is not None else ()):
             table.pop(getattr(packet, overload), None)
-    return table
+    return without_random_decompositions(table)
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:

@@ -128,11 +128,26 @@ def user_outputs_first(gm: fx.GraphModule, kinds: list[GraphOutput]) -> list[Gra
     return [kinds[k] for k in order]
 
 
+# Random ops kept whole: core ATen decomposes `bernoulli(p)` into `rand_like(p) < p`, which draws other numbers
+# than the kernel eager runs, so a model would run and train on other masks than on one device, silently
+# (rules/random.py draws them whole on every rank, from the generator state one device has)
+DRAWN_WHOLE = ("bernoulli",)
+
+
+def without_random_decompositions(table: dict) -> dict:
+    """`table` without the decompositions of the ops in DRAWN_WHOLE."""
+    for name in DRAWN_WHOLE:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            table.pop(getattr(packet, overload), None)
+    return table
+
+
 def _decomposition_table():
     table = torch.export.default_decompositions()
     # SDPA has a sharding rule of its own and its CPU decomposition breaks on GPT-2 (see NOTES).
     table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
-    return table
+    return without_random_decompositions(table)
 
 
 def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
