@@ -38,10 +38,11 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
-from spmd.passes.trace_module import (GraphInput, GraphOutput, TracedGraph, _drop_assertions, _drop_effect_tokens,
-                                      distinct_inputs, draws_change_the_graph, graph_signature, random_draws,
-                                      refuse_random_draws, shared_names, tensor_infos, untraceable_message,
-                                      untraceable_way_out, user_outputs_first, without_random_decompositions)
+from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
+                                      _drop_effect_tokens, distinct_inputs, draws_change_the_graph, graph_signature,
+                                      random_draws, refuse_random_draws, shared_names, tensor_infos,
+                                      untraceable_message, untraceable_way_out, user_outputs_first,
+                                      without_decompositions)
 
 _PREFIX = "model."
 
@@ -98,8 +99,8 @@ ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 
 
 def _decompositions():
-    """Core ATen and the ops in DECOMPOSED, except fused attention and the fused kernels kept whole (a
-    copy of the table made once per process: making it took 20-30 ms of each trace)."""
+    """Core ATen and the ops in DECOMPOSED, except fused attention, the fused kernels and the random ops kept
+    whole (a copy of the table made once per process: making it took 20-30 ms of each trace)."""
     return dict(_decomposition_table())
 
 
@@ -108,11 +109,7 @@ def _decomposition_table():
     aten = torch.ops.aten
     table = dict(torch._decomp.core_aten_decompositions())
     table.update(torch._decomp.get_decompositions([getattr(aten, name) for name in DECOMPOSED]))
-    for name in ATTENTION + KEPT_WHOLE:
-        packet = getattr(aten, name, None)
-        for overload in (packet.overloads() if packet is not None else ()):
-            table.pop(getattr(packet, overload), None)
-    return without_random_decompositions(table)
+    return without_decompositions(table, ATTENTION + KEPT_WHOLE + DRAWN_WHOLE)
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:

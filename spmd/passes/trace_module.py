@@ -134,20 +134,19 @@ def user_outputs_first(gm: fx.GraphModule, kinds: list[GraphOutput]) -> list[Gra
 DRAWN_WHOLE = ("bernoulli",)
 
 
-def without_random_decompositions(table: dict) -> dict:
-    """`table` without the decompositions of the ops in DRAWN_WHOLE."""
-    for name in DRAWN_WHOLE:
-        packet = getattr(torch.ops.aten, name)
-        for overload in packet.overloads():
+def without_decompositions(table: dict, names) -> dict:
+    """`table` without the decompositions of every overload of the ATen ops `names`."""
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
             table.pop(getattr(packet, overload), None)
     return table
 
 
 def _decomposition_table():
-    table = torch.export.default_decompositions()
     # SDPA has a sharding rule of its own and its CPU decomposition breaks on GPT-2 (see NOTES).
-    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
-    return without_random_decompositions(table)
+    return without_decompositions(torch.export.default_decompositions(),
+                                  ("scaled_dot_product_attention",) + DRAWN_WHOLE)
 
 
 def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
@@ -447,6 +446,9 @@ def refuse_random_draws(draws: list[str], model: torch.nn.Module) -> None:
 
 
 MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# the tables of the hooks every module runs (`torch.nn.modules.module.register_module_forward_hook` and its kin)
+GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                "_global_backward_hooks")
 
 
 # hooks that only compute values (all of it in the graph): transformers' `enable_input_require_grads`, torch's
@@ -476,8 +478,7 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
             for hook in getattr(m, h).values():
                 if user_hook(hook):
                     hooked.setdefault(f"{name or type(model).__name__} ({_hook_name(hook)})", None)
-    for h in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-              "_global_backward_hooks"):
+    for h in GLOBAL_HOOKS:
         for hook in getattr(nn_module, h, {}).values():
             if user_hook(hook):
                 hooked.setdefault(f"every module ({_hook_name(hook)})", None)

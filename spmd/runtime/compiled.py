@@ -363,7 +363,7 @@ class CompiledModule(nn.Module):
         by min(1, max_norm / (norm + 1e-6)) in place. Call it on every rank, after backward."""
         norm = self.grad_norm(norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in self._grads():
+        for _, g in self._grads():
             g.mul_(coef.to(g.device))
         return norm
 
@@ -373,7 +373,7 @@ class CompiledModule(nn.Module):
         on every rank, equal to the single-device model's. Gradients come out of backward in their
         parameter's placements (Shard or Replicate, never Partial), so each mesh axis that shards some
         gradient reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
-        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads(named=True)]
+        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads()]
         if not grads:
             return torch.tensor(0.0)
         norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(grads[0][0].dtype)
@@ -383,11 +383,10 @@ class CompiledModule(nn.Module):
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return norm
 
-    def _grads(self, named: bool = False) -> list:
-        """This rank's gradient pieces (with their parameter's name), in the model's parameter order."""
-        params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()
-                  if isinstance(self._get(attr), nn.Parameter)]
-        return [(fqn, p.grad) if named else p.grad for fqn, p in params if p.grad is not None]
+    def _grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, this rank's gradient piece), in the model's parameter order."""
+        params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()]
+        return [(fqn, p.grad) for fqn, p in params if isinstance(p, nn.Parameter) and p.grad is not None]
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers (the non-persistent ones too) as DTensors over the runtime mesh (local

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
-from spmd.passes.trace_module import MODULE_HOOKS, user_hook
+from spmd.passes.trace_module import GLOBAL_HOOKS, MODULE_HOOKS, user_hook
 
 _lock = threading.Lock()
 _owners = WeakIdKeyDictionary()  # compiled parameter -> the compiled module holding it (a weak reference)
@@ -372,10 +372,13 @@ def _replaced(compiled) -> None:
 _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-# the hooks every module runs (`torch.nn.modules.module.register_module_forward_hook` and its kin)
-_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                      "_global_backward_hooks")
 _EVERY_MODULE = "every module"
+
+
+def _global_tables() -> dict[tuple[str, str], dict]:
+    """(`_EVERY_MODULE`, hook dict as a module names it) -> the table of the hooks every module runs."""
+    return {(_EVERY_MODULE, d.replace("_global", "")): getattr(torch.nn.modules.module, d)
+            for d in GLOBAL_HOOKS if hasattr(torch.nn.modules.module, d)}
 
 
 def _hooks(modules, params) -> dict[tuple[str, str, int], object]:
@@ -383,10 +386,8 @@ def _hooks(modules, params) -> dict[tuple[str, str, int], object]:
     ((name, module) and (name, parameter) pairs: a model's, listed once by `mark_hooks`), and every module's
     (named `_EVERY_MODULE`)."""
     found = {}
-    for d in _GLOBAL_HOOK_DICTS:
-        hooks = getattr(torch.nn.modules.module, d, None)
-        if hooks:
-            found.update(((_EVERY_MODULE, d.replace("_global", ""), key), hook) for key, hook in hooks.items())
+    for (name, d), hooks in _global_tables().items():
+        found.update(((name, d, key), hook) for key, hook in hooks.items())
     for name, m in modules:
         for d in MODULE_HOOKS:
             hooks = getattr(m, d)
@@ -413,8 +414,7 @@ def mark_hooks(compiled) -> None:
     # the user's hooks the trace ran (module and every-module hooks: traced into the graph), each with the
     # table that holds it, so that a call sees one removed by looking in a few tables (most models: none)
     tables = {**{(name, d): getattr(m, d) for name, m in compiled._hooked_modules for d in MODULE_HOOKS},
-              **{(_EVERY_MODULE, d.replace("_global", "")): getattr(torch.nn.modules.module, d)
-                 for d in _GLOBAL_HOOK_DICTS if hasattr(torch.nn.modules.module, d)}}
+              **_global_tables()}
     compiled.__dict__["_traced_hooks"] = tuple(
         (_shown(name, d, compiled._source_model), tables[name, d], key) for (name, d, key), hook in hooks.items()
         if (name, d) in tables and user_hook(hook))
