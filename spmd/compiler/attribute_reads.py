@@ -15,7 +15,10 @@ while tracing) and covers every layer, stamped or traced. It over-approximates w
 not take reads an attribute, and misses reads through `getattr(self, name)` or an alias of `self`.
 `AttributeGuard` holds the plain values (None, bools, numbers, strings, dtypes, devices, tuples of them;
 `training` aside: `CompiledModule` checks the mode itself) of those attributes on the user's model when
-compiled, and names any that changed when the compiled module is called.
+compiled, and names any that changed when the compiled module is called. A plain tensor attribute (not a
+parameter or buffer: `self.scale = torch.tensor(2.0)`) is a constant of the graph too; it is watched by
+identity and version counter, so one set in place (`model.scale.fill_(3.0)`) or replaced is named, unless it
+holds the same values. Tensors inside a dict or list the forward reads are not watched.
 """
 from __future__ import annotations
 
@@ -122,6 +125,22 @@ def _value(module, name):
     return static if plain(static) else _NONE
 
 
+_SNAPSHOT = 1 << 16  # elements: a tensor attribute up to this size is copied, so one set to equal values is let be
+
+
+def _tensor(holder, name: str):
+    """The plain tensor `holder` stores under `name` (not a parameter or buffer, which nn.Module keeps in its
+    own tables and the compiled module holds copies of), or None."""
+    t = holder.__dict__.get(name) if hasattr(holder, "__dict__") else None
+    return t if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else None
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    if b is None or a.shape != b.shape or a.dtype != b.dtype or a.is_meta or b.is_meta:
+        return False
+    return torch.equal(a.detach().to(b.device), b)
+
+
 def _both_nan(a, b) -> bool:
     return isinstance(a, float) and isinstance(b, float) and a != a and b != b
 
@@ -132,6 +151,7 @@ class AttributeGuard:
 
     def __init__(self, roots: dict[str, torch.nn.Module]):
         self._entries = []  # (the object holding it, attribute, module path, name read, value)
+        self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
         seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
@@ -145,30 +165,44 @@ class AttributeGuard:
                     holder, attr = _holder(module, name)
                     if holder is None or (id(holder), attr) in seen:
                         continue
-                    value = _value(holder, attr)
+                    value, shown = _value(holder, attr), ".".join(p for p in (label, path) if p)
                     if value is not _NONE:
                         seen.add((id(holder), attr))
-                        self._entries.append((holder, attr, ".".join(p for p in (label, path) if p), name, value))
+                        self._entries.append((holder, attr, shown, name, value))
+                    elif (t := _tensor(holder, attr)) is not None:
+                        seen.add((id(holder), attr))
+                        copy = t.detach().clone() if t.numel() <= _SNAPSHOT and not t.is_meta else None
+                        self._tensors.append([holder, attr, shown, name, t, t._version, copy])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._tensors)
 
     def watched(self) -> set[tuple[str, str]]:
         """The (module path, attribute) pairs checked ("config.pad_token_id" for an attribute of an object the
         module holds)."""
-        return {(path, name) for _, _, path, name, _ in self._entries}
+        return {(e[2], e[3]) for e in (*self._entries, *self._tensors)}
 
     def check(self) -> None:
         changed = []
+        for e in self._tensors:
+            holder, attr, path, name, old, version, copy = e
+            now = holder.__dict__.get(attr, _NONE)
+            if now is old and old._version == version:
+                continue
+            if isinstance(now, torch.Tensor) and _same_values(now, copy):
+                e[4], e[5] = now, now._version  # (set to what it held: nothing the graph holds differs)
+                continue
+            how = "a tensor set in place" if now is old else "a tensor replaced"
+            changed.append((f"{path}.{name}" if path else name, how))
         for holder, attr, path, name, old in self._entries:
             if holder.__dict__.get(attr, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue
             new = _value(holder, attr)
             if new is not old and new != old and not _both_nan(new, old):
-                changed.append((f"{path}.{name}" if path else name, old, new))
+                changed.append((f"{path}.{name}" if path else name,
+                                f"{old!r} -> {'not a plain value' if new is _NONE else repr(new)}"))
         if changed:
-            listed = ", ".join(f"`{shown}` ({old!r} -> {'not a plain value' if new is _NONE else repr(new)})"
-                               for shown, old, new in changed[:4]) + (", ..." if len(changed) > 4 else "")
+            listed = ", ".join(f"`{shown}` ({how})" for shown, how in changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise SpmdError(
                 f"the model's {listed} changed after compiling. The forward read the value when it was traced, "
                 "and the compiled graph holds that value: this call would run with the old one. What to do: "
