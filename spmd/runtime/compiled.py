@@ -214,6 +214,7 @@ class CompiledModule(nn.Module):
                                       *self._source_model.named_buffers(remove_duplicate=False))}
         self._loss_names = {gi.name for gi in c.traced.inputs if gi.kind in ("parameter", "buffer")
                             and gi.name.startswith("loss_fn.") and gi.name not in model_names}
+        model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -230,6 +231,9 @@ class CompiledModule(nn.Module):
                 self._uninitialized.add(gi.name)
             tensor = nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen) \
                 if gi.kind == "parameter" else local
+            if gi.kind == "parameter" and getattr(model_params.get(gi.name), "__dict__", None):
+                # (what the user set on it, read where optimizer groups are made: `p._no_weight_decay = True`)
+                tensor.__dict__.update(model_params[gi.name].__dict__)
             attr = self._place(gi.name, tensor)
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
@@ -259,7 +263,6 @@ class CompiledModule(nn.Module):
         self._autocast = AutocastGuard()
         # requires_grad set on the model's parameters after compiling (a layer frozen or unfrozen by the training
         # loop): followed by this module's pieces, which the model's flags would otherwise not reach
-        model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
         self._frozen_when_compiled = set(c.traced.frozen)
         self._flags = [(model_params[fqn], self._get(attr), fqn, model_params[fqn].requires_grad)
                        for fqn, attr in self._param_names.items()

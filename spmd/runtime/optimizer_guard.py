@@ -17,7 +17,8 @@
   silently. `watch_pieces(pieces)` remembers the sharded pieces; torch's optimizers of that kind raise, and an
   optimizer from elsewhere (whose update spmd cannot read) warns, naming the pieces and the ways out.
 
-One process-wide optimizer step pre-hook checks each optimizer once, at its first step.
+One process-wide optimizer step pre-hook checks each optimizer at its first step, and again after parameters
+were added to it.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from spmd.core.errors import SpmdError
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
 _expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -> (ref, the plan's state factor)
-_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# optimizer -> how many parameters it stepped when checked (one added since, `add_param_group` as gradual
+# unfreezing does, is checked at the next step)
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # (a load post hook registered)
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 _hook = None
@@ -164,7 +167,7 @@ def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     for p in pieces:
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
-                _checked.discard(optimizer)  # (its next step asks again: the state stays loaded)
+                _checked.pop(optimizer, None)  # (its next step asks again: the state stays loaded)
                 raise SpmdError(
                     f"{type(optimizer).__name__} holds state of another shape than the compiled module's pieces (its "
                     f"{key!r} is {tuple(value.shape)}, the piece {tuple(p.shape)}): a single-device optimizer's "
@@ -176,8 +179,12 @@ def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def _count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if optimizer in _checked:
+    if (before := _checked.get(optimizer)) == _count(optimizer):
         return
     stale = []
     for group in optimizer.param_groups:
@@ -196,10 +203,10 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)
         _loads_watched.add(optimizer)
-    _checked.add(optimizer)  # (once it passed: a refused step taken again is refused again)
+    _checked[optimizer] = _count(optimizer)  # (once it passed: a refused step taken again is refused again)
     planned = {factor for _, factor in _planned(optimizer)}
     keeps = state_factor(optimizer) if planned else None
-    if keeps is not None and any(abs(f - keeps) > 1e-9 for f in planned):
+    if before is None and keeps is not None and any(abs(f - keeps) > 1e-9 for f in planned):
         f = max(planned, key=lambda f: abs(f - keeps))
         warnings.warn(
             f"{type(optimizer).__name__} keeps {keeps:g} parameter size(s) of state per parameter, but the compiled "

@@ -149,3 +149,32 @@ def test_an_optimizer_spmd_cannot_read_over_a_piece_warns():
     assert len(said) == 1 and "Lamb steps this rank's pieces" in said[0] and "norms per tensor" in said[0], said
     assert _stepped(Lamb, torch.nn.Parameter(torch.randn(4, 4), requires_grad=True)) != []  # (each optimizer once)
 
+
+
+def test_pieces_added_to_a_checked_optimizer_are_checked_at_its_next_step():
+    """Found by a probe: gradual unfreezing (Lightning's BackboneFinetuning) adds the sharded layers to an
+    Adafactor over a replicated head with `add_param_group` after its first step, which was never checked
+    again: 6.5e-3 off one device, silently."""
+    head, piece = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4, 4))
+    optimizer_guard.watch_pieces({"layer.weight": piece})
+    optimizer = torch.optim.Adafactor([head])
+    head.grad, piece.grad = torch.ones_like(head), torch.ones_like(piece)
+    optimizer.step()
+    optimizer.add_param_group({"params": [piece]})
+    with pytest.raises(spmd.SpmdError, match=r"Adafactor steps this rank's pieces .*\(layer\.weight\)"):
+        optimizer.step()
+
+
+def test_attributes_set_on_a_parameter_reach_its_piece():
+    """Found by a probe: Mamba marks parameters `p._no_weight_decay = True` and builds its optimizer's groups
+    from them over whatever module it trains; the compiled module's fresh parameters had lost the mark, so
+    everything decayed (0.30 off after two AdamW steps, silently)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    model[0].bias._no_weight_decay = True
+    inputs = (torch.randn(4, 8), torch.randn(4, 8))
+    opts = PlanOptions(training=True, loss_fn=torch.nn.functional.mse_loss, stamp_layers=False)
+    c = run_pipeline(model, inputs, MeshSpec((1,), ("dp",), device=builtin_cpu()), opts, RankBinding(0, ("",)), quiet=True)
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    marked = [n for n, p in compiled.named_parameters() if getattr(p, "_no_weight_decay", False)]
+    assert marked == ["0.bias"]
