@@ -77,6 +77,20 @@ def _scan(fn) -> tuple[set[str], set[str]]:
 def forward_reads(cls: type) -> frozenset[str]:
     """The attributes `cls`'s forward reads through `self` and never writes, over its MRO (a `super()` call
     reaches the base's forward) and the methods it calls on `self`."""
+    reads, writes = _reads_and_writes(cls)
+    # (a read through an object, `self.config.problem_type`, that the forward also writes, is state too)
+    return frozenset(r for r in reads - writes - {"training"} if r.rpartition(".")[2] not in writes)
+
+
+@functools.cache
+def reads_training(cls: type) -> bool:
+    """Whether `cls`'s forward reads its module's mode (`self.training`: dropout, batch norm, an attention's
+    dropout rate), so that the module's mode, as traced, is in the graph."""
+    return "training" in _reads_and_writes(cls)[0]
+
+
+@functools.cache
+def _reads_and_writes(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     reads, writes, todo, done = set(), set(), ["forward"], set()
     while todo:
         name = todo.pop()
@@ -95,8 +109,7 @@ def forward_reads(cls: type) -> frozenset[str]:
             reads |= r
             writes |= w
             todo.extend(n for n in r if callable(inspect.getattr_static(cls, n, None)) and n not in done)
-    # (a read through an object, `self.config.problem_type`, that the forward also writes, is state too)
-    return frozenset(r for r in reads - writes - {"training"} if r.rpartition(".")[2] not in writes)
+    return frozenset(reads), frozenset(writes)
 
 
 _NONE = object()

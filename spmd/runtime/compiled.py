@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.compiler.attribute_reads import AttributeGuard
+from spmd.compiler.attribute_reads import AttributeGuard, reads_training
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
@@ -252,6 +252,11 @@ class CompiledModule(nn.Module):
         _last_compiled_mode[self._source_model] = self._traced_mode
         source_guard.mark_hooks(self)
         self._mode_dependent = _mode_dependent(ops, self._source_model)
+        # the model's modules whose forward reads their mode (dropout, batch norm, an attention's dropout rate),
+        # each with its mode as traced: one switched alone after compiling (`model.norm.eval()`, freezing batch
+        # norm) would not reach the graph, and is refused (`_submodule_switched`)
+        self._modes = [(m, path, m.training) for path, m in self._source_model.named_modules()
+                       if path and reads_training(type(m))]
         # what was traced (the model, with its loss), run in both modes on fake tensors at the first call in the
         # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
         self.__dict__["_traced_root"] = with_loss(c.model, c.options.loss_fn if c.traced.joint else None)
@@ -286,6 +291,8 @@ class CompiledModule(nn.Module):
             for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
+        switchable = {path for _, path, _ in self._modes}  # (and this module's own holders of them)
+        self._modes += [(h, path, h.training) for path, h in self.named_modules() if path in switchable]
         self._state_factor = c.options.optimizer_state_factor if c.plan.joint else None
         self._watch_pieces()
 
@@ -1162,6 +1169,21 @@ class CompiledModule(nn.Module):
             f"this module has trained, give the new module its weights, `new.load_state_dict("
             f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
 
+    def _submodule_switched(self) -> None:
+        """Raise, naming the first module whose forward reads its mode and was switched alone since compiling
+        (`model.norm.eval()`, `compiled.drop.train()`): the graph does what its traced mode does (its running
+        statistics or dropout), silently."""
+        m, path, was = next((m, path, was) for m, path, was in self._modes if m.training is not was)
+        traced, now = ("train", "eval") if was else ("eval", "train")
+        owner = "model" if any(m is s for s in self._source_model.modules()) else "compiled module"
+        raise SpmdError(
+            f"the {owner}'s `{path}` ({type(m).__name__}) was switched to {now} mode after compiling (`{owner}."
+            f"{path}.{now}()`), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
+            f"norm's statistics), and the compiled graph does what {traced} mode did, so this call would run it "
+            f"in {traced} mode. What to do: compile the model with its modules in the modes you want "
+            f"(`model.{path}.{now}()` before spmd.compile; where this module has trained, give the new one its "
+            f"weights, `new.load_state_dict(compiled.state_dict())`), or put it back (`{owner}.{path}.{traced}()`).")
+
     def _model_mode_unexplained(self) -> bool:
         """The model in the other mode than this module was traced in, not the mode the last compile from it
         left it in, and no live module compiled from it in that mode (`spmd.compile(model.eval(), ...)` beside a
@@ -1203,6 +1225,8 @@ class CompiledModule(nn.Module):
             self._follow_requires_grad()
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
             self._refuse_another_mode()
+        elif any(m.training is not was for m, _, was in self._modes):
+            self._submodule_switched()
         elif _last_compiled_mode.get(self._source_model, self._traced_mode) != self._traced_mode:
             # the model is back in this module's mode since a compile in the other one: its next switch is
             # the user's (`model.eval()` to evaluate with this module), no longer what that compile left

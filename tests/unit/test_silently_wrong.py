@@ -1282,6 +1282,36 @@ def test_the_model_put_in_the_other_mode_after_compiling_is_refused():
         compiled(x)
 
 
+def test_a_submodule_switched_alone_after_compiling_is_refused():
+    """Found by a probe: `model.norm.eval()` (freezing batch norm) or `model.drop.eval()` after compiling in
+    train mode reached nothing: the graph went on with batch statistics and dropout (running statistics 0.17
+    off, a loss of 1.18 where eager gave 1.00), silently. The switch on the compiled module's own holder was
+    lost too. A module whose forward does not read its mode may switch."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    compiled = one_device(model, (x,))
+    model[1].eval()
+    with pytest.raises(spmd.SpmdError, match=r"the model's `1` \(BatchNorm1d\) was switched to eval mode after "
+                                             r"compiling.*What to do: compile.*or put it back \(`model\.1\.train\(\)`\)"):
+        compiled(x)
+    model[1].train()
+    model[2].eval()
+    with pytest.raises(spmd.SpmdError, match=r"`2` \(Dropout\) was switched to eval mode"):
+        compiled(x)
+    model[2].train()
+    compiled.get_submodule("1").eval()
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(.*\) was switched to eval mode"):
+        compiled(x)
+    compiled.get_submodule("1").train()
+    model[0].eval()  # (a Linear's forward reads no mode)
+    with torch.no_grad():
+        compiled(x)
+    frozen = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).train()
+    frozen[1].eval()  # (compiled so: its graph uses the running statistics, as eager does)
+    torch.testing.assert_close(one_device(frozen, (x,))(x), frozen(x))
+
+
 def test_a_hook_registered_on_the_model_after_compiling_is_refused():
     """A forward pre-hook or a gradient hook put on the model after compiling never ran (a loss 0.08 off, a
     gradient 0.12 off one device, silently). The next call now names it, until it is removed."""
