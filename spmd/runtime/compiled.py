@@ -306,10 +306,13 @@ class CompiledModule(nn.Module):
                    if isinstance(self._get(attr), nn.Parameter)
                    and any(isinstance(p, Shard) for p in self._state_placements[fqn])}
         clip_guard.watch(sharded)
-        # (an optimizer that reads more than each element: refused over pieces that are not the whole)
-        optimizer_guard.watch_pieces({fqn: p for fqn, p in sharded.items()
-                                      if any(isinstance(pl, Shard) and n > 1
-                                             for pl, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
+        cut = {fqn: p for fqn, p in sharded.items()  # (pieces that are not the whole)
+               if any(isinstance(pl, Shard) and n > 1 for pl, n in zip(self._state_placements[fqn], self.mesh_spec.shape))}
+        # an optimizer that reads more than each element is refused over them, and an optimizer's state_dict()
+        # over them says whose pieces it holds (loaded on another rank, it raises)
+        optimizer_guard.watch_pieces(cut)
+        optimizer_guard.place({fqn: (p, self._state_placements[fqn]) for fqn, p in cut.items()}, self.coord,
+                              self.mesh_spec.shape)
         scaler_guard.watch(list(sharded.values()), self.mesh_spec.shape, self.group_names, self._collective_device())
         # and torch.distributed.checkpoint would take plain pieces (the optimizer's state_dict()) for replicated
         # tensors: it would save one rank's and load it into all
@@ -424,8 +427,32 @@ class CompiledModule(nn.Module):
         if self.device_mesh is None:
             return local
         shape = self._global_shapes[fqn]
-        return DTensor.from_local(local, self.device_mesh, list(self._state_placements[fqn]), run_check=False,
-                                  shape=torch.Size(shape), stride=contiguous_strides(shape))
+        whole = DTensor.from_local(local, self.device_mesh, list(self._state_placements[fqn]), run_check=False,
+                                   shape=torch.Size(shape), stride=contiguous_strides(shape))
+        # (whose piece it is: torch.save keeps it, so a load on another rank is seen, `_saved_here`)
+        whole._spmd_piece_of = (tuple(self.coord), tuple(self.mesh_spec.shape))
+        return whole
+
+    def _saved_here(self, fqn: str, value) -> None:
+        """Raise where `value`, a DTensor from `state_dict()` or `optimizer_state_dict()`, holds another rank's
+        piece than this rank's: `torch.save` on rank 0 alone, then a `torch.load` of that file on every rank (the
+        single-device habit) hands each rank rank 0's pieces, of the same shapes, and a load took them as its
+        own, silently (0.51 off)."""
+        saved = getattr(value, "_spmd_piece_of", None)
+        mine = (tuple(self.coord), tuple(self.mesh_spec.shape))
+        if saved is None or saved == mine:
+            return
+        (coord, shape), placements = saved, getattr(value, "placements", ())
+        if shape == mine[1] and all(c == m or isinstance(p, Replicate)
+                                    for c, m, p in zip(coord, mine[0], placements)):
+            return  # (the same piece: it differs only along axes it is replicated on)
+        raise SpmdError(
+            f"the state dict's {fqn!r} is the piece of the rank at mesh coordinate {coord} (of a mesh {shape}), and "
+            f"this rank is at {mine[0]}: a file saved by one rank (`torch.save(compiled.state_dict(), ...)` on "
+            "rank 0) and loaded on every rank hands each rank that rank's pieces. What to do: save whole tensors "
+            "(`compiled.full_state_dict()`, with `compiled.load_state_dict` taking them on any rank), or let each "
+            "rank save and load its own file (`f'ckpt_{rank}.pt'`), or use torch.distributed.checkpoint "
+            "(`dcp.save(compiled.state_dict())`), which loads on any mesh and plan.")
 
     def _piece_of(self, fqn: str, value, piece: torch.Tensor):
         """This rank's piece of `value` for `fqn`, whose piece is shaped as `piece`: a DTensor resharded to
@@ -440,6 +467,7 @@ class CompiledModule(nn.Module):
                             f"the model's is {list(shape)}. What to do: load a state dict of this model's "
                             "configuration (whole tensors, or the DTensors of its state_dict()).")
         if hasattr(value, "to_local"):
+            self._saved_here(fqn, value)
             return value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
         if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
             return local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)

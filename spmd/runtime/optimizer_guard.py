@@ -27,6 +27,7 @@ import warnings
 import weakref
 
 import torch
+from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -40,6 +41,9 @@ _expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # (a load post hook registered)
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
+# a piece sharded over some mesh axis -> (FQN, this rank's coordinate, the mesh's shape, its placements)
+_placed = WeakIdKeyDictionary()
+SAVED_BY = "spmd_pieces_of"  # the param group entry `state_dict()` adds: (coordinate, mesh shape) of its pieces
 _hook = None
 
 # torch's optimizers whose update of each element reads only that element's gradient and state
@@ -84,6 +88,67 @@ def watch_pieces(pieces: dict[str, torch.Tensor]) -> None:
         for fqn, p in pieces.items():
             _pieces[p] = fqn
         _install()
+
+
+def place(pieces: dict[str, tuple[torch.Tensor, tuple]], coordinate: tuple, mesh_shape: tuple) -> None:
+    """FQN -> (this rank's piece of a parameter sharded over some mesh axis, its placements): an optimizer's
+    `state_dict()` over them says whose pieces it holds, and a load on a rank whose pieces differ raises."""
+    with _lock:
+        for fqn, (p, placements) in pieces.items():
+            _placed[p] = (fqn, tuple(coordinate), tuple(mesh_shape), tuple(placements))
+        _install()
+
+
+def _layout(p) -> str | None:
+    entry = _placed.get(p)
+    return None if entry is None else str(entry[3])
+
+
+def _stamp(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """(A state_dict post hook) each param group that holds placed pieces says whose they are and how each
+    of its parameters was laid out: torch's `load_state_dict` copies the entry into the loading optimizer's
+    groups, where `_saved_elsewhere` reads it."""
+    for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", ())):
+        placed = next((_placed[p] for p in group["params"] if p in _placed), None)
+        if placed is not None:
+            saved[SAVED_BY] = (placed[1], placed[2], tuple(_layout(p) for p in group["params"]))
+    return state_dict
+
+
+def _saved_elsewhere(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where `optimizer` was loaded with state saved for other pieces than this rank's, of the same
+    shapes: by another rank (`torch.save(optimizer.state_dict(), ...)` on rank 0 alone, loaded on every rank:
+    each took rank 0's moments for its own pieces, silently), or under another plan (a parameter cut on
+    another axis)."""
+    for group in optimizer.param_groups:
+        saved = group.get(SAVED_BY)
+        if saved is None:
+            continue
+        coordinate, shape, layouts = saved
+        for p, layout in zip(group["params"], layouts):
+            if not optimizer.state.get(p):
+                continue
+            entry, name = _placed.get(p), type(optimizer).__name__
+            if layout != _layout(p):
+                what = (f"under another plan ({entry[0] if entry else 'a parameter'}: laid out {layout or 'whole'} "
+                        f"then, {_layout(p) or 'whole'} now)")
+            elif entry is None:
+                continue
+            else:
+                fqn, mine, mesh_shape, placements = entry
+                if (coordinate, shape) == (mine, mesh_shape) or (shape == mesh_shape and all(
+                        c == m or not isinstance(pl, Shard) for c, m, pl in zip(coordinate, mine, placements))):
+                    continue
+                what = (f"by the rank at mesh coordinate {tuple(coordinate)} (of a mesh {tuple(shape)}), and this "
+                        f"rank is at {mine}: its pieces of sharded parameters ({fqn}, ...) are other parts of the whole")
+            _checked.pop(optimizer, None)  # (its next step asks again: the state stays loaded)
+            raise SpmdError(
+                f"{name} was loaded with a state_dict() saved {what}, so each rank would step its pieces with "
+                "other pieces' moments. A state_dict() saved by one rank (`torch.save(optimizer.state_dict(), "
+                "...)` on rank 0) and loaded on every rank, or saved before the plan changed, does that. What to "
+                "do: save `compiled.optimizer_state_dict(optimizer)` with torch.distributed.checkpoint and load "
+                "it with `compiled.load_optimizer_state_dict(optimizer, state)` (any mesh and plan), or let each "
+                "rank save and load its own file (`f'optim_{rank}.pt'`) on the same plan.")
 
 
 def _torch_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -160,7 +225,9 @@ def _planned(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, float
 def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     """Raise where a per-element torch optimizer over compiled pieces holds state of another shape than its piece:
     a single-device optimizer's `state_dict()` (or another plan's) loaded with `optimizer.load_state_dict`, which
-    takes it as it is, and the step then fails on a shape that names nothing. Whether it steps compiled pieces."""
+    takes it as it is, and the step then fails on a shape that names nothing; or state another rank saved for
+    other pieces (`_saved_elsewhere`). Whether it steps compiled pieces."""
+    _saved_elsewhere(optimizer)
     pieces = [p for p, _ in _planned(optimizer)]
     if not pieces or _torch_kind(optimizer) not in PER_ELEMENT:  # (other optimizers' state may be shaped otherwise)
         return bool(pieces)
@@ -202,6 +269,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     _not_per_element(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)
+        optimizer.register_state_dict_post_hook(_stamp)
         _loads_watched.add(optimizer)
     _checked[optimizer] = _count(optimizer)  # (once it passed: a refused step taken again is refused again)
     planned = {factor for _, factor in _planned(optimizer)}

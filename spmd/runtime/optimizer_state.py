@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from spmd.core.errors import SpmdError
 from spmd.runtime import source_guard
+from spmd.runtime.optimizer_guard import SAVED_BY
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -86,7 +87,9 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
                 else:
                     value = compiled._as_whole(fqn, value)
             state[fqn][key] = value
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": group_names}
+    # (whose pieces these are is on each DTensor, which a load checks: not the param groups' `SAVED_BY` entry,
+    # which torch.distributed.checkpoint would save once, one rank's, for all)
+    groups = [{**{k: v for k, v in group.items() if k not in ("params", SAVED_BY)}, "params": group_names}
               for group, group_names in zip(torch_form["param_groups"], names)]
     return {"state": state, "param_groups": groups}
 
@@ -111,7 +114,7 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
         if sorted(saved) != sorted(group_names):
             raise SpmdError("load_optimizer_state_dict: a param group holds other parameters than when it was "
                             "saved. What to do: build the optimizer as it was built when saved.")
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", SAVED_BY)},
                        "params": [index[n] for n in group_names]})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -118,3 +118,67 @@ def test_plain_pieces_are_refused(ranks, tmp_path):
             assert re.search(r"'opt\.state\.\d+\.exp_avg' \(this rank's piece of AdamW's 'exp_avg' of blocks\.0\.", r)
             assert "compiled.optimizer_state_dict(optimizer)" in r
         assert "asked to load plain pieces" in refused[2] and "piece of blocks.0.mlp.fc1.weight" in refused[2]
+
+
+def _saved_by_rank_0(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed as dist
+
+    compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})  # each rank holds half of fc1
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    _step(compiled, opt, inputs)
+    saved = {"model": compiled.state_dict(), "named": compiled.optimizer_state_dict(opt), "plain": opt.state_dict()}
+    torch.save(saved, f"{folder}/own_{rank}.pt")
+    if rank == 0:  # (the single-device habit: one file, saved by rank 0)
+        torch.save(saved, f"{folder}/rank0.pt")
+    dist.barrier()
+    outcome = {}
+    for file in ("own", "rank0"):
+        checkpoint = torch.load(f"{folder}/own_{rank}.pt" if file == "own" else f"{folder}/rank0.pt", weights_only=False)
+        other, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})
+        named, plain = (torch.optim.AdamW(other.parameters(), lr=1e-2) for _ in range(2))
+        # (each rank runs the same collectives whatever it refuses: a load raises before any, a step after them)
+        for what, load in (("model", lambda: other.load_state_dict(checkpoint["model"])),
+                           ("named", lambda: other.load_optimizer_state_dict(named, checkpoint["named"])),
+                           ("plain", lambda: plain.load_state_dict(checkpoint["plain"]))):
+            outcome[f"{file} {what}"] = _refused(load)
+        other(*inputs).backward()
+        if outcome[f"{file} plain"] == "ok":  # (a plain state is checked at the optimizer's first step)
+            outcome[f"{file} plain"] = _refused(plain.step)
+    # the optimizer's own state, saved by this rank, loaded under another plan (fc1 whole, fc2 cut)
+    other, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Replicate()], "blocks.0.mlp.fc2.weight": [Shard(1)]})
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other_opt.load_state_dict(torch.load(f"{folder}/own_{rank}.pt", weights_only=False)["plain"])
+    other(*inputs).backward()
+    outcome["own plain, another plan"] = _refused(other_opt.step)
+    return outcome
+
+
+def _refused(call) -> str:
+    try:
+        call()
+        return "ok"
+    except spmd.SpmdError as e:
+        return str(e)
+
+
+def test_a_checkpoint_of_one_ranks_pieces_loaded_on_another_is_refused(ranks, tmp_path):
+    """Found by a probe: `torch.save(...)` on rank 0 alone, then `torch.load` of that file on every rank (the
+    single-device habit), handed rank 1 rank 0's pieces, of the same shapes, and every load took them as its
+    own: the model's state_dict() 0.51 off after resuming, the optimizer's (its own state_dict() or
+    optimizer_state_dict()) 0.025 off, silently. Each rank's own file loads; rank 0's loads on rank 0; the
+    others are refused with the ways out, as is the optimizer's own state loaded under another plan."""
+    for rank, outcome in enumerate(ranks(2).run(_saved_by_rank_0, str(tmp_path))):
+        for what in ("model", "named", "plain"):
+            assert outcome[f"own {what}"] == "ok", outcome
+            if rank == 0:
+                assert outcome[f"rank0 {what}"] == "ok", outcome
+        if rank == 1:
+            assert re.search(r"the state dict's '[\w.]+' is the piece of the rank at mesh "
+                             r"coordinate \(0,\).*this rank is at \(1,\).*full_state_dict", outcome["rank0 model"])
+            assert "the piece of the rank at mesh coordinate (0,)" in outcome["rank0 named"], outcome
+            assert re.search(r"AdamW was loaded with a state_dict\(\) saved by the rank at mesh coordinate \(0,\) "
+                             r"\(of a mesh \(2,\)\), and this rank is at \(1,\).*optimizer_state_dict",
+                             outcome["rank0 plain"])
+        assert re.search(r"saved under another plan \([\w.]+: laid out (whole|\(Shard\(dim=\d\),\)) then, "
+                         r"(whole|\(Shard\(dim=\d\),\)) now\)", outcome["own plain, another plan"]), \
+            outcome["own plain, another plan"]

@@ -223,7 +223,7 @@ def check_strategy(node: fx.Node, s: Strategy, traced: TracedGraph, values: dict
                            isinstance(info.get(a.name), TensorInfo) else None for a in node.args)
             local = LOCAL_REWRITES[target](r_args, s, shapes, mesh_shape, coord)
             if local is not None:
-                target, r_args, r_kwargs = local
+                target, r_args, r_kwargs = local[0], local[1], r_kwargs if local[2] is None else local[2]
         out = target(*r_args, **r_kwargs)
         per_rank[coord] = out if isinstance(out, (tuple, list)) else (out,)
 

@@ -41,13 +41,20 @@ def index_put(inp: RuleInput) -> list[list]:
     if n_idx != 1 or indices[0] is None:  # only the embedding form: one index tensor on dim 0
         return rows
     idx_ndim = len(tensor_indices[0].shape)
-    for k in range(idx_ndim, len(values.shape)):  # trailing dims of values = dims 1.. of self
-        d = 1 + k - idx_ndim
-        if d < len(self_info.shape):
-            rows.append([Shard(d), Shard(d), Replicate(), Shard(k)])
+    # values broadcast (right-aligned) against the index result, of shape (*index.shape, *self.shape[1:])
+    offset = idx_ndim + len(self_info.shape) - 1 - len(values.shape)
+
+    def values_on(pos: int, size: int):
+        """values' placement where the index result is split on dim `pos` (of size `size`): the matching
+        dim of values, or whole where values broadcasts there (missing, or size 1)."""
+        k = pos - offset
+        return Shard(k) if k >= 0 and values.shape[k] == size else Replicate()
+
+    for d in range(1, len(self_info.shape)):  # dims 1.. of self = trailing dims of the index result
+        rows.append([Shard(d), Shard(d), Replicate(), values_on(idx_ndim + d - 1, self_info.shape[d])])
     if accumulate:
         for d in range(idx_ndim):
-            rows.append([Partial(), Partial(), Shard(d), Shard(d)])
+            rows.append([Partial(), Partial(), Shard(d), values_on(d, tensor_indices[0].shape[d])])
         rows.append([Partial(), Partial(), Replicate(), Partial()])
     return rows
 
