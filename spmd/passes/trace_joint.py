@@ -492,6 +492,11 @@ class _state_kept:
     def __init__(self, root: torch.nn.Module):
         self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
                       for m in root.modules()]
+        # and the hooks a forward registers on its modules (transformers installs its output-capturing hooks at
+        # the first call asking for hidden states or attentions, and marks the model with an attribute): put
+        # back with the attribute, or a second trace installed them again and every capture came out twice
+        self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
+                      if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
 
     def __enter__(self) -> "_state_kept":
@@ -503,6 +508,8 @@ class _state_kept:
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):
                     self.registered_changed |= registered
+        for table, before in self.hooks:
+            _put_back(table, before)
 
 
 def _put_back(now: dict, before: dict) -> bool:

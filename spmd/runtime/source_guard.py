@@ -195,7 +195,9 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
 class _OwnForward:
     """Around the model's own forward (a pre-hook, then a hook): the buffers it changes (batch norm's running
     statistics, a counter) are its own state, not values given to the modules compiled from it, whose marks
-    (`buffers_changed`) move with them. A buffer set outside since (`model.t.fill_(0.5)`, then a call of the
+    (`buffers_changed`) move with them; so are the hooks it registers on itself (transformers' output capture,
+    installed at the first call asking for hidden states: the trace ran them), which `hooks_changed` then
+    takes as the model's. A buffer set outside since (`model.t.fill_(0.5)`, then a call of the
     model) stays changed."""
     spmd_guard = True
 
@@ -212,8 +214,15 @@ class _OwnForward:
         if not self.after:
             _versions_before[module] = {id(b): b._version for c in modules
                                         for b, _ in c.__dict__.get("_buffer_marks", {}).values()}
+            _hooks_before[module] = RemovableHandle.next_id
             return None
         before = _versions_before.pop(module, {})
+        first = _hooks_before.pop(module, RemovableHandle.next_id)
+        if RemovableHandle.next_id != first:  # (hooks the forward registered: transformers' output capture)
+            for c in modules:
+                if "_model_hooks" in c.__dict__:
+                    now = _hooks(c._hooked_modules, c._hooked_params)
+                    c.__dict__["_model_hooks"] = c._model_hooks | {k for k in now if k[2] >= first}
         for c in modules:
             marks = c.__dict__.get("_buffer_marks")
             if marks and any(b._version != v and before.get(id(b)) == v for b, v in marks.values()):
@@ -223,6 +232,7 @@ class _OwnForward:
 
 
 _versions_before = WeakIdKeyDictionary()  # model -> its buffers' versions when its forward began
+_hooks_before = WeakIdKeyDictionary()  # model -> the next hook handle id when its forward began
 
 
 def _mark_buffers(compiled, model: torch.nn.Module, fqns=None) -> None:

@@ -1513,3 +1513,29 @@ def test_bernoulli_draws_what_one_device_draws(training):
     torch.manual_seed(5)
     want = F.mse_loss(model(x), y) if training else model(x)
     assert torch.equal(got.detach(), want.detach())
+
+
+def test_transformers_hidden_states_in_training_come_back_once(one_rank):
+    """Found by a probe: trained with `output_hidden_states=True` (or attentions, or router logits), a
+    transformers model gave every captured entry twice (5 hidden states for 2 layers: 3.58 off at index 2), with
+    no error. transformers installs its capturing hooks at the first such call and marks the model; the trace put
+    the mark back but not the hooks, so its second trace installed them again. The model is now left as it was,
+    and the hooks its own next call installs are its own, not hooks added after compiling."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    model = tf.LlamaForCausalLM(cfg).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, labels=ids, output_hidden_states=True)
+    compiled = spmd.compile(model, spmd.init_mesh((1,), ("tp",)), example_kwargs=kwargs, training=True)
+    users = [h for m in model.modules() for h in m._forward_hooks.values() if not getattr(h, "spmd_guard", False)]
+    assert users == []  # (none left on the user's model: spmd's own guards aside)
+    out, expected = compiled(**kwargs), reference(**kwargs)
+    assert len(out.hidden_states) == len(expected.hidden_states) == 3
+    for got, want in zip(out.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(got, want)
+    assert len(model(**kwargs).hidden_states) == 3  # (the model's own call installs its hooks: no alarm after)
+    torch.testing.assert_close(compiled(**kwargs).loss, reference(**kwargs).loss)
