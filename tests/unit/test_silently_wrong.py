@@ -1212,6 +1212,32 @@ def test_verify_takes_equal_infinities_as_equal():
     assert not _difference("v", node, torch.tensor([0.0, 1.0]), torch.tensor([-inf, 1.0])).ok
 
 
+
+class _Float32Loss(nn.Module):
+    """A float64 model whose loss is computed in float32, as transformers' causal LMs compute theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        return self.fc(x).float().logsumexp(-1).mean().double() * 2
+
+
+def test_verify_allows_a_float64_value_the_rounding_of_the_float32_it_went_through():
+    """Found by a probe: verify called every gradient of a float64 transformers LM a MISMATCH (1e-8 relative
+    against float64's 1e-10): they go through the loss, which transformers computes in float32. A value's
+    tolerance is now the least precise one upstream of it."""
+    from spmd.passes.trace_module import trace_module
+    from spmd.runtime.compare import TOLERANCE, inherited_tolerances
+
+    traced = trace_module(_Float32Loss(), (torch.randn(2, 4, dtype=torch.float64),))
+    tolerances = inherited_tolerances(traced.graph.owning_module, traced.tensor_info)
+    nodes = [n for n in traced.graph.nodes if n.op == "call_function"]
+    first, last = nodes[0], [n for n in nodes if traced.tensor_info[n.name].dtype == torch.float64][-1]
+    assert tolerances[first.name] == TOLERANCE[torch.float64]  # (the Linear, before any float32)
+    assert tolerances[last.name] == TOLERANCE[torch.float32]  # (the float64 loss, after the float32 ones)
+
 # ---- found by a probe of training loops (session 59) ---------------------------------------------
 
 class _TwoHeads(nn.Module):
