@@ -1203,9 +1203,10 @@ class CompiledModule(nn.Module):
         statistics or dropout), silently."""
         m, path, was = next((m, path, was) for m, path, was in self._modes if m.training is not was)
         traced, now = ("train", "eval") if was else ("eval", "train")
-        owner = "model" if any(m is s for s in self._source_model.modules()) else "compiled module"
+        who, owner = ("the compiled module's", "compiled") if isinstance(m, _Pieces) else ("the model's", "model")
+        kind = type(self._source_model.get_submodule(path)).__name__
         raise SpmdError(
-            f"the {owner}'s `{path}` ({type(m).__name__}) was switched to {now} mode after compiling (`{owner}."
+            f"{who} `{path}` ({kind}) was switched to {now} mode after compiling (`{owner}."
             f"{path}.{now}()`), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
             f"norm's statistics), and the compiled graph does what {traced} mode did, so this call would run it "
             f"in {traced} mode. What to do: compile the model with its modules in the modes you want "
