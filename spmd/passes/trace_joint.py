@@ -338,7 +338,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            with _buffers_assigned() as assigned:
+            with _state_kept(root), _buffers_assigned() as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)

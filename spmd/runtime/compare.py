@@ -116,16 +116,27 @@ def _is_random(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
+_CONVERSIONS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+
+
 def inherited_tolerances(gm: fx.GraphModule, infos: dict) -> dict[str, float]:
-    """node name -> the tolerance of the least precise floating value it was computed from (itself included):
-    a float64 gradient through a loss computed in float32 (transformers' causal LM losses) carries float32's
-    rounding, which float64's tolerance would call a mismatch."""
+    """node name -> the tolerance of the least precise arithmetic it was computed from (itself included): a
+    float64 gradient through a loss computed in float32 (transformers' causal LM losses) carries float32's
+    rounding, which float64's tolerance would call a mismatch. Only ops that compute from values round: inputs,
+    constants and factories hold the same values in both runs, and a conversion to a dtype as precise as its
+    input's (a bf16 mask made float32) loses nothing."""
+    def tol(name: str) -> float:
+        info = infos.get(name)
+        return max((TOLERANCE.get(i.dtype, 0.0) for i in (info if isinstance(info, tuple) else (info,))
+                    if getattr(i, "dtype", None) is not None), default=0.0)
+
     tolerance: dict[str, float] = {}
     for node in gm.graph.nodes:
-        info = infos.get(node.name)
-        own = [TOLERANCE.get(i.dtype, 0.0) for i in (info if isinstance(info, tuple) else (info,))
-               if i is not None and getattr(i, "dtype", None) is not None]
-        tolerance[node.name] = max([*own, *(tolerance.get(a.name, 0.0) for a in node.all_input_nodes)], default=0.0)
+        inputs = node.all_input_nodes
+        own = tol(node.name) if node.op == "call_function" and inputs else 0.0
+        if node.target in _CONVERSIONS and own <= max((tol(a.name) for a in inputs), default=0.0):
+            own = 0.0  # (widened, or kept: exact)
+        tolerance[node.name] = max([own, *(tolerance.get(a.name, 0.0) for a in inputs)])
     return tolerance
 
 

@@ -1254,8 +1254,9 @@ class CompiledModule(nn.Module):
             self._follow_requires_grad()
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
             self._refuse_another_mode()
-        elif any(m.training is not was for m, _, was in self._modes):
-            self._submodule_switched()
+        elif any(m.training is not was for m, _, was in self._modes) and \
+                (self._mode_dependent or self._ops_differ_by_mode()):
+            self._submodule_switched()  # (one whose switch changes nothing, a dropout of 0, may switch)
         elif _last_compiled_mode.get(self._source_model, self._traced_mode) != self._traced_mode:
             # the model is back in this module's mode since a compile in the other one: its next switch is
             # the user's (`model.eval()` to evaluate with this module), no longer what that compile left

@@ -17,6 +17,11 @@
   silently. `watch_pieces(pieces)` remembers the sharded pieces; torch's optimizers of that kind raise, and an
   optimizer from elsewhere (whose update spmd cannot read) warns, naming the pieces and the ways out.
 
+- State saved for other pieces than this rank's: an optimizer's own `state_dict()` saved by rank 0 alone and
+  loaded on every rank, or saved under another plan. `place(pieces, ...)` remembers each sharded piece's
+  coordinate and layout; the optimizer's `state_dict()` carries them in its param groups (`SAVED_BY`), and a
+  load where they differ raises at the load or the first step.
+
 One process-wide optimizer step pre-hook checks each optimizer at its first step, and again after parameters
 were added to it.
 """
@@ -43,7 +48,7 @@ _loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # 
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 # a piece sharded over some mesh axis -> (FQN, this rank's coordinate, the mesh's shape, its placements)
 _placed = WeakIdKeyDictionary()
-SAVED_BY = "spmd_pieces_of"  # the param group entry `state_dict()` adds: (coordinate, mesh shape) of its pieces
+SAVED_BY = "spmd_pieces_of"  # the param group entry `state_dict()` adds: per parameter, whose piece and its layout
 _hook = None
 
 # torch's optimizers whose update of each element reads only that element's gradient and state
@@ -99,56 +104,50 @@ def place(pieces: dict[str, tuple[torch.Tensor, tuple]], coordinate: tuple, mesh
         _install()
 
 
-def _layout(p) -> str | None:
+def _where(p) -> tuple | None:
+    """(this rank's coordinate, the mesh's shape, the placements) of a placed piece; None for any other."""
     entry = _placed.get(p)
-    return None if entry is None else str(entry[3])
+    return None if entry is None else (entry[1], entry[2], str(entry[3]))
 
 
 def _stamp(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """(A state_dict post hook) each param group that holds placed pieces says whose they are and how each
-    of its parameters was laid out: torch's `load_state_dict` copies the entry into the loading optimizer's
-    groups, where `_saved_elsewhere` reads it."""
+    """(A state_dict post hook) each param group that holds placed pieces says, per parameter, whose piece it
+    stepped and how it was laid out: torch's `load_state_dict` copies the entry into the loading optimizer's
+    groups, where `_refuse_saved_elsewhere` reads it."""
     for group, saved in zip(optimizer.param_groups, state_dict.get("param_groups", ())):
-        placed = next((_placed[p] for p in group["params"] if p in _placed), None)
-        if placed is not None:
-            saved[SAVED_BY] = (placed[1], placed[2], tuple(_layout(p) for p in group["params"]))
+        if any(p in _placed for p in group["params"]):
+            saved[SAVED_BY] = tuple(_where(p) for p in group["params"])
     return state_dict
 
 
-def _saved_elsewhere(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_saved_elsewhere(optimizer: torch.optim.Optimizer) -> None:
     """Raise where `optimizer` was loaded with state saved for other pieces than this rank's, of the same
     shapes: by another rank (`torch.save(optimizer.state_dict(), ...)` on rank 0 alone, loaded on every rank:
     each took rank 0's moments for its own pieces, silently), or under another plan (a parameter cut on
-    another axis)."""
+    another axis). (A load post hook, and at each optimizer's check.)"""
     for group in optimizer.param_groups:
-        saved = group.get(SAVED_BY)
-        if saved is None:
-            continue
-        coordinate, shape, layouts = saved
-        for p, layout in zip(group["params"], layouts):
-            if not optimizer.state.get(p):
+        for p, saved in zip(group["params"], group.get(SAVED_BY, ())):
+            now, entry = _where(p), _placed.get(p)
+            if not optimizer.state.get(p) or saved == now:
                 continue
-            entry, name = _placed.get(p), type(optimizer).__name__
-            if layout != _layout(p):
-                what = (f"under another plan ({entry[0] if entry else 'a parameter'}: laid out {layout or 'whole'} "
-                        f"then, {_layout(p) or 'whole'} now)")
-            elif entry is None:
-                continue
+            if saved is None or now is None or saved[2] != now[2]:
+                what = (f"under another plan ({entry[0] if entry else 'a parameter'}: laid out "
+                        f"{saved[2] if saved else 'whole'} then, {now[2] if now else 'whole'} now)")
             else:
-                fqn, mine, mesh_shape, placements = entry
-                if (coordinate, shape) == (mine, mesh_shape) or (shape == mesh_shape and all(
-                        c == m or not isinstance(pl, Shard) for c, m, pl in zip(coordinate, mine, placements))):
-                    continue
+                (coordinate, shape, _), (fqn, mine, mesh_shape, placements) = saved, entry
+                if shape == mesh_shape and all(c == m or not isinstance(pl, Shard)
+                                               for c, m, pl in zip(coordinate, mine, placements)):
+                    continue  # (the same piece: it differs only along axes it is replicated on)
                 what = (f"by the rank at mesh coordinate {tuple(coordinate)} (of a mesh {tuple(shape)}), and this "
                         f"rank is at {mine}: its pieces of sharded parameters ({fqn}, ...) are other parts of the whole")
             _checked.pop(optimizer, None)  # (its next step asks again: the state stays loaded)
             raise SpmdError(
-                f"{name} was loaded with a state_dict() saved {what}, so each rank would step its pieces with "
-                "other pieces' moments. A state_dict() saved by one rank (`torch.save(optimizer.state_dict(), "
-                "...)` on rank 0) and loaded on every rank, or saved before the plan changed, does that. What to "
-                "do: save `compiled.optimizer_state_dict(optimizer)` with torch.distributed.checkpoint and load "
-                "it with `compiled.load_optimizer_state_dict(optimizer, state)` (any mesh and plan), or let each "
-                "rank save and load its own file (`f'optim_{rank}.pt'`) on the same plan.")
+                f"{type(optimizer).__name__} was loaded with a state_dict() saved {what}, so each rank would step "
+                "its pieces with other pieces' moments. A state_dict() saved by one rank (`torch.save(optimizer."
+                "state_dict(), ...)` on rank 0) and loaded on every rank, or saved before the plan changed, does "
+                "that. What to do: save `compiled.optimizer_state_dict(optimizer)` with torch.distributed.checkpoint "
+                "and load it with `compiled.load_optimizer_state_dict(optimizer, state)` (any mesh and plan), or let "
+                "each rank save and load its own file (`f'optim_{rank}.pt'`) on the same plan.")
 
 
 def _torch_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -225,9 +224,7 @@ def _planned(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, float
 def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
     """Raise where a per-element torch optimizer over compiled pieces holds state of another shape than its piece:
     a single-device optimizer's `state_dict()` (or another plan's) loaded with `optimizer.load_state_dict`, which
-    takes it as it is, and the step then fails on a shape that names nothing; or state another rank saved for
-    other pieces (`_saved_elsewhere`). Whether it steps compiled pieces."""
-    _saved_elsewhere(optimizer)
+    takes it as it is, and the step then fails on a shape that names nothing. Whether it steps compiled pieces."""
     pieces = [p for p, _ in _planned(optimizer)]
     if not pieces or _torch_kind(optimizer) not in PER_ELEMENT:  # (other optimizers' state may be shaped otherwise)
         return bool(pieces)
@@ -267,8 +264,10 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _not_per_element(optimizer)
+    _refuse_saved_elsewhere(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)
+        optimizer.register_load_state_dict_post_hook(_refuse_saved_elsewhere)
         optimizer.register_state_dict_post_hook(_stamp)
         _loads_watched.add(optimizer)
     _checked[optimizer] = _count(optimizer)  # (once it passed: a refused step taken again is refused again)

@@ -1238,6 +1238,14 @@ def test_verify_allows_a_float64_value_the_rounding_of_the_float32_it_went_throu
     assert tolerances[first.name] == TOLERANCE[torch.float64]  # (the Linear, before any float32)
     assert tolerances[last.name] == TOLERANCE[torch.float32]  # (the float64 loss, after the float32 ones)
 
+    class Masked(nn.Module):  # (found by a review: a bf16 input made float64 loosened everything after it)
+        def forward(self, x, m):
+            return x * m.to(torch.float64)
+
+    traced = trace_module(Masked(), (torch.randn(2, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.bfloat16)))
+    tolerances = inherited_tolerances(traced.graph.owning_module, traced.tensor_info)
+    assert max(tolerances.values()) == TOLERANCE[torch.float64]
+
 # ---- found by a probe of training loops (session 59) ---------------------------------------------
 
 class _TwoHeads(nn.Module):
@@ -1333,6 +1341,11 @@ def test_a_submodule_switched_alone_after_compiling_is_refused():
     model[0].eval()  # (a Linear's forward reads no mode)
     with torch.no_grad():
         compiled(x)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 2)).train()  # (no mode changes it)
+    quiet = one_device(plain, (x,))
+    plain[1].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(quiet(x), plain(x))
     frozen = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).train()
     frozen[1].eval()  # (compiled so: its graph uses the running statistics, as eager does)
     torch.testing.assert_close(one_device(frozen, (x,))(x), frozen(x))
