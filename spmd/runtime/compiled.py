@@ -24,7 +24,8 @@ from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
-from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, shard_full, total_norm
+from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, same_piece, shard_full, \
+    total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -440,12 +441,9 @@ class CompiledModule(nn.Module):
         own, silently (0.51 off)."""
         saved = getattr(value, "_spmd_piece_of", None)
         mine = (tuple(self.coord), tuple(self.mesh_spec.shape))
-        if saved is None or saved == mine:
+        if saved is None or same_piece(saved, mine, getattr(value, "placements", ())):
             return
-        (coord, shape), placements = saved, getattr(value, "placements", ())
-        if shape == mine[1] and all(c == m or isinstance(p, Replicate)
-                                    for c, m, p in zip(coord, mine[0], placements)):
-            return  # (the same piece: it differs only along axes it is replicated on)
+        coord, shape = saved
         raise SpmdError(
             f"the state dict's {fqn!r} is the piece of the rank at mesh coordinate {coord} (of a mesh {shape}), and "
             f"this rank is at {mine[0]}: a file saved by one rank (`torch.save(compiled.state_dict(), ...)` on "

@@ -30,6 +30,15 @@ def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[in
     return full[local_slices(tuple(full.shape), placements, mesh_shape, coord)].contiguous()
 
 
+def same_piece(saved: tuple, mine: tuple, placements: Placements) -> bool:
+    """Whether the piece saved at (coordinate, mesh shape) `saved` is the one this rank holds at `mine`, for a
+    tensor laid out as `placements`: the same mesh, and coordinates that differ only along axes it is not split
+    on (a checkpoint of rank 0's pieces loaded on rank 1 is another piece where it is split)."""
+    (coord, shape), (my_coord, my_shape) = saved, mine
+    return tuple(shape) == tuple(my_shape) and all(
+        c == m or not isinstance(p, Shard) for c, m, p in zip(coord, my_coord, placements))
+
+
 def shard_full(full: torch.Tensor, placements: Placements, mesh, coord: tuple[int, ...],
                group_names: tuple[str, ...]) -> torch.Tensor:
     """`local_shard`, differentiable as DTensor's redistribute from Replicate is: the full tensor (the same on

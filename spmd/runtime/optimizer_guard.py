@@ -32,11 +32,11 @@ import warnings
 import weakref
 
 import torch
-from torch.distributed.tensor import Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
+from spmd.runtime.distribute import same_piece
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
@@ -135,9 +135,8 @@ def _refuse_saved_elsewhere(optimizer: torch.optim.Optimizer) -> None:
                         f"{saved[2] if saved else 'whole'} then, {now[2] if now else 'whole'} now)")
             else:
                 (coordinate, shape, _), (fqn, mine, mesh_shape, placements) = saved, entry
-                if shape == mesh_shape and all(c == m or not isinstance(pl, Shard)
-                                               for c, m, pl in zip(coordinate, mine, placements)):
-                    continue  # (the same piece: it differs only along axes it is replicated on)
+                if same_piece((coordinate, shape), (mine, mesh_shape), placements):
+                    continue
                 what = (f"by the rank at mesh coordinate {tuple(coordinate)} (of a mesh {tuple(shape)}), and this "
                         f"rank is at {mine}: its pieces of sharded parameters ({fqn}, ...) are other parts of the whole")
             _checked.pop(optimizer, None)  # (its next step asks again: the state stays loaded)
