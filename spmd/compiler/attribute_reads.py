@@ -18,7 +18,9 @@ not take reads an attribute, and misses reads through `getattr(self, name)` or a
 compiled, and names any that changed when the compiled module is called. A plain tensor attribute (not a
 parameter or buffer: `self.scale = torch.tensor(2.0)`) is a constant of the graph too; it is watched by
 identity and version counter, so one set in place (`model.scale.fill_(3.0)`) or replaced is named, unless it
-holds the same values. Tensors inside a dict or list the forward reads are not watched.
+holds the same values. So is a dict, list or tuple of such values and tensors (a LoRA layer's `self.scaling =
+{"default": 2.0}`, a table of tensors), leaf by leaf, up to `_LEAVES` of them. A property the forward reads is
+read through: what its getter reads is watched (`self.disable_adapters` returning `self._disabled`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from spmd.core.errors import SpmdError
 
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+# methods that change a dict, list or set in place: a container the forward changes so is state, not a constant
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
+                       "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
 
 
 def plain(value) -> bool:
@@ -58,18 +63,26 @@ def _scan(fn) -> tuple[set[str], set[str]]:
         return set(), set()
     me = code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
+
+    def of_self(load, attr) -> bool:  # `self.<attr>`
+        return load is not None and load.opname in _SELF_LOADS and load.argval == me and attr.opname in _ATTR_LOADS
+
     for c in _codes(code):
-        before = previous = None
+        earlier = before = previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \
                     and previous.argval == me:
                 reads.add(ins.argval)
-            elif ins.opname == "LOAD_ATTR" and previous is not None and previous.opname in _ATTR_LOADS \
-                    and before is not None and before.opname in _SELF_LOADS and before.argval == me:
-                reads.add(f"{previous.argval}.{ins.argval}")
+            elif ins.opname in _ATTR_LOADS and previous is not None and of_self(before, previous):
+                if ins.opname == "LOAD_ATTR":
+                    reads.add(f"{previous.argval}.{ins.argval}")
+                if ins.argval in _MUTATORS:  # (`self.history.append(x)`: a container the forward keeps)
+                    writes.add(previous.argval)
             elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 writes.add(ins.argval)
-            before, previous = previous, ins
+            elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") and before is not None and of_self(earlier, before):
+                writes.add(before.argval)  # (`self.cache[key] = x`)
+            earlier, before, previous = before, previous, ins
     return reads, writes
 
 
@@ -103,13 +116,20 @@ def _reads_and_writes(cls: type) -> tuple[frozenset[str], frozenset[str]]:
             fn = klass.__dict__.get(name)
             if isinstance(fn, (staticmethod, classmethod)):
                 fn = fn.__func__
+            elif isinstance(fn, property):  # (its getter reads what the forward reads through it)
+                fn = fn.fget
             if not callable(fn):
                 continue
             r, w = _scan(fn)
             reads |= r
             writes |= w
-            todo.extend(n for n in r if callable(inspect.getattr_static(cls, n, None)) and n not in done)
+            todo.extend(n for n in r if _code_behind(inspect.getattr_static(cls, n, None)) and n not in done)
     return frozenset(reads), frozenset(writes)
+
+
+def _code_behind(attribute) -> bool:
+    """Whether reading `attribute` on an instance runs the class's code: a method, or a property's getter."""
+    return callable(attribute) or isinstance(attribute, property)
 
 
 _NONE = object()
@@ -141,6 +161,11 @@ def _value(module, name):
 _SNAPSHOT = 1 << 16  # elements: a tensor attribute up to this size is copied, so one set to equal values is let be
 
 
+def _stored(holder, name: str):
+    """What `holder` stores under `name` in its own `__dict__` (None where nothing)."""
+    return holder.__dict__.get(name) if hasattr(holder, "__dict__") else None
+
+
 def _tensor(holder, name: str):
     """The plain tensor `holder` stores under `name` (not a parameter or buffer, which nn.Module keeps in its
     own tables and the compiled module holds copies of), or None."""
@@ -158,6 +183,51 @@ def _both_nan(a, b) -> bool:
     return isinstance(a, float) and isinstance(b, float) and a != a and b != b
 
 
+_LEAVES = 256  # a dict, list or tuple attribute with more leaves (or deeper than 3) is not watched
+
+
+def _leaves(container, depth: int = 0, out: list | None = None) -> list | None:
+    """[(path, leaf)] of a dict, list or tuple whose leaves are plain values or plain tensors (nested at most 3
+    deep), or None where it holds anything else (a module, an object: not a constant the trace took whole)."""
+    out = [] if out is None else out
+    items = container.items() if isinstance(container, dict) else enumerate(container)
+    for key, v in items:
+        if len(out) >= _LEAVES or not plain(key):
+            return None
+        if isinstance(v, (dict, list, tuple)) and not plain(v):
+            if depth == 2 or _leaves(v, depth + 1, out) is None:
+                return None
+            continue
+        if not (plain(v) or type(v) is torch.Tensor):  # (a fake or a parameter: not a constant of the graph)
+            return None
+        out.append(((depth, key), v))
+    return out
+
+
+class _Held:
+    """What one watched container held when compiled: its structure, its plain values, and each tensor by
+    identity and version (with a copy of the small ones, so one set to equal values is let be)."""
+
+    def __init__(self, leaves: list):
+        self.paths = [path for path, _ in leaves]
+        self.values = [(v, None, None) if not isinstance(v, torch.Tensor) else
+                       (v, v._version, v.detach().clone() if v.numel() <= _SNAPSHOT and not v.is_meta else None)
+                       for _, v in leaves]
+
+    def same(self, container) -> bool:
+        leaves = _leaves(container) if isinstance(container, (dict, list, tuple)) else None
+        if leaves is None or [path for path, _ in leaves] != self.paths:
+            return False
+        for (_, now), (old, version, copy) in zip(leaves, self.values):
+            if isinstance(old, torch.Tensor):
+                if not isinstance(now, torch.Tensor) or not (now is old and now._version == version) \
+                        and not _same_values(now, copy):
+                    return False
+            elif now is not old and (type(now) is not type(old) or now != old) and not _both_nan(now, old):
+                return False
+        return True
+
+
 class AttributeGuard:
     """The plain attributes each module of `roots` (label -> module) reads in its forward, with their values
     now; `check()` raises, naming each that changed since."""
@@ -165,6 +235,7 @@ class AttributeGuard:
     def __init__(self, roots: dict[str, torch.nn.Module]):
         self._entries = []  # (the object holding it, attribute, module path, name read, value)
         self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
+        self._containers = []  # (the object holding it, attribute, module path, name read, what it held: _Held)
         seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
@@ -186,14 +257,17 @@ class AttributeGuard:
                         seen.add((id(holder), attr))
                         copy = t.detach().clone() if t.numel() <= _SNAPSHOT and not t.is_meta else None
                         self._tensors.append([holder, attr, shown, name, t, t._version, copy])
+                    elif isinstance(c := _stored(holder, attr), (dict, list, tuple)) and (leaves := _leaves(c)):
+                        seen.add((id(holder), attr))
+                        self._containers.append((holder, attr, shown, name, _Held(leaves)))
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._tensors)
+        return len(self._entries) + len(self._tensors) + len(self._containers)
 
     def watched(self) -> set[tuple[str, str]]:
         """The (module path, attribute) pairs checked ("config.pad_token_id" for an attribute of an object the
         module holds)."""
-        return {(e[2], e[3]) for e in (*self._entries, *self._tensors)}
+        return {(e[2], e[3]) for e in (*self._entries, *self._tensors, *self._containers)}
 
     def check(self) -> None:
         changed = []
@@ -207,6 +281,9 @@ class AttributeGuard:
                 continue
             how = "a tensor set in place" if now is old else "a tensor replaced"
             changed.append((f"{path}.{name}" if path else name, how))
+        for holder, attr, path, name, held in self._containers:
+            if not held.same(holder.__dict__.get(attr, _NONE)):
+                changed.append((f"{path}.{name}" if path else name, "an entry or tensor in it changed"))
         for holder, attr, path, name, old in self._entries:
             if holder.__dict__.get(attr, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue

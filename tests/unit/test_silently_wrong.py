@@ -640,6 +640,49 @@ def test_a_tensor_attribute_the_forward_read_changed_on_the_model_is_named():
     torch.testing.assert_close(compiled(x), model(x))
 
 
+class _Adapted(nn.Module):
+    """Reads its settings from containers (a LoRA layer's `scaling` dict, a list of tensors) and through a
+    property (`disabled` returns `_disabled`, as PEFT's `disable_adapters`); keeps a log it appends to."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.scaling, self.factors, self._disabled, self.log = {"default": 2.0}, [torch.tensor(1.5)], False, []
+
+    @property
+    def disabled(self) -> bool:
+        return self._disabled
+
+    def forward(self, x):
+        self.log.append(x.shape[0])
+        y = self.fc(x)
+        return y if self.disabled else y * self.scaling["default"] * self.factors[0]
+
+
+@pytest.mark.parametrize("change, named", [
+    ("model.scaling['default'] = 3.0", "scaling"),
+    ("model.scaling['other'] = 1.0", "scaling"),
+    ("model.factors[0].fill_(2.0)", "factors"),
+    ("model.factors[0] = torch.tensor(2.5)", "factors"),
+    ("model._disabled = True", "_disabled"),
+])
+def test_a_container_or_property_the_forward_read_changed_on_the_model_is_named(change, named):
+    """A dict entry (PEFT's `set_scale`), a tensor in a list, or what a property returns, changed after
+    compiling, reached nothing: 2.10, 1.36 and 4.92 off, silently. The log the forward appends to is its
+    state, not a constant, and is not watched; entries set to what they held are let be."""
+    model, x = _Adapted(), torch.randn(6, 4)
+    compiled = one_device(model, (x,))
+    assert {("", "scaling"), ("", "factors"), ("", "_disabled")} <= compiled._attributes.watched()
+    assert ("", "log") not in compiled._attributes.watched()
+    model.scaling["default"] = 2.0
+    model.factors[0] = torch.tensor(1.5)
+    model.log.append(0)
+    torch.testing.assert_close(compiled(x), model(x))
+    exec(change)
+    with pytest.raises(spmd.SpmdError, match=rf"`{named}` \(.*\) changed after compiling"):
+        compiled(x)
+
+
 class _Layer(nn.Module):
     def __init__(self):
         super().__init__()
