@@ -286,6 +286,11 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             for c in [ref_nodes[name] for name in n.meta.get("spmd_fused", ())] or [ref_node]:
                 last_use.update((a.name, n.name) for a in c.all_input_nodes if a.name not in feeds_output)
     kept: dict[str, object] = {}  # op by op: the gathered values that feed the outputs
+    # op by op: values a collective later reduces in place (passes/reduce_in_place.py), gathered when made; read
+    # back from the rank graph's values when used, they were the sum already (Mixtral's aux loss: 0.155 "off")
+    reduced_later = {n.args[0].name for n in module.graph_module.graph.nodes
+                     if n.op == "call_function" and n.kwargs.get("inplace") and n.args and isinstance(n.args[0], fx.Node)}
+    as_made: dict[str, object] = {}
     failure: list[str] = []  # rank 0's reference run failed: the first error
     diffs: list[Difference] = []
     phases: list[str] = []  # forward or backward, per difference
@@ -308,11 +313,13 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             if rank0:
                 ref_env[n.name] = getattr(traced_gm, ref_node.target)
             return
-        if ref_node.op == "placeholder" and not whole and n.name not in feeds_output:
+        if ref_node.op == "placeholder" and not whole and n.name not in feeds_output | reduced_later:
             return  # op by op gathers each argument where it is used
         actual = full_value(ref_node, local)
         if rank0 and not whole and n.name in feeds_output:
             kept[n.name] = actual
+        if not whole and n.name in reduced_later:
+            as_made[n.name] = actual
         if ref_node.op == "placeholder":
             if rank0 and whole:
                 ref_env[n.name] = actual
@@ -323,8 +330,10 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             lookup = ref_env
         else:  # the op's own arguments, gathered from this rank's values
             inside = {c.name for c in chain}
-            lookup = {a.name: full_value(a, env[rank_nodes[a.name]])
+            lookup = {a.name: as_made[a.name] if a.name in as_made else full_value(a, env[rank_nodes[a.name]])
                       for c in chain for a in c.all_input_nodes if a.name not in inside}
+            for name in [name for name in as_made if last_use.get(name) == n.name]:
+                del as_made[name]
         if rank0 and not failure:
             try:
                 reference(n, chain, actual, lookup)
