@@ -1390,8 +1390,13 @@ def _runner(gm, backend: str):
     Inductor lowers the functional collectives the graphs call (core/collectives.py) as kernels of their
     own, fuses the element-wise chains, views and permutes between them, and may reorder compute around
     a collective's wait. The first call pays the compilation (seconds; inductor caches it on disk across
-    runs); a collective failing inside compiled code raises torch's error, not one naming the value."""
-    return torch.compile(gm, backend=backend, dynamic=False)
+    runs); a collective failing inside compiled code raises torch's error, not one naming the value.
+    Random ops (dropout, `randn_like`) draw from torch's generator as eager does (inductor's
+    `fallback_random`): its own generator drew other masks than the single-device model and the eager rank
+    graphs with the same seed (a loss 0.036 off), and left the generator elsewhere for what the loop draws
+    next."""
+    options = {"fallback_random": True} if backend == "inductor" else None
+    return torch.compile(gm, backend=backend, dynamic=False, options=options)
 
 
 def _storage_bytes(tensors) -> int:
