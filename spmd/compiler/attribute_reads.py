@@ -19,8 +19,10 @@ compiled, and names any that changed when the compiled module is called. A plain
 parameter or buffer: `self.scale = torch.tensor(2.0)`) is a constant of the graph too; it is watched by
 identity and version counter, so one set in place (`model.scale.fill_(3.0)`) or replaced is named, unless it
 holds the same values. So is a dict, list or tuple of such values and tensors (a LoRA layer's `self.scaling =
-{"default": 2.0}`, a table of tensors), leaf by leaf, up to `_LEAVES` of them. A property the forward reads is
-read through: what its getter reads is watched (`self.disable_adapters` returning `self._disabled`).
+{"default": 2.0}`, a table of tensors), up to `_LEAVES` leaves, unless the module's forward changes any
+container in place (stores an item, calls `append` or `update` on anything: its containers may be state it
+keeps, and bytecode does not say which). A property the forward reads is read through: what its getter reads
+is watched (`self.disable_adapters` returning `self._disabled`).
 """
 from __future__ import annotations
 
@@ -36,9 +38,11 @@ from spmd.core.errors import SpmdError
 
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
-# methods that change a dict, list or set in place: a container the forward changes so is state, not a constant
+# what changes a dict, list or set in place: an item stored, or a method of theirs that changes them
+_ITEM_STORES = ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE", "DELETE_SLICE")
 _MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
                        "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
+CHANGES_CONTAINERS = "[]"  # (among a scan's writes: the code changes some container in place)
 
 
 def plain(value) -> bool:
@@ -64,25 +68,20 @@ def _scan(fn) -> tuple[set[str], set[str]]:
     me = code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
 
-    def of_self(load, attr) -> bool:  # `self.<attr>`
-        return load is not None and load.opname in _SELF_LOADS and load.argval == me and attr.opname in _ATTR_LOADS
-
     for c in _codes(code):
-        earlier = before = previous = None
+        before = previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \
                     and previous.argval == me:
                 reads.add(ins.argval)
-            elif ins.opname in _ATTR_LOADS and previous is not None and of_self(before, previous):
-                if ins.opname == "LOAD_ATTR":
-                    reads.add(f"{previous.argval}.{ins.argval}")
-                if ins.argval in _MUTATORS:  # (`self.history.append(x)`: a container the forward keeps)
-                    writes.add(previous.argval)
+            elif ins.opname == "LOAD_ATTR" and previous is not None and previous.opname in _ATTR_LOADS \
+                    and before is not None and before.opname in _SELF_LOADS and before.argval == me:
+                reads.add(f"{previous.argval}.{ins.argval}")
             elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 writes.add(ins.argval)
-            elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") and before is not None and of_self(earlier, before):
-                writes.add(before.argval)  # (`self.cache[key] = x`)
-            earlier, before, previous = before, previous, ins
+            if ins.opname in _ITEM_STORES or (ins.opname in _ATTR_LOADS and ins.argval in _MUTATORS):
+                writes.add(CHANGES_CONTAINERS)  # (on what, bytecode does not say: an alias, a key computed)
+            before, previous = previous, ins
     return reads, writes
 
 
@@ -93,6 +92,14 @@ def forward_reads(cls: type) -> frozenset[str]:
     reads, writes = _reads_and_writes(cls)
     # (a read through an object, `self.config.problem_type`, that the forward also writes, is state too)
     return frozenset(r for r in reads - writes - {"training"} if r.rpartition(".")[2] not in writes)
+
+
+@functools.cache
+def changes_containers(cls: type) -> bool:
+    """Whether `cls`'s forward (or what it calls on `self`) stores an item, or calls a method such as `append`
+    or `update`, on anything: then a dict or list it reads may be state it keeps (`self.counts["n"] += 1`,
+    through an alias, under a computed key), and none of its containers is watched."""
+    return CHANGES_CONTAINERS in _reads_and_writes(cls)[1]
 
 
 @functools.cache
@@ -186,44 +193,67 @@ def _both_nan(a, b) -> bool:
 _LEAVES = 256  # a dict, list or tuple attribute with more leaves (or deeper than 3) is not watched
 
 
-def _leaves(container, depth: int = 0, out: list | None = None) -> list | None:
-    """[(path, leaf)] of a dict, list or tuple whose leaves are plain values or plain tensors (nested at most 3
-    deep), or None where it holds anything else (a module, an object: not a constant the trace took whole)."""
+def _leaves(container, path: tuple = (), out: list | None = None) -> list | None:
+    """[(key path, leaf)] of a dict, list or tuple whose leaves are plain values or plain tensors (nested at most
+    3 deep), or None where it holds anything else (a module, an object, a fake or inference tensor: not a
+    constant the trace took whole)."""
     out = [] if out is None else out
     items = container.items() if isinstance(container, dict) else enumerate(container)
     for key, v in items:
         if len(out) >= _LEAVES or not plain(key):
             return None
         if isinstance(v, (dict, list, tuple)) and not plain(v):
-            if depth == 2 or _leaves(v, depth + 1, out) is None:
+            if len(path) == 2 or _leaves(v, (*path, key), out) is None:
                 return None
             continue
-        if not (plain(v) or type(v) is torch.Tensor):  # (a fake or a parameter: not a constant of the graph)
+        if not (plain(v) or (type(v) is torch.Tensor and not v.is_inference())):
             return None
-        out.append(((depth, key), v))
+        out.append(((*path, key), v))
     return out
 
 
-class _Held:
-    """What one watched container held when compiled: its structure, its plain values, and each tensor by
-    identity and version (with a copy of the small ones, so one set to equal values is let be)."""
+def _snapshot(container):
+    """A copy of a container of plain values, its nested containers copied too (compared with `==`)."""
+    if isinstance(container, dict):
+        return {k: _snapshot(v) for k, v in container.items()}
+    if isinstance(container, (list, tuple)):
+        return type(container)(_snapshot(v) for v in container)
+    return container
 
-    def __init__(self, leaves: list):
+
+class _Held:
+    """What one watched container held when compiled. Plain values only: a copy, compared with `==` (as a plain
+    attribute is: 2 and 2.0 are the same). With tensors: its key paths, plain values, and each tensor by
+    identity and version (with a copy of the small ones, so one set to equal values is let be, and taken as
+    the one held from then on)."""
+
+    def __init__(self, container, leaves: list):
+        self.tensors = any(isinstance(v, torch.Tensor) for _, v in leaves)
+        if not self.tensors:
+            self.copy = _snapshot(container)
+            return
         self.paths = [path for path, _ in leaves]
-        self.values = [(v, None, None) if not isinstance(v, torch.Tensor) else
-                       (v, v._version, v.detach().clone() if v.numel() <= _SNAPSHOT and not v.is_meta else None)
+        self.values = [[v, None, None] if not isinstance(v, torch.Tensor) else
+                       [v, v._version, v.detach().clone() if v.numel() <= _SNAPSHOT and not v.is_meta else None]
                        for _, v in leaves]
 
     def same(self, container) -> bool:
+        if not self.tensors:
+            return container is not _NONE and type(container) is type(self.copy) and container == self.copy
         leaves = _leaves(container) if isinstance(container, (dict, list, tuple)) else None
         if leaves is None or [path for path, _ in leaves] != self.paths:
             return False
-        for (_, now), (old, version, copy) in zip(leaves, self.values):
+        for (_, now), held in zip(leaves, self.values):
+            old, version, copy = held
             if isinstance(old, torch.Tensor):
-                if not isinstance(now, torch.Tensor) or not (now is old and now._version == version) \
-                        and not _same_values(now, copy):
+                if not isinstance(now, torch.Tensor):
                     return False
-            elif now is not old and (type(now) is not type(old) or now != old) and not _both_nan(now, old):
+                if now is old and now._version == version:
+                    continue
+                if not _same_values(now, copy):
+                    return False
+                held[0], held[1] = now, now._version  # (set to what it held: the one held from now on)
+            elif now is not old and now != old and not _both_nan(now, old):
                 return False
         return True
 
@@ -257,9 +287,10 @@ class AttributeGuard:
                         seen.add((id(holder), attr))
                         copy = t.detach().clone() if t.numel() <= _SNAPSHOT and not t.is_meta else None
                         self._tensors.append([holder, attr, shown, name, t, t._version, copy])
-                    elif isinstance(c := _stored(holder, attr), (dict, list, tuple)) and (leaves := _leaves(c)):
+                    elif isinstance(c := _stored(holder, attr), (dict, list, tuple)) and \
+                            not changes_containers(type(module)) and (leaves := _leaves(c)) is not None:
                         seen.add((id(holder), attr))
-                        self._containers.append((holder, attr, shown, name, _Held(leaves)))
+                        self._containers.append((holder, attr, shown, name, _Held(c, leaves)))
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._tensors) + len(self._containers)

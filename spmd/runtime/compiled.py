@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import weakref
 from collections import OrderedDict
@@ -204,6 +205,7 @@ class CompiledModule(nn.Module):
         self._order_names: list[str] = []  # FQN or input name per placeholder
         self._input_specs: list[InputSpec] = []
         self._global_shapes: dict[str, tuple[int, ...]] = {}  # FQN -> full shape
+        self._piece_shapes: dict[str, torch.Size] = {}  # FQN -> the shape of this rank's piece
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
                                 for b in m._non_persistent_buffers_set}
@@ -239,6 +241,7 @@ class CompiledModule(nn.Module):
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
             self._global_shapes[gi.name] = tuple(info.shape)
+            self._piece_shapes[gi.name] = local.shape
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
         for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
@@ -576,6 +579,10 @@ class CompiledModule(nn.Module):
             (None, None) if kind == "input" else
             ((owner._parameters if kind == "parameter" else owner._buffers), leaf)
             for (kind, _), (owner, leaf) in zip(self._order, self._arg_slots)]
+        # (the graph's state arguments: where, and the shapes of this rank's pieces; `_check_piece_shapes`)
+        at = [k for k, (kind, _) in enumerate(self._order) if kind != "input"]
+        self.__dict__["_state_at"] = operator.itemgetter(*at) if len(at) > 1 else (lambda args: tuple(args[k] for k in at))
+        self.__dict__["_state_shapes"] = tuple(self._piece_shapes[self._order_names[k]] for k in at)
 
     def _get(self, path: str) -> torch.Tensor:
         """The piece held at `path` (`_param_names` gives each FQN's)."""
@@ -1019,6 +1026,23 @@ class CompiledModule(nn.Module):
         except KeyError:  # moved out of the tables (torch.nn.utils.parametrize): as getattr finds it
             return self._moved_state_args(inputs)
 
+    def _refuse_piece_shapes(self, args) -> None:
+        """A parameter or buffer of another shape than this rank's piece (the whole tensor put where the piece
+        was: `p.data = full`, `torch.func.functional_call(compiled, model.state_dict())`) ran without error where
+        its shape happened to fit the graph's ops, and computed something else (a loss 0.22 and 127 off)."""
+        wrong = [(self._order_names[k], tuple(args[k].shape), tuple(want)) for k, want in
+                 zip([k for k, (kind, _) in enumerate(self._order) if kind != "input"], self._state_shapes)
+                 if args[k].shape != want]
+        listed = ", ".join(f"{fqn} is {got}, its piece {want}" for fqn, got, want in wrong[:3]) + (
+            ", ..." if len(wrong) > 3 else "")
+        raise SpmdError(
+            f"{len(wrong)} parameter(s) or buffer(s) of the compiled module are not this rank's pieces ({listed}; "
+            f"whole: {', '.join(str(self._global_shapes[f]) for f, _, _ in wrong[:3])}). The graph computes on "
+            "pieces. What to do: give whole weights through `compiled.load_state_dict(state)` (each rank cuts its "
+            "pieces), or hand `torch.func.functional_call` this rank's pieces (`compiled.state_dict()` values' "
+            "`.to_local()`), not the model's whole tensors; change a piece in place (`p.copy_(...)`) rather than "
+            "through `p.data = ...`.")
+
     def _moved_state_args(self, inputs) -> list:
         """`_graph_args` where a parameter or buffer is no longer in nn.Module's tables: a parametrization
         (torch.nn.utils.parametrize) computes it on this rank's piece, which is the full computation's
@@ -1272,6 +1296,8 @@ class CompiledModule(nn.Module):
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs)
         args = self._graph_args(inputs)
+        if tuple(t.shape for t in self._state_at(args)) != self._state_shapes:
+            self._refuse_piece_shapes(args)
         with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
             flat = self._run_graphs(args)
         return tree_unflatten(list(flat), self._out_spec)

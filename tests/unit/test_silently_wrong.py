@@ -641,21 +641,22 @@ def test_a_tensor_attribute_the_forward_read_changed_on_the_model_is_named():
 
 
 class _Adapted(nn.Module):
-    """Reads its settings from containers (a LoRA layer's `scaling` dict, a list of tensors) and through a
-    property (`disabled` returns `_disabled`, as PEFT's `disable_adapters`); keeps a log it appends to."""
+    """Reads its settings from containers (a LoRA layer's `scaling` dict, a list of tensors, a list to fill)
+    and through a property (`disabled` returns `_disabled`, as PEFT's `disable_adapters`)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 8)
-        self.scaling, self.factors, self._disabled, self.log = {"default": 2.0}, [torch.tensor(1.5)], False, []
+        self.scaling, self.factors, self.extra, self._disabled = {"default": 2.0}, [torch.tensor(1.5)], [], False
 
     @property
     def disabled(self) -> bool:
         return self._disabled
 
     def forward(self, x):
-        self.log.append(x.shape[0])
         y = self.fc(x)
+        for t in self.extra:
+            y = y + t
         return y if self.disabled else y * self.scaling["default"] * self.factors[0]
 
 
@@ -664,23 +665,46 @@ class _Adapted(nn.Module):
     ("model.scaling['other'] = 1.0", "scaling"),
     ("model.factors[0].fill_(2.0)", "factors"),
     ("model.factors[0] = torch.tensor(2.5)", "factors"),
+    ("model.extra.append(torch.tensor(1.0))", "extra"),
     ("model._disabled = True", "_disabled"),
 ])
 def test_a_container_or_property_the_forward_read_changed_on_the_model_is_named(change, named):
-    """A dict entry (PEFT's `set_scale`), a tensor in a list, or what a property returns, changed after
-    compiling, reached nothing: 2.10, 1.36 and 4.92 off, silently. The log the forward appends to is its
-    state, not a constant, and is not watched; entries set to what they held are let be."""
+    """A dict entry (PEFT's `set_scale`), a tensor in a list, a list filled, or what a property returns,
+    changed after compiling, reached nothing: 2.10, 1.36 and 4.92 off, silently. Values set to what they
+    held (2 for 2.0, an equal tensor) are let be."""
     model, x = _Adapted(), torch.randn(6, 4)
     compiled = one_device(model, (x,))
-    assert {("", "scaling"), ("", "factors"), ("", "_disabled")} <= compiled._attributes.watched()
-    assert ("", "log") not in compiled._attributes.watched()
-    model.scaling["default"] = 2.0
+    assert {("", "scaling"), ("", "factors"), ("", "extra"), ("", "_disabled")} <= compiled._attributes.watched()
+    model.scaling["default"] = 2
     model.factors[0] = torch.tensor(1.5)
-    model.log.append(0)
     torch.testing.assert_close(compiled(x), model(x))
     exec(change)
     with pytest.raises(spmd.SpmdError, match=rf"`{named}` \(.*\) changed after compiling"):
         compiled(x)
+
+
+class _Counting(nn.Module):
+    """Keeps counts in a dict its forward changes (`self.calls["n"] += 1`) and reads a setting from another:
+    a module that changes a container in place keeps state in its containers, and none is watched."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls, self.scaling = nn.Linear(4, 8), {"n": 0}, {"default": 2.0}
+
+    def forward(self, x):
+        self.calls["n"] += 1
+        return self.fc(x) * self.scaling["default"]
+
+
+def test_containers_of_a_forward_that_changes_containers_are_not_watched():
+    """The review's case: the count changed by spmd's own mode check (it runs the model's forward) and by eager
+    calls of the model was named as changed after compiling, refusing a train-then-evaluate loop."""
+    model, x = _Counting(), torch.randn(6, 4)
+    compiled = one_device(model, (x,))
+    assert not {("", "calls"), ("", "scaling")} & compiled._attributes.watched()
+    model(x)
+    model(x)
+    torch.testing.assert_close(compiled(x), model(x))
 
 
 class _Layer(nn.Module):
