@@ -480,3 +480,37 @@ def test_attention_dropout_in_an_inference_graph_draws_the_single_device_mask(ra
     runs whole on every rank, and the ranks' generators are compared."""
     for r in ranks(2).run(_attention_dropout_in_inference):
         assert r["error"] < 1e-6 and r["checks_generators"], r
+
+
+# ---- whole tensors where the pieces were ---------------------------------------------------------
+
+def _whole_for_pieces(rank: int, world: int, how: str) -> str:
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"0.weight": [Shard(0)], "2.weight": [Shard(1)]})
+    local = compiled.shard_inputs(x, y)
+    try:
+        if how == "data":
+            for p, whole in zip(compiled.parameters(), model.parameters()):
+                p.data = whole.detach().clone()
+            compiled(*local)
+        else:
+            functional_call(compiled, dict(model.named_parameters()), local)
+    except spmd.SpmdError as e:
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.parametrize("how", ["data", "functional_call"])
+def test_whole_tensors_where_the_pieces_were_are_refused(ranks, how):
+    """`p.data = whole` on every piece, or `torch.func.functional_call(compiled, model's parameters)`: the graph
+    ran on the whole weights where their shapes fit its ops, and computed something else (a loss 0.22 and 127
+    off), silently."""
+    for said in ranks(2).run(_whole_for_pieces, how):
+        assert "are not this rank's pieces (0.weight is (32, 16), its piece (16, 16)" in said, said
+        assert "load_state_dict" in said and "functional_call" in said, said
