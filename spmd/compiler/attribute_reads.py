@@ -58,14 +58,14 @@ def _codes(code: types.CodeType):
             yield from _codes(const)
 
 
-def _scan(fn) -> tuple[set[str], set[str]]:
+def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
     """(attributes read through `self`, attributes stored anywhere) in `fn` and the functions nested in it. A
     read one attribute further (`self.config.pad_token_id`) is "config.pad_token_id" as well as "config"."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
-    if code is None or not code.co_varnames:
+    if code is None or not (me or code.co_varnames):
         return set(), set()
-    me = code.co_varnames[0]  # (the method's self, by whatever name)
+    me = me or code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
 
     for c in _codes(code):
@@ -110,8 +110,8 @@ def reads_training(cls: type) -> bool:
 
 
 @functools.cache
-def _reads_and_writes(cls: type) -> tuple[frozenset[str], frozenset[str]]:
-    reads, writes, todo, done = set(), set(), ["forward"], set()
+def _reads_and_writes(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[str]]:
+    reads, writes, todo, done = set(), set(), [start], set()
     while todo:
         name = todo.pop()
         if name in done:
@@ -149,6 +149,11 @@ def _holder(module, name: str):
     first, _, last = name.rpartition(".")
     if not first:
         return module, name
+    sub = getattr(module, "_modules", {}).get(first) if "." not in first else None
+    if sub is not None:  # (a submodule's attribute, `self.fc1.alpha`: unless private, the mode, or its own state)
+        if last.startswith("_") or last == "training" or last in _reads_and_writes(type(sub))[1]:
+            return None, last
+        return sub, last
     holder = inspect.getattr_static(module, first, _NONE)
     if holder is _NONE or first not in module.__dict__ or plain(holder) or callable(holder) or \
             isinstance(holder, (torch.nn.Module, torch.Tensor, type, types.ModuleType, dict, list, set)) \
@@ -258,6 +263,50 @@ class _Held:
         return True
 
 
+def _readers(root: torch.nn.Module):
+    """(module path, module, the object read through, attributes it reads, whether its code changes containers
+    in place) for each module of `root`, and for each forward hook on it (run into the graph when traced): a
+    hook function reads through its first argument, the module; a hook object (old-style `spectral_norm`'s)
+    through itself, in its `__call__`."""
+    for path, module in root.named_modules():
+        names, writes = set(forward_reads(type(module))), set(_reads_and_writes(type(module))[1])
+        own = module.__dict__.get("forward")  # (a forward set on the instance: PEFT, accelerate)
+        if own is not None and callable(own):
+            r, w = _scan(getattr(own, "__func__", own))
+            names |= r - {"training"}
+            writes |= w
+        yield path, module, module, names, CHANGES_CONTAINERS in writes
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            if isinstance(hook, types.FunctionType):  # (and the modules it reads from its closure: the model)
+                for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+                    try:
+                        held = cell.cell_contents
+                    except ValueError:  # (a cell not filled yet)
+                        continue
+                    if isinstance(held, torch.nn.Module):
+                        r, w = _scan(hook, me=var)
+                        yield path, module, held, {n for n in r - w if n.rpartition(".")[2] not in w} - {"training"}, \
+                            CHANGES_CONTAINERS in w
+            if isinstance(hook, (types.FunctionType, types.MethodType)):
+                reader = hook.__self__ if isinstance(hook, types.MethodType) else module
+                r, w = _scan(getattr(hook, "__func__", hook))
+            elif callable(hook) and not isinstance(hook, functools.partial):
+                reader, (r, w) = hook, _reads_and_writes(type(hook), "__call__")
+            else:
+                continue
+            yield path, module, reader, {n for n in r - w - {"training"} if n.rpartition(".")[2] not in w}, \
+                CHANGES_CONTAINERS in w
+
+
+def _set_by_hooks(module) -> set[str]:
+    """The attributes a hook object of `module` sets before each forward (old-style `spectral_norm`,
+    `weight_norm` and `prune` compute `module.weight` from parameters of their own, by the name they hold):
+    the forward's input, not a constant."""
+    hooks = (*getattr(module, "_forward_pre_hooks", {}).values(), *getattr(module, "_forward_hooks", {}).values())
+    return {v for h in hooks if not isinstance(h, (types.FunctionType, types.MethodType))
+            for v in getattr(h, "__dict__", {}).values() if isinstance(v, str)}
+
+
 class AttributeGuard:
     """The plain attributes each module of `roots` (label -> module) reads in its forward, with their values
     now; `check()` raises, naming each that changed since."""
@@ -270,25 +319,23 @@ class AttributeGuard:
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
                 continue
-            for path, module in root.named_modules():
-                names = set(forward_reads(type(module)))
-                own = module.__dict__.get("forward")  # (a forward set on the instance: PEFT, accelerate)
-                if own is not None and callable(own):
-                    names |= _scan(getattr(own, "__func__", own))[0] - {"training"}
+            for path, module, reader, names, keeps in _readers(root):
                 for name in sorted(names):
-                    holder, attr = _holder(module, name)
+                    holder, attr = _holder(reader, name)
                     if holder is None or (id(holder), attr) in seen:
                         continue
                     value, shown = _value(holder, attr), ".".join(p for p in (label, path) if p)
+                    if reader is not module:
+                        shown = f"{shown}.<{type(reader).__name__}>" if shown else f"<{type(reader).__name__}>"
                     if value is not _NONE:
                         seen.add((id(holder), attr))
                         self._entries.append((holder, attr, shown, name, value))
-                    elif (t := _tensor(holder, attr)) is not None:
+                    elif (t := _tensor(holder, attr)) is not None and attr not in _set_by_hooks(holder):
                         seen.add((id(holder), attr))
                         copy = t.detach().clone() if t.numel() <= _SNAPSHOT and not t.is_meta else None
                         self._tensors.append([holder, attr, shown, name, t, t._version, copy])
                     elif isinstance(c := _stored(holder, attr), (dict, list, tuple)) and \
-                            not changes_containers(type(module)) and (leaves := _leaves(c)) is not None:
+                            not keeps and (leaves := _leaves(c)) is not None:
                         seen.add((id(holder), attr))
                         self._containers.append((holder, attr, shown, name, _Held(c, leaves)))
 
