@@ -29,6 +29,7 @@ import threading
 import weakref
 
 import torch
+from torch.distributed.tensor import Replicate
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
@@ -238,10 +239,13 @@ _hooks_before = WeakIdKeyDictionary()  # model -> the next hook handle id when i
 def _mark_buffers(compiled, model: torch.nn.Module, fqns=None) -> None:
     """The model's buffers (those named `fqns`; None: all) that `compiled` holds a copy of, as they are now."""
     marks = {} if fqns is None else dict(compiled.__dict__.get("_buffer_marks", {}))
+    pieces = {} if fqns is None else dict(compiled.__dict__.get("_piece_marks", {}))
     for fqn, b in model.named_buffers(remove_duplicate=False):
         if fqn in compiled._param_names and (fqns is None or fqn in fqns):
             marks[fqn] = (b, b._version)
+            pieces[fqn] = _piece_mark(compiled, fqn)
     compiled.__dict__["_buffer_marks"] = marks
+    compiled.__dict__["_piece_marks"] = pieces
     compiled.__dict__["_buffers_at"] = _registered[0]
 
 
@@ -250,6 +254,27 @@ def _buffer(model: torch.nn.Module, fqn: str):
         return model.get_buffer(fqn)
     except AttributeError:
         return None
+
+
+def _piece_mark(compiled, fqn: str):
+    """(this rank's piece of the buffer `fqn`, its version) now."""
+    piece = compiled._get(compiled._param_names[fqn])
+    return piece, piece._version
+
+
+def _seen_alike(compiled, fqn: str, value) -> bool:
+    """Whether the model's new `value` of the buffer `fqn` can be taken as seen by every rank alike: this
+    rank's piece holds its piece of it, and the buffer is whole on every rank, or the compiled module's copy
+    was set too since it was marked (a load into both, trained statistics copied back). A sharded buffer
+    changed on the model alone, in rows another rank holds (a pruning mask), left this rank's piece equal:
+    this rank went on into the step's collectives while the other refused, and waited there for good."""
+    if not _holds(compiled, fqn, value):
+        return False
+    if all(isinstance(p, Replicate) for p in compiled._state_placements[fqn]):
+        return True
+    marked = compiled.__dict__.get("_piece_marks", {}).get(fqn)
+    piece = compiled._get(compiled._param_names[fqn])
+    return marked is None or piece is not marked[0] or piece._version != marked[1]
 
 
 def _holds(compiled, fqn: str, value) -> bool:
@@ -278,12 +303,14 @@ def buffers_changed(compiled) -> None:
         now = _buffer(model, fqn) if walk else b
         if now is b and b._version == version:
             continue
-        if now is not None and _holds(compiled, fqn, now):
+        if now is not None and _seen_alike(compiled, fqn, now):
             seen[fqn] = (now, now._version)
         else:
             changed.append(fqn)
     if seen:
         compiled.__dict__["_buffer_marks"] = {**marks, **seen}
+        compiled.__dict__["_piece_marks"] = {**compiled.__dict__.get("_piece_marks", {}),
+                                             **{fqn: _piece_mark(compiled, fqn) for fqn in seen}}
     if changed:
         raise SpmdError(
             f"{type(model).__name__}'s buffer(s) {', '.join(f'`{n}`' for n in changed[:4])}"

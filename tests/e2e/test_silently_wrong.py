@@ -514,3 +514,35 @@ def test_whole_tensors_where_the_pieces_were_are_refused(ranks, how):
     for said in ranks(2).run(_whole_for_pieces, how):
         assert "are not this rank's pieces (0.weight is (32, 16), its piece (16, 16)" in said, said
         assert "load_state_dict" in said and "functional_call" in said, said
+
+
+def _mask_changed_in_one_ranks_rows(rank: int, world: int) -> dict:
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    prune.l1_unstructured(model[0], "weight", 0.3)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"0.weight_orig": [Shard(0)], "0.weight_mask": [Shard(0)]})
+    local = compiled.shard_inputs(x, y)
+    compiled(*local)
+    with torch.no_grad():
+        model[0].weight_mask[:5] = 0  # (rows 0-4: rank 0's piece alone)
+    try:
+        compiled(*local)
+        said = "ran"
+    except spmd.SpmdError as e:
+        said = str(e)
+    compiled.load_state_dict(model.state_dict())  # (into both: then every rank runs with the new mask)
+    loss = float(compiled(*local))
+    return {"said": said, "loss": loss, "eager": float(F.mse_loss(model(x), y))}
+
+
+def test_a_sharded_buffer_changed_in_one_ranks_rows_is_refused_on_every_rank(ranks):
+    """A pruning mask changed on the model in rows rank 0 holds: rank 0 refused, rank 1's piece was unchanged
+    and it went on into the step's collectives, where it waited for good (found by a probe)."""
+    for r in ranks(2).run(_mask_changed_in_one_ranks_rows):
+        assert "`0.weight_mask` changed after it was compiled" in r["said"], r
+        assert abs(r["loss"] - r["eager"]) < 1e-5, r
