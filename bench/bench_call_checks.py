@@ -15,7 +15,9 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - the model's buffers set after compiling (`runtime/source_guard.buffers_changed`: one version counter per
   buffer the compiled module holds a copy of; transformers' Llama: each layer's rotary `inv_freq`);
 - modules switched to the other mode alone (`CompiledModule._modes`: each module whose forward reads its mode,
-  the model's and the compiled module's holder; transformers' Llama: each layer's attention).
+  the model's and the compiled module's holder; transformers' Llama: each layer's attention);
+- the shapes of the parameters and buffers the graph takes, against this rank's pieces' (`p.data = whole`,
+  `functional_call` with whole tensors: `CompiledModule._state_shapes`).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -64,9 +66,9 @@ def main() -> None:
 
     print("| layers | attributes watched | attribute guard, us | sibling check, us | parameters followed | "
           "requires_grad followed, us | autocast, us | model's weights (before training), us | hooks, us | "
-          "buffers watched | buffers, us | modules' modes watched | modes, us | all, us | hooks after a "
+          "buffers watched | buffers, us | modules' modes watched | modes, us | pieces' shapes, us | all, us | hooks after a "
           "registration elsewhere, us | (the tree walk instead, us) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in (2, 8, 32):
         compiled = _compiled(layers)
         guard = _us(compiled._attributes.check)
@@ -77,6 +79,8 @@ def main() -> None:
         hooks = _us(lambda: source_guard.hooks_changed(compiled))
         buffers = _us(lambda: source_guard.buffers_changed(compiled))
         modes = _us(lambda: any(m.training is not was for m, _, was in compiled._modes))
+        args = compiled._graph_args([torch.zeros(2, 16, dtype=torch.long)] * 2)
+        shapes = _us(lambda: tuple(t.shape for t in compiled._state_at(args)) != compiled._state_shapes)
 
         def after_a_registration():
             compiled.__dict__["_hooks_at"] = -1
@@ -85,11 +89,11 @@ def main() -> None:
         model = compiled._source_model
         tree = _us(lambda: source_guard._hooks(model.named_modules(remove_duplicate=False),
                                                model.named_parameters(remove_duplicate=False)), calls=200)
-        total = guard + sibling + flags + autocast + weights + hooks + buffers + modes
+        total = guard + sibling + flags + autocast + weights + hooks + buffers + modes + shapes
         print(f"| {layers} | {len(compiled._attributes)} | {guard:.1f} | {sibling:.2f} | {len(compiled._flags)} | "
               f"{flags:.1f} | {autocast:.2f} | {weights:.1f} | {hooks:.2f} | "
               f"{len(compiled.__dict__.get('_buffer_marks', {}))} | {buffers:.2f} | {len(compiled._modes)} | "
-              f"{modes:.2f} | {total:.1f} | {walk:.0f} | "
+              f"{modes:.2f} | {shapes:.1f} | {total:.1f} | {walk:.0f} | "
               f"{tree:.0f} |", flush=True)
 
 if __name__ == "__main__":

@@ -579,8 +579,10 @@ class CompiledModule(nn.Module):
             (None, None) if kind == "input" else
             ((owner._parameters if kind == "parameter" else owner._buffers), leaf)
             for (kind, _), (owner, leaf) in zip(self._order, self._arg_slots)]
-        # (the graph's state arguments: where, and the shapes of this rank's pieces; `_check_piece_shapes`)
-        at = [k for k, (kind, _) in enumerate(self._order) if kind != "input"]
+        # (the graph's sharded state arguments: where, and the shapes of this rank's pieces, checked at each call;
+        # a replicated one's piece is the whole tensor)
+        at = [k for k, (kind, _) in enumerate(self._order) if kind != "input"
+              and tuple(self._piece_shapes[self._order_names[k]]) != tuple(self._global_shapes[self._order_names[k]])]
         self.__dict__["_state_at"] = operator.itemgetter(*at) if len(at) > 1 else (lambda args: tuple(args[k] for k in at))
         self.__dict__["_state_shapes"] = tuple(self._piece_shapes[self._order_names[k]] for k in at)
 
@@ -1030,9 +1032,9 @@ class CompiledModule(nn.Module):
         """A parameter or buffer of another shape than this rank's piece (the whole tensor put where the piece
         was: `p.data = full`, `torch.func.functional_call(compiled, model.state_dict())`) ran without error where
         its shape happened to fit the graph's ops, and computed something else (a loss 0.22 and 127 off)."""
-        wrong = [(self._order_names[k], tuple(args[k].shape), tuple(want)) for k, want in
-                 zip([k for k, (kind, _) in enumerate(self._order) if kind != "input"], self._state_shapes)
-                 if args[k].shape != want]
+        wrong = [(self._order_names[k], tuple(args[k].shape), tuple(self._piece_shapes[self._order_names[k]]))
+                 for k, (kind, _) in enumerate(self._order) if kind != "input"
+                 and args[k].shape != self._piece_shapes[self._order_names[k]]]
         listed = ", ".join(f"{fqn} is {got}, its piece {want}" for fqn, got, want in wrong[:3]) + (
             ", ..." if len(wrong) > 3 else "")
         raise SpmdError(
