@@ -11,6 +11,7 @@ import inspect
 import re
 import sys
 import threading
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,6 +231,16 @@ def untraceable_message(head: str, error: BaseException, way_out: str) -> str:
     return f"{head}: {gist}\nWhat to do: {way_out}." + (f"\n\ntorch's whole message:\n{whole}" if whole else "")
 
 
+def _frames(error: BaseException) -> set[str]:
+    """The names of the functions `error` (and what it was raised from) passed through."""
+    names, seen = set(), set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        names |= {f.name for f in traceback.extract_tb(error.__traceback__)}
+        error = error.__cause__ or error.__context__
+    return names
+
+
 def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.nn.Module | None = None) -> str:
     """The way out of a trace that failed with `error` (torch's message names the line), or of what in `model`
     is known to fail so."""
@@ -251,6 +262,11 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "module: a loss such as CTC's from its outputs (compiled with `training=True` and no `loss_fn`, "
                 "they take `.backward()` from a loss computed after the call, on this rank's pieces as the plan "
                 "lays them out: pin `out_placements` to the layout it needs)" + tail)
+    if "data-dependent" in str(error) and "_detect_is_causal_mask" in _frames(error):
+        return ("torch's Transformer layers read a mask's values to tell whether it is causal when `is_causal` is "
+                "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "
+                "`encoder(x, mask=mask, is_causal=True)` (or False; `src_is_causal`/`tgt_is_causal` for "
+                "nn.Transformer, `tgt_is_causal` for a decoder)" + tail)
     if "data-dependent" in str(error):
         return ("the line torch names above (\"Caused by\") reads a tensor's values in Python (a branch, or a size), "
                 "and a graph holds one outcome. Write it as tensor ops (`torch.where`), or keep it out of the "

@@ -98,3 +98,22 @@ def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
             one_device(_CumulativeNorm(), (x, x), loss_fn=F.mse_loss)
         else:
             one_device(_OwnGenerator(), (x,))
+
+
+class _CausalEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.enc(x, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))
+
+
+def test_a_transformer_mask_left_to_be_detected_as_causal_names_is_causal():
+    """torch's `_detect_is_causal_mask` reads the mask's values when `is_causal` is None: the trace failed on a
+    data-dependent guard, and the way out spoke of tensor ops, not of passing `is_causal` (found by a probe of
+    torch.nn's layers)."""
+    x = torch.randn(4, 6, 16)
+    with pytest.raises(SpmdError, match=r"What to do: torch's Transformer layers read a mask's values.*is_causal=True"):
+        spmd.plan(_CausalEncoder(), spec((2,), ("tp",)), (x, x), loss_fn=F.mse_loss)
