@@ -30,6 +30,7 @@ import dis
 import functools
 import inspect
 import types
+from copy import deepcopy
 
 import torch
 
@@ -67,7 +68,6 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
         return set(), set()
     me = me or code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
-
     for c in _codes(code):
         before = previous = None
         for ins in dis.get_instructions(c):
@@ -89,9 +89,13 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
 def forward_reads(cls: type) -> frozenset[str]:
     """The attributes `cls`'s forward reads through `self` and never writes, over its MRO (a `super()` call
     reaches the base's forward) and the methods it calls on `self`."""
-    reads, writes = _reads_and_writes(cls)
-    # (a read through an object, `self.config.problem_type`, that the forward also writes, is state too)
-    return frozenset(r for r in reads - writes - {"training"} if r.rpartition(".")[2] not in writes)
+    return frozenset(_constants(*_reads_and_writes(cls)))
+
+
+def _constants(reads, writes) -> set[str]:
+    """The reads the code never writes: constants of the graph (the mode is checked on its own). A read through
+    an object, `self.config.problem_type`, whose last part the code also writes, is state too."""
+    return {r for r in set(reads) - set(writes) - {"training"} if r.rpartition(".")[2] not in writes}
 
 
 @functools.cache
@@ -181,7 +185,7 @@ def _stored(holder, name: str):
 def _tensor(holder, name: str):
     """The plain tensor `holder` stores under `name` (not a parameter or buffer, which nn.Module keeps in its
     own tables and the compiled module holds copies of), or None."""
-    t = holder.__dict__.get(name) if hasattr(holder, "__dict__") else None
+    t = _stored(holder, name)
     return t if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) else None
 
 
@@ -217,15 +221,6 @@ def _leaves(container, path: tuple = (), out: list | None = None) -> list | None
     return out
 
 
-def _snapshot(container):
-    """A copy of a container of plain values, its nested containers copied too (compared with `==`)."""
-    if isinstance(container, dict):
-        return {k: _snapshot(v) for k, v in container.items()}
-    if isinstance(container, (list, tuple)):
-        return type(container)(_snapshot(v) for v in container)
-    return container
-
-
 class _Held:
     """What one watched container held when compiled. Plain values only: a copy, compared with `==` (as a plain
     attribute is: 2 and 2.0 are the same). With tensors: its key paths, plain values, and each tensor by
@@ -235,7 +230,7 @@ class _Held:
     def __init__(self, container, leaves: list):
         self.tensors = any(isinstance(v, torch.Tensor) for _, v in leaves)
         if not self.tensors:
-            self.copy = _snapshot(container)
+            self.copy = deepcopy(container)  # (plain values: the nested containers copied)
             return
         self.paths = [path for path, _ in leaves]
         self.values = [[v, None, None] if not isinstance(v, torch.Tensor) else
@@ -244,7 +239,7 @@ class _Held:
 
     def same(self, container) -> bool:
         if not self.tensors:
-            return container is not _NONE and type(container) is type(self.copy) and container == self.copy
+            return type(container) is type(self.copy) and container == self.copy
         leaves = _leaves(container) if isinstance(container, (dict, list, tuple)) else None
         if leaves is None or [path for path, _ in leaves] != self.paths:
             return False
@@ -285,8 +280,7 @@ def _readers(root: torch.nn.Module):
                         continue
                     if isinstance(held, torch.nn.Module):
                         r, w = _scan(hook, me=var)
-                        yield path, module, held, {n for n in r - w if n.rpartition(".")[2] not in w} - {"training"}, \
-                            CHANGES_CONTAINERS in w
+                        yield path, module, held, _constants(r, w), CHANGES_CONTAINERS in w
             if isinstance(hook, (types.FunctionType, types.MethodType)):
                 reader = hook.__self__ if isinstance(hook, types.MethodType) else module
                 r, w = _scan(getattr(hook, "__func__", hook))
@@ -294,8 +288,7 @@ def _readers(root: torch.nn.Module):
                 reader, (r, w) = hook, _reads_and_writes(type(hook), "__call__")
             else:
                 continue
-            yield path, module, reader, {n for n in r - w - {"training"} if n.rpartition(".")[2] not in w}, \
-                CHANGES_CONTAINERS in w
+            yield path, module, reader, _constants(r, w), CHANGES_CONTAINERS in w
 
 
 def _set_by_hooks(module) -> set[str]:

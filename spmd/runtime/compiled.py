@@ -20,7 +20,7 @@ from spmd.core import collectives
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random
-from spmd.core.specs import contiguous_strides
+from spmd.core.specs import contiguous_strides, local_shape
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
@@ -205,7 +205,6 @@ class CompiledModule(nn.Module):
         self._order_names: list[str] = []  # FQN or input name per placeholder
         self._input_specs: list[InputSpec] = []
         self._global_shapes: dict[str, tuple[int, ...]] = {}  # FQN -> full shape
-        self._piece_shapes: dict[str, torch.Size] = {}  # FQN -> the shape of this rank's piece
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
                                 for b in m._non_persistent_buffers_set}
@@ -241,7 +240,6 @@ class CompiledModule(nn.Module):
             self._param_names[gi.name] = attr
             self._state_placements[gi.name] = ps
             self._global_shapes[gi.name] = tuple(info.shape)
-            self._piece_shapes[gi.name] = local.shape
             self._order.append(("parameter" if gi.kind == "parameter" else "buffer", attr))
             self._order_names.append(gi.name)
         for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
@@ -581,10 +579,12 @@ class CompiledModule(nn.Module):
             for (kind, _), (owner, leaf) in zip(self._order, self._arg_slots)]
         # (the graph's sharded state arguments: where, and the shapes of this rank's pieces, checked at each call;
         # a replicated one's piece is the whole tensor)
-        at = [k for k, (kind, _) in enumerate(self._order) if kind != "input"
-              and tuple(self._piece_shapes[self._order_names[k]]) != tuple(self._global_shapes[self._order_names[k]])]
+        pieces = {k: torch.Size(local_shape(self._global_shapes[fqn], self._state_placements[fqn], self.mesh_spec.shape))
+                  for k, ((kind, _), fqn) in enumerate(zip(self._order, self._order_names)) if kind != "input"}
+        at = [k for k, shape in pieces.items() if tuple(shape) != self._global_shapes[self._order_names[k]]]
+        self.__dict__["_sharded_at"] = tuple(at)
         self.__dict__["_state_at"] = operator.itemgetter(*at) if len(at) > 1 else (lambda args: tuple(args[k] for k in at))
-        self.__dict__["_state_shapes"] = tuple(self._piece_shapes[self._order_names[k]] for k in at)
+        self.__dict__["_state_shapes"] = tuple(pieces[k] for k in at)
 
     def _get(self, path: str) -> torch.Tensor:
         """The piece held at `path` (`_param_names` gives each FQN's)."""
@@ -1032,9 +1032,8 @@ class CompiledModule(nn.Module):
         """A parameter or buffer of another shape than this rank's piece (the whole tensor put where the piece
         was: `p.data = full`, `torch.func.functional_call(compiled, model.state_dict())`) ran without error where
         its shape happened to fit the graph's ops, and computed something else (a loss 0.22 and 127 off)."""
-        wrong = [(self._order_names[k], tuple(args[k].shape), tuple(self._piece_shapes[self._order_names[k]]))
-                 for k, (kind, _) in enumerate(self._order) if kind != "input"
-                 and args[k].shape != self._piece_shapes[self._order_names[k]]]
+        wrong = [(self._order_names[k], tuple(args[k].shape), tuple(want))
+                 for k, want in zip(self._sharded_at, self._state_shapes) if args[k].shape != want]
         listed = ", ".join(f"{fqn} is {got}, its piece {want}" for fqn, got, want in wrong[:3]) + (
             ", ..." if len(wrong) > 3 else "")
         raise SpmdError(

@@ -273,8 +273,8 @@ def _seen_alike(compiled, fqn: str, value) -> bool:
     if all(isinstance(p, Replicate) for p in compiled._state_placements[fqn]):
         return True
     marked = compiled.__dict__.get("_piece_marks", {}).get(fqn)
-    piece = compiled._get(compiled._param_names[fqn])
-    return marked is None or piece is not marked[0] or piece._version != marked[1]
+    piece, version = _piece_mark(compiled, fqn)
+    return marked is None or piece is not marked[0] or version != marked[1]
 
 
 def _holds(compiled, fqn: str, value) -> bool:
