@@ -127,6 +127,10 @@ def shard_local(x: torch.Tensor, dim: int, index: int, world: int) -> torch.Tens
     """Replicate -> Shard(dim): keep this rank's piece (no communication)."""
     # A copy even where the piece is already contiguous: a view would keep the whole tensor alive (a
     # sharded gradient would pin the full one). The cost model prices this copy.
+    if x.layout == torch.sparse_coo:  # nn.Embedding(sparse=True)'s gradient, made whole: its rows, as chunk cuts
+        size = -(-x.shape[dim] // world)
+        start = min(index * size, x.shape[dim])
+        return x.narrow_copy(dim, start, min(size, x.shape[dim] - start))
     return x.chunk(world, dim)[index].clone(memory_format=torch.contiguous_format)
 
 

@@ -241,6 +241,9 @@ def _frames(error: BaseException) -> set[str]:
     return names
 
 
+_PACKING = {"pack_padded_sequence", "pack_sequence", "PackedSequence"}  # (torch.nn.utils.rnn's, as a forward names them)
+
+
 def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.nn.Module | None = None) -> str:
     """The way out of a trace that failed with `error` (torch's message names the line), or of what in `model`
     is known to fail so."""
@@ -262,6 +265,16 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "module: a loss such as CTC's from its outputs (compiled with `training=True` and no `loss_fn`, "
                 "they take `.backward()` from a loss computed after the call, on this rank's pieces as the plan "
                 "lays them out: pin `out_placements` to the layout it needs)" + tail)
+    packing = [name or type(model).__name__ for name, m in (model.named_modules() if model is not None else ())
+               if not type(m).__module__.startswith("torch.")  # (nn.LSTM's own forward takes a PackedSequence)
+               and _PACKING & set(getattr(getattr(type(m).forward, "__code__", None), "co_names", ()))]
+    if packing:
+        return (f"{', '.join(packing[:3])} packs its sequences (`pack_padded_sequence`): a PackedSequence's batch "
+                "sizes come from the lengths' values, and an RNN over one makes its shapes from them, which a graph "
+                "cannot hold. Run the RNN on the padded batch and mask what the padding gave: the outputs past each "
+                "length (`out * (torch.arange(T) < lengths[:, None])[..., None]`), each sequence's last state taken at "
+                "`lengths - 1` (`out.gather`). A bidirectional RNN's backward direction would start in the padding: "
+                "keep it outside the compiled module, or left-align it by flipping each sequence" + tail)
     if "data-dependent" in str(error) and "_detect_is_causal_mask" in _frames(error):
         return ("torch's Transformer layers read a mask's values to tell whether it is causal when `is_causal` is "
                 "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
+import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -21,8 +24,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+RECYCLE_BYTES = 2 * 2**30
+
+
+def _resident() -> int:
+    """This process's resident memory in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _unwaited() -> int:
+    """How many functional collectives this process launched and has not waited for."""
+    import torch._C._distributed_c10d as c10d
+
+    return c10d._get_work_registry_size() if hasattr(c10d, "_get_work_registry_size") else 0
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, stacks: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -34,9 +56,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            value = fn(rank, world, *args)
+            left = _unwaited()
+            if left:
+                raise RuntimeError(f"{fn.__name__} returned with {left} collective(s) launched and never waited for; "
+                                   "they would pair with the next test's collectives on their groups")
+            results.put((rank, True, value, _resident()))
         except BaseException:  # noqa: BLE001 - report everything to the test process
-            results.put((rank, False, traceback.format_exc()))
+            results.put((rank, False, traceback.format_exc(), _resident()))
     dist.destroy_process_group()
 
 
@@ -47,7 +74,9 @@ class RankPool:
         port = _free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+        self.stacks = [tempfile.mkstemp(prefix=f"rank{r}-", suffix=".stacks")[1] for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, self.stacks[r]),
+                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -58,18 +87,41 @@ class RankPool:
             q.put((fn, args))
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
+        resident = 0
         try:
             for _ in range(self.world):
-                rank, ok, value = self.results.get(timeout=self.timeout)
+                rank, ok, value, held = self.results.get(timeout=self.timeout)
                 (out if ok else errors)[rank] = value
+                resident += held
         except queue.Empty:
+            silent = sorted(set(range(self.world)) - set(out) - set(errors))
+            where = self._where(silent)
             self.close(kill=True)
-            raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(out) - set(errors))} did not answer "
-                               f"in {self.timeout:.0f} s (a collective hung?); errors so far: {errors}")
+            raise TimeoutError(f"ranks {silent} did not answer in {self.timeout:.0f} s (a collective hung?)\n{where}\n"
+                               + "\n".join(f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(errors.items())))
         if errors:
             self.close(kill=True)
             raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        if resident > RECYCLE_BYTES:
+            self.close()
         return [out[r] for r in range(self.world)]
+
+    def _where(self, silent: list[int]) -> str:
+        """For each rank that did not answer: its exit code if it died, else its threads' stacks."""
+        for r in silent:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(2)
+        lines = []
+        for r in silent:
+            if not self.procs[r].is_alive():
+                lines.append(f"--- rank {r} died (exit code {self.procs[r].exitcode}) ---")
+                continue
+            with open(self.stacks[r]) as f:
+                stack = f.read().strip()
+            lines.append(f"--- rank {r} is alive, its threads' stacks (most recent call first) ---\n"
+                         + "\n".join(stack.splitlines()[:150]))
+        return "\n".join(lines)
 
     def close(self, kill: bool = False) -> None:
         if self.broken:
@@ -83,3 +135,6 @@ class RankPool:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+        for path in self.stacks:
+            if os.path.exists(path):
+                os.remove(path)

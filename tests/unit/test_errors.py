@@ -117,3 +117,23 @@ def test_a_transformer_mask_left_to_be_detected_as_causal_names_is_causal():
     x = torch.randn(4, 6, 16)
     with pytest.raises(SpmdError, match=r"What to do: torch's Transformer layers read a mask's values.*is_causal=True"):
         spmd.plan(_CausalEncoder(), spec((2,), ("tp",)), (x, x), loss_fn=F.mse_loss)
+
+
+class _Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+        return self.fc(out)
+
+
+def test_packed_sequences_name_the_packing_and_the_padded_way():
+    """An RNN over pack_padded_sequence failed inside torch's LSTM ("zeros(): argument 'size' ... got FakeTensor")
+    with the generic way out (found by a probe of torch.nn's layers): it now names the module that packs, why
+    a graph cannot hold it, and the padded-and-masked form."""
+    with pytest.raises(SpmdError, match=r"What to do: _Packed packs its sequences \(`pack_padded_sequence`\).*"
+                                        r"Run the RNN on the padded batch and mask"):
+        spmd.plan(_Packed(), spec((2,), ("tp",)), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])))

@@ -1,6 +1,7 @@
 """Training plans, without processes: what the solver picks for the joint graph, and its rank graphs."""
 import collections
 
+import pytest
 import torch
 
 import spmd
@@ -106,3 +107,43 @@ def test_deferred_bucket_waits_sit_before_first_use():
             for s, w in zip(starts, waits):  # nothing between them reads the bucket or uses its group
                 group = nodes[s].kwargs["group"]
                 assert not any(n.kwargs.get("group") == group for n in nodes[s + 1:w] if n.op == "call_function")
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).sum(1)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_sparse_embedding_gradient_is_cut_to_its_weights_piece(dim):
+    """nn.Embedding(sparse=True) with its weight pinned sharded: the gradient is built whole (a sparse COO
+    tensor from the gathered indices and values) and cut to the weight's piece, which failed inside the step
+    (`as_strided` has no sparse kernel). Simulated on (2, 2) with the batch on dp: every rank's gradient is
+    its piece of one device's, still sparse (SGD takes it as eager's)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd.runtime.distribute import local_shard
+    from spmd.runtime.simulate import simulate
+    from tests.support import spec
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _SparseEmbedding()
+        ids, y = torch.randint(0, 32, (8, 5)), torch.randn(8, 4)
+        c = compile_graph(model, (ids, y), spec((2, 2), ("dp", "tp")), loss_fn=torch.nn.functional.mse_loss,
+                          param_placements={"emb.weight": [Replicate(), Shard(dim)]},
+                          in_placements={"ids": [Shard(0), Replicate()]})
+        torch.nn.functional.mse_loss(model(ids), y).backward()
+        k = next(k for k, o in enumerate(c.traced.output_kinds()) if o.kind == "grad" and o.name == "emb.weight")
+        want = model.emb.weight.grad.to_dense()
+        for rank, out in enumerate(simulate(c, (ids, y, torch.ones(())))):
+            assert out[k].layout == torch.sparse_coo
+            piece = local_shard(want, (Replicate(), Shard(dim)), (2, 2), c.mesh.coordinate(rank))
+            torch.testing.assert_close(out[k].to_dense(), piece, rtol=1e-12, atol=1e-12)
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -17,3 +17,11 @@ aten = torch.ops.aten
       aten.randn.default, aten.rand.default)
 def factory(inp: RuleInput) -> list[list]:
     return [[Replicate()]]
+
+
+@rule(aten._sparse_coo_tensor_with_dims_and_tensors.default)
+def sparse_coo(inp: RuleInput) -> list[list]:
+    """A sparse COO tensor from its indices and values (nn.Embedding(sparse=True)'s gradient): built whole.
+    No collective takes a sparse tensor, so it is only ever cut afterwards (collectives.shard_local cuts its
+    rows for a sharded weight's piece), never gathered or reduced."""
+    return [[Replicate(), Replicate(), Replicate()]]
