@@ -11,8 +11,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
 - calling the model, its `state_dict()`, copying it (`copy.deepcopy`, `torch.save(model)`) or compiling it
   again raises `SpmdError` with the way out, until weights are loaded into the model
   (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, with nothing missing);
-- another module compiled from the model that has not stepped itself raises at its next call (`stale`),
-  until weights are loaded into it.
+- another module compiled from the model raises at its next call (`stale`) until weights are loaded into it
+  (or given in place, under the same plan), whether it trained itself or not: two that both train step two
+  copies of the weights apart.
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
 checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
 (`model_changed`, by the parameters' version counters) until they are given to it. The model's buffers, at
@@ -35,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
+from spmd.core.specs import placements_str
 from spmd.passes.trace_module import GLOBAL_HOOKS, MODULE_HOOKS, user_hook
 
 _lock = threading.Lock()
@@ -42,6 +44,11 @@ _owners = WeakIdKeyDictionary()  # compiled parameter -> the compiled module hol
 _stepping: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (its parameter count, modules)
 _compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled modules (refs)
 _hook = None
+# Ticks at every optimizer step that moves a compiled module's pieces (`_stepped`). Each compiled module keeps
+# `_moved_at` (the tick of its last step) and `_synced` (the tick at which it last held its model's newest
+# weights: compiled, loaded whole, its own step, or given them in place): one whose sibling moved after it synced
+# holds old weights (`stale`)
+_clock = [0]
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
 # Bumped by every parameter or submodule set on any module (torch's global registration hooks, below): the model's
@@ -187,6 +194,7 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
         compiled.__dict__["_siblings"] = siblings
         given(compiled)  # (its weights as compiled: the mark its in-place changes are seen against)
         compiled.__dict__["_loaded"], compiled.__dict__["_given"] = False, set()
+        compiled.__dict__["_synced"], compiled.__dict__["_moved_at"] = _clock[0], 0
         for p in compiled.parameters():
             _owners[p] = weakref.ref(compiled)
         if _hook is None:
@@ -508,11 +516,25 @@ def given(compiled, fqns=None) -> None:
     got = compiled.__dict__["_given"] = compiled.__dict__.get("_given", set()) | set(
         compiled._param_names if fqns is None else fqns)
     compiled.__dict__["_loaded"] = not (compiled._persistent_names() - got)
+    if compiled.__dict__["_loaded"]:
+        compiled.__dict__["_synced"] = _clock[0]
     _mark_pieces(compiled)
+    _mark_steps(compiled)
 
 
 def _mark_pieces(compiled) -> None:
     compiled.__dict__["_weights_at"] = tuple((p, p._version) for p in compiled.parameters())
+
+
+def _mark_steps(compiled) -> None:
+    """Its parameters' versions now: a step after which one differs moved this module's weights (`_stepped`)."""
+    compiled.__dict__["_stepped_at"] = tuple((p, p._version) for p in compiled.parameters())
+
+
+def _moved(compiled) -> bool:
+    """Whether the step just taken moved its weights: a gradient reached a piece, or one changed in place
+    (an optimizer that writes through `p.data`, as transformers' Adafactor, leaves the version as it was)."""
+    return any(p.grad is not None or p._version != v for p, v in compiled.__dict__.get("_stepped_at", ()))
 
 
 def _untouched(compiled) -> bool:
@@ -523,22 +545,63 @@ def _untouched(compiled) -> bool:
 
 
 def stale(compiled) -> None:
-    """Raise where another module compiled from the same model has trained and this one has not (nor been given
-    weights since, by a load or in place): its weights are the untrained ones."""
+    """Raise where another module compiled from the same model has trained since this one last held the model's
+    newest weights (compiled, loaded whole, its own step, or given them in place since): its weights are older.
+    So are two that both train (a model called twice through two compiled modules, one per batch size trained
+    in turns): each steps its own copy, and neither holds what one device would."""
     if compiled.__dict__.get("_copy"):  # (`copy.deepcopy(compiled)`: a snapshot the user keeps, an EMA)
         return
-    trained = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
-               and c.__dict__.get("_weights_moved")]
-    if trained and not compiled.__dict__.get("_weights_moved") and not compiled.__dict__.get("_loaded") \
-            and _untouched(compiled):
+    synced = compiled.__dict__.get("_synced", 0)
+    newer = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
+             and c.__dict__.get("_moved_at", 0) > synced]
+    if not newer:
+        return
+    if not _untouched(compiled):  # given weights in place since they stepped (an EMA: `p.lerp_(q, 1 - decay)`)
+        _same_plan_or_refuse(compiled, newer[0])
+        compiled.__dict__["_synced"] = _clock[0]
+        _mark_pieces(compiled)
+        return
+    if compiled.__dict__.get("_moved_at", 0):
         raise SpmdError(
-            "another module compiled from the same model has trained since this one last had the model's weights, "
-            "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
-            "copied back into the model): a module for evaluation beside the one for training, or one for another "
-            "batch size? "
-            "What to do: give it the trained weights first (`this.load_state_dict(trained.state_dict())`, on every "
-            "rank, after each stretch of training), or compile each from its own copy of the model "
-            "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+            "this module and another compiled from the same model both train, and each steps its own copy of the "
+            "weights (an optimizer steps the pieces of the module that computed them): a model called twice "
+            "through two compiled modules, or one module per batch size trained in turns, trains two models apart, "
+            "neither of them what one device trains. What to do: train through one compiled module (compile the "
+            "whole computation that calls the model twice); to switch modules, give the next one the trained "
+            "weights first (`this.load_state_dict(trained.state_dict())`, on every rank); or compile each from its "
+            "own copy of the model (`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+    raise SpmdError(
+        "another module compiled from the same model has trained since this one last had the model's weights, "
+        "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
+        "copied back into the model): a module for evaluation beside the one for training, or one for another "
+        "batch size? "
+        "What to do: give it the trained weights first (`this.load_state_dict(trained.state_dict())`, on every "
+        "rank, after each stretch of training), or compile each from its own copy of the model "
+        "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+
+
+def _same_plan_or_refuse(compiled, trained) -> None:
+    """Weights given in place (zipped over both modules' parameters) are right only where a rank's pieces of
+    one are its pieces of the other: the same plan on the same mesh. Pieces of other layouts whose shapes
+    coincide (on (2, 2), `[S(0), R]` against `[R, S(0)]`) were mixed up without a word (an EMA teacher 0.13
+    off)."""
+    if tuple(compiled.mesh_spec.shape) == tuple(trained.mesh_spec.shape):
+        differ = [fqn for fqn, ps in compiled._state_placements.items()
+                  if tuple(trained._state_placements.get(fqn, ps)) != tuple(ps)]
+    else:
+        differ = list(compiled._state_placements)
+    if not differ:
+        return
+    fqn = differ[0]
+    raise SpmdError(
+        f"this module's weights were set in place since another module compiled from the same model trained, "
+        f"but the two lay them out differently ({fqn}: {placements_str(compiled._state_placements[fqn])} here, "
+        f"{placements_str(trained._state_placements.get(fqn, ()))} there, on meshes {tuple(compiled.mesh_spec.shape)} "
+        f"and {tuple(trained.mesh_spec.shape)}; {len(differ)} parameter(s) and buffer(s) in all): a rank's piece of "
+        "one is not its piece of the other, so copying or averaging them piece by piece mixes parts of different "
+        "rows. What to do: give weights across plans with `this.load_state_dict(trained.state_dict())` (DTensors: "
+        "any plan, any mesh); keep an EMA teacher as `copy.deepcopy(trained)` (the same plan) and update it in "
+        "place from the trained module.")
 
 
 class inside:
@@ -608,9 +671,13 @@ def _stepped(optimizer, args, kwargs) -> None:
         known = _stepping[optimizer] = (count, list(found.values()))
     for ref in known[1]:
         compiled = ref()
-        if compiled is not None:
-            compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
-            for sibling in compiled.__dict__.get("_siblings", ()):
-                if (s := sibling()) is not None and s is not compiled:
-                    s.__dict__["_loaded"], s.__dict__["_given"] = False, set()
-                    _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)
+        if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
+            continue
+        _clock[0] += 1
+        compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
+        _mark_steps(compiled)
+        compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
+        for sibling in compiled.__dict__.get("_siblings", ()):
+            if (s := sibling()) is not None and s is not compiled:
+                s.__dict__["_loaded"], s.__dict__["_given"] = False, set()
+                _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)

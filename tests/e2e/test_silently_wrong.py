@@ -546,3 +546,59 @@ def test_a_sharded_buffer_changed_in_one_ranks_rows_is_refused_on_every_rank(ran
     for r in ranks(2).run(_mask_changed_in_one_ranks_rows):
         assert "`0.weight_mask` changed after it was compiled" in r["said"], r
         assert abs(r["loss"] - r["eager"]) < 1e-5, r
+
+
+# ---- weights given in place between modules of other plans ---------------------------------------------
+
+def _given_in_place_across_plans(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import Replicate
+
+    from tests.models import MLP
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = MLP(16, 32)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+        names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+        pins = {layout: {n: list(layout) for n in names}
+                for layout in ((Shard(0), Replicate()), (Replicate(), Shard(0)))}
+        trained = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2, 2), ("dp", "tp")),
+                               param_placements=pins[Shard(0), Replicate()])
+        evaluate = spmd.compile(model, mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                                param_placements=pins[Replicate(), Shard(0)])
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        trained(*trained.shard_inputs(x, y)).backward()
+        opt.step()
+        same_shapes = all(a.shape == b.shape for a, b in zip(evaluate.parameters(), trained.parameters()))
+        with torch.no_grad():
+            for a, b in zip(evaluate.parameters(), trained.parameters()):
+                a.copy_(b)  # (as an EMA or "given in place" does: this rank's pieces of other parts)
+            try:
+                evaluate(*evaluate.shard_inputs(x))
+                refused = None
+            except spmd.SpmdError as e:
+                refused = str(e)
+        evaluate.load_state_dict(trained.state_dict())  # (across plans: the way out)
+        with torch.no_grad():
+            out = evaluate.gather_outputs(evaluate(*evaluate.shard_inputs(x)))
+            want = MLP(16, 32)
+            want.load_state_dict(trained.full_state_dict())
+            error = float((out - want(x)).abs().max())
+        return {"same_shapes": same_shapes, "refused": refused, "error": error}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_weights_given_in_place_from_a_module_of_another_plan_are_refused(ranks):
+    """Found by a probe of several compiled modules in one program: an evaluation module given the trained
+    module's weights in place (`a.copy_(b)` over both modules' parameters, the way an EMA updates a teacher),
+    with the two laid out differently on (2, 2) (`[S(0), R]` against `[R, S(0)]`: pieces of the same shapes),
+    took every rank's piece of other rows, and its output was 2.3 off, silently. It is refused naming the
+    layouts; `load_state_dict` across plans gives one device's output."""
+    for r in ranks(4).run(_given_in_place_across_plans):
+        assert r["same_shapes"]
+        assert r["refused"] and "the two lay them out differently (fc1.weight: [R, S(0)] here, [S(0), R] there" \
+            in r["refused"], r["refused"]
+        assert r["error"] < 1e-12, r

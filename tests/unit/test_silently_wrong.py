@@ -956,7 +956,7 @@ def test_weights_given_to_the_model_after_compiling_are_named():
     compiled(x, y).backward()
     opt.step()
     model.load_state_dict(compiled.full_state_dict())
-    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled"):
+    with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained since"):
         evaluate(x)  # (the model has the weights of the second step; the evaluation module those of the first)
     evaluate.load_state_dict(compiled.state_dict())
     torch.testing.assert_close(evaluate(x), model.eval()(x))
@@ -1038,6 +1038,31 @@ def test_a_part_loaded_is_not_the_whole():
     with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
         evaluate(x)
 
+
+def test_two_modules_compiled_from_one_model_that_both_train_are_refused():
+    """Found by a probe of several compiled modules in one program: a model compiled twice (one module per
+    batch size, or a model called twice, `b(a(x))`) and trained through both steps two copies of its weights
+    apart (a loss 0.015 off after 2 steps, silently); the stale check let a module that had trained once pass
+    for good. Now a module one of whose siblings stepped after it last held the newest weights is refused,
+    whether it trained itself or not; given them whole, it runs."""
+    model = _mlp()
+    x, y, x2, y2 = torch.randn(6, 4), torch.randn(6, 2), torch.randn(4, 4), torch.randn(4, 2)
+    small, large = (one_device(model, ex, training=True, loss_fn=F.mse_loss) for ex in ((x2, y2), (x, y)))
+    opt = torch.optim.SGD(list(small.parameters()) + list(large.parameters()), lr=0.1)
+    (small(x2, y2) + large(x, y)).backward()  # (both in one step: each steps its own copy)
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
+        small(x2, y2)
+    small.load_state_dict(large.state_dict())  # (given the newest weights whole: runs)
+    small(x2, y2).backward()
+    opt.step()  # (only small's pieces have gradients: large alone is behind now)
+    opt.zero_grad()
+    with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
+        large(x, y)
+    large.load_state_dict(small.state_dict())
+    reference = _mlp_with(small)
+    torch.testing.assert_close(large(x, y), F.mse_loss(reference(x), y))
 
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
