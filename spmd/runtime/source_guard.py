@@ -519,22 +519,18 @@ def given(compiled, fqns=None) -> None:
     if compiled.__dict__["_loaded"]:
         compiled.__dict__["_synced"] = _clock[0]
     _mark_pieces(compiled)
-    _mark_steps(compiled)
 
 
 def _mark_pieces(compiled) -> None:
     compiled.__dict__["_weights_at"] = tuple((p, p._version) for p in compiled.parameters())
 
 
-def _mark_steps(compiled) -> None:
-    """Its parameters' versions now: a step after which one differs moved this module's weights (`_stepped`)."""
-    compiled.__dict__["_stepped_at"] = tuple((p, p._version) for p in compiled.parameters())
-
-
 def _moved(compiled) -> bool:
-    """Whether the step just taken moved its weights: a gradient reached a piece, or one changed in place
-    (an optimizer that writes through `p.data`, as transformers' Adafactor, leaves the version as it was)."""
-    return any(p.grad is not None or p._version != v for p, v in compiled.__dict__.get("_stepped_at", ()))
+    """Whether the optimizer step just taken moved its weights: a gradient reached one of its pieces (torch's
+    optimizers step only those; one that writes through `p.data`, as transformers' Adafactor, does too). A
+    module whose pieces an optimizer holds but no gradient reached (an EMA teacher updated in place, held by
+    an optimizer over a wrapper's `parameters()`) did not train."""
+    return any(p.grad is not None for p in compiled.parameters())
 
 
 def _untouched(compiled) -> bool:
@@ -556,12 +552,14 @@ def stale(compiled) -> None:
              and c.__dict__.get("_moved_at", 0) > synced]
     if not newer:
         return
-    if not _untouched(compiled):  # given weights in place since they stepped (an EMA: `p.lerp_(q, 1 - decay)`)
-        _same_plan_or_refuse(compiled, newer[0])
+    trained = compiled.__dict__.get("_moved_at", 0)
+    if not trained and not _untouched(compiled):  # given weights in place since they stepped (an EMA teacher's
+        for other in newer:                       # `p.lerp_(q, 1 - decay)`)
+            _same_plan_or_refuse(compiled, other)
         compiled.__dict__["_synced"] = _clock[0]
         _mark_pieces(compiled)
         return
-    if compiled.__dict__.get("_moved_at", 0):
+    if trained:  # (an in-place change after its own steps, a max-norm clamp, gives it nothing)
         raise SpmdError(
             "this module and another compiled from the same model both train, and each steps its own copy of the "
             "weights (an optimizer steps the pieces of the module that computed them): a model called twice "
@@ -585,11 +583,16 @@ def _same_plan_or_refuse(compiled, trained) -> None:
     one are its pieces of the other: the same plan on the same mesh. Pieces of other layouts whose shapes
     coincide (on (2, 2), `[S(0), R]` against `[R, S(0)]`) were mixed up without a word (an EMA teacher 0.13
     off)."""
-    if tuple(compiled.mesh_spec.shape) == tuple(trained.mesh_spec.shape):
-        differ = [fqn for fqn, ps in compiled._state_placements.items()
-                  if tuple(trained._state_placements.get(fqn, ps)) != tuple(ps)]
+    shape = tuple(compiled.mesh_spec.shape)
+    params = [fqn for fqn, _ in compiled.named_parameters()]  # (what an update in place goes over)
+
+    def pieces(module, fqn):  # (a placement on an axis of size 1 cuts nothing)
+        return tuple(p if n > 1 else Replicate() for p, n in zip(module._state_placements.get(fqn, ()), shape))
+
+    if shape == tuple(trained.mesh_spec.shape):
+        differ = [fqn for fqn in params if pieces(trained, fqn) != pieces(compiled, fqn)]
     else:
-        differ = list(compiled._state_placements)
+        differ = params
     if not differ:
         return
     fqn = differ[0]
@@ -597,7 +600,7 @@ def _same_plan_or_refuse(compiled, trained) -> None:
         f"this module's weights were set in place since another module compiled from the same model trained, "
         f"but the two lay them out differently ({fqn}: {placements_str(compiled._state_placements[fqn])} here, "
         f"{placements_str(trained._state_placements.get(fqn, ()))} there, on meshes {tuple(compiled.mesh_spec.shape)} "
-        f"and {tuple(trained.mesh_spec.shape)}; {len(differ)} parameter(s) and buffer(s) in all): a rank's piece of "
+        f"and {tuple(trained.mesh_spec.shape)}; {len(differ)} parameter(s) in all): a rank's piece of "
         "one is not its piece of the other, so copying or averaging them piece by piece mixes parts of different "
         "rows. What to do: give weights across plans with `this.load_state_dict(trained.state_dict())` (DTensors: "
         "any plan, any mesh); keep an EMA teacher as `copy.deepcopy(trained)` (the same plan) and update it in "
@@ -675,7 +678,6 @@ def _stepped(optimizer, args, kwargs) -> None:
             continue
         _clock[0] += 1
         compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
-        _mark_steps(compiled)
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
         for sibling in compiled.__dict__.get("_siblings", ()):
             if (s := sibling()) is not None and s is not compiled:

@@ -74,7 +74,11 @@ class RankPool:
         port = _free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        self.stacks = [tempfile.mkstemp(prefix=f"rank{r}-", suffix=".stacks")[1] for r in range(world)]
+        self.stacks = []
+        for r in range(world):
+            fd, path = tempfile.mkstemp(prefix=f"rank{r}-", suffix=".stacks")
+            os.close(fd)  # (the rank opens it by name)
+            self.stacks.append(path)
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, self.stacks[r]),
                                   daemon=True)
                       for r in range(world)]

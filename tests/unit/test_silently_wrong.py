@@ -1060,9 +1060,35 @@ def test_two_modules_compiled_from_one_model_that_both_train_are_refused():
     opt.zero_grad()
     with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
         large(x, y)
+    with torch.no_grad():
+        for p in large.parameters():
+            p.clamp_(-10.0, 10.0)  # (in place after its own steps, a max-norm constraint: gives it nothing)
+    with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
+        large(x, y)
     large.load_state_dict(small.state_dict())
     reference = _mlp_with(small)
     torch.testing.assert_close(large(x, y), F.mse_loss(reference(x), y))
+
+
+def test_an_ema_teacher_beside_the_student_in_one_optimizer_is_not_taken_for_training():
+    """Found by a review: a wrapper's `AdamW(self.parameters())` holds the pieces of a teacher compiled from the
+    student's model and updated in place (`pt.lerp_(ps, 0.1)`); no gradient reaches them, so its steps are not
+    training, and neither module is refused."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    student = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    teacher = one_device(model.eval(), (x,))
+    model.train()
+    opt = torch.optim.AdamW(list(student.parameters()) + list(teacher.parameters()), lr=0.01)
+    for _ in range(3):
+        with torch.no_grad():
+            teacher(x)
+        student(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pt, ps in zip(teacher.parameters(), student.parameters()):
+                pt.lerp_(ps, 0.1)
 
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
