@@ -3,13 +3,16 @@ import collections
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import spmd
 from tests.models import GPT, GPTConfig
 from spmd.core.profiles import LinkProfile
 from spmd.core.mesh import MeshSpec
 from spmd.core import collectives as C
-from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph, lm_loss
+from spmd.runtime.distribute import local_shard
+from spmd.runtime.simulate import simulate
+from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph, lm_loss, spec
 
 
 def _launches(gm, groups):
@@ -124,12 +127,6 @@ def test_a_sparse_embedding_gradient_is_cut_to_its_weights_piece(dim):
     tensor from the gathered indices and values) and cut to the weight's piece, which failed inside the step
     (`as_strided` has no sparse kernel). Simulated on (2, 2) with the batch on dp: every rank's gradient is
     its piece of one device's, still sparse (SGD takes it as eager's)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from spmd.runtime.distribute import local_shard
-    from spmd.runtime.simulate import simulate
-    from tests.support import spec
-
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
