@@ -879,6 +879,7 @@ class CompiledModule(nn.Module):
         it as it arrives, so no rank ever holds more than one full tensor beside its shards."""
         from spmd.runtime.checkpoint import SafetensorsWriter, atomic_path
 
+        source_guard.stale(self)  # (a sibling trained since this one had the weights: it would save the old ones)
         names = [(fqn, n) for fqn in self._param_names if fqn not in self._non_persistent
                  for n in (fqn, *self._names_of(fqn))]
         writer = None
@@ -914,6 +915,7 @@ class CompiledModule(nn.Module):
         the keys of the model's own `state_dict()` (no non-persistent buffer, such as a rotary embedding's
         `inv_freq`, nor a constant the trace lifted, nor a loss_fn module's parameter), for
         `model.load_state_dict(...)`."""
+        source_guard.stale(self)  # (a sibling trained since this one had the weights: these are the old ones)
         out = {}
         for gi_name, attr in self._param_names.items():
             if persistent_only and (gi_name in self._non_persistent or gi_name in self._loss_names):

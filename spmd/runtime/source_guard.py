@@ -13,7 +13,10 @@ them afterwards would give the numbers of the untrained weights, without a word.
   (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, with nothing missing);
 - another module compiled from the model raises at its next call (`stale`) until weights are loaded into it
   (or given in place, under the same plan), whether it trained itself or not: two that both train step two
-  copies of the weights apart.
+  copies of the weights apart; so do its `full_state_dict()` and `save_safetensors`;
+- a module compiled from another model holding some of the same parameters (two heads over one encoder
+  module) raises at its next call once the other's optimizer stepped one of them (`_shared_stale`), until
+  it is given their values.
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
 checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
 (`model_changed`, by the parameters' version counters) until they are given to it. The model's buffers, at
@@ -49,6 +52,12 @@ _hook = None
 # weights: compiled, loaded whole, its own step, or given them in place): one whose sibling moved after it synced
 # holds old weights (`stale`)
 _clock = [0]
+# A parameter of two models (a submodule both hold: a shared encoder, a model inside a wrapper both compiled):
+# source parameter -> the compiled modules holding a piece of it, (a weak reference, its name there); and the
+# tick of its last step, with the module that stepped it. Each module compiled from one of the models holds its
+# own copy, so one that steps it leaves the others on the old values (`_shared_stale`)
+_holders = WeakIdKeyDictionary()
+_param_moved = WeakIdKeyDictionary()
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
 # Bumped by every parameter or submodule set on any module (torch's global registration hooks, below): the model's
@@ -197,8 +206,25 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
         compiled.__dict__["_synced"], compiled.__dict__["_moved_at"] = _clock[0], 0
         for p in compiled.parameters():
             _owners[p] = weakref.ref(compiled)
+        _share(model, compiled)
         if _hook is None:
             _hook = (register_optimizer_step_pre_hook(_stepping_now), register_optimizer_step_post_hook(_stepped))
+
+
+def _share(model: torch.nn.Module, compiled) -> None:
+    """List `compiled` as a holder of each of the model's parameters it has a piece of, and mark those that
+    modules compiled from other models hold too (`_shared`: name here -> the source parameter), on both sides."""
+    compiled.__dict__["_shared"] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if fqn not in compiled._param_names:
+            continue
+        holders = _holders.setdefault(p, [])
+        for ref, there in holders:
+            other = ref()
+            if other is not None and other.__dict__.get("_source_model") is not model:
+                compiled.__dict__["_shared"][fqn] = p
+                other.__dict__["_shared"] = {**other.__dict__.get("_shared", {}), there: p}
+        holders.append((weakref.ref(compiled), fqn))
 
 
 class _OwnForward:
@@ -516,6 +542,9 @@ def given(compiled, fqns=None) -> None:
     got = compiled.__dict__["_given"] = compiled.__dict__.get("_given", set()) | set(
         compiled._param_names if fqns is None else fqns)
     compiled.__dict__["_loaded"] = not (compiled._persistent_names() - got)
+    if compiled.__dict__.get("_shared"):  # (given a shared parameter's newest values, whole or not)
+        compiled.__dict__["_shared_synced"] = {**compiled.__dict__.get("_shared_synced", {}), **{
+            fqn: _clock[0] for fqn in compiled._shared if fqns is None or fqn in fqns}}
     if compiled.__dict__["_loaded"]:
         compiled.__dict__["_synced"] = _clock[0]
     _mark_pieces(compiled)
@@ -548,6 +577,8 @@ def stale(compiled) -> None:
     if compiled.__dict__.get("_copy"):  # (`copy.deepcopy(compiled)`: a snapshot the user keeps, an EMA)
         return
     synced = compiled.__dict__.get("_synced", 0)
+    if compiled.__dict__.get("_shared"):
+        _shared_stale(compiled, synced)
     newer = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
              and c.__dict__.get("_moved_at", 0) > synced]
     if not newer:
@@ -576,6 +607,34 @@ def stale(compiled) -> None:
         "What to do: give it the trained weights first (`this.load_state_dict(trained.state_dict())`, on every "
         "rank, after each stretch of training), or compile each from its own copy of the model "
         "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+
+
+def _shared_stale(compiled, synced: int) -> None:
+    """Raise where a module compiled from another model stepped a parameter the two models share after this one
+    last had its newest values (compiled, its own step, or given them by a load): two multi-task heads over one
+    encoder, each compiled and trained with one optimizer, stepped two copies of the encoder apart (a loss 0.005
+    off after one step, silently); a model fine-tuned after another over the same encoder would start from the
+    encoder as it was compiled."""
+    given = compiled.__dict__.get("_shared_synced", {})
+    for fqn, p in compiled._shared.items():
+        moved = _param_moved.get(p)
+        if moved is None or moved[0] <= max(synced, given.get(fqn, 0)):
+            continue
+        tick, ref, there = moved
+        if (other := ref()) is None or other is compiled:
+            continue
+        what = "this one stepped its own too: two copies trained apart" if compiled.__dict__.get("_moved_at", 0) \
+            else "this one holds the values from before"
+        raise SpmdError(
+            f"`{fqn}` is a parameter this module's model shares with another model "
+            f"({type(other._source_model).__name__}, where it is `{there}`), and each module compiled from one of "
+            f"them holds its own copy of it. The other's copy was stepped since this one last had its values, and "
+            f"{what}: not what one device computes with one tensor. What to do: compile one module for the whole "
+            "computation (an nn.Module holding both models, whose forward returns the summed losses), and train "
+            "through it; to switch from one to the other, give this one the trained values first "
+            f"(`this.load_state_dict({{'{fqn}': trained.state_dict()['{there}'], ...}}, strict=False)`, on every "
+            "rank, for every shared parameter); or "
+            "freeze what the models share (`requires_grad_(False)` before compiling) where it is not trained.")
 
 
 def _same_plan_or_refuse(compiled, trained) -> None:
@@ -679,6 +738,9 @@ def _stepped(optimizer, args, kwargs) -> None:
         _clock[0] += 1
         compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
+        for fqn, p in compiled.__dict__.get("_shared", {}).items():
+            if compiled.piece(fqn).grad is not None:
+                _param_moved[p] = (_clock[0], ref, fqn)
         for sibling in compiled.__dict__.get("_siblings", ()):
             if (s := sibling()) is not None and s is not compiled:
                 s.__dict__["_loaded"], s.__dict__["_given"] = False, set()

@@ -871,10 +871,11 @@ def test_the_model_after_its_compiled_module_trained_is_refused():
         model(x)
 
 
-def test_a_module_compiled_beside_the_one_that_trained_is_refused():
+def test_a_module_compiled_beside_the_one_that_trained_is_refused(tmp_path):
     """Compiled from the same model for evaluation (as the mode guard advises), it held the untrained weights
     once its sibling trained (a review measured 0.18 off), and compiling the model again started from them.
-    Both refused, with the way out; the evaluation module given the trained weights runs."""
+    Both refused, with the way out, and so is saving the evaluation module's weights; given the trained
+    weights, it runs."""
     model = _mlp()
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
@@ -886,6 +887,10 @@ def test_a_module_compiled_beside_the_one_that_trained_is_refused():
     with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained.*What to do: "
                                              r"give it the trained weights"):
         evaluate(x)
+    for save in (evaluate.full_state_dict, lambda: evaluate.save_safetensors(tmp_path / "old.safetensors")):
+        with pytest.raises(spmd.SpmdError, match=r"another module compiled from the same model has trained"):
+            save()  # (what it holds is the untrained weights: found by a review, saved without a word)
+    assert not (tmp_path / "old.safetensors").exists()
     evaluate.load_state_dict(trained.state_dict())
     torch.testing.assert_close(evaluate(x), _mlp_with(trained)(x))
     with pytest.raises(spmd.SpmdError, match=r"a module compiled from this Sequential has trained since"):
@@ -1089,6 +1094,60 @@ def test_an_ema_teacher_beside_the_student_in_one_optimizer_is_not_taken_for_tra
         with torch.no_grad():
             for pt, ps in zip(teacher.parameters(), student.parameters()):
                 pt.lerp_(ps, 0.1)
+
+
+def _two_heads(freeze: bool = False):
+    """Two models over one encoder (one `nn.Linear` held by both), each compiled for training."""
+    enc = nn.Linear(4, 4)
+    enc.requires_grad_(not freeze)
+    a, b = nn.Sequential(enc, nn.ReLU(), nn.Linear(4, 2)), nn.Sequential(enc, nn.Tanh(), nn.Linear(4, 3))
+    x, ya, yb = torch.randn(6, 4), torch.randn(6, 2), torch.randn(6, 3)
+    ca, cb = (one_device(m, (x, y), training=True, loss_fn=F.mse_loss) for m, y in ((a, ya), (b, yb)))
+    return (a, ca, (x, ya)), (b, cb, (x, yb))
+
+
+def test_two_models_sharing_an_encoder_trained_each_through_its_own_module_are_refused():
+    """Found by a probe of several compiled modules in one program: two heads over one encoder, each compiled
+    and trained with one optimizer, stepped two copies of the encoder apart (a loss 0.005 off after one step,
+    silently). Now the next call of the one whose copy is behind is refused, naming the shared parameter; given
+    the other's values, it runs as one device would."""
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads()
+    opt = torch.optim.SGD(list(ca.parameters()) + list(cb.parameters()), lr=0.1)
+    (ca(*ex_a) + cb(*ex_b)).backward()
+    opt.step()
+    opt.zero_grad()
+    # (the optimizer steps ca's pieces first, then cb's: cb's copy of the encoder is the newest)
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` is a parameter this module's model shares with another "
+                                             r"model .*this one stepped its own too"):
+        ca(*ex_a)
+    cb(*ex_b)
+
+
+def test_a_model_fine_tuned_after_another_over_the_same_encoder_starts_from_the_trained_encoder():
+    """Multi-task in phases: a trains (encoder and head), then b, over the same encoder, compiled before a
+    trained: b's copy of the encoder is the one from before, and its first call is refused; loading the
+    trained encoder into it (by its own names, strict=False) is the way out, and b computes what the model
+    does with the trained encoder. A frozen shared encoder goes stale nowhere."""
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads()
+    opt = torch.optim.SGD(ca.parameters(), lr=0.1)
+    for _ in range(2):
+        ca(*ex_a).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*this one holds the values from before"):
+        cb(*ex_b)
+    a.load_state_dict(ca.full_state_dict())  # (the reference: the encoder b's model holds too, trained)
+    trained = ca.state_dict()
+    cb.load_state_dict({"0.weight": trained["0.weight"], "0.bias": trained["0.bias"]}, strict=False)
+    torch.testing.assert_close(cb(*ex_b), F.mse_loss(b(ex_b[0]), ex_b[1]))
+
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads(freeze=True)
+    opt = torch.optim.SGD(list(ca.parameters()) + list(cb.parameters()), lr=0.1)
+    for _ in range(2):
+        (ca(*ex_a) + cb(*ex_b)).backward()
+        opt.step()
+        opt.zero_grad()
+
 
 def _mlp_with(compiled) -> nn.Sequential:
     model = _mlp()
