@@ -116,6 +116,7 @@ class _Guard:
                     # model agrees again with the module that trained, and with those given its weights since
                     # its last step. (Into a model whose modules have not trained, a load is new weights the
                     # modules do not have: `model_changed` says so.)
+                    _copied_back_shared(module, modules)
                     for c in modules:
                         if c.__dict__.get("_weights_moved") or c.__dict__.get("_loaded"):
                             c.__dict__["_weights_moved"] = False
@@ -124,6 +125,31 @@ class _Guard:
         if _trained(module):
             raise _stale_model(module, self.what)
         return None
+
+
+def _current(compiled, fqn: str, p) -> bool:
+    """Whether `compiled` holds the newest values of `p` (its shared parameter `fqn`): no other module stepped
+    it since it last had them, and its own steps began from them."""
+    moved = _param_moved.get(p)
+    if fqn in compiled.__dict__.get("_shared_diverged", ()):
+        return False
+    return moved is None or moved[1]() is compiled or moved[0] <= max(
+        compiled.__dict__.get("_synced", 0), compiled.__dict__.get("_shared_synced", {}).get(fqn, 0))
+
+
+def _copied_back_shared(model, modules) -> None:
+    """The trained weights copied back into `model` (`COPY_BACK`) rewrote the parameters it shares with other
+    models: a module compiled from one of those that holds their newest values, as the module copied back from
+    does, holds what was written, and takes the new versions as its own (`model_changed` refused it, a frozen
+    shared encoder's values unchanged)."""
+    for c in modules:
+        for fqn, p in c.__dict__.get("_shared", {}).items():
+            if not _current(c, fqn, p):
+                continue
+            for ref, there in _holders.get(p, ()):
+                other = ref()
+                if other is not None and other.__dict__.get("_source_model") is not model and _current(other, there, p):
+                    mark_model(other, {there})
 
 
 def _stale_model(model, what: str) -> SpmdError:
@@ -542,9 +568,13 @@ def given(compiled, fqns=None) -> None:
     got = compiled.__dict__["_given"] = compiled.__dict__.get("_given", set()) | set(
         compiled._param_names if fqns is None else fqns)
     compiled.__dict__["_loaded"] = not (compiled._persistent_names() - got)
+    if compiled.__dict__["_loaded"]:
+        compiled.__dict__["_diverged"] = False
     if compiled.__dict__.get("_shared"):  # (given a shared parameter's newest values, whole or not)
-        compiled.__dict__["_shared_synced"] = {**compiled.__dict__.get("_shared_synced", {}), **{
-            fqn: _clock[0] for fqn in compiled._shared if fqns is None or fqn in fqns}}
+        now = {fqn for fqn in compiled._shared if fqns is None or fqn in fqns}
+        compiled.__dict__["_shared_synced"] = {**compiled.__dict__.get("_shared_synced", {}),
+                                               **dict.fromkeys(now, _clock[0])}
+        compiled.__dict__["_shared_diverged"] = compiled.__dict__.get("_shared_diverged", frozenset()) - now
     if compiled.__dict__["_loaded"]:
         compiled.__dict__["_synced"] = _clock[0]
     _mark_pieces(compiled)
@@ -569,6 +599,18 @@ def _untouched(compiled) -> bool:
     return all(p._version == v for p, v in compiled.__dict__.get("_weights_at", ()))
 
 
+_ZEROS = ("(a gradient of zeros counts: `zero_grad(set_to_none=False)` leaves one on a module that computed "
+          "nothing, and momentum or weight decay move its weights)")
+_BOTH_TRAIN = (
+    "this module and another compiled from the same model both train, and each steps its own copy of the weights "
+    "(an optimizer steps the pieces of the module that computed them): a model called twice through two compiled "
+    "modules, or one module per batch size trained in turns, trains two models apart, neither of them what one "
+    f"device trains {_ZEROS}. What to do: train through one compiled module (compile the whole computation that "
+    "calls the model twice); to switch modules, give the next one the trained weights first "
+    "(`this.load_state_dict(trained.state_dict())`, on every rank); or compile each from its own copy of the model "
+    "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+
+
 def stale(compiled) -> None:
     """Raise where another module compiled from the same model has trained since this one last held the model's
     newest weights (compiled, loaded whole, its own step, or given them in place since): its weights are older.
@@ -579,6 +621,8 @@ def stale(compiled) -> None:
     synced = compiled.__dict__.get("_synced", 0)
     if compiled.__dict__.get("_shared"):
         _shared_stale(compiled, synced)
+    if compiled.__dict__.get("_diverged"):
+        raise SpmdError(_BOTH_TRAIN)
     newer = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
              and c.__dict__.get("_moved_at", 0) > synced]
     if not newer:
@@ -591,14 +635,7 @@ def stale(compiled) -> None:
         _mark_pieces(compiled)
         return
     if trained:  # (an in-place change after its own steps, a max-norm clamp, gives it nothing)
-        raise SpmdError(
-            "this module and another compiled from the same model both train, and each steps its own copy of the "
-            "weights (an optimizer steps the pieces of the module that computed them): a model called twice "
-            "through two compiled modules, or one module per batch size trained in turns, trains two models apart, "
-            "neither of them what one device trains. What to do: train through one compiled module (compile the "
-            "whole computation that calls the model twice); to switch modules, give the next one the trained "
-            "weights first (`this.load_state_dict(trained.state_dict())`, on every rank); or compile each from its "
-            "own copy of the model (`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
+        raise SpmdError(_BOTH_TRAIN)
     raise SpmdError(
         "another module compiled from the same model has trained since this one last had the model's weights, "
         "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
@@ -616,19 +653,28 @@ def _shared_stale(compiled, synced: int) -> None:
     off after one step, silently); a model fine-tuned after another over the same encoder would start from the
     encoder as it was compiled."""
     given = compiled.__dict__.get("_shared_synced", {})
+    diverged = compiled.__dict__.get("_shared_diverged", ())
     for fqn, p in compiled._shared.items():
         moved = _param_moved.get(p)
-        if moved is None or moved[0] <= max(synced, given.get(fqn, 0)):
+        if moved is None or (fqn not in diverged and moved[0] <= max(synced, given.get(fqn, 0))):
             continue
         tick, ref, there = moved
-        if (other := ref()) is None or other is compiled:
+        if (other := ref()) is None or (other is compiled and fqn not in diverged):
             continue
-        what = "this one stepped its own too: two copies trained apart" if compiled.__dict__.get("_moved_at", 0) \
-            else "this one holds the values from before"
+        if other is compiled:  # (it stepped last, from values behind another's: that one is named)
+            model = compiled.__dict__.get("_source_model")
+            found = next(((o, f) for r, f in _holders.get(p, ()) if (o := r()) is not None
+                          and o.__dict__.get("_source_model") is not model), None)
+            if found is None:
+                continue
+            other, there = found
+        what = (f"the two stepped their copies apart, each from values the other's step had left behind {_ZEROS}"
+                if fqn in diverged else
+                "the other's copy was stepped since this one last had its values, which it still holds")
         raise SpmdError(
             f"`{fqn}` is a parameter this module's model shares with another model "
             f"({type(other._source_model).__name__}, where it is `{there}`), and each module compiled from one of "
-            f"them holds its own copy of it. The other's copy was stepped since this one last had its values, and "
+            f"them holds its own copy of it: "
             f"{what}: not what one device computes with one tensor. What to do: compile one module for the whole "
             "computation (an nn.Module holding both models, whose forward returns the summed losses), and train "
             "through it; to switch from one to the other, give this one the trained values first "
@@ -716,6 +762,23 @@ def _moves_nothing(optimizer) -> bool:
         return False
 
 
+def _diverge(compiled) -> None:
+    """Before `compiled`'s step is counted: where a sibling (or a module of another model, for a parameter they
+    share) stepped after `compiled` last held the newest weights, this step moved weights that were already
+    behind (two modules' forwards, then one step over both): its copy is not what one device trains either,
+    and stays refused (`_diverged`, `_shared_diverged`) until it is given weights, as the one it got ahead of."""
+    synced = compiled.__dict__.get("_synced", 0)
+    if any((s := ref()) is not None and s is not compiled and s.__dict__.get("_moved_at", 0) > synced
+           for ref in compiled.__dict__.get("_siblings", ())):
+        compiled.__dict__["_diverged"] = True
+    given = compiled.__dict__.get("_shared_synced", {})
+    behind = {fqn for fqn, p in compiled.__dict__.get("_shared", {}).items()
+              if compiled.piece(fqn).grad is not None and (moved := _param_moved.get(p)) is not None
+              and moved[1]() not in (None, compiled) and moved[0] > max(synced, given.get(fqn, 0))}
+    if behind:
+        compiled.__dict__["_shared_diverged"] = compiled.__dict__.get("_shared_diverged", frozenset()) | behind
+
+
 def _stepped(optimizer, args, kwargs) -> None:
     """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
     step, and again when its param groups grow); their siblings' loads are out of date."""
@@ -735,6 +798,7 @@ def _stepped(optimizer, args, kwargs) -> None:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
             continue
+        _diverge(compiled)
         _clock[0] += 1
         compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True

@@ -1059,6 +1059,8 @@ def test_two_modules_compiled_from_one_model_that_both_train_are_refused():
     opt.zero_grad()
     with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
         small(x2, y2)
+    with pytest.raises(spmd.SpmdError, match=r"this module and another compiled from the same model both train"):
+        large(x, y)  # (its step began from weights small's had left behind: not one device's either)
     small.load_state_dict(large.state_dict())  # (given the newest weights whole: runs)
     small(x2, y2).backward()
     opt.step()  # (only small's pieces have gradients: large alone is behind now)
@@ -1116,11 +1118,31 @@ def test_two_models_sharing_an_encoder_trained_each_through_its_own_module_are_r
     (ca(*ex_a) + cb(*ex_b)).backward()
     opt.step()
     opt.zero_grad()
-    # (the optimizer steps ca's pieces first, then cb's: cb's copy of the encoder is the newest)
+    # (the optimizer steps ca's pieces first, then cb's: ca's copy is behind cb's, and cb's step began from
+    # values ca's had left behind: neither is what one device trains)
     with pytest.raises(spmd.SpmdError, match=r"`0.weight` is a parameter this module's model shares with another "
-                                             r"model .*this one stepped its own too"):
+                                             r"model .*the other's copy was stepped since"):
         ca(*ex_a)
-    cb(*ex_b)
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*the two stepped their copies apart"):
+        cb(*ex_b)
+
+    # found by a probe on gloo ranks: tasks in turns over one optimizer, with `zero_grad(set_to_none=False)`: the
+    # module that computed nothing has a gradient of zeros, so its step counts (momentum or weight decay would
+    # move it); once cb's step began from the values ca's had left, both are refused (cb ran 0.0045 off before)
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads()
+    opt = torch.optim.SGD(list(ca.parameters()) + list(cb.parameters()), lr=0.1)
+    ca(*ex_a).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    trained = ca.state_dict()
+    cb.load_state_dict({"0.weight": trained["0.weight"], "0.bias": trained["0.bias"]}, strict=False)
+    cb(*ex_b).backward()
+    opt.step()
+    for module, example in ((ca, ex_a), (cb, ex_b)):
+        with pytest.raises(spmd.SpmdError, match=r"`0.weight` is a parameter this module's model shares"):
+            module(*example)
+    with pytest.raises(spmd.SpmdError, match=r"a gradient of zeros counts"):
+        cb(*ex_b)
 
 
 def test_a_model_fine_tuned_after_another_over_the_same_encoder_starts_from_the_trained_encoder():
@@ -1134,11 +1156,13 @@ def test_a_model_fine_tuned_after_another_over_the_same_encoder_starts_from_the_
         ca(*ex_a).backward()
         opt.step()
         opt.zero_grad()
-    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*this one holds the values from before"):
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*the other's copy was stepped since"):
         cb(*ex_b)
-    a.load_state_dict(ca.full_state_dict())  # (the reference: the encoder b's model holds too, trained)
     trained = ca.state_dict()
     cb.load_state_dict({"0.weight": trained["0.weight"], "0.bias": trained["0.bias"]}, strict=False)
+    # the trained weights copied back into a's model rewrite the encoder b's holds too, with the values cb
+    # holds: not a change cb must be given (a probe found it refused as "weights changed")
+    a.load_state_dict(ca.full_state_dict(persistent_only=True))
     torch.testing.assert_close(cb(*ex_b), F.mse_loss(b(ex_b[0]), ex_b[1]))
 
     (a, ca, ex_a), (b, cb, ex_b) = _two_heads(freeze=True)
@@ -1147,6 +1171,10 @@ def test_a_model_fine_tuned_after_another_over_the_same_encoder_starts_from_the_
         (ca(*ex_a) + cb(*ex_b)).backward()
         opt.step()
         opt.zero_grad()
+    a.load_state_dict(ca.full_state_dict(persistent_only=True))
+    b.load_state_dict(cb.full_state_dict(persistent_only=True))  # (the frozen encoder: written twice, unchanged)
+    for model, module, (x, y) in ((a, ca, ex_a), (b, cb, ex_b)):
+        torch.testing.assert_close(module(x, y), F.mse_loss(model(x), y))
 
 
 def _mlp_with(compiled) -> nn.Sequential:
