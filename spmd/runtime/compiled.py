@@ -513,6 +513,7 @@ class CompiledModule(nn.Module):
         """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
         tensors into this rank's shards. (`_partial`: entries that are absent are left as they are.)"""
         loaded = set()
+        elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 value = self._entry(state, fqn)
@@ -526,7 +527,7 @@ class CompiledModule(nn.Module):
                 loaded.add(fqn)
         self._uninitialized -= loaded
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
-            source_guard.given(self, loaded)
+            source_guard.given(self, loaded, elsewhere)
 
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
         """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a
@@ -870,7 +871,7 @@ class CompiledModule(nn.Module):
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
                             "checkpoint of this model, or strict=False to keep the others as they are.")
         if stored_as:
-            source_guard.given(self, set(stored_as))
+            source_guard.given(self, set(stored_as), elsewhere=True)
 
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):
@@ -923,6 +924,7 @@ class CompiledModule(nn.Module):
             local = self._get(attr)
             ps = self._state_placements[gi_name]
             out[gi_name] = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
+        source_guard.gathered(self, out.values())
         return self._with_aliases(out)
 
     def input_placements(self) -> dict[str, tuple]:

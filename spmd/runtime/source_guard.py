@@ -16,7 +16,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
   copies of the weights apart; so do its `full_state_dict()` and `save_safetensors`;
 - a module compiled from another model holding some of the same parameters (two heads over one encoder
   module) raises at its next call once the other's optimizer stepped one of them (`_shared_stale`), until
-  it is given their values.
+  it is given their values; compiling such a model raises as compiling the first one again would.
+A checkpoint loaded whole into one module compiled from the model while none of the others trains (a resumed
+run) makes the others stale the same way (`given`, `from_elsewhere`).
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
 checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
 (`model_changed`, by the parameters' version counters) until they are given to it. The model's buffers, at
@@ -58,6 +60,7 @@ _clock = [0]
 # own copy, so one that steps it leaves the others on the old values (`_shared_stale`)
 _holders = WeakIdKeyDictionary()
 _param_moved = WeakIdKeyDictionary()
+_gathered = WeakIdKeyDictionary()  # a whole tensor `full_state_dict` gathered -> the compiled module (a weak ref)
 _inside = threading.local()  # spmd itself running the model (the mode check): no guard
 
 # Bumped by every parameter or submodule set on any module (torch's global registration hooks, below): the model's
@@ -116,7 +119,7 @@ class _Guard:
                     # model agrees again with the module that trained, and with those given its weights since
                     # its last step. (Into a model whose modules have not trained, a load is new weights the
                     # modules do not have: `model_changed` says so.)
-                    _copied_back_shared(module, modules)
+                    _copied_back_shared(module, _copying.pop(module, ()))
                     for c in modules:
                         if c.__dict__.get("_weights_moved") or c.__dict__.get("_loaded"):
                             c.__dict__["_weights_moved"] = False
@@ -137,19 +140,44 @@ def _current(compiled, fqn: str, p) -> bool:
         compiled.__dict__.get("_synced", 0), compiled.__dict__.get("_shared_synced", {}).get(fqn, 0))
 
 
-def _copied_back_shared(model, modules) -> None:
+_copying = WeakIdKeyDictionary()  # model -> the shared parameters a load into it is copying back (`_CopyBack`)
+
+
+class _CopyBack:
+    """Before a load into the model: the shared parameters whose entries are the trained weights copied back
+    (`full_state_dict()` of a module compiled from it that holds their newest values), as against a checkpoint's."""
+    spmd_guard = True
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = weakref.ref(model)
+
+    def __reduce__(self):
+        return (_Inert, ())  # (a copy of the model is another model)
+
+    def __call__(self, module, state_dict, prefix, *args):
+        if module is not self.model() or prefix:
+            return None
+        copied = []
+        for ref in _compiled_from.get(module, ()):
+            c = ref()
+            for fqn, p in (() if c is None else c.__dict__.get("_shared", {}).items()):
+                came = _gathered.get(state_dict.get(fqn))
+                if came is not None and came() is c and _current(c, fqn, p):
+                    copied.append(p)
+        _copying[module] = copied
+        return None
+
+
+def _copied_back_shared(model, copied) -> None:
     """The trained weights copied back into `model` (`COPY_BACK`) rewrote the parameters it shares with other
-    models: a module compiled from one of those that holds their newest values, as the module copied back from
-    does, holds what was written, and takes the new versions as its own (`model_changed` refused it, a frozen
-    shared encoder's values unchanged)."""
-    for c in modules:
-        for fqn, p in c.__dict__.get("_shared", {}).items():
-            if not _current(c, fqn, p):
-                continue
-            for ref, there in _holders.get(p, ()):
-                other = ref()
-                if other is not None and other.__dict__.get("_source_model") is not model and _current(other, there, p):
-                    mark_model(other, {there})
+    models (`copied`): a module compiled from one of those that holds their newest values too holds what was
+    written, and takes the new versions as its own (`model_changed` refused it, a frozen shared encoder's values
+    unchanged). A checkpoint loaded into the model is no such copy: the other module is refused."""
+    for p in copied:
+        for ref, there in _holders.get(p, ()):
+            other = ref()
+            if other is not None and other.__dict__.get("_source_model") is not model and _current(other, there, p):
+                mark_model(other, {there})
 
 
 def _stale_model(model, what: str) -> SpmdError:
@@ -160,12 +188,24 @@ def _stale_model(model, what: str) -> SpmdError:
 
 
 def check_compile(model: torch.nn.Module) -> None:
-    """Compiling a model again after a module compiled from it trained would start from the old weights."""
+    """Compiling a model again after a module compiled from it trained would start from the old weights; so
+    would compiling one that holds a parameter of another model (a shared encoder) whose module trained it."""
     if _trained(model):
         raise SpmdError(
             f"spmd.compile: a module compiled from this {type(model).__name__} has trained since, and the model's "
             "own weights are still those it was compiled with: a new compile would start from them. What to do: "
             f"copy the trained weights back first (`{COPY_BACK}`, on every rank), then compile.")
+    for fqn, p in model.named_parameters():
+        for ref, there in _holders.get(p, ()):
+            other = ref()
+            if other is not None and other.__dict__.get("_source_model") is not model and \
+                    other.__dict__.get("_weights_moved") and other.piece(there).requires_grad:
+                raise SpmdError(
+                    f"spmd.compile: `{fqn}` is also a parameter of {type(other._source_model).__name__} (`{there}`), "
+                    "and a module compiled from that model has trained since: this model's own value of it is still "
+                    "the one that module was compiled with, so a compile would start from it. What to do: copy "
+                    f"the trained weights back into that model first (`{COPY_BACK}` with its module, on every "
+                    "rank), then compile.")
 
 
 class _LossGuard:
@@ -219,9 +259,11 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
     with _lock:
         _watch_loss(loss_fn, compiled)
         siblings = _compiled_from.setdefault(model, [])
+        siblings[:] = [ref for ref in siblings if ref() is not None]  # (modules dropped since)
         if not siblings:  # (the model's hooks once, however many modules are compiled from it)
             model.register_forward_pre_hook(_Guard(model, "calling it"))
             model.register_state_dict_pre_hook(_Guard(model, "its state_dict()"))
+            model.register_load_state_dict_pre_hook(_CopyBack(model))
             model.register_load_state_dict_post_hook(_Guard(model, None))
             model.register_forward_pre_hook(_OwnForward(model, after=False))
             model.register_forward_hook(_OwnForward(model, after=True))
@@ -245,6 +287,7 @@ def _share(model: torch.nn.Module, compiled) -> None:
         if fqn not in compiled._param_names:
             continue
         holders = _holders.setdefault(p, [])
+        holders[:] = [(ref, there) for ref, there in holders if ref() is not None]  # (modules dropped since)
         for ref, there in holders:
             other = ref()
             if other is not None and other.__dict__.get("_source_model") is not model:
@@ -559,10 +602,57 @@ def hooks_changed(compiled) -> None:
         "(`handle.remove()`) before calling the compiled module.")
 
 
-def given(compiled, fqns=None) -> None:
+def gathered(compiled, tensors) -> None:
+    """`tensors` are whole ones `compiled.full_state_dict()` gathered: loaded into a sibling, they are its
+    weights, not new ones (`from_elsewhere`)."""
+    for t in tensors:
+        _gathered[t] = weakref.ref(compiled)
+
+
+def from_elsewhere(compiled, values) -> bool:
+    """Whether some of `values`, loaded into `compiled`, come from neither its model nor a module compiled from it:
+    a checkpoint read from a file, or loaded in place into its own pieces (torch.distributed.checkpoint), rather
+    than a sibling's `state_dict()` (DTensors over its pieces) or `full_state_dict()`, or `model.state_dict()`."""
+    siblings = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled]
+    model = compiled.__dict__.get("_source_model")
+    ours = [*(p for c in siblings for p in c.parameters()), *(() if model is None else model.parameters())]
+    storages = {_storage(t) for t in ours} - {None}
+    for v in values:
+        came = _gathered.get(v)
+        if came is not None and came() is not None and (came() is compiled or came() in siblings):
+            continue
+        local = getattr(v, "_local_tensor", v)
+        if _storage(local) not in storages:
+            return True
+    return False
+
+
+def _storage(t):
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, AttributeError):  # (a meta or fake tensor: no storage)
+        return None
+
+
+def _newer(compiled) -> list:
+    """The siblings that stepped, or were given weights from elsewhere, after `compiled` last held the newest."""
+    synced = compiled.__dict__.get("_synced", 0)
+    return [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
+            and max(c.__dict__.get("_moved_at", 0), c.__dict__.get("_loaded_at", 0)) > synced]
+
+
+def given(compiled, fqns=None, elsewhere: bool = False) -> None:
     """Weights were loaded into `compiled` (those named `fqns`; None: all): the model's parameters they came from
     are marked (`model_changed`), and once every persistent entry was given since a sibling last stepped, it
-    is not stale until one steps again. Its parameters' versions now are the mark `_untouched` compares with."""
+    is not stale until one steps again. Its parameters' versions now are the mark `_untouched` compares with.
+    Given whole from `elsewhere` (a checkpoint: `from_elsewhere`) while it held the newest weights, and no
+    sibling trained (a resumed run, the best checkpoint restored into the module that trained), they are the
+    newest now, and its siblings stale until given them too (an evaluation module beside the one a checkpoint
+    was loaded into evaluated the old weights). Into a module that was behind, or beside one that trains (an
+    older checkpoint evaluated while training goes on), they are only its own."""
+    ahead = elsewhere and not _newer(compiled) and not any(
+        (c := ref()) is not None and c is not compiled and c.__dict__.get("_moved_at", 0)
+        for ref in compiled.__dict__.get("_siblings", ()))
     mark_model(compiled, fqns)
     # (a new set, not one updated in place: a copy of the compiled module starts with its original's)
     got = compiled.__dict__["_given"] = compiled.__dict__.get("_given", set()) | set(
@@ -570,6 +660,10 @@ def given(compiled, fqns=None) -> None:
     compiled.__dict__["_loaded"] = not (compiled._persistent_names() - got)
     if compiled.__dict__["_loaded"]:
         compiled.__dict__["_diverged"] = False
+        if ahead:
+            _clock[0] += 1
+            compiled.__dict__["_loaded_at"] = _clock[0]
+            _behind_now(compiled)
     if compiled.__dict__.get("_shared"):  # (given a shared parameter's newest values, whole or not)
         now = {fqn for fqn in compiled._shared if fqns is None or fqn in fqns}
         compiled.__dict__["_shared_synced"] = {**compiled.__dict__.get("_shared_synced", {}),
@@ -623,8 +717,7 @@ def stale(compiled) -> None:
         _shared_stale(compiled, synced)
     if compiled.__dict__.get("_diverged"):
         raise SpmdError(_BOTH_TRAIN)
-    newer = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
-             and c.__dict__.get("_moved_at", 0) > synced]
+    newer = _newer(compiled)
     if not newer:
         return
     trained = compiled.__dict__.get("_moved_at", 0)
@@ -636,6 +729,12 @@ def stale(compiled) -> None:
         return
     if trained:  # (an in-place change after its own steps, a max-norm clamp, gives it nothing)
         raise SpmdError(_BOTH_TRAIN)
+    if all(c.__dict__.get("_moved_at", 0) <= synced for c in newer):
+        raise SpmdError(
+            "another module compiled from the same model was given weights from elsewhere (a checkpoint loaded into "
+            "it) since this one last had the model's weights, and this one still holds those: a module for "
+            "evaluation beside the one a checkpoint was loaded into? What to do: give it the same weights "
+            "(`this.load_state_dict(other.state_dict())`, or the same checkpoint, on every rank).")
     raise SpmdError(
         "another module compiled from the same model has trained since this one last had the model's weights, "
         "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
@@ -652,14 +751,17 @@ def _shared_stale(compiled, synced: int) -> None:
     encoder, each compiled and trained with one optimizer, stepped two copies of the encoder apart (a loss 0.005
     off after one step, silently); a model fine-tuned after another over the same encoder would start from the
     encoder as it was compiled."""
+    if compiled.__dict__.get("_shared_seen_at") == _clock[0]:  # (nothing stepped since the last look)
+        return
     given = compiled.__dict__.get("_shared_synced", {})
     diverged = compiled.__dict__.get("_shared_diverged", ())
     for fqn, p in compiled._shared.items():
         moved = _param_moved.get(p)
         if moved is None or (fqn not in diverged and moved[0] <= max(synced, given.get(fqn, 0))):
             continue
-        tick, ref, there = moved
-        if (other := ref()) is None or (other is compiled and fqn not in diverged):
+        tick, ref, there, shown = moved
+        other = ref()
+        if other is compiled and fqn not in diverged:
             continue
         if other is compiled:  # (it stepped last, from values behind another's: that one is named)
             model = compiled.__dict__.get("_source_model")
@@ -668,19 +770,22 @@ def _shared_stale(compiled, synced: int) -> None:
             if found is None:
                 continue
             other, there = found
+            shown = type(other._source_model).__name__
+        apart = fqn in diverged or (other is not None and there in other.__dict__.get("_shared_diverged", ()))
         what = (f"the two stepped their copies apart, each from values the other's step had left behind {_ZEROS}"
-                if fqn in diverged else
-                "the other's copy was stepped since this one last had its values, which it still holds")
+                if apart else "the other's copy was stepped since this one last had its values, which it still holds")
+        switch = ("neither copy is what one device trains now: start again from a checkpoint" if apart else
+                  f"to switch from one to the other, give this one the trained values first (`this.load_state_dict("
+                  f"{{'{fqn}': trained.state_dict()['{there}'], ...}}, strict=False)`, on every rank, for every shared "
+                  "parameter)")
         raise SpmdError(
-            f"`{fqn}` is a parameter this module's model shares with another model "
-            f"({type(other._source_model).__name__}, where it is `{there}`), and each module compiled from one of "
-            f"them holds its own copy of it: "
-            f"{what}: not what one device computes with one tensor. What to do: compile one module for the whole "
-            "computation (an nn.Module holding both models, whose forward returns the summed losses), and train "
-            "through it; to switch from one to the other, give this one the trained values first "
-            f"(`this.load_state_dict({{'{fqn}': trained.state_dict()['{there}'], ...}}, strict=False)`, on every "
-            "rank, for every shared parameter); or "
-            "freeze what the models share (`requires_grad_(False)` before compiling) where it is not trained.")
+            f"`{fqn}` is a parameter this module's model shares with another model ({shown}, where it is "
+            f"`{there}`), and each module compiled from one of them holds its own copy of it: {what}: not what one "
+            "device computes with one tensor. What to do: compile one module for the whole computation (an "
+            "nn.Module holding both models, whose forward returns the summed losses), and train through it; "
+            f"{switch}; or freeze what the models share (`requires_grad_(False)` before compiling) where it is not "
+            "trained.")
+    compiled.__dict__["_shared_seen_at"] = _clock[0]
 
 
 def _same_plan_or_refuse(compiled, trained) -> None:
@@ -762,19 +867,24 @@ def _moves_nothing(optimizer) -> bool:
         return False
 
 
-def _diverge(compiled) -> None:
+def _stepped_shared(compiled, held) -> list[str]:
+    """The names of `compiled`'s shared parameters this step moves: a gradient reached its piece, and the
+    optimizer holds it (an encoder left out of the optimizer over the head does not move)."""
+    return [fqn for fqn in compiled.__dict__.get("_shared", {})
+            if (piece := compiled.piece(fqn)).grad is not None and id(piece) in held]
+
+
+def _diverge(compiled, stepped) -> None:
     """Before `compiled`'s step is counted: where a sibling (or a module of another model, for a parameter they
     share) stepped after `compiled` last held the newest weights, this step moved weights that were already
     behind (two modules' forwards, then one step over both): its copy is not what one device trains either,
     and stays refused (`_diverged`, `_shared_diverged`) until it is given weights, as the one it got ahead of."""
     synced = compiled.__dict__.get("_synced", 0)
-    if any((s := ref()) is not None and s is not compiled and s.__dict__.get("_moved_at", 0) > synced
-           for ref in compiled.__dict__.get("_siblings", ())):
+    if _newer(compiled):
         compiled.__dict__["_diverged"] = True
     given = compiled.__dict__.get("_shared_synced", {})
-    behind = {fqn for fqn, p in compiled.__dict__.get("_shared", {}).items()
-              if compiled.piece(fqn).grad is not None and (moved := _param_moved.get(p)) is not None
-              and moved[1]() not in (None, compiled) and moved[0] > max(synced, given.get(fqn, 0))}
+    behind = {fqn for fqn in stepped if (moved := _param_moved.get(compiled._shared[fqn])) is not None
+              and moved[1]() is not compiled and moved[0] > max(synced, given.get(fqn, 0))}
     if behind:
         compiled.__dict__["_shared_diverged"] = compiled.__dict__.get("_shared_diverged", frozenset()) | behind
 
@@ -787,25 +897,33 @@ def _stepped(optimizer, args, kwargs) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     known = _stepping.get(optimizer)
     if known is None or known[0] != count:
-        found = {}
+        found, held = {}, set()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 ref = _owners.get(p)
                 if ref is not None and ref() is not None:
                     found[id(ref())] = ref
-        known = _stepping[optimizer] = (count, list(found.values()))
+                    held.add(id(p))
+        known = _stepping[optimizer] = (count, list(found.values()), frozenset(held))
     for ref in known[1]:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
             continue
-        _diverge(compiled)
+        stepped = _stepped_shared(compiled, known[2])
+        _diverge(compiled, stepped)
         _clock[0] += 1
         compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
-        for fqn, p in compiled.__dict__.get("_shared", {}).items():
-            if compiled.piece(fqn).grad is not None:
-                _param_moved[p] = (_clock[0], ref, fqn)
-        for sibling in compiled.__dict__.get("_siblings", ()):
-            if (s := sibling()) is not None and s is not compiled:
-                s.__dict__["_loaded"], s.__dict__["_given"] = False, set()
-                _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)
+        shown = type(compiled._source_model).__name__
+        for fqn in stepped:
+            _param_moved[compiled._shared[fqn]] = (_clock[0], ref, fqn, shown)
+        _behind_now(compiled)
+
+
+def _behind_now(compiled) -> None:
+    """`compiled` holds the newest weights, which its siblings do not: what they were given before counts no
+    more."""
+    for sibling in compiled.__dict__.get("_siblings", ()):
+        if (s := sibling()) is not None and s is not compiled:
+            s.__dict__["_loaded"], s.__dict__["_given"] = False, set()
+            _mark_pieces(s)  # (given weights from now on, or stale: not by what was done before)

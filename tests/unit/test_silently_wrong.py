@@ -897,6 +897,40 @@ def test_a_module_compiled_beside_the_one_that_trained_is_refused(tmp_path):
         spmd.compile(model, None)
 
 
+def test_a_checkpoint_loaded_into_one_module_is_asked_of_its_sibling():
+    """Found by a review: a checkpoint loaded into the training module alone (a resumed run), then an evaluation
+    before the first step with the module compiled beside it, evaluated the weights as compiled, silently. Now
+    a module given weights whole from elsewhere while it held the newest makes its siblings stale until they are
+    given them too (the same checkpoint, or its state dict); one given a checkpoint beside a sibling that
+    trains (an older checkpoint evaluated while training goes on) makes nothing stale; the best checkpoint
+    restored into the module that trained does."""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    checkpoint = {k: v + 0.5 for k, v in model.state_dict().items()}  # (read from a file)
+    trained.load_state_dict(checkpoint)
+    with pytest.raises(spmd.SpmdError, match=r"given weights from elsewhere \(a checkpoint loaded into it\)"):
+        evaluate(x)
+    evaluate.load_state_dict(checkpoint)  # (the same, in turn: the first is not stale for it)
+    reference = _mlp()
+    reference.load_state_dict(checkpoint)
+    torch.testing.assert_close(evaluate(x), reference(x))
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    trained(x, y).backward()
+    opt.step()
+    evaluate.load_state_dict(trained.full_state_dict())  # (a sibling's weights, gathered: not from elsewhere)
+    evaluate(x)
+    evaluate.load_state_dict(checkpoint)  # (an older checkpoint evaluated: the trained one goes on)
+    trained(x, y).backward()
+    opt.step()
+    evaluate.load_state_dict(trained.state_dict())
+    trained.load_state_dict(checkpoint)  # (the best one restored)
+    with pytest.raises(spmd.SpmdError, match=r"given weights from elsewhere"):
+        evaluate(x)
+
+
 def test_a_copy_of_the_compiled_module_keeps_an_average_of_its_weights():
     """`copy.deepcopy(compiled)` (timm's ModelEma, DINO's teacher) before training, updated after each step in
     place or through `.data`, holds the average the user gave it: it ran as a stale sibling before, and the
@@ -1120,11 +1154,10 @@ def test_two_models_sharing_an_encoder_trained_each_through_its_own_module_are_r
     opt.zero_grad()
     # (the optimizer steps ca's pieces first, then cb's: ca's copy is behind cb's, and cb's step began from
     # values ca's had left behind: neither is what one device trains)
-    with pytest.raises(spmd.SpmdError, match=r"`0.weight` is a parameter this module's model shares with another "
-                                             r"model .*the other's copy was stepped since"):
-        ca(*ex_a)
-    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*the two stepped their copies apart"):
-        cb(*ex_b)
+    for module, example in ((ca, ex_a), (cb, ex_b)):
+        with pytest.raises(spmd.SpmdError, match=r"`0.weight` is a parameter this module's model shares with "
+                                                 r"another model .*the two stepped their copies apart.*neither copy"):
+            module(*example)
 
     # found by a probe on gloo ranks: tasks in turns over one optimizer, with `zero_grad(set_to_none=False)`: the
     # module that computed nothing has a gradient of zeros, so its step counts (momentum or weight decay would
@@ -1175,6 +1208,48 @@ def test_a_model_fine_tuned_after_another_over_the_same_encoder_starts_from_the_
     b.load_state_dict(cb.full_state_dict(persistent_only=True))  # (the frozen encoder: written twice, unchanged)
     for model, module, (x, y) in ((a, ca, ex_a), (b, cb, ex_b)):
         torch.testing.assert_close(module(x, y), F.mse_loss(model(x), y))
+
+
+def test_a_shared_encoder_is_watched_however_the_modules_come_and_go():
+    """Found by a review of the shared-parameter guard: a model compiled after another's module trained the
+    encoder they share started from the untrained one (0.014 off); the module that trained dropped took the
+    refusal with it; a checkpoint loaded into one model was taken for the trained weights copied back, and the
+    other's module ran on its old encoder; an encoder left out of the optimizer (over the heads only) was taken
+    for trained."""
+    enc = nn.Linear(4, 4)
+    a, b = nn.Sequential(enc, nn.ReLU(), nn.Linear(4, 2)), nn.Sequential(enc, nn.Tanh(), nn.Linear(4, 3))
+    x, ya, yb = torch.randn(6, 4), torch.randn(6, 2), torch.randn(6, 3)
+    ca = one_device(a, (x, ya), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(ca.parameters(), lr=0.1)
+    ca(x, ya).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` is also a parameter of Sequential .*copy the trained "
+                                             r"weights back into that model first"):
+        spmd.compile(b, None)
+    a.load_state_dict(ca.full_state_dict(persistent_only=True))
+    cb = one_device(b, (x, yb), training=True, loss_fn=F.mse_loss)  # (from the trained encoder)
+    torch.testing.assert_close(cb(x, yb), F.mse_loss(b(x), yb))
+    ca(x, ya).backward()
+    opt.step()
+    del ca, opt
+    gc.collect()
+    with pytest.raises(spmd.SpmdError, match=r"`0.weight` .*the other's copy was stepped since"):
+        cb(x, yb)  # (the module that trained is gone: cb's encoder is no newer for it)
+
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads(freeze=True)
+    checkpoint = {k: v + 0.5 for k, v in a.state_dict().items()}
+    opt = torch.optim.SGD(ca.parameters(), lr=0.1)
+    ca(*ex_a).backward()
+    opt.step()
+    a.load_state_dict(checkpoint)  # (not the trained weights copied back)
+    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled \(0.weight, 0.bias"):
+        cb(*ex_b)
+
+    (a, ca, ex_a), (b, cb, ex_b) = _two_heads()
+    opt = torch.optim.SGD(ca.get_submodule("2").parameters(), lr=0.1)  # (the head only: the encoder stays)
+    ca(*ex_a).backward()
+    opt.step()
+    cb(*ex_b)
 
 
 def _mlp_with(compiled) -> nn.Sequential:
