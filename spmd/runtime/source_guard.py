@@ -161,8 +161,8 @@ class _CopyBack:
         for ref in _compiled_from.get(module, ()):
             c = ref()
             for fqn, p in (() if c is None else c.__dict__.get("_shared", {}).items()):
-                came = _gathered.get(state_dict.get(fqn))
-                if came is not None and came() is c and _current(c, fqn, p):
+                came = _gathered_from(state_dict.get(fqn))
+                if came is c and _current(c, fqn, p):
                     copied.append(p)
         _copying[module] = copied
         return None
@@ -618,13 +618,20 @@ def from_elsewhere(compiled, values) -> bool:
     ours = [*(p for c in siblings for p in c.parameters()), *(() if model is None else model.parameters())]
     storages = {_storage(t) for t in ours} - {None}
     for v in values:
-        came = _gathered.get(v)
-        if came is not None and came() is not None and (came() is compiled or came() in siblings):
+        if not isinstance(v, torch.Tensor):  # (a module's extra state)
             continue
-        local = getattr(v, "_local_tensor", v)
-        if _storage(local) not in storages:
+        came = _gathered_from(v)
+        if came is not None and (came is compiled or any(came is c for c in siblings)):
+            continue
+        if _storage(getattr(v, "_local_tensor", v)) not in storages:
             return True
     return False
+
+
+def _gathered_from(value):
+    """The compiled module whose `full_state_dict()` gathered `value`, or None."""
+    ref = _gathered.get(value) if isinstance(value, torch.Tensor) else None
+    return None if ref is None else ref()
 
 
 def _storage(t):
