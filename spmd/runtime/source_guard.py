@@ -707,7 +707,8 @@ _BOTH_TRAIN = (
     "(an optimizer steps the pieces of the module that computed them): a model called twice through two compiled "
     "modules, or one module per batch size trained in turns, trains two models apart, neither of them what one "
     f"device trains {_ZEROS}. What to do: train through one compiled module (compile the whole computation that "
-    "calls the model twice); to switch modules, give the next one the trained weights first "
+    "calls the model twice; after a step through both, neither holds what one device would: start again from a "
+    "checkpoint); to switch modules between steps, give the next one the trained weights first "
     "(`this.load_state_dict(trained.state_dict())`, on every rank); or compile each from its own copy of the model "
     "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
 
