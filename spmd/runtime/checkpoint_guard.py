@@ -13,7 +13,9 @@ piece on, what `dcp.save` and `dcp.async_save` save (`state_dict_saver._stateful
 look up at each call, before `async_save` stages copies) and what the default save and load planners are
 handed (`DefaultSavePlanner.set_up_planner`, `DefaultLoadPlanner.set_up_planner`: `dcp.load` too) is looked
 through, and a plain tensor there that is one of those pieces or their optimizer's state raises `SpmdError`
-naming the entry, its parameter and the way out. Anything else saves and loads as before.
+naming the entry, its parameter and the way out. What is saved is also handed to `source_guard.saving`: the
+pieces of a module whose sibling trained since it last had the weights are its old weights. Anything else saves
+and loads as before.
 
 Pieces are known by identity: the live tensors (`compiled.parameters()`, the optimizer's state, its
 `state_dict()`). Copies of them (`p.detach().clone()`, `copy.deepcopy(opt.state_dict())`) are not caught.
@@ -29,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
+from spmd.runtime import source_guard
 
 _lock = threading.Lock()
 _watched = WeakIdKeyDictionary()  # piece -> FQN
@@ -98,6 +101,8 @@ def _plain_pieces(state, known: dict[int, str], path: str = "") -> list[tuple[st
 
 
 def _check(state_dict, verb: str) -> None:
+    if verb == "save":  # (a module's pieces whose sibling trained since: its old weights)
+        source_guard.saving(state_dict)
     hits = _plain_pieces(state_dict, _pieces_and_states()) if _watched else []
     if hits:
         listed = "; ".join(f"{path!r} ({what})" for path, what in hits[:3]) + \

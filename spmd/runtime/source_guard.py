@@ -628,6 +628,31 @@ def from_elsewhere(compiled, values) -> bool:
     return False
 
 
+_handed = WeakIdKeyDictionary()  # a DTensor `state_dict()` gave -> the compiled module whose piece it holds (a ref)
+
+
+def handed_out(compiled, values) -> None:
+    """`values` are the DTensors `compiled.state_dict()` gave (over its pieces): saved by
+    torch.distributed.checkpoint, they are its weights (`saving`)."""
+    for v in values:
+        _handed[v] = weakref.ref(compiled)
+
+
+def saving(state) -> None:
+    """torch.distributed.checkpoint saving `state` (nested dicts and lists): raise where it holds the pieces of a
+    module whose sibling trained since it last had the weights (the evaluation module's `state_dict()`, saved with
+    `dcp.save`): the old weights. (Its `state_dict()` itself is not refused: a load through torch.distributed.
+    checkpoint reads it first, to load into.)"""
+    if isinstance(state, torch.Tensor):
+        ref = _handed.get(state)
+        if ref is not None and (compiled := ref()) is not None:
+            stale(compiled)
+        return
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for value in items:
+        saving(value)
+
+
 def _gathered_from(value):
     """The compiled module whose `full_state_dict()` gathered `value`, or None."""
     ref = _gathered.get(value) if isinstance(value, torch.Tensor) else None

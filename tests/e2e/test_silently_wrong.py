@@ -602,3 +602,64 @@ def test_weights_given_in_place_from_a_module_of_another_plan_are_refused(ranks)
         assert r["refused"] and "the two lay them out differently (fc1.weight: [R, S(0)] here, [S(0), R] there" \
             in r["refused"], r["refused"]
         assert r["error"] < 1e-12, r
+
+
+# ---- checkpoints and modules compiled from one model ---------------------------------------------------------
+
+def _checkpoints_beside_a_sibling(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate
+
+    from tests.models import MLP
+
+    def refused(call) -> str | None:
+        try:
+            call()
+        except spmd.SpmdError as e:
+            return str(e)
+        return None
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = MLP(16, 32)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+        trained = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                               param_placements={n: [Shard(0)] for n in names})
+        evaluate = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("tp",)),
+                                param_placements={n: [Replicate()] for n in names})
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        trained(*trained.shard_inputs(x, y)).backward()
+        opt.step()
+        out = {"saved_stale": refused(lambda: dcp.save({"model": evaluate.state_dict()}, checkpoint_id=folder))}
+        dcp.save({"model": trained.state_dict()}, checkpoint_id=folder)  # (the module that trained: saved)
+        checkpoint = MLP(16, 32)
+        checkpoint.load_state_dict(trained.full_state_dict())
+        evaluate.load_state_dict(trained.state_dict())
+        trained(*trained.shard_inputs(x, y)).backward()  # (on past the checkpoint)
+        opt.step()
+        evaluate.load_state_dict(trained.state_dict())
+        state = {"model": trained.state_dict()}  # (a resumed run: loaded in place, then into the module)
+        dcp.load(state, checkpoint_id=folder)
+        trained.load_state_dict(state["model"])
+        out["resumed_stale"] = refused(lambda: evaluate(*evaluate.shard_inputs(x)))
+        evaluate.load_state_dict(trained.state_dict())
+        with torch.no_grad():
+            got = evaluate.gather_outputs(evaluate(*evaluate.shard_inputs(x)))
+            out["error"] = float((got - checkpoint(x)).abs().max())
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_checkpoints_of_old_weights_and_beside_them_are_refused(ranks, tmp_path):
+    """Found by reviews of the sibling guard: the evaluation module's `state_dict()` saved with `dcp.save`
+    after its sibling trained saved the untrained weights; a checkpoint loaded into the training module through
+    torch.distributed.checkpoint (a resumed run) left the evaluation module beside it on the weights it had,
+    silently. Both refused on every rank; given the weights, it computes the checkpoint's output."""
+    for r in ranks(2).run(_checkpoints_beside_a_sibling, str(tmp_path)):
+        assert r["saved_stale"] and "another module compiled from the same model has trained" in r["saved_stale"], r
+        assert r["resumed_stale"] and "given weights from elsewhere" in r["resumed_stale"], r
+        assert r["error"] < 1e-12, r
