@@ -93,7 +93,18 @@ class _Inert:
 
 
 def _trained(model) -> bool:
-    return any(c.__dict__.get("_weights_moved") for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+    """Whether a module compiled from `model` holds newer weights than the model: it trained, or was given a
+    checkpoint whole (`given`), since the model was compiled or last had them copied back."""
+    return any(c.__dict__.get("_weights_moved") or c.__dict__.get("_given_elsewhere")
+               for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+
+
+def _how(model) -> str:
+    """How a module compiled from `model` came by newer weights than the model's (`_trained`)."""
+    modules = [c for ref in _compiled_from.get(model, ()) if (c := ref()) is not None]
+    if any(c.__dict__.get("_weights_moved") for c in modules):
+        return "has trained"
+    return "was given weights from elsewhere (a checkpoint loaded into it)"
 
 
 class _Guard:
@@ -114,7 +125,7 @@ class _Guard:
         if self.what is None:  # a load into the model: its weights are what the user put there, if whole
             if not args or not getattr(args[0], "missing_keys", ()):
                 modules = [c for ref in _compiled_from.get(module, ()) if (c := ref()) is not None]
-                if any(c.__dict__.get("_weights_moved") for c in modules):
+                if _trained(module):
                     # the trained weights copied back (`COPY_BACK`): the
                     # model agrees again with the module that trained, and with those given its weights since
                     # its last step. (Into a model whose modules have not trained, a load is new weights the
@@ -122,7 +133,7 @@ class _Guard:
                     _copied_back_shared(module, _copying.pop(module, ()))
                     for c in modules:
                         if c.__dict__.get("_weights_moved") or c.__dict__.get("_loaded"):
-                            c.__dict__["_weights_moved"] = False
+                            c.__dict__["_weights_moved"] = c.__dict__["_given_elsewhere"] = False
                             mark_model(c)
             return None
         if _trained(module):
@@ -182,7 +193,7 @@ def _copied_back_shared(model, copied) -> None:
 
 def _stale_model(model, what: str) -> SpmdError:
     return SpmdError(
-        f"{type(model).__name__} was compiled by spmd.compile, and the compiled module has trained since: the "
+        f"{type(model).__name__} was compiled by spmd.compile, and the compiled module {_how(model)} since: the "
         f"model's own weights are still those it was compiled with, so {what} would give the numbers of the old "
         f"weights. What to do: {_WAY_OUT}.")
 
@@ -192,7 +203,7 @@ def check_compile(model: torch.nn.Module) -> None:
     would compiling one that holds a parameter of another model (a shared encoder) whose module trained it."""
     if _trained(model):
         raise SpmdError(
-            f"spmd.compile: a module compiled from this {type(model).__name__} has trained since, and the model's "
+            f"spmd.compile: a module compiled from this {type(model).__name__} {_how(model)} since, and the model's "
             "own weights are still those it was compiled with: a new compile would start from them. What to do: "
             f"copy the trained weights back first (`{COPY_BACK}`, on every rank), then compile.")
     for fqn, p in model.named_parameters():
@@ -606,7 +617,7 @@ def gathered(compiled, tensors) -> None:
     """`tensors` are whole ones `compiled.full_state_dict()` gathered: loaded into a sibling, they are its
     weights, not new ones (`from_elsewhere`)."""
     for t in tensors:
-        _gathered[t] = weakref.ref(compiled)
+        _gathered[t] = (weakref.ref(compiled), _clock[0])
 
 
 def from_elsewhere(compiled, values) -> bool:
@@ -615,13 +626,16 @@ def from_elsewhere(compiled, values) -> bool:
     than a sibling's `state_dict()` (DTensors over its pieces) or `full_state_dict()`, or `model.state_dict()`."""
     siblings = [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled]
     model = compiled.__dict__.get("_source_model")
-    ours = [*(p for c in siblings for p in c.parameters()), *(() if model is None else model.parameters())]
+    ours = [t for m in (*siblings, *(() if model is None else (model,))) for t in (*m.parameters(), *m.buffers())]
     storages = {_storage(t) for t in ours} - {None}
     for v in values:
         if not isinstance(v, torch.Tensor):  # (a module's extra state)
             continue
         came = _gathered_from(v)
-        if came is not None and (came is compiled or any(came is c for c in siblings)):
+        # (its own or a sibling's weights as gathered, where that module has not stepped nor been given a
+        # checkpoint since: an older snapshot, `best = trained.full_state_dict()` restored later, is a checkpoint)
+        if came is not None and (came is compiled or any(came is c for c in siblings)) and max(
+                came.__dict__.get("_moved_at", 0), came.__dict__.get("_loaded_at", 0)) <= _gathered[v][1]:
             continue
         if _storage(getattr(v, "_local_tensor", v)) not in storages:
             return True
@@ -655,8 +669,8 @@ def saving(state) -> None:
 
 def _gathered_from(value):
     """The compiled module whose `full_state_dict()` gathered `value`, or None."""
-    ref = _gathered.get(value) if isinstance(value, torch.Tensor) else None
-    return None if ref is None else ref()
+    entry = _gathered.get(value) if isinstance(value, torch.Tensor) else None
+    return None if entry is None else entry[0]()
 
 
 def _storage(t):
@@ -678,10 +692,11 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
     are marked (`model_changed`), and once every persistent entry was given since a sibling last stepped, it
     is not stale until one steps again. Its parameters' versions now are the mark `_untouched` compares with.
     Given whole from `elsewhere` (a checkpoint: `from_elsewhere`) while it held the newest weights, and no
-    sibling trained (a resumed run, the best checkpoint restored into the module that trained), they are the
-    newest now, and its siblings stale until given them too (an evaluation module beside the one a checkpoint
-    was loaded into evaluated the old weights). Into a module that was behind, or beside one that trains (an
-    older checkpoint evaluated while training goes on), they are only its own."""
+    sibling ever trained (a resumed run, the best checkpoint restored into the module that trained), they are
+    the newest now: its siblings are stale until given them too (an evaluation module beside the one a
+    checkpoint was loaded into evaluated the old weights), and the model until they are copied back into it
+    (`_trained`: calling it, compiling it again). Into a module that was behind, or beside one that has
+    trained (an older checkpoint evaluated while training goes on), they are only its own."""
     ahead = elsewhere and not _newer(compiled) and not any(
         (c := ref()) is not None and c is not compiled and c.__dict__.get("_moved_at", 0)
         for ref in compiled.__dict__.get("_siblings", ()))
@@ -695,6 +710,7 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
         if ahead:
             _clock[0] += 1
             compiled.__dict__["_loaded_at"] = _clock[0]
+            compiled.__dict__["_given_elsewhere"] = True  # (newer than the model too: `_trained`)
             _behind_now(compiled)
     if compiled.__dict__.get("_shared"):  # (given a shared parameter's newest values, whole or not)
         now = {fqn for fqn in compiled._shared if fqns is None or fqn in fqns}

@@ -931,6 +931,60 @@ def test_a_checkpoint_loaded_into_one_module_is_asked_of_its_sibling():
         evaluate(x)
 
 
+def test_what_a_sibling_or_the_model_holds_is_not_taken_for_a_checkpoint_and_old_snapshots_are():
+    """Found by a probe of the checkpoint rule on gloo ranks: with a buffer in the model (batch norm), a sibling's
+    or the model's state dict was taken for a checkpoint, and the other module refused at its first step; a
+    snapshot kept in memory (`best = trained.full_state_dict()`) restored after more steps was taken for the
+    module's own weights, and the evaluation module evaluated the last ones (1.06 off); its replicated entries
+    were the live pieces, and moved with the next steps (0.35 off); an evaluation module compiled after a
+    checkpoint was loaded into the training one started from the model's old weights (20.2 off)."""
+    def mlp():
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    evaluate.load_state_dict(trained.state_dict())  # (a sibling's: nothing newer)
+    trained(x, y)
+    trained.load_state_dict(model.state_dict())  # (the model's own)
+    evaluate(x)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    trained(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    best = trained.full_state_dict()
+    kept = {k: v.clone() for k, v in best.items()}
+    for _ in range(2):
+        trained(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in best.items():  # (a snapshot: no entry moved with the steps)
+        torch.testing.assert_close(v, kept[k], rtol=0, atol=0)
+    evaluate.load_state_dict(trained.state_dict())
+    trained.load_state_dict(best)  # (restored after more steps: a checkpoint, no longer the module's weights)
+    with pytest.raises(spmd.SpmdError, match=r"given weights from elsewhere"):
+        evaluate(x)
+
+    torch.manual_seed(0)
+    model = mlp()
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    trained.load_state_dict({k: v + 0.5 if v.is_floating_point() else v for k, v in model.state_dict().items()})
+    for touch in (lambda: model(x), lambda: spmd.compile(model.eval(), None)):  # (an evaluation module at last)
+        with pytest.raises(spmd.SpmdError, match=r"was given weights from elsewhere \(a checkpoint loaded into it\) "
+                                                 r"since"):
+            touch()
+    model.train()
+    model.load_state_dict(trained.full_state_dict(persistent_only=True))  # (copied back: the model is current)
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    reference = mlp().eval()
+    reference.load_state_dict(trained.full_state_dict(persistent_only=True))
+    torch.testing.assert_close(evaluate(x), reference(x))
+
+
 def test_a_copy_of_the_compiled_module_keeps_an_average_of_its_weights():
     """`copy.deepcopy(compiled)` (timm's ModelEma, DINO's teacher) before training, updated after each step in
     place or through `.data`, holds the average the user gave it: it ran as a stale sibling before, and the
