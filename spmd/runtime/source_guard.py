@@ -17,8 +17,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
 - a module compiled from another model holding some of the same parameters (two heads over one encoder
   module) raises at its next call once the other's optimizer stepped one of them (`_shared_stale`), until
   it is given their values; compiling such a model raises as compiling the first one again would.
-A checkpoint loaded whole into one module compiled from the model while none of the others trains (a resumed
-run) makes the others stale the same way (`given`, `from_elsewhere`).
+A checkpoint loaded whole into one module compiled from the model while none of the others has trained (a
+resumed run) makes the others stale the same way, and the model behind until it is copied back (`given`,
+`from_elsewhere`).
 Before a compiled module has trained, the other way round: weights given to the model after compiling (a
 checkpoint loaded into it, an init function applied) never reach the pieces, and its next call raises
 (`model_changed`, by the parameters' version counters) until they are given to it. The model's buffers, at
@@ -172,11 +173,18 @@ class _CopyBack:
         for ref in _compiled_from.get(module, ()):
             c = ref()
             for fqn, p in (() if c is None else c.__dict__.get("_shared", {}).items()):
-                came = _gathered_from(state_dict.get(fqn))
-                if came is c and _current(c, fqn, p):
+                if _gathered_from(state_dict.get(fqn))[0] is c and _current(c, fqn, p):
                     copied.append(p)
         _copying[module] = copied
         return None
+
+
+def _other_holders(p, model):
+    """(module, the name of `p` there) for each live module holding a piece of `p` compiled from a model other
+    than `model`."""
+    for ref, there in _holders.get(p, ()):
+        if (other := ref()) is not None and other.__dict__.get("_source_model") is not model:
+            yield other, there
 
 
 def _copied_back_shared(model, copied) -> None:
@@ -185,9 +193,8 @@ def _copied_back_shared(model, copied) -> None:
     written, and takes the new versions as its own (`model_changed` refused it, a frozen shared encoder's values
     unchanged). A checkpoint loaded into the model is no such copy: the other module is refused."""
     for p in copied:
-        for ref, there in _holders.get(p, ()):
-            other = ref()
-            if other is not None and other.__dict__.get("_source_model") is not model and _current(other, there, p):
+        for other, there in _other_holders(p, model):
+            if _current(other, there, p):
                 mark_model(other, {there})
 
 
@@ -207,10 +214,8 @@ def check_compile(model: torch.nn.Module) -> None:
             "own weights are still those it was compiled with: a new compile would start from them. What to do: "
             f"copy the trained weights back first (`{COPY_BACK}`, on every rank), then compile.")
     for fqn, p in model.named_parameters():
-        for ref, there in _holders.get(p, ()):
-            other = ref()
-            if other is not None and other.__dict__.get("_source_model") is not model and \
-                    other.__dict__.get("_weights_moved") and other.piece(there).requires_grad:
+        for other, there in _other_holders(p, model):
+            if other.__dict__.get("_weights_moved") and other.piece(there).requires_grad:
                 raise SpmdError(
                     f"spmd.compile: `{fqn}` is also a parameter of {type(other._source_model).__name__} (`{there}`), "
                     "and a module compiled from that model has trained since: this model's own value of it is still "
@@ -299,11 +304,9 @@ def _share(model: torch.nn.Module, compiled) -> None:
             continue
         holders = _holders.setdefault(p, [])
         holders[:] = [(ref, there) for ref, there in holders if ref() is not None]  # (modules dropped since)
-        for ref, there in holders:
-            other = ref()
-            if other is not None and other.__dict__.get("_source_model") is not model:
-                compiled.__dict__["_shared"][fqn] = p
-                other.__dict__["_shared"] = {**other.__dict__.get("_shared", {}), there: p}
+        for other, there in _other_holders(p, model):
+            compiled.__dict__["_shared"][fqn] = p
+            other.__dict__["_shared"] = {**other.__dict__.get("_shared", {}), there: p}
         holders.append((weakref.ref(compiled), fqn))
 
 
@@ -631,11 +634,11 @@ def from_elsewhere(compiled, values) -> bool:
     for v in values:
         if not isinstance(v, torch.Tensor):  # (a module's extra state)
             continue
-        came = _gathered_from(v)
+        came, at = _gathered_from(v)
         # (its own or a sibling's weights as gathered, where that module has not stepped nor been given a
         # checkpoint since: an older snapshot, `best = trained.full_state_dict()` restored later, is a checkpoint)
         if came is not None and (came is compiled or any(came is c for c in siblings)) and max(
-                came.__dict__.get("_moved_at", 0), came.__dict__.get("_loaded_at", 0)) <= _gathered[v][1]:
+                came.__dict__.get("_moved_at", 0), came.__dict__.get("_loaded_at", 0)) <= at:
             continue
         if _storage(getattr(v, "_local_tensor", v)) not in storages:
             return True
@@ -667,10 +670,11 @@ def saving(state) -> None:
         saving(value)
 
 
-def _gathered_from(value):
-    """The compiled module whose `full_state_dict()` gathered `value`, or None."""
+def _gathered_from(value) -> tuple:
+    """(the compiled module whose `full_state_dict()` gathered `value`, the tick it was gathered at), or
+    (None, 0)."""
     entry = _gathered.get(value) if isinstance(value, torch.Tensor) else None
-    return None if entry is None else entry[0]()
+    return (None, 0) if entry is None else (entry[0](), entry[1])
 
 
 def _storage(t):
@@ -763,7 +767,7 @@ def stale(compiled) -> None:
         return
     synced = compiled.__dict__.get("_synced", 0)
     if compiled.__dict__.get("_shared"):
-        _shared_stale(compiled, synced)
+        _shared_stale(compiled)
     if compiled.__dict__.get("_diverged"):
         raise SpmdError(_BOTH_TRAIN)
     newer = _newer(compiled)
@@ -794,7 +798,7 @@ def stale(compiled) -> None:
         "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to train apart.")
 
 
-def _shared_stale(compiled, synced: int) -> None:
+def _shared_stale(compiled) -> None:
     """Raise where a module compiled from another model stepped a parameter the two models share after this one
     last had its newest values (compiled, its own step, or given them by a load): two multi-task heads over one
     encoder, each compiled and trained with one optimizer, stepped two copies of the encoder apart (a loss 0.005
@@ -802,20 +806,13 @@ def _shared_stale(compiled, synced: int) -> None:
     encoder as it was compiled."""
     if compiled.__dict__.get("_shared_seen_at") == _clock[0]:  # (nothing stepped since the last look)
         return
-    given = compiled.__dict__.get("_shared_synced", {})
     diverged = compiled.__dict__.get("_shared_diverged", ())
     for fqn, p in compiled._shared.items():
-        moved = _param_moved.get(p)
-        if moved is None or (fqn not in diverged and moved[0] <= max(synced, given.get(fqn, 0))):
+        if _current(compiled, fqn, p):
             continue
-        tick, ref, there, shown = moved
-        other = ref()
-        if other is compiled and fqn not in diverged:
-            continue
-        if other is compiled:  # (it stepped last, from values behind another's: that one is named)
-            model = compiled.__dict__.get("_source_model")
-            found = next(((o, f) for r, f in _holders.get(p, ()) if (o := r()) is not None
-                          and o.__dict__.get("_source_model") is not model), None)
+        _, ref, there, shown = _param_moved[p]
+        if (other := ref()) is compiled:  # (it stepped last, from values behind another's: that one is named)
+            found = next(_other_holders(p, compiled.__dict__.get("_source_model")), None)
             if found is None:
                 continue
             other, there = found
@@ -928,12 +925,9 @@ def _diverge(compiled, stepped) -> None:
     share) stepped after `compiled` last held the newest weights, this step moved weights that were already
     behind (two modules' forwards, then one step over both): its copy is not what one device trains either,
     and stays refused (`_diverged`, `_shared_diverged`) until it is given weights, as the one it got ahead of."""
-    synced = compiled.__dict__.get("_synced", 0)
     if _newer(compiled):
         compiled.__dict__["_diverged"] = True
-    given = compiled.__dict__.get("_shared_synced", {})
-    behind = {fqn for fqn in stepped if (moved := _param_moved.get(compiled._shared[fqn])) is not None
-              and moved[1]() is not compiled and moved[0] > max(synced, given.get(fqn, 0))}
+    behind = {fqn for fqn in stepped if not _current(compiled, fqn, compiled._shared[fqn])}
     if behind:
         compiled.__dict__["_shared_diverged"] = compiled.__dict__.get("_shared_diverged", frozenset()) | behind
 
