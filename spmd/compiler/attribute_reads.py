@@ -272,6 +272,8 @@ def _readers(root: torch.nn.Module):
             writes |= w
         yield path, module, module, names, CHANGES_CONTAINERS in writes
         for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+            if getattr(hook, "spmd_guard", False):  # (spmd's own: runtime/source_guard.py)
+                continue
             if isinstance(hook, types.FunctionType):  # (and the modules it reads from its closure: the model)
                 for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
                     try:
@@ -296,7 +298,8 @@ def _set_by_hooks(module) -> set[str]:
     `weight_norm` and `prune` compute `module.weight` from parameters of their own, by the name they hold):
     the forward's input, not a constant."""
     hooks = (*getattr(module, "_forward_pre_hooks", {}).values(), *getattr(module, "_forward_hooks", {}).values())
-    return {v for h in hooks if not isinstance(h, (types.FunctionType, types.MethodType))
+    return {v for h in hooks if not isinstance(h, (types.FunctionType, types.MethodType)) and not getattr(
+            h, "spmd_guard", False)
             for v in getattr(h, "__dict__", {}).values() if isinstance(v, str)}
 
 

@@ -80,14 +80,15 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 def _interchangeable(a: torch.nn.Module, b: torch.nn.Module, varying: set[tuple[str, str]]) -> bool:
-    """Same structure, classes, parameters and buffers, no hooks; plain attributes that differ are
-    added to `varying` (whether the forward reads them is found when tracing)."""
+    """Same structure, classes, parameters and buffers, no hooks (spmd's own guards aside: runtime/source_guard.py);
+    plain attributes that differ are added to `varying` (whether the forward reads them is found when tracing)."""
     sub_a, sub_b = dict(a.named_modules()), dict(b.named_modules())
     if sub_a.keys() != sub_b.keys():
         return False
     for name, ma in sub_a.items():
         mb = sub_b[name]
-        if type(ma) is not type(mb) or any(getattr(m, h, None) for m in (ma, mb) for h in _HOOKS):
+        if type(ma) is not type(mb) or any(not getattr(hook, "spmd_guard", False) for m in (ma, mb)
+                                           for h in _HOOKS for hook in (getattr(m, h, None) or {}).values()):
             return False
         if _tensors(ma._parameters) != _tensors(mb._parameters) or _tensors(ma._buffers) != _tensors(mb._buffers):
             return False

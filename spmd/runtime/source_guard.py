@@ -17,6 +17,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
 - a module compiled from another model holding some of the same parameters (two heads over one encoder
   module) raises at its next call once the other's optimizer stepped one of them (`_shared_stale`), until
   it is given their values; compiling such a model raises as compiling the first one again would.
+- a submodule of the model holding weights that moved, called, saved or copied on its own (`model.encoder(x)`,
+  another model over the same encoder module called eagerly), raises until the weights are copied back
+  (`_PartGuard`).
 A checkpoint loaded whole into one module compiled from the model while none of the others has trained (a
 resumed run) makes the others stale the same way, and the model behind until it is copied back (`given`,
 `from_elsewhere`).
@@ -140,6 +143,137 @@ class _Guard:
         if _trained(module):
             raise _stale_model(module, self.what)
         return None
+
+
+class _PartGuard:
+    """A submodule of a watched model used on its own (`model.encoder(x)`, `model.encoder.state_dict()`, a copy of
+    it, or another model holding it and called as it is: two heads over one encoder, one of them compiled): its
+    weights are the model's, old once a module compiled from the model trained them (`_part_moved`). A load into
+    the part (the trained values of some of its weights, `strict=False`) makes those its own again (`_loaded`)."""
+    spmd_guard = True
+
+    def __init__(self, model: torch.nn.Module, name: str, what: str | None):
+        self.model, self.name, self.what = weakref.ref(model), name, what  # (what: None, a load's pre-hook)
+        self.tensors, self.tensors_at, self.ok_at = (), None, None
+
+    def __reduce__(self):
+        if self.what is not None:
+            self._check("copying it (copy.deepcopy, torch.save of the module)")
+        return (_Inert, ())  # (a copy of the submodule is another module)
+
+    def __call__(self, module, *args):
+        if self.what is None:
+            self._loaded(module, *args)
+        else:
+            self._check(self.what)
+
+    def _check(self, what: str) -> None:
+        model = self.model()
+        if model is None or getattr(_inside, "depth", 0) or not _trained(model):
+            return
+        now = (_clock[0], _registered[0], _marked[0])
+        if self.ok_at == now:  # (nothing stepped, loaded or set since the last look found nothing: a frozen
+            return             # backbone called batch after batch pays one compare per module)
+        if self.tensors_at != _registered[0]:
+            self.tensors, self.tensors_at = _tensors_of(model, self.name), _registered[0]
+        moved, swapped = _part_moved(model, self.tensors)
+        if not moved:
+            self.ok_at = None if swapped else now  # (weights of its own passed in: for this call only)
+            return
+        part = model.get_submodule(self.name)
+        raise SpmdError(
+            f"{type(part).__name__} `{self.name}` is a part of {type(model).__name__}, which was compiled by "
+            f"spmd.compile, and the compiled module {_how(model)} since: the part's own weights "
+            f"({', '.join(f'`{n}`' for n in moved[:3])}{', ...' if len(moved) > 3 else ''}) are still those it "
+            f"was compiled with, so {what} would give the numbers of the old weights. What to do: copy the "
+            f"trained weights back into {type(model).__name__} first (`{COPY_BACK}`, on every rank; until the "
+            "next step), or call the compiled module.")
+
+    def _loaded(self, module, state_dict, prefix, *args) -> None:
+        """A load into the part, or into a module holding it (its load pre-hook): the weights it holds directly
+        that the load gives hold what the user put there, and the compiled modules' pieces of them as they are
+        now are the mark a later step moves them from."""
+        model = self.model()
+        if model is None or getattr(_inside, "depth", 0):
+            return
+        names = [f"{self.name}.{k}" for table in (module._parameters, module._buffers) for k in table
+                 if prefix + k in state_dict]
+        for ref in _compiled_from.get(model, ()):
+            if (c := ref()) is not None and "_part_marks" in c.__dict__:
+                _mark_parts(c, model, names)
+
+
+def _tensors_of(model: torch.nn.Module, name: str) -> tuple:
+    """(name in `model`, the module holding it, "_parameters" or "_buffers", its name there) for each weight of
+    the submodule `name`, under each of its names (a tied weight's too)."""
+    part = model.get_submodule(name)
+    ids = {id(t) for t in (*part.parameters(), *part.buffers())}
+    found = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        for table in ("_parameters", "_buffers"):
+            for k, t in getattr(module, table).items():
+                if t is not None and id(t) in ids:
+                    found.append((f"{path}.{k}" if path else k, module, table, k))
+    return tuple(found)
+
+
+def _part_moved(model: torch.nn.Module, tensors: tuple) -> tuple[list[str], bool]:
+    """The names among `tensors` (`_tensors_of`) of the weights a module compiled from `model` holds newer values
+    of: pieces written since they were marked (an optimizer's step, batch norm's running statistics, a load into
+    the module), and every persistent one where a checkpoint was given to it whole; and whether a name's tensor in
+    the model is not the one marked (`torch.func.functional_call` with weights of its own: not the model's)."""
+    moved, swapped = [], False
+    for ref in _compiled_from.get(model, ()):
+        c = ref()
+        if c is None or not (c.__dict__.get("_weights_moved") or c.__dict__.get("_given_elsewhere")):
+            continue
+        marks, aliases = c.__dict__.get("_part_marks", {}), c.__dict__.get("_aliases", {})
+        elsewhere = c.__dict__.get("_given_elsewhere")
+        persistent = c._persistent_names() if elsewhere else ()
+        for n, module, table, k in tensors:
+            canonical = aliases.get(n, n)
+            mark = marks.get(canonical)
+            if mark is None or n in moved:
+                continue
+            if getattr(module, table).get(k) is not mark[0]:
+                swapped = True
+                continue
+            piece = c.piece(canonical)
+            if (elsewhere and canonical in persistent) or piece is not mark[1] or piece._version != mark[2]:
+                moved.append(n)
+    return moved, swapped
+
+
+_marked = [0]  # ticks whenever weights are marked (`_mark_parts`): a part's last look is out of date
+
+
+def _mark_parts(compiled, model: torch.nn.Module, fqns=None) -> None:
+    """The model's weights (those named `fqns`; None: all) and `compiled`'s pieces of them as they are now: a
+    piece written since (`_part_moved`) holds newer values than the model's."""
+    marks = {} if fqns is None else dict(compiled.__dict__.get("_part_marks", {}))
+    aliases = compiled.__dict__.get("_aliases", {})
+    wanted = None if fqns is None else {aliases.get(f, f) for f in fqns}
+    for n, t in (*model.named_parameters(), *model.named_buffers()):
+        canonical = aliases.get(n, n)
+        if canonical in compiled._param_names and (wanted is None or canonical in wanted):
+            piece = compiled.piece(canonical)
+            marks[canonical] = (t, piece, piece._version)
+    compiled.__dict__["_part_marks"] = marks
+    _marked[0] += 1
+
+
+_parts_watched = WeakIdKeyDictionary()  # model -> its submodules that carry its `_PartGuard`s
+
+
+def _watch_parts(model: torch.nn.Module) -> None:
+    """A `_PartGuard` on each submodule of `model` holding weights (those added since it was last compiled too)."""
+    watched = _parts_watched.setdefault(model, WeakIdKeyDictionary())
+    for name, part in model.named_modules():
+        if name and part not in watched and (any(True for _ in part.parameters()) or any(True for _ in part.buffers())):
+            watched[part] = True
+            part.register_forward_pre_hook(_PartGuard(model, name, "calling it"), prepend=True)
+            part.register_state_dict_pre_hook(_PartGuard(model, name, "its state_dict()"))
+            part.register_load_state_dict_pre_hook(_PartGuard(model, name, None))
 
 
 def _current(compiled, fqn: str, p) -> bool:
@@ -285,6 +419,7 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
             model.register_forward_hook(_OwnForward(model, after=True))
         siblings.append(weakref.ref(compiled))
         compiled.__dict__["_siblings"] = siblings
+        _watch_parts(model)
         given(compiled)  # (its weights as compiled: the mark its in-place changes are seen against)
         compiled.__dict__["_loaded"], compiled.__dict__["_given"] = False, set()
         compiled.__dict__["_synced"], compiled.__dict__["_moved_at"] = _clock[0], 0
@@ -466,6 +601,7 @@ def mark_model(compiled, fqns=None) -> None:
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
     compiled.__dict__["_model_tree"] = tree
     _mark_buffers(compiled, model, fqns)
+    _mark_parts(compiled, model, fqns)
 
 
 def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:

@@ -773,6 +773,12 @@ def test_an_attribute_of_a_stamped_layer_is_watched_too():
     model.layers[6].scale = 0.5
     with pytest.raises(spmd.SpmdError, match=r"`layers\.6\.scale` \(1\.0 -> 0\.5\)"):
         compiled(x, y)
+    model.layers[6].scale = 1.0
+    # a second module compiled from the model (for evaluation) stamps alike: the guards the first put on the
+    # layers (runtime/source_guard.py) are no hooks of the model's, and no attributes its forward reads
+    again = one_device(model, (x,), stamp_layers=True)
+    assert "5 stamped" in again.plan.stats["stamped_layers"]
+    assert not any("spmd_guard" in name or "what" in name for _, name in again._attributes.watched())
 
 
 # ---- Python's and numpy's random numbers ----------------------------------------------------------
@@ -1305,6 +1311,101 @@ def test_a_shared_encoder_is_watched_however_the_modules_come_and_go():
     opt.step()
     cb(*ex_b)
     a.load_state_dict({"2.weight": ca.full_state_dict()["2.weight"]}, strict=False)  # (a part: no encoder entry)
+
+
+def test_a_part_of_the_model_used_on_its_own_after_training_is_refused():
+    """Found by a probe of shared encoders: a model holding the encoder of one compiled, called as it is (not
+    compiled itself) after the compiled module trained the encoder, ran the untrained encoder without a word; so
+    did `model.encoder(x)` for features, its `state_dict()` and a copy of it. Each is refused, naming the part and
+    the weights that moved; a frozen encoder or one the optimizer does not hold is not, and neither is any once
+    the trained weights are copied back."""
+    import copy
+
+    enc = nn.Linear(4, 4)
+    a, b = nn.Sequential(enc, nn.ReLU(), nn.Linear(4, 2)), nn.Sequential(enc, nn.Tanh(), nn.Linear(4, 3))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    ca = one_device(a, (x, y), training=True, loss_fn=F.mse_loss)
+    b(x), enc(x)  # (not trained yet)
+    opt = torch.optim.SGD(ca.parameters(), lr=0.1)
+    ca(x, y).backward()
+    opt.step()
+    for use in (lambda: b(x), lambda: a[0](x), lambda: enc.state_dict(), lambda: copy.deepcopy(enc)):
+        with pytest.raises(spmd.SpmdError, match=r"Linear `0` is a part of Sequential, which was compiled by "
+                                                 r"spmd.compile, .*\(`0.weight`, `0.bias`\).*What to do: copy the "
+                                                 r"trained weights back into Sequential first"):
+            use()
+    with pytest.raises(spmd.SpmdError, match=r"Linear `2` is a part of Sequential"):
+        a[2](x)  # (the head, trained too)
+    a[1](x)  # (no weights: nothing to go stale)
+    a.load_state_dict(ca.full_state_dict(persistent_only=True))  # the way out
+    torch.testing.assert_close(F.mse_loss(a(x), y), ca(x, y))
+    b(x)
+
+    enc.requires_grad_(False)  # a frozen encoder: the same weights in the compiled module and the model
+    ca = one_device(a, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(ca.parameters(), lr=0.1)
+    ca(x, y).backward()
+    opt.step()
+    torch.testing.assert_close(b(x), b(x))
+    enc.requires_grad_(True)  # the encoder trainable, the optimizer over the head only: it does not move
+    a.load_state_dict(ca.full_state_dict(persistent_only=True))
+    ca = one_device(a, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(ca.get_submodule("2").parameters(), lr=0.1)
+    ca(x, y).backward()
+    opt.step()
+    b(x)
+
+    # found by a probe: what the part holds after it was given the trained values itself (a load into it, or one
+    # into the model with only its entries), or weights passed in (`functional_call`), is not the old weights; a
+    # part the optimizer holds but no gradient reaches did not move; a part added after the first compile is
+    # watched as the others
+    class _Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head, self.aux = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.enc(x)))
+
+    model = _Heads()
+    c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    c(x, y).backward()
+    opt.step()
+    def pieces():  # (one device: each piece is the whole; `full_state_dict` would gather an unused one)
+        return {n: c.piece(n).detach().clone() for n, _ in model.named_parameters()}
+
+    trained = pieces()
+    model.aux(x)
+    torch.func.functional_call(model.enc, {"weight": trained["enc.weight"], "bias": trained["enc.bias"]}, (x,))
+    with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part"):
+        model.enc(x)
+    model.enc.load_state_dict({"weight": trained["enc.weight"], "bias": trained["enc.bias"]})
+    model.load_state_dict({"head.weight": trained["head.weight"], "head.bias": trained["head.bias"]}, strict=False)
+    torch.testing.assert_close(F.mse_loss(model.head(torch.relu(model.enc(x))), y), c(x, y))
+    c(x, y).backward()
+    opt.step()  # (the next step moves them again)
+    with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part"):
+        model.enc(x)
+    model.load_state_dict(pieces())
+    model.extra = nn.Linear(4, 4)  # (added after the first compile, compiled with the next)
+    model.forward = lambda x: model.head(torch.relu(model.enc(model.extra(x))))
+    c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    c(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"Linear `extra` is a part"):
+        model.extra(x)
+
+    # a frozen part's running statistics, changed by the compiled module's steps: the part's are the old ones
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    c(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"BatchNorm1d `0` is a part .*\(`0.running_mean`, `0.running_var`"):
+        model[0].eval()(x)
 
 
 def _mlp_with(compiled) -> nn.Sequential:
