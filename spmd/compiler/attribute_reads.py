@@ -298,8 +298,8 @@ def _set_by_hooks(module) -> set[str]:
     `weight_norm` and `prune` compute `module.weight` from parameters of their own, by the name they hold):
     the forward's input, not a constant."""
     hooks = (*getattr(module, "_forward_pre_hooks", {}).values(), *getattr(module, "_forward_hooks", {}).values())
-    return {v for h in hooks if not isinstance(h, (types.FunctionType, types.MethodType)) and not getattr(
-            h, "spmd_guard", False)
+    return {v for h in hooks if not isinstance(h, (types.FunctionType, types.MethodType))
+            and not getattr(h, "spmd_guard", False)
             for v in getattr(h, "__dict__", {}).values() if isinstance(v, str)}
 
 

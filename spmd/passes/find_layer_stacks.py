@@ -79,16 +79,20 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether `module` has a hook of its own (spmd's guards aside: they compute nothing)."""
+    return any(not getattr(hook, "spmd_guard", False) for h in _HOOKS for hook in (getattr(module, h, None) or {}).values())
+
+
 def _interchangeable(a: torch.nn.Module, b: torch.nn.Module, varying: set[tuple[str, str]]) -> bool:
-    """Same structure, classes, parameters and buffers, no hooks (spmd's own guards aside: runtime/source_guard.py);
-    plain attributes that differ are added to `varying` (whether the forward reads them is found when tracing)."""
+    """Same structure, classes, parameters and buffers, no hooks (`_hooked`); plain attributes that differ are
+    added to `varying` (whether the forward reads them is found when tracing)."""
     sub_a, sub_b = dict(a.named_modules()), dict(b.named_modules())
     if sub_a.keys() != sub_b.keys():
         return False
     for name, ma in sub_a.items():
         mb = sub_b[name]
-        if type(ma) is not type(mb) or any(not getattr(hook, "spmd_guard", False) for m in (ma, mb)
-                                           for h in _HOOKS for hook in (getattr(m, h, None) or {}).values()):
+        if type(ma) is not type(mb) or _hooked(ma) or _hooked(mb):
             return False
         if _tensors(ma._parameters) != _tensors(mb._parameters) or _tensors(ma._buffers) != _tensors(mb._buffers):
             return False

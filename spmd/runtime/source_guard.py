@@ -17,9 +17,9 @@ them afterwards would give the numbers of the untrained weights, without a word.
 - a module compiled from another model holding some of the same parameters (two heads over one encoder
   module) raises at its next call once the other's optimizer stepped one of them (`_shared_stale`), until
   it is given their values; compiling such a model raises as compiling the first one again would.
-- a submodule of the model holding weights that moved, called, saved or copied on its own (`model.encoder(x)`,
-  another model over the same encoder module called eagerly), raises until the weights are copied back
-  (`_PartGuard`).
+- a submodule of the model whose weights a compiled module wrote since, called, saved or copied on its own
+  (`model.encoder(x)`, another model over the same encoder module called eagerly), raises until the weights
+  are copied back, or loaded into the part itself (`_PartGuard`, `_PartLoad`).
 A checkpoint loaded whole into one module compiled from the model while none of the others has trained (a
 resumed run) makes the others stale the same way, and the model behind until it is copied back (`given`,
 `from_elsewhere`).
@@ -146,41 +146,37 @@ class _Guard:
 
 
 class _PartGuard:
-    """A submodule of a watched model used on its own (`model.encoder(x)`, `model.encoder.state_dict()`, a copy of
-    it, or another model holding it and called as it is: two heads over one encoder, one of them compiled): its
-    weights are the model's, old once a module compiled from the model trained them (`_part_moved`). A load into
-    the part (the trained values of some of its weights, `strict=False`) makes those its own again (`_loaded`)."""
+    """On a submodule of a watched model (its forward pre-hook, its state_dict pre-hook): used on its own
+    (`model.encoder(x)`, `model.encoder.state_dict()`, a copy of it, or another model holding it and called as it
+    is: two heads over one encoder, one of them compiled) once a module compiled from the model wrote its pieces
+    of the part's weights, it raises until they are copied back (`_part_moved`). The part is found by identity,
+    not by its name, so one deleted from the model or replaced in it (and still held elsewhere) stays watched.
+    A look that found nothing is kept (`ok_at`) until a step, a load or a registration anywhere, or until one
+    of the part's buffer pieces changes (batch norm's statistics, in a compiled forward with no step)."""
     spmd_guard = True
 
-    def __init__(self, model: torch.nn.Module, name: str, what: str | None):
-        self.model, self.name, self.what = weakref.ref(model), name, what  # (what: None, a load's pre-hook)
-        self.tensors, self.tensors_at, self.ok_at = (), None, None
+    def __init__(self, model: torch.nn.Module, part: torch.nn.Module, name: str, what: str):
+        self.model, self.part, self.name, self.what = weakref.ref(model), weakref.ref(part), name, what
+        self.ok_at, self.ok_buffers = None, ()
 
     def __reduce__(self):
-        if self.what is not None:
-            self._check("copying it (copy.deepcopy, torch.save of the module)")
+        self._check("copying it (copy.deepcopy, torch.save of the module)")
         return (_Inert, ())  # (a copy of the submodule is another module)
 
     def __call__(self, module, *args):
-        if self.what is None:
-            self._loaded(module, *args)
-        else:
-            self._check(self.what)
+        self._check(self.what)
 
     def _check(self, what: str) -> None:
-        model = self.model()
-        if model is None or getattr(_inside, "depth", 0) or not _trained(model):
+        model, part = self.model(), self.part()
+        if model is None or part is None or getattr(_inside, "depth", 0) or not _trained(model):
             return
         now = (_clock[0], _registered[0], _marked[0])
-        if self.ok_at == now:  # (nothing stepped, loaded or set since the last look found nothing: a frozen
-            return             # backbone called batch after batch pays one compare per module)
-        if self.tensors_at != _registered[0]:
-            self.tensors, self.tensors_at = _tensors_of(model, self.name), _registered[0]
-        moved, swapped = _part_moved(model, self.tensors)
-        if not moved:
-            self.ok_at = None if swapped else now  # (weights of its own passed in: for this call only)
+        if self.ok_at == now and all(b._version == v for b, v in self.ok_buffers):
             return
-        part = model.get_submodule(self.name)
+        moved, swapped, buffers = _part_moved(model, part)
+        if not moved:  # (weights of its own passed in, `functional_call`'s: good for this call only)
+            self.ok_at, self.ok_buffers = (None if swapped else now), buffers
+            return
         raise SpmdError(
             f"{type(part).__name__} `{self.name}` is a part of {type(model).__name__}, which was compiled by "
             f"spmd.compile, and the compiled module {_how(model)} since: the part's own weights "
@@ -189,91 +185,114 @@ class _PartGuard:
             f"trained weights back into {type(model).__name__} first (`{COPY_BACK}`, on every rank; until the "
             "next step), or call the compiled module.")
 
-    def _loaded(self, module, state_dict, prefix, *args) -> None:
-        """A load into the part, or into a module holding it (its load pre-hook): the weights it holds directly
-        that the load gives hold what the user put there, and the compiled modules' pieces of them as they are
-        now are the mark a later step moves them from."""
+
+class _PartLoad:
+    """On a submodule of a watched model (its load_state_dict pre- and post-hooks): the weights it holds itself
+    that a load gave without an error (`model.encoder.load_state_dict(trained)`, a load into the model with only
+    some entries, `assign=True` too) hold what the user put there; they, and the compiled modules' pieces of
+    them as they are now, are the new mark (`_mark_parts`)."""
+    spmd_guard = True
+
+    def __init__(self, model: torch.nn.Module, after: bool):
+        self.model, self.after = weakref.ref(model), after
+
+    def __reduce__(self):
+        return (_Inert, ())  # (a copy of the submodule is another module)
+
+    def __call__(self, module, *args):
         model = self.model()
         if model is None or getattr(_inside, "depth", 0):
-            return
-        names = [f"{self.name}.{k}" for table in (module._parameters, module._buffers) for k in table
-                 if prefix + k in state_dict]
-        for ref in _compiled_from.get(model, ()):
-            if (c := ref()) is not None and "_part_marks" in c.__dict__:
-                _mark_parts(c, model, names)
+            return None
+        if not self.after:  # (module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+            state_dict, prefix, errors = args[0], args[1], args[6]
+            _loading[module] = ({k: t for table in (module._parameters, module._buffers) for k, t in table.items()
+                                 if t is not None and prefix + k in state_dict}, errors, len(errors))
+            return None
+        found, errors, before = _loading.pop(module, ({}, (), 0))
+        if found and len(errors) == before:
+            given = [(t, now) for k, t in found.items()
+                     if (now := module._parameters.get(k, module._buffers.get(k))) is not None]
+            for ref in _compiled_from.get(model, ()):
+                if (c := ref()) is not None and "_part_marks" in c.__dict__:
+                    _mark_parts(c, model, given)
+        return None
 
 
-def _tensors_of(model: torch.nn.Module, name: str) -> tuple:
-    """(name in `model`, the module holding it, "_parameters" or "_buffers", its name there) for each weight of
-    the submodule `name`, under each of its names (a tied weight's too)."""
-    part = model.get_submodule(name)
-    ids = {id(t) for t in (*part.parameters(), *part.buffers())}
-    found = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        for table in ("_parameters", "_buffers"):
-            for k, t in getattr(module, table).items():
-                if t is not None and id(t) in ids:
-                    found.append((f"{path}.{k}" if path else k, module, table, k))
-    return tuple(found)
+_loading = WeakIdKeyDictionary()  # module -> (names a load into it gives, the load's errors, their count before)
 
 
-def _part_moved(model: torch.nn.Module, tensors: tuple) -> tuple[list[str], bool]:
-    """The names among `tensors` (`_tensors_of`) of the weights a module compiled from `model` holds newer values
-    of: pieces written since they were marked (an optimizer's step, batch norm's running statistics, a load into
-    the module), and every persistent one where a checkpoint was given to it whole; and whether a name's tensor in
-    the model is not the one marked (`torch.func.functional_call` with weights of its own: not the model's)."""
-    moved, swapped = [], False
+def _part_moved(model: torch.nn.Module, part: torch.nn.Module) -> tuple[list[str], bool, tuple]:
+    """The names of `part`'s weights that a module compiled from `model` holds newer values of: its pieces
+    written since they were marked (an optimizer's step, batch norm's statistics), and every persistent one
+    marked before a checkpoint was given to that module whole; whether one of the part's tensors is not
+    the model's (`torch.func.functional_call` passing weights of its own); and (piece, version) of each
+    buffer piece found unwritten."""
+    held = {id(t): t for m in part.modules() for table in (m._parameters, m._buffers) for t in table.values()
+            if t is not None}
+    moved, swapped, buffers = [], False, []
     for ref in _compiled_from.get(model, ()):
         c = ref()
         if c is None or not (c.__dict__.get("_weights_moved") or c.__dict__.get("_given_elsewhere")):
             continue
-        marks, aliases = c.__dict__.get("_part_marks", {}), c.__dict__.get("_aliases", {})
-        elsewhere = c.__dict__.get("_given_elsewhere")
-        persistent = c._persistent_names() if elsewhere else ()
-        for n, module, table, k in tensors:
-            canonical = aliases.get(n, n)
-            mark = marks.get(canonical)
-            if mark is None or n in moved:
+        marks = c.__dict__.get("_part_marks", {})
+        swapped = swapped or any(id(t) not in marks for t in held.values())
+        elsewhere = c.__dict__.get("_elsewhere_mark", -1) if c.__dict__.get("_given_elsewhere") else -1
+        for key, t in held.items():
+            mark = marks.get(key)
+            if mark is None or mark[0] is not t or mark[1] in moved:
                 continue
-            if getattr(module, table).get(k) is not mark[0]:
-                swapped = True
-                continue
-            piece = c.piece(canonical)
-            if (elsewhere and canonical in persistent) or piece is not mark[1] or piece._version != mark[2]:
-                moved.append(n)
-    return moved, swapped
+            _, name, piece, version, when = mark
+            now = c.piece(name)
+            if when <= elsewhere or now is not piece or now._version != version:
+                moved.append(name)
+            elif name in c.__dict__.get("_part_buffers", ()):
+                buffers.append((now, version))
+    return moved, swapped, tuple(buffers)
 
 
 _marked = [0]  # ticks whenever weights are marked (`_mark_parts`): a part's last look is out of date
 
 
-def _mark_parts(compiled, model: torch.nn.Module, fqns=None) -> None:
-    """The model's weights (those named `fqns`; None: all) and `compiled`'s pieces of them as they are now: a
-    piece written since (`_part_moved`) holds newer values than the model's."""
-    marks = {} if fqns is None else dict(compiled.__dict__.get("_part_marks", {}))
-    aliases = compiled.__dict__.get("_aliases", {})
-    wanted = None if fqns is None else {aliases.get(f, f) for f in fqns}
-    for n, t in (*model.named_parameters(), *model.named_buffers()):
-        canonical = aliases.get(n, n)
-        if canonical in compiled._param_names and (wanted is None or canonical in wanted):
-            piece = compiled.piece(canonical)
-            marks[canonical] = (t, piece, piece._version)
-    compiled.__dict__["_part_marks"] = marks
+def _mark_parts(compiled, model: torch.nn.Module, given=None) -> None:
+    """The model's weights (`given`: (the tensor a load found, the one it left) pairs, the second a new one
+    under `assign=True`; None: all its parameters and persistent buffers) and `compiled`'s pieces of them as they
+    are now: a piece written since holds newer values than the model's (`_part_moved`)."""
     _marked[0] += 1
+    if given is None:  # (the model's weights, each under the name the compiled module holds it by)
+        aliases, keep = compiled.__dict__.get("_aliases", {}), compiled._persistent_names()
+        names = {id(t): aliases.get(n, n) for n, t in (*model.named_parameters(), *model.named_buffers())
+                 if aliases.get(n, n) in keep}
+        compiled.__dict__["_part_names"] = names
+        compiled.__dict__["_part_buffers"] = {aliases.get(n, n) for n, _ in model.named_buffers()}
+        marks, given = {}, [(t, t) for t in (*model.parameters(), *model.buffers())]
+    else:
+        names = dict(compiled.__dict__.get("_part_names", {}))
+        marks = dict(compiled.__dict__.get("_part_marks", {}))
+    for before, now in given:
+        name = names.get(id(before))
+        if name is None:
+            continue
+        if now is not before:  # (the tensor the load assigned holds the name now)
+            marks.pop(id(before), None)
+            names[id(now)] = name
+        piece = compiled.piece(name)
+        marks[id(now)] = (now, name, piece, piece._version, _marked[0])
+    compiled.__dict__["_part_names"], compiled.__dict__["_part_marks"] = names, marks
 
 
-_parts_watched = WeakIdKeyDictionary()  # model -> its submodules that carry its `_PartGuard`s
+_parts_watched = WeakIdKeyDictionary()  # model -> {submodule: True} (a weak set) of those carrying its guards
 
 
 def _watch_parts(model: torch.nn.Module) -> None:
-    """A `_PartGuard` on each submodule of `model` holding weights (those added since it was last compiled too)."""
+    """Guards on each submodule of `model` holding weights (those added since it was last compiled too)."""
     watched = _parts_watched.setdefault(model, WeakIdKeyDictionary())
     for name, part in model.named_modules():
         if name and part not in watched and (any(True for _ in part.parameters()) or any(True for _ in part.buffers())):
             watched[part] = True
-            part.register_forward_pre_hook(_PartGuard(model, name, "calling it"), prepend=True)
-            part.register_state_dict_pre_hook(_PartGuard(model, name, "its state_dict()"))
-            part.register_load_state_dict_pre_hook(_PartGuard(model, name, None))
+            part.register_forward_pre_hook(_PartGuard(model, part, name, "calling it"), prepend=True)
+            part.register_state_dict_pre_hook(_PartGuard(model, part, name, "its state_dict()"))
+            part.register_load_state_dict_pre_hook(_PartLoad(model, after=False))
+            part.register_load_state_dict_post_hook(_PartLoad(model, after=True))
 
 
 def _current(compiled, fqn: str, p) -> bool:
@@ -601,7 +620,12 @@ def mark_model(compiled, fqns=None) -> None:
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
     compiled.__dict__["_model_tree"] = tree
     _mark_buffers(compiled, model, fqns)
-    _mark_parts(compiled, model, fqns)
+    if fqns is None:
+        _mark_parts(compiled, model)
+    else:
+        weights = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        _mark_parts(compiled, model, [(weights[f], weights[f]) for f in fqns if f in weights])
 
 
 def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:
@@ -851,6 +875,7 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
             _clock[0] += 1
             compiled.__dict__["_loaded_at"] = _clock[0]
             compiled.__dict__["_given_elsewhere"] = True  # (newer than the model too: `_trained`)
+            compiled.__dict__["_elsewhere_mark"] = _marked[0]  # (parts marked up to now hold the old weights)
             _behind_now(compiled)
     if compiled.__dict__.get("_shared"):  # (given a shared parameter's newest values, whole or not)
         now = {fqn for fqn in compiled._shared if fqns is None or fqn in fqns}

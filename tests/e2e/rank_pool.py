@@ -40,7 +40,9 @@ def _unwaited() -> int:
     return c10d._get_work_registry_size() if hasattr(c10d, "_get_work_registry_size") else 0
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, stacks: str) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, stacks: str, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # (the test process's now: a forked rank has the server's, from the first pool)
     os.environ["OMP_NUM_THREADS"] = "1"
     import faulthandler
 
@@ -67,10 +69,11 @@ def _worker(rank: int, world: int, port: int, tasks, results, stacks: str) -> No
     dist.destroy_process_group()
 
 
-# What a rank imports before its first test: started with "forkserver", every pool's ranks fork from one server
-# process that imported these once (4 ranks up in 0.1 s, against ~5-10 s for 4 spawned ones importing torch
-# on 2 cores). The server imports nothing else and runs no test: each rank starts as a fresh process would,
-# with the environment the test process had when the first pool started (tests/conftest.py sets it at import).
+# What a rank imports before its first test. Started with "forkserver", every pool's ranks fork from one
+# server process that imported these once: 4 ranks are up in 0.1 s, against 5-10 s for 4 spawned ones
+# importing torch on 2 cores. The server runs no test and holds no thread; a rank takes the test process's
+# environment when its pool starts (`_worker`), but what these modules read from it at import was read once,
+# when the server started.
 PRELOAD = ["torch", "torch.distributed", "spmd", "tests.support", "tests.models"]
 
 
@@ -92,8 +95,8 @@ class RankPool:
             fd, path = tempfile.mkstemp(prefix=f"rank{r}-", suffix=".stacks")
             os.close(fd)  # (the rank opens it by name)
             self.stacks.append(path)
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, self.stacks[r]),
-                                  daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, self.stacks[r],
+                                                        dict(os.environ)), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

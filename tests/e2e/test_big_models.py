@@ -208,7 +208,8 @@ def _big_meta_training(rank: int, world: int) -> dict:
     # (lists: tensors through the pool's queue would go through shared memory, which outlives no rank)
     samples = {name: compiled.get_parameter(name)[:3].tolist()
                for name in ("tok_emb.weight", "blocks.3.attn.q_proj.weight", "blocks.7.mlp.fc2.weight", "lm_head.weight")}
-    # (SGD: AdamW's first step spent 16 s of this test's 69 faulting in its state's 3.7 GB over four ranks)
+    # (SGD, without momentum: no state, so compiled with optimizer_state_factor=0; AdamW's first step spent 16 s
+    # of this test's 69 faulting in its state's 3.7 GB over the four ranks)
     opt = torch.optim.SGD(compiled.parameters(), lr=0.5)
     local = compiled.shard_inputs(tokens, tokens)
     losses = []

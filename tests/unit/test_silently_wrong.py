@@ -1359,14 +1359,6 @@ def test_a_part_of_the_model_used_on_its_own_after_training_is_refused():
     # into the model with only its entries), or weights passed in (`functional_call`), is not the old weights; a
     # part the optimizer holds but no gradient reaches did not move; a part added after the first compile is
     # watched as the others
-    class _Heads(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.enc, self.head, self.aux = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.head(torch.relu(self.enc(x)))
-
     model = _Heads()
     c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(c.parameters(), lr=0.1)
@@ -1406,6 +1398,78 @@ def test_a_part_of_the_model_used_on_its_own_after_training_is_refused():
     opt.step()
     with pytest.raises(spmd.SpmdError, match=r"BatchNorm1d `0` is a part .*\(`0.running_mean`, `0.running_var`"):
         model[0].eval()(x)
+
+
+class _Heads(nn.Module):
+    def __init__(self, norm: bool = False):
+        super().__init__()
+        self.enc, self.head, self.aux = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.norm = nn.BatchNorm1d(4) if norm else nn.Identity()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.enc(x))))
+
+
+def _heads_trained(norm: bool = False):
+    torch.manual_seed(0)
+    model, x, y = _Heads(norm), torch.randn(6, 4), torch.randn(6, 2)
+    c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    c(x, y).backward()
+    opt.step()
+    return model, c, opt, x, y
+
+
+def _pieces(c, model, prefix: str) -> dict:
+    """The compiled module's values of the model's weights under `prefix` (one device: each piece is whole)."""
+    return {n[len(prefix):]: c.piece(n).detach().clone() for n, _ in
+            (*model.named_parameters(), *model.named_buffers()) if n.startswith(prefix)}
+
+
+def test_a_part_is_watched_by_what_it_is_not_by_its_name():
+    """Found by a review of the part guard: a part deleted from the model, or replaced in it while another
+    model holds the old one, ran its old weights (one by an AttributeError); a load into the part that failed
+    counted as given, one with `assign=True` turned the guard off for good, and one after a checkpoint was
+    given to the compiled module never counted; a part's batch norm statistics, moved by a compiled forward
+    with no step after a look found nothing, were not looked at again."""
+    model, c, opt, x, y = _heads_trained()
+    enc = model.enc
+    other = nn.Sequential(enc, nn.Tanh())
+    model.enc = nn.Linear(4, 4)  # (replaced: the old one, still held by `other`, keeps the old weights)
+    with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part of _Heads"):
+        other(x)
+    del model.enc
+    with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part of _Heads"):
+        enc(x)
+
+    model, c, opt, x, y = _heads_trained()
+    trained = _pieces(c, model, "enc.")
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.enc.load_state_dict({"weight": torch.zeros(3, 3), "bias": trained["bias"]})
+    with pytest.raises(spmd.SpmdError, match=r"\(`enc.weight`"):
+        model.enc(x)  # (the failed load gave nothing)
+    model.enc.load_state_dict(trained, assign=True)
+    model.enc(x)
+    c(x, y).backward()
+    opt.step()  # (the step moves the pieces past the tensors the load assigned)
+    with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part"):
+        model.enc(x)
+
+    model = _Heads()  # a resumed run: a checkpoint given to the compiled module before any step
+    c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    checkpoint = {k: v + 0.5 for k, v in _pieces(c, model, "").items()}
+    c.load_state_dict(checkpoint)  # (from elsewhere: newer than the model's weights)
+    with pytest.raises(spmd.SpmdError, match=r"was given weights from elsewhere"):
+        model.enc(x)
+    model.enc.load_state_dict({k[4:]: v for k, v in checkpoint.items() if k.startswith("enc.")})
+    model.enc(x)
+
+    model, c, opt, x, y = _heads_trained(norm=True)
+    model.norm.load_state_dict(_pieces(c, model, "norm."))
+    model.norm.state_dict()  # (given the trained statistics: a look that finds nothing)
+    c(x, y).backward()  # (a compiled forward in training mode, no step: the statistics move again)
+    with pytest.raises(spmd.SpmdError, match=r"\(`norm.running_mean`, `norm.running_var`"):
+        model.norm.state_dict()
 
 
 def _mlp_with(compiled) -> nn.Sequential:
