@@ -93,6 +93,9 @@ class _GatherFull(torch.autograd.Function):
 
 def _gathered(local: torch.Tensor, placements: Placements, mesh, group_names: tuple[str, ...]) -> torch.Tensor:
     replicated = tuple(Replicate() for _ in placements)
+    # (on an axis of size 1 the piece is the whole, and a Partial one its own sum: nothing to gather there. A
+    # parameter the forward never reads may be planned Shard on it, and its gather called a group of one)
+    placements = tuple(Replicate() if mesh.shape[axis] == 1 else p for axis, p in enumerate(placements))
     shape = list(local.shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):

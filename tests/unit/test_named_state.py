@@ -165,6 +165,22 @@ def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
     assert checkpoint_guard._piece(compiled.get_parameter("fc.weight")) is None
 
 
+def test_a_piece_cut_over_an_axis_of_one_rank_gathers_without_a_collective():
+    """The same over an axis of one rank, and a parameter no gradient reaches (planned Shard there, the memory's
+    tie broken for it): `full_state_dict()` called an all_gather over a group of one (no process group on
+    one device: it failed). Each is whole on the rank already."""
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    model = _Unused()
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.cross_entropy,
+                          param_placements={"fc.weight": [Shard(0)], "pooler.weight": [Shard(1)]})
+    full = compiled.full_state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(full[name], value)
+
+
 def _logits_loss(out, labels):
     return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 

@@ -1364,10 +1364,7 @@ def test_a_part_of_the_model_used_on_its_own_after_training_is_refused():
     opt = torch.optim.SGD(c.parameters(), lr=0.1)
     c(x, y).backward()
     opt.step()
-    def pieces():  # (one device: each piece is the whole; `full_state_dict` would gather an unused one)
-        return {n: c.piece(n).detach().clone() for n, _ in model.named_parameters()}
-
-    trained = pieces()
+    trained = c.full_state_dict(persistent_only=True)
     model.aux(x)
     torch.func.functional_call(model.enc, {"weight": trained["enc.weight"], "bias": trained["enc.bias"]}, (x,))
     with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part"):
@@ -1379,7 +1376,7 @@ def test_a_part_of_the_model_used_on_its_own_after_training_is_refused():
     opt.step()  # (the next step moves them again)
     with pytest.raises(spmd.SpmdError, match=r"Linear `enc` is a part"):
         model.enc(x)
-    model.load_state_dict(pieces())
+    model.load_state_dict(c.full_state_dict(persistent_only=True))
     model.extra = nn.Linear(4, 4)  # (added after the first compile, compiled with the next)
     model.forward = lambda x: model.head(torch.relu(model.enc(model.extra(x))))
     c = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
@@ -1421,9 +1418,8 @@ def _heads_trained(norm: bool = False):
 
 
 def _pieces(c, model, prefix: str) -> dict:
-    """The compiled module's values of the model's weights under `prefix` (one device: each piece is whole)."""
-    return {n[len(prefix):]: c.piece(n).detach().clone() for n, _ in
-            (*model.named_parameters(), *model.named_buffers()) if n.startswith(prefix)}
+    """The compiled module's values of the model's weights under `prefix`, by their names there."""
+    return {n[len(prefix):]: v for n, v in c.full_state_dict(persistent_only=True).items() if n.startswith(prefix)}
 
 
 def test_a_part_is_watched_by_what_it_is_not_by_its_name():
