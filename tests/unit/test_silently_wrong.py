@@ -1460,6 +1460,27 @@ def test_a_part_is_watched_by_what_it_is_not_by_its_name():
     model.enc.load_state_dict({k[4:]: v for k, v in checkpoint.items() if k.startswith("enc.")})
     model.enc(x)
 
+    class _Tied(nn.Module):  # an embedding tied to the output layer: one tensor under two parts
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.out(torch.tanh(self.emb(tokens)))
+
+    model, tokens = _Tied(), torch.randint(0, 8, (3, 5))
+    c = one_device(model, (tokens, tokens), training=True, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1),
+                                                                                                  t.flatten()))
+    opt = torch.optim.SGD(c.parameters(), lr=0.1)
+    c(tokens, tokens).backward()
+    opt.step()
+    for part in (model.emb, model.out):
+        with pytest.raises(spmd.SpmdError, match=r"\(`emb.weight`\)"):
+            part(tokens if part is model.emb else x)
+    model.out.load_state_dict({"weight": c.full_state_dict()["out.weight"]})  # (the tied name: both hold it)
+    model.emb(tokens), model.out(x)
+
     model, c, opt, x, y = _heads_trained(norm=True)
     model.norm.load_state_dict(_pieces(c, model, "norm."))
     model.norm.state_dict()  # (given the trained statistics: a look that finds nothing)
