@@ -72,6 +72,12 @@ _inside = threading.local()  # spmd itself running the model (the mode check): n
 _registered = [0]
 
 
+def _eager(hook):
+    """A guard's hook, run as Python even where torch.compile traces the model's modules (`torch.compile(model)`
+    after spmd.compile): dynamo took its weak reference to a compiled module for a call of that module."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def _bump(module, name, value) -> None:
     _registered[0] += 1  # (returns None: the registration goes on as it was)
 
@@ -123,6 +129,7 @@ class _Guard:
             raise _stale_model(model, "copying it (copy.deepcopy, torch.save of the whole model)")
         return (_Inert, ())  # (a copy of the model is another model)
 
+    @_eager
     def __call__(self, module, *args):
         if module is not self.model() or getattr(_inside, "depth", 0):
             return None
@@ -163,6 +170,7 @@ class _PartGuard:
         self._check("copying it (copy.deepcopy, torch.save of the module)")
         return (_Inert, ())  # (a copy of the submodule is another module)
 
+    @_eager
     def __call__(self, module, *args):
         self._check(self.what)
 
@@ -199,6 +207,7 @@ class _PartLoad:
     def __reduce__(self):
         return (_Inert, ())  # (a copy of the submodule is another module)
 
+    @_eager
     def __call__(self, module, *args):
         model = self.model()
         if model is None or getattr(_inside, "depth", 0):
@@ -319,6 +328,7 @@ class _CopyBack:
     def __reduce__(self):
         return (_Inert, ())  # (a copy of the model is another model)
 
+    @_eager
     def __call__(self, module, state_dict, prefix, *args):
         if module is not self.model() or prefix:
             return None
@@ -386,6 +396,7 @@ class _LossGuard:
     def __init__(self, what: str | None):
         self.what = what
 
+    @_eager
     def __call__(self, module, *args):
         if getattr(_inside, "depth", 0):
             return None
@@ -479,6 +490,7 @@ class _OwnForward:
     def __reduce__(self):
         return (_Inert, ())  # (a copy of the model is another model)
 
+    @_eager
     def __call__(self, module, *args):
         if module is not self.model():
             return None

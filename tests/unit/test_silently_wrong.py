@@ -1422,6 +1422,22 @@ def _pieces(c, model, prefix: str) -> dict:
     return {n[len(prefix):]: v for n, v in c.full_state_dict(persistent_only=True).items() if n.startswith(prefix)}
 
 
+def test_the_model_under_torch_compile_runs_and_is_guarded():
+    """`torch.compile(model)` after spmd.compile (a reference to compare with) failed with "the compiled model
+    takes 2 inputs, got 0": dynamo traced the guards' hooks and took a weak reference to the compiled module for
+    a call of it. The hooks run as Python (`source_guard._eager`): the model computes, and once the compiled
+    module trained, it is refused as in eager."""
+    model, c, opt, x, y = _heads_trained()
+    model.load_state_dict(c.full_state_dict(persistent_only=True))
+    traced = torch.compile(model, backend="eager")
+    torch.testing.assert_close(traced(x), model(x))
+    torch.testing.assert_close(torch.compile(model.enc, backend="eager")(x), model.enc(x))
+    c(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module has trained since"):
+        traced(x)
+
+
 def test_a_part_is_watched_by_what_it_is_not_by_its_name():
     """Found by a review of the part guard: a part deleted from the model, or replaced in it while another
     model holds the old one, ran its old weights (one by an AttributeError); a load into the part that failed
