@@ -663,3 +663,57 @@ def test_checkpoints_of_old_weights_and_beside_them_are_refused(ranks, tmp_path)
         assert r["saved_stale"] and "another module compiled from the same model has trained" in r["saved_stale"], r
         assert r["resumed_stale"] and "given weights from elsewhere" in r["resumed_stale"], r
         assert r["error"] < 1e-12, r
+
+
+def _parts_of_a_sharded_model(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import Replicate
+
+    from tests.models import MLP
+
+    def refused(call) -> str | None:
+        try:
+            call()
+        except spmd.SpmdError as e:
+            return str(e)
+        return None
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = MLP(16, 32)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                                param_placements={"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)],
+                                                  "fc2.weight": [Shard(1)], "fc2.bias": [Replicate()]})
+        features = torch.nn.Sequential(model.fc1, torch.nn.ReLU())  # (another model over the same layer)
+        before = features(x)
+        opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        compiled(*compiled.shard_inputs(x, y)).backward()
+        opt.step()
+        out = {"part": refused(lambda: model.fc1(x)), "other": refused(lambda: features(x)),
+               "pieces": tuple(compiled.get_parameter("fc1.weight").shape)}
+        trained = compiled.full_state_dict(persistent_only=True)
+        model.fc1.load_state_dict({"weight": trained["fc1.weight"], "bias": trained["fc1.bias"]})
+        out["given"] = refused(lambda: features(x))
+        out["moved"] = float((features(x) - before).abs().max())
+        out["model"] = refused(lambda: model(x))  # (fc2 is still the old one)
+        model.load_state_dict(trained)
+        out["error"] = float((F.mse_loss(model(x), y) - compiled(*compiled.shard_inputs(x, y))).abs())
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_part_of_a_sharded_model_is_refused_until_given_its_trained_weights(ranks):
+    """The part guard on gloo ranks, with the part's weights cut across them: after a step, the layer called on
+    its own, and another model over it, are refused on every rank; given the layer's trained weights (gathered
+    by `full_state_dict`), the other model computes with them, while the model (its second layer still old) stays
+    refused until the whole copy back."""
+    for r in ranks(2).run(_parts_of_a_sharded_model):
+        assert r["pieces"] == (16, 16), r
+        assert r["part"] and "Linear `fc1` is a part of MLP" in r["part"] and "`fc1.weight`" in r["part"], r
+        assert r["other"] and "Linear `fc1` is a part of MLP" in r["other"], r
+        assert r["given"] is None and r["moved"] > 0, r
+        assert r["model"] and "has trained since" in r["model"], r
+        assert r["error"] < 1e-12, r
