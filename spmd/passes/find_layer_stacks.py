@@ -81,7 +81,8 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 def _hooked(module: torch.nn.Module) -> bool:
     """Whether `module` has a hook of its own (spmd's guards aside: they compute nothing)."""
-    return any(not getattr(hook, "spmd_guard", False) for h in _HOOKS for hook in (getattr(module, h, None) or {}).values())
+    return any(not getattr(hook, "spmd_guard", False)
+               for h in _HOOKS for hook in (getattr(module, h, None) or {}).values())
 
 
 def _interchangeable(a: torch.nn.Module, b: torch.nn.Module, varying: set[tuple[str, str]]) -> bool:

@@ -345,9 +345,10 @@ def _watch_parts(model: torch.nn.Module) -> None:
     watched = _parts_watched.setdefault(model, WeakIdKeyDictionary())
     for name, part in model.named_modules():
         if name and part not in watched and (any(True for _ in part.parameters()) or any(True for _ in part.buffers())):
-            watched[part] = (_PartGuard(model, part, name, "calling it"), _PartGuard(model, part, name, "its state_dict()"))
-            part.register_forward_pre_hook(watched[part][0], prepend=True)
-            part.register_state_dict_pre_hook(watched[part][1])
+            call, state = _PartGuard(model, part, name, "calling it"), _PartGuard(model, part, name, "its state_dict()")
+            watched[part] = (call, state)
+            part.register_forward_pre_hook(call, prepend=True)
+            part.register_state_dict_pre_hook(state)
             part.register_load_state_dict_pre_hook(_PartLoad(model, after=False))
             part.register_load_state_dict_post_hook(_PartLoad(model, after=True))
 

@@ -1,9 +1,10 @@
 """A pool of gloo worker processes that stays up across tests.
 
 Starting 4 Python processes that import torch costs seconds on 2 cores, so each world size is started
-once per test session (and a rank forks from a server that imported torch and spmd once: `PRELOAD`) and every test sends its function to all ranks: `pool.run(fn, *args)` calls
-`fn(rank, world, *args)` on every rank (fn must be a module-level function) and returns the per-rank
-results, or raises with every failing rank's traceback. A hung collective times out and kills the pool.
+once per test session (its ranks fork from a server that imported torch and spmd once: `PRELOAD`), and
+every test sends its function to all ranks: `pool.run(fn, *args)` calls `fn(rank, world, *args)` on every
+rank (fn must be a module-level function) and returns the per-rank results, or raises with every failing
+rank's traceback. A hung collective times out and kills the pool.
 """
 from __future__ import annotations
 

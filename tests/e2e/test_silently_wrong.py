@@ -606,18 +606,20 @@ def test_weights_given_in_place_from_a_module_of_another_plan_are_refused(ranks)
 
 # ---- checkpoints and modules compiled from one model ---------------------------------------------------------
 
+def _refused(call) -> str | None:
+    """The message of the SpmdError `call()` raises, or None where it runs."""
+    try:
+        call()
+    except spmd.SpmdError as e:
+        return str(e)
+    return None
+
+
 def _checkpoints_beside_a_sibling(rank: int, world: int, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Replicate
 
     from tests.models import MLP
-
-    def refused(call) -> str | None:
-        try:
-            call()
-        except spmd.SpmdError as e:
-            return str(e)
-        return None
 
     torch.set_default_dtype(torch.float64)
     try:
@@ -633,7 +635,7 @@ def _checkpoints_beside_a_sibling(rank: int, world: int, folder: str) -> dict:
         opt = torch.optim.SGD(trained.parameters(), lr=0.1)
         trained(*trained.shard_inputs(x, y)).backward()
         opt.step()
-        out = {"saved_stale": refused(lambda: dcp.save({"model": evaluate.state_dict()}, checkpoint_id=folder))}
+        out = {"saved_stale": _refused(lambda: dcp.save({"model": evaluate.state_dict()}, checkpoint_id=folder))}
         dcp.save({"model": trained.state_dict()}, checkpoint_id=folder)  # (the module that trained: saved)
         checkpoint = MLP(16, 32)
         checkpoint.load_state_dict(trained.full_state_dict())
@@ -644,7 +646,7 @@ def _checkpoints_beside_a_sibling(rank: int, world: int, folder: str) -> dict:
         state = {"model": trained.state_dict()}  # (a resumed run: loaded in place, then into the module)
         dcp.load(state, checkpoint_id=folder)
         trained.load_state_dict(state["model"])
-        out["resumed_stale"] = refused(lambda: evaluate(*evaluate.shard_inputs(x)))
+        out["resumed_stale"] = _refused(lambda: evaluate(*evaluate.shard_inputs(x)))
         evaluate.load_state_dict(trained.state_dict())
         with torch.no_grad():
             got = evaluate.gather_outputs(evaluate(*evaluate.shard_inputs(x)))
@@ -670,13 +672,6 @@ def _parts_of_a_sharded_model(rank: int, world: int) -> dict:
 
     from tests.models import MLP
 
-    def refused(call) -> str | None:
-        try:
-            call()
-        except spmd.SpmdError as e:
-            return str(e)
-        return None
-
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
@@ -691,13 +686,13 @@ def _parts_of_a_sharded_model(rank: int, world: int) -> dict:
         opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
         compiled(*compiled.shard_inputs(x, y)).backward()
         opt.step()
-        out = {"part": refused(lambda: model.fc1(x)), "other": refused(lambda: features(x)),
+        out = {"part": _refused(lambda: model.fc1(x)), "other": _refused(lambda: features(x)),
                "pieces": tuple(compiled.get_parameter("fc1.weight").shape)}
         trained = compiled.full_state_dict(persistent_only=True)
         model.fc1.load_state_dict({"weight": trained["fc1.weight"], "bias": trained["fc1.bias"]})
-        out["given"] = refused(lambda: features(x))
+        out["given"] = _refused(lambda: features(x))
         out["moved"] = float((features(x) - before).abs().max())
-        out["model"] = refused(lambda: model(x))  # (fc2 is still the old one)
+        out["model"] = _refused(lambda: model(x))  # (fc2 is still the old one)
         model.load_state_dict(trained)
         out["error"] = float((F.mse_loss(model(x), y) - compiled(*compiled.shard_inputs(x, y))).abs())
         return out
