@@ -172,9 +172,16 @@ class _PartGuard:
 
     def __call__(self, module, *args):
         # (until a compiled module has trained or been given a checkpoint in this process nothing can be stale,
-        # and a call costs this compare; torch.compile reads the tick as a constant and guards on it)
-        if _clock[0]:
+        # and a call costs this compare; torch.compile reads the tick as a constant and guards on it. After, a
+        # look kept is read here, outside `_eager`'s wrapper, except where torch.compile traces)
+        if _clock[0] and (torch.compiler.is_compiling() or not self._kept()):
             self._check(self.what)
+
+    def _kept(self) -> bool:
+        """Whether the last look found nothing, and nothing stepped, loaded or was set since, nor was one of
+        the part's buffer pieces written."""
+        return self.ok_at == (_clock[0], _registered[0], _marked[0]) and all(
+            b._version == v for b, v in self.ok_buffers)
 
     @_eager
     def _check(self, what: str) -> None:
@@ -182,7 +189,7 @@ class _PartGuard:
         if model is None or part is None or getattr(_inside, "depth", 0) or not _trained(model):
             return
         now = (_clock[0], _registered[0], _marked[0])
-        if self.ok_at == now and all(b._version == v for b, v in self.ok_buffers):
+        if self._kept():
             return
         # (its buffer pieces written since its last look, with no step: what was found for every part is old too)
         moved, swapped, buffers, walked = _part_moved(model, part, now, fresh=self.ok_at == now)
