@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/gpu_smoke.py            # one GPU per rank, NCCL
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --cpu      # the same on gloo (CI runs this)
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu  # every rank on cuda:0, collectives on gloo
+    torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex  # FlexAttention (its backward: CUDA only)
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so where a single GPU is lent, `--one-gpu`
 checks the CUDA rank graphs' kernels and numerics on several ranks with gloo moving CUDA tensors, and a
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import spmd  # noqa: E402
-from examples.models import GPT, GPTConfig  # noqa: E402
 from spmd.runtime.distribute import local_shard  # noqa: E402
 
 
@@ -44,6 +44,9 @@ def main() -> int:
                         help="every rank on cuda:0 with gloo collectives (NCCL refuses two ranks on one GPU)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--flex", action="store_true",
+                        help="FlexAttention under a causal block mask in place of SDPA (the tests' GPT: torch "
+                             "trains it on CUDA only)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -55,7 +58,12 @@ def main() -> int:
     mesh = spmd.init_mesh((world // tp, tp), ("dp", "tp"), "cuda" if cuda else "cpu")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers)
+    if args.flex:
+        from tests.models import GPT, GPTConfig  # the examples' GPT has no FlexAttention
+        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers, flex="mask")
+    else:
+        from examples.models import GPT, GPTConfig
+        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (2 * (world // tp), cfg.seq), generator=g)
     targets = torch.randint(0, cfg.vocab, tokens.shape, generator=g)

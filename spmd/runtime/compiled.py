@@ -1164,7 +1164,7 @@ class CompiledModule(nn.Module):
         from torch.distributed import _functional_collectives as funcol
 
         mine = torch.tensor(digests, dtype=torch.int64, device=self._collective_device())
-        every = _first_call(lambda: funcol.wait_tensor(funcol.all_gather_single(mine, 0, self.group_names[axis])), what)
+        every = _first_call(lambda: funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, self.group_names[axis])), what)
         return every.view(self.mesh_spec.shape[axis], len(digests))
 
     def _apart_anywhere(self, apart_here: bool, what: str) -> bool:

@@ -83,3 +83,11 @@ def test_an_fp32_sum_is_reduced_before_the_cast_to_bf16():
     c = compile_graph(_Downcast(), (torch.randn(3, 64),), spec((2,), ("tp",)), **pins)
     reductions = [n for n in c.global_gm.graph.nodes if n.target in (C.all_reduce, C.reduce_scatter)]
     assert reductions and all(r.args[0].meta["val"].dtype == f32 for r in reductions), c.global_gm.code
+
+
+def test_the_rule_knows_every_reduction_a_partial_carries():
+    """The rule names its reductions itself (torch 2.11 has no Partial.ALL_REDUCE_OPS); a reduction DTensor
+    adds later must be reasoned about in partial_passes before the rule offers it."""
+    from spmd.passes.rules.cast import REDUCE_OPS
+
+    assert set(getattr(Partial, "ALL_REDUCE_OPS", REDUCE_OPS)) == set(REDUCE_OPS)

@@ -26,6 +26,9 @@ from spmd.passes.rules.registry import RuleInput, rule
 aten = torch.ops.aten
 
 _MONOTONE = ("max", "min")
+# the reductions a Partial carries (DTensor's Partial.ALL_REDUCE_OPS, which torch 2.11 lacks): named here,
+# since partial_passes reasons about each
+REDUCE_OPS = ("sum", "avg", "min", "max", "product")
 
 
 def partial_passes(reduce_op: str, src: torch.dtype, dst: torch.dtype) -> bool:
@@ -46,5 +49,5 @@ def partial_passes(reduce_op: str, src: torch.dtype, dst: torch.dtype) -> bool:
 def to_copy(inp: RuleInput) -> list[list]:
     src, out = inp.inputs[0], inp.outputs[0]
     rows = [[Shard(d), Shard(d)] for d in range(len(out.shape))]
-    rows += [[Partial(op), Partial(op)] for op in Partial.ALL_REDUCE_OPS if partial_passes(op, src.dtype, out.dtype)]
+    rows += [[Partial(op), Partial(op)] for op in REDUCE_OPS if partial_passes(op, src.dtype, out.dtype)]
     return rows
