@@ -115,7 +115,15 @@ def reads_training(cls: type) -> bool:
 
 @functools.cache
 def _reads_and_writes(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[str]]:
-    reads, writes, todo, done = set(), set(), [start], set()
+    reads, writes, _ = _walk(cls, start)
+    return reads, writes
+
+
+@functools.cache
+def _walk(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[str], tuple]:
+    """(attributes read through `self`, attributes stored, the functions read) from `cls`'s `start` method,
+    over its MRO and the methods it calls on `self`."""
+    reads, writes, todo, done, fns = set(), set(), [start], set(), []
     while todo:
         name = todo.pop()
         if name in done:
@@ -132,10 +140,68 @@ def _reads_and_writes(cls: type, start: str = "forward") -> tuple[frozenset[str]
             if not callable(fn):
                 continue
             r, w = _scan(fn)
+            fns.append(fn)
             reads |= r
             writes |= w
             todo.extend(n for n in r if _code_behind(inspect.getattr_static(cls, n, None)) and n not in done)
-    return frozenset(reads), frozenset(writes)
+    return frozenset(reads), frozenset(writes), tuple(fns)
+
+
+@functools.cache
+def _outside_reads(fn) -> list[tuple[object, str]]:
+    """The names `fn` (and the code nested in it) reads from outside itself and never writes: (its module's
+    globals, name) for each global (`AUX_WEIGHT` in a loss function, annealed by the training loop), (the cell,
+    name) for each variable of an enclosing function it reads (a closure's `weight`). A trace fixes what they
+    held as constants of the graph."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    loads, stores = set(), set()
+    for c in _codes(code):
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                loads.add(("global", ins.argval))
+            elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                stores.add(("global", ins.argval))
+            elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and c is code:
+                loads.add(("cell", ins.argval))
+            elif ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
+                stores.add(("cell", ins.argval))
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+    found = []
+    for kind, name in sorted(loads - stores):
+        if kind == "global":
+            if name in getattr(fn, "__globals__", {}):
+                found.append((fn.__globals__, name))
+        elif name in cells:
+            found.append((cells[name], name))
+    return found
+
+
+def _function_of(callable_) -> object | None:
+    """The Python function a loss_fn that is not a module runs: itself, a partial's, a bound method's, or a
+    callable object's `__call__`."""
+    while isinstance(callable_, functools.partial):
+        callable_ = callable_.func
+    if isinstance(callable_, types.MethodType):
+        return callable_.__func__
+    if isinstance(callable_, types.FunctionType):
+        return callable_
+    call = getattr(type(callable_), "__call__", None)
+    return call if isinstance(call, types.FunctionType) else None
+
+
+def _outside_value(where, name: str):
+    """What a global or a cell holds now, where plain, else a marker."""
+    if isinstance(where, dict):
+        value = where.get(name, _NONE)
+    else:
+        try:
+            value = where.cell_contents
+        except ValueError:  # (a cell not filled yet)
+            return _NONE
+    return value if value is not _NONE and plain(value) else _NONE
 
 
 def _code_behind(attribute) -> bool:
@@ -311,10 +377,19 @@ class AttributeGuard:
         self._entries = []  # (the object holding it, attribute, module path, name read, value)
         self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
         self._containers = []  # (the object holding it, attribute, module path, name read, what it held: _Held)
+        self._outside = []  # (a module's globals or a cell, name, who reads it, its value): `_outside_reads`
         seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
+                fn = _function_of(root) if root is not None else None
+                if fn is not None:
+                    self._watch_outside(fn, label, seen)
                 continue
+            for path, module in root.named_modules():
+                shown = ".".join(p for p in (label, path) if p) or type(module).__name__
+                for fn in (*_walk(type(module))[2], module.__dict__.get("forward")):
+                    if fn is not None:
+                        self._watch_outside(getattr(fn, "__func__", fn), shown, seen)
             for path, module, reader, names, keeps in _readers(root):
                 for name in sorted(names):
                     holder, attr = _holder(reader, name)
@@ -335,8 +410,17 @@ class AttributeGuard:
                         seen.add((id(holder), attr))
                         self._containers.append((holder, attr, shown, name, _Held(c, leaves)))
 
+    def _watch_outside(self, fn, reader: str, seen: set) -> None:
+        for where, name in _outside_reads(fn):
+            value = _outside_value(where, name)
+            if value is not _NONE and (id(where), name) not in seen:
+                seen.add((id(where), name))
+                shown = f"global `{name}` of {fn.__module__}" if isinstance(where, dict) else \
+                    f"variable `{name}` around {fn.__qualname__}"
+                self._outside.append((where, name, f"{shown} read by {reader}", value))
+
     def __len__(self) -> int:
-        return len(self._entries) + len(self._tensors) + len(self._containers)
+        return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside)
 
     def watched(self) -> set[tuple[str, str]]:
         """The (module path, attribute) pairs checked ("config.pad_token_id" for an attribute of an object the
@@ -365,6 +449,20 @@ class AttributeGuard:
             if new is not old and new != old and not _both_nan(new, old):
                 changed.append((f"{path}.{name}" if path else name,
                                 f"{old!r} -> {'not a plain value' if new is _NONE else repr(new)}"))
+        outside = []
+        for where, name, shown, old in self._outside:
+            now = where.get(name, _NONE) if isinstance(where, dict) else _outside_value(where, name)
+            if now is not old and now != old and not _both_nan(now, old):
+                outside.append(f"the {shown} ({old!r} -> {'not a plain value' if now is _NONE else repr(now)})")
+        if outside and not changed:
+            raise SpmdError(
+                f"{', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''} changed after compiling. The trace "
+                "read the value, and the compiled graph holds it: this call would run with the old one (Python "
+                "values outside the model are not inputs of the graph). What to do: compile again after the "
+                "change; for a value that changes during training (a loss weight, a temperature), keep it in a "
+                "buffer of a module (of the model, or of a loss_fn module: `self.register_buffer('w', "
+                "torch.tensor(1.0))`), read that, and set it on the compiled module "
+                "(`compiled.get_buffer('loss_fn.w').fill_(new)`), which holds its own copy.")
         if changed:
             listed = ", ".join(f"`{shown}` ({how})" for shown, how in changed[:4]) + (", ..." if len(changed) > 4 else "")
             raise SpmdError(

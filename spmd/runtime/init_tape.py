@@ -313,6 +313,11 @@ class _Literals(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 real = func(*args, **{**kwargs, "device": "cpu"})
             return real.to("meta")
+        if getattr(func, "__self__", None) is torch._C.TensorBase.data and len(args) == 2 \
+                and isinstance(args[1], torch.Tensor) and args[0].is_meta and args[1].device.type == "cpu":
+            # `p.data = torch.from_numpy(array)` (a CPU tensor no device context reaches), found by a probe to fail
+            # with torch's "incompatible tensor type": moved as torch.tensor's values are, so the tape holds them
+            return func(args[0], args[1].clone().to("meta"))
         return func(*args, **kwargs)
 
 
@@ -347,7 +352,8 @@ def _recording(tape: InitTape):
             "`torch.linspace(0, rate, depth).tolist()`), or build the model under torch.device('meta') yourself.") from e
 
 
-_TAPES: "weakref.WeakKeyDictionary[nn.Module, tuple[InitTape, dict]]" = weakref.WeakKeyDictionary()
+# model -> (its recorded construction, its tensors at the end of it, their version counters then)
+_TAPES: "weakref.WeakKeyDictionary[nn.Module, tuple[InitTape, dict, dict]]" = weakref.WeakKeyDictionary()
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -385,7 +391,7 @@ def deferred_init(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module
         raise SpmdError("deferred_init: the model holds a transformers model, whose own init (post_init) does not run "
                         "under the meta device, so the recording would miss it. What to do: build it under "
                         "torch.device('meta'): init_weights replays transformers' post_init itself.")
-    _TAPES[model] = (tape, _final(model, tape))
+    _TAPES[model] = (tape, _final(model, tape), {name: t._version for name, t in _named_tensors(model)})
     return model
 
 
@@ -393,7 +399,7 @@ def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, _Ref]] | None:
     """The recorded construction of `model` (or of a model it is part of), with `model`'s tensors at the end of
     it; None for a model not built by `deferred_init`. A tensor replaced since (a `.to()` after the build, a
     module swapped in) is refused: the tape cannot know its values."""
-    for root, (tape, final) in list(_TAPES.items()):
+    for root, (tape, final, versions) in list(_TAPES.items()):
         if root is not model and not any(m is model for m in root.modules()):
             continue
         prefix = "" if root is model else next(n for n, m in root.named_modules() if m is model) + "."
@@ -405,6 +411,14 @@ def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, _Ref]] | None:
                     f"init_weights: {name} is not the tensor spmd.deferred_init recorded (the model was changed after "
                     "it was built: a .to(), a module swapped in). What to do: make the change inside the build "
                     "function, `spmd.deferred_init(lambda: change(Model(cfg)))`, so it is recorded too.")
+            if t._version != versions.get(prefix + name, t._version):
+                # (found by a probe: `nn.init.normal_(m.mid.weight, std=3)` after deferred_init returned was
+                # dropped, 11 off, silently: on meta it writes nothing, and the recording had ended)
+                raise SpmdError(
+                    f"init_weights: {name} was written after spmd.deferred_init returned (an nn.init call, a value set "
+                    "in place on the meta model), which the recording did not see and the meta tensor does not "
+                    "hold. What to do: make the change inside the build function, `spmd.deferred_init(lambda: "
+                    "change(Model(cfg)))`, or pass it as `init_weights(init_fn=...)`, which is recorded too.")
             mine[name] = ref
         return tape, mine
     return None
@@ -416,6 +430,7 @@ def record_init_fn(model: nn.Module, tape: InitTape, init_fn: Callable) -> tuple
     tape = tape.copy()
     slots = [(table, name, t, t.detach()) for m in model.modules() for table in (m._parameters, m._buffers)
              for name, t in table.items() if t is not None]
+    versions = [t._version for _, _, t, _ in slots]
     try:
         with _recording(tape), torch.no_grad():
             model.apply(init_fn)
@@ -425,6 +440,8 @@ def record_init_fn(model: nn.Module, tape: InitTape, init_fn: Callable) -> tuple
             table[name] = t
             if StorageWeakRef(t.untyped_storage()) != StorageWeakRef(data.untyped_storage()) or t.shape != data.shape:
                 t.data = data  # (`.data = ...` in the init_fn)
+        # (the init_fn's writes, recorded, are no change made to the model after its build: `tape_of`)
+        torch._C._autograd._unsafe_set_version_counter(tuple(t for _, _, t, _ in slots), tuple(versions))
     return tape, final
 
 

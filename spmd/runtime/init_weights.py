@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -321,28 +322,57 @@ def plan_init(meta_model: nn.Module, **kwargs) -> InitPlan:
 def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
     """`Class.__init__ (file:line: code)` for each class of the model's own (not torch's, not transformers')
     whose `__init__` writes or draws values itself, beyond the reset_parameters() of its modules: a
-    nanoGPT-style `self.apply(self._init_weights)`, a `normal_` on some weights, a `torch.randn`. On a
-    model built under torch.device('meta') the replay cannot see what it did (found by a probe: nanoGPT's
-    init came out 4.09 off on wte, about 0.2 on every Linear), unless reset_fns declares the class."""
+    nanoGPT-style `self.apply(self._init_weights)`, a `normal_` on some weights, a `torch.randn`, a weight zeroed
+    or scaled in place, a submodule's parameter replaced. On a model built under torch.device('meta') the replay
+    cannot see what it did (found by a probe: nanoGPT's init came out 4.09 off on wte, about 0.2 on every
+    Linear), unless reset_fns declares the class. Every `__init__` along the class's MRO is read (a subclass
+    that inherits its base's), and the functions it calls: its own methods (`self._init()`) and plain functions
+    of the user's (`my_init(self)`)."""
     found, seen = [], set()
     for m in model.modules():
-        cls = type(m)
-        if cls in seen or "__init__" not in cls.__dict__ or cls.__module__.split(".")[0] in ("torch", "transformers"):
-            continue
-        seen.add(cls)
-        if any(c in reset_fns for c in cls.__mro__):
-            continue
-        try:
-            lines, start = inspect.getsourcelines(cls.__init__)
-        except (OSError, TypeError):
-            continue
-        for k, line in enumerate(lines):
-            code = line.split("#", 1)[0]
-            if _INIT_WORDS.search(code):
-                file = inspect.getsourcefile(cls.__init__) or "?"
-                found.append(f"{cls.__qualname__}.__init__ ({file}:{start + k}: {code.strip()})")
-                break
+        for cls in type(m).__mro__:
+            if cls in seen or "__init__" not in cls.__dict__ or not _users(cls):
+                continue
+            seen.add(cls)
+            if any(c in reset_fns for c in type(m).__mro__):
+                continue
+            hit = _writes_values(cls.__init__, type(m))
+            if hit is not None:
+                found.append(f"{cls.__qualname__}.__init__ ({hit})")
     return found
+
+
+def _users(obj) -> bool:
+    """Whether a class or function is the user's: not torch's, not transformers'."""
+    return (getattr(obj, "__module__", None) or "torch").split(".")[0] not in ("torch", "transformers", "builtins")
+
+
+def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
+    """`file:line: code` of the first line of `fn`, or of a function of the user's it calls (its methods through
+    `self`, plain functions by name), that draws or writes values (`_INIT_WORDS`), or None."""
+    seen = set() if seen is None else seen
+    fn = inspect.unwrap(fn)
+    if fn in seen or not isinstance(fn, types.FunctionType) or not _users(fn):
+        return None
+    seen.add(fn)
+    try:
+        lines, start = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None
+    called = []
+    for k, line in enumerate(lines):
+        code = line.split("#", 1)[0]
+        if _INIT_WORDS.search(code):
+            return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
+        for own, name in _CALLS.findall(code):
+            if name in _REPLAYED:
+                continue
+            target = inspect.getattr_static(cls, name, None) if own else fn.__globals__.get(name)
+            called.append(getattr(target, "__func__", target))
+    for target in called:
+        if (hit := _writes_values(target, cls, seen)) is not None:
+            return f"calls {target.__qualname__}: {hit}"
+    return None
 
 
 def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], mesh_shape, coord, *,
@@ -388,7 +418,14 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
 _RNG_WORDS = re.compile(r"\b(randn|rand|randint|randperm|normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|"
                         r"orthogonal_|bernoulli|multinomial|random_|sparse_)\b")
 # an __init__ that draws, or writes values in place, or applies an init over its modules (`own_inits`)
-_INIT_WORDS = re.compile(rf"\.apply\(|{_RNG_WORDS.pattern}|\b(dirac_|zeros_|ones_|constant_|fill_|copy_|eye_|bernoulli_)\b")
+_INIT_WORDS = re.compile(
+    rf"\.apply\(|{_RNG_WORDS.pattern}|\b(dirac_|zeros_|ones_|constant_|fill_|copy_|eye_|bernoulli_|zero_|mul_|div_|"
+    r"add_|sub_|clamp_|fill_diagonal_|masked_fill_|index_fill_|scatter_)\b"
+    r"|\.data\s*=[^=]"                                       # a value set through .data
+    r"|self(\.\w+)+\.\w+\s*=\s*(torch\.)?(nn\.)?Parameter\(")  # a submodule's parameter replaced
+_REPLAYED = ("reset_parameters", "_reset_parameters")  # (what the replay runs itself: init_replay.py)
+# a call in an __init__'s source: a method through self (`self._init()`), or a plain function by name
+_CALLS = re.compile(r"(self\.)?\b([A-Za-z_]\w*)\(")
 
 
 def is_transformers(model: nn.Module) -> bool:

@@ -575,11 +575,22 @@ _versions_before = WeakIdKeyDictionary()  # model -> its buffers' versions when 
 _hooks_before = WeakIdKeyDictionary()  # model -> the next hook handle id when its forward began
 
 
+def _loss_module(compiled):
+    """The loss_fn module `compiled` was compiled with (its buffers copied as `loss_fn.*`), or None."""
+    loss = getattr(compiled.__dict__.get("_traced_root"), "loss_fn", None)
+    return loss if isinstance(loss, torch.nn.Module) and compiled.__dict__.get("_loss_names") else None
+
+
 def _mark_buffers(compiled, model: torch.nn.Module, fqns=None) -> None:
-    """The model's buffers (those named `fqns`; None: all) that `compiled` holds a copy of, as they are now."""
+    """The model's buffers, and a loss_fn module's (`loss_fn.weight` of `nn.CrossEntropyLoss(weight=w)`), those
+    named `fqns` (None: all) that `compiled` holds a copy of, as they are now."""
     marks = {} if fqns is None else dict(compiled.__dict__.get("_buffer_marks", {}))
     pieces = {} if fqns is None else dict(compiled.__dict__.get("_piece_marks", {}))
-    for fqn, b in model.named_buffers(remove_duplicate=False):
+    loss = _loss_module(compiled)
+    named = [*model.named_buffers(remove_duplicate=False),
+             *(() if loss is None else ((f"loss_fn.{n}", b) for n, b in loss.named_buffers(remove_duplicate=False)
+                                        if f"loss_fn.{n}" in compiled._loss_names))]
+    for fqn, b in named:
         if fqn in compiled._param_names and (fqns is None or fqn in fqns):
             marks[fqn] = (b, b._version)
             pieces[fqn] = _piece_mark(compiled, fqn)
@@ -588,9 +599,10 @@ def _mark_buffers(compiled, model: torch.nn.Module, fqns=None) -> None:
     compiled.__dict__["_buffers_at"] = _registered[0]
 
 
-def _buffer(model: torch.nn.Module, fqn: str):
+def _buffer(compiled, model: torch.nn.Module, fqn: str):
+    loss = _loss_module(compiled) if fqn.startswith("loss_fn.") and fqn in compiled._loss_names else None
     try:
-        return model.get_buffer(fqn)
+        return model.get_buffer(fqn) if loss is None else loss.get_buffer(fqn.removeprefix("loss_fn."))
     except AttributeError:
         return None
 
@@ -639,7 +651,7 @@ def buffers_changed(compiled) -> None:
     walk = compiled.__dict__.get("_buffers_at") != _registered[0]  # (something was set on some module)
     changed, seen = [], {}
     for fqn, (b, version) in marks.items():
-        now = _buffer(model, fqn) if walk else b
+        now = _buffer(compiled, model, fqn) if walk else b
         if now is b and b._version == version:
             continue
         if now is not None and _seen_alike(compiled, fqn, now):
@@ -651,12 +663,15 @@ def buffers_changed(compiled) -> None:
         compiled.__dict__["_piece_marks"] = {**compiled.__dict__.get("_piece_marks", {}),
                                              **{fqn: _piece_mark(compiled, fqn) for fqn in seen}}
     if changed:
+        loss = _loss_module(compiled) if changed[0] in compiled._loss_names else None
+        whose = f"{type(model).__name__}'s" if loss is None else f"the loss_fn {type(loss).__name__}'s"
         raise SpmdError(
-            f"{type(model).__name__}'s buffer(s) {', '.join(f'`{n}`' for n in changed[:4])}"
+            f"{whose} buffer(s) {', '.join(f'`{n}`' for n in changed[:4])}"
             f"{', ...' if len(changed) > 4 else ''} changed after it was compiled (set in place or assigned), and "
             "the compiled module holds its own copy of each: this call would run with the old values. What to do: "
-            f"set them on the compiled module instead (`compiled.get_buffer('{changed[0]}').fill_(new)`, on every "
-            "rank), or give it the model's (`compiled.load_state_dict(model.state_dict())`, for persistent ones).")
+            f"set them on the compiled module as well (`compiled.get_buffer('{changed[0]}').copy_(new)`, on every "
+            "rank)" + (", or give it the model's (`compiled.load_state_dict(model.state_dict())`, for "
+                                   "persistent ones)." if loss is None else "."))
     if walk:
         compiled.__dict__["_buffers_at"] = _registered[0]
 
@@ -685,7 +700,7 @@ def mark_model(compiled, fqns=None) -> None:
         given = {id(named[f]) for f in (named if fqns is None else fqns) if f in named}
         tree = {**tree, **{("parameter", n): p for n, p in named.items() if id(p) in given}}
     # (new dicts each time: a copy of the compiled module starts with its original's)
-    compiled.__dict__["_model_versions"] = {**marks, **{id(p): (p, p._version) for p in params}}
+    compiled.__dict__["_model_versions"] = {**marks, **{id(p): _look(p) for p in params}}
     compiled.__dict__["_model_tree"] = tree
     _mark_buffers(compiled, model, fqns)
     if fqns is None:
@@ -715,7 +730,8 @@ def model_changed(compiled) -> None:
         return
     if compiled.__dict__.get("_tree_at") != _registered[0]:  # (something was set on some module since the last look)
         _replaced(compiled)
-    changed = [p for p, v in versions.values() if p._version != v]
+    changed = [p for p, v, at, device, dtype in versions.values()
+               if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, device, dtype)]
     if not changed:
         return
     model = compiled._source_model
@@ -723,10 +739,27 @@ def model_changed(compiled) -> None:
     names = [name_of.get(id(p), "?") for p in changed]
     raise SpmdError(
         f"{type(model).__name__}'s weights changed after it was compiled ({', '.join(names[:4])}"
-        f"{', ...' if len(names) > 4 else ''}: loaded or set in place), and the compiled module holds the pieces "
+        f"{', ...' if len(names) > 4 else ''}: loaded, set in place or through `.data`), and the compiled module "
+        "holds the pieces "
         "it cut from them when compiled: it would run and train on the old weights. What to do: give it the new "
         "ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and initialize the model "
         "before spmd.compile.")
+
+
+def _look(p: torch.Tensor) -> tuple:
+    """What `model_changed` compares a parameter of the model by: its version counter, and where its values lie
+    (`p.data = new` changes those, not the counter)."""
+    return p, p._version, p.data_ptr(), p.device, p.dtype
+
+
+def _set_through_data(compiled, p: torch.Tensor, device, dtype) -> bool:
+    """Whether `p`, whose storage is another now, was given new values through `.data` (`p.data = pretrained`;
+    `p.data.copy_(...)` writes the same storage and is not seen): on the same device, or in another dtype. Moved
+    to another device as it was (`model.to("cuda")` for a reference run), it is the same weights: taken as seen."""
+    if p.device == device or p.dtype != dtype:
+        return True
+    compiled.__dict__["_model_versions"][id(p)] = _look(p)
+    return False
 
 
 def _replaced(compiled) -> None:
@@ -873,25 +906,26 @@ def from_elsewhere(compiled, values) -> bool:
     return False
 
 
-_handed = WeakIdKeyDictionary()  # a DTensor `state_dict()` gave -> the compiled module whose piece it holds (a ref)
+_handed = WeakIdKeyDictionary()  # a DTensor `state_dict()` gave -> (the compiled module whose piece it holds (a ref), its name)
 
 
-def handed_out(compiled, values) -> None:
-    """`values` are the DTensors `compiled.state_dict()` gave (over its pieces): saved by
+def handed_out(compiled, items) -> None:
+    """`items` are (name, DTensor) as `compiled.state_dict()` gave them (over its pieces): saved by
     torch.distributed.checkpoint, they are its weights (`saving`)."""
-    for v in values:
-        _handed[v] = weakref.ref(compiled)
+    for fqn, v in items:
+        _handed[v] = (weakref.ref(compiled), fqn)
 
 
 def saving(state) -> None:
     """torch.distributed.checkpoint saving `state` (nested dicts and lists): raise where it holds the pieces of a
     module whose sibling trained since it last had the weights (the evaluation module's `state_dict()`, saved with
-    `dcp.save`): the old weights. (Its `state_dict()` itself is not refused: a load through torch.distributed.
+    `dcp.save`): the old weights; or pieces never given values (a meta compile before `init_weights`). (Its `state_dict()` itself is not refused: a load through torch.distributed.
     checkpoint reads it first, to load into.)"""
     if isinstance(state, torch.Tensor):
-        ref = _handed.get(state)
+        ref, fqn = _handed.get(state, (None, None))
         if ref is not None and (compiled := ref()) is not None:
             stale(compiled)
+            compiled._require_values((fqn,))  # (a meta compile's pieces before init_weights or a load: garbage)
         return
     items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
     for value in items:

@@ -163,6 +163,9 @@ def _dcp_load(rank: int, world: int, folder: str) -> float:
     mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
     tokens = torch.randint(0, 128, (4, 32))
     compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2, 2), ("dp", "tp")))
+    # (saved before it has values, the pieces' memory would be written: refused on every rank, before any collective)
+    with pytest.raises(spmd.SpmdError, match="no values yet"):
+        dcp.save(compiled.state_dict(), checkpoint_id=folder + "/never")
     state = compiled.sharded_state_dict()
     dcp.load(state, checkpoint_id=folder)
     compiled.load_sharded_state_dict(state)

@@ -2004,7 +2004,7 @@ def test_a_buffer_set_on_the_model_after_compiling_is_refused_until_the_compiled
     compiled(x)
     model.t.fill_(0.5)
     with pytest.raises(spmd.SpmdError, match=r"_Annealed's buffer\(s\) `t` changed after it was compiled.*"
-                                             r"compiled.get_buffer\('t'\).fill_\(new\)"):
+                                             r"compiled.get_buffer\('t'\).copy_\(new\)"):
         compiled(x)
     model(x)  # (a call of the model since does not make the change its forward's)
     with pytest.raises(spmd.SpmdError, match="`t` changed"):
@@ -2146,3 +2146,131 @@ def test_transformers_hidden_states_in_training_come_back_once(one_rank):
         torch.testing.assert_close(got, want)
     assert len(model(**kwargs).hidden_states) == 3  # (the model's own call installs its hooks: no alarm after)
     torch.testing.assert_close(compiled(**kwargs).loss, reference(**kwargs).loss)
+
+
+def test_a_meta_compile_hands_out_no_weights_before_it_has_values(tmp_path):
+    """Found by a probe: compiled from the meta device, before `init_weights` or a load, `full_state_dict()` and
+    `save_safetensors()` gave the pieces' uninitialized memory (`tok_emb.weight` = [3.4e-44, 4.6e-41, 9.7e11,
+    ...]) where the forward refused. Now they refuse too; once given values, they give them."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x.to("meta"), y.to("meta")), training=True, loss_fn=F.mse_loss)
+    for call in (compiled.full_state_dict, lambda: compiled.full_state_dict(persistent_only=True),
+                 lambda: compiled.save_safetensors(tmp_path / "w.safetensors")):
+        with pytest.raises(spmd.SpmdError, match=r"no values yet \(0\.bias, 0\.weight.*init_weights\(seed"):
+            call()
+    assert not (tmp_path / "w.safetensors").exists()
+    compiled.init_weights(seed=0)
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).state_dict()
+    got = compiled.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_a_loss_modules_buffer_set_after_compiling_is_refused_until_the_compiled_copy_has_it():
+    """Found by a probe: class weights rebalanced in place on the loss_fn (`nn.CrossEntropyLoss(weight=w)`, the
+    form spmd's own message for a captured tensor recommends) never reached the compiled module's copy
+    (`loss_fn.weight`): every step computed the loss of the old weights (1.408 where eager gave 1.561-1.709)."""
+    loss_fn = nn.CrossEntropyLoss(weight=torch.ones(4))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    compiled = one_device(model, (x, y), training=True, loss_fn=loss_fn)
+    new = torch.tensor([1.0, 2.0, 0.5, 1.0])
+    with torch.no_grad():
+        loss_fn.weight.copy_(new)
+    with pytest.raises(spmd.SpmdError, match=r"the loss_fn CrossEntropyLoss's buffer\(s\) `loss_fn.weight` changed "
+                                             r"after it was compiled.*get_buffer\('loss_fn.weight'\)\.copy_\(new\)"):
+        compiled(x, y)
+    compiled.get_buffer("loss_fn.weight").copy_(new)  # (the way out: both hold the new weights)
+    torch.testing.assert_close(compiled(x, y), loss_fn(model(x), y))
+    loss_fn.weight = torch.ones(4)  # (a new tensor assigned)
+    with pytest.raises(spmd.SpmdError, match="loss_fn CrossEntropyLoss's buffer"):
+        compiled(x, y)
+
+
+def test_weights_given_to_the_model_through_data_after_compiling_are_refused():
+    """Found by a probe: `model.fc.weight.data = pretrained` after spmd.compile went unseen (the version counter
+    stays; `.data` holds other storage now), and the compiled module trained the old weights (loss 3.83 where
+    eager gave 3.54). (A move to another device as it was, `model.to("cuda")` for a reference run, is taken as
+    the same weights: not on this CPU. `p.data.copy_(...)` writes the same storage through a tensor with a counter
+    of its own: not seen; docs/training.md.)"""
+    model = _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model[0].weight.data = torch.zeros(8, 4)
+    with pytest.raises(spmd.SpmdError, match=r"weights changed after it was compiled \(0\.weight: loaded, set in "
+                                             r"place or through `\.data`\)"):
+        compiled(x, y)
+    compiled.load_state_dict(model.state_dict())  # (the way out)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+    fresh = one_device(_mlp(), (x, y), training=True, loss_fn=F.mse_loss)
+    source = fresh._source_model
+    source[0].weight.data = source[0].weight.data.to(torch.float64)  # (another dtype: other values)
+    with pytest.raises(spmd.SpmdError, match="weights changed after it was compiled"):
+        fresh(x, y)
+
+
+AUX_WEIGHT = 1.0  # (read by `_aux_loss`, annealed by the test as a training loop would)
+TEMPERATURE = 2.0  # (read by `_Tempered.forward`)
+_CALLS = 0  # (written by `_Tempered.forward`: state, not watched)
+
+
+def _aux_loss(out, y):
+    return F.mse_loss(out, y) + AUX_WEIGHT * out.pow(2).mean()
+
+
+class _Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1
+        return self.fc(x) / TEMPERATURE
+
+
+def test_python_values_outside_the_model_read_by_the_trace_are_watched():
+    """Found by a probe: a global the loss function reads (an auxiliary loss's weight, annealed by the training
+    loop), a module-level temperature the forward reads, or a variable of the function around a closure were
+    fixed in the graph when traced, and every later call used the old value: 1.777 at every step where eager
+    went 1.777, 1.645, 1.513; after 4 AdamW steps the parameters were 4.4e-2 apart. Each is now compared at
+    every call, and a change is refused with the way out (a buffer, set on the compiled module)."""
+    global AUX_WEIGHT, TEMPERATURE
+    torch.manual_seed(0)
+    model, x, y = _Tempered(), torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=_aux_loss)
+    compiled(x, y)  # (the forward's own counter changes at every call: not watched)
+    try:
+        AUX_WEIGHT = 0.5
+        with pytest.raises(spmd.SpmdError, match=r"the global `AUX_WEIGHT` of tests\.unit\.test_silently_wrong read "
+                                                 r"by loss_fn \(1\.0 -> 0\.5\) changed after compiling.*What to do: "
+                                                 r"compile again.*register_buffer"):
+            compiled(x, y)
+        AUX_WEIGHT = 1.0  # (back to the value traced: nothing differs)
+        compiled(x, y)
+        TEMPERATURE = 1.0
+        with pytest.raises(spmd.SpmdError, match=r"the global `TEMPERATURE` .* read by _Tempered \(2\.0 -> 1\.0\)"):
+            compiled(x, y)
+    finally:
+        AUX_WEIGHT, TEMPERATURE = 1.0, 2.0
+
+    def with_weight(w):
+        def loss(out, y):
+            return F.mse_loss(out, y) + w * out.pow(2).mean()
+        return loss
+
+    weight = 1.0
+
+    def closure_loss(out, y):
+        return F.mse_loss(out, y) + weight * out.pow(2).mean()
+
+    for loss_fn in (with_weight(1.0), closure_loss):
+        compiled = one_device(nn.Linear(4, 2), (x, y), training=True, loss_fn=loss_fn)
+        compiled(x, y)
+    weight = 0.25
+    with pytest.raises(spmd.SpmdError, match=r"the variable `weight` around .*closure_loss read by loss_fn "
+                                             r"\(1\.0 -> 0\.25\)"):
+        compiled(x, y)
