@@ -169,14 +169,37 @@ def _outside_reads(fn) -> list[tuple[object, str]]:
             elif ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
                 stores.add(("cell", ins.argval))
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
-    found = []
+    found, kept = [], _globals_written(fn)
     for kind, name in sorted(loads - stores):
         if kind == "global":
-            if name in getattr(fn, "__globals__", {}):
+            if name in getattr(fn, "__globals__", {}) and name not in kept:
                 found.append((fn.__globals__, name))
         elif name in cells:
             found.append((cells[name], name))
     return found
+
+
+def _globals_written(fn, depth: int = 3) -> set[str]:
+    """The globals the plain functions `fn` calls by name (and those they call, `depth` deep) write: state the
+    forward keeps through them (found by a review: `_LOGGED`, set by a log-once helper the forward calls, was
+    watched, and an eager call of the model made the compiled one refuse). A training loop that sets a global is
+    no function the forward calls: what it sets stays watched."""
+    written, todo, seen = set(), [(fn, 0)], set()
+    while todo:
+        f, level = todo.pop()
+        code = getattr(f, "__code__", None)
+        if f in seen or not isinstance(code, types.CodeType):
+            continue
+        seen.add(f)
+        for c in _codes(code):
+            for ins in dis.get_instructions(c):
+                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") and f is not fn:
+                    written.add(ins.argval)
+                elif ins.opname == "LOAD_GLOBAL" and level < depth:
+                    callee = getattr(f, "__globals__", {}).get(ins.argval)
+                    if isinstance(callee, types.FunctionType):
+                        todo.append((inspect.unwrap(callee), level + 1))
+    return written
 
 
 def _function_of(callable_) -> object | None:

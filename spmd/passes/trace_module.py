@@ -241,6 +241,25 @@ def _frames(error: BaseException) -> set[str]:
     return names
 
 
+def _model_line(error: BaseException) -> str | None:
+    """`file:line: code` of the innermost frame `error` (or what it was raised from) passed through outside torch
+    and spmd: the model's line (or its library's) that read a tensor's values. Torch's own "Caused by" can name
+    a line of torch's (found by a probe: transformers' dynamic RoPE update was named as
+    `_export/non_strict_utils.py`)."""
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (spmd's own folder)
+    skip = (os.path.dirname(torch.__file__) + os.sep, here + os.sep)
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for f in traceback.extract_tb(error.__traceback__):
+            if not f.filename.startswith(skip) and not f.filename.startswith("<"):
+                found = f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+        error = error.__cause__ or error.__context__
+    return found
+
+
 _PACKING = {"pack_padded_sequence", "pack_sequence", "PackedSequence"}  # (torch.nn.utils.rnn's, as a forward names them)
 
 
@@ -281,7 +300,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "`encoder(x, mask=mask, is_causal=True)` (or False; `src_is_causal`/`tgt_is_causal` for "
                 "nn.Transformer, `tgt_is_causal` for a decoder)" + tail)
     if "data-dependent" in str(error):
-        return ("the line torch names above (\"Caused by\") reads a tensor's values in Python (a branch, or a size), "
+        line = _model_line(error)
+        where = f"`{line}`" if line else "the line torch names above (\"Caused by\")"
+        return (f"{where} reads a tensor's values in Python (a branch, or a size), "
                 "and a graph holds one outcome. Write it as tensor ops (`torch.where`), or keep it out of the "
                 "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "

@@ -41,11 +41,14 @@ _torch_planners: dict[type, object] = {}  # planner class -> its own set_up_plan
 
 
 def watch(pieces: dict[str, torch.Tensor]) -> None:
-    """FQN -> this rank's piece of a sharded parameter or buffer."""
+    """FQN -> this rank's piece of a sharded parameter or buffer. The hooks go in at the first compiled module
+    with a runtime mesh, sharded or not: what `dcp.save` saves is also looked at for a module's old weights, or
+    for pieces with no values yet (`source_guard.saving`; found by a review: a data-parallel plan shards nothing,
+    and a meta compile's `state_dict()` saved before `init_weights` wrote uninitialized memory)."""
     with _lock:
         for fqn, t in pieces.items():
             _watched[t] = fqn
-        if not _torch_planners and _watched:
+        if not _torch_planners:
             from torch.distributed.checkpoint import state_dict_saver
             from torch.distributed.checkpoint.default_planner import (
                 DefaultLoadPlanner,

@@ -945,6 +945,9 @@ class CompiledModule(nn.Module):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
+        if not self.__dict__.get("_shards_agreed"):  # (the first call: every rank cuts from the same batch)
+            self._agree_on_full_inputs(flat, "shard_inputs")
+            self.__dict__["_shards_agreed"] = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
@@ -977,23 +980,33 @@ class CompiledModule(nn.Module):
         self._agree_on_full_inputs(full)
         return compare.verify(self, full, mode)
 
-    def _agree_on_full_inputs(self, full: tuple) -> None:
+    def _agree_on_full_inputs(self, full: tuple, caller: str = "verify") -> None:
         """`verify`'s full inputs the same on every rank (it cuts each rank's shard from them and runs the reference
         on rank 0's): inputs drawn unseeded on each rank gave a MISMATCH at the first op that reads them, for a
-        module that trains equal to one device (found by a check of the docs' examples)."""
+        module that trains equal to one device (found by a check of the docs' examples). So `shard_inputs`'s, at
+        its first call (found by a probe: each rank's shard cut from a batch of its own, the gathered output mixed
+        them, 0.56 and 0.79 off, silently)."""
         import torch.distributed as dist
 
         tensors = [(spec.name, t) for spec, t in zip(self._input_specs, full) if isinstance(t, torch.Tensor)]
         if not dist.is_initialized() or not tensors or torch._guards.detect_fake_mode(full) is not None:
             return
-        apart, anywhere = self._values_apart(tensors, lambda axis, k: True, "verify's full inputs")
+        apart, anywhere = self._values_apart(tensors, lambda axis, k: True, f"{caller}'s full inputs")
         if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
+            if caller == "verify":
+                why = ("it takes the same full inputs on every rank, cuts each rank's shard from them and runs one "
+                       "device's reference on rank 0's, so its comparison would be of other data")
+                other = ""
+            else:
+                why = ("it takes the same full inputs (the global batch) on every rank and cuts each rank's shard "
+                       "from them, so the shards would come from different batches and the outputs mix them")
+                other = ("; or, to feed each rank its own slice (a data-parallel loader), pin the input sharded "
+                         "(in_placements={name: [Shard(0), ...]}) and pass each rank's slice to the compiled module")
             raise SpmdError(
-                f"verify's full inputs differ between ranks ({what}): it takes the same full inputs on every rank, "
-                "cuts each rank's shard from them and runs one device's reference on rank 0's, so its comparison "
-                "would be of other data. What to do: give every rank the same full inputs (seed the generator alike "
-                "before drawing random ones: torch.manual_seed(0) on every rank; or load the same batch).")
+                f"{caller}'s full inputs differ between ranks ({what}): {why}. What to do: give every rank the same "
+                "full inputs (seed the generator alike before drawing random ones: torch.manual_seed(0) on every "
+                f"rank; or load the same batch){other}.")
 
     def _full_inputs(self, args: tuple, kwargs: dict, what: str) -> tuple:
         """Full inputs given by position and keyword, as the graph's flat tuple, checked."""

@@ -411,7 +411,9 @@ def tape_of(model: nn.Module) -> tuple[InitTape, dict[str, _Ref]] | None:
                     f"init_weights: {name} is not the tensor spmd.deferred_init recorded (the model was changed after "
                     "it was built: a .to(), a module swapped in). What to do: make the change inside the build "
                     "function, `spmd.deferred_init(lambda: change(Model(cfg)))`, so it is recorded too.")
-            if t._version != versions.get(prefix + name, t._version):
+            if isinstance(t, nn.Parameter) and t._version != versions.get(prefix + name, t._version):
+                # (parameters: a buffer the model's own forward writes, batch norm's count on a meta call for
+                # the output's shape, is no init)
                 # (found by a probe: `nn.init.normal_(m.mid.weight, std=3)` after deferred_init returned was
                 # dropped, 11 off, silently: on meta it writes nothing, and the recording had ended)
                 raise SpmdError(

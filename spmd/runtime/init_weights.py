@@ -330,12 +330,12 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
     of the user's (`my_init(self)`)."""
     found, seen = [], set()
     for m in model.modules():
+        if any(c in reset_fns for c in type(m).__mro__):
+            continue
         for cls in type(m).__mro__:
             if cls in seen or "__init__" not in cls.__dict__ or not _users(cls):
                 continue
             seen.add(cls)
-            if any(c in reset_fns for c in type(m).__mro__):
-                continue
             hit = _writes_values(cls.__init__, type(m))
             if hit is not None:
                 found.append(f"{cls.__qualname__}.__init__ ({hit})")
@@ -364,9 +364,9 @@ def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
         code = line.split("#", 1)[0]
         if _INIT_WORDS.search(code):
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
-        for own, name in _CALLS.findall(code):
-            if name in _REPLAYED:
-                continue
+        statement = _STATEMENT_CALL.match(code)  # (a call for its effect: not `self.init = init_method(0.02)`,
+        if statement is not None and statement.group(2) not in _REPLAYED:  # a factory of what reset_parameters applies)
+            own, name = statement.groups()
             target = inspect.getattr_static(cls, name, None) if own else fn.__globals__.get(name)
             called.append(getattr(target, "__func__", target))
     for target in called:
@@ -423,9 +423,10 @@ _INIT_WORDS = re.compile(
     r"add_|sub_|clamp_|fill_diagonal_|masked_fill_|index_fill_|scatter_)\b"
     r"|\.data\s*=[^=]"                                       # a value set through .data
     r"|self(\.\w+)+\.\w+\s*=\s*(torch\.)?(nn\.)?Parameter\(")  # a submodule's parameter replaced
-_REPLAYED = ("reset_parameters", "_reset_parameters")  # (what the replay runs itself: init_replay.py)
-# a call in an __init__'s source: a method through self (`self._init()`), or a plain function by name
-_CALLS = re.compile(r"(self\.)?\b([A-Za-z_]\w*)\(")
+_REPLAYED = ("reset_parameters",)  # (what the replay runs itself for any module: init_replay.py)
+# a line of an __init__ that is a call made for its effect: a method through self (`self._init()`), or a plain
+# function by name (`init_linears(self)`)
+_STATEMENT_CALL = re.compile(r"\s*(self\.)?([A-Za-z_]\w*)\(")
 
 
 def is_transformers(model: nn.Module) -> bool:

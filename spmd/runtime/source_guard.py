@@ -730,8 +730,8 @@ def model_changed(compiled) -> None:
         return
     if compiled.__dict__.get("_tree_at") != _registered[0]:  # (something was set on some module since the last look)
         _replaced(compiled)
-    changed = [p for p, v, at, device, dtype in versions.values()
-               if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, device, dtype)]
+    changed = [p for p, v, at, layout in versions.values()
+               if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, layout)]
     if not changed:
         return
     model = compiled._source_model
@@ -747,16 +747,18 @@ def model_changed(compiled) -> None:
 
 
 def _look(p: torch.Tensor) -> tuple:
-    """What `model_changed` compares a parameter of the model by: its version counter, and where its values lie
-    (`p.data = new` changes those, not the counter)."""
-    return p, p._version, p.data_ptr(), p.device, p.dtype
+    """What `model_changed` compares a parameter of the model by: its version counter, and where and how its
+    values lie (`p.data = new` changes those, not the counter)."""
+    return p, p._version, p.data_ptr(), (p.shape, p.stride(), p.dtype, p.device, p.is_shared())
 
 
-def _set_through_data(compiled, p: torch.Tensor, device, dtype) -> bool:
-    """Whether `p`, whose storage is another now, was given new values through `.data` (`p.data = pretrained`;
-    `p.data.copy_(...)` writes the same storage and is not seen): on the same device, or in another dtype. Moved
-    to another device as it was (`model.to("cuda")` for a reference run), it is the same weights: taken as seen."""
-    if p.device == device or p.dtype != dtype:
+def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
+    """Whether `p`, whose storage is another now, was given new values through `.data` (`p.data = pretrained`):
+    in the same layout as before. A conversion lays it out otherwise (`model.to("cuda")`, `.double()`,
+    channels_last, `share_memory()`, the source's memory freed with `p.data = torch.empty(0)`): the same
+    weights, or none the compiled module would read, and taken as seen. (`p.data.copy_(...)` writes the same
+    storage: not seen.)"""
+    if (p.shape, p.stride(), p.dtype, p.device, p.is_shared()) == layout:
         return True
     compiled.__dict__["_model_versions"][id(p)] = _look(p)
     return False
@@ -926,6 +928,14 @@ def saving(state) -> None:
         if ref is not None and (compiled := ref()) is not None:
             stale(compiled)
             compiled._require_values((fqn,))  # (a meta compile's pieces before init_weights or a load: garbage)
+            if _storage(state.to_local()) != _storage(compiled._get(compiled._param_names[fqn])):
+                # (found by a review: `sd = compiled.state_dict()` before init_weights, saved after, held the
+                # memory init_weights had replaced: loaded back, 1.9e38 off or NaN)
+                raise SpmdError(
+                    f"`{fqn}` given to torch.distributed.checkpoint is from a state_dict() the compiled module gave "
+                    "before its pieces were put in new memory (init_weights, a load with assign=True): it holds the "
+                    "old memory, not the weights. What to do: take compiled.state_dict() again after that, and save "
+                    "it.")
         return
     items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
     for value in items:

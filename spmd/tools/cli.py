@@ -8,7 +8,8 @@
     spmd calibrate ...                (spmd.tools.calibrate: measure link and device profiles)
 
 The build function contract: `build()` takes no arguments and returns `(model, example_inputs)` or
-`(model, example_inputs, loss_fn)`; `example_inputs` is a tuple of full-size tensors (or one tensor).
+`(model, example_inputs, loss_fn)`; `example_inputs` is a tuple of full-size tensors (or one tensor), or a
+dict of them for a model that takes keyword inputs (a transformers model: `dict(input_ids=..., labels=...)`).
 With a `loss_fn` the plan is for training (`loss_fn(model(*inputs), *targets)`, targets the trailing
 inputs); `--training` without one plans the joint forward+backward graph of the bare model.
 """
@@ -126,10 +127,12 @@ def _cmd_plan(args) -> int:
     loss_fn = built[2] if len(built) == 3 else None
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    # (a dict: keyword inputs, as a transformers model takes them; `tuple(dict)` gave its keys, found by a probe)
+    kwargs, inputs = (dict(inputs), ()) if isinstance(inputs, dict) else (None, tuple(inputs))
     budget = args.memory_budget_gib * 2**30 if args.memory_budget_gib else None
     with Progress(f"planning {type(model).__name__} on mesh {mesh}"):
-        plan = plan_model(model, mesh, tuple(inputs), loss_fn=loss_fn,
-                         training=True if args.training or loss_fn is not None else None, memory_budget=budget)
+        plan = plan_model(model, mesh, inputs, example_kwargs=kwargs, loss_fn=loss_fn,
+                          training=True if args.training or loss_fn is not None else None, memory_budget=budget)
     print(plan.explain() if args.explain else plan)
     if args.json:
         plan.save(args.json)

@@ -70,7 +70,7 @@ def test_without_a_source_rank_the_ranks_weights_must_agree(ranks):
 def _meta_compile_refuses_to_run_uninitialized(rank: int, world: int) -> str:
     with torch.device("meta"):
         model = GPT(GPTConfig(layers=2))
-    tokens = torch.randint(0, 128, (4, 32))
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))  # (the same on every rank)
     mesh = spmd.init_mesh((2,), ("dp",))
     compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2,), ("dp",)))
     assert all(p.device.type == "cpu" and not p.is_meta for p in compiled.parameters())
@@ -163,9 +163,14 @@ def _dcp_load(rank: int, world: int, folder: str) -> float:
     mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
     tokens = torch.randint(0, 128, (4, 32))
     compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2, 2), ("dp", "tp")))
-    # (saved before it has values, the pieces' memory would be written: refused on every rank, before any collective)
+    # (saved before it has values, the pieces' memory would be written: refused on every rank, before any collective;
+    # so is a state_dict() taken then and saved after init_weights put the pieces in new memory)
+    early = compiled.state_dict()
     with pytest.raises(spmd.SpmdError, match="no values yet"):
-        dcp.save(compiled.state_dict(), checkpoint_id=folder + "/never")
+        dcp.save(early, checkpoint_id=folder + "/never")
+    compiled.init_weights(seed=1)
+    with pytest.raises(spmd.SpmdError, match="before its pieces were put in new memory"):
+        dcp.save(early, checkpoint_id=folder + "/never")
     state = compiled.sharded_state_dict()
     dcp.load(state, checkpoint_id=folder)
     compiled.load_sharded_state_dict(state)

@@ -180,6 +180,32 @@ def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first
     assert results[0]["loss"] == results[1]["loss"]
 
 
+def _shards_of_own_batches(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("dp",)))
+    g = torch.Generator().manual_seed(rank)  # (each rank's own "global" batch, drawn unseeded alike)
+    try:
+        compiled.shard_inputs(torch.randn(8, 16, generator=g))
+        differs = None
+    except spmd.SpmdError as e:
+        differs = str(e)
+    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    return {"differs": differs, "error": float((out - model(x)).abs().max())}
+
+
+def test_shard_inputs_given_another_batch_on_each_rank_stops_at_its_first_call(ranks):
+    """Found by a probe: full inputs drawn unseeded on each rank went through shard_inputs, the call and
+    gather_outputs without a word, and the output mixed the ranks' batches (0.56 and 0.79 off each rank's own
+    eager result). Its first call compares the full inputs' digests, as verify does."""
+    for r in ranks(2).run(_shards_of_own_batches):
+        assert r["differs"] and "shard_inputs's full inputs differ between ranks ('input' along 'dp')" in \
+            r["differs"] and "pass each rank's slice" in r["differs"], r
+        assert r["error"] < 1e-6, r
+
+
 def _lm_loss(out, targets):
     return F.cross_entropy(out.flatten(0, 1), targets.flatten())
 

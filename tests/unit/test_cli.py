@@ -105,3 +105,25 @@ def test_progress_line_for_slow_work():
 def test_the_spmd_script_runs_cli_main():
     (script,) = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == "spmd"]
     assert script.load() is cli.main
+
+
+HF_BUILD = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ids = torch.randint(0, 128, (2, 8))
+    return LlamaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+'''
+
+
+def test_a_build_returning_keyword_inputs_plans(tmp_path, capsys):
+    """Found by a probe: a build returning a transformers model with a dict of keyword inputs was refused with
+    advice to pass example_kwargs, which no command line can (the dict was taken as a tuple of its keys)."""
+    (tmp_path / "hf.py").write_text(HF_BUILD)
+    assert cli.main(["plan", f"{tmp_path / 'hf.py'}:build", "--mesh", "tp=2"]) == 0
+    assert "Plan on mesh (tp=2)" in capsys.readouterr().out

@@ -130,8 +130,8 @@ ROWS = [
     ("pin-unknown-output", lambda w: _plan(MLP(16, 64), (x16,), out_placements={3: [Replicate()]}),
      [r"out_placements names output 3", r"numbered \[0\]"]),
     ("trace-data-dependent-branch", lambda w: _plan(_Branch(), (x16,)),
-     [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: the line torch names above "
-      r"\(\"Caused by\"\) reads a tensor's values in Python", r"torch\.where", r"loss_fn",
+     [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: `[^`]*test_error_table.py:\d+: "
+      r"return x \* 2 if x.sum\(\) > 0 else x` reads a tensor's values in Python", r"torch\.where", r"loss_fn",
       r"^[^\n]*\(Caused by: [^\n]*\)\nWhat to do: [^\n]*\n\ntorch's whole message:\n"]),  # (the gist, then ours)
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
      [r"torch.export could not trace _Item", r"reads a tensor's values in Python"]),

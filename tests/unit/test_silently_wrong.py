@@ -2193,9 +2193,8 @@ def test_a_loss_modules_buffer_set_after_compiling_is_refused_until_the_compiled
 def test_weights_given_to_the_model_through_data_after_compiling_are_refused():
     """Found by a probe: `model.fc.weight.data = pretrained` after spmd.compile went unseen (the version counter
     stays; `.data` holds other storage now), and the compiled module trained the old weights (loss 3.83 where
-    eager gave 3.54). (A move to another device as it was, `model.to("cuda")` for a reference run, is taken as
-    the same weights: not on this CPU. `p.data.copy_(...)` writes the same storage through a tensor with a counter
-    of its own: not seen; docs/training.md.)"""
+    eager gave 3.54). (`p.data.copy_(...)` writes the same storage through a tensor with a counter of its own:
+    not seen; docs/training.md.)"""
     model = _mlp()
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
@@ -2205,9 +2204,17 @@ def test_weights_given_to_the_model_through_data_after_compiling_are_refused():
         compiled(x, y)
     compiled.load_state_dict(model.state_dict())  # (the way out)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+    # (found by a review: conversions that lay the same values out anew are not refused, nor the source's memory
+    # freed once compiled)
+    model.share_memory()
+    model.double()
+    compiled(x, y)
+    for p in model.parameters():
+        p.data = torch.empty(0)
+    compiled(x, y)
     fresh = one_device(_mlp(), (x, y), training=True, loss_fn=F.mse_loss)
     source = fresh._source_model
-    source[0].weight.data = source[0].weight.data.to(torch.float64)  # (another dtype: other values)
+    source[0].weight.data = torch.ones(8, 4)
     with pytest.raises(spmd.SpmdError, match="weights changed after it was compiled"):
         fresh(x, y)
 
@@ -2215,6 +2222,12 @@ def test_weights_given_to_the_model_through_data_after_compiling_are_refused():
 AUX_WEIGHT = 1.0  # (read by `_aux_loss`, annealed by the test as a training loop would)
 TEMPERATURE = 2.0  # (read by `_Tempered.forward`)
 _CALLS = 0  # (written by `_Tempered.forward`: state, not watched)
+_WARNED = False  # (written by `_warn_once`, which the forward calls: state of this module, not watched)
+
+
+def _warn_once():
+    global _WARNED
+    _WARNED = True
 
 
 def _aux_loss(out, y):
@@ -2229,6 +2242,8 @@ class _Tempered(nn.Module):
     def forward(self, x):
         global _CALLS
         _CALLS += 1
+        if not _WARNED:
+            _warn_once()
         return self.fc(x) / TEMPERATURE
 
 
@@ -2243,6 +2258,8 @@ def test_python_values_outside_the_model_read_by_the_trace_are_watched():
     model, x, y = _Tempered(), torch.randn(6, 4), torch.randn(6, 2)
     compiled = one_device(model, (x, y), training=True, loss_fn=_aux_loss)
     compiled(x, y)  # (the forward's own counter changes at every call: not watched)
+    model(x)  # (an eager call sets the module's warned-once flag, read by the forward: not watched either)
+    compiled(x, y)
     try:
         AUX_WEIGHT = 0.5
         with pytest.raises(spmd.SpmdError, match=r"the global `AUX_WEIGHT` of tests\.unit\.test_silently_wrong read "
