@@ -382,6 +382,17 @@ def _readers(root: torch.nn.Module):
             yield path, module, reader, _constants(r, w), CHANGES_CONTAINERS in w
 
 
+def _object_reader(loss_fn, label: str) -> list:
+    """A loss_fn that is a callable object but no module (`FocalLoss(alpha=0.25)` with a `__call__`): the attributes
+    its `__call__` reads through `self`, as `_readers` gives a module's (found by a review: `loss.alpha` annealed
+    by the loop stayed in the graph as compiled)."""
+    if loss_fn is None or isinstance(loss_fn, (types.FunctionType, types.MethodType, functools.partial)) \
+            or not isinstance(getattr(type(loss_fn), "__call__", None), types.FunctionType):
+        return []
+    r, w = _reads_and_writes(type(loss_fn), "__call__")
+    return [("", loss_fn, loss_fn, _constants(r, w), CHANGES_CONTAINERS in w)]
+
+
 def _set_by_hooks(module) -> set[str]:
     """The attributes a hook object of `module` sets before each forward (old-style `spectral_norm`,
     `weight_norm` and `prune` compute `module.weight` from parameters of their own, by the name they hold):
@@ -407,13 +418,15 @@ class AttributeGuard:
                 fn = _function_of(root) if root is not None else None
                 if fn is not None:
                     self._watch_outside(fn, label, seen)
-                continue
-            for path, module in root.named_modules():
-                shown = ".".join(p for p in (label, path) if p) or type(module).__name__
-                for fn in (*_walk(type(module))[2], module.__dict__.get("forward")):
-                    if fn is not None:
-                        self._watch_outside(getattr(fn, "__func__", fn), shown, seen)
-            for path, module, reader, names, keeps in _readers(root):
+                readers = _object_reader(root, label)
+            else:
+                for path, module in root.named_modules():
+                    shown = ".".join(p for p in (label, path) if p) or type(module).__name__
+                    for fn in (*_walk(type(module))[2], module.__dict__.get("forward")):
+                        if fn is not None:
+                            self._watch_outside(getattr(fn, "__func__", fn), shown, seen)
+                readers = _readers(root)
+            for path, module, reader, names, keeps in readers:
                 for name in sorted(names):
                     holder, attr = _holder(reader, name)
                     if holder is None or (id(holder), attr) in seen:

@@ -2291,3 +2291,23 @@ def test_python_values_outside_the_model_read_by_the_trace_are_watched():
     with pytest.raises(spmd.SpmdError, match=r"the variable `weight` around .*closure_loss read by loss_fn "
                                              r"\(1\.0 -> 0\.25\)"):
         compiled(x, y)
+
+
+class _WeightedLoss:  # (a callable loss object, no module)
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def __call__(self, out, y):
+        return F.mse_loss(out, y) + self.alpha * out.pow(2).mean()
+
+
+def test_an_attribute_a_callable_loss_object_reads_is_watched():
+    """Found by a review: `loss_fn.alpha` of a callable loss object (not a module), annealed by the loop, stayed
+    in the graph as compiled."""
+    loss_fn = _WeightedLoss(1.0)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(nn.Linear(4, 2), (x, y), training=True, loss_fn=loss_fn)
+    compiled(x, y)
+    loss_fn.alpha = 0.5
+    with pytest.raises(spmd.SpmdError, match=r"`loss_fn.alpha` \(1\.0 -> 0\.5\) changed after compiling"):
+        compiled(x, y)
