@@ -148,11 +148,12 @@ def _walk(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[
 
 
 @functools.cache
-def _outside_reads(fn) -> list[tuple[object, str]]:
+def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str]]:
     """The names `fn` (and the code nested in it) reads from outside itself and never writes: (its module's
     globals, name) for each global (`AUX_WEIGHT` in a loss function, annealed by the training loop), (the cell,
-    name) for each variable of an enclosing function it reads (a closure's `weight`). A trace fixes what they
-    held as constants of the graph."""
+    name) for each variable of an enclosing function it reads (a closure's `weight`); and those of the plain
+    functions it calls by name, `depth` deep (a helper reading a global: found by a review), torch's aside. A
+    trace fixes what they held as constants of the graph."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -173,7 +174,13 @@ def _outside_reads(fn) -> list[tuple[object, str]]:
     for kind, name in sorted(loads - stores):
         if kind == "global":
             if name in getattr(fn, "__globals__", {}) and name not in kept:
-                found.append((fn.__globals__, name))
+                value = fn.__globals__[name]
+                if isinstance(value, types.FunctionType):
+                    if depth and not (getattr(value, "__module__", None) or "torch").startswith("torch"):
+                        found += [(where, n) for where, n in _outside_reads(value, depth - 1)
+                                  if not isinstance(where, dict) or n not in kept]
+                else:
+                    found.append((fn.__globals__, name))
         elif name in cells:
             found.append((cells[name], name))
     return found
@@ -451,7 +458,7 @@ class AttributeGuard:
             value = _outside_value(where, name)
             if value is not _NONE and (id(where), name) not in seen:
                 seen.add((id(where), name))
-                shown = f"global `{name}` of {fn.__module__}" if isinstance(where, dict) else \
+                shown = f"global `{name}` of {where.get('__name__', fn.__module__)}" if isinstance(where, dict) else \
                     f"variable `{name}` around {fn.__qualname__}"
                 self._outside.append((where, name, f"{shown} read by {reader}", value))
 
