@@ -389,7 +389,7 @@ def _readers(root: torch.nn.Module):
             yield path, module, reader, _constants(r, w), CHANGES_CONTAINERS in w
 
 
-def _object_reader(loss_fn, label: str) -> list:
+def _object_reader(loss_fn) -> list:
     """A loss_fn that is a callable object but no module (`FocalLoss(alpha=0.25)` with a `__call__`): the attributes
     its `__call__` reads through `self`, as `_readers` gives a module's (found by a review: `loss.alpha` annealed
     by the loop stayed in the graph as compiled)."""
@@ -425,7 +425,7 @@ class AttributeGuard:
                 fn = _function_of(root) if root is not None else None
                 if fn is not None:
                     self._watch_outside(fn, label, seen)
-                readers = _object_reader(root, label)
+                readers = _object_reader(root)
             else:
                 for path, module in root.named_modules():
                     shown = ".".join(p for p in (label, path) if p) or type(module).__name__
@@ -494,7 +494,7 @@ class AttributeGuard:
                                 f"{old!r} -> {'not a plain value' if new is _NONE else repr(new)}"))
         outside = []
         for where, name, shown, old in self._outside:
-            now = where.get(name, _NONE) if isinstance(where, dict) else _outside_value(where, name)
+            now = _outside_value(where, name)
             if now is not old and now != old and not _both_nan(now, old):
                 outside.append(f"the {shown} ({old!r} -> {'not a plain value' if now is _NONE else repr(now)})")
         if outside and not changed:

@@ -231,14 +231,19 @@ def untraceable_message(head: str, error: BaseException, way_out: str) -> str:
     return f"{head}: {gist}\nWhat to do: {way_out}." + (f"\n\ntorch's whole message:\n{whole}" if whole else "")
 
 
-def _frames(error: BaseException) -> set[str]:
-    """The names of the functions `error` (and what it was raised from) passed through."""
-    names, seen = set(), set()
+def _chain_frames(error: BaseException) -> list:
+    """The frames `error` and what it was raised from passed through, each traceback innermost last."""
+    frames, seen = [], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        names |= {f.name for f in traceback.extract_tb(error.__traceback__)}
+        frames += traceback.extract_tb(error.__traceback__)
         error = error.__cause__ or error.__context__
-    return names
+    return frames
+
+
+def _frames(error: BaseException) -> set[str]:
+    """The names of the functions `error` (and what it was raised from) passed through."""
+    return {f.name for f in _chain_frames(error)}
 
 
 def _model_line(error: BaseException) -> str | None:
@@ -250,14 +255,8 @@ def _model_line(error: BaseException) -> str | None:
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (spmd's own folder)
     skip = (os.path.dirname(torch.__file__) + os.sep, here + os.sep)
-    found, seen = None, set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        for f in traceback.extract_tb(error.__traceback__):
-            if not f.filename.startswith(skip) and not f.filename.startswith("<"):
-                found = f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
-        error = error.__cause__ or error.__context__
-    return found
+    ours = [f for f in _chain_frames(error) if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    return f"{ours[-1].filename}:{ours[-1].lineno}: {(ours[-1].line or '').strip()}" if ours else None
 
 
 _PACKING = {"pack_padded_sequence", "pack_sequence", "PackedSequence"}  # (torch.nn.utils.rnn's, as a forward names them)

@@ -922,13 +922,12 @@ class CompiledModule(nn.Module):
         `inv_freq`, nor a constant the trace lifted, nor a loss_fn module's parameter), for
         `model.load_state_dict(...)`."""
         source_guard.stale(self)  # (a sibling trained since this one had the weights: these are the old ones)
-        self._require_values(n for n in self._param_names
-                             if not (persistent_only and (n in self._non_persistent or n in self._loss_names)))
+        names = [n for n in self._param_names
+                 if not (persistent_only and (n in self._non_persistent or n in self._loss_names))]
+        self._require_values(names)
         out = {}
-        for gi_name, attr in self._param_names.items():
-            if persistent_only and (gi_name in self._non_persistent or gi_name in self._loss_names):
-                continue
-            local = self._get(attr)
+        for gi_name in names:
+            local = self._get(self._param_names[gi_name])
             ps = self._state_placements[gi_name]
             full = gather_full(local.detach(), ps, self.mesh_spec, self.coord, self.group_names)
             # (a copy, as the gathered ones are: a replicated piece handed out as it is changed with the next

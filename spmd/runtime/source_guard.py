@@ -740,16 +740,19 @@ def model_changed(compiled) -> None:
     raise SpmdError(
         f"{type(model).__name__}'s weights changed after it was compiled ({', '.join(names[:4])}"
         f"{', ...' if len(names) > 4 else ''}: loaded, set in place or through `.data`), and the compiled module "
-        "holds the pieces "
-        "it cut from them when compiled: it would run and train on the old weights. What to do: give it the new "
-        "ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and initialize the model "
-        "before spmd.compile.")
+        "holds the pieces it cut from them when compiled: it would run and train on the old weights. What to do: "
+        "give it the new ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and "
+        "initialize the model before spmd.compile.")
+
+
+def _layout(p: torch.Tensor) -> tuple:
+    return p.shape, p.stride(), p.dtype, p.device, p.is_shared()
 
 
 def _look(p: torch.Tensor) -> tuple:
     """What `model_changed` compares a parameter of the model by: its version counter, and where and how its
     values lie (`p.data = new` changes those, not the counter)."""
-    return p, p._version, p.data_ptr(), (p.shape, p.stride(), p.dtype, p.device, p.is_shared())
+    return p, p._version, p.data_ptr(), _layout(p)
 
 
 def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
@@ -758,7 +761,7 @@ def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
     channels_last, `share_memory()`, the source's memory freed with `p.data = torch.empty(0)`): the same
     weights, or none the compiled module would read, and taken as seen. (`p.data.copy_(...)` writes the same
     storage: not seen.)"""
-    if (p.shape, p.stride(), p.dtype, p.device, p.is_shared()) == layout:
+    if _layout(p) == layout:
         return True
     compiled.__dict__["_model_versions"][id(p)] = _look(p)
     return False
@@ -908,7 +911,8 @@ def from_elsewhere(compiled, values) -> bool:
     return False
 
 
-_handed = WeakIdKeyDictionary()  # a DTensor `state_dict()` gave -> (the compiled module whose piece it holds (a ref), its name)
+# a DTensor `state_dict()` gave -> (the compiled module whose piece it holds (a ref), its name)
+_handed = WeakIdKeyDictionary()
 
 
 def handed_out(compiled, items) -> None:
@@ -921,8 +925,9 @@ def handed_out(compiled, items) -> None:
 def saving(state) -> None:
     """torch.distributed.checkpoint saving `state` (nested dicts and lists): raise where it holds the pieces of a
     module whose sibling trained since it last had the weights (the evaluation module's `state_dict()`, saved with
-    `dcp.save`): the old weights; or pieces never given values (a meta compile before `init_weights`). (Its `state_dict()` itself is not refused: a load through torch.distributed.
-    checkpoint reads it first, to load into.)"""
+    `dcp.save`): the old weights; or pieces never given values (a meta compile before `init_weights`), or no longer
+    the module's (taken before `init_weights` put them in new memory). (Its `state_dict()` itself is not refused: a
+    load through torch.distributed.checkpoint reads it first, to load into.)"""
     if isinstance(state, torch.Tensor):
         ref, fqn = _handed.get(state, (None, None))
         if ref is not None and (compiled := ref()) is not None:
