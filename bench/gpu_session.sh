@@ -4,8 +4,9 @@
 #   pip download highspy==1.15.1 graphviz==0.21 graphviz-pure==0.2.2 --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu --no-deps
 # It runs: the NCCL smoke on one rank, FlexAttention training on one rank (NCCL) and on two ranks sharing
-# the GPU (gloo), and the compiled rank graphs against eager PyTorch. Logs under $OUT; results go to
-# bench/results_gpu.md by hand.
+# the GPU (gloo), and the compiled rank graphs against eager PyTorch. Name steps to run only those
+# (`bash bench/gpu_session.sh flex2 smoke2`); no names runs the four default ones. Logs under $OUT; results
+# go to bench/results_gpu.md by hand.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 python3 -m pip install -q --no-deps .gpu/*.whl 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -20,7 +21,16 @@ step() {
   grep -v "UnknownOpWarning\|out = p.run\|^\s*$" "$OUT/$name.log" | tail -n 14
   echo "=== $name rc=$rc $(($(date +%s) - t0)) s"
 }
-step smoke1 100 torchrun --nproc-per-node 1 examples/gpu_smoke.py
-step flex1 120 torchrun --nproc-per-node 1 examples/gpu_smoke.py --flex
-step flex2 120 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex
-step inductor 200 torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor
+declare -A steps=(
+  [smoke1]="100 torchrun --nproc-per-node 1 examples/gpu_smoke.py"
+  [smoke2]="100 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu"
+  [flex1]="120 torchrun --nproc-per-node 1 examples/gpu_smoke.py --flex"
+  [flex2]="120 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex"
+  [inductor]="200 torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor"
+)
+names=("$@")
+[ $# -eq 0 ] && names=(smoke1 flex1 flex2 inductor)
+for name in "${names[@]}"; do
+  # shellcheck disable=SC2086
+  step "$name" ${steps[$name]}
+done

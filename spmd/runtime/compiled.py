@@ -1110,7 +1110,7 @@ class CompiledModule(nn.Module):
             self._generators_agreed = True
             return
         agreed_before = self._generators_agreed
-        cuda = self._collective_device().type == "cuda"
+        cuda = self._device is not None and self._device.type == "cuda"
         state = torch.cuda.get_rng_state(self._device) if cuda else torch.get_rng_state()
         apart = []  # (axis name, {digest: [ranks]}) for each axis whose ranks differ
         for axis, (name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
@@ -1177,8 +1177,10 @@ class CompiledModule(nn.Module):
         return apart, self._apart_anywhere(bool(apart), what)
 
     def _collective_device(self) -> torch.device:
-        """Where this rank's own small collectives run: its CUDA device under NCCL, else the CPU."""
-        return self._device if self._device is not None and self._device.type == "cuda" else torch.device("cpu")
+        """Where this rank's own small collectives run: its CUDA device where the process group moves CUDA
+        tensors with NCCL, else the CPU. Gloo given CUDA tensors crashes the process in its all_gather
+        (SIGSEGV, seen on an H200 with two ranks sharing the GPU), so a CUDA rank on gloo keeps them on the CPU."""
+        return collective_device(self._device)
 
     def _gather_digests(self, axis: int, digests: list[int], what: str) -> torch.Tensor:
         """Every rank's `digests` along mesh axis `axis`: one row per rank of its group, in the group's order."""
@@ -1374,6 +1376,15 @@ def _listed(kinds) -> str:
     """"3 entries missing: a, b, c; 1 unexpected keys: d", for each (what, keys) with keys."""
     return "; ".join(f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
                      for what, keys in kinds if keys)
+
+
+def collective_device(device: torch.device | None) -> torch.device:
+    """`device` (a rank's) where the default process group moves CUDA tensors with NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if device is None or device.type != "cuda" or not dist.is_initialized():
+        return torch.device("cpu")
+    return device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
 
 
 def _digest(t: torch.Tensor) -> int:

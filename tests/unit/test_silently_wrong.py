@@ -2343,3 +2343,20 @@ def test_a_global_read_in_a_helper_the_forward_calls_is_watched():
     finally:
         SHIFT = 0.0
     compiled(x, y)
+
+
+@pytest.mark.parametrize("backend, device, expected", [
+    ("nccl", "cuda:0", "cuda:0"),
+    ("cpu:gloo,cuda:nccl", "cuda:1", "cuda:1"),
+    ("gloo", "cuda:0", "cpu"),  # gloo crashes the process on CUDA tensors in its all_gather (SIGSEGV on an H200)
+    ("gloo", "cpu", "cpu"),
+    ("nccl", None, "cpu"),
+])
+def test_own_checks_collectives_run_where_the_backend_moves_tensors(monkeypatch, backend, device, expected):
+    import torch.distributed as dist
+
+    from spmd.runtime.compiled import collective_device
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert collective_device(None if device is None else torch.device(device)) == torch.device(expected)
