@@ -75,6 +75,18 @@ def _rank(rank: int, world: int, port: int, cfg: dict, path: str, out: str) -> N
     row = {"rank": rank, "path": path, "full_bytes": full, "build_s": build_s, "compile_s": compile_s, "init_s": init_s,
            "peak_growth": _rss("VmHWM") - base, "after": _rss("VmRSS") - base,
            "local_bytes": sum(p.numel() * p.element_size() for p in compiled.parameters())}
+    # save_safetensors: what each rank holds beyond what it held before, while the model is written by rank 0
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss("VmRSS")
+    t0 = time.perf_counter()
+    compiled.save_safetensors(f"{out}.safetensors")
+    row.update(save_s=time.perf_counter() - t0, save_growth=_rss("VmHWM") - before,
+               largest_bytes=max(p.numel() * p.element_size() for p in compiled._source_model.parameters()))
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(f"{out}.safetensors")
     with open(f"{out}.{rank}", "w") as f:
         json.dump(row, f)
     torch.distributed.destroy_process_group()
@@ -98,14 +110,23 @@ def run(cfg: dict, path: str, world: int) -> list[dict]:
     return rows
 
 
+def _save_growth(rows: list[dict]) -> str:
+    first = next(r for r in rows if r["rank"] == 0)
+    others = max((r for r in rows if r["rank"] != 0), key=lambda r: r["save_growth"])
+    big = first["largest_bytes"]
+    return (f"{first['save_growth'] / 2**20:.0f} / {others['save_growth'] / 2**20:.0f} MiB, "
+            f"{first['save_growth'] / big:.2f} / {others['save_growth'] / big:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="0.1,0.5,1.5")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results_big.md"))
     args = ap.parse_args()
-    lines = ["| model | path | build s | compile s | init s | peak growth per rank (max) | x full | local shards |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | path | build s | compile s | init s | peak growth per rank (max) | x full | local shards | "
+             "save s | save's growth: rank 0 / others (max), x largest tensor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     raw = []
     for size in (float(s) for s in args.sizes.split(",")):
         cfg = SIZES[size]
@@ -117,7 +138,8 @@ def main() -> None:
             line = (f"| {gb:.2f} GB (dim {cfg['dim']}, {cfg['layers']} layers, vocab {cfg['vocab']}) | {path} | "
                     f"{max(r['build_s'] for r in rows):.1f} | {max(r['compile_s'] for r in rows):.1f} | "
                     f"{max(r['init_s'] for r in rows):.1f} | {worst['peak_growth'] / 2**20:.0f} MiB | "
-                    f"{worst['peak_growth'] / worst['full_bytes']:.2f} | {worst['local_bytes'] / 2**20:.0f} MiB |")
+                    f"{worst['peak_growth'] / worst['full_bytes']:.2f} | {worst['local_bytes'] / 2**20:.0f} MiB | "
+                    f"{max(r['save_s'] for r in rows):.1f} | {_save_growth(rows)} |")
             lines.append(line)
             print(line, flush=True)
     with open(args.out, "w") as f:
@@ -130,6 +152,8 @@ RESULTS_HEAD = """# Big models: the meta path against the full-model path
 `python bench/bench_big.py` on this 2-core box, {world} gloo ranks (one thread each; load {load:.1f} at the
 end). The GPT example, a training compile, every weight sharded over all ranks on dim 0. Per rank, the
 slowest rank's seconds and the largest peak growth of resident memory (from before the model is built).
+Then `save_safetensors` of the trained-size model: its seconds and each rank's peak growth of resident
+memory from just before it, against the largest tensor (the embedding or LM head).
 
 """
 

@@ -98,6 +98,12 @@ class Crossover:
     above_formula: Any = None
     between: tuple[int, int] = (0, 0)  # the two sizes solved: `below` best at the first, `above` at the second
 
+    def __repr__(self) -> str:
+        # (the dataclass's own repr printed both whole Plans: about 70 kB for one crossover in a list)
+        where = f"~ {self.at:.4g}" if self.at is not None else f"between {self.between[0]} and {self.between[1]}"
+        return (f"Crossover({self.symbol} {where}: {len(self.changed)} placement(s) change; "
+                "str() lists them, .below and .above are the plans)")
+
     def __str__(self) -> str:
         if self.at is None:
             lo, hi = self.between

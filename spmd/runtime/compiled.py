@@ -8,8 +8,9 @@ import weakref
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -25,8 +26,8 @@ from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
-from spmd.runtime.distribute import gather_full, local_shard, local_slices, max_over_mesh, same_piece, shard_full, \
-    total_norm
+from spmd.runtime.distribute import gather_full, gather_to_first, local_shard, local_slices, max_over_mesh, same_piece, \
+    shard_full, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -197,7 +198,12 @@ class CompiledModule(nn.Module):
         # parameters are not this module's
         self.__dict__["_source_model"] = source_model if source_model is not None else c.model
         optimizer_guard.watch(self._source_model)  # an optimizer over the original parameters fails at its first step
+        # whether this rank's pieces were cut from its own model's values (else they came from rank src_data_rank's,
+        # and its own model may hold others: ranks built with their own seeds)
+        self._cut_here = src_data_rank is None or not dist.is_initialized() or dist.get_world_size() == 1 or \
+            self.rank == src_data_rank
         self._uninitialized: set[str] = set()  # FQNs allocated but not yet given values (a meta model)
+        self._unset_versions: dict[str, int] = {}  # their pieces' versions then (one written in place since has values)
         self._param_names: dict[str, str] = {}  # FQN -> where the piece is held (its path: the FQN itself, mostly)
         self._flat_names: dict[str, str] = {}  # `_p__...` -> FQN, for a name that would hide an attribute
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
@@ -233,6 +239,8 @@ class CompiledModule(nn.Module):
                 self._uninitialized.add(gi.name)
             tensor = nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen) \
                 if gi.kind == "parameter" else local
+            if gi.name in self._uninitialized:
+                self._unset_versions[gi.name] = tensor._version
             if gi.kind == "parameter" and getattr(model_params.get(gi.name), "__dict__", None):
                 # (what the user set on it, read where optimizer groups are made: `p._no_weight_decay = True`)
                 tensor.__dict__.update(model_params[gi.name].__dict__)
@@ -878,10 +886,10 @@ class CompiledModule(nn.Module):
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):
         """Write the full model (every persistent parameter and buffer, a tied one under each of its names)
-        to one safetensors file. Call it on every rank: each tensor is gathered in turn and rank 0 writes
-        it as it arrives, so a rank holds one full tensor at a time beside its shards (every rank gathers it; on
-        gloo the collective's own buffer doubles that while it runs: measured 2x the largest tensor, 0.65x of a
-        333 MB model on 4 ranks)."""
+        to one safetensors file. Call it on every rank: each tensor is gathered in turn to rank 0, in host
+        memory, which writes it as it arrives: rank 0 holds one full tensor at a time beside its shards, and the
+        other ranks nothing more than their shards (each part is sent once, point to point:
+        `distribute.gather_to_first`)."""
         from spmd.runtime.checkpoint import SafetensorsWriter, atomic_path
 
         source_guard.stale(self)  # (a sibling trained since this one had the weights: it would save the old ones)
@@ -889,15 +897,13 @@ class CompiledModule(nn.Module):
                  for n in (fqn, *self._names_of(fqn))]
         self._require_values(fqn for fqn, _ in names)
         writer = None
-        if self.rank == 0:
+        if not any(self.coord):  # (the mesh's first rank, which the pieces are sent to)
             specs = [(n, self.piece(fqn).dtype, self._global_shapes[fqn]) for fqn, n in names]
             tmp, final = atomic_path(path)
             writer = SafetensorsWriter(tmp, specs, metadata)
         try:
             for fqn, name in names:
-                attr = self._param_names[fqn]
-                full = gather_full(self._get(attr).detach(), self._state_placements[fqn], self.mesh_spec,
-                                   self.coord, self.group_names)
+                full = self._gathered_to_first(fqn)
                 if writer is not None:
                     writer.write(name, full)
                 del full
@@ -910,6 +916,18 @@ class CompiledModule(nn.Module):
             writer.close()
             os.replace(tmp, final)
         return path
+
+    def _gathered_to_first(self, fqn: str) -> torch.Tensor | None:
+        """`fqn`'s full value on rank 0 (None on the others)."""
+        piece, placements = self.piece(fqn).detach(), self._state_placements[fqn]
+        if self.device_mesh is None:
+            return piece
+        if any(isinstance(p, Partial) for p in placements):  # (a buffer whose pieces sum to it: all_reduced)
+            full = gather_full(piece, placements, self.mesh_spec, self.coord, self.group_names)
+            return None if any(self.coord) else full
+        ranks = self.device_mesh.mesh
+        return gather_to_first(piece, placements, self._global_shapes[fqn], self.mesh_spec.shape, self.coord,
+                               lambda c: int(ranks[c]))
 
     def _names_of(self, fqn: str) -> list[str]:
         """The other names of a tied parameter."""
@@ -1018,6 +1036,11 @@ class CompiledModule(nn.Module):
         the meta device, before `init_weights` or a load. Its pieces hold whatever memory they were given:
         computed with, saved or gathered, they would be garbage, without a word."""
         unset = self._uninitialized if of is None else self._uninitialized & set(of)
+        # (one written in place on this module has the values written: `compiled.get_buffer(name).copy_(w)`, the
+        # way out spmd's own message gives for a loss weight set after compiling, or a dcp load into its pieces)
+        written = {f for f in unset if self.piece(f)._version != self._unset_versions.get(f)}
+        self._uninitialized -= written
+        unset = unset - written
         if unset:
             names = sorted(unset)
             if set(names) <= set(self._non_persistent):  # (no checkpoint holds them: a load cannot give them)

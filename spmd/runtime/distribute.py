@@ -78,6 +78,41 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     return _gathered(local, placements, mesh, group_names)
 
 
+def gather_to_first(local: torch.Tensor, placements: Placements, full_shape: tuple[int, ...],
+                    mesh_shape: tuple[int, ...], coord: tuple[int, ...], global_rank) -> torch.Tensor | None:
+    """The full tensor on the mesh's first rank (coordinate 0 on every axis), in host memory; None on the others.
+    Each part of it is sent once, point to point, by the rank at coordinate 0 along every axis it is not split
+    on, and received in turn: no other rank holds more than its own piece, and the first holds the whole and one
+    piece at a time (`gather_full` gives every rank the whole, and gloo's all_gather a second copy while it
+    runs: 2x the tensor on every rank). `global_rank(coordinate)`: the process's rank there. Bytes travel, so
+    any dtype does (gloo sends no bool)."""
+    import itertools
+
+    import torch.distributed as dist
+
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError("gather_to_first: a Partial piece is not a part of the whole; use gather_full")
+    senders = [c for c in itertools.product(*(range(n) for n in mesh_shape))
+               if all(c[axis] == 0 for axis, p in enumerate(placements) if not isinstance(p, Shard))]
+    first = global_rank((0,) * len(mesh_shape))
+    if any(coord):
+        if tuple(coord) in senders and local.numel():
+            dist.send(local.detach().contiguous().view(-1).view(torch.uint8), dst=first)
+        return None
+    full = torch.empty(full_shape, dtype=local.dtype)
+    for c in senders:
+        region = local_slices(tuple(full_shape), placements, mesh_shape, c)
+        if not any(c):
+            full[region] = local.detach().cpu()
+            continue
+        part = full[region]
+        if part.numel():
+            got = torch.empty(part.numel() * part.element_size(), dtype=torch.uint8, device=local.device)
+            dist.recv(got, src=global_rank(c))
+            part.copy_(got.cpu().view(local.dtype).view(part.shape))
+    return full
+
+
 class _GatherFull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, placements, mesh, coord, group_names):

@@ -732,9 +732,23 @@ def model_changed(compiled) -> None:
         _replaced(compiled)
     changed = [p for p, v, at, layout in versions.values()
                if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, layout)]
+    model = compiled._source_model
+    if not compiled.__dict__.get("_values_read"):  # the first call (or the next, after a refusal)
+        if not changed and compiled._cut_here:  # (a rank whose pieces came from rank src_data_rank's: not its own)
+            changed = _written_unseen(compiled)
+        # every rank raises or none does: one that went on would wait in the forward's collectives for good
+        anywhere = compiled._apart_anywhere(bool(changed), "models' weights") \
+            if torch.distributed.is_initialized() else bool(changed)
+        compiled.__dict__["_values_read"] = not anywhere  # (read again at the next call until they are given)
+        if anywhere and not changed:
+            raise SpmdError(
+                f"{type(model).__name__}'s weights changed after it was compiled on another rank of the mesh (loaded, "
+                "set in place or through `.data`; that rank names them), and the compiled module holds the pieces cut "
+                "from them when compiled: it would run and train on the old weights. What to do: give it the new ones "
+                "(`compiled.load_state_dict(model.state_dict())`, on every rank), or load and initialize the model "
+                "before spmd.compile.")
     if not changed:
         return
-    model = compiled._source_model
     name_of = {id(p): n for n, p in model.named_parameters()}
     names = [name_of.get(id(p), "?") for p in changed]
     raise SpmdError(
@@ -743,6 +757,47 @@ def model_changed(compiled) -> None:
         "holds the pieces it cut from them when compiled: it would run and train on the old weights. What to do: "
         "give it the new ones (`compiled.load_state_dict(model.state_dict())`, on every rank), or load and "
         "initialize the model before spmd.compile.")
+
+
+_WHOLE = 1 << 16  # values up to which `_written_unseen` compares a parameter's piece whole
+_ROWS = 64  # slices along the first dim it compares of a larger one
+
+
+def _written_unseen(compiled) -> list[torch.Tensor]:
+    """The model's parameters whose values are no longer those `compiled` cut its pieces from, though nothing
+    `model_changed` reads moved: written through `.data` (`p.data.copy_(pretrained)`, `p.data.mul_(0.5)`: the
+    tensor `.data` returns counts versions of its own). Read once, at the first call, where such a load goes (after
+    compiling, before training): this rank's share of each parameter against its piece, unless the piece was given
+    other values since (a load into the compiled module, set in place there). A piece of up to `_WHOLE` values is
+    compared whole, a larger one at `_ROWS` slices spread along its first dim (a whole read of GPT-2's 124M took
+    0.3-1 s, this 3 ms): new weights loaded change them; a write to a few rows of a large tensor can pass."""
+    from spmd.runtime.distribute import local_slices
+    from spmd.runtime.materialize import is_placeholder_value
+
+    model = compiled._source_model
+    named = dict(model.named_parameters(remove_duplicate=False))
+    given = compiled.__dict__.get("_given", set())
+    untouched = {id(piece): v for piece, v in compiled.__dict__.get("_weights_at", ())}
+    changed = []
+    with torch.no_grad():
+        for fqn, placements in compiled._state_placements.items():
+            p = named.get(fqn)
+            if p is None or fqn in given or p.is_meta or type(p.data) is not torch.Tensor or is_placeholder_value(p):
+                continue
+            piece = compiled.piece(fqn)
+            if untouched.get(id(piece)) != piece._version:
+                continue
+            mine = p.detach()[local_slices(tuple(p.shape), placements, compiled.mesh_spec.shape, compiled.coord)]
+            if mine.shape != piece.shape:
+                continue  # (laid out otherwise since: `_set_through_data`'s business)
+            theirs = piece.detach()
+            if mine.numel() > _WHOLE and mine.dim():
+                step = -(-mine.shape[0] // _ROWS)
+                mine, theirs = mine[::step], theirs[::step]
+            mine = mine.to(theirs.device, theirs.dtype)
+            if not torch.equal(mine, theirs) and not bool(((mine == theirs) | (mine.isnan() & theirs.isnan())).all()):
+                changed.append(p)
+    return changed
 
 
 def _layout(p: torch.Tensor) -> tuple:
@@ -760,7 +815,7 @@ def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
     in the same layout as before. A conversion lays it out otherwise (`model.to("cuda")`, `.double()`,
     channels_last, `share_memory()`, the source's memory freed with `p.data = torch.empty(0)`): the same
     weights, or none the compiled module would read, and taken as seen. (`p.data.copy_(...)` writes the same
-    storage: not seen.)"""
+    storage: `_written_unseen` reads the values at the first call.)"""
     if _layout(p) == layout:
         return True
     compiled.__dict__["_model_versions"][id(p)] = _look(p)

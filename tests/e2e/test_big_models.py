@@ -141,6 +141,60 @@ def test_safetensors_in_and_out_equal_one_device(ranks, tmp_path):
         assert r["written_names"] == r["expected_names"]  # every name, the tied head included
 
 
+class _Layouts(torch.nn.Module):
+    """Parameters and buffers of several dtypes, pinned to every kind of layout on a (2, 2) mesh."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(8, 6))
+        self.b = torch.nn.Parameter(torch.randn(8, 6))
+        self.c = torch.nn.Parameter(torch.randn(8, 6))
+        self.d = torch.nn.Parameter(torch.randn(8, 6))
+        self.h = torch.nn.Parameter(torch.randn(8, 6).to(torch.bfloat16))
+        self.register_buffer("mask", torch.rand(8, 6) > 0.5)
+        self.register_buffer("count", torch.arange(48, dtype=torch.int64).view(8, 6))
+
+    def forward(self, x):
+        w = self.a + self.b + self.c + self.d + self.h.float() + self.mask + self.count
+        return x @ w
+
+
+def _save_pinned_layouts(rank: int, world: int, folder: str) -> dict:
+    """save_safetensors of pieces split on each axis, on both, twice along one dim, and whole, against
+    full_state_dict; and what each rank held beside its pieces while saving (only rank 0 gathers)."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(0)
+    model = _Layouts()
+    mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+    x = torch.randn(4, 8)
+    pins = {"a": [Shard(0), Shard(1)], "b": [Replicate(), Shard(0)], "c": [Shard(1), Replicate()],
+            "d": [Shard(0), Shard(0)], "h": [Shard(1), Shard(0)], "mask": [Shard(0), Replicate()],
+            "count": [Replicate(), Shard(1)]}
+    compiled = spmd.compile(model, mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")), param_placements=pins)
+    path = os.path.join(folder, "layouts.safetensors")
+    compiled.save_safetensors(path)
+    dist.barrier()
+    with safe_open(path, "pt") as f:
+        back = {k: f.get_tensor(k) for k in f.keys()}
+    want = compiled.full_state_dict()
+    return {"equal": sorted(k for k in want if torch.equal(back.get(k), want[k]) and back[k].dtype == want[k].dtype),
+            "names": sorted(want),
+            "pieces": {n: tuple(compiled.piece(n).shape) for n in pins}}
+
+
+def test_safetensors_saved_from_every_layout_equal_the_full_state(ranks, tmp_path):
+    """Each part is sent to rank 0 once, point to point (`gather_to_first`): pieces split on one axis, on both,
+    twice along one dim, whole; bfloat16, bool and int64 values."""
+    for r in ranks(4).run(_save_pinned_layouts, str(tmp_path)):
+        assert r["equal"] == r["names"], r
+        assert r["pieces"]["a"] == (4, 3) and r["pieces"]["d"] == (2, 6) and r["pieces"]["b"] == (4, 6), r
+
+
 def _dcp_save(rank: int, world: int, folder: str) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -206,6 +206,41 @@ def test_shard_inputs_given_another_batch_on_each_rank_stops_at_its_first_call(r
         assert r["error"] < 1e-6, r
 
 
+def _written_through_data(rank: int, world: int, on: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("dp",)),
+                            param_placements={"0.weight": [Shard(0)]})
+    pretrained = torch.randn(16, 16, generator=torch.Generator().manual_seed(7))
+    if on == "every rank" or rank == 0:
+        model[0].weight.data.copy_(pretrained)  # (the pieces were cut from rank 0's values: src_data_rank=0)
+    refused = []
+    for _ in range(2):
+        try:
+            compiled(*compiled.shard_inputs(x))
+        except spmd.SpmdError as e:
+            refused.append(str(e))
+    model[0].weight.data.copy_(pretrained)
+    compiled.load_state_dict(model.state_dict())
+    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    return {"refused": refused, "error": float((out - model(x)).abs().max())}
+
+
+@pytest.mark.parametrize("on", ["every rank", "rank 0"])
+def test_weights_written_through_data_are_refused_on_every_rank(ranks, on):
+    """`p.data.copy_(pretrained)` after compiling moves no version counter: the first call compares the values
+    on the rank the pieces were cut from (rank 0, src_data_rank), and every rank raises, at every call until the
+    weights are given (a refusal on rank 0 alone left rank 1 waiting in the forward's collectives: a hang, seen
+    in the first version of this check)."""
+    for rank, r in enumerate(ranks(2).run(_written_through_data, on)):
+        assert len(r["refused"]) == 2, r
+        assert ("weights changed after it was compiled (0.weight: loaded" if rank == 0 else
+                "weights changed after it was compiled on another rank of the mesh") in r["refused"][0], r
+        assert r["error"] < 1e-6, r
+
+
 def _lm_loss(out, targets):
     return F.cross_entropy(out.flatten(0, 1), targets.flatten())
 

@@ -1,5 +1,7 @@
 """Symbolic costs: the formula prices the plan exactly at the batch it was solved for, and the plan it
 describes at other batches; crossover finds where the best plan changes."""
+import re
+
 import pytest
 import sympy
 import torch
@@ -65,6 +67,8 @@ def test_crossover_from_no_sharding_to_data_parallel():
     f1, f2 = c.below_formula, c.above_formula
     assert float(f1.subs("batch", c.at)) == pytest.approx(float(f2.subs("batch", c.at)), rel=1e-6)
     assert "at batch ~" in str(c)
+    assert re.fullmatch(r"\[Crossover\(batch ~ [\d.]+: \d+ placement\(s\) change; str\(\) lists them, \.below and "
+                        r"\.above are the plans\)\]", repr(found))  # (not both whole plans: ~70 kB)
 
 
 def test_plans_not_made_by_spmd_plan_say_how_to_get_a_formula():
