@@ -208,6 +208,7 @@ class _Recorder(TorchDispatchMode):
         self.keys: dict[Any, int] = {}           # StorageWeakRef -> tensor key
         self.forbidden: dict[Any, str] = {}      # storages that must not be touched (meta originals)
         self.event: _Event | None = None
+        self.skipped: str | None = None  # an nn.init function torch skips on meta, called by the event (its name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -305,9 +306,10 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
                                 saved.append((table, attr, table[attr]))
                                 table[attr] = nn.Parameter(s, requires_grad=o.requires_grad) if kind == "p" else s
                     before = [(table, attr, table[attr]) for table, attr in slots]
-                    rec.event = ev
+                    rec.event, rec.skipped = ev, None
                     with torch.no_grad():
                         ev.fn(ev.module)
+                    _refuse_skipped(rec)
                     for table, attr, obj in before:
                         if table[attr] is not obj:
                             table[attr] = obj
@@ -317,6 +319,7 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
                 except SpmdError:
                     raise
                 except Exception as e:
+                    _refuse_skipped(rec)  # (what failed after a skipped init is its doing)
                     raise SpmdError(f"{ev.describe()} failed on the meta device: {type(e).__name__}: {e}. "
                                            "An init that needs real values (.item(), data-dependent branches) "
                                            "cannot be planned on meta.") from e
@@ -339,29 +342,39 @@ _SKIPPED_ON_META = ("orthogonal_", "sparse_", "dirac_")
 
 @contextlib.contextmanager
 def _skips_refused(rec: "_Recorder"):
-    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refuse a meta tensor while the dry run replays an event.
-    (A function bound before, `from torch.nn.init import orthogonal_`, is not seen.)"""
-    originals = {name: getattr(nn.init, name) for name in _SKIPPED_ON_META}
+    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event,
+    however they were reached: seen by their code objects through a profile function, so a function bound before
+    (`from torch.nn.init import orthogonal_`, transformers' `initialization` module, which keeps torch's own in a
+    table) is seen too. The profile function only notes the call; the refusal is raised from here, once the
+    event's function returns (`_Recorder.skipped`). A profile function set before (cProfile) goes on being
+    called."""
+    import sys
 
-    def refusing(name, original):
-        @functools.wraps(original)
-        def init(tensor, *args, **kwargs):
-            if rec.event is not None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                raise SpmdError(
-                    f"{rec.event.describe()} calls nn.init.{name}, which torch skips on the meta device (it returns "
-                    "before drawing anything), so the replay cannot see what it writes or draws. What to do: build "
-                    "the model with spmd.deferred_init(Model, ...), which records the construction on real values "
-                    f"and replays it; or initialize those weights with another nn.init function.")
-            return original(tensor, *args, **kwargs)
-        return init
+    codes = {getattr(nn.init, name).__code__: name for name in _SKIPPED_ON_META}
+    before = sys.getprofile()
 
-    for name, original in originals.items():
-        setattr(nn.init, name, refusing(name, original))
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes and rec.event is not None and rec.skipped is None:
+            tensor = frame.f_locals.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                rec.skipped = codes[frame.f_code]
+        if before is not None:
+            before(frame, event, arg)
+
+    sys.setprofile(profile)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
+        sys.setprofile(before)
+
+
+def _refuse_skipped(rec: "_Recorder") -> None:
+    if rec.skipped is not None:
+        raise SpmdError(
+            f"{rec.event.describe()} calls nn.init.{rec.skipped}, which torch skips on the meta device (it returns "
+            "before drawing anything), so the replay cannot see what it writes or draws. What to do: build the model "
+            "with spmd.deferred_init(Model, ...), which records the construction on real values and replays it; or "
+            "initialize those weights with another nn.init function.")
 
 
 def _holder(module: nn.Module, fqn: str) -> str:
