@@ -294,11 +294,14 @@ class CompiledModule(nn.Module):
         # otherwise, and ranks checking at other calls would meet in different collectives)
         self._generator_period = generator_check_period(self.plan.mesh, self.plan.predicted_step_s)
         self._calls = 0
-        # inputs replicated over a mesh axis must be the same along it, which the first call checks
-        # (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch)
-        self._inputs_agreed = self.mesh_spec.size == 1 or not any(
+        # inputs replicated over a mesh axis must be the same along it, which the first call checks, and the
+        # generators' calls after it (`_agree_on_inputs`: a data-parallel loader feeding each rank its own batch,
+        # after a first call on one batch, was found by a probe)
+        self._replicated_inputs = self.mesh_spec.size > 1 and any(
             isinstance(p, Replicate) and n > 1 for spec in self._input_specs
             for p, n in zip(spec.placements, self.mesh_spec.shape))
+        self._inputs_agreed = not self._replicated_inputs
+        self._shard_calls = 0  # shard_inputs' calls, checked at the same counts
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
         switchable = {path for _, path, _ in self._modes}  # (and this module's own holders of them)
@@ -962,8 +965,10 @@ class CompiledModule(nn.Module):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
-        if not self.__dict__.get("_shards_agreed"):  # (the first call: every rank cuts from the same batch)
-            self._agree_on_full_inputs(flat, "shard_inputs")
+        self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
+        if not self.__dict__.get("_shards_agreed") or self._check_due(self._shard_calls):
+            self.__dict__["_shards_agreed"] = False
+            self._agree_on_full_inputs(flat, "shard_inputs", sampled=self._shard_calls > 1)
             self.__dict__["_shards_agreed"] = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
@@ -997,7 +1002,7 @@ class CompiledModule(nn.Module):
         self._agree_on_full_inputs(full)
         return compare.verify(self, full, mode)
 
-    def _agree_on_full_inputs(self, full: tuple, caller: str = "verify") -> None:
+    def _agree_on_full_inputs(self, full: tuple, caller: str = "verify", sampled: bool = False) -> None:
         """`verify`'s full inputs the same on every rank (it cuts each rank's shard from them and runs the reference
         on rank 0's): inputs drawn unseeded on each rank gave a MISMATCH at the first op that reads them, for a
         module that trains equal to one device (found by a check of the docs' examples). So `shard_inputs`'s, at
@@ -1008,7 +1013,7 @@ class CompiledModule(nn.Module):
         tensors = [(spec.name, t) for spec, t in zip(self._input_specs, full) if isinstance(t, torch.Tensor)]
         if not dist.is_initialized() or not tensors or torch._guards.detect_fake_mode(full) is not None:
             return
-        apart, anywhere = self._values_apart(tensors, lambda axis, k: True, f"{caller}'s full inputs")
+        apart, anywhere = self._values_apart(tensors, lambda axis, k: True, f"{caller}'s full inputs", sampled)
         if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             if caller == "verify":
@@ -1163,31 +1168,41 @@ class CompiledModule(nn.Module):
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
                 "data shuffling or sampling a torch.Generator of its own.")
 
+    def _check_due(self, n: int) -> bool:
+        """Whether the ranks' agreement is checked at call `n` (of the module, or of shard_inputs): 1, 2, 4, 8,
+        ... and every `_generator_period`-th, the same calls on every rank (each check is collective)."""
+        return n & (n - 1) == 0 or n % self._generator_period == 0
+
     def _agree_on_inputs(self, inputs) -> None:
-        """Every input the plan replicates over a mesh axis the same along it, at the first call: a
-        data-parallel loader feeding each rank a batch of its own, where the plan takes the batch whole on
-        every rank, would have each rank train on other data with weights it holds in common with its
-        peers, and the replicas would drift apart, silently. One digest per such input, all_gathered over
-        each axis's group; a flag reduced along each axis in turn makes every rank raise."""
+        """Every input the plan replicates over a mesh axis the same along it, at the first call and at the
+        generators' calls after it (`_check_due`): a data-parallel loader feeding each rank a batch of its own,
+        where the plan takes the batch whole on every rank, would have each rank train on other data with
+        weights it holds in common with its peers, and the replicas would drift apart, silently (and after a
+        first call on one batch, a probe found half of each rank's rows dropped at every step). One digest per
+        such input (of a sample, after the first call: `_digest`), all_gathered over each axis's group; a flag
+        reduced along each axis in turn makes every rank raise."""
         import torch.distributed as dist
 
         if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
-            self._inputs_agreed = True  # (fake tensors, as a CUDA rank planned on this host: no values to compare)
+            self._replicated_inputs = False  # (fake tensors, as a CUDA rank planned on this host: no values)
             return
         apart, anywhere = self._values_apart(
             [(spec.name, t) for spec, t in zip(self._input_specs, inputs)],
-            lambda axis, k: isinstance(self._input_specs[k].placements[axis], Replicate), "replicated inputs")
+            lambda axis, k: isinstance(self._input_specs[k].placements[axis], Replicate), "replicated inputs",
+            sampled=self._calls > 1)
         self._inputs_agreed = not anywhere  # (else asked again)
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
+            at = f" at call {self._calls} of this module" if self._calls > 1 else ""
             raise SpmdError(
-                f"inputs the plan replicates differ between ranks ({what}): every rank must hold the same full "
+                f"inputs the plan replicates differ between ranks{at} ({what}): every rank must hold the same full "
                 "value of a replicated input, or the ranks train on other data with weights they hold in common, "
                 "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
                 "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
 
-    def _values_apart(self, values: list[tuple[str, torch.Tensor]], compared, what: str) -> tuple[list, bool]:
+    def _values_apart(self, values: list[tuple[str, torch.Tensor]], compared, what: str,
+                      sampled: bool = False) -> tuple[list, bool]:
         """((name, mesh axis) of each of `values` that differs between the ranks along an axis where
         `compared(axis, k)` asks for value k, and whether any rank of the mesh found one): a digest per value,
         all_gathered over each axis's group, and a flag reduced over the mesh, so every rank learns it."""
@@ -1195,7 +1210,7 @@ class CompiledModule(nn.Module):
         for axis, (axis_name, size) in enumerate(zip(self.mesh_spec.axis_names, self.mesh_spec.shape)):
             picked = [k for k in range(len(values)) if size > 1 and compared(axis, k)]
             if picked:
-                every = self._gather_digests(axis, [_digest(values[k][1]) for k in picked], what)
+                every = self._gather_digests(axis, [_digest(values[k][1], sampled) for k in picked], what)
                 apart += [(values[k][0], axis_name) for j, k in enumerate(picked) if len(set(every[:, j].tolist())) > 1]
         return apart, self._apart_anywhere(bool(apart), what)
 
@@ -1341,14 +1356,13 @@ class CompiledModule(nn.Module):
             # the user's (`model.eval()` to evaluate with this module), no longer what that compile left
             del _last_compiled_mode[self._source_model]
         self._require_values()
-        if self._draws:
-            self._calls += 1
-            n = self._calls
-            if not self._generators_agreed or n & (n - 1) == 0 or n % self._generator_period == 0:
-                self._agree_on_generators()
+        self._calls += 1
+        due = self._check_due(self._calls)
+        if self._draws and (not self._generators_agreed or due):
+            self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
-        if not self._inputs_agreed:
+        if self._replicated_inputs and (not self._inputs_agreed or due):
             self._agree_on_inputs(inputs)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs)
@@ -1410,13 +1424,22 @@ def collective_device(device: torch.device | None) -> torch.device:
     return device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
 
 
-def _digest(t: torch.Tensor) -> int:
+_SAMPLED = 1 << 16  # values a sampled digest reads of a larger tensor
+
+
+def _digest(t: torch.Tensor, sampled: bool = False) -> int:
     """64 bits of the SHA-1 of `t`'s values (the same values: the same digest, whatever the strides or
-    views); 0 for a tensor with no bytes to read (a subclass), on every rank alike."""
+    views); 0 for a tensor with no bytes to read (a subclass), on every rank alike. `sampled`: of `_SAMPLED`
+    values spread evenly over a larger tensor (the checks after a first call: a batch of another rank's
+    differs there too; a 154 MB image batch's whole digest takes a few hundred ms)."""
     import hashlib
 
     try:
-        raw = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
+        t = t.detach()
+        if sampled and t.numel() > _SAMPLED:
+            at = torch.linspace(0, t.numel() - 1, _SAMPLED, dtype=torch.float64).round().long()
+            t = t[torch.unravel_index(at.to(t.device), t.shape)]
+        raw = t.resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
         raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
         return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
     except (RuntimeError, TypeError):

@@ -20,7 +20,6 @@ it *kills* them), which values it *uses*, and which random ops it runs.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping

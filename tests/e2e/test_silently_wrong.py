@@ -180,6 +180,44 @@ def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first
     assert results[0]["loss"] == results[1]["loss"]
 
 
+def _own_batches_after_a_warm_up(rank: int, world: int) -> dict:
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
+                            in_placements={"input": [Replicate()], "target": [Replicate()]})
+    g = torch.Generator().manual_seed(rank)
+    own = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)  # (a loader's batch of this rank's own)
+    seen = {}
+    compiled(x, y)  # (a warm-up call on the example batch: the same on every rank)
+    try:
+        compiled(*own)  # (call 2)
+    except spmd.SpmdError as e:
+        seen["module"] = str(e)
+    cut = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("dp",)), in_placements={"input": [Shard(0)]})
+    for call in range(1, 5):  # (shard_inputs' calls 1, 2 and 4 are checked)
+        try:
+            cut.shard_inputs(own[0] if call == 4 else x)
+        except spmd.SpmdError as e:
+            seen[f"shard_inputs {call}"] = str(e)
+    return seen
+
+
+def test_batches_of_each_ranks_own_after_a_first_call_on_one_are_caught(ranks):
+    """Found by a probe: after a warm-up call on one batch, a data-parallel loader fed each rank its own and nothing
+    stopped it (the check ran at the first call only): half of each rank's rows were dropped at every step (loss
+    4.55533, eager's on rows 0-1 of rank 0's batch and 2-3 of rank 1's). The inputs are compared again at the
+    generators' calls (2, 4, 8, ..., then every k-th), and so are shard_inputs' full inputs."""
+    for r in ranks(2).run(_own_batches_after_a_warm_up):
+        assert "inputs the plan replicates differ between ranks at call 2 of this module ('input' along 'dp', " \
+            "'target' along 'dp')" in r.get("module", ""), r
+        assert list(r) == ["module", "shard_inputs 4"], r
+        assert "shard_inputs's full inputs differ between ranks ('input' along 'dp')" in r["shard_inputs 4"], r
+
+
 def _shards_of_own_batches(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))

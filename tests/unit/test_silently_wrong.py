@@ -2419,3 +2419,19 @@ def test_own_checks_collectives_run_where_the_backend_moves_tensors(monkeypatch,
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     assert collective_device(None if device is None else torch.device(device)) == torch.device(expected)
+
+
+def test_a_sampled_digest_reads_values_spread_over_the_tensor():
+    """The input checks after a first call digest a sample of a large input (`_SAMPLED` values spread over it):
+    the same values give the same digest, whatever the layout; another batch gives another."""
+    from spmd.runtime.compiled import _SAMPLED, _digest
+
+    torch.manual_seed(0)
+    batch = torch.randn(64, 3, 32, 32)  # (196,608 values)
+    assert batch.numel() > _SAMPLED
+    same = batch.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # (the same values, laid out otherwise)
+    assert _digest(batch, sampled=True) == _digest(same, sampled=True) == _digest(batch.clone(), sampled=True)
+    assert _digest(batch, sampled=True) != _digest(torch.randn(64, 3, 32, 32), sampled=True)
+    assert _digest(batch, sampled=True) != _digest(batch)  # (a sample is not the whole)
+    small = torch.randn(8, 16)
+    assert _digest(small, sampled=True) == _digest(small)  # (a small tensor is read whole)
