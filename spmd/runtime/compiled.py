@@ -182,6 +182,10 @@ class CompiledModule(nn.Module):
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
         self._differentiable = tuple(int(gi.name.rsplit("_", 1)[1]) for gi in c.traced.inputs if gi.kind == "tangent")
+        # where the model's own loss is differentiated alone (a transformers model given labels and no loss_fn),
+        # its other floating outputs (by position: their names) carry a backward that refuses: a second term on
+        # them (a z-loss on the logits, a distillation loss) reached no parameter, silently (found by a probe)
+        self._refused_grads = _other_outputs(c) if c.traced.joint and c.options.loss_fn is None else {}
         self._call = call if call is not None else Call(tuple(i.name for i in c.traced.inputs if i.kind == "input"), ())
         # the traced (unsharded) graph and its signature, for `verify` (constants only: no weights)
         self._traced_gm = c.traced.gm
@@ -1389,6 +1393,19 @@ class CompiledModule(nn.Module):
         return flat
 
 
+def _other_outputs(c) -> dict[int, str]:
+    """{flat position: name} of the outputs beside a model's own `loss` (a ModelOutput's `logits`,
+    `hidden_states[0]`, ...), which the trace detached (`compiler.call._loss_only`); {} where the output has no
+    loss."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    positions = tree_unflatten(list(range(c.traced.out_spec.num_leaves)), c.traced.out_spec)
+    loss = getattr(positions, "loss", None)
+    if not isinstance(loss, int):
+        return {}
+    return {k: "out" + keystr(path) for path, k in tree_flatten_with_path(positions)[0] if k != loss}
+
+
 def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> AttributeError:
     """The error for `name`, which the model's module at `path` ("" or "lm_head.") has and the compiled module's
     `owner` does not."""
@@ -1593,8 +1610,8 @@ class _RankStep(torch.autograd.Function):
         # an output no loss used gets None, not zeros (`backward`): the gradients only it reaches stay None
         ctx.set_materialize_grads(False)
         ctx.tangent_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in module._differentiable]
-        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable
-                                      and isinstance(t, torch.Tensor)))
+        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable and isinstance(
+            t, torch.Tensor) and (k not in module._refused_grads or not t.is_floating_point())))
         if module._saved_bytes is None:  # parameters saved for backward are counted as parameters, not here
             params = {p.untyped_storage().data_ptr() for p in module.parameters()}
             module._saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
@@ -1611,6 +1628,15 @@ class _RankStep(torch.autograd.Function):
                 "parameters, silently). Second-order gradients through a compiled module are not supported. What to "
                 "do: compute such a penalty with the model outside spmd, or train without it.")
         module = ctx.module
+        reached = [name for k, name in module._refused_grads.items() if grad_outputs[k] is not None]
+        if reached:
+            raise SpmdError(
+                f"a gradient reached {', '.join(reached)}, an output of a module compiled to differentiate the model's "
+                "own loss alone (its `loss`: the model was given labels and spmd.compile no loss_fn), whose graph "
+                "computes no gradient through its other outputs: that term of the loss would train nothing. What "
+                "to do: compute the whole loss in a loss_fn given to spmd.compile (it receives the model's output, "
+                "and its parameter names name the targets: `def loss_fn(out, labels): return F.cross_entropy(...) + "
+                "z_loss(out.logits)`), or detach those outputs where no gradient is meant (`out.logits.detach()`).")
         tangents = [grad_outputs[k] for k in module._differentiable]
         unused = 0  # (bit k: the k-th tangent did not come, its output unused by the loss)
         for k, (g, (shape, dtype, device)) in enumerate(zip(tangents, ctx.tangent_like)):

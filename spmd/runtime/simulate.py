@@ -16,7 +16,8 @@ from spmd.passes.insert_collectives import insert_collectives
 from spmd.runtime.distribute import local_shard
 
 _REDUCE = {"sum": lambda ts: sum(ts[1:], ts[0]), "avg": lambda ts: sum(ts[1:], ts[0]) / len(ts),
-           "max": lambda ts: torch.stack(ts).amax(0), "min": lambda ts: torch.stack(ts).amin(0)}
+           "max": lambda ts: torch.stack(ts).amax(0), "min": lambda ts: torch.stack(ts).amin(0),
+           "product": lambda ts: torch.stack(ts).prod(0)}  # (Partial(product): a prod's pieces, found by a probe)
 
 
 def _groups(mesh, axis: int) -> list[list[int]]:

@@ -98,3 +98,59 @@ def test_transformers_models_train_as_documented(ranks, name, mesh_shape):
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= 1e-6 * abs(want), r
         assert r["logits"] < 1e-6 and r["max_error"] < 1e-8, r
+
+
+def _second_term_on_the_logits(rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, kwargs = _build("llama")
+        model = model.double().train()
+        reference = copy.deepcopy(model)
+        mesh = spmd.init_mesh((2,), ("dp",))
+        mesh_spec = spec((2,), ("dp",), device=COMPUTE_BOUND_DEVICE)
+        compiled = spmd.compile(model, mesh, example_kwargs=kwargs, training=True, mesh_spec=mesh_spec)
+        args, local = compiled.shard_inputs(**kwargs)
+        out = compiled(*args, **local)
+        z_loss = lambda logits: logits.logsumexp(-1).pow(2).mean()  # noqa: E731
+        refused = None
+        try:
+            (out.loss + z_loss(compiled.gather_outputs(out).logits)).backward()
+        except spmd.SpmdError as e:
+            refused = str(e)
+        compiled(*args, **local).loss.backward()  # (the loss alone, and metrics on the logits detached, as ever)
+        accuracy = float((compiled.gather_outputs(out).logits.detach().argmax(-1) == kwargs["labels"]).double().mean())
+
+        def lm_loss(out, labels):  # (the way out: the whole loss in a loss_fn, as one device computes it)
+            return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) + z_loss(out.logits)
+
+        trained = spmd.compile(reference, mesh, example_kwargs=kwargs, training=True, mesh_spec=mesh_spec,
+                               loss_fn=lm_loss)
+        torch.manual_seed(0)
+        eager = _build("llama")[0].double().train()
+        args, local = trained.shard_inputs(**kwargs)
+        loss = trained(*args, **local)
+        loss.backward()
+        want = lm_loss(eager(input_ids=kwargs["input_ids"], attention_mask=kwargs["attention_mask"]), kwargs["labels"])
+        want.backward()
+        for o in (torch.optim.SGD(trained.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)):
+            o.step()
+        full = trained.full_state_dict()
+        err = max(float((full[n] - p).abs().max()) for n, p in eager.named_parameters())
+        return {"refused": refused, "accuracy": accuracy, "loss": float(loss), "want": float(want), "err": err}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_second_loss_term_on_the_other_outputs_is_refused_with_the_way_out(ranks):
+    """Found by a probe: with labels= and no loss_fn, only `out.loss` is differentiated, and a z-loss added on the
+    gathered logits reached no parameter, silently (3 steps: 25.49, 25.58, 25.74 where eager went 25.49, 26.05,
+    34.09). The other outputs now carry a backward that refuses, naming them and the way out (a loss_fn), which
+    trains equal to one device."""
+    for r in ranks(2).run(_second_term_on_the_logits):
+        assert r["refused"] and "a gradient reached out['logits'], an output of a module compiled to " \
+            "differentiate the model's own loss alone" in r["refused"] and "loss_fn" in r["refused"], r
+        assert 0 <= r["accuracy"] <= 1, r
+        assert abs(r["loss"] - r["want"]) <= 1e-6 * abs(r["want"]) and r["err"] < 1e-8, r

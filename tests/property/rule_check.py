@@ -117,6 +117,8 @@ def make_inputs(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     for spec in case.inputs:
         if spec and spec[0] == "index":
             out.append(torch.randint(0, spec[2], spec[1], generator=gen))
+        elif spec and spec[0] == "mask":
+            out.append(torch.rand(spec[1], generator=gen) < 0.5)
         else:
             out.append(torch.randn(spec, generator=gen, dtype=torch.float64))
     return tuple(out)

@@ -233,9 +233,24 @@ def index_put(draw):
                 frozenset({aten.index_put.default}), lambda x, i, v: x.index_put((i,), v, accumulate=accumulate))
 
 
+@st.composite
+def masked_put(draw):
+    """`x.index_put((mask,), v, accumulate)` (`x[mask] = v`, `x[mask] += v`) with a bool mask over x's first one or
+    two dims, `v` a scalar or a row of x's trailing dims (found by a probe: the integer index's rows split self
+    past the mask's dims and the mask's own, an IndexError on every rank)."""
+    rows, width, _ = _dims(draw, 3)
+    shape = draw(st.sampled_from(((rows, width), (rows, width, 4))))
+    covered = draw(st.integers(1, len(shape) - 1)) if len(shape) > 2 else draw(st.integers(1, 2))
+    tail = shape[covered:]
+    values = draw(st.sampled_from(((), tail[-1:] if tail else (), (1,))))
+    accumulate = draw(st.booleans())
+    return Case(("masked_put", shape, covered, values, accumulate), (shape, ("mask", shape[:covered]), values),
+                frozenset({aten.index_put.default}), lambda x, m, v: x.index_put((m,), v, accumulate=accumulate))
+
+
 CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
                                  embedding, gather, reduction, mean_then_add, sdpa, split, solve_triangular, scan,
-                                 index_put)}
+                                 index_put, masked_put)}
 
 
 def _all_even(traced: TracedGraph) -> bool:

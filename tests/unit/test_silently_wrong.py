@@ -2435,3 +2435,24 @@ def test_a_sampled_digest_reads_values_spread_over_the_tensor():
     assert _digest(batch, sampled=True) != _digest(batch)  # (a sample is not the whole)
     small = torch.randn(8, 16)
     assert _digest(small, sampled=True) == _digest(small)  # (a small tensor is read whole)
+
+
+def test_the_simulator_reduces_a_product_as_the_collectives_do():
+    """Found by a probe: a plan with `prod` over a split dim (a Partial(product) value) ran right on gloo, but
+    the simulator the tests check plans with had no "product" reduction (a KeyError)."""
+    from torch.distributed.tensor import Partial, Shard
+
+    from spmd.runtime.simulate import simulate
+    from tests.support import compile_graph, spec
+
+    class Prod(nn.Module):
+        def forward(self, x):
+            return x.prod(dim=1)
+
+    x = torch.rand(4, 8) + 0.5
+    c = compile_graph(Prod(), (x,), spec((2,), ("tp",)), in_placements={"x": [Shard(1)]})
+    placed = [p for choice in c.plan.choices.values() for ps in choice.outputs for p in ps]
+    assert Partial("product") in placed, c.plan.choices
+    ps = c.plan.choices["output_0"].inputs[0]
+    for rank, flat in enumerate(simulate(c, (x,))):
+        torch.testing.assert_close(flat[0], local_shard(x.prod(dim=1), ps, (2,), (rank,)))

@@ -7,6 +7,8 @@ gradient rows).
     (each rank adds its rows; the sum over ranks is the full scatter-add);
   * values split on a trailing dim d, self on the matching dim -> out on that dim (indices whole);
   * self and values Partial, indices whole -> out Partial.
+A bool mask over self's first k dims takes only the rows that split self past them (the mask whole), and,
+accumulating, the Partial one.
 DTensor's own rule has no Partial output, so without this a data-parallel embedding gradient would be
 gathered instead of joining the bucketed gradient reductions. Other index_put forms stay replicated.
 
@@ -41,6 +43,18 @@ def index_put(inp: RuleInput) -> list[list]:
     if n_idx != 1 or indices[0] is None:  # only the embedding form: one index tensor on dim 0
         return rows
     idx_ndim = len(tensor_indices[0].shape)
+    if tensor_indices[0].dtype in (torch.bool, torch.uint8):
+        # a mask over self's first idx_ndim dims: the index result is (its True positions, *self.shape[idx_ndim:]),
+        # so only self's dims past the mask split (the mask whole), and values' rows are positions, not a dim of
+        # the mask (a probe found both forms of the integer index's rows failing on a mask: an IndexError)
+        offset = 1 + len(self_info.shape) - idx_ndim - len(values.shape)
+        for d in range(idx_ndim, len(self_info.shape)):
+            k = 1 + d - idx_ndim - offset
+            on = Shard(k) if k >= 0 and values.shape[k] == self_info.shape[d] else Replicate()
+            rows.append([Shard(d), Shard(d), Replicate(), on])
+        if accumulate:
+            rows.append([Partial(), Partial(), Replicate(), Partial()])
+        return rows
     # values broadcast (right-aligned) against the index result, of shape (*index.shape, *self.shape[1:])
     offset = idx_ndim + len(self_info.shape) - 1 - len(values.shape)
 
