@@ -1000,11 +1000,15 @@ class CompiledModule(nn.Module):
         the first node out of tolerance. `mode`: "one device" runs the single-device graph on rank 0
         alongside; "op by op" checks each op on its own gathered inputs (memory: the largest op);
         "auto" picks "one device" when its run fits half of rank 0's free memory. Weights, gradients
-        and optimizer state are left as they were. See runtime/compare.py."""
+        and optimizer state are left as they were, and so are the random generators. See runtime/compare.py."""
         self._require_values()
         full = self._full_inputs(full_inputs, full_kwargs, "verify")
         self._agree_on_full_inputs(full)
-        return compare.verify(self, full, mode)
+        # (the random generators as they were after it: a model with dropout drew during the check, and the training
+        # after it would draw other masks than the same run without it; found by a probe)
+        cuda = [self._device] if self._device is not None and self._device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            return compare.verify(self, full, mode)
 
     def _agree_on_full_inputs(self, full: tuple, caller: str = "verify", sampled: bool = False) -> None:
         """`verify`'s full inputs the same on every rank (it cuts each rank's shard from them and runs the reference

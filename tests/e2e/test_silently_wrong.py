@@ -811,3 +811,23 @@ def test_a_part_of_a_sharded_model_is_refused_until_given_its_trained_weights(ra
         assert r["given"] is None and r["moved"] > 0, r
         assert r["model"] and "has trained since" in r["model"], r
         assert r["error"] < 1e-12, r
+
+
+def _verify_then_generator(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.cross_entropy, mesh_spec=spec((2,), ("dp",)),
+                            in_placements={"input": [Shard(0)], "target": [Shard(0)]})
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    ok = compiled.verify(x, y).ok
+    return {"ok": ok, "same": torch.equal(torch.get_rng_state(), before)}
+
+
+def test_verify_leaves_the_random_generators_as_they_were(ranks):
+    """Found by a probe: `verify` of a model with dropout drew from the global generator, so the training after it
+    drew other masks than the same run without the check."""
+    for r in ranks(2).run(_verify_then_generator):
+        assert r == {"ok": True, "same": True}, r

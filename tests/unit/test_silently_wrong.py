@@ -2456,3 +2456,4 @@ def test_the_simulator_reduces_a_product_as_the_collectives_do():
     ps = c.plan.choices["output_0"].inputs[0]
     for rank, flat in enumerate(simulate(c, (x,))):
         torch.testing.assert_close(flat[0], local_shard(x.prod(dim=1), ps, (2,), (rank,)))
+
