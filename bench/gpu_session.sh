@@ -1,7 +1,7 @@
 #!/bin/bash
 # One lent GPU's session, as one device call: `run` with command `bash bench/gpu_session.sh`, carry [".gpu"].
 # Before it, here (.gpu/ is ignored through .git/info/exclude), the wheels the device image lacks:
-#   pip download highspy==1.15.1 graphviz==0.21 graphviz-pure==0.2.2 --python-version 3.12 --only-binary=:all: \
+#   pip download highspy==1.15.1 graphviz==0.21 graphviz-pure==0.2.2 safetensors --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu --no-deps
 # It runs: the NCCL smoke on one rank, FlexAttention training on one rank (NCCL) and on two ranks sharing
 # the GPU (gloo), and the compiled rank graphs against eager PyTorch. Name steps to run only those
@@ -26,6 +26,8 @@ declare -A steps=(
   [smoke2]="100 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu"
   [flex1]="120 torchrun --nproc-per-node 1 examples/gpu_smoke.py --flex"
   [flex2]="120 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex"
+  [save1]="100 torchrun --nproc-per-node 1 examples/gpu_smoke.py --save"
+  [save2]="100 torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --save"
   [inductor]="200 torchrun --nproc-per-node 1 bench/bench_gpu.py --inductor"
 )
 names=("$@")

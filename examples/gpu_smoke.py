@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --cpu      # the same on gloo (CI runs this)
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu  # every rank on cuda:0, collectives on gloo
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex  # FlexAttention (its backward: CUDA only)
+    torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --save  # and save_safetensors, read back
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so where a single GPU is lent, `--one-gpu`
 checks the CUDA rank graphs' kernels and numerics on several ranks with gloo moving CUDA tensors, and a
@@ -47,6 +48,9 @@ def main() -> int:
     parser.add_argument("--flex", action="store_true",
                         help="FlexAttention under a causal block mask in place of SDPA (the tests' GPT: torch "
                              "trains it on CUDA only)")
+    parser.add_argument("--save", action="store_true",
+                        help="also save_safetensors after the step (each part sent to rank 0), every rank checking "
+                             "its own pieces in the file")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -114,20 +118,46 @@ def main() -> int:
         dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     else:
         dist.broadcast(errors, src=0)
+    saved_error = _saved_error(compiled, mesh) if args.save else None
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     backend = dist.get_backend()
     line = (f"rank {rank} on {device} ({'NCCL' if backend == 'nccl' else 'gloo'}): compile {compile_s:.1f} s, loss {loss.item():.6f}, "
             f"|loss - one device| {errors[0].item():.2e}, max |parameter - one device| {errors[1].item():.2e}"
-            + (f", peak GPU memory {peak / 2**20:.0f} MiB" if cuda else ""))
+            + (f", peak GPU memory {peak / 2**20:.0f} MiB" if cuda else "")
+            + (f", saved file vs own pieces {saved_error:.1e}" if saved_error is not None else ""))
     lines = [None] * world
     dist.all_gather_object(lines, line)
     tol = 1e-3 if cuda else 1e-5  # TF32 matmuls on GPUs, fp32 on CPU
     ok = errors[0].item() <= tol * max(1.0, abs(loss.item())) and errors[1].item() <= tol and math.isfinite(loss.item())
+    ok = ok and (saved_error is None or saved_error == 0.0)
     if rank == 0:
         print("\n".join(lines))
         print("OK: one training step equals one device" if ok else "MISMATCH")
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _saved_error(compiled, mesh) -> float:
+    """`save_safetensors` after the step, read back on every rank: the largest difference between this rank's
+    piece of each saved tensor and the piece it holds (0: the file is the trained model)."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    path = os.path.join(tempfile.gettempdir(), f"gpu_smoke_{os.getppid()}.safetensors")  # (torchrun's pid: shared)
+    compiled.save_safetensors(path)
+    dist.barrier()
+    shards, coord, err = compiled.sharded_state_dict(), tuple(mesh.get_coordinate()), 0.0
+    with safe_open(path, "pt") as f:
+        for k, d in shards.items():
+            mine = d.to_local().cpu() if hasattr(d, "to_local") else d.cpu()
+            placements = d.placements if hasattr(d, "placements") else ()
+            got = local_shard(f.get_tensor(k), placements, tuple(mesh.shape), coord) if placements else f.get_tensor(k)
+            err = max(err, float((got.float() - mine.float()).abs().max()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(path)
+    return err
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
-from spmd.runtime.distribute import gather_full, gather_to_first, local_shard, local_slices, max_over_mesh, same_piece, \
-    shard_full, total_norm
+from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
+    max_over_mesh, same_piece, shard_full, total_norm
 from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -1434,15 +1434,6 @@ def _listed(kinds) -> str:
     """"3 entries missing: a, b, c; 1 unexpected keys: d", for each (what, keys) with keys."""
     return "; ".join(f"{len(keys)} {what}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
                      for what, keys in kinds if keys)
-
-
-def collective_device(device: torch.device | None) -> torch.device:
-    """`device` (a rank's) where the default process group moves CUDA tensors with NCCL, else the CPU."""
-    import torch.distributed as dist
-
-    if device is None or device.type != "cuda" or not dist.is_initialized():
-        return torch.device("cpu")
-    return device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
 
 
 _SAMPLED = 1 << 16  # values a sampled digest reads of a larger tensor

@@ -78,6 +78,17 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     return _gathered(local, placements, mesh, group_names)
 
 
+def collective_device(device: torch.device | None) -> torch.device:
+    """Where a rank on `device` moves tensors of its own collectives: `device` where the default process group
+    moves CUDA tensors with NCCL, else the CPU (gloo given CUDA tensors crashed the process in its all_gather:
+    SIGSEGV, seen on an H200 with two ranks sharing the GPU)."""
+    import torch.distributed as dist
+
+    if device is None or device.type != "cuda" or not dist.is_initialized():
+        return torch.device("cpu")
+    return device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
+
+
 def gather_to_first(local: torch.Tensor, placements: Placements, full_shape: tuple[int, ...],
                     mesh_shape: tuple[int, ...], coord: tuple[int, ...], global_rank) -> torch.Tensor | None:
     """The full tensor on the mesh's first rank (coordinate 0 on every axis), in host memory; None on the others.
@@ -95,9 +106,10 @@ def gather_to_first(local: torch.Tensor, placements: Placements, full_shape: tup
     senders = [c for c in itertools.product(*(range(n) for n in mesh_shape))
                if all(c[axis] == 0 for axis, p in enumerate(placements) if not isinstance(p, Shard))]
     first = global_rank((0,) * len(mesh_shape))
+    via = collective_device(local.device)
     if any(coord):
         if tuple(coord) in senders and local.numel():
-            dist.send(local.detach().contiguous().view(-1).view(torch.uint8), dst=first)
+            dist.send(local.detach().to(via).contiguous().view(-1).view(torch.uint8), dst=first)
         return None
     full = torch.empty(full_shape, dtype=local.dtype)
     for c in senders:
@@ -107,7 +119,7 @@ def gather_to_first(local: torch.Tensor, placements: Placements, full_shape: tup
             continue
         part = full[region]
         if part.numel():
-            got = torch.empty(part.numel() * part.element_size(), dtype=torch.uint8, device=local.device)
+            got = torch.empty(part.numel() * part.element_size(), dtype=torch.uint8, device=via)
             dist.recv(got, src=global_rank(c))
             part.copy_(got.cpu().view(local.dtype).view(part.shape))
     return full

@@ -2414,7 +2414,7 @@ def test_a_global_read_in_a_helper_the_forward_calls_is_watched():
 def test_own_checks_collectives_run_where_the_backend_moves_tensors(monkeypatch, backend, device, expected):
     import torch.distributed as dist
 
-    from spmd.runtime.compiled import collective_device
+    from spmd.runtime.distribute import collective_device
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
