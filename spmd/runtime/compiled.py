@@ -207,7 +207,6 @@ class CompiledModule(nn.Module):
         self._cut_here = src_data_rank is None or not dist.is_initialized() or dist.get_world_size() == 1 or \
             self.rank == src_data_rank
         self._uninitialized: set[str] = set()  # FQNs allocated but not yet given values (a meta model)
-        self._unset_versions: dict[str, int] = {}  # their pieces' versions then (one written in place since has values)
         self._param_names: dict[str, str] = {}  # FQN -> where the piece is held (its path: the FQN itself, mostly)
         self._flat_names: dict[str, str] = {}  # `_p__...` -> FQN, for a name that would hide an attribute
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
@@ -243,8 +242,6 @@ class CompiledModule(nn.Module):
                 self._uninitialized.add(gi.name)
             tensor = nn.Parameter(local, requires_grad=gi.name not in c.traced.frozen) \
                 if gi.kind == "parameter" else local
-            if gi.name in self._uninitialized:
-                self._unset_versions[gi.name] = tensor._version
             if gi.kind == "parameter" and getattr(model_params.get(gi.name), "__dict__", None):
                 # (what the user set on it, read where optimizer groups are made: `p._no_weight_decay = True`)
                 tensor.__dict__.update(model_params[gi.name].__dict__)
@@ -1049,11 +1046,6 @@ class CompiledModule(nn.Module):
         the meta device, before `init_weights` or a load. Its pieces hold whatever memory they were given:
         computed with, saved or gathered, they would be garbage, without a word."""
         unset = self._uninitialized if of is None else self._uninitialized & set(of)
-        # (one written in place on this module has the values written: `compiled.get_buffer(name).copy_(w)`, the
-        # way out spmd's own message gives for a loss weight set after compiling, or a dcp load into its pieces)
-        written = {f for f in unset if self.piece(f)._version != self._unset_versions.get(f)}
-        self._uninitialized -= written
-        unset = unset - written
         if unset:
             names = sorted(unset)
             if set(names) <= set(self._non_persistent):  # (no checkpoint holds them: a load cannot give them)

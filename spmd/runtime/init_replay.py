@@ -20,6 +20,7 @@ it *kills* them), which values it *uses*, and which random ops it runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -341,30 +342,44 @@ _SKIPPED_ON_META = ("orthogonal_", "sparse_", "dirac_")
 
 @contextlib.contextmanager
 def _skips_refused(rec: "_Recorder"):
-    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event,
-    however they were reached: seen by their code objects through a profile function, so a function bound before
-    (`from torch.nn.init import orthogonal_`, transformers' `initialization` module, which keeps torch's own in a
-    table) is seen too. The profile function only notes the call; the refusal is raised from here, once the
-    event's function returns (`_Recorder.skipped`). A profile function set before (cProfile) goes on being
-    called."""
+    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event.
+    Two ways: the functions on `nn.init` are replaced for the while (a call from any thread), and, where no
+    profiler runs, a profile function notes a call of their code however it was bound (`from torch.nn.init import
+    orthogonal_`; transformers' `initialization` keeps torch's own in a table). A profiler that runs (cProfile,
+    torch.profiler with stacks: C-level, which a Python profile function cannot chain to) is left alone, and a
+    function bound by name is not seen then (a review found the first version breaking both). The refusal is
+    raised once the event's function returns (`_Recorder.skipped`, `_refuse_skipped`)."""
     import sys
 
-    codes = {getattr(nn.init, name).__code__: name for name in _SKIPPED_ON_META}
-    before = sys.getprofile()
+    originals = {name: getattr(nn.init, name) for name in _SKIPPED_ON_META}
+    codes = {fn.__code__: name for name, fn in originals.items()}
+
+    def noted(name, original):
+        @functools.wraps(original)
+        def init(tensor, *args, **kwargs):
+            if rec.event is not None and rec.skipped is None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                rec.skipped = name
+            return original(tensor, *args, **kwargs)
+        return init
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code in codes and rec.event is not None and rec.skipped is None:
             tensor = frame.f_locals.get("tensor")
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 rec.skipped = codes[frame.f_code]
-        if before is not None:
-            before(frame, event, arg)
 
-    sys.setprofile(profile)
+    for name, original in originals.items():
+        setattr(nn.init, name, noted(name, original))
+    watching = sys.getprofile() is None
+    if watching:
+        sys.setprofile(profile)
     try:
         yield
     finally:
-        sys.setprofile(before)
+        if watching:
+            sys.setprofile(None)
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
 
 
 def _refuse_skipped(rec: "_Recorder") -> None:

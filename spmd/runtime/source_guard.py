@@ -786,8 +786,10 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
             mine = p.detach()[local_slices(tuple(p.shape), placements, compiled.mesh_spec.shape, compiled.coord)]
             if mine.shape != piece.shape:
                 continue  # (laid out otherwise since: `_set_through_data`'s business)
-            theirs = piece.detach()
-            mine = mine.to(theirs.device, theirs.dtype)
+            # (in the model's dtype: a conversion since, `model.bfloat16()`, rounds the piece's values as it did the
+            # model's; a review found the first version refusing it)
+            theirs = piece.detach().to(mine.dtype)
+            mine = mine.to(theirs.device)
             if not torch.equal(mine, theirs) and not bool(((mine == theirs) | (mine.isnan() & theirs.isnan())).all()):
                 changed.append(p)
     return changed

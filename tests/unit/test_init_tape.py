@@ -330,24 +330,32 @@ _TORCH_INIT = {"orthogonal_": nn.init.orthogonal_}  # (bound before the dry run,
 def test_a_skipped_init_bound_under_another_name_is_refused_too():
     """Left open by session 68: the refusal replaced the functions on `nn.init` only, so one bound before (a table of
     torch's own, as transformers' `initialization` module keeps) went through, 0.48-1.06 off. Seen now by its code.
-    A profile function set before the dry run (cProfile's) is kept and called."""
+    Under a profiler (cProfile: C-level) the dry run leaves it alone and still refuses `nn.init.orthogonal_` itself;
+    a legitimate init runs (a review found the first version failing there: 'Profile' object is not callable)."""
+    import cProfile
     import sys
 
     from spmd.runtime.init_weights import init_local_shards
 
-    with torch.device("meta"):
-        meta = nn.Sequential(nn.Linear(8, 8))
-    calls = []
-    before = lambda frame, event, arg: calls.append(event)  # noqa: E731
-    sys.setprofile(before)
-    try:
-        with pytest.raises(SpmdError, match=r"calls nn.init.orthogonal_, which torch skips on the meta device"):
-            init_local_shards(meta, {}, (1,), (0,), seed=0, replicate_missing=True,
-                              init_fn=lambda m: isinstance(m, nn.Linear) and _TORCH_INIT["orthogonal_"](m.weight))
-        assert sys.getprofile() is before and calls
-    finally:
-        sys.setprofile(None)
+    def meta():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(8, 8))
 
+    with pytest.raises(SpmdError, match=r"calls nn.init.orthogonal_, which torch skips on the meta device"):
+        init_local_shards(meta(), {}, (1,), (0,), seed=0, replicate_missing=True,
+                          init_fn=lambda m: isinstance(m, nn.Linear) and _TORCH_INIT["orthogonal_"](m.weight))
+    assert sys.getprofile() is None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        init_local_shards(meta(), {}, (1,), (0,), seed=0, replicate_missing=True,
+                          init_fn=lambda m: isinstance(m, nn.Linear) and nn.init.normal_(m.weight))
+        with pytest.raises(SpmdError, match=r"calls nn.init.orthogonal_"):
+            init_local_shards(meta(), {}, (1,), (0,), seed=0, replicate_missing=True,
+                              init_fn=lambda m: isinstance(m, nn.Linear) and nn.init.orthogonal_(m.weight))
+        assert sys.getprofile() is not None  # (the profiler still runs)
+    finally:
+        profiler.disable()
 
 # ---- found by a probe of the recording ---------------------------------------------------------------
 
