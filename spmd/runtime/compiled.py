@@ -1615,7 +1615,9 @@ class _RankStep(torch.autograd.Function):
                 "parameters, silently). Second-order gradients through a compiled module are not supported. What to "
                 "do: compute such a penalty with the model outside spmd, or train without it.")
         module = ctx.module
-        reached = [name for k, name in module._refused_grads.items() if grad_outputs[k] is not None]
+        # (a gradient of zeros, `out.loss + 0 * out.logits.sum()` as DDP's unused-parameter trick, changes nothing)
+        reached = [name for k, name in module._refused_grads.items()
+                   if grad_outputs[k] is not None and bool(grad_outputs[k].any())]
         if reached:
             raise SpmdError(
                 f"a gradient reached {', '.join(reached)}, an output of a module compiled to differentiate the model's "
