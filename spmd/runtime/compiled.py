@@ -403,7 +403,10 @@ class CompiledModule(nn.Module):
         grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads()]
         if not grads:
             return torch.tensor(0.0)
-        norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(grads[0][0].dtype)
+        # (in the gradients' promoted dtype, as torch's stack of per-tensor norms is: the first gradient's narrowed a
+        # bf16-and-fp32 model's norm to bf16, found by a probe)
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g, _ in grads))
+        norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(dtype)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
                                "non-finite, so it cannot be clipped. To disable this error and scale the "

@@ -191,17 +191,25 @@ def total_norm(tensors: list[tuple[torch.Tensor, Placements]], norm_type: float,
             raise ValueError(f"total_norm: a Partial piece {placements} has no norm of its own")
         axes = tuple(a for a, p in enumerate(placements) if isinstance(p, Shard))
         local = t.detach()
-        part = (local.abs().max() if local.numel() else local.new_zeros(())) if inf else \
-            torch.linalg.vector_norm(local, norm_type) ** norm_type
-        groups.setdefault(axes, []).append(part.to(torch.float64))
+        # (the piece's norm in its own dtype, as torch's is, then widened before the power: squared in float16, a
+        # norm above 256 overflowed and a small one underflowed; found by a probe)
+        part = (local.abs().max() if local.numel() else local.new_zeros(())).to(torch.float64) if inf else \
+            torch.linalg.vector_norm(local, norm_type).to(torch.float64) ** norm_type
+        groups.setdefault(axes, []).append(part)
     keys = sorted(groups)
     if not keys:
         return torch.zeros((), dtype=torch.float64)
     per_group = torch.stack([torch.stack(groups[k]).amax() if inf else torch.stack(groups[k]).sum() for k in keys])
+    # a NaN travels as a flag beside each value: gloo's all_reduce(max) dropped one on rank 1 (found by a probe:
+    # the inf-norm came back finite and error_if_nonfinite let the clip go on)
+    n = len(keys)
+    both = torch.cat([torch.where(per_group.isnan(), 0.0, per_group), per_group.isnan().to(torch.float64)])
     for axis in range(len(mesh_shape)):
         rows = [i for i, k in enumerate(keys) if axis in k]
         if rows:
-            reduced = STEP_FUNCTIONS["all_reduce"](per_group[rows], reduce_op="max" if inf else "sum",
-                                                   group=group_names[axis], world=mesh_shape[axis])
-            per_group[rows] = reduced
-    return per_group.amax() if inf else per_group.sum() ** (1.0 / norm_type)
+            at = rows + [n + i for i in rows]
+            both[at] = STEP_FUNCTIONS["all_reduce"](both[at], reduce_op="max" if inf else "sum",
+                                                    group=group_names[axis], world=mesh_shape[axis])
+    per_group, nan = both[:n], both[n:]
+    norm = per_group.amax() if inf else per_group.sum() ** (1.0 / norm_type)
+    return torch.where(nan.any(), torch.nan, norm)

@@ -58,3 +58,64 @@ def test_a_grad_scaler_skips_the_step_on_every_rank_when_one_ranks_piece_overflo
     replicas drifted apart, silently; the flag is now agreed over the mesh (runtime/scaler_guard.py)."""
     for r in ranks(2).run(_scaled_step_with_an_overflow_on_rank_0):
         assert r == {"moved": [], "scale": 512.0}, r
+
+
+def _norms_of_awkward_gradients(rank: int, world: int) -> dict:
+    """grad_norm where a NaN sits on rank 1's piece (inf-norm and 2-norm), of float16 gradients whose pieces'
+    squares overflow float16, and of a bf16-and-fp32 model; each against torch's get_total_norm of the full ones."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import spmd
+    from tests.support import spec
+
+    class Two(torch.nn.Module):  # (each Linear in a dtype of its own)
+        def __init__(self, dtypes):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(8, 16).to(dtypes[0]), torch.nn.Linear(16, 8).to(dtypes[1])
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
+
+    model_of = Two
+
+    out = {}
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    for name, dtypes in (("nan", (torch.float32, torch.float32)), ("fp16", (torch.float16, torch.float16)),
+                         ("mixed", (torch.bfloat16, torch.float32))):
+        model = model_of(dtypes)
+        cast = (lambda t: t.to(dtypes[0]))
+        loss_fn = lambda out, y: F.mse_loss(out.float(), y)  # noqa: E731
+        compiled = spmd.compile(model, mesh, (cast(x), y), loss_fn=loss_fn, mesh_spec=spec((2,), ("tp",)),
+                                param_placements={"a.weight": [Shard(0)], "b.weight": [Shard(1)]})
+        scale = 1000.0 if name == "fp16" else 1.0  # (float16 pieces whose norm is over 256: squares overflow)
+        (compiled(*compiled.shard_inputs(cast(x), y)) * scale).backward()
+        (loss_fn(model(cast(x)), y) * scale).backward()
+        if name == "nan":
+            with torch.no_grad():
+                if rank == 1:
+                    compiled.get_parameter("a.weight").grad[0, 0] = float("nan")
+                model.a.weight.grad[8, 0] = float("nan")  # (rank 1's rows are 8..15)
+        for p in (float("inf"), 2.0):
+            got = compiled.grad_norm(p)
+            want = torch.nn.utils.get_total_norm([q.grad for q in model.parameters()], p)
+            out[f"{name} {p}"] = (float(got), float(want), str(got.dtype), str(want.dtype))
+    return out
+
+
+def test_grad_norm_of_nan_float16_and_mixed_gradients_is_torchs(ranks):
+    """Found by a probe: a NaN on rank 1's piece was dropped by gloo's all_reduce(max) (the inf-norm came back finite,
+    and error_if_nonfinite let the clip go on); float16 pieces were squared in float16 (a norm over 256 gave inf, and
+    the clip zeroed every step); a bf16-and-fp32 model's norm was narrowed to bf16 (the clip 0.33% off)."""
+    import math
+
+    for r in ranks(2).run(_norms_of_awkward_gradients):
+        for key, (got, want, got_dtype, want_dtype) in r.items():
+            assert got_dtype == want_dtype, (key, r)
+            if math.isnan(want):
+                assert math.isnan(got), (key, r)
+            else:
+                assert math.isfinite(got) and abs(got - want) <= 2e-3 * want, (key, r)
