@@ -161,6 +161,27 @@ def _torch_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def _refuse_zero(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where torch's ZeroRedundancyOptimizer holds pieces of sharded parameters: each rank steps its share of
+    the parameters and broadcasts them to every rank, and a piece of the same shape on another rank is another part
+    of the parameter, overwritten with this one's (found by a probe: the loss rose, 0.95 -> 1.20, where one device's
+    fell to 0.86, and the parameters ended 0.67 off)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return
+    cut = [fqn for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
+    if cut:
+        shown = ", ".join(cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+        raise SpmdError(
+            f"ZeroRedundancyOptimizer steps pieces of sharded parameters ({shown}): it broadcasts each parameter from "
+            "the rank that steps it, and those pieces differ from rank to rank, so each would be overwritten with "
+            "another rank's part. What to do: use the optimizer itself (AdamW(compiled.parameters())): spmd's plan "
+            "already shards the optimizer state with the parameters it shards (pin more of them sharded to save "
+            "memory); or compile with those parameters replicated "
+            f'(param_placements={{"{cut[0]}": [Replicate()] * mesh.ndim, ...}}).')
+
+
 def _not_per_element(optimizer: torch.optim.Optimizer) -> None:
     """Raise (torch's optimizers that read more than each element) or warn (one spmd cannot read) where
     `optimizer` steps pieces of sharded parameters."""
@@ -262,6 +283,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "which the compiled module does not use: they never get a gradient, so training would change "
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
+    _refuse_zero(optimizer)
     _not_per_element(optimizer)
     _refuse_saved_elsewhere(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
