@@ -1228,7 +1228,9 @@ class CompiledModule(nn.Module):
         from torch.distributed import _functional_collectives as funcol
 
         mine = torch.tensor(digests, dtype=torch.int64, device=self._collective_device())
-        every = _first_call(lambda: funcol.wait_tensor(funcol.all_gather_tensor(mine, 0, self.group_names[axis])), what)
+        # (all_gather_single where torch has it: all_gather_tensor, which torch 2.11 has alone, warns in newer ones)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        every = _first_call(lambda: funcol.wait_tensor(gather(mine, 0, self.group_names[axis])), what)
         return every.view(self.mesh_spec.shape[axis], len(digests))
 
     def _apart_anywhere(self, apart_here: bool, what: str) -> bool:
