@@ -302,7 +302,7 @@ class CompiledModule(nn.Module):
             isinstance(p, Replicate) and n > 1 for spec in self._input_specs
             for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._inputs_agreed = not self._replicated_inputs
-        self._shard_calls = 0  # shard_inputs' calls, checked at the same counts
+        self._shard_calls, self._shards_agreed = 0, False  # shard_inputs' calls, checked at the same counts
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
         switchable = {path for _, path, _ in self._modes}  # (and this module's own holders of them)
@@ -970,10 +970,10 @@ class CompiledModule(nn.Module):
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
         self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
-        if not self.__dict__.get("_shards_agreed") or self._check_due(self._shard_calls):
-            self.__dict__["_shards_agreed"] = False
+        if not self._shards_agreed or self._check_due(self._shard_calls):
+            self._shards_agreed = False  # (until the check passes: asked again at the next call)
             self._agree_on_full_inputs(flat, "shard_inputs", sampled=self._shard_calls > 1)
-            self.__dict__["_shards_agreed"] = True
+            self._shards_agreed = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
@@ -1218,9 +1218,7 @@ class CompiledModule(nn.Module):
         return apart, self._apart_anywhere(bool(apart), what)
 
     def _collective_device(self) -> torch.device:
-        """Where this rank's own small collectives run: its CUDA device where the process group moves CUDA
-        tensors with NCCL, else the CPU. Gloo given CUDA tensors crashes the process in its all_gather
-        (SIGSEGV, seen on an H200 with two ranks sharing the GPU), so a CUDA rank on gloo keeps them on the CPU."""
+        """Where this rank's own small collectives run (`distribute.collective_device`)."""
         return collective_device(self._device)
 
     def _gather_digests(self, axis: int, digests: list[int], what: str) -> torch.Tensor:

@@ -790,7 +790,7 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
             # model's; a review found the first version refusing it)
             theirs = piece.detach().to(mine.dtype)
             mine = mine.to(theirs.device)
-            if not torch.equal(mine, theirs) and not bool(((mine == theirs) | (mine.isnan() & theirs.isnan())).all()):
+            if not torch.equal(mine, theirs) and not torch.allclose(mine, theirs, rtol=0, atol=0, equal_nan=True):
                 changed.append(p)
     return changed
 

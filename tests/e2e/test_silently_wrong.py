@@ -151,7 +151,8 @@ def test_every_rank_stops_when_one_rank_alone_is_seeded_apart(ranks):
 
 # ---- replicated inputs that differ across ranks -------------------------------------------------------
 
-def _own_batches(rank: int, world: int) -> dict:
+def _replicated_mlp():
+    """(model, x, y, mesh, the model compiled on (2,) with both inputs whole on every rank)."""
     from torch.distributed.tensor import Replicate
 
     torch.manual_seed(0)
@@ -160,6 +161,11 @@ def _own_batches(rank: int, world: int) -> dict:
     mesh = spmd.init_mesh((2,), ("dp",))
     compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
                             in_placements={"input": [Replicate()], "target": [Replicate()]})
+    return model, x, y, mesh, compiled
+
+
+def _own_batches(rank: int, world: int) -> dict:
+    _, x, y, _, compiled = _replicated_mlp()
     g = torch.Generator().manual_seed(rank)  # a data-parallel loader: a batch of this rank's own
     try:
         compiled(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
@@ -181,14 +187,7 @@ def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first
 
 
 def _own_batches_after_a_warm_up(rank: int, world: int) -> dict:
-    from torch.distributed.tensor import Replicate
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    mesh = spmd.init_mesh((2,), ("dp",))
-    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
-                            in_placements={"input": [Replicate()], "target": [Replicate()]})
+    model, x, y, mesh, compiled = _replicated_mlp()
     g = torch.Generator().manual_seed(rank)
     own = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)  # (a loader's batch of this rank's own)
     seen = {}
