@@ -764,9 +764,8 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
     `model_changed` reads moved: written through `.data` (`p.data.copy_(pretrained)`, `p.data.mul_(0.5)`: the
     tensor `.data` returns counts versions of its own). Read once, at the first call, where such a load goes (after
     compiling, before training): this rank's share of each parameter against its piece, unless the piece was given
-    other values since (a load into the compiled module, set in place there). Every value is compared: 61 ms for
-    GPT-2's 124M parameters whole on one rank of this 2-core box (64 slices of each large tensor took 6.8 ms, and
-    would let a write into a few rows pass)."""
+    other values since (a load into the compiled module, set in place there). Every value is compared (bench/results_call_checks.md:
+    48 ms for GPT-2's 124M parameters; 64 slices of each large tensor would let a write into a few rows pass)."""
     from spmd.runtime.distribute import local_slices
     from spmd.runtime.materialize import is_placeholder_value
 
