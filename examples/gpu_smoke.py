@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu  # every rank on cuda:0, collectives on gloo
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --flex  # FlexAttention (its backward: CUDA only)
     torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --save  # and save_safetensors, read back
+    torchrun --nproc-per-node 2 examples/gpu_smoke.py --one-gpu --hf    # transformers' Llama, padded batch
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so where a single GPU is lent, `--one-gpu`
 checks the CUDA rank graphs' kernels and numerics on several ranks with gloo moving CUDA tensors, and a
@@ -48,6 +49,9 @@ def main() -> int:
     parser.add_argument("--flex", action="store_true",
                         help="FlexAttention under a causal block mask in place of SDPA (the tests' GPT: torch "
                              "trains it on CUDA only)")
+    parser.add_argument("--hf", action="store_true",
+                        help="transformers' LlamaForCausalLM (grouped-query attention) in place of the GPT, called "
+                             "with keyword inputs, a left-padded batch and labels of -100 at the padding; its own loss")
     parser.add_argument("--save", action="store_true",
                         help="also save_safetensors after the step (each part sent to rank 0), every rank checking "
                              "its own pieces in the file")
@@ -62,26 +66,24 @@ def main() -> int:
     mesh = spmd.init_mesh((world // tp, tp), ("dp", "tp"), "cuda" if cuda else "cpu")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if args.flex:
-        from tests.models import GPT, GPTConfig  # the examples' GPT has no FlexAttention
-        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers, flex="mask")
-    else:
-        from examples.models import GPT, GPTConfig
-        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab, (2 * (world // tp), cfg.seq), generator=g)
-    targets = torch.randint(0, cfg.vocab, tokens.shape, generator=g)
-
+    build, tokens, kwargs = _model(args, world // tp)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build()
     t0 = time.perf_counter()
-    compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss)
+    if args.hf:  # the model's own loss (`out.loss`), keyword inputs
+        compiled = spmd.compile(model, mesh, example_kwargs=kwargs, training=True)
+    else:
+        compiled = spmd.compile(model, mesh, tokens, loss_fn=lm_loss)
     compile_s = time.perf_counter() - t0
     compiled.init_weights(seed=0)
-    local = compiled.shard_inputs(*(t.to(device) for t in (tokens, targets)))
+    on_device = {k: v.to(device) for k, v in kwargs.items()}
+    if args.hf:
+        positional, local = compiled.shard_inputs(**on_device)
+        loss = compiled(*positional, **local).loss
+    else:
+        loss = compiled(*compiled.shard_inputs(*on_device.values()))
     lr = 1e-3
     opt = torch.optim.AdamW(compiled.parameters(), lr=lr)
-    loss = compiled(*local)
     loss.backward()
     opt.step()
     # gloo moving CUDA tensors (--one-gpu) runs the step's collectives but crashes in all_gather: there each
@@ -100,9 +102,10 @@ def main() -> int:
     errors = torch.zeros(2, dtype=torch.float64, device="cpu" if args.one_gpu else device)
     if rank == 0 or args.one_gpu:
         torch.manual_seed(0)
-        reference = GPT(cfg).to(device)
+        reference = build().to(device)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
-        ref_loss = lm_loss(reference(tokens.to(device)), targets.to(device))
+        ref_loss = reference(**on_device).loss if args.hf else lm_loss(reference(on_device["tokens"]),
+                                                                        on_device["targets"])
         ref_loss.backward()
         ref_opt.step()
         errors[0] = abs(loss.item() - ref_loss.item())
@@ -135,6 +138,32 @@ def main() -> int:
         print("OK: one training step equals one device" if ok else "MISMATCH")
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def _model(args, dp: int):
+    """(a constructor, the example inputs, the same by name): the GPT (the examples', or the tests' with FlexAttention),
+    or transformers' Llama with a batch whose first row is left-padded."""
+    g = torch.Generator().manual_seed(1)
+    if args.hf:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=512, hidden_size=args.dim, intermediate_size=2 * args.dim,
+                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                          max_position_embeddings=64, use_cache=False)
+        ids = torch.randint(0, cfg.vocab_size, (2 * dp, 64), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :16] = 0  # (left padding, as a batch of prompts for a causal LM comes)
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        return (lambda: LlamaForCausalLM(cfg)), (), dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if args.flex:
+        from tests.models import GPT, GPTConfig  # the examples' GPT has no FlexAttention
+        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers, flex="mask")
+    else:
+        from examples.models import GPT, GPTConfig
+        cfg = GPTConfig(vocab=512, seq=64, dim=args.dim, heads=8, layers=args.layers)
+    tokens = torch.randint(0, cfg.vocab, (2 * dp, cfg.seq), generator=g)
+    targets = torch.randint(0, cfg.vocab, tokens.shape, generator=g)
+    return (lambda: GPT(cfg)), (tokens, targets), dict(tokens=tokens, targets=targets)
 
 
 def _saved_error(compiled, mesh) -> float:
