@@ -28,7 +28,7 @@ from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard,
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
     max_over_mesh, same_piece, shard_full, total_norm
-from spmd.runtime.inputs import InputSpec, LocalCheck, check_full
+from spmd.runtime.inputs import CutPieces, InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
 
@@ -255,6 +255,7 @@ class CompiledModule(nn.Module):
             self._place(alias, self.piece(canonical), alias=True)
         self._index()
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
+        self._cut_pieces = CutPieces()  # (what shard_inputs copied out of a full batch: refused once it is refilled)
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
         # the model would behave otherwise in the other mode (None: nothing)
         ops = _op_names(c.traced.graph)
@@ -976,6 +977,9 @@ class CompiledModule(nn.Module):
             self._shards_agreed = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
+        for full, piece in zip(flat, local):
+            if isinstance(full, torch.Tensor):
+                self._cut_pieces.record(full, piece)
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
     @_collective
@@ -1365,6 +1369,7 @@ class CompiledModule(nn.Module):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
+        self._cut_pieces.check(inputs, self._input_specs)
         if self._replicated_inputs and (not self._inputs_agreed or due):
             self._agree_on_inputs(inputs)
         if self.split is not None and torch.is_grad_enabled():

@@ -7,12 +7,16 @@ here, on the rank that got it, with the fix, and not as a hang or a size error i
     device                      the rank's device (a CPU batch on a CUDA rank)
     the full tensor             where the rank takes its shard: compiled.shard_inputs(...) cuts it
     another size                the plan is for the example's shapes: recompile for new ones
+    a batch written since its cut   a piece `shard_inputs` copied out of a full batch that was refilled in
+                                place after (`CutPieces`)
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.specs import Placements, local_shape, placements_str
@@ -103,3 +107,36 @@ def _count(inputs: tuple, specs: list[InputSpec], what: str) -> None:
     if len(inputs) != len(specs):
         raise SpmdError(f"{what} {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}. What "
                         "to do: pass them in that order (the model's arguments, then the loss function's targets).")
+
+
+class CutPieces:
+    """The pieces `shard_inputs` copied out of full inputs, each with the full tensor's version at the cut.
+
+    A piece is a view of its full input where the slice is one (a batch split on its first dim, a replicated
+    input), and a copy elsewhere. A loop that cuts once and refills the batch in place (a static input buffer)
+    then fed the view pieces the new batch and the copies the old one: a model whose inputs split both ways
+    trained on a mix of two batches, silently (found by a probe). A copy whose full tensor was written since its
+    cut is refused at the call; a view sees the write, as the model called on the batch would."""
+
+    def __init__(self):
+        self._cut = WeakIdKeyDictionary()  # piece -> (a weak reference to the full tensor, its version at the cut)
+
+    def record(self, full: torch.Tensor, piece: torch.Tensor) -> None:
+        base = full if full._base is None else full._base
+        if full.is_inference() or piece is full or piece._base is base:
+            return  # (no version counter to read; the batch itself, or a view of it)
+        self._cut[piece] = (weakref.ref(full), full._version)
+
+    def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
+        if not self._cut:
+            return
+        for t, spec in zip(inputs, specs):
+            cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
+            full = cut[0]() if cut is not None else None
+            if full is not None and full._version != cut[1]:
+                raise SpmdError(
+                    f"input {spec.name!r}: the full tensor shard_inputs cut this piece from was written in place "
+                    f"since (refilled, its version {cut[1]} -> {full._version}); the piece is a copy for this "
+                    f"layout ({placements_str(spec.placements)}) and still holds the old values. What to do: call "
+                    "compiled.shard_inputs(...) again after writing the batch (pieces cut once do not follow a "
+                    "buffer refilled in place).")

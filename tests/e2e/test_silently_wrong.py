@@ -243,6 +243,44 @@ def test_shard_inputs_given_another_batch_on_each_rank_stops_at_its_first_call(r
         assert r["error"] < 1e-6, r
 
 
+
+def _refilled_buffer(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x, y = torch.zeros(8, 16), torch.zeros(8, 16)  # (static input buffers, refilled in place at every step)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
+                            in_placements={"input": [Shard(0)], "target": [Shard(1)]})
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(2)]
+    pieces = compiled.shard_inputs(x, y)  # (the input's rows: a view of x; the target's columns: a copy of y)
+    x.copy_(batches[0][0])
+    y.copy_(batches[0][1])
+    with torch.no_grad():
+        try:
+            compiled(*pieces)
+            refused = None
+        except spmd.SpmdError as e:
+            refused = str(e)
+        pieces = compiled.shard_inputs(x, y)
+        losses = [float(compiled(*pieces))]
+        x.copy_(batches[1][0])  # (a view follows its batch, as the model called on it would)
+        losses.append(float(compiled(*pieces)))
+        want = [float(F.mse_loss(model(batches[0][0]), batches[0][1])),
+                float(F.mse_loss(model(batches[1][0]), batches[0][1]))]
+    return {"refused": refused, "losses": losses, "want": want}
+
+
+def test_pieces_cut_before_their_batch_was_refilled_in_place_are_refused(ranks):
+    """Found by a probe: shard_inputs cuts a view of the batch where the slice is one (rows) and a copy elsewhere
+    (columns), so a loop that cut once and refilled the batch in place trained on the new rows and the old
+    columns, silently. A copy whose batch was written since its cut is refused at the call, naming it."""
+    for r in ranks(2).run(_refilled_buffer):
+        assert r["refused"] and "input 'target'" in r["refused"] and "shard_inputs(...) again" in r["refused"], r
+        for got, want in zip(r["losses"], r["want"]):
+            assert abs(got - want) <= 1e-6 * abs(want), r
+
+
 def _written_through_data(rank: int, world: int, on: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
