@@ -19,7 +19,8 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - the shapes of the parameters and buffers the graph takes, against this rank's pieces' (`p.data = whole`,
   `functional_call` with whole tensors: `CompiledModule._state_shapes`).
 Then, once per module: the first call's read of the model's values against its pieces (`p.data.copy_(w)` after
-compiling moves no counter: `runtime/source_guard._written_unseen`), on transformers' GPT-2 small (124M).
+compiling moves no counter: `runtime/source_guard._written_unseen`), on transformers' GPT-2 small (124M), and
+the sampled read of the checked calls after it (2, 4, 8, ... before the first optimizer step).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -114,10 +115,14 @@ def first_call_read() -> None:
     c = run_pipeline(model, (torch.randint(0, 50257, (1, 16)),), MeshSpec((1,), ("dp",), device=builtin_cpu()),
                      PlanOptions(stamp_layers=False), RankBinding(0, ("",)), quiet=True)
     compiled = CompiledModule(c, None, src_data_rank=None, source_model=model)
-    ms = [_us(lambda: source_guard._written_unseen(compiled), calls=1, rounds=1) / 1e3 for _ in range(5)]
     params = sum(p.numel() for p in model.parameters())
-    print(f"first call's value read, GPT-2 small ({params / 1e6:.1f}M parameters): median {statistics.median(ms):.1f} "
-          f"ms of 5 ({min(ms):.1f}-{max(ms):.1f})", flush=True)
+    source_guard._mark_pieces(compiled)  # (as a compiled module's pieces are marked when given values)
+    source_guard._keep_rows(compiled)
+    for read, what in ((source_guard._written_unseen, "first call's value read"),
+                       (source_guard._rows_moved, "a checked call's read of 8 rows each")):
+        ms = [_us(lambda: read(compiled), calls=1, rounds=1) / 1e3 for _ in range(5)]
+        print(f"{what}, GPT-2 small ({params / 1e6:.1f}M parameters): median {statistics.median(ms):.2f} "
+              f"ms of 5 ({min(ms):.2f}-{max(ms):.2f})", flush=True)
 
 
 if __name__ == "__main__":

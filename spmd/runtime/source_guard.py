@@ -702,6 +702,8 @@ def mark_model(compiled, fqns=None) -> None:
     # (new dicts each time: a copy of the compiled module starts with its original's)
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): _look(p) for p in params}}
     compiled.__dict__["_model_tree"] = tree
+    if "_source_rows" in compiled.__dict__:  # (the values the model holds now are seen: `_rows_moved`)
+        _keep_rows(compiled)
     _mark_buffers(compiled, model, fqns)
     if fqns is None:
         _mark_parts(compiled, model)
@@ -733,13 +735,19 @@ def model_changed(compiled) -> None:
     changed = [p for p, v, at, layout in versions.values()
                if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, layout)]
     model = compiled._source_model
-    if not compiled.__dict__.get("_values_read"):  # the first call (or the next, after a refusal)
+    read = compiled.__dict__.get("_values_read")
+    # the first call (or the next, after a refusal) reads every value; the agreement checks' calls after it (2, 4, 8,
+    # ...: `_check_due`) a few rows of each against those seen at the last read (a probe loaded weights through
+    # `.data` after a warm-up call, and the old ones trained)
+    if not read or compiled._check_due(compiled._calls + 1):
         if not changed and compiled._cut_here:  # (a rank whose pieces came from rank src_data_rank's: not its own)
-            changed = _written_unseen(compiled)
+            changed = _rows_moved(compiled) if read else _written_unseen(compiled)
         # every rank raises or none does: one that went on would wait in the forward's collectives for good
         anywhere = compiled._apart_anywhere(bool(changed), "models' weights") \
             if torch.distributed.is_initialized() else bool(changed)
         compiled.__dict__["_values_read"] = not anywhere  # (read again at the next call until they are given)
+        if not anywhere and compiled._cut_here:
+            _keep_rows(compiled)
         if anywhere and not changed:
             raise SpmdError(
                 f"{type(model).__name__}'s weights changed after it was compiled on another rank of the mesh (loaded, "
@@ -790,6 +798,55 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
             theirs = piece.detach().to(mine.dtype)
             mine = mine.to(theirs.device)
             if not torch.equal(mine, theirs) and not torch.allclose(mine, theirs, rtol=0, atol=0, equal_nan=True):
+                changed.append(p)
+    return changed
+
+
+_SAMPLED_ROWS = 8
+
+
+def _rows(p: torch.Tensor) -> torch.Tensor:
+    """A few rows of a parameter, spread over its first dim (the whole of a small one): what a load or an init
+    written through `.data` changes too."""
+    p = p.detach()
+    if p.dim() and p.shape[0] > _SAMPLED_ROWS:
+        p = p.index_select(0, torch.linspace(0, p.shape[0] - 1, _SAMPLED_ROWS, device=p.device).long())
+    return p.clone()
+
+
+def _source_params(compiled) -> dict[str, torch.Tensor]:
+    """The model's parameters that have values of their own: not given to the compiled module since, nor meta."""
+    from spmd.runtime.materialize import is_placeholder_value
+
+    given = compiled.__dict__.get("_given", set())
+    named = dict(compiled._source_model.named_parameters(remove_duplicate=False))
+    return {fqn: p for fqn, p in named.items() if fqn in compiled._state_placements and fqn not in given
+            and not p.is_meta and type(p.data) is torch.Tensor and not is_placeholder_value(p)}
+
+
+def _keep_rows(compiled) -> None:
+    """The model's values as read now (`_rows`), for `_rows_moved` at the next checked call."""
+    with torch.no_grad():
+        compiled.__dict__["_source_rows"] = {fqn: _rows(p) for fqn, p in _source_params(compiled).items()}
+
+
+def _rows_moved(compiled) -> list[torch.Tensor]:
+    """The model's parameters whose sampled rows changed since the last read, though no version counter moved:
+    written through `.data` after the first call (a warm-up call, then `p.data.copy_(pretrained)`). Model against
+    model, not against the pieces: those may change in place on their own (an EMA teacher's `lerp_`), and one
+    set in place since they were last marked is the user's own, as at the first call. A write into rows the
+    sample misses is not seen."""
+    kept = compiled.__dict__.get("_source_rows", {})
+    untouched = {id(piece): v for piece, v in compiled.__dict__.get("_weights_at", ())}
+    changed = []
+    with torch.no_grad():
+        for fqn, p in _source_params(compiled).items():
+            before, piece = kept.get(fqn), compiled.piece(fqn)
+            if before is None or untouched.get(id(piece)) != piece._version:
+                continue  # (a piece set in place holds values the user gave it: `_written_unseen`)
+            now = _rows(p)
+            if now.shape == before.shape and now.dtype == before.dtype and not torch.equal(now, before) and \
+                    not torch.allclose(now, before, rtol=0, atol=0, equal_nan=True):
                 changed.append(p)
     return changed
 

@@ -2253,7 +2253,7 @@ def test_weights_written_through_data_after_compiling_are_refused_at_the_first_c
     with torch.no_grad():
         compiled.get_parameter("0.weight").mul_(2)
     compiled(x, y)
-    model[0].weight.data.mul_(3)  # (after the first call: not read again, as the docs say)
+    model[0].weight.data.mul_(3)  # (its piece was set in place: its own values, read again or not)
     compiled(x, y)
     for convert in (nn.Module.bfloat16, nn.Module.half, nn.Module.double):  # (the same weights, rounded or not:
         model = _mlp()                                                   # a review found the first two refused)
