@@ -306,8 +306,15 @@ class CompiledModule(nn.Module):
         self._shard_calls, self._shards_agreed = 0, False  # shard_inputs' calls, checked at the same counts
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
-        switchable = {path for _, path, _ in self._modes}  # (and this module's own holders of them)
-        self._modes += [(h, path, h.training) for path, h in self.named_modules() if path in switchable]
+        # each module whose forward reads its mode, held here too, in the mode it was traced in (a holder of no
+        # weights for a dropout): `compiled.train()` at each epoch sets them all, as `model.train()` does, and a
+        # batch norm frozen before compiling (`model.bn.eval()`) then ran in the traced mode where eager's trains,
+        # silently (found by a probe); `compiled.bn.eval()` after it puts it back, as on the model
+        for _, path, was in list(self._modes):
+            holder = self._holder(path)
+            if holder is not None:
+                holder.training = was
+                self._modes.append((holder, path, was))
         self._state_factor = c.options.optimizer_state_factor if c.plan.joint else None
         self._watch_pieces()
 
@@ -575,6 +582,26 @@ class CompiledModule(nn.Module):
         else:
             owner.register_buffer(leaf, tensor, persistent=not alias)
         return path
+
+    def _holder(self, path: str) -> "_Pieces | None":
+        """The holder at the model's module path `path`, made (empty) where there is none; None where the name
+        would hide this module's own attribute (its pieces are then held flat: `_place`)."""
+        parts = path.split(".")
+        taken = self._modules.get(parts[0])
+        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or not all(parts) \
+                or parts[0].startswith("_") or any(p in _HOLDER_OWN for p in parts[1:]) \
+                or (taken is not None and not isinstance(taken, _Pieces)):
+            return None
+        owner = self
+        for k, part in enumerate(parts):
+            child = owner._modules.get(part)
+            if child is None:
+                child = _Pieces(self, ".".join(parts[:k + 1]))
+                owner.add_module(part, child)
+            elif not isinstance(child, _Pieces):
+                return None
+            owner = child
+        return owner
 
     def _owner(self, path: str) -> tuple[nn.Module, str]:
         *parts, leaf = path.split(".")
@@ -1306,9 +1333,11 @@ class CompiledModule(nn.Module):
         traced, now = ("train", "eval") if was else ("eval", "train")
         who, owner = ("the compiled module's", "compiled") if isinstance(m, _Pieces) else ("the model's", "model")
         kind = type(self._source_model.get_submodule(path)).__name__
+        how = f"`{owner}.{path}.{now}()`" + (f", or `{owner}.{now}()`, which sets every module's mode as `model.{now}()` "
+                                             "does" if isinstance(m, _Pieces) else "")
         raise SpmdError(
-            f"{who} `{path}` ({kind}) was switched to {now} mode after compiling (`{owner}."
-            f"{path}.{now}()`), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
+            f"{who} `{path}` ({kind}) was switched to {now} mode after compiling ({how}"
+            f"), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
             f"norm's statistics), and the compiled graph does what {traced} mode did, so this call would run it "
             f"in {traced} mode. What to do: compile the model with its modules in the modes you want "
             f"(`model.{path}.{now}()` before spmd.compile; where this module has trained, give the new one its "

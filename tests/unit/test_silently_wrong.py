@@ -1919,6 +1919,44 @@ def test_a_submodule_switched_alone_after_compiling_is_refused():
     torch.testing.assert_close(one_device(frozen, (x,))(x), frozen(x))
 
 
+
+def test_modules_compiled_in_another_mode_than_the_model_follow_the_compiled_modules_train_and_eval():
+    """Found by a probe: batch norm frozen before compiling (`model.bn.eval()`), then `compiled.train()` at each
+    epoch, as one writes `model.train()`: eager then trains the batch norm, and the graph went on with its running
+    statistics (a loss of 1.119 where eager gave 1.222, silently); its holder had been put in train mode at
+    compile, so `compiled.bn.eval()`, the traced mode, was refused. A dropout (no weights, so no holder) was not
+    reached at all, nor was a dropout kept on in an evaluation module (Monte Carlo dropout) by `compiled.eval()`.
+    Each such module is held in its traced mode now, a dropout by an empty holder."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randn(6, 2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).train()
+    model[1].eval()
+    model[2].eval()
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    assert not compiled.get_submodule("1").training and not compiled.get_submodule("2").training
+    compiled.train()
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(BatchNorm1d\) was switched to train mode "
+                                             r"after compiling \(`compiled\.1\.train\(\)`, or `compiled\.train\(\)`"):
+        compiled(x, y)
+    compiled.get_submodule("1").eval()
+    with pytest.raises(spmd.SpmdError, match=r"`2` \(Dropout\) was switched to train mode"):
+        compiled(x, y)
+    compiled.get_submodule("2").eval()  # (the modes traced: runs, equal to eager's)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+    assert compiled.state_dict().keys() == model.state_dict().keys()  # (an empty holder adds no entry)
+    sampler = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2)).eval()
+    sampler[1].train()  # (Monte Carlo dropout: kept on in an evaluation module)
+    evaluate = one_device(sampler, (x,))
+    evaluate.eval()
+    with pytest.raises(spmd.SpmdError, match=r"`1` \(Dropout\) was switched to eval mode"):
+        evaluate(x)
+    evaluate.get_submodule("1").train()
+    torch.manual_seed(3)
+    out = evaluate(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(out, sampler(x))
+
+
 def test_a_hook_registered_on_the_model_after_compiling_is_refused():
     """A forward pre-hook or a gradient hook put on the model after compiling never ran (a loss 0.08 off, a
     gradient 0.12 off one device, silently). The next call now names it, until it is removed."""
