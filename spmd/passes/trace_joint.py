@@ -65,9 +65,11 @@ def with_loss(model: torch.nn.Module, loss_fn) -> torch.nn.Module:
 
 
 def loss_targets(loss_fn) -> int:
-    """How many trailing inputs are targets: the loss function's required positional parameters - 1."""
+    """How many trailing inputs are targets: the loss function's required positional parameters - 1 (a loss
+    module's forward's: the module itself shows torch's `(*args, **kwargs)`, which counted one target for
+    `nn.TripletMarginLoss`'s two, found by a probe)."""
     try:
-        params = inspect.signature(loss_fn).parameters.values()
+        params = inspect.signature(loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn).parameters.values()
     except (TypeError, ValueError):
         return 1
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

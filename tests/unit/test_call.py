@@ -77,6 +77,25 @@ def test_targets_take_the_loss_functions_parameter_names(loss_fn, name):
     assert f"    {name} " in plan.table()
 
 
+
+def test_a_loss_module_of_two_targets_takes_both():
+    """Found by a probe: a loss module's own signature is torch's `(*args, **kwargs)`, so `nn.TripletMarginLoss`
+    (anchor, positive, negative) was counted one target, and the model was blamed for taking 3 inputs. Its
+    forward's parameters count now, and training equals eager."""
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = MLP(16, 32)
+    x, positive, negative = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
+    loss_fn = nn.TripletMarginLoss(margin=0.5)
+    compiled = one_device(model, (x, positive, negative), training=True, loss_fn=loss_fn)
+    loss = compiled(x, positive, negative)
+    loss.backward()
+    want = loss_fn(model(x), positive, negative)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(compiled.get_parameter("fc1.weight").grad, model.fc1.weight.grad)
+
 def test_keyword_arguments_that_hold_no_tensor_are_fixed_when_traced():
     """CLIP's `return_loss=True`: a bool became a graph input of no tensor, and planning failed (KeyError in
     enumerate_strategies). It is now a constant of the view's call: no input, and a call must pass it alike."""
