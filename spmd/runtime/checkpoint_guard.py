@@ -55,7 +55,7 @@ def watch(pieces: dict[str, torch.Tensor]) -> None:
                 DefaultSavePlanner,
             )
 
-            register_optimizer_step_post_hook(_seen)
+            register_optimizer_step_post_hook(torch.compiler.disable(_seen, recursive=True))
             for cls in (DefaultSavePlanner, DefaultLoadPlanner):
                 _torch_planners[cls] = cls.set_up_planner
                 cls.set_up_planner = _checked_set_up(cls)

@@ -64,7 +64,7 @@ WHOLE = {"Adafactor": ("the row and column means of each matrix's squared gradie
 def _install() -> None:
     global _hook
     if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_check)
+        _hook = register_optimizer_step_pre_hook(torch.compiler.disable(_check, recursive=True))
 
 
 def watch(model: torch.nn.Module) -> None:

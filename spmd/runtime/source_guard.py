@@ -513,7 +513,9 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
             _owners[p] = weakref.ref(compiled)
         _share(model, compiled)
         if _hook is None:
-            _hook = (register_optimizer_step_pre_hook(_stepping_now), register_optimizer_step_post_hook(_stepped))
+            # (as Python where torch.compile traces the step, `torch.compile(opt.step)`: dynamo called a compiled
+            # module through its weak reference with no inputs; found by a probe)
+            _hook = (register_optimizer_step_pre_hook(_eager(_stepping_now)), register_optimizer_step_post_hook(_eager(_stepped)))
 
 
 def _share(model: torch.nn.Module, compiled) -> None:

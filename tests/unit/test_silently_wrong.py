@@ -841,6 +841,30 @@ def test_whispers_spec_augment_is_refused():
 
 # ---- the model a compiled module was made from ----------------------------------------------------
 
+
+def test_an_optimizer_step_through_torch_compile_trains_and_is_seen():
+    """Found by a probe: `torch.compile(opt.step)` (PyTorch's compiled-optimizer recipe) traced spmd's optimizer
+    hooks, and dynamo called the compiled module through a guard's weak reference with no inputs ("takes 2
+    inputs, got 0"). The hooks run as Python now: the steps equal eager's, and the model is known to be behind."""
+    torch.manual_seed(0)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt, ref_opt = torch.optim.Adam(compiled.parameters(), lr=0.01), torch.optim.Adam(reference.parameters(), lr=0.01)
+    step = torch.compile(opt.step, backend="eager")
+    for _ in range(3):
+        compiled(x, y).backward()
+        step()
+        opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(compiled.get_parameter(name), p)
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module has trained since"):
+        model(x)
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
