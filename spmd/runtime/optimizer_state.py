@@ -94,6 +94,12 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def _own(value):
+    """A piece cut from a whole tensor as a tensor of its own: a view (a split on the first dim) kept every rank's
+    whole moment alive, and shared it with the state given (found by a probe)."""
+    return value.clone() if isinstance(value, torch.Tensor) and value._base is not None else value
+
+
 def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
     names = _names(compiled, optimizer)
     index = {fqn: k for k, fqn in enumerate(fqn for group in names for fqn in group)}
@@ -107,7 +113,7 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")
         piece = compiled.piece(fqn)
-        state[index[fqn]] = {key: compiled._piece_of(fqn, value, piece) for key, value in entries.items()}
+        state[index[fqn]] = {key: _own(compiled._piece_of(fqn, value, piece)) for key, value in entries.items()}
     groups = []
     for group, group_names in zip(named["param_groups"], names):
         saved = [compiled._aliases.get(n, n) for n in group["params"]]

@@ -491,11 +491,14 @@ def _input_gradient_and_optimizer_state(rank: int, world: int) -> dict:
             said = str(e)
         opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
         compiled.load_optimizer_state_dict(opt, copy.deepcopy(get_optimizer_state_dict(reference, ref_opt)))
+        # (pieces of their own: a view of each whole moment kept it alive on every rank, and shared it)
+        own = all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
+                  for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())
         opt.step()
         F.mse_loss(reference(x), y).backward()
         ref_opt.step()
         full = compiled.full_state_dict()
-        return {"input_grad": input_grad, "scale": float(wanted.grad.abs().max()), "said": said,
+        return {"input_grad": input_grad, "scale": float(wanted.grad.abs().max()), "said": said, "own": own,
                 "after_load": max(float((full[n] - p).abs().max()) for n, p in reference.named_parameters())}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -506,11 +509,12 @@ def test_an_inputs_gradient_is_the_whole_and_a_single_device_optimizer_state_is_
     rows of its gradient (zeros elsewhere, silently); the cut's backward now gathers the pieces' gradients, as
     DTensor's redistribute from Replicate does. A single-device AdamW's `state_dict()` loaded with
     `opt.load_state_dict` failed at the step with a shape error naming nothing; now the step names the way out,
-    `compiled.load_optimizer_state_dict` of the state under the model's names, which trains equal."""
+    `compiled.load_optimizer_state_dict` of the state under the model's names, which trains equal, each piece a
+    tensor of its own (a probe found them views of the whole moments)."""
     for r in ranks(2).run(_input_gradient_and_optimizer_state):
         assert r["input_grad"] < 1e-12 < r["scale"], r
         assert r["said"] is not None and "compiled.load_optimizer_state_dict(optimizer, state)" in r["said"], r
-        assert r["after_load"] < 1e-12, r
+        assert r["after_load"] < 1e-12 and r["own"], r
 
 
 class _ViewOutputs(torch.nn.Module):
