@@ -56,14 +56,18 @@ def masked_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.
 
 
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],
-                  pieces: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                  pieces: tuple[tuple[int, int, int], ...], stride: tuple[int, ...] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`native_dropout` on this rank's piece `x` of a tensor of global `shape`, equal to that piece of one
     device's result: the mask is drawn whole by the same kernel from the same generator state (so the
-    generator also moves on as on one device), and cut to the piece; only the piece is kept (and saved
-    for backward). `pieces`: (dim, start, length) of each dim the piece is cut on (rules/random.py)."""
+    generator also moves on as on one device), on an empty tensor laid out as one device's input was
+    (`stride`; None: contiguous), and cut to the piece; only the piece is kept (and saved for backward).
+    `pieces`: (dim, start, length) of each dim the piece is cut on (rules/random.py)."""
     if train is False or p == 0.0:  # no draw: the op is the identity (and its mask all ones)
         return aten.native_dropout(x, p, train)
-    _, mask = aten.native_dropout(torch.empty(shape, dtype=x.dtype, device=x.device), p, train)
+    whole = torch.empty(shape, dtype=x.dtype, device=x.device) if stride is None else \
+        torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
+    _, mask = aten.native_dropout(whole, p, train)
     for dim, start, length in pieces:
         mask = mask.narrow(dim, start, length)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)

@@ -16,6 +16,7 @@ from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import user_source_line
 from spmd.core.specs import local_shape
 from spmd.passes.rules import LOCAL_REWRITES
+from spmd.passes.rules.registry import TracedShape
 
 aten = torch.ops.aten
 
@@ -55,8 +56,7 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
                 kwargs.update(group=group_names[axis], world=world, where=_where(node, mesh.axis_names[axis], nodes))
             new.kwargs = kwargs
         if node.target in LOCAL_REWRITES and "spmd_strategy" in node.meta:
-            shapes = tuple(tuple(a.meta["val"].shape) if isinstance(a, fx.Node) and
-                           isinstance(a.meta.get("val"), torch.Tensor) else None for a in node.args)
+            shapes = tuple(TracedShape.of(a.meta.get("val")) if isinstance(a, fx.Node) else None for a in node.args)
             local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)
             if local is not None:
                 new.target, new.args = local[:2]

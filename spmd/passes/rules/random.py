@@ -48,7 +48,11 @@ def _dropout(args, strategy, shapes, mesh_shape, coord):
     shape = shapes[0]
     spans = [(dim, piece_span(strategy.inputs[0], dim, size, mesh_shape, coord)) for dim, size in enumerate(shape)]
     pieces = [(dim, *span) for dim, span in spans if span is not None]
-    if not pieces:
+    # (the mask drawn in the layout one device's input had: the kernel fills memory in order, so a transposed
+    # input's mask, drawn contiguous, was another mask; found by a probe in nn.TransformerEncoderLayer. A rank's
+    # whole input may be laid out otherwise than one device's, after a collective)
+    stride = getattr(shape, "stride", None)
+    if not pieces and stride is None:
         return None
     train = args[2] if len(args) > 2 else None
-    return local_ops.dropout_piece, (args[0], args[1], train, tuple(shape), tuple(pieces)), {}
+    return local_ops.dropout_piece, (args[0], args[1], train, tuple(shape), tuple(pieces), stride), {}

@@ -10,13 +10,31 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 from torch.distributed.tensor import Replicate
 
 from spmd.core.specs import Strategy, TensorInfo
 
+class TracedShape(tuple):
+    """A traced tensor's global shape (a tuple), with its strides as traced where it was not contiguous
+    (`.stride`; else None): a local rewrite that draws random numbers lays them out as one device's kernel did
+    (rules/random.py)."""
+
+    stride: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, val) -> "TracedShape | None":
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = cls(val.shape)
+        if val.layout == torch.strided and not val.is_contiguous():
+            shape.stride = tuple(val.stride())
+        return shape
+
+
 SingleDimRule = Callable[["RuleInput"], list[list]]
 RULES: dict[Any, SingleDimRule] = {}
-# op -> (the node's args, its Strategy, the global shape of each arg (None: not a tensor), the mesh shape,
+# op -> (the node's args, its Strategy, the global shape of each arg (a TracedShape; None: not a tensor), the mesh shape,
 # this rank's coordinate) -> (local op, args, kwargs or None: the node's), or None to keep the op: what a rank runs where the
 # op on its piece is not the op itself (emit_rank_graph; the vocab-parallel and random forms)
 LocalRewrite = Callable[..., "tuple | None"]
