@@ -226,6 +226,8 @@ class CompiledModule(nn.Module):
         self._loss_names = {gi.name for gi in c.traced.inputs if gi.kind in ("parameter", "buffer")
                             and gi.name.startswith("loss_fn.") and gi.name not in model_names}
         model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
+        if isinstance(c.options.loss_fn, nn.Module):  # (a loss module's own, `loss_fn.log_var`: frozen as the model's)
+            model_params.update({f"loss_fn.{n}": p for n, p in c.options.loss_fn.named_parameters(remove_duplicate=False)})
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -262,7 +264,7 @@ class CompiledModule(nn.Module):
         self._traced_mode = self._source_model.training
         _compiled_modules.setdefault(self._source_model, weakref.WeakSet()).add(self)
         _last_compiled_mode[self._source_model] = self._traced_mode
-        source_guard.mark_hooks(self)
+        source_guard.mark_hooks(self, c.options.loss_fn if c.traced.joint else None)
         self._mode_dependent = _mode_dependent(ops, self._source_model)
         # the model's modules whose forward reads their mode (dropout, batch norm, an attention's dropout rate),
         # each with its mode as traced: one switched alone after compiling (`model.norm.eval()`, freezing batch
@@ -279,7 +281,8 @@ class CompiledModule(nn.Module):
         # the torch.autocast state of the trace (the graph holds its casts): each call is made under the same
         self._autocast = AutocastGuard()
         # requires_grad set on the model's parameters after compiling (a layer frozen or unfrozen by the training
-        # loop): followed by this module's pieces, which the model's flags would otherwise not reach
+        # loop), and on the loss module's (a probe froze an uncertainty weight): followed by this module's pieces,
+        # which the model's flags would otherwise not reach
         self._frozen_when_compiled = set(c.traced.frozen)
         self._flags = [(model_params[fqn], self._get(attr), fqn, model_params[fqn].requires_grad)
                        for fqn, attr in self._param_names.items()

@@ -917,6 +917,36 @@ def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement):
     loss.backward()
     assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
 
+
+def test_a_loss_modules_parameter_frozen_after_compiling_stays_as_it_is():
+    """Found by a probe: an uncertainty weight of a loss module (`loss_fn.log_var`) frozen after compiling kept
+    training (0.15 where eager kept 0.30, the loss 0.715 against 0.767): only the model's flags were followed."""
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log_var = nn.Parameter(torch.tensor(0.3))
+
+        def forward(self, out, target):
+            return F.mse_loss(out, target) * torch.exp(-self.log_var) + self.log_var
+
+    torch.manual_seed(0)
+    model, loss_fn = _mlp(), Weighted()
+    reference, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=loss_fn)
+    loss_fn.log_var.requires_grad_(False)
+    ref_loss_fn.log_var.requires_grad_(False)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD([*reference.parameters(), *ref_loss_fn.parameters()], lr=0.1)
+    for _ in range(3):
+        loss, want = compiled(x, y), ref_loss_fn(reference(x), y)
+        for value, o in ((loss, opt), (want, ref_opt)):
+            value.backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(loss, want)
+    assert float(compiled.get_parameter("loss_fn.log_var")) == float(ref_loss_fn.log_var) == pytest.approx(0.3)
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
@@ -2057,6 +2087,25 @@ def test_a_hook_registered_on_the_model_after_compiling_is_refused():
     compiled.get_parameter("0.weight").register_hook(lambda g: g * 0)  # (the way out: not the model's)
     compiled(x, y)
 
+
+
+def test_a_hook_on_the_loss_module_added_or_removed_after_compiling_is_refused():
+    """Found by a probe: a forward hook on the loss module (`nn.CrossEntropyLoss`) registered after compiling never
+    ran (1.33 where eager gave 4.00), and one the trace ran went on after its removal; only the model's hooks
+    were compared. The loss module's are too."""
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    compiled = one_device(_mlp(), (x, y), training=True, loss_fn=loss_fn)
+    handle = loss_fn.register_forward_hook(lambda m, args, out: out * 3)
+    with pytest.raises(spmd.SpmdError, match=r"registered on .* after it was compiled \(loss_fn \(forward\)\)"):
+        compiled(x, y)
+    handle.remove()
+    compiled(x, y)
+    handle = loss_fn.register_forward_hook(lambda m, args, out: out * 3)
+    hooked = one_device(_mlp(), (x, y), training=True, loss_fn=loss_fn)
+    handle.remove()
+    with pytest.raises(spmd.SpmdError, match=r"loss_fn \(forward\)"):
+        hooked(x, y)
 
 def test_a_hook_the_model_had_when_compiled_is_refused_once_removed():
     """A forward hook, pre-hook or every-module hook the model had when compiled is traced into the graph; removed
