@@ -877,6 +877,8 @@ class CompiledModule(nn.Module):
         else:
             kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
             kwargs.update(replay)
+            if "init_dtype" not in kwargs:
+                _warn_init_dtype(model)
             local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,
                                       device=self._device or "cpu", **kwargs)
         with torch.no_grad():
@@ -1542,6 +1544,28 @@ def graph_backend(compile_graphs: bool | str | None) -> str | None:
         return compile_graphs
     raise SpmdError(f"compile_graphs must be True, False or the name of a torch.compile backend (\"inductor\"), "
                     f"got {compile_graphs!r}")
+
+
+def _warn_init_dtype(model: nn.Module) -> None:
+    """Warn where a meta model's floating weights are in another dtype than torch's default and nothing says
+    which build `init_weights` is to equal: it draws in the model's dtype, which is a build in that dtype (under
+    `torch.set_default_dtype`, transformers' `torch_dtype=`), and not `Model(cfg).to(dtype)`, whose values are
+    drawn in the default dtype and cast (a probe's `.double()` meta model: 0.79 off that, silently)."""
+    import warnings
+
+    default = torch.get_default_dtype()
+    dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    config = getattr(model, "config", None)
+    built = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    built = getattr(torch, built, None) if isinstance(built, str) else built
+    other = sorted(str(d).replace("torch.", "") for d in dtypes - {default, built})
+    if other:
+        warnings.warn(
+            f"init_weights: the model's weights are {', '.join(other)}, and its values are drawn in that dtype: "
+            f"equal to a model built in it (under torch.set_default_dtype, or transformers' torch_dtype=), not to "
+            f"one built in {str(default).replace('torch.', '')} and cast after (`Model(cfg).to(...)`), whose draws "
+            f"differ. For that one, pass init_dtype={default} (the draws in {str(default).replace('torch.', '')}, "
+            "cast to the model's dtype); init_dtype=<the model's dtype> silences this.", stacklevel=3)
 
 
 def _runner(gm, backend: str):

@@ -947,6 +947,25 @@ def test_a_loss_modules_parameter_frozen_after_compiling_stays_as_it_is():
     torch.testing.assert_close(loss, want)
     assert float(compiled.get_parameter("loss_fn.log_var")) == float(ref_loss_fn.log_var) == pytest.approx(0.3)
 
+
+def test_init_weights_of_a_meta_model_cast_after_its_build_says_which_build_it_equals():
+    """Found by a probe: `with torch.device("meta"): m = Model(); m.double()`, then `init_weights(seed=0)`, drew in
+    float64, and the weights were 0.79 off `torch.manual_seed(0); Model().double()` (which draws in float32 and
+    casts), silently. It warns now, naming the way out, init_dtype=torch.float32, which equals that build."""
+    def build():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    with torch.device("meta"):
+        meta = build()
+    compiled = one_device(meta.double(), (torch.randn(3, 4, dtype=torch.float64, device="meta"),))
+    with pytest.warns(UserWarning, match=r"weights are float64.*pass init_dtype=torch.float32"):
+        compiled.init_weights(seed=0)
+    torch.manual_seed(0)
+    reference = build().double()
+    compiled.init_weights(seed=0, init_dtype=torch.float32)
+    for name, p in reference.named_parameters():
+        assert torch.equal(compiled.get_parameter(name), p), name
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
