@@ -588,8 +588,24 @@ def _unheld(ep) -> None:
             node.meta["nn_module_stack"] = {"L__self__" + path: (path, kind) for path, kind in paths}
 
 
+def warn_nested_fast_path(model: torch.nn.Module) -> None:
+    """Warn where an nn.TransformerEncoder may take torch's nested-tensor fast path in eager (evaluation, under
+    no_grad or inference_mode, with a padding mask): it returns 0 at the padded positions, where the traced
+    graph, the regular path, returns their values (a probe's mean over every position: 1.25 off)."""
+    found = [path or type(model).__name__ for path, m in model.named_modules()
+             if isinstance(m, torch.nn.TransformerEncoder) and not m.training and getattr(m, "use_nested_tensor", False)]
+    if found:
+        warnings.warn(
+            f"{', '.join(found[:3])}: an nn.TransformerEncoder with enable_nested_tensor=True, in evaluation: called "
+            "under torch.no_grad or inference_mode with a src_key_padding_mask, eager PyTorch takes its nested-tensor "
+            "fast path and returns 0 at the padded positions; the compiled graph is the regular path and returns "
+            "values there (the positions that are not padded agree). What to do: ignore the padded positions (mask "
+            "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=4)
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
+    warn_nested_fast_path(model)
     held = _held(model)
 
     def export():

@@ -7,6 +7,7 @@ import gc
 import dataclasses
 import operator
 import re
+import warnings
 
 import pytest
 import torch
@@ -965,6 +966,36 @@ def test_init_weights_of_a_meta_model_cast_after_its_build_says_which_build_it_e
     compiled.init_weights(seed=0, init_dtype=torch.float32)
     for name, p in reference.named_parameters():
         assert torch.equal(compiled.get_parameter(name), p), name
+
+
+def test_a_transformer_encoder_that_eager_runs_on_nested_tensors_is_named():
+    """Found by a probe: an nn.TransformerEncoder in evaluation, called under no_grad with a padding mask, takes
+    torch's nested-tensor fast path in eager and returns 0 at padded positions; the compiled graph returns their
+    values (a mean over every position 1.25 off). A warning names it and the way out; without nested tensors,
+    nothing is said."""
+    x, mask = torch.randn(2, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def encoder(nested):
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+    class Encode(nn.Module):
+        def __init__(self, nested):
+            super().__init__()
+            self.enc = encoder(nested)
+
+        def forward(self, x, mask):
+            return self.enc(x, src_key_padding_mask=mask)
+
+    with pytest.warns(UserWarning, match=r"enc: an nn.TransformerEncoder with enable_nested_tensor=True.*0 at the "
+                                         r"padded positions.*What to do"):
+        one_device(Encode(True), (x, mask))
+    model = Encode(False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*enable_nested_tensor")
+        compiled = one_device(model, (x, mask))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, mask), model(x, mask))
 
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
