@@ -320,7 +320,10 @@ def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
     """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
     over the module, or, where that road fails, over torch.export's module."""
-    with _autocast_in_forward(root):
+    # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
+    # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
+    # found by a probe. The regular kernels are what the graph then runs)
+    with _autocast_in_forward(root), torch.backends.mkldnn.flags(enabled=False):
         return _either_road_as_eager(model, root, example_inputs)
 
 

@@ -997,6 +997,31 @@ def test_a_transformer_encoder_that_eager_runs_on_nested_tensors_is_named():
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, mask), model(x, mask))
 
+
+def test_an_lstm_trains_as_on_one_device():
+    """Found by a probe: torch's decomposition of aten.lstm picked oneDNN's kernel for an input needing no gradient
+    and traced it without the workspace its backward takes: every nn.LSTM training step failed in the backward
+    ("Expected a proper Tensor ... 'workspace'"). Traced with the regular kernels now."""
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    model = Recurrent()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    loss, want = compiled(x, y), F.mse_loss(reference(x), y)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad)
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
