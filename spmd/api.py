@@ -111,6 +111,13 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
 def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
              options: PlanOptions) -> CompiledModule:
     graph_backend(compile_graphs)  # a wrong value fails before planning
+    lazy = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    if lazy:  # (`is_inference` of one raised torch's own ValueError; found by a probe)
+        raise SpmdError(
+            f"compile: {type(model).__name__}'s {', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''} have no shape "
+            "yet (a lazy module, nn.LazyLinear and friends, infers it at its first call). What to do: call the model "
+            "once on an example batch before spmd.compile (or build it with its sizes given).")
     made_so = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_inference()]
     if made_so:
         raise SpmdError(

@@ -1379,6 +1379,8 @@ class CompiledModule(nn.Module):
     # themselves go through torch.compile with `compile_graphs=True`
     @torch.compiler.disable
     def forward(self, *inputs: torch.Tensor, **kw_inputs: torch.Tensor):
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            _refuse_functorch()
         self._attributes.check()
         self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
@@ -1544,6 +1546,15 @@ def graph_backend(compile_graphs: bool | str | None) -> str | None:
         return compile_graphs
     raise SpmdError(f"compile_graphs must be True, False or the name of a torch.compile backend (\"inductor\"), "
                     f"got {compile_graphs!r}")
+
+
+def _refuse_functorch() -> None:
+    """A call under a torch.func transform (`grad`, `vmap`, `jacrev` of `functional_call(compiled, ...)`): the
+    collectives and the ranks' checks get functorch's wrapped tensors, and the call failed deep inside spmd
+    (found by a probe)."""
+    raise SpmdError("a compiled module was called under a torch.func transform (grad, vmap, jacrev, ...), which its "
+                    "collectives and rank graphs do not support. What to do: take gradients with loss.backward() or "
+                    "torch.autograd.grad(loss, compiled.parameters()); per-sample work goes in the model's forward.")
 
 
 def _warn_init_dtype(model: nn.Module) -> None:

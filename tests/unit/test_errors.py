@@ -137,3 +137,26 @@ def test_packed_sequences_name_the_packing_and_the_padded_way():
     with pytest.raises(SpmdError, match=r"What to do: _Packed packs its sequences \(`pack_padded_sequence`\).*"
                                         r"Run the RNN on the padded batch and mask"):
         spmd.plan(_Packed(), spec((2,), ("tp",)), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])))
+
+
+def test_a_lazy_module_not_yet_called_names_the_way_out():
+    """Found by a probe: an nn.LazyLinear not yet called reached torch's own ValueError (`is_inference` of a
+    parameter with no shape) inside spmd.compile."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(SpmdError, match=r"Sequential's 0.weight, 0.bias have no shape yet.*What to do: call the model "
+                                        r"once on an example batch"):
+        spmd.compile(model, None, (torch.randn(4, 3),))
+
+
+def test_a_call_under_a_torch_func_transform_names_the_way_out():
+    """Found by a probe: `torch.func.grad` of `functional_call(compiled, params, ...)` failed deep in the ranks'
+    checks (`'Tensor' object has no attribute 'wait'`)."""
+    from torch.func import functional_call, grad
+
+    from tests.support import one_device
+
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    compiled = one_device(MLP(16, 32), (x, y), training=True, loss_fn=F.mse_loss)
+    params = {n: p.detach() for n, p in compiled.named_parameters()}
+    with pytest.raises(SpmdError, match=r"under a torch.func transform.*What to do: take gradients with loss.backward"):
+        grad(lambda ps: functional_call(compiled, ps, (x, y)))(params)
