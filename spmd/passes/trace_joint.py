@@ -323,8 +323,19 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
     # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
     # found by a probe. The regular kernels are what the graph then runs)
-    with _autocast_in_forward(root), torch.backends.mkldnn.flags(enabled=False):
+    with _autocast_in_forward(root), _onednn_off():
         return _either_road_as_eager(model, root, example_inputs)
+
+
+@contextlib.contextmanager
+def _onednn_off():
+    """oneDNN's kernels off, and only that (torch.backends.mkldnn.flags also sets its TF32 flag, which warns)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 @contextlib.contextmanager
