@@ -361,16 +361,18 @@ def _autocast_in_forward(root: torch.nn.Module):
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
     assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
+    kept = _state_kept(root, model)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
-        with _state_kept(root) as kept, _buffers_assigned() as assigned:
+        with kept, _buffers_assigned() as assigned:
             gm, out_spec, applied = _aot_over_module(root, example_inputs)
         if kept.registered_changed and not assigned:
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            with _state_kept(root), _buffers_assigned() as assigned:  # (the hooks a forward registers, too)
+            kept = _state_kept(root, model)
+            with kept, _buffers_assigned() as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
@@ -392,6 +394,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 way_out = untraceable_way_out(e, model=model)
             raise SpmdError(untraceable_message(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}", e, way_out)) from e
+    _refuse_counted(kept.counted)
     return gm, out_spec, applied, assigned
 
 
@@ -514,6 +517,21 @@ class _buffers_assigned:
             h.remove()
 
 
+def _refuse_counted(counted: list[str]) -> None:
+    """Refuse where the forward changed a number it keeps on a module (`self.calls += 1` for a warm-up factor, a
+    queue's Python pointer): the graph holds what the trace computed from its value then, and the compiled module
+    would never count on (a probe's warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue
+    filled 8 of its 32 rows)."""
+    if counted:
+        shown = ", ".join(f"`{name}`" for name in list(dict.fromkeys(counted))[:3])
+        raise SpmdError(
+            f"trace_joint: the forward changes {shown}, a Python number the model keeps (a call counter, a queue's "
+            "pointer): the compiled graph fixes what the trace computed from its value then, and would not count "
+            "on, silently. What to do: keep it in a buffer updated in place (`self.register_buffer('calls', "
+            "torch.zeros((), dtype=torch.long))`, `self.calls += 1`), or compute the value outside the model and "
+            "pass it as an input.")
+
+
 class _state_kept:
     """The model's state as it was before the trace, put back after it, whatever the trace did: the
     attributes a forward assigns (`self.last = h.detach()`, a cache made at the first call) would keep
@@ -521,7 +539,7 @@ class _state_kept:
     (torch.export puts them back too). `registered_changed`: some parameter, buffer or submodule had
     to be put back, so the trace ran on a model that was not the user's."""
 
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, root: torch.nn.Module, names: torch.nn.Module | None = None):
         self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
                       for m in root.modules()]
         # and the hooks a forward registers on its modules (transformers installs its output-capturing hooks at
@@ -530,12 +548,17 @@ class _state_kept:
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
+        self.counted: list[str] = []  # (module path.attribute) numbers the forward changed: `_refuse_counted`
+        self.paths = {id(m): path for path, m in (names or root).named_modules(remove_duplicate=False)}
 
     def __enter__(self) -> "_state_kept":
         return self
 
     def __exit__(self, *exc) -> None:
         for m, attrs, params, buffers, modules in self.saved:
+            self.counted += [f"{self.paths.get(id(m)) or type(m).__name__}.{key}" for key, before in attrs.items()
+                             if type(before) in (int, float) and type(m.__dict__.get(key)) in (int, float)
+                             and m.__dict__[key] != before]
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):

@@ -1022,6 +1022,37 @@ def test_an_lstm_trains_as_on_one_device():
     for name, p in reference.named_parameters():
         torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad)
 
+
+def test_a_number_the_forward_counts_on_is_refused_and_a_buffer_counts():
+    """Found by a probe: a warm-up factor from a call counter kept as a Python int (`self.calls += 1`) became a
+    constant of the graph (the value the trace saw), so the compiled module never warmed up (1.07 where eager gave
+    1.06, then 0.98 against 0.94), and a MoCo queue's Python pointer never moved. Refused with the way out; the
+    counter in a buffer trains as eager does."""
+    class Warmup(nn.Module):
+        def __init__(self, counter):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+            if counter == "int":
+                self.calls = 0
+            else:
+                self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x) * torch.clamp(torch.as_tensor(self.calls) / 4, max=1.0)
+
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pytest.raises(spmd.SpmdError, match=r"the forward changes `Warmup.calls`, a Python number.*What to do: keep "
+                                             r"it in a buffer"):
+        one_device(Warmup("int"), (x, y), training=True, loss_fn=F.mse_loss)
+    torch.manual_seed(0)
+    model = Warmup("buffer")
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    for _ in range(3):
+        loss, want = compiled(x, y), F.mse_loss(reference(x), y)
+    torch.testing.assert_close(loss, want)
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
