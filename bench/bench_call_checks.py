@@ -119,7 +119,7 @@ def first_call_read() -> None:
     source_guard._mark_pieces(compiled)  # (as a compiled module's pieces are marked when given values)
     source_guard._keep_rows(compiled)
     for read, what in ((source_guard._written_unseen, "first call's value read"),
-                       (source_guard._rows_moved, "a checked call's read of 8 rows each")):
+                       (source_guard._rows_moved, "a checked call's read of 256 values each")):
         ms = [_us(lambda: read(compiled), calls=1, rounds=1) / 1e3 for _ in range(5)]
         print(f"{what}, GPT-2 small ({params / 1e6:.1f}M parameters): median {statistics.median(ms):.2f} "
               f"ms of 5 ({min(ms):.2f}-{max(ms):.2f})", flush=True)

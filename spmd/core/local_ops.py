@@ -55,6 +55,14 @@ def masked_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.
     return aten.nll_loss_backward(grad, x, local, w, reduction, -1, total_weight)
 
 
+def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The random op `aten.<name>` (`rand_like.default`, `bernoulli.p`) on `x` laid out with `stride`, as one
+    device's input was: the kernel fills memory in order, so another layout draws other numbers where they land."""
+    packet, overload = name.split(".")
+    laid = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+    return getattr(getattr(aten, packet), overload)(laid, *args, **kwargs)
+
+
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],
                   pieces: tuple[tuple[int, int, int], ...], stride: tuple[int, ...] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,21 +106,6 @@ def _decompositions():
     return dict(_decomposition_table())
 
 
-def _refuse_rnn_dropout(model: torch.nn.Module) -> None:
-    """Refuse a recurrent module of several layers with dropout between them, in training: torch's decomposition
-    of aten.lstm/gru/rnn (`_rnn_helper`, which the joint trace applies) never draws that dropout, so the graph
-    trained without it (a GRU's loss 1.027 where eager gave 1.053, weights 3.2e-3 off after 3 steps, silently;
-    found by a probe)."""
-    for path, m in model.named_modules():
-        if isinstance(m, torch.nn.RNNBase) and m.training and m.dropout > 0 and m.num_layers > 1:
-            raise SpmdError(
-                f"`{path}` ({type(m).__name__}, num_layers={m.num_layers}, dropout={m.dropout}) drops out between its "
-                "layers in training, which torch's decomposition of the recurrent op that training graphs are traced "
-                "through leaves out: the compiled step would train without that dropout. What to do: stack "
-                f"single-layer {type(m).__name__}s with an nn.Dropout({m.dropout}) between them (the same computation), or "
-                "set dropout=0.")
-
-
 @functools.cache
 def _decomposition_table():
     aten = torch.ops.aten
@@ -130,11 +115,11 @@ def _decomposition_table():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
-    _refuse_rnn_dropout(model)
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
+    counted: list[tuple] = []  # (the numbers the forward changed: `_refuse_counted`)
     with random_draws() as drew, checkpoints_run_through(root) as checkpoints:
-        gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
+        gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted)
         aliased = _aliased_outputs(gm)
         if aliased:  # traced again with those outputs copied: each then gets its own gradient
             with _outputs_copied(root, aliased):
@@ -146,6 +131,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     if drew.unnamed:
         refuse_random_draws(draws_change_the_graph(
             lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
+    if counted:
+        _refuse_counted(counted, lambda: graph_signature(_either_road(model, root, example_inputs)[0]),
+                        graph_signature(gm))
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
             f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
@@ -317,14 +305,15 @@ def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
     return _root_call(root, wrap)
 
 
-def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
+def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
+                 counted: list | None = None) -> tuple:
     """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
     over the module, or, where that road fails, over torch.export's module."""
     # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
     # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
     # found by a probe. The regular kernels are what the graph then runs)
     with _autocast_in_forward(root), _onednn_off():
-        return _either_road_as_eager(model, root, example_inputs)
+        return _either_road_as_eager(model, root, example_inputs, counted)
 
 
 @contextlib.contextmanager
@@ -359,7 +348,8 @@ def _autocast_in_forward(root: torch.nn.Module):
         yield
 
 
-def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple) -> tuple:
+def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
+                          counted: list | None = None) -> tuple:
     assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
     kept = _state_kept(root, model)
     try:
@@ -394,7 +384,8 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 way_out = untraceable_way_out(e, model=model)
             raise SpmdError(untraceable_message(
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}", e, way_out)) from e
-    _refuse_counted(kept.counted)
+    if counted is not None:
+        counted += kept.counted
     return gm, out_spec, applied, assigned
 
 
@@ -517,19 +508,29 @@ class _buffers_assigned:
             h.remove()
 
 
-def _refuse_counted(counted: list[str]) -> None:
+def _refuse_counted(counted: list[tuple], trace, signature) -> None:
     """Refuse where the forward changed a number it keeps on a module (`self.calls += 1` for a warm-up factor, a
-    queue's Python pointer): the graph holds what the trace computed from its value then, and the compiled module
-    would never count on (a probe's warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue
-    filled 8 of its 32 rows)."""
-    if counted:
-        shown = ", ".join(f"`{name}`" for name in list(dict.fromkeys(counted))[:3])
+    queue's Python pointer) and the graph depends on it: traced again with another value, it is another graph.
+    The compiled graph fixes what the trace computed from the value then, and would never count on (a probe's
+    warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue filled 8 of its 32 rows). A number
+    only kept (a call count for the log) changes no graph, and passes (it does not count on either)."""
+    feeding = []
+    for m, key, label in dict.fromkeys(counted):
+        was = m.__dict__[key]
+        m.__dict__[key] = was + 7 if type(was) is int else was * 1.5 + 1.0
+        try:
+            if trace() != signature or signature is None:
+                feeding.append(label)
+        finally:
+            m.__dict__[key] = was
+    if feeding:
+        shown = ", ".join(f"`{name}`" for name in feeding[:3])
         raise SpmdError(
             f"trace_joint: the forward changes {shown}, a Python number the model keeps (a call counter, a queue's "
-            "pointer): the compiled graph fixes what the trace computed from its value then, and would not count "
-            "on, silently. What to do: keep it in a buffer updated in place (`self.register_buffer('calls', "
-            "torch.zeros((), dtype=torch.long))`, `self.calls += 1`), or compute the value outside the model and "
-            "pass it as an input.")
+            "pointer), and the graph depends on its value: the compiled graph fixes what the trace computed from "
+            "the value then, and would not count on, silently. What to do: keep it in a buffer updated in place "
+            "(`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += 1`), or compute "
+            "the value outside the model and pass it as an input.")
 
 
 class _state_kept:
@@ -548,7 +549,7 @@ class _state_kept:
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
-        self.counted: list[str] = []  # (module path.attribute) numbers the forward changed: `_refuse_counted`
+        self.counted: list[tuple] = []  # (module, attribute, its name) numbers the forward changed: `_refuse_counted`
         self.paths = {id(m): path for path, m in (names or root).named_modules(remove_duplicate=False)}
 
     def __enter__(self) -> "_state_kept":
@@ -556,7 +557,7 @@ class _state_kept:
 
     def __exit__(self, *exc) -> None:
         for m, attrs, params, buffers, modules in self.saved:
-            self.counted += [f"{self.paths.get(id(m)) or type(m).__name__}.{key}" for key, before in attrs.items()
+            self.counted += [(m, key, f"{self.paths.get(id(m)) or type(m).__name__}.{key}") for key, before in attrs.items()
                              if type(before) in (int, float) and type(m.__dict__.get(key)) in (int, float)
                              and m.__dict__[key] != before]
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),

@@ -257,7 +257,7 @@ class CompiledModule(nn.Module):
             self._place(alias, self.piece(canonical), alias=True)
         self._index()
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
-        self._cut_pieces = CutPieces()  # (what shard_inputs copied out of a full batch: refused once it is refilled)
+        self._cut_pieces = CutPieces()  # (what shard_inputs cut from a full batch: refused once the batch is refilled)
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
         # the model would behave otherwise in the other mode (None: nothing)
         ops = _op_names(c.traced.graph)
@@ -564,10 +564,7 @@ class CompiledModule(nn.Module):
         model's names. Where the first name would hide an attribute of this module (`plan`, `forward`), flat
         under `_p__blocks__0__...` instead. Returns where it is held (its path)."""
         parts = fqn.split(".")
-        taken = self._modules.get(parts[0])  # (a graph module of this one's, or a holder: only a holder is shared)
-        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or not all(parts) \
-                or parts[0].startswith("_") or any(p in _HOLDER_OWN for p in parts[1:]) \
-                or (taken is not None and (len(parts) == 1 or not isinstance(taken, _Pieces))):
+        if not self._holds_under(parts) or (len(parts) == 1 and parts[0] in self._modules):
             owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
             self._flat_names[path] = fqn
         else:
@@ -586,14 +583,20 @@ class CompiledModule(nn.Module):
             owner.register_buffer(leaf, tensor, persistent=not alias)
         return path
 
+    def _holds_under(self, parts: list[str]) -> bool:
+        """Whether the names `parts` (a piece's, or a module path's) may go through holders: not where the first
+        would hide this module's own attribute (`plan`, `forward`) or a graph module of its own, nor where a later
+        one is a holder's own attribute."""
+        taken = self._modules.get(parts[0])  # (a graph module of this one's, or a holder: only a holder is shared)
+        return not (parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED
+                    or not all(parts) or parts[0].startswith("_") or any(p in _HOLDER_OWN for p in parts[1:])
+                    or (taken is not None and not isinstance(taken, _Pieces)))
+
     def _holder(self, path: str) -> "_Pieces | None":
         """The holder at the model's module path `path`, made (empty) where there is none; None where the name
         would hide this module's own attribute (its pieces are then held flat: `_place`)."""
         parts = path.split(".")
-        taken = self._modules.get(parts[0])
-        if parts[0] in self.__dict__ or hasattr(type(self), parts[0]) or parts[0] in _RESERVED or not all(parts) \
-                or parts[0].startswith("_") or any(p in _HOLDER_OWN for p in parts[1:]) \
-                or (taken is not None and not isinstance(taken, _Pieces)):
+        if not self._holds_under(parts):
             return None
         owner = self
         for k, part in enumerate(parts):
@@ -1334,19 +1337,24 @@ class CompiledModule(nn.Module):
         """Raise, naming the first module whose forward reads its mode and was switched alone since compiling
         (`model.norm.eval()`, `compiled.drop.train()`): the graph does what its traced mode does (its running
         statistics or dropout), silently."""
-        m, path, was = next((m, path, was) for m, path, was in self._modes if m.training is not was)
+        switched = [(m, path, was) for m, path, was in self._modes if m.training is not was]
+        m, path, was = switched[0]
         traced, now = ("train", "eval") if was else ("eval", "train")
         who, owner = ("the compiled module's", "compiled") if isinstance(m, _Pieces) else ("the model's", "model")
         kind = type(self._source_model.get_submodule(path)).__name__
-        how = f"`{owner}.{path}.{now}()`" + (f", or `{owner}.{now}()`, which sets every module's mode as `model.{now}()` "
-                                             "does" if isinstance(m, _Pieces) else "")
+        how = f"`{_module_ref(owner, path)}.{now}()`" + (
+            f", or `{owner}.{now}()`, which sets every module's mode as `model.{now}()` does" if isinstance(m, _Pieces)
+            else "")
+        others = list(dict.fromkeys(p for _, p, _ in switched[1:] if p != path))
+        also = f" (and {', '.join(f'`{p}`' for p in others[:3])}{', ...' if len(others) > 3 else ''})" if others else ""
         raise SpmdError(
-            f"{who} `{path}` ({kind}) was switched to {now} mode after compiling ({how}"
+            f"{who} `{path}` ({kind}){also} was switched to {now} mode after compiling ({how}"
             f"), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
             f"norm's statistics), and the compiled graph does what {traced} mode did, so this call would run it "
             f"in {traced} mode. What to do: compile the model with its modules in the modes you want "
-            f"(`model.{path}.{now}()` before spmd.compile; where this module has trained, give the new one its "
-            f"weights, `new.load_state_dict(compiled.state_dict())`), or put it back (`{owner}.{path}.{traced}()`).")
+            f"(`{_module_ref('model', path)}.{now}()` before spmd.compile; where this module has trained, give the new "
+            f"one its weights, `new.load_state_dict(compiled.state_dict())`), or put it back "
+            f"(`{_module_ref(owner, path)}.{traced}()`).")
 
     def _model_mode_unexplained(self) -> bool:
         """The model in the other mode than this module was traced in, not the mode the last compile from it
@@ -1415,6 +1423,7 @@ class CompiledModule(nn.Module):
             self._refuse_piece_shapes(args)
         with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
             flat = self._run_graphs(args)
+        self._cut_pieces.seen(inputs)
         return tree_unflatten(list(flat), self._out_spec)
 
     def _run_graphs(self, args: list) -> list:
@@ -1546,6 +1555,12 @@ def graph_backend(compile_graphs: bool | str | None) -> str | None:
         return compile_graphs
     raise SpmdError(f"compile_graphs must be True, False or the name of a torch.compile backend (\"inductor\"), "
                     f"got {compile_graphs!r}")
+
+
+def _module_ref(owner: str, path: str) -> str:
+    """Python that reaches the submodule at `path` of `owner`: `model.blocks` or, where a name is not an
+    identifier (a Sequential's `1`), `model.get_submodule("1")`."""
+    return f"{owner}.{path}" if all(p.isidentifier() for p in path.split(".")) else f'{owner}.get_submodule("{path}")'
 
 
 def _refuse_functorch() -> None:

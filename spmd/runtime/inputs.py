@@ -110,33 +110,44 @@ def _count(inputs: tuple, specs: list[InputSpec], what: str) -> None:
 
 
 class CutPieces:
-    """The pieces `shard_inputs` copied out of full inputs, each with the full tensor's version at the cut.
+    """The pieces `shard_inputs` cut from full inputs, each with the version of the batch (its base tensor: a view
+    passed in, `batch[:]`, shares it) at the cut.
 
     A piece is a view of its full input where the slice is one (a batch split on its first dim, a replicated
-    input), and a copy elsewhere. A loop that cuts once and refills the batch in place (a static input buffer)
-    then fed the view pieces the new batch and the copies the old one: a model whose inputs split both ways
-    trained on a mix of two batches, silently (found by a probe). A copy whose full tensor was written since its
-    cut is refused at the call; a view sees the write, as the model called on the batch would."""
+    input), and a copy elsewhere: which, the plan decides. A loop that cut once and refilled the batch in place
+    (a static input buffer, a prefetch into it) then fed the view pieces the new batch and the copies the old
+    one: a model whose inputs split both ways trained on a mix of two batches, silently (found by a probe). A
+    piece whose batch was written since its cut is refused at the call, view or copy, so what a call sees never
+    depends on the plan; what the call itself writes into its inputs is taken as seen (`seen`)."""
 
     def __init__(self):
-        self._cut = WeakIdKeyDictionary()  # piece -> (a weak reference to the full tensor, its version at the cut)
+        self._cut = WeakIdKeyDictionary()  # piece -> (a weak reference to the batch's base, its version at the cut)
 
     def record(self, full: torch.Tensor, piece: torch.Tensor) -> None:
         base = full if full._base is None else full._base
-        if full.is_inference() or piece is full or piece._base is base:
-            return  # (no version counter to read; the batch itself, or a view of it)
-        self._cut[piece] = (weakref.ref(full), full._version)
+        if not base.is_inference():  # (no version counter to read)
+            self._cut[piece] = (weakref.ref(base), base._version)
 
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
         if not self._cut:
             return
         for t, spec in zip(inputs, specs):
             cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
-            full = cut[0]() if cut is not None else None
-            if full is not None and full._version != cut[1]:
+            base = cut[0]() if cut is not None else None
+            if base is not None and base._version != cut[1]:
                 raise SpmdError(
-                    f"input {spec.name!r}: the full tensor shard_inputs cut this piece from was written in place "
-                    f"since (refilled, its version {cut[1]} -> {full._version}); the piece is a copy for this "
-                    f"layout ({placements_str(spec.placements)}) and still holds the old values. What to do: call "
-                    "compiled.shard_inputs(...) again after writing the batch (pieces cut once do not follow a "
-                    "buffer refilled in place).")
+                    f"input {spec.name!r}: the batch shard_inputs cut this piece from was written in place since (refilled, "
+                    f"its version {cut[1]} -> {base._version}). A piece is a view of the batch or a copy, as the plan "
+                    f"lays it out ({placements_str(spec.placements)} here), so this call would see the new values in "
+                    "some inputs and the old ones in others. What to do: call compiled.shard_inputs(...) again after "
+                    "writing the batch, just before the call (pieces cut once do not follow a buffer refilled in place).")
+
+    def seen(self, inputs: tuple) -> None:
+        """What the call wrote into its own inputs (a forward that changes its input in place) is not a refill."""
+        if not self._cut:
+            return
+        for t in inputs:
+            cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
+            base = cut[0]() if cut is not None else None
+            if base is not None and base._version != cut[1]:
+                self._cut[t] = (cut[0], base._version)

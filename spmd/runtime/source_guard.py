@@ -705,7 +705,7 @@ def mark_model(compiled, fqns=None) -> None:
     compiled.__dict__["_model_versions"] = {**marks, **{id(p): _look(p) for p in params}}
     compiled.__dict__["_model_tree"] = tree
     if "_source_rows" in compiled.__dict__:  # (the values the model holds now are seen: `_rows_moved`)
-        _keep_rows(compiled)
+        _keep_rows(compiled, fqns)
     _mark_buffers(compiled, model, fqns)
     if fqns is None:
         _mark_parts(compiled, model)
@@ -739,7 +739,7 @@ def model_changed(compiled) -> None:
     model = compiled._source_model
     read = compiled.__dict__.get("_values_read")
     # the first call (or the next, after a refusal) reads every value; the agreement checks' calls after it (2, 4, 8,
-    # ...: `_check_due`) a few rows of each against those seen at the last read (a probe loaded weights through
+    # ...: `_check_due`) a sample of each against the one seen at the last read (a probe loaded weights through
     # `.data` after a warm-up call, and the old ones trained)
     if not read or compiled._check_due(compiled._calls + 1):
         if not changed and compiled._cut_here:  # (a rank whose pieces came from rank src_data_rank's: not its own)
@@ -804,16 +804,17 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
     return changed
 
 
-_SAMPLED_ROWS = 8
+_SAMPLED = 256
 
 
 def _rows(p: torch.Tensor) -> torch.Tensor:
-    """A few rows of a parameter, spread over its first dim (the whole of a small one): what a load or an init
-    written through `.data` changes too."""
-    p = p.detach()
-    if p.dim() and p.shape[0] > _SAMPLED_ROWS:
-        p = p.index_select(0, torch.linspace(0, p.shape[0] - 1, _SAMPLED_ROWS, device=p.device).long())
-    return p.clone()
+    """A sample of a parameter's values, spread evenly over it (the whole of a small one): what a load or an init
+    written through `.data` changes too. (First designed as 8 rows, which a review found kept a whole copy of a
+    stacked experts' weight, 8 x 512 x 2048.)"""
+    flat = p.detach().reshape(-1)
+    if flat.numel() > _SAMPLED:
+        flat = flat[torch.linspace(0, flat.numel() - 1, _SAMPLED, device=flat.device).long()]
+    return flat.clone()
 
 
 def _source_params(compiled) -> dict[str, torch.Tensor]:
@@ -826,10 +827,13 @@ def _source_params(compiled) -> dict[str, torch.Tensor]:
             and not p.is_meta and type(p.data) is torch.Tensor and not is_placeholder_value(p)}
 
 
-def _keep_rows(compiled) -> None:
-    """The model's values as read now (`_rows`), for `_rows_moved` at the next checked call."""
+def _keep_rows(compiled, fqns=None) -> None:
+    """The model's values as read now (`_rows`), those named `fqns` (None: all), for `_rows_moved` at the next
+    checked call. (Given a part, only its names: a review found a `.data` write into another part taken as seen.)"""
     with torch.no_grad():
-        compiled.__dict__["_source_rows"] = {fqn: _rows(p) for fqn, p in _source_params(compiled).items()}
+        kept = dict(compiled.__dict__.get("_source_rows", {})) if fqns is not None else {}
+        kept.update({fqn: _rows(p) for fqn, p in _source_params(compiled).items() if fqns is None or fqn in fqns})
+        compiled.__dict__["_source_rows"] = kept
 
 
 def _rows_moved(compiled) -> list[torch.Tensor]:

@@ -869,9 +869,9 @@ def test_an_optimizer_step_through_torch_compile_trains_and_is_seen():
 
 @pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM, nn.RNN])
 def test_a_recurrent_module_dropping_out_between_its_layers_is_refused_in_training(kind):
-    """Found by a probe: torch's decomposition of aten.gru/lstm/rnn, which training graphs are traced through,
-    never draws the dropout between layers, and a 2-layer GRU trained without it (loss 1.027 where eager gave
-    1.053), silently. Refused with the way out; with no dropout, or in evaluation, it compiles."""
+    """Found by a probe: torch's decomposition of aten.gru/lstm/rnn, which graphs are traced through, never draws
+    the dropout between layers, and a 2-layer GRU trained without it (loss 1.027 where eager gave 1.053),
+    silently. Refused with the way out; with no dropout, or in evaluation, it compiles."""
     x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
 
     class Recurrent(nn.Module):
@@ -885,16 +885,20 @@ def test_a_recurrent_module_dropping_out_between_its_layers_is_refused_in_traini
     with pytest.raises(spmd.SpmdError, match=rf"`rnn` \({kind.__name__}, num_layers=2, dropout=0.3\) drops out between "
                                              r"its layers.*What to do: stack single-layer"):
         one_device(Recurrent(0.3), (x, y), training=True, loss_fn=F.mse_loss)
+    with pytest.raises(spmd.SpmdError, match=r"drops out between its layers in train mode"):
+        one_device(Recurrent(0.3), (x,))  # (forward only, in train mode: the same decomposition; found by a review)
     one_device(Recurrent(0.0), (x, y), training=True, loss_fn=F.mse_loss)
     one_device(Recurrent(0.3).eval(), (x,))
 
 
+@pytest.mark.parametrize("draw", ["dropout", "rand_like"])
 @pytest.mark.parametrize("placement", ["rows", "whole"])
-def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement):
+def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement, draw):
     """Found by a probe in nn.TransformerEncoderLayer(batch_first=True): its attention output is laid out sequence
     first under a batch-first view, and eager's dropout draws its mask on a tensor of that layout (the kernel fills
     memory in order), while a rank drew it contiguous: another mask (a loss of 1.277 where eager gave 1.370, not
-    the single device's, as the docs promise). Drawn in the traced layout now, cut or whole."""
+    the single device's, as the docs promise). Drawn in the traced layout now, cut or whole; so is a replicated
+    draw like its input (`h * torch.rand_like(h)`, found by a review)."""
     from torch.distributed.tensor import Shard
 
     class Transposed(nn.Module):
@@ -903,7 +907,8 @@ def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement):
             self.inner, self.drop, self.out = nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)
 
         def forward(self, x):
-            return self.out(self.drop(self.inner(x.transpose(0, 1)).transpose(0, 1)))
+            h = self.inner(x.transpose(0, 1)).transpose(0, 1)
+            return self.out(self.drop(h) if draw == "dropout" else h * torch.rand_like(h))
 
     torch.manual_seed(0)
     model = Transposed().train().double()
@@ -2107,7 +2112,7 @@ def test_a_submodule_switched_alone_after_compiling_is_refused():
     compiled = one_device(model, (x,))
     model[1].eval()
     with pytest.raises(spmd.SpmdError, match=r"the model's `1` \(BatchNorm1d\) was switched to eval mode after "
-                                             r"compiling.*What to do: compile.*or put it back \(`model\.1\.train\(\)`\)"):
+                                             r"compiling.*What to do: compile.*or put it back \(`model\.get_submodule\(.1.\)\.train\(\)`\)"):
         compiled(x)
     model[1].train()
     model[2].eval()
@@ -2115,7 +2120,7 @@ def test_a_submodule_switched_alone_after_compiling_is_refused():
         compiled(x)
     model[2].train()
     compiled.get_submodule("1").eval()
-    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(BatchNorm1d\) was switched to eval mode.*`compiled\.1\.train\(\)`"):
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(BatchNorm1d\) was switched to eval mode.*`compiled\.get_submodule\(.1.\)\.train\(\)`"):
         compiled(x)
     compiled.get_submodule("1").train()
     model[0].eval()  # (a Linear's forward reads no mode)
@@ -2147,8 +2152,9 @@ def test_modules_compiled_in_another_mode_than_the_model_follow_the_compiled_mod
     compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
     assert not compiled.get_submodule("1").training and not compiled.get_submodule("2").training
     compiled.train()
-    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(BatchNorm1d\) was switched to train mode "
-                                             r"after compiling \(`compiled\.1\.train\(\)`, or `compiled\.train\(\)`"):
+    with pytest.raises(spmd.SpmdError, match=r"the compiled module's `1` \(BatchNorm1d\) \(and `2`\) was switched to "
+                                             r"train mode after compiling \(`compiled\.get_submodule\(.1.\)\.train\(\)`, "
+                                             r"or `compiled\.train\(\)`"):
         compiled(x, y)
     compiled.get_submodule("1").eval()
     with pytest.raises(spmd.SpmdError, match=r"`2` \(Dropout\) was switched to train mode"):

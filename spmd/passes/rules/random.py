@@ -16,6 +16,8 @@ the single-device model consume the generator identically and agree bit for bit.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -33,6 +35,21 @@ _RANDOM = [aten.rand_like.default, aten.randn_like.default,
 @rule(*[op for op in _RANDOM if op is not None])
 def replicated_random(inp: RuleInput) -> list[list]:
     return [[Replicate()] * (len(inp.outputs) + len(inp.inputs))]
+
+
+def _in_traced_layout(name: str, args, strategy, shapes, mesh_shape, coord):
+    """A replicated draw like its input (`rand_like(h)`) on a rank whose input is laid out otherwise than one
+    device's (a transposed activation, after a collective): drawn on the input in the traced layout, as the kernel
+    fills memory in order (found by a review, as for dropout below)."""
+    stride = getattr(shapes[0], "stride", None) if shapes else None
+    if stride is None:
+        return None
+    return local_ops.drawn_in_layout, (name, tuple(stride), *args), None
+
+
+for _op in _RANDOM:
+    if _op is not None:
+        local_rewrite(_op)(functools.partial(_in_traced_layout, f"{_op.overloadpacket.__name__}.{_op._overloadname}"))
 
 
 @rule(aten.native_dropout.default)
