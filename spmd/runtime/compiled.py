@@ -1003,7 +1003,9 @@ class CompiledModule(nn.Module):
 
     def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
-        compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`."""
+        compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`. A piece is a
+        view of its input or a copy, as the plan lays it out: cut after the batch is final (a batch written in
+        place after the cut, a static buffer refilled, is refused at the call: `inputs.CutPieces`)."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
         self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
         if not self._shards_agreed or self._check_due(self._shard_calls):
