@@ -140,7 +140,9 @@ class CutPieces:
                     f"its version {cut[1]} -> {base._version}). A piece is a view of the batch or a copy, as the plan "
                     f"lays it out ({placements_str(spec.placements)} here), so this call would see the new values in "
                     "some inputs and the old ones in others. What to do: call compiled.shard_inputs(...) again after "
-                    "writing the batch, just before the call (pieces cut once do not follow a buffer refilled in place).")
+                    "writing the batch, just before the call (pieces cut once do not follow a buffer refilled in place; "
+                    "a write anywhere in the tensor the batch is a view of counts, a double buffer held in one tensor "
+                    "too: version counters do not say where).")
 
     def seen(self, inputs: tuple) -> None:
         """What the call wrote into its own inputs (a forward that changes its input in place) is not a refill."""
