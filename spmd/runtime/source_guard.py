@@ -813,7 +813,8 @@ def _rows(p: torch.Tensor) -> torch.Tensor:
     stacked experts' weight, 8 x 512 x 2048.)"""
     flat = p.detach().reshape(-1)
     if flat.numel() > _SAMPLED:
-        flat = flat[torch.linspace(0, flat.numel() - 1, _SAMPLED, device=flat.device).long()]
+        # (integers: float32's linspace rounded the last index of a 38.6M-value embedding past its end)
+        flat = flat[torch.arange(_SAMPLED, device=flat.device) * (flat.numel() - 1) // (_SAMPLED - 1)]
     return flat.clone()
 
 

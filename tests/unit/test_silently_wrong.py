@@ -1058,6 +1058,17 @@ def test_a_number_the_forward_counts_on_is_refused_and_a_buffer_counts():
         loss, want = compiled(x, y), F.mse_loss(reference(x), y)
     torch.testing.assert_close(loss, want)
 
+
+def test_the_sample_of_a_large_parameter_stays_inside_it():
+    """The benchmark found it: indices spread by a float32 linspace rounded the last one of GPT-2's 38.6M-value
+    embedding past its end (an IndexError at the second call). Integer indices: the first and the last value."""
+    from spmd.runtime.source_guard import _SAMPLED, _rows
+
+    big = torch.arange(2**24 + 3, dtype=torch.int32)
+    sample = _rows(big)
+    assert sample.shape == (_SAMPLED,) and int(sample[0]) == 0 and int(sample[-1]) == big.numel() - 1
+    assert torch.equal(_rows(torch.arange(10)), torch.arange(10))  # (a small one whole)
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
