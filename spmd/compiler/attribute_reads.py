@@ -432,6 +432,12 @@ class AttributeGuard:
                     for fn in (*_walk(type(module))[2], module.__dict__.get("forward")):
                         if fn is not None:
                             self._watch_outside(getattr(fn, "__func__", fn), shown, seen)
+                    # (and its forward hooks', traced into the graph: a probe's `o * scale`, `scale` reassigned
+                    # through `nonlocal` after compiling, went on with the old value)
+                    for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+                        if isinstance(hook, (types.FunctionType, types.MethodType)) and \
+                                not getattr(hook, "spmd_guard", False):
+                            self._watch_outside(getattr(hook, "__func__", hook), f"a forward hook on {shown}", seen)
                 readers = _readers(root)
             for path, module, reader, names, keeps in readers:
                 for name in sorted(names):

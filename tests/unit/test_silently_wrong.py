@@ -2230,6 +2230,34 @@ def test_a_hook_on_the_loss_module_added_or_removed_after_compiling_is_refused()
     with pytest.raises(spmd.SpmdError, match=r"loss_fn \(forward\)"):
         hooked(x, y)
 
+
+def test_a_variable_a_forward_hook_reads_from_its_closure_is_watched():
+    """Found by a probe: a forward hook `out * scale`, `scale` reassigned through `nonlocal` after compiling, went on
+    with the old value (0.309 off), while the same value read by the forward itself was refused. A hook's outside
+    reads are watched as the forward's are; back to the compiled value, it runs."""
+    def scaler():
+        scale = 2.0
+
+        def hook(module, args, out):
+            return out * scale
+
+        def set_scale(value):
+            nonlocal scale
+            scale = value
+        return hook, set_scale
+
+    hook, set_scale = scaler()
+    model = _mlp()
+    model[0].register_forward_hook(hook)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    set_scale(0.5)
+    with pytest.raises(spmd.SpmdError, match=r"the variable `scale` around .*hook read by a forward hook on 0 \(2.0 -> "
+                                             r"0.5\) changed after compiling"):
+        compiled(x, y)
+    set_scale(2.0)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
 def test_a_hook_the_model_had_when_compiled_is_refused_once_removed():
     """A forward hook, pre-hook or every-module hook the model had when compiled is traced into the graph; removed
     afterwards, the compiled module went on applying it (0.68 off one device, silently; found by a probe)."""
