@@ -59,8 +59,9 @@ def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, 
     """The random op `aten.<name>` (`rand_like.default`, `bernoulli.p`) on `x` laid out with `stride`, as one
     device's input was: the kernel fills memory in order, so another layout draws other numbers where they land."""
     packet, overload = name.split(".")
-    laid = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
-    return getattr(getattr(aten, packet), overload)(laid, *args, **kwargs)
+    if tuple(x.stride()) != tuple(stride):  # (laid out as traced already: drawn on it)
+        x = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+    return getattr(getattr(aten, packet), overload)(x, *args, **kwargs)
 
 
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],

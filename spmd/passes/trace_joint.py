@@ -118,12 +118,18 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
     counted: list[tuple] = []  # (the numbers the forward changed: `_refuse_counted`)
-    with random_draws() as drew, checkpoints_run_through(root) as checkpoints:
-        gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted)
-        aliased = _aliased_outputs(gm)
-        if aliased:  # traced again with those outputs copied: each then gets its own gradient
-            with _outputs_copied(root, aliased):
-                gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
+    with checkpoints_run_through(root) as checkpoints:
+        with random_draws() as drew:
+            gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted)
+            aliased = _aliased_outputs(gm)
+            if aliased:  # traced again with those outputs copied: each then gets its own gradient
+                with _outputs_copied(root, aliased):
+                    gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
+        if counted:  # (traced again as this trace was: its outputs copied, its checkpoints run through)
+            def retrace():
+                with _outputs_copied(root, aliased) if aliased else contextlib.nullcontext():
+                    return graph_signature(_either_road(model, root, example_inputs)[0])
+            _refuse_counted(counted, retrace, graph_signature(gm))
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
     # graph traced again with the generators seeded apart says whether it keeps them
@@ -131,9 +137,6 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     if drew.unnamed:
         refuse_random_draws(draws_change_the_graph(
             lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
-    if counted:
-        _refuse_counted(counted, lambda: graph_signature(_either_road(model, root, example_inputs)[0]),
-                        graph_signature(gm))
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
             f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
@@ -316,15 +319,26 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
         return _either_road_as_eager(model, root, example_inputs, counted)
 
 
+_onednn_lock = threading.Lock()
+_onednn_depth = [0, True]  # (traces inside, the flag before the first)
+
+
 @contextlib.contextmanager
 def _onednn_off():
-    """oneDNN's kernels off, and only that (torch.backends.mkldnn.flags also sets its TF32 flag, which warns)."""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
+    """oneDNN's kernels off, and only that (torch.backends.mkldnn.flags also sets its TF32 flag, which warns); put
+    back when the last of overlapping traces ends (two threads' traces left it off for good: a review)."""
+    with _onednn_lock:
+        if _onednn_depth[0] == 0:
+            _onednn_depth[1] = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)
+        _onednn_depth[0] += 1
     try:
         yield
     finally:
-        torch._C._set_mkldnn_enabled(was)
+        with _onednn_lock:
+            _onednn_depth[0] -= 1
+            if _onednn_depth[0] == 0:
+                torch._C._set_mkldnn_enabled(_onednn_depth[1])
 
 
 @contextlib.contextmanager
@@ -509,28 +523,30 @@ class _buffers_assigned:
 
 
 def _refuse_counted(counted: list[tuple], trace, signature) -> None:
-    """Refuse where the forward changed a number it keeps on a module (`self.calls += 1` for a warm-up factor, a
-    queue's Python pointer) and the graph depends on it: traced again with another value, it is another graph.
-    The compiled graph fixes what the trace computed from the value then, and would never count on (a probe's
-    warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue filled 8 of its 32 rows). A number
-    only kept (a call count for the log) changes no graph, and passes (it does not count on either)."""
-    feeding = []
-    for m, key, label in dict.fromkeys(counted):
-        was = m.__dict__[key]
-        m.__dict__[key] = was + 7 if type(was) is int else was * 1.5 + 1.0
-        try:
-            if trace() != signature or signature is None:
-                feeding.append(label)
-        finally:
+    """Refuse where the forward changed numbers it keeps on its modules (`self.calls += 1` for a warm-up factor, a
+    queue's Python pointer) and the graph depends on them: traced again with each far from its value (one trace
+    for all), it is another graph. The compiled graph fixes what the trace computed from the values then, and
+    would never count on (a probe's warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue
+    filled 8 of its 32 rows). A number only kept (a call count for the log) changes no graph and passes; it does
+    not count on either. Not seen: a number the trace's runs of the forward brought back to its value (a flag
+    flipped at each call), and a branch the other value does not cross."""
+    counted = list(dict.fromkeys(counted))
+    values = [m.__dict__[key] for m, key, _ in counted]
+    try:
+        for (m, key, _), was in zip(counted, values):  # (far, and odd: past a threshold, another residue mod 2^k)
+            m.__dict__[key] = was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5
+        differs = signature is None or trace() != signature
+    finally:
+        for (m, key, _), was in zip(counted, values):
             m.__dict__[key] = was
-    if feeding:
-        shown = ", ".join(f"`{name}`" for name in feeding[:3])
+    if differs:
+        shown = ", ".join(f"`{label}`" for _, _, label in counted[:3]) + (" and others" if len(counted) > 3 else "")
         raise SpmdError(
-            f"trace_joint: the forward changes {shown}, a Python number the model keeps (a call counter, a queue's "
-            "pointer), and the graph depends on its value: the compiled graph fixes what the trace computed from "
-            "the value then, and would not count on, silently. What to do: keep it in a buffer updated in place "
-            "(`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += 1`), or compute "
-            "the value outside the model and pass it as an input.")
+            f"trace_joint: the forward changes {shown}, Python numbers the model keeps (a call counter, a queue's "
+            "pointer), and the graph depends on their values: the compiled graph fixes what the trace computed "
+            "from the values then, and would not count on, silently. What to do: keep such a number in a buffer "
+            "updated in place (`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += "
+            "1`), or compute the value outside the model and pass it as an input.")
 
 
 class _state_kept:

@@ -111,38 +111,45 @@ def _count(inputs: tuple, specs: list[InputSpec], what: str) -> None:
 
 class CutPieces:
     """The pieces `shard_inputs` cut from full inputs, each with the version of the batch (its base tensor: a view
-    passed in, `batch[:]`, shares it) at the cut.
+    passed in, `batch[:]`, shares it) at the cut, and whether the piece is a view of it or a copy.
 
     A piece is a view of its full input where the slice is one (a batch split on its first dim, a replicated
     input), and a copy elsewhere: which, the plan decides. A loop that cut once and refilled the batch in place
-    (a static input buffer, a prefetch into it) then fed the view pieces the new batch and the copies the old
-    one: a model whose inputs split both ways trained on a mix of two batches, silently (found by a probe). A
-    piece whose batch was written since its cut is refused at the call, view or copy, so what a call sees never
-    depends on the plan; what the call itself writes into its inputs is taken as seen (`seen`)."""
+    (a static input buffer) then fed the view pieces the new batch and the copies the old one: a model whose
+    inputs split both ways trained on a mix of two batches, silently (found by a probe). A call whose inputs
+    mix views and copies of batches written since their cut is refused. Where all of them are copies, or all
+    views, the call sees one batch (the one cut, or the one written), as a loop that prefetches into its buffer
+    or masks its labels' piece in place (`labels[labels == 0] = -100`) means (both found by reviews); what the
+    call itself writes into its inputs is taken as seen (`seen`)."""
 
     def __init__(self):
-        self._cut = WeakIdKeyDictionary()  # piece -> (a weak reference to the batch's base, its version at the cut)
+        # piece -> (a weak reference to the batch's base, its version at the cut, whether the piece is a view of it)
+        self._cut = WeakIdKeyDictionary()
 
     def record(self, full: torch.Tensor, piece: torch.Tensor) -> None:
         base = full if full._base is None else full._base
         if not base.is_inference():  # (no version counter to read)
-            self._cut[piece] = (weakref.ref(base), base._version)
+            view = piece is full or piece._base is base
+            self._cut[piece] = (weakref.ref(base), base._version, view)
 
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
         if not self._cut:
             return
+        written = {True: [], False: []}  # (views, copies) whose batch was written since the cut
         for t, spec in zip(inputs, specs):
             cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
             base = cut[0]() if cut is not None else None
             if base is not None and base._version != cut[1]:
-                raise SpmdError(
-                    f"input {spec.name!r}: the batch shard_inputs cut this piece from was written in place since (refilled, "
-                    f"its version {cut[1]} -> {base._version}). A piece is a view of the batch or a copy, as the plan "
-                    f"lays it out ({placements_str(spec.placements)} here), so this call would see the new values in "
-                    "some inputs and the old ones in others. What to do: call compiled.shard_inputs(...) again after "
-                    "writing the batch, just before the call (pieces cut once do not follow a buffer refilled in place; "
-                    "a write anywhere in the tensor the batch is a view of counts, a double buffer held in one tensor "
-                    "too: version counters do not say where).")
+                written[cut[2]].append(spec)
+        if written[True] and written[False]:
+            views, copies = (", ".join(f"{s.name!r} ({placements_str(s.placements)})" for s in written[k])
+                             for k in (True, False))
+            raise SpmdError(
+                f"inputs {views} and {copies}: the batches shard_inputs cut them from were written in place since "
+                f"(refilled). The first are views of their batch and see the new values, the others copies that "
+                "hold the old ones (the plan lays each out), so this call would mix two batches. What to do: call "
+                "compiled.shard_inputs(...) again after writing the batch, just before the call (pieces cut once do "
+                "not follow a buffer refilled in place).")
 
     def seen(self, inputs: tuple) -> None:
         """What the call wrote into its own inputs (a forward that changes its input in place) is not a refill."""
@@ -152,4 +159,4 @@ class CutPieces:
             cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
             base = cut[0]() if cut is not None else None
             if base is not None and base._version != cut[1]:
-                self._cut[t] = (cut[0], base._version)
+                self._cut[t] = (cut[0], base._version, cut[2])

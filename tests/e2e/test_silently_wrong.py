@@ -252,34 +252,40 @@ def _refilled_buffer(rank: int, world: int) -> dict:
     compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
                             in_placements={"input": [Shard(0)], "target": [Shard(1)]})
     g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
-    refused = []
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(2)]
     with torch.no_grad():
-        for refill in (y, x[:]):  # (the target's columns: a copy of y; the input's rows: a view of x, here of a view)
-            pieces = compiled.shard_inputs(x[:], y)
-            refill.copy_(batch[0] if refill is not y else batch[1])
-            try:
-                compiled(*pieces)
-                refused.append(None)
-            except spmd.SpmdError as e:
-                refused.append(str(e))
+        x.copy_(batches[0][0])
+        y.copy_(batches[0][1])
+        pieces = compiled.shard_inputs(x[:], y)  # (the input's rows: a view of x, through a view; the target's
+        x.copy_(batches[1][0])                   # columns: a copy of y)
+        y.copy_(batches[1][1])
+        try:
+            compiled(*pieces)
+            refused = None
+        except spmd.SpmdError as e:
+            refused = str(e)
         pieces = compiled.shard_inputs(x, y)  # (cut after the writes: runs)
-        loss = float(compiled(*pieces))
-        again = float(compiled(*pieces))  # (the same pieces again, nothing written since)
-        want = float(F.mse_loss(model(batch[0]), batch[1]))
-    return {"refused": refused, "losses": [loss, again], "want": want}
+        y.copy_(batches[0][1])  # (only a copy's batch written since: the call sees the batch cut, as prefetching means)
+        losses = [float(compiled(*pieces))]
+        pieces[0][0] = 0.0  # (a piece written itself, a view of the batch: its own values, as masking labels means)
+        losses.append(float(compiled(*pieces)))
+        masked = batches[1][0].clone()
+        masked[[0, 4]] = 0.0  # (each rank's first row)
+        want = [float(F.mse_loss(model(batches[1][0]), batches[1][1])), float(F.mse_loss(model(masked), batches[1][1]))]
+    return {"refused": refused, "losses": losses, "want": want}
 
 
 def test_pieces_cut_before_their_batch_was_refilled_in_place_are_refused(ranks):
     """Found by a probe: shard_inputs cuts a view of the batch where the slice is one (rows) and a copy elsewhere
     (columns), so a loop that cut once and refilled the batch in place trained on the new rows and the old
-    columns, silently. A piece whose batch was written since its cut is refused at the call, a copy or a view
-    (what a call sees must not depend on the plan), also where the batch came through a view (`x[:]`, found by a
-    review)."""
+    columns, silently. A call whose pieces mix views and copies of batches written since the cut is refused (also
+    where the batch came through a view, `x[:]`: a review). Copies alone see the batch cut (a prefetch into the
+    buffer), and a piece written itself its own values (reviews found both refused in a first version)."""
     for r in ranks(2).run(_refilled_buffer):
-        assert "input 'target'" in r["refused"][0] and "shard_inputs(...) again" in r["refused"][0], r
-        assert "input 'input'" in r["refused"][1], r
-        assert all(abs(got - r["want"]) <= 1e-6 * abs(r["want"]) for got in r["losses"]), r
+        assert r["refused"] and "inputs 'input' ([S(0)]) and 'target' ([S(1)])" in r["refused"] and \
+            "shard_inputs(...) again" in r["refused"], r
+        for got, want in zip(r["losses"], r["want"]):
+            assert abs(got - want) <= 1e-6 * abs(want), r
 
 
 def _written_through_data(rank: int, world: int, on: str) -> dict:

@@ -891,14 +891,15 @@ def test_a_recurrent_module_dropping_out_between_its_layers_is_refused_in_traini
     one_device(Recurrent(0.3).eval(), (x,))
 
 
-@pytest.mark.parametrize("draw", ["dropout", "rand_like"])
+@pytest.mark.parametrize("draw", ["dropout", "rand_like", "rand_like of an expanded tensor"])
 @pytest.mark.parametrize("placement", ["rows", "whole"])
 def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement, draw):
     """Found by a probe in nn.TransformerEncoderLayer(batch_first=True): its attention output is laid out sequence
     first under a batch-first view, and eager's dropout draws its mask on a tensor of that layout (the kernel fills
     memory in order), while a rank drew it contiguous: another mask (a loss of 1.277 where eager gave 1.370, not
     the single device's, as the docs promise). Drawn in the traced layout now, cut or whole; so is a replicated
-    draw like its input (`h * torch.rand_like(h)`, found by a review)."""
+    draw like its input (`h * torch.rand_like(h)`, found by a review; one of an expanded input failed, in a first
+    version)."""
     from torch.distributed.tensor import Shard
 
     class Transposed(nn.Module):
@@ -908,7 +909,9 @@ def test_dropout_on_a_transposed_activation_draws_one_devices_mask(placement, dr
 
         def forward(self, x):
             h = self.inner(x.transpose(0, 1)).transpose(0, 1)
-            return self.out(self.drop(h) if draw == "dropout" else h * torch.rand_like(h))
+            if draw == "dropout":
+                return self.out(self.drop(h))
+            return self.out(h * torch.rand_like(h if draw == "rand_like" else h[:, :1].expand(h.shape)))
 
     torch.manual_seed(0)
     model = Transposed().train().double()
@@ -1047,8 +1050,8 @@ def test_a_number_the_forward_counts_on_is_refused_and_a_buffer_counts():
             return self.fc(x) * torch.clamp(torch.as_tensor(self.calls) / 4, max=1.0)
 
     x, y = torch.randn(6, 4), torch.randn(6, 2)
-    with pytest.raises(spmd.SpmdError, match=r"the forward changes `Warmup.calls`, a Python number.*What to do: keep "
-                                             r"it in a buffer"):
+    with pytest.raises(spmd.SpmdError, match=r"the forward changes `Warmup.calls`, Python numbers.*What to do: keep "
+                                             r"such a number in a buffer"):
         one_device(Warmup("int"), (x, y), training=True, loss_fn=F.mse_loss)
     torch.manual_seed(0)
     model = Warmup("buffer")

@@ -27,9 +27,21 @@ class TracedShape(tuple):
         if not isinstance(val, torch.Tensor):
             return None
         shape = cls(val.shape)
-        if val.layout == torch.strided and not val.is_contiguous():
+        # (only a layout that holds each element once, as the tensors eager's kernels draw into: an expanded
+        # input's is not, and a draw written into it failed; found by a review)
+        if val.layout == torch.strided and not val.is_contiguous() and _dense(tuple(val.shape), tuple(val.stride())):
             shape.stride = tuple(val.stride())
         return shape
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a layout holds every element once, with no gaps: a permutation of a contiguous one."""
+    expected = 1
+    for size, step in sorted(((n, s) for n, s in zip(shape, stride) if n != 1), key=lambda p: p[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 SingleDimRule = Callable[["RuleInput"], list[list]]
