@@ -26,6 +26,14 @@ SHAPE_ARG = {
     aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
     aten.view_copy.default: 1, aten.expand_copy.default: 1,
 }
+# resizes' backwards, whose input_size is the gradient's shape (DTensor splits them on batch and channels): it stayed
+# global, and every antialiased resize's backward failed on its piece (found by a probe; the others decompose)
+SHAPE_ARG.update({getattr(aten, name).default: 2 for name in (
+    "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+    "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward", "_upsample_nearest_exact3d_backward",
+    "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward", "_upsample_bicubic2d_aa_backward",
+    "_upsample_lanczos2d_aa_backward") if hasattr(aten, name)})
 
 
 def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],

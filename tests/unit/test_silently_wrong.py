@@ -1072,6 +1072,34 @@ def test_the_sample_of_a_large_parameter_stays_inside_it():
     assert sample.shape == (_SAMPLED,) and int(sample[0]) == 0 and int(sample[-1]) == big.numel() - 1
     assert torch.equal(_rows(torch.arange(10)), torch.arange(10))  # (a small one whole)
 
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_an_antialiased_resize_trains_on_a_split_batch(mode):
+    """Found by a probe: the backward of `F.interpolate(..., antialias=True)` takes the gradient's shape as an
+    argument, which stayed the global one on a rank's piece of the batch, and every training step failed ("Expected
+    grad_output to have the same shape as output"). It is the piece's shape now; the step equals one device's."""
+    from torch.distributed.tensor import Shard
+
+    class Resize(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 1)
+
+        def forward(self, x):
+            return self.b(F.interpolate(self.a(x), size=(5, 3), mode=mode, antialias=True))
+
+    torch.manual_seed(0)
+    model = Resize().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 8, 8, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 8, 5, 3, generator=g, dtype=torch.float64)
+    c = compile_graph(model, (x, y), spec((2,), ("dp",)), loss_fn=F.mse_loss,
+                      in_placements={"x": [Shard(0)], "target": [Shard(0)]})
+    outs = simulate(c, (x, y, torch.tensor(1.0, dtype=torch.float64)))
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    assert check_simulated_training(c, outs, loss, model) == 1 + len(list(model.parameters()))
+
 def test_the_model_after_its_compiled_module_trained_is_refused():
     """`model.eval(); model(x_val)` or `torch.save(model.state_dict(), ...)` after training the compiled
     module gave the untrained weights' numbers: the compiled module holds its own pieces. Refused with the way
