@@ -113,6 +113,15 @@ def reads_training(cls: type) -> bool:
     return "training" in _reads_and_writes(cls)[0]
 
 
+def hooks_read_training(module: torch.nn.Module) -> bool:
+    """Whether a forward hook or pre-hook on `module` (a function: it reads through its first argument, the module)
+    reads the module's mode (`out * 1.5 if m.training else out`): traced into the graph, as its forward's reads
+    are (found by a probe)."""
+    return any("training" in _scan(hook)[0] for hook in (*module._forward_pre_hooks.values(),
+                                                         *module._forward_hooks.values())
+               if isinstance(hook, types.FunctionType))
+
+
 @functools.cache
 def _reads_and_writes(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[str]]:
     reads, writes, _ = _walk(cls, start)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.compiler.attribute_reads import AttributeGuard, reads_training
+from spmd.compiler.attribute_reads import AttributeGuard, hooks_read_training, reads_training
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
@@ -270,7 +270,7 @@ class CompiledModule(nn.Module):
         # each with its mode as traced: one switched alone after compiling (`model.norm.eval()`, freezing batch
         # norm) would not reach the graph, and is refused (`_submodule_switched`)
         self._modes = [(m, path, m.training) for path, m in self._source_model.named_modules()
-                       if path and reads_training(type(m))]
+                       if path and (reads_training(type(m)) or hooks_read_training(m))]
         # what was traced (the model, with its loss), run in both modes on fake tensors at the first call in the
         # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
         self.__dict__["_traced_root"] = with_loss(c.model, c.options.loss_fn if c.traced.joint else None)

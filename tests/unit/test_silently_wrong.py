@@ -2217,6 +2217,22 @@ def test_modules_compiled_in_another_mode_than_the_model_follow_the_compiled_mod
     torch.testing.assert_close(out, sampler(x))
 
 
+
+def test_a_module_whose_hook_reads_its_mode_is_refused_when_switched_alone():
+    """Found by a probe: a forward hook `out * 1.5 if m.training else out` on a Linear, then `model.fc.eval()`:
+    the graph went on with the train-mode branch (0.871 where eager gave 0.843). Only modules whose own forward
+    reads the mode were followed; a hook's reads count too."""
+    torch.manual_seed(0)
+    model = _mlp()
+    model[0].register_forward_hook(lambda module, args, out: out * 1.5 if module.training else out)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model[0].eval()
+    with pytest.raises(spmd.SpmdError, match=r"the model's `0` \(Linear\) was switched to eval mode"):
+        compiled(x, y)
+    model[0].train()
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
 def test_a_hook_registered_on_the_model_after_compiling_is_refused():
     """A forward pre-hook or a gradient hook put on the model after compiling never ran (a loss 0.08 off, a
     gradient 0.12 off one device, silently). The next call now names it, until it is removed."""
