@@ -7,7 +7,7 @@ models of 2, 8 and 32 layers (64 wide, random weights), compiled for training on
 - requires_grad followed from the model's parameters (`CompiledModule._follow_requires_grad`);
 - the autocast state the module was compiled under (`runtime/autocast_guard.AutocastGuard.check`);
 - the model's weights changed after compiling, before the module trained (`runtime/source_guard.model_changed`:
-  one version counter per parameter; nothing once it has trained);
+  one version counter per parameter at a call that is not a checked one; nothing once it has trained);
 - hooks registered on the model after compiling, or removed (`runtime/source_guard.hooks_changed`): one
   integer compare and a look in the tables of the hooks traced (none here), and after a hook registration
   anywhere (a backward hook on an eager module at every step) a read of the model's hook tables, against the
@@ -78,7 +78,10 @@ def main() -> None:
         sibling = _us(lambda: source_guard.stale(compiled))
         flags = _us(compiled._follow_requires_grad)
         autocast = _us(compiled._autocast.check)
+        # (a call that is not a checked one: 2, 4, 8, ... read a sample of the values, `first_call_read` below)
+        compiled._calls, calls = 2, compiled._calls
         weights = _us(lambda: source_guard.model_changed(compiled))
+        compiled._calls = calls
         hooks = _us(lambda: source_guard.hooks_changed(compiled))
         buffers = _us(lambda: source_guard.buffers_changed(compiled))
         modes = _us(lambda: any(m.training is not was for m, _, was in compiled._modes))
