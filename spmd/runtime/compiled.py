@@ -27,7 +27,7 @@ from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
-    max_over_mesh, same_piece, shard_full, total_norm
+    max_over_mesh, same_piece, shard_full, spread_values, total_norm
 from spmd.runtime.inputs import CutPieces, InputSpec, LocalCheck, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -1494,10 +1494,7 @@ def _digest(t: torch.Tensor, sampled: bool = False) -> int:
     import hashlib
 
     try:
-        t = t.detach()
-        if sampled and t.numel() > _SAMPLED:
-            at = torch.linspace(0, t.numel() - 1, _SAMPLED, dtype=torch.float64).round().long()
-            t = t[torch.unravel_index(at.to(t.device), t.shape)]
+        t = spread_values(t, _SAMPLED) if sampled else t.detach()
         raw = t.resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
         raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
         return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)

@@ -30,6 +30,17 @@ def local_shard(full: torch.Tensor, placements: Placements, mesh_shape: tuple[in
     return full[local_slices(tuple(full.shape), placements, mesh_shape, coord)].contiguous()
 
 
+def spread_values(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` values of `t` spread evenly over it, first and last included (all of a smaller one), flat: read where
+    they lie, so a strided tensor is not copied whole. The indices are integers (float32's linspace rounded the
+    last index of a 38.6M-value embedding past its end)."""
+    t = t.detach()
+    if t.numel() <= n:
+        return t.reshape(-1)
+    at = torch.arange(n, device=t.device) * (t.numel() - 1) // (n - 1)
+    return t[torch.unravel_index(at, t.shape)]
+
+
 def same_piece(saved: tuple, mine: tuple, placements: Placements) -> bool:
     """Whether the piece saved at (coordinate, mesh shape) `saved` is the one this rank holds at `mine`, for a
     tensor laid out as `placements`: the same mesh, and coordinates that differ only along axes it is not split

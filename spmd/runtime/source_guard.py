@@ -46,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError
 from spmd.core.specs import placements_str
+from spmd.runtime.distribute import local_slices, spread_values
 from spmd.passes.trace_module import GLOBAL_HOOKS, MODULE_HOOKS, user_hook
 
 _lock = threading.Lock()
@@ -776,32 +777,35 @@ def _written_unseen(compiled) -> list[torch.Tensor]:
     compiling, before training): this rank's share of each parameter against its piece, unless the piece was given
     other values since (a load into the compiled module, set in place there). Every value is compared (bench/results_call_checks.md:
     48 ms for GPT-2's 124M parameters; 64 slices of each large tensor would let a write into a few rows pass)."""
-    from spmd.runtime.distribute import local_slices
-    from spmd.runtime.materialize import is_placeholder_value
-
-    model = compiled._source_model
-    named = dict(model.named_parameters(remove_duplicate=False))
-    given = compiled.__dict__.get("_given", set())
-    untouched = {id(piece): v for piece, v in compiled.__dict__.get("_weights_at", ())}
     changed = []
     with torch.no_grad():
-        for fqn, placements in compiled._state_placements.items():
-            p = named.get(fqn)
-            if p is None or fqn in given or p.is_meta or type(p.data) is not torch.Tensor or is_placeholder_value(p):
-                continue
-            piece = compiled.piece(fqn)
-            if untouched.get(id(piece)) != piece._version:
-                continue
+        for fqn, p, piece in _unchanged_pieces(compiled):
+            placements = compiled._state_placements[fqn]
             mine = p.detach()[local_slices(tuple(p.shape), placements, compiled.mesh_spec.shape, compiled.coord)]
             if mine.shape != piece.shape:
                 continue  # (laid out otherwise since: `_set_through_data`'s business)
             # (in the model's dtype: a conversion since, `model.bfloat16()`, rounds the piece's values as it did the
             # model's; a review found the first version refusing it)
             theirs = piece.detach().to(mine.dtype)
-            mine = mine.to(theirs.device)
-            if not torch.equal(mine, theirs) and not torch.allclose(mine, theirs, rtol=0, atol=0, equal_nan=True):
+            if _differ(mine.to(theirs.device), theirs):
                 changed.append(p)
     return changed
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape hold other values (NaN where the other has NaN: the same)."""
+    return not torch.equal(a, b) and not torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _unchanged_pieces(compiled):
+    """(FQN, the model's parameter, this rank's piece) of each parameter whose values the model holds as its own
+    (`_source_params`) and whose piece nobody set in place since it was last marked (`_weights_at`): a piece set
+    so holds values the user gave it, whatever the model holds."""
+    marked = {id(piece): v for piece, v in compiled.__dict__.get("_weights_at", ())}
+    for fqn, p in _source_params(compiled).items():
+        piece = compiled.piece(fqn)
+        if marked.get(id(piece)) == piece._version:
+            yield fqn, p, piece
 
 
 _SAMPLED = 256
@@ -819,11 +823,7 @@ def _rows(p: torch.Tensor) -> torch.Tensor:
     """A sample of a parameter's values, spread evenly over it (the whole of a small one): what a load or an init
     written through `.data` changes too. (First designed as 8 rows, which a review found kept a whole copy of a
     stacked experts' weight, 8 x 512 x 2048.)"""
-    flat = p.detach().reshape(-1)
-    if flat.numel() > _SAMPLED:
-        # (integers: float32's linspace rounded the last index of a 38.6M-value embedding past its end)
-        flat = flat[torch.arange(_SAMPLED, device=flat.device) * (flat.numel() - 1) // (_SAMPLED - 1)]
-    return flat.clone()
+    return spread_values(p, _SAMPLED).clone()
 
 
 def _source_params(compiled) -> dict[str, torch.Tensor]:
@@ -846,22 +846,20 @@ def _keep_rows(compiled, fqns=None) -> None:
 
 
 def _rows_moved(compiled) -> list[torch.Tensor]:
-    """The model's parameters whose sampled rows changed since the last read, though no version counter moved:
+    """The model's parameters whose sampled values changed since the last read, though no version counter moved:
     written through `.data` after the first call (a warm-up call, then `p.data.copy_(pretrained)`). Model against
     model, not against the pieces: those may change in place on their own (an EMA teacher's `lerp_`), and one
     set in place since they were last marked is the user's own, as at the first call. A write into rows the
     sample misses is not seen."""
     kept = compiled.__dict__.get("_source_rows", {})
-    untouched = {id(piece): v for piece, v in compiled.__dict__.get("_weights_at", ())}
     changed = []
     with torch.no_grad():
-        for fqn, p in _source_params(compiled).items():
-            before, piece = kept.get(fqn), compiled.piece(fqn)
-            if before is None or untouched.get(id(piece)) != piece._version:
-                continue  # (a piece set in place holds values the user gave it: `_written_unseen`)
+        for fqn, p, _ in _unchanged_pieces(compiled):
+            before = kept.get(fqn)
+            if before is None:
+                continue
             now = _rows(p)
-            if now.shape == before.shape and now.dtype == before.dtype and not torch.equal(now, before) and \
-                    not torch.allclose(now, before, rtol=0, atol=0, equal_nan=True):
+            if now.shape == before.shape and now.dtype == before.dtype and _differ(now, before):
                 changed.append(p)
     return changed
 
