@@ -227,7 +227,7 @@ class CompiledModule(nn.Module):
                             and gi.name.startswith("loss_fn.") and gi.name not in model_names}
         model_params = dict(self._source_model.named_parameters(remove_duplicate=False))
         if isinstance(c.options.loss_fn, nn.Module):  # (a loss module's own, `loss_fn.log_var`: frozen as the model's)
-            model_params.update({f"loss_fn.{n}": p for n, p in c.options.loss_fn.named_parameters(remove_duplicate=False)})
+            model_params.update(c.options.loss_fn.named_parameters(prefix="loss_fn", remove_duplicate=False))
         for gi in c.traced.inputs:
             ps = c.plan.choices[gi.placeholder].outputs[0]
             info = c.traced.tensor_info[gi.placeholder]
@@ -568,15 +568,9 @@ class CompiledModule(nn.Module):
             owner, leaf, path = self, "_p__" + fqn.replace(".", "__"), "_p__" + fqn.replace(".", "__")
             self._flat_names[path] = fqn
         else:
-            owner, leaf, path = self, parts[-1], fqn
-            for k, part in enumerate(parts[:-1]):
-                child = owner._modules.get(part)
-                if child is None:
-                    child = _Pieces(self, ".".join(parts[:k + 1]))
-                    owner.add_module(part, child)
-                elif not isinstance(child, _Pieces):
-                    raise SpmdInternalError(f"CompiledModule: {fqn!r} goes through {part!r}, which is not a holder")
-                owner = child
+            owner, leaf, path = self._holder(".".join(parts[:-1])) if len(parts) > 1 else self, parts[-1], fqn
+            if owner is None:
+                raise SpmdInternalError(f"CompiledModule: {fqn!r} goes through a module that is not a holder")
         if isinstance(tensor, nn.Parameter):
             owner.register_parameter(leaf, tensor)
         else:
@@ -593,8 +587,8 @@ class CompiledModule(nn.Module):
                     or (taken is not None and not isinstance(taken, _Pieces)))
 
     def _holder(self, path: str) -> "_Pieces | None":
-        """The holder at the model's module path `path`, made (empty) where there is none; None where the name
-        would hide this module's own attribute (its pieces are then held flat: `_place`)."""
+        """The holder at the model's module path `path`, made (empty, and those on the way) where there is none;
+        None where the name would hide this module's own attribute (its pieces are then held flat: `_place`)."""
         parts = path.split(".")
         if not self._holds_under(parts):
             return None

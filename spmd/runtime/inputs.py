@@ -7,8 +7,8 @@ here, on the rank that got it, with the fix, and not as a hang or a size error i
     device                      the rank's device (a CPU batch on a CUDA rank)
     the full tensor             where the rank takes its shard: compiled.shard_inputs(...) cuts it
     another size                the plan is for the example's shapes: recompile for new ones
-    a batch written since its cut   a piece `shard_inputs` copied out of a full batch that was refilled in
-                                place after (`CutPieces`)
+    a batch written since its cut   pieces `shard_inputs` cut, views of their batch and copies, whose
+                                batches were refilled in place after (`CutPieces`)
 """
 from __future__ import annotations
 
@@ -132,15 +132,20 @@ class CutPieces:
             view = piece is full or piece._base is base
             self._cut[piece] = (weakref.ref(base), base._version, view)
 
+    def _written(self, t) -> tuple | None:
+        """(its batch's base, whether `t` is a view of it) where `t` is a piece whose batch was written since its
+        cut, else None."""
+        cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
+        base = cut[0]() if cut is not None else None
+        return (base, cut[2]) if base is not None and base._version != cut[1] else None
+
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
         if not self._cut:
             return
         written = {True: [], False: []}  # (views, copies) whose batch was written since the cut
         for t, spec in zip(inputs, specs):
-            cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
-            base = cut[0]() if cut is not None else None
-            if base is not None and base._version != cut[1]:
-                written[cut[2]].append(spec)
+            if (found := self._written(t)) is not None:
+                written[found[1]].append(spec)
         if written[True] and written[False]:
             views, copies = (", ".join(f"{s.name!r} ({placements_str(s.placements)})" for s in written[k])
                              for k in (True, False))
@@ -156,7 +161,6 @@ class CutPieces:
         if not self._cut:
             return
         for t in inputs:
-            cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
-            base = cut[0]() if cut is not None else None
-            if base is not None and base._version != cut[1]:
-                self._cut[t] = (cut[0], base._version, cut[2])
+            if (found := self._written(t)) is not None:
+                base, view = found
+                self._cut[t] = (weakref.ref(base), base._version, view)
