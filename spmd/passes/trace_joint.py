@@ -129,7 +129,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             def retrace():
                 with _outputs_copied(root, aliased) if aliased else contextlib.nullcontext():
                     return graph_signature(_either_road(model, root, example_inputs)[0])
-            _refuse_counted(counted, retrace, graph_signature(gm))
+            _refuse_counted(counted, retrace, graph_signature(gm), model)
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
     # graph traced again with the generators seeded apart says whether it keeps them
@@ -365,7 +365,7 @@ def _autocast_in_forward(root: torch.nn.Module):
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
                           counted: list | None = None) -> tuple:
     assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
-    kept = _state_kept(root, model)
+    kept = _state_kept(root)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
@@ -375,7 +375,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            kept = _state_kept(root, model)
+            kept = _state_kept(root)
             with kept, _buffers_assigned() as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
@@ -522,7 +522,7 @@ class _buffers_assigned:
             h.remove()
 
 
-def _refuse_counted(counted: list[tuple], trace, signature) -> None:
+def _refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Module) -> None:
     """Refuse where the forward changed numbers it keeps on its modules (`self.calls += 1` for a warm-up factor, a
     queue's Python pointer) and the graph depends on them: traced again with each far from its value (one trace
     for all), it is another graph. The compiled graph fixes what the trace computed from the values then, and
@@ -531,16 +531,18 @@ def _refuse_counted(counted: list[tuple], trace, signature) -> None:
     not count on either. Not seen: a number the trace's runs of the forward brought back to its value (a flag
     flipped at each call), and a branch the other value does not cross."""
     counted = list(dict.fromkeys(counted))
-    values = [m.__dict__[key] for m, key, _ in counted]
+    values = [m.__dict__[key] for m, key in counted]
     try:
-        for (m, key, _), was in zip(counted, values):  # (far, and odd: past a threshold, another residue mod 2^k)
+        for (m, key), was in zip(counted, values):  # (far, and odd: past a threshold, another residue mod 2^k)
             m.__dict__[key] = was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5
         differs = signature is None or trace() != signature
     finally:
-        for (m, key, _), was in zip(counted, values):
+        for (m, key), was in zip(counted, values):
             m.__dict__[key] = was
     if differs:
-        shown = ", ".join(f"`{label}`" for _, _, label in counted[:3]) + (" and others" if len(counted) > 3 else "")
+        paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+        shown = ", ".join(f"`{paths.get(id(m)) or type(m).__name__}.{key}`" for m, key in counted[:3]) + (
+            " and others" if len(counted) > 3 else "")
         raise SpmdError(
             f"trace_joint: the forward changes {shown}, Python numbers the model keeps (a call counter, a queue's "
             "pointer), and the graph depends on their values: the compiled graph fixes what the trace computed "
@@ -556,7 +558,7 @@ class _state_kept:
     (torch.export puts them back too). `registered_changed`: some parameter, buffer or submodule had
     to be put back, so the trace ran on a model that was not the user's."""
 
-    def __init__(self, root: torch.nn.Module, names: torch.nn.Module | None = None):
+    def __init__(self, root: torch.nn.Module):
         self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
                       for m in root.modules()]
         # and the hooks a forward registers on its modules (transformers installs its output-capturing hooks at
@@ -565,17 +567,15 @@ class _state_kept:
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
-        self.counted: list[tuple] = []  # (module, attribute, its name) numbers the forward changed: `_refuse_counted`
-        self.paths = {id(m): path for path, m in (names or root).named_modules(remove_duplicate=False)}
+        self.counted: list[tuple] = []  # (module, attribute) numbers the forward changed: `_refuse_counted`
 
     def __enter__(self) -> "_state_kept":
         return self
 
     def __exit__(self, *exc) -> None:
         for m, attrs, params, buffers, modules in self.saved:
-            self.counted += [(m, key, f"{self.paths.get(id(m)) or type(m).__name__}.{key}") for key, before in attrs.items()
-                             if type(before) in (int, float) and type(m.__dict__.get(key)) in (int, float)
-                             and m.__dict__[key] != before]
+            self.counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
+                             and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):
