@@ -38,7 +38,7 @@ def spread_values(t: torch.Tensor, n: int) -> torch.Tensor:
     if t.numel() <= n:
         return t.reshape(-1)
     at = torch.arange(n, device=t.device) * (t.numel() - 1) // (n - 1)
-    return t[torch.unravel_index(at, t.shape)]
+    return t.reshape(-1)[at] if t.is_contiguous() else t[torch.unravel_index(at, t.shape)]
 
 
 def same_piece(saved: tuple, mine: tuple, placements: Placements) -> bool:
