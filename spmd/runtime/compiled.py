@@ -873,7 +873,8 @@ class CompiledModule(nn.Module):
                                         device=self._device or "cpu")
         else:
             kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
-            kwargs.update(replay)
+            for key, value in replay.items():     # (the user's reset_fns / init_roots entries join transformers')
+                kwargs[key] = {**kwargs[key], **value} if isinstance(kwargs.get(key), dict) else value
             if "init_dtype" not in kwargs:
                 _warn_init_dtype(model)
             local = init_local_shards(model, placements, self.mesh_spec.shape, self.coord, seed=seed, init_fn=init_fn,

@@ -8,6 +8,9 @@ replayed as a list of *events* in construction order:
                __init__, after their children were built: a post-order walk of the module tree (children
                in registration order, then the module). It differs from named_modules()'s pre-order for a
                module that has its own reset and children: nn.MultiheadAttention's out_proj draws first.
+               A reset fn with `before_children` ({child: fn}) also draws before building those children
+               (transformers' ViTEmbeddings draws its cls_token, builds its patch embedding, then draws
+               its position embeddings: `init_weights.init_draws`).
     init   M   init_fn(M), in exactly the order model.apply(init_fn) calls it (post-order, after every
                reset); or, for `init_roots` (transformers' post_init), at the root's post-order slot.
 
@@ -135,17 +138,37 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
     def add(kind, m, fqn, fn):
         events.append(_Event(len(events), kind, m, fqn, fn))
 
-    def reset_event(m, fqn):
+    def reset_fn(m):
         found, fn = _lookup(user, type(m))
         if not found:
             found, fn = _lookup(defaults, type(m))
         if not found and callable(getattr(m, "reset_parameters", None)):
             found, fn = True, type(m).reset_parameters
+        return found, fn
+
+    def reset_event(m, fqn):
+        found, fn = reset_fn(m)
         if found and fn is not None:
             add("reset", m, fqn, fn)
         elif not found and (any(t is not None for t in m._parameters.values())
                             or any(t is not None for t in m._buffers.values())):
             unknown[type(m).__qualname__].append(fqn or "<root>")
+
+    def early_events(m) -> tuple[dict[str, list], list]:
+        """({child name: the draws `__init__` makes before building it}, draws left for the end), from a reset
+        fn's `before_children` (its draws in source order, keyed by the child built next): a draw keyed by a
+        child this module does not have (made under a branch not taken) goes with the next child it has, or
+        before the reset fn itself."""
+        early = getattr(reset_fn(m)[1], "before_children", None)
+        if not early:
+            return {}, []
+        names = {n for n, _ in _children(m)}
+        out, carry = {}, []
+        for name, fn in early.items():
+            carry.append(fn)
+            if name in names:
+                out[name], carry = carry, []
+        return out, carry
 
     def visit(m, fqn):
         if id(m) in constructed:                 # a shared module is built once
@@ -153,8 +176,13 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
         constructed.add(id(m))
         if order == "pre":                       # for comparison only: named_modules() order
             reset_event(m, fqn)
+        early, tail = early_events(m) if order == "post" else ({}, [])
         for name, c in _children(m):
+            for fn in early.get(name, ()):
+                add("reset", m, fqn, fn)
             visit(c, _join(fqn, name))
+        for fn in tail:
+            add("reset", m, fqn, fn)
         if order == "post":
             reset_event(m, fqn)
         if id(m) in roots:                       # transformers post_init: init the subtree once
@@ -340,10 +368,27 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
 _SKIPPED_ON_META = ("orthogonal_", "sparse_", "dirac_")
 
 
+def _trunc_normal_on_meta(original):
+    """torch's `_no_grad_trunc_normal_`, which returns at once on a meta tensor, made to show the dry run what it
+    does on values: it overwrites the whole tensor with random draws (a normal_ or uniform_, then redraws of the
+    rejected values, as many as the values ask for: the real pass runs it on values and draws exactly those). Without
+    this an event that only calls `trunc_normal_` (a timm-style init_fn, transformers' ViT post_init) was seen to
+    touch nothing and was skipped, so the tensor kept its reset values and every later draw moved (0.28 off)."""
+    @functools.wraps(original)
+    def trunc_normal(tensor, mean, std, a, b, generator=None):
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            with torch.no_grad():
+                return tensor.normal_(mean, std, generator=generator)
+        return original(tensor, mean, std, a, b, generator=generator)
+    return trunc_normal
+
+
 @contextlib.contextmanager
 def _skips_refused(rec: "_Recorder"):
-    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event.
-    Two ways: the functions on `nn.init` are replaced for the while (a call from any thread), and, where no
+    """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event;
+    `trunc_normal_` shown as the draw it is (`_trunc_normal_on_meta`, through the module function every binding of
+    `trunc_normal_` calls). For the refusals, two ways: the functions on `nn.init` are replaced for the while (a call
+    from any thread), and, where no
     profiler runs, a profile function notes a call of their code however it was bound (`from torch.nn.init import
     orthogonal_`; transformers' `initialization` keeps torch's own in a table). A profiler that runs (cProfile,
     torch.profiler with stacks: C-level, which a Python profile function cannot chain to) is left alone, and a
@@ -353,6 +398,7 @@ def _skips_refused(rec: "_Recorder"):
 
     originals = {name: getattr(nn.init, name) for name in _SKIPPED_ON_META}
     codes = {fn.__code__: name for name, fn in originals.items()}
+    trunc = nn.init._no_grad_trunc_normal_
 
     def noted(name, original):
         @functools.wraps(original)
@@ -370,6 +416,7 @@ def _skips_refused(rec: "_Recorder"):
 
     for name, original in originals.items():
         setattr(nn.init, name, noted(name, original))
+    nn.init._no_grad_trunc_normal_ = _trunc_normal_on_meta(trunc)
     watching = sys.getprofile() is None
     if watching:
         sys.setprofile(profile)
@@ -378,6 +425,7 @@ def _skips_refused(rec: "_Recorder"):
     finally:
         if watching:
             sys.setprofile(None)
+        nn.init._no_grad_trunc_normal_ = trunc
         for name, original in originals.items():
             setattr(nn.init, name, original)
 

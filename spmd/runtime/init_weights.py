@@ -22,8 +22,10 @@ subtree) and ties.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 import types
 import warnings
 from collections import defaultdict
@@ -38,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd.core.errors import SpmdError
 from spmd.runtime.distribute import local_slices
-from spmd.runtime.init_replay import _Event, _Recorder, dry_run
+from spmd.runtime.init_replay import _default_reset_fns, _Event, _lookup, _Recorder, dry_run
 
 
 def _malloc_trim():
@@ -441,6 +443,25 @@ def is_transformers(model: nn.Module) -> bool:
     return any(isinstance(m, PreTrainedModel) for m in model.modules())
 
 
+def _flagged(init: Callable) -> Callable:
+    """A PreTrainedModel's `_init_weights` as its post_init runs it on one module: post_init marks each module
+    `_is_hf_initialized` after its init, children first, so by then every module below it is marked, and an
+    `_init_weights` may read those marks (ViTMAE's embeddings skip their sin-cos table when their patch
+    projection is marked, which it always is: the table stays zeros on one device, and the replay without the
+    marks wrote it, 1.0 off). The marks are set on the subtree for the call and taken off after, so the meta
+    model is left as it was and every run of the replay sees the same."""
+    def init_module(module: nn.Module) -> None:
+        marked = [m for m in module.modules() if m is not module and not getattr(m, "_is_hf_initialized", False)]
+        for m in marked:
+            m._is_hf_initialized = True
+        try:
+            init(module)
+        finally:
+            for m in marked:
+                del m._is_hf_initialized
+    return init_module
+
+
 def hf_init_kwargs(model: nn.Module) -> dict:
     """Keyword arguments for init_local_shards / plan_init that replay a transformers model's construction:
     `Model(config)` runs torch's default init in every submodule's __init__, then each PreTrainedModel's
@@ -452,26 +473,27 @@ def hf_init_kwargs(model: nn.Module) -> dict:
       which sets `_is_hf_initialized` flags on the meta model and would skip work on a second run).
     - reset_fns: transformers' Conv1D draws normal_(std=0.02) in __init__ with no reset_parameters.
       Other classes owning tensors without reset_parameters are declared None when their __init__
-      source shows no random call (a heuristic; checked against real builds in the tests).
+      source shows no random call (a heuristic; checked against real builds in the tests), and
+      replayed from their source when it draws (`init_draws`: ViT's cls_token and position embeddings).
     - discard_writes: tied targets (lm_head.weight -> embed weight): ties are made after init, so the
       target's own inits draw random numbers that the tie then throws away.
     """
     from transformers import PreTrainedModel
     from transformers.pytorch_utils import Conv1D
 
-    roots = {f: m._init_weights for f, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    roots = {f: _flagged(m._init_weights) for f, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     reset_fns: dict[type, Callable | None] = {Conv1D: lambda m: nn.init.normal_(m.weight, std=0.02)}
     for _, m in model.named_modules():
         cls = type(m)
-        if cls in reset_fns or callable(getattr(m, "reset_parameters", None)):
-            continue
+        if cls in reset_fns or callable(getattr(m, "reset_parameters", None)) or _lookup(_default_reset_fns(), cls)[0]:
+            continue                             # (nn.MultiheadAttention: its own reset, which the replay knows)
         if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
             try:
-                src = inspect.getsource(cls.__init__)
-            except (OSError, TypeError):
+                inspect.getsource(cls.__init__)
+            except (OSError, TypeError):             # (no source: left to the replay's warning)
                 continue
-            if not _RNG_WORDS.search(src):
-                reset_fns[cls] = None
+            made = init_draws(cls, m)             # (None: it makes nothing the replay must redo)
+            reset_fns[cls] = None if isinstance(made, _Draws) and not (made.draws or made.before_children) else made
     discard = []
     for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         try:
@@ -482,6 +504,161 @@ def hf_init_kwargs(model: nn.Module) -> dict:
     return {"init_roots": roots, "reset_fns": reset_fns, "discard_writes": discard}
 
 
+# ---- transformers: tensors drawn in __init__ -----------------------------------------------------
+
+# a tensor drawn by a factory, and the in-place draw that makes the same numbers from the same generator state
+# (`torch.randn(shape)` is `torch.empty(shape).normal_()` in torch)
+_FACTORY_DRAWS = {"randn": "normal_", "rand": "uniform_"}
+_INPLACE_DRAWS = ("normal_", "uniform_")
+
+
+def _drawn(value: ast.expr) -> tuple[str, tuple] | None:
+    """(in-place write, its constant arguments) when `value` is exactly `nn.Parameter(<new>)` or `<new>`
+    (optionally `... if cond else None`), <new> being `torch.randn(shape)` / `torch.rand(shape)`, a new
+    tensor drawn in place with constant arguments (`torch.Tensor(n).uniform_()`), or a constant one
+    (`torch.zeros(shape)`, `torch.ones(shape)`, `torch.full(shape, 0.5)`); else None."""
+    if isinstance(value, ast.IfExp) and isinstance(value.orelse, ast.Constant) and value.orelse.value is None:
+        value = value.body
+    if isinstance(value, ast.Call) and _dotted(value.func) in ("nn.Parameter", "torch.nn.Parameter", "Parameter"):
+        if len(value.args) != 1 or any(k.arg != "requires_grad" for k in value.keywords):
+            return None
+        value = value.args[0]
+    if not isinstance(value, ast.Call):
+        return None
+    name = _dotted(value.func)
+    plain = all(k.arg in ("dtype", "device", "requires_grad") for k in value.keywords)
+    if name in ("torch.randn", "torch.rand") and plain:
+        return _FACTORY_DRAWS[name.split(".")[1]], ()
+    if name in ("torch.zeros", "torch.ones") and plain:
+        return ("zero_", ()) if name == "torch.zeros" else ("fill_", (1.0,))
+    if name == "torch.full" and plain and len(value.args) == 2:
+        try:
+            return "fill_", (ast.literal_eval(value.args[1]),)
+        except ValueError:
+            return None
+    f = value.func
+    if (isinstance(f, ast.Attribute) and f.attr in _INPLACE_DRAWS and isinstance(f.value, ast.Call)
+            and _dotted(f.value.func) in ("torch.Tensor", "torch.empty") and not value.keywords):
+        try:
+            return f.attr, tuple(ast.literal_eval(a) for a in value.args)
+        except ValueError:
+            return None
+    return None
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return "?"
+
+
+class _Draws:
+    """A reset fn redoing a transformers module's `__init__` draws into its own tensors, in source order, with
+    `before_children` for those drawn before a child is built (init_replay's schedule runs them there)."""
+
+    def __init__(self, draws: list[tuple[str, str, tuple]], before_children: dict[str, "_Draws"] | None = None):
+        self.draws, self.before_children = draws, before_children or {}
+
+    def __call__(self, module: nn.Module) -> None:
+        for attr, op, args in self.draws:
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor):     # (None when made under a branch not taken)
+                getattr(t, op)(*args)
+
+
+def init_draws(cls: type, module: nn.Module) -> Callable:
+    """The reset fn of a transformers class that owns tensors, has no reset_parameters, and draws in `__init__`
+    (ViTEmbeddings: `self.cls_token = nn.Parameter(torch.randn(1, 1, h))`, then its patch embedding, then the
+    position embeddings). On one device those draws move the generator before post_init overwrites the values;
+    a replay without them shifted every later draw (ViT 0.12 off). Read from the source: each statement
+    `self.x = nn.Parameter(torch.randn(shape))` (or `rand`, or `torch.Tensor(n).uniform_()`) is the same
+    draw in place, placed among the children as the source builds them. Anything else that draws (a scaled
+    `s * torch.randn(...)`, a loop, a helper) gives a reset fn that refuses, naming the line and the way out."""
+    qual = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        src = textwrap.dedent(inspect.getsource(cls.__init__))
+        fn = ast.parse(src).body[0]
+        first = inspect.getsourcelines(cls.__init__)[1]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return _refusing(qual, "its source cannot be read")
+    children = set(module._modules)
+    steps: list[tuple[str, str, str, tuple]] = []   # ("draw", attr, op, args) | ("child", attr, "", ())
+    accepted: set[int] = set()
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        t = node.targets[0]
+        if not (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"):
+            continue
+        draw = _drawn(node.value)
+        if draw is not None:
+            steps.append((node.lineno, "draw", t.attr, draw))
+            accepted.update(id(n) for n in ast.walk(node.value))
+        elif t.attr in children:
+            steps.append((node.lineno, "child", t.attr, None))
+    for node in ast.walk(fn):                    # any other draw: refuse
+        word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if word is not None and _RNG_WORDS.fullmatch(word) and id(node) not in accepted:
+            line = src.splitlines()[node.lineno - 1].strip()
+            return _refusing(qual, f"line {first + node.lineno - 1}: {line}")
+    helper = _drawing_helper(cls, fn, src, first)
+    if helper is not None:
+        return _refusing(qual, helper)
+    steps.sort(key=lambda s: s[0])
+    if any(isinstance(n, (ast.For, ast.While)) for n in ast.walk(fn)) and any(
+            k == "draw" and d[0] in _INPLACE_DRAWS for _, k, _, d in steps):
+        return _refusing(qual, "it draws and loops")
+    seen = {a for _, k, a, _ in steps if k == "child"}
+    before, pending = {}, []
+    for _, kind, attr, draw in steps:
+        if kind == "draw":
+            pending.append((attr, *draw))
+        elif pending:
+            before[attr], pending = _Draws(pending), []
+    if before and children - seen:               # a child built elsewhere (a helper): its place is unknown
+        return _refusing(qual, f"it builds {', '.join(sorted(children - seen))} outside __init__'s own lines")
+    return _Draws(pending, before)
+
+
+def _drawing_helper(cls: type, fn: ast.FunctionDef, src: str, first: int) -> str | None:
+    """`line N: code (calls M, which draws)` when `__init__` calls, for its effect, a method through self or a
+    plain function whose source draws random numbers (ViTMAEDecoder's `self.initialize_weights(num_patches)`,
+    whose normal_ moved the generator: 0.11 off on every later weight), or None. post_init is replayed itself."""
+    lines = src.splitlines()
+    for node in ast.walk(fn):
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+            continue
+        f = node.value.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+            target = inspect.getattr_static(cls, f.attr, None)
+        elif isinstance(f, ast.Name):
+            target = inspect.unwrap(cls.__init__).__globals__.get(f.id)
+        else:
+            continue
+        target = getattr(target, "__func__", target)
+        if not isinstance(target, types.FunctionType) or target.__name__ in ("post_init", *_REPLAYED):
+            continue
+        try:
+            body = inspect.getsource(target)
+        except (OSError, TypeError):
+            continue
+        if _RNG_WORDS.search("\n".join(line.split("#", 1)[0] for line in body.splitlines())):
+            return f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}, and {target.__qualname__} draws"
+    return None
+
+
+def _refusing(qual: str, why: str) -> Callable:
+    def refuse(module: nn.Module) -> None:
+        raise SpmdError(
+            f"init_weights: {qual}.__init__ draws random numbers that the replay on meta cannot redo ({why}); on "
+            f"one device they move the generator for every later draw. What to do: pass reset_fns={{"
+            f"{qual.rpartition('.')[2]}: fn}}, fn(module) drawing the same numbers in place (torch.randn(shape) is "
+            "tensor.normal_()), or load the weights from a checkpoint (load_safetensors).")
+    return refuse
+
+
 # ---- diagnostics -------------------------------------------------------------------------------
 
 class _RngTrace(TorchDispatchMode):
@@ -490,10 +667,14 @@ class _RngTrace(TorchDispatchMode):
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if torch.Tag.nondeterministic_seeded in func.tags:
-            self.ops.append((str(func.overloadpacket.__name__),
-                             tuple(tuple(t.shape) for t in args if isinstance(t, torch.Tensor))))
-        return func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket.__name__)
+            if name in _FACTORY_DRAWS:          # torch.randn(shape) as the in-place draw a replay makes of it
+                self.ops.append((_FACTORY_DRAWS[name], (tuple(out.shape),)))
+            else:
+                self.ops.append((name, tuple(tuple(t.shape) for t in args if isinstance(t, torch.Tensor))))
+        return out
 
 
 def rng_trace(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, tuple]]]:
