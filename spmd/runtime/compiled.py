@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -179,6 +180,10 @@ class CompiledModule(nn.Module):
         self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
         self._saved_bytes: int | None = None  # see last_saved_bytes
         self._out_spec = c.traced.out_spec
+        self._last_outputs: list = []  # weak references to the last call's flat outputs (see gather_outputs)
+        self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
+        self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
+        self._warned_state_output: dict[int, bool] = {}
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
         self._differentiable = tuple(int(gi.name.rsplit("_", 1)[1]) for gi in c.traced.inputs if gi.kind == "tangent")
@@ -551,6 +556,15 @@ class CompiledModule(nn.Module):
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
                 local = self._get(attr)
+                shape = self._global_shapes.get(fqn)
+                if shape is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape)):
+                    # (a vector or a number was broadcast over the whole weight, silently, where torch refuses;
+                    # found by a probe)
+                    got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+                        f"a {type(value).__name__}"
+                    raise SpmdError(f"size mismatch for {fqn}: copying {got} from the state dict, the model's is "
+                                    f"{list(shape)}. What to do: load a state dict of this model's configuration "
+                                    "(whole tensors, or the DTensors of its state_dict()).")
                 local.copy_(self._piece_of(fqn, value, local))
                 loaded.add(fqn)
         self._uninitialized -= loaded
@@ -1016,14 +1030,52 @@ class CompiledModule(nn.Module):
 
     @_collective
     def gather_outputs(self, outputs):
-        """Full outputs on every rank from this rank's local output shards."""
+        """Full outputs on every rank from this rank's local output shards: the whole output a call returned, or
+        any of the last call's output tensors (alone, or in a structure of one's own: `gather_outputs(out.logits)`),
+        each gathered in the layout of the output it is."""
         flat, spec = tree_flatten(outputs)
         full = []
-        for k, t in enumerate(flat):
-            ps = self.plan.choices.get(f"output_{k}")
+        for t, k in zip(flat, self._output_positions(flat, spec)):
+            ps = self.plan.choices.get(f"output_{k}") if k is not None else None
             full.append(gather_full(t, ps.inputs[0], self.mesh_spec, self.coord, self.group_names)
-                        if ps is not None and isinstance(t, torch.Tensor) else t)
+                        if ps is not None else t)
+            if k in self._state_outputs and not self._warned_state_output.get(k) and not _shares(full[-1], self.piece(
+                    self._state_outputs[k])):
+                self._warned_state_output[k] = True
+                warnings.warn(
+                    f"gather_outputs: output {k} is the model's {self._state_outputs[k]!r} itself (the forward returns "
+                    "it), and its gathered tensor is a new one: writing into it changes nothing in the model, where "
+                    "eager's output is the tensor itself. What to do: update it in the forward (a buffer written in "
+                    "place there is followed), or pin the output Replicate (out_placements) so that the gathered "
+                    "tensor is the buffer's own piece.", stacklevel=3)
         return tree_unflatten(full, spec)
+
+    def _output_positions(self, flat: list, spec) -> list[int | None]:
+        """The output position of each tensor of `flat`: one of the last call's outputs by identity, else its
+        place in the whole output when `flat` has the output's structure. A tensor that is neither (a view or
+        slice of an output, an output of an earlier call given alone) is refused: gathered in output 0's layout
+        it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently; found by a probe)."""
+        last = {}
+        for k, ref in enumerate(self._last_outputs):
+            t = ref() if ref is not None else None
+            if t is not None:
+                last.setdefault(id(t), k)
+        whole = spec == self._out_spec
+        positions = []
+        for k, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                positions.append(None)
+            elif id(t) in last:
+                positions.append(last[id(t)])
+            elif whole:
+                positions.append(k)
+            else:
+                raise SpmdError(
+                    f"gather_outputs: tensor {k} of its argument (shape {tuple(t.shape)}) is not one of the last "
+                    "call's outputs, and the argument is not the whole output, so its layout is unknown. What to do: "
+                    "pass the whole output as the call returned it (`compiled.gather_outputs(out)`, then pick from "
+                    "the result), or a tensor of the last call's output as it came (no view, slice or copy).")
+        return positions
 
     @_collective
     def verify(self, *full_inputs: torch.Tensor, mode: str = "auto", **full_kwargs: torch.Tensor):
@@ -1291,6 +1343,36 @@ class CompiledModule(nn.Module):
                     "that did not, so it computes no gradient for it (the layers before it would not train). "
                     "What to do: pass an example input that requires grad (`x.requires_grad_()`) to "
                     "spmd.compile, or `.detach()` the input where its gradient is not wanted.")
+        if not self._inputs_walked:
+            self._inputs_walked = True
+            self._refuse_inputs_from_held_parameters(inputs)
+
+    def _refuse_inputs_from_held_parameters(self, inputs) -> None:
+        """An input computed, outside, from one of the model's parameters that this module holds as pieces (an
+        eager embedding tied to the compiled head: `spmd.compile(model.dec)` with `model.emb.weight is
+        model.dec.head.weight`). The outside use reads the original tensor, which an optimizer over the compiled
+        module's pieces never steps, and its gradient lands there: the embedding read stale weights, 0.069 off
+        after 3 steps (found by a probe). Walked once, at the first call that takes a gradient."""
+        held = {id(p): n for n, p in self._source_model.named_parameters(remove_duplicate=False)}
+        for t, name in zip(inputs, self._input_names):
+            if not (isinstance(t, torch.Tensor) and t.grad_fn is not None):
+                continue
+            seen, todo = set(), [t.grad_fn]
+            while todo and len(seen) < 100_000:
+                fn = todo.pop()
+                if fn is None or fn in seen:
+                    continue
+                seen.add(fn)
+                variable = getattr(fn, "variable", None)  # (AccumulateGrad: a leaf's)
+                if variable is not None and id(variable) in held:
+                    raise SpmdError(
+                        f"input {name!r} is computed, outside this compiled module, from the model's parameter "
+                        f"{held[id(variable)]!r}, which this module holds as pieces: that use reads the original "
+                        "tensor, which an optimizer over the compiled module's parameters never steps, and its "
+                        "gradient goes there, not to the pieces (a tied embedding read stale weights). What to do: "
+                        "compile the whole computation that uses the parameter (the embedding inside the compiled "
+                        "module: spmd.compile(model) with a loss_fn), or untie the parameter before compiling.")
+                todo.extend(f for f, _ in fn.next_functions)
 
     def _ops_differ_by_mode(self) -> str | None:
         """What the traced forward does in only one mode, found by running it in both on fake tensors
@@ -1421,6 +1503,7 @@ class CompiledModule(nn.Module):
         with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
             flat = self._run_graphs(args)
         self._cut_pieces.seen(inputs)
+        self._last_outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in flat]
         return tree_unflatten(list(flat), self._out_spec)
 
     def _run_graphs(self, args: list) -> list:
@@ -1437,6 +1520,28 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, *args)
         return flat
+
+
+def _outputs_of_state(c) -> dict[int, str]:
+    """{output position: FQN} of the user's outputs that are a parameter or buffer itself, or a view of one
+    (a DINO center returned from the forward, which eager's caller may update in place)."""
+    from spmd.passes.trace_module import flat_outputs
+
+    state = {gi.placeholder: gi.name for gi in c.traced.inputs if gi.kind in ("parameter", "buffer")}
+    found = {}
+    for node, kind in zip(flat_outputs(c.traced.graph.output_node()), c.traced.output_kinds()):
+        if kind.kind != "output":
+            continue
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+                isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:
+            found[int(kind.name.rsplit("_", 1)[1])] = c.traced.aliases.get(state[node.target], state[node.target])
+    return found
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _other_outputs(c) -> dict[int, str]:

@@ -84,6 +84,8 @@ def gather_full(local: torch.Tensor, placements: Placements, mesh, coord: tuple[
     loss), so the gradient of this rank's piece is its own piece of the full gradient, moved nowhere (a
     reduce_scatter, the gather's autograd transpose, would sum the ranks' copies of one gradient: a loss of
     the gathered outputs got the gradients of a batch split over 2 ranks 2x one device's)."""
+    if all(isinstance(p, Replicate) or mesh.shape[axis] == 1 for axis, p in enumerate(placements)):
+        return local  # (the piece is the whole: through a Function, writing into it in place was refused)
     if torch.is_grad_enabled() and local.requires_grad:
         return _GatherFull.apply(local, tuple(placements), mesh, tuple(coord), tuple(group_names))
     return _gathered(local, placements, mesh, group_names)

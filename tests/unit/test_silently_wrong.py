@@ -195,6 +195,40 @@ def test_an_input_that_requires_grad_gets_its_gradient():
         torch.set_default_dtype(torch.float32)
 
 
+class _TiedDecoder(nn.Module):
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = embedding.weight
+
+    def forward(self, h):
+        return self.head(torch.tanh(self.lin(h)))
+
+
+def test_an_input_made_outside_from_a_parameter_the_module_holds_is_refused():
+    """Found by a probe: `spmd.compile(model.dec)` whose head is tied to an eager embedding before it. With the
+    optimizer over the compiled module's parameters (as the optimizer check asks), the embedding kept reading the
+    original weight, which no step updated (0.069 off after 3 steps). The input's autograd graph is walked once:
+    it reaches the held parameter, so the call is refused with the way out. An eager layer of its own before the
+    compiled block passes."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(32, 16)
+    dec = _TiedDecoder(emb)
+    ids, y = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    compiled = _compiled_on_one_device(dec, (emb(ids), y), loss_fn)
+    with pytest.raises(spmd.SpmdError, match=r"input 'h' is computed, outside this compiled module, from the model's "
+                                             r"parameter 'head.weight'.*compile the whole computation"):
+        compiled(emb(ids), y)
+    own = nn.Embedding(32, 16)
+    other = _compiled_on_one_device(_TiedDecoder(own), (own(ids), y), loss_fn)
+    other(nn.Embedding(32, 16)(ids), y).backward()  # (an embedding of another model: not held)
+
+
 def test_an_input_requiring_grad_the_step_was_not_traced_for_fails_loudly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
