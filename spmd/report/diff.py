@@ -16,19 +16,34 @@ class PlanDiff:
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (kind, axis) -> counts
+    # (kind, axis) -> bytes entering the collectives, where the counts agree and the bytes do not (another size)
+    collective_bytes: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # seconds / bytes in a and b
     recompute: list[tuple[str, str, str]] = field(default_factory=list)  # (layer, in a, in b)
     # the graphs differ (another model, or parameters added): ops were not compared node by node
     graphs_differ: bool = False
 
     def __bool__(self) -> bool:
+        return bool(self.layout_differs or self.collective_bytes or self.costs_differ)
+
+    @property
+    def layout_differs(self) -> bool:
         return bool(self.mesh or self.placements or self.only_a or self.only_b or self.collectives or self.recompute
                     or self.graphs_differ)
 
+    @property
+    def costs_differ(self) -> bool:
+        """Whether a cost differs beyond rounding (another size, dtype, link or device profile, or option gives
+        the same layouts at another price: a diff of GPT plans of hidden 64 and 128 said "the same")."""
+        return any(abs(a - b) > 1e-9 * max(abs(a), abs(b), 1e-30) for a, b in self.costs.values())
+
     def __str__(self) -> str:
         if not self:
-            return "plans are the same (placements and collectives)"
+            return "plans are the same (placements, collectives and costs)"
         lines = []
+        if not self.layout_differs:
+            lines.append("placements and collectives are the same; the sizes or costs differ (another model size, "
+                         "dtype, mesh profile or option):")
         if self.mesh:
             lines.append(f"mesh: {self.mesh[0]} -> {self.mesh[1]}")
         if self.placements:
@@ -47,6 +62,10 @@ class PlanDiff:
         if self.collectives:
             lines.append("collectives:")
             lines += [f"  {k} on {ax}: {a} -> {b} ({b - a:+d})" for (k, ax), (a, b) in sorted(self.collectives.items())]
+        if self.collective_bytes:
+            lines.append("collective bytes (the same counts):")
+            lines += [f"  {k} on {ax}: {a / 2**10:.1f} -> {b / 2**10:.1f} KiB"
+                      for (k, ax), (a, b) in sorted(self.collective_bytes.items())]
         for name, (a, b) in self.costs.items():
             if name == "memory per rank":
                 lines.append(f"{name}: {a / 2**20:.3f} -> {b / 2**20:.3f} MiB ({(b - a) / 2**20:+.3f})")
@@ -67,8 +86,8 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     where both plans come from the same graph (the same node names, parameters and inputs in the same
     order); otherwise only parameters, inputs, collectives, recomputation and costs are compared."""
     d = PlanDiff()
-    if str(a.mesh) != str(b.mesh):
-        d.mesh = (str(a.mesh), str(b.mesh))
+    if a.mesh != b.mesh:
+        d.mesh = (_mesh_text(a.mesh, b.mesh), _mesh_text(b.mesh, a.mesh))
     same_graph = list(a.choices) == list(b.choices) and \
         [a.labels.get(n) for n in a.choices] == [b.labels.get(n) for n in b.choices]
     d.graphs_differ = not same_graph
@@ -90,8 +109,30 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     d.recompute = [(layer, how(a, layer), how(b, layer)) for layer in layers if how(a, layer) != how(b, layer)]
     ca, cb = a.collective_summary(), b.collective_summary()
     d.collectives = {k: (ca.get(k, 0), cb.get(k, 0)) for k in sorted(set(ca) | set(cb)) if ca.get(k, 0) != cb.get(k, 0)}
+    ba, bb = _collective_bytes(a), _collective_bytes(b)
+    d.collective_bytes = {k: (ba[k], bb[k]) for k in sorted(set(ba) & set(bb))
+                          if k not in d.collectives and ba[k] != bb[k]}
     d.costs = {"estimated time": (a.objective, b.objective), "compute": (a.compute_cost, b.compute_cost),
                "communication": (a.comm_cost, b.comm_cost)}
     if a.memory or b.memory:
         d.costs["memory per rank"] = (a.predicted_peak_bytes, b.predicted_peak_bytes)
     return d
+
+
+def _collective_bytes(plan: Plan) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for _, step in plan.collectives():
+        key = (step.kind, plan.mesh.axis_names[step.axis])
+        out[key] = out.get(key, 0) + step.in_bytes
+    return out
+
+
+def _mesh_text(mesh, other) -> str:
+    """The mesh as `(dp=2, tp=2)`, with its links and device where that is all that differs from `other`."""
+    text = str(mesh)
+    if text != str(other):
+        return text
+    links = ", ".join(f"{n}: {link.name} {link.latency_s * 1e6:.3g} us {link.bandwidth / 1e9:.3g} GB/s"
+                      for n, link in zip(mesh.axis_names, getattr(mesh, "links", ())))
+    device = getattr(mesh, "device", None)
+    return f"{text} [{links}; device {getattr(device, 'name', '?')}]"

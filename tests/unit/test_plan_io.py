@@ -75,7 +75,30 @@ def test_diff_names_changed_placements_collectives_and_costs():
     assert "fc1.weight  [R] -> [S(0)]" in text
     assert "estimated time:" in text and "ms (+" in text
     assert d.collectives and all(x != y for x, y in d.collectives.values())
-    assert str(spmd.diff_plans(a, a)) == "plans are the same (placements and collectives)"
+    assert str(spmd.diff_plans(a, a)) == "plans are the same (placements, collectives and costs)"
+
+
+def test_diff_names_sizes_links_and_costs_where_the_layouts_agree():
+    """Found by a probe: plans of a GPT 64 and 128 wide (the same placements, twice the collective bytes, 3x the
+    time), or on the same mesh with other links, were "the same" and the CLI exited 0. The mesh is compared with
+    its links and device, the collectives' bytes where their counts agree, and the costs."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    mesh = spec((2, 2), ("dp", "tp"))
+    example = (torch.randn(8, 16),)
+    pins = dict(param_placements={"fc1.weight": [Replicate(), Shard(0)], "fc2.weight": [Replicate(), Shard(1)]},
+                in_placements={"x": [Shard(0), Replicate()]})
+    narrow = spmd.plan(MLP(16, 64), mesh, example, **pins)
+    wide = spmd.plan(MLP(32, 128), mesh, (torch.randn(8, 32),), **pins)
+    d = spmd.diff_plans(narrow, wide)
+    assert d and not d.layout_differs and d.costs_differ
+    assert str(d).startswith("placements and collectives are the same; the sizes or costs differ")
+    assert d.collective_bytes and all(b == 2 * a for a, b in d.collective_bytes.values()), d.collective_bytes
+    slow = dataclasses.replace(mesh, links=(mesh.links[0], dataclasses.replace(mesh.links[1],
+                                                                               latency_s=mesh.links[1].latency_s * 3)))
+    d = spmd.diff_plans(narrow, spmd.plan(MLP(16, 64), slow, example, **pins))
+    assert d.mesh is not None and "tp: " in d.mesh[1] and str(d).splitlines()[0].startswith("mesh: (dp=2, tp=2) [")
 
 
 def test_to_parallelize_plan_on_gpt(tmp_path):
