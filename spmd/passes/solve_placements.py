@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Callable
 
 import numpy as np
@@ -968,7 +969,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             choices[name] = ns.strategies[i]
             chosen_cost[name] = costs.node_costs[name][i] if name in costs.node_costs else 0.0
 
-        edges, made = [], set()
+        edges, made, bucketed = [], set(), {}
         for name, ns in table.nodes.items():
             gradient = is_gradient_sink(ns)
             for j, value in enumerate(ns.inputs):
@@ -986,8 +987,17 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     shared = key in made and _shareable(steps, gradient)  # as the program prices it
                     made.add(key)
                     edges.append(Edge(value, name, j, src, dst, steps, 0.0 if shared else cost, shared))
+                    if gradient and costs.bucket_bytes and not shared:
+                        for step in steps:
+                            if step.kind == "all_reduce":
+                                row = bucketed.setdefault(costs.mesh.axis_names[step.axis], [0, 0])
+                                row[0] += 1
+                                row[1] += step.in_bytes
         stats = {} if result is None else {"binary": result.n_binary, "continuous": result.n_continuous,
                                            "rows": result.n_rows, "status": result.status}
+        if bucketed:  # {axis: [gradient all_reduces, their bytes, launches]}: explain counts launches
+            stats["gradient_all_reduces"] = {axis: [n, b, max(1, math.ceil(b / costs.bucket_bytes))]
+                                             for axis, (n, b) in bucketed.items()}
         memory: dict[str, float] = {}
         for term in costs.memory:
             src = choices[term.value[0]]

@@ -75,7 +75,9 @@ def step_seconds(plan) -> list[tuple[Any, Any, float]]:
 
 
 def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
-    """(kind, axis, count, bytes, seconds) per collective kind and mesh axis."""
+    """(kind, axis, launches, bytes, seconds) per collective kind and mesh axis. The gradient all_reduces of a
+    training plan count as the buckets the rank graph packs them into (one launch each; a probe found 37 listed
+    where the graphs launch one), and their row's time includes the buckets' latency."""
     totals: dict[tuple[str, str], list] = {}
     for _, s, seconds in step_seconds(plan):
         if not s.is_collective:
@@ -84,6 +86,14 @@ def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
         row[0] += 1
         row[1] += s.in_bytes
         row[2] += seconds
+    for axis, (count, nbytes, launches) in plan.stats.get("gradient_all_reduces", {}).items():
+        row = totals.get(("all_reduce", axis))
+        if row is None:
+            continue
+        row[0] += launches - count
+        link = plan.mesh.links[plan.mesh.axis_names.index(axis)]
+        bucket = plan.stats.get("bucket_bytes") or nbytes
+        row[2] += link.alpha_beta("all_reduce")[0] * max(1.0, nbytes / bucket)
     return [(k, a, c, b, t) for (k, a), (c, b, t) in sorted(totals.items())]
 
 

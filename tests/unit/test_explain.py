@@ -98,3 +98,30 @@ def test_totals_add_up_to_the_objective_and_count_a_shared_resharding_once():
     head = plan.explain(detail=False).splitlines()[0]
     buckets = plan.objective - plan.compute_cost - plan.comm_cost
     assert buckets > 1e-3 and f"gradient buckets' latency {buckets * 1e3:.3f} ms" in head, head
+
+
+def test_the_collective_table_counts_the_launches_of_the_rank_graphs():
+    """Found by a probe: a training plan's table listed `all_reduce dp 37` where the rank graphs launch the
+    gradients' all_reduces in one bucket, and its time left out the buckets' latency. Gradient all_reduces now
+    count as the buckets they travel in, and their latency is in their row."""
+    from collections import Counter
+
+    from spmd.core import collectives as C
+    from spmd.report.explain import collective_totals
+    from tests.models import GPT, GPTConfig
+    from tests.support import compile_graph, lm_loss
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 16))
+    c = compile_graph(GPT(GPTConfig(layers=2)), (ids, ids), spec((2, 2), ("dp", "tp")), rank=0, loss_fn=lm_loss)
+    grads = c.plan.stats["gradient_all_reduces"]
+    assert all(n > 1 and launches == 1 for n, _, launches in grads.values()), grads
+    launched = Counter()
+    for gm in (c.split.forward, c.split.backward):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in (C.all_reduce, C.all_reduce_start, C.bucket_start):
+                launched[{"g0": "dp", "g1": "tp"}[n.kwargs.get("group", n.args[2] if len(n.args) > 2 else None)]] += 1
+    listed = {axis: count for kind, axis, count, _, _ in collective_totals(c.plan) if kind == "all_reduce"}
+    assert listed == dict(launched), (listed, launched)
+    seconds = {axis: t for kind, axis, _, _, t in collective_totals(c.plan) if kind == "all_reduce"}
+    assert all(t >= c.plan.mesh.links[i].alpha_beta("all_reduce")[0] for i, t in enumerate(seconds.values()))
