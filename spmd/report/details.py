@@ -172,9 +172,11 @@ def _why(chosen: Split, alt: Split, budget: float | None) -> str:
 
 
 def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], types: dict[str, str],
-                 follower: dict[str, bool]) -> list[ParamUse]:
+                 follower: dict[str, bool], backward: frozenset = frozenset()) -> list[ParamUse]:
     """Name each parameter's layout per axis. A sharded weight that is all_gathered on that axis before
-    use is FSDP (stored sharded, computed whole); one used sharded is tensor parallelism."""
+    its forward use is FSDP (stored sharded, computed whole); one used sharded is tensor parallelism. (A
+    gather only in backward, a column-parallel weight gathered there for another matmul, is not FSDP: a
+    probe found such a weight labelled so.) `backward`: the names of the backward graph's nodes."""
     consumers = defaultdict(list)
     for name, ns in table.nodes.items():
         for v in ns.inputs:
@@ -193,7 +195,8 @@ def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], typ
                     path.add(c)
                     if follower[c]:
                         todo.append(c)
-        gathered = {s.axis for c in path for e in edges_into[c] if e.value[0] in path
+        forward = {c for c in path if c not in backward} or path
+        gathered = {s.axis for c in forward for e in edges_into[c] if e.value[0] in path
                     for s in e.steps if s.kind == "all_gather"}
         module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
         mtype = types.get(module, "")
@@ -268,7 +271,8 @@ def compute_details(plan, src) -> PlanDetails:
             _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies), n))
     inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
               for ph, k in src.kinds.items() if k == "input"}
-    uses = _param_roles(plan, table, params, where, types, local.follower)
+    backward = frozenset(name for name, node in nodes.items() if node is not None and phase_of(node) == "backward")
+    uses = _param_roles(plan, table, params, where, types, local.follower, backward)
     regions = {}
     for i, axis in enumerate(plan.mesh.axis_names):
         styles = {p.module: style for p in uses if p.fqn.rsplit(".", 1)[-1] == "weight"

@@ -279,3 +279,18 @@ def test_the_export_notes_sharded_model_inputs_not_loss_targets():
     text = "\n".join(str(w.message) for w in said)
     assert "input 'input' is sharded on tp" in text, text
     assert "'target'" not in text, text
+
+
+def test_a_weight_gathered_only_in_backward_is_not_called_fsdp():
+    """Found by a probe: GPT's fc1 weight stored [R, S(0)], used sharded by its forward matmul (column-parallel)
+    and all_gathered on tp only for a backward matmul, was labelled "FSDP on tp". The forward uses decide."""
+    from tests.models import GPT, GPTConfig
+    from tests.support import lm_loss, spec
+
+    torch.manual_seed(0)
+    t = torch.randint(0, 128, (4, 32))
+    p = spmd.plan(GPT(GPTConfig()), spec((2, 2), ("dp", "tp")), (t, t), loss_fn=lm_loss)
+    ph = {v: k for k, v in p.labels.items()}["blocks.0.mlp.fc1.weight"]
+    assert p.choices[ph].outputs[0] == (Replicate(), Shard(0))
+    line = next(x for x in p.summary().splitlines() if "mlp.fc1" in x)
+    assert "column-parallel on tp" in line and "FSDP" not in line, line
