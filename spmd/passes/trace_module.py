@@ -277,6 +277,12 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         return (f"the model returns a {cache.group(1)} (transformers' key/value cache, on by default), which a graph "
                 "cannot hold: build it with `use_cache=False` in its config, or pass `use_cache=False` in the "
                 "example kwargs")
+    unknown = re.search(r"Found <class '([^']+)'> in (\w+), which is not a known type", str(error))
+    if unknown:  # (a class of the user's in the output: a plain dataclass)
+        name = unknown.group(1).rsplit(".", 1)[-1]
+        return (f"the forward's {unknown.group(2)} holds a {name}, which torch's pytree cannot take apart into "
+                f"tensors. Return a tuple, a dict or a transformers ModelOutput, or register the class before "
+                f"compiling: `torch.utils._pytree.register_dataclass({name})` for a dataclass")
     if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
         return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values, and torch's tracing "
                 "has no rule for it. Replace it with ops of a fixed shape, or compute it outside the compiled "

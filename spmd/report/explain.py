@@ -147,6 +147,9 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         rows.append(["total", "", str(sum(r[2] for r in totals)), format_bytes(sum(r[3] for r in totals)),
                      format_seconds(sum(r[4] for r in totals))])
         lines += _table(rows)
+        if plan.recompute or plan.recompute_selective:
+            lines.append("  (recomputation launches again, in backward, the reshardings inside the recomputed layers: "
+                         "they are not counted here; their time is in the headline's recomputation)")
     else:
         lines.append("  none")
     if not detail:

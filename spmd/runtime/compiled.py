@@ -1821,8 +1821,17 @@ class _RankStep(torch.autograd.Function):
             if g is None:
                 unused |= 1 << k
                 tangents[k] = torch.zeros(shape, dtype=dtype, device=device)
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as e:  # (torch's words name views made in no_grad mode: the graph's, not the user's)
+            raise SpmdError(
+                "this backward reads tensors its forward saved, and one of them was modified in place since (an "
+                "optimizer step, or another call's update, between this call's forward and its backward; or an "
+                "in-place op on the output), as eager refuses with 'one of the variables needed for gradient "
+                "computation has been modified by an inplace operation'. What to do: call backward before the "
+                f"optimizer steps, and clone an output before writing into it. (torch: {e})") from e
         with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
-            grads = dict(zip(module.split.grads, module._graph("backward")(*ctx.saved_tensors, *tangents)))
+            grads = dict(zip(module.split.grads, module._graph("backward")(*saved, *tangents)))
         if unused:  # one device leaves None where no used output reaches (an optimizer then skips the parameter:
             # zeros would move it by its momentum and weight decay)
             for name, needs in zip(module.split.grads, module.split.grad_tangents):

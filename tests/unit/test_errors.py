@@ -160,3 +160,30 @@ def test_a_call_under_a_torch_func_transform_names_the_way_out():
     params = {n: p.detach() for n, p in compiled.named_parameters()}
     with pytest.raises(SpmdError, match=r"under a torch.func transform.*What to do: take gradients with loss.backward"):
         grad(lambda ps: functional_call(compiled, ps, (x, y)))(params)
+
+
+def test_a_plain_dataclass_output_names_its_class_and_the_registration():
+    """Found by a probe: the way out said "make the forward traceable (no data-dependent control flow)" when the
+    forward returned a plain dataclass. It now names the class and `register_dataclass`, which works."""
+    import dataclasses
+
+    from tests.support import one_device
+
+    @dataclasses.dataclass
+    class Prediction:
+        y: torch.Tensor
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Prediction(self.lin(x))
+
+    x = torch.randn(2, 4)
+    with pytest.raises(spmd.SpmdError, match=r"output holds a Prediction.*register_dataclass\(Prediction\)"):
+        one_device(Model(), (x,))
+    torch.utils._pytree.register_dataclass(Prediction)
+    model = Model()
+    assert torch.allclose(one_device(model, (x,))(x).y, model(x).y)

@@ -2836,3 +2836,19 @@ def test_the_simulator_reduces_a_product_as_the_collectives_do():
     for rank, flat in enumerate(simulate(c, (x,))):
         torch.testing.assert_close(flat[0], local_shard(x.prod(dim=1), ps, (2,), (rank,)))
 
+
+
+def test_a_backward_after_the_optimizer_stepped_says_what_happened():
+    """Found by a probe: the backward of a forward made before an optimizer step raised torch's words about views
+    made in no_grad mode (the graph's, not the user's); eager says a variable needed for the gradient was
+    modified in place. The message now says that, and the way out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    compiled = _compiled_on_one_device(model, (x, y), F.mse_loss)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    first = compiled(x, y)
+    compiled(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"modified in place since.*call backward before the optimizer steps"):
+        first.backward()
