@@ -528,17 +528,32 @@ def _refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modu
     for all), it is another graph. The compiled graph fixes what the trace computed from the values then, and
     would never count on (a probe's warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue
     filled 8 of its 32 rows). A number only kept (a call count for the log) changes no graph and passes; it does
-    not count on either. Not seen: a number the trace's runs of the forward brought back to its value (a flag
-    flipped at each call), and a branch the other value does not cross."""
-    counted = list(dict.fromkeys(counted))
+    not count on either. A flag flipped at each call, which the trace's runs bring back to its value, is seen run
+    by run (`_state_kept.next_values`) and traced again at the value the next call would see. Not seen: a branch
+    neither the far value nor the next one crosses."""
+    nexts = {}
+    for m, key, after in counted:
+        if after is not _MISSING:
+            nexts.setdefault((m, key), after)
+    counted = list(dict.fromkeys((m, key) for m, key, _ in counted))
     values = [m.__dict__[key] for m, key in counted]
-    try:
-        for (m, key), was in zip(counted, values):  # (far, and odd: past a threshold, another residue mod 2^k)
-            m.__dict__[key] = was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5
-        differs = signature is None or trace() != signature
-    finally:
-        for (m, key), was in zip(counted, values):
-            m.__dict__[key] = was
+
+    def traced_with(value_of) -> bool:
+        try:
+            for (m, key), was in zip(counted, values):
+                m.__dict__[key] = value_of(m, key, was)
+            return signature is None or trace() != signature
+        finally:
+            for (m, key), was in zip(counted, values):
+                m.__dict__[key] = was
+
+    # far, and odd: past a threshold, another residue mod 2^k (a flag: flipped)
+    differs = traced_with(lambda m, key, was: (not was) if type(was) is bool else
+                          was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5)
+    # and the value one run of the forward leaves, the next call's: a flag flipped at each call, which the
+    # trace's runs bring back (a probe: every other call eager flipped the sequence and the graph did not)
+    if not differs and any(nexts.get(k, v) != v for k, v in zip(counted, values)):
+        differs = traced_with(lambda m, key, was: nexts.get((m, key), was))
     if differs:
         paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
         shown = ", ".join(f"`{paths.get(id(m)) or type(m).__name__}.{key}`" for m, key in counted[:3]) + (
@@ -568,20 +583,45 @@ class _state_kept:
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
         self.counted: list[tuple] = []  # (module, attribute) numbers the forward changed: `_refuse_counted`
+        # (module, attribute) -> the value one run of the forward left: a flag it flips at each call is back
+        # where it was after the trace's runs, and seen only run by run (the root's hooks)
+        self.next_values: dict[tuple, object] = {}
+        self._root, self._hooks = root, []
+
+    def _numbers(self) -> dict[tuple, object]:
+        return {(m, key): v for m in self._modules for key, v in m.__dict__.items()
+                if type(v) in (int, float, bool) and key != "training"}  # (modes: the holders' business)
 
     def __enter__(self) -> "_state_kept":
+        self._modules = [m for m, *_ in self.saved]
+        before: list[dict] = []
+        self._hooks = [self._root.register_forward_pre_hook(lambda *_: before.append(self._numbers())),
+                       self._root.register_forward_hook(lambda *_: self._ran(before.pop() if before else None))]
         return self
 
+    def _ran(self, before: dict | None) -> None:
+        if before is None:
+            return
+        for (m, key), was in before.items():
+            now = m.__dict__.get(key, was)
+            if now != was and type(now) is type(was):
+                self.next_values.setdefault((m, key), now)
+
     def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        counted = []
         for m, attrs, params, buffers, modules in self.saved:
-            self.counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
-                             and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
+            counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
+                        and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):
                     self.registered_changed |= registered
         for table, before in self.hooks:
             _put_back(table, before)
+        counted += [k for k in self.next_values if k not in counted]
+        self.counted = [(m, key, self.next_values.get((m, key), _MISSING)) for m, key in counted]
 
 
 def _put_back(now: dict, before: dict) -> bool:

@@ -1824,6 +1824,8 @@ class _RankStep(torch.autograd.Function):
         try:
             saved = ctx.saved_tensors
         except RuntimeError as e:  # (torch's words name views made in no_grad mode: the graph's, not the user's)
+            if "inplace" not in str(e):  # (a second backward through the graph: torch's words are the user's)
+                raise
             raise SpmdError(
                 "this backward reads tensors its forward saved, and one of them was modified in place since (an "
                 "optimizer step, or another call's update, between this call's forward and its backward; or an "

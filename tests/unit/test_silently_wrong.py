@@ -1096,6 +1096,26 @@ def test_a_number_the_forward_counts_on_is_refused_and_a_buffer_counts():
     torch.testing.assert_close(loss, want)
 
 
+@pytest.mark.parametrize("kind", ["int", "bool"])
+def test_a_flag_the_forward_flips_at_each_call_is_refused(kind):
+    """Left open last session: `self.flip = 1 - self.flip` (or `not self.flip`) at each call, the sequence reversed
+    when set: the trace's runs flipped it back, so it looked unchanged, and the graph kept one direction where eager
+    alternates. Seen run by run now, and traced again at the next call's value."""
+    class Alternate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.flip = 0 if kind == "int" else False
+
+        def forward(self, x):
+            self.flip = 1 - self.flip if kind == "int" else not self.flip
+            return self.fc(x.flip(1) if self.flip else x)
+
+    x, y = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    with pytest.raises(spmd.SpmdError, match=r"the forward changes `Alternate.flip`, Python numbers"):
+        one_device(Alternate(), (x, y), training=True, loss_fn=F.mse_loss)
+
+
 def test_the_sample_of_a_large_parameter_stays_inside_it():
     """The benchmark found it: indices spread by a float32 linspace rounded the last one of GPT-2's 38.6M-value
     embedding past its end (an IndexError at the second call). Integer indices: the first and the last value."""
