@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -396,9 +397,10 @@ def _skips_refused(rec: "_Recorder"):
     raised once the event's function returns (`_Recorder.skipped`, `_refuse_skipped`)."""
     import sys
 
-    originals = {name: getattr(nn.init, name) for name in _SKIPPED_ON_META}
+    with _patch_lock:  # (torch's own, also while another thread's dry run has them patched)
+        originals = {name: _patched.get(name, getattr(nn.init, name)) for name in _SKIPPED_ON_META}
+        trunc = _patched.get("_no_grad_trunc_normal_", nn.init._no_grad_trunc_normal_)
     codes = {fn.__code__: name for name, fn in originals.items()}
-    trunc = nn.init._no_grad_trunc_normal_
 
     def noted(name, original):
         @functools.wraps(original)
@@ -414,9 +416,14 @@ def _skips_refused(rec: "_Recorder"):
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 rec.skipped = codes[frame.f_code]
 
-    for name, original in originals.items():
-        setattr(nn.init, name, noted(name, original))
-    nn.init._no_grad_trunc_normal_ = _trunc_normal_on_meta(trunc)
+    global _patch_depth
+    with _patch_lock:  # (dry runs in two threads: the first to enter patches, the last to leave restores; a
+        if _patch_depth == 0:  # review found two overlapping ones leaving trunc_normal_ patched for good)
+            _patched.update(originals, _no_grad_trunc_normal_=trunc)
+            for name, original in originals.items():
+                setattr(nn.init, name, noted(name, original))
+            nn.init._no_grad_trunc_normal_ = _trunc_normal_on_meta(trunc)
+        _patch_depth += 1
     watching = sys.getprofile() is None
     if watching:
         sys.setprofile(profile)
@@ -425,9 +432,17 @@ def _skips_refused(rec: "_Recorder"):
     finally:
         if watching:
             sys.setprofile(None)
-        nn.init._no_grad_trunc_normal_ = trunc
-        for name, original in originals.items():
-            setattr(nn.init, name, original)
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                for name, original in _patched.items():
+                    setattr(nn.init, name, original)
+                _patched.clear()
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_patched: dict = {}  # nn.init's own functions while patched
 
 
 def _refuse_skipped(rec: "_Recorder") -> None:

@@ -594,6 +594,8 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
             continue
         draw = _drawn(node.value)
         if draw is not None:
+            if any(k == "draw" and a == t.attr for _, k, a, _ in steps):  # (branches: which one ran is unknown)
+                return _refusing(qual, f"it makes {t.attr} in more than one place")
             steps.append((node.lineno, "draw", t.attr, draw))
             accepted.update(id(n) for n in ast.walk(node.value))
         elif t.attr in children:

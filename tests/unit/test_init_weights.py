@@ -472,3 +472,22 @@ def test_a_transformers_init_helper_that_draws_is_refused_with_the_way_out():
     kw = hf_init_kwargs(meta)
     kw["reset_fns"][ViTMAEDecoder] = lambda m: m.initialize_weights(16)
     check_equal(factory, "mixed", 5, **kw)
+
+
+def test_dry_runs_in_threads_leave_nn_init_as_it_was():
+    """A review found two overlapping dry runs leaving `trunc_normal_`'s meta stand-in installed for good: the
+    first to enter patches nn.init, the last to leave restores it."""
+    import threading
+
+    trunc, orthogonal = nn.init._no_grad_trunc_normal_, nn.init.orthogonal_
+
+    def run():
+        for _ in range(10):
+            plan_init(build_meta(_TwoLinears), init_fn=_trunc_init(0.02))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert nn.init._no_grad_trunc_normal_ is trunc and nn.init.orthogonal_ is orthogonal

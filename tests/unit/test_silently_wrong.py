@@ -1116,6 +1116,24 @@ def test_a_flag_the_forward_flips_at_each_call_is_refused(kind):
         one_device(Alternate(), (x, y), training=True, loss_fn=F.mse_loss)
 
 
+def test_a_number_the_forward_makes_at_its_first_call_passes():
+    """A review found `self.calls = getattr(self, "calls", 0) + 1` crashing the check (the attribute is gone again
+    once the trace puts the model back): a number the model does not keep is not checked."""
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return self.fc(x)
+
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    model = Lazy()
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(Lazy.forward(copy.deepcopy(model), x), y))
+
+
 def test_the_sample_of_a_large_parameter_stays_inside_it():
     """The benchmark found it: indices spread by a float32 linspace rounded the last one of GPT-2's 38.6M-value
     embedding past its end (an IndexError at the second call). Integer indices: the first and the last value."""
