@@ -516,7 +516,8 @@ def _drawn(value: ast.expr) -> tuple[str, tuple] | None:
     """(in-place write, its constant arguments) when `value` is exactly `nn.Parameter(<new>)` or `<new>`
     (optionally `... if cond else None`), <new> being `torch.randn(shape)` / `torch.rand(shape)`, a new
     tensor drawn in place with constant arguments (`torch.Tensor(n).uniform_()`), or a constant one
-    (`torch.zeros(shape)`, `torch.ones(shape)`, `torch.full(shape, 0.5)`); else None."""
+    (`torch.zeros(shape)`, `torch.ones(shape)`, `torch.full(shape, 0.5)`, `torch.tensor(2.5)` or
+    `torch.tensor(self.config.logit_scale_init_value)`); else None."""
     if isinstance(value, ast.IfExp) and isinstance(value.orelse, ast.Constant) and value.orelse.value is None:
         value = value.body
     if isinstance(value, ast.Call) and _dotted(value.func) in ("nn.Parameter", "torch.nn.Parameter", "Parameter"):
@@ -531,6 +532,15 @@ def _drawn(value: ast.expr) -> tuple[str, tuple] | None:
         return _FACTORY_DRAWS[name.split(".")[1]], ()
     if name in ("torch.zeros", "torch.ones") and plain:
         return ("zero_", ()) if name == "torch.zeros" else ("fill_", (1.0,))
+    if name == "torch.tensor" and plain and len(value.args) == 1:  # (CLIP's logit_scale from its config)
+        chain = _self_chain(value.args[0])
+        if chain is not None:
+            return "fill_", (_SelfAttr(chain),)
+        try:
+            number = ast.literal_eval(value.args[0])
+        except ValueError:
+            return None
+        return ("fill_", (number,)) if isinstance(number, (int, float)) and not isinstance(number, bool) else None
     if name == "torch.full" and plain and len(value.args) == 2:
         try:
             return "fill_", (ast.literal_eval(value.args[1]),)
@@ -544,6 +554,28 @@ def _drawn(value: ast.expr) -> tuple[str, tuple] | None:
         except ValueError:
             return None
     return None
+
+
+def _self_chain(node: ast.expr) -> tuple[str, ...] | None:
+    """("config", "logit_scale_init_value") for `self.config.logit_scale_init_value`, else None."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return tuple(reversed(names)) if names and isinstance(node, ast.Name) and node.id == "self" else None
+
+
+@dataclass(frozen=True)
+class _SelfAttr:
+    """A value `__init__` read from the module itself (`self.config.logit_scale_init_value`), read again at the
+    replay from the same module."""
+    chain: tuple[str, ...]
+
+    def of(self, module: nn.Module):
+        value = module
+        for name in self.chain:
+            value = getattr(value, name)
+        return value
 
 
 def _dotted(node: ast.expr) -> str:
@@ -565,7 +597,7 @@ class _Draws:
         for attr, op, args in self.draws:
             t = getattr(module, attr, None)
             if isinstance(t, torch.Tensor):     # (None when made under a branch not taken)
-                getattr(t, op)(*args)
+                getattr(t, op)(*(a.of(module) if isinstance(a, _SelfAttr) else a for a in args))
 
 
 def init_draws(cls: type, module: nn.Module) -> Callable:

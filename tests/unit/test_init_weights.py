@@ -438,6 +438,7 @@ def _vision(name: str):
     return {"vit": lambda: T.ViTForImageClassification(T.ViTConfig(**image, num_labels=5)),
             "dinov2": lambda: T.Dinov2Model(T.Dinov2Config(**image)),
             "clip_vision": lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**image)),
+            "clip": lambda: T.CLIPModel(T.CLIPConfig(text_config=dict(small, vocab_size=64), vision_config=image)),
             "siglip": lambda: T.SiglipModel(T.SiglipConfig(text_config=dict(small, vocab_size=64), vision_config=image)),
             "vit_mae": lambda: T.ViTMAEModel(T.ViTMAEConfig(**image)),
             "vit_mae_pretraining": lambda: T.ViTMAEForPreTraining(T.ViTMAEConfig(
@@ -445,13 +446,13 @@ def _vision(name: str):
                 decoder_intermediate_size=64))}[name]
 
 
-@pytest.mark.parametrize("name", ["vit", "dinov2", "clip_vision", "siglip", "vit_mae"])
+@pytest.mark.parametrize("name", ["vit", "dinov2", "clip_vision", "clip", "siglip", "vit_mae"])
 def test_transformers_vision_models_equal_single_device(name):
     """Modules drawing in `__init__` without a reset_parameters (ViT's cls_token before its patch embedding and
     its position embeddings after, CLIP's class embedding), each redone in place where the source draws it; a
     torch MultiheadAttention inside (SigLIP's pooling head) keeps its own reset; ViTMAE's init reading the
-    `_is_hf_initialized` marks of its children. ViT and Dinov2 were refused, CLIP 0.89 off, SigLIP 1.1 off
-    and ViTMAE 1.0 off."""
+    `_is_hf_initialized` marks of its children; CLIP's `logit_scale` made from its config. ViT, Dinov2 and CLIP
+    were refused, CLIP's vision model 0.89 off, SigLIP 1.1 off and ViTMAE 1.0 off."""
     pytest.importorskip("transformers")
     factory = _vision(name)
     check_equal(factory, "mixed", 5, **hf_init_kwargs(build_meta(factory)))
