@@ -291,7 +291,14 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
     infos = _collect(meta_model)
     for info in infos.values():
         if not info.obj.is_meta:
-            raise SpmdError(f"{info.fqns[0]} is on {info.obj.device}, not meta")
+            path, _, leaf = info.fqns[0].rpartition(".")
+            raise SpmdError(
+                f"{info.fqns[0]} is on {info.obj.device}, not meta: its module made it there although the model was "
+                "built under torch.device('meta') (the legacy constructor `torch.Tensor(n)`, as transformers' "
+                "Wav2Vec2 uses, ignores it). What to do: move it to meta before compiling "
+                f"(`{f'model.get_submodule({path!r})' if path else 'model'}.{leaf} = nn.Parameter(t.to('meta'))`, "
+                "the same for a buffer), "
+                "and init_weights redoes what its __init__ did; or load the weights from a checkpoint.")
     if order not in ("post", "pre"):
         raise SpmdError("order: 'post' or 'pre'")
     events, unknown = _schedule(meta_model, reset_fns, init_fn, init_roots, order)
