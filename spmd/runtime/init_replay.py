@@ -114,6 +114,53 @@ def _lookup(table: Mapping[type, Any], cls: type):
     return False, None
 
 
+@functools.lru_cache(maxsize=None)
+def _construction_resets(cls: type) -> str:
+    """Whether building `cls` calls its reset_parameters: "always", "never", or "maybe" (a module of the user's
+    calling it under a condition, which a meta model cannot tell). An `__init__` along the MRO names it, or a
+    method one calls through self does; torch's modules end their `__init__` with it. A module of the user's that
+    defines it and does not call it (its tensors made with torch.zeros) was reset by the replay all the same, 2.12
+    off, and every later draw shifted (found by a probe). Where a source cannot be read: "always", as before."""
+    import ast
+    import inspect
+    import textwrap
+
+    def names_reset(fn) -> bool:
+        try:
+            return "reset_parameters" in inspect.getsource(fn)
+        except (OSError, TypeError):
+            return False
+
+    found = "never"
+    for c in cls.__mro__:
+        if c is nn.Module or c is object or "__init__" not in c.__dict__:
+            continue
+        if (c.__module__ or "").split(".")[0] == "torch":
+            if names_reset(c.__init__):
+                return "always"
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(c.__init__)))
+        except (OSError, TypeError, SyntaxError):
+            return "always"
+        init = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+        if init is None or not init.args.args:
+            return "always"
+        me = init.args.args[0].arg                 # ("self", or whatever the first argument is called)
+        top = {id(node.value) for node in init.body if isinstance(node, ast.Expr)}
+        for node in ast.walk(init):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == me):
+                continue
+            helper = inspect.getattr_static(cls, node.func.attr, None)
+            helper = getattr(helper, "__func__", helper)
+            if node.func.attr == "reset_parameters" or (callable(helper) and names_reset(helper)):
+                if id(node) in top:
+                    return "always"
+                found = "maybe"
+    return found
+
+
 def _join(a: str, b: str) -> str:
     return f"{a}.{b}" if a else b
 
@@ -144,7 +191,17 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
         if not found:
             found, fn = _lookup(defaults, type(m))
         if not found and callable(getattr(m, "reset_parameters", None)):
-            found, fn = True, type(m).reset_parameters
+            called = _construction_resets(type(m))
+            if called == "maybe":
+                name = type(m).__name__
+                raise SpmdError(
+                    f"{name}.__init__ calls reset_parameters() only under a condition, and a model built under "
+                    "torch.device('meta') cannot tell whether it ran. What to do: say it, reset_fns={"
+                    f"{name}: {name}.reset_parameters}} if it ran, or reset_fns={{{name}: None}} if not (its "
+                    "tensors then keep what __init__ made: give them an init_fn); or build the model with "
+                    "spmd.deferred_init(Model, ...).")
+            # (None where construction never calls it: its tensors keep what __init__ made, lost on meta)
+            found, fn = True, type(m).reset_parameters if called == "always" else None
         return found, fn
 
     def reset_event(m, fqn):

@@ -374,6 +374,9 @@ def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
     for target in called:
         if (hit := _writes_values(target, cls, seen)) is not None:
             return f"calls {target.__qualname__}: {hit}"
+    for k, line in enumerate(lines):  # (a value written under no_grad in a way none of the words name: `w /= 2`)
+        if _NO_GRAD.search(line.split("#", 1)[0]):
+            return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {line.strip()}"
     return None
 
 
@@ -417,13 +420,22 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
 
 # ---- transformers ------------------------------------------------------------------------------
 
-_RNG_WORDS = re.compile(r"\b(randn|rand|randint|randperm|normal_|uniform_|trunc_normal_|xavier_\w+|kaiming_\w+|"
-                        r"orthogonal_|bernoulli|multinomial|random_|sparse_)\b")
+# what draws random numbers, or sets the generator: names, as the source spells them (`torch.normal` and the
+# generator's setters only before a call, so prose in a docstring is not taken for them)
+_NO_GRAD = re.compile(r"\bwith\s+torch\.no_grad\(\)")
+_RNG_NAMES = ("randn", "rand", "randint", "randperm", "randn_like", "rand_like", "randint_like", "normal_", "uniform_",
+              "trunc_normal_", "orthogonal_", "bernoulli", "bernoulli_", "multinomial", "random_", "sparse_",
+              "exponential_", "geometric_", "cauchy_", "log_normal_", "poisson")
+_RNG_CALLS = ("normal", "manual_seed", "fork_rng", "set_rng_state")
+_RNG_WORDS = re.compile(rf"\b({'|'.join(_RNG_NAMES)}|xavier_\w+|kaiming_\w+)\b|\b({'|'.join(_RNG_CALLS)})(?=\()")
 # an __init__ that draws, or writes values in place, or applies an init over its modules (`own_inits`)
 _INIT_WORDS = re.compile(
     rf"\.apply\(|{_RNG_WORDS.pattern}|\b(dirac_|zeros_|ones_|constant_|fill_|copy_|eye_|bernoulli_|zero_|mul_|div_|"
     r"add_|sub_|clamp_|fill_diagonal_|masked_fill_|index_fill_|scatter_)\b"
     r"|\.data\s*=[^=]"                                       # a value set through .data
+    r"|(\.data|\.weight|\.bias)\s*([*/+-]|\*\*)="             # ... or scaled in place (GPT-2's `p.data /= ...`)
+    r"|(\.data|\.weight|\.bias)\[[^\]]*\]\s*=[^=]"            # ... or in part (`emb.weight[0] = 0`)
+    r"|\bfrom_pretrained\(|\b_weight\s*="                       # an embedding given its table (no reset)
     r"|self(\.\w+)+\.\w+\s*=\s*(torch\.)?(nn\.)?Parameter\(")  # a submodule's parameter replaced
 _REPLAYED = ("reset_parameters",)  # (what the replay runs itself for any module: init_replay.py)
 # a line of an __init__ that is a call made for its effect: a method through self (`self._init()`), or a plain
@@ -634,7 +646,7 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
             steps.append((node.lineno, "child", t.attr, None))
     for node in ast.walk(fn):                    # any other draw: refuse
         word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
-        if word is not None and _RNG_WORDS.fullmatch(word) and id(node) not in accepted:
+        if word is not None and (_RNG_WORDS.fullmatch(word) or word in _RNG_CALLS) and id(node) not in accepted:
             line = src.splitlines()[node.lineno - 1].strip()
             return _refusing(qual, f"line {first + node.lineno - 1}: {line}")
     helper = _drawing_helper(cls, fn, src, first)

@@ -274,7 +274,57 @@ class _ResetsItself(nn.Module):
         nn.init.normal_(self.w, std=0.02)
 
 
+class _ScaledByDivision(nn.Module):  # (GPT-2's residual projections, scaled after their init)
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 4)
+        self.out.weight.data /= 2.0
+
+
+class _UnderNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 4)
+        w = self.out.weight
+        with torch.no_grad():
+            w /= 2
+
+
+class _PaddingRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        with torch.no_grad():
+            self.emb.weight[0] = 0
+
+
+class _DropsADraw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 4)
+        _ = torch.randn_like(self.out.weight)
+
+
+class _Reseeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.out = nn.Linear(4, 4)
+
+
+class _GivenTable(nn.Module):  # (torch's Embedding does not reset a table it is given)
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding.from_pretrained(torch.arange(32.0).view(8, 4))
+
+
 @pytest.mark.parametrize("cls,said", [
+    (_ScaledByDivision, r"_ScaledByDivision.__init__ \(.*: self.out.weight.data /= 2.0\)"),
+    (_UnderNoGrad, r"_UnderNoGrad.__init__ \(.*: with torch.no_grad\(\):\)"),
+    (_PaddingRow, r"_PaddingRow.__init__ \(.*: self.emb.weight\[0\] = 0\)"),
+    (_DropsADraw, r"_DropsADraw.__init__ \(.*: _ = torch.randn_like\(self.out.weight\)\)"),
+    (_Reseeds, r"_Reseeds.__init__ \(.*: torch.manual_seed\(5\)\)"),
+    (_GivenTable, r"_GivenTable.__init__ \(.*: self.pos = nn.Embedding.from_pretrained"),
     (_ZeroedOut, r"_ZeroedOut.__init__ \(.*: self.out.weight.data.zero_\(\)\)"),
     (_Scaled, r"_Scaled.__init__ \(.*: self.out.weight.mul_\(0.01\)\)"),
     (_InheritsInit, r"_AppliesInit.__init__ \(.*: self.apply\(self._init\)\)"),
@@ -522,3 +572,45 @@ def test_a_write_into_a_deferred_model_after_its_build_is_refused():
     with pytest.raises(SpmdError, match=r"fc1.weight was written after spmd.deferred_init returned.*What to do: "
                                         r"make the change inside the build function"):
         tape_of(meta)
+
+
+class _GateResetWhenAsked(nn.Module):
+    def __init__(self, init: bool = False):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+        if init:
+            self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w)
+
+
+class _GateNeverReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w)
+
+
+def test_a_reset_parameters_construction_does_not_call_is_not_replayed():
+    """Found by a probe: a module of the user's defining reset_parameters() that its __init__ does not call (its
+    parameter made with torch.zeros) was reset by the replay all the same: 2.12 off, and every later draw shifted.
+    Never called: not replayed, so its tensor is named as lost on meta. Called under a condition: refused, with
+    reset_fns to say which; saying it gives the single-device values."""
+    from spmd.runtime.init_weights import init_local_shards, plan_init
+
+    with torch.device("meta"):
+        never = nn.Sequential(_GateNeverReset(), nn.Linear(4, 4))
+        asked = nn.Sequential(_GateResetWhenAsked(), nn.Linear(4, 4))
+    with pytest.raises(SpmdError, match=r"set by no reset_parameters\(\) and no init_fn.*: 0.w"):
+        plan_init(never).check()
+    with pytest.raises(SpmdError, match=r"_GateResetWhenAsked.__init__ calls reset_parameters\(\) only under a "
+                                        r"condition.*reset_fns=\{_GateResetWhenAsked: None\}"):
+        plan_init(asked)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_GateResetWhenAsked(), nn.Linear(4, 4))
+    out = init_local_shards(asked, {}, (1,), (0,), seed=0, replicate_missing=True, strict=False,
+                            reset_fns={_GateResetWhenAsked: None})
+    assert torch.equal(out["1.weight"], ref[1].weight) and "0.w" not in out
