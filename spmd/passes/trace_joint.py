@@ -40,7 +40,7 @@ from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, distinct_inputs, draws_change_the_graph, graph_signature,
-                                      random_draws, refuse_random_draws, shared_names, tensor_infos,
+                                      random_draws, refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
@@ -139,9 +139,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
-            f"trace_joint: the forward assigns a new tensor to buffer {assigned[0]} (`self.name = new`); a "
-            "training graph keeps the module's own buffer, so the new value would be lost. What to do: update "
-            "the buffer in place under torch.no_grad() (`self.name.copy_(new)`, as batch norm updates its "
+            f"trace_joint: the forward assigns a new tensor to {assigned[0]} (`self.name = new`, or `.data = new`); "
+            "a training graph keeps the module's own tensor, so the new value would be lost. What to do: update "
+            "the buffer (or parameter) in place under torch.no_grad() (`self.name.copy_(new)`, as batch norm updates its "
             "statistics), reading a clone (`self.name.clone()`) where the forward uses its old value for "
             "gradients.")
 
@@ -364,19 +364,19 @@ def _autocast_in_forward(root: torch.nn.Module):
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
                           counted: list | None = None) -> tuple:
-    assigned: list[str] = []  # buffers the forward replaced (on either road: `_buffers_assigned`)
+    assigned: list[str] = []  # buffers the forward replaced (on either road: `state_assigned`)
     kept = _state_kept(root)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
-        with kept, _buffers_assigned() as assigned:
+        with kept, state_assigned() as assigned:
             gm, out_spec, applied = _aot_over_module(root, example_inputs)
         if kept.registered_changed and not assigned:
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
             kept = _state_kept(root)
-            with kept, _buffers_assigned() as assigned:  # (the hooks a forward registers, too)
+            with kept, state_assigned() as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
@@ -491,35 +491,6 @@ def _shares_submodules(root: torch.nn.Module) -> bool:
             return True
         seen.add(id(m))
     return False
-
-
-class _buffers_assigned:
-    """The buffers a forward replaces (`self.scale = self.scale * 0.5`, where a batch norm updates its
-    statistics in place), as "module class.name", found by comparing each module's buffers before and after
-    its forward. AOTAutograd over the module sees no mutation there (the buffer it traced through is
-    untouched) and puts the module's tensors back after the call, so the new value would be lost; torch.export
-    records it as a mutation."""
-
-    def __enter__(self) -> list[str]:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-        found, before = [], {}
-
-        def pre(module, args):
-            before[id(module)] = dict(module._buffers)
-
-        def post(module, args, output):
-            was = before.pop(id(module), None)
-            if was is not None:
-                found.extend(f"{type(module).__name__}.{name}" for name, t in module._buffers.items()
-                             if was.get(name) is not None and t is not was[name])  # (not a cache made lazily)
-
-        self.handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
-        return found
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def _refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Module) -> None:

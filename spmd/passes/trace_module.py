@@ -624,6 +624,106 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
 
 
+class _Assigned(list):
+    """What `state_assigned` found, as words ("buffer Module.name"), with `entries`: (module, name, "buffer" |
+    "parameter" | "data") of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries: list[tuple] = []
+
+
+class state_assigned:
+    """The state a forward replaces, found by comparing, around each module's forward, the tensors its subtree
+    holds: a buffer given a new tensor (`self.scale = self.scale * 0.5`, where a batch norm updates its statistics
+    in place), as "buffer module class.name"; a parameter given one (`self.emb.weight = nn.Parameter(new)`, a
+    VQ-VAE's EMA codebook), as "parameter ..."; a parameter or buffer given new data (`self.ema.data = new`), as
+    "... .data" (found by a probe: the graph kept the old values, 0.4 off after 3 steps). AOTAutograd over the
+    module sees no mutation there (the tensor it traced through is untouched) and puts the module's tensors back
+    after the call, so the new value would be lost; torch.export records a buffer's as a mutation."""
+
+    @staticmethod
+    def _storage(t) -> int | None:
+        try:
+            return t.untyped_storage()._cdata
+        except (NotImplementedError, RuntimeError):
+            return None
+
+    def __enter__(self) -> list[str]:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        found, before = _Assigned(), {}
+
+        def snapshot(module):
+            return [(m, dict(m._parameters), dict(m._buffers),
+                     {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
+                      if t is not None},
+                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)}) for m in module.modules()]
+
+        def pre(module, args):
+            before.setdefault(id(module), []).append(snapshot(module))
+
+        def post(module, args, output):
+            stack = before.get(id(module))
+            if not stack:
+                return
+            for m, params, buffers, storages, attributes in stack.pop():
+                name_of = type(m).__name__
+                for n, t in attributes.items():  # (a plain tensor attribute given a new tensor: words not kept)
+                    if m.__dict__.get(n) is not t:
+                        found.entries.append((m, n, ("attribute", t)))
+                for n, t in m._buffers.items():
+                    if buffers.get(n) is not None and t is not buffers[n]:  # (not a cache made lazily)
+                        found.append(f"buffer {name_of}.{n}")
+                        found.entries.append((m, n, "buffer"))
+                for n, t in m._parameters.items():
+                    if params.get(n) is not None and t is not params[n]:
+                        found.append(f"parameter {name_of}.{n}")
+                        found.entries.append((m, n, "parameter"))
+                for table, kind in ((m._parameters, "parameter"), (m._buffers, "buffer")):
+                    for n, t in table.items():
+                        was = storages.get(n)
+                        if t is not None and was is not None and (params if kind == "parameter" else buffers).get(n) \
+                                is t and self._storage(t) != was:
+                            found.append(f"{kind} {name_of}.{n}.data")
+                            found.entries.append((m, n, "data"))
+
+        self.handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
+        return found
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, mutated: set[str],
+                                  constants=()) -> None:
+    """A forward-only graph (torch.export) carries a buffer assigned through `self.name = new` out as a mutation
+    (`mutated`: those buffers' names), and nothing else: a parameter given a new tensor, a tensor given new `.data`,
+    a buffer set through `self._buffers[name] = new` (found by a probe: outputs 0.065-0.23 off from the second
+    call, silently). Refused with the way out."""
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    read = {id(t) for t in constants}
+    for m, name, how in entries:
+        fqn = f"{paths[id(m)]}.{name}" if paths.get(id(m)) else name
+        if how == "buffer" and fqn in mutated:
+            continue
+        if isinstance(how, tuple):  # a plain tensor attribute the graph reads as a constant (a streaming mean)
+            if id(how[1]) not in read:
+                continue  # (one only written, `self.last_attention = a`, changes no graph)
+            raise SpmdError(
+                f"trace_module: the forward gives {fqn}, a plain tensor attribute the graph reads, a new tensor: the "
+                "graph holds the value the trace saw as a constant, so every call would read it (0.065-0.11 off from "
+                f"the second call, in a probe). What to do: register it as a buffer (`self.register_buffer("
+                f"{name!r}, tensor)`) and assign it as `self.{name} = new`, which the graph carries out.")
+        what = {"buffer": f"buffer {fqn} a new tensor through `_buffers`", "parameter": f"parameter {fqn} a new tensor",
+                "data": f"{fqn} new `.data`"}[how]
+        raise SpmdError(
+            f"trace_module: the forward gives {what}, which the graph does not carry out: every call would start "
+            "from the value the trace saw. What to do: update it in place under torch.no_grad() "
+            f"(`self.{name}.copy_(new)`), or assign a buffer as `self.{name} = new`, which the graph carries out.")
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     held = _held(model)
@@ -632,7 +732,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     try:
-        with random_draws() as drew:
+        with random_draws() as drew, state_assigned() as assigned:
             ep = export()
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
@@ -644,6 +744,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             ep = ep.run_decompositions(_decomposition_table())
         if held is not model:
             _unheld(ep)
+        refuse_state_assigned_in_eval(assigned.entries, model, set(ep.graph_signature.buffers_to_mutate.values()),
+                                      ep.constants.values())
     except SpmdError:
         raise
     except Exception as e:  # torch's own message says which line failed to trace

@@ -4,6 +4,7 @@ the buffers' pieces. Before, both trace roads refused such a model."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -175,7 +176,7 @@ def test_a_buffer_assigned_in_training_fails_and_the_in_place_update_it_names_wo
     which trains as eager does."""
     x, t = torch.randn(3, 4), torch.randn(3, 4)
     with pytest.raises(spmd.SpmdError, match=r"assigns a new tensor to buffer _Decays\.scale.*What to do: update "
-                                             r"the buffer in place under torch\.no_grad\(\)"):
+                                             r"the buffer \(or parameter\) in place under torch\.no_grad\(\)"):
         one_device(_Decays(in_place=False), (x, t), training=True, loss_fn=F.mse_loss)
     torch.manual_seed(0)
     model = _Decays(in_place=True)
@@ -263,3 +264,51 @@ def test_load_state_dict_with_a_root_parameter_and_partial_dicts():
     assert result.missing_keys == ["fc.bias"] and result.unexpected_keys == []
     torch.testing.assert_close(compiled.get_parameter("fc.weight"), other.fc.weight + 1)
     torch.testing.assert_close(compiled.get_parameter("fc.bias"), other.fc.bias)  # (left as it was)
+
+
+class _Replaces(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.how = how
+        self.register_buffer("ema", torch.zeros(8))
+        self.w_ema = nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.t = torch.zeros(8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        new = 0.5 * self.ema + 0.5 * h.detach().mean(0)
+        if self.how == "data":
+            self.ema.data = new
+        elif self.how == "_buffers":
+            self._buffers["ema"] = new
+        elif self.how == "parameter":
+            self.w_ema = nn.Parameter(self.w_ema * 0.5 + new, requires_grad=False)
+        elif self.how == "attribute":
+            self.t = 0.5 * self.t + 0.5 * h.mean(0)
+            return h - self.t
+        elif self.how == "setattr":
+            self.ema = new
+        return h - self.ema + self.w_ema
+
+
+@pytest.mark.parametrize("how,said", [("data", "ema new `.data`"), ("_buffers", "buffer ema a new tensor through"),
+                                      ("parameter", "parameter w_ema a new tensor"),
+                                      ("attribute", "t, a plain tensor attribute the graph reads")])
+def test_state_a_forward_replaces_in_ways_no_graph_carries_out_is_refused(how, said):
+    """Found by a probe: `self.ema.data = new`, `self._buffers["ema"] = new`, a parameter given a new tensor (a
+    VQ-VAE's EMA codebook) and a plain tensor attribute the forward reads (a streaming mean) kept the traced value
+    in the graph: outputs 0.065-0.23 off from the second call in eval, 0.4 off on the buffer after 3 training steps,
+    silently. Refused in both; `self.ema = new` on a buffer, which export carries out, stays exact in eval."""
+    x = torch.randn(4, 8)
+    with pytest.raises(spmd.SpmdError, match="trace_module: the forward gives " + re.escape(said)):
+        one_device(_Replaces(how).eval(), (x,))
+    with pytest.raises(spmd.SpmdError, match=r"trace_joint: the forward assigns a new tensor|register .* as a buffer"):
+        one_device(_Replaces(how), (x, torch.randn(4, 8)), training=True, loss_fn=F.mse_loss)
+    torch.manual_seed(0)
+    model = _Replaces("setattr").eval()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x,))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), reference(x))
