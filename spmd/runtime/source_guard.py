@@ -727,14 +727,20 @@ def model_changed(compiled) -> None:
     given weights), before it trained: a checkpoint loaded into the model after compiling
     (`model.load_state_dict(torch.load(...))`), an init function applied (`model.apply(init_weights)`). The
     module holds the weights it was compiled with and would train from them, silently. Once it has trained,
-    the model's weights are the old ones (`stale`'s business), and this costs nothing."""
-    if compiled.__dict__.get("_weights_moved") or compiled.__dict__.get("_copy"):  # (a copy: a snapshot)
+    the model's weights are the old ones (`stale`'s business), and only a change of its structure is looked for
+    (`_replaced`: a module or parameter set on it), at a counter's cost."""
+    if compiled.__dict__.get("_copy"):  # (a copy: a snapshot)
+        return
+    # (something was set on some module since the last look: a module swapped or a parametrization registered
+    # changes the computation, trained or not; a probe found such changes after a step unseen, 0.068 off)
+    trained = bool(compiled.__dict__.get("_weights_moved"))
+    if compiled.__dict__.get("_tree_at") != _registered[0] and "_model_tree" in compiled.__dict__:
+        _replaced(compiled, trained)
+    if trained:
         return
     versions = compiled.__dict__.get("_model_versions")
     if not versions:
         return
-    if compiled.__dict__.get("_tree_at") != _registered[0]:  # (something was set on some module since the last look)
-        _replaced(compiled)
     changed = [p for p, v, at, layout in versions.values()
                if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, layout)]
     model = compiled._source_model
@@ -886,14 +892,17 @@ def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
     return False
 
 
-def _replaced(compiled) -> None:
+def _replaced(compiled, trained: bool = False) -> None:
     """Raise where a parameter or submodule of the model was replaced or removed since `compiled` cut its pieces
     (`model.lm_head.weight = nn.Parameter(...)`, transformers' `resize_token_embeddings`, a `load_state_dict(...,
     assign=True)`, an activation module swapped): the version counters `model_changed` reads are the old
-    objects', which nothing changed."""
+    objects', which nothing changed. Once `compiled` has `trained`, the model's values are its own business (a
+    part given the trained pieces with `assign=True` goes on), and only its structure is looked at: a module
+    swapped, a parameter gone or reshaped (a parametrization registered, weight norm removed)."""
     model = compiled._source_model
     before, now = compiled.__dict__["_model_tree"], _tree(model)
-    gone = [name for (kind, name), obj in before.items() if now.get((kind, name)) is not obj]
+    gone = [name for (kind, name), obj in before.items() if now.get((kind, name)) is not obj and not (
+        trained and kind == "parameter" and (kind, name) in now and now[(kind, name)].shape == obj.shape)]
     if not gone:
         compiled.__dict__["_tree_at"] = _registered[0]
         return
