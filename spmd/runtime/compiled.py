@@ -1331,7 +1331,15 @@ class CompiledModule(nn.Module):
         with torch.no_grad():
             for name, value in zip(names, values):
                 attr = self._param_names.get(name) or self._param_names[self._aliases[name]]
-                self._get(attr).copy_(value)
+                piece = self._get(attr)
+                if value.shape != piece.shape and value.numel() != piece.numel():
+                    # (torch's broadcast error named nothing; found by a probe: QAT's per-channel fake-quant scale)
+                    raise SpmdError(
+                        f"buffer {name!r} changes its shape in the forward ({list(piece.shape)} when compiled, "
+                        f"{list(value.shape)} after the call: a quantization observer's scale sized at its first "
+                        "call), and the compiled module holds it at the shape it was compiled with. What to do: run "
+                        "the model once before spmd.compile (`model(example)`), so that it has its final shape.")
+                piece.copy_(value)
 
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave

@@ -312,3 +312,27 @@ def test_state_a_forward_replaces_in_ways_no_graph_carries_out_is_refused(how, s
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(compiled(x), reference(x))
+
+
+def test_a_buffer_the_forward_resizes_is_refused_with_the_way_out():
+    """Found by a probe: prepare_qat's per-channel fake-quant scale starts [1] and the forward sizes it to the
+    channels; the compiled call failed with torch's broadcast error. It now names the buffer and the way out (one
+    eager call before compiling), which trains."""
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).train()
+        m.qconfig = get_default_qat_qconfig("fbgemm")
+        return prepare_qat(m)
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    compiled = one_device(build(), (x, y), training=True, loss_fn=F.mse_loss)
+    with pytest.raises(spmd.SpmdError, match=r"buffer '0.weight_fake_quant.scale' changes its shape in the forward "
+                                             r"\(\[1\] when compiled, \[32\] after the call.*run the model once"):
+        compiled(x, y)
+    model = build()
+    model(x)
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(reference(x), y))
