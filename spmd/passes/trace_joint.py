@@ -39,9 +39,9 @@ from torch.overrides import TorchFunctionMode
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
-                                      _drop_effect_tokens, distinct_inputs, draws_change_the_graph, graph_signature,
-                                      random_draws, refuse_random_draws, shared_names, state_assigned, tensor_infos,
-                                      untraceable_message, untraceable_way_out, user_outputs_first,
+                                      _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
+                                      graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
+                                      tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
 _PREFIX = "model."
@@ -139,7 +139,8 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
-            f"trace_joint: the forward assigns a new tensor to {assigned[0]} (`self.name = new`, or `.data = new`); "
+            f"trace_joint: the forward assigns a new tensor to {described(assigned[0])} (`self.name = new`, or `.data "
+            "= new`); "
             "a training graph keeps the module's own tensor, so the new value would be lost. What to do: update "
             "the buffer (or parameter) in place under torch.no_grad() (`self.name.copy_(new)`, as batch norm updates its "
             "statistics), reading a clone (`self.name.clone()`) where the forward uses its old value for "
@@ -364,7 +365,7 @@ def _autocast_in_forward(root: torch.nn.Module):
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
                           counted: list | None = None) -> tuple:
-    assigned: list[str] = []  # buffers the forward replaced (on either road: `state_assigned`)
+    assigned: list[tuple] = []  # state the forward replaced (on either road: `state_assigned`)
     kept = _state_kept(root)
     try:
         if _shares_submodules(root):

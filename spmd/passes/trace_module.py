@@ -624,23 +624,19 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
 
 
-class _Assigned(list):
-    """What `state_assigned` found, as words ("buffer Module.name"), with `entries`: (module, name, "buffer" |
-    "parameter" | "data") of each."""
-
-    def __init__(self):
-        super().__init__()
-        self.entries: list[tuple] = []
-
-
 class state_assigned:
     """The state a forward replaces, found by comparing, around each module's forward, the tensors its subtree
-    holds: a buffer given a new tensor (`self.scale = self.scale * 0.5`, where a batch norm updates its statistics
-    in place), as "buffer module class.name"; a parameter given one (`self.emb.weight = nn.Parameter(new)`, a
-    VQ-VAE's EMA codebook), as "parameter ..."; a parameter or buffer given new data (`self.ema.data = new`), as
-    "... .data" (found by a probe: the graph kept the old values, 0.4 off after 3 steps). AOTAutograd over the
-    module sees no mutation there (the tensor it traced through is untouched) and puts the module's tensors back
-    after the call, so the new value would be lost; torch.export records a buffer's as a mutation."""
+    holds; a list of (module, name, how) entries: a buffer given a new tensor (`self.scale = self.scale * 0.5`,
+    where a batch norm updates its statistics in place), "buffer"; a parameter given one (`self.emb.weight =
+    nn.Parameter(new)`, a VQ-VAE's EMA codebook), "parameter"; a parameter or buffer given new data (`self.ema.data
+    = new`), "parameter.data" / "buffer.data" (found by a probe: the graph kept the old values, 0.4 off after 3
+    steps); with `attributes`, a plain tensor attribute given a new tensor, ("attribute", the old tensor).
+    AOTAutograd over the module sees no mutation there (the tensor it traced through is untouched) and puts the
+    module's tensors back after the call, so the new value would be lost; torch.export records a buffer's as a
+    mutation (`refuse_state_assigned_in_eval`)."""
+
+    def __init__(self, attributes: bool = False):
+        self.attributes = attributes
 
     @staticmethod
     def _storage(t) -> int | None:
@@ -649,16 +645,17 @@ class state_assigned:
         except (NotImplementedError, RuntimeError):
             return None
 
-    def __enter__(self) -> list[str]:
+    def __enter__(self) -> list[tuple]:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-        found, before = _Assigned(), {}
+        found, before = [], {}
 
         def snapshot(module):
-            return [(m, dict(m._parameters), dict(m._buffers),
+            return [(m, {**m._parameters, **m._buffers},
                      {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
                       if t is not None},
-                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)}) for m in module.modules()]
+                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)} if self.attributes else {})
+                    for m in module.modules()]
 
         def pre(module, args):
             before.setdefault(id(module), []).append(snapshot(module))
@@ -667,26 +664,16 @@ class state_assigned:
             stack = before.get(id(module))
             if not stack:
                 return
-            for m, params, buffers, storages, attributes in stack.pop():
-                name_of = type(m).__name__
-                for n, t in attributes.items():  # (a plain tensor attribute given a new tensor: words not kept)
-                    if m.__dict__.get(n) is not t:
-                        found.entries.append((m, n, ("attribute", t)))
-                for n, t in m._buffers.items():
-                    if buffers.get(n) is not None and t is not buffers[n]:  # (not a cache made lazily)
-                        found.append(f"buffer {name_of}.{n}")
-                        found.entries.append((m, n, "buffer"))
-                for n, t in m._parameters.items():
-                    if params.get(n) is not None and t is not params[n]:
-                        found.append(f"parameter {name_of}.{n}")
-                        found.entries.append((m, n, "parameter"))
-                for table, kind in ((m._parameters, "parameter"), (m._buffers, "buffer")):
+            for m, tensors, storages, attributes in stack.pop():
+                found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
+                for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):
                     for n, t in table.items():
-                        was = storages.get(n)
-                        if t is not None and was is not None and (params if kind == "parameter" else buffers).get(n) \
-                                is t and self._storage(t) != was:
-                            found.append(f"{kind} {name_of}.{n}.data")
-                            found.entries.append((m, n, "data"))
+                        if tensors.get(n) is None or t is None:  # (not a cache made lazily)
+                            continue
+                        if t is not tensors[n]:
+                            found.append((m, n, kind))
+                        elif self._storage(t) != storages.get(n):
+                            found.append((m, n, kind + ".data"))
 
         self.handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
         return found
@@ -694,6 +681,13 @@ class state_assigned:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
+
+
+def described(entry: tuple) -> str:
+    """"buffer BatchNorm1d.scale" for a `state_assigned` entry."""
+    m, name, how = entry
+    kind, _, data = how.partition(".")
+    return f"{kind} {type(m).__name__}.{name}{'.data' if data else ''}"
 
 
 def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, mutated: set[str],
@@ -716,8 +710,8 @@ def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, 
                 "graph holds the value the trace saw as a constant, so every call would read it (0.065-0.11 off from "
                 f"the second call, in a probe). What to do: register it as a buffer (`self.register_buffer("
                 f"{name!r}, tensor)`) and assign it as `self.{name} = new`, which the graph carries out.")
-        what = {"buffer": f"buffer {fqn} a new tensor through `_buffers`", "parameter": f"parameter {fqn} a new tensor",
-                "data": f"{fqn} new `.data`"}[how]
+        what = {"buffer": f"buffer {fqn} a new tensor through `_buffers`", "parameter": f"parameter {fqn} a new tensor"
+                }.get(how, f"{fqn} new `.data`")
         raise SpmdError(
             f"trace_module: the forward gives {what}, which the graph does not carry out: every call would start "
             "from the value the trace saw. What to do: update it in place under torch.no_grad() "
@@ -732,7 +726,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     try:
-        with random_draws() as drew, state_assigned() as assigned:
+        with random_draws() as drew, state_assigned(attributes=True) as assigned:
             ep = export()
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
@@ -744,7 +738,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             ep = ep.run_decompositions(_decomposition_table())
         if held is not model:
             _unheld(ep)
-        refuse_state_assigned_in_eval(assigned.entries, model, set(ep.graph_signature.buffers_to_mutate.values()),
+        refuse_state_assigned_in_eval(assigned, model, set(ep.graph_signature.buffers_to_mutate.values()),
                                       ep.constants.values())
     except SpmdError:
         raise
