@@ -21,7 +21,7 @@ from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
-from spmd.core.graph_facts import is_random
+from spmd.core.graph_facts import is_random, is_view
 from spmd.core.specs import contiguous_strides, local_shape
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
@@ -183,7 +183,7 @@ class CompiledModule(nn.Module):
         self._last_outputs: list = []  # weak references to the last call's flat outputs (see gather_outputs)
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
-        self._warned_state_output: dict[int, bool] = {}
+        self._warned_state_output: set[int] = set()
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
         self._differentiable = tuple(int(gi.name.rsplit("_", 1)[1]) for gi in c.traced.inputs if gi.kind == "tangent")
@@ -486,18 +486,21 @@ class CompiledModule(nn.Module):
             "rank save and load its own file (`f'ckpt_{rank}.pt'`), or use torch.distributed.checkpoint "
             "(`dcp.save(compiled.state_dict())`), which loads on any mesh and plan.")
 
-    def _piece_of(self, fqn: str, value, piece: torch.Tensor):
+    def _piece_of(self, fqn: str, value, piece: torch.Tensor, exact: bool = False):
         """This rank's piece of `value` for `fqn`, whose piece is shaped as `piece`: a DTensor resharded to
-        this plan's layout, a full tensor cut; a number, or a whole that is the piece, as it is."""
-        whole = tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() > 0 else None  # (DTensor: whole)
+        this plan's layout, a full tensor cut; a number, or a whole that is the piece, as it is. `exact`: the
+        value is the parameter's own (a state dict's entry), of its whole shape exactly, as torch's load
+        requires; else an optimizer's state, which may be a number or have other dims (a factored one's)."""
+        whole = tuple(value.shape) if isinstance(value, torch.Tensor) else None  # (DTensor: whole)
         shape = self._global_shapes.get(fqn)
-        # (a state of another shape than its parameter's, as a factored optimizer keeps, has other dims)
-        if whole is not None and shape is not None and len(whole) == len(shape) and whole != tuple(shape):
-            # (a piece-shaped tensor was once taken for this rank's piece: half a bias from a smaller
-            # configuration loaded into both halves, silently; a tensor of one broadcast over the whole)
-            raise SpmdError(f"size mismatch for {fqn}: copying a tensor of shape {list(whole)} from the state dict, "
-                            f"the model's is {list(shape)}. What to do: load a state dict of this model's "
-                            "configuration (whole tensors, or the DTensors of its state_dict()).")
+        # (a piece-shaped tensor was once taken for this rank's piece: half a bias from a smaller configuration
+        # loaded into both halves, silently; a tensor of one, a vector or a number broadcast over the whole)
+        if shape is not None and (whole != tuple(shape) if exact else
+                                  bool(whole) and len(whole) == len(shape) and whole != tuple(shape)):
+            got = f"a tensor of shape {list(whole)}" if whole is not None else f"a {type(value).__name__}"
+            raise SpmdError(f"size mismatch for {fqn}: copying {got} from the state dict, the model's is "
+                            f"{list(shape)}. What to do: load a state dict of this model's configuration (whole "
+                            "tensors, or the DTensors of its state_dict()).")
         if hasattr(value, "to_local"):
             self._saved_here(fqn, value)
             return value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
@@ -556,16 +559,7 @@ class CompiledModule(nn.Module):
                     raise SpmdError(f"load_sharded_state_dict: no entry for {fqn!r}. What to do: load a state "
                                     "dict saved from this model (compiled.sharded_state_dict() or full_state_dict()).")
                 local = self._get(attr)
-                shape = self._global_shapes.get(fqn)
-                if shape is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape)):
-                    # (a vector or a number was broadcast over the whole weight, silently, where torch refuses;
-                    # found by a probe)
-                    got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
-                        f"a {type(value).__name__}"
-                    raise SpmdError(f"size mismatch for {fqn}: copying {got} from the state dict, the model's is "
-                                    f"{list(shape)}. What to do: load a state dict of this model's configuration "
-                                    "(whole tensors, or the DTensors of its state_dict()).")
-                local.copy_(self._piece_of(fqn, value, local))
+                local.copy_(self._piece_of(fqn, value, local, exact=True))
                 loaded.add(fqn)
         self._uninitialized -= loaded
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
@@ -1039,9 +1033,9 @@ class CompiledModule(nn.Module):
             ps = self.plan.choices.get(f"output_{k}") if k is not None else None
             full.append(gather_full(t, ps.inputs[0], self.mesh_spec, self.coord, self.group_names)
                         if ps is not None else t)
-            if k in self._state_outputs and not self._warned_state_output.get(k) and not _shares(full[-1], self.piece(
-                    self._state_outputs[k])):
-                self._warned_state_output[k] = True
+            if k in self._state_outputs and k not in self._warned_state_output and not _shares(
+                    full[-1], self.piece(self._state_outputs[k])):
+                self._warned_state_output.add(k)
                 warnings.warn(
                     f"gather_outputs: output {k} is the model's {self._state_outputs[k]!r} itself (the forward returns "
                     "it), and its gathered tensor is a new one: writing into it changes nothing in the model, where "
@@ -1540,8 +1534,7 @@ def _outputs_of_state(c) -> dict[int, str]:
     for node, kind in zip(flat_outputs(c.traced.graph.output_node()), c.traced.output_kinds()):
         if kind.kind != "output":
             continue
-        while isinstance(node, torch.fx.Node) and node.op == "call_function" and \
-                isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and is_view(node.target):
             node = node.args[0]
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:
             found[int(kind.name.rsplit("_", 1)[1])] = c.traced.aliases.get(state[node.target], state[node.target])
