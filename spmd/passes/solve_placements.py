@@ -989,15 +989,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     edges.append(Edge(value, name, j, src, dst, steps, 0.0 if shared else cost, shared))
                     if gradient and costs.bucket_bytes and not shared:
                         for step in steps:
-                            if step.kind == "all_reduce":
+                            if step.kind == "all_reduce":  # (their shares of a launch, as the program prices them)
                                 row = bucketed.setdefault(costs.mesh.axis_names[step.axis], [0, 0])
                                 row[0] += 1
-                                row[1] += step.in_bytes
+                                row[1] += bucket_share(step.in_bytes, costs.bucket_bytes)
         stats = {} if result is None else {"binary": result.n_binary, "continuous": result.n_continuous,
                                            "rows": result.n_rows, "status": result.status}
-        if bucketed:  # {axis: [gradient all_reduces, their bytes, launches]}: explain counts launches
-            stats["gradient_all_reduces"] = {axis: [n, b, max(1, math.ceil(b / costs.bucket_bytes))]
-                                             for axis, (n, b) in bucketed.items()}
+        if bucketed:  # {axis: [gradient all_reduces, their shares of a launch, launches]}: explain's count
+            stats["gradient_all_reduces"] = {axis: [n, shares, max(1, math.ceil(shares - 1e-9))]
+                                             for axis, (n, shares) in bucketed.items()}
         memory: dict[str, float] = {}
         for term in costs.memory:
             src = choices[term.value[0]]

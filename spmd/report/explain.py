@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from spmd.core.graph_facts import any_layer, format_bytes, format_seconds
-from spmd.cost_model.comm import step_cost
+from spmd.cost_model.comm import bucketed_latency, step_cost
 from spmd.report.details import ParamUse, PlanDetails
 
 
@@ -86,14 +86,13 @@ def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
         row[0] += 1
         row[1] += s.in_bytes
         row[2] += seconds
-    for axis, (count, nbytes, launches) in plan.stats.get("gradient_all_reduces", {}).items():
+    for axis, (count, shares, launches) in plan.stats.get("gradient_all_reduces", {}).items():
         row = totals.get(("all_reduce", axis))
         if row is None:
             continue
         row[0] += launches - count
         link = plan.mesh.links[plan.mesh.axis_names.index(axis)]
-        bucket = plan.stats.get("bucket_bytes") or nbytes
-        row[2] += link.alpha_beta("all_reduce")[0] * max(1.0, nbytes / bucket)
+        row[2] += bucketed_latency(link.alpha_beta("all_reduce")[0], [shares])
     return [(k, a, c, b, t) for (k, a), (c, b, t) in sorted(totals.items())]
 
 
