@@ -555,18 +555,18 @@ class _state_kept:
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
-        self.counted: list[tuple] = []  # (module, attribute) numbers the forward changed: `_refuse_counted`
+        # (module, attribute, the value one run left or _MISSING): numbers the forward changed, `_refuse_counted`
+        self.counted: list[tuple] = []
         # (module, attribute) -> the value one run of the forward left: a flag it flips at each call is back
         # where it was after the trace's runs, and seen only run by run (the root's hooks)
         self.next_values: dict[tuple, object] = {}
-        self._root, self._hooks = root, []
+        self._root, self._hooks, self._modules = root, [], [m for m, *_ in self.saved]
 
     def _numbers(self) -> dict[tuple, object]:
         return {(m, key): v for m in self._modules for key, v in m.__dict__.items()
                 if type(v) in (int, float, bool) and key != "training"}  # (modes: the holders' business)
 
     def __enter__(self) -> "_state_kept":
-        self._modules = [m for m, *_ in self.saved]
         before: list[dict] = []
         self._hooks = [self._root.register_forward_pre_hook(lambda *_: before.append(self._numbers())),
                        self._root.register_forward_hook(lambda *_: self._ran(before.pop() if before else None))]

@@ -352,10 +352,11 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
             raise SpmdError(
                 f"{info.fqns[0]} is on {info.obj.device}, not meta: its module made it there although the model was "
                 "built under torch.device('meta') (the legacy constructor `torch.Tensor(n)`, as transformers' "
-                "Wav2Vec2 uses, ignores it). What to do: move it to meta before compiling "
-                f"(`{f'model.get_submodule({path!r})' if path else 'model'}.{leaf} = nn.Parameter(t.to('meta'))`, "
-                "the same for a buffer), "
-                "and init_weights redoes what its __init__ did; or load the weights from a checkpoint.")
+                "Wav2Vec2 uses, ignores it). What to do: build the model with spmd.deferred_init(Model, ...), which "
+                "records its construction (not for a transformers model); for a transformers model, move it to meta "
+                f"before compiling (`{f'model.get_submodule({path!r})' if path else 'model'}.{leaf} = "
+                "nn.Parameter(t.to('meta'))`, the same for a buffer), and init_weights redoes what its __init__ did "
+                "where it can read it; or load the weights from a checkpoint.")
     if order not in ("post", "pre"):
         raise SpmdError("order: 'post' or 'pre'")
     events, unknown = _schedule(meta_model, reset_fns, init_fn, init_roots, order)
@@ -453,8 +454,8 @@ def _skips_refused(rec: "_Recorder"):
     """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event;
     `trunc_normal_` shown as the draw it is (`_trunc_normal_on_meta`, through the module function every binding of
     `trunc_normal_` calls). For the refusals, two ways: the functions on `nn.init` are replaced for the while (a call
-    from any thread), and, where no
-    profiler runs, a profile function notes a call of their code however it was bound (`from torch.nn.init import
+    from any thread), and, where no profiler runs, a profile function notes a call of their code however it was
+    bound (`from torch.nn.init import
     orthogonal_`; transformers' `initialization` keeps torch's own in a table). A profiler that runs (cProfile,
     torch.profiler with stacks: C-level, which a Python profile function cannot chain to) is left alone, and a
     function bound by name is not seen then (a review found the first version breaking both). The refusal is

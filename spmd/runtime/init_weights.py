@@ -495,17 +495,15 @@ def hf_init_kwargs(model: nn.Module) -> dict:
 
     roots = {f: _flagged(m._init_weights) for f, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     reset_fns: dict[type, Callable | None] = {Conv1D: lambda m: nn.init.normal_(m.weight, std=0.02)}
+    torch_resets = _default_reset_fns()          # (nn.MultiheadAttention: its own reset, which the replay knows)
     for _, m in model.named_modules():
         cls = type(m)
-        if cls in reset_fns or callable(getattr(m, "reset_parameters", None)) or _lookup(_default_reset_fns(), cls)[0]:
-            continue                             # (nn.MultiheadAttention: its own reset, which the replay knows)
+        if cls in reset_fns or callable(getattr(m, "reset_parameters", None)) or _lookup(torch_resets, cls)[0]:
+            continue
         if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
-            try:
-                inspect.getsource(cls.__init__)
-            except (OSError, TypeError):             # (no source: left to the replay's warning)
-                continue
-            made = init_draws(cls, m)             # (None: it makes nothing the replay must redo)
-            reset_fns[cls] = None if isinstance(made, _Draws) and not (made.draws or made.before_children) else made
+            made = init_draws(cls, m)
+            if made is not _UNREAD:              # (no source: left to the replay's warning)
+                reset_fns[cls] = made if not isinstance(made, _Draws) or made.draws or made.before_children else None
     discard = []
     for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
         try:
@@ -612,6 +610,9 @@ class _Draws:
                 getattr(t, op)(*(a.of(module) if isinstance(a, _SelfAttr) else a for a in args))
 
 
+_UNREAD = object()  # (init_draws: a class whose source cannot be read)
+
+
 def init_draws(cls: type, module: nn.Module) -> Callable:
     """The reset fn of a transformers class that owns tensors, has no reset_parameters, and draws in `__init__`
     (ViTEmbeddings: `self.cls_token = nn.Parameter(torch.randn(1, 1, h))`, then its patch embedding, then the
@@ -619,16 +620,17 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
     a replay without them shifted every later draw (ViT 0.12 off). Read from the source: each statement
     `self.x = nn.Parameter(torch.randn(shape))` (or `rand`, or `torch.Tensor(n).uniform_()`) is the same
     draw in place, placed among the children as the source builds them. Anything else that draws (a scaled
-    `s * torch.randn(...)`, a loop, a helper) gives a reset fn that refuses, naming the line and the way out."""
+    `s * torch.randn(...)`, a loop, a helper) gives a reset fn that refuses, naming the line and the way out.
+    `_UNREAD` where the source cannot be read."""
     qual = f"{cls.__module__}.{cls.__qualname__}"
     try:
-        src = textwrap.dedent(inspect.getsource(cls.__init__))
+        lines, first = inspect.getsourcelines(cls.__init__)
+        src = textwrap.dedent("".join(lines))
         fn = ast.parse(src).body[0]
-        first = inspect.getsourcelines(cls.__init__)[1]
     except (OSError, TypeError, SyntaxError, IndexError):
-        return _refusing(qual, "its source cannot be read")
+        return _UNREAD
     children = set(module._modules)
-    steps: list[tuple[str, str, str, tuple]] = []   # ("draw", attr, op, args) | ("child", attr, "", ())
+    steps: list[tuple] = []   # (line, "draw", attr, (op, args)) | (line, "child", attr, None), in source order
     accepted: set[int] = set()
     for node in ast.walk(fn):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
