@@ -34,6 +34,7 @@ one module in full beside the pieces, as in init_weights.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import random
 import sys
@@ -157,12 +158,14 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tape = tape
         self.gens: dict[int, int] = {}
+        self.drawn: set[int] = set()  # generators drawn from since seen or set: on meta, still where they were
         self.calls = _Calls(self)
 
     def _arg(self, x):
         if isinstance(x, torch.Tensor):
             return self.tape.ref(x)
         if isinstance(x, torch.Generator):  # (the dispatcher hands its own wrapper of the user's generator)
+            self.drawn.add(x._cdata)
             if x._cdata not in self.gens:
                 self.gens[x._cdata] = len(self.tape.generators)
                 self.tape.generators.append(x.get_state())
@@ -243,16 +246,29 @@ class _Recorder(TorchDispatchMode):
 def _python_calls() -> tuple[dict, dict]:
     """({code: (function, parameter names)} of the Python functions recorded whole: the torch.nn.init functions
     that return at once on the meta device (their draws depend on values: trunc_normal_ redraws what falls
-    outside [a, b]) and torch.manual_seed; {code: name} of those refused: generator states set from a saved
-    state (what it holds depends on when the build ran) or from the clock."""
+    outside [a, b]) and torch.manual_seed; {code: (name, why)} of those refused: the global generator's state
+    set from a saved state (what it holds depends on when the build ran) or the clock, or read."""
     fns = [getattr(nn.init, n) for n in ("trunc_normal_", "orthogonal_", "dirac_", "sparse_") if hasattr(nn.init, n)]
     fns.append(torch.random.manual_seed)
     recorded = {f.__code__: (f, tuple(inspect.signature(f).parameters)) for f in fns}
-    refused = {f.__code__: f"torch.{f.__name__}" for f in (torch.random.set_rng_state, torch.random.seed)}
+    refused = {f.__code__: (f"torch.{f.__name__}", _SETS) for f in (torch.random.set_rng_state, torch.random.seed)}
+    refused |= {f.__code__: (f"torch.{f.__name__}", _READS) for f in (torch.random.get_rng_state,
+                                                                        torch.random.initial_seed)}
     return recorded, refused
 
 
 _PY_SEED = random.Random.seed.__code__
+_SETS = "which sets the random generator from a saved state or the clock: a replay cannot know it"
+_READS = ("which reads the global generator's state or seed: init_weights(seed) sets it anew, so the replay cannot "
+          "know what the build read")
+
+_DRAWN = ("which reads the state of a generator the build drew from: the meta device draws nothing, so the state "
+          "read is not the one a build on values reads")
+
+
+def _set_generator_state(g: torch.Generator, state: torch.Tensor) -> None:
+    """The replay of a reseed of, or a state set on, a generator of the build's own (`_Calls._generator_call`)."""
+    g.set_state(state)
 
 
 class _Calls:
@@ -273,10 +289,10 @@ class _Calls:
     def __exit__(self, *exc):
         sys.setprofile(self.before)
 
-    def _refuse(self, name: str, frame) -> None:
+    def _refuse(self, name: str, frame, why: str = _SETS) -> None:
         """Noted, and raised once the build returns (`_recording`)."""
         if self.refused_call is None:
-            self.refused_call = (name, _user_line(traceback.extract_stack(frame)))
+            self.refused_call = (name, _user_line(traceback.extract_stack(frame)), why)
 
     def _hook(self, frame, event, arg):
         if self.before is not None:
@@ -289,16 +305,40 @@ class _Calls:
             if frame.f_code is _PY_SEED:
                 self.seeded_python = True
             if frame.f_code in self.refused:
-                self._refuse(self.refused[frame.f_code], frame.f_back)
+                name, why = self.refused[frame.f_code]
+                self._refuse(name, frame.f_back, why)
             if frame.f_code in self.codes:
                 fn, params = self.codes[frame.f_code]
                 values = [frame.f_locals[p] for p in params]
                 if fn is torch.random.manual_seed or isinstance(values[0], torch.Tensor) and values[0].is_meta:
                     self.recorder.record_call(fn, values)
                     self.inside = frame
-        elif event == "c_call" and getattr(arg, "__self__", None) is torch.default_generator \
-                and getattr(arg, "__name__", "") in ("manual_seed", "set_state", "seed"):
-            self._refuse(f"torch.default_generator.{arg.__name__}", frame)
+        elif event in ("c_call", "c_return") and isinstance(getattr(arg, "__self__", None), torch.Generator) \
+                and frame.f_code.co_filename != __file__:  # (not the recording's own get_state)
+            self._generator_call(event, arg.__self__, arg.__name__, frame)
+
+    def _generator_call(self, event: str, g: torch.Generator, name: str, frame) -> None:
+        """A method of a torch.Generator called while building. The global generator's seed and state depend on
+        when the build ran (init_weights seeds it anew): setting them, or reading them (`torch.initial_seed()`,
+        `g.set_state(torch.get_rng_state())`), is refused. A generator of the build's own follows from where it
+        was first seen and what the build does to it: a reseed or a state set (`g.manual_seed(2)` between draws,
+        a state it saved itself) is recorded as the state it leaves, and set again there in the replay; `seed()`
+        (the clock) is refused. (Found by a probe: each of these came out 2.9-4.6 off, silently: the replay set a
+        generator's state once, where it first drew.)"""
+        if g is torch.default_generator:
+            if event == "c_call" and name in ("manual_seed", "set_state", "seed"):
+                self._refuse(f"torch.default_generator.{name}", frame)
+            elif event == "c_call" and name in ("get_state", "initial_seed"):
+                self._refuse(f"torch.default_generator.{name}", frame, _READS)
+        elif g.device.type == "cpu":
+            if event == "c_call" and name == "seed":
+                self._refuse("torch.Generator.seed", frame)
+            elif event == "c_call" and name in ("get_state", "clone_state") and g._cdata in self.recorder.drawn:
+                self._refuse(f"torch.Generator.{name}", frame, _DRAWN)
+            elif event == "c_return" and name in ("manual_seed", "set_state", "graphsafe_set_state"):
+                with torch._C._DisableTorchDispatch():  # (get_state's set_ is no op of the build)
+                    self.recorder.record_call(functools.partial(_set_generator_state, state=g.get_state()), [g])
+                self.recorder.drawn.discard(g._cdata)
 
 
 class _Literals(TorchFunctionMode):
@@ -337,11 +377,11 @@ def _recording(tape: InitTape):
         with torch.device("meta"), _Literals(), recorder, recorder.calls:
             yield recorder.calls
         if recorder.calls.refused_call is not None:
-            name, line = recorder.calls.refused_call
+            name, line, why = recorder.calls.refused_call
             raise SpmdError(
-                f"deferred_init: the construction calls {name} ({line}), which sets the random generator from a "
-                "saved state or the clock: a replay cannot know it. What to do: seed with torch.manual_seed(n) "
-                "(recorded and replayed), or draw from a torch.Generator of your own.")
+                f"deferred_init: the construction calls {name} ({line}), {why}. What to do: seed with "
+                "torch.manual_seed(n) (recorded and replayed), or draw from a torch.Generator of your own seeded "
+                "with a number (`torch.Generator().manual_seed(n)`).")
     except (RuntimeError, NotImplementedError) as e:
         if "meta" not in str(e):
             raise
