@@ -7,7 +7,8 @@ piece is not the whole). So does every other module compiled from the same model
 compiled with `spmd.compile(model.eval(), ...)` beside the training one. Evaluating or saving with any of
 them afterwards would give the numbers of the untrained weights, without a word.
 
-`watch(model, compiled)` puts hooks on the model; once an optimizer has stepped a compiled module's pieces:
+`watch(model, compiled)` puts hooks on the model; once an optimizer has stepped a compiled module's pieces, or
+its forward updated its copies of the model's buffers (batch norm recalibrated in train mode: `buffers_moved`):
 - calling the model, its `state_dict()`, copying it (`copy.deepcopy`, `torch.save(model)`) or compiling it
   again raises `SpmdError` with the way out, until weights are loaded into the model
   (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, with nothing missing);
@@ -104,10 +105,14 @@ class _Inert:
 
 
 def _trained(model) -> bool:
-    """Whether a module compiled from `model` holds newer weights than the model: it trained, or was given a
-    checkpoint whole (`given`), since the model was compiled or last had them copied back."""
-    return any(c.__dict__.get("_weights_moved") or c.__dict__.get("_given_elsewhere")
-               for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+    """Whether a module compiled from `model` holds newer weights than the model: it trained, its forward
+    updated its buffers (`buffers_moved`), or it was given a checkpoint whole (`given`), since the model was
+    compiled or last had them copied back."""
+    return any(c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved")
+               or c.__dict__.get("_given_elsewhere") for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+
+
+_BUFFERS_MOVED = "updated its buffers in a forward (batch norm's running statistics, in train mode)"
 
 
 def _how(model) -> str:
@@ -115,6 +120,8 @@ def _how(model) -> str:
     modules = [c for ref in _compiled_from.get(model, ()) if (c := ref()) is not None]
     if any(c.__dict__.get("_weights_moved") for c in modules):
         return "has trained"
+    if any(c.__dict__.get("_buffers_moved") for c in modules):
+        return _BUFFERS_MOVED
     return "was given weights from elsewhere (a checkpoint loaded into it)"
 
 
@@ -144,8 +151,10 @@ class _Guard:
                     # modules do not have: `model_changed` says so.)
                     _copied_back_shared(module, _copying.pop(module, ()))
                     for c in modules:
-                        if c.__dict__.get("_weights_moved") or c.__dict__.get("_loaded"):
+                        if c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved") \
+                                or c.__dict__.get("_loaded"):
                             c.__dict__["_weights_moved"] = c.__dict__["_given_elsewhere"] = False
+                            c.__dict__["_buffers_moved"] = False
                             mark_model(c)
             return None
         if _trained(module):
@@ -299,7 +308,8 @@ def _verdict(model: torch.nn.Module, now: tuple, fresh: bool = False) -> tuple[d
     moved, marked, unwritten = {}, set(), {}
     for ref in _compiled_from.get(model, ()):
         c = ref()
-        if c is None or not (c.__dict__.get("_weights_moved") or c.__dict__.get("_given_elsewhere")):
+        if c is None or not (c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved")
+                             or c.__dict__.get("_given_elsewhere")):
             continue
         elsewhere = c.__dict__.get("_elsewhere_mark", -1) if c.__dict__.get("_given_elsewhere") else -1
         buffers = c.__dict__.get("_part_buffers", ())
@@ -1198,8 +1208,10 @@ def stale(compiled) -> None:
             "it) since this one last had the model's weights, and this one still holds those: a module for "
             "evaluation beside the one a checkpoint was loaded into? What to do: give it the same weights "
             "(`this.load_state_dict(other.state_dict())`, or the same checkpoint, on every rank).")
+    how = "has trained" if any(c.__dict__.get("_weights_moved") or not c.__dict__.get("_buffers_moved")
+                               for c in newer) else _BUFFERS_MOVED
     raise SpmdError(
-        "another module compiled from the same model has trained since this one last had the model's weights, "
+        f"another module compiled from the same model {how} since this one last had the model's weights, "
         "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
         "copied back into the model): a module for evaluation beside the one for training, or one for another "
         "batch size? "
@@ -1371,6 +1383,24 @@ def _stepped(optimizer, args, kwargs) -> None:
         for fqn in stepped:
             _param_moved[compiled._shared[fqn]] = (_clock[0], ref, fqn, shown)
         _behind_now(compiled)
+
+
+def buffers_moved(compiled) -> None:
+    """`compiled`'s forward updated its copies of the model's buffers (batch norm's running statistics in train
+    mode, a counter) with no optimizer step: the model's own buffers, and its siblings' copies, are behind it
+    now, as after a step (`_trained`, `stale`), until it gives them its own. (Found by a probe: batch norm
+    recalibrated by forwards of a module compiled in train mode, then evaluated through the model, or through a
+    module compiled from it for evaluation, used the old statistics, 0.19 off, silently.)"""
+    if compiled.__dict__.get("_copy") or compiled.__dict__.get("_siblings") is None:
+        return
+    compiled.__dict__["_buffers_moved"] = True
+    if compiled.__dict__.get("_moved_at", 0) == _clock[0] > 0 and not any(
+            (s := ref()) is not None and s is not compiled and s.__dict__.get("_synced", 0) >= _clock[0]
+            for ref in compiled._siblings):
+        return  # (it moved last, and no sibling was given its values since: all are behind it already)
+    _clock[0] += 1
+    compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
+    _behind_now(compiled)
 
 
 def _behind_now(compiled) -> None:

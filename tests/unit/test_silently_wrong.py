@@ -489,6 +489,7 @@ def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model
               else _Counts()).train()
     x = torch.randn(2, 3, 8) if model == "encoder" else torch.randn(4, 8)
     compiled = one_device(source, (x,))
+    reference = copy.deepcopy(source)  # (the model itself is behind once the compiled forward counts a step)
     steps = source.steps.clone() if model == "counts" else None
     compiled.eval()
     with torch.no_grad():
@@ -496,9 +497,9 @@ def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model
     assert compiled._mode_checked is None
     if model == "counts":
         assert torch.equal(source.steps, steps)  # (the check ran on fakes of the buffers)
-    source.eval()
+    reference.eval()
     with torch.no_grad():
-        torch.testing.assert_close(out, source(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
 
 
 def test_converting_a_compiled_modules_pieces_is_refused_before_anything_changes():
@@ -747,7 +748,8 @@ def test_a_submodules_or_hooks_setting_changed_on_the_model_is_named(change, nam
     compiling reached nothing (losses 0.062, 0.33 off), silently."""
     model, x = _Hooked(), torch.randn(6, 4)
     compiled = one_device(model, (x,))
-    torch.testing.assert_close(compiled(x), model(x))
+    want = model(x)  # (first: the compiled forward's power iteration leaves the model's own `weight_u` behind)
+    torch.testing.assert_close(compiled(x), want)
     exec(change)
     with pytest.raises(spmd.SpmdError, match=rf"`{re.escape(named)}` \(.*\) changed after compiling"):
         compiled(x)
@@ -1285,8 +1287,10 @@ def test_what_a_sibling_or_the_model_holds_is_not_taken_for_a_checkpoint_and_old
     evaluate = one_device(model.eval(), (x,))
     model.train()
     evaluate.load_state_dict(trained.state_dict())  # (a sibling's: nothing newer)
-    trained(x, y)
     trained.load_state_dict(model.state_dict())  # (the model's own)
+    evaluate(x)
+    trained(x, y)
+    evaluate.load_state_dict(trained.state_dict())  # (its batch norm statistics moved with the forward)
     evaluate(x)
     opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     trained(x, y).backward()
@@ -2202,9 +2206,10 @@ def test_the_model_put_in_the_other_mode_after_compiling_is_refused():
     model.train()
     with torch.no_grad():
         compiled(x)
+    model.load_state_dict(compiled.full_state_dict())  # (its running statistics moved: the model's are behind)
     evaluating = one_device(model.eval(), (x,))  # (the model stays in eval mode: the other module explains it)
     with torch.no_grad():
-        compiled(x), evaluating(x)
+        evaluating(x), compiled(x)
     plain = one_device(nn.Sequential(nn.Linear(8, 8), nn.Tanh()).train(), (x,))  # (nothing depends on the mode)
     plain._source_model.eval()
     with torch.no_grad():
@@ -2438,11 +2443,13 @@ def test_a_buffer_set_on_the_model_after_compiling_is_refused_until_the_compiled
     """A temperature annealed on the model (`model.t.fill_(0.5)`, as spmd's own message about plain attributes
     advised) never reached the compiled module's copy (1.49 off one device, silently; found by a probe)."""
     model, x = _Annealed(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
     compiled = one_device(model, (x,))
-    compiled(x)
     model(x)  # (the model's own forward moves its running statistics: its state, nothing to say)
-    compiled(x)
+    compiled(x)  # (and the compiled module's its own; the model is behind it now: `buffers_moved`)
+    model.load_state_dict(compiled.full_state_dict(persistent_only=True))  # (the way out of that)
     model.t.fill_(0.5)
+    reference.t.fill_(0.5)
     with pytest.raises(spmd.SpmdError, match=r"_Annealed's buffer\(s\) `t` changed after it was compiled.*"
                                              r"compiled.get_buffer\('t'\).copy_\(new\)"):
         compiled(x)
@@ -2450,12 +2457,15 @@ def test_a_buffer_set_on_the_model_after_compiling_is_refused_until_the_compiled
     with pytest.raises(spmd.SpmdError, match="`t` changed"):
         compiled(x)
     compiled.get_buffer("t").fill_(0.5)  # (the way out: the compiled module's copy)
-    assert torch.allclose(compiled(x), model(x))  # (batch statistics in train mode: the running ones aside)
+    assert torch.allclose(compiled(x), reference(x))  # (batch statistics in train mode: the running ones aside)
+    with pytest.raises(spmd.SpmdError, match=r"updated its buffers in a forward \(batch norm's running statistics"):
+        model(x)
     model.shift = torch.ones(4)  # (assigned: another tensor, not persistent)
+    reference.shift = torch.ones(4)
     with pytest.raises(spmd.SpmdError, match="`shift` changed"):
         compiled(x)
     compiled.get_buffer("shift").fill_(1.0)
-    assert torch.allclose(compiled(x), model(x))
+    assert torch.allclose(compiled(x), reference(x))
 
 
 def test_trained_buffers_copied_back_into_the_model_raise_nothing():
@@ -2897,3 +2907,43 @@ def test_a_backward_after_the_optimizer_stepped_says_what_happened():
     opt.step()
     with pytest.raises(spmd.SpmdError, match=r"modified in place since.*call backward before the optimizer steps"):
         first.backward()
+
+
+def test_statistics_a_compiled_forward_recalibrated_are_not_left_behind():
+    """Found by a probe: batch norm recalibrated by forwards of a module compiled in train mode (no optimizer
+    step), then evaluated through the model, a module compiled from it for evaluation, or a new compile of it,
+    used the statistics as compiled, 0.19 off, silently. Each is refused now until given the compiled module's
+    (`model.load_state_dict(compiled.full_state_dict(persistent_only=True))`, `this.load_state_dict(...)`)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8) * 3 + 1
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).train()
+    reference = copy.deepcopy(model)
+    recalibrate = one_device(model, (x,))
+    evaluate = one_device(model.eval(), (x,))
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            recalibrate(x), reference(x)
+    reference.eval()
+    said = r"updated its buffers in a forward \(batch norm's running statistics, in train mode\) since"
+    with pytest.raises(spmd.SpmdError, match=said + r".*this one still holds those.*this.load_state_dict"):
+        evaluate(x)
+    with pytest.raises(spmd.SpmdError, match=said + r".*What to do: .*model.load_state_dict\(compiled.full_state_dict"):
+        model.eval()(x)
+    with pytest.raises(spmd.SpmdError, match=r"spmd.compile: a module compiled from this Sequential " + said):
+        spmd.compile(model, None)
+    with pytest.raises(spmd.SpmdError, match=r"BatchNorm1d `1` is a part of Sequential.*`1.running_mean`"):
+        model[1](x[:, :8])
+    model[0](x)  # (a part whose weights nothing moved)
+    evaluate.load_state_dict(recalibrate.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(evaluate(x), reference(x), rtol=0, atol=0)
+    model.train().load_state_dict(recalibrate.full_state_dict(persistent_only=True))
+    torch.testing.assert_close(model.eval()(x), reference(x), rtol=0, atol=0)
+    model.train()
+    with torch.no_grad():
+        recalibrate(x)  # (again: both behind it again)
+    with pytest.raises(spmd.SpmdError, match=said):
+        evaluate(x)
+    with pytest.raises(spmd.SpmdError, match=said):
+        model(x)
