@@ -259,6 +259,24 @@ def _model_line(error: BaseException) -> str | None:
     return f"{ours[-1].filename}:{ours[-1].lineno}: {(ours[-1].line or '').strip()}" if ours else None
 
 
+def _data_lines(model: torch.nn.Module | None) -> list[str]:
+    """`file:line: code` of each line of the forwards of `model`'s own module classes (not torch's) that reads a
+    tensor's `.data`."""
+    found = []
+    for cls in dict.fromkeys(type(m) for m in (model.modules() if model is not None else ())):
+        forward = getattr(cls, "forward", None)
+        if cls.__module__.startswith("torch.") or "data" not in getattr(getattr(forward, "__code__", None),
+                                                                          "co_names", ()):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(forward)
+        except (OSError, TypeError):
+            continue
+        found += [f"{inspect.getsourcefile(forward)}:{start + k}: {line.strip()}" for k, line in enumerate(lines)
+                  if re.search(r"\.data\b(?!\s*\()", line.split("#")[0])]
+    return found
+
+
 _PACKING = {"pack_padded_sequence", "pack_sequence", "PackedSequence"}  # (torch.nn.utils.rnn's, as a forward names them)
 
 
@@ -299,6 +317,12 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "length (`out * (torch.arange(T) < lengths[:, None])[..., None]`), each sequence's last state taken at "
                 "`lengths - 1` (`out.gather`). A bidirectional RNN's backward direction would start in the padding: "
                 "keep it outside the compiled module, or left-align it by flipping each sequence" + tail)
+    through_data = _data_lines(model) if "fake tensor in the exported program constant" in str(error) else []
+    if through_data:  # (found by a probe: an EMA buffer updated as `self.ema.data.mul_(d).add_(...)`)
+        return (f"`{through_data[0]}` goes through `.data`, which torch.export cannot trace in a forward (it leaves a "
+                "fake tensor among the graph's constants). Update the tensor itself under `torch.no_grad()` "
+                "(`self.ema.mul_(d).add_(...)`, `self.ema.copy_(new)`): the graph carries out in-place updates of "
+                "buffers")
     if "data-dependent" in str(error) and "_detect_is_causal_mask" in _frames(error):
         return ("torch's Transformer layers read a mask's values to tell whether it is causal when `is_causal` is "
                 "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "

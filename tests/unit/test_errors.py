@@ -1,4 +1,6 @@
 """The messages users read when something cannot be done as asked."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -187,3 +189,37 @@ def test_a_plain_dataclass_output_names_its_class_and_the_registration():
     torch.utils._pytree.register_dataclass(Prediction)
     model = Model()
     assert torch.allclose(one_device(model, (x,))(x).y, model(x).y)
+
+
+class _EmaThroughData(nn.Module):
+    def __init__(self, through_data: bool):
+        super().__init__()
+        self.fc, self.through_data = nn.Linear(4, 4), through_data
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.fc(x)
+        with torch.no_grad():
+            if self.through_data:
+                self.ema.data.mul_(0.9).add_(0.1 * y.mean(0))
+            else:
+                self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+        return y - self.ema
+
+
+def test_a_buffer_updated_through_data_in_a_forward_names_the_line_and_the_way_out():
+    """Found by a probe: `self.ema.data.mul_(d).add_(...)` in a forward compiled for evaluation failed with torch's
+    "fake tensor in the exported program constant's list" and "make the forward traceable". The line is named,
+    with the update written on the buffer itself, which runs equal to eager."""
+    from tests.support import one_device
+
+    x = torch.randn(6, 4)
+    with pytest.raises(spmd.SpmdError, match=r"test_errors.py:\d+: self.ema.data.mul_\(0.9\).add_\(0.1 \* y.mean\(0\)\)` "
+                                             r"goes through `.data`.*Update the tensor itself under `torch.no_grad\(\)`"):
+        one_device(_EmaThroughData(True).eval(), (x,))
+    model = _EmaThroughData(False).eval()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x,))
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), reference(x))
