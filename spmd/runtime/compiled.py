@@ -1335,7 +1335,7 @@ class CompiledModule(nn.Module):
                         "the model once before spmd.compile (`model(example)`), so that it has its final shape.")
                 piece.copy_(value)
         if names:
-            source_guard.buffers_moved(self)  # (the model's own buffers, and its siblings' copies, are behind now)
+            source_guard.buffers_moved(self, names)  # (the model's own buffers, its siblings' copies, are behind now)
 
     def _check_input_grads(self, inputs) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave

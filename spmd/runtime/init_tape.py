@@ -158,14 +158,25 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.tape = tape
         self.gens: dict[int, int] = {}
-        self.drawn: set[int] = set()  # generators drawn from since seen or set: on meta, still where they were
+        self.drawn: dict[int, torch.Generator] = {}  # those drawn from since seen or set: still where they were
+        self.setting = False  # (a generator seen as it is set, not drawn from)
         self.calls = _Calls(self)
 
     def _arg(self, x):
         if isinstance(x, torch.Tensor):
             return self.tape.ref(x)
         if isinstance(x, torch.Generator):  # (the dispatcher hands its own wrapper of the user's generator)
-            self.drawn.add(x._cdata)
+            if x._cdata not in self.gens and not self.setting:
+                earlier = _META_DRAWN.get(x._cdata)
+                if earlier is not None and earlier[1]() is not self.tape and torch.equal(x.get_state(), earlier[2]):
+                    raise SpmdError(
+                        f"deferred_init: the construction draws from a torch.Generator an earlier deferred_init build "
+                        f"drew from ({_user_line(traceback.extract_stack()[:-1])}): the meta device draws nothing, "
+                        "so the generator is where that build found it, and this one would draw the same numbers "
+                        "again (one device draws the next ones). What to do: make the generator inside the build, or "
+                        "seed it there before drawing (`g.manual_seed(n)`, recorded and replayed).")
+            if not self.setting:
+                self.drawn[x._cdata] = x
             if x._cdata not in self.gens:
                 self.gens[x._cdata] = len(self.tape.generators)
                 self.tape.generators.append(x.get_state())
@@ -262,6 +273,10 @@ _SETS = "which sets the random generator from a saved state or the clock: a repl
 _READS = ("which reads the global generator's state or seed: init_weights(seed) sets it anew, so the replay cannot "
           "know what the build read")
 
+# torch.Generator (its `_cdata`) -> (the dispatcher's wrapper of it, which keeps it alive so that no other generator
+# takes its address; the recording that drew from it on meta last, a weak reference; its state then): those draws
+# moved it nowhere, so a later build drawing from it, still in that state, would draw the same numbers again
+_META_DRAWN: dict[int, tuple[torch.Generator, "weakref.ref[InitTape]", torch.Tensor]] = {}
 _DRAWN = ("which reads the state of a generator the build drew from: the meta device draws nothing, so the state "
           "read is not the one a build on values reads")
 
@@ -336,9 +351,13 @@ class _Calls:
             elif event == "c_call" and name in ("get_state", "clone_state") and g._cdata in self.recorder.drawn:
                 self._refuse(f"torch.Generator.{name}", frame, _DRAWN)
             elif event == "c_return" and name in ("manual_seed", "set_state", "graphsafe_set_state"):
-                with torch._C._DisableTorchDispatch():  # (get_state's set_ is no op of the build)
-                    self.recorder.record_call(functools.partial(_set_generator_state, state=g.get_state()), [g])
-                self.recorder.drawn.discard(g._cdata)
+                self.recorder.setting = True
+                try:
+                    with torch._C._DisableTorchDispatch():  # (get_state's set_ is no op of the build)
+                        self.recorder.record_call(functools.partial(_set_generator_state, state=g.get_state()), [g])
+                finally:
+                    self.recorder.setting = False
+                self.recorder.drawn.pop(g._cdata, None)
 
 
 class _Literals(TorchFunctionMode):
@@ -376,6 +395,8 @@ def _recording(tape: InitTape):
     try:
         with torch.device("meta"), _Literals(), recorder, recorder.calls:
             yield recorder.calls
+        for key, g in recorder.drawn.items():  # (drawn from since last set: where the build leaves them is wrong)
+            _META_DRAWN[key] = (g, weakref.ref(tape), g.get_state())
         if recorder.calls.refused_call is not None:
             name, line, why = recorder.calls.refused_call
             raise SpmdError(

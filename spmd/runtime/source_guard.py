@@ -56,7 +56,8 @@ _stepping: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 _compiled_from: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its compiled modules (refs)
 _hook = None
 # Ticks at every optimizer step that moves a compiled module's pieces (`_stepped`). Each compiled module keeps
-# `_moved_at` (the tick of its last step) and `_synced` (the tick at which it last held its model's newest
+# `_moved_at` (the tick of its last step, or forward that moved its buffers; `_stepped_at`: of its last step) and
+# `_synced` (the tick at which it last held its model's newest
 # weights: compiled, loaded whole, its own step, or given them in place): one whose sibling moved after it synced
 # holds old weights (`stale`)
 _clock = [0]
@@ -530,10 +531,10 @@ def watch(model: torch.nn.Module, compiled, loss_fn=None) -> None:
 
 
 def _share(model: torch.nn.Module, compiled) -> None:
-    """List `compiled` as a holder of each of the model's parameters it has a piece of, and mark those that
-    modules compiled from other models hold too (`_shared`: name here -> the source parameter), on both sides."""
+    """List `compiled` as a holder of each of the model's parameters and buffers it has a piece of, and mark those
+    that modules compiled from other models hold too (`_shared`: name here -> the source tensor), on both sides."""
     compiled.__dict__["_shared"] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
+    for fqn, p in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
         if fqn not in compiled._param_names:
             continue
         holders = _holders.setdefault(p, [])
@@ -1121,7 +1122,7 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
     (`_trained`: calling it, compiling it again). Into a module that was behind, or beside one that has
     trained (an older checkpoint evaluated while training goes on), they are only its own."""
     ahead = elsewhere and not _newer(compiled) and not any(
-        (c := ref()) is not None and c is not compiled and c.__dict__.get("_moved_at", 0)
+        (c := ref()) is not None and c is not compiled and c.__dict__.get("_stepped_at", 0)
         for ref in compiled.__dict__.get("_siblings", ()))
     mark_model(compiled, fqns)
     # (a new set, not one updated in place: a copy of the compiled module starts with its original's)
@@ -1193,25 +1194,31 @@ def stale(compiled) -> None:
     newer = _newer(compiled)
     if not newer:
         return
-    trained = compiled.__dict__.get("_moved_at", 0)
+    trained = compiled.__dict__.get("_stepped_at", 0)
     if not trained and not _untouched(compiled):  # given weights in place since they stepped (an EMA teacher's
         for other in newer:                       # `p.lerp_(q, 1 - decay)`)
             _same_plan_or_refuse(compiled, other)
         compiled.__dict__["_synced"] = _clock[0]
         _mark_pieces(compiled)
         return
+    stepped = [c for c in newer if c.__dict__.get("_stepped_at", 0) > synced]
+    if not stepped and all(c.__dict__.get("_loaded_at", 0) <= synced for c in newer):
+        raise SpmdError(
+            f"another module compiled from the same model {_BUFFERS_MOVED} since this one last had them, and this "
+            "one still holds the old values (a counter an evaluation forward moves too, a batch norm recalibrated "
+            "in the other module). What to do: give it that module's state first (`this.load_state_dict("
+            "other.state_dict())`, on every rank), or compile each from its own copy of the model "
+            "(`spmd.compile(copy.deepcopy(model), ...)`) where they are meant to keep their own.")
     if trained:  # (an in-place change after its own steps, a max-norm clamp, gives it nothing)
         raise SpmdError(_BOTH_TRAIN)
-    if all(c.__dict__.get("_moved_at", 0) <= synced for c in newer):
+    if not stepped:
         raise SpmdError(
             "another module compiled from the same model was given weights from elsewhere (a checkpoint loaded into "
             "it) since this one last had the model's weights, and this one still holds those: a module for "
             "evaluation beside the one a checkpoint was loaded into? What to do: give it the same weights "
             "(`this.load_state_dict(other.state_dict())`, or the same checkpoint, on every rank).")
-    how = "has trained" if any(c.__dict__.get("_weights_moved") or not c.__dict__.get("_buffers_moved")
-                               for c in newer) else _BUFFERS_MOVED
     raise SpmdError(
-        f"another module compiled from the same model {how} since this one last had the model's weights, "
+        "another module compiled from the same model has trained since this one last had the model's weights, "
         "and this one still holds those (the weights it was compiled with, or its own trained ones as they were "
         "copied back into the model): a module for evaluation beside the one for training, or one for another "
         "batch size? "
@@ -1247,7 +1254,8 @@ def _shared_stale(compiled) -> None:
                   f"{{'{fqn}': trained.state_dict()['{there}'], ...}}, strict=False)`, on every rank, for every shared "
                   "parameter)")
         raise SpmdError(
-            f"`{fqn}` is a parameter this module's model shares with another model ({shown}, where it is "
+            f"`{fqn}` is a {'parameter' if isinstance(p, torch.nn.Parameter) else 'buffer'} this module's model "
+            f"shares with another model ({shown}, where it is "
             f"`{there}`), and each module compiled from one of them holds its own copy of it: {what}: not what one "
             "device computes with one tensor. What to do: compile one module for the whole computation (an "
             "nn.Module holding both models, whose forward returns the summed losses), and train through it; "
@@ -1377,7 +1385,7 @@ def _stepped(optimizer, args, kwargs) -> None:
         stepped = _stepped_shared(compiled, known[2])
         _diverge(compiled, stepped)
         _clock[0] += 1
-        compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
+        compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = compiled.__dict__["_stepped_at"] = _clock[0]
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
         shown = type(compiled._source_model).__name__
         for fqn in stepped:
@@ -1385,7 +1393,7 @@ def _stepped(optimizer, args, kwargs) -> None:
         _behind_now(compiled)
 
 
-def buffers_moved(compiled) -> None:
+def buffers_moved(compiled, names) -> None:
     """`compiled`'s forward updated its copies of the model's buffers (batch norm's running statistics in train
     mode, a counter) with no optimizer step: the model's own buffers, and its siblings' copies, are behind it
     now, as after a step (`_trained`, `stale`), until it gives them its own. (Found by a probe: batch norm
@@ -1394,12 +1402,12 @@ def buffers_moved(compiled) -> None:
     if compiled.__dict__.get("_copy") or compiled.__dict__.get("_siblings") is None:
         return
     compiled.__dict__["_buffers_moved"] = True
-    if compiled.__dict__.get("_moved_at", 0) == _clock[0] > 0 and not any(
-            (s := ref()) is not None and s is not compiled and s.__dict__.get("_synced", 0) >= _clock[0]
-            for ref in compiled._siblings):
-        return  # (it moved last, and no sibling was given its values since: all are behind it already)
-    _clock[0] += 1
+    _clock[0] += 1  # (at every such forward: a sibling given some of its values since is behind again; a review)
     compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
+    shared = compiled.__dict__.get("_shared", {})
+    for fqn in names:  # (a batch norm in an encoder another model holds too: its modules are behind; a review)
+        if fqn in shared:
+            _param_moved[shared[fqn]] = (_clock[0], weakref.ref(compiled), fqn, type(compiled._source_model).__name__)
     _behind_now(compiled)
 
 

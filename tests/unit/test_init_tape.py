@@ -684,3 +684,27 @@ def _from_the_clock():
 def test_a_generator_state_the_replay_cannot_know_is_refused(build_fn, said):
     with pytest.raises(SpmdError, match=said + r".*What to do: seed with torch.manual_seed\(n\)"):
         spmd.deferred_init(build_fn)
+
+
+class _Outside(nn.Module):
+    def __init__(self, g, seed=None):
+        super().__init__()
+        if seed is not None:
+            g.manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(8, 8, generator=g))
+
+
+def test_a_generator_from_outside_drawn_by_two_builds_is_refused_unless_seeded_in_them():
+    """Found by a review: two builds drawing from one generator made outside them drew the same numbers (3.6 off
+    the second model of one device): the meta device moved it nowhere. The second build is refused; one that
+    seeds it first replays as built."""
+    g = torch.Generator().manual_seed(5)
+    spmd.deferred_init(_Outside, g)
+    with pytest.raises(SpmdError, match=r"draws from a torch.Generator an earlier deferred_init build drew from "
+                                        r"\(.*generator=g.*What to do: make the generator inside the build"):
+        spmd.deferred_init(_Outside, g)
+    check_tape(lambda: _Outside(g, seed=9), "2d", seed=1)
+    g.manual_seed(11)  # (set outside the builds: the next one draws from where it is now, as one device does)
+    tape, final = tape_of(spmd.deferred_init(_Outside, g))
+    pieces = replay_local_shards(tape, final, {"w": (Replicate(), Replicate())}, MESH, (0, 0), seed=1)
+    assert torch.equal(pieces["w"], _Outside(torch.Generator().manual_seed(11)).w.detach())
