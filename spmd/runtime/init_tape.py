@@ -201,6 +201,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.calls.inside is not None:  # (inside a recorded call: replayed by calling it)
             return out
+        if func.overloadpacket in (aten.set_, aten.resize_) and not args[0].is_meta:
+            return out  # (a real tensor's copy, `copy.deepcopy` of a generator's state: no tensor of the model)
         if func.overloadpacket in (aten.set_, aten.resize_):
             raise SpmdError(
                 f"deferred_init: the construction calls {func} ({_user_line(traceback.extract_stack()[:-1])}), "
@@ -348,9 +350,11 @@ class _Calls:
         elif g.device.type == "cpu":
             if event == "c_call" and name == "seed":
                 self._refuse("torch.Generator.seed", frame)
-            elif event == "c_call" and name in ("get_state", "clone_state") and g._cdata in self.recorder.drawn:
-                self._refuse(f"torch.Generator.{name}", frame, _DRAWN)
-            elif event == "c_return" and name in ("manual_seed", "set_state", "graphsafe_set_state"):
+            elif event == "c_call" and name in ("get_state", "clone_state", "__reduce_ex__", "__reduce__") \
+                    and g._cdata in self.recorder.drawn:
+                shown = "copy.deepcopy of a torch.Generator" if name.startswith("__") else f"torch.Generator.{name}"
+                self._refuse(shown, frame, _DRAWN)
+            elif event == "c_return" and name in ("manual_seed", "set_state", "graphsafe_set_state", "__setstate__"):
                 self.recorder.setting = True
                 try:
                     with torch._C._DisableTorchDispatch():  # (get_state's set_ is no op of the build)

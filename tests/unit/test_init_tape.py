@@ -5,6 +5,7 @@ replay of init_weights.py could not see a nanoGPT-style `self.apply(...)`, and g
 global RNG ends where construction leaves it; no more than about one module is held in full."""
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 import torch.nn as nn
@@ -637,6 +638,9 @@ class _Reseeded(nn.Module):
         self.lin = nn.Linear(8, 8)
         g.manual_seed(3)
         trunc_normal_(self.lin.weight, std=0.5, generator=g)
+        k = torch.Generator().manual_seed(8)
+        copied = copy.deepcopy(k)  # (before either draws)
+        self.e = nn.Parameter(torch.rand(4, generator=copied) + torch.rand(4, generator=k))
 
 
 def test_a_generator_the_build_reseeds_or_sets_back_replays_as_built():
@@ -653,6 +657,12 @@ def _drawn_then_read():
             self.b = nn.Parameter(torch.randn(8, generator=g))
             g.set_state(state)
     return Saved()
+
+
+def _copied_after_drawing():
+    g = torch.Generator().manual_seed(3)
+    drawn = nn.Parameter(torch.randn(8, generator=g))
+    return nn.ParameterList([drawn, nn.Parameter(torch.randn(8, generator=copy.deepcopy(g)))])
 
 
 def _from_global_state():
@@ -676,6 +686,8 @@ def _from_the_clock():
 
 @pytest.mark.parametrize("build_fn, said", [
     (_drawn_then_read, r"torch.Generator.get_state \(.*state = g.get_state\(\).*the meta device draws nothing"),
+    (_copied_after_drawing, r"copy.deepcopy of a torch.Generator \(.*generator=copy.deepcopy\(g\).*the meta device "
+                            r"draws nothing"),
     (_from_global_state, r"torch.get_rng_state \(.*g.set_state\(torch.get_rng_state\(\)\)\).*reads the global "
                          r"generator's state or seed"),
     (_from_global_seed, r"torch.initial_seed \(.*\).*init_weights\(seed\) sets it anew"),
