@@ -6,6 +6,7 @@ global RNG ends where construction leaves it; no more than about one module is h
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 import torch.nn as nn
