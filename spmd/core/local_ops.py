@@ -55,6 +55,16 @@ def masked_nll_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.
     return aten.nll_loss_backward(grad, x, local, w, reduction, -1, total_weight)
 
 
+def in_traced_layout(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """`x` contiguous, or not, as the traced value was. torch's determinant and solve factor a contiguous matrix's
+    transpose, and the backward traced with them solves with the factors of whichever they saw (its `adjoint` is a
+    constant of the graph): a piece all-gathered contiguous where the trace saw a transposed view got a gradient
+    46.9 off (found by a probe)."""
+    if x.is_contiguous() == contiguous or x.dim() < 2 or x.shape[-1] < 2 or x.shape[-2] < 2:
+        return x
+    return x.contiguous() if contiguous else x.mT.contiguous().mT
+
+
 def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The random op `aten.<name>` (`rand_like.default`, `bernoulli.p`) on `x` laid out with `stride`, as one
     device's input was: the kernel fills memory in order, so another layout draws other numbers where they land."""

@@ -4,8 +4,8 @@ Before: the graph from `insert_collectives` (global shapes, steps naming mesh ax
 GraphModule for rank `rank`: shape arguments of views and factories rewritten to local shapes, each
 step bound to this rank's process group name, axis size and coordinate, ops that index a split dim
 (vocab-parallel embedding and loss) rewritten to their masked local forms for this rank's rows, and size
-arguments of the whole tensors made this rank's (`rules/local_sizes.py`: squeeze, group norm). Its code is what
-`compiled.code` prints.
+arguments of the whole tensors made this rank's (`rules/local_sizes.py`: squeeze, group norm), and the matrices of
+ops that read their layout given the traced one (`LAYOUT_SENSITIVE`). Its code is what `compiled.code` prints.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import user_source_line
+from spmd.core.local_ops import in_traced_layout
 from spmd.core.specs import local_shape
 from spmd.passes.rules import LOCAL_REWRITES
 from spmd.passes.rules.registry import TracedShape
@@ -34,6 +35,10 @@ SHAPE_ARG.update({getattr(aten, name).default: 2 for name in (
     "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
     "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward", "_upsample_bicubic2d_aa_backward",
     "_upsample_lanczos2d_aa_backward") if hasattr(aten, name)})
+
+# ops whose result depends on whether their matrix is contiguous (they factor its transpose then), with a backward
+# traced for the layout they saw: their input is given that layout (`in_traced_layout`)
+LAYOUT_SENSITIVE = {aten._linalg_det.default, aten._linalg_slogdet.default, aten._linalg_solve_ex.default}
 
 
 def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],
@@ -63,6 +68,11 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             else:
                 kwargs.update(group=group_names[axis], world=world, where=_where(node, mesh.axis_names[axis], nodes))
             new.kwargs = kwargs
+        if node.target in LAYOUT_SENSITIVE and isinstance(node.args[0], fx.Node) \
+                and isinstance(val := node.args[0].meta.get("val"), torch.Tensor):
+            with graph.inserting_before(new):
+                matched = graph.call_function(in_traced_layout, (new.args[0], val.is_contiguous()))
+            new.args = (matched, *new.args[1:])
         if node.target in LOCAL_REWRITES and "spmd_strategy" in node.meta:
             shapes = tuple(TracedShape.of(a.meta.get("val")) if isinstance(a, fx.Node) else None for a in node.args)
             local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 import spmd
 from spmd.passes.insert_collectives import insert_collectives
@@ -87,6 +87,48 @@ def test_linear_algebra_without_rules_runs_replicated_and_equal(op, training):
             ps = c.plan.choices["output_0"].inputs[0]
             for rank, out in enumerate(simulate(c, (x,))):
                 torch.testing.assert_close(out[0], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class _Determinant(nn.Module):
+    """A determinant, log-determinant or solve of a transposed or sliced view, or of a contiguous matrix."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op, self.w = op, nn.Parameter(1 + 0.1 * torch.randn(2, 4, 8))
+
+    def forward(self, x):
+        h = x * self.w
+        if self.op == "det_mT":
+            return torch.linalg.det(h[..., :4].mT)
+        if self.op == "det_slice":
+            return torch.linalg.det(h[..., 2:6])
+        if self.op == "slogdet_mT":
+            return torch.linalg.slogdet(h[..., 4:].mT)[1]
+        if self.op == "solve_mT":
+            return torch.linalg.solve(h[..., :4].mT + 4 * torch.eye(4), h[..., 4:]).sum(-1).sum(-1)
+        return torch.linalg.det(h[..., :4].contiguous())
+
+
+@pytest.mark.parametrize("op", ["det_mT", "det_slice", "slogdet_mT", "solve_mT", "det"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_a_determinant_of_a_piece_gathered_in_another_layout_trains_as_on_one_device(op, mesh_shape):
+    """Found by a probe: torch's determinant and solve factor a contiguous matrix's transpose, and the backward
+    traced with them solves with the factors of the layout the trace saw. An input all-gathered contiguous where
+    the trace saw a transposed or sliced view got a gradient 4.9-46.9 off (the loss was right). The rank graph
+    gives it the traced layout (`in_traced_layout`)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, x, t = _Determinant(op), torch.randn(2, 4, 8), torch.randn(2)
+        reference = copy.deepcopy(model)
+        loss = F.mse_loss(reference(x), t)
+        loss.backward()
+        pins = [Shard(0)] if mesh_shape == (2,) else [Shard(0), Shard(1)]
+        c = compile_graph(model, (x, t), spec(mesh_shape, ("dp", "tp")[:len(mesh_shape)]), loss_fn=F.mse_loss,
+                          in_placements={"x": pins}, param_placements={"w": pins})
+        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 2
     finally:
         torch.set_default_dtype(torch.float32)
 
