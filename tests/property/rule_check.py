@@ -51,6 +51,9 @@ def _partial_parts(t: torch.Tensor, n: int, op: str, gen: torch.Generator) -> li
         return [*noise[:-1], t - noise[:-1].sum(0)]
     if op == "avg":
         return list(t + noise - noise.mean(0))
+    if op == "product":  # (factors near 1, the last one making up the rest)
+        factors = (0.2 * noise[:-1]).exp()
+        return [*factors, t / factors.prod(0)]
     # max / min: every part is on the losing side of t, and one random rank per element holds t itself.
     winner = torch.randint(0, n, t.shape, generator=gen)
     sign = -1.0 if op == "max" else 1.0
@@ -75,7 +78,7 @@ def distribute(full: torch.Tensor, placements, mesh_shape, gen) -> dict[tuple, t
     return layout
 
 
-_REDUCE = {"sum": lambda ts: ts.sum(0), "avg": lambda ts: ts.mean(0),
+_REDUCE = {"sum": lambda ts: ts.sum(0), "avg": lambda ts: ts.mean(0), "product": lambda ts: ts.prod(0),
            "max": lambda ts: ts.amax(0), "min": lambda ts: ts.amin(0)}
 
 

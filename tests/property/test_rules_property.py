@@ -154,6 +154,13 @@ def mean_then_add(draw):  # a P(avg) producer feeding a consumer: non-sum Partia
 
 
 @st.composite
+def prod_then_mul(draw):  # a P(product) producer feeding a consumer (found by a probe: never checked before)
+    m, n = _dims(draw, 2)
+    return Case(("prod_then_mul", m, n), ((m, n), (n,)), frozenset({aten.prod.dim_int, aten.mul.Tensor}),
+                lambda x, y: x.prod(0) * y.exp())
+
+
+@st.composite
 def sdpa(draw):
     b, h, s, d = _dims(draw, 4)
     s_kv = draw(st.sampled_from((s, 2 * s)))
@@ -249,7 +256,7 @@ def masked_put(draw):
 
 
 CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
-                                 embedding, gather, reduction, mean_then_add, sdpa, split, solve_triangular, scan,
+                                 embedding, gather, reduction, mean_then_add, prod_then_mul, sdpa, split, solve_triangular, scan,
                                  index_put, masked_put)}
 
 
