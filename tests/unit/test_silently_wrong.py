@@ -3051,3 +3051,37 @@ def test_buffers_a_forward_moved_are_followed_through_partial_loads_shared_encod
     train.load_state_dict(evaluate.state_dict())
     train(x).pow(2).mean().backward()
     opt.step()
+
+
+class _RunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(0.5 * y.mean(0))
+        return y - self.mean
+
+
+def test_a_non_persistent_buffer_a_forward_moved_is_named_after_the_copy_back():
+    """Found by a review: a running mean registered with persistent=False, moved by the compiled module's forwards,
+    is in no state dict, so the copy back left it behind and cleared the refusal: the model evaluated 0.31 off,
+    silently. The model stays refused, naming it and how to copy it, until it holds the compiled module's."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    model = _RunningMean()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x,))
+    with torch.no_grad():
+        compiled(x), reference(x)
+    model.load_state_dict(compiled.full_state_dict(persistent_only=True))
+    model.state_dict()  # (which it is not in)
+    with pytest.raises(spmd.SpmdError, match=r"its non-persistent ones \(`mean`\) are not in a state dict.*"
+                                             r"model.get_buffer\('mean'\).copy_\(compiled.full_state_dict\(\)\['mean'\]\)"):
+        model.eval()(x)
+    model.get_buffer("mean").copy_(compiled.full_state_dict()["mean"])
+    torch.testing.assert_close(model(x), reference.eval()(x), rtol=0, atol=0)
