@@ -65,6 +65,14 @@ def in_traced_layout(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x.mT.contiguous().mT
 
 
+def owning_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` contiguous from the start of a storage of its own, as the traced input of an `as_strided` was (it reads
+    the storage, not the tensor: a piece gathered or viewed in another layout is read elsewhere)."""
+    if x.is_contiguous() and x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The random op `aten.<name>` (`rand_like.default`, `bernoulli.p`) on `x` laid out with `stride`, as one
     device's input was: the kernel fills memory in order, so another layout draws other numbers where they land."""

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from spmd.core.collectives import STEP_FUNCTIONS
-from spmd.core.errors import user_source_line
-from spmd.core.local_ops import in_traced_layout
+from spmd.core.errors import SpmdError, describe_node, user_source_line
+from spmd.core.local_ops import in_traced_layout, owning_contiguous
 from spmd.core.specs import local_shape
 from spmd.passes.rules import LOCAL_REWRITES
 from spmd.passes.rules.registry import TracedShape
@@ -39,6 +39,26 @@ SHAPE_ARG.update({getattr(aten, name).default: 2 for name in (
 # ops whose result depends on whether their matrix is contiguous (they factor its transpose then), with a backward
 # traced for the layout they saw: their input is given that layout (`in_traced_layout`)
 LAYOUT_SENSITIVE = {aten._linalg_det.default, aten._linalg_slogdet.default, aten._linalg_solve_ex.default}
+
+# ops that read their input's storage by strides and offset, not its values as a tensor: their input must be laid
+# out as traced, which only a contiguous tensor owning its storage can be everywhere (`owning_contiguous`)
+READS_STORAGE = {aten.as_strided.default, aten.as_strided_copy.default, aten.as_strided_scatter.default}
+
+
+def _refuse_a_view_read_through(node: fx.Node) -> None:
+    """An `as_strided` of a view (a transposed, sliced or offset tensor) reads the storage under the view, which
+    no rank holds as one device does: each holds a piece, or a copy gathered contiguous (found by a review: 0.60
+    off, silently, for `h.mT.as_strided(...)`; an out-of-bounds error for a slice)."""
+    val = node.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or (val.is_contiguous() and val.storage_offset() == 0 and
+                                             val.untyped_storage().nbytes() == val.numel() * val.element_size()):
+        return
+    raise SpmdError(
+        f"{describe_node(node)}: as_strided reads the memory under its input, and its input is a view of another "
+        f"tensor (strides {tuple(val.stride())}, offset {val.storage_offset()}, over {val.untyped_storage().nbytes()}"
+        " bytes): no rank holds that memory as one device does (each holds its piece, or a copy gathered anew), so it "
+        "would read other values. What to do: make the input contiguous first (`x.contiguous().as_strided(...)`), or "
+        "use view ops that name what they take (`unfold`, slicing, `diagonal`, `movedim`).")
 
 
 def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],
@@ -73,6 +93,11 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             with graph.inserting_before(new):
                 matched = graph.call_function(in_traced_layout, (new.args[0], val.is_contiguous()))
             new.args = (matched, *new.args[1:])
+        if node.target in READS_STORAGE and isinstance(node.args[0], fx.Node):
+            _refuse_a_view_read_through(node)
+            with graph.inserting_before(new):
+                owning = graph.call_function(owning_contiguous, (new.args[0],))
+            new.args = (owning, *new.args[1:])
         if node.target in LOCAL_REWRITES and "spmd_strategy" in node.meta:
             shapes = tuple(TracedShape.of(a.meta.get("val")) if isinstance(a, fx.Node) else None for a in node.args)
             local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)
