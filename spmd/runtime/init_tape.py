@@ -160,6 +160,7 @@ class _Recorder(TorchDispatchMode):
         self.gens: dict[int, int] = {}
         self.drawn: dict[int, torch.Generator] = {}  # those drawn from since seen or set: still where they were
         self.setting = False  # (a generator seen as it is set, not drawn from)
+        self.on_meta = True  # (whether the op being recorded runs on the meta device)
         self.calls = _Calls(self)
 
     def _arg(self, x):
@@ -175,7 +176,7 @@ class _Recorder(TorchDispatchMode):
                         "so the generator is where that build found it, and this one would draw the same numbers "
                         "again (one device draws the next ones). What to do: make the generator inside the build, or "
                         "seed it there before drawing (`g.manual_seed(n)`, recorded and replayed).")
-            if not self.setting:
+            if not self.setting and self.on_meta:  # (a draw on a real tensor moved it, as on one device)
                 self.drawn[x._cdata] = x
             if x._cdata not in self.gens:
                 self.gens[x._cdata] = len(self.tape.generators)
@@ -250,8 +251,12 @@ class _Recorder(TorchDispatchMode):
             if "dtype" in names and "device" in names and kwargs.get("dtype") is None and isinstance(out, torch.Tensor):
                 kwargs["dtype"] = out.dtype  # (a factory's dtype is the default one, which may differ later)
             kept = {k for k, whole in writes.items() if not whole}  # a partial write keeps the rest
-            tape.ops.append(_Op(func, tree_map(self._arg, tuple(args)), tree_map(self._arg, dict(kwargs)), outs,
-                                writes, frozenset(reads | kept), draws))
+            self.on_meta = any(t.is_meta for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+            try:
+                tape.ops.append(_Op(func, tree_map(self._arg, tuple(args)), tree_map(self._arg, dict(kwargs)), outs,
+                                    writes, frozenset(reads | kept), draws))
+            finally:
+                self.on_meta = True
             tape.keep.append(out)
         return out
 

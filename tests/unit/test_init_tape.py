@@ -642,6 +642,9 @@ class _Reseeded(nn.Module):
         k = torch.Generator().manual_seed(8)
         copied = copy.deepcopy(k)  # (before either draws)
         self.e = nn.Parameter(torch.rand(4, generator=copied) + torch.rand(4, generator=k))
+        on_cpu = torch.Generator().manual_seed(4)
+        torch.randn(4, generator=on_cpu, device="cpu")  # (a real draw: it moves, as on one device)
+        self.f = nn.Parameter(torch.rand(4, generator=copy.deepcopy(on_cpu)))
 
 
 def test_a_generator_the_build_reseeds_or_sets_back_replays_as_built():
