@@ -79,6 +79,30 @@ def test_optimizer_state_round_trip_by_the_models_names():
         torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
 
 
+def test_a_single_device_optimizers_state_is_loaded_as_a_copy():
+    """Found by a probe of training.md's recipe: `load_optimizer_state_dict(opt, get_optimizer_state_dict(model,
+    single_opt))` took whole tensors (every `step`, a replicated moment) as they were, so both optimizers stepped
+    one state (a step count of 3 after 2 steps; weights 1.4e-4 apart). Each entry is the optimizer's own now."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, compiled, (ids, labels) = _compiled()
+    single = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)  # (AdamW: fc.bias's gradient is noise, batch norm after it)
+    F.cross_entropy(model(ids), labels).backward()
+    single.step()
+    single.zero_grad()
+    opt = torch.optim.SGD(compiled.parameters(), lr=1e-2, momentum=0.9)
+    compiled.load_state_dict(model.state_dict())
+    compiled.load_optimizer_state_dict(opt, get_optimizer_state_dict(model, single))
+    given = {t.untyped_storage().data_ptr() for st in single.state.values() for t in st.values()}
+    assert not {t.untyped_storage().data_ptr() for st in opt.state.values() for t in st.values()} & given
+    compiled(ids, labels).backward()
+    opt.step()
+    F.cross_entropy(model(ids), labels).backward()
+    single.step()
+    for k, v in compiled.state_dict().items():
+        torch.testing.assert_close(v, model.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_an_optimizer_that_has_not_stepped_gets_its_state_first():
     """A checkpoint is loaded into the state dict it is given: an optimizer with no state yet would load no
     moments. As torch's `get_optimizer_state_dict`, it is given its state by a step at a learning rate of 0,
