@@ -451,8 +451,7 @@ class CompiledModule(nn.Module):
                 continue
             local = self._get(attr)
             out[fqn] = self._as_whole(fqn, local if keep_vars else local.detach())
-        if self.device_mesh is not None:  # (whose pieces: torch.distributed.checkpoint saving them, `saving`)
-            source_guard.handed_out(self, out.items())
+        source_guard.handed_out(self, out.items())  # (whose pieces: torch.distributed.checkpoint saving them)
         return self._with_aliases(out)
 
     def _as_whole(self, fqn: str, local: torch.Tensor) -> torch.Tensor:

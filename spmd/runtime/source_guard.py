@@ -1075,6 +1075,10 @@ def from_elsewhere(compiled, values) -> bool:
         if came is not None and (came is compiled or any(came is c for c in siblings)) and max(
                 came.__dict__.get("_moved_at", 0), came.__dict__.get("_loaded_at", 0)) <= at:
             continue
+        handed = _handed.get(v)
+        if handed is not None and handed[0]() is compiled and getattr(v, "_local_tensor", v)._version == handed[2]:
+            continue  # (its own `state_dict()`, written by nothing since: `c.load_state_dict(c.state_dict())`, no
+            # checkpoint; torch.distributed.checkpoint's load writes into it in place first; a probe of the docs)
         if _storage(getattr(v, "_local_tensor", v)) not in storages:
             return True
     return False
@@ -1085,10 +1089,11 @@ _handed = WeakIdKeyDictionary()
 
 
 def handed_out(compiled, items) -> None:
-    """`items` are (name, DTensor) as `compiled.state_dict()` gave them (over its pieces): saved by
-    torch.distributed.checkpoint, they are its weights (`saving`)."""
+    """`items` are (name, DTensor) as `compiled.state_dict()` gave them (over its pieces; the pieces themselves
+    without a runtime mesh): saved by torch.distributed.checkpoint, they are its weights (`saving`); loaded back
+    unwritten, no checkpoint (`from_elsewhere`)."""
     for fqn, v in items:
-        _handed[v] = (weakref.ref(compiled), fqn)
+        _handed[v] = (weakref.ref(compiled), fqn, getattr(v, "_local_tensor", v)._version)
 
 
 def saving(state) -> None:
@@ -1098,7 +1103,7 @@ def saving(state) -> None:
     the module's (taken before `init_weights` put them in new memory). (Its `state_dict()` itself is not refused: a
     load through torch.distributed.checkpoint reads it first, to load into.)"""
     if isinstance(state, torch.Tensor):
-        ref, fqn = _handed.get(state, (None, None))
+        ref, fqn, _ = _handed.get(state, (None, None, None)) if hasattr(state, "to_local") else (None, None, None)
         if ref is not None and (compiled := ref()) is not None:
             stale(compiled)
             compiled._require_values((fqn,))  # (a meta compile's pieces before init_weights or a load: garbage)

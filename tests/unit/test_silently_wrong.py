@@ -3119,3 +3119,21 @@ def test_a_non_persistent_buffer_a_forward_moved_is_named_after_the_copy_back():
         model.eval()(x)
     model.get_buffer("mean").copy_(compiled.full_state_dict()["mean"])
     torch.testing.assert_close(model(x), reference.eval()(x), rtol=0, atol=0)
+
+
+def test_a_modules_own_state_dict_loaded_back_is_no_checkpoint():
+    """Found by a probe of training.md: `c.load_state_dict(c.state_dict())` on a module that had not trained was
+    taken for a checkpoint, and the model and a sibling were refused as behind it. Its own DTensors, written by
+    nothing since, are its own weights; written into in place (torch.distributed.checkpoint's load), a checkpoint."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(6, 4)
+    compiled, sibling = one_device(model, (x,)), one_device(model, (x,))
+    compiled.load_state_dict(compiled.state_dict())
+    model(x), sibling(x)
+    state = compiled.state_dict()
+    with torch.no_grad():
+        for v in state.values():
+            getattr(v, "_local_tensor", v).add_(0.5)  # (as a checkpoint read into it in place)
+    compiled.load_state_dict(state)
+    with pytest.raises(spmd.SpmdError, match=r"given weights from elsewhere"):
+        sibling(x)
