@@ -68,6 +68,8 @@ def in_traced_layout(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
 def owning_contiguous(x: torch.Tensor) -> torch.Tensor:
     """`x` contiguous from the start of a storage of its own, as the traced input of an `as_strided` was (it reads
     the storage, not the tensor: a piece gathered or viewed in another layout is read elsewhere)."""
+    if torch.compiler.is_compiling():  # (inductor: no graph break on the storage's size; a review)
+        return x.clone(memory_format=torch.contiguous_format)
     if x.is_contiguous() and x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
         return x
     return x.clone(memory_format=torch.contiguous_format)

@@ -57,7 +57,7 @@ def _refuse_a_view_read_through(node: fx.Node) -> None:
         f"{describe_node(node)}: as_strided reads the memory under its input, and its input is a view of another "
         f"tensor (strides {tuple(val.stride())}, offset {val.storage_offset()}, over {val.untyped_storage().nbytes()}"
         " bytes): no rank holds that memory as one device does (each holds its piece, or a copy gathered anew), so it "
-        "would read other values. What to do: make the input contiguous first (`x.contiguous().as_strided(...)`), or "
+        "would read other values. What to do: give it a tensor of its own first (`x.clone().as_strided(...)`), or "
         "use view ops that name what they take (`unfold`, slicing, `diagonal`, `movedim`).")
 
 

@@ -272,7 +272,7 @@ def _data_lines(model: torch.nn.Module | None) -> list[str]:
             lines, start = inspect.getsourcelines(forward)
         except (OSError, TypeError):
             continue
-        found += [f"{inspect.getsourcefile(forward)}:{start + k}: {line.strip()}" for k, line in enumerate(lines)
+        found += [f"{inspect.getsourcefile(forward) or '?'}:{start + k}: {line.strip()}" for k, line in enumerate(lines)
                   if re.search(r"\.data\b(?!\s*\()", line.split("#")[0])]
     return found
 

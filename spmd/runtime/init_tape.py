@@ -175,7 +175,8 @@ class _Recorder(TorchDispatchMode):
                         f"drew from ({_user_line(traceback.extract_stack()[:-1])}): the meta device draws nothing, "
                         "so the generator is where that build found it, and this one would draw the same numbers "
                         "again (one device draws the next ones). What to do: make the generator inside the build, or "
-                        "seed it there before drawing (`g.manual_seed(n)`, recorded and replayed).")
+                        "seed it there before drawing (`g.manual_seed(n)`, recorded and replayed; a reseed between the "
+                        "builds is not seen, so one meant to draw the same numbers again belongs inside too).")
             if not self.setting and self.on_meta:  # (a draw on a real tensor moved it, as on one device)
                 self.drawn[x._cdata] = x
             if x._cdata not in self.gens:
@@ -406,6 +407,9 @@ def _recording(tape: InitTape):
             yield recorder.calls
         for key, g in recorder.drawn.items():  # (drawn from since last set: where the build leaves them is wrong)
             _META_DRAWN[key] = (g, weakref.ref(tape), g.get_state())
+        if len(_META_DRAWN) > 256:  # (each holds a generator alive: those of builds gone are let go, past a few)
+            for key in [k for k, (_, ref, _) in _META_DRAWN.items() if ref() is None]:
+                del _META_DRAWN[key]
         if recorder.calls.refused_call is not None:
             name, line, why = recorder.calls.refused_call
             raise SpmdError(
