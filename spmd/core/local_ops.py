@@ -65,14 +65,17 @@ def in_traced_layout(x: torch.Tensor, contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x.mT.contiguous().mT
 
 
+def owns_its_storage(x: torch.Tensor) -> bool:
+    """Whether `x` is contiguous over the whole of its storage, from its start (no view of another tensor)."""
+    return x.is_contiguous() and x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
 def owning_contiguous(x: torch.Tensor) -> torch.Tensor:
     """`x` contiguous from the start of a storage of its own, as the traced input of an `as_strided` was (it reads
-    the storage, not the tensor: a piece gathered or viewed in another layout is read elsewhere)."""
-    if torch.compiler.is_compiling():  # (inductor: no graph break on the storage's size; a review)
-        return x.clone(memory_format=torch.contiguous_format)
-    if x.is_contiguous() and x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size():
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+    the storage, not the tensor: a piece gathered or viewed in another layout is read elsewhere). Under
+    torch.compile always a copy (the storage's size is a graph break; a review)."""
+    return x if not torch.compiler.is_compiling() and owns_its_storage(x) else x.clone(
+        memory_format=torch.contiguous_format)
 
 
 def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import SpmdError, describe_node, user_source_line
-from spmd.core.local_ops import in_traced_layout, owning_contiguous
+from spmd.core.local_ops import in_traced_layout, owning_contiguous, owns_its_storage
 from spmd.core.specs import local_shape
 from spmd.passes.rules import LOCAL_REWRITES
 from spmd.passes.rules.registry import TracedShape
@@ -50,8 +50,7 @@ def _refuse_a_view_read_through(node: fx.Node) -> None:
     no rank holds as one device does: each holds a piece, or a copy gathered contiguous (found by a review: 0.60
     off, silently, for `h.mT.as_strided(...)`; an out-of-bounds error for a slice)."""
     val = node.args[0].meta.get("val")
-    if not isinstance(val, torch.Tensor) or (val.is_contiguous() and val.storage_offset() == 0 and
-                                             val.untyped_storage().nbytes() == val.numel() * val.element_size()):
+    if not isinstance(val, torch.Tensor) or owns_its_storage(val):
         return
     raise SpmdError(
         f"{describe_node(node)}: as_strided reads the memory under its input, and its input is a view of another "
@@ -59,6 +58,13 @@ def _refuse_a_view_read_through(node: fx.Node) -> None:
         " bytes): no rank holds that memory as one device does (each holds its piece, or a copy gathered anew), so it "
         "would read other values. What to do: give it a tensor of its own first (`x.clone().as_strided(...)`), or "
         "use view ops that name what they take (`unfold`, slicing, `diagonal`, `movedim`).")
+
+
+def _first_arg_through(graph: fx.Graph, node: fx.Node, fn, *args) -> None:
+    """`node`'s first argument given as `fn(it, *args)`, called just before it."""
+    with graph.inserting_before(node):
+        given = graph.call_function(fn, (node.args[0], *args))
+    node.args = (given, *node.args[1:])
 
 
 def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tuple[str, ...],
@@ -90,14 +96,10 @@ def emit_rank_graph(global_gm: fx.GraphModule, mesh, rank: int, group_names: tup
             new.kwargs = kwargs
         if node.target in LAYOUT_SENSITIVE and isinstance(node.args[0], fx.Node) \
                 and isinstance(val := node.args[0].meta.get("val"), torch.Tensor):
-            with graph.inserting_before(new):
-                matched = graph.call_function(in_traced_layout, (new.args[0], val.is_contiguous()))
-            new.args = (matched, *new.args[1:])
+            _first_arg_through(graph, new, in_traced_layout, val.is_contiguous())
         if node.target in READS_STORAGE and isinstance(node.args[0], fx.Node):
             _refuse_a_view_read_through(node)
-            with graph.inserting_before(new):
-                owning = graph.call_function(owning_contiguous, (new.args[0],))
-            new.args = (owning, *new.args[1:])
+            _first_arg_through(graph, new, owning_contiguous)
         if node.target in LOCAL_REWRITES and "spmd_strategy" in node.meta:
             shapes = tuple(TracedShape.of(a.meta.get("val")) if isinstance(a, fx.Node) else None for a in node.args)
             local = LOCAL_REWRITES[node.target](new.args, node.meta["spmd_strategy"], shapes, mesh.shape, coord)

@@ -203,9 +203,9 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.calls.inside is not None:  # (inside a recorded call: replayed by calling it)
             return out
-        if func.overloadpacket in (aten.set_, aten.resize_) and not args[0].is_meta:
-            return out  # (a real tensor's copy, `copy.deepcopy` of a generator's state: no tensor of the model)
         if func.overloadpacket in (aten.set_, aten.resize_):
+            if not args[0].is_meta:  # (a real tensor's copy, `copy.deepcopy` of a generator's state: no model tensor)
+                return out
             raise SpmdError(
                 f"deferred_init: the construction calls {func} ({_user_line(traceback.extract_stack()[:-1])}), "
                 "which swaps or resizes a tensor's storage; the recording cannot follow it (torch.nn.utils."

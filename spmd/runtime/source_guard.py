@@ -109,8 +109,15 @@ def _trained(model) -> bool:
     """Whether a module compiled from `model` holds newer weights than the model: it trained, its forward
     updated its buffers (`buffers_moved`), or it was given a checkpoint whole (`given`), since the model was
     compiled or last had them copied back."""
-    return any(c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved") or c.__dict__.get("_behind_buffers")
-               or c.__dict__.get("_given_elsewhere") for ref in _compiled_from.get(model, ()) if (c := ref()) is not None)
+    return any(_ahead(c) or c.__dict__.get("_moved_np") for ref in _compiled_from.get(model, ())
+               if (c := ref()) is not None)
+
+
+def _ahead(compiled) -> bool:
+    """Whether `compiled` holds newer values than its model since it was compiled or they were copied back: it
+    stepped, its forward moved buffers, or it was given a checkpoint whole."""
+    return bool(compiled.__dict__.get("_weights_moved") or compiled.__dict__.get("_buffers_moved")
+                or compiled.__dict__.get("_given_elsewhere"))
 
 
 _BUFFERS_MOVED = "updated its buffers in a forward (batch norm's running statistics, in train mode)"
@@ -123,7 +130,7 @@ def _how(model) -> str:
         return "has trained"
     if any(c.__dict__.get("_buffers_moved") for c in modules):
         return _BUFFERS_MOVED
-    behind = sorted({n for c in modules for n in c.__dict__.get("_behind_buffers", ())})
+    behind = sorted({n for c in modules for n in c.__dict__.get("_moved_np", ())})  # (copied back but these)
     if behind:
         return (f"{_BUFFERS_MOVED}, and its non-persistent ones ({', '.join(f'`{n}`' for n in behind[:3])}) are not in "
                 f"a state dict, so copying it back left them behind: copy them too (`model.get_buffer('{behind[0]}')"
@@ -171,11 +178,11 @@ class _Guard:
 
 def _not_copied(compiled, model) -> list[str]:
     """The non-persistent buffers `compiled`'s forwards moved whose values the model does not hold as `compiled`
-    does (`_behind_buffers`): a state dict does not carry them, so the copy back (`COPY_BACK`) left them behind
+    does (kept as `_moved_np`): a state dict does not carry them, so the copy back (`COPY_BACK`) left them behind
     (found by a review: a running mean registered with persistent=False, 0.31 off after the copy back)."""
     left = [n for n in sorted(compiled.__dict__.get("_moved_np", ())) if (b := _buffer(compiled, model, n)) is None
             or not _holds(compiled, n, b)]
-    compiled.__dict__["_moved_np"] = compiled.__dict__["_behind_buffers"] = frozenset(left)
+    compiled.__dict__["_moved_np"] = frozenset(left)
     return left
 
 
@@ -183,10 +190,9 @@ def _all_copied(model, saving: bool = False) -> bool:
     """Whether the only thing the model was behind on is non-persistent buffers (`_not_copied`), since copied into
     it by hand, or not in what is `saving` (its state dict)."""
     modules = [c for ref in _compiled_from.get(model, ()) if (c := ref()) is not None]
-    if any(c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved") or c.__dict__.get("_given_elsewhere")
-           for c in modules):
+    if any(_ahead(c) for c in modules):
         return False
-    return saving or not any(_not_copied(c, model) for c in modules if c.__dict__.get("_behind_buffers"))
+    return saving or not any(_not_copied(c, model) for c in modules if c.__dict__.get("_moved_np"))
 
 
 class _PartGuard:
@@ -335,8 +341,7 @@ def _verdict(model: torch.nn.Module, now: tuple, fresh: bool = False) -> tuple[d
     moved, marked, unwritten = {}, set(), {}
     for ref in _compiled_from.get(model, ()):
         c = ref()
-        if c is None or not (c.__dict__.get("_weights_moved") or c.__dict__.get("_buffers_moved")
-                             or c.__dict__.get("_given_elsewhere")):
+        if c is None or not _ahead(c):
             continue
         elsewhere = c.__dict__.get("_elsewhere_mark", -1) if c.__dict__.get("_given_elsewhere") else -1
         buffers = c.__dict__.get("_part_buffers", ())
@@ -1415,13 +1420,20 @@ def _stepped(optimizer, args, kwargs) -> None:
             continue
         stepped = _stepped_shared(compiled, known[2])
         _diverge(compiled, stepped)
-        _clock[0] += 1
-        compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = compiled.__dict__["_stepped_at"] = _clock[0]
+        _moved_ahead(compiled, stepped)
+        compiled.__dict__["_stepped_at"] = _clock[0]
         compiled.__dict__["_weights_moved"] = compiled.__dict__["_loss_moved"] = True
-        shown = type(compiled._source_model).__name__
-        for fqn in stepped:
-            _param_moved[compiled._shared[fqn]] = (_clock[0], ref, fqn, shown)
-        _behind_now(compiled)
+
+
+def _moved_ahead(compiled, shared) -> None:
+    """`compiled` moved (a step, a forward moving buffers): the clock ticks, it holds the newest values, so do its
+    pieces of the tensors it shares with other models among `shared` (names), and its siblings are behind."""
+    _clock[0] += 1
+    compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
+    shown = type(compiled._source_model).__name__
+    for fqn in shared:
+        _param_moved[compiled._shared[fqn]] = (_clock[0], weakref.ref(compiled), fqn, shown)
+    _behind_now(compiled)
 
 
 def buffers_moved(compiled, names) -> None:
@@ -1441,13 +1453,9 @@ def buffers_moved(compiled, names) -> None:
             for ref in compiled._siblings if (s := ref()) is not None and s is not compiled):
         return  # (it moved last, and no sibling was given anything since, whole or in part: all are behind it; a
         # review measured the marks redone at every forward, 160 us on a 40-layer model beside one sibling)
-    _clock[0] += 1  # (a sibling given some of its values since is behind again; a review)
-    compiled.__dict__["_moved_at"] = compiled.__dict__["_synced"] = _clock[0]
-    shared = compiled.__dict__.get("_shared", {})
-    for fqn in names:  # (a batch norm in an encoder another model holds too: its modules are behind; a review)
-        if fqn in shared:
-            _param_moved[shared[fqn]] = (_clock[0], weakref.ref(compiled), fqn, type(compiled._source_model).__name__)
-    _behind_now(compiled)
+    # (a sibling given some of its values since is behind again; a batch norm in an encoder another model holds too
+    # leaves that model's modules behind: a review)
+    _moved_ahead(compiled, [n for n in names if n in compiled.__dict__.get("_shared", {})])
 
 
 def _behind_now(compiled) -> None:

@@ -111,6 +111,16 @@ class _Determinant(nn.Module):
         return torch.linalg.det(h[..., :4].contiguous())
 
 
+def _pinned_step_checked(model, x, t, mesh, pins) -> int:
+    """One simulated training step of `model` (input `x`, weight `w`, both pinned to `pins`) against eager on a copy:
+    how many outputs `check_simulated_training` compared."""
+    reference = copy.deepcopy(model)
+    loss = F.mse_loss(reference(x), t)
+    loss.backward()
+    c = compile_graph(model, (x, t), mesh, loss_fn=F.mse_loss, in_placements={"x": pins}, param_placements={"w": pins})
+    return check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
+
+
 @pytest.mark.parametrize("op", ["det_mT", "det_slice", "slogdet_mT", "solve_mT", "det"])
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_a_determinant_of_a_piece_gathered_in_another_layout_trains_as_on_one_device(op, mesh_shape):
@@ -122,13 +132,8 @@ def test_a_determinant_of_a_piece_gathered_in_another_layout_trains_as_on_one_de
     try:
         torch.manual_seed(0)
         model, x, t = _Determinant(op), torch.randn(2, 4, 8), torch.randn(2)
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
         pins = [Shard(0)] if mesh_shape == (2,) else [Shard(0), Shard(1)]
-        c = compile_graph(model, (x, t), spec(mesh_shape, ("dp", "tp")[:len(mesh_shape)]), loss_fn=F.mse_loss,
-                          in_placements={"x": pins}, param_placements={"w": pins})
-        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 2
+        assert _pinned_step_checked(model, x, t, spec(mesh_shape, ("dp", "tp")[:len(mesh_shape)]), pins) == 2
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -156,13 +161,7 @@ def test_as_strided_of_a_view_is_refused_and_of_a_whole_tensor_trains_as_on_one_
                                                  r"and its input is a view.*x.clone\(\).as_strided"):
             compile_graph(_Strided(True), (x, t), mesh, rank=0, loss_fn=F.mse_loss, in_placements={"x": pins},
                           param_placements={"w": pins})
-        model = _Strided(False)
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
-        c = compile_graph(model, (x, t), mesh, loss_fn=F.mse_loss, in_placements={"x": pins},
-                          param_placements={"w": pins})
-        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 2
+        assert _pinned_step_checked(_Strided(False), x, t, mesh, pins) == 2
     finally:
         torch.set_default_dtype(torch.float32)
 
