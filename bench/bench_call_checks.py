@@ -22,6 +22,9 @@ Then, once per module: the first call's read of the model's values against its p
 compiling moves no counter: `runtime/source_guard._written_unseen`), on transformers' GPT-2 small (124M), and
 the sampled read of the checked calls after it (2, 4, 8, ... before the first optimizer step).
 
+Last, a train-mode forward that moves buffers beside an evaluation module compiled from the same model
+(`runtime/source_guard.buffers_moved`, session 72).
+
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
 from __future__ import annotations
@@ -128,6 +131,44 @@ def first_call_read() -> None:
               f"ms of 5 ({min(ms):.2f}-{max(ms):.2f})", flush=True)
 
 
+def buffers_moved_cost() -> None:
+    """A train-mode forward that moves buffers (batch norm), beside an evaluation module compiled from the same
+    model (`runtime/source_guard.buffers_moved`): the steady call, where this module moved last and nothing was
+    given to the sibling since, and the call after the sibling was given its state (the clock ticks and the
+    sibling's marks are redone), on 1 and 40 (Linear, BatchNorm1d) layers."""
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime import source_guard
+    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.measure import builtin_cpu
+
+    def compiled(model, x):
+        c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(stamp_layers=False),
+                         RankBinding(0, ("",)), quiet=True)
+        return CompiledModule(c, None, src_data_rank=None)
+
+    for layers in (1, 40):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))])
+        x = torch.randn(4, 8)
+        train = compiled(model.train(), x)
+        evaluate = compiled(model.eval(), x)
+        model.train()
+        names = [n for n, _ in model.named_buffers()]
+        source_guard.buffers_moved(train, names)
+        steady = _us(lambda: source_guard.buffers_moved(train, names))
+
+        def after_a_load():
+            evaluate.__dict__["_given"] = {"0.weight"}  # (as a partial load into the sibling leaves it)
+            source_guard.buffers_moved(train, names)
+        ticking = _us(after_a_load, calls=500)
+        whole = _us(lambda: train(x), calls=500)
+        print(f"buffers_moved, {layers} layer(s), {len(names)} buffers, one sibling: steady {steady:.2f} us, after a "
+              f"load into the sibling {ticking:.1f} us; the whole forward call {whole:.0f} us", flush=True)
+
+
 if __name__ == "__main__":
     main()
     first_call_read()
+    buffers_moved_cost()
