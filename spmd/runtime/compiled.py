@@ -1044,15 +1044,18 @@ class CompiledModule(nn.Module):
         return tree_unflatten(full, spec)
 
     def _output_positions(self, flat: list, spec) -> list[int | None]:
-        """The output position of each tensor of `flat`: one of the last call's outputs by identity, else its
-        place in the whole output when `flat` has the output's structure. A tensor that is neither (a view or
-        slice of an output, an output of an earlier call given alone) is refused: gathered in output 0's layout
+        """The output position of each tensor of `flat`: one of the last call's outputs by identity or by the
+        memory it reads (`out.logits.detach()`), else its place in the whole output when `flat` has the output's
+        structure. A tensor that is neither (a slice or reshape of an output, an output of an earlier call given
+        alone) is refused: gathered in output 0's layout
         it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently; found by a probe)."""
-        last = {}
+        last, same_memory = {}, {}
         for k, ref in enumerate(self._last_outputs):
             t = ref() if ref is not None else None
             if t is not None:
                 last.setdefault(id(t), k)
+                if _memory_of(t) is not None:
+                    same_memory.setdefault(_memory_of(t), k)
         whole = spec == self._out_spec
         positions = []
         for k, t in enumerate(flat):
@@ -1060,6 +1063,8 @@ class CompiledModule(nn.Module):
                 positions.append(None)
             elif id(t) in last:
                 positions.append(last[id(t)])
+            elif _memory_of(t) in same_memory:  # `out.logits.detach()`: the output's own memory, read as it is
+                positions.append(same_memory[_memory_of(t)])
             elif whole:
                 positions.append(k)
             else:
@@ -1067,7 +1072,7 @@ class CompiledModule(nn.Module):
                     f"gather_outputs: tensor {k} of its argument (shape {tuple(t.shape)}) is not one of the last "
                     "call's outputs, and the argument is not the whole output, so its layout is unknown. What to do: "
                     "pass the whole output as the call returned it (`compiled.gather_outputs(out)`, then pick from "
-                    "the result), or a tensor of the last call's output as it came (no view, slice or copy).")
+                    "the result), or a tensor of the last call's output as it came or detached (no slice, reshape or copy).")
         return positions
 
     @_collective
@@ -1540,6 +1545,13 @@ def _outputs_of_state(c) -> dict[int, str]:
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:
             found[int(kind.name.rsplit("_", 1)[1])] = c.traced.aliases.get(state[node.target], state[node.target])
     return found
+
+
+def _memory_of(t: torch.Tensor) -> tuple | None:
+    """What a tensor reads: its storage, offset, shape, strides and dtype (a tensor and its `detach()` read the
+    same; an empty one reads nothing to tell it by)."""
+    ptr = t.untyped_storage().data_ptr()
+    return (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if ptr else None
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -946,7 +946,8 @@ def _gather_parts(rank: int, world: int) -> dict:
             warnings.simplefilter("always")
             errors = {"alone": compiled.gather_outputs(out[1]),
                       "own structure": compiled.gather_outputs({"h": out[1]})["h"],
-                      "whole": compiled.gather_outputs(out)[1]}
+                      "whole": compiled.gather_outputs(out)[1],
+                      "detached": compiled.gather_outputs(out[1].detach())}
             compiled.gather_outputs(out[2])
         state = [str(w.message) for w in caught if "gather_outputs" in str(w.message)]
         errors = {k: float((v - want).abs().max()) if v.shape == want.shape else f"shape {tuple(v.shape)}"
@@ -975,7 +976,7 @@ def test_gather_outputs_of_a_part_of_the_output_gathers_it_in_its_own_layout(ran
     """Found by a probe: `gather_outputs(out[1])` (or `out.logits` of a transformers model with its own loss)
     gathered the tensor in output 0's layout, so it came back as this rank's rows (GPT-2's logits with half the
     vocabulary: an accuracy of 0.59 and 0.00 on the two ranks where one device gives 0.91). The last call's outputs
-    are now found by identity; a view of one is refused. An output that is the model's buffer itself warns that its
+    are now found by identity, or by the memory they read (`out.logits.detach()`); a slice of one is refused. An output that is the model's buffer itself warns that its
     gathered copy is not the buffer (a DINO center updated in place there was lost)."""
     for r in ranks(2).run(_gather_parts):
         assert all(isinstance(e, float) and e < 1e-12 for e in r["errors"].values()), r
