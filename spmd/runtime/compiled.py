@@ -898,10 +898,12 @@ class CompiledModule(nn.Module):
                 target.data = piece.to(target.dtype)  # the piece itself: the empty shard is never touched
                 self._uninitialized.discard(fqn)
 
-    def load_safetensors(self, path, strict: bool = True) -> None:
+    def load_safetensors(self, path, strict: bool = True):
         """Fill this rank's shards from a safetensors checkpoint (one file, an index JSON of shards, or the
         folder `save_pretrained` wrote), reading only this rank's slice of each tensor. A tied parameter
-        is found under any of its names. `strict`: every parameter and persistent buffer must be there."""
+        is found under any of its names. `strict`: every parameter and persistent buffer must be there.
+        Returns the missing and unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of
+        whose names is the model's also warns: a prefix such as `model.` loaded nothing, silently)."""
         from spmd.runtime.checkpoint import checkpoint_files, read_pieces
 
         files = checkpoint_files(path)
@@ -927,6 +929,16 @@ class CompiledModule(nn.Module):
                             "checkpoint of this model, or strict=False to keep the others as they are.")
         if stored_as:
             source_guard.given(self, set(stored_as), elsewhere=True)
+        known = {n for fqn in self._param_names for n in self._load_names(fqn)}
+        unexpected = [n for n in files if n not in known]
+        if missing and not stored_as:
+            warnings.warn(
+                f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "
+                f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}) are not the model's "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), so nothing was loaded. What to "
+                "do: load a checkpoint of this model, with its names as the model's `state_dict()` has them.",
+                stacklevel=2)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):

@@ -41,12 +41,17 @@ def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
 def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
     """Give an optimizer that has not stepped yet its state (a step with zero gradients at a learning rate of
     0, as torch's `get_optimizer_state_dict` does), so that a checkpoint has somewhere to load it. Only the
-    parameters a gradient reaches (ids in `trained`) get state, as they do when training. True if it did."""
+    parameters a gradient reaches (ids in `trained`) get state, as they do when training. Gradients already there
+    (a warm-up backward, `zero_grad(set_to_none=False)`) are set aside for that step and given back: torch skips
+    such an optimizer, and its empty state loaded nothing (a resume with fresh moments, found by a probe). True
+    if it did."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) in trained]
-    if optimizer.state or not params or any(p.grad is not None for p in params):
+    if optimizer.state or not params:
         return False
-    for p in params:
-        p.grad = torch.zeros_like(p)
+    everyone = [p for g in optimizer.param_groups for p in g["params"]]
+    kept, stepping = [p.grad for p in everyone], {id(p) for p in params}
+    for p in everyone:
+        p.grad = torch.zeros_like(p) if id(p) in stepping else None
     rates = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
@@ -56,7 +61,8 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
     finally:
         for g, lr in zip(optimizer.param_groups, rates):
             g["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
+        for p, grad in zip(everyone, kept):
+            p.grad = grad
     return True
 
 

@@ -896,24 +896,36 @@ def _zero_over_pieces(rank: int, world: int) -> dict:
     mesh = spmd.init_mesh((2,), ("tp",))
     compiled = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
                             param_placements={"0.weight": [Shard(0)]})
-    opt = ZeroRedundancyOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
-    compiled(*compiled.shard_inputs(x, y)).backward()
-    before = compiled.get_parameter("0.weight").detach().clone()
-    try:
-        opt.step()
-        refused = None
-    except spmd.SpmdError as e:
-        refused = str(e)
-    return {"refused": refused, "untouched": torch.equal(before, compiled.get_parameter("0.weight").detach())}
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    out = {}
+    for name, opt in [
+            ("zero", ZeroRedundancyOptimizer(compiled.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)),
+            ("local", PostLocalSGDOptimizer(torch.optim.SGD(compiled.parameters(), lr=0.1),
+                                            PeriodicModelAverager(period=2, warmup_steps=0)))]:
+        compiled(*compiled.shard_inputs(x, y)).backward()
+        before = compiled.get_parameter("0.weight").detach().clone()
+        try:
+            opt.step()
+            refused = None
+        except spmd.SpmdError as e:
+            refused = str(e)
+        out[name] = {"refused": refused, "untouched": torch.equal(before, compiled.get_parameter("0.weight").detach())}
+        compiled.zero_grad()
+    return out
 
 
-def test_zero_redundancy_optimizer_over_sharded_pieces_is_refused(ranks):
-    """Found by a probe: ZeroRedundancyOptimizer broadcasts each parameter from the rank that steps it, so a piece
+def test_zero_redundancy_and_post_local_sgd_optimizers_over_sharded_pieces_are_refused(ranks):
+    """Found by probes: ZeroRedundancyOptimizer broadcasts each parameter from the rank that steps it, so a piece
     was overwritten with another rank's part of the parameter (the loss rose, 0.95 -> 1.20, where one device's fell
-    to 0.86; parameters 0.67 off), with only a warning that advised filtering it. Refused before its first step."""
+    to 0.86; parameters 0.67 off), with only a warning that advised filtering it; PostLocalSGDOptimizer's model
+    averager all_reduced the pieces, averaging different parts of a parameter (0.33 off, silently). Both are
+    refused before their first step."""
     for r in ranks(2).run(_zero_over_pieces):
-        assert r["refused"] and "ZeroRedundancyOptimizer steps pieces of sharded parameters (0.weight" in r["refused"], r
-        assert r["untouched"], r
+        for name, what in [("zero", "ZeroRedundancyOptimizer"), ("local", "PostLocalSGDOptimizer")]:
+            assert r[name]["refused"] and f"{what} steps pieces of sharded parameters (0.weight" in r[name]["refused"], r
+            assert r[name]["untouched"], r
 
 
 # ---- gather_outputs of a part of the output ------------------------------------------------------

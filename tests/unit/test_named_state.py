@@ -119,6 +119,40 @@ def test_an_optimizer_that_has_not_stepped_gets_its_state_first():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
+def test_an_optimizer_that_has_not_stepped_gets_its_state_also_with_gradients_there():
+    """Found by a probe: with gradients already there (a warm-up backward, `zero_grad(set_to_none=False)`), the
+    fresh optimizer's state dict came back empty, as torch's `get_optimizer_state_dict` leaves it, so a checkpoint
+    loaded into it loaded no moments: the resumed run went on with fresh ones, 1.7e-2 off after one step. The
+    gradients are set aside for the step at rate 0 and given back as they were."""
+    _, compiled, (ids, labels) = _compiled()
+    compiled(ids, labels).backward()
+    grads = {name: p.grad for name, p in compiled.named_parameters()}
+    values = {name: g.clone() for name, g in grads.items()}
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    state = compiled.optimizer_state_dict(opt)
+    assert set(state["state"]["fc.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert not opt.state
+    for name, p in compiled.named_parameters():
+        assert p.grad is grads[name] and torch.equal(p.grad, values[name]), name
+
+
+def test_load_safetensors_returns_its_missing_and_unexpected_keys_and_warns_when_it_loaded_nothing(tmp_path):
+    """Found by a probe: `load_safetensors(path, strict=False)` returned None, and a checkpoint under other names
+    (a `model.` prefix) loaded nothing and said nothing: the run went on from the initial weights (0.28 off)."""
+    from safetensors.torch import save_file
+
+    model, compiled, _ = _compiled()
+    theirs = {k: v.contiguous() for k, v in model.state_dict().items() if k != "head.weight"}
+    save_file({k: v for k, v in theirs.items() if k != "fc.bias"} | {"extra": torch.ones(2)}, tmp_path / "a.safetensors")
+    keys = compiled.load_safetensors(tmp_path / "a.safetensors", strict=False)
+    assert keys.missing_keys == ["fc.bias"] and keys.unexpected_keys == ["extra"], keys
+    save_file({f"model.{k}": v for k, v in theirs.items()}, tmp_path / "b.safetensors")
+    with pytest.warns(UserWarning, match=r"load_safetensors: none of the model's \d+ tensors is in .*b\.safetensors: "
+                                         r"its names \(model\..*\) are not the model's"):
+        keys = compiled.load_safetensors(tmp_path / "b.safetensors", strict=False)
+    assert len(keys.unexpected_keys) == len(theirs) and "fc.weight" in keys.missing_keys, keys
+
+
 def test_an_optimizer_over_other_parameters_is_named():
     _, compiled, _ = _compiled()
     opt = torch.optim.SGD(list(compiled.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1)

@@ -151,6 +151,34 @@ def test_an_optimizer_spmd_cannot_read_over_a_piece_warns():
 
 
 
+def test_step_hooks_of_an_optimizer_over_pieces_warn_also_when_added_after_its_first_step():
+    """Found by a probe: a LARS trust ratio (`p.norm() / p.grad.norm()`) applied in SGD's step pre-hook read each
+    rank's piece: 1.6e-3 to 7.7e-3 off one device, silently. The hooks are named, at the first step after one is
+    added; a hook-free optimizer steps quietly."""
+    piece = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer_guard.watch_pieces({"layer.weight": piece})
+    optimizer = torch.optim.SGD([piece], lr=0.1)
+    piece.grad = torch.ones_like(piece)
+
+    def lars(opt, args, kwargs):
+        for p in opt.param_groups[0]["params"]:
+            p.grad.mul_(p.norm() / p.grad.norm())
+
+    def said():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        return [str(w.message) for w in caught]
+
+    assert said() == []
+    optimizer.register_step_pre_hook(lars)
+    first, again = said(), said()
+    assert len(first) == 1 and "SGD steps this rank's pieces of sharded parameters (layer.weight), and has 1 step " \
+        "hook(s) (test_step_hooks_of_an_optimizer_over_pieces_warn_also_when_added_after_its_first_step.<locals>.lars)" \
+        in first[0] and "compiled.grad_norm" in first[0], first
+    assert again == [], again  # (once per hook added)
+
+
 def test_pieces_added_to_a_checked_optimizer_are_checked_at_its_next_step():
     """Found by a probe: gradual unfreezing (Lightning's BackboneFinetuning) adds the sharded layers to an
     Adafactor over a replicated head with `add_param_group` after its first step, which was never checked
