@@ -109,6 +109,26 @@ class _Pieces(nn.Module):
     register_full_backward_hook = register_full_backward_pre_hook = _refused
     register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _refused
 
+    def register_parameter(self, name: str, param) -> None:
+        if name not in self._parameters:
+            self._no_new_tensor(name)
+        super().register_parameter(name, param)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        if name not in self._buffers:
+            self._no_new_tensor(name)
+        super().register_buffer(name, tensor, persistent)
+
+    def _no_new_tensor(self, name: str):
+        """A parameter or buffer added to a holder (`torch.nn.utils.prune` moves `weight` to `weight_orig` and adds
+        a mask) is one no graph reads. Refused before anything moves: prune's own rollback then failed on its
+        half-done change with a raw KeyError that hid the refusal, and left the holder altered (found by a
+        probe). The compiled module places its pieces with nn.Module's own methods."""
+        raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
+                        f"under their names: a new tensor on it (`{name}`) would be read by no graph (pruning and "
+                        "reparametrizations change what the forward computes). What to do: prune or reparametrize the "
+                        "model before spmd.compile (the forward then computes it, in the graph).")
+
     def forward(self, *args, **kwargs):
         raise SpmdError("this module only holds pieces of the model's weights under their names: call the "
                         "compiled module itself")
@@ -579,9 +599,9 @@ class CompiledModule(nn.Module):
             if owner is None:
                 raise SpmdInternalError(f"CompiledModule: {fqn!r} goes through a module that is not a holder")
         if isinstance(tensor, nn.Parameter):
-            owner.register_parameter(leaf, tensor)
+            nn.Module.register_parameter(owner, leaf, tensor)
         else:
-            owner.register_buffer(leaf, tensor, persistent=not alias)
+            nn.Module.register_buffer(owner, leaf, tensor, persistent=not alias)
         return path
 
     def _holds_under(self, parts: list[str]) -> bool:

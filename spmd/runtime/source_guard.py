@@ -1418,6 +1418,8 @@ def _stepped(optimizer, args, kwargs) -> None:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
             continue
+        if compiled.__dict__.get("_copy"):  # (a copy's pieces are its own: two fine-tunes from one start leave
+            continue                        # the original and the model as they were; found by a probe)
         stepped = _stepped_shared(compiled, known[2])
         _diverge(compiled, stepped)
         _moved_ahead(compiled, stepped)

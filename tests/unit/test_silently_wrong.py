@@ -513,6 +513,34 @@ def test_a_parametrization_on_a_sharded_parameter_fails_instead_of_running_on_th
         compiled(*compiled.shard_inputs(x))
 
 
+def test_pruning_a_holder_is_refused_before_anything_moves():
+    """Found by a probe: `prune.l1_unstructured(compiled.fc1, "weight", 0.5)` moved the piece to `weight_orig`,
+    then met the refused forward pre-hook, and prune's rollback failed with a raw KeyError ("attribute 'weight'
+    already exists") that hid the refusal and left the holder altered. A new tensor on a holder is refused first;
+    the holder keeps its pieces, and the module trains as before. Replacing a piece under its own name still goes
+    through nn.Module (a load with `assign=True`)."""
+    import torch.nn.utils.prune as prune
+    from torch.distributed.tensor import Shard
+
+    from spmd.core.errors import SpmdError
+    from spmd.runtime.compiled import CompiledModule
+    from tests.models import MLP
+
+    x = torch.randn(8, 16)
+    c = compile_graph(MLP(16, 64), (x,), spec((2,), ("tp",)), 0, param_placements={"fc1.weight": [Shard(0)]})
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    names = [n for n, _ in compiled.named_parameters()]
+    with pytest.raises(SpmdError, match=r"`fc1` of a compiled module .* a new tensor on it \(`weight_orig`\).*prune "
+                                        r"or reparametrize the model before spmd.compile"):
+        prune.l1_unstructured(compiled.fc1, "weight", 0.5)
+    with pytest.raises(SpmdError, match=r"\(`mask`\)"):
+        compiled.fc1.register_buffer("mask", torch.ones(2))
+    assert [n for n, _ in compiled.named_parameters()] == names and not list(compiled.fc1.buffers())
+    piece = compiled.fc1.weight
+    compiled.fc1.weight = nn.Parameter(piece.detach().clone())
+    assert compiled.fc1.weight is not piece and compiled.get_parameter("fc1.weight") is compiled.fc1.weight
+
+
 def test_an_input_named_like_a_builtin_and_an_op_keeps_every_node_name_unique():
     """`forward(self, sum)`: torch.export names the input `sum` and suffixes the op (`sum_1`); FX would
     rename the input `sum_1` too. The trace copies the graph as FX does, so names stay unique and the
@@ -1434,6 +1462,35 @@ def test_a_copy_of_the_compiled_module_keeps_an_average_of_its_weights():
         later = copy.deepcopy(trained)
         torch.testing.assert_close(later(x, y), F.mse_loss(eager(x), y))
     assert later._source_model is model and dict(later.named_parameters()).keys() == dict(trained.named_parameters()).keys()
+
+
+def test_a_copy_of_the_compiled_module_trained_apart_leaves_the_original_as_it_was():
+    """Found by a probe: two fine-tunes from one start (`copy.deepcopy(compiled)`, each copy with its own
+    optimizer) refused the original at its next call as if two modules of one model both trained, naming the
+    wrong thing. A copy has pieces of its own: its steps move nothing of the original's, nor of the model."""
+    import copy
+
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt, eager_opt = torch.optim.SGD(trained.parameters(), lr=0.1), torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(3):
+        for m, o in ((trained, opt), (eager, eager_opt)):
+            F.mse_loss(m(x), y).backward() if m is eager else m(x, y).backward()
+            o.step()
+            o.zero_grad()
+        if step == 0:
+            tuned = copy.deepcopy(trained)
+            tuned_opt = torch.optim.SGD(tuned.parameters(), lr=0.5)
+        tuned(x, y).backward()
+        tuned_opt.step()
+        tuned_opt.zero_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(trained(x, y), F.mse_loss(eager(x), y))
+    assert float((tuned.get_parameter("0.weight") - trained.get_parameter("0.weight")).abs().max()) > 1e-3
+    with pytest.raises(spmd.SpmdError, match="has trained since"):  # (the original trained: the model is behind)
+        model(x)
 
 
 def test_weights_given_to_the_model_after_compiling_are_named():
