@@ -16,7 +16,7 @@ node's module stack and the user's source lines; backward nodes take their forwa
 fails, or for a model with a submodule registered under two names (which AOTAutograd over the module
 breaks), torch.export (non-strict) first and AOTAutograd over the exported module, the road every model
 took before (0.2 s more of LLaMA3-8B's 0.8 s trace). Either way the model's attributes, parameters and
-buffers are as they were after the trace (`_state_kept`). Example inputs that share memory are traced
+buffers are as they were after the trace (`state_kept`). Example inputs that share memory are traced
 as separate inputs (`distinct_inputs`).
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
+from spmd.passes.kept_state import refuse_counted, state_kept
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
                                       graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
@@ -117,7 +118,7 @@ def _decomposition_table():
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
-    counted: list[tuple] = []  # (the numbers the forward changed: `_refuse_counted`)
+    counted: list[tuple] = []  # (the numbers the forward changed: `refuse_counted`)
     with checkpoints_run_through(root) as checkpoints:
         with random_draws() as drew:
             gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted)
@@ -129,7 +130,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             def retrace():
                 with _outputs_copied(root, aliased) if aliased else contextlib.nullcontext():
                     return graph_signature(_either_road(model, root, example_inputs)[0])
-            _refuse_counted(counted, retrace, graph_signature(gm), model)
+            refuse_counted(counted, retrace, graph_signature(gm), model)
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
     # graph traced again with the generators seeded apart says whether it keeps them
@@ -366,7 +367,7 @@ def _autocast_in_forward(root: torch.nn.Module):
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
                           counted: list | None = None) -> tuple:
     assigned: list[tuple] = []  # state the forward replaced (on either road: `state_assigned`)
-    kept = _state_kept(root)
+    kept = state_kept(root)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
@@ -376,7 +377,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            kept = _state_kept(root)
+            kept = state_kept(root)
             with kept, state_assigned() as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
@@ -492,127 +493,6 @@ def _shares_submodules(root: torch.nn.Module) -> bool:
             return True
         seen.add(id(m))
     return False
-
-
-def _refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Module) -> None:
-    """Refuse where the forward changed numbers it keeps on its modules (`self.calls += 1` for a warm-up factor, a
-    queue's Python pointer) and the graph depends on them: traced again with each far from its value (one trace
-    for all), it is another graph. The compiled graph fixes what the trace computed from the values then, and
-    would never count on (a probe's warm-up: 1.07 where eager gave 1.06, then 0.98 against 0.94; a MoCo queue
-    filled 8 of its 32 rows). A number only kept (a call count for the log) changes no graph and passes; it does
-    not count on either. A flag flipped at each call, which the trace's runs bring back to its value, is seen run
-    by run (`_state_kept.next_values`) and traced again at the value the next call would see. Not seen: a branch
-    neither the far value nor the next one crosses."""
-    nexts = {}
-    for m, key, after in counted:
-        if after is not _MISSING:
-            nexts.setdefault((m, key), after)
-    counted = list(dict.fromkeys((m, key) for m, key, _ in counted))
-    values = [m.__dict__[key] for m, key in counted]
-
-    def traced_with(value_of) -> bool:
-        try:
-            for (m, key), was in zip(counted, values):
-                m.__dict__[key] = value_of(m, key, was)
-            return signature is None or trace() != signature
-        finally:
-            for (m, key), was in zip(counted, values):
-                m.__dict__[key] = was
-
-    def far(m, key, was):  # far, and odd: past a threshold, another residue mod 2^k (a flag: flipped)
-        return (not was) if type(was) is bool else was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5
-
-    differs = traced_with(far)
-    # and the value one run of the forward leaves, the next call's: a flag flipped at each call, which the
-    # trace's runs bring back (a probe: every other call eager flipped the sequence and the graph did not)
-    if not differs and any(nexts.get(k, v) not in (v, far(*k, v)) for k, v in zip(counted, values)):
-        differs = traced_with(lambda m, key, was: nexts.get((m, key), was))
-    if differs:
-        paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-        shown = ", ".join(f"`{paths.get(id(m)) or type(m).__name__}.{key}`" for m, key in counted[:3]) + (
-            " and others" if len(counted) > 3 else "")
-        raise SpmdError(
-            f"trace_joint: the forward changes {shown}, Python numbers the model keeps (a call counter, a queue's "
-            "pointer), and the graph depends on their values: the compiled graph fixes what the trace computed "
-            "from the values then, and would not count on, silently. What to do: keep such a number in a buffer "
-            "updated in place (`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += "
-            "1`), or compute the value outside the model and pass it as an input.")
-
-
-class _state_kept:
-    """The model's state as it was before the trace, put back after it, whatever the trace did: the
-    attributes a forward assigns (`self.last = h.detach()`, a cache made at the first call) would keep
-    the tracer's tensors, which broke the model and the road through torch.export after a failed trace
-    (torch.export puts them back too). `registered_changed`: some parameter, buffer or submodule had
-    to be put back, so the trace ran on a model that was not the user's."""
-
-    def __init__(self, root: torch.nn.Module):
-        self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
-                      for m in root.modules()]
-        # and the hooks a forward registers on its modules (transformers installs its output-capturing hooks at
-        # the first call asking for hidden states or attentions, and marks the model with an attribute): put
-        # back with the attribute, or a second trace installed them again and every capture came out twice
-        self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
-                      if "hooks" in name and isinstance(table, dict)]
-        self.registered_changed = False
-        # (module, attribute, the value one run left or _MISSING): numbers the forward changed, `_refuse_counted`
-        self.counted: list[tuple] = []
-        # (module, attribute) -> the value one run of the forward left: a flag it flips at each call is back
-        # where it was after the trace's runs, and seen only run by run (the root's hooks)
-        self.next_values: dict[tuple, object] = {}
-        self._root, self._hooks, self._modules = root, [], [m for m, *_ in self.saved]
-
-    def _numbers(self) -> dict[tuple, object]:
-        return {(m, key): v for m in self._modules for key, v in m.__dict__.items()
-                if type(v) in (int, float, bool) and key != "training"}  # (modes: the holders' business)
-
-    def __enter__(self) -> "_state_kept":
-        before: list[dict] = []
-        self._hooks = [self._root.register_forward_pre_hook(lambda *_: before.append(self._numbers())),
-                       self._root.register_forward_hook(lambda *_: self._ran(before.pop() if before else None))]
-        return self
-
-    def _ran(self, before: dict | None) -> None:
-        if before is None:
-            return
-        for (m, key), was in before.items():
-            now = m.__dict__.get(key, was)
-            if now != was and type(now) is type(was):
-                self.next_values.setdefault((m, key), now)
-
-    def __exit__(self, *exc) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        counted = []
-        for m, attrs, params, buffers, modules in self.saved:
-            counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
-                        and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
-            for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
-                                            (m._modules, modules, True), (m.__dict__, attrs, False)):
-                if now is not before and _put_back(now, before):
-                    self.registered_changed |= registered
-        for table, before in self.hooks:
-            _put_back(table, before)
-        # (a number the forward made at its first call, `getattr(self, "calls", 0) + 1`, is gone again after the
-        # put-back: not one the model keeps; a review found it crashing the check)
-        counted += [k for k in self.next_values if k not in counted and k[1] in k[0].__dict__]
-        self.counted = [(m, key, self.next_values.get((m, key), _MISSING)) for m, key in counted]
-
-
-def _put_back(now: dict, before: dict) -> bool:
-    """`now` made equal to `before` (entry by entry, by identity); whether anything differed."""
-    changed = False
-    for key in [k for k in now if k not in before]:
-        del now[key]
-        changed = True
-    for key, value in before.items():
-        if now.get(key, _MISSING) is not value:
-            now[key] = value
-            changed = True
-    return changed
-
-
-_MISSING = object()
 
 
 class _DropsBackward(Exception):

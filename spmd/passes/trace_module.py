@@ -22,6 +22,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
+from spmd.passes.kept_state import refuse_counted, state_kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -749,9 +750,17 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     def export():
         return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
+    def signature_again():
+        with state_kept(held):
+            again = export()
+        return graph_signature(again.graph_module, again.constants)
+
     try:
-        with random_draws() as drew, state_assigned(attributes=True) as assigned:
+        with random_draws() as drew, state_assigned(attributes=True) as assigned, state_kept(held) as kept:
             ep = export()
+        if kept.counted:  # (a warm-up factor from a call counter: found by a probe, the same every call, silently)
+            refuse_counted(kept.counted, signature_again, graph_signature(ep.graph_module, ep.constants), model,
+                           "trace_module")
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
                 lambda: graph_signature((again := export()).graph_module, again.constants),
@@ -800,6 +809,21 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         elif spec.kind == OutputKind.USER_OUTPUT:
             outputs.append(GraphOutput("output", f"output_{user}"))
             user += 1
+        elif spec.kind == OutputKind.PARAMETER_MUTATION:  # (found by a probe: the message named no cause)
+            raise SpmdError(
+                f"trace_module: the forward of {type(model).__name__} changes parameter {spec.target} in place (an "
+                "Embedding with max_norm renormalizes the rows it looks up), and a compiled module's parameters are "
+                "pieces the graph only reads. What to do: leave such updates out of the forward (renormalize the "
+                "compiled module's parameter after the call, under torch.no_grad()), or drop max_norm.")
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := [
+                name for name, b in _all_buffers(model) if b is None]):
+            # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
+            # at the first call; found by a probe: the message named an input the forward never touched)
+            raise SpmdError(
+                f"trace_module: torch.export reports input {spec.target} changed in place, which it says where the "
+                f"forward assigns a buffer registered as None ({', '.join(f'`{n}`' for n in unset[:3])}): a cache "
+                "made at the first call. What to do: keep the cache as a plain attribute (`self.cache = None` in "
+                "__init__, assigned in the forward), or register the buffer with its value in __init__.")
         else:
             raise SpmdError(
                 f"trace_module: the model mutates state ({spec.kind.name} of {spec.target}); only buffers may be "
@@ -820,6 +844,13 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
                        frozen=frozen, aliases=shared_names(model))
+
+
+def _all_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    """Every buffer entry of the model's modules by its path, those registered as None too (which
+    `named_buffers` leaves out)."""
+    return [(f"{path}.{name}" if path else name, b) for path, m in model.named_modules()
+            for name, b in m._buffers.items()]
 
 
 def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:

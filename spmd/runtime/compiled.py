@@ -123,7 +123,11 @@ class _Pieces(nn.Module):
         """A parameter or buffer added to a holder (`torch.nn.utils.prune` moves `weight` to `weight_orig` and adds
         a mask) is one no graph reads. Refused before anything moves: prune's own rollback then failed on its
         half-done change with a raw KeyError that hid the refusal, and left the holder altered (found by a
-        probe). The compiled module places its pieces with nn.Module's own methods."""
+        probe). A piece of its own put back (`remove_parametrizations`) is not new. The compiled module places
+        its pieces with nn.Module's own methods."""
+        root, fqn = self._root(), f"{self._prefix}.{name}"
+        if root is None or fqn in root._param_names or fqn in root._aliases:
+            return
         raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
                         f"under their names: a new tensor on it (`{name}`) would be read by no graph (pruning and "
                         "reparametrizations change what the forward computes). What to do: prune or reparametrize the "

@@ -54,7 +54,7 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     from torch._export.utils import _compiling_state_context
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from spmd.passes.trace_joint import _state_kept
+    from spmd.passes.kept_state import state_kept
 
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     seen = {}
@@ -62,7 +62,7 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     try:
         torch.backends.mha.set_fastpath_enabled(False)
         for training in (True, False):
-            with _state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), _compiling_state_context(), \
+            with state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), _compiling_state_context(), \
                     torch.enable_grad():
                 state = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
                                                    ).requires_grad_(t.requires_grad)

@@ -1221,6 +1221,97 @@ def test_a_flag_the_forward_flips_at_each_call_is_refused(kind):
         one_device(Alternate(), (x, y), training=True, loss_fn=F.mse_loss)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_a_branch_taken_at_the_first_call_only_or_a_counter_in_an_inference_forward_is_refused(training):
+    """Found by a probe: `if not self.first_done: h = h * 0.5; self.first_done = True` left the trace's later runs
+    on the other value, so the graph was the calls-after-the-first one in training (the first step 0.34 off), and
+    the first call's at every call in inference (1.18 off from call 2); the check traced again with the flag
+    flipped, which was the graph it had. Traced with each value held through every run now. A forward compiled
+    for inference was not checked at all: a warm-up factor from a call counter stayed at its first value. A
+    count only kept (for a log) still passes."""
+    class FirstCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.first_done = False
+
+        def forward(self, x):
+            h = self.fc(x)
+            if not self.first_done:
+                h = h * 0.5
+                self.first_done = True
+            return h
+
+    class Warmup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.calls = nn.Linear(4, 4), 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x) * min(1.0, self.calls / 4)
+
+    class Counted(Warmup):
+        def forward(self, x):
+            self.calls += 1
+            return self.fc(x)
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    example, options = ((x, y), {"training": True, "loss_fn": F.mse_loss}) if training else ((x,), {})
+    trace = "trace_joint" if training else "trace_module"
+    for model, name in ((FirstCall(), "FirstCall.first_done"), (Warmup(), "Warmup.calls")):
+        with pytest.raises(spmd.SpmdError, match=rf"{trace}: the forward changes `{name}`, Python numbers.*What to do"):
+            one_device(model if training else model.eval(), example, **options)
+    model = Counted() if training else Counted().eval()
+    compiled = one_device(model, example, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*example), F.mse_loss(model.fc(x), y) if training else model.fc(x))
+
+
+def test_an_embedding_with_max_norm_compiled_for_inference_is_named():
+    """Found by a probe: refused with "the model mutates state (PARAMETER_MUTATION of emb.weight)", naming no cause
+    and a way out that does not apply; the training trace's message names max_norm."""
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, max_norm=1.0)
+
+        def forward(self, ids):
+            return self.emb(ids)
+
+    with pytest.raises(spmd.SpmdError, match=r"trace_module: the forward of Lookup changes parameter emb.weight in "
+                                             r"place \(an Embedding with max_norm.*drop max_norm"):
+        one_device(Lookup().eval(), (torch.randint(0, 10, (3,)),))
+
+
+def test_a_buffer_registered_as_none_and_made_in_an_inference_forward_is_named_with_the_way_out():
+    """Found by a probe: a cache registered as a None buffer and made at the first call was refused as "the model
+    mutates state (USER_INPUT_MUTATION of x)", an input the forward never touched (torch.export's words). The
+    buffer is named now, with the way out, a plain attribute, which runs equal to eager."""
+    class Cached(nn.Module):
+        def __init__(self, buffer):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            if buffer:
+                self.register_buffer("cache", None, persistent=False)
+            else:
+                self.cache = None
+
+        def forward(self, x):
+            if self.cache is None:
+                self.cache = torch.cos(torch.arange(4, dtype=x.dtype))
+            return self.fc(x) * self.cache
+
+    x = torch.randn(3, 4)
+    with pytest.raises(spmd.SpmdError, match=r"input x changed in place.*a buffer registered as None \(`cache`\).*"
+                                             r"keep the cache as a plain attribute"):
+        one_device(Cached(True).eval(), (x,))
+    model = Cached(False).eval()
+    compiled = one_device(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), copy.deepcopy(model)(x))
+
+
 def test_a_number_the_forward_makes_at_its_first_call_passes():
     """A review found `self.calls = getattr(self, "calls", 0) + 1` crashing the check (the attribute is gone again
     once the trace puts the model back): a number the model does not keep is not checked."""
