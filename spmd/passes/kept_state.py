@@ -24,6 +24,9 @@ class state_kept:
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
         self.registered_changed = False
+        # (module, buffer name) of the buffers registered as None that the forward gave a tensor (a cache made
+        # at the first call), put back to None
+        self.made: list[tuple] = []
         # (module, attribute, the value one run left or _MISSING): numbers the forward changed, `refuse_counted`
         self.counted: list[tuple] = []
         # (module, attribute) -> the value one run of the forward left: a flag it flips at each call is back
@@ -54,6 +57,8 @@ class state_kept:
             hook.remove()
         counted = []
         for m, attrs, params, buffers, modules in self.saved:
+            self.made += [(m, key) for key, before in buffers.items() if before is None
+                          and m._buffers.get(key) is not None]
             counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
                         and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
@@ -115,6 +120,8 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
         try:
             pin()
             return signature is None or trace() != signature
+        except Exception:  # (a value no call would see breaks the forward: a cache's length held past it, with the
+            return False   # cache it would have built put back; found by a review. The other value still counts)
         finally:
             hook.remove()
             for (m, key), was in zip(counted, values):

@@ -486,6 +486,16 @@ def graph_signature(gm: fx.GraphModule, constants: dict | None = None):
     return gm.code, tuple(values)
 
 
+def _live_signature(ep) -> tuple | None:
+    """`graph_signature` of an export's graph without the ops nothing reads: a value computed and only kept on
+    the model at the first call (`self.input_scale = x.std()` under a flag) leaves a dead op in the export's
+    graph, which the compiled graph drops (found by a review: such a flag was refused)."""
+    graph, env = fx.Graph(), {}
+    graph.output(graph.graph_copy(ep.graph_module.graph, env))
+    graph.eliminate_dead_code()
+    return graph_signature(fx.GraphModule(ep.graph_module, graph), ep.constants)
+
+
 def draws_change_the_graph(trace, signature, named: list[str]) -> list[str]:
     """`trace()` again, twice, with Python's and numpy's generators seeded apart from the first trace, whose
     `signature` (`graph_signature`) is given: [] where every graph is the same (the draws reached nothing the
@@ -753,13 +763,13 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     def signature_again():
         with state_kept(held):
             again = export()
-        return graph_signature(again.graph_module, again.constants)
+        return _live_signature(again)
 
     try:
         with random_draws() as drew, state_assigned(attributes=True) as assigned, state_kept(held) as kept:
             ep = export()
         if kept.counted:  # (a warm-up factor from a call counter: found by a probe, the same every call, silently)
-            refuse_counted(kept.counted, signature_again, graph_signature(ep.graph_module, ep.constants), model,
+            refuse_counted(kept.counted, signature_again, _live_signature(ep), model,
                            "trace_module")
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
@@ -801,6 +811,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
         inputs.append(GraphInput(renamed.get(spec.arg.name, spec.arg.name), kinds[spec.kind], name))
     outputs, user = [], 0
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
     for spec in sig.output_specs:
         if spec.kind == OutputKind.TOKEN:
             continue
@@ -816,7 +827,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
                 "pieces the graph only reads. What to do: leave such updates out of the forward (renormalize the "
                 "compiled module's parameter after the call, under torch.no_grad()), or drop max_norm.")
         elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := [
-                name for name, b in _all_buffers(model) if b is None]):
+                f"{paths[id(m)]}.{key}".lstrip(".") for m, key in kept.made if id(m) in paths]):
             # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
             # at the first call; found by a probe: the message named an input the forward never touched)
             raise SpmdError(
@@ -844,13 +855,6 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
                        frozen=frozen, aliases=shared_names(model))
-
-
-def _all_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | None]]:
-    """Every buffer entry of the model's modules by its path, those registered as None too (which
-    `named_buffers` leaves out)."""
-    return [(f"{path}.{name}" if path else name, b) for path, m in model.named_modules()
-            for name, b in m._buffers.items()]
 
 
 def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -129,8 +129,8 @@ class _Pieces(nn.Module):
         if root is None or fqn in root._param_names or fqn in root._aliases:
             return
         raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
-                        f"under their names: a new tensor on it (`{name}`) would be read by no graph (pruning and "
-                        "reparametrizations change what the forward computes). What to do: prune or reparametrize the "
+                        f"under their names: a new tensor on it (`{name}`) would be read by no graph (pruning adds the "
+                        "original weight and a mask, and changes what the forward computes). What to do: prune the "
                         "model before spmd.compile (the forward then computes it, in the graph).")
 
     def forward(self, *args, **kwargs):

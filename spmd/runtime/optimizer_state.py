@@ -55,10 +55,19 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
     rates = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    # the optimizer's own step hooks sit this step out: a LARS ratio `p.grad.norm()` of the zero gradients made
+    # them NaN, and the step at rate 0 wrote NaN into the weights (found by a review)
+    hooks = [table for table in (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+                                 getattr(optimizer, "_optimizer_step_post_hooks", None)) if table]
+    held = [dict(table) for table in hooks]
     try:
+        for table in hooks:
+            table.clear()
         with source_guard.priming():  # (no weight moves: not training, for the guards)
             optimizer.step()
     finally:
+        for table, entries in zip(hooks, held):
+            table.update(entries)
         for g, lr in zip(optimizer.param_groups, rates):
             g["lr"] = lr
         for p, grad in zip(everyone, kept):

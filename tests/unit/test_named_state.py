@@ -134,6 +134,16 @@ def test_an_optimizer_that_has_not_stepped_gets_its_state_also_with_gradients_th
     assert not opt.state
     for name, p in compiled.named_parameters():
         assert p.grad is grads[name] and torch.equal(p.grad, values[name]), name
+    # the optimizer's own step hooks sit the step at rate 0 out (found by a review: a LARS ratio of the zero
+    # gradients, `p.grad.norm()`, made NaN, written into the weights)
+    before = {k: v.clone() for k, v in compiled.state_dict().items()}
+    other = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    other.register_step_pre_hook(lambda o, args, kwargs: [
+        p.grad.mul_(p.norm() / p.grad.norm()) for g in o.param_groups for p in g["params"] if p.grad is not None])
+    compiled.optimizer_state_dict(other)
+    for k, v in compiled.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert len(other._optimizer_step_pre_hooks) == 1
 
 
 def test_load_safetensors_returns_its_missing_and_unexpected_keys_and_warns_when_it_loaded_nothing(tmp_path):

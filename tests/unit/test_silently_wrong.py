@@ -531,7 +531,7 @@ def test_pruning_a_holder_is_refused_before_anything_moves():
     compiled = CompiledModule(c, None, src_data_rank=None)
     names = [n for n, _ in compiled.named_parameters()]
     with pytest.raises(SpmdError, match=r"`fc1` of a compiled module .* a new tensor on it \(`weight_orig`\).*prune "
-                                        r"or reparametrize the model before spmd.compile"):
+                                        r"the model before spmd.compile"):
         prune.l1_unstructured(compiled.fc1, "weight", 0.5)
     with pytest.raises(SpmdError, match=r"\(`mask`\)"):
         compiled.fc1.register_buffer("mask", torch.ones(2))
@@ -1266,6 +1266,40 @@ def test_a_branch_taken_at_the_first_call_only_or_a_counter_in_an_inference_forw
     compiled = one_device(model, example, **options)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*example), F.mse_loss(model.fc(x), y) if training else model.fc(x))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_cache_made_at_the_first_call_with_its_length_or_a_flag_still_compiles(training):
+    """Found by a review of the check above: an old-style rotary cache (`seq_len_cached` an int, the cache built
+    when a longer sequence comes) failed the retrace held at a length past it ("'NoneType' object is not
+    subscriptable", as if the model could not be traced: in training before too), and a value only kept under a
+    one-time flag (`self.input_scale = x.std()`) left a dead op that made the inference graphs differ. A retrace
+    that fails says nothing; dead ops are not compared. Both run equal to eager."""
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.seq_len_cached, self.cos_cached = nn.Linear(8, 8), 0, None
+            self.checked, self.input_scale = False, None
+
+        def forward(self, x):
+            n = x.shape[1]
+            if not self.checked:
+                self.input_scale = x.detach().std()
+                self.checked = True
+            if n > self.seq_len_cached:
+                self.seq_len_cached = n
+                f = torch.outer(torch.arange(n, dtype=x.dtype), torch.arange(4, dtype=x.dtype) + 1.0)
+                self.cos_cached = torch.cat([f, f], -1).cos()
+            return self.fc(x) * self.cos_cached[:n]
+
+    x, y = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    model = Rotary() if training else Rotary().eval()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x, y) if training else (x,), training=training,
+                          loss_fn=F.mse_loss if training else None)
+    with torch.no_grad():
+        got = compiled(x, y) if training else compiled(x)
+        torch.testing.assert_close(got, F.mse_loss(reference(x), y) if training else reference(x))
 
 
 def test_an_embedding_with_max_norm_compiled_for_inference_is_named():
