@@ -419,11 +419,42 @@ def _set_by_hooks(module) -> set[str]:
             for v in getattr(h, "__dict__", {}).values() if isinstance(v, str)}
 
 
+# what a transformers configuration carries that no forward reads: names, labels for display, versions, the dtype
+# it was loaded in (a model cast after compiling moves it)
+_CONFIG_METADATA = frozenset({"_name_or_path", "architectures", "id2label", "label2id", "finetuning_task",
+                              "transformers_version", "_commit_hash", "tokenizer_class", "prefix",
+                              "task_specific_params", "dtype", "torch_dtype"})
+
+
+def _configurations(root: torch.nn.Module) -> list[tuple[object, str]]:
+    """(configuration, the path it is held at) of each transformers configuration `root`'s modules hold, and of
+    the configurations inside them (a multimodal model's `text_config`), each once."""
+    found, seen = [], set()
+
+    def visit(config, shown):
+        if id(config) in seen or not any(k.__name__.lower() == "pretrainedconfig" for k in type(config).__mro__):
+            return
+        seen.add(id(config))
+        found.append((config, shown))
+        for key, value in list(vars(config).items()):
+            visit(value, f"{shown}.{key}")
+
+    for path, module in root.named_modules():
+        if "config" in module.__dict__:
+            visit(module.__dict__["config"], f"{path}.config" if path else "config")
+    return found
+
+
 class AttributeGuard:
     """The plain attributes each module of `roots` (label -> module) reads in its forward, with their values
-    now; `check()` raises, naming each that changed since."""
+    now; `check()` raises, naming each that changed since. A transformers configuration the modules hold is
+    watched whole (its metadata aside): its models read it through calls the bytecode scan does not follow
+    (`self.config.get_text_config().pad_token_id`, a loss function handed `config=self.config`) and write
+    some of its entries themselves (BERT's `problem_type`), so a value set after compiling (the tokenizer's
+    `pad_token_id`, another `problem_type`) went unseen: found by a probe, 0.14 and 0.20 off, silently."""
 
     def __init__(self, roots: dict[str, torch.nn.Module]):
+        self._configs = []  # [configuration, path, its entries when compiled]: `_configurations`
         self._entries = []  # (the object holding it, attribute, module path, name read, value)
         self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
         self._containers = []  # (the object holding it, attribute, module path, name read, what it held: _Held)
@@ -467,6 +498,9 @@ class AttributeGuard:
                             not keeps and (leaves := _leaves(c)) is not None:
                         seen.add((id(holder), attr))
                         self._containers.append((holder, attr, shown, name, _Held(c, leaves)))
+            if isinstance(root, torch.nn.Module):
+                self._configs += [[config, ".".join(p for p in (label, path) if p), dict(vars(config))]
+                                  for config, path in _configurations(root)]
 
     def _watch_outside(self, fn, reader: str, seen: set) -> None:
         for where, name in _outside_reads(fn):
@@ -478,7 +512,35 @@ class AttributeGuard:
                 self._outside.append((where, name, f"{shown} read by {reader}", value))
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside)
+        return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside) + len(self._configs)
+
+    def _config_changes(self) -> list[tuple[str, str]]:
+        """(path of the entry, how) of each configuration entry set since compiling (metadata aside, and entries
+        `_entries` watches and names itself)."""
+        changed = []
+        watched = {(id(e[0]), e[1]) for e in self._entries}
+        for held in self._configs:
+            config, path, then = held
+            now, before = vars(config), len(changed)
+            try:
+                if now == then:  # (the usual case: every entry the very object it was)
+                    continue
+            except Exception:  # (an entry without a plain ==: compared one by one below)
+                pass
+            for key in sorted(set(now) | set(then)):
+                old, new = then.get(key, _NONE), now.get(key, _NONE)
+                if key in _CONFIG_METADATA or (id(config), key) in watched or new is old or _both_nan(new, old):
+                    continue
+                try:
+                    same = bool(new == old)
+                except Exception:  # (values without a plain ==: told apart by identity)
+                    same = False
+                if not same:
+                    changed.append((f"{path}.{key}", f"{old!r} -> {new!r}" if plain(old) and plain(new)
+                                    else "set anew"))
+            if len(changed) == before:
+                held[2] = dict(now)  # (metadata alone changed: the next calls take the fast path again)
+        return changed
 
     def watched(self) -> set[tuple[str, str]]:
         """The (module path, attribute) pairs checked ("config.pad_token_id" for an attribute of an object the
@@ -500,6 +562,8 @@ class AttributeGuard:
         for holder, attr, path, name, held in self._containers:
             if not held.same(holder.__dict__.get(attr, _NONE)):
                 changed.append((f"{path}.{name}" if path else name, "an entry or tensor in it changed"))
+        if self._configs:
+            changed += self._config_changes()
         for holder, attr, path, name, old in self._entries:
             if holder.__dict__.get(attr, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue

@@ -1302,6 +1302,66 @@ def test_a_cache_made_at_the_first_call_with_its_length_or_a_flag_still_compiles
         torch.testing.assert_close(got, F.mse_loss(reference(x), y) if training else reference(x))
 
 
+def test_a_loss_of_the_output_alone_takes_no_target():
+    """Found by a probe: the targets were counted as at least one, so with `loss_fn(out, target=None)` a model's
+    optional last input (a mask) was taken for the target: the model ran without it and the loss compared its
+    output with the mask (0.77 where eager gave 0.33); `loss_fn(out)` failed with a message about the forward's
+    arguments. A loss with no required target takes none."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            h = self.fc(x)
+            return h if mask is None else h * mask
+
+    def self_supervised(out, target=None):
+        return out.pow(2).mean() if target is None else F.mse_loss(out, target)
+
+    x, mask = torch.randn(3, 4), (torch.rand(3, 4) > 0.5).double()
+    for loss_fn in (self_supervised, lambda out: out.pow(2).mean()):
+        torch.manual_seed(0)
+        model = Masked()
+        reference = copy.deepcopy(model)
+        compiled = one_device(model, (x, mask), training=True, loss_fn=loss_fn)
+        loss = compiled(x, mask)
+        want = loss_fn(reference(x, mask))
+        torch.testing.assert_close(loss, want)
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(compiled.get_parameter("fc.weight").grad, reference.fc.weight.grad)
+
+
+def test_a_transformers_configuration_entry_set_after_compiling_is_named():
+    """Found by a probe: `model.config.pad_token_id = tokenizer.pad_token_id` after compiling a Llama sequence
+    classifier went unseen (transformers reads it through `self.config.get_text_config()`, which the bytecode scan
+    does not follow): the compiled module pooled the old pad positions, 0.14 off, silently; so did a new
+    `problem_type` (BERT writes it in its forward; Llama's loss reads it through a function). The configuration is
+    watched whole, its metadata aside; set back, the calls go on."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, num_labels=3, use_cache=False)
+    model = LlamaForSequenceClassification(config).eval()
+    ids = torch.randint(1, 64, (2, 6))
+    ids[0, -2:] = 5
+    compiled = one_device(model, (ids,))
+    with torch.no_grad():
+        want = model(ids).logits
+        model.config.pad_token_id = 5
+        with pytest.raises(spmd.SpmdError, match=r"the model's `config.pad_token_id` \(0 -> 5\) changed after "
+                                                 r"compiling.*What to do: compile again"):
+            compiled(ids)
+        model.config.problem_type = "regression"
+        with pytest.raises(spmd.SpmdError, match=r"`config.pad_token_id` \(0 -> 5\), `config.problem_type`"):
+            compiled(ids)
+        model.config.pad_token_id, model.config.problem_type = 0, None
+        model.config.id2label = {0: "a", 1: "b", 2: "c"}  # (metadata: read by no forward)
+        torch.testing.assert_close(compiled(ids).logits, want)
+
+
 def test_an_embedding_with_max_norm_compiled_for_inference_is_named():
     """Found by a probe: refused with "the model mutates state (PARAMETER_MUTATION of emb.weight)", naming no cause
     and a way out that does not apply; the training trace's message names max_norm."""
