@@ -168,7 +168,23 @@ def buffers_moved_cost() -> None:
               f"load into the sibling {ticking:.1f} us; the whole forward call {whole:.0f} us", flush=True)
 
 
+def config_watch_cost() -> None:
+    """The attribute guard with and without its watch of the transformers configuration whole (every entry of
+    `model.config`, one dict compare when nothing changed), on the transformers Llama of `main`."""
+    for layers in (2, 32):
+        compiled = _compiled(layers)
+        guard = compiled._attributes
+        entries = sum(len(vars(config)) for config, _, _ in guard._configs)
+        with_configs = _us(guard.check, calls=20000)
+        held, guard._configs = guard._configs, []
+        without = _us(guard.check, calls=20000)
+        guard._configs = held
+        print(f"attribute guard, {layers} layers: {with_configs:.2f} us with the configuration watched whole "
+              f"({len(held)} configuration(s), {entries} entries), {without:.2f} us without", flush=True)
+
+
 if __name__ == "__main__":
     main()
     first_call_read()
     buffers_moved_cost()
+    config_watch_cost()

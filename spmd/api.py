@@ -125,6 +125,13 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
             "made under torch.inference_mode (inference tensors: no autograd, no version counters), which tracing "
             "cannot take. What to do: build or load the model outside torch.inference_mode; the compiled module "
             "can then be called under it.")
+    held = [path or "the model itself" for path, m in model.named_modules() if isinstance(m, CompiledModule)]
+    if held:  # (found by a probe: torch's "'FakeTensor' object has no attribute 'wait'" from the inner collectives)
+        raise SpmdError(
+            f"compile: {type(model).__name__} holds a module spmd.compile already compiled ({', '.join(held[:3])}), "
+            "whose graph runs this rank's pieces with collectives of its own: it cannot be traced again. What to do: "
+            "compile the whole model from its original modules, once (put the original module where the compiled "
+            "one is, with the trained weights loaded into it: `original.load_state_dict(compiled.full_state_dict())`).")
     source_guard.check_compile(model)  # (a module compiled from it has trained: its own weights are the old ones)
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "

@@ -517,8 +517,7 @@ class AttributeGuard:
     def _config_changes(self) -> list[tuple[str, str]]:
         """(path of the entry, how) of each configuration entry set since compiling (metadata aside, and entries
         `_entries` watches and names itself)."""
-        changed = []
-        watched = {(id(e[0]), e[1]) for e in self._entries}
+        changed, watched = [], None
         for held in self._configs:
             config, path, then = held
             now, before = vars(config), len(changed)
@@ -527,6 +526,7 @@ class AttributeGuard:
                     continue
             except Exception:  # (an entry without a plain ==: compared one by one below)
                 pass
+            watched = watched if watched is not None else {(id(e[0]), e[1]) for e in self._entries}
             for key in sorted(set(now) | set(then)):
                 old, new = then.get(key, _NONE), now.get(key, _NONE)
                 if key in _CONFIG_METADATA or (id(config), key) in watched or new is old or _both_nan(new, old):

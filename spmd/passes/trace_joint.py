@@ -70,12 +70,16 @@ def loss_targets(loss_fn) -> int:
     module's forward's: the module itself shows torch's `(*args, **kwargs)`, which counted one target for
     `nn.TripletMarginLoss`'s two, found by a probe). None for a loss of the output alone (`loss_fn(out)`, or
     `loss_fn(out, target=None)`): at least one was counted, so a probe's model ran without its last input, a
-    mask, which the loss took as its target (0.77 where eager gave 0.33). One where the signature is unknown."""
+    mask, which the loss took as its target (0.77 where eager gave 0.33). One where the signature does not say
+    (none known, or `*args`)."""
     try:
         params = inspect.signature(loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn).parameters.values()
     except (TypeError, ValueError):
         return 1
+    params = list(params)
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) <= 1 and any(p.kind == p.VAR_POSITIONAL for p in params):
+        return 1  # (`loss(*args)`, `loss(out, *targets)`: as many as given cannot be told; one, as always)
     return max(0, len(required) - 1)
 
 

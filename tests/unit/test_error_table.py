@@ -154,6 +154,11 @@ ROWS = [
      [r"a loss_fn only makes sense with training=True"]),
     ("compile-mesh-spec-mismatch", lambda w: spmd.compile(MLP(16, 64), w, (x16,), mesh_spec=TP),
      [r"mesh_spec \(tp=2\) does not match the mesh shape \(1,\)"]),
+    # (found by a probe: torch's "'FakeTensor' object has no attribute 'wait'" and a way out that did not apply)
+    ("compile-a-model-holding-a-compiled-module",
+     lambda w: spmd.compile(nn.Sequential(spmd.compile(MLP(16, 64), w, (x16,)), nn.ReLU()), w, (x16,)),
+     [r"compile: Sequential holds a module spmd.compile already compiled \(0\).*What to do: compile the whole "
+      r"model from its original modules"]),
 ]
 
 
