@@ -30,12 +30,13 @@ import dis
 import functools
 import inspect
 import types
+import warnings
 from copy import deepcopy
 
 import torch
 
 from spmd.compiler.call import PLAIN_TYPES
-from spmd.core.errors import SpmdError
+from spmd.core.errors import SpmdError, user_stacklevel
 
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
@@ -423,7 +424,8 @@ def _set_by_hooks(module) -> set[str]:
 # it was loaded in (a model cast after compiling moves it)
 _CONFIG_METADATA = frozenset({"_name_or_path", "architectures", "id2label", "label2id", "finetuning_task",
                               "transformers_version", "_commit_hash", "tokenizer_class", "prefix",
-                              "task_specific_params", "dtype", "torch_dtype"})
+                              "task_specific_params", "dtype", "torch_dtype",
+                              "use_cache"})  # (no graph holds a cache: `use_cache=False` is asked of every compile)
 
 
 def _configurations(root: torch.nn.Module) -> list[tuple[object, str]]:
@@ -451,7 +453,10 @@ class AttributeGuard:
     watched whole (its metadata aside): its models read it through calls the bytecode scan does not follow
     (`self.config.get_text_config().pad_token_id`, a loss function handed `config=self.config`) and write
     some of its entries themselves (BERT's `problem_type`), so a value set after compiling (the tokenizer's
-    `pad_token_id`, another `problem_type`) went unseen: found by a probe, 0.14 and 0.20 off, silently."""
+    `pad_token_id`, another `problem_type`) went unseen: found by a probe, 0.14 and 0.20 off, silently. Which
+    entries the graph depends on is not known (a causal LM's loss never reads `pad_token_id`; an eager call with
+    labels sets `problem_type` for a graph that took none: a review found refusals there wrong), so a change
+    warns once, naming the entry, where an attribute the scan saw read raises."""
 
     def __init__(self, roots: dict[str, torch.nn.Module]):
         self._configs = []  # [configuration, path, its entries when compiled]: `_configurations`
@@ -515,12 +520,12 @@ class AttributeGuard:
         return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside) + len(self._configs)
 
     def _config_changes(self) -> list[tuple[str, str]]:
-        """(path of the entry, how) of each configuration entry set since compiling (metadata aside, and entries
-        `_entries` watches and names itself)."""
+        """(path of the entry, how) of each configuration entry set since the last call (metadata aside, and
+        entries `_entries` watches and names itself)."""
         changed, watched = [], None
         for held in self._configs:
             config, path, then = held
-            now, before = vars(config), len(changed)
+            now = vars(config)
             try:
                 if now == then:  # (the usual case: every entry the very object it was)
                     continue
@@ -538,8 +543,7 @@ class AttributeGuard:
                 if not same:
                     changed.append((f"{path}.{key}", f"{old!r} -> {new!r}" if plain(old) and plain(new)
                                     else "set anew"))
-            if len(changed) == before:
-                held[2] = dict(now)  # (metadata alone changed: the next calls take the fast path again)
+            held[2] = dict(now)  # (each change told once: the next calls take the fast path again)
         return changed
 
     def watched(self) -> set[tuple[str, str]]:
@@ -562,8 +566,14 @@ class AttributeGuard:
         for holder, attr, path, name, held in self._containers:
             if not held.same(holder.__dict__.get(attr, _NONE)):
                 changed.append((f"{path}.{name}" if path else name, "an entry or tensor in it changed"))
-        if self._configs:
-            changed += self._config_changes()
+        if self._configs and (entries := self._config_changes()):
+            listed = ", ".join(f"`{shown}` ({how})" for shown, how in entries[:4]) + (", ..." if len(entries) > 4 else "")
+            warnings.warn(
+                f"the model's {listed} changed after compiling. A transformers model may read such an entry in its "
+                "forward (the pad token a sequence classifier pools at, the problem_type its loss takes), and the "
+                "compiled graph holds the value it traced; spmd cannot tell whether this one does. What to do: if "
+                "the forward reads it, compile again after the change (set such entries before compiling); if it "
+                "does not, nothing (filter this warning).", stacklevel=user_stacklevel())
         for holder, attr, path, name, old in self._entries:
             if holder.__dict__.get(attr, _NONE) is old:  # (the usual case: the very object compiled with)
                 continue

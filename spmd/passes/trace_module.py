@@ -474,7 +474,8 @@ def graph_signature(gm: fx.GraphModule, constants: dict | None = None):
     """What two traces of one model must share to be the same graph: the code, and the values of the tensor
     constants (attributes the graph reads, or torch.export's lifted `constants`). None where a constant's
     values are not known (a fake tensor): no two such graphs are known to be the same."""
-    tensors = {n.target: getattr(gm, n.target, None) for n in gm.graph.nodes if n.op == "get_attr"}
+    tensors = {f"{path}.{n.target}": getattr(m, n.target, None) for path, m in gm.named_modules()
+               if isinstance(m, fx.GraphModule) for n in m.graph.nodes if n.op == "get_attr"}
     tensors.update(constants or {})
     values = []
     for name, t in sorted(tensors.items()):
@@ -483,7 +484,10 @@ def graph_signature(gm: fx.GraphModule, constants: dict | None = None):
                 return None
             values.append((name, str(t.dtype), tuple(t.shape), t.detach().cpu().contiguous().view(-1).view(torch.uint8)
                            .numpy().tobytes() if t.numel() else b""))
-    return gm.code, tuple(values)
+    # (and the bodies of its higher-order ops: a `torch.no_grad()` block in torch.export's graph is a submodule,
+    # whose slice of a buffer at a Python pointer the top-level code does not show; found by a review)
+    code = "".join(m.code for _, m in gm.named_modules() if isinstance(m, fx.GraphModule))
+    return code, tuple(values)
 
 
 def _live_signature(ep) -> tuple | None:
@@ -492,7 +496,9 @@ def _live_signature(ep) -> tuple | None:
     graph, which the compiled graph drops (found by a review: such a flag was refused)."""
     graph, env = fx.Graph(), {}
     graph.output(graph.graph_copy(ep.graph_module.graph, env))
-    graph.eliminate_dead_code()
+    # (a higher-order op's body may write a buffer in place, its result unread: kept)
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or (
+        n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)))
     return graph_signature(fx.GraphModule(ep.graph_module, graph), ep.constants)
 
 
