@@ -775,8 +775,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         with random_draws() as drew, state_assigned(attributes=True) as assigned, state_kept(held) as kept:
             ep = export()
         if kept.counted:  # (a warm-up factor from a call counter: found by a probe, the same every call, silently)
-            refuse_counted(kept.counted, signature_again, _live_signature(ep), model,
-                           "trace_module")
+            refuse_counted(kept.counted, signature_again, _live_signature(ep), model, "trace_module")
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
                 lambda: graph_signature((again := export()).graph_module, again.constants),
@@ -817,7 +816,6 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
         inputs.append(GraphInput(renamed.get(spec.arg.name, spec.arg.name), kinds[spec.kind], name))
     outputs, user = [], 0
-    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
     for spec in sig.output_specs:
         if spec.kind == OutputKind.TOKEN:
             continue
@@ -832,8 +830,7 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
                 "Embedding with max_norm renormalizes the rows it looks up), and a compiled module's parameters are "
                 "pieces the graph only reads. What to do: leave such updates out of the forward (renormalize the "
                 "compiled module's parameter after the call, under torch.no_grad()), or drop max_norm.")
-        elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := [
-                f"{paths[id(m)]}.{key}".lstrip(".") for m, key in kept.made if id(m) in paths]):
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := _buffer_names(model, kept.made)):
             # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
             # at the first call; found by a probe: the message named an input the forward never touched)
             raise SpmdError(
@@ -861,6 +858,12 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
                        frozen=frozen, aliases=shared_names(model))
+
+
+def _buffer_names(model: torch.nn.Module, buffers: list[tuple]) -> list[str]:
+    """The paths in `model` of (module, buffer name) pairs."""
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    return [f"{paths[id(m)]}.{key}".lstrip(".") for m, key in buffers if id(m) in paths]
 
 
 def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -953,8 +953,7 @@ class CompiledModule(nn.Module):
                             "checkpoint of this model, or strict=False to keep the others as they are.")
         if stored_as:
             source_guard.given(self, set(stored_as), elsewhere=True)
-        known = {n for fqn in self._param_names for n in self._load_names(fqn)}
-        unexpected = [n for n in files if n not in known]
+        unexpected = self._model_keys(files)[1]
         if missing and not stored_as:
             warnings.warn(
                 f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "
@@ -1090,8 +1089,8 @@ class CompiledModule(nn.Module):
             t = ref() if ref is not None else None
             if t is not None:
                 last.setdefault(id(t), k)
-                if _memory_of(t) is not None:
-                    same_memory.setdefault(_memory_of(t), k)
+                if (memory := _memory_of(t)) is not None:
+                    same_memory.setdefault(memory, k)
         whole = spec == self._out_spec
         positions = []
         for k, t in enumerate(flat):
@@ -1099,8 +1098,8 @@ class CompiledModule(nn.Module):
                 positions.append(None)
             elif id(t) in last:
                 positions.append(last[id(t)])
-            elif _memory_of(t) in same_memory:  # `out.logits.detach()`: the output's own memory, read as it is
-                positions.append(same_memory[_memory_of(t)])
+            elif (memory := _memory_of(t)) in same_memory:  # `out.logits.detach()`: the output's memory, as it is
+                positions.append(same_memory[memory])
             elif whole:
                 positions.append(k)
             else:
@@ -1108,7 +1107,8 @@ class CompiledModule(nn.Module):
                     f"gather_outputs: tensor {k} of its argument (shape {tuple(t.shape)}) is not one of the last "
                     "call's outputs, and the argument is not the whole output, so its layout is unknown. What to do: "
                     "pass the whole output as the call returned it (`compiled.gather_outputs(out)`, then pick from "
-                    "the result), or a tensor of the last call's output as it came or detached (no slice, reshape or copy).")
+                    "the result), or a tensor of the last call's output as it came or detached (no slice, reshape "
+                    "or copy).")
         return positions
 
     @_collective

@@ -162,57 +162,71 @@ def _torch_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _refuse_zero(optimizer: torch.optim.Optimizer) -> None:
-    """Raise where torch's ZeroRedundancyOptimizer holds pieces of sharded parameters: each rank steps its share of
-    the parameters and broadcasts them to every rank, and a piece of the same shape on another rank is another part
-    of the parameter, overwritten with this one's (found by a probe: the loss rose, 0.95 -> 1.20, where one device's
-    fell to 0.86, and the parameters ended 0.67 off)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return
-    cut = [fqn for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
-    if cut:
-        shown = ", ".join(cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
-        raise SpmdError(
-            f"ZeroRedundancyOptimizer steps pieces of sharded parameters ({shown}): it broadcasts each parameter from "
-            "the rank that steps it, and those pieces differ from rank to rank, so each would be overwritten with "
-            "another rank's part. What to do: use the optimizer itself (AdamW(compiled.parameters())): spmd's plan "
-            "already shards the optimizer state with the parameters it shards (pin more of them sharded to save "
-            "memory); or compile with those parameters replicated "
-            f'(param_placements={{"{cut[0]}": [Replicate()] * mesh.ndim, ...}}).')
+def _cut(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, piece) of each piece of a sharded parameter `optimizer` steps."""
+    return [(fqn, p) for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
 
 
-def _refuse_averaging(optimizer: torch.optim.Optimizer) -> None:
-    """Raise where `optimizer` steps pieces of sharded parameters inside torch's PostLocalSGDOptimizer: after each
-    step its model averager all_reduces every parameter over the ranks, which averages different parts of a sharded
-    one (found by a probe: 0.33 off, silently). Only the inner optimizer's step reaches the step hooks, so the
-    wrapper is found on the stack above it."""
-    from torch.distributed.optim import PostLocalSGDOptimizer
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
-    frame, wrapper = sys._getframe(1), None
+
+def step_hooks(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The tables of the optimizer's own step pre- and post-hooks."""
+    return [table for table in (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+                                getattr(optimizer, "_optimizer_step_post_hooks", None)) if table is not None]
+
+
+# torch's wrappers that spread what a rank stepped over the other ranks: what they do to pieces, and the way out
+_SPREADING = {
+    "ZeroRedundancyOptimizer": (
+        "it broadcasts each parameter from the rank that steps it, and those pieces differ from rank to rank, so each "
+        "would be overwritten with another rank's part",
+        "use the optimizer itself (AdamW(compiled.parameters())): spmd's plan already shards the optimizer state "
+        "with the parameters it shards (pin more of them sharded to save memory)"),
+    "PostLocalSGDOptimizer": (
+        "its model averager all_reduces each parameter over the ranks, and those pieces are different parts of the "
+        "parameter, so each would become an average of parts",
+        "step the inner optimizer itself (its gradients are already reduced over the mesh by the compiled module, "
+        "every step)"),
+}
+
+
+def _spreading_wrapper(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the `_SPREADING` wrapper `optimizer` is, or steps inside: PostLocalSGDOptimizer's inner
+    optimizer alone reaches the step hooks, so that wrapper is found on the stack above its step."""
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "ZeroRedundancyOptimizer"
+    frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
-            return
+            return None
         if isinstance(held := frame.f_locals.get("self"), PostLocalSGDOptimizer) and held.optim is optimizer:
-            wrapper = held
-            break
+            return "PostLocalSGDOptimizer"
         frame = frame.f_back
-    cut = [fqn for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
-    if wrapper is not None and cut:
-        shown = ", ".join(cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
-        raise SpmdError(
-            f"PostLocalSGDOptimizer steps pieces of sharded parameters ({shown}): its model averager all_reduces each "
-            "parameter over the ranks, and those pieces are different parts of the parameter, so each would become "
-            "an average of parts. What to do: step the inner optimizer itself (its gradients are already reduced "
-            "over the mesh by the compiled module, every step); or compile with those parameters replicated "
-            f'(param_placements={{"{cut[0]}": [Replicate()] * mesh.ndim, ...}}).')
+    return None
+
+
+def _refuse_spreading(optimizer: torch.optim.Optimizer) -> None:
+    """Raise where torch's ZeroRedundancyOptimizer holds pieces of sharded parameters (found by a probe: the loss
+    rose, 0.95 -> 1.20, where one device's fell to 0.86, and the parameters ended 0.67 off), or PostLocalSGDOptimizer
+    averages them (found by a probe: 0.33 off, silently): what one rank stepped overwrites or is mixed into another
+    rank's part of the parameter."""
+    cut = [fqn for fqn, _ in _cut(optimizer)]
+    if not cut or (wrapper := _spreading_wrapper(optimizer)) is None:
+        return
+    does, way_out = _SPREADING[wrapper]
+    raise SpmdError(
+        f"{wrapper} steps pieces of sharded parameters ({_listed(cut)}): {does}. What to do: {way_out}; or compile "
+        f'with those parameters replicated (param_placements={{"{cut[0]}": [Replicate()] * mesh.ndim, ...}}).')
 
 
 def _not_per_element(optimizer: torch.optim.Optimizer) -> None:
     """Raise (torch's optimizers that read more than each element) or warn (one spmd cannot read) where
     `optimizer` steps pieces of sharded parameters."""
-    cut = [(fqn, p) for group in optimizer.param_groups for p in group["params"] if (fqn := _pieces.get(p)) is not None]
+    cut = _cut(optimizer)
     if not cut:
         return
     kind, name = _torch_kind(optimizer), type(optimizer).__name__
@@ -224,7 +238,7 @@ def _not_per_element(optimizer: torch.optim.Optimizer) -> None:
         cut = [(fqn, p) for fqn, p in cut if p.ndim >= least]
         if not cut:
             return
-    shown = ", ".join(fqn for fqn, _ in cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
+    shown = _listed([fqn for fqn, _ in cut])
     pin = f'param_placements={{"{cut[0][0]}": [Replicate()] * mesh.ndim, ...}}'
     if kind in WHOLE:
         raise SpmdError(
@@ -247,13 +261,11 @@ def _hooks_see_pieces(optimizer: torch.optim.Optimizer, name: str, cut: list) ->
     """Warn where a per-element optimizer stepping pieces has step hooks of its own: they see this rank's pieces
     (found by a probe: a LARS trust ratio, `p.norm() / p.grad.norm()` in a step pre-hook, 1.6e-3 to 7.7e-3 off,
     silently)."""
-    hooks = [h for hooks in (getattr(optimizer, "_optimizer_step_pre_hooks", {}),
-                             getattr(optimizer, "_optimizer_step_post_hooks", {})) for h in hooks.values()]
+    hooks = [h for table in step_hooks(optimizer) for h in table.values()]
     if not hooks:
         return
-    shown = ", ".join(fqn for fqn, _ in cut[:4]) + (f" and {len(cut) - 4} more" if len(cut) > 4 else "")
     warnings.warn(
-        f"{name} steps this rank's pieces of sharded parameters ({shown}), and has {len(hooks)} step hook(s) "
+        f"{name} steps this rank's pieces of sharded parameters ({_listed([fqn for fqn, _ in cut])}), and has {len(hooks)} step hook(s) "
         f"({', '.join(getattr(h, '__qualname__', type(h).__name__) for h in hooks[:3])}): they see the pieces, not "
         "the whole parameters. One that reads more than each element (a LARS trust ratio from `p.norm()`, a "
         "norm or clip per tensor) computes it from this rank's piece alone, and the model trains otherwise than on "
@@ -313,8 +325,7 @@ def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
 
 def _count(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """What a step is checked again for: the parameters, and the step hooks of the optimizer's own."""
-    return (sum(len(group["params"]) for group in optimizer.param_groups),
-            len(getattr(optimizer, "_optimizer_step_pre_hooks", ())) + len(getattr(optimizer, "_optimizer_step_post_hooks", ())))
+    return sum(len(group["params"]) for group in optimizer.param_groups), sum(map(len, step_hooks(optimizer)))
 
 
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -333,8 +344,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "which the compiled module does not use: they never get a gradient, so training would change "
             "nothing. What to do: build the optimizer over the compiled module's parameters, "
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
-    _refuse_zero(optimizer)
-    _refuse_averaging(optimizer)
+    _refuse_spreading(optimizer)
     _not_per_element(optimizer)
     _refuse_saved_elsewhere(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)

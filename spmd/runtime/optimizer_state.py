@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from spmd.core.errors import SpmdError
 from spmd.runtime import source_guard
-from spmd.runtime.optimizer_guard import SAVED_BY
+from spmd.runtime.optimizer_guard import SAVED_BY, step_hooks
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -57,8 +57,7 @@ def _init_state(optimizer: torch.optim.Optimizer, trained: set[int]) -> bool:
         g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
     # the optimizer's own step hooks sit this step out: a LARS ratio `p.grad.norm()` of the zero gradients made
     # them NaN, and the step at rate 0 wrote NaN into the weights (found by a review)
-    hooks = [table for table in (getattr(optimizer, "_optimizer_step_pre_hooks", None),
-                                 getattr(optimizer, "_optimizer_step_post_hooks", None)) if table]
+    hooks = step_hooks(optimizer)
     held = [dict(table) for table in hooks]
     try:
         for table in hooks:
