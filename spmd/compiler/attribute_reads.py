@@ -69,6 +69,7 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
         return set(), set()
     me = me or code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
+    fresh = {n for c in _codes(code) for n in _packed(c)}
     for c in _codes(code):
         before = previous = None
         for ins in dis.get_instructions(c):
@@ -80,10 +81,31 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
                 reads.add(f"{previous.argval}.{ins.argval}")
             elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 writes.add(ins.argval)
-            if ins.opname in _ITEM_STORES or (ins.opname in _ATTR_LOADS and ins.argval in _MUTATORS):
-                writes.add(CHANGES_CONTAINERS)  # (on what, bytecode does not say: an alias, a key computed)
+            if ins.opname in _ATTR_LOADS and ins.argval in _MUTATORS and previous is not None:
+                if previous.opname in _SELF_LOADS and previous.argval in fresh:
+                    pass  # (the call's own `*args`/`**kwargs`)
+                elif previous.opname == "LOAD_ATTR" and before is not None and before.opname in _SELF_LOADS \
+                        and before.argval == me:
+                    writes.add(previous.argval)  # (`self.merged_adapters.pop()`: that container is state)
+                else:
+                    writes.add(CHANGES_CONTAINERS)  # (on what, bytecode does not say: an alias, a key computed)
+            elif ins.opname in _ITEM_STORES:
+                writes.add(CHANGES_CONTAINERS)
             before, previous = previous, ins
     return reads, writes
+
+
+def _packed(code: types.CodeType) -> tuple[str, ...]:
+    """The names of `code`'s `*args` and `**kwargs`: containers each call makes anew, so a method that changes
+    them (peft's LoRA layers: `kwargs.pop("adapter_names", None)`) changes nothing the module keeps (found by a
+    probe: that pop left a LoRA layer's `scaling` unwatched, and `set_scale` after compiling went unseen)."""
+    at = code.co_argcount + code.co_kwonlyargcount
+    names = []
+    for flag in (inspect.CO_VARARGS, inspect.CO_VARKEYWORDS):
+        if code.co_flags & flag:
+            names.append(code.co_varnames[at])
+            at += 1
+    return tuple(names)
 
 
 @functools.cache

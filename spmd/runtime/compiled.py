@@ -205,6 +205,9 @@ class CompiledModule(nn.Module):
         self._saved_bytes: int | None = None  # see last_saved_bytes
         self._out_spec = c.traced.out_spec
         self._last_outputs: list = []  # weak references to the last call's flat outputs (see gather_outputs)
+        # every output tensor a call returned and is still alive -> its position (gather_outputs; not an attribute on
+        # the tensor, which torch.save would write and a weights-only load refuse)
+        self._outputs_made = WeakIdKeyDictionary()
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
         self._warned_state_output: set[int] = set()
@@ -1081,9 +1084,11 @@ class CompiledModule(nn.Module):
     def _output_positions(self, flat: list, spec) -> list[int | None]:
         """The output position of each tensor of `flat`: one of the last call's outputs by identity or by the
         memory it reads (`out.logits.detach()`), else its place in the whole output when `flat` has the output's
-        structure. A tensor that is neither (a slice or reshape of an output, an output of an earlier call given
-        alone) is refused: gathered in output 0's layout
-        it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently; found by a probe)."""
+        structure and is an output of an earlier call at that place. A tensor that is neither (a slice or reshape
+        of an output, a tensor computed from one, an output of an earlier call given alone) is refused: gathered in
+        output 0's layout it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently;
+        found by a probe), and where the output is one tensor, `out.softmax(-1)` of vocabulary-sharded logits
+        came back whole in shape and 0.05 off (a probe)."""
         last, same_memory = {}, {}
         for k, ref in enumerate(self._last_outputs):
             t = ref() if ref is not None else None
@@ -1100,12 +1105,13 @@ class CompiledModule(nn.Module):
                 positions.append(last[id(t)])
             elif (memory := _memory_of(t)) in same_memory:  # `out.logits.detach()`: the output's memory, as it is
                 positions.append(same_memory[memory])
-            elif whole:
+            elif whole and self._outputs_made.get(t) == k:  # (an earlier call's)
                 positions.append(k)
             else:
                 raise SpmdError(
                     f"gather_outputs: tensor {k} of its argument (shape {tuple(t.shape)}) is not one of the last "
-                    "call's outputs, and the argument is not the whole output, so its layout is unknown. What to do: "
+                    "call's outputs, nor an output of an earlier call in the whole output's place, so its layout is "
+                    "unknown. What to do: "
                     "pass the whole output as the call returned it (`compiled.gather_outputs(out)`, then pick from "
                     "the result), or a tensor of the last call's output as it came or detached (no slice, reshape "
                     "or copy).")
@@ -1548,6 +1554,9 @@ class CompiledModule(nn.Module):
             flat = self._run_graphs(args)
         self._cut_pieces.seen(inputs)
         self._last_outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in flat]
+        for k, t in enumerate(flat):  # (held weakly: gather_outputs tells an output of an earlier call from a tensor
+            if isinstance(t, torch.Tensor):  # made from one, `out.softmax(-1)`, where both have the output's structure)
+                self._outputs_made[t] = k
         return tree_unflatten(list(flat), self._out_spec)
 
     def _run_graphs(self, args: list) -> list:
@@ -1731,7 +1740,8 @@ def _warn_init_dtype(model: nn.Module) -> None:
     default = torch.get_default_dtype()
     dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
     config = getattr(model, "config", None)
-    built = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # (`torch_dtype` read only where `dtype` is not there: transformers warns on every read of the old name)
+    built = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     built = getattr(torch, built, None) if isinstance(built, str) else built
     other = sorted(str(d).replace("torch.", "") for d in dtypes - {default, built})
     if other:

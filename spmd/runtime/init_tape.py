@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.runtime.distribute import local_slices
 from spmd.runtime.init_weights import is_transformers
@@ -645,7 +646,9 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
     peak = 0
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.no_grad():
+    # (autocast off: the tape holds the ops as the build ran them, casts included; replayed under the caller's
+    # autocast, a matmul came out in bf16 and its bytes were then read as float32, silently; found by a probe)
+    with torch.no_grad(), autocast_off():
         for p, i in enumerate(sched.order):
             op = tape.ops[i]
             for s in sched.allocate.get(i, ()):
@@ -665,6 +668,9 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
             out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
             for s, o in zip(op.outs, tree_flatten(out)[0]):
                 if s is not None:
+                    if o.dtype != tape.storages[s].dtype:
+                        raise SpmdInternalError(f"init replay: {op.func} made {o.dtype} where the build made "
+                                                f"{tape.storages[s].dtype}")
                     real[s] = o
             peak = max(peak, sum(t.untyped_storage().nbytes() for t in real.values()))
             for s in {*op.writes, *op.reads, *(s for s in op.outs if s is not None)}:

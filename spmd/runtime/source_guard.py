@@ -37,6 +37,7 @@ the model past them (`inside`). A model built on the meta device (no weights to 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -45,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.core.errors import SpmdError
+from spmd.core.errors import SpmdError, user_stacklevel
 from spmd.core.specs import placements_str
 from spmd.runtime.distribute import local_slices, spread_values
 from spmd.passes.trace_module import GLOBAL_HOOKS, MODULE_HOOKS, user_hook
@@ -931,6 +932,15 @@ def _set_through_data(compiled, p: torch.Tensor, layout) -> bool:
     if _layout(p) == layout:
         return True
     compiled.__dict__["_model_versions"][id(p)] = _look(p)
+    was = layout[2]
+    if p.dtype != was and p.numel() and p.is_floating_point() and not compiled.__dict__.get("_warned_converted"):
+        compiled.__dict__["_warned_converted"] = True
+        # (found by a probe: `model.half()` after compiling, and the compiled module went on in float32 where the
+        # model, called eagerly, computes in float16; for a model of token ids nothing else would say so)
+        warnings.warn(
+            f"{type(compiled._source_model).__name__}'s weights were converted from {was} to {p.dtype} after it was "
+            f"compiled (`model.half()`, `.to(dtype)`): the compiled module goes on with its {was} pieces and graph. "
+            "What to do: convert the model before compiling it (or compile it again).", stacklevel=user_stacklevel())
     return False
 
 

@@ -101,6 +101,25 @@ def test_an_init_fn_and_a_conversion_are_recorded_in_order():
     check_tape(lambda: MLP().to(torch.bfloat16), "2d", seed=3)
 
 
+class MatmulMade(nn.Module):
+    """A parameter that is a view of half a matmul's result: replayed in bf16, its bytes were read as float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 16)
+        self.mix = nn.Parameter((torch.randn(64, 8) @ torch.randn(8, 32))[:32])
+
+
+def test_the_callers_autocast_does_not_reach_the_replay():
+    ref = build(MatmulMade, 4)
+    tape, final = tape_of(spmd.deferred_init(MatmulMade))
+    placements = {n: (Replicate(), Replicate()) for n in final}
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (`c.init_weights()` called inside the training loop's)
+        pieces = replay_local_shards(tape, final, placements, MESH, (0, 0), seed=4)
+    for n, t in all_tensors(ref).items():
+        assert torch.equal(pieces[n], t.detach()), n
+
+
 def test_seed_none_goes_on_from_the_global_generator():
     meta = spmd.deferred_init(NanoGPT)
     tape, final = tape_of(meta)
