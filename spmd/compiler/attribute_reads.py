@@ -42,6 +42,7 @@ _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 _ATTR_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
 # what changes a dict, list or set in place: an item stored, or a method of theirs that changes them
 _ITEM_STORES = ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE", "DELETE_SLICE")
+_REBINDS = ("STORE_FAST", "STORE_DEREF", "DELETE_FAST", "DELETE_DEREF")
 _MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "popitem",
                        "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
 CHANGES_CONTAINERS = "[]"  # (among a scan's writes: the code changes some container in place)
@@ -69,8 +70,11 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
         return set(), set()
     me = me or code.co_varnames[0]  # (the method's self, by whatever name)
     reads, writes = set(), set()
-    fresh = {n for c in _codes(code) for n in _packed(c)}
-    for c in _codes(code):
+    codes = list(_codes(code))
+    packed = {n for c in codes for n in _packed(c)}
+    rebound = {ins.argval for c in codes for ins in dis.get_instructions(c) if ins.opname in _REBINDS}
+    for c in codes:
+        fresh = ({*_packed(c)} | ({*c.co_freevars} & packed)) - rebound  # (this call's own; `kwargs = self.d` not)
         before = previous = None
         for ins in dis.get_instructions(c):
             if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.compiler.attribute_reads import AttributeGuard, hooks_read_training, reads_training
@@ -205,9 +206,7 @@ class CompiledModule(nn.Module):
         self._saved_bytes: int | None = None  # see last_saved_bytes
         self._out_spec = c.traced.out_spec
         self._last_outputs: list = []  # weak references to the last call's flat outputs (see gather_outputs)
-        # every output tensor a call returned and is still alive -> its position (gather_outputs; not an attribute on
-        # the tensor, which torch.save would write and a weights-only load refuse)
-        self._outputs_made = WeakIdKeyDictionary()
+        self._outputs_made = _OutputsMade()  # (the positions of the outputs calls returned: gather_outputs)
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
         self._warned_state_output: set[int] = set()
@@ -1105,7 +1104,7 @@ class CompiledModule(nn.Module):
                 positions.append(last[id(t)])
             elif (memory := _memory_of(t)) in same_memory:  # `out.logits.detach()`: the output's memory, as it is
                 positions.append(same_memory[memory])
-            elif whole and self._outputs_made.get(t) == k:  # (an earlier call's)
+            elif whole and k in self._outputs_made.positions(t):  # (an earlier call's, as it came or detached)
                 positions.append(k)
             else:
                 raise SpmdError(
@@ -1554,9 +1553,7 @@ class CompiledModule(nn.Module):
             flat = self._run_graphs(args)
         self._cut_pieces.seen(inputs)
         self._last_outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in flat]
-        for k, t in enumerate(flat):  # (held weakly: gather_outputs tells an output of an earlier call from a tensor
-            if isinstance(t, torch.Tensor):  # made from one, `out.softmax(-1)`, where both have the output's structure)
-                self._outputs_made[t] = k
+        self._outputs_made.record(flat)
         return tree_unflatten(list(flat), self._out_spec)
 
     def _run_graphs(self, args: list) -> list:
@@ -1590,6 +1587,38 @@ def _outputs_of_state(c) -> dict[int, str]:
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:
             found[int(kind.name.rsplit("_", 1)[1])] = c.traced.aliases.get(state[node.target], state[node.target])
     return found
+
+
+class _OutputsMade:
+    """The positions of the output tensors calls returned, while their memory lives: `gather_outputs` tells an
+    earlier call's output (kept by an evaluation loop, as it came or detached) from a tensor made from one
+    (`out.softmax(-1)`), where both sit in the output's structure. By memory, each with a weak reference to its
+    storage (a storage freed and its address reused is not the output's), and by identity for tensors with no
+    memory; not an attribute on the tensor, which `torch.save` would write and a weights-only load refuse."""
+
+    def __init__(self):
+        self._by_memory: dict[tuple, tuple[StorageWeakRef, set]] = {}
+        self._empty = WeakIdKeyDictionary()
+
+    def record(self, flat) -> None:
+        if len(self._by_memory) > 64 + 2 * len(flat):
+            self._by_memory = {m: e for m, e in self._by_memory.items() if not e[0].expired()}
+        for k, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if (memory := _memory_of(t)) is None:
+                self._empty.setdefault(t, set()).add(k)
+                continue
+            entry = self._by_memory.get(memory)
+            if entry is None or entry[0].expired():
+                entry = self._by_memory[memory] = (StorageWeakRef(t.untyped_storage()), set())
+            entry[1].add(k)  # (one tensor at two places: HF's last hidden state and hidden_states[-1])
+
+    def positions(self, t: torch.Tensor) -> set:
+        if (memory := _memory_of(t)) is None:
+            return self._empty.get(t, set())
+        entry = self._by_memory.get(memory)
+        return entry[1] if entry is not None and not entry[0].expired() else set()
 
 
 def _memory_of(t: torch.Tensor) -> tuple | None:

@@ -98,6 +98,9 @@ class _Op:
     writes: dict[int, bool]              # storage -> whether the whole of it is overwritten unread (a kill)
     reads: frozenset[int]                # storages whose values it reads (partly written ones too)
     random: bool                         # draws random numbers, or reseeds: keeps its place
+    # the default dtype when it ran: an integer tensor times a Python float (`arange(6) * 0.5`, a sinusoid table)
+    # is in it (found by a review: a build under `set_default_dtype(torch.float64)` replayed outside it)
+    default_dtype: torch.dtype = field(default_factory=torch.get_default_dtype)
 
 
 @dataclass
@@ -665,7 +668,15 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
                     return gens[x.index]
                 return x
 
-            out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
+            if op.default_dtype is torch.get_default_dtype():
+                out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
+            else:
+                was = torch.get_default_dtype()
+                torch.set_default_dtype(op.default_dtype)
+                try:
+                    out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
+                finally:
+                    torch.set_default_dtype(was)
             for s, o in zip(op.outs, tree_flatten(out)[0]):
                 if s is not None:
                     if o.dtype != tape.storages[s].dtype:

@@ -120,6 +120,35 @@ def test_the_callers_autocast_does_not_reach_the_replay():
         assert torch.equal(pieces[n], t.detach()), n
 
 
+class SinusoidTable(nn.Module):
+    """Integers times a Python float (in the default dtype), built where the default is float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(6) * 0.5 + torch.arange(6) / 3)
+
+
+def _built_in_float64():
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return SinusoidTable()
+    finally:
+        torch.set_default_dtype(was)
+
+
+def test_each_op_replays_in_the_default_dtype_it_ran_in():
+    """Found by a review: a build under `set_default_dtype(torch.float64)` replayed outside it made the table in
+    float32, whose bytes were then read as float64 (or the replay failed)."""
+    ref = build(_built_in_float64, 2)
+    tape, final = tape_of(spmd.deferred_init(_built_in_float64))
+    pieces = replay_local_shards(tape, final, {n: (Replicate(), Replicate()) for n in final}, MESH, (0, 0), seed=2)
+    assert ref.table.dtype == torch.float64
+    for n, t in all_tensors(ref).items():
+        assert pieces[n].dtype == t.dtype and torch.equal(pieces[n], t.detach()), n
+
+
 def test_seed_none_goes_on_from_the_global_generator():
     meta = spmd.deferred_init(NanoGPT)
     tape, final = tape_of(meta)

@@ -851,6 +851,38 @@ def test_a_container_or_property_the_forward_read_changed_on_the_model_is_named(
         compiled(x)
 
 
+class _RebindsKwargs(nn.Module):
+    def forward(self, x, **kwargs):
+        kwargs = self.extra  # (the name rebound to the module's own dict)
+        kwargs.update(n=1)
+        return x * self.scaling["default"]
+
+
+class _SharesTheName(nn.Module):
+    def forward(self, x):
+        def inner(*kwargs):
+            return kwargs
+        kwargs = self.extra  # (a local named as the nested function's *args)
+        kwargs.update(n=1)
+        return inner(x * self.scaling["default"])
+
+
+class _PopsItsKwargs(nn.Module):
+    def forward(self, x, **kwargs):
+        kwargs.pop("adapter_names", None)
+        return (lambda: kwargs.pop("other", None))() or x * self.scaling["default"]
+
+
+def test_only_the_calls_own_packed_arguments_change_nothing_kept():
+    """Found by a review of the first version: any name of any nested function's `*args`/`**kwargs` counted as
+    the call's own, rebound to a container of the module or not, so `self.extra`, changed in place, was watched and
+    an eager call refused the compiled module."""
+    from spmd.compiler.attribute_reads import changes_containers
+
+    assert changes_containers(_RebindsKwargs) and changes_containers(_SharesTheName)
+    assert not changes_containers(_PopsItsKwargs)
+
+
 class _Hooked(nn.Module):
     """Reads settings outside its own attributes: a submodule's (`self.fc1.alpha`), and through hooks
     registered before compiling: a function reading the hooked module's and (from its closure) the model's,
