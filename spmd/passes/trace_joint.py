@@ -480,9 +480,19 @@ def _captured_tensors(fn) -> list[str]:
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:
-    """Paths of the tensors the model's modules hold as plain attributes (not parameters or buffers)."""
-    return [f"{path}.{name}" if path else name for path, m in model.named_modules()
-            for name, value in vars(m).items() if isinstance(value, torch.Tensor)]
+    """Paths of the tensors the model's modules hold as plain attributes (not parameters or buffers), alone or in a
+    dict, list or tuple (peft's prompt tuning keeps `prompt_tokens = {"default": tensor}`: found by a probe, whose
+    refusal then named nothing and advised against data-dependent control flow)."""
+    found = []
+    for path, m in model.named_modules():
+        for name, value in vars(m).items():
+            at = f"{path}.{name}" if path else name
+            if isinstance(value, torch.Tensor):
+                found.append(at)
+            elif isinstance(value, (dict, list, tuple)) and name not in ("_parameters", "_buffers", "_modules"):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                found += [f"{at}[{key!r}]" for key, v in items if isinstance(v, torch.Tensor)]
+    return found
 
 
 class _NotThisRoad(Exception):

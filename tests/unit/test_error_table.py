@@ -81,6 +81,17 @@ class _TensorAttribute(nn.Module):
         return self.fc(x) * self.scale
 
 
+class _TensorsInADict(nn.Module):
+    """peft's prompt tuning: `prompt_tokens = {"default": torch.arange(n)}`, a plain dict of tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scales = nn.Linear(8, 8), {"default": torch.ones(8)}
+
+    def forward(self, x):
+        return self.fc(x) * self.scales["default"]
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -146,6 +157,10 @@ ROWS = [
     ("training-tensor-attribute", lambda w: _plan(_TensorAttribute(), (torch.randn(4, 8),) * 2, loss_fn=F.mse_loss),
      [r"trace_joint: could not trace the forward\+backward graph of _TensorAttribute",
       r"What to do: register `scale` as a buffer \(`self.register_buffer\(name, tensor, persistent=False\)`\)"]),
+    # (found by a probe: peft's prompt tuning was told to avoid data-dependent control flow, naming nothing)
+    ("training-tensor-in-a-dict-attribute", lambda w: _plan(_TensorsInADict(), (torch.randn(4, 8),) * 2,
+                                                            loss_fn=F.mse_loss),
+     [r"What to do: register `scales\['default'\]` as a buffer"]),
     ("budget-impossible", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, memory_budget=100),
      [r"no plan fits memory_budget=0.0 MiB per rank", r"raise the budget"]),
     ("option-misspelled", lambda w: _plan(MLP(16, 64), (x16,), memory_budgt=1e9),
