@@ -58,6 +58,7 @@ from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
+from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
 from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, trace_module, warn_module_hooks,
                                       warn_nested_fast_path)
@@ -112,9 +113,9 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     warn_nested_fast_path(model)
 
     def trace(m):
-        if options.joint:
-            return trace_joint(m, example_inputs, options.loss_fn)
-        return trace_module(m, example_inputs)
+        traced = trace_joint(m, example_inputs, options.loss_fn) if options.joint else trace_module(m, example_inputs)
+        check_dtypes(traced.graph)
+        return traced
 
     note = ""
     if stacks:

@@ -161,6 +161,10 @@ ROWS = [
     ("training-tensor-in-a-dict-attribute", lambda w: _plan(_TensorsInADict(), (torch.randn(4, 8),) * 2,
                                                             loss_fn=F.mse_loss),
      [r"What to do: register `scales\['default'\]` as a buffer"]),
+    # (found by a probe: it compiled, fake matmuls not checking dtypes, then failed at the first call in torch)
+    ("example-inputs-in-another-dtype", lambda w: _plan(MLP(16, 64), (x16.double(),)),
+     [r"check_dtypes: node 'addmm' \(aten.addmm.default\) at .*multiplies tensors of different dtypes "
+      r"\(.*torch.float32.*torch.float64", r"What to do: give example inputs in the dtype the model computes in"]),
     ("budget-impossible", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, memory_budget=100),
      [r"no plan fits memory_budget=0.0 MiB per rank", r"raise the budget"]),
     ("option-misspelled", lambda w: _plan(MLP(16, 64), (x16,), memory_budgt=1e9),
