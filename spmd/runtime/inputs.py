@@ -33,12 +33,18 @@ class InputSpec:
 def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
     """`shard_inputs`' inputs: the full tensors, as the example inputs were."""
     _count(inputs, specs, "shard_inputs takes")
-    problems = []
+    problems, missing = [], []
     for t, spec in zip(inputs, specs):
         if not isinstance(t, torch.Tensor):
             problems.append(f"  input {spec.name!r}: expected a tensor, got {type(t).__name__}")
+            missing.append(spec.name)
         elif tuple(t.shape) != tuple(spec.shape):
             problems.append(f"  input {spec.name!r}: expected the full shape {list(spec.shape)}, got {list(t.shape)}")
+    if missing:  # (`attention_mask=None` where the example had a mask: not a matter of shapes; found by a probe)
+        raise SpmdError("shard_inputs cuts full inputs as the model was compiled for them:\n" + "\n".join(problems)
+                        + f"\nWhat to do: the model was compiled with a tensor for {', '.join(map(repr, missing))}, "
+                          "and its graph reads one: pass a tensor (an all-ones attention mask where none is meant), "
+                          "or compile another module with example inputs that leave it out.")
     if problems:
         raise SpmdError("shard_inputs cuts full inputs of the shapes the model was compiled for:\n" + "\n".join(problems)
                         + "\nWhat to do: recompile with example inputs of these shapes (the plan is for the "

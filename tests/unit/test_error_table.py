@@ -305,6 +305,15 @@ def test_shard_inputs_of_another_batch_says_recompile(world):
         compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
 
 
+def test_shard_inputs_of_none_where_a_tensor_was_compiled_says_so(world):
+    """Found by a probe: `attention_mask=None` where the example had a mask was told to recompile for shapes."""
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)input 'x': expected a tensor, got NoneType.*compiled with a tensor "
+                                             r"for 'x'.*pass a tensor") as e:
+        compiled.shard_inputs(None, torch.randn(4, 16))
+    assert "these shapes" not in str(e.value)
+
+
 def test_a_meta_compile_before_init(world):
     with torch.device("meta"):
         model = MLP(16, 64)
