@@ -42,6 +42,7 @@ from spmd.compiler.verify import CHECKS
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.plan import Plan
 from spmd.passes.bucket_gradients import bucket_gradients
+from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.check_stamping import check_stamping
 from spmd.passes.emit_rank_graph import emit_rank_graph
 from spmd.passes.enumerate_strategies import StrategyTable, enumerate_strategies
@@ -58,7 +59,6 @@ from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
-from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
 from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, trace_module, warn_module_hooks,
                                       warn_nested_fast_path)

@@ -205,7 +205,6 @@ class CompiledModule(nn.Module):
         self._device = c.binding.device  # where this rank's inputs must be (None: wherever they are)
         self._saved_bytes: int | None = None  # see last_saved_bytes
         self._out_spec = c.traced.out_spec
-        self._last_outputs: list = []  # weak references to the last call's flat outputs (see gather_outputs)
         self._outputs_made = _OutputsMade()  # (the positions of the outputs calls returned: gather_outputs)
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
@@ -1088,23 +1087,16 @@ class CompiledModule(nn.Module):
         output 0's layout it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently;
         found by a probe), and where the output is one tensor, `out.softmax(-1)` of vocabulary-sharded logits
         came back whole in shape and 0.05 off (a probe)."""
-        last, same_memory = {}, {}
-        for k, ref in enumerate(self._last_outputs):
-            t = ref() if ref is not None else None
-            if t is not None:
-                last.setdefault(id(t), k)
-                if (memory := _memory_of(t)) is not None:
-                    same_memory.setdefault(memory, k)
         whole = spec == self._out_spec
         positions = []
         for k, t in enumerate(flat):
+            made = self._outputs_made.positions(t) if isinstance(t, torch.Tensor) else {}
+            last = [j for j, call in made.items() if call == self._outputs_made.calls]
             if not isinstance(t, torch.Tensor):
                 positions.append(None)
-            elif id(t) in last:
-                positions.append(last[id(t)])
-            elif (memory := _memory_of(t)) in same_memory:  # `out.logits.detach()`: the output's memory, as it is
-                positions.append(same_memory[memory])
-            elif whole and k in self._outputs_made.positions(t):  # (an earlier call's, as it came or detached)
+            elif last:  # (as it came, or `out.logits.detach()`: the output's memory, as it is)
+                positions.append(min(last))
+            elif whole and k in made:  # (an earlier call's, as it came or detached)
                 positions.append(k)
             else:
                 raise SpmdError(
@@ -1552,7 +1544,6 @@ class CompiledModule(nn.Module):
         with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
             flat = self._run_graphs(args)
         self._cut_pieces.seen(inputs)
-        self._last_outputs = [weakref.ref(t) if isinstance(t, torch.Tensor) else None for t in flat]
         self._outputs_made.record(flat)
         return tree_unflatten(list(flat), self._out_spec)
 
@@ -1590,35 +1581,39 @@ def _outputs_of_state(c) -> dict[int, str]:
 
 
 class _OutputsMade:
-    """The positions of the output tensors calls returned, while their memory lives: `gather_outputs` tells an
-    earlier call's output (kept by an evaluation loop, as it came or detached) from a tensor made from one
-    (`out.softmax(-1)`), where both sit in the output's structure. By memory, each with a weak reference to its
-    storage (a storage freed and its address reused is not the output's), and by identity for tensors with no
+    """The positions of the output tensors calls returned, and the call that returned each there, while their
+    memory lives: `gather_outputs` finds the last call's outputs (as they came, or `out.logits.detach()`) and
+    tells an earlier call's output (kept by an evaluation loop, as it came or detached) from a tensor made from
+    one (`out.softmax(-1)`), where both sit in the output's structure. By memory, each with a weak reference to
+    its storage (a storage freed and its address reused is not the output's), and by identity for tensors with no
     memory; not an attribute on the tensor, which `torch.save` would write and a weights-only load refuse."""
 
     def __init__(self):
-        self._by_memory: dict[tuple, tuple[StorageWeakRef, set]] = {}
-        self._empty = WeakIdKeyDictionary()
+        self.calls = 0  # (the number of the last call)
+        self._by_memory: dict[tuple, tuple[StorageWeakRef, dict]] = {}  # memory -> (its storage, {position: call})
+        self._empty = WeakIdKeyDictionary()  # tensor -> {position: call}
 
     def record(self, flat) -> None:
+        self.calls += 1
         if len(self._by_memory) > 64 + 2 * len(flat):
             self._by_memory = {m: e for m, e in self._by_memory.items() if not e[0].expired()}
         for k, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 continue
             if (memory := _memory_of(t)) is None:
-                self._empty.setdefault(t, set()).add(k)
+                self._empty.setdefault(t, {})[k] = self.calls
                 continue
             entry = self._by_memory.get(memory)
             if entry is None or entry[0].expired():
-                entry = self._by_memory[memory] = (StorageWeakRef(t.untyped_storage()), set())
-            entry[1].add(k)  # (one tensor at two places: HF's last hidden state and hidden_states[-1])
+                entry = self._by_memory[memory] = (StorageWeakRef(t.untyped_storage()), {})
+            entry[1][k] = self.calls  # (one tensor at two places: HF's last hidden state and hidden_states[-1])
 
-    def positions(self, t: torch.Tensor) -> set:
+    def positions(self, t: torch.Tensor) -> dict[int, int]:
+        """{position: the call that returned `t` (or the tensor whose memory it reads) there}."""
         if (memory := _memory_of(t)) is None:
-            return self._empty.get(t, set())
+            return self._empty.get(t, {})
         entry = self._by_memory.get(memory)
-        return entry[1] if entry is not None and not entry[0].expired() else set()
+        return entry[1] if entry is not None and not entry[0].expired() else {}
 
 
 def _memory_of(t: torch.Tensor) -> tuple | None:

@@ -668,15 +668,8 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
                     return gens[x.index]
                 return x
 
-            if op.default_dtype is torch.get_default_dtype():
+            with _default_dtype(op.default_dtype):
                 out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
-            else:
-                was = torch.get_default_dtype()
-                torch.set_default_dtype(op.default_dtype)
-                try:
-                    out = op.func(*tree_map(resolve, op.args), **tree_map(resolve, op.kwargs))
-                finally:
-                    torch.set_default_dtype(was)
             for s, o in zip(op.outs, tree_flatten(out)[0]):
                 if s is not None:
                     if o.dtype != tape.storages[s].dtype:
@@ -694,6 +687,19 @@ def replay_local_shards(tape: InitTape, final: Mapping[str, _Ref], placements: M
     if left:
         raise SpmdInternalError(f"init replay: no piece cut for {left[:6]}")
     return pieces
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    was = torch.get_default_dtype()
+    if dtype is was:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(was)
 
 
 def _warn_unwritten(tape: InitTape, sched: _Schedule, by_storage: Mapping[int, list[str]]) -> None:

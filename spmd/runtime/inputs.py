@@ -40,15 +40,18 @@ def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
             missing.append(spec.name)
         elif tuple(t.shape) != tuple(spec.shape):
             problems.append(f"  input {spec.name!r}: expected the full shape {list(spec.shape)}, got {list(t.shape)}")
+    if not problems:
+        return
     if missing:  # (`attention_mask=None` where the example had a mask: not a matter of shapes; found by a probe)
-        raise SpmdError("shard_inputs cuts full inputs as the model was compiled for them:\n" + "\n".join(problems)
-                        + f"\nWhat to do: the model was compiled with a tensor for {', '.join(map(repr, missing))}, "
-                          "and its graph reads one: pass a tensor (an all-ones attention mask where none is meant), "
-                          "or compile another module with example inputs that leave it out.")
-    if problems:
-        raise SpmdError("shard_inputs cuts full inputs of the shapes the model was compiled for:\n" + "\n".join(problems)
-                        + "\nWhat to do: recompile with example inputs of these shapes (the plan is for the "
-                          "compiled ones), or pass batches of the compiled size.")
+        what, way_out = "as the model was compiled for them", (
+            f"the model was compiled with a tensor for {', '.join(map(repr, missing))}, and its graph reads one: pass a "
+            "tensor (an all-ones attention mask where none is meant), or compile another module with example inputs "
+            "that leave it out.")
+    else:
+        what, way_out = "of the shapes the model was compiled for", (
+            "recompile with example inputs of these shapes (the plan is for the compiled ones), or pass batches of "
+            "the compiled size.")
+    raise SpmdError(f"shard_inputs cuts full inputs {what}:\n" + "\n".join(problems) + f"\nWhat to do: {way_out}")
 
 
 class LocalCheck:
