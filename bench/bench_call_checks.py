@@ -23,7 +23,8 @@ compiling moves no counter: `runtime/source_guard._written_unseen`), on transfor
 the sampled read of the checked calls after it (2, 4, 8, ... before the first optimizer step).
 
 Last, a train-mode forward that moves buffers beside an evaluation module compiled from the same model
-(`runtime/source_guard.buffers_moved`, session 72).
+(`runtime/source_guard.buffers_moved`, session 72); the watch of a transformers configuration whole (session 73);
+and the record of each call's outputs that `gather_outputs` reads (session 74).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -183,8 +184,31 @@ def config_watch_cost() -> None:
               f"({len(held)} configuration(s), {entries} entries), {without:.2f} us without", flush=True)
 
 
+def outputs_record_cost() -> None:
+    """The record of each call's output tensors that `gather_outputs` reads (`runtime/compiled._OutputsMade`), for
+    outputs of 1 and 8 tensors, each call's new: dropped at once (a training loop), or all kept alive (an
+    evaluation loop gathering them after), 20,000 calls."""
+    from spmd.runtime.compiled import _OutputsMade
+
+    for tensors in (1, 8):
+        for kept in (False, True):
+            made, held, calls = _OutputsMade(), [], 20000
+            flats = [[torch.empty(4) for _ in range(tensors)] for _ in range(calls)]
+            t0 = time.perf_counter()
+            for i in range(calls):
+                flat, flats[i] = flats[i], None  # (the loop's own reference alone: freed at the next call unless kept)
+                made.record(flat)
+                if kept:
+                    held.append(flat)
+            us = (time.perf_counter() - t0) / calls * 1e6
+            del flats, held
+            print(f"outputs record, {tensors} tensor(s) per call, {'all kept alive' if kept else 'dropped'}: "
+                  f"{us:.2f} us per call", flush=True)
+
+
 if __name__ == "__main__":
     main()
     first_call_read()
     buffers_moved_cost()
     config_watch_cost()
+    outputs_record_cost()

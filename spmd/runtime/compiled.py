@@ -1592,11 +1592,14 @@ class _OutputsMade:
         self.calls = 0  # (the number of the last call)
         self._by_memory: dict[tuple, tuple[StorageWeakRef, dict]] = {}  # memory -> (its storage, {position: call})
         self._empty = WeakIdKeyDictionary()  # tensor -> {position: call}
+        self._prune_at = 64  # (doubled past what lives after each pruning: an evaluation loop keeping every output
+        #                      alive costs no walk of them all at every call)
 
     def record(self, flat) -> None:
         self.calls += 1
-        if len(self._by_memory) > 64 + 2 * len(flat):
+        if len(self._by_memory) > self._prune_at:
             self._by_memory = {m: e for m, e in self._by_memory.items() if not e[0].expired()}
+            self._prune_at = max(64, 2 * len(self._by_memory))
         for k, t in enumerate(flat):
             if not isinstance(t, torch.Tensor):
                 continue
