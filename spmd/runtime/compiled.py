@@ -287,7 +287,9 @@ class CompiledModule(nn.Module):
             self._place(alias, self.piece(canonical), alias=True)
         self._index()
         self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
-        self._cut_pieces = CutPieces()  # (what shard_inputs cut from a full batch: refused once the batch is refilled)
+        shape, coord = self.mesh_spec.shape, self.coord
+        # (the copies shard_inputs cut, cut again where their batch was written since: they follow it as views do)
+        self._cut_pieces = CutPieces(lambda full, s: local_shard(full, s.placements, shape, coord))
         # the mode the graph was traced in (its dropout and batch norm are that mode's for good), and what in
         # the model would behave otherwise in the other mode (None: nothing)
         ops = _op_names(c.traced.graph)
@@ -1042,8 +1044,8 @@ class CompiledModule(nn.Module):
     def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`. A piece is a
-        view of its input or a copy, as the plan lays it out: cut after the batch is final (a batch written in
-        place after the cut, a static buffer refilled, is refused at the call: `inputs.CutPieces`)."""
+        view of its input or a copy, as the plan lays it out; either way a call sees the batch as it is then (a
+        copy whose batch was written in place since, a static buffer refilled, is cut again: `inputs.CutPieces`)."""
         flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
         self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
         if not self._shards_agreed or self._check_due(self._shard_calls):

@@ -7,8 +7,8 @@ here, on the rank that got it, with the fix, and not as a hang or a size error i
     device                      the rank's device (a CPU batch on a CUDA rank)
     the full tensor             where the rank takes its shard: compiled.shard_inputs(...) cuts it
     another size                the plan is for the example's shapes: recompile for new ones
-    a batch written since its cut   pieces `shard_inputs` cut, views of their batch and copies, whose
-                                batches were refilled in place after (`CutPieces`)
+    a batch written since its cut   copies `shard_inputs` cut follow their batch as views do (`CutPieces`):
+                                refused where the piece was written too
 """
 from __future__ import annotations
 
@@ -119,57 +119,100 @@ def _count(inputs: tuple, specs: list[InputSpec], what: str) -> None:
 
 
 class CutPieces:
-    """The pieces `shard_inputs` cut from full inputs, each with the version of the batch (its base tensor: a view
-    passed in, `batch[:]`, shares it) at the cut, and whether the piece is a view of it or a copy.
+    """Pieces `shard_inputs` cut as copies of their batch follow the batch, as views of it do: a call sees the batch
+    as it is at the call, as an eager call given the batch would.
 
     A piece is a view of its full input where the slice is one (a batch split on its first dim, a replicated
-    input), and a copy elsewhere: which, the plan decides. A loop that cut once and refilled the batch in place
-    (a static input buffer) then fed the view pieces the new batch and the copies the old one: a model whose
-    inputs split both ways trained on a mix of two batches, silently (found by a probe). A call whose inputs
-    mix views and copies of batches written since their cut is refused. Where all of them are copies, or all
-    views, the call sees one batch (the one cut, or the one written), as a loop that prefetches into its buffer
-    or masks its labels' piece in place (`labels[labels == 0] = -100`) means (both found by reviews); what the
-    call itself writes into its inputs is taken as seen (`seen`)."""
+    input), and a copy elsewhere: which, the plan decides. A loop that cuts once and then writes the batch in place
+    (a static input buffer refilled at every step, a generation loop writing each new token into a fixed token
+    buffer) fed the views the new values and the copies the old ones: a GPT-2 with its tokens split on the
+    sequence generated from the prompt alone, 0.53-0.67 off from the second token, and a model whose inputs split
+    both ways trained on a mix of two batches (both found by probes). Now a copy whose batch was written since the
+    last call is cut again, in place, before the call. A copy the user wrote itself (`labels[labels == 0] = -100`
+    on the piece) keeps its values while its batch is not written; where both were written since the last call,
+    the call is refused. So a loop that prefetches the next batch into the buffer it cut the current one from
+    gets the new batch, from views and copies alike: prefetching needs a second buffer, as for an eager call.
 
-    def __init__(self):
-        # piece -> (a weak reference to the batch's base, its version at the cut, whether the piece is a view of it)
-        self._cut = WeakIdKeyDictionary()
+    Writes are found by version counters. Inference tensors have none: a copy cut from one, or that is one,
+    keeps a snapshot and is compared at each call (inputs are small beside the model)."""
+
+    def __init__(self, cut):
+        self._cut_again = cut  # (full, spec) -> this rank's piece of it
+        # piece -> _Copy; views are not recorded (they follow their batch)
+        self._copies = WeakIdKeyDictionary()
 
     def record(self, full: torch.Tensor, piece: torch.Tensor) -> None:
         base = full if full._base is None else full._base
-        if not base.is_inference():  # (no version counter to read)
-            view = piece is full or piece._base is base
-            self._cut[piece] = (weakref.ref(base), base._version, view)
-
-    def _written(self, t) -> tuple | None:
-        """(its batch's base, whether `t` is a view of it) where `t` is a piece whose batch was written since its
-        cut, else None."""
-        cut = self._cut.get(t) if isinstance(t, torch.Tensor) else None
-        base = cut[0]() if cut is not None else None
-        return (base, cut[2]) if base is not None and base._version != cut[1] else None
+        if piece is full or piece._base is base:
+            self._copies.pop(piece, None)
+            return
+        self._copies[piece] = _Copy(weakref.ref(base), (full.size(), full.stride(), full.storage_offset()),
+                                    _mark(base) if not base.is_inference() else piece.detach().clone(), _mark(piece))
 
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
-        if not self._cut:
+        if not self._copies:
             return
-        written = {True: [], False: []}  # (views, copies) whose batch was written since the cut
         for t, spec in zip(inputs, specs):
-            if (found := self._written(t)) is not None:
-                written[found[1]].append(spec)
-        if written[True] and written[False]:
-            views, copies = (", ".join(f"{s.name!r} ({placements_str(s.placements)})" for s in written[k])
-                             for k in (True, False))
-            raise SpmdError(
-                f"inputs {views} and {copies}: the batches shard_inputs cut them from were written in place since "
-                f"(refilled). The first are views of their batch and see the new values, the others copies that "
-                "hold the old ones (the plan lays each out), so this call would mix two batches. What to do: call "
-                "compiled.shard_inputs(...) again after writing the batch, just before the call (pieces cut once do "
-                "not follow a buffer refilled in place).")
+            copy = self._copies.get(t) if isinstance(t, torch.Tensor) else None
+            base = copy.base() if copy is not None else None
+            if base is None:
+                continue
+            fresh = None
+            if isinstance(copy.batch, int):
+                if base._version == copy.batch:
+                    continue
+            else:  # (an inference batch: its piece as cut at the last call, compared)
+                fresh = self._cut_from(base, copy, spec)
+                if torch.equal(fresh, copy.batch):
+                    continue
+            if _written(t, copy.piece):
+                raise SpmdError(
+                    f"input {spec.name!r} ({placements_str(spec.placements)}): both this rank's piece, a copy "
+                    "shard_inputs cut, and the batch it was cut from were written in place since the last call, so "
+                    "which values the call should see is unclear (a copy follows its batch, as a view does). What "
+                    "to do: call compiled.shard_inputs(...) again after writing the batch, then change the piece.")
+            if t.requires_grad:
+                raise SpmdError(
+                    f"input {spec.name!r}: the batch it was cut from (a tensor that requires grad) was written in "
+                    "place since the cut, and the piece, part of the autograd graph of the old values, cannot "
+                    "follow it. What to do: call compiled.shard_inputs(...) again after writing the batch.")
+            fresh = self._cut_from(base, copy, spec) if fresh is None else fresh
+            with torch.inference_mode(t.is_inference()), torch.no_grad():
+                t.copy_(fresh)
+            copy.batch = base._version if isinstance(copy.batch, int) else fresh
+            copy.piece = _mark(t)
 
     def seen(self, inputs: tuple) -> None:
-        """What the call wrote into its own inputs (a forward that changes its input in place) is not a refill."""
-        if not self._cut:
+        """What the call wrote into its own inputs (a forward that changes its input in place) is not the user's
+        write of the piece."""
+        if not self._copies:
             return
         for t in inputs:
-            if (found := self._written(t)) is not None:
-                base, view = found
-                self._cut[t] = (weakref.ref(base), base._version, view)
+            if isinstance(t, torch.Tensor) and (copy := self._copies.get(t)) is not None:
+                copy.piece = _mark(t)
+
+    def _cut_from(self, base: torch.Tensor, copy: "_Copy", spec: InputSpec) -> torch.Tensor:
+        size, stride, offset = copy.where
+        try:
+            full = base.as_strided(size, stride, offset)
+        except RuntimeError as e:  # (the batch resized since the cut)
+            raise SpmdError(f"input {spec.name!r}: the batch shard_inputs cut it from no longer holds the cut "
+                            f"tensor ({e}). What to do: call compiled.shard_inputs(...) again.") from None
+        with torch.inference_mode(base.is_inference()), torch.no_grad():
+            return self._cut_again(full, spec)
+
+
+@dataclass
+class _Copy:
+    base: weakref.ref  # the batch's base tensor (a view passed in, `batch[:]`, shares it)
+    where: tuple  # the full input's size, stride and storage offset in its base
+    batch: int | torch.Tensor  # the base's version at the last call, or (inference) the piece as cut then
+    piece: int | torch.Tensor  # the piece's version after the last call, or (inference) a snapshot of it
+
+
+def _mark(t: torch.Tensor) -> int | torch.Tensor:
+    return t.detach().clone() if t.is_inference() else t._version
+
+
+def _written(t: torch.Tensor, mark: int | torch.Tensor) -> bool:
+    return t._version != mark if isinstance(mark, int) else not torch.equal(t, mark)
