@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.kept_state import refuse_counted, state_kept
+from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
                                       graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
@@ -125,9 +126,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
     counted: list[tuple] = []  # (the numbers the forward changed: `refuse_counted`)
+    made: list[tuple] = []  # (the tensors it made where it had none: `refuse_made_snapshots`)
     with checkpoints_run_through(root) as checkpoints:
         with random_draws() as drew:
-            gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted)
+            gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted, made)
             aliased = _aliased_outputs(gm)
             if aliased:  # traced again with those outputs copied: each then gets its own gradient
                 with _outputs_copied(root, aliased):
@@ -137,6 +139,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                 with _outputs_copied(root, aliased) if aliased else contextlib.nullcontext():
                     return graph_signature(_either_road(model, root, example_inputs)[0])
             refuse_counted(counted, retrace, graph_signature(gm), model)
+        refuse_made_snapshots(made, root, model, lambda: root(*example_inputs), list(example_inputs), "trace_joint")
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
     # graph traced again with the generators seeded apart says whether it keeps them
@@ -317,14 +320,14 @@ def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
 
 
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
-                 counted: list | None = None) -> tuple:
+                 counted: list | None = None, made: list | None = None) -> tuple:
     """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
     over the module, or, where that road fails, over torch.export's module."""
     # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
     # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
     # found by a probe. The regular kernels are what the graph then runs)
     with _autocast_in_forward(root), _onednn_off():
-        return _either_road_as_eager(model, root, example_inputs, counted)
+        return _either_road_as_eager(model, root, example_inputs, counted, made)
 
 
 _onednn_lock = threading.Lock()
@@ -371,20 +374,21 @@ def _autocast_in_forward(root: torch.nn.Module):
 
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
-                          counted: list | None = None) -> tuple:
+                          counted: list | None = None, made: list | None = None) -> tuple:
     assigned: list[tuple] = []  # state the forward replaced (on either road: `state_assigned`)
     kept = state_kept(root)
     try:
         if _shares_submodules(root):
             raise _NotThisRoad("a submodule registered under two names")
-        with kept, state_assigned() as assigned:
+        watch = state_assigned()
+        with kept, watch as assigned:
             gm, out_spec, applied = _aot_over_module(root, example_inputs)
         if kept.registered_changed and not assigned:
             raise _NotThisRoad("the trace left other parameters or buffers on the model")
     except Exception as direct:  # (what torch.export's tracing steers around, where the road above does not)
         try:
-            kept = state_kept(root)
-            with kept, state_assigned() as assigned:  # (the hooks a forward registers, too)
+            kept, watch = state_kept(root), state_assigned()
+            with kept, watch as assigned:  # (the hooks a forward registers, too)
                 gm, out_spec, applied = _aot_over_export(root, example_inputs)
         except Exception as e:
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
@@ -408,6 +412,8 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 f"trace_joint: could not trace the forward+backward graph of {type(model).__name__}", e, way_out)) from e
     if counted is not None:
         counted += kept.counted
+    if made is not None:
+        made += watch.made
     return gm, out_spec, applied, assigned
 
 

@@ -23,6 +23,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
 from spmd.passes.kept_state import refuse_counted, state_kept
+from spmd.passes.made_state import refuse_made_snapshots
 
 
 @dataclass(frozen=True, slots=True)
@@ -678,6 +679,9 @@ class state_assigned:
 
     def __init__(self, attributes: bool = False):
         self.attributes = attributes
+        # (module, name) of the tensors a forward made where it had none: a plain attribute absent or not a tensor
+        # before, or a buffer registered as None (`passes/made_state.py`)
+        self.made: list[tuple] = []
 
     @staticmethod
     def _storage(t) -> int | None:
@@ -689,13 +693,14 @@ class state_assigned:
     def __enter__(self) -> list[tuple]:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-        found, before = [], {}
+        found, before, made = [], {}, {}
+        self.made_found = made
 
         def snapshot(module):
             return [(m, {**m._parameters, **m._buffers},
                      {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
                       if t is not None},
-                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)} if self.attributes else {})
+                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)})
                     for m in module.modules()]
 
         def pre(module, args):
@@ -706,7 +711,12 @@ class state_assigned:
             if not stack:
                 return
             for m, tensors, storages, attributes in stack.pop():
-                found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
+                if self.attributes:
+                    found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
+                made.update(((m, n), None) for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)
+                            and n not in attributes)
+                made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
+                            and tensors[n] is None)
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):
                     for n, t in table.items():
                         if tensors.get(n) is None or t is None:  # (not a cache made lazily)
@@ -722,6 +732,7 @@ class state_assigned:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
+        self.made[:] = list(self.made_found)
 
 
 def described(entry: tuple) -> str:
@@ -772,10 +783,14 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         return _live_signature(again)
 
     try:
-        with random_draws() as drew, state_assigned(attributes=True) as assigned, state_kept(held) as kept:
+        watch = state_assigned(attributes=True)
+        with random_draws() as drew, watch as assigned, state_kept(held) as kept:
             ep = export()
         if kept.counted:  # (a warm-up factor from a call counter: found by a probe, the same every call, silently)
             refuse_counted(kept.counted, signature_again, _live_signature(ep), model, "trace_module")
+        refuse_made_snapshots(watch.made, held, model,
+                              lambda: held(*example_inputs, **(example_kwargs or {})),
+                              [*example_inputs, *(example_kwargs or {}).values()], "trace_module", training=False)
         if drew.unseeded or drew.unnamed:  # (does the graph keep what Python's or numpy's generators drew?)
             refuse_random_draws(draws_change_the_graph(
                 lambda: graph_signature((again := export()).graph_module, again.constants),
