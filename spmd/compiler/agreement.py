@@ -3,7 +3,7 @@ ranks differ, the first difference in words.
 
     summarize(...)     category -> value: the mesh, the options and pins, the user inputs (names, shapes,
                        dtypes), the parameters and buffers (names, shapes, dtypes), the traced graph (each
-                       op with its output shapes, in order)
+                       op with the numbers it takes and its output shapes, in order)
     digest(summary)    category -> a short hash: what ranks exchange first (a few hundred bytes)
     differences(...)   from every rank's summary of the categories whose hashes differ: one line per
                        category naming the ranks that differ from rank 0 and the first difference
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+
+import torch
 
 from spmd.core.graph_facts import layer_of, op_label
 from spmd.core.specs import TensorInfo, placements_str
@@ -54,7 +56,7 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         if n.op == "call_function":
             outs = info.get(n.name)
             text = shape(n.name) if isinstance(outs, TensorInfo) else "tuple"
-            graph.append(f"{op_label(n)} -> {text}")
+            graph.append(f"{op_label(n)}{_constants(n)} -> {text}")
     return {
         "mesh": [f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.shape)],
         "options": options_text,
@@ -64,6 +66,26 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
                        if gi.kind in ("parameter", "buffer", "constant")],
         "graph": graph,
     }
+
+
+def _constants(node) -> str:
+    """The numbers an op takes, as its arguments list them ("(0.1, -100)"): a constant the forward or the loss
+    computed from the rank (`label_smoothing=0.1 * (rank + 1)`) is another graph (found by a probe: each rank
+    trained with its own, and their gradients mixed). Devices are left out (each rank names its own)."""
+    found = []
+
+    def visit(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, (bool, int, float, str)) or a is None:
+            found.append(repr(a))
+        elif isinstance(a, torch.dtype):
+            found.append(str(a).replace("torch.", ""))
+
+    visit(node.args)
+    visit([v for k, v in sorted(node.kwargs.items()) if k != "device"])
+    return f"({', '.join(found)})" if found else ""
 
 
 def digest(summary: dict[str, list[str]]) -> dict[str, str]:

@@ -106,6 +106,8 @@ def _plain_pieces(state, known: dict[int, str], path: str = "") -> list[tuple[st
 def _check(state_dict, verb: str) -> None:
     if verb == "save":  # (a module's pieces whose sibling trained since: its old weights)
         source_guard.saving(state_dict)
+    else:  # (pieces loaded in place: a checkpoint given to their module, once written)
+        source_guard.loading(state_dict)
     hits = _plain_pieces(state_dict, _pieces_and_states()) if _watched else []
     if hits:
         listed = "; ".join(f"{path!r} ({what})" for path, what in hits[:3]) + \

@@ -328,7 +328,38 @@ def _count(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return sum(len(group["params"]) for group in optimizer.param_groups), sum(map(len, step_hooks(optimizer)))
 
 
+# an optimizer with no state -> the state `optimizer_state_dict` made up for it (its tensors and their versions then)
+_made_up: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+
+
+def made_up(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> None:
+    """`compiled.optimizer_state_dict(optimizer)` gave state made up for an optimizer that has none (`tensors`):
+    written before the optimizer's first step (torch.distributed.checkpoint loading into it in place) and not
+    loaded into the optimizer, its step raises (`_refuse_unloaded`)."""
+    with _lock:
+        _made_up[optimizer] = [(t, t._version) for t in tensors]
+        _install()
+
+
+def _refuse_unloaded(optimizer: torch.optim.Optimizer) -> None:
+    """FSDP2's way, `dcp.load({"optim": get_optimizer_state_dict(...)})`, fills the optimizer's own state in place;
+    spmd's `optimizer_state_dict` of a fresh optimizer is made up beside it (a step at rate 0 would change the
+    first real step's), so the same load alone left the optimizer fresh: moments of zero, 0.034 off eager's
+    resume after 2 steps, silently (found by a probe)."""
+    made = _made_up.pop(optimizer, None)
+    if made and not optimizer.state and any(t._version != v for t, v in made):
+        _made_up[optimizer] = made  # (refused again at the next step, until loaded)
+        raise SpmdError(
+            f"{type(optimizer).__name__}.step(): the state `compiled.optimizer_state_dict(optimizer)` gave for this "
+            "optimizer, which had none, was written since (torch.distributed.checkpoint loaded a checkpoint into "
+            "it), but never loaded into the optimizer, which would start from fresh state instead of the "
+            "checkpoint's. What to do: after dcp.load, `compiled.load_optimizer_state_dict(optimizer, state)` with "
+            "the loaded dict (`state['optim']`).")
+
+
 def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if _made_up:
+        _refuse_unloaded(optimizer)
     if (before := _checked.get(optimizer)) == _count(optimizer):
         return
     stale = []

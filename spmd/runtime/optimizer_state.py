@@ -20,6 +20,7 @@ import torch.nn as nn
 from spmd.core.errors import SpmdError
 from spmd.runtime import source_guard
 from spmd.runtime.optimizer_guard import SAVED_BY, step_hooks
+from spmd.runtime.optimizer_guard import made_up as made_up_state
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -105,6 +106,9 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
     # which torch.distributed.checkpoint would save once, one rank's, for all)
     groups = [{**{k: v for k, v in group.items() if k not in ("params", SAVED_BY)}, "params": group_names}
               for group, group_names in zip(torch_form["param_groups"], names)]
+    if made_up:  # (loaded into in place and left there, the optimizer would start fresh: refused at its step)
+        made_up_state(optimizer, [getattr(v, "_local_tensor", v) for entries in state.values()
+                                  for v in entries.values() if isinstance(v, torch.Tensor)])
     return {"state": state, "param_groups": groups}
 
 

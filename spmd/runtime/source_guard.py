@@ -110,6 +110,8 @@ def _trained(model) -> bool:
     """Whether a module compiled from `model` holds newer weights than the model: it trained, its forward
     updated its buffers (`buffers_moved`), or it was given a checkpoint whole (`given`), since the model was
     compiled or last had them copied back."""
+    if _loading:
+        _settle_loads()
     return any(_ahead(c) or c.__dict__.get("_moved_np") for ref in _compiled_from.get(model, ())
                if (c := ref()) is not None)
 
@@ -1111,6 +1113,39 @@ def handed_out(compiled, items) -> None:
         _handed[v] = (weakref.ref(compiled), fqn, getattr(v, "_local_tensor", v)._version)
 
 
+# a module whose `state_dict()` DTensors torch.distributed.checkpoint was set up to load into -> {FQN: (its piece,
+# the piece's version then)}: once written, a checkpoint was loaded into it (`_settle_loads`)
+_loading = WeakIdKeyDictionary()
+
+
+def loading(state) -> None:
+    """torch.distributed.checkpoint about to load into `state` (nested dicts and lists): the DTensors a compiled
+    module's `state_dict()` gave there are remembered with their pieces' versions. FSDP2's way, `dcp.load({"model":
+    compiled.state_dict()})` with no `load_state_dict` after it, fills the pieces in place, and nothing said the
+    module had been given a checkpoint: an evaluation module beside it and the model itself went on with the old
+    weights, silently (found by a probe)."""
+    if isinstance(state, torch.Tensor):
+        handed = _handed.get(state) if hasattr(state, "to_local") else None
+        if handed is not None and (compiled := handed[0]()) is not None:
+            piece = state._local_tensor
+            _loading.setdefault(compiled, {})[handed[1]] = (piece, piece._version)
+        return
+    items = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    for value in items:
+        loading(value)
+
+
+def _settle_loads() -> None:
+    """The pieces torch.distributed.checkpoint wrote since `loading`: given from elsewhere (`given`), as
+    `load_state_dict` after the load would say. Run before any guard reads who holds the newest weights, and before
+    an optimizer steps (whose writes are no load)."""
+    for compiled, entries in list(_loading.items()):
+        del _loading[compiled]
+        written = {fqn for fqn, (piece, version) in entries.items() if piece._version != version}
+        if written:
+            given(compiled, written, elsewhere=True)
+
+
 def saving(state) -> None:
     """torch.distributed.checkpoint saving `state` (nested dicts and lists): raise where it holds the pieces of a
     module whose sibling trained since it last had the weights (the evaluation module's `state_dict()`, saved with
@@ -1152,6 +1187,8 @@ def _storage(t):
 
 def _newer(compiled) -> list:
     """The siblings that stepped, or were given weights from elsewhere, after `compiled` last held the newest."""
+    if _loading:
+        _settle_loads()
     synced = compiled.__dict__.get("_synced", 0)
     return [c for ref in compiled.__dict__.get("_siblings", ()) if (c := ref()) is not None and c is not compiled
             and max(c.__dict__.get("_moved_at", 0), c.__dict__.get("_loaded_at", 0)) > synced]
@@ -1366,6 +1403,8 @@ _fresh: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -
 
 
 def _stepping_now(optimizer, args, kwargs) -> None:
+    if _loading:
+        _settle_loads()
     if not optimizer.state:
         _fresh[optimizer] = True
     elif optimizer in _fresh:

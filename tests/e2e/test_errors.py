@@ -89,6 +89,8 @@ def _disagree(rank, world, what):
     mesh = spmd.init_mesh((2,), ("dp",))
     if what == "trace" and rank == 1:
         model = _Branchy()  # its forward branches on the data: torch.export cannot trace it
+    if what == "constant" and rank == 1:
+        model.ln_f.eps = 1e-3  # (a number in the graph: each rank would normalize with its own; found by a probe)
     try:
         spmd.compile(model, mesh, (tokens,), in_placements=pins)
     except SpmdError as e:
@@ -106,6 +108,8 @@ import pytest  # noqa: E402
     ("dtype", r"parameters: rank 1 differs from rank 0; .* float64 on rank 1, .* float32 on rank 0"),
     ("pins", r"pins: rank 1 differs from rank 0; rank 1 adds 'input tokens: \[S\(0\)\]'"),
     ("trace", r"rank 1 could not compile: SpmdError: trace_module: torch.export could not trace _Branchy"),
+    ("constant", r"graph: rank 1 differs from rank 0; op \d+: 'native_layer_norm\(64, 0\.001\) -> tuple' on rank 1, "
+                 r"'native_layer_norm\(64, 1e-05\) -> tuple' on rank 0"),
 ])
 def test_ranks_that_disagree_all_raise_the_first_difference(ranks, what, expected):
     import re

@@ -870,6 +870,65 @@ def test_checkpoints_of_old_weights_and_beside_them_are_refused(ranks, tmp_path)
         assert r["error"] < 1e-12, r
 
 
+def _loaded_in_place_only(rank: int, world: int, folder: str) -> dict:
+    """FSDP2's way to resume: `dcp.load` into the module's `state_dict()` and `optimizer_state_dict(...)`, with no
+    `load_state_dict` after."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.models import MLP
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        pins = {n: [Shard(0)] for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+        first = spmd.compile(MLP(16, 32), mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                             param_placements=pins)
+        opt = torch.optim.AdamW(first.parameters(), lr=0.1)
+        first(*first.shard_inputs(x, y)).backward()
+        opt.step()
+        dcp.save({"model": first.state_dict(), "optim": first.optimizer_state_dict(opt)}, checkpoint_id=folder)
+        checkpoint = MLP(16, 32)
+        checkpoint.load_state_dict(first.full_state_dict())
+
+        model = MLP(16, 32)  # (the resumed run: a fresh model, its modules, a fresh optimizer)
+        resumed = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("tp",)),
+                               param_placements=pins)
+        evaluate = spmd.compile(model, mesh, (x,), mesh_spec=spec((2,), ("tp",)))
+        fresh = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+        state = {"model": resumed.state_dict(), "optim": resumed.optimizer_state_dict(fresh)}
+        dcp.load(state, checkpoint_id=folder)
+        out = {"evaluate": _refused(lambda: evaluate(*evaluate.shard_inputs(x))),
+               "model": _refused(lambda: model(x))}
+        loss = resumed(*resumed.shard_inputs(x, y))
+        out["loss_error"] = abs(float(loss) - float(F.mse_loss(checkpoint(x), y)))
+        loss.backward()
+        out["step"] = _refused(fresh.step)
+        resumed.load_optimizer_state_dict(fresh, state["optim"])
+        fresh.step()
+        opt.zero_grad()  # (the first run's second step: the same, from the same state)
+        first(*first.shard_inputs(x, y)).backward()
+        opt.step()
+        out["error"] = max(float((a - b).abs().max()) for a, b in zip(resumed.full_state_dict().values(),
+                                                                      first.full_state_dict().values()))
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_checkpoint_loaded_in_place_only_counts_as_loaded(ranks, tmp_path):
+    """Found by a probe: `dcp.load` into `compiled.state_dict()` alone (FSDP2's way) filled the pieces, and nothing
+    said the module had been given a checkpoint: an evaluation module compiled beside it, and the model, went on
+    with the old weights, silently. Into `optimizer_state_dict(fresh)` alone, the optimizer started fresh (0.034
+    off after 2 steps). Both refused now, naming the way out; loaded, the resumed step is the first run's."""
+    for r in ranks(2).run(_loaded_in_place_only, str(tmp_path)):
+        assert r["evaluate"] and "given weights from elsewhere" in r["evaluate"], r
+        assert r["model"] and "given weights from elsewhere" in r["model"], r
+        assert r["step"] and "compiled.load_optimizer_state_dict(optimizer, state)" in r["step"], r
+        assert r["error"] < 1e-12 and r["loss_error"] < 1e-12, r
+
+
 def _parts_of_a_sharded_model(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Replicate
 
