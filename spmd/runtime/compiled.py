@@ -754,10 +754,13 @@ class CompiledModule(nn.Module):
         (`model.state_dict()`, a checkpoint of the single-device model: full tensors; `compiled.state_dict()`:
         DTensors) it goes to `load_sharded_state_dict` (each rank cuts or takes its pieces); the attribute names
         of older versions (`0__weight`: this rank's pieces) are taken too. With `strict`, keys of neither kind,
-        or a persistent entry missing, are an error; without, they are reported as torch reports them. (This
-        goes around torch's load hooks, and `assign`.)"""
+        or a persistent entry missing, are an error; without, they are reported as torch reports them. The
+        model's load pre-hooks run first, on a copy of the state dict (the key renames of old checkpoints that
+        transformers' Mamba or torch's weight_norm make); its post hooks, which set the model's own tensors, do
+        not, and a warning names them. (`assign` is not taken.)"""
         from torch.nn.modules.module import _IncompatibleKeys
 
+        state_dict = self._run_load_pre_hooks(state_dict, strict)
         missing, unexpected = self._model_keys(state_dict)
         if strict and (unexpected or missing):
             raise SpmdError("load_state_dict: " + _listed((("keys that are not the model's", unexpected),
@@ -766,6 +769,40 @@ class CompiledModule(nn.Module):
         foreign = set(unexpected)
         self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _run_load_pre_hooks(self, state_dict: dict, strict: bool) -> dict:
+        """`state_dict` as the source model's load pre-hooks leave it (a copy; spmd's own hooks left out), as
+        torch's `load_state_dict` hands it on: a pre-hook renaming an old checkpoint's keys was skipped, so its
+        entries were refused as unexpected, or left out silently without `strict` (found by a probe). Post hooks
+        (they write the model's own tensors, a buffer derived from the loaded weights: 9.78 off, silently) are
+        named in a warning, with the way out."""
+        model = self.__dict__.get("_source_model")
+        if model is None:
+            return state_dict
+        mine = lambda h: getattr(getattr(h, "hook", h), "spmd_guard", False)  # noqa: E731
+        pre = [(path, h) for path, m in model.named_modules() for h in m._load_state_dict_pre_hooks.values()
+               if not mine(h)]
+        post = [(path, m) for path, m in model.named_modules()
+                if any(not mine(h) for h in m._load_state_dict_post_hooks.values())]
+        if post:
+            where = ", ".join(f"`{path or type(model).__name__}` ({type(m).__name__})" for path, m in post[:3])
+            warnings.warn(
+                f"load_state_dict: {where} of the model registered load_state_dict post hooks, which set the "
+                "model's own tensors after a load (a buffer derived from the loaded weights): the compiled module's "
+                "pieces are not the model's, so they are not run. What to do: load the checkpoint into the model "
+                "and compile it after, or set what the hook sets in the state dict before loading it.",
+                stacklevel=3)
+        if not pre:
+            return state_dict
+        metadata = getattr(state_dict, "_metadata", None)
+        state_dict = dict(state_dict)
+        missing, unexpected, errors = [], [], []
+        for path, hook in pre:
+            local = metadata.get(path, {}) if metadata is not None else {}
+            hook(state_dict, f"{path}." if path else "", local, strict, missing, unexpected, errors)
+        if errors:
+            raise SpmdError("load_state_dict: the model's load pre-hooks said: " + "; ".join(map(str, errors)))
+        return state_dict
 
     def _load_part(self, under: str, state_dict: dict, strict: bool):
         """`load_state_dict` asked of a holder (`compiled.encoder.load_state_dict(...)`): its entries, named from
@@ -856,11 +893,27 @@ class CompiledModule(nn.Module):
         return None if name is None else state[name]
 
     def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
-        """(persistent entries missing, keys that are not the model's) of `state`."""
+        """(persistent entries missing, keys that are not the model's) of `state`. A batch norm's
+        `num_batches_tracked` is not missing from a checkpoint older than it (no version 2 in the state dict's
+        metadata: a plain dict too), as torch's batch norm takes such checkpoints (found by a probe: refused)."""
         known = {n for fqn in self._param_names for n in self._load_names(fqn)}
         missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent and fqn not in self._loss_names
-                   and not any(n in state for n in self._load_names(fqn))]
+                   and not any(n in state for n in self._load_names(fqn)) and not self._older_than(fqn, state)]
         return missing, [k for k in state if k not in known]
+
+    def _older_than(self, fqn: str, state: dict) -> bool:
+        """Whether `fqn` is a batch norm's `num_batches_tracked` and `state` is from before its version 2."""
+        path, _, name = fqn.rpartition(".")
+        if name != "num_batches_tracked" or (model := self.__dict__.get("_source_model")) is None:
+            return False
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            return False
+        if not isinstance(module, nn.modules.batchnorm._NormBase):
+            return False
+        version = (getattr(state, "_metadata", None) or {}).get(path, {}).get("version")
+        return version is None or version < 2
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
