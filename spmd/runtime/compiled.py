@@ -45,6 +45,28 @@ class _Pieces(nn.Module):
         super().__init__()
         self.__dict__["_root"], self.__dict__["_prefix"] = weakref.ref(root), prefix
 
+    def __getitem__(self, index):
+        """`compiled.blocks[1]`, as the model's `nn.ModuleList` or `nn.Sequential` is indexed (found by a probe: not
+        subscriptable); a slice is a list of them."""
+        names = list(self._modules)
+        if isinstance(index, slice):
+            return [self._modules[n] for n in names[index]]
+        try:
+            return self._modules[names[operator.index(index)]]
+        except (IndexError, TypeError):
+            if isinstance(index, str) and index in self._modules:
+                return self._modules[index]  # (an nn.ModuleDict's key)
+            raise IndexError(f"`{self._prefix}` of the compiled module holds parts {names}: no {index!r}") from None
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
+        return True
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
 

@@ -1,5 +1,6 @@
-"""The model's load_state_dict hooks at `compiled.load_state_dict`: pre-hooks (key renames of old checkpoints) run
-on a copy of the state dict; post hooks, which would set the model's own tensors, are named in a warning."""
+"""Loading into a compiled module as into the model: its load_state_dict pre-hooks (key renames of old checkpoints)
+run on a copy of the state dict, post hooks (which would set the model's own tensors) are named in a warning, a
+batch norm checkpoint older than `num_batches_tracked` loads; and its parts are indexed as the model's."""
 from __future__ import annotations
 
 import copy
@@ -85,3 +86,16 @@ def test_a_batch_norm_checkpoint_from_before_num_batches_tracked_loads():
     del versioned["1.num_batches_tracked"]
     with pytest.raises(Exception, match="num_batches_tracked"):
         compiled.load_state_dict(versioned)
+
+
+def test_parts_are_indexed_as_the_model_s_module_list():
+    """Found by a probe: `compiled.blocks[1]` raised TypeError ('_Pieces' object is not subscriptable)."""
+    from tests.models import GPT, GPTConfig
+
+    compiled = one_device(GPT(GPTConfig(layers=2)).eval(), (torch.randint(0, 128, (2, 16)),))
+    assert compiled.blocks[1] is compiled.get_submodule("blocks.1") and compiled.blocks[-1] is compiled.blocks[1]
+    assert len(compiled.blocks) == 2 and list(compiled.blocks) == compiled.blocks[:]
+    assert sorted(compiled.blocks[1].state_dict()) == sorted(k[len("blocks.1."):] for k in compiled.state_dict()
+                                                            if k.startswith("blocks.1."))
+    with pytest.raises(IndexError, match=r"holds parts \['0', '1'\]: no 5"):
+        compiled.blocks[5]
