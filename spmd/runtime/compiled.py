@@ -597,6 +597,7 @@ class CompiledModule(nn.Module):
         """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
         tensors into this rank's shards. (`_partial`: entries that are absent are left as they are.)"""
         loaded = set()
+        self._agree_on_loaded(state)
         elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
@@ -612,6 +613,32 @@ class CompiledModule(nn.Module):
         self._uninitialized -= loaded
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
             source_guard.given(self, loaded, elsewhere)
+
+    def _agree_on_loaded(self, state: dict) -> None:
+        """Whole tensors loaded (not DTensors: those say whose piece each is) the same on every rank: each rank cuts
+        its piece from the one it was given, so a head re-drawn with each rank's own seed and loaded with
+        `strict=False` left the replicas of a replicated weight 0.11 apart after 3 steps, and a sharded one made of
+        two draws, silently (found by a probe). A digest of a sample of each, compared over the mesh (every rank
+        loads together, as it trains together)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1:
+            return
+        whole = [(fqn, v) for fqn in self._param_names if isinstance(v := self._entry(state, fqn), torch.Tensor)
+                 and not hasattr(v, "to_local") and tuple(v.shape) == tuple(self._global_shapes.get(fqn, ()))]
+        if not whole or torch._guards.detect_fake_mode([v for _, v in whole]) is not None or \
+                any(v.is_meta for _, v in whole):
+            return
+        with waiting.collective("load_state_dict", self.rank, self.mesh_spec.size):
+            apart, anywhere = self._values_apart(whole, lambda axis, k: True, "loaded tensors", sampled=True)
+        if anywhere:
+            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
+            raise SpmdError(
+                f"load_state_dict: the whole tensors given differ between ranks ({what}): each rank takes its piece of "
+                "the one it was given, so the replicas of a replicated weight would train apart and a sharded one "
+                "would be made of several. What to do: give every rank the same values (seed every rank alike "
+                "before drawing new weights, or load the same checkpoint), or load DTensors "
+                "(torch.distributed.checkpoint into compiled.state_dict()).")
 
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
         """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a

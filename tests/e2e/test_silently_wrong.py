@@ -1104,3 +1104,35 @@ def test_gather_outputs_of_a_part_of_the_output_gathers_it_in_its_own_layout(ran
         assert r["view"] is not None and "is not one of the last call's outputs" in r["view"], r
         assert len(r["state"]) == 1 and "output 2 is the model's 'center' itself" in r["state"][0], r
         assert r["replicated"] == ([], 16.0), r
+
+
+def _loaded_apart(rank: int, world: int) -> dict:
+    from tests.models import MLP
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(MLP(16, 32), mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)),
+                            param_placements={"fc1.weight": [Shard(0)]})
+    torch.manual_seed(rank)  # (a head re-drawn with each rank's own seed)
+    head = torch.nn.Linear(32, 16)
+    try:
+        compiled.load_state_dict({"fc2.weight": head.weight, "fc2.bias": head.bias}, strict=False)
+        refused = None
+    except spmd.SpmdError as e:
+        refused = str(e)
+    torch.manual_seed(5)  # (the same on every rank: loads)
+    head, first = torch.nn.Linear(32, 16), torch.nn.Linear(16, 32)
+    compiled.load_state_dict({"fc2.weight": head.weight, "fc1.weight": first.weight}, strict=False)
+    full = compiled.full_state_dict()
+    return {"refused": refused, "loaded": bool(torch.equal(full["fc2.weight"], head.weight)
+                                               and torch.equal(full["fc1.weight"], first.weight))}
+
+
+def test_whole_tensors_loaded_apart_on_the_ranks_are_refused(ranks):
+    """Found by a probe: each rank cut its piece of the whole tensor it was given, so a head re-drawn with each
+    rank's own seed left the replicas 0.11 apart after 3 steps, silently."""
+    for r in ranks(2).run(_loaded_apart):
+        assert r["refused"] and "differ between ranks ('fc2.weight' along 'dp', 'fc2.bias' along 'dp')" in \
+            r["refused"], r
+        assert r["loaded"], r
