@@ -330,6 +330,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "
                 "`encoder(x, mask=mask, is_causal=True)` (or False; `src_is_causal`/`tgt_is_causal` for "
                 "nn.Transformer, `tgt_is_causal` for a decoder)" + tail)
+    if "_local_scalar_dense" in str(error):  # (found by a probe: `.item()` in a loss_fn, told only "the forward")
+        line = _model_line(error)
+        where = f"`{line}`" if line else "the forward or the loss_fn"
+        return (f"{where} takes a Python number from a tensor's values (`.item()`, `float(t)`, `max(1, n.item())`), "
+                "which a graph cannot hold: it would keep the traced value for every call. Keep it a tensor "
+                "(`loss_sum / (labels != -100).sum().clamp(min=1)`), or compute it outside the compiled module"
+                + tail)
     if "data-dependent" in str(error):
         line = _model_line(error)
         where = f"`{line}`" if line else "the line torch names above (\"Caused by\")"

@@ -1,6 +1,7 @@
 """`CompiledModule`: this rank's generated graph plus its local parameter shards."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
@@ -1139,6 +1140,14 @@ class CompiledModule(nn.Module):
                 else full
         source_guard.gathered(self, out.values())
         return self._with_aliases(out)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's `no_sync()`, so that a gradient accumulation loop written for DDP runs as it is (it raised
+        AttributeError; found by a probe). Nothing is skipped: each backward reduces its micro-batch's gradients
+        in the graph, and `.grad` sums them as the loop's last backward would, so the step is the same; the
+        communication of the micro-batches inside is not saved."""
+        yield
 
     def input_placements(self) -> dict[str, tuple]:
         return {s.name: s.placements for s in self._input_specs}

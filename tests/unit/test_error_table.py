@@ -146,6 +146,10 @@ ROWS = [
       r"^[^\n]*\(Caused by: [^\n]*\)\nWhat to do: [^\n]*\n\ntorch's whole message:\n"]),  # (the gist, then ours)
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
      [r"torch.export could not trace _Item", r"reads a tensor's values in Python"]),
+    ("trace-item-in-loss", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=lambda out, y: F.mse_loss(
+        out, y, reduction="sum") / max(1, (y > 0).sum().item())),
+     [r"could not trace the forward\+backward graph of MLP", r"What to do: `[^`]*test_error_table.py:\d+: ",
+      r"takes a Python number from a tensor's values \(`.item\(\)`", r"\.clamp\(min=1\)"]),
     ("trace-nonzero", lambda w: _plan(_NonZero(), (x16,)),
      [r"node 'nonzero' \(aten.nonzero.default\)", r"depends on the data", r"torch.where"]),
     ("trace-op-without-a-shape-rule", lambda w: _plan(nn.Linear(16, 8), (torch.randn(6, 2, 16), torch.randint(1, 8, (2, 3))),

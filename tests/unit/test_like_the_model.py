@@ -1,6 +1,6 @@
-"""Loading into a compiled module as into the model: its load_state_dict pre-hooks (key renames of old checkpoints)
-run on a copy of the state dict, post hooks (which would set the model's own tensors) are named in a warning, a
-batch norm checkpoint older than `num_batches_tracked` loads; and its parts are indexed as the model's."""
+"""A compiled module used as the model is: its load_state_dict pre-hooks (key renames of old checkpoints) run on a
+copy of the state dict, post hooks (which would set the model's own tensors) are named in a warning, a batch norm
+checkpoint older than `num_batches_tracked` loads; its parts are indexed as the model's; DDP's `no_sync()` runs."""
 from __future__ import annotations
 
 import copy
@@ -99,3 +99,17 @@ def test_parts_are_indexed_as_the_model_s_module_list():
                                                             if k.startswith("blocks.1."))
     with pytest.raises(IndexError, match=r"holds parts \['0', '1'\]: no 5"):
         compiled.blocks[5]
+
+
+def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():
+    """Found by a probe: `compiled.no_sync()` (DDP's habit for gradient accumulation) raised AttributeError."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 8), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x, x), loss_fn=nn.functional.mse_loss)
+    with compiled.no_sync():
+        compiled(x, x).backward()
+    compiled(x, x).backward()
+    for _ in range(2):
+        nn.functional.mse_loss(reference(x), x).backward()
+    torch.testing.assert_close(compiled.get_parameter("weight").grad, reference.weight.grad, rtol=1e-6, atol=1e-7)
