@@ -524,6 +524,11 @@ class CompiledModule(nn.Module):
         own, silently (0.51 off)."""
         saved = getattr(value, "_spmd_piece_of", None)
         mine = (tuple(self.coord), tuple(self.mesh_spec.shape))
+        mesh = getattr(value, "device_mesh", None)
+        if mesh is not None and mesh != self.device_mesh and mesh.get_coordinate() is not None:
+            # (a module's on another mesh: this rank's piece is the one at this rank's coordinate in that mesh; a
+            # probe's (2, 2) module loaded into a (4,) one was told it came from a file saved by one rank)
+            mine = (tuple(mesh.get_coordinate()), tuple(mesh.shape))
         if saved is None or same_piece(saved, mine, getattr(value, "placements", ())):
             return
         coord, shape = saved
@@ -552,6 +557,9 @@ class CompiledModule(nn.Module):
                             "tensors, or the DTensors of its state_dict()).")
         if hasattr(value, "to_local"):
             self._saved_here(fqn, value)
+            if value.device_mesh != self.device_mesh:  # (another module's, on another mesh: DTensor does not
+                # redistribute across meshes, torch's raw NotImplementedError; found by a probe)
+                return local_shard(value.full_tensor(), self._state_placements[fqn], self.mesh_spec.shape, self.coord)
             return value.redistribute(self.device_mesh, list(self._state_placements[fqn])).to_local()
         if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(piece.shape):
             return local_shard(value, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
