@@ -952,8 +952,8 @@ class CompiledModule(nn.Module):
 
     def _model_keys(self, state: dict) -> tuple[list[str], list[str]]:
         """(persistent entries missing, keys that are not the model's) of `state`. A batch norm's
-        `num_batches_tracked` is not missing from a checkpoint older than it (no version 2 in the state dict's
-        metadata: a plain dict too), as torch's batch norm takes such checkpoints (found by a probe: refused)."""
+        `num_batches_tracked` is not missing from a checkpoint older than it (a plain dict, with no metadata of
+        versions), as torch's batch norm takes such checkpoints (found by a probe: refused)."""
         known = {n for fqn in self._param_names for n in self._load_names(fqn)}
         missing = [fqn for fqn in self._param_names if fqn not in self._non_persistent and fqn not in self._loss_names
                    and not any(n in state for n in self._load_names(fqn)) and not self._older_than(fqn, state)]
@@ -970,14 +970,17 @@ class CompiledModule(nn.Module):
             return False
         if not isinstance(module, nn.modules.batchnorm._NormBase):
             return False
-        version = (getattr(state, "_metadata", None) or {}).get(path, {}).get("version")
-        return version is None or version < 2
+        # (metadata says the version where the state dict comes from a module's state_dict(); a compiled module's
+        # holders write their own, not the batch norm's: only a plain dict, which has none, is taken as older)
+        return getattr(state, "_metadata", None) is None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """A compiled module inside another module: the outer module's `load_state_dict` hands it the entries
         under its prefix, keyed as `state_dict()` keys them (the model's names), or by older attribute names."""
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        mine = OrderedDict((k[len(prefix):], v) for k, v in state_dict.items() if k.startswith(prefix))
+        if (metadata := getattr(state_dict, "_metadata", None)) is not None:
+            mine._metadata = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix)}
         missing, unexpected = self._model_keys(mine)
         foreign = set(unexpected)
         self.load_sharded_state_dict({k: v for k, v in mine.items() if k not in foreign}, _partial=True)

@@ -214,8 +214,13 @@ def test_a_nested_load_names_what_is_missing_by_the_models_names():
     outer = nn.ModuleDict({"net": compiled, "extra": nn.Linear(2, 2)})
     result = outer.load_state_dict({k: v for k, v in outer.state_dict().items() if k.startswith("extra.")},
                                    strict=False)
-    expected = set(_compiled()[0].state_dict()) - {"head.weight"}  # (the tied head: found under emb.weight)
-    assert sorted(result.missing_keys) == sorted(f"net.{k}" for k in expected), result
+    model = _compiled()[0]
+    eager = nn.ModuleDict({"net": model, "extra": nn.Linear(2, 2)})
+    want = eager.load_state_dict({k: v for k, v in eager.state_dict().items() if k.startswith("extra.")}, strict=False)
+    # (torch's own result, but for the tied head, found under emb.weight here; a plain dict is older than batch
+    # norm's num_batches_tracked, which torch fills in)
+    assert "net.norm.num_batches_tracked" not in want.missing_keys
+    assert sorted(result.missing_keys) == sorted(k for k in want.missing_keys if k != "net.head.weight"), result
 
 
 def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
