@@ -78,7 +78,7 @@ def _constants(node) -> str:
         if isinstance(a, (list, tuple)):
             for x in a:
                 visit(x)
-        elif isinstance(a, (bool, int, float, str)) or a is None:
+        elif isinstance(a, (bool, int, float)) or a is None:  # (not strings: a profiler's label names its rank)
             found.append(repr(a))
         elif isinstance(a, torch.dtype):
             found.append(str(a).replace("torch.", ""))

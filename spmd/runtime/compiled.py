@@ -47,26 +47,27 @@ class _Pieces(nn.Module):
         self.__dict__["_root"], self.__dict__["_prefix"] = weakref.ref(root), prefix
 
     def __getitem__(self, index):
-        """`compiled.blocks[1]`, as the model's `nn.ModuleList` or `nn.Sequential` is indexed (found by a probe: not
-        subscriptable); a slice is a list of them."""
-        names = list(self._modules)
-        if isinstance(index, slice):
-            return [self._modules[n] for n in names[index]]
+        """`compiled.blocks[1]`: the part at that position of the model's `nn.ModuleList` or `nn.Sequential` (or
+        under that key of its `nn.ModuleDict`), as the model is indexed (found by a probe: not subscriptable).
+        Positions are the model's: a part that holds no weights (a ReLU, a Dropout) has no holder here, and is
+        refused by name. (Not iterable: the holders are only the parts that hold weights.)"""
+        root = self._root()
+        model = None if root is None else root.__dict__.get("_source_model")
         try:
-            return self._modules[names[operator.index(index)]]
+            children = list(model.get_submodule(self._prefix)._modules) if model is not None else list(self._modules)
+        except AttributeError:
+            children = list(self._modules)
+        try:
+            name = index if isinstance(index, str) and index in children else children[operator.index(index)]
         except (IndexError, TypeError):
-            if isinstance(index, str) and index in self._modules:
-                return self._modules[index]  # (an nn.ModuleDict's key)
-            raise IndexError(f"`{self._prefix}` of the compiled module holds parts {names}: no {index!r}") from None
+            raise IndexError(f"`{self._prefix}` of the model has parts {children}: no {index!r}") from None
+        if name not in self._modules:
+            raise SpmdError(f"`{self._prefix}.{name}` of the model holds no weights, so the compiled module holds no "
+                            f"part for it (it holds {sorted(self._modules)} under `{self._prefix}`). What to do: "
+                            "reach the parts that hold weights by name (`compiled.get_submodule(...)`).")
+        return self._modules[name]
 
-    def __len__(self) -> int:
-        return len(self._modules)
-
-    def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
-        return True
-
-    def __iter__(self):
-        return iter(self._modules.values())
+    __iter__ = None  # (iterating would skip the model's parts that hold no weights: refused, not miscounted)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
@@ -627,26 +628,37 @@ class CompiledModule(nn.Module):
         """Whole tensors loaded (not DTensors: those say whose piece each is) the same on every rank: each rank cuts
         its piece from the one it was given, so a head re-drawn with each rank's own seed and loaded with
         `strict=False` left the replicas of a replicated weight 0.11 apart after 3 steps, and a sharded one made of
-        two draws, silently (found by a probe). A digest of a sample of each, compared over the mesh (every rank
-        loads together, as it trains together)."""
+        two draws, silently (found by a probe). One digest (of a sample) per parameter and buffer of the module, in
+        the same order on every rank (none for an entry not given whole), compared over the mesh: every rank loads
+        together, as it trains together, and ranks given other entries are told so (a review found them out of
+        step)."""
         import torch.distributed as dist
+
+        from spmd.core.errors import SpmdCollectiveError
 
         if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1:
             return
-        whole = [(fqn, v) for fqn in self._param_names if isinstance(v := self._entry(state, fqn), torch.Tensor)
-                 and not hasattr(v, "to_local") and tuple(v.shape) == tuple(self._global_shapes.get(fqn, ()))]
-        if not whole or torch._guards.detect_fake_mode([v for _, v in whole]) is not None or \
-                any(v.is_meta for _, v in whole):
-            return
-        with waiting.collective("load_state_dict", self.rank, self.mesh_spec.size):
-            apart, anywhere = self._values_apart(whole, lambda axis, k: True, "loaded tensors", sampled=True)
+        values = []
+        for fqn in sorted(self._param_names):
+            v = self._entry(state, fqn)
+            whole = isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta and \
+                tuple(v.shape) == tuple(self._global_shapes.get(fqn, ()))
+            values.append((fqn, v if whole else _NOT_GIVEN))
+        try:
+            with waiting.collective("load_state_dict", self.rank, self.mesh_spec.size):
+                apart, anywhere = self._values_apart(values, lambda axis, k: True, "loaded tensors", sampled=True)
+        except SpmdCollectiveError as e:
+            raise SpmdCollectiveError(
+                "load_state_dict compares the whole tensors each rank was given with its peers' (a collective), and "
+                f"the collective failed ({e.__cause__ or e}). What to do: load on every rank of the mesh, with the "
+                "same entries.") from e
         if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
             raise SpmdError(
                 f"load_state_dict: the whole tensors given differ between ranks ({what}): each rank takes its piece of "
                 "the one it was given, so the replicas of a replicated weight would train apart and a sharded one "
-                "would be made of several. What to do: give every rank the same values (seed every rank alike "
-                "before drawing new weights, or load the same checkpoint), or load DTensors "
+                "would be made of several. What to do: give every rank the same entries and values (seed every rank "
+                "alike before drawing new weights, or load the same checkpoint), or load DTensors "
                 "(torch.distributed.checkpoint into compiled.state_dict()).")
 
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
@@ -1176,9 +1188,9 @@ class CompiledModule(nn.Module):
             self._shards_agreed = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
                       for t, s in zip(flat, self._input_specs))
-        for full, piece in zip(flat, local):
+        for full, piece, spec in zip(flat, local, self._input_specs):
             if isinstance(full, torch.Tensor):
-                self._cut_pieces.record(full, piece)
+                self._cut_pieces.record(full, piece, spec)
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
     @_collective
@@ -1794,6 +1806,9 @@ def _listed(kinds) -> str:
 
 
 _SAMPLED = 1 << 16  # values a sampled digest reads of a larger tensor
+
+
+_NOT_GIVEN = torch.empty(0)  # (an entry a load was not given whole: the same digest on every rank)
 
 
 def _digest(t: torch.Tensor, sampled: bool = False) -> int:

@@ -137,23 +137,22 @@ class CutPieces:
     keeps a snapshot and is compared at each call (inputs are small beside the model)."""
 
     def __init__(self, cut):
-        self._cut_again = cut  # (full, spec) -> this rank's piece of it
-        # piece -> _Copy; views are not recorded (they follow their batch)
-        self._copies = WeakIdKeyDictionary()
+        self._cut_again = cut  # (full, spec) -> this rank's piece of it, as this module lays it out
 
-    def record(self, full: torch.Tensor, piece: torch.Tensor) -> None:
+    def record(self, full: torch.Tensor, piece: torch.Tensor, spec: InputSpec) -> None:
         base = full if full._base is None else full._base
-        if piece is full or piece._base is base:
-            self._copies.pop(piece, None)
+        if piece is full or piece._base is base or _same_memory(piece, full):  # (a view of an inference tensor
+            _copies.pop(piece, None)                                           # has no `_base`: a review)
             return
-        self._copies[piece] = _Copy(weakref.ref(base), (full.size(), full.stride(), full.storage_offset()),
-                                    _mark(base) if not base.is_inference() else piece.detach().clone(), _mark(piece))
+        _copies[piece] = _Copy(weakref.ref(base), (full.size(), full.stride(), full.storage_offset()),
+                               _mark(base) if not base.is_inference() else piece.detach().clone(), _mark(piece),
+                               self._cut_again, spec)
 
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
-        if not self._copies:
+        if not _copies:
             return
         for t, spec in zip(inputs, specs):
-            copy = self._copies.get(t) if isinstance(t, torch.Tensor) else None
+            copy = _copies.get(t) if isinstance(t, torch.Tensor) else None
             base = copy.base() if copy is not None else None
             if base is None:
                 continue
@@ -162,7 +161,7 @@ class CutPieces:
                 if base._version == copy.batch:
                     continue
             else:  # (an inference batch: its piece as cut at the last call, compared)
-                fresh = self._cut_from(base, copy, spec)
+                fresh = _cut_from(base, copy, spec)
                 if torch.equal(fresh, copy.batch):
                     continue
             if _written(t, copy.piece):
@@ -176,7 +175,7 @@ class CutPieces:
                     f"input {spec.name!r}: the batch it was cut from (a tensor that requires grad) was written in "
                     "place since the cut, and the piece, part of the autograd graph of the old values, cannot "
                     "follow it. What to do: call compiled.shard_inputs(...) again after writing the batch.")
-            fresh = self._cut_from(base, copy, spec) if fresh is None else fresh
+            fresh = _cut_from(base, copy, spec) if fresh is None else fresh
             with torch.inference_mode(t.is_inference()), torch.no_grad():
                 t.copy_(fresh)
             copy.batch = base._version if isinstance(copy.batch, int) else fresh
@@ -185,21 +184,35 @@ class CutPieces:
     def seen(self, inputs: tuple) -> None:
         """What the call wrote into its own inputs (a forward that changes its input in place) is not the user's
         write of the piece."""
-        if not self._copies:
+        if not _copies:
             return
         for t in inputs:
-            if isinstance(t, torch.Tensor) and (copy := self._copies.get(t)) is not None:
+            if isinstance(t, torch.Tensor) and (copy := _copies.get(t)) is not None:
                 copy.piece = _mark(t)
 
-    def _cut_from(self, base: torch.Tensor, copy: "_Copy", spec: InputSpec) -> torch.Tensor:
-        size, stride, offset = copy.where
-        try:
-            full = base.as_strided(size, stride, offset)
-        except RuntimeError as e:  # (the batch resized since the cut)
-            raise SpmdError(f"input {spec.name!r}: the batch shard_inputs cut it from no longer holds the cut "
-                            f"tensor ({e}). What to do: call compiled.shard_inputs(...) again.") from None
-        with torch.inference_mode(base.is_inference()), torch.no_grad():
-            return self._cut_again(full, spec)
+
+# piece -> _Copy, for every compiled module (a piece one module cut, passed to another compiled from the same model,
+# follows its batch too: a review); views are not recorded (they follow their batch)
+_copies = WeakIdKeyDictionary()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (meta and fake tensors: no memory)
+        return False
+
+
+def _cut_from(base: torch.Tensor, copy: "_Copy", spec: InputSpec) -> torch.Tensor:
+    """The piece `copy` is, cut again from its batch as it is now (laid out as the module that cut it does)."""
+    size, stride, offset = copy.where
+    try:
+        full = base.as_strided(size, stride, offset)
+    except RuntimeError as e:  # (the batch resized since the cut)
+        raise SpmdError(f"input {spec.name!r}: the batch shard_inputs cut it from no longer holds the cut "
+                        f"tensor ({e}). What to do: call compiled.shard_inputs(...) again.") from None
+    with torch.inference_mode(base.is_inference()), torch.no_grad():
+        return copy.cut(full, copy.spec)
 
 
 @dataclass
@@ -208,6 +221,8 @@ class _Copy:
     where: tuple  # the full input's size, stride and storage offset in its base
     batch: int | torch.Tensor  # the base's version at the last call, or (inference) the piece as cut then
     piece: int | torch.Tensor  # the piece's version after the last call, or (inference) a snapshot of it
+    cut: object  # (full, spec) -> the piece, as the module that cut it lays it out
+    spec: InputSpec  # the input it was cut for
 
 
 def _mark(t: torch.Tensor) -> int | torch.Tensor:

@@ -88,17 +88,33 @@ def test_a_batch_norm_checkpoint_from_before_num_batches_tracked_loads():
         compiled.load_state_dict(versioned)
 
 
+class _Holding(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        return self.head(x)
+
+
 def test_parts_are_indexed_as_the_model_s_module_list():
-    """Found by a probe: `compiled.blocks[1]` raised TypeError ('_Pieces' object is not subscriptable)."""
+    """Found by a probe: `compiled.blocks[1]` raised TypeError ('_Pieces' object is not subscriptable); a review then
+    found a first version counting only the parts that hold weights (`classifier[-1]` of `Sequential(Dropout,
+    Linear)` was the Dropout's holder, with no parameters, silently)."""
     from tests.models import GPT, GPTConfig
 
     compiled = one_device(GPT(GPTConfig(layers=2)).eval(), (torch.randint(0, 128, (2, 16)),))
     assert compiled.blocks[1] is compiled.get_submodule("blocks.1") and compiled.blocks[-1] is compiled.blocks[1]
-    assert len(compiled.blocks) == 2 and list(compiled.blocks) == compiled.blocks[:]
     assert sorted(compiled.blocks[1].state_dict()) == sorted(k[len("blocks.1."):] for k in compiled.state_dict()
                                                             if k.startswith("blocks.1."))
-    with pytest.raises(IndexError, match=r"holds parts \['0', '1'\]: no 5"):
+    with pytest.raises(IndexError, match=r"`blocks` of the model has parts \['0', '1'\]: no 5"):
         compiled.blocks[5]
+    head = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Dropout(0.0), nn.Linear(8, 4)))
+    compiled = one_device(_Holding(head).eval(), (torch.randn(2, 8),))
+    assert compiled.head[1][-1] is compiled.get_submodule("head.1.1") and compiled.head[1][1].weight.shape == (4, 8)
+    assert compiled.head[1][0] is compiled.get_submodule("head.1.0") and not list(compiled.head[1][0].parameters())
+    with pytest.raises(TypeError):
+        list(compiled.head[1])
 
 
 def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():
