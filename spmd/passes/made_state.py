@@ -9,12 +9,15 @@ making it again gives the same tensor, and nothing is wrong.
 
 `refuse_made_snapshots` runs the forward twice more on fake tensors under a dispatch mode that follows where each
 tensor's values come from: the first run from the state before the trace (what it makes, and from what), the
-second from the state the first left (whether it reads what the first made). A made tensor read at the second
-call and computed from the parameters, buffers, inputs or a random draw is refused, naming it and the way out:
-make it before compiling. A view of a parameter (`self.w_ref = self.fc.weight.detach()`) follows the parameter
-in eager as in the graph, and is not refused. Where the fake runs fail (a forward that reads its values in
-Python), nothing is refused."""
+second from the state the first left (whether it reads what the first made). A made tensor (or one a list, tuple
+or dict holds) read at the second call and computed from an input, a random draw, buffers the forward writes
+(running statistics) or, in training, the parameters, is refused, naming it and the way out: make it before
+compiling. A cache made from buffers nothing writes (RoPE's cos/sin from `inv_freq`) is one, and a view of a
+parameter (`self.w_ref = self.fc.weight.detach()`) follows the parameter in eager as in the graph: neither is
+refused. Where the fake runs fail (a forward that reads its values in Python), nothing is refused."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,10 +28,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from spmd.core.errors import SpmdError
 from spmd.passes.kept_state import state_kept
 
-# where a tensor's values come from, in growing order: numbers; a parameter or buffer, or a view of one; computed
-# from those; computed from an input or a draw
-_CONSTANT, _STATE, _FROM_STATE, _VARYING = 0, 1, 2, 3
-
 # ops that read their inputs' shapes and dtypes only
 _METADATA_ONLY = {torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default,
                   torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default,
@@ -37,20 +36,43 @@ _METADATA_ONLY = {torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.de
                   torch.ops.aten.new_empty_strided.default}
 
 
-class _Sources(TorchDispatchMode):
-    """Where each tensor's values come from: a constant (made from numbers), the state (a parameter or buffer, or a
-    view of one: it follows the module's tensor in eager too), computed from the state (a copy eager keeps and
-    the graph makes again: the same while the weights do not change), or varying (computed from an input or a
-    draw). `watched`: tensors whose reading is recorded in `read`."""
+@dataclass(frozen=True)
+class _From:
+    """Where a tensor's values come from: the parameter or buffer it is, or a view of (`alias`, its id: it
+    follows that tensor in eager too); else computed from parameters (`params`), from an input or a draw
+    (`varying`), from buffers (`buffers`, their ids); from none of them, a constant."""
+    alias: int | None = None
+    params: bool = False
+    varying: bool = False
+    buffers: frozenset = frozenset()
 
-    def __init__(self, state: list[torch.Tensor], inputs: list[torch.Tensor]):
+
+_CONSTANT = _From()
+
+
+class _Sources(TorchDispatchMode):
+    """`from_`: where each tensor's values come from (`_From`), op by op; `written`: the ids of the parameters
+    and buffers the forward writes in place (batch norm's running statistics); `watched`: tensors whose reading
+    is recorded in `read`."""
+
+    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor], inputs: list[torch.Tensor]):
         super().__init__()
-        self.kind = WeakIdKeyDictionary()
-        for t in state:
-            self.kind[t] = _STATE
+        self.from_ = WeakIdKeyDictionary()
+        self.param_ids = {id(t) for t in params}
+        for t in (*params, *buffers):
+            self.from_[t] = _From(alias=id(t))
         for t in inputs:
-            self.kind[t] = _VARYING
+            self.from_[t] = _From(varying=True)
+        self.written: set[int] = set()
         self.watched, self.read = WeakIdKeyDictionary(), set()
+
+    def _computed(self, sources: list[_From]) -> _From:
+        """Where a tensor computed from tensors whose values come from `sources` gets its values."""
+        return _From(params=any(f.params or f.alias in self.param_ids for f in sources),
+                     varying=any(f.varying for f in sources),
+                     buffers=frozenset().union(*(f.buffers | ({f.alias} if f.alias is not None
+                                                               and f.alias not in self.param_ids else set())
+                                                 for f in sources)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,27 +81,35 @@ class _Sources(TorchDispatchMode):
             if t in self.watched:
                 self.read.add(self.watched[t])
         out = func(*args, **kwargs)
-        kinds = [self.kind.get(t, _CONSTANT) for t in ins]
+        sources = [self.from_.get(t, _CONSTANT) for t in ins]
         schema = func._schema
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         if func in _METADATA_ONLY:
             made = _CONSTANT
         elif torch.Tag.nondeterministic_seeded in func.tags:
-            made = _VARYING
-        elif any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            made = kinds[0] if kinds else _CONSTANT  # (a view: where its base's values come from)
+            made = _From(varying=True)
+        elif view:
+            made = sources[0] if sources else _CONSTANT  # (a view: where its base's values come from)
         else:
-            made = max((_FROM_STATE if k == _STATE else k for k in kinds), default=_CONSTANT)
+            made = self._computed(sources)
+        for arg, t in zip(schema.arguments, args):  # (written in place)
+            if isinstance(t, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:
+                was = self.from_.get(t, _CONSTANT)
+                if was.alias is not None:  # (the module's own tensor, written by the forward)
+                    self.written.add(was.alias)
+                else:
+                    self.from_[t] = self._computed([was, made])
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                if self.kind.get(t) != _STATE:  # (a buffer updated in place stays the buffer)
-                    self.kind[t] = max(self.kind.get(t, _CONSTANT), made) if any(t is i for i in ins) else made
-                if ins and ins[0] in self.watched and schema.returns and schema.returns[0].alias_info is not None:
+            if isinstance(t, torch.Tensor) and not any(t is i for i in ins):
+                self.from_[t] = made
+                if view and ins and ins[0] in self.watched:
                     self.watched[t] = self.watched[ins[0]]  # (a view of a watched tensor is watched)
-        for arg, t in zip(schema.arguments, args):  # (written in place: from what wrote it, too)
-            if isinstance(t, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write and \
-                    self.kind.get(t) != _STATE:
-                self.kind[t] = max(self.kind.get(t, _CONSTANT), made)
         return out
+
+
+def _leaves(value) -> list[torch.Tensor]:
+    """The tensors of a made value: itself, or those a list, tuple or dict holds."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _value(m: torch.nn.Module, key: str):
@@ -93,28 +123,40 @@ def refuse_made_snapshots(made: list[tuple], root: torch.nn.Module, model: torch
     between calls), from the inputs or a draw only. `call()` runs the forward as the trace did."""
     if not made:
         return
-    state = [*root.parameters(), *root.buffers()]
-    sources = _Sources(state, [t for t in inputs if isinstance(t, torch.Tensor)])
+    sources = _Sources(list(root.parameters()), list(root.buffers()),
+                       [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])
     try:
         with state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), sources, torch.no_grad():
             call()
-            values = {(m, key): _value(m, key) for m, key in made}
-            values = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-            for k, v in values.items():
-                sources.watched[v] = k
+            values = {(m, key): _leaves(_value(m, key)) for m, key in made}
+            values = {k: v for k, v in values.items() if v}
+            for k, leaves in values.items():
+                for t in leaves:
+                    sources.watched[t] = k
             call()
     except Exception:  # (a forward fake tensors cannot run: nothing to say)
         return
-    least = _FROM_STATE if training else _VARYING
-    snapshots = [k for k, v in values.items() if k in sources.read and sources.kind.get(v, _CONSTANT) >= least]
+
+    def snapshot(t) -> _From | None:
+        f = sources.from_.get(t, _CONSTANT)
+        moving = f.varying or (training and f.params) or bool(f.buffers & sources.written)
+        return f if f.alias is None and moving else None
+
+    found = {}
+    for k, leaves in values.items():
+        moving = [f for t in leaves if (f := snapshot(t)) is not None] if k in sources.read else []
+        if moving:
+            found[k] = moving[0]
+    snapshots = list(found)
     if not snapshots:
         return
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
     m, key = snapshots[0]
     path = paths.get(id(m))
     names = ", ".join(f"`{paths[id(m)]}.{key}`" if paths.get(id(m)) else f"`{key}`" for m, key in snapshots)
-    source = "the parameters or buffers" if sources.kind.get(values[snapshots[0]]) == _FROM_STATE else \
-        "the inputs or a random draw"
+    first = found[snapshots[0]]
+    source = "the inputs or a random draw" if first.varying else "the parameters" if training and first.params else \
+        "buffers the forward updates"
     owner = f"model.{path}" if path else "model"
     raise SpmdError(
         f"{where}: the forward makes {names} ({type(m).__name__}) at its first call, from {source}, and reads "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import re
 import sys
 import threading
@@ -673,6 +674,16 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
 
 
+def _holds_tensors(value) -> bool:
+    """A tensor, or a list, tuple or dict holding one at its first level (an anchor kept as `[w]`)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return any(isinstance(x, torch.Tensor) for x in itertools.islice(items, 64))
+    return False
+
+
 class state_assigned:
     """The state a forward replaces, found by comparing, around each module's forward, the tensors its subtree
     holds; a list of (module, name, how) entries: a buffer given a new tensor (`self.scale = self.scale * 0.5`,
@@ -707,7 +718,8 @@ class state_assigned:
             return [(m, {**m._parameters, **m._buffers},
                      {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
                       if t is not None},
-                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)})
+                     {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)},
+                     {n for n, v in m.__dict__.items() if _holds_tensors(v)})
                     for m in module.modules()]
 
         def pre(module, args):
@@ -717,11 +729,10 @@ class state_assigned:
             stack = before.get(id(module))
             if not stack:
                 return
-            for m, tensors, storages, attributes in stack.pop():
+            for m, tensors, storages, attributes, held in stack.pop():
                 if self.attributes:
                     found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
-                made.update(((m, n), None) for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)
-                            and n not in attributes)
+                made.update(((m, n), None) for n, v in m.__dict__.items() if n not in held and _holds_tensors(v))
                 made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
                             and tensors[n] is None)
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):

@@ -17,6 +17,8 @@ class _Lazy(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.kind, self.fc, self.made = kind, nn.Linear(8, 8), None
+        self.register_buffer("running", torch.zeros(8))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
 
     def forward(self, x):
         y = self.fc(x)
@@ -32,6 +34,19 @@ class _Lazy(nn.Module):
             if self.made is None:
                 self.made = torch.randn(8)
             return (y + self.made).pow(2).mean()
+        if self.kind == "anchor-list":  # (the anchor in a list: a review found it missed)
+            if self.made is None:
+                self.made = [self.fc.weight.detach().clone()]
+            return y.pow(2).mean() + ((self.fc.weight - self.made[0]) ** 2).sum()
+        if self.kind == "from-moving-buffer":  # (from a running statistic the forward updates)
+            if self.made is None:
+                self.made = self.running.clone()
+            self.running.mul_(0.9).add_(0.1 * x.mean(0).detach())
+            return (y - self.made).pow(2).mean()
+        if self.kind == "rotary":  # (a cache from a buffer nothing writes, RoPE's cos/sin from inv_freq: the same at
+            if self.made is None:  # every call; a review found it refused)
+                self.made = torch.outer(torch.arange(4.0), self.inv_freq).cos()
+            return (y * self.made.sum()).pow(2).mean()
         if self.kind == "table":  # (a cache made from constants: the same at every call)
             if self.made is None:
                 self.made = torch.arange(8.0).sin()
@@ -54,7 +69,9 @@ def _compile(kind: str, training: bool):
 
 
 @pytest.mark.parametrize("kind, training, source", [
-    ("anchor", True, "the parameters or buffers"),
+    ("anchor", True, "the parameters"),
+    ("anchor-list", True, "the parameters"),
+    ("from-moving-buffer", True, "buffers the forward updates"),
     ("running", True, "the inputs or a random draw"),
     ("running", False, "the inputs or a random draw"),
     ("drawn", True, "the inputs or a random draw"),
@@ -71,6 +88,7 @@ def test_a_snapshot_made_at_the_first_call_is_refused(kind, training, source):
 
 
 @pytest.mark.parametrize("kind, training", [("anchor", False), ("table", True), ("table", False), ("view", True),
+                                            ("rotary", True), ("rotary", False),
                                             ("written", True), ("written", False)])
 def test_caches_views_and_written_tensors_compile(kind, training):
     """In evaluation the weights do not change between calls, so an anchor made from them is a cache there."""
