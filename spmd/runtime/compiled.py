@@ -1326,7 +1326,7 @@ class CompiledModule(nn.Module):
             return gm
         made = self._compiled_graphs.get(which)
         if made is None or made[0] is not gm:
-            made = self._compiled_graphs[which] = (gm, _runner(gm, self.compile_backend))
+            made = self._compiled_graphs[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
         return made[1]
 
     @property
@@ -1931,6 +1931,32 @@ def _runner(gm, backend: str):
     next."""
     options = {"fallback_random": True} if backend == "inductor" else None
     return torch.compile(gm, backend=backend, dynamic=False, options=options)
+
+
+class _OrUncompiled:
+    """A rank graph through torch.compile, or, where the backend fails to compile it (a bug of torch's: inductor's
+    C++ vectorizer failed on transformers' padding-mask lookup in a batch-split Llama graph, found by a probe, and
+    the user got torch's raw `InductorError`), the graph itself, with one warning. The graph is one dynamo graph,
+    so a failed compile has run nothing of it (no collective issued); the uncompiled graph computes the same."""
+
+    def __init__(self, gm, compiled, which: str):
+        self.gm, self.compiled, self.which, self.failed = gm, compiled, which, False
+
+    def __call__(self, *args):
+        if self.failed:
+            return self.gm(*args)
+        try:
+            return self.compiled(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            self.failed = True
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(
+                f"compile_graphs: torch.compile could not compile this rank's {self.which!r} graph ({type(e).__name__}: "
+                f"{first[:300]}), a failure inside torch's backend; it runs uncompiled, as with compile_graphs=False "
+                "(the same results, without the backend's fusions). What to do: nothing to go on; to get the fusions, "
+                "try another backend (compile_graphs='aot_eager' checks the graph without inductor) or another torch "
+                "version, and report the failure to PyTorch with the graph (`compiled.code`).", stacklevel=3)
+            return self.gm(*args)
 
 
 def _storage_bytes(tensors) -> int:

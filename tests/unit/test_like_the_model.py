@@ -129,3 +129,29 @@ def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():
     for _ in range(2):
         nn.functional.mse_loss(reference(x), x).backward()
     torch.testing.assert_close(compiled.get_parameter("weight").grad, reference.weight.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_graph_the_backend_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch):
+    """Found by a probe: inductor's C++ vectorizer failed on a batch-split transformers Llama graph, and the user
+    got torch's raw InductorError at the first call."""
+    import torch._dynamo.exc
+
+    import spmd.runtime.compiled as compiled_module
+
+    def failing(gm, backend):
+        def run(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, AssertionError("CppCSEVariable"), None)
+        return run
+
+    torch.manual_seed(0)
+    model, x = nn.Linear(8, 8).eval(), torch.randn(4, 8)
+    compiled = one_device(model, (x,))
+    want = compiled(x)
+    monkeypatch.setattr(compiled_module, "_runner", failing)
+    compiled.compile_backend = "inductor"
+    with pytest.warns(UserWarning, match=r"could not compile this rank's 'graph' graph .*it runs uncompiled"):
+        got = compiled(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once)
+        torch.testing.assert_close(compiled(x), want, rtol=0, atol=0)
