@@ -636,7 +636,9 @@ class CompiledModule(nn.Module):
 
         from spmd.core.errors import SpmdCollectiveError
 
-        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1:
+        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
+                torch._guards.active_fake_mode() is not None or \
+                torch._guards.detect_fake_mode(list(state.values())) is not None:  # (a CUDA rank planned here)
             return
         values = []
         for fqn in sorted(self._param_names):
