@@ -10,9 +10,10 @@ making it again gives the same tensor, and nothing is wrong.
 `refuse_made_snapshots` runs the forward twice more on fake tensors under a dispatch mode that follows where each
 tensor's values come from: the first run from the state before the trace (what it makes, and from what), the
 second from the state the first left (whether it reads what the first made). A made tensor (or one a list, tuple
-or dict holds) read at the second call and computed from an input, a random draw, buffers the forward writes
-(running statistics) or, in training, the parameters, is refused, naming it and the way out: make it before
-compiling. A cache made from buffers nothing writes (RoPE's cos/sin from `inv_freq`) is one, and a view of a
+or dict holds) read at the second call and computed from an input, a random draw, buffers the forward writes or, in
+training, the parameters or a buffer (running statistics, whose op does not say it writes them; an EMA teacher's,
+which the loop updates), is refused, naming it and the way out: make it before compiling. A cache made from
+non-persistent buffers the forward does not write (RoPE's cos/sin from `inv_freq`) is one, and a view of a
 parameter (`self.w_ref = self.fc.weight.detach()`) follows the parameter in eager as in the graph: neither is
 refused. Where the fake runs fail (a forward that reads its values in Python), nothing is refused."""
 from __future__ import annotations
@@ -137,9 +138,15 @@ def refuse_made_snapshots(made: list[tuple], root: torch.nn.Module, model: torch
     except Exception:  # (a forward fake tensors cannot run: nothing to say)
         return
 
+    # buffers taken for constants in training: non-persistent ones the forward does not write (RoPE's `inv_freq`);
+    # any other may move between calls, by the forward (batch norm's running statistics, whose op does not say it
+    # writes them) or by the loop (an EMA teacher's), and a cache of it would keep the first call's (a review)
+    still = {id(b) for m in root.modules() for name, b in m._buffers.items()
+             if b is not None and name in m._non_persistent_buffers_set} - sources.written
+
     def snapshot(t) -> _From | None:
         f = sources.from_.get(t, _CONSTANT)
-        moving = f.varying or (training and f.params) or bool(f.buffers & sources.written)
+        moving = f.varying or bool(f.buffers & sources.written) or (training and (f.params or bool(f.buffers - still)))
         return f if f.alias is None and moving else None
 
     found = {}
@@ -156,7 +163,7 @@ def refuse_made_snapshots(made: list[tuple], root: torch.nn.Module, model: torch
     names = ", ".join(f"`{paths[id(m)]}.{key}`" if paths.get(id(m)) else f"`{key}`" for m, key in snapshots)
     first = found[snapshots[0]]
     source = "the inputs or a random draw" if first.varying else "the parameters" if training and first.params else \
-        "buffers the forward updates"
+        "buffers, which may change between calls"
     owner = f"model.{path}" if path else "model"
     raise SpmdError(
         f"{where}: the forward makes {names} ({type(m).__name__}) at its first call, from {source}, and reads "

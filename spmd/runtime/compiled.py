@@ -46,17 +46,24 @@ class _Pieces(nn.Module):
         super().__init__()
         self.__dict__["_root"], self.__dict__["_prefix"] = weakref.ref(root), prefix
 
-    def __getitem__(self, index):
-        """`compiled.blocks[1]`: the part at that position of the model's `nn.ModuleList` or `nn.Sequential` (or
-        under that key of its `nn.ModuleDict`), as the model is indexed (found by a probe: not subscriptable).
-        Positions are the model's: a part that holds no weights (a ReLU, a Dropout) has no holder here, and is
-        refused by name. (Not iterable: the holders are only the parts that hold weights.)"""
+    def _children(self) -> list[str]:
+        """The names of the model's children at this holder's path, in the model's order (the holders are only
+        those that hold weights, made in another order)."""
         root = self._root()
         model = None if root is None else root.__dict__.get("_source_model")
         try:
-            children = list(model.get_submodule(self._prefix)._modules) if model is not None else list(self._modules)
+            return list(model.get_submodule(self._prefix)._modules) if model is not None else list(self._modules)
         except AttributeError:
-            children = list(self._modules)
+            return list(self._modules)
+
+    def __getitem__(self, index):
+        """`compiled.blocks[1]`, `compiled.blocks[-2:]`: the part at that position of the model's `nn.ModuleList`
+        or `nn.Sequential` (or under that key of its `nn.ModuleDict`), as the model is indexed (found by a probe:
+        not subscriptable; a review found a first version counting the holders, which are only the parts that
+        hold weights). A part with no holder here is refused by name."""
+        children = self._children()
+        if isinstance(index, slice):
+            return [self[k] for k in range(len(children))[index]]
         try:
             name = index if isinstance(index, str) and index in children else children[operator.index(index)]
         except (IndexError, TypeError):
@@ -67,7 +74,15 @@ class _Pieces(nn.Module):
                             "reach the parts that hold weights by name (`compiled.get_submodule(...)`).")
         return self._modules[name]
 
-    __iter__ = None  # (iterating would skip the model's parts that hold no weights: refused, not miscounted)
+    def __len__(self) -> int:
+        return len(self._children())
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+    def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
+        return True
+
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
@@ -603,11 +618,13 @@ class CompiledModule(nn.Module):
                 state[alias] = state[canonical]
         return state
 
-    def load_sharded_state_dict(self, state: dict[str, torch.Tensor], _partial: bool = False) -> None:
+    def load_sharded_state_dict(self, state: dict[str, torch.Tensor], _partial: bool = False,
+                                _agreed: bool = False) -> None:
         """Copy DTensors (as loaded by torch.distributed.checkpoint into `sharded_state_dict()`) or full
         tensors into this rank's shards. (`_partial`: entries that are absent are left as they are.)"""
         loaded = set()
-        self._agree_on_loaded(state)
+        if not _agreed:
+            self._agree_on_loaded(state)
         elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
@@ -624,7 +641,7 @@ class CompiledModule(nn.Module):
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
             source_guard.given(self, loaded, elsewhere)
 
-    def _agree_on_loaded(self, state: dict) -> None:
+    def _agree_on_loaded(self, state: dict, unexpected=()) -> None:
         """Whole tensors loaded (not DTensors: those say whose piece each is) the same on every rank: each rank cuts
         its piece from the one it was given, so a head re-drawn with each rank's own seed and loaded with
         `strict=False` left the replicas of a replicated weight 0.11 apart after 3 steps, and a sharded one made of
@@ -646,6 +663,11 @@ class CompiledModule(nn.Module):
             whole = isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta and \
                 tuple(v.shape) == tuple(self._global_shapes.get(fqn, ()))
             values.append((fqn, v if whole else _NOT_GIVEN))
+        # (and the keys that are not the model's: a strict load refused on one rank alone left the others waiting
+        # here; now every rank compares first, then raises alike; a review)
+        keys = ",".join(sorted(map(str, unexpected))).encode()
+        values.append(("keys that are not the model's",
+                       torch.frombuffer(bytearray(keys), dtype=torch.uint8) if keys else _NOT_GIVEN))
         try:
             with waiting.collective("load_state_dict", self.rank, self.mesh_spec.size):
                 apart, anywhere = self._values_apart(values, lambda axis, k: True, "loaded tensors", sampled=True)
@@ -657,7 +679,7 @@ class CompiledModule(nn.Module):
         if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
             raise SpmdError(
-                f"load_state_dict: the whole tensors given differ between ranks ({what}): each rank takes its piece of "
+                f"load_state_dict: what the ranks were given differs ({what}): each rank takes its piece of "
                 "the one it was given, so the replicas of a replicated weight would train apart and a sharded one "
                 "would be made of several. What to do: give every rank the same entries and values (seed every rank "
                 "alike before drawing new weights, or load the same checkpoint), or load DTensors "
@@ -834,12 +856,14 @@ class CompiledModule(nn.Module):
 
         state_dict = self._run_load_pre_hooks(state_dict, strict)
         missing, unexpected = self._model_keys(state_dict)
+        self._agree_on_loaded(state_dict, unexpected)  # (before a strict refusal: every rank raises alike)
         if strict and (unexpected or missing):
             raise SpmdError("load_state_dict: " + _listed((("keys that are not the model's", unexpected),
                                                            ("entries missing", missing)))
                             + ". What to do: load the model's own, whole state dict (or pass strict=False).")
         foreign = set(unexpected)
-        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
+        self.load_sharded_state_dict({k: v for k, v in state_dict.items() if k not in foreign}, _partial=True,
+                                     _agreed=True)
         return _IncompatibleKeys(missing, unexpected)
 
     def _run_load_pre_hooks(self, state_dict: dict, strict: bool) -> dict:
@@ -887,12 +911,14 @@ class CompiledModule(nn.Module):
         missing = [ns[0][len(under):] for fqn, ns in names.items()
                    if fqn not in self._non_persistent and not any(n[len(under):] in state_dict for n in ns)]
         unexpected = [k for k in state_dict if under + k not in mine]
+        self._agree_on_loaded({under + k: v for k, v in state_dict.items()}, unexpected)
         if strict and (unexpected or missing):
             raise SpmdError(f"load_state_dict of `{under[:-1]}`: "
                             + _listed((("unexpected keys", unexpected), ("entries missing", missing)))
                             + ". What to do: load that module's own state dict (or pass strict=False).")
         foreign = set(unexpected)
-        self.load_sharded_state_dict({under + k: v for k, v in state_dict.items() if k not in foreign}, _partial=True)
+        self.load_sharded_state_dict({under + k: v for k, v in state_dict.items() if k not in foreign}, _partial=True,
+                                     _agreed=True)
         return _IncompatibleKeys(missing, unexpected)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

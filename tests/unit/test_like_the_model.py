@@ -113,8 +113,9 @@ def test_parts_are_indexed_as_the_model_s_module_list():
     compiled = one_device(_Holding(head).eval(), (torch.randn(2, 8),))
     assert compiled.head[1][-1] is compiled.get_submodule("head.1.1") and compiled.head[1][1].weight.shape == (4, 8)
     assert compiled.head[1][0] is compiled.get_submodule("head.1.0") and not list(compiled.head[1][0].parameters())
-    with pytest.raises(TypeError):
-        list(compiled.head[1])
+    assert len(compiled.head[1]) == 2 and list(compiled.head[1]) == compiled.head[1][:] == [compiled.head[1][0],
+                                                                                         compiled.head[1][1]]
+    assert compiled.head[1][-1:] == [compiled.head[1][1]] and compiled.head[1][1] in compiled.head[1]
 
 
 def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():

@@ -18,6 +18,7 @@ class _Lazy(nn.Module):
         super().__init__()
         self.kind, self.fc, self.made = kind, nn.Linear(8, 8), None
         self.register_buffer("running", torch.zeros(8))
+        self.bn = nn.BatchNorm1d(8)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
 
     def forward(self, x):
@@ -43,6 +44,11 @@ class _Lazy(nn.Module):
                 self.made = self.running.clone()
             self.running.mul_(0.9).add_(0.1 * x.mean(0).detach())
             return (y - self.made).pow(2).mean()
+        if self.kind == "from-batch-norm":  # (running statistics: aten's batch norm op does not say it writes them;
+            y = self.bn(y)                  # a review)
+            if self.made is None:
+                self.made = self.bn.running_mean * 2
+            return (y + self.made).pow(2).mean()
         if self.kind == "rotary":  # (a cache from a buffer nothing writes, RoPE's cos/sin from inv_freq: the same at
             if self.made is None:  # every call; a review found it refused)
                 self.made = torch.outer(torch.arange(4.0), self.inv_freq).cos()
@@ -71,7 +77,8 @@ def _compile(kind: str, training: bool):
 @pytest.mark.parametrize("kind, training, source", [
     ("anchor", True, "the parameters"),
     ("anchor-list", True, "the parameters"),
-    ("from-moving-buffer", True, "buffers the forward updates"),
+    ("from-moving-buffer", True, "buffers, which may change between calls"),
+    ("from-batch-norm", True, "buffers, which may change between calls"),
     ("running", True, "the inputs or a random draw"),
     ("running", False, "the inputs or a random draw"),
     ("drawn", True, "the inputs or a random draw"),
