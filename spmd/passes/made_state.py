@@ -166,9 +166,10 @@ def refuse_made_snapshots(made: list[tuple], root: torch.nn.Module, model: torch
         "buffers, which may change between calls"
     owner = f"model.{path}" if path else "model"
     raise SpmdError(
-        f"{where}: the forward makes {names} ({type(m).__name__}) at its first call, from {source}, and reads "
-        "it at the calls after, where eager keeps the first call's value. The graph is traced from a first call, "
-        "so it would make it again at every call, from that call's weights and batch (an L2-SP anchor made so "
-        "held the current weights: its penalty was 0, silently). What to do: make it before compiling, as a "
+        f"{where}: the forward keeps {names} ({type(m).__name__}) from one call to the next (made at its first "
+        f"call, or replaced at each), from {source}, and reads it at the next call, where eager reads what the "
+        "call before left. The graph is traced from one call, so it would make it again at every call, from that "
+        "call's weights and batch (an L2-SP anchor made so held the current weights: its penalty was 0, "
+        "silently). What to do: make it before compiling, as a "
         f"buffer: `{owner}.register_buffer({key!r}, value)` (after one eager call: "
         f"`{owner}.register_buffer({key!r}, {owner}.__dict__.pop({key!r}))`), or compute it in every call.")

@@ -674,6 +674,14 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
 
 
+def _tensor_ids(value) -> tuple | None:
+    """The ids of the tensors a list, tuple or dict holds at its first level (None for anything else)."""
+    if not isinstance(value, (list, tuple, dict)):
+        return None
+    items = value.values() if isinstance(value, dict) else value
+    return tuple(id(x) for x in items if isinstance(x, torch.Tensor))
+
+
 def _holds_tensors(value) -> bool:
     """A tensor, or a list, tuple or dict holding one at its first level (an anchor kept as `[w]`)."""
     if isinstance(value, torch.Tensor):
@@ -719,7 +727,7 @@ class state_assigned:
                      {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
                       if t is not None},
                      {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)},
-                     {n for n, v in m.__dict__.items() if _holds_tensors(v)})
+                     {n: _tensor_ids(v) for n, v in m.__dict__.items() if _holds_tensors(v)})
                     for m in module.modules()]
 
         def pre(module, args):
@@ -733,6 +741,10 @@ class state_assigned:
                 if self.attributes:
                     found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
                 made.update(((m, n), None) for n, v in m.__dict__.items() if n not in held and _holds_tensors(v))
+                # (and a list or dict of tensors given others: a memory bank refilled at each call, `self.bank =
+                # [h.mean(0)]` or `.append(...)`, read at the next; a review found it missed)
+                made.update(((m, n), None) for n, ids in held.items() if not isinstance(m.__dict__.get(n), torch.Tensor)
+                            and ids is not None and _tensor_ids(m.__dict__.get(n)) != ids)
                 made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
                             and tensors[n] is None)
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):

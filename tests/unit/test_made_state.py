@@ -18,6 +18,8 @@ class _Lazy(nn.Module):
         super().__init__()
         self.kind, self.fc, self.made = kind, nn.Linear(8, 8), None
         self.register_buffer("running", torch.zeros(8))
+        if kind == "bank-held":
+            self.made = [torch.zeros(8)]
         self.bn = nn.BatchNorm1d(8)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
 
@@ -49,6 +51,12 @@ class _Lazy(nn.Module):
             if self.made is None:
                 self.made = self.bn.running_mean * 2
             return (y + self.made).pow(2).mean()
+        if self.kind in ("bank", "bank-held"):  # (a memory bank refilled at each call and read at the next; held
+            if self.made is None:                # before compiling too: a review)
+                self.made = [torch.zeros(8)]
+            out = (y - self.made[0]).pow(2).mean()
+            self.made = [x.mean(0)]
+            return out
         if self.kind == "rotary":  # (a cache from a buffer nothing writes, RoPE's cos/sin from inv_freq: the same at
             if self.made is None:  # every call; a review found it refused)
                 self.made = torch.outer(torch.arange(4.0), self.inv_freq).cos()
@@ -79,6 +87,9 @@ def _compile(kind: str, training: bool):
     ("anchor-list", True, "the parameters"),
     ("from-moving-buffer", True, "buffers, which may change between calls"),
     ("from-batch-norm", True, "buffers, which may change between calls"),
+    ("bank", True, "the inputs or a random draw"),
+    ("bank", False, "the inputs or a random draw"),
+    ("bank-held", False, "the inputs or a random draw"),  # (in training: refused as a plain tensor before)
     ("running", True, "the inputs or a random draw"),
     ("running", False, "the inputs or a random draw"),
     ("drawn", True, "the inputs or a random draw"),
@@ -90,7 +101,8 @@ def test_a_snapshot_made_at_the_first_call_is_refused(kind, training, source):
     with pytest.raises(spmd.SpmdError) as e:
         _compile(kind, training)
     msg = str(e.value)
-    assert "makes `made` (_Lazy) at its first call, from " + source in msg, msg
+    assert "keeps `made` (_Lazy) from one call to the next (made at its first call, or replaced at each), from " + \
+        source in msg, msg
     assert "model.register_buffer('made', model.__dict__.pop('made'))" in msg, msg
 
 
