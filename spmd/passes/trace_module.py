@@ -674,6 +674,9 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
 
 
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})  # (a module's own tables: `state_assigned`'s)
+
+
 def _tensor_ids(value) -> tuple | None:
     """The ids of the tensors a list, tuple or dict holds at its first level (None for anything else)."""
     if not isinstance(value, (list, tuple, dict)):
@@ -744,7 +747,7 @@ class state_assigned:
                 # (and a list or dict of tensors given others: a memory bank refilled at each call, `self.bank =
                 # [h.mean(0)]` or `.append(...)`, read at the next; a review found it missed)
                 made.update(((m, n), None) for n, ids in held.items() if not isinstance(m.__dict__.get(n), torch.Tensor)
-                            and ids is not None and _tensor_ids(m.__dict__.get(n)) != ids)
+                            and ids is not None and n not in _REGISTRIES and _tensor_ids(m.__dict__.get(n)) != ids)
                 made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
                             and tensors[n] is None)
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):
