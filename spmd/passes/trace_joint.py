@@ -40,7 +40,7 @@ from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
 from spmd.passes.kept_state import refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
-from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
+from spmd.passes.trace_module import (_REGISTRIES, DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
                                       graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
                                       tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,
@@ -495,7 +495,7 @@ def _tensor_attributes(model: torch.nn.Module) -> list[str]:
             at = f"{path}.{name}" if path else name
             if isinstance(value, torch.Tensor):
                 found.append(at)
-            elif isinstance(value, (dict, list, tuple)) and name not in ("_parameters", "_buffers", "_modules"):
+            elif isinstance(value, (dict, list, tuple)) and name not in _REGISTRIES:
                 items = value.items() if isinstance(value, dict) else enumerate(value)
                 found += [f"{at}[{key!r}]" for key, v in items if isinstance(v, torch.Tensor)]
     return found

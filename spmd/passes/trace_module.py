@@ -678,21 +678,14 @@ _REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})  # (a module's 
 
 
 def _tensor_ids(value) -> tuple | None:
-    """The ids of the tensors a list, tuple or dict holds at its first level (None for anything else)."""
+    """The ids of the tensors `value` is, or holds at its first level (a list, tuple or dict, its first 64 items:
+    an anchor kept as `[w]`); None where it holds none."""
+    if isinstance(value, torch.Tensor):
+        return (id(value),)
     if not isinstance(value, (list, tuple, dict)):
         return None
     items = value.values() if isinstance(value, dict) else value
-    return tuple(id(x) for x in items if isinstance(x, torch.Tensor))
-
-
-def _holds_tensors(value) -> bool:
-    """A tensor, or a list, tuple or dict holding one at its first level (an anchor kept as `[w]`)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple, dict)):
-        items = value.values() if isinstance(value, dict) else value
-        return any(isinstance(x, torch.Tensor) for x in itertools.islice(items, 64))
-    return False
+    return tuple(id(x) for x in itertools.islice(items, 64) if isinstance(x, torch.Tensor)) or None
 
 
 class state_assigned:
@@ -723,14 +716,14 @@ class state_assigned:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         found, before, made = [], {}, {}
-        self.made_found = made
+        self._made = made
 
         def snapshot(module):
             return [(m, {**m._parameters, **m._buffers},
                      {n: self._storage(t) for table in (m._parameters, m._buffers) for n, t in table.items()
                       if t is not None},
                      {n: t for n, t in m.__dict__.items() if isinstance(t, torch.Tensor)},
-                     {n: _tensor_ids(v) for n, v in m.__dict__.items() if _holds_tensors(v)})
+                     {n: ids for n, v in m.__dict__.items() if (ids := _tensor_ids(v)) is not None})
                     for m in module.modules()]
 
         def pre(module, args):
@@ -743,11 +736,11 @@ class state_assigned:
             for m, tensors, storages, attributes, held in stack.pop():
                 if self.attributes:
                     found.extend((m, n, ("attribute", t)) for n, t in attributes.items() if m.__dict__.get(n) is not t)
-                made.update(((m, n), None) for n, v in m.__dict__.items() if n not in held and _holds_tensors(v))
-                # (and a list or dict of tensors given others: a memory bank refilled at each call, `self.bank =
-                # [h.mean(0)]` or `.append(...)`, read at the next; a review found it missed)
-                made.update(((m, n), None) for n, ids in held.items() if not isinstance(m.__dict__.get(n), torch.Tensor)
-                            and ids is not None and n not in _REGISTRIES and _tensor_ids(m.__dict__.get(n)) != ids)
+                # made where there was none; and a list or dict of tensors given others (a memory bank refilled at
+                # each call, `self.bank = [h.mean(0)]` or `.append(...)`, read at the next; a review found it missed)
+                made.update(((m, n), None) for n, v in m.__dict__.items() if (ids := _tensor_ids(v)) is not None
+                            and (n not in held or (held[n] != ids and not isinstance(v, torch.Tensor)
+                                                   and n not in _REGISTRIES)))
                 made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
                             and tensors[n] is None)
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):
@@ -765,7 +758,7 @@ class state_assigned:
     def __exit__(self, *exc) -> None:
         for h in self.handles:
             h.remove()
-        self.made[:] = list(self.made_found)
+        self.made = list(self._made)
 
 
 def described(entry: tuple) -> str:

@@ -1000,7 +1000,8 @@ class CompiledModule(nn.Module):
         return missing, [k for k in state if k not in known]
 
     def _older_than(self, fqn: str, state: dict) -> bool:
-        """Whether `fqn` is a batch norm's `num_batches_tracked` and `state` is from before its version 2."""
+        """Whether `fqn` is a batch norm's `num_batches_tracked` and `state` a plain dict (torch's batch norm takes
+        one without the entry, as from before its version 2)."""
         path, _, name = fqn.rpartition(".")
         if name != "num_batches_tracked" or (model := self.__dict__.get("_source_model")) is None:
             return False
@@ -1977,7 +1978,7 @@ class _OrUncompiled:
             return self.compiled(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             self.failed = True
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             warnings.warn(
                 f"compile_graphs: torch.compile could not compile this rank's {self.which!r} graph ({type(e).__name__}: "
                 f"{first[:300]}), a failure inside torch's backend; it runs uncompiled, as with compile_graphs=False "

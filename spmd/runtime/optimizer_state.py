@@ -19,8 +19,7 @@ import torch.nn as nn
 
 from spmd.core.errors import SpmdError
 from spmd.runtime import source_guard
-from spmd.runtime.optimizer_guard import SAVED_BY, step_hooks
-from spmd.runtime.optimizer_guard import made_up as made_up_state
+from spmd.runtime.optimizer_guard import SAVED_BY, made_up as made_up_state, step_hooks
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
