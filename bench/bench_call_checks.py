@@ -24,7 +24,8 @@ the sampled read of the checked calls after it (2, 4, 8, ... before the first op
 
 Last, a train-mode forward that moves buffers beside an evaluation module compiled from the same model
 (`runtime/source_guard.buffers_moved`, session 72); the watch of a transformers configuration whole (session 73);
-and the record of each call's outputs that `gather_outputs` reads (session 74).
+and the record of each call's outputs that `gather_outputs` reads (session 74); last, the digests a
+`load_state_dict` of whole tensors compares over the mesh (session 75).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -206,9 +207,31 @@ def outputs_record_cost() -> None:
                   f"{us:.2f} us per call", flush=True)
 
 
+def load_agreement_cost() -> None:
+    """What `load_state_dict` of whole tensors adds (`CompiledModule._agree_on_loaded`, session 75): one sampled
+    digest per parameter and buffer (`_digest(v, sampled=True)`: at most 65,536 values spread over each), then
+    one all_gather of 8 bytes per entry per mesh axis and a flag reduced over the mesh. Timed here: the
+    digests, on transformers' GPT-2 small and on one 12.6M-value tensor alone; the collectives are two small
+    ones per mesh axis, as the other checks of a first call."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from spmd.runtime.compiled import _digest
+
+    torch.manual_seed(0)
+    state = GPT2LMHeadModel(GPT2Config(n_layer=12, use_cache=False)).state_dict()
+    values = sum(v.numel() for v in state.values())
+    for what, entries in ((f"GPT-2 small's state dict ({len(state)} entries, {values / 1e6:.1f}M values)",
+                           list(state.values())),
+                          ("one 12.6M-value tensor", [torch.randn(3072, 4096)])):
+        ms = [_us(lambda: [_digest(v, sampled=True) for v in entries], calls=1, rounds=1) / 1e3 for _ in range(5)]
+        print(f"load agreement's digests, {what}: median {statistics.median(ms):.2f} ms of 5 "
+              f"({min(ms):.2f}-{max(ms):.2f})", flush=True)
+
+
 if __name__ == "__main__":
     main()
     first_call_read()
     buffers_moved_cost()
     config_watch_cost()
     outputs_record_cost()
+    load_agreement_cost()
