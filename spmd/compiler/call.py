@@ -52,15 +52,25 @@ class Call:
                         f"What to do: pass {name}={value!r}, or compile again with the other value.")
         if not self.keywords and not kwargs:
             return tuple(args)
+        if kwargs and len(args) < len(self.positional):  # (positional inputs given by name: `compiled(x=x)`)
+            kwargs, args = dict(kwargs), list(args)
+            for name in self.positional[len(args):]:
+                if name not in kwargs:
+                    break
+                args.append(kwargs.pop(name))
         unknown = sorted(set(kwargs) - set(self.keywords))
         missing = [k for k in self.keywords if k not in kwargs]
         if len(args) != len(self.positional) or unknown or missing:
+            fixed = [k for k in unknown if _plain(kwargs[k])]
             raise SpmdError(
                 f"{what}(...): the model was compiled for positional ({', '.join(self.positional) or 'none'}) and "
-                f"keyword ({', '.join(self.keywords)}) inputs; got {len(args)} positional"
+                f"keyword ({', '.join(self.keywords) or 'none'}) inputs; got {len(args)} positional"
                 + (f", unknown keywords {unknown}" if unknown else "") + (f", missing {missing}" if missing else "")
                 + ". What to do: pass the same inputs, by the same names, as the example inputs of spmd.compile "
-                "(or compile again for the new ones).")
+                "(or compile again for the new ones)"
+                + (f"; a keyword that holds no tensor ({', '.join(f'{k}={kwargs[k]!r}' for k in fixed)}) is fixed "
+                   "when traced, so give it to spmd.compile too (example_kwargs) and pass the same value at each "
+                   "call" if fixed else "") + ".")
         return tuple(args) + tuple(kwargs[k] for k in self.keywords)
 
     def unflatten(self, flat: tuple) -> tuple[tuple, dict]:

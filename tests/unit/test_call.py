@@ -49,6 +49,12 @@ def test_calls_that_do_not_match_the_compiled_names_say_so():
         call.flatten((ids,), {"attention_mask": ids, "labels": ids, "label": ids})
     with pytest.raises(spmd.SpmdError, match="also given positionally"):
         positional_call(Masked(), (ids,), {"x": ids})
+    # positional inputs given by name, as the model's forward takes them
+    assert call.flatten((), {"input_ids": ids, "labels": ids, "attention_mask": ids}) == (ids, ids, ids)
+    # a keyword that holds no tensor, not given to spmd.compile: the way out says to give it there
+    with pytest.raises(spmd.SpmdError, match=r"unknown keywords \['use_cache'\].*use_cache=False\) is fixed when "
+                                             r"traced, so give it to spmd.compile too \(example_kwargs\)"):
+        call.flatten((ids,), {"attention_mask": ids, "labels": ids, "use_cache": False})
 
 
 def test_keyword_inputs_are_planned_and_pinned_by_name():
