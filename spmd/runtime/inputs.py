@@ -140,6 +140,8 @@ class CutPieces:
         self._cut_again = cut  # (full, spec) -> this rank's piece of it, as this module lays it out
 
     def record(self, full: torch.Tensor, piece: torch.Tensor, spec: InputSpec) -> None:
+        if torch.compiler.is_compiling():  # (cut inside a torch.compile'd forward: made afresh at each call, and
+            return                         # dynamo would keep its own stand-ins here; found by a probe)
         base = full if full._base is None else full._base
         if piece is full or piece._base is base or _same_memory(piece, full):  # (a view of an inference tensor
             _copies.pop(piece, None)                                           # has no `_base`: a review)
@@ -149,7 +151,7 @@ class CutPieces:
                                self._cut_again, spec)
 
     def check(self, inputs: tuple, specs: list[InputSpec]) -> None:
-        if not _copies:
+        if not _copies or torch.compiler.is_compiling():
             return
         for t, spec in zip(inputs, specs):
             copy = _copies.get(t) if isinstance(t, torch.Tensor) else None
@@ -184,7 +186,7 @@ class CutPieces:
     def seen(self, inputs: tuple) -> None:
         """What the call wrote into its own inputs (a forward that changes its input in place) is not the user's
         write of the piece."""
-        if not _copies:
+        if not _copies or torch.compiler.is_compiling():
             return
         for t in inputs:
             if isinstance(t, torch.Tensor) and (copy := _copies.get(t)) is not None:
