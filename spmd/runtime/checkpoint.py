@@ -106,22 +106,37 @@ def read_piece(f, data_start: int, entry: dict, index: tuple[slice, ...], block_
     return out
 
 
-def read_pieces(files: dict[str, Path], wanted: dict[str, tuple[tuple[slice, ...], tuple[int, ...]]]) -> dict:
-    """{name: its piece} for `wanted` {name: (index, the model's shape for it)}, each file opened once."""
+def read_pieces(files: dict[str, Path], wanted: dict[str, tuple[tuple[slice, ...], tuple[int, ...]]]):
+    """(name, its piece) for each of `wanted` {name: (index, the model's shape for it)}, one at a time (the
+    caller copies each where it goes before the next is read: a rank never holds more than one piece beside
+    its shards), each file opened once."""
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
-    out = {}
     for path, names in by_file.items():
         data_start, header = read_header(path)
         with open(path, "rb", buffering=0) as f:
             for name in names:
                 index, shape = wanted[name]
+                if name not in header:
+                    raise SpmdError(f"{path.name} does not hold {name!r}, though the checkpoint's index says so. "
+                                    "What to do: check the index (model.safetensors.index.json) against its shard "
+                                    "files.")
                 if tuple(header[name]["shape"]) != tuple(shape):
                     raise SpmdError(f"{path.name}: {name!r} has shape {tuple(header[name]['shape'])}, the model's "
                                     f"is {tuple(shape)}. What to do: load a checkpoint of this model's configuration.")
-                out[name] = read_piece(f, data_start, header[name], index)
-    return out
+                yield name, read_piece(f, data_start, header[name], index)
+
+
+def headers_digest(files: dict[str, Path]) -> bytes:
+    """The headers and sizes of a checkpoint's files (what every rank should be reading)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for path in sorted(set(files.values())):
+        h.update(f"{path.name}:{path.stat().st_size}:".encode())
+        h.update(json.dumps(read_header(path)[1], sort_keys=True).encode())
+    return h.digest()
 
 
 class SafetensorsWriter:

@@ -36,6 +36,15 @@ from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
 
 
+def _ignored_unexpected(model, key: str) -> bool:
+    """Whether a transformers model says a checkpoint key is to be left out when it loads
+    (`_keys_to_ignore_on_load_unexpected`: patterns, as older GPT-2 checkpoints' `attn.masked_bias`)."""
+    import re
+
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(p, key) for p in patterns)
+
+
 class _Pieces(nn.Module):
     """Holds this rank's pieces under the model's names (`CompiledModule._place`): a module only so that names
     go through it. The compiled module saves and loads them (its state dict is the model's): in its walk a
@@ -1046,6 +1055,8 @@ class CompiledModule(nn.Module):
         if not is_meta(model):
             raise SpmdError("init_weights replays the init of a model built on the meta device; this one was built "
                             "with values, and its shards already hold them (from rank src_data_rank).")
+        if seed is None:
+            self._agree_on_generator()
         placements = dict(self._state_placements)
         for alias, canonical in self._aliases.items():
             placements.setdefault(alias, placements[canonical])
@@ -1080,38 +1091,101 @@ class CompiledModule(nn.Module):
                 target.data = piece.to(target.dtype)  # the piece itself: the empty shard is never touched
                 self._uninitialized.discard(fqn)
 
+    def _agree_on_generator(self) -> None:
+        """`init_weights()` with no seed draws from each rank's global generator: ranks seeded apart (a data
+        loader's habit, `torch.manual_seed(1000 + rank)`) drew their own replicas of every replicated weight
+        (0.108 off rank 0's, silently; found by a probe). The generators' states are compared over the mesh."""
+        import torch.distributed as dist
+
+        from spmd.core.errors import SpmdCollectiveError
+
+        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
+                torch._guards.active_fake_mode() is not None:
+            return
+        values = [("the global random generator", torch.get_rng_state())]
+        try:
+            with waiting.collective("init_weights", self.rank, self.mesh_spec.size):
+                apart, anywhere = self._values_apart(values, lambda axis, k: True, "random generators")
+        except SpmdCollectiveError as e:
+            raise SpmdCollectiveError(
+                "init_weights() with no seed compares the ranks' random generators (a collective), and the "
+                f"collective failed ({e.__cause__ or e}). What to do: call it on every rank of the mesh.") from e
+        if anywhere:
+            raise SpmdError(
+                "init_weights() with no seed draws from each rank's global random generator, and the ranks' "
+                "generators differ" + (f" along {', '.join(repr(a) for _, a in apart)}" if apart else "") + ": each rank "
+                "would draw its own replicas of the replicated weights. What to do: pass the seed, "
+                "compiled.init_weights(seed=...), the same on every rank.")
+
     def load_safetensors(self, path, strict: bool = True):
         """Fill this rank's shards from a safetensors checkpoint (one file, an index JSON of shards, or the
-        folder `save_pretrained` wrote), reading only this rank's slice of each tensor. A tied parameter
-        is found under any of its names. `strict`: every parameter and persistent buffer must be there.
-        Returns the missing and unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of
-        whose names is the model's also warns: a prefix such as `model.` loaded nothing, silently)."""
-        from spmd.runtime.checkpoint import checkpoint_files, read_pieces
+        folder `save_pretrained` wrote), reading only this rank's slice of each tensor, one at a time. A tied
+        parameter is found under any of its names (where the file holds several, they must be equal: the
+        model ties them). `strict`: every parameter and persistent buffer must be there, and nothing else
+        (a transformers model's `_keys_to_ignore_on_load_unexpected` aside). Call it on every rank of the mesh
+        (the ranks compare what they read: the same files, and no rank failed). Returns the missing and
+        unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of whose names is the
+        model's also warns: a prefix such as `model.` loaded nothing, silently)."""
+        from spmd.runtime.checkpoint import checkpoint_files, headers_digest, read_pieces
 
         files = checkpoint_files(path)
-        missing, wanted, stored_as = [], {}, {}
+        missing, wanted, stored_as, tied = [], {}, {}, {}
         for fqn in self._param_names:
-            if fqn in self._non_persistent:
+            if fqn in self._non_persistent or fqn in self._loss_names:
                 continue
-            name = self._stored_as(fqn, files)
-            if name is None:
+            names = [n for n in reversed((fqn, *self._names_of(fqn))) if n in files]
+            if not names:
                 missing.append(fqn)
                 continue
             shape = self._global_shapes[fqn]
-            wanted[name] = (local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord), shape)
-            stored_as[fqn] = name
-        pieces = read_pieces(files, wanted)
-        with torch.no_grad():
-            for fqn, name in stored_as.items():
-                self.piece(fqn).copy_(pieces.pop(name))
-                self._uninitialized.discard(fqn)
-        if missing and strict:
-            raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
-                            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load a "
-                            "checkpoint of this model, or strict=False to keep the others as they are.")
+            index = local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
+            for name in names:
+                wanted[name] = (index, shape)
+            stored_as[fqn] = names[0]
+            if len(names) > 1:
+                tied[fqn] = names
+        unexpected = [k for k in self._model_keys(files)[1] if not _ignored_unexpected(self._source_model, k)]
+        failed, read = None, {}
+        try:
+            if missing and strict:
+                raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
+                                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
+                                "a checkpoint of this model, or strict=False to keep the others as they are.")
+            if unexpected and strict:
+                raise SpmdError(
+                    f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "
+                    f"({', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}), as torch's strict "
+                    "load_state_dict refuses (a quantized checkpoint's scales, another model's names, or names "
+                    "transformers converts when it loads). What to do: load a checkpoint of this model as its "
+                    "state_dict() names it, or strict=False to leave them out.")
+            by_name = {name: fqn for fqn in stored_as for name in tied.get(fqn, (stored_as[fqn],))}
+            with torch.no_grad():
+                for name, piece in read_pieces(files, wanted):
+                    fqn = by_name[name]
+                    if fqn in tied:  # (each name of a tied tensor the file holds: compared once all are read)
+                        read[name] = piece
+                        if any(n not in read for n in tied[fqn]):
+                            continue
+                        piece, others = read.pop(stored_as[fqn]), [(n, read.pop(n)) for n in tied[fqn][1:]]
+                        apart = [n for n, other in others if not torch.equal(other.to(piece.dtype), piece)]
+                        if apart:
+                            raise SpmdError(
+                                f"load_safetensors: {path} holds {stored_as[fqn]!r} and {', '.join(map(repr, apart))}, "
+                                "which the model ties (one tensor), with other values (a model fine-tuned untied, "
+                                "saved with its tied configuration). What to do: compile the model untied "
+                                "(transformers: tie_word_embeddings=False in its config), or load a checkpoint whose "
+                                "tied entries are equal.")
+                    self.piece(fqn).copy_(piece)
+                    self._uninitialized.discard(fqn)
+        except SpmdError as e:
+            failed = e
+        except OSError as e:
+            failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {e}")
+        self._agree_on_checkpoint(files, failed, headers_digest)
+        if failed is not None:
+            raise failed
         if stored_as:
             source_guard.given(self, set(stored_as), elsewhere=True)
-        unexpected = self._model_keys(files)[1]
         if missing and not stored_as:
             warnings.warn(
                 f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "
@@ -1120,6 +1194,40 @@ class CompiledModule(nn.Module):
                 "do: load a checkpoint of this model, with its names as the model's `state_dict()` has them.",
                 stacklevel=2)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _agree_on_checkpoint(self, files, failed, headers_digest) -> None:
+        """Every rank of the mesh loaded, from the same files (their headers and sizes), and none failed: a load
+        on rank 0 alone (FSDP1's habit) left the other ranks' replicas with their own values (0.127 off after 3
+        steps), and a rank that failed alone (a truncated shard) left the others waiting; found by a probe."""
+        import torch.distributed as dist
+
+        from spmd.core.errors import SpmdCollectiveError
+
+        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
+                torch._guards.active_fake_mode() is not None:
+            return
+        try:
+            digest = headers_digest(files) if failed is None else b"failed"
+        except OSError:
+            digest = b"failed"
+        values = [("the checkpoint's files", torch.frombuffer(bytearray(digest), dtype=torch.uint8))]
+        try:
+            with waiting.collective("load_safetensors", self.rank, self.mesh_spec.size):
+                apart, _ = self._values_apart(values, lambda axis, k: True, "checkpoint loaded")
+                failed_anywhere = self._apart_anywhere(failed is not None, "checkpoint loaded")
+        except SpmdCollectiveError as e:
+            raise SpmdCollectiveError(
+                "load_safetensors compares the files each rank read with its peers' (a collective), and the "
+                f"collective failed ({e.__cause__ or e}). What to do: load on every rank of the mesh, from the same "
+                "checkpoint.") from e
+        if failed is None and failed_anywhere:
+            raise SpmdError("load_safetensors failed on another rank of the mesh (its message says why); this rank "
+                            "read its pieces. What to do: fix what that rank reports, and load again on every rank.")
+        if failed is None and apart:
+            raise SpmdError(
+                "load_safetensors: the ranks read different checkpoints (the files' headers or sizes differ along "
+                f"{', '.join(repr(axis) for _, axis in apart)}): each rank took its pieces from its own. What to do: "
+                "load the same checkpoint on every rank.")
 
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):
@@ -1131,8 +1239,8 @@ class CompiledModule(nn.Module):
         from spmd.runtime.checkpoint import SafetensorsWriter, atomic_path
 
         source_guard.stale(self)  # (a sibling trained since this one had the weights: it would save the old ones)
-        names = [(fqn, n) for fqn in self._param_names if fqn not in self._non_persistent
-                 for n in (fqn, *self._names_of(fqn))]
+        names = [(fqn, n) for fqn in self._param_names if fqn not in self._non_persistent and fqn not in self._loss_names
+                 for n in (fqn, *self._names_of(fqn))]  # (a loss_fn module's tensors are not the model's)
         self._require_values(fqn for fqn, _ in names)
         writer = None
         if not any(self.coord):  # (the mesh's first rank, which the pieces are sent to)

@@ -363,3 +363,46 @@ def test_a_rank_waiting_alone_in_a_collective_call_says_so(ranks):
            "collective: every rank must call it" in first["said"], first["said"]
     assert "What to do: call it on every rank, and keep only the writing to one" in first["said"]
     assert second["said"] == "" and first["equal"] and second["equal"]
+
+
+def _loads_that_ranks_must_make_together(rank: int, world: int, folder: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_model
+
+    from tests.models import gpt2
+
+    torch.manual_seed(0)
+    path = os.path.join(folder, "model.safetensors")
+    if rank == 0:
+        save_model(gpt2(), path)
+        with open(path, "rb+") as f:  # (cut short: only the ranks whose slices lie in the lost bytes fail)
+            f.truncate(os.path.getsize(path) - 4096)
+    dist.barrier()
+    with torch.device("meta"):
+        model = gpt2()
+    tokens = torch.randint(0, 128, (4, 32))
+    compiled = spmd.compile(model, spmd.init_mesh((2,), ("tp",)), (tokens,), mesh_spec=spec((2,), ("tp",)),
+                            param_placements={"lm_head.weight": [Shard(1)]})
+    refused = []
+    torch.manual_seed(1000 + rank)  # (a data loader's habit: each rank its own seed)
+    for load in (lambda: compiled.init_weights(), lambda: compiled.load_safetensors(path)):
+        try:
+            load()
+        except spmd.SpmdError as e:
+            refused.append(str(e))
+    return {"refused": refused}
+
+
+def test_loads_each_rank_would_make_apart_are_refused_on_every_rank(ranks, tmp_path):
+    """Found by a probe: `init_weights()` with no seed after per-rank seeding drew each rank's own replicas (0.108
+    off rank 0's, silently), and a truncated checkpoint failed on the rank whose slice lay in the lost bytes alone
+    while the others waited out the mesh's timeout."""
+    results = ranks(2).run(_loads_that_ranks_must_make_together, str(tmp_path))
+    for r in results:
+        assert len(r["refused"]) == 2, r
+        assert "ranks' generators differ along 'tp'" in r["refused"][0] and "init_weights(seed=...)" in r["refused"][0]
+    truncated = [r["refused"][1] for r in results]
+    assert any("truncated checkpoint" in t for t in truncated), truncated
+    assert all("truncated checkpoint" in t or "failed on another rank of the mesh" in t for t in truncated), truncated

@@ -85,7 +85,7 @@ def test_read_pieces_equal_the_full_tensors_slices_on_every_coordinate(saved, ps
         wanted = {}
         for name, t in ts.items():
             wanted[name] = (local_slices(tuple(t.shape), fit(ps, tuple(t.shape)), MESH, c), tuple(t.shape))
-        got = read_pieces(files, wanted)
+        got = dict(read_pieces(files, wanted))
         assert set(got) == set(ts)
         for name, t in ts.items():
             want = t[wanted[name][0]]
@@ -108,7 +108,7 @@ def test_read_piece_of_a_column_range_in_blocks_smaller_than_a_row(saved):
 
 def test_pieces_are_copies_not_views_of_the_file(saved):
     ts, path = saved
-    got = read_pieces(checkpoint_files(path), {"float32": ((slice(0, 4), slice(0, 2)), (8, 4))})["float32"]
+    got = dict(read_pieces(checkpoint_files(path), {"float32": ((slice(0, 4), slice(0, 2)), (8, 4))}))["float32"]
     save_file({"float32": torch.zeros(8, 4)}, path)     # a later save to the same path
     assert got.untyped_storage().nbytes() == 4 * 2 * 4
     assert torch.equal(got, ts["float32"][:4, :2])
@@ -133,7 +133,7 @@ def test_safetensors_writer_round_trip_read_by_the_safetensors_library(tmp_path)
     with safe_open(final, "pt") as f:
         assert f.metadata() == {"format": "pt", "step": "3"}
         assert torch.equal(f.get_slice("cube")[1:3, :, 2:4], ts["cube"][1:3, :, 2:4])
-    got = read_pieces(checkpoint_files(final), {"bfloat16": ((slice(0, 8), slice(2, 4)), (8, 4))})
+    got = dict(read_pieces(checkpoint_files(final), {"bfloat16": ((slice(0, 8), slice(2, 4)), (8, 4))}))
     assert same(got["bfloat16"], ts["bfloat16"][:, 2:4])
 
 
@@ -156,7 +156,7 @@ def test_checkpoint_files_for_a_file_an_index_and_a_folder(tmp_path):
     assert checkpoint_files(single) == {n: single / "model.safetensors" for n in names}   # no "__metadata__"
     wanted = {n: (local_slices(tuple(ts[n].shape), (S0, R) if ts[n].dim() else (R, R), MESH, (1, 0)),
                   tuple(ts[n].shape)) for n in names}
-    got = read_pieces(checkpoint_files(tmp_path), wanted)              # from both shard files
+    got = dict(read_pieces(checkpoint_files(tmp_path), wanted))             # from both shard files
     assert all(same(got[n], ts[n][wanted[n][0]]) for n in names)
 
 
@@ -176,14 +176,14 @@ def test_truncated_file_is_named_as_truncated(saved):
     shape = tuple(ts[last].shape)
     with pytest.raises(SpmdError, match=rf"model.safetensors: the file ends before byte {len(data)} "
                                         r"\(a truncated checkpoint\)"):
-        read_pieces(checkpoint_files(path), {last: (tuple(slice(0, n) for n in shape), shape)})
+        dict(read_pieces(checkpoint_files(path), {last: (tuple(slice(0, n) for n in shape), shape)}))
 
 
 def test_shape_mismatch_names_both_shapes(saved):
     _, path = saved
     with pytest.raises(SpmdError, match=r"model.safetensors: 'cube' has shape \(4, 6, 8\), the model's is "
                                         r"\(4, 6, 4\)\. What to do: load a checkpoint of this model's configuration"):
-        read_pieces(checkpoint_files(path), {"cube": ((slice(0, 4), slice(0, 6), slice(0, 4)), (4, 6, 4))})
+        dict(read_pieces(checkpoint_files(path), {"cube": ((slice(0, 4), slice(0, 6), slice(0, 4)), (4, 6, 4))}))
 
 
 def test_a_cut_header_or_a_missing_shard_names_the_file(tmp_path):

@@ -526,3 +526,26 @@ def test_a_loss_modules_parameters_train_but_are_not_the_models():
     loss(model(x), y)
     compiled.load_state_dict(nn.Linear(4, 4).state_dict())  # (the model's keys only: the loss keeps its own)
     assert torch.equal(compiled.get_parameter("loss_fn.log_var"), trained)
+
+
+def test_load_safetensors_strict_refuses_keys_not_the_models_and_tied_names_that_differ(tmp_path):
+    """Found by a probe: a strict load took an FP8 checkpoint's weights and left its `weight_scale_inv` entries out
+    without a word (0.42 off the dequantized model), and of a tied pair saved with different values (fine-tuned
+    untied) it kept one (1.21 off what transformers loads: it unties them)."""
+    from safetensors.torch import save_file
+
+    model, compiled, _ = _compiled()
+    theirs = {k: v.clone() for k, v in model.state_dict().items()}
+    save_file(theirs | {"fc.weight_scale_inv": torch.ones(1)}, tmp_path / "scaled.safetensors")
+    with pytest.raises(spmd.SpmdError, match=r"holds 1 tensors that are not the model's \(fc\.weight_scale_inv\).*"
+                                             r"strict=False to leave them out"):
+        compiled.load_safetensors(tmp_path / "scaled.safetensors")
+    keys = compiled.load_safetensors(tmp_path / "scaled.safetensors", strict=False)
+    assert keys.unexpected_keys == ["fc.weight_scale_inv"] and not keys.missing_keys
+    save_file(theirs | {"head.weight": theirs["emb.weight"] + 1}, tmp_path / "untied.safetensors")
+    with pytest.raises(spmd.SpmdError, match=r"holds 'head\.weight' and 'emb\.weight', which the model ties \(one "
+                                             r"tensor\), with other values.*tie_word_embeddings=False"):
+        compiled.load_safetensors(tmp_path / "untied.safetensors")
+    save_file(theirs | {"head.weight": theirs["emb.weight"].clone()}, tmp_path / "tied.safetensors")
+    compiled.load_safetensors(tmp_path / "tied.safetensors")
+    assert torch.equal(compiled.piece("emb.weight"), theirs["emb.weight"])
