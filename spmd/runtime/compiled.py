@@ -24,7 +24,7 @@ from spmd.core import collectives
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random, is_view
-from spmd.core.specs import contiguous_strides, local_shape
+from spmd.core.specs import contiguous_strides, local_shape, placements_str
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
@@ -1809,6 +1809,8 @@ class CompiledModule(nn.Module):
         inputs = self._call.flatten(inputs, kw_inputs)
         self._check_inputs(inputs)
         self._cut_pieces.check(inputs, self._input_specs)
+        if _laid_out:
+            self._check_layouts(inputs)
         if self._replicated_inputs and (not self._inputs_agreed or due):
             self._agree_on_inputs(inputs)
         if self.split is not None and torch.is_grad_enabled():
@@ -1820,7 +1822,36 @@ class CompiledModule(nn.Module):
             flat = self._run_graphs(args)
         self._cut_pieces.seen(inputs)
         self._outputs_made.record(flat)
+        self._lay_out(flat)
         return tree_unflatten(list(flat), self._out_spec)
+
+    def _lay_out(self, flat) -> None:
+        """Each output piece's layout, for a compiled module it is handed to next (`_check_layouts`)."""
+        layouts = self.__dict__.get("_out_layouts")
+        if layouts is None:
+            choices = self.plan.choices
+            layouts = self._out_layouts = {k: tuple(choices[f"output_{k}"].inputs[0]) for k in range(len(flat))
+                                           if f"output_{k}" in choices}
+        mesh = tuple(self.group_names)
+        for k, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and k in layouts:
+                _laid_out[t] = (mesh, layouts[k])
+
+    def _check_layouts(self, inputs: tuple) -> None:
+        """A piece another compiled module returned, handed over as it is, must be laid out as this module takes
+        that input: on a (2, 2) mesh an output `[S(0), S(1)]` and an input `[S(1), S(0)]` have the same local
+        shape, and each rank took its piece of another part of the tensor (losses 1.0056 where eager gave 1.0118;
+        found by a probe)."""
+        mesh = tuple(self.group_names)
+        for t, spec in zip(inputs, self._input_specs):
+            made = _laid_out.get(t) if isinstance(t, torch.Tensor) else None
+            if made is not None and made[0] == mesh and made[1] != tuple(spec.placements):
+                raise SpmdError(
+                    f"input {spec.name!r} is a piece another compiled module returned, laid out as "
+                    f"{placements_str(made[1])}, and this module takes it as {placements_str(spec.placements)}: each "
+                    "rank would read its piece of another part of the tensor. What to do: pass "
+                    "producer.gather_outputs(out) through this module's shard_inputs(...), or pin the two alike "
+                    "(out_placements on the producer, in_placements here).")
 
     def _refuse_data_parallel_wrap(self) -> None:
         """A compiled module called from torch's DistributedDataParallel that manages its parameters: DDP's
@@ -1883,6 +1914,11 @@ def _outputs_of_state(c) -> dict[int, str]:
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:
             found[int(kind.name.rsplit("_", 1)[1])] = c.traced.aliases.get(state[node.target], state[node.target])
     return found
+
+
+# output piece -> (its module's mesh groups, its layout), for every compiled module: a piece handed to another module
+# is taken in that module's layout (`CompiledModule._check_layouts`)
+_laid_out = WeakIdKeyDictionary()
 
 
 class _OutputsMade:

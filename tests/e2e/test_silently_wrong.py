@@ -1298,3 +1298,33 @@ def test_a_compiled_module_inside_ddp(ranks):
     for r in ranks(2).run(_inside_ddp):
         assert "inside torch's DistributedDataParallel" in r["refused"], r
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
+
+
+def _pieces_handed_over(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+    x, wide = torch.randn(8, 8), torch.randn(4, 16)
+    mesh, ms = spmd.init_mesh((2,), ("tp",)), spec((2,), ("tp",))
+    b = spmd.compile(body, mesh, (x,), mesh_spec=ms, in_placements={"input": [Shard(0)]},
+                     out_placements=[[Shard(0)]])
+    h_rows = spmd.compile(head, mesh, (x,), mesh_spec=ms, in_placements={"input": [Shard(0)]})
+    out = b(*b.shard_inputs(x))
+    same = h_rows.gather_outputs(h_rows(out))
+    refused = None
+    try:  # (a [4, 16] input split on its columns: the same local shape [4, 8] as `out`)
+        h_wide = spmd.compile(torch.nn.Sequential(torch.nn.Flatten(0), torch.nn.Unflatten(0, (4, 16))), mesh, (wide,),
+                              mesh_spec=ms, in_placements={"input": [Shard(1)]})
+        h_wide(out)
+    except spmd.SpmdError as e:
+        refused = str(e)
+    return {"error": float((same - head(body(x))).abs().max()), "refused": refused}
+
+
+def test_a_piece_handed_to_a_module_that_takes_another_layout(ranks):
+    """Found by a probe: one module's output piece passed as it is to a module that takes that input in another
+    layout of the same local shape ([S(0), S(1)] into [S(1), S(0)] on (2, 2)): each rank read its piece of another
+    part of the tensor (losses 1.0056 where eager gave 1.0118). Refused; the same layout runs as one device."""
+    for r in ranks(2).run(_pieces_handed_over):
+        assert r["error"] < 1e-6, r
+        assert "another compiled module returned, laid out as [S(0)], and this module takes it as [S(1)]" in \
+            r["refused"], r
