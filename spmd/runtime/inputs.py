@@ -66,7 +66,7 @@ class LocalCheck:
     def __call__(self, inputs: tuple) -> None:
         if len(inputs) == len(self.expected) and all(
                 isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
-                and (self.device is None or t.device == self.device)
+                and (self.device is None or t.device == self.device) and not hasattr(t, "_local_tensor")
                 for t, (shape, dtype) in zip(inputs, self.expected)):
             return
         check_local(inputs, self.specs, self.mesh, self.rank, self.device)
@@ -81,6 +81,11 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
         where = f"  input {spec.name!r}"
         if not isinstance(t, torch.Tensor):
             problems.append(f"{where}: expected a tensor, got {type(t).__name__}")
+            continue
+        if hasattr(t, "to_local") and hasattr(t, "placements"):  # (a DTensor: torch's tensor parallelism before this)
+            problems.append(f"{where}: got a DTensor ({placements_str(tuple(t.placements))}); the compiled model takes "
+                            "plain tensors, this rank's piece")
+            fix.add("dtensor")
             continue
         want = local_shape(spec.shape, spec.placements, mesh.shape)
         layout = f"global {list(spec.shape)} laid out as {placements_str(spec.placements)} on mesh {mesh}"
@@ -108,6 +113,9 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
             todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
         if "device" in fix:
             todo.append(f"move the input to {device}")
+        if "dtensor" in fix:
+            todo.append("pass dtensor.full_tensor() through compiled.shard_inputs(...), or dtensor.to_local() where its "
+                        "layout is the one the compiled model takes (use_local_output=True in parallelize_module's plan)")
         raise SpmdError(f"wrong input on rank {rank} (checked before any collective ran):\n" + "\n".join(problems)
                         + "\nWhat to do: " + "; ".join(todo) + ".")
 

@@ -294,6 +294,8 @@ def test_an_optimizer_over_the_original_parameters(world):
                                                         r"recompile with example inputs of this size"]),
     (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target\), got 1"]),
     (lambda: ([1.0] * 16, torch.randn(4, 16)), [r"input 'x': expected a tensor, got list"]),
+    (lambda: (_dtensor(torch.randn(4, 16)), torch.randn(4, 16)), [r"input 'x': got a DTensor \(\[R\]\)",
+                                                                 r"full_tensor\(\) through compiled\.shard_inputs"]),
 ])
 def test_wrong_inputs_at_run_time_before_any_collective(world, inputs, words):
     _, compiled = _training(world)
@@ -301,6 +303,14 @@ def test_wrong_inputs_at_run_time_before_any_collective(world, inputs, words):
         compiled(*inputs())
     for w in words:
         assert re.search(w, str(e.value)), str(e.value)
+
+
+def _dtensor(t):
+    """`t` as a DTensor on this one-rank world (torch's tensor parallelism handing its output over, a probe)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return distribute_tensor(t, DeviceMesh("cpu", [0]), [Replicate()])
 
 
 def test_shard_inputs_of_another_batch_says_recompile(world):
