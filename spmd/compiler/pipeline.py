@@ -138,6 +138,16 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     return trace(model), note
 
 
+def stamping_unchecked(model, example_inputs, options: PlanOptions) -> str | None:
+    """Where the layers a plan stamped without the check (`spmd.plan` skips it, for speed) are not what the model
+    runs at full depth (`check_stamping`), or None. For what uses the stamped layers' placements as the model's
+    own (the DTensor export)."""
+    stacks = find_layer_stacks(model) if options.stamp_layers is not False else ()
+    if not stacks:
+        return None
+    return check_stamping(with_loss(model, options.loss_fn) if options.joint else model, example_inputs, model, stacks)
+
+
 def _stamping(v: dict) -> bool:
     return v["options"].stamp_layers is not False
 

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_leaves
 
 import spmd
@@ -397,3 +398,47 @@ def test_the_stamping_check_leaves_the_model_as_it_was():
     model = Counts()
     assert check_stamping(model, (torch.randn(4, 16),), model, find_layer_stacks(model)) is None
     assert model.step.item() == 0 and torch.equal(model.decay, torch.ones(16)) and model.calls == 0
+
+
+class _Normalizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x, norm=False):
+        h = F.gelu(self.up(x))
+        return x + self.down(h.softmax(-1) if norm else h)
+
+
+class _SixthNormalizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Normalizes() for _ in range(8))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, norm=(i == 5))
+        return x
+
+
+def test_the_export_of_a_plan_stamped_unchecked_checks_the_stamping_first():
+    """spmd.plan stamps without the check (for speed); the DTensor export gives each layer the placements of the
+    layer it was stamped from, so a parent telling layer 5 to take a softmax over its column-parallel hidden was
+    exported column-parallel there (0.0239 off under parallelize_module; found by a probe)."""
+    import warnings
+
+    from tests.support import LATENCY_LINK
+
+    torch.manual_seed(0)
+    model, x = _SixthNormalizes(), torch.randn(8, 16)
+    pins = {f"layers.{i}.up.weight": [Shard(0)] for i in range(8)} | {f"layers.{i}.down.weight": [Shard(1)]
+                                                                      for i in range(8)}
+    mesh = spec((2,), ("tp",), link=LATENCY_LINK)
+    plan = spmd.plan(model, mesh, (x,), param_placements=pins)
+    assert plan.stats["stamped_layers"] == "layers: 3 traced, 5 stamped"
+    with pytest.raises(spmd.SpmdError, match=r"layer 5 of layers runs other ops.*plan again with stamp_layers=False"):
+        plan.to_parallelize_plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        styles = spmd.plan(model, mesh, (x,), param_placements=pins, stamp_layers=False).to_parallelize_plan()
+    assert "layers.5.up" in styles
