@@ -51,12 +51,6 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         if f == "loss_fn" and value is not None:
             value = getattr(value, "__qualname__", type(value).__name__)
         options_text.append(f"{f}={value}")
-    graph = []
-    for n in traced.graph.nodes:
-        if n.op == "call_function":
-            outs = info.get(n.name)
-            text = shape(n.name) if isinstance(outs, TensorInfo) else "tuple"
-            graph.append(f"{op_label(n)}{_constants(n)} -> {text}")
     return {
         "mesh": [f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.shape)],
         "options": options_text,
@@ -64,8 +58,25 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         "inputs": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs if gi.kind == "input"],
         "parameters": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs
                        if gi.kind in ("parameter", "buffer", "constant")],
-        "graph": graph,
+        "graph": graph_lines(traced),
     }
+
+
+def graph_lines(traced) -> list[str]:
+    """Each op of the traced graph with the numbers it takes and its output shape, in order."""
+    info, graph = traced.tensor_info, []
+    for n in traced.graph.nodes:
+        if n.op == "call_function":
+            i = info.get(n.name)
+            text = f"{list(i.shape)} {str(i.dtype).replace('torch.', '')}" if isinstance(i, TensorInfo) else "tuple"
+            graph.append(f"{op_label(n)}{_constants(n)} -> {text}")
+    return graph
+
+
+def graph_digest(traced) -> str:
+    """A short hash of `graph_lines`: two plans of graphs that differ (another number of heads, causal or not)
+    have other digests (the plan diff's check; found by a probe)."""
+    return hashlib.sha256("\n".join(graph_lines(traced)).encode()).hexdigest()[:16]
 
 
 def _constants(node) -> str:

@@ -33,7 +33,7 @@ import torch.fx as fx
 from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
 from spmd.compiler.progress import Progress
-from spmd.compiler.agreement import summarize
+from spmd.compiler.agreement import graph_digest, summarize
 from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -165,6 +165,7 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
            recomputable) -> Plan:
     def make() -> Plan:
         stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
+        stats["graph"] = graph_digest(traced)
         if stamp_note:
             stats["stamped_layers"] = stamp_note
         if traced.custom_functions:

@@ -22,9 +22,11 @@ class PlanDiff:
     recompute: list[tuple[str, str, str]] = field(default_factory=list)  # (layer, in a, in b)
     # the graphs differ (another model, or parameters added): ops were not compared node by node
     graphs_differ: bool = False
+    # the same nodes, whose ops take other numbers or give other shapes (compared by the plans' graph digests)
+    ops_differ: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.layout_differs or self.collective_bytes or self.costs_differ)
+        return bool(self.layout_differs or self.collective_bytes or self.costs_differ or self.ops_differ)
 
     @property
     def layout_differs(self) -> bool:
@@ -52,6 +54,9 @@ class PlanDiff:
             lines += [f"  {n:<{width}}  {a} -> {b}" for n, a, b in self.placements]
         if self.graphs_differ:
             lines.append("the graphs differ: parameters and inputs compared by name, ops not compared")
+        if self.ops_differ:
+            lines.append("the graphs' ops take other numbers or give other shapes (another configuration, such as the "
+                         "number of heads, or another batch): compared node by node")
         if self.recompute:
             width = max(len(n) for n, _, _ in self.recompute)
             lines.append(f"recomputation ({len(self.recompute)} changed):")
@@ -91,6 +96,8 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     same_graph = list(a.choices) == list(b.choices) and \
         [a.labels.get(n) for n in a.choices] == [b.labels.get(n) for n in b.choices]
     d.graphs_differ = not same_graph
+    # (the same nodes, whose ops take other numbers or give other shapes: another number of heads, causal or not)
+    d.ops_differ = same_graph and a.stats.get("graph") != b.stats.get("graph")
 
     def keyed(plan: Plan) -> dict[str, tuple]:
         return {plan.labels.get(n, n): s for n, s in plan.choices.items() if same_graph or n in plan.labels}

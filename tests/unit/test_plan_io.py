@@ -101,6 +101,26 @@ def test_diff_names_sizes_links_and_costs_where_the_layouts_agree():
     assert d.mesh is not None and "tp: " in d.mesh[1] and str(d).splitlines()[0].startswith("mesh: (dp=2, tp=2) [")
 
 
+def test_diff_names_graphs_whose_ops_differ_where_nodes_and_costs_agree(tmp_path):
+    """Found by a probe: a GPT with 4 heads against one with 8 (or causal against bidirectional) has the same
+    nodes, parameters and costs, and the diff said "plans are the same". Each plan keeps a digest of its ops, the
+    numbers they take and their shapes (`stats["graph"]`), saved with it."""
+    from tests.models import GPT, GPTConfig
+
+    tokens = torch.randint(0, 64, (2, 16))
+    plans = []
+    for heads in (4, 8):
+        torch.manual_seed(0)
+        plans.append(spmd.plan(GPT(GPTConfig(layers=2, dim=32, heads=heads, vocab=64, seq=16)), spec((2,), ("dp",)),
+                               (tokens,), stamp_layers=False))
+    d = spmd.diff_plans(*plans)
+    assert d and d.ops_differ and not d.graphs_differ, str(d)
+    assert "the graphs' ops take other numbers or give other shapes" in str(d)
+    plans[1].save(tmp_path / "b.json")
+    assert spmd.diff_plans(plans[0], spmd.load_plan(tmp_path / "b.json")).ops_differ
+    assert not spmd.diff_plans(plans[0], plans[0])
+
+
 def test_to_parallelize_plan_on_gpt(tmp_path):
     """Megatron's MLP exports as is; attention, whose code views to the whole head count, and the
     logits, which parallelize_module's user gets whole, are gathered (tests/e2e/test_parallelize_export.py
