@@ -138,9 +138,16 @@ def save_plan(plan: Plan, details: PlanDetails | None, path) -> None:
 
 def load_plan(path) -> tuple[Plan, PlanDetails | None]:
     """Read a plan written by `save_plan`, with its details."""
+    way_out = "What to do: save plans with plan.save(path) or `spmd plan ... --json path`."
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a plan file (not JSON: {e}). What to do: save plans with plan.save(path) "
-                         "or `spmd plan ... --json path`.") from None
-    return plan_from_json(doc, str(path))
+        raise ValueError(f"{path}: not a plan file (not JSON: {e}). {way_out}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a plan file. {way_out}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a plan file (a JSON {type(doc).__name__}, not an object). {way_out}")
+    try:
+        return plan_from_json(doc, str(path))
+    except (KeyError, TypeError, IndexError) as e:  # (an entry missing or of another kind: a file cut or edited)
+        raise ValueError(f"{path}: not a complete plan file ({type(e).__name__}: {e}). {way_out}") from None

@@ -212,8 +212,29 @@ def _spawned(rank: int, world: int, port: int, args) -> None:
     _worker(args)
 
 
+def _check(ap: argparse.ArgumentParser, args) -> None:
+    """Arguments that would time nothing or write a profile fitted to nothing, refused before any process
+    starts (found by a probe: a raw traceback, or a profile of 1e15 B/s)."""
+    try:
+        shape = parse_mesh(args.mesh)[0] if args.mesh else None
+    except ValueError as e:
+        ap.error(f"--mesh: {e}")
+    if args.nproc is not None and args.nproc < 1:
+        ap.error(f"--nproc {args.nproc}: expected at least 1 process")
+    if shape is not None and args.nproc is not None and math.prod(shape) != args.nproc:
+        ap.error(f"--mesh {args.mesh} needs {math.prod(shape)} processes, --nproc gives {args.nproc}")
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
+        ap.error(f"--min-bytes {args.min_bytes} and --max-bytes {args.max_bytes}: expected 1 <= min <= max")
+    if args.num_sizes < 2:
+        ap.error(f"--num-sizes {args.num_sizes}: a link's latency and bandwidth need at least 2 sizes")
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps {args.reps}, --warmup {args.warmup}: expected reps >= 1 and warmup >= 0")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check(ap, args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         _worker(args)
         return 0

@@ -125,6 +125,13 @@ def _cmd_plan(args) -> int:
                         "(model, example_inputs, loss_fn)")
     model, inputs = built[0], built[1]
     loss_fn = built[2] if len(built) == 3 else None
+    if not isinstance(model, torch.nn.Module):
+        raise SpmdError(f"{args.target} returned a {type(model).__name__} as the model; expected an nn.Module. What to "
+                        "do: return the module (wrap a function in an nn.Module whose forward calls it).")
+    if args.json and Path(args.json).is_dir():  # (before planning: it was found after, with a raw error)
+        raise SpmdError(f"--json {args.json} is a folder; expected a file to write the plan to.")
+    if args.memory_budget_gib is not None and args.memory_budget_gib <= 0:
+        raise SpmdError(f"--memory-budget-gib {args.memory_budget_gib}: expected a positive number of GiB per rank.")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     # (a dict: keyword inputs, as a transformers model takes them; `tuple(dict)` gave its keys, found by a probe)

@@ -84,6 +84,31 @@ def test_user_errors_say_what_to_do(tmp_path, capsys):
     assert "axis 'dp' has size 0; each axis needs at least one device" in capsys.readouterr().err
 
 
+def test_bad_plan_files_build_results_and_calibrate_arguments_say_what_to_do(tmp_path, capsys):
+    """Found by a probe: raw AttributeError, KeyError and IsADirectoryError tracebacks from `spmd explain` and
+    `spmd plan --json`; a build returning a function; calibrate arguments that wrote a profile of 1e15 B/s."""
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "cut.json").write_text('{"schema": "spmd-plan", "version": 1}')
+    for bad, words in ((tmp_path / "list.json", "a JSON list, not an object"),
+                       (tmp_path / "cut.json", "not a complete plan file (KeyError"), (tmp_path, "is a folder")):
+        assert cli.main(["explain", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "What to do" in err, err
+    (tmp_path / "model.py").write_text(BUILD + "\ndef build_fn():\n    return (lambda x: x), (torch.randn(2, 2),)\n")
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build_fn", "--mesh", "dp=2"]) == 2
+    assert "returned a function as the model; expected an nn.Module" in capsys.readouterr().err
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=2", "--json", str(tmp_path)]) == 2
+    assert "is a folder; expected a file" in capsys.readouterr().err
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=2", "--memory-budget-gib", "-1"]) == 2
+    assert "expected a positive number of GiB" in capsys.readouterr().err
+    for argv, words in ((["--mesh", "tp=0"], "axis 'tp' has size 0"), (["--mesh", "tp=3", "--nproc", "2"], "needs 3"),
+                        (["--min-bytes", "100", "--max-bytes", "10"], "expected 1 <= min <= max"),
+                        (["--num-sizes", "0"], "at least 2 sizes")):
+        with pytest.raises(SystemExit):
+            cli.main(["calibrate", *argv])
+        assert words in capsys.readouterr().err
+
+
 def test_calibrate_is_forwarded(monkeypatch):
     calls = []
     monkeypatch.setattr(cli.calibrate, "main", lambda argv: calls.append(argv) or 0)
