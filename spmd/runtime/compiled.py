@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import operator
 import os
 import warnings
 import weakref
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -801,8 +803,14 @@ class CompiledModule(nn.Module):
         return getattr(owner, leaf)
 
     def piece(self, fqn: str) -> torch.Tensor:
-        """This rank's piece of the model's parameter or buffer `fqn` (its canonical name)."""
-        return self._get(self._param_names[fqn])
+        """This rank's piece of the model's parameter or buffer `fqn` (any of a tied tensor's names)."""
+        attr = self._param_names.get(fqn) or self._param_names.get(self._aliases.get(fqn, ""))
+        if attr is None:
+            names = sorted([*self._param_names, *self._aliases])
+            close = difflib.get_close_matches(fqn, names, n=1)
+            raise KeyError(f"{fqn!r} is not a parameter or buffer of the compiled model"
+                           + (f"; did you mean {close[0]!r}?" if close else f" (it has {len(names)}: {names[:3]} ...)"))
+        return self._get(attr)
 
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, holders), and where that fails for a name the model has
@@ -1268,6 +1276,7 @@ class CompiledModule(nn.Module):
         names = [(fqn, n) for fqn in self._param_names if fqn not in self._non_persistent and fqn not in self._loss_names
                  for n in (fqn, *self._names_of(fqn))]  # (a loss_fn module's tensors are not the model's)
         self._require_values(fqn for fqn, _ in names)
+        self._check_writable(path)
         writer = None
         if not any(self.coord):  # (the mesh's first rank, which the pieces are sent to)
             specs = [(n, self.piece(fqn).dtype, self._global_shapes[fqn]) for fqn, n in names]
@@ -1288,6 +1297,26 @@ class CompiledModule(nn.Module):
             writer.close()
             os.replace(tmp, final)
         return path
+
+    def _check_writable(self, path) -> None:
+        """The mesh's first rank, which writes, can write `path`, told to every rank before any tensor is gathered
+        (a folder given, as `save_pretrained` takes one, or a missing folder: rank 0 raised a raw error after
+        gathering the whole model, and the others a raw gloo error or nothing; found by a probe)."""
+        problem = None
+        if not any(self.coord):
+            p = Path(path)
+            if p.is_dir():
+                problem = f"{path} is a folder; save_safetensors writes one file (name it: {p / 'model.safetensors'})"
+            elif not p.parent.is_dir():
+                problem = f"the folder {p.parent} does not exist (make it first)"
+        anywhere = problem is not None
+        if dist.is_initialized() and self.device_mesh is not None and self.mesh_spec.size > 1:
+            anywhere = self._apart_anywhere(anywhere, "save_safetensors's path")
+        if anywhere:
+            what = problem or f"the mesh's first rank, which writes, cannot write {path}"
+            raise SpmdError(f"save_safetensors: {what}"
+                            ". What to do: pass a file path in an existing folder (every rank calls save_safetensors; "
+                            "the mesh's first rank writes).")
 
     def _gathered_to_first(self, fqn: str) -> torch.Tensor | None:
         """`fqn`'s full value on rank 0 (None on the others)."""

@@ -392,16 +392,25 @@ def _loads_that_ranks_must_make_together(rank: int, world: int, folder: str) -> 
             load()
         except spmd.SpmdError as e:
             refused.append(str(e))
+    compiled.init_weights(seed=0)
+    for where in (folder, os.path.join(folder, "no", "model.safetensors")):  # (a folder; a folder not there)
+        try:
+            compiled.save_safetensors(where)
+        except spmd.SpmdError as e:
+            refused.append(str(e))
     return {"refused": refused}
 
 
 def test_loads_each_rank_would_make_apart_are_refused_on_every_rank(ranks, tmp_path):
     """Found by a probe: `init_weights()` with no seed after per-rank seeding drew each rank's own replicas (0.108
     off rank 0's, silently), and a truncated checkpoint failed on the rank whose slice lay in the lost bytes alone
-    while the others waited out the mesh's timeout."""
+    while the others waited out the mesh's timeout; save_safetensors to a folder failed on rank 0 alone, after
+    gathering the whole model."""
     results = ranks(2).run(_loads_that_ranks_must_make_together, str(tmp_path))
-    for r in results:
-        assert len(r["refused"]) == 2, r
+    for rank, r in enumerate(results):
+        assert len(r["refused"]) == 4, r
+        assert ("is a folder" if rank == 0 else "cannot write") in r["refused"][2], r
+        assert ("does not exist" if rank == 0 else "cannot write") in r["refused"][3], r
         assert "ranks' generators differ along 'tp'" in r["refused"][0] and "init_weights(seed=...)" in r["refused"][0]
     truncated = [r["refused"][1] for r in results]
     assert any("truncated checkpoint" in t for t in truncated), truncated

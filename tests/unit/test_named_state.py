@@ -549,3 +549,4 @@ def test_load_safetensors_strict_refuses_keys_not_the_models_and_tied_names_that
     save_file(theirs | {"head.weight": theirs["emb.weight"].clone()}, tmp_path / "tied.safetensors")
     compiled.load_safetensors(tmp_path / "tied.safetensors")
     assert torch.equal(compiled.piece("emb.weight"), theirs["emb.weight"])
+    assert compiled.piece("head.weight") is compiled.piece("emb.weight")  # (any name of a tied tensor; a raw KeyError)
