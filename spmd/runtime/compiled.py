@@ -38,6 +38,23 @@ from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
 
 
+def _untied_hint(model, missing: list[str]) -> str:
+    """Where a transformers model whose configuration ties its word embeddings misses its output embeddings: the
+    tie was lost before compiling (accelerate's init_empty_weights registers the tied head as a second tensor)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
+        return ""
+    try:
+        head = model.get_output_embeddings()
+    except Exception:  # (a model without a head)
+        return ""
+    names = {f"{name}.weight" for name, m in model.named_modules() if m is head}
+    if not names & set(missing):
+        return ""
+    return ("; its configuration ties the word embeddings, and the model held its head as a tensor of its own when "
+            "compiled (accelerate's init_empty_weights does that): call model.tie_weights() before spmd.compile")
+
+
 def _ignored_unexpected(model, key: str) -> bool:
     """Whether a transformers model says a checkpoint key is to be left out when it loads
     (`_keys_to_ignore_on_load_unexpected`: patterns, as older GPT-2 checkpoints' `attn.masked_bias`)."""
@@ -1184,7 +1201,8 @@ class CompiledModule(nn.Module):
             if missing and strict:
                 raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                                 f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
-                                "a checkpoint of this model, or strict=False to keep the others as they are.")
+                                "a checkpoint of this model, or strict=False to keep the others as they are"
+                                + _untied_hint(self._source_model, missing) + ".")
             if unexpected and strict:
                 raise SpmdError(
                     f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "

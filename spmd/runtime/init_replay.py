@@ -77,7 +77,10 @@ def _collect(model: nn.Module) -> dict[int, _TensorInfo]:
         ref = StorageWeakRef(info.obj.untyped_storage())
         if ref in storages:
             raise SpmdError(f"{info.fqns[0]} and {storages[ref]} share one storage but are different "
-                                   "tensors (views of one flat buffer); init_weights needs one storage each")
+                            "tensors (views of one flat buffer, or a tie re-registered as a second tensor, as "
+                            "accelerate's init_empty_weights does); init_weights needs one storage each. What to do: "
+                            "tie them as one tensor before compiling (a transformers model: model.tie_weights(); or "
+                            "build it under torch.device('meta')), or give each its own storage.")
         storages[ref] = info.fqns[0]
     return infos
 

@@ -550,3 +550,22 @@ def test_load_safetensors_strict_refuses_keys_not_the_models_and_tied_names_that
     compiled.load_safetensors(tmp_path / "tied.safetensors")
     assert torch.equal(compiled.piece("emb.weight"), theirs["emb.weight"])
     assert compiled.piece("head.weight") is compiled.piece("emb.weight")  # (any name of a tied tensor; a raw KeyError)
+
+
+def test_a_tie_lost_before_compiling_is_named_in_the_loads_refusal(tmp_path):
+    """Found by a probe: a transformers model built under accelerate's init_empty_weights holds its tied head as a
+    tensor of its own; a strict load of its checkpoint (the head saved once, under the embeddings' name) said only
+    that `lm_head.weight` was missing, and "load a checkpoint of this model"."""
+    from safetensors.torch import save_file
+
+    from tests.models import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())  # (the tie lost)
+    save_file(state, tmp_path / "model.safetensors")
+    compiled = one_device(model, (torch.randint(0, 128, (2, 8)),))
+    with pytest.raises(spmd.SpmdError, match=r"\(lm_head\.weight\).*ties the word embeddings.*model\.tie_weights\(\) "
+                                             r"before spmd\.compile"):
+        compiled.load_safetensors(tmp_path / "model.safetensors")
