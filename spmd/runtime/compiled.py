@@ -55,6 +55,16 @@ def _untied_hint(model, missing: list[str]) -> str:
             "compiled (accelerate's init_empty_weights does that): call model.tie_weights() before spmd.compile")
 
 
+def _renamed_hint(unexpected: list[str]) -> str:
+    """Where a checkpoint misses some of the model's tensors and holds others under other names."""
+    if not unexpected:
+        return ""
+    return (f"; the checkpoint holds {len(unexpected)} tensors under other names ({', '.join(unexpected[:3])}"
+            f"{', ...' if len(unexpected) > 3 else ''}): names transformers converts when it loads (a legacy "
+            "`LayerNorm.gamma`, mixture-of-experts weights stored expert by expert) are not converted here; convert "
+            "the checkpoint once (transformers' from_pretrained, then save_pretrained) and load that")
+
+
 def _ignored_unexpected(model, key: str) -> bool:
     """Whether a transformers model says a checkpoint key is to be left out when it loads
     (`_keys_to_ignore_on_load_unexpected`: patterns, as older GPT-2 checkpoints' `attn.masked_bias`)."""
@@ -1202,7 +1212,7 @@ class CompiledModule(nn.Module):
                 raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                                 f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
                                 "a checkpoint of this model, or strict=False to keep the others as they are"
-                                + _untied_hint(self._source_model, missing) + ".")
+                                + _untied_hint(self._source_model, missing) + _renamed_hint(unexpected) + ".")
             if unexpected and strict:
                 raise SpmdError(
                     f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "
@@ -1238,6 +1248,10 @@ class CompiledModule(nn.Module):
             raise failed
         if stored_as:
             source_guard.given(self, set(stored_as), elsewhere=True)
+        if missing and unexpected and stored_as:  # (strict=False: a partial load, likely of renamed entries)
+            warnings.warn(f"load_safetensors: {len(missing)} tensors of the model were not in {path} and keep their "
+                          f"values ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+                          + _renamed_hint(unexpected) + ".", stacklevel=2)
         if missing and not stored_as:
             warnings.warn(
                 f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "

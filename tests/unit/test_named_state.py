@@ -569,3 +569,21 @@ def test_a_tie_lost_before_compiling_is_named_in_the_loads_refusal(tmp_path):
     with pytest.raises(spmd.SpmdError, match=r"\(lm_head\.weight\).*ties the word embeddings.*model\.tie_weights\(\) "
                                              r"before spmd\.compile"):
         compiled.load_safetensors(tmp_path / "model.safetensors")
+
+
+def test_a_checkpoint_with_renamed_entries_says_so(tmp_path):
+    """Found by a probe: transformers converts some checkpoints' names when it loads (a legacy `LayerNorm.gamma`,
+    Mixtral's experts stored one by one); spmd's strict refusal said "load a checkpoint of this model", and the
+    strict=False it offered loaded the rest without a word (BERT 0.618 off what from_pretrained loads)."""
+    from safetensors.torch import save_file
+
+    model, compiled, _ = _compiled()
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "head.weight"}
+    state["fc.gamma"] = state.pop("fc.weight")
+    save_file(state, tmp_path / "renamed.safetensors")
+    with pytest.raises(spmd.SpmdError, match=r"\(fc\.weight\).*holds 1 tensors under other names \(fc\.gamma\).*"
+                                             r"from_pretrained, then save_pretrained"):
+        compiled.load_safetensors(tmp_path / "renamed.safetensors")
+    with pytest.warns(UserWarning, match=r"1 tensors of the model were not in .* keep their values \(fc\.weight\)"):
+        keys = compiled.load_safetensors(tmp_path / "renamed.safetensors", strict=False)
+    assert keys.missing_keys == ["fc.weight"] and keys.unexpected_keys == ["fc.gamma"]
