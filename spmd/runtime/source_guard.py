@@ -786,6 +786,12 @@ def model_changed(compiled) -> None:
     versions = compiled.__dict__.get("_model_versions")
     if not versions:
         return
+    if any(_ahead(c) for ref in _compiled_from.get(compiled._source_model, ()) if (c := ref()) is not None
+           and c is not compiled):
+        # a sibling trained: the model's tensors its replicated pieces share moved with its steps (`stale` says
+        # whether this module was given the new weights since; a probe found an evaluation module given them in
+        # place refused here, with a way out that could not work)
+        return
     changed = [p for p, v, at, layout in versions.values()
                if p._version != v or p.data_ptr() != at and _set_through_data(compiled, p, layout)]
     model = compiled._source_model
