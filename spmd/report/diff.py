@@ -97,7 +97,9 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
         [a.labels.get(n) for n in a.choices] == [b.labels.get(n) for n in b.choices]
     d.graphs_differ = not same_graph
     # (the same nodes, whose ops take other numbers or give other shapes: another number of heads, causal or not)
-    d.ops_differ = same_graph and a.stats.get("graph") != b.stats.get("graph")
+    # (compared where both plans have one: a plan saved before the digest existed has none)
+    d.ops_differ = same_graph and None not in (a.stats.get("graph"), b.stats.get("graph")) and \
+        a.stats["graph"] != b.stats["graph"]
 
     def keyed(plan: Plan) -> dict[str, tuple]:
         return {plan.labels.get(n, n): s for n, s in plan.choices.items() if same_graph or n in plan.labels}

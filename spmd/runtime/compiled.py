@@ -65,6 +65,20 @@ def _renamed_hint(unexpected: list[str]) -> str:
             "the checkpoint once (transformers' from_pretrained, then save_pretrained) and load that")
 
 
+def _beside_weights(model, key: str) -> bool:
+    """Whether a checkpoint key that is not the model's sits in a module of the model that holds parameters of its
+    own (`down_proj.weight_scale_inv` beside `down_proj.weight`): a value that changes what those weights are, not
+    a buffer an older version saved (`rotary_emb.inv_freq`, GPT-2's `attn.bias`) nor another model's name."""
+    if model is None:
+        return True
+    path = key.rpartition(".")[0]
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return bool(module._parameters)
+
+
 def _ignored_unexpected(model, key: str) -> bool:
     """Whether a transformers model says a checkpoint key is to be left out when it loads
     (`_keys_to_ignore_on_load_unexpected`: patterns, as older GPT-2 checkpoints' `attn.masked_bias`)."""
@@ -515,6 +529,7 @@ class CompiledModule(nn.Module):
         compiled apart), and plain parameters whose gradients are the same on every rank (an eager layer's, kept
         in step as DDP keeps them). Clipping each compiled module by its own norm clipped each by another factor
         (3.7e-3 off after 3 steps; found by a probe)."""
+        also = [also] if isinstance(also, (torch.Tensor, nn.Module)) else list(also)  # (a generator, read once)
         modules = [self] + [m for m in also if isinstance(m, CompiledModule)]
         plain = [p for m in also if not isinstance(m, CompiledModule)
                  for p in ([m] if isinstance(m, torch.Tensor) else m.parameters() if isinstance(m, nn.Module) else m)]
@@ -1187,7 +1202,36 @@ class CompiledModule(nn.Module):
         (the ranks compare what they read: the same files, and no rank failed). Returns the missing and
         unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of whose names is the
         model's also warns: a prefix such as `model.` loaded nothing, silently)."""
-        from spmd.runtime.checkpoint import checkpoint_files, headers_digest, read_pieces
+        from spmd.runtime.checkpoint import headers_digest
+
+        failed, files, missing, unexpected, stored_as = None, {}, [], [], {}
+        try:  # (every failure joins the ranks' comparison below: one rank raising alone left the others waiting)
+            files, missing, unexpected, stored_as = self._read_safetensors(path, strict)
+        except SpmdError as e:
+            failed = e
+        except Exception as e:  # (OSError, a header cut short, anything else: every rank learns it failed)
+            failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
+        self._agree_on_checkpoint(files, failed, headers_digest)
+        if failed is not None:
+            raise failed
+        if stored_as:
+            source_guard.given(self, set(stored_as), elsewhere=True)
+        if missing and unexpected and stored_as:  # (strict=False: a partial load, likely of renamed entries)
+            warnings.warn(f"load_safetensors: {len(missing)} tensors of the model were not in {path} and keep their "
+                          f"values ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+                          + _renamed_hint(unexpected) + ".", stacklevel=2)
+        if missing and not stored_as:
+            warnings.warn(
+                f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "
+                f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}) are not the model's "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), so nothing was loaded. What to "
+                "do: load a checkpoint of this model, with its names as the model's `state_dict()` has them.",
+                stacklevel=2)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _read_safetensors(self, path, strict: bool):
+        """`load_safetensors`' reading: (the files, missing, unexpected, {fqn: the name it was read under})."""
+        from spmd.runtime.checkpoint import checkpoint_files, read_pieces
 
         files = checkpoint_files(path)
         missing, wanted, stored_as, tied = [], {}, {}, {}
@@ -1206,60 +1250,44 @@ class CompiledModule(nn.Module):
             if len(names) > 1:
                 tied[fqn] = names
         unexpected = [k for k in self._model_keys(files)[1] if not _ignored_unexpected(self._source_model, k)]
-        failed, read = None, {}
-        try:
-            if missing and strict:
-                raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
-                                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
-                                "a checkpoint of this model, or strict=False to keep the others as they are"
-                                + _untied_hint(self._source_model, missing) + _renamed_hint(unexpected) + ".")
-            if unexpected and strict:
-                raise SpmdError(
-                    f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "
-                    f"({', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''}), as torch's strict "
-                    "load_state_dict refuses (a quantized checkpoint's scales, another model's names, or names "
-                    "transformers converts when it loads). What to do: load a checkpoint of this model as its "
-                    "state_dict() names it, or strict=False to leave them out.")
-            by_name = {name: fqn for fqn in stored_as for name in tied.get(fqn, (stored_as[fqn],))}
-            with torch.no_grad():
-                for name, piece in read_pieces(files, wanted):
-                    fqn = by_name[name]
-                    if fqn in tied:  # (each name of a tied tensor the file holds: compared once all are read)
-                        read[name] = piece
-                        if any(n not in read for n in tied[fqn]):
-                            continue
-                        piece, others = read.pop(stored_as[fqn]), [(n, read.pop(n)) for n in tied[fqn][1:]]
-                        apart = [n for n, other in others if not torch.equal(other.to(piece.dtype), piece)]
-                        if apart:
-                            raise SpmdError(
-                                f"load_safetensors: {path} holds {stored_as[fqn]!r} and {', '.join(map(repr, apart))}, "
-                                "which the model ties (one tensor), with other values (a model fine-tuned untied, "
-                                "saved with its tied configuration). What to do: compile the model untied "
-                                "(transformers: tie_word_embeddings=False in its config), or load a checkpoint whose "
-                                "tied entries are equal.")
-                    self.piece(fqn).copy_(piece)
-                    self._uninitialized.discard(fqn)
-        except SpmdError as e:
-            failed = e
-        except OSError as e:
-            failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {e}")
-        self._agree_on_checkpoint(files, failed, headers_digest)
-        if failed is not None:
-            raise failed
-        if stored_as:
-            source_guard.given(self, set(stored_as), elsewhere=True)
-        if missing and unexpected and stored_as:  # (strict=False: a partial load, likely of renamed entries)
-            warnings.warn(f"load_safetensors: {len(missing)} tensors of the model were not in {path} and keep their "
-                          f"values ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
-                          + _renamed_hint(unexpected) + ".", stacklevel=2)
-        if missing and not stored_as:
-            warnings.warn(
-                f"load_safetensors: none of the model's {len(missing)} tensors is in {path}: its names "
-                f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}) are not the model's "
-                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), so nothing was loaded. What to "
-                "do: load a checkpoint of this model, with its names as the model's `state_dict()` has them.",
-                stacklevel=2)
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        read = {}
+        if missing and strict:
+            raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
+                            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
+                            "a checkpoint of this model, or strict=False to keep the others as they are"
+                            + _untied_hint(self._source_model, missing) + _renamed_hint(unexpected) + ".")
+        beside = [k for k in unexpected if _beside_weights(self._source_model, k)]
+        if beside and strict:  # (a quantized checkpoint's scales, a LoRA's parts: they change what the weights are)
+            raise SpmdError(
+                f"load_safetensors: {path} holds {len(beside)} tensors that are not the model's, beside its weights "
+                f"({', '.join(beside[:5])}{', ...' if len(beside) > 5 else ''}), as torch's strict load_state_dict "
+                "refuses (a quantized checkpoint's scales, adapter weights, or names transformers converts when it "
+                "loads). What to do: load a checkpoint of this model as its state_dict() names it, or strict=False "
+                "to leave them out.")
+        if unexpected and not beside and strict:  # (an older file's buffers: rotary inv_freq, GPT-2's attn.bias)
+            warnings.warn(f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "
+                          f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}), left out, as "
+                          "transformers leaves them out (buffers older versions saved).", stacklevel=3)
+        by_name = {name: fqn for fqn in stored_as for name in tied.get(fqn, (stored_as[fqn],))}
+        with torch.no_grad():
+            for name, piece in read_pieces(files, wanted):
+                fqn = by_name[name]
+                if fqn in tied:  # (each name of a tied tensor the file holds: compared once all are read)
+                    read[name] = piece
+                    if any(n not in read for n in tied[fqn]):
+                        continue
+                    piece, others = read.pop(stored_as[fqn]), [(n, read.pop(n)) for n in tied[fqn][1:]]
+                    apart = [n for n, other in others if not torch.equal(other.to(piece.dtype), piece)]
+                    if apart:
+                        raise SpmdError(
+                            f"load_safetensors: {path} holds {stored_as[fqn]!r} and {', '.join(map(repr, apart))}, "
+                            "which the model ties (one tensor), with other values (a model fine-tuned untied, "
+                            "saved with its tied configuration). What to do: compile the model untied "
+                            "(transformers: tie_word_embeddings=False in its config), or load a checkpoint whose "
+                            "tied entries are equal.")
+                self.piece(fqn).copy_(piece)
+                self._uninitialized.discard(fqn)
+        return files, missing, unexpected, stored_as
 
     def _agree_on_checkpoint(self, files, failed, headers_digest) -> None:
         """Every rank of the mesh loaded, from the same files (their headers and sizes), and none failed: a load
@@ -1917,12 +1945,17 @@ class CompiledModule(nn.Module):
         layouts = self.__dict__.get("_out_layouts")
         if layouts is None:
             choices = self.plan.choices
-            layouts = self._out_layouts = {k: tuple(choices[f"output_{k}"].inputs[0]) for k in range(len(flat))
-                                           if f"output_{k}" in choices}
+            layouts = self._out_layouts = {k: self._layout_key(choices[f"output_{k}"].inputs[0])
+                                           for k in range(len(flat)) if f"output_{k}" in choices}
         mesh = tuple(self.group_names)
         for k, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and k in layouts:
-                _laid_out[t] = (mesh, layouts[k])
+                _laid_out.record(t, (mesh, layouts[k]))
+
+    def _layout_key(self, placements) -> tuple:
+        """`placements` with every axis of size 1 as Replicate (there every layout is the whole tensor; a review
+        found `[S(0)]` into `[R]` refused on a mesh of one device)."""
+        return tuple(Replicate() if n == 1 else p for p, n in zip(placements, self.mesh_spec.shape))
 
     def _check_layouts(self, inputs: tuple) -> None:
         """A piece another compiled module returned, handed over as it is, must be laid out as this module takes
@@ -1932,7 +1965,7 @@ class CompiledModule(nn.Module):
         mesh = tuple(self.group_names)
         for t, spec in zip(inputs, self._input_specs):
             made = _laid_out.get(t) if isinstance(t, torch.Tensor) else None
-            if made is not None and made[0] == mesh and made[1] != tuple(spec.placements):
+            if made is not None and made[0] == mesh and made[1] != self._layout_key(spec.placements):
                 raise SpmdError(
                     f"input {spec.name!r} is a piece another compiled module returned, laid out as "
                     f"{placements_str(made[1])}, and this module takes it as {placements_str(spec.placements)}: each "
@@ -1951,9 +1984,7 @@ class CompiledModule(nn.Module):
 
         codes = (DDP.forward.__code__, getattr(DDP, "_run_ddp_forward", DDP.forward).__code__)
         frame, mine = sys._getframe(2), None
-        for _ in range(24):
-            if frame is None:
-                return
+        while frame is not None:  # (every calling frame: a compiled module nested deep in the DDP'd model; a review)
             if frame.f_code in codes:
                 ddp = frame.f_locals.get("self")
                 managed = getattr(ddp, "_module_parameters", None)
@@ -2003,9 +2034,34 @@ def _outputs_of_state(c) -> dict[int, str]:
     return found
 
 
-# output piece -> (its module's mesh groups, its layout), for every compiled module: a piece handed to another module
-# is taken in that module's layout (`CompiledModule._check_layouts`)
-_laid_out = WeakIdKeyDictionary()
+class _LaidOut:
+    """Output pieces -> (their module's mesh groups, their layout), for every compiled module, by the memory they
+    read (`out.detach()` hands over the same piece; a review), while that memory lives: a piece handed to another
+    module is taken in that module's layout (`CompiledModule._check_layouts`)."""
+
+    def __init__(self):
+        self._by_memory: dict[tuple, tuple] = {}
+        self._prune_at = 64
+
+    def __bool__(self) -> bool:
+        return bool(self._by_memory)
+
+    def record(self, t: torch.Tensor, layout: tuple) -> None:
+        if (memory := _memory_of(t)) is None:
+            return
+        if len(self._by_memory) > self._prune_at:
+            self._by_memory = {m: e for m, e in self._by_memory.items() if not e[0].expired()}
+            self._prune_at = max(64, 2 * len(self._by_memory))
+        self._by_memory[memory] = (StorageWeakRef(t.untyped_storage()), layout)
+
+    def get(self, t: torch.Tensor):
+        if (memory := _memory_of(t)) is None:
+            return None
+        entry = self._by_memory.get(memory)
+        return entry[1] if entry is not None and not entry[0].expired() else None
+
+
+_laid_out = _LaidOut()
 
 
 class _OutputsMade:
