@@ -3,6 +3,7 @@ name) and custom autograd Functions (their own backward), each equal to one devi
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -1249,7 +1250,12 @@ def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
 def test_shard_inputs_inside_a_torch_compiled_forward(ranks):
     """Found by a probe: a holder compiled by torch.compile, whose forward cuts an activation that requires grad with
     shard_inputs, failed at its second call with a raw TypeError (dynamo's stand-in for the cut's record)."""
-    for r in ranks(2).run(_compiled_holder_cutting_an_activation):
+    pool = ranks(2)
+    try:
+        results = pool.run(_compiled_holder_cutting_an_activation)
+    finally:
+        pool.close()  # (dynamo's caches and threads stay in the ranks: later tests get fresh ones)
+    for r in results:
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
 
 
@@ -1271,11 +1277,13 @@ def _inside_ddp(rank: int, world: int) -> dict:
         def forward(self, x, y):
             return self.core(*self.core.shard_inputs(self.pre(x), y))
 
-    refused = None
+    refused, ddp = None, DDP(compiled)
     try:
-        DDP(compiled)(*compiled.shard_inputs(x, y))
+        ddp(*compiled.shard_inputs(x, y))
     except spmd.SpmdError as e:
         refused = str(e)
+    del ddp  # (its reducer, prepared for a backward that never comes, is gone before the next DDP: every rank alike)
+    gc.collect()
     compiled.load_state_dict(core.state_dict())  # (the broadcast wrote rank 0's pieces over rank 1's)
     holder = Holder()
     DDP._set_params_and_buffers_to_ignore_for_model(holder, [f"core.{n}" for n, _ in compiled.named_parameters()])
@@ -1295,7 +1303,12 @@ def test_a_compiled_module_inside_ddp(ranks):
     """Found by a probe: DDP around a compiled module broadcast rank 0's pieces over rank 1's and averaged the
     gradients of different pieces (weights 0.48 off after 3 steps, silently). Refused; DDP over the plain modules
     around it, the compiled module's parameters ignored, trains as one device."""
-    for r in ranks(2).run(_inside_ddp):
+    pool = ranks(2)
+    try:
+        results = pool.run(_inside_ddp)
+    finally:
+        pool.close()  # (DDP's reducers live in native code: later tests get fresh ranks)
+    for r in results:
         assert "inside torch's DistributedDataParallel" in r["refused"], r
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
 
