@@ -1133,6 +1133,12 @@ class CompiledModule(nn.Module):
                             "with values, and its shards already hold them (from rank src_data_rank).")
         if seed is None:
             self._agree_on_generator()
+        loaded = sorted(self.__dict__.get("_given", ()))
+        if loaded:  # (transformers' own init_weights leaves loaded weights alone; this replays the init over all)
+            warnings.warn(f"init_weights replays the model's init over every weight, and {len(loaded)} of them were "
+                          f"loaded ({', '.join(loaded[:3])}{', ...' if len(loaded) > 3 else ''}): they now hold the "
+                          "init's values, not the checkpoint's. What to do: call init_weights first (it also computes "
+                          "the buffers no checkpoint holds), then load.", stacklevel=2)
         placements = dict(self._state_placements)
         for alias, canonical in self._aliases.items():
             placements.setdefault(alias, placements[canonical])
@@ -1329,7 +1335,7 @@ class CompiledModule(nn.Module):
         to one safetensors file. Call it on every rank: each tensor is gathered in turn to rank 0, in host
         memory, which writes it as it arrives: rank 0 holds one full tensor at a time beside its shards, and the
         other ranks nothing more than their shards (each part is sent once, point to point:
-        `distribute.gather_to_first`)."""
+        `distribute.gather_to_first`). Every rank returns once the file is whole (a load that follows reads it)."""
         from spmd.runtime.checkpoint import SafetensorsWriter, atomic_path
 
         source_guard.stale(self)  # (a sibling trained since this one had the weights: it would save the old ones)
@@ -1353,9 +1359,21 @@ class CompiledModule(nn.Module):
                 writer.file.close()
                 tmp.unlink(missing_ok=True)
             raise
+        failed = None
         if writer is not None:
-            writer.close()
-            os.replace(tmp, final)
+            try:
+                writer.close()
+                os.replace(tmp, final)
+            except OSError as e:  # (the disk full at the end: told to every rank below)
+                tmp.unlink(missing_ok=True)
+                failed = e
+        # every rank returns once the file is whole (a load right after on another rank read a file not there yet)
+        if dist.is_initialized() and self.device_mesh is not None and self.mesh_spec.size > 1 and \
+                self._apart_anywhere(failed is not None, "save_safetensors") and failed is None:
+            raise SpmdError(f"save_safetensors: the mesh's first rank, which writes, could not finish {path} (its "
+                            "message says why).")
+        if failed is not None:
+            raise SpmdError(f"save_safetensors: writing {path} failed: {failed}") from failed
         return path
 
     def _check_writable(self, path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -398,7 +399,13 @@ def _loads_that_ranks_must_make_together(rank: int, world: int, folder: str) -> 
             compiled.save_safetensors(where)
         except spmd.SpmdError as e:
             refused.append(str(e))
-    return {"refused": refused}
+    good = os.path.join(folder, "good.safetensors")
+    compiled.save_safetensors(good)  # (on every rank, it returns once the file is whole)
+    compiled.load_safetensors(good)
+    with warnings.catch_warnings(record=True) as caught:  # (init after a load: the checkpoint overwritten)
+        warnings.simplefilter("always")
+        compiled.init_weights(seed=1)
+    return {"refused": refused, "warned": [str(w.message) for w in caught if "init_weights replays" in str(w.message)]}
 
 
 def test_loads_each_rank_would_make_apart_are_refused_on_every_rank(ranks, tmp_path):
@@ -409,6 +416,8 @@ def test_loads_each_rank_would_make_apart_are_refused_on_every_rank(ranks, tmp_p
     results = ranks(2).run(_loads_that_ranks_must_make_together, str(tmp_path))
     for rank, r in enumerate(results):
         assert len(r["refused"]) == 4, r
+        assert len(r["warned"]) == 1 and "were loaded" in r["warned"][0] and "call init_weights first" in \
+            r["warned"][0], r
         assert ("is a folder" if rank == 0 else "cannot write") in r["refused"][2], r
         assert ("does not exist" if rank == 0 else "cannot write") in r["refused"][3], r
         assert "ranks' generators differ along 'tp'" in r["refused"][0] and "init_weights(seed=...)" in r["refused"][0]
