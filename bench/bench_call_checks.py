@@ -25,7 +25,8 @@ the sampled read of the checked calls after it (2, 4, 8, ... before the first op
 Last, a train-mode forward that moves buffers beside an evaluation module compiled from the same model
 (`runtime/source_guard.buffers_moved`, session 72); the watch of a transformers configuration whole (session 73);
 and the record of each call's outputs that `gather_outputs` reads (session 74); last, the digests a
-`load_state_dict` of whole tensors compares over the mesh (session 75).
+`load_state_dict` of whole tensors compares over the mesh (session 75); and the layout record of each call's output
+pieces, looked up for each input (session 76).
 
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
 """
@@ -228,6 +229,30 @@ def load_agreement_cost() -> None:
               f"({min(ms):.2f}-{max(ms):.2f})", flush=True)
 
 
+def layout_record_cost() -> None:
+    """What each call pays for the layouts of the pieces handed between compiled modules (session 76): the record of
+    each output piece by the memory it reads (`compiled._LaidOut.record`), and the look-up of each input
+    (`_LaidOut.get`), with 1 and 8 tensors, 20,000 calls, each call's outputs new and dropped."""
+    from torch.distributed.tensor import Replicate
+
+    from spmd.runtime.compiled import _LaidOut
+
+    for tensors in (1, 8):
+        laid, calls, layout = _LaidOut(), 20000, (("0",), (Replicate(),))
+        inputs = [torch.empty(4, 8) for _ in range(tensors)]
+        flats = [[torch.empty(4, 8) for _ in range(tensors)] for _ in range(calls)]
+        t0 = time.perf_counter()
+        for i in range(calls):
+            for t in inputs:
+                laid.get(t)
+            flat, flats[i] = flats[i], None
+            for t in flat:
+                laid.record(t, layout)
+        us = (time.perf_counter() - t0) / calls * 1e6
+        print(f"layout record, {tensors} input(s) looked up and {tensors} output(s) recorded per call: {us:.2f} us per "
+              "call", flush=True)
+
+
 if __name__ == "__main__":
     main()
     first_call_read()
@@ -235,3 +260,4 @@ if __name__ == "__main__":
     config_watch_cost()
     outputs_record_cost()
     load_agreement_cost()
+    layout_record_cost()
