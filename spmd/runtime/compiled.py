@@ -192,6 +192,18 @@ class _Pieces(nn.Module):
         raise _only_the_model_has(type(self).__name__, part, name, self._prefix + ".") from None
 
     def _refused(self, *args, **kwargs):
+        import sys
+
+        frame = sys._getframe(1)
+        while frame is not None and "distributed/fsdp" not in frame.f_code.co_filename.replace("\\", "/"):
+            frame = frame.f_back
+        if frame is not None:  # (torch's fully_shard / FSDP registering its hooks: a probe got the message below)
+            raise SpmdError(
+                f"torch's FSDP (fully_shard) over `{self._prefix}` of a compiled module: the compiled module already "
+                "holds only this rank's pieces, laid out as its plan says, and runs its own graph on them, so FSDP "
+                "would shard pieces and its hooks would never run. What to do: leave the compiled module out of "
+                "fully_shard (wrap only the plain modules around it); for FSDP's layout, let the plan shard the "
+                "weights on the data-parallel axis (param_placements=... Shard(0) on that axis, or memory_budget).")
         raise SpmdError(f"`{self._prefix}` of a compiled module only holds this rank's pieces of the model's weights "
                         "under their names: it is never called, so a hook on it would never run. What to do: hook the "
                         "model before spmd.compile (the hook runs while tracing, into the graph), or the compiled "

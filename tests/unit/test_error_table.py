@@ -305,6 +305,18 @@ def test_wrong_inputs_at_run_time_before_any_collective(world, inputs, words):
         assert re.search(w, str(e.value)), str(e.value)
 
 
+def test_fully_shard_over_a_compiled_module_says_to_leave_it_out(world):
+    """Found by a probe: torch's FSDP over a compiled module (or a holder of one) was refused with a message about
+    hooks on holders, naming no FSDP."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError, match=r"torch's FSDP \(fully_shard\) over `fc\d` of a compiled module.*leave "
+                                             r"the compiled module out of fully_shard"):
+        fully_shard(compiled, mesh=DeviceMesh("cpu", [0]))
+
+
 def _dtensor(t):
     """`t` as a DTensor on this one-rank world (torch's tensor parallelism handing its output over, a probe)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
