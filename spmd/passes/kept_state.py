@@ -23,6 +23,11 @@ class state_kept:
         # back with the attribute, or a second trace installed them again and every capture came out twice
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
+        # and the contents of the plain lists and dicts the modules hold (an activation log the forward appends to
+        # kept the trace's fake tensors: `torch.stack(model.log)` gave a FakeTensor after compiling; a probe)
+        self.contents = [(value, list(value) if isinstance(value, list) else dict(value))
+                         for m in root.modules() for name, value in m.__dict__.items()
+                         if type(value) in (list, dict) and "hook" not in name and name not in _REGISTRIES]
         self.registered_changed = False
         # (module, buffer name) of the buffers registered as None that the forward gave a tensor (a cache made
         # at the first call), put back to None
@@ -67,6 +72,12 @@ class state_kept:
                     self.registered_changed |= registered
         for table, before in self.hooks:
             _put_back(table, before)
+        for container, before in self.contents:
+            if isinstance(container, list):
+                if len(container) != len(before) or any(a is not b for a, b in zip(container, before)):
+                    container[:] = before
+            else:
+                _put_back(container, before)
         # (a number the forward made at its first call, `getattr(self, "calls", 0) + 1`, is gone again after the
         # put-back: not one the model keeps; a review found it crashing the check)
         counted += [k for k in self.next_values if k not in counted and k[1] in k[0].__dict__]
@@ -87,6 +98,7 @@ def _put_back(now: dict, before: dict) -> bool:
 
 
 _MISSING = object()
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
 
 
 def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Module,

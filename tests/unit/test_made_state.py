@@ -141,3 +141,25 @@ def test_the_way_out_trains_as_eager():
         torch.testing.assert_close(compiled(x).detach(), reference(x).detach(), rtol=1e-12, atol=1e-12)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_list_the_forward_appends_to_keeps_no_tracer_values():
+    """Found by a probe: an activation log the forward appends to (`self.log.append(x.detach().mean())`) held the
+    trace's fake tensors after compiling, and `torch.stack(model.log)` gave a FakeTensor. The contents of the
+    modules' plain lists and dicts are put back after every run of the forward spmd makes (`state_kept`)."""
+
+    class Logs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.log, self.seen = nn.Linear(8, 8), [], {}
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.log.append(y.detach().mean())
+            self.seen["last"] = y.detach()
+            return y
+
+    model = Logs()
+    model.log.append(torch.tensor(1.0))
+    one_device(model, (torch.randn(4, 8),))
+    assert len(model.log) == 1 and type(model.log[0]) is torch.Tensor and model.seen == {}
