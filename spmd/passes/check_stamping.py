@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -80,7 +81,6 @@ class _Recorder(TorchDispatchMode):
             return ("state", self.state[key])
         if key in self.inputs:
             return ("input", self.inputs[key])
-        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
         if isinstance(t, FakeTensor) or t.is_meta or t.layout != torch.strided:
             return ("tensor",)
         with unset_fake_temporarily():  # (a constant: `torch.tensor(scale)`, a plain attribute; read for real)
@@ -110,7 +110,6 @@ def _run(root: torch.nn.Module, inputs: tuple, layers: dict[int, tuple], depths:
     """The ops `root(*inputs)` dispatches, per label; `layers`: id(layer module) -> its label. Runs on fake
     copies of the parameters, buffers and inputs; the modules' plain attributes are put back after."""
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     mode = detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
@@ -160,6 +159,11 @@ def _run(root: torch.nn.Module, inputs: tuple, layers: dict[int, tuple], depths:
     return recorder.ops
 
 
+def _unsourced(ops: list) -> list:
+    """`ops` without where their tensors come from: the ops, their tensors' shapes and dtypes, the rest."""
+    return [(op, tuple(a[:2] if isinstance(a, tuple) else a for a in args)) for op, args in ops]
+
+
 def check_stamping(root: torch.nn.Module, inputs: tuple, model: torch.nn.Module,
                    stacks: tuple[LayerStack, ...]) -> str | None:
     """None if `root(*inputs)` (the model, or the model with its loss) at full depth runs what stamping
@@ -181,12 +185,9 @@ def check_stamping(root: torch.nn.Module, inputs: tuple, model: torch.nn.Module,
             stands_for = _stands_for(k, stack.depth)
             theirs, ours = full.get((s, k), []), cut.get((s, stands_for), [])
             if theirs != ours:
-                ops = [op for op, _ in theirs] == [op for op, _ in ours] and all(
-                    [a[:2] if isinstance(a, tuple) else a for a in x] == [b[:2] if isinstance(b, tuple) else b for b in y]
-                    for (_, x), (_, y) in zip(theirs, ours))
-                return (f"layer {k} of {stack.fqn} runs " + (
-                    "the ops of traced layer {} on other values (the parent hands each layer its own tensor: a "
-                    "parameter or buffer picked by the layer's index, a row of one, a per-layer input, an earlier "
-                    "layer's output, or a constant)" if ops else
-                    "other ops or constants than traced layer {} (it reads its index or the depth)").format(stands_for))
+                what = (f"the ops of traced layer {stands_for} on other values (the parent hands each layer its own "
+                        "tensor: a parameter or buffer picked by the layer's index, a row of one, a per-layer input, "
+                        "an earlier layer's output, or a constant)" if _unsourced(theirs) == _unsourced(ours) else
+                        f"other ops or constants than traced layer {stands_for} (it reads its index or the depth)")
+                return f"layer {k} of {stack.fqn} runs {what}"
     return None

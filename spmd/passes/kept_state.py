@@ -98,7 +98,7 @@ def _put_back(now: dict, before: dict) -> bool:
 
 
 _MISSING = object()
-_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})  # (a module's own tables: put back apart)
 
 
 def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Module,

@@ -38,9 +38,9 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError
-from spmd.passes.kept_state import refuse_counted, state_kept
+from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
-from spmd.passes.trace_module import (_REGISTRIES, DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
+from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
                                       graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
                                       tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,

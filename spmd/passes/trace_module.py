@@ -23,7 +23,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
-from spmd.passes.kept_state import refuse_counted, state_kept
+from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 
 
@@ -672,9 +672,6 @@ def warn_nested_fast_path(model: torch.nn.Module) -> None:
             "fast path and returns 0 at the padded positions; the compiled graph is the regular path and returns "
             "values there (the positions that are not padded agree). What to do: ignore the padded positions (mask "
             "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
-
-
-_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})  # (a module's own tables: `state_assigned`'s)
 
 
 def _tensor_ids(value) -> tuple | None:

@@ -24,7 +24,7 @@ from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off
-from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random, is_view
 from spmd.core.specs import contiguous_strides, local_shape, placements_str
 from spmd.passes.split_joint_graph import input_grad_key
@@ -732,6 +732,22 @@ class CompiledModule(nn.Module):
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
             source_guard.given(self, loaded, elsewhere)
 
+    def _on_live_mesh(self) -> bool:
+        """A mesh of more than one rank over a process group (not a CUDA rank planned here on fake tensors): where
+        the ranks' checks that take a collective run."""
+        return dist.is_initialized() and self.device_mesh is not None and self.mesh_spec.size > 1 and \
+            torch._guards.active_fake_mode() is None
+
+    def _mesh_check(self, call: str, compares: str, way_out: str, collective):
+        """`collective()` (a comparison of the ranks' values), with a message on stderr if this rank waits in it
+        too long; a failed collective raised as what `call` compares and the way out."""
+        try:
+            with waiting.collective(call, self.rank, self.mesh_spec.size):
+                return collective()
+        except SpmdCollectiveError as e:
+            raise SpmdCollectiveError(f"{compares} (a collective), and the collective failed ({e.__cause__ or e}). "
+                                      f"What to do: {way_out}") from e
+
     def _agree_on_loaded(self, state: dict, unexpected=()) -> None:
         """Whole tensors loaded (not DTensors: those say whose piece each is) the same on every rank: each rank cuts
         its piece from the one it was given, so a head re-drawn with each rank's own seed and loaded with
@@ -740,14 +756,8 @@ class CompiledModule(nn.Module):
         the same order on every rank (none for an entry not given whole), compared over the mesh: every rank loads
         together, as it trains together, and ranks given other entries are told so (a review found them out of
         step)."""
-        import torch.distributed as dist
-
-        from spmd.core.errors import SpmdCollectiveError
-
-        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
-                torch._guards.active_fake_mode() is not None or \
-                torch._guards.detect_fake_mode(list(state.values())) is not None:  # (a CUDA rank planned here)
-            return
+        if not self._on_live_mesh() or torch._guards.detect_fake_mode(list(state.values())) is not None:
+            return  # (fake values: a CUDA rank planned here)
         values = []
         for fqn in sorted(self._param_names):
             v = self._entry(state, fqn)
@@ -759,14 +769,10 @@ class CompiledModule(nn.Module):
         keys = ",".join(sorted(map(str, unexpected))).encode()
         values.append(("keys that are not the model's",
                        torch.frombuffer(bytearray(keys), dtype=torch.uint8) if keys else _NOT_GIVEN))
-        try:
-            with waiting.collective("load_state_dict", self.rank, self.mesh_spec.size):
-                apart, anywhere = self._values_apart(values, lambda axis, k: True, "loaded tensors", sampled=True)
-        except SpmdCollectiveError as e:
-            raise SpmdCollectiveError(
-                "load_state_dict compares the whole tensors each rank was given with its peers' (a collective), and "
-                f"the collective failed ({e.__cause__ or e}). What to do: load on every rank of the mesh, with the "
-                "same entries.") from e
+        apart, anywhere = self._mesh_check(
+            "load_state_dict", "load_state_dict compares the whole tensors each rank was given with its peers'",
+            "load on every rank of the mesh, with the same entries.",
+            lambda: self._values_apart(values, lambda axis, k: True, "loaded tensors", sampled=True))
         if anywhere:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
             raise SpmdError(
@@ -1189,21 +1195,13 @@ class CompiledModule(nn.Module):
         """`init_weights()` with no seed draws from each rank's global generator: ranks seeded apart (a data
         loader's habit, `torch.manual_seed(1000 + rank)`) drew their own replicas of every replicated weight
         (0.108 off rank 0's, silently; found by a probe). The generators' states are compared over the mesh."""
-        import torch.distributed as dist
-
-        from spmd.core.errors import SpmdCollectiveError
-
-        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
-                torch._guards.active_fake_mode() is not None:
+        if not self._on_live_mesh():
             return
         values = [("the global random generator", torch.get_rng_state())]
-        try:
-            with waiting.collective("init_weights", self.rank, self.mesh_spec.size):
-                apart, anywhere = self._values_apart(values, lambda axis, k: True, "random generators")
-        except SpmdCollectiveError as e:
-            raise SpmdCollectiveError(
-                "init_weights() with no seed compares the ranks' random generators (a collective), and the "
-                f"collective failed ({e.__cause__ or e}). What to do: call it on every rank of the mesh.") from e
+        apart, anywhere = self._mesh_check(
+            "init_weights", "init_weights() with no seed compares the ranks' random generators",
+            "call it on every rank of the mesh.",
+            lambda: self._values_apart(values, lambda axis, k: True, "random generators"))
         if anywhere:
             raise SpmdError(
                 "init_weights() with no seed draws from each rank's global random generator, and the ranks' "
@@ -1220,8 +1218,6 @@ class CompiledModule(nn.Module):
         (the ranks compare what they read: the same files, and no rank failed). Returns the missing and
         unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of whose names is the
         model's also warns: a prefix such as `model.` loaded nothing, silently)."""
-        from spmd.runtime.checkpoint import headers_digest
-
         failed, files, missing, unexpected, stored_as = None, {}, [], [], {}
         try:  # (every failure joins the ranks' comparison below: one rank raising alone left the others waiting)
             files, missing, unexpected, stored_as = self._read_safetensors(path, strict)
@@ -1229,7 +1225,7 @@ class CompiledModule(nn.Module):
             failed = e
         except Exception as e:  # (OSError, a header cut short, anything else: every rank learns it failed)
             failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
-        self._agree_on_checkpoint(files, failed, headers_digest)
+        self._agree_on_checkpoint(files, failed)
         if failed is not None:
             raise failed
         if stored_as:
@@ -1307,31 +1303,24 @@ class CompiledModule(nn.Module):
                 self._uninitialized.discard(fqn)
         return files, missing, unexpected, stored_as
 
-    def _agree_on_checkpoint(self, files, failed, headers_digest) -> None:
+    def _agree_on_checkpoint(self, files, failed) -> None:
         """Every rank of the mesh loaded, from the same files (their headers and sizes), and none failed: a load
         on rank 0 alone (FSDP1's habit) left the other ranks' replicas with their own values (0.127 off after 3
         steps), and a rank that failed alone (a truncated shard) left the others waiting; found by a probe."""
-        import torch.distributed as dist
+        from spmd.runtime.checkpoint import headers_digest
 
-        from spmd.core.errors import SpmdCollectiveError
-
-        if not dist.is_initialized() or self.device_mesh is None or self.mesh_spec.size == 1 or \
-                torch._guards.active_fake_mode() is not None:
+        if not self._on_live_mesh():
             return
         try:
             digest = headers_digest(files) if failed is None else b"failed"
         except OSError:
             digest = b"failed"
         values = [("the checkpoint's files", torch.frombuffer(bytearray(digest), dtype=torch.uint8))]
-        try:
-            with waiting.collective("load_safetensors", self.rank, self.mesh_spec.size):
-                apart, _ = self._values_apart(values, lambda axis, k: True, "checkpoint loaded")
-                failed_anywhere = self._apart_anywhere(failed is not None, "checkpoint loaded")
-        except SpmdCollectiveError as e:
-            raise SpmdCollectiveError(
-                "load_safetensors compares the files each rank read with its peers' (a collective), and the "
-                f"collective failed ({e.__cause__ or e}). What to do: load on every rank of the mesh, from the same "
-                "checkpoint.") from e
+        (apart, _), failed_anywhere = self._mesh_check(
+            "load_safetensors", "load_safetensors compares the files each rank read with its peers'",
+            "load on every rank of the mesh, from the same checkpoint.",
+            lambda: (self._values_apart(values, lambda axis, k: True, "checkpoint loaded"),
+                     self._apart_anywhere(failed is not None, "checkpoint loaded")))
         if failed is None and failed_anywhere:
             raise SpmdError("load_safetensors failed on another rank of the mesh (its message says why); this rank "
                             "read its pieces. What to do: fix what that rank reports, and load again on every rank.")
@@ -1380,8 +1369,7 @@ class CompiledModule(nn.Module):
                 tmp.unlink(missing_ok=True)
                 failed = e
         # every rank returns once the file is whole (a load right after on another rank read a file not there yet)
-        if dist.is_initialized() and self.device_mesh is not None and self.mesh_spec.size > 1 and \
-                self._apart_anywhere(failed is not None, "save_safetensors") and failed is None:
+        if self._on_live_mesh() and self._apart_anywhere(failed is not None, "save_safetensors") and failed is None:
             raise SpmdError(f"save_safetensors: the mesh's first rank, which writes, could not finish {path} (its "
                             "message says why).")
         if failed is not None:
@@ -1400,7 +1388,7 @@ class CompiledModule(nn.Module):
             elif not p.parent.is_dir():
                 problem = f"the folder {p.parent} does not exist (make it first)"
         anywhere = problem is not None
-        if dist.is_initialized() and self.device_mesh is not None and self.mesh_spec.size > 1:
+        if self._on_live_mesh():
             anywhere = self._apart_anywhere(anywhere, "save_safetensors's path")
         if anywhere:
             what = problem or f"the mesh's first rank, which writes, cannot write {path}"
