@@ -1217,24 +1217,19 @@ def test_a_state_dict_of_a_module_on_another_mesh_loads(ranks):
         assert r["error"] < 1e-12, r
 
 
-def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
-    torch.manual_seed(0)
-    core = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
-    pre = torch.nn.Linear(16, 16)
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    eager = torch.nn.Sequential(copy.deepcopy(pre), copy.deepcopy(core))
-    compiled = spmd.compile(core, spmd.init_mesh((2,), ("tp",)), (x.clone().requires_grad_(), y), loss_fn=F.mse_loss,
-                            mesh_spec=spec((2,), ("tp",)), in_placements={"input": [Replicate()]})
+class _Holder(torch.nn.Module):
+    """A plain module around a compiled one, whose forward cuts an activation for it (a layer before it)."""
 
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre, self.core = pre, compiled
+    def __init__(self, pre, core):
+        super().__init__()
+        self.pre, self.core = pre, core
 
-        def forward(self, x, y):
-            return self.core(*self.core.shard_inputs(self.pre(x), y))
+    def forward(self, x, y):
+        return self.core(*self.core.shard_inputs(self.pre(x), y))
 
-    holder = torch.compile(Holder(), backend="eager")
+
+def _three_steps_each(holder, eager, x, y) -> list[float]:
+    """The losses of 3 SGD steps of `holder` (its loss), then of `eager` (its mse against `y`)."""
     losses = []
     for model in (holder, eager):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1244,18 +1239,35 @@ def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-    return {"losses": losses}
+    return losses
+
+
+def _in_ranks_of_its_own(ranks, fn) -> list:
+    """`fn` on 2 ranks that are closed after it: what it leaves in native code (dynamo's caches, DDP's reducers)
+    does not reach later tests."""
+    pool = ranks(2)
+    try:
+        return pool.run(fn)
+    finally:
+        pool.close()
+
+
+def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    core = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    pre = torch.nn.Linear(16, 16)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    eager = torch.nn.Sequential(copy.deepcopy(pre), copy.deepcopy(core))
+    compiled = spmd.compile(core, spmd.init_mesh((2,), ("tp",)), (x.clone().requires_grad_(), y), loss_fn=F.mse_loss,
+                            mesh_spec=spec((2,), ("tp",)), in_placements={"input": [Replicate()]})
+
+    return {"losses": _three_steps_each(torch.compile(_Holder(pre, compiled), backend="eager"), eager, x, y)}
 
 
 def test_shard_inputs_inside_a_torch_compiled_forward(ranks):
     """Found by a probe: a holder compiled by torch.compile, whose forward cuts an activation that requires grad with
     shard_inputs, failed at its second call with a raw TypeError (dynamo's stand-in for the cut's record)."""
-    pool = ranks(2)
-    try:
-        results = pool.run(_compiled_holder_cutting_an_activation)
-    finally:
-        pool.close()  # (dynamo's caches and threads stay in the ranks: later tests get fresh ones)
-    for r in results:
+    for r in _in_ranks_of_its_own(ranks, _compiled_holder_cutting_an_activation):
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
 
 
@@ -1269,14 +1281,6 @@ def _inside_ddp(rank: int, world: int) -> dict:
     compiled = spmd.compile(core, spmd.init_mesh((2,), ("tp",)), (x.clone().requires_grad_(), y), loss_fn=F.mse_loss,
                             mesh_spec=spec((2,), ("tp",)), param_placements={"0.weight": [Shard(0)]})
 
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre, self.core = pre, compiled
-
-        def forward(self, x, y):
-            return self.core(*self.core.shard_inputs(self.pre(x), y))
-
     refused, ddp = None, DDP(compiled)
     try:
         ddp(*compiled.shard_inputs(x, y))
@@ -1285,30 +1289,16 @@ def _inside_ddp(rank: int, world: int) -> dict:
     del ddp  # (its reducer, prepared for a backward that never comes, is gone before the next DDP: every rank alike)
     gc.collect()
     compiled.load_state_dict(core.state_dict())  # (the broadcast wrote rank 0's pieces over rank 1's)
-    holder = Holder()
+    holder = _Holder(pre, compiled)
     DDP._set_params_and_buffers_to_ignore_for_model(holder, [f"core.{n}" for n, _ in compiled.named_parameters()])
-    wrapped, losses = DDP(holder), []
-    for model in (wrapped, eager):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
-            loss = model(x, y) if model is wrapped else F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    return {"refused": refused, "losses": losses}
+    return {"refused": refused, "losses": _three_steps_each(DDP(holder), eager, x, y)}
 
 
 def test_a_compiled_module_inside_ddp(ranks):
     """Found by a probe: DDP around a compiled module broadcast rank 0's pieces over rank 1's and averaged the
     gradients of different pieces (weights 0.48 off after 3 steps, silently). Refused; DDP over the plain modules
     around it, the compiled module's parameters ignored, trains as one device."""
-    pool = ranks(2)
-    try:
-        results = pool.run(_inside_ddp)
-    finally:
-        pool.close()  # (DDP's reducers live in native code: later tests get fresh ranks)
-    for r in results:
+    for r in _in_ranks_of_its_own(ranks, _inside_ddp):
         assert "inside torch's DistributedDataParallel" in r["refused"], r
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
 
