@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError, describe_node
-from spmd.core.graph_facts import hashable_args
+from spmd.core.graph_facts import hashable_args, is_random
 from spmd.core.memo import ByIdentity
 from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
@@ -255,6 +255,14 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                                             (m_args, m_kwargs), is_leaf=lambda a: isinstance(a, TensorArg))
                 single = RULES[node.target](RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
                 strategies = expand_single_dim(single, len(outs), mesh.ndim)
+            elif is_random(node):
+                # a draw no rule of ours covers (multinomial, randint_like(x, low, high), CUDA attention
+                # kernels with dropout): DTensor's rules cut it (it offsets a CUDA generator per shard), and a
+                # rank drawing its piece from the shared generator draws the first rows' numbers for its own
+                # rows. Whole on every rank, as rules/random.py draws.
+                rep1 = (Replicate(),) * mesh.ndim
+                strategies = [Strategy(tuple(rep1 if o is not None else None for o in outs), tuple(rep1 for _ in inputs))]
+                source = "random"
             else:
                 cands = {j: table.output_candidates(v) for j, v in enumerate(inputs)}
                 strategies = dtensor_adapter.strategies(node.target, m_args, m_kwargs, dict(enumerate(in_infos)),

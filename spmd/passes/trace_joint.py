@@ -184,7 +184,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
                 f"{strip(target.group(1)) if target else '?'} in place (an Embedding with max_norm renormalizes the "
                 "rows it looks up), and a training graph cannot differentiate through a parameter it also "
                 "updates. What to do: leave such updates out of the forward (renormalize after the optimizer's step, "
-                "under torch.no_grad(), on the compiled module's parameter), or drop max_norm.")
+                "under torch.no_grad(), on the compiled module's piece, with the weight pinned so that each rank holds "
+                f"whole rows, `param_placements={{{strip(target.group(1)) if target else 'name'!r}: [Shard(0)]}}` (or "
+                "[Replicate()]; one per mesh axis): a row cut across ranks has "
+                "its norm on none of them), or drop max_norm.")
         else:
             raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
                             "this model; inputs that are mutated or tensor subclasses are not supported yet.")
@@ -405,7 +408,8 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 way_out = (f"the loss_fn reads {named}, a tensor it captured (not one of its inputs), and a training "
                            "graph takes tensors only as inputs, parameters or buffers: give the loss a module that "
                            "holds it (`loss_fn=nn.CrossEntropyLoss(weight=w)`, `nn.BCEWithLogitsLoss(pos_weight=w)`), "
-                           "or make the loss_fn an nn.Module holding it as a buffer (`self.register_buffer('w', w)`)")
+                           "or make the loss_fn an nn.Module holding it as a buffer (`self.register_buffer('w', w)`)" +
+                           (", or the module that holds it as a submodule (`self.loss = ...`)" if "." in named else ""))
             else:
                 way_out = untraceable_way_out(e, model=model)
             raise SpmdError(untraceable_message(
@@ -475,14 +479,24 @@ def _captured_tensors(fn) -> list[str]:
     code, names = getattr(fn, "__code__", None), []
     if code is None:
         return names
+
+    def held(name: str, value) -> list[str]:
+        """`name` itself, or the tensors of a module reached by it (a global `nn.CrossEntropyLoss(weight=w)` the
+        function calls: found by a probe, whose refusal advised against data-dependent control flow)."""
+        if isinstance(value, torch.Tensor):
+            return [name]
+        if isinstance(value, torch.nn.Module):
+            return [f"{name}.{n}" for n, _ in (*value.named_parameters(), *value.named_buffers())] + [
+                f"{name}.{n}" for n in _tensor_attributes(value)]
+        return []
+
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            if isinstance(cell.cell_contents, torch.Tensor):
-                names.append(name)
+            names += held(name, cell.cell_contents)
         except ValueError:  # (a cell not filled yet)
             pass
     found = getattr(fn, "__globals__", {})
-    return names + [n for n in code.co_names if isinstance(found.get(n), torch.Tensor)]
+    return names + [t for n in code.co_names for t in held(n, found.get(n))]
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

@@ -867,7 +867,10 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
                 f"trace_module: the forward of {type(model).__name__} changes parameter {spec.target} in place (an "
                 "Embedding with max_norm renormalizes the rows it looks up), and a compiled module's parameters are "
                 "pieces the graph only reads. What to do: leave such updates out of the forward (renormalize the "
-                "compiled module's parameter after the call, under torch.no_grad()), or drop max_norm.")
+                "compiled module's piece after the call, under torch.no_grad(), with the weight pinned so that each "
+                f"rank holds whole rows, `param_placements={{{spec.target!r}: [Shard(0)]}}` (or [Replicate()]; one per "
+                "mesh axis): a row cut "
+                "across ranks has its norm on none of them), or drop max_norm.")
         elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := _buffer_names(model, kept.made)):
             # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
             # at the first call; found by a probe: the message named an input the forward never touched)

@@ -2885,6 +2885,16 @@ def test_a_tensor_the_loss_fn_captured_is_named_with_the_way_out():
                    loss_fn=lambda out, t: F.cross_entropy(out, t, weight=class_weights))
 
 
+
+def test_a_loss_module_the_loss_fn_reaches_by_name_is_named_with_the_way_out():
+    """Found by a probe: a loss function calling a module it reaches by name (`CE(out, t)`, a global or closure
+    `nn.CrossEntropyLoss(weight=w)`) failed with advice about data-dependent control flow."""
+    weighted = nn.CrossEntropyLoss(weight=torch.rand(2) + 0.5)
+    with pytest.raises(spmd.SpmdError, match=r"the loss_fn reads `weighted.weight`, a tensor it captured.*"
+                                             r"or the module that holds it as a submodule"):
+        one_device(_mlp(), (torch.randn(6, 4), torch.randint(0, 2, (6,))), training=True,
+                   loss_fn=lambda out, t: weighted(out, t))
+
 class _ModeConstants(nn.Module):
     """The same ops in both modes, with other constants, slices or order (found by a probe, session 59)."""
 

@@ -28,7 +28,7 @@ from spmd.passes.rules.registry import RuleInput, local_rewrite, rule
 aten = torch.ops.aten
 
 _RANDOM = [aten.rand_like.default, aten.randn_like.default,
-           aten.bernoulli.default, aten.bernoulli.p, aten.randint_like.default, aten.normal_functional.default
+           aten.bernoulli.default, aten.bernoulli.p, aten.randint_like.default, aten.randint_like.low_dtype, aten.normal_functional.default
            if hasattr(aten, "normal_functional") else None, aten.uniform.default if hasattr(aten, "uniform") else None]
 
 
