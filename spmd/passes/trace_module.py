@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import os
 import re
 import sys
 import threading
@@ -331,6 +332,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "
                 "`encoder(x, mask=mask, is_causal=True)` (or False; `src_is_causal`/`tgt_is_causal` for "
                 "nn.Transformer, `tgt_is_causal` for a decoder)" + tail)
+    distributions = os.path.join("torch", "distributions", "")
+    if "data-dependent" in str(error) and any(distributions in f.filename for f in _chain_frames(error)):
+        line = _model_line(error)  # (found by a probe: `Normal(mu, sigma).rsample()` told to write torch.where)
+        return (f"{'`' + line + '` builds' if line else 'the forward builds'} a torch.distributions object, "
+                "which checks its arguments' values in Python (`validate_args`, on by default), and a graph holds "
+                "one outcome. Pass `validate_args=False` to it, or call "
+                "`torch.distributions.Distribution.set_default_validate_args(False)` before compiling" + tail)
     if "_local_scalar_dense" in str(error):  # (found by a probe: `.item()` in a loss_fn, told only "the forward")
         line = _model_line(error)
         where = f"`{line}`" if line else "the forward or the loss_fn"
@@ -831,7 +839,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
     except Exception as e:  # torch's own message says which line failed to trace
         raise SpmdError(untraceable_message(
             f"trace_module: torch.export could not trace {type(model).__name__}", e,
-            untraceable_way_out(e, 'for transformers models pass use_cache=False', model))) from e
+            untraceable_way_out(e, 'for transformers models pass use_cache=False'
+                                if type(model).__module__.startswith("transformers.") else '', model))) from e
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature

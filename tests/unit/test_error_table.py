@@ -43,6 +43,12 @@ class _Item(nn.Module):
         return x * 2 if x.sum().item() > 0 else x  # (`.item()` as a value works: the rank graphs compute it)
 
 
+class _Sampler(nn.Module):
+    def forward(self, x):
+        # (its validate_args reads the values: found by a probe)
+        return torch.distributions.Normal(x, 0.1).rsample()
+
+
 class _Branch(nn.Module):
     def forward(self, x):
         return x * 2 if x.sum() > 0 else x
@@ -146,6 +152,9 @@ ROWS = [
       r"^[^\n]*\(Caused by: [^\n]*\)\nWhat to do: [^\n]*\n\ntorch's whole message:\n"]),  # (the gist, then ours)
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
      [r"torch.export could not trace _Item", r"reads a tensor's values in Python"]),
+    ("trace-distribution-validates", lambda w: _plan(_Sampler(), (x16,)),
+     [r"test_error_table.py:\d+: return torch.distributions.Normal\(x, 0.1\).rsample\(\)` builds a torch.distributions",
+      r"Pass `validate_args=False` to it"]),
     ("trace-item-in-loss", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=lambda out, y: F.mse_loss(
         out, y, reduction="sum") / max(1, (y > 0).sum().item())),
      [r"could not trace the forward\+backward graph of MLP", r"What to do: `[^`]*test_error_table.py:\d+: ",
