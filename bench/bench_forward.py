@@ -26,6 +26,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import socket
@@ -49,6 +50,7 @@ SIZES = {
 # (rounds, calls per variant per round, warmup calls per variant). One call per round pairs the
 # variants closely in time: the machine's load (other processes) moves on a scale of seconds.
 SCHEDULE = {"tiny": (300, 1, 20), "medium": (40, 1, 3)}
+LOOP_MAX_CALLS = 64  # `time_interleaved(loop_s=)`: at most this many calls back to back per sample
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -214,20 +216,35 @@ def percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: int, warm_each: bool = False) -> dict:
+def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: int, warm_each: bool = False,
+                     loop_s: float | None = None) -> dict:
     """Per variant, per call: the max over ranks of (barrier; t0; fn(); t1). `fns[name]` is None on a
     rank that sits the variant out (it still joins the barriers). `warm_each`: (barrier; fn(); t0; fn(); t1),
     each timed call after an untimed one, as a step follows a step in a training loop: the barrier's
     networking evicts the caches the dispatcher runs from, and on a graph of a few ops the first call
     after it pays for that (MLP(16, 64)'s forward on 2 gloo ranks: 37-51 us right after a barrier, 20-21 us
-    as the second call, 18 us in a loop)."""
+    as the second call, 18 us in a loop).
+
+    `loop_s`: also, right after each timed call, k calls back to back timed together (a training loop's
+    steps: no barrier between them), k the same on every rank and large enough that they last about
+    `loop_s` (from the warm-up's calls); returned per variant under `(name, "loop")`, per call."""
     names = list(fns)
+    spent = {n: [] for n in names}
     for name in names:
         for _ in range(warmup):
             dist.barrier()
             if fns[name] is not None:
+                t0 = time.perf_counter()
                 fns[name]()
+                spent[name].append(time.perf_counter() - t0)
+    calls = {n: 1 for n in names}
+    if loop_s is not None:  # (every rank the same k: a variant with collectives makes them on each)
+        k = torch.tensor([max(1, min(LOOP_MAX_CALLS, math.ceil(loop_s / max(min(spent[n] or [loop_s]), 1e-9))))
+                          for n in names], dtype=torch.int64)
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+        calls = dict(zip(names, k.tolist()))
     times = {n: [] for n in names}
+    loops = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -240,12 +257,19 @@ def time_interleaved(fns: dict, rank: int, rounds: int, per_round: int, warmup: 
                 if fn is not None:
                     fn()
                 times[name].append(time.perf_counter() - t0 if fn is not None else float("nan"))
+                if loop_s is not None:
+                    t0 = time.perf_counter()
+                    for _ in range(calls[name] if fn is not None else 0):
+                        fn()
+                    loops[name].append((time.perf_counter() - t0) / calls[name] if fn is not None else float("nan"))
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)
+    dist.all_gather_object(gathered, (times, loops))
     out = {}
     for n in names:
-        per_call = zip(*(g[n] for g in gathered))
+        per_call = zip(*(g[0][n] for g in gathered))
         out[n] = [max(t for t in ts if t == t) for ts in per_call]  # nan (sat out) never wins
+        if loop_s is not None:
+            out[(n, "loop")] = [max(t for t in ts if t == t) for ts in zip(*(g[1][n] for g in gathered))]
     return out
 
 
