@@ -14,10 +14,16 @@ check what they are handed and raise `SpmdError` with the way out when it is one
 gradients), before any gradient is scaled. `clip_grad_norm_` looks both up at each call, so it is caught
 however the training loop imported it (`from torch.nn.utils import clip_grad_norm_` before compiling,
 too). Anything else runs as before.
+
+`watch_source(model, compiled)` covers the model `compiled` was compiled from, whose own parameters no
+backward of the compiled module reaches: clipping them raises once the compiled module has gradients (the
+norm was 0 and nothing was clipped), and `model.zero_grad()` (torch's `Module.zero_grad`, which this module
+stands in for from then on) zeroes the compiled modules' gradients too, as it would on one device.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.nn.utils as nn_utils
@@ -30,6 +36,13 @@ _lock = threading.Lock()
 _watched = WeakIdKeyDictionary()  # parameter piece -> FQN
 _torch_scale = None  # torch's own _clip_grads_with_norm_, once ours stands in its place
 _torch_norm = None  # torch's own _get_total_norm, likewise
+# The model spmd.compile compiled keeps its own parameters, which no compiled module's backward reaches: a loop's
+# `clip_grad_norm_(model.parameters(), ...)` found no gradient (norm 0, nothing clipped) and `model.zero_grad()`
+# zeroed nothing (the pieces' gradients summed over steps), both silently (found by a probe).
+_sources = WeakIdKeyDictionary()  # a parameter of a compiled model -> (its FQN, the compiled module, weakly)
+_models = WeakIdKeyDictionary()  # compiled model -> its compiled modules (weak references); by identity: a module
+# class may define __eq__ and so not hash
+_torch_zero_grad = None  # torch.nn.Module.zero_grad, once ours stands in its place
 
 
 def watch(parameters: dict[str, torch.Tensor]) -> None:
@@ -38,13 +51,65 @@ def watch(parameters: dict[str, torch.Tensor]) -> None:
     with _lock:
         for fqn, p in parameters.items():
             _watched[p] = fqn
-        if _torch_scale is None and _watched:
-            _torch_scale, _torch_norm = clip_grad._clip_grads_with_norm_, clip_grad._get_total_norm
-            clip_grad._clip_grads_with_norm_, clip_grad._get_total_norm = _clip_grads_with_norm_, _get_total_norm
-            if getattr(nn_utils, "clip_grads_with_norm_", None) is _torch_scale:
-                nn_utils.clip_grads_with_norm_ = _clip_grads_with_norm_
-            if getattr(nn_utils, "get_total_norm", None) is _torch_norm:
-                nn_utils.get_total_norm = _get_total_norm
+        if _watched:
+            _install()
+
+
+def _install() -> None:
+    global _torch_scale, _torch_norm
+    if _torch_scale is None:
+        _torch_scale, _torch_norm = clip_grad._clip_grads_with_norm_, clip_grad._get_total_norm
+        clip_grad._clip_grads_with_norm_, clip_grad._get_total_norm = _clip_grads_with_norm_, _get_total_norm
+        if getattr(nn_utils, "clip_grads_with_norm_", None) is _torch_scale:
+            nn_utils.clip_grads_with_norm_ = _clip_grads_with_norm_
+        if getattr(nn_utils, "get_total_norm", None) is _torch_norm:
+            nn_utils.get_total_norm = _get_total_norm
+
+
+def watch_source(model: torch.nn.Module, compiled) -> None:
+    """`model` was compiled into `compiled`: clipping its own parameters raises once the compiled module has
+    gradients, and `model.zero_grad()` zeroes the compiled module's gradients too."""
+    global _torch_zero_grad
+    with _lock:
+        ref = weakref.ref(compiled)
+        for fqn, p in model.named_parameters():
+            _sources[p] = (fqn, ref)
+        _models.setdefault(model, []).append(ref)
+        _install()
+        if _torch_zero_grad is None:
+            _torch_zero_grad = torch.nn.Module.zero_grad
+            torch.nn.Module.zero_grad = _zero_grad
+
+
+def _zero_grad(self, set_to_none: bool = True) -> None:
+    """torch's `Module.zero_grad`; on a model spmd.compile compiled (or one holding a compiled part: `model.encoder`
+    compiled alone), also the compiled modules' gradients (what the model's own parameters would hold on one
+    device)."""
+    _torch_zero_grad(self, set_to_none)
+    if not _models:
+        return
+    for module in self.modules():
+        for ref in _models.get(module, ()):
+            compiled = ref()
+            if compiled is not None and compiled is not self:
+                compiled.zero_grad(set_to_none)
+
+
+_zero_grad.__doc__ = (torch.nn.Module.zero_grad.__doc__ or "") + "\n" + _zero_grad.__doc__
+
+
+def _of_source(params: list) -> list[str]:
+    """The compiled models' own parameters among `params` that have no gradient while their compiled module's
+    pieces have one (the gradients a loop over `model.parameters()` means)."""
+    found = []
+    for p in params:
+        entry = _sources.get(p) if isinstance(p, torch.Tensor) else None
+        if entry is None or p.grad is not None:
+            continue
+        compiled = entry[1]()
+        if compiled is not None and any(q.grad is not None for q in compiled.parameters()):
+            found.append(entry[0])
+    return found
 
 
 def _sharded(params: list) -> list[str]:
@@ -79,4 +144,13 @@ def _clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor
     module's sharded parameters (their `total_norm` is this rank's own)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     _refuse(_sharded(params))
+    source = _of_source(params)
+    if source:
+        names = ", ".join(source[:3]) + (f" and {len(source) - 3} more" if len(source) > 3 else "")
+        raise SpmdError(
+            f"torch.nn.utils.clip_grad_norm_ (or clip_grads_with_norm_) was handed the parameters of the model "
+            f"spmd.compile compiled ({names}): the compiled module holds its own (this rank's pieces), which the "
+            "backward reached, and the model's own get no gradient, so the norm would be 0 and nothing would be "
+            "clipped. What to do: call compiled.clip_grad_norm_(max_norm, norm_type) on the compiled module "
+            "(compiled.grad_norm(norm_type) for the norm alone).")
     return _torch_scale(params, max_norm, total_norm, foreach)

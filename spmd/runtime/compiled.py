@@ -335,6 +335,7 @@ class CompiledModule(nn.Module):
         # parameters are not this module's
         self.__dict__["_source_model"] = source_model if source_model is not None else c.model
         optimizer_guard.watch(self._source_model)  # an optimizer over the original parameters fails at its first step
+        clip_guard.watch_source(self._source_model, self)  # clipping them raises; its zero_grad() zeroes ours too
         # whether this rank's pieces were cut from its own model's values (else they came from rank src_data_rank's,
         # and its own model may hold others: ranks built with their own seeds)
         self._cut_here = src_data_rank is None or not dist.is_initialized() or dist.get_world_size() == 1 or \
