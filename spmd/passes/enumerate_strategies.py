@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
 
 from spmd.core.errors import SpmdError, describe_node
-from spmd.core.graph_facts import hashable_args, is_random
+from spmd.core.graph_facts import dropout_p, hashable_args, is_random
 from spmd.core.memo import ByIdentity
 from spmd.passes.check_pins import check_pins
 from spmd.passes.rules import RULES, RuleInput, expand_single_dim
@@ -145,6 +145,12 @@ def _query_key(target, args, kwargs, in_infos, outs, candidates) -> tuple | None
         return None
 
 
+def _drops_out(node: fx.Node) -> bool:
+    """An op with a `dropout_p` argument called with a non-zero one (an attention kernel or its backward)."""
+    return getattr(node.target, "_schema", None) is not None and \
+        dropout_p(node.target, node.args, node.kwargs) not in (0, None)
+
+
 def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, blocks=None) -> StrategyTable:
     """`pins`: as the user gave them (validated here by `check_pins`). `blocks`: a `RepeatedBlocks`; nodes of
     repeated layers copy their representative's strategies."""
@@ -255,11 +261,14 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                                             (m_args, m_kwargs), is_leaf=lambda a: isinstance(a, TensorArg))
                 single = RULES[node.target](RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
                 strategies = expand_single_dim(single, len(outs), mesh.ndim)
-            elif is_random(node):
+            elif is_random(node) or _drops_out(node):
                 # a draw no rule of ours covers (multinomial, randint_like(x, low, high), CUDA attention
                 # kernels with dropout): DTensor's rules cut it (it offsets a CUDA generator per shard), and a
                 # rank drawing its piece from the shared generator draws the first rows' numbers for its own
-                # rows. Whole on every rank, as rules/random.py draws.
+                # rows. Whole on every rank, as rules/random.py draws; so is the backward of an attention kernel
+                # with dropout, which draws its forward's mask again from the seed and the element's index (a
+                # piece of it would draw the first rows' mask: flash attention's backward is not tagged random;
+                # found by a review)
                 rep1 = (Replicate(),) * mesh.ndim
                 strategies = [Strategy(tuple(rep1 if o is not None else None for o in outs), tuple(rep1 for _ in inputs))]
                 source = "random"

@@ -397,7 +397,7 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
             if isinstance(e, _DropsBackward):  # (the direct road's error is the one that says what went wrong)
                 e = direct
             attrs = _tensor_attributes(model)
-            captured = _captured_tensors(root.loss_fn) if isinstance(root, WithLoss) else []
+            captured = _captured_tensors(root.loss_fn, model) if isinstance(root, WithLoss) else []
             named = ", ".join(f"`{a}`" for a in (attrs or captured)[:3]) + (
                 " and others" if len(attrs or captured) > 3 else "")
             if attrs and "FakeTensor" in str(e):
@@ -468,35 +468,41 @@ def _drop_disable_notes(graph: torch.fx.Graph) -> None:
                 del n.meta["custom"]
 
 
-def _captured_tensors(fn) -> list[str]:
+def _captured_tensors(fn, model: torch.nn.Module | None = None) -> list[str]:
     """Names of the tensors a loss function reads besides its inputs: its closure's and globals' (a lambda's
-    class weights), a `functools.partial`'s arguments, a loss module's plain attributes."""
+    class weights), a `functools.partial`'s arguments, a loss module's plain attributes. Tensors alone first,
+    then those of modules it reaches; not the traced `model`'s own (an L2 penalty over `model.parameters()`
+    traces: found by a review)."""
     if isinstance(fn, torch.nn.Module):
         return _tensor_attributes(fn)
     if isinstance(fn, functools.partial):
         return [f"{k}=" for k, v in fn.keywords.items() if isinstance(v, torch.Tensor)] + [
             f"argument {k}" for k, v in enumerate(fn.args) if isinstance(v, torch.Tensor)]
-    code, names = getattr(fn, "__code__", None), []
+    code = getattr(fn, "__code__", None)
     if code is None:
-        return names
+        return []
+    own = set() if model is None else {id(t) for t in (*model.parameters(), *model.buffers())}
 
     def held(name: str, value) -> list[str]:
         """`name` itself, or the tensors of a module reached by it (a global `nn.CrossEntropyLoss(weight=w)` the
         function calls: found by a probe, whose refusal advised against data-dependent control flow)."""
         if isinstance(value, torch.Tensor):
-            return [name]
+            return [name] if id(value) not in own else []
         if isinstance(value, torch.nn.Module):
-            return [f"{name}.{n}" for n, _ in (*value.named_parameters(), *value.named_buffers())] + [
+            return [f"{name}.{n}" for n, t in (*value.named_parameters(), *value.named_buffers()) if id(t) not in own] + [
                 f"{name}.{n}" for n in _tensor_attributes(value)]
         return []
 
+    values = []
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            names += held(name, cell.cell_contents)
+            values.append((name, cell.cell_contents))
         except ValueError:  # (a cell not filled yet)
             pass
     found = getattr(fn, "__globals__", {})
-    return names + [t for n in code.co_names for t in held(n, found.get(n))]
+    values += [(n, found.get(n)) for n in code.co_names]
+    return [t for name, v in values if isinstance(v, torch.Tensor) for t in held(name, v)] + [
+        t for name, v in values if not isinstance(v, torch.Tensor) for t in held(name, v)]
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

@@ -40,8 +40,9 @@ _torch_norm = None  # torch's own _get_total_norm, likewise
 # `clip_grad_norm_(model.parameters(), ...)` found no gradient (norm 0, nothing clipped) and `model.zero_grad()`
 # zeroed nothing (the pieces' gradients summed over steps), both silently (found by a probe).
 _sources = WeakIdKeyDictionary()  # a parameter of a compiled model -> (its FQN, the compiled module, weakly)
-_models = WeakIdKeyDictionary()  # compiled model -> its compiled modules (weak references); by identity: a module
-# class may define __eq__ and so not hash
+# id of a compiled model -> its compiled modules (weak references), the entry dropped with the model: plain ids, so
+# that `Module.zero_grad` stays cheap on a model of thousands of modules and traceable by torch.compile
+_models: dict[int, list] = {}
 _torch_zero_grad = None  # torch.nn.Module.zero_grad, once ours stands in its place
 
 
@@ -74,7 +75,9 @@ def watch_source(model: torch.nn.Module, compiled) -> None:
         ref = weakref.ref(compiled)
         for fqn, p in model.named_parameters():
             _sources[p] = (fqn, ref)
-        _models.setdefault(model, []).append(ref)
+        if id(model) not in _models:
+            weakref.finalize(model, _models.pop, id(model), None)
+        _models[id(model)] = [r for r in _models.get(id(model), ()) if r() is not None] + [ref]
         _install()
         if _torch_zero_grad is None:
             _torch_zero_grad = torch.nn.Module.zero_grad
@@ -89,7 +92,7 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
     if not _models:
         return
     for module in self.modules():
-        for ref in _models.get(module, ()):
+        for ref in _models.get(id(module), ()):
             compiled = ref()
             if compiled is not None and compiled is not self:
                 compiled.zero_grad(set_to_none)

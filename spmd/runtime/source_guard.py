@@ -579,9 +579,14 @@ def _guard_averaging() -> None:
 
     @functools.wraps(update)
     def update_parameters(self, model):
-        if isinstance(model, torch.nn.Module) and _trained(model) and not _all_copied(model):
+        # (the model, or a part of it compiled alone: `spmd.compile(model.encoder)`; found by a review)
+        stale = next(((name, m) for name, m in model.named_modules() if _trained(m) and not _all_copied(m)), None) \
+            if isinstance(model, torch.nn.Module) else None
+        if stale is not None:
+            name, part = stale
             raise SpmdError(
-                f"{type(model).__name__} was compiled by spmd.compile, and the compiled module {_how(model)} since: "
+                f"{type(part).__name__}{f' ({name!r} of {type(model).__name__})' if name else ''} was compiled by "
+                f"spmd.compile, and the compiled module {_how(part)} since: "
                 "the model's own weights are still those it was compiled with, so averaging them "
                 "(`AveragedModel.update_parameters(model)`) would average the old weights at every step. What to do: "
                 "average the compiled module (`ema = AveragedModel(compiled)`, `ema.update_parameters(compiled)`: "

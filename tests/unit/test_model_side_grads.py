@@ -72,3 +72,21 @@ def test_averaging_the_models_own_parameters_is_refused_and_averaging_the_compil
         torch.testing.assert_close(averaged[name], p.detach())
     model.load_state_dict(compiled.full_state_dict())  # (copied back: the model holds the trained weights again)
     stale.update_parameters(model)
+
+
+def test_averaging_a_model_whose_part_was_compiled_alone_is_refused():
+    """Found by a review: `spmd.compile(model.encoder)`, then `ema.update_parameters(model)` averaged the
+    encoder's old weights (0.051 off after 3 steps)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+    x, y = torch.randn(6, 8), torch.randn(6, 16)
+    ema = AveragedModel(model)
+    part = one_device(model[0], (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    part(x, y).backward()
+    opt.step()
+    with pytest.raises(spmd.SpmdError, match=r"Linear \('0' of Sequential\) was compiled by spmd.compile.*"
+                                             r"AveragedModel\(compiled\)"):
+        ema.update_parameters(model)

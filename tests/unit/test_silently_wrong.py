@@ -3468,3 +3468,24 @@ def test_a_modules_own_state_dict_loaded_back_is_no_checkpoint():
     compiled.load_state_dict(state)
     with pytest.raises(spmd.SpmdError, match=r"given weights from elsewhere"):
         sibling(x)
+
+
+class _FlashBackward(nn.Module):
+    """Flash attention's backward with dropout (it draws its forward's mask again from the seed and each element's
+    index), as a CUDA training graph holds it; fake tensors trace it on CPU."""
+
+    def forward(self, q, g):
+        t = q.shape[2]
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+            g, q, q, q, q * 2, q.sum(-1), None, None, t, t, 0.1, False, seed, offset, scale=None)
+        return grads[0] + grads[1] + grads[2]
+
+
+def test_an_attention_backward_with_dropout_runs_whole_as_its_forward_does():
+    """Found by a review: flash attention's backward is not tagged random, so it took DTensor's rules and was cut
+    on the batch while its forward ran whole; a rank's piece would draw the first rows' mask again."""
+    q, g = torch.randn(4, 2, 8, 16), torch.randn(4, 2, 8, 16)
+    plan = spmd.plan(_FlashBackward(), spec((2,), ("dp",)), (q, g), in_placements={"q": [Shard(0)], "g": [Shard(0)]})
+    chosen = [s for n, s in plan.choices.items() if "flash_attention_backward" in n]
+    assert chosen and all(ps == (Replicate(),) for s in chosen for ps in s.outputs), chosen
