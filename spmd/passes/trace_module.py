@@ -840,7 +840,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
         raise SpmdError(untraceable_message(
             f"trace_module: torch.export could not trace {type(model).__name__}", e,
             untraceable_way_out(e, 'for transformers models pass use_cache=False'
-                                if type(model).__module__.startswith("transformers.") else '', model))) from e
+                                if any(c.__module__.startswith(("transformers.", "peft."))
+                                       for c in type(model).__mro__) else '', model))) from e
 
     _drop_assertions(ep.graph_module)
     sig = ep.graph_signature
