@@ -54,6 +54,16 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     world = dist.get_world_size()
+    if world > 1:  # (every rank asks for the same mesh: nodes started with other meshes waited in the groups' creation)
+        asked = [None] * world
+        dist.all_gather_object(asked, (shape, tuple(axis_names), device_type))
+        apart = [r for r, a in enumerate(asked) if a != asked[0]]
+        if apart:
+            shown = lambda a: f"{dict(zip(a[1], a[0]))} on {a[2]}"  # noqa: E731
+            raise SpmdError(f"init_mesh: the ranks asked for different meshes: rank {apart[0]} "
+                            f"{shown(asked[apart[0]])}, rank 0 {shown(asked[0])} (ranks that differ from rank 0: "
+                            f"{apart[:8]}{' ...' if len(apart) > 8 else ''}). What to do: start every node with the same "
+                            "script and arguments (the same mesh shape and axis names).")
     need = 1
     for s in shape:
         need *= s

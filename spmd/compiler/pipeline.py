@@ -370,7 +370,12 @@ def _run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: 
                               "options": options, "binding": binding, "stacks": (), "blocks": None,
                               "strategies": None, "costs": None,
                               "stamp_note": "", "recomputable": Recomputable(), "global_gm": None, "rank_gm": None, "split": None}
-    dump = Dumper(None if quiet else options.dump_dir or os.environ.get("SPMD_DUMP"))
+    where = None if quiet else options.dump_dir or os.environ.get("SPMD_DUMP")
+    if where and binding is not None and binding.share_plan is not None:
+        # (on a live mesh every rank dumps, and only one runs the planning passes: in one folder the ranks wrote
+        # the same names over each other, numbered apart, `08-emit_rank_graph.txt` of any rank; found by a probe)
+        where = os.path.join(where, f"rank{binding.rank}")
+    dump = Dumper(where)
     verify = options.verify or os.environ.get("SPMD_VERIFY", "") not in ("", "0")
     timings: dict[str, float] = {}
     since = fx_sources.mark()

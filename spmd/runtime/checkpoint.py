@@ -39,7 +39,9 @@ def checkpoint_files(path) -> dict[str, Path]:
         path = path / INDEX if (path / INDEX).exists() else path / "model.safetensors"
     if not path.exists():
         raise SpmdError(f"no checkpoint at {path}. What to do: pass a .safetensors file, an index "
-                        f"({INDEX}) or the folder save_pretrained wrote.")
+                        f"({INDEX}) or the folder save_pretrained wrote (on several machines, on every one of them: "
+                        "save_safetensors writes on the mesh's first rank alone, on its machine's own disk unless the "
+                        "path is on a shared filesystem).")
     if path.suffix == ".json":
         try:
             weight_map = json.loads(path.read_text())["weight_map"]
@@ -134,8 +136,39 @@ def headers_digest(files: dict[str, Path]) -> bytes:
 
     h = hashlib.sha1()
     for path in sorted(set(files.values())):
-        h.update(f"{path.name}:{path.stat().st_size}:".encode())
-        h.update(json.dumps(read_header(path)[1], sort_keys=True).encode())
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}:".encode())
+        data_start, header = read_header(path)
+        h.update(json.dumps(header, sort_keys=True).encode())
+        h.update(_content_sample(path, data_start, size, header))
+    return h.digest()
+
+
+def _content_sample(path: Path, data_start: int, size: int, header: dict, blocks: int = 64,
+                    block_bytes: int = 4096, head_bytes: int = 256) -> bytes:
+    """A digest of some of the file's data: `blocks` blocks spread evenly over it (all of it when small) and the
+    first bytes of every tensor. Headers and sizes alone are those of any checkpoint of the same model: a node
+    holding an older copy under the same path (a folder on its local disk, where rank 0 of another machine
+    wrote the new one) passed the ranks' comparison and trained its replicas from the old weights."""
+    import hashlib
+
+    h = hashlib.sha1()
+    span = size - data_start
+    with open(path, "rb", buffering=0) as f:
+        if span <= blocks * block_bytes:
+            f.seek(data_start)
+            h.update(f.read(span))
+            return h.digest()
+        step = span // blocks
+        for i in range(blocks):
+            f.seek(data_start + i * step)
+            h.update(f.read(block_bytes))
+        for name, entry in sorted(header.items()):
+            if name == "__metadata__" or not isinstance(entry, dict) or "data_offsets" not in entry:
+                continue
+            begin, end = entry["data_offsets"]
+            f.seek(data_start + begin)
+            h.update(f.read(min(head_bytes, end - begin)))
     return h.digest()
 
 

@@ -718,6 +718,7 @@ class CompiledModule(nn.Module):
         if not _agreed:
             self._agree_on_loaded(state)
         elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
+        self._agree_on_whose_pieces(state)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 value = self._entry(state, fqn)
@@ -732,6 +733,37 @@ class CompiledModule(nn.Module):
         self._uninitialized -= loaded
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
             source_guard.given(self, loaded, elsewhere)
+
+    def _agree_on_whose_pieces(self, state: dict) -> None:
+        """Every rank refuses, before any piece is written, where any rank was given DTensors holding another rank's
+        pieces (`_saved_here`): files named by LOCAL_RANK on a shared folder, written by every node's ranks over
+        each other, refused on the ranks that read another's and loaded on the others; in a `try: resume
+        except: start fresh` loop the replicas then trained from different weights, and without it the others
+        went on into the step's collectives (gloo's SIGABRT on a size mismatch; found by a probe)."""
+        mine = None
+        for fqn in self._param_names:
+            value = self._entry(state, fqn)
+            if hasattr(value, "to_local"):
+                try:
+                    self._saved_here(fqn, value)
+                except SpmdError as e:
+                    mine = e
+                    break
+        if self._on_live_mesh() and torch._guards.detect_fake_mode(list(state.values())) is None:
+            anywhere = self._mesh_check(
+                "load_state_dict", "load_state_dict compares whose pieces each rank was given with its peers'",
+                "load on every rank of the mesh.", lambda: self._apart_anywhere(mine is not None, "loaded pieces"))
+        else:
+            anywhere = mine is not None
+        if mine is not None:
+            raise mine
+        if anywhere:
+            raise SpmdError(
+                "load_state_dict: another rank of the mesh was given another rank's pieces (its own message says "
+                "whose), so no rank loaded anything (each rank's file on a folder every machine shares, named by "
+                "LOCAL_RANK, is written over by the other machines' ranks). What to do: let each rank save and load "
+                "its own file, named by its global rank (`f'ckpt_{dist.get_rank()}.pt'`), or use "
+                "torch.distributed.checkpoint (`dcp.save(compiled.state_dict())`).")
 
     def _on_live_mesh(self) -> bool:
         """A mesh of more than one rank over a process group (not a CUDA rank planned here on fake tensors): where
@@ -1219,7 +1251,18 @@ class CompiledModule(nn.Module):
         (the ranks compare what they read: the same files, and no rank failed). Returns the missing and
         unexpected keys, as `load_state_dict` (with strict=False, a checkpoint none of whose names is the
         model's also warns: a prefix such as `model.` loaded nothing, silently)."""
+        from spmd.runtime.checkpoint import checkpoint_files
+
         failed, files, missing, unexpected, stored_as = None, {}, [], [], {}
+        try:  # the ranks agree on the files before any piece is written: a rank that read another machine's older
+            files = checkpoint_files(path)  # copy was refused only after it had loaded it (replicas apart after)
+        except SpmdError as e:
+            failed = e
+        except Exception as e:
+            failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
+        self._agree_on_checkpoint(files, failed)
+        if failed is not None:
+            raise failed
         try:  # (every failure joins the ranks' comparison below: one rank raising alone left the others waiting)
             files, missing, unexpected, stored_as = self._read_safetensors(path, strict)
         except SpmdError as e:
@@ -1323,13 +1366,16 @@ class CompiledModule(nn.Module):
             lambda: (self._values_apart(values, lambda axis, k: True, "checkpoint loaded"),
                      self._apart_anywhere(failed is not None, "checkpoint loaded")))
         if failed is None and failed_anywhere:
-            raise SpmdError("load_safetensors failed on another rank of the mesh (its message says why); this rank "
-                            "read its pieces. What to do: fix what that rank reports, and load again on every rank.")
+            raise SpmdError("load_safetensors failed on another rank of the mesh (its message says why); nothing "
+                            "was loaded on any rank (or, where reading the pieces failed, only a part). What to do: fix what that rank reports, and load again on every rank.")
         if failed is None and apart:
             raise SpmdError(
-                "load_safetensors: the ranks read different checkpoints (the files' headers or sizes differ along "
-                f"{', '.join(repr(axis) for _, axis in apart)}): each rank took its pieces from its own. What to do: "
-                "load the same checkpoint on every rank.")
+                "load_safetensors: the ranks read different checkpoints (the files' headers, sizes or contents differ along "
+                f"{', '.join(repr(axis) for _, axis in apart)}), and nothing was loaded. On several "
+                "machines, a path on each machine's local disk is a file of each machine's (save_safetensors writes "
+                "on the mesh's first rank only, and another machine may hold an older file under the same name). "
+                "What to do: load the same checkpoint on every rank (a shared filesystem, or the same file copied "
+                "to every machine).")
 
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):

@@ -58,6 +58,39 @@ def device_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: st
         return hit[1]
     for k in [k for k, (group, _) in _MESHES.items() if group is not default]:
         del _MESHES[k]  # meshes of a destroyed default group
-    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
+    override = _timeout_override(default, tuple(shape), device_type)
+    if override:
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names), backend_override=override)
+    else:
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(axis_names))
     _MESHES[key] = (default, mesh)
     return mesh
+
+
+def _timeout_override(default, shape: tuple, device_type: str) -> dict:
+    """The default group's timeout for each mesh axis that gets a process group of its own (one smaller than the
+    world). torch's init_device_mesh makes them with torch's default timeouts (30 minutes for gloo, 10 for NCCL),
+    not the default group's: on a (2, 2) mesh `spmd.init_mesh(timeout=...)` (5 minutes unless told) held for
+    nothing, a rank that stopped taking part left the others waiting 30 minutes, and nodes that built other
+    meshes waited in the groups' creation as long (found by a probe). {} where nothing can be said."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    axes = [i for i, n in enumerate(shape) if 1 < n < world]
+    if not axes:
+        return {}
+    try:
+        device = torch.device(device_type)
+        timeout = default._get_backend(device).options._timeout
+        backend = dist.get_backend(default)
+        if "gloo" in backend and device_type == "cpu" or backend == "gloo":
+            name, options = "gloo", dist.ProcessGroupGloo._Options()
+        elif "nccl" in backend and hasattr(dist, "ProcessGroupNCCL"):
+            name, options = "nccl", dist.ProcessGroupNCCL.Options()
+        else:
+            return {}
+        options._timeout = timeout
+    except Exception:  # noqa: BLE001 - a backend whose options are not known here: torch's defaults, as before
+        return {}
+    return {i: (name, options) for i in axes}

@@ -131,6 +131,12 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
     if len(named["param_groups"]) != len(names):
         raise SpmdError(f"load_optimizer_state_dict: the state has {len(named['param_groups'])} param groups, the "
                         f"optimizer {len(names)}. What to do: build the optimizer as it was built when saved.")
+    pieces = {}  # (a DTensor entry per parameter: whose pieces, agreed over the mesh before any is taken)
+    for fqn, entries in named["state"].items():
+        given = next((v for v in entries.values() if hasattr(v, "to_local")), None)
+        if given is not None:
+            pieces[compiled._aliases.get(fqn, fqn)] = given
+    compiled._agree_on_whose_pieces(pieces)
     state = {}
     for fqn, entries in named["state"].items():
         fqn = compiled._aliases.get(fqn, fqn)

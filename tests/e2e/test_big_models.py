@@ -424,3 +424,44 @@ def test_loads_each_rank_would_make_apart_are_refused_on_every_rank(ranks, tmp_p
     truncated = [r["refused"][1] for r in results]
     assert any("truncated checkpoint" in t for t in truncated), truncated
     assert all("truncated checkpoint" in t or "failed on another rank of the mesh" in t for t in truncated), truncated
+
+
+def _stale_copy_on_another_machine(rank: int, world: int, folder: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=1, dim=32, heads=4, vocab=64, seq=16))
+    tokens = torch.randint(0, 64, (2, 16))
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (tokens,), mesh_spec=spec((2,), ("dp",)))
+    own = os.path.join(folder, f"machine{rank}")  # (each rank's "machine" has its own disk)
+    os.makedirs(own, exist_ok=True)
+    path = os.path.join(own, "ckpt.safetensors")
+    compiled.save_safetensors(os.path.join(folder, "old.safetensors"))
+    dist.barrier()
+    if rank == 1:  # an older checkpoint of the same model under the same name, on this machine only
+        os.replace(os.path.join(folder, "old.safetensors"), path)
+    dist.barrier()
+    with torch.no_grad():
+        for p in compiled.parameters():
+            p.add_(0.5)  # (trained since)
+    compiled.save_safetensors(os.path.join(folder, "machine0", "ckpt.safetensors"))  # (rank 0 writes, on its disk)
+    before = {k: v.clone() for k, v in compiled.state_dict().items()}
+    try:
+        compiled.load_safetensors(path)
+        message = "loaded"
+    except spmd.SpmdError as e:
+        message = str(e)
+    untouched = all(torch.equal(v, before[k]) for k, v in compiled.state_dict().items())
+    return {"message": message, "untouched": untouched}
+
+
+def test_a_checkpoint_each_machine_holds_its_own_copy_of_is_refused_on_every_rank(ranks, tmp_path):
+    """Found by a probe: save_safetensors writes on the mesh's first rank only, on its own machine's disk; another
+    machine holding an older file under the same name loaded it (the ranks compared headers and sizes, which any
+    checkpoint of the model shares), and its replicas trained from the old weights (0.0103 off), silently. The
+    ranks now compare samples of the files' contents, before any piece is written."""
+    for r in ranks(2).run(_stale_copy_on_another_machine, str(tmp_path)):
+        assert "the ranks read different checkpoints" in r["message"] and r["untouched"], r

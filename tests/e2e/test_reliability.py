@@ -1,5 +1,6 @@
 """A rank that dies or hangs in the middle of a training step: the others fail, fast, naming what they
 were doing, and nothing is left running (docs/reliability.md has the measured times)."""
+import re
 import time
 from pathlib import Path
 
@@ -34,3 +35,52 @@ def test_the_survivor_fails_fast_and_says_which_collective(how, limit_s):
     print(message)
     assert "rank 0 finished" not in out0
     print(f"{how}: the survivor failed {elapsed:.1f} s after rank 1 stopped")
+
+
+_AXIS_TIMEOUTS = """
+import datetime, torch, spmd
+from spmd.runtime.meshes import device_mesh
+spmd.init_mesh((2, 2), ("dp", "tp"), timeout=datetime.timedelta(seconds=7))
+mesh, cpu = device_mesh((2, 2), ("dp", "tp"), "cpu"), torch.device("cpu")
+print("timeouts", [mesh.get_group(a)._get_backend(cpu).options._timeout.total_seconds() for a in ("dp", "tp")])
+"""
+
+_OTHER_MESHES = """
+import os, spmd
+rank = int(os.environ["RANK"])
+try:
+    spmd.init_mesh((2, 2) if rank < 2 else (4,), ("dp", "tp") if rank < 2 else ("tp",))
+except spmd.SpmdError as e:
+    print("refused", e)
+"""
+
+
+def _four(code: str) -> list[str]:
+    procs = launch_ranks(["-c", code], world=4)
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, out + err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def test_the_mesh_axes_groups_wait_as_long_as_init_mesh_says():
+    """Found by a probe: torch's init_device_mesh made the axes' groups of a (2, 2) mesh with torch's default
+    timeout (30 minutes on gloo), so `init_mesh(timeout=...)` held for nothing there: a rank that stopped left
+    the others waiting half an hour."""
+    for out in _four(_AXIS_TIMEOUTS):
+        assert "timeouts [7.0, 7.0]" in out, out
+
+
+def test_ranks_asking_for_other_meshes_are_refused_on_every_rank():
+    """Found by a probe: machines started with other meshes ((2, 2) here, (4,) there) waited in the groups'
+    creation until killed."""
+    for out in _four(_OTHER_MESHES):
+        assert re.search(r"refused init_mesh: the ranks asked for different meshes: rank 2 \{'tp': 4\} on cpu, rank 0 "
+                         r"\{'dp': 2, 'tp': 2\} on cpu", out), out
