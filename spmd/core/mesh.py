@@ -94,9 +94,8 @@ class MeshSpec:
             cpu = mesh.device_type == "cpu"  # (else gloo moving CUDA tensors: the GPUs compute)
             dev = device or (device_profile_for("cpu").scaled(share) if cpu else _local_gpu())
         else:
-            links = tuple(
-                link_profile_for("nvlink" if i == mesh.ndim - 1 else "infiniband") for i in range(mesh.ndim)
-            )
+            links = tuple(link_profile_for("nvlink" if inside else "infiniband")
+                          for inside in _axes_inside_one_host(tuple(mesh.shape)))
             dev = device or _local_gpu()
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
         # the ranks step together: the step's compute runs at the slowest one's pace
@@ -136,6 +135,25 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
         names.append(name.strip())
         shape.append(int(size))
     return tuple(shape), tuple(names)
+
+
+def _axes_inside_one_host(shape: tuple[int, ...]) -> tuple[bool, ...]:
+    """Whether each mesh axis's groups stay on one host, from torchrun's LOCAL_WORLD_SIZE (ranks numbered host by
+    host, row-major over the mesh): an axis of stride `s` and size `n` stays inside a host of L ranks where s * n
+    divides L. Without LOCAL_WORLD_SIZE, the last axis alone (one host per group of the innermost axis). Before,
+    the last axis was always priced as NVLink and the others as InfiniBand: a (4,) mesh over 2 hosts of 2 GPUs
+    was priced as NVLink across the hosts, and a (2, 4) mesh on one host of 8 as InfiniBand on dp."""
+    import math
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local or not local.isdigit() or int(local) < 1:
+        return tuple(i == len(shape) - 1 for i in range(len(shape)))
+    local_n = int(local)
+    out = []
+    for i, n in enumerate(shape):
+        span = math.prod(shape[i:])  # the ranks one group of axis i reaches, from its first: stride * n
+        out.append(n == 1 or (local_n % span == 0))
+    return tuple(out)
 
 
 def _local_gpu() -> str:
