@@ -53,6 +53,10 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    elif device_type == "cuda" and "LOCAL_RANK" in os.environ and not torch.cuda.is_initialized():
+        # (a process group the user started without choosing a GPU: the comparison below runs on the current
+        # device, which would be cuda:0 on every rank; torch's DeviceMesh picks LOCAL_RANK's as this does)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world = dist.get_world_size()
     if world > 1:  # (every rank asks for the same mesh: nodes started with other meshes waited in the groups' creation)
         asked = [None] * world

@@ -3,7 +3,8 @@ ranks differ, the first difference in words.
 
     summarize(...)     category -> value: the mesh, the options and pins, the user inputs (names, shapes,
                        dtypes), the parameters and buffers (names, shapes, dtypes), the traced graph (each
-                       op with the numbers it takes and its output shapes, in order)
+                       op with the numbers it takes and its output shapes, in order), the versions of
+                       torch and Python (machines set up apart: the same graph may run other kernels)
     digest(summary)    category -> a short hash: what ranks exchange first (a few hundred bytes)
     differences(...)   from every rank's summary of the categories whose hashes differ: one line per
                        category naming the ranks that differ from rank 0 and the first difference
@@ -16,6 +17,7 @@ aborting the process) or, worse, line up and compute a silently wrong result.
 from __future__ import annotations
 
 import hashlib
+import platform
 from collections import Counter
 
 import torch
@@ -59,6 +61,7 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         "parameters": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs
                        if gi.kind in ("parameter", "buffer", "constant")],
         "graph": graph_lines(traced),
+        "versions": [f"torch {torch.__version__}", f"python {platform.python_version()}"],
     }
 
 

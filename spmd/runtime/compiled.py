@@ -759,9 +759,10 @@ class CompiledModule(nn.Module):
             raise mine
         if anywhere:
             raise SpmdError(
-                "load_state_dict: another rank of the mesh was given another rank's pieces (its own message says "
-                "whose), so no rank loaded anything (each rank's file on a folder every machine shares, named by "
-                "LOCAL_RANK, is written over by the other machines' ranks). What to do: let each rank save and load "
+                "load_state_dict / load_optimizer_state_dict: another rank of the mesh was given another rank's "
+                "pieces (its own message says whose), so no rank loaded anything (one rank's file loaded on every "
+                "rank, or each rank's file on a folder every machine shares named by LOCAL_RANK, which the other "
+                "machines' ranks write over). What to do: let each rank save and load "
                 "its own file, named by its global rank (`f'ckpt_{dist.get_rank()}.pt'`), or use "
                 "torch.distributed.checkpoint (`dcp.save(compiled.state_dict())`).")
 
@@ -1260,7 +1261,7 @@ class CompiledModule(nn.Module):
             failed = e
         except Exception as e:
             failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
-        self._agree_on_checkpoint(files, failed)
+        self._agree_on_checkpoint(files, failed, written=False)
         if failed is not None:
             raise failed
         try:  # (every failure joins the ranks' comparison below: one rank raising alone left the others waiting)
@@ -1347,31 +1348,39 @@ class CompiledModule(nn.Module):
                 self._uninitialized.discard(fqn)
         return files, missing, unexpected, stored_as
 
-    def _agree_on_checkpoint(self, files, failed) -> None:
-        """Every rank of the mesh loaded, from the same files (their headers and sizes), and none failed: a load
-        on rank 0 alone (FSDP1's habit) left the other ranks' replicas with their own values (0.127 off after 3
-        steps), and a rank that failed alone (a truncated shard) left the others waiting; found by a probe."""
+    def _agree_on_checkpoint(self, files, failed, written: bool = True) -> None:
+        """Every rank of the mesh loaded, from the same files (their headers, sizes and samples of their
+        contents), and none failed: a load on rank 0 alone (FSDP1's habit) left the other ranks' replicas with
+        their own values (0.127 off after 3 steps), and a rank that failed alone (a truncated shard) left the
+        others waiting; found by a probe. `written`: whether this rank's pieces were written already (the
+        check after the read) or not (the one before)."""
         from spmd.runtime.checkpoint import headers_digest
 
         if not self._on_live_mesh():
             return
+        broken = failed is not None
         try:
-            digest = headers_digest(files) if failed is None else b"failed"
-        except OSError:
-            digest = b"failed"
+            digest = headers_digest(files) if not broken else b"failed"
+        except Exception:  # (a shard's header cut on this rank alone: the others must not wait for it; found by
+            digest, broken = b"failed", True  # a review)
         values = [("the checkpoint's files", torch.frombuffer(bytearray(digest), dtype=torch.uint8))]
         (apart, _), failed_anywhere = self._mesh_check(
             "load_safetensors", "load_safetensors compares the files each rank read with its peers'",
             "load on every rank of the mesh, from the same checkpoint.",
             lambda: (self._values_apart(values, lambda axis, k: True, "checkpoint loaded"),
-                     self._apart_anywhere(failed is not None, "checkpoint loaded")))
+                     self._apart_anywhere(broken, "checkpoint loaded")))
+        if failed is None and broken:  # (its own digest failed: as a failed read)
+            raise SpmdError(f"load_safetensors: the checkpoint's files at this rank (rank {self.rank}) could not be "
+                            "read whole (a header cut or damaged). What to do: copy the checkpoint to this machine "
+                            "again, and load again on every rank.")
+        done = ("this rank read its pieces" if written else "nothing was loaded on any rank")
         if failed is None and failed_anywhere:
-            raise SpmdError("load_safetensors failed on another rank of the mesh (its message says why); nothing "
-                            "was loaded on any rank (or, where reading the pieces failed, only a part). What to do: fix what that rank reports, and load again on every rank.")
+            raise SpmdError(f"load_safetensors failed on another rank of the mesh (its message says why); {done}. "
+                            "What to do: fix what that rank reports, and load again on every rank.")
         if failed is None and apart:
             raise SpmdError(
                 "load_safetensors: the ranks read different checkpoints (the files' headers, sizes or contents differ along "
-                f"{', '.join(repr(axis) for _, axis in apart)}), and nothing was loaded. On several "
+                f"{', '.join(repr(axis) for _, axis in apart)}); {done}. On several "
                 "machines, a path on each machine's local disk is a file of each machine's (save_safetensors writes "
                 "on the mesh's first rank only, and another machine may hold an older file under the same name). "
                 "What to do: load the same checkpoint on every rank (a shared filesystem, or the same file copied "

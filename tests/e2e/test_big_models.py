@@ -465,3 +465,44 @@ def test_a_checkpoint_each_machine_holds_its_own_copy_of_is_refused_on_every_ran
     ranks now compare samples of the files' contents, before any piece is written."""
     for r in ranks(2).run(_stale_copy_on_another_machine, str(tmp_path)):
         assert "the ranks read different checkpoints" in r["message"] and r["untouched"], r
+
+
+def _cut_shard_on_one_machine(rank: int, world: int, folder: str) -> str:
+    import json
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=1, dim=32, heads=4, vocab=64, seq=16))
+    tokens = torch.randint(0, 64, (2, 16))
+    compiled = spmd.compile(model, spmd.init_mesh((2,), ("dp",)), (tokens,), mesh_spec=spec((2,), ("dp",)))
+    whole = os.path.join(folder, "whole.safetensors")
+    compiled.save_safetensors(whole)
+    own = os.path.join(folder, f"machine{rank}")
+    os.makedirs(own, exist_ok=True)
+    shard = os.path.join(own, "model-00001-of-00001.safetensors")
+    shutil.copy(whole, shard)
+    with safe_open(whole, "pt") as f:
+        names = list(f.keys())
+    with open(os.path.join(own, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {n: os.path.basename(shard) for n in names}}, f)
+    if rank == 1:
+        with open(shard, "r+b") as f:
+            f.truncate(100)  # (its header cut)
+    dist.barrier()
+    try:
+        compiled.load_safetensors(own)
+    except spmd.SpmdError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_shard_cut_on_one_machine_is_refused_on_every_rank_at_once(ranks, tmp_path):
+    """Found by a review: the ranks' comparison before the load read the shards' headers, and one cut on one
+    machine raised there alone, while the others waited out the mesh's timeout."""
+    first, second = ranks(2).run(_cut_shard_on_one_machine, str(tmp_path))
+    assert "failed on another rank of the mesh" in first and "nothing was loaded on any rank" in first, first
+    assert "could not be read whole" in second, second

@@ -91,10 +91,15 @@ def _disagree(rank, world, what):
         model = _Branchy()  # its forward branches on the data: torch.export cannot trace it
     if what == "constant" and rank == 1:
         model.ln_f.eps = 1e-3  # (a number in the graph: each rank would normalize with its own; found by a probe)
+    version = torch.__version__
+    if what == "version" and rank == 1:
+        torch.__version__ = "2.99.0"  # (a machine set up apart; found by a probe: nothing named it)
     try:
         spmd.compile(model, mesh, (tokens,), in_placements=pins)
     except SpmdError as e:
         return str(e)
+    finally:
+        torch.__version__ = version
     return None
 
 
@@ -110,6 +115,7 @@ import pytest  # noqa: E402
     ("trace", r"rank 1 could not compile: SpmdError: trace_module: torch.export could not trace _Branchy"),
     ("constant", r"graph: rank 1 differs from rank 0; op \d+: 'native_layer_norm\(64, 0\.001\) -> tuple' on rank 1, "
                  r"'native_layer_norm\(64, 1e-05\) -> tuple' on rank 0"),
+    ("version", r"versions: rank 1 differs from rank 0; .*torch 2\.99\.0.* on rank 1"),
 ])
 def test_ranks_that_disagree_all_raise_the_first_difference(ranks, what, expected):
     import re
