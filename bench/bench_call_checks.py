@@ -229,6 +229,30 @@ def load_agreement_cost() -> None:
               f"({min(ms):.2f}-{max(ms):.2f})", flush=True)
 
 
+
+def safetensors_digest_cost() -> None:
+    """What `load_safetensors` adds for the ranks' comparison of the files (session 77): `headers_digest`, each
+    file's header, size and samples of its contents (64 blocks of 4 KiB spread over it and each tensor's first 256
+    bytes), computed twice per load (before the pieces are read, and after), then two small collectives. Timed
+    here on transformers' GPT-2 small written to one file (page-cached: a cold or network disk pays seeks)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from spmd.runtime.checkpoint import checkpoint_files, headers_digest
+
+    torch.manual_seed(0)
+    state = GPT2LMHeadModel(GPT2Config(n_layer=12, use_cache=False)).state_dict()
+    state = {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/model.safetensors"
+        save_file(state, path)
+        files = checkpoint_files(path)
+        ms = [_us(lambda: headers_digest(files), calls=1, rounds=1) / 1e3 for _ in range(5)]
+    print(f"safetensors digest, GPT-2 small in one file ({len(state)} tensors): median {statistics.median(ms):.2f} ms "
+          f"of 5 ({min(ms):.2f}-{max(ms):.2f}), twice per load", flush=True)
+
 def layout_record_cost() -> None:
     """What each call pays for the layouts of the pieces handed between compiled modules (session 76): the record of
     each output piece by the memory it reads (`compiled._LaidOut.record`), and the look-up of each input
@@ -260,4 +284,5 @@ if __name__ == "__main__":
     config_watch_cost()
     outputs_record_cost()
     load_agreement_cost()
+    safetensors_digest_cost()
     layout_record_cost()
