@@ -145,6 +145,12 @@ def _query_key(target, args, kwargs, in_infos, outs, candidates) -> tuple | None
         return None
 
 
+def _whole(outs, inputs, ndim: int) -> list[Strategy]:
+    """The one strategy of an op run whole on every rank: every input and tensor output replicated."""
+    rep = (Replicate(),) * ndim
+    return [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
+
+
 def _drops_out(node: fx.Node) -> bool:
     """An op with a `dropout_p` argument called with a non-zero one (an attention kernel or its backward)."""
     return getattr(node.target, "_schema", None) is not None and \
@@ -269,9 +275,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 # with dropout, which draws its forward's mask again from the seed and the element's index (a
                 # piece of it would draw the first rows' mask: flash attention's backward is not tagged random;
                 # found by a review)
-                rep1 = (Replicate(),) * mesh.ndim
-                strategies = [Strategy(tuple(rep1 if o is not None else None for o in outs), tuple(rep1 for _ in inputs))]
-                source = "random"
+                strategies, source = _whole(outs, inputs, mesh.ndim), "random"
             else:
                 cands = {j: table.output_candidates(v) for j, v in enumerate(inputs)}
                 strategies = dtensor_adapter.strategies(node.target, m_args, m_kwargs, dict(enumerate(in_infos)),
@@ -280,7 +284,6 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         except Exception as e:  # a rule that cannot handle these args: replicate, and say so
             error = e
             strategies = None
-        rep = (Replicate(),) * mesh.ndim
         if strategies is None:
             where = describe_node(node)
             reason = f"its rule failed ({type(error).__name__}: {error})" if error else "it has no sharding rule"
@@ -288,14 +291,13 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: add a "
                 f"rule in spmd/passes/rules/ with @rule({op_name(node.target)})."), stacklevel=2)
             fallbacks.append(where)
-            strategies = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
-            source = "fallback"
+            strategies, source = _whole(outs, inputs, mesh.ndim), "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
         usable = [s for s in strategies if len(s.inputs) == len(inputs) and len(s.outputs) == len(outs)
                   and _partials_available(s, producible) and floating_partials(s, outs, in_infos)]
         kept = [s for s in usable if even(s, outs, in_infos)]
         if not kept:
-            kept = [Strategy(tuple(rep if o is not None else None for o in outs), tuple(rep for _ in inputs))]
+            kept = _whole(outs, inputs, mesh.ndim)
         kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process
         nodes[node.name] = NodeStrategies(tuple(kept), inputs, outs, source, next_variant(), len(usable) - len(kept))
         if key is not None and source != "fallback":  # a fallback warns once per node: asked again

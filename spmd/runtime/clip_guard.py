@@ -119,9 +119,13 @@ def _sharded(params: list) -> list[str]:
     return [_watched[p] for p in params if p in _watched]
 
 
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _refuse(sharded: list[str]) -> None:
     if sharded:
-        names = ", ".join(sharded[:3]) + (f" and {len(sharded) - 3} more" if len(sharded) > 3 else "")
+        names = _listed(sharded)
         raise SpmdError(
             f"torch.nn.utils.clip_grad_norm_ (or get_total_norm, or clip_grads_with_norm_) was handed this rank's "
             f"pieces of sharded parameters or their gradients ({names}): the norm would be each rank's own, a "
@@ -149,10 +153,9 @@ def _clip_grads_with_norm_(parameters, max_norm: float, total_norm: torch.Tensor
     _refuse(_sharded(params))
     source = _of_source(params)
     if source:
-        names = ", ".join(source[:3]) + (f" and {len(source) - 3} more" if len(source) > 3 else "")
         raise SpmdError(
             f"torch.nn.utils.clip_grad_norm_ (or clip_grads_with_norm_) was handed the parameters of the model "
-            f"spmd.compile compiled ({names}): the compiled module holds its own (this rank's pieces), which the "
+            f"spmd.compile compiled ({_listed(source)}): the compiled module holds its own (this rank's pieces), which the "
             "backward reached, and the model's own get no gradient, so the norm would be 0 and nothing would be "
             "clipped. What to do: call compiled.clip_grad_norm_(max_norm, norm_type) on the compiled module "
             "(compiled.grad_norm(norm_type) for the norm alone).")

@@ -1261,7 +1261,7 @@ class CompiledModule(nn.Module):
             failed = e
         except Exception as e:
             failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
-        self._agree_on_checkpoint(files, failed, written=False)
+        digest = self._agree_on_checkpoint(files, failed, written=False)
         if failed is not None:
             raise failed
         try:  # (every failure joins the ranks' comparison below: one rank raising alone left the others waiting)
@@ -1270,7 +1270,7 @@ class CompiledModule(nn.Module):
             failed = e
         except Exception as e:  # (OSError, a header cut short, anything else: every rank learns it failed)
             failed = SpmdError(f"load_safetensors: reading {path} failed on rank {self.rank}: {type(e).__name__}: {e}")
-        self._agree_on_checkpoint(files, failed)
+        self._agree_on_checkpoint(files, failed, digest=digest)  # (the files as compared before: their digest)
         if failed is not None:
             raise failed
         if stored_as:
@@ -1348,19 +1348,20 @@ class CompiledModule(nn.Module):
                 self._uninitialized.discard(fqn)
         return files, missing, unexpected, stored_as
 
-    def _agree_on_checkpoint(self, files, failed, written: bool = True) -> None:
+    def _agree_on_checkpoint(self, files, failed, written: bool = True, digest: bytes | None = None) -> bytes | None:
         """Every rank of the mesh loaded, from the same files (their headers, sizes and samples of their
         contents), and none failed: a load on rank 0 alone (FSDP1's habit) left the other ranks' replicas with
         their own values (0.127 off after 3 steps), and a rank that failed alone (a truncated shard) left the
         others waiting; found by a probe. `written`: whether this rank's pieces were written already (the
-        check after the read) or not (the one before)."""
+        check after the read) or not (the one before); `digest`: the files' digest, computed already (the
+        check before returns it). Returns the digest compared."""
         from spmd.runtime.checkpoint import headers_digest
 
         if not self._on_live_mesh():
-            return
+            return None
         broken = failed is not None
         try:
-            digest = headers_digest(files) if not broken else b"failed"
+            digest = b"failed" if broken else digest or headers_digest(files)
         except Exception:  # (a shard's header cut on this rank alone: the others must not wait for it; found by
             digest, broken = b"failed", True  # a review)
         values = [("the checkpoint's files", torch.frombuffer(bytearray(digest), dtype=torch.uint8))]
@@ -1385,6 +1386,7 @@ class CompiledModule(nn.Module):
                 "on the mesh's first rank only, and another machine may hold an older file under the same name). "
                 "What to do: load the same checkpoint on every rank (a shared filesystem, or the same file copied "
                 "to every machine).")
+        return digest
 
     @_collective
     def save_safetensors(self, path, metadata: dict | None = None):
