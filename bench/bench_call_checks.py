@@ -233,7 +233,8 @@ def load_agreement_cost() -> None:
 def safetensors_digest_cost() -> None:
     """What `load_safetensors` adds for the ranks' comparison of the files (session 77): `headers_digest`, each
     file's header, size and samples of its contents (64 blocks of 4 KiB spread over it and each tensor's first 256
-    bytes), computed twice per load (before the pieces are read, and after), then two small collectives. Timed
+    bytes), computed once per load (the ranks compare it before the pieces are read, and again after), then two
+    small collectives each time. Timed
     here on transformers' GPT-2 small written to one file (page-cached: a cold or network disk pays seeks)."""
     import tempfile
 
@@ -251,7 +252,7 @@ def safetensors_digest_cost() -> None:
         files = checkpoint_files(path)
         ms = [_us(lambda: headers_digest(files), calls=1, rounds=1) / 1e3 for _ in range(5)]
     print(f"safetensors digest, GPT-2 small in one file ({len(state)} tensors): median {statistics.median(ms):.2f} ms "
-          f"of 5 ({min(ms):.2f}-{max(ms):.2f}), twice per load", flush=True)
+          f"of 5 ({min(ms):.2f}-{max(ms):.2f}), once per load", flush=True)
 
 def layout_record_cost() -> None:
     """What each call pays for the layouts of the pieces handed between compiled modules (session 76): the record of
