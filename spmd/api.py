@@ -20,7 +20,7 @@ from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import collector_paused, run_pipeline
 from spmd.core.errors import SpmdError
-from spmd.core.mesh import MeshSpec
+from spmd.core.mesh import MeshSpec, host_id, record_hosts
 from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime import source_guard
@@ -59,8 +59,12 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world = dist.get_world_size()
     if world > 1:  # (every rank asks for the same mesh: nodes started with other meshes waited in the groups' creation)
-        asked = [None] * world
-        dist.all_gather_object(asked, (shape, tuple(axis_names), device_type))
+        # (and where each rank runs: which ranks share a machine, for the links' and the cores' prices; srun and
+        # mpirun set no LOCAL_WORLD_SIZE)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (shape, tuple(axis_names), device_type, host_id()))
+        record_hosts([g[3] for g in gathered])
+        asked = [g[:3] for g in gathered]
         apart = [r for r, a in enumerate(asked) if a != asked[0]]
         if apart:
             shown = lambda a: f"{dict(zip(a[1], a[0]))} on {a[2]}"  # noqa: E731

@@ -88,14 +88,13 @@ class MeshSpec:
         if backend == "gloo" or mesh.device_type == "cpu":
             # More ranks than cores on this host: each rank gets a share of a core, and gloo's
             # latency grows about 3.4x (measured: 4.1 vs 1.2 ms per all_reduce); plan with what the ranks will really see.
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-            share = min(1.0, (os.cpu_count() or 1) / max(local, 1))
+            share = min(1.0, (os.cpu_count() or 1) / ranks_on_this_host())
             links = tuple(link_profile_for("gloo" if share >= 1.0 else "gloo-oversubscribed") for _ in names)
             cpu = mesh.device_type == "cpu"  # (else gloo moving CUDA tensors: the GPUs compute)
             dev = device or (device_profile_for("cpu").scaled(share) if cpu else _local_gpu())
         else:
             links = tuple(link_profile_for("nvlink" if inside else "infiniband")
-                          for inside in _axes_inside_one_host(tuple(mesh.shape)))
+                          for inside in _axes_inside_one_host(tuple(mesh.shape), mesh.mesh))
             dev = device or _local_gpu()
         dev = dev if isinstance(dev, DeviceProfile) else device_profile_for(dev)
         # the ranks step together: the step's compute runs at the slowest one's pace
@@ -137,14 +136,85 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(shape), tuple(names)
 
 
-def _axes_inside_one_host(shape: tuple[int, ...]) -> tuple[bool, ...]:
-    """Whether each mesh axis's groups stay on one host, from torchrun's LOCAL_WORLD_SIZE (ranks numbered host by
-    host, row-major over the mesh): an axis of stride `s` and size `n` stays inside a host of L ranks where s * n
-    divides L. Without LOCAL_WORLD_SIZE, the last axis alone (one host per group of the innermost axis). Before,
-    the last axis was always priced as NVLink and the others as InfiniBand: a (4,) mesh over 2 hosts of 2 GPUs
-    was priced as NVLink across the hosts, and a (2, 4) mesh on one host of 8 as InfiniBand on dp."""
-    import math
+# The machine of each rank of the default process group, as `init_mesh` gathered them (`record_hosts`): what says
+# which ranks share a machine where torchrun's LOCAL_WORLD_SIZE is missing (srun, mpirun) or the machines hold
+# different numbers of ranks. (default group, machines), so a group destroyed and made again is not read.
+_HOSTS: tuple[object, tuple[str, ...]] | None = None
 
+
+def host_id() -> str:
+    """This machine: its kernel's boot id (shared by the containers of one machine, different on every machine),
+    else its host name."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        if boot:
+            return boot
+    except OSError:
+        pass
+    return socket.gethostname()
+
+
+def record_hosts(hosts) -> None:
+    """The machine (`host_id()`) of each rank of the default process group, in rank order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    global _HOSTS
+    if dist.is_initialized() and len(hosts) == dist.get_world_size():
+        _HOSTS = (_get_default_group(), tuple(hosts))
+
+
+def recorded_hosts() -> tuple[str, ...] | None:
+    """`record_hosts`'s machines, while the default process group they were gathered in lives."""
+    import torch.distributed as dist
+
+    if _HOSTS is None or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    group, hosts = _HOSTS
+    return hosts if group is _get_default_group() else None
+
+
+def ranks_on_this_host() -> int:
+    """Ranks on this machine: counted from the machines `init_mesh` gathered, else torchrun's LOCAL_WORLD_SIZE,
+    else the process group's size (ranks started some other way on one host), else WORLD_SIZE, else 1."""
+    import torch.distributed as dist
+
+    hosts = recorded_hosts()
+    if hosts is not None:
+        return hosts.count(hosts[dist.get_rank()])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) >= 1:
+        return int(local)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    world = os.environ.get("WORLD_SIZE", "")
+    return max(1, int(world)) if world.isdigit() else 1
+
+
+def _axes_inside_one_host(shape: tuple[int, ...], ranks=None) -> tuple[bool, ...]:
+    """Whether each mesh axis's groups stay on one host. `ranks` is the mesh's grid of global ranks
+    (`DeviceMesh.mesh`): where `init_mesh` gathered each rank's machine, an axis is inside one host when every one of
+    its groups is. Else from torchrun's LOCAL_WORLD_SIZE (ranks numbered host by host, row-major over the mesh): an
+    axis of stride `s` and size `n` stays inside a host of L ranks where s * n divides L. Without either, the last
+    axis alone (one host per group of the innermost axis). Before, the last axis was always priced as NVLink and the
+    others as InfiniBand: a (4,) mesh over 2 hosts of 2 GPUs was priced as NVLink across the hosts, and a (2, 4) mesh
+    on one host of 8 as InfiniBand on dp; and srun or mpirun, which set no LOCAL_WORLD_SIZE, got the last rule."""
+    hosts = recorded_hosts()
+    if hosts is not None and ranks is not None:
+        import torch
+
+        grid = torch.as_tensor(ranks).reshape(shape)
+        if int(grid.max()) < len(hosts):
+            out = []
+            for i, n in enumerate(shape):
+                groups = grid.movedim(i, -1).reshape(-1, n).tolist()
+                out.append(all(len({hosts[r] for r in group}) == 1 for group in groups))
+            return tuple(out)
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if not local or not local.isdigit() or int(local) < 1:
         return tuple(i == len(shape) - 1 for i in range(len(shape)))

@@ -19,7 +19,6 @@ Nothing is written to the module: parameters, gradients and the optimizer are un
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,6 +27,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from spmd.core.errors import SpmdInternalError, user_source_line
+from spmd.core.mesh import ranks_on_this_host
 from spmd.runtime.distribute import gather_full, local_shard
 
 # The error allowed, as a fraction of the reference's largest magnitude: a few units of the dtype's
@@ -190,7 +190,7 @@ def _free_bytes(device: torch.device) -> int:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):  # not Linux: assume the model fits
         return 1 << 62
-    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available // ranks_on_this_host()
 
 
 def _in_layout_of(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -537,15 +537,12 @@ def lockstep_slowdown(per_rank: list[list[float]]) -> float:
 
 
 def local_ranks() -> int:
-    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else the process group's size (ranks started
-    some other way on one host), else WORLD_SIZE, else 1 (as MeshSpec.from_device_mesh counts them)."""
-    import torch.distributed as dist
+    """Ranks on this host (`spmd.core.mesh.ranks_on_this_host`: the machines `init_mesh` gathered, else
+    torchrun's LOCAL_WORLD_SIZE, else the process group's size, else WORLD_SIZE, else 1), as
+    MeshSpec.from_device_mesh counts them."""
+    from spmd.core.mesh import ranks_on_this_host
 
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    if _distributed():
-        return dist.get_world_size()
-    return max(1, int(os.environ.get("WORLD_SIZE", 1)))
+    return ranks_on_this_host()
 
 
 def builtin_cpu():

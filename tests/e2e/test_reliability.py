@@ -54,6 +54,17 @@ except spmd.SpmdError as e:
     print("refused", e)
 """
 
+_TWO_MACHINES_NO_LOCAL_WORLD_SIZE = """
+import os, spmd, spmd.api
+from spmd.core.mesh import _axes_inside_one_host, ranks_on_this_host
+del os.environ["LOCAL_WORLD_SIZE"]  # (srun and mpirun set none)
+rank = int(os.environ["RANK"])
+spmd.api.host_id = lambda: f"machine{rank // 2}"  # two machines of two ranks
+mesh = spmd.init_mesh((2, 2), ("dp", "tp"), "cpu")
+print("inside", _axes_inside_one_host((2, 2), mesh.mesh), "(4,)", _axes_inside_one_host((4,), list(range(4))),
+      "local", ranks_on_this_host())
+"""
+
 
 def _four(code: str) -> list[str]:
     procs = launch_ranks(["-c", code], world=4)
@@ -84,3 +95,11 @@ def test_ranks_asking_for_other_meshes_are_refused_on_every_rank():
     for out in _four(_OTHER_MESHES):
         assert re.search(r"refused init_mesh: the ranks asked for different meshes: rank 2 \{'tp': 4\} on cpu, rank 0 "
                          r"\{'dp': 2, 'tp': 2\} on cpu", out), out
+
+
+def test_which_ranks_share_a_machine_comes_from_the_machines_themselves():
+    """Found by a probe: launches that set no LOCAL_WORLD_SIZE (srun, mpirun) took every rank as one machine's
+    (a core's share, the memory a rank may use) and priced the last mesh axis alone as NVLink. init_mesh gathers
+    each rank's machine: here two of two ranks each."""
+    for out in _four(_TWO_MACHINES_NO_LOCAL_WORLD_SIZE):
+        assert "inside (False, True) (4,) (False,) local 2" in out, out
