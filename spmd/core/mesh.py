@@ -138,8 +138,10 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 # The machine of each rank of the default process group, as `init_mesh` gathered them (`record_hosts`): what says
 # which ranks share a machine where torchrun's LOCAL_WORLD_SIZE is missing (srun, mpirun) or the machines hold
-# different numbers of ranks. (default group, machines), so a group destroyed and made again is not read.
-_HOSTS: tuple[object, tuple[str, ...]] | None = None
+# different numbers of ranks. (id of the default group, machines), so a group destroyed and made again is not read
+# (an id, not the group: a group kept alive past destroy_process_group can abort the interpreter's exit,
+# runtime/meshes.py).
+_HOSTS: tuple[int, tuple[str, ...]] | None = None
 
 
 def host_id() -> str:
@@ -164,7 +166,7 @@ def record_hosts(hosts) -> None:
 
     global _HOSTS
     if dist.is_initialized() and len(hosts) == dist.get_world_size():
-        _HOSTS = (_get_default_group(), tuple(hosts))
+        _HOSTS = (id(_get_default_group()), tuple(hosts))
 
 
 def recorded_hosts() -> tuple[str, ...] | None:
@@ -176,7 +178,7 @@ def recorded_hosts() -> tuple[str, ...] | None:
     from torch.distributed.distributed_c10d import _get_default_group
 
     group, hosts = _HOSTS
-    return hosts if group is _get_default_group() else None
+    return hosts if group == id(_get_default_group()) and len(hosts) == dist.get_world_size() else None
 
 
 def ranks_on_this_host() -> int:
