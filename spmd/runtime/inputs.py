@@ -30,16 +30,28 @@ class InputSpec:
     dtype: torch.dtype
 
 
+# (found by a probe: an epoch's last, smaller batch, a DataLoader's drop_last=False, had no way out that trains: a
+# module compiled for its size holds its own copy of the weights, which the optimizer over the first one's does not
+# step, and it is refused once its sibling has stepped)
+SMALLER_BATCH = (
+    "A smaller last batch of an epoch (a DataLoader's drop_last=False): pad it to the compiled size, with its "
+    "targets at the loss's ignore_index (a mean cross-entropy leaves those rows out, so the loss and gradients "
+    "equal the smaller batch's), or drop it (drop_last=True). A module compiled for its size would hold a copy of "
+    "the weights of its own, which the optimizer does not step.")
+
+
 def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
     """`shard_inputs`' inputs: the full tensors, as the example inputs were."""
     _count(inputs, specs, "shard_inputs takes")
-    problems, missing = [], []
+    problems, missing, batches = [], [], set()
     for t, spec in zip(inputs, specs):
         if not isinstance(t, torch.Tensor):
             problems.append(f"  input {spec.name!r}: expected a tensor, got {type(t).__name__}")
             missing.append(spec.name)
         elif tuple(t.shape) != tuple(spec.shape):
             problems.append(f"  input {spec.name!r}: expected the full shape {list(spec.shape)}, got {list(t.shape)}")
+            batches.add(t.ndim == len(spec.shape) and t.ndim > 0 and t.shape[0] < spec.shape[0]
+                        and tuple(t.shape[1:]) == tuple(spec.shape[1:]))
     if not problems:
         return
     if missing:  # (`attention_mask=None` where the example had a mask: not a matter of shapes; found by a probe)
@@ -50,7 +62,7 @@ def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
     else:
         what, way_out = "of the shapes the model was compiled for", (
             "recompile with example inputs of these shapes (the plan is for the compiled ones), or pass batches of "
-            "the compiled size.")
+            "the compiled size." + (f" {SMALLER_BATCH}" if batches == {True} else ""))
     raise SpmdError(f"shard_inputs cuts full inputs {what}:\n" + "\n".join(problems) + f"\nWhat to do: {way_out}")
 
 

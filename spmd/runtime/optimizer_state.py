@@ -145,12 +145,24 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
                             "What to do: load the state of an optimizer over the same model's parameters.")
         piece = compiled.piece(fqn)
         state[index[fqn]] = {key: _own(compiled._piece_of(fqn, value, piece), value) for key, value in entries.items()}
+    # each of the optimizer's groups takes the saved group of the same parameters, in whatever order either lists
+    # them (as torch's set_optimizer_state_dict matches them by name; found by a probe: the groups of a resumed
+    # run built in another order were refused as holding other parameters)
+    saved_groups = {frozenset(compiled._aliases.get(n, n) for n in group["params"]): group
+                    for group in named["param_groups"]}
     groups = []
-    for group, group_names in zip(named["param_groups"], names):
-        saved = [compiled._aliases.get(n, n) for n in group["params"]]
-        if sorted(saved) != sorted(group_names):
-            raise SpmdError("load_optimizer_state_dict: a param group holds other parameters than when it was "
-                            "saved. What to do: build the optimizer as it was built when saved.")
+    for k, group_names in enumerate(names):
+        group = saved_groups.get(frozenset(group_names))
+        if group is None:
+            saved_of = {compiled._aliases.get(n, n): j for j, g in enumerate(named["param_groups"]) for n in g["params"]}
+            mixed = next((n for n in group_names if saved_of.get(n) != saved_of.get(group_names[0])), None) \
+                if group_names else None
+            why = (f"{group_names[0]!r} and {mixed!r}, together in group {k} now, were saved in groups "
+                   f"{saved_of.get(group_names[0])} and {saved_of.get(mixed)}" if mixed is not None else
+                   f"group {k} ({', '.join(map(repr, group_names[:3]))}{' ...' if len(group_names) > 3 else ''}) "
+                   "holds other parameters than any group saved")
+            raise SpmdError(f"load_optimizer_state_dict: {why}. What to do: build the optimizer's param groups as "
+                            "they were built when saved (their order may differ).")
         groups.append({**{k: v for k, v in group.items() if k not in ("params", SAVED_BY)},
                        "params": [index[n] for n in group_names]})
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -351,6 +351,18 @@ def test_shard_inputs_of_another_batch_says_recompile(world):
         compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
 
 
+def test_shard_inputs_of_an_epochs_smaller_last_batch_says_how_to_train_it(world):
+    """Found by a probe: the last batch of an epoch (drop_last=False) had no way out that trains; a module compiled
+    for its size holds its own copy of the weights. Larger batches do not get the hint."""
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)got \[2, 16\].*smaller last batch.*pad it to the compiled size, "
+                                             r"with its targets at the loss's ignore_index.*drop_last=True"):
+        compiled.shard_inputs(torch.randn(2, 16), torch.randn(2, 16))
+    with pytest.raises(spmd.SpmdError) as bigger:
+        compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
+    assert "smaller last batch" not in str(bigger.value)
+
+
 def test_shard_inputs_of_none_where_a_tensor_was_compiled_says_so(world):
     """Found by a probe: `attention_mask=None` where the example had a mask was told to recompile for shapes."""
     _, compiled = _training(world)

@@ -79,6 +79,47 @@ def test_optimizer_state_round_trip_by_the_models_names():
         torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
 
 
+def _grouped(compiled, order):
+    named = dict(compiled.named_parameters())
+    groups = {"decay": {"params": [p for n, p in named.items() if p.ndim >= 2], "weight_decay": 0.1},
+              "none": {"params": [p for n, p in named.items() if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-2}}
+    return torch.optim.AdamW([groups[k] for k in order], lr=1e-2)
+
+
+def test_param_groups_built_in_another_order_load_by_their_parameters():
+    """Found by a probe: a resumed run whose optimizer lists the same groups in another order (no decay first)
+    was refused as holding other parameters; torch's set_optimizer_state_dict matches groups by name. Each group
+    takes its own saved hyperparameters and state, and the next step equals the run that went on."""
+    _, compiled, (ids, labels) = _compiled()
+    opt = _grouped(compiled, ("decay", "none"))
+    for _ in range(2):
+        compiled(ids, labels).backward()
+        opt.step()
+        opt.zero_grad()
+    saved, model_state = copy.deepcopy(compiled.optimizer_state_dict(opt)), copy.deepcopy(compiled.state_dict())
+    compiled(ids, labels).backward()
+    opt.step()
+    went_on = {k: v.clone() for k, v in compiled.state_dict().items()}
+
+    _, other, _ = _compiled()
+    other_opt = _grouped(other, ("none", "decay"))
+    other.load_state_dict(model_state)
+    other.load_optimizer_state_dict(other_opt, saved)
+    assert [g["weight_decay"] for g in other_opt.param_groups] == [0.0, 0.1]
+    other(ids, labels).backward()
+    other_opt.step()
+    for k, v in other.state_dict().items():
+        torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
+
+    _, third, _ = _compiled()  # groups that mix what was saved apart: named
+    named = dict(third.named_parameters())
+    mixed = torch.optim.AdamW([{"params": [named["fc.weight"], named["fc.bias"]]},
+                               {"params": [p for n, p in named.items() if n not in ("fc.weight", "fc.bias")]}])
+    with pytest.raises(spmd.SpmdError, match=r"'fc.weight' and 'fc.bias', together in group 0 now, were saved in "
+                                             r"groups 0 and 1.*as they were built when saved \(their order may"):
+        third.load_optimizer_state_dict(mixed, saved)
+
+
 def test_a_single_device_optimizers_state_is_loaded_as_a_copy():
     """Found by a probe of training.md's recipe: `load_optimizer_state_dict(opt, get_optimizer_state_dict(model,
     single_opt))` took whole tensors (every `step`, a replicated moment) as they were, so both optimizers stepped

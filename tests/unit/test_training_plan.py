@@ -144,3 +144,21 @@ def test_a_sparse_embedding_gradient_is_cut_to_its_weights_piece(dim):
             torch.testing.assert_close(out[k].to_dense(), piece, rtol=1e-12, atol=1e-12)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def _output_layout(out_placements=None):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=8, dim=32, heads=4, layers=2)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (4, 7), generator=g)
+    plan = spmd.plan(GPT(cfg), spec((2,), ("tp",)), (tokens,), training=True,  # (unrestricted: split on the vocabulary)
+                     param_placements={"lm_head.weight": [Shard(0)]}, out_placements=out_placements or {})
+    return plan.choices["output_0"].inputs[0]
+
+
+def test_an_output_a_loss_outside_differentiates_comes_back_whole_or_split_on_dim_0():
+    """Found by a probe: behind a head pinned column-parallel, the logits came back split on the vocabulary, and a
+    cross-entropy of each rank's piece (a loss outside the compiled module) ran on half the classes, silently.
+    Unpinned, such an output is whole or split on dim 0 (the examples: losses of pieces add up); pinned, any."""
+    assert all(not isinstance(p, Shard) or p.dim == 0 for p in _output_layout()), _output_layout()
+    assert _output_layout({0: [Shard(2)]}) == (Shard(2),)
