@@ -60,19 +60,26 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         "inputs": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs if gi.kind == "input"],
         "parameters": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs
                        if gi.kind in ("parameter", "buffer", "constant")],
-        "graph": graph_lines(traced),
+        "graph": graph_lines(traced, wiring=True),
         "versions": [f"torch {torch.__version__}", f"python {platform.python_version()}"],
+        # (not compared: what explains a graph wired apart, `differences`)
+        "_string_hashes": [str(hash("spmd: the order of a set of strings"))],
     }
 
 
-def graph_lines(traced) -> list[str]:
-    """Each op of the traced graph with the numbers it takes and its output shape, in order."""
+def graph_lines(traced, wiring: bool = False) -> list[str]:
+    """Each op of the traced graph with the numbers it takes and its output shape, in order; `wiring`: and the
+    values it reads. (Ranks whose forward iterates a set of strings, in an order each process's hash seed picks,
+    traced the same ops wired apart: transformers' Gemma3 and ModernBERT loop over `set(config.layer_types)`. Rank
+    0's plan, which names values, then fed another rank's ops other values: ModernBERT trained 0.5 off one
+    device, with no error; found by a probe.)"""
     info, graph = traced.tensor_info, []
     for n in traced.graph.nodes:
         if n.op == "call_function":
             i = info.get(n.name)
             text = f"{list(i.shape)} {str(i.dtype).replace('torch.', '')}" if isinstance(i, TensorInfo) else "tuple"
-            graph.append(f"{op_label(n)}{_constants(n)} -> {text}")
+            reads = f" of {', '.join(a.name for a in n.all_input_nodes)}" if wiring and n.all_input_nodes else ""
+            graph.append(f"{op_label(n)}{_constants(n)}{reads} -> {text}")
     return graph
 
 
@@ -103,7 +110,9 @@ def _constants(node) -> str:
 
 
 def digest(summary: dict[str, list[str]]) -> dict[str, str]:
-    return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:16] for k, v in summary.items()}
+    """The compared categories' hashes (not those whose names start with "_": what explains a difference)."""
+    return {k: hashlib.sha256("\n".join(v).encode()).hexdigest()[:16] for k, v in summary.items()
+            if not k.startswith("_")}
 
 
 def _names(lines: list[str]) -> dict[str, str]:
@@ -157,6 +166,12 @@ def differences(digests: list[dict[str, str]], summaries: dict[int, dict[str, li
             continue
         detail = _first_difference(category, summaries[odd[0]][category], summaries[0][category], odd[0])
         ranks = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {odd} differ"
+        hashes = [summaries[r].get("_string_hashes") for r in (0, odd[0])]
+        if category == "graph" and hashes[0] != hashes[1]:
+            detail += (f". Rank {odd[0]} hashes strings unlike rank 0 (each process draws its own hash seed, as "
+                       "torchrun starts them), so a forward that iterates a set of strings (transformers' "
+                       "`set(config.layer_types)` in Gemma3 or ModernBERT) traces its ops in another order. What to "
+                       "do: start every rank with the same PYTHONHASHSEED (`PYTHONHASHSEED=0 torchrun ...`)")
         lines.append(f"{category}: {ranks} from rank 0; {detail}")
     return lines
 

@@ -74,6 +74,20 @@ class _Branchy(torch.nn.Module):
         return h * 2 if h.sum() > 0 else h
 
 
+class _SetOrder(torch.nn.Module):
+    """Two rotary tables made in the order a set of strings iterates in (transformers' Gemma3 and ModernBERT loop
+    over `set(config.layer_types)`): each process's hash seed picks it."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+        self.rope = torch.nn.ModuleDict({"sliding": torch.nn.Linear(8, 8), "full": torch.nn.Linear(8, 8)})
+
+    def forward(self, x):
+        made = {kind: self.rope[kind](x) for kind in self.order}
+        return made["sliding"] * 2 + made["full"]
+
+
 def _disagree(rank, world, what):
     """Each rank compiles something a little different; every rank must raise the same SpmdError."""
     from tests.models import GPT, GPTConfig
@@ -91,6 +105,11 @@ def _disagree(rank, world, what):
         model = _Branchy()  # its forward branches on the data: torch.export cannot trace it
     if what == "constant" and rank == 1:
         model.ln_f.eps = 1e-3  # (a number in the graph: each rank would normalize with its own; found by a probe)
+    if what == "wiring":  # (the same ops wired apart; found by a probe: ModernBERT trained 0.5 off, no error)
+        model, tokens = _SetOrder(("sliding", "full") if rank == 0 else ("full", "sliding")), torch.randn(4, 8)
+        if rank == 1:  # (as another hash seed would: torchrun starts each rank with its own)
+            import spmd.compiler.agreement as agreement
+            agreement.hash = lambda text: 7
     version = torch.__version__
     if what == "version" and rank == 1:
         torch.__version__ = "2.99.0"  # (a machine set up apart; found by a probe: nothing named it)
@@ -100,6 +119,8 @@ def _disagree(rank, world, what):
         return str(e)
     finally:
         torch.__version__ = version
+        import spmd.compiler.agreement as agreement
+        agreement.__dict__.pop("hash", None)
     return None
 
 
@@ -113,8 +134,11 @@ import pytest  # noqa: E402
     ("dtype", r"parameters: rank 1 differs from rank 0; .* float64 on rank 1, .* float32 on rank 0"),
     ("pins", r"pins: rank 1 differs from rank 0; rank 1 adds 'input tokens: \[S\(0\)\]'"),
     ("trace", r"rank 1 could not compile: SpmdError: trace_module: torch.export could not trace _Branchy"),
-    ("constant", r"graph: rank 1 differs from rank 0; op \d+: 'native_layer_norm\(64, 0\.001\) -> tuple' on rank 1, "
-                 r"'native_layer_norm\(64, 1e-05\) -> tuple' on rank 0"),
+    ("constant", r"graph: rank 1 differs from rank 0; op \d+: 'native_layer_norm\(64, 0\.001\) of [\w, ]+ -> tuple' on "
+                 r"rank 1, 'native_layer_norm\(64, 1e-05\) of [\w, ]+ -> tuple' on rank 0"),
+    ("wiring", r"graph: rank 1 differs from rank 0; op 0: 'permute\(1, 0\) of p_rope_full_weight -> \[8, 8\] float32' on "
+               r"rank 1, 'permute\(1, 0\) of p_rope_sliding_weight -> \[8, 8\] float32' on rank 0\. Rank 1 hashes "
+               r"strings unlike rank 0 .*`PYTHONHASHSEED=0 torchrun \.\.\.`"),
     ("version", r"versions: rank 1 differs from rank 0; .*torch 2\.99\.0.* on rank 1"),
 ])
 def test_ranks_that_disagree_all_raise_the_first_difference(ranks, what, expected):
