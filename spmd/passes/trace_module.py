@@ -346,6 +346,14 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "which a graph cannot hold: it would keep the traced value for every call. Keep it a tensor "
                 "(`loss_sum / (labels != -100).sum().clamp(min=1)`), or compute it outside the compiled module"
                 + tail)
+    eager_experts = sorted({type(m).__name__ for m in (model.modules() if model is not None else ())
+                            if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"
+                            and type(m).__name__.endswith("Experts")})
+    if "data-dependent" in str(error) and eager_experts:  # (found by a probe: Mixtral's were told to write torch.where)
+        return (f"{eager_experts[0]} runs transformers' `eager` experts, which loop over the experts the router "
+                "picked (`nonzero()`), a number a graph cannot hold. Build the model with "
+                "`experts_implementation=\"grouped_mm\"` (transformers' default) or `\"batched_mm\"`, which run every "
+                "expert as one batched op" + tail)
     if "data-dependent" in str(error):
         line = _model_line(error)
         where = f"`{line}`" if line else "the line torch names above (\"Caused by\")"

@@ -129,6 +129,17 @@ def _plan(model, inputs, **kw):
     return spmd.plan(model, TP, inputs, **kw)
 
 
+def _eager_experts():
+    import transformers
+
+    cfg = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=32, num_local_experts=4, use_cache=False,
+                                     experts_implementation="eager")
+    ids = torch.randint(0, 32, (2, 8))
+    return transformers.MixtralForCausalLM(cfg), (), {"example_kwargs": dict(input_ids=ids, labels=ids),
+                                                      "training": True}
+
+
 x16 = torch.randn(4, 16)
 tokens = torch.randint(0, 128, (2, 16))
 
@@ -161,6 +172,9 @@ ROWS = [
      [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: `[^`]*test_error_table.py:\d+: "
       r"return x \* 2 if x.sum\(\) > 0 else x` reads a tensor's values in Python", r"torch\.where", r"loss_fn",
       r"^[^\n]*\(Caused by: [^\n]*\)\nWhat to do: [^\n]*\n\ntorch's whole message:\n"]),  # (the gist, then ours)
+    # (found by a probe: Mixtral's `eager` experts were told to write torch.where)
+    ("trace-eager-experts", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_eager_experts()),
+     [r"What to do: MixtralExperts runs transformers' `eager` experts", r"experts_implementation=\"grouped_mm\""]),
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
      [r"torch.export could not trace _Item", r"reads a tensor's values in Python"]),
     ("trace-distribution-validates", lambda w: _validating(lambda: _plan(_Sampler(), (x16,))),
