@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import re
 from collections import Counter
 
 import torch
@@ -156,6 +157,11 @@ def _first_difference(category: str, mine: list[str], theirs: list[str], rank: i
     return prefix or f"rank {rank} {'adds' if len(mine) > len(theirs) else 'lacks'} {extra[0]!r}"
 
 
+def _unwired(lines: list[str]) -> list[str]:
+    """`graph_lines(wiring=True)` without the values each op reads."""
+    return [re.sub(r" of [\w, ]+(?= -> )", "", line) for line in lines]
+
+
 def differences(digests: list[dict[str, str]], summaries: dict[int, dict[str, list[str]]]) -> list[str]:
     """One line per category where some rank differs from rank 0 (`summaries`: the full summaries of the
     ranks that differ, and of rank 0)."""
@@ -166,12 +172,14 @@ def differences(digests: list[dict[str, str]], summaries: dict[int, dict[str, li
             continue
         detail = _first_difference(category, summaries[odd[0]][category], summaries[0][category], odd[0])
         ranks = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {odd} differ"
-        hashes = [summaries[r].get("_string_hashes") for r in (0, odd[0])]
-        if category == "graph" and hashes[0] != hashes[1]:
-            detail += (f". Rank {odd[0]} hashes strings unlike rank 0 (each process draws its own hash seed, as "
-                       "torchrun starts them), so a forward that iterates a set of strings (transformers' "
-                       "`set(config.layer_types)` in Gemma3 or ModernBERT) traces its ops in another order. What to "
-                       "do: start every rank with the same PYTHONHASHSEED (`PYTHONHASHSEED=0 torchrun ...`)")
+        if category == "graph" and _unwired(summaries[odd[0]][category]) == _unwired(summaries[0][category]):
+            hashes = [summaries[r].get("_string_hashes") for r in (0, odd[0])]
+            detail += "; the same ops, wired apart"
+            if hashes[0] != hashes[1]:
+                detail += (f". Rank {odd[0]} hashes strings unlike rank 0 (each process draws its own hash seed, as "
+                           "torchrun starts them), so a forward that iterates a set of strings (transformers' "
+                           "`set(config.layer_types)` in Gemma3 or ModernBERT) traces its ops in another order. What "
+                           "to do: start every rank with the same PYTHONHASHSEED (`PYTHONHASHSEED=0 torchrun ...`)")
         lines.append(f"{category}: {ranks} from rank 0; {detail}")
     return lines
 

@@ -137,7 +137,7 @@ import pytest  # noqa: E402
     ("constant", r"graph: rank 1 differs from rank 0; op \d+: 'native_layer_norm\(64, 0\.001\) of [\w, ]+ -> tuple' on "
                  r"rank 1, 'native_layer_norm\(64, 1e-05\) of [\w, ]+ -> tuple' on rank 0"),
     ("wiring", r"graph: rank 1 differs from rank 0; op 0: 'permute\(1, 0\) of p_rope_full_weight -> \[8, 8\] float32' on "
-               r"rank 1, 'permute\(1, 0\) of p_rope_sliding_weight -> \[8, 8\] float32' on rank 0\. Rank 1 hashes "
+               r"rank 1, 'permute\(1, 0\) of p_rope_sliding_weight -> \[8, 8\] float32' on rank 0; the same ops, wired apart\. Rank 1 hashes "
                r"strings unlike rank 0 .*`PYTHONHASHSEED=0 torchrun \.\.\.`"),
     ("version", r"versions: rank 1 differs from rank 0; .*torch 2\.99\.0.* on rank 1"),
 ])
