@@ -35,9 +35,11 @@ class InputSpec:
 # step, and it is refused once its sibling has stepped)
 SMALLER_BATCH = (
     "A smaller last batch of an epoch (a DataLoader's drop_last=False): pad it to the compiled size, with its "
-    "targets at the loss's ignore_index (a mean cross-entropy leaves those rows out, so the loss and gradients "
-    "equal the smaller batch's), or drop it (drop_last=True). A module compiled for its size would hold a copy of "
-    "the weights of its own, which the optimizer does not step.")
+    "targets at the loss's ignore_index (with the loss given as loss_fn, or taken of gathered outputs, a mean "
+    "cross-entropy leaves those rows out: the smaller batch's loss and gradients; a loss of each rank's own piece "
+    "wants a sum divided by the number of real targets over all ranks, since a piece may be all padding), or drop "
+    "it (drop_last=True). A module compiled for its size would hold a copy of the weights of its own, which the "
+    "optimizer does not step.")
 
 
 def check_full(inputs: tuple, specs: list[InputSpec]) -> None:

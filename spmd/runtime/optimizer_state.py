@@ -148,11 +148,13 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
     # each of the optimizer's groups takes the saved group of the same parameters, in whatever order either lists
     # them (as torch's set_optimizer_state_dict matches them by name; found by a probe: the groups of a resumed
     # run built in another order were refused as holding other parameters)
-    saved_groups = {frozenset(compiled._aliases.get(n, n) for n in group["params"]): group
-                    for group in named["param_groups"]}
+    saved_groups: dict[frozenset, list[dict]] = {}  # (a list: empty groups share their key, taken in order)
+    for group in named["param_groups"]:
+        saved_groups.setdefault(frozenset(compiled._aliases.get(n, n) for n in group["params"]), []).append(group)
     groups = []
     for k, group_names in enumerate(names):
-        group = saved_groups.get(frozenset(group_names))
+        same = saved_groups.get(frozenset(group_names))
+        group = same.pop(0) if same else None
         if group is None:
             saved_of = {compiled._aliases.get(n, n): j for j, g in enumerate(named["param_groups"]) for n in g["params"]}
             mixed = next((n for n in group_names if saved_of.get(n) != saved_of.get(group_names[0])), None) \

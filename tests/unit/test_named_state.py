@@ -111,6 +111,13 @@ def test_param_groups_built_in_another_order_load_by_their_parameters():
     for k, v in other.state_dict().items():
         torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
 
+    _, fourth, _ = _compiled()  # (empty groups, which share one key, each take their own, in order)
+    opt = torch.optim.SGD([{"params": list(fourth.parameters()), "lr": 0.1}, {"params": [], "lr": 0.2},
+                           {"params": [], "lr": 0.3}])
+    state = fourth.optimizer_state_dict(opt)
+    fourth.load_optimizer_state_dict(opt, state)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2, 0.3]
+
     _, third, _ = _compiled()  # groups that mix what was saved apart: named
     named = dict(third.named_parameters())
     mixed = torch.optim.AdamW([{"params": [named["fc.weight"], named["fc.bias"]]},
