@@ -62,7 +62,9 @@ def _renamed_hint(unexpected: list[str]) -> str:
     return (f"; the checkpoint holds {len(unexpected)} tensors under other names ({', '.join(unexpected[:3])}"
             f"{', ...' if len(unexpected) > 3 else ''}): names transformers converts when it loads (a legacy "
             "`LayerNorm.gamma`, mixture-of-experts weights stored expert by expert) are not converted here; convert "
-            "the checkpoint once (transformers' from_pretrained, then save_pretrained) and load that")
+            "the checkpoint once, `safetensors.torch.save_model(X.from_pretrained(folder), 'converted.safetensors')`, "
+            "and load that (not save_pretrained: it writes some families' old names back, GPT-NeoX's `embed_out`, "
+            "Mixtral's experts one by one)")
 
 
 def _beside_weights(model, key: str) -> bool:
