@@ -353,8 +353,10 @@ class CompiledModule(nn.Module):
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
                                 for b in m._non_persistent_buffers_set}
-        # (and the tensor constants the trace lifted: the model holds none of them)
-        self._non_persistent |= {gi.name for gi in c.traced.inputs if gi.kind == "constant"}
+        # (and the tensor constants the trace lifted: the model holds none of them, so no state dict names them; a
+        # probe found T5's `_tensor_constant0` in full_state_dict(), which model.load_state_dict then refused)
+        self._constants = {gi.name for gi in c.traced.inputs if gi.kind == "constant"}
+        self._non_persistent |= self._constants
         # a loss_fn module's own parameters (`loss_fn.log_var`): trained and checkpointed here, but not the model's,
         # so neither in the model's state dict (`full_state_dict(persistent_only=True)`) nor needed from one
         model_names = {n for n, _ in (*self._source_model.named_parameters(remove_duplicate=False),
@@ -607,7 +609,7 @@ class CompiledModule(nn.Module):
         runtime mesh, where it lies in the whole (the piece itself without a runtime mesh: a mesh of one)."""
         out = {}
         for fqn, attr in self._param_names.items():
-            if persistent_only and fqn in self._non_persistent:
+            if fqn in self._constants or (persistent_only and fqn in self._non_persistent):
                 continue
             local = self._get(attr)
             out[fqn] = self._as_whole(fqn, local if keep_vars else local.detach())
@@ -1474,13 +1476,14 @@ class CompiledModule(nn.Module):
 
     @_collective
     def full_state_dict(self, persistent_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN. `persistent_only`:
+        """Every parameter and buffer as a full tensor (gathered on every rank), keyed by FQN (not a tensor constant
+        the trace lifted, which the model does not hold). `persistent_only`:
         the keys of the model's own `state_dict()` (no non-persistent buffer, such as a rotary embedding's
-        `inv_freq`, nor a constant the trace lifted, nor a loss_fn module's parameter), for
+        `inv_freq`, nor a loss_fn module's parameter), for
         `model.load_state_dict(...)`."""
         source_guard.stale(self)  # (a sibling trained since this one had the weights: these are the old ones)
-        names = [n for n in self._param_names
-                 if not (persistent_only and (n in self._non_persistent or n in self._loss_names))]
+        names = [n for n in self._param_names if n not in self._constants
+                 and not (persistent_only and (n in self._non_persistent or n in self._loss_names))]
         self._require_values(names)
         out = {}
         for gi_name in names:

@@ -656,3 +656,24 @@ def test_a_piece_handed_over_on_a_mesh_of_one_device_runs_whatever_the_layouts_s
     b = one_device(head, (x,), in_placements={"input": [Replicate()]})
     out = a(x)
     torch.testing.assert_close(b(out.detach()), head(body(x)))
+
+
+class _WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([2.0, 3.0, 4.0, 5.0])  # (a tensor made in the forward: a lifted constant)
+
+
+def test_a_constant_the_trace_lifted_is_in_no_state_dict():
+    """Found by a probe: T5's and Falcon's `_tensor_constant0` came out of `full_state_dict()`, and
+    `model.load_state_dict(compiled.full_state_dict())` refused it as unexpected; the model holds no such tensor."""
+    x = torch.randn(2, 4)
+    compiled = one_device(_WithConstant(), (x, x), training=True, loss_fn=F.mse_loss)
+    assert sorted(compiled.full_state_dict()) == sorted(compiled.state_dict()) == ["fc.bias", "fc.weight"]
+    model = _WithConstant()
+    model.load_state_dict(compiled.full_state_dict())
+    torch.testing.assert_close(model.fc.weight, compiled.get_parameter("fc.weight"))
+    compiled.load_state_dict(model.state_dict())  # (and back: the constant is no missing entry)
