@@ -42,8 +42,9 @@ from pathlib import Path
 
 from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError
+from spmd.core.mesh import ranks_on_this_host
 from spmd.core.profiles import DeviceProfile, device_from_json, device_to_json, load_profile
-from spmd.runtime.measure import builtin_cpu, fit_device, local_ranks, measure_device, memory_per_rank
+from spmd.runtime.measure import builtin_cpu, fit_device, measure_device, memory_per_rank
 
 ENV = "SPMD_CPU_PROFILE"
 CACHE_VERSION = 7  # raised when what is timed, or how, changes: older files are then not read
@@ -74,7 +75,7 @@ def cache_key() -> dict:
     import torch
 
     return {"version": CACHE_VERSION, "cpu": _cpu_model(), "machine": platform.machine(), "cores": _cores(),
-            "ranks_on_host": local_ranks(), "threads_per_rank": torch.get_num_threads(),
+            "ranks_on_host": ranks_on_this_host(), "threads_per_rank": torch.get_num_threads(),
             "torch": torch.__version__.split("+")[0]}
 
 
@@ -88,7 +89,7 @@ def cache_path(key: dict | None = None) -> Path:
 def _fitted(points: dict) -> DeviceProfile:
     """The device profile of `measure_device`'s timings (read from the cache or just taken)."""
     day = points.get("day", "")
-    source = (f"timed on this host ({_cpu_model()}, {local_ranks()} rank(s) at once{', ' + day if day else ''}; "
+    source = (f"timed on this host ({_cpu_model()}, {ranks_on_this_host()} rank(s) at once{', ' + day if day else ''}; "
               "spmd.runtime.host): matmuls, adds in cache and from DRAM, views and a small joint graph per op, "
               "four element-wise kernels (the others scaled from the built-in), a transformer block's graph "
               "whole, a compiled module's call and training step around its graphs; the rest as the built-in "

@@ -15,6 +15,7 @@ import statistics
 import time
 
 from spmd.core.graph_facts import is_view
+from spmd.core.mesh import ranks_on_this_host
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -536,20 +537,11 @@ def lockstep_slowdown(per_rank: list[list[float]]) -> float:
     return max(1.0, slowest / mean) if mean > 0 else 1.0
 
 
-def local_ranks() -> int:
-    """Ranks on this host (`spmd.core.mesh.ranks_on_this_host`: the machines `init_mesh` gathered, else
-    torchrun's LOCAL_WORLD_SIZE, else the process group's size, else WORLD_SIZE, else 1), as
-    MeshSpec.from_device_mesh counts them."""
-    from spmd.core.mesh import ranks_on_this_host
-
-    return ranks_on_this_host()
-
-
 def builtin_cpu():
     """The built-in `cpu` profile scaled by this rank's share of the cores (as MeshSpec.from_device_mesh)."""
     from spmd.core.profiles import device_profile_for
 
-    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / local_ranks()))
+    return device_profile_for("cpu").scaled(min(1.0, (os.cpu_count() or 1) / ranks_on_this_host()))
 
 
 def fit_alpha_beta(xs, ts, relative: bool = True) -> tuple[float, float]:
@@ -724,7 +716,7 @@ def _cache_share() -> float | None:
             sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
     if not sizes.get(2) and not sizes.get(3):
         return None
-    ranks = local_ranks()
+    ranks = ranks_on_this_host()
     return (sizes.get(2, 0) + sizes.get(3, 0) / ranks) / 2
 
 
@@ -733,4 +725,4 @@ def memory_per_rank() -> float:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         total = 16e9
-    return float(total) / local_ranks()
+    return float(total) / ranks_on_this_host()
