@@ -268,12 +268,13 @@ _RESERVED = frozenset({"graph_module", "plan", "split", "rank", "coord", "mesh_s
 
 def _collective(method):
     """A method every rank must call (it gathers or reduces over the mesh): a rank left waiting in it says so
-    (runtime/waiting.py)."""
+    (runtime/waiting.py). torch.compile runs it as it is, as forward: a wrapper under torch.compile that called
+    gather_outputs ran its collectives on fake tensors, and the ranks fell out of step, a hang (found by a probe)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         with waiting.collective(method.__name__, self.rank, self.mesh_spec.size):
             return method(self, *args, **kwargs)
-    return call
+    return torch.compiler.disable(call)
 
 
 class CompiledModule(nn.Module):
@@ -534,8 +535,6 @@ class CompiledModule(nn.Module):
             report["activations"] = self.last_saved_bytes
         return report
 
-    # (not traced by torch.compile, as forward: see shard_inputs)
-    @torch.compiler.disable
     @_collective
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
                         also=()) -> torch.Tensor:
@@ -574,8 +573,6 @@ class CompiledModule(nn.Module):
             p.grad.detach().mul_(coef.to(p.grad.device))
         return norm
 
-    # (not traced by torch.compile, as forward: see shard_inputs)
-    @torch.compiler.disable
     @_collective
     def grad_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """`torch.nn.utils.get_total_norm` of the full gradients (the norm a training loop logs): the same
@@ -1512,9 +1509,7 @@ class CompiledModule(nn.Module):
     def input_placements(self) -> dict[str, tuple]:
         return {s.name: s.placements for s in self._input_specs}
 
-    # (as forward: a wrapper under torch.compile that calls this ran its collectives on fake tensors, and the
-    # ranks fell out of step, a hang; found by a probe)
-    @torch.compiler.disable
+    @torch.compiler.disable  # (its occasional check of the inputs is a collective: as `_collective`'s)
     def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`. A piece is a
@@ -1533,8 +1528,6 @@ class CompiledModule(nn.Module):
                 self._cut_pieces.record(full, piece, spec)
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
-    # (not traced by torch.compile, as forward: see shard_inputs)
-    @torch.compiler.disable
     @_collective
     def gather_outputs(self, outputs):
         """Full outputs on every rank from this rank's local output shards: the whole output a call returned, or
