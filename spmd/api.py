@@ -8,6 +8,7 @@ verify), or a ready `options=PlanOptions(...)` with keywords on top.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from typing import Sequence
 
@@ -160,6 +161,18 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
         raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
+    recompile = functools.partial(_compile_for_rank, model, mesh, spec)
+    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
+                          compile_graphs=compile_graphs, recompile=recompile)
+
+
+def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example_inputs: tuple,
+                      example_kwargs: dict | None, src_data_rank: int | None = None, weights: bool = True):
+    """This rank's compilation of `model` for these example inputs, planned once (on rank 0) and agreed on by
+    every rank; with the `Call` that names the inputs. `weights`: check that ranks keeping their own weights
+    (`src_data_rank=None`) hold the same ones (a module compiled again for other input shapes, sharing the
+    first one's pieces, has no weights of its own)."""
     view, flat_inputs, call = positional_call(model, example_inputs, example_kwargs,
                                               loss_only=options.joint and options.loss_fn is None)
     device = _rank_device(mesh)
@@ -180,10 +193,9 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
         raise
     if meeting is not None:
         meeting.agree_on_plan(c.plan.fingerprint())
-        if src_data_rank is None and not is_meta(model, flat_inputs):  # every rank keeps its own weights
+        if weights and src_data_rank is None and not is_meta(model, flat_inputs):  # every rank keeps its own
             meeting.agree_on({"weights": weights_summary(c.traced.state)})
-    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
-                          compile_graphs=compile_graphs)
+    return c, call
 
 
 def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = (), *,

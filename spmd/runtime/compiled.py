@@ -33,9 +33,10 @@ from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard,
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
     max_over_mesh, same_piece, shard_full, spread_values, total_norm
-from spmd.runtime.inputs import CutPieces, InputSpec, LocalCheck, check_full
+from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
+from spmd.runtime.shapes import Shapes, check_room, check_shared, pinned_to, variant_key
 
 
 def _untied_hint(model, missing: list[str]) -> str:
@@ -285,13 +286,16 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, compilation, device_mesh=None, plan=None, source_model=None, src_data_rank: int | None = 0,
-                 call: Call | None = None, compile_graphs: bool | str = False):
+                 call: Call | None = None, compile_graphs: bool | str = False, recompile=None):
         """`compilation`: the compiler's output for this rank. `plan`: what `.plan` shows (spmd.compile
         hands a report object that explains and draws itself; default: the bare plan). `source_model`: the
         model as the user built it (default: the compiled one). `src_data_rank`: the rank whose weights
         every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py).
         `call`: the names of the positional and keyword inputs (compiler/call.py). `compile_graphs`: run the
-        rank graphs through `torch.compile` (True: inductor; a string: that backend; see `_runner`)."""
+        rank graphs through `torch.compile` (True: inductor; a string: that backend; see `_runner`). `recompile`:
+        (options, example_inputs, example_kwargs, weights=False) -> (compilation, call), this rank's compilation
+        for other input shapes (spmd.compile's; None: the module takes the compiled shapes alone; see
+        runtime/shapes.py)."""
         super().__init__()
         c = compilation
         if c.binding is None or c.rank_gm is None:
@@ -317,21 +321,26 @@ class CompiledModule(nn.Module):
         self._warned_state_output: set[int] = set()
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
-        self._differentiable = tuple(int(gi.name.rsplit("_", 1)[1]) for gi in c.traced.inputs if gi.kind == "tangent")
+        self._shapes = Shapes.of(c, c.mesh, self.rank, c.binding.device)  # (the compiled shapes' graphs and layouts)
+        # other input shapes' (an epoch's smaller last batch), compiled by `shard_inputs` over these pieces
+        self.__dict__["_variants"]: dict[tuple, Shapes] = {}
+        self.__dict__["_recompile"] = recompile
+        self._options = c.options
+        self._differentiable = self._shapes.differentiable
         # where the model's own loss is differentiated alone (a transformers model given labels and no loss_fn),
         # its other floating outputs (by position: their names) carry a backward that refuses: a second term on
         # them (a z-loss on the logits, a distillation loss) reached no parameter, silently (found by a probe)
-        self._refused_grads = _other_outputs(c) if c.traced.joint and c.options.loss_fn is None else {}
+        self._refused_grads = self._shapes.refused_grads
         self._call = call if call is not None else Call(tuple(i.name for i in c.traced.inputs if i.kind == "input"), ())
         # the traced (unsharded) graph and its signature, for `verify` (constants only: no weights)
         self._traced_gm = c.traced.gm
         self._graph_inputs = tuple(c.traced.inputs)
         self._graph_outputs = tuple(c.traced.output_kinds())
         # the inputs whose example required grad (their gradient is computed, where one reaches them)
-        self._traced_with_grad = {k.name for k in self._graph_outputs if k.kind == "input_grad"}
+        self._traced_with_grad = self._shapes.traced_with_grad
         # an inference graph's flat outputs: the user's, and the new values of the buffers it updates in place
-        self._user_outputs = [k for k, o in enumerate(self._graph_outputs) if o.kind == "output"]
-        self._buffer_updates = [(k, o.name) for k, o in enumerate(self._graph_outputs) if o.kind == "buffer_update"]
+        self._user_outputs = self._shapes.user_outputs
+        self._buffer_updates = self._shapes.buffer_updates
         self._tensor_info = dict(c.traced.tensor_info)
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
         # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
@@ -349,7 +358,7 @@ class CompiledModule(nn.Module):
         self._state_placements: dict[str, tuple] = {}  # FQN -> placements
         self._order: list[tuple[str, str]] = []  # (kind, attribute or input name) per placeholder
         self._order_names: list[str] = []  # FQN or input name per placeholder
-        self._input_specs: list[InputSpec] = []
+        self._input_specs: list[InputSpec] = self._shapes.input_specs
         self._global_shapes: dict[str, tuple[int, ...]] = {}  # FQN -> full shape
         # buffers a state dict (and so a checkpoint) leaves out: computed by the model, not saved
         self._non_persistent = {f"{path}.{b}" if path else b for path, m in self._source_model.named_modules()
@@ -373,7 +382,6 @@ class CompiledModule(nn.Module):
             if gi.kind == "tangent":
                 continue
             if gi.kind == "input":
-                self._input_specs.append(InputSpec(gi.name, ps, tuple(info.shape), info.dtype))
                 self._order.append(("input", gi.name))
                 self._order_names.append(gi.name)
                 continue
@@ -395,7 +403,7 @@ class CompiledModule(nn.Module):
         for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
             self._place(alias, self.piece(canonical), alias=True)
         self._index()
-        self._check_inputs = LocalCheck(self._input_specs, self.mesh_spec, self.rank, self._device)
+        self._check_inputs = self._shapes.check
         shape, coord = self.mesh_spec.shape, self.coord
         # (the copies shard_inputs cut, cut again where their batch was written since: they follow it as views do)
         self._cut_pieces = CutPieces(lambda full, s: local_shard(full, s.placements, shape, coord))
@@ -943,7 +951,7 @@ class CompiledModule(nn.Module):
 
         new = object.__new__(type(self))
         new.__dict__ = dict(self.__dict__)
-        for name in ("_modules", "_non_persistent_buffers_set", "_uninitialized", "_compiled_graphs",
+        for name in ("_modules", "_non_persistent_buffers_set", "_uninitialized", "_compiled_graphs", "_variants",
                      *(k for k, v in self.__dict__.items() if k.endswith("_hooks") and isinstance(v, dict))):
             new.__dict__[name] = type(self.__dict__[name])(self.__dict__[name])  # (its own table, same entries)
         memo[id(self)] = new
@@ -1514,19 +1522,59 @@ class CompiledModule(nn.Module):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
         compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`. A piece is a
         view of its input or a copy, as the plan lays it out; either way a call sees the batch as it is then (a
-        copy whose batch was written in place since, a static buffer refilled, is cut again: `inputs.CutPieces`)."""
-        flat = self._full_inputs(full_inputs, full_kwargs, "shard_inputs")
+        copy whose batch was written in place since, a static buffer refilled, is cut again: `inputs.CutPieces`).
+
+        Inputs of other shapes than the compiled ones (same dtypes and dims: an epoch's smaller last batch, another
+        sequence length) are compiled for at their first cut, on every rank, over this module's pieces (each
+        parameter and buffer keeps its layout; runtime/shapes.py): the call then runs their graphs, and the
+        optimizer steps the same weights. Up to `shapes.MAX_VARIANTS` such sets of shapes, each compiled once."""
+        flat = self._call.flatten(full_inputs, full_kwargs, "shard_inputs")
+        shapes = self._shapes_of_full(flat)
         self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
         if not self._shards_agreed or self._check_due(self._shard_calls):
             self._shards_agreed = False  # (until the check passes: asked again at the next call)
             self._agree_on_full_inputs(flat, "shard_inputs", sampled=self._shard_calls > 1)
             self._shards_agreed = True
         local = tuple(shard_full(t, s.placements, self.mesh_spec, self.coord, self.group_names)
-                      for t, s in zip(flat, self._input_specs))
-        for full, piece, spec in zip(flat, local, self._input_specs):
+                      for t, s in zip(flat, shapes.input_specs))
+        for full, piece, spec in zip(flat, local, shapes.input_specs):
             if isinstance(full, torch.Tensor):
                 self._cut_pieces.record(full, piece, spec)
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
+
+    def _shapes_of_full(self, flat: tuple) -> Shapes:
+        """The graphs full inputs `flat` are for: the compiled shapes', or another set's, compiled at its first
+        cut (`_compile_variant`); other inputs are refused (`check_full`)."""
+        key = variant_key(flat, self._shapes) if self._recompile is not None else None
+        if key is None:
+            check_full(flat, self._input_specs)
+            return self._shapes
+        return self._variants.get(key) or self._compile_variant(flat, key)
+
+    def _compile_variant(self, flat: tuple, key: tuple) -> Shapes:
+        """This module's graphs for full inputs of the shapes `key`, over its pieces: the model compiled again
+        (every rank at once, as `shard_inputs` is called: planned on rank 0 and agreed on), with each parameter and
+        buffer pinned to its layout here (`shapes.pinned_to`), in the mode the module was traced in."""
+        check_room(key, self._shapes, len(self._variants))
+        args, kwargs = self._call.unflatten(flat)
+        model = self._source_model
+        modes = [(m, m.training) for m in model.modules()]
+        if model.training != self._traced_mode:  # (an evaluation batch cut after model.eval(): traced as this
+            model.train(self._traced_mode)       # module runs, which refuses the other mode at its call)
+        try:  # (traced on fake tensors: the model's own weights, old once this trained, are not read)
+            with source_guard.inside():
+                c, _ = self._recompile(pinned_to(self._options, self._shapes, key, self.mesh_spec.shape),
+                                       args, kwargs, weights=False)
+        finally:
+            for m, was in modes:
+                m.training = was
+        shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device)
+        check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
+        self._variants[key] = shapes
+        if self.mesh_spec.size > 1 and any(isinstance(p, Replicate) and n > 1 for spec in shapes.input_specs
+                                           for p, n in zip(spec.placements, self.mesh_spec.shape)):
+            self._replicated_inputs, self._inputs_agreed = True, False  # (checked at its next call)
+        return shapes
 
     @_collective
     def gather_outputs(self, outputs):
@@ -1535,10 +1583,9 @@ class CompiledModule(nn.Module):
         each gathered in the layout of the output it is."""
         flat, spec = tree_flatten(outputs)
         full = []
-        for t, k in zip(flat, self._output_positions(flat, spec)):
-            ps = self.plan.choices.get(f"output_{k}") if k is not None else None
-            full.append(gather_full(t, ps.inputs[0], self.mesh_spec, self.coord, self.group_names)
-                        if ps is not None else t)
+        for t, (k, call) in zip(flat, self._output_positions(flat, spec)):
+            ps = self._outputs_made.shapes(call, self._shapes).out_placements.get(k) if k is not None else None
+            full.append(gather_full(t, ps, self.mesh_spec, self.coord, self.group_names) if ps is not None else t)
             if k in self._state_outputs and k not in self._warned_state_output and not _shares(
                     full[-1], self.piece(self._state_outputs[k])):
                 self._warned_state_output.add(k)
@@ -1550,25 +1597,25 @@ class CompiledModule(nn.Module):
                     "tensor is the buffer's own piece.", stacklevel=3)
         return tree_unflatten(full, spec)
 
-    def _output_positions(self, flat: list, spec) -> list[int | None]:
-        """The output position of each tensor of `flat`: one of the last call's outputs by identity or by the
+    def _output_positions(self, flat: list, spec) -> list[tuple[int | None, int]]:
+        """The output position of each tensor of `flat`, with the call that returned it: one of the last call's outputs by identity or by the
         memory it reads (`out.logits.detach()`), else its place in the whole output when `flat` has the output's
         structure and is an output of an earlier call at that place. A tensor that is neither (a slice or reshape
         of an output, a tensor computed from one, an output of an earlier call given alone) is refused: gathered in
         output 0's layout it came back as this rank's piece (a GPT-2's logits with half the vocabulary, silently;
         found by a probe), and where the output is one tensor, `out.softmax(-1)` of vocabulary-sharded logits
         came back whole in shape and 0.05 off (a probe)."""
-        whole = spec == self._out_spec
+        whole = spec in (self._out_spec, *(v.out_spec for v in self._variants.values()))
         positions = []
         for k, t in enumerate(flat):
             made = self._outputs_made.positions(t) if isinstance(t, torch.Tensor) else {}
             last = [j for j, call in made.items() if call == self._outputs_made.calls]
             if not isinstance(t, torch.Tensor):
-                positions.append(None)
+                positions.append((None, 0))
             elif last:  # (as it came, or `out.logits.detach()`: the output's memory, as it is)
-                positions.append(min(last))
+                positions.append((min(last), self._outputs_made.calls))
             elif whole and k in made:  # (an earlier call's, as it came or detached)
-                positions.append(k)
+                positions.append((k, made[k]))
             else:
                 raise SpmdError(
                     f"gather_outputs: tensor {k} of its argument (shape {tuple(t.shape)}) is not one of the last "
@@ -1653,15 +1700,19 @@ class CompiledModule(nn.Module):
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
                             "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
 
-    def _graph(self, which: str):
-        """What runs `which` ("graph": inference; "forward"/"backward": training): the graph module, or
-        that module through torch.compile with `compile_backend` (compiled at its first call)."""
-        gm = self.graph_module if which == "graph" else getattr(self.split, which)
+    def _graph(self, which: str, shapes: Shapes | None = None):
+        """What runs `which` ("graph": inference; "forward"/"backward": training) of `shapes` (None: the compiled
+        shapes'): the graph module, or that module through torch.compile with `compile_backend` (compiled at
+        its first call)."""
+        first = shapes is None or shapes is self._shapes
+        gm = (self.graph_module if first else shapes.graph_module) if which == "graph" else \
+            getattr(self.split if first else shapes.split, which)
         if self.compile_backend is None:
             return gm
-        made = self._compiled_graphs.get(which)
+        table = self._compiled_graphs if first else shapes.graphs
+        made = table.get(which)
         if made is None or made[0] is not gm:
-            made = self._compiled_graphs[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
+            made = table[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
         return made[1]
 
     @property
@@ -1766,7 +1817,7 @@ class CompiledModule(nn.Module):
         ... and every `_generator_period`-th, the same calls on every rank (each check is collective)."""
         return n & (n - 1) == 0 or n % self._generator_period == 0
 
-    def _agree_on_inputs(self, inputs) -> None:
+    def _agree_on_inputs(self, inputs, specs: list[InputSpec]) -> None:
         """Every input the plan replicates over a mesh axis the same along it, at the first call and at the
         generators' calls after it (`_check_due`): a data-parallel loader feeding each rank a batch of its own,
         where the plan takes the batch whole on every rank, would have each rank train on other data with
@@ -1780,8 +1831,8 @@ class CompiledModule(nn.Module):
             self._replicated_inputs = False  # (fake tensors, as a CUDA rank planned on this host: no values)
             return
         apart, anywhere = self._values_apart(
-            [(spec.name, t) for spec, t in zip(self._input_specs, inputs)],
-            lambda axis, k: isinstance(self._input_specs[k].placements[axis], Replicate), "replicated inputs",
+            [(spec.name, t) for spec, t in zip(specs, inputs)],
+            lambda axis, k: isinstance(specs[k].placements[axis], Replicate), "replicated inputs",
             sampled=self._calls > 1)
         self._inputs_agreed = not anywhere  # (else asked again)
         if not self._inputs_agreed:
@@ -1845,11 +1896,11 @@ class CompiledModule(nn.Module):
         if names:
             source_guard.buffers_moved(self, names)  # (the model's own buffers, its siblings' copies, are behind now)
 
-    def _check_input_grads(self, inputs) -> None:
+    def _check_input_grads(self, inputs, shapes: Shapes) -> None:
         """An input that requires grad, where the step was traced without its gradient: autograd would leave
         it (and the layers that made it) without one, silently. Its example input must have required grad."""
         for t, name in zip(inputs, self._input_names):
-            if isinstance(t, torch.Tensor) and t.requires_grad and name not in self._traced_with_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad and name not in shapes.traced_with_grad:
                 raise SpmdError(
                     f"input {name!r} requires grad, but the compiled step was traced from an example {name!r} "
                     "that did not, so it computes no gradient for it (the layers before it would not train). "
@@ -2005,31 +2056,38 @@ class CompiledModule(nn.Module):
         if self._draws and (not self._generators_agreed or due):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
-        self._check_inputs(inputs)
-        self._cut_pieces.check(inputs, self._input_specs)
+        shapes = self._shapes if self._shapes.check.accepts(inputs) else self._shapes_taking(inputs)
+        self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
-            self._check_layouts(inputs)
+            self._check_layouts(inputs, shapes)
         if self._replicated_inputs and (not self._inputs_agreed or due):
-            self._agree_on_inputs(inputs)
+            self._agree_on_inputs(inputs, shapes.input_specs)
         if self.split is not None and torch.is_grad_enabled():
-            self._check_input_grads(inputs)
+            self._check_input_grads(inputs, shapes)
         args = self._graph_args(inputs)
         if tuple(t.shape for t in self._state_at(args)) != self._state_shapes:
             self._refuse_piece_shapes(args)
         with autocast_off():  # (the graph's casts are the trace's: autocast must not cast its ops again)
-            flat = self._run_graphs(args)
+            flat = self._run_graphs(args, shapes)
         self._cut_pieces.seen(inputs)
-        self._outputs_made.record(flat)
-        self._lay_out(flat)
-        return tree_unflatten(list(flat), self._out_spec)
+        self._outputs_made.record(flat, shapes if shapes is not self._shapes else None)
+        self._lay_out(flat, shapes)
+        return tree_unflatten(list(flat), shapes.out_spec)
 
-    def _lay_out(self, flat) -> None:
+    def _shapes_taking(self, inputs: tuple) -> Shapes:
+        """The other input shapes' graphs whose pieces `inputs` are (`shard_inputs` compiled them); else the
+        compiled shapes' check refuses them, with its reasons."""
+        for shapes in self._variants.values():
+            if shapes.check.accepts(inputs):
+                return shapes
+        self._shapes.check(inputs)
+        raise SpmdInternalError("LocalCheck refused inputs that check_local accepts")
+
+    def _lay_out(self, flat, shapes: Shapes) -> None:
         """Each output piece's layout, for a compiled module it is handed to next (`_check_layouts`)."""
-        layouts = self.__dict__.get("_out_layouts")
+        layouts = shapes.laid_out
         if layouts is None:
-            choices = self.plan.choices
-            layouts = self._out_layouts = {k: self._layout_key(choices[f"output_{k}"].inputs[0])
-                                           for k in range(len(flat)) if f"output_{k}" in choices}
+            layouts = shapes.laid_out = {k: self._layout_key(ps) for k, ps in shapes.out_placements.items()}
         mesh = tuple(self.group_names)
         for k, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and k in layouts:
@@ -2040,13 +2098,13 @@ class CompiledModule(nn.Module):
         found `[S(0)]` into `[R]` refused on a mesh of one device)."""
         return tuple(Replicate() if n == 1 else p for p, n in zip(placements, self.mesh_spec.shape))
 
-    def _check_layouts(self, inputs: tuple) -> None:
+    def _check_layouts(self, inputs: tuple, shapes: Shapes) -> None:
         """A piece another compiled module returned, handed over as it is, must be laid out as this module takes
         that input: on a (2, 2) mesh an output `[S(0), S(1)]` and an input `[S(1), S(0)]` have the same local
         shape, and each rank took its piece of another part of the tensor (losses 1.0056 where eager gave 1.0118;
         found by a probe)."""
         mesh = tuple(self.group_names)
-        for t, spec in zip(inputs, self._input_specs):
+        for t, spec in zip(inputs, shapes.input_specs):
             made = _laid_out.get(t) if isinstance(t, torch.Tensor) else None
             if made is not None and made[0] == mesh and made[1] != self._layout_key(spec.placements):
                 raise SpmdError(
@@ -2084,19 +2142,20 @@ class CompiledModule(nn.Module):
                         "first: the broadcast has already written them.")
             frame = frame.f_back
 
-    def _run_graphs(self, args: list) -> list:
-        if self.split is None:
+    def _run_graphs(self, args: list, shapes: Shapes) -> list:
+        if shapes.split is None:
             anchor = next((t for t in args if isinstance(t, torch.Tensor) and t.requires_grad), None) \
                 if torch.is_grad_enabled() else None
             if anchor is None:
-                flat = self._graph("graph")(*args)
+                flat = self._graph("graph", shapes)(*args)
             else:  # autograd would go back through the collectives as if they were not there: the graph runs
-                flat = _ForwardOnly.apply(self, anchor, *args)  # unrecorded, and its backward says so
-            if self._buffer_updates:
-                self._update_buffers([name for _, name in self._buffer_updates], [flat[k] for k, _ in self._buffer_updates])
-                flat = [flat[k] for k in self._user_outputs]
+                flat = _ForwardOnly.apply(self, shapes, anchor, *args)  # unrecorded, and its backward says so
+            if shapes.buffer_updates:
+                self._update_buffers([name for _, name in shapes.buffer_updates],
+                                     [flat[k] for k, _ in shapes.buffer_updates])
+                flat = [flat[k] for k in shapes.user_outputs]
         else:
-            flat = _RankStep.apply(self, *args)
+            flat = _RankStep.apply(self, shapes, *args)
         return flat
 
 
@@ -2161,9 +2220,19 @@ class _OutputsMade:
         self._empty = WeakIdKeyDictionary()  # tensor -> {position: call}
         self._prune_at = 64  # (doubled past what lives after each pruning: an evaluation loop keeping every output
         #                      alive costs no walk of them all at every call)
+        self._variant_calls: dict[int, object] = {}  # call -> the `Shapes` it ran, where not the compiled ones
+        self._variants_prune_at = 64
 
-    def record(self, flat) -> None:
+    def record(self, flat, shapes=None) -> None:
+        """The outputs of a call; `shapes`: the other input shapes' graphs that made them (None: the compiled)."""
         self.calls += 1
+        if shapes is not None:
+            self._variant_calls[self.calls] = shapes
+            if len(self._variant_calls) > self._variants_prune_at:  # (only the calls whose outputs live)
+                live = {call for entry in self._by_memory.values() if not entry[0].expired() for call in entry[1].values()}
+                live.update(call for made in self._empty.values() for call in made.values())
+                self._variant_calls = {call: v for call, v in self._variant_calls.items() if call in live}
+                self._variants_prune_at = max(64, 2 * len(self._variant_calls))
         if len(self._by_memory) > self._prune_at:
             self._by_memory = {m: e for m, e in self._by_memory.items() if not e[0].expired()}
             self._prune_at = max(64, 2 * len(self._by_memory))
@@ -2177,6 +2246,10 @@ class _OutputsMade:
             if entry is None or entry[0].expired():
                 entry = self._by_memory[memory] = (StorageWeakRef(t.untyped_storage()), {})
             entry[1][k] = self.calls  # (one tensor at two places: HF's last hidden state and hidden_states[-1])
+
+    def shapes(self, call: int, first):
+        """The `Shapes` whose graphs made call `call`'s outputs (`first`: the compiled ones)."""
+        return self._variant_calls.get(call, first)
 
     def positions(self, t: torch.Tensor) -> dict[int, int]:
         """{position: the call that returned `t` (or the tensor whose memory it reads) there}."""
@@ -2195,19 +2268,6 @@ def _memory_of(t: torch.Tensor) -> tuple | None:
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _other_outputs(c) -> dict[int, str]:
-    """{flat position: name} of the outputs beside a model's own `loss` (a ModelOutput's `logits`,
-    `hidden_states[0]`, ...), which the trace detached (`compiler.call._loss_only`); {} where the output has no
-    loss."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
-
-    positions = tree_unflatten(list(range(c.traced.out_spec.num_leaves)), c.traced.out_spec)
-    loss = getattr(positions, "loss", None)
-    if not isinstance(loss, int):
-        return {}
-    return {k: "out" + keystr(path) for path, k in tree_flatten_with_path(positions)[0] if k != loss}
 
 
 def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> AttributeError:
@@ -2440,10 +2500,10 @@ class _ForwardOnly(torch.autograd.Function):
     reduction's gradient came out wrong on every mesh larger than one device."""
 
     @staticmethod
-    def forward(ctx, module: "CompiledModule", anchor, *args):
+    def forward(ctx, module: "CompiledModule", shapes: Shapes, anchor, *args):
         # (the graph runs here, where autograd records nothing: its outputs are its own, not views of the
         # Function's inputs, so a caller may still change them in place)
-        return tuple(module._graph("graph")(*args))
+        return tuple(module._graph("graph", shapes)(*args))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -2457,20 +2517,20 @@ class _RankStep(torch.autograd.Function):
     parameter's own placements, so `param.grad` is the local shard of the full gradient."""
 
     @staticmethod
-    def forward(ctx, module: CompiledModule, *args):
-        split = module.split
-        flat = module._graph("forward")(*args)
+    def forward(ctx, module: CompiledModule, shapes: Shapes, *args):
+        split = shapes.split
+        flat = module._graph("forward", shapes)(*args)
         n, updated = split.n_outputs, split.n_outputs + len(split.updates)
         outs, saved = flat[:n], flat[updated:]
         if split.updates:
             module._update_buffers(split.updates, flat[n:updated])
-        ctx.module = module
+        ctx.module, ctx.shapes = module, shapes
         ctx.save_for_backward(*saved)
         # an output no loss used gets None, not zeros (`backward`): the gradients only it reaches stay None
         ctx.set_materialize_grads(False)
-        ctx.tangent_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in module._differentiable]
-        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in module._differentiable and isinstance(
-            t, torch.Tensor) and (k not in module._refused_grads or not t.is_floating_point())))
+        ctx.tangent_like = [(outs[k].shape, outs[k].dtype, outs[k].device) for k in shapes.differentiable]
+        ctx.mark_non_differentiable(*(t for k, t in enumerate(outs) if k not in shapes.differentiable and isinstance(
+            t, torch.Tensor) and (k not in shapes.refused_grads or not t.is_floating_point())))
         if module._saved_bytes is None:  # parameters saved for backward are counted as parameters, not here
             params = {p.untyped_storage().data_ptr() for p in module.parameters()}
             module._saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
@@ -2486,9 +2546,9 @@ class _RankStep(torch.autograd.Function):
                 "does not see into, so the second-order gradients would be missing (no gradient reached the "
                 "parameters, silently). Second-order gradients through a compiled module are not supported. What to "
                 "do: compute such a penalty with the model outside spmd, or train without it.")
-        module = ctx.module
+        module, shapes = ctx.module, ctx.shapes
         # (a gradient of zeros, `out.loss + 0 * out.logits.sum()` as DDP's unused-parameter trick, changes nothing)
-        reached = [name for k, name in module._refused_grads.items()
+        reached = [name for k, name in shapes.refused_grads.items()
                    if grad_outputs[k] is not None and bool(grad_outputs[k].any())]
         if reached:
             raise SpmdError(
@@ -2498,7 +2558,7 @@ class _RankStep(torch.autograd.Function):
                 "to do: compute the whole loss in a loss_fn given to spmd.compile (it receives the model's output, "
                 "and its parameter names name the targets: `def loss_fn(out, labels): return F.cross_entropy(...) + "
                 "z_loss(out.logits)`), or detach those outputs where no gradient is meant (`out.logits.detach()`).")
-        tangents = [grad_outputs[k] for k in module._differentiable]
+        tangents = [grad_outputs[k] for k in shapes.differentiable]
         unused = 0  # (bit k: the k-th tangent did not come, its output unused by the loss)
         for k, (g, (shape, dtype, device)) in enumerate(zip(tangents, ctx.tangent_like)):
             if g is None:
@@ -2516,11 +2576,11 @@ class _RankStep(torch.autograd.Function):
                 "computation has been modified by an inplace operation'. What to do: call backward before the "
                 f"optimizer steps, and clone an output before writing into it. (torch: {e})") from e
         with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
-            grads = dict(zip(module.split.grads, module._graph("backward")(*saved, *tangents)))
+            grads = dict(zip(shapes.split.grads, module._graph("backward", shapes)(*saved, *tangents)))
         if unused:  # one device leaves None where no used output reaches (an optimizer then skips the parameter:
             # zeros would move it by its momentum and weight decay)
-            for name, needs in zip(module.split.grads, module.split.grad_tangents):
+            for name, needs in zip(shapes.split.grads, shapes.split.grad_tangents):
                 if needs and needs & ~unused == 0:
                     grads[name] = None
-        return (None,) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
+        return (None, None) + tuple(grads.get(input_grad_key(name) if kind == "input" else name)  # (inputs': where traced)
                                for (kind, _), name in zip(module._order, module._order_names))

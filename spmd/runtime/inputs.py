@@ -77,11 +77,14 @@ class LocalCheck:
         self.specs, self.mesh, self.rank, self.device = specs, mesh, rank, device
         self.expected = tuple((torch.Size(local_shape(s.shape, s.placements, mesh.shape)), s.dtype) for s in specs)
 
+    def accepts(self, inputs: tuple) -> bool:
+        return len(inputs) == len(self.expected) and all(
+            isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+            and (self.device is None or t.device == self.device) and not hasattr(t, "_local_tensor")
+            for t, (shape, dtype) in zip(inputs, self.expected))
+
     def __call__(self, inputs: tuple) -> None:
-        if len(inputs) == len(self.expected) and all(
-                isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
-                and (self.device is None or t.device == self.device) and not hasattr(t, "_local_tensor")
-                for t, (shape, dtype) in zip(inputs, self.expected)):
+        if self.accepts(inputs):
             return
         check_local(inputs, self.specs, self.mesh, self.rank, self.device)
         raise SpmdInternalError("LocalCheck refused inputs that check_local accepts")
