@@ -36,7 +36,7 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
-from spmd.runtime.shapes import Shapes, check_room, check_shared, pinned_to, variant_key
+from spmd.runtime.shapes import Shapes, check_room, check_shared, full_key, pinned_to, variant_key
 
 
 def _untied_hint(model, missing: list[str]) -> str:
@@ -2075,9 +2075,16 @@ class CompiledModule(nn.Module):
         return tree_unflatten(list(flat), shapes.out_spec)
 
     def _shapes_taking(self, inputs: tuple) -> Shapes:
-        """The other input shapes' graphs whose pieces `inputs` are (`shard_inputs` compiled them); else the
-        compiled shapes' check refuses them, with its reasons."""
+        """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here
+        for the full shapes of which they are pieces in the compiled layouts: every rank's slice of a smaller last
+        batch); else the compiled shapes' check refuses them, with its reasons."""
         for shapes in self._variants.values():
+            if shapes.check.accepts(inputs):
+                return shapes
+        key = full_key(inputs, self._shapes, self.mesh_spec.shape) if self._recompile is not None else None
+        if key is not None:
+            shapes = self._variants.get(key) or self._compile_variant(
+                tuple(torch.empty(shape, dtype=t.dtype, device="meta") for shape, t in zip(key, inputs)), key)
             if shapes.check.accepts(inputs):
                 return shapes
         self._shapes.check(inputs)

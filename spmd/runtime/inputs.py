@@ -6,7 +6,8 @@ here, on the rank that got it, with the fix, and not as a hang or a size error i
     dtype                       the example's dtype (a float64 batch for a float32 model, int32 tokens)
     device                      the rank's device (a CPU batch on a CUDA rank)
     the full tensor             where the rank takes its shard: compiled.shard_inputs(...) cuts it
-    another size                the plan is for the example's shapes: recompile for new ones
+    another size                the plan is for the example's shapes: `shard_inputs` compiles for new ones
+                                (runtime/shapes.py); pieces of shapes nothing was compiled for are refused
     a batch written since its cut   copies `shard_inputs` cut follow their batch as views do (`CutPieces`):
                                 refused where the piece was written too
 """
@@ -124,8 +125,9 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
     if problems:
         todo = []
         if "shard" in fix or "shape" in fix:
-            todo.append("pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it)"
-                        + (", or recompile with example inputs of this size" if "shape" in fix else ""))
+            todo.append("pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it"
+                        + (", and compiles for full inputs of other shapes, over the same weights)" if "shape" in fix
+                           else ")"))
         if "dtype" in fix:
             todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
         if "device" in fix:

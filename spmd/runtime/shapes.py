@@ -6,7 +6,9 @@ bucketed sequence lengths come with others. A second `spmd.compile` would hold w
 optimizer over the first module's does not step. So `shard_inputs`, given full inputs of other shapes (same
 dtypes and ranks), compiles the model again for them, with every parameter and buffer pinned to the layout the
 first plan gave it, and the inputs to theirs where they still divide: the new graphs read the first module's
-pieces, and their gradients land in its `.grad`. Up to `MAX_VARIANTS` are kept, each compiled once.
+pieces, and their gradients land in its `.grad`. A call given pieces of other shapes (each rank's slice from a
+data-parallel loader, whose last batch is smaller on every rank) compiles for the full shapes they are pieces
+of, in the first plan's input layouts. Up to `MAX_VARIANTS` are kept, each compiled once.
 
     Before: the first compilation, and full inputs of other shapes.
     After: a `Shapes` whose graphs take the same state arguments, in the same order and local shapes, as the
@@ -20,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from spmd.core.errors import SpmdError
-from spmd.core.specs import is_even, placements_str
+from spmd.core.specs import is_even, placements_str, shard_factor
 from spmd.runtime.inputs import SMALLER_BATCH, InputSpec, LocalCheck
 
 MAX_VARIANTS = 8  # (as torch.compile's cache_size_limit: past it, shapes vary by more than buckets do)
@@ -85,6 +87,19 @@ def variant_key(flat: tuple, first: Shapes) -> tuple | None:
     return key if key != first.key else None
 
 
+def full_key(pieces: tuple, first: Shapes, mesh_shape: tuple[int, ...]) -> tuple | None:
+    """The full shapes of which `pieces` (a call's inputs: each rank's slice from a data-parallel loader, or whole
+    inputs the plan replicates) are this rank's pieces, laid out as `first` lays out its inputs; None where they
+    are not such pieces (`variant_key`'s conditions) or are the first's."""
+    if len(pieces) != len(first.input_specs) or not all(
+            isinstance(t, torch.Tensor) and not hasattr(t, "_local_tensor") and t.dtype == s.dtype
+            and t.ndim == len(s.shape) for t, s in zip(pieces, first.input_specs)):
+        return None
+    key = tuple(tuple(n * shard_factor(s.placements, mesh_shape, d) for d, n in enumerate(t.shape))
+                for t, s in zip(pieces, first.input_specs))
+    return key if key != first.key else None
+
+
 def pinned_to(options, first: Shapes, key: tuple, mesh_shape: tuple[int, ...]):
     """`options` with every parameter and buffer pinned to its layout in `first`, and each input to its layout
     there where that still divides its new shape; else left to the plan (the user's pin on it, met by that
@@ -127,8 +142,9 @@ def check_room(key: tuple, first: Shapes, taken: int) -> None:
     if taken < MAX_VARIANTS:
         return
     raise SpmdError(
-        f"shard_inputs: inputs of the shapes {_shapes(key)}: this module was compiled for {taken + 1} sets of "
-        f"input shapes already (the first {_shapes(first.key)}), each a compilation of its own. What to do: bucket "
+        f"shard_inputs: inputs of the shapes {_shapes(key)}: this module was compiled for {taken + 1} set(s) of "
+        f"input shapes already (the first {_shapes(first.key)}), each a compilation of its own, and takes no more "
+        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket "
         f"the shapes (pad each batch up to one of a few sizes) or pad every batch to the compiled shapes. "
         f"{SMALLER_BATCH}")
 

@@ -325,7 +325,7 @@ def test_an_optimizer_over_the_original_parameters(world):
     (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16)), [r"input 'x': expected float32, got float64",
                                                                              r"convert the input to the compiled dtype"]),
     (lambda: (torch.randn(6, 16), torch.randn(6, 16)), [r"input 'x': expected local shape \[4, 16\]",
-                                                        r"recompile with example inputs of this size"]),
+                                                        r"compiles for full inputs of other shapes, over the same weights"]),
     (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target\), got 1"]),
     (lambda: ([1.0] * 16, torch.randn(4, 16)), [r"input 'x': expected a tensor, got list"]),
     (lambda: (_dtensor(torch.randn(4, 16)), torch.randn(4, 16)), [r"input 'x': got a DTensor \(\[R\]\)",
@@ -359,22 +359,42 @@ def _dtensor(t):
     return distribute_tensor(t, DeviceMesh("cpu", [0]), [Replicate()])
 
 
-def test_shard_inputs_of_another_batch_says_recompile(world):
+def test_shard_inputs_of_another_rank_says_recompile(world):
+    """Inputs of other shapes are compiled for (runtime/shapes.py); of another number of dims, they are refused."""
     _, compiled = _training(world)
-    with pytest.raises(spmd.SpmdError, match=r"(?s)expected the full shape \[4, 16\], got \[8, 16\].*recompile"):
-        compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
+    with pytest.raises(spmd.SpmdError, match=r"(?s)expected the full shape \[4, 16\], got \[4, 16, 1\].*recompile"):
+        compiled.shard_inputs(torch.randn(4, 16, 1), torch.randn(4, 16, 1))
+    assert not compiled._variants
 
 
-def test_shard_inputs_of_an_epochs_smaller_last_batch_says_how_to_train_it(world):
-    """Found by a probe: the last batch of an epoch (drop_last=False) had no way out that trains; a module compiled
-    for its size holds its own copy of the weights. Larger batches do not get the hint."""
+def test_shard_inputs_past_the_limit_on_shapes_says_how_to_train_it(world, monkeypatch):
+    """An epoch's smaller last batch (drop_last=False) is compiled for, over the same weights; past the limit on
+    sets of shapes, the ways out that train: pad the batch, or drop it."""
+    from spmd.runtime import shapes
+
     _, compiled = _training(world)
-    with pytest.raises(spmd.SpmdError, match=r"(?s)got \[2, 16\].*smaller last batch.*pad it to the compiled size, "
-                                             r"with its targets at the loss's ignore_index.*drop_last=True"):
+    monkeypatch.setattr(shapes, "MAX_VARIANTS", 0)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)shapes \[2, 16\], \[2, 16\].*compiled for 1 set.*bucket.*smaller "
+                                             r"last batch.*pad it to the compiled size, with its targets at the "
+                                             r"loss's ignore_index.*drop_last=True"):
         compiled.shard_inputs(torch.randn(2, 16), torch.randn(2, 16))
-    with pytest.raises(spmd.SpmdError) as bigger:
-        compiled.shard_inputs(torch.randn(8, 16), torch.randn(8, 16))
-    assert "smaller last batch" not in str(bigger.value)
+
+
+def test_a_smaller_batch_trains_the_compiled_pieces(world):
+    """The smaller batch's graphs read this module's pieces and write their gradients: one optimizer steps them."""
+    model, compiled = _training(world)
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    compiled(*compiled.shard_inputs(x, y)).backward()
+    F.mse_loss(model(x), y).backward()
+    grads = dict(model.named_parameters())
+    assert list(compiled._variants) == [((2, 16), (2, 16))]
+    for name, p in compiled.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
+    x, y = torch.randn(3, 16), torch.randn(3, 16)  # (pieces of other shapes, given to the call: compiled for too)
+    assert torch.allclose(compiled(x, y), F.mse_loss(model(x), y), atol=1e-6)
+    assert len(compiled._variants) == 2
+    with pytest.raises(spmd.SpmdError, match=r"expected local shape \[4, 16\].*got \[3, 16, 1\]"):
+        compiled(torch.randn(3, 16, 1), torch.randn(3, 16, 1))
 
 
 def test_shard_inputs_of_none_where_a_tensor_was_compiled_says_so(world):
