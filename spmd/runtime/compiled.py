@@ -23,7 +23,7 @@ from spmd.compiler.attribute_reads import AttributeGuard, hooks_read_training, r
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
-from spmd.core.autocast import autocast_off
+from spmd.core.autocast import autocast_off, autocast_on
 from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random, is_view
 from spmd.core.specs import contiguous_strides, local_shape, placements_str
@@ -325,6 +325,7 @@ class CompiledModule(nn.Module):
         # other input shapes' (an epoch's smaller last batch), compiled by `shard_inputs` over these pieces
         self.__dict__["_variants"]: dict[tuple, Shapes] = {}
         self.__dict__["_recompile"] = recompile
+        self.__dict__["_cut_for"] = WeakIdKeyDictionary()  # a piece shard_inputs cut -> the `Shapes` it was cut for
         self._options = c.options
         self._differentiable = self._shapes.differentiable
         # where the model's own loss is differentiated alone (a transformers model given labels and no loss_fn),
@@ -1540,6 +1541,8 @@ class CompiledModule(nn.Module):
         for full, piece, spec in zip(flat, local, shapes.input_specs):
             if isinstance(full, torch.Tensor):
                 self._cut_pieces.record(full, piece, spec)
+        if self._variants:  # (whose graphs its pieces are for, where two sets of shapes could take them)
+            self._cut_for[next(t for t in local if isinstance(t, torch.Tensor))] = shapes
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
     def _shapes_of_full(self, flat: tuple) -> Shapes:
@@ -1554,20 +1557,29 @@ class CompiledModule(nn.Module):
     def _compile_variant(self, flat: tuple, key: tuple) -> Shapes:
         """This module's graphs for full inputs of the shapes `key`, over its pieces: the model compiled again
         (every rank at once, as `shard_inputs` is called: planned on rank 0 and agreed on), with each parameter and
-        buffer pinned to its layout here (`shapes.pinned_to`), in the mode the module was traced in."""
+        buffer pinned to its layout here (`shapes.pinned_to`), traced as this module was: in its mode, under its
+        autocast state, with gradients on and the parameters frozen then frozen (found by a probe: a first cut
+        of a smaller batch in an evaluation loop under torch.no_grad, outside the autocast block, or while a layer
+        was frozen for warm-up, gave graphs that never trained, computed in fp32, or left a layer untrained)."""
         check_room(key, self._shapes, len(self._variants))
         args, kwargs = self._call.unflatten(flat)
         model = self._source_model
         modes = [(m, m.training) for m in model.modules()]
+        flags = [(param, param.requires_grad) for param, _, _, _ in self._flags]
         if model.training != self._traced_mode:  # (an evaluation batch cut after model.eval(): traced as this
             model.train(self._traced_mode)       # module runs, which refuses the other mode at its call)
         try:  # (traced on fake tensors: the model's own weights, old once this trained, are not read)
-            with source_guard.inside():
+            for (param, _, fqn, _) in self._flags:
+                param.requires_grad_(fqn not in self._frozen_when_compiled)
+            with source_guard.inside(), autocast_off(), autocast_on(self._autocast.state), \
+                    torch.inference_mode(False), torch.set_grad_enabled(self.split is not None or torch.is_grad_enabled()):
                 c, _ = self._recompile(pinned_to(self._options, self._shapes, key, self.mesh_spec.shape),
                                        args, kwargs, weights=False)
         finally:
             for m, was in modes:
                 m.training = was
+            for param, was in flags:
+                param.requires_grad_(was)
         shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device)
         check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
         self._variants[key] = shapes
@@ -2078,10 +2090,15 @@ class CompiledModule(nn.Module):
         """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here
         for the full shapes of which they are pieces in the compiled layouts: every rank's slice of a smaller last
         batch); else the compiled shapes' check refuses them, with its reasons."""
+        cut = next((self._cut_for.get(t) for t in inputs if isinstance(t, torch.Tensor)), None)
+        if cut is not None and cut.check.accepts(inputs):
+            return cut
+        key = full_key(inputs, self._shapes, self.mesh_spec.shape) if self._recompile is not None else None
+        if key is not None and key in self._variants and self._variants[key].check.accepts(inputs):
+            return self._variants[key]  # (pieces in the compiled layouts: a data-parallel loader's slices)
         for shapes in self._variants.values():
             if shapes.check.accepts(inputs):
                 return shapes
-        key = full_key(inputs, self._shapes, self.mesh_spec.shape) if self._recompile is not None else None
         if key is not None:
             shapes = self._variants.get(key) or self._compile_variant(
                 tuple(torch.empty(shape, dtype=t.dtype, device="meta") for shape, t in zip(key, inputs)), key)

@@ -324,7 +324,7 @@ def test_an_optimizer_over_the_original_parameters(world):
 @pytest.mark.parametrize("inputs,words", [
     (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16)), [r"input 'x': expected float32, got float64",
                                                                              r"convert the input to the compiled dtype"]),
-    (lambda: (torch.randn(6, 16), torch.randn(6, 16)), [r"input 'x': expected local shape \[4, 16\]",
+    (lambda: (torch.randn(6, 16, 1), torch.randn(6, 16, 1)), [r"input 'x': expected local shape \[4, 16\]",
                                                         r"compiles for full inputs of other shapes, over the same weights"]),
     (lambda: (torch.randn(4, 16),), [r"takes 2 inputs \(x, target\), got 1"]),
     (lambda: ([1.0] * 16, torch.randn(4, 16)), [r"input 'x': expected a tensor, got list"]),
@@ -395,6 +395,30 @@ def test_a_smaller_batch_trains_the_compiled_pieces(world):
     assert len(compiled._variants) == 2
     with pytest.raises(spmd.SpmdError, match=r"expected local shape \[4, 16\].*got \[3, 16, 1\]"):
         compiled(torch.randn(3, 16, 1), torch.randn(3, 16, 1))
+
+
+def test_a_smaller_batch_is_traced_as_the_module_was(world):
+    """Found by a probe: the first cut of a smaller batch made in an evaluation loop under torch.no_grad, while a
+    layer was frozen for warm-up, or outside the autocast block the module was compiled and is called under, gave
+    graphs that never trained (backward: "element 0 of tensors does not require grad"), left the layer untrained
+    once unfrozen, or computed in fp32, silently. Each is now traced as the module was."""
+    model, compiled = _training(world)
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad():
+        compiled.shard_inputs(x, y)
+    model.fc1.weight.requires_grad_(False)
+    compiled.shard_inputs(torch.randn(3, 16), torch.randn(3, 16))
+    model.fc1.weight.requires_grad_(True)
+    compiled(*compiled.shard_inputs(x, y)).backward()
+    assert all(p.grad is not None for p in compiled.parameters())
+    compiled.zero_grad()
+    compiled(*compiled.shard_inputs(x[:1].expand(3, 16), y[:1].expand(3, 16))).backward()
+    assert all(p.grad is not None for p in compiled.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = spmd.compile(model, world, (x16, x16), loss_fn=F.mse_loss)
+    local = auto.shard_inputs(x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert auto(*local).item() == F.mse_loss(model(x), y).item()
 
 
 def test_shard_inputs_of_none_where_a_tensor_was_compiled_says_so(world):
