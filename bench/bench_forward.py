@@ -440,7 +440,7 @@ def profile_size(a2, x2, model, tokens, rank: int, world: int) -> str:
     with torch.no_grad():
         comp = timed({"a2 rank graph, all_reduces removed": lambda: gm_nocomm(*args_),
                       "c, all_reduce a no-op": lambda: hand_nocomm(tokens),
-                      "a2 wrapper only (CompiledModule._check_inputs)": lambda: a2._check_inputs(x2)}, n, False)
+                      "a2 wrapper only (CompiledModule._shapes.check)": lambda: a2._shapes.check(x2)}, n, False)
         full = timed({"d (full model), rank 0 alone, rank 1 idle": (lambda: model(tokens)) if rank == 0 else (lambda: None),
                       "d (full model) on both ranks at once (2 vCPUs busy)": lambda: model(tokens)},
                      max(n // 4, 5), True)

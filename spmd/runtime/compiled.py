@@ -325,23 +325,13 @@ class CompiledModule(nn.Module):
         # other input shapes' (an epoch's smaller last batch), compiled by `shard_inputs` over these pieces
         self.__dict__["_variants"]: dict[tuple, Shapes] = {}
         self.__dict__["_recompile"] = recompile
-        self.__dict__["_cut_for"] = WeakIdKeyDictionary()  # a piece shard_inputs cut -> the `Shapes` it was cut for
+        self.__dict__["_refused_shapes"]: dict[tuple, SpmdError] = {}  # (refused once: not compiled again each epoch)
         self._options = c.options
-        self._differentiable = self._shapes.differentiable
-        # where the model's own loss is differentiated alone (a transformers model given labels and no loss_fn),
-        # its other floating outputs (by position: their names) carry a backward that refuses: a second term on
-        # them (a z-loss on the logits, a distillation loss) reached no parameter, silently (found by a probe)
-        self._refused_grads = self._shapes.refused_grads
         self._call = call if call is not None else Call(tuple(i.name for i in c.traced.inputs if i.kind == "input"), ())
         # the traced (unsharded) graph and its signature, for `verify` (constants only: no weights)
         self._traced_gm = c.traced.gm
         self._graph_inputs = tuple(c.traced.inputs)
         self._graph_outputs = tuple(c.traced.output_kinds())
-        # the inputs whose example required grad (their gradient is computed, where one reaches them)
-        self._traced_with_grad = self._shapes.traced_with_grad
-        # an inference graph's flat outputs: the user's, and the new values of the buffers it updates in place
-        self._user_outputs = self._shapes.user_outputs
-        self._buffer_updates = self._shapes.buffer_updates
         self._tensor_info = dict(c.traced.tensor_info)
         self._aliases = dict(c.traced.aliases)  # extra name of a tied parameter -> the name it is held under
         # the model as the user built it (meta: no memory), for init_weights; not a submodule: its
@@ -404,7 +394,6 @@ class CompiledModule(nn.Module):
         for alias, canonical in self._aliases.items():  # (a tied weight under each of its names, as the model's)
             self._place(alias, self.piece(canonical), alias=True)
         self._index()
-        self._check_inputs = self._shapes.check
         shape, coord = self.mesh_spec.shape, self.coord
         # (the copies shard_inputs cut, cut again where their batch was written since: they follow it as views do)
         self._cut_pieces = CutPieces(lambda full, s: local_shard(full, s.placements, shape, coord))
@@ -1541,8 +1530,6 @@ class CompiledModule(nn.Module):
         for full, piece, spec in zip(flat, local, shapes.input_specs):
             if isinstance(full, torch.Tensor):
                 self._cut_pieces.record(full, piece, spec)
-        if self._variants:  # (whose graphs its pieces are for, where two sets of shapes could take them)
-            self._cut_for[next(t for t in local if isinstance(t, torch.Tensor))] = shapes
         return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
 
     def _shapes_of_full(self, flat: tuple) -> Shapes:
@@ -1557,17 +1544,24 @@ class CompiledModule(nn.Module):
     def _compile_variant(self, flat: tuple, key: tuple) -> Shapes:
         """This module's graphs for full inputs of the shapes `key`, over its pieces: the model compiled again
         (every rank at once, as `shard_inputs` is called: planned on rank 0 and agreed on), with each parameter and
-        buffer pinned to its layout here (`shapes.pinned_to`), traced as this module was: in its mode, under its
-        autocast state, with gradients on and the parameters frozen then frozen (found by a probe: a first cut
-        of a smaller batch in an evaluation loop under torch.no_grad, outside the autocast block, or while a layer
-        was frozen for warm-up, gave graphs that never trained, computed in fp32, or left a layer untrained)."""
+        buffer pinned to its layout here (`shapes.pinned_to`), traced as this module was: each of its modules in
+        its mode then, under its autocast state, with gradients on and the parameters frozen at compile time frozen
+        (found by a probe: a first cut of a smaller batch in an evaluation loop under torch.no_grad, outside the
+        autocast block, or while a layer was frozen for warm-up, gave graphs that never trained, computed in fp32,
+        or left a layer untrained). Shapes refused once are refused again without compiling."""
+        if key in self._refused_shapes:
+            raise self._refused_shapes[key]
         check_room(key, self._shapes, len(self._variants))
+        self._agree_on_key(key)
         args, kwargs = self._call.unflatten(flat)
         model = self._source_model
         modes = [(m, m.training) for m in model.modules()]
         flags = [(param, param.requires_grad) for param, _, _, _ in self._flags]
         if model.training != self._traced_mode:  # (an evaluation batch cut after model.eval(): traced as this
             model.train(self._traced_mode)       # module runs, which refuses the other mode at its call)
+        for m, path, was in self._modes:  # (a batch norm frozen before compiling: frozen in the variant too)
+            if not isinstance(m, _Pieces):
+                m.training = was
         try:  # (traced on fake tensors: the model's own weights, old once this trained, are not read)
             for (param, _, fqn, _) in self._flags:
                 param.requires_grad_(fqn not in self._frozen_when_compiled)
@@ -1581,12 +1575,30 @@ class CompiledModule(nn.Module):
             for param, was in flags:
                 param.requires_grad_(was)
         shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device)
-        check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
+        try:
+            check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
+        except SpmdError as e:
+            self._refused_shapes[key] = e
+            raise
         self._variants[key] = shapes
         if self.mesh_spec.size > 1 and any(isinstance(p, Replicate) and n > 1 for spec in shapes.input_specs
                                            for p, n in zip(spec.placements, self.mesh_spec.shape)):
             self._replicated_inputs, self._inputs_agreed = True, False  # (checked at its next call)
         return shapes
+
+    def _agree_on_key(self, key: tuple) -> None:
+        """Every rank compiling for the same shapes (one all_gather of them), else the ranks' shapes named."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        keys = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, key)
+        if any(k != key for k in keys):
+            shown = "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in k)}" for r, k in enumerate(keys))
+            raise SpmdError(
+                f"the ranks got inputs of different shapes ({shown}), none of them the compiled ones: every rank must "
+                "take the same global batch (shard_inputs cuts each rank's piece from it), or its own slice of "
+                "batches of one size. What to do: give every rank batches of the same shapes (a DataLoader with "
+                "drop_last=True, or a DistributedSampler, whose batches are the same size on every rank).")
 
     @_collective
     def gather_outputs(self, outputs):
@@ -1731,7 +1743,8 @@ class CompiledModule(nn.Module):
     def last_saved_bytes(self) -> int:
         """Bytes of the activations a training step saves for backward (parameters saved are counted as
         parameters, not here); 0 before the first step. The graph's shapes are fixed, so every step saves
-        the same: found at the first."""
+        the same: found at the first (of the graphs of the shapes that call took: an epoch's smaller last batch,
+        compiled for apart, saves less)."""
         return self._saved_bytes or 0
 
     def _graph_args(self, inputs) -> list:
@@ -2090,18 +2103,19 @@ class CompiledModule(nn.Module):
         """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here
         for the full shapes of which they are pieces in the compiled layouts: every rank's slice of a smaller last
         batch); else the compiled shapes' check refuses them, with its reasons."""
-        cut = next((self._cut_for.get(t) for t in inputs if isinstance(t, torch.Tensor)), None)
-        if cut is not None and cut.check.accepts(inputs):
-            return cut
         key = full_key(inputs, self._shapes, self.mesh_spec.shape) if self._recompile is not None else None
-        if key is not None and key in self._variants and self._variants[key].check.accepts(inputs):
-            return self._variants[key]  # (pieces in the compiled layouts: a data-parallel loader's slices)
-        for shapes in self._variants.values():
+        for shapes in self._variants.values():  # (no two sets take pieces of the same shapes: `check_shared`)
             if shapes.check.accepts(inputs):
+                if key is not None and shapes.key != key and self._replicated_inputs:
+                    # pieces in the compiled layouts (a loader's slices) that a set taking its inputs whole would
+                    # take too: checked for agreement at this call, not only at the due ones (a review)
+                    self._inputs_agreed = False
                 return shapes
         if key is not None:
-            shapes = self._variants.get(key) or self._compile_variant(
-                tuple(torch.empty(shape, dtype=t.dtype, device="meta") for shape, t in zip(key, inputs)), key)
+            examples = tuple(torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(
+                t.is_floating_point() and spec.name in self._shapes.traced_with_grad)
+                for shape, t, spec in zip(key, inputs, self._input_specs))
+            shapes = self._variants.get(key) or self._compile_variant(examples, key)
             if shapes.check.accepts(inputs):
                 return shapes
         self._shapes.check(inputs)

@@ -100,16 +100,23 @@ def _infer_gpt_on_buckets(rank: int, world: int) -> dict:
         refused = str(e)
     finally:
         shapes.MAX_VARIANTS = 8
-    return {"errors": errors, "variants": len(compiled._variants), "refused": refused}
+    try:  # (each rank its own batch size, none the compiled one)
+        compiled.shard_inputs(torch.randint(0, 128, (1 + rank, 16), generator=g))
+        apart = ""
+    except SpmdError as e:
+        apart = str(e)
+    return {"errors": errors, "variants": len(compiled._variants), "refused": refused, "apart": apart}
 
 
 def test_bucketed_shapes_infer_equal_to_one_device(ranks):
     """Sequence buckets and a smaller batch, each compiled at its first cut over the same pieces, gathered in its
-    own output layout; past the limit on sets of shapes, a refusal that says to bucket or pad."""
+    own output layout; past the limit on sets of shapes, a refusal that says to bucket or pad; ranks given batches
+    of different sizes are told so before any compiling."""
     for r in ranks(2).run(_infer_gpt_on_buckets):
         assert max(r["errors"].values()) < 1e-5, r["errors"]
         assert r["variants"] == 2
         assert "compiled for 3 set(s) of input shapes" in r["refused"] and "bucket" in r["refused"]
+        assert "ranks got inputs of different shapes (rank 0: [1, 16]; rank 1: [2, 16])" in r["apart"]
 
 
 def _train_gpt2_last_batch(rank: int, world: int) -> dict:

@@ -421,6 +421,26 @@ def test_a_smaller_batch_is_traced_as_the_module_was(world):
         assert auto(*local).item() == F.mse_loss(model(x), y).item()
 
 
+def test_a_smaller_batch_keeps_a_frozen_batch_norm_frozen(world):
+    """Found by a review: a batch norm frozen before compiling (`model.bn.eval()` in a training model) was traced
+    in training mode in a smaller batch's graphs first cut inside `model.eval()` (its statistics updated by those
+    batches, silently)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 16))
+    model[1].eval()
+    compiled = spmd.compile(model, world, (x16, x16), loss_fn=F.mse_loss)
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    model.eval()
+    with torch.no_grad():
+        local = compiled.shard_inputs(x, y)
+    model.train()
+    model[1].eval()
+    before = compiled.get_buffer("1.running_mean").clone()
+    loss = compiled(*local)
+    assert torch.equal(compiled.get_buffer("1.running_mean"), before)
+    assert torch.allclose(loss, F.mse_loss(model(x), y))
+
+
 def test_shard_inputs_of_none_where_a_tensor_was_compiled_says_so(world):
     """Found by a probe: `attention_mask=None` where the example had a mask was told to recompile for shapes."""
     _, compiled = _training(world)
