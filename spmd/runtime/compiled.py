@@ -2104,6 +2104,9 @@ class CompiledModule(nn.Module):
         for the full shapes of which they are pieces in the compiled layouts: every rank's slice of a smaller last
         batch); else the compiled shapes' check refuses them, with its reasons."""
         key = full_key(inputs, self._shapes, self.mesh_spec.shape) if self._recompile is not None else None
+        if key is not None and any(tuple(t.shape) == spec.shape != spec_local for t, spec, spec_local in zip(
+                inputs, self._input_specs, self._shapes.check.expected_shapes())):
+            key = None  # (the whole compiled input where this rank takes its piece: the mistake `check_local` names)
         for shapes in self._variants.values():  # (no two sets take pieces of the same shapes: `check_shared`)
             if shapes.check.accepts(inputs):
                 if key is not None and shapes.key != key and self._replicated_inputs:

@@ -78,6 +78,9 @@ class LocalCheck:
         self.specs, self.mesh, self.rank, self.device = specs, mesh, rank, device
         self.expected = tuple((torch.Size(local_shape(s.shape, s.placements, mesh.shape)), s.dtype) for s in specs)
 
+    def expected_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(shape) for shape, _ in self.expected]
+
     def accepts(self, inputs: tuple) -> bool:
         return len(inputs) == len(self.expected) and all(
             isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
