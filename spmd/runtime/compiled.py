@@ -512,8 +512,17 @@ class CompiledModule(nn.Module):
         return "\n".join(lines)
 
     def explain(self, detail: bool = True) -> str:
-        """The plan in words: layouts per module, collective totals, (detail) every node's cost and alternative."""
-        return self.plan.explain(detail)
+        """The plan in words: layouts per module, collective totals, (detail) every node's cost and alternative; and
+        the other input shapes compiled for since (an epoch's smaller last batch), with their inputs' layouts."""
+        text = self.plan.explain(detail)
+        if not self._variants:
+            return text
+        lines = [f"Also compiled for other input shapes ({len(self._variants)}; runtime/shapes.py), over the same "
+                 "pieces: each parameter and buffer laid out as above; the inputs:"]
+        for shapes in self._variants.values():
+            lines.append("  " + ", ".join(f"{s.name} {list(s.shape)} {placements_str(s.placements)}"
+                                          for s in shapes.input_specs))
+        return text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
 
     def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
         """Draw the sharded graph (all ranks' view, collectives explicit) to .svg/.png/.dot/.html."""

@@ -388,6 +388,8 @@ def test_a_smaller_batch_trains_the_compiled_pieces(world):
     F.mse_loss(model(x), y).backward()
     grads = dict(model.named_parameters())
     assert list(compiled._variants) == [((2, 16), (2, 16))]
+    assert "Also compiled for other input shapes (1" in compiled.explain(detail=False)
+    assert "x [2, 16] [R], target [2, 16] [R]" in compiled.explain(detail=False)
     for name, p in compiled.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
     x, y = torch.randn(3, 16), torch.randn(3, 16)  # (pieces of other shapes, given to the call: compiled for too)
