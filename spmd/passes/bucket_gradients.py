@@ -19,12 +19,20 @@ from spmd.core import collectives as C
 from spmd.core.specs import pieces
 
 
+# the steps of a resharding (core/collectives.py): a gradient on its way out passes through these alone
+_RESHARDING = (C.all_reduce, C.all_gather, C.reduce_scatter, C.all_to_all, C.shard_local, C.partial_local)
+
+
 def _gradient_chain(node: fx.Node) -> bool:
-    """An all_reduce whose result only flows (through more such all_reduces) to the graph's outputs."""
+    """An all_reduce whose result only flows (through more resharding steps) to the graph's outputs: a gradient
+    on its way out, as the cost model takes every all_reduce of a parameter gradient's resharding to be
+    (`comm.step_cost` with its bucket). A chain over two mesh axes (reduce_scatter on dp, all_reduce on tp,
+    all_gather on dp; or all_reduce, shard_local, all_reduce) launched its all_reduce alone, where the plan
+    priced a share of a bucket (found by a probe of explain's counts against the rank graphs)."""
     for user in node.users:
         if user.op == "output":
             continue
-        if user.target is C.all_reduce and _gradient_chain(user):
+        if user.target in _RESHARDING and _gradient_chain(user):
             continue
         return False
     return True

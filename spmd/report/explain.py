@@ -77,7 +77,9 @@ def step_seconds(plan) -> list[tuple[Any, Any, float]]:
 def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
     """(kind, axis, launches, bytes, seconds) per collective kind and mesh axis. The gradient all_reduces of a
     training plan count as the buckets the rank graph packs them into (one launch each; a probe found 37 listed
-    where the graphs launch one), and their row's time includes the buckets' latency."""
+    where the graphs launch one), and their row's time includes the buckets' latency: the share of a launch each
+    gradient's edge already pays, plus what the buckets pay beyond the shares (at least one launch: a probe found
+    the shares counted twice, the table's total over the headline's communication and buckets' latency)."""
     totals: dict[tuple[str, str], list] = {}
     for _, s, seconds in step_seconds(plan):
         if not s.is_collective:
@@ -91,8 +93,8 @@ def collective_totals(plan) -> list[tuple[str, str, int, float, float]]:
         if row is None:
             continue
         row[0] += launches - count
-        link = plan.mesh.links[plan.mesh.axis_names.index(axis)]
-        row[2] += bucketed_latency(link.alpha_beta("all_reduce")[0], [shares])
+        latency = plan.mesh.links[plan.mesh.axis_names.index(axis)].alpha_beta("all_reduce")[0]
+        row[2] += bucketed_latency(latency, [shares]) - latency * shares
     return [(k, a, c, b, t) for (k, a), (c, b, t) in sorted(totals.items())]
 
 
