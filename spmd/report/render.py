@@ -94,6 +94,17 @@ def _html(plan, source: str, svg: str | None, title: str) -> str:
             "</body></html>\n")
 
 
+PICTURE_FORMATS = (".svg", ".png", ".pdf", ".dot", ".gv", ".html")
+
+
+def check_format(path) -> str:
+    """`path`'s suffix, lower case, where `visualize` can write it; else a ValueError naming the formats."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in PICTURE_FORMATS:
+        raise ValueError(f"visualize: unknown format {Path(path).suffix!r}; use .svg, .png, .pdf, .dot or .html")
+    return suffix
+
+
 def visualize(plan, sources, path, collapse: bool | None = None, views: bool = False, title: str | None = None) -> Path:
     """Draw the sharded graph of `plan` to `path`; the format follows the suffix: .svg, .png (graphviz's
     `dot` or `graphviz-pure`), .pdf (`dot` only), .dot (graphviz source), .html (self-contained: the SVG
@@ -101,9 +112,7 @@ def visualize(plan, sources, path, collapse: bool | None = None, views: bool = F
     identical repeated blocks (None: runs of 4 or more; True: 2 or more; False: never). `views`: also
     draw views and getitem. Returns the path written (the .dot next to it when no renderer can draw it)."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".svg", ".png", ".pdf", ".dot", ".gv", ".html"):
-        raise ValueError(f"visualize: unknown format {path.suffix!r}; use .svg, .png, .pdf, .dot or .html")
+    suffix = check_format(path)
     source = to_dot(plan, sources, collapse, views, title)
     if suffix in (".dot", ".gv"):
         path.write_text(source)

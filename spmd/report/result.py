@@ -110,7 +110,8 @@ class PlanReport(Plan):
     @functools.cached_property
     def cost_formula(self):
         """Estimated seconds per step as a sympy formula in the batch size (`batch`), for this plan's
-        placements (report/whatif.py); `.subs("batch", b)` prices the same plan at batch b."""
+        placements (report/whatif.py); `.subs("batch", b)` prices the same plan at batch b, also where that plan
+        cannot run (a batch its layouts do not divide: batch 1 of a batch split on dp), which `crossover` skips."""
         return whatif.cost_formula(self, self.request)
 
     def crossover(self, symbol: str = "batch", sizes=None) -> list:

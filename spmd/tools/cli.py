@@ -29,6 +29,7 @@ from spmd.core.errors import SpmdError
 from spmd.core.mesh import MeshSpec, parse_mesh
 from spmd.core.profiles import device_profile_for, link_profile_for
 from spmd.report.diff import diff_plans
+from spmd.report.render import check_format
 from spmd.report.result import load_plan
 from spmd.tools import calibrate
 
@@ -130,6 +131,12 @@ def _cmd_plan(args) -> int:
                         "do: return the module (wrap a function in an nn.Module whose forward calls it).")
     if args.json and Path(args.json).is_dir():  # (before planning: it was found after, with a raw error)
         raise SpmdError(f"--json {args.json} is a folder; expected a file to write the plan to.")
+    for flag, out in (("--svg", args.svg), ("--html", args.html)):  # (before planning: a probe found a .jpg
+        if out:                                                        # refused after the plan and its --json)
+            try:
+                check_format(out)
+            except ValueError as e:
+                raise SpmdError(f"{flag} {out}: {str(e).removeprefix('visualize: ')}.") from None
     if args.memory_budget_gib is not None and args.memory_budget_gib <= 0:
         raise SpmdError(f"--memory-budget-gib {args.memory_budget_gib}: expected a positive number of GiB per rank.")
     if isinstance(inputs, torch.Tensor):

@@ -101,6 +101,12 @@ def test_bad_plan_files_build_results_and_calibrate_arguments_say_what_to_do(tmp
     assert "is a folder; expected a file" in capsys.readouterr().err
     assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=2", "--memory-budget-gib", "-1"]) == 2
     assert "expected a positive number of GiB" in capsys.readouterr().err
+    # (a probe: a picture format refused only after planning, printing and writing --json)
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=2", "--svg", "x.jpg",
+                     "--json", str(out)]) == 2
+    err = capsys.readouterr()
+    assert "--svg x.jpg: unknown format '.jpg'; use .svg, .png" in err.err and not err.out and not out.exists()
     for argv, words in ((["--mesh", "tp=0"], "axis 'tp' has size 0"), (["--mesh", "tp=3", "--nproc", "2"], "needs 3"),
                         (["--min-bytes", "100", "--max-bytes", "10"], "expected 1 <= min <= max"),
                         (["--num-sizes", "0"], "at least 2 sizes")):
