@@ -3,7 +3,9 @@
 A plan file is JSON with a schema name and version; placements are written as everywhere else in spmd
 ("S(0)", "R", "P", "P(max)"; `core.specs.placement_str`). A loaded plan explains, prints, diffs and
 counts its collectives like the one that was saved (same `fingerprint()`), but holds no graph: it
-cannot be run or drawn.
+cannot be run or drawn. A file edited since it was saved is refused: the fingerprint covers the choices and
+steps, and the `digest` the rest (a probe loaded a mesh edited to (4, 4) and parameter roles edited to
+"replicated", which then explained a plan that was not the one solved).
 
     {"schema": "spmd-plan", "version": 1, "fingerprint": "3f1c...",
      "mesh": {"shape": [2, 2], "axis_names": ["dp", "tp"], "links": [...], "device": {...}},
@@ -13,6 +15,7 @@ cannot be run or drawn.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -84,6 +87,18 @@ def _details_from(d: dict | None) -> PlanDetails | None:
 
 
 def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
+    doc = _content(plan, details)
+    return {**doc, "digest": _digest(doc)}
+
+
+def _digest(doc: dict) -> str:
+    """A hash of a plan file's content as this module writes it (so a file written before Partial's one spelling,
+    "P(sum)", reads as the same content)."""
+    text = json.dumps({k: v for k, v in doc.items() if k != "digest"}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _content(plan: Plan, details: PlanDetails | None) -> dict:
     return {
         "schema": SCHEMA, "version": VERSION, "fingerprint": plan.fingerprint(),
         "mesh": _mesh_json(plan.mesh),
@@ -129,7 +144,13 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
     if doc.get("fingerprint") and plan.fingerprint() != doc["fingerprint"]:
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")
-    return plan, _details_from(doc.get("details"))
+    details = _details_from(doc.get("details"))
+    if "digest" in doc:  # (files written before the digest have none)
+        if _digest(_content(plan, details)) != doc["digest"]:
+            raise ValueError(f"{where}: the plan file was edited since it was saved (its content no longer matches its "
+                             "digest), so it would describe a plan other than the one solved. What to do: re-plan "
+                             "(plan.save(path), or `spmd plan ... --json path`); keep notes beside the file, not in it.")
+    return plan, details
 
 
 def save_plan(plan: Plan, details: PlanDetails | None, path) -> None:

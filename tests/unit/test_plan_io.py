@@ -64,6 +64,21 @@ def test_load_rejects_other_versions_and_edited_plans(tmp_path):
         spmd.load_plan(tmp_path / "e.json")
 
 
+def test_load_rejects_plan_files_edited_beyond_their_choices(tmp_path):
+    """Found by a probe: a mesh edited to (4, 4), parameter roles edited to "replicated" and an edited objective
+    loaded, and the plan then described itself with them (the fingerprint covers the choices and steps alone)."""
+    _mlp().save(tmp_path / "p.json")
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["mesh"]["shape"] == [2]
+    for edit in (lambda d: d["mesh"].update(shape=[4]), lambda d: d.update(objective=d["objective"] / 2),
+                 lambda d: d["details"]["params"][0].update(roles=["column-parallel"])):
+        edited = json.loads(json.dumps(doc))
+        edit(edited)
+        (tmp_path / "e.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=r"edited since it was saved.*re-plan"):
+            spmd.load_plan(tmp_path / "e.json")
+
+
 def test_diff_names_changed_placements_collectives_and_costs():
     a = _mlp()  # data parallel: batch split, weights replicated, no collectives in forward
     b = _mlp(param_placements={"fc1.weight": [Shard(0)]})  # forced column-parallel on dp
@@ -145,7 +160,7 @@ def test_to_parallelize_plan_on_gpt(tmp_path):
     assert loaded.notes == styles.notes and loaded.keys() == styles.keys()
     assert all(repr(loaded[k].__dict__) == repr(styles[k].__dict__) for k in styles)
     doc = json.loads((tmp_path / "plan.json").read_text())
-    del doc["details"]["style_regions"]
+    del doc["details"]["style_regions"], doc["digest"]  # (a file from before both)
     (tmp_path / "old.json").write_text(json.dumps(doc))
     with pytest.warns(UserWarning, match="predates the check"):
         spmd.load_plan(tmp_path / "old.json").to_parallelize_plan()
