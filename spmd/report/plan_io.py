@@ -172,3 +172,7 @@ def load_plan(path) -> tuple[Plan, PlanDetails | None]:
         return plan_from_json(doc, str(path))
     except (KeyError, TypeError, IndexError) as e:  # (an entry missing or of another kind: a file cut or edited)
         raise ValueError(f"{path}: not a complete plan file ({type(e).__name__}: {e}). {way_out}") from None
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a plan file as written ({e}). {way_out}") from None  # (a placement edited)

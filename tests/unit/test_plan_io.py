@@ -77,6 +77,10 @@ def test_load_rejects_plan_files_edited_beyond_their_choices(tmp_path):
         (tmp_path / "e.json").write_text(json.dumps(edited))
         with pytest.raises(ValueError, match=r"edited since it was saved.*re-plan"):
             spmd.load_plan(tmp_path / "e.json")
+    doc["choices"]["x"]["outputs"] = [["Q"]]  # (a placement no plan writes: the file and the way out named)
+    (tmp_path / "e.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"e\.json: not a plan file as written \(not a placement: 'Q'.*What to do"):
+        spmd.load_plan(tmp_path / "e.json")
 
 
 def test_diff_names_changed_placements_collectives_and_costs():
