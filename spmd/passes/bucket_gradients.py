@@ -38,6 +38,33 @@ def _gradient_chain(node: fx.Node) -> bool:
     return True
 
 
+def _upstream_members(node: fx.Node, members) -> list[fx.Node]:
+    """The bucketed all_reduces (`members`) `node` reads through resharding steps."""
+    found, stack, seen = [], list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function" or n.target not in _RESHARDING:
+            continue
+        seen.add(n)
+        if n in members:
+            found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _reaches(starts: set[int], target: int, reads: list[set[int]]) -> bool:
+    """Whether bucket `target` is one of `starts` or read by them, through the buckets they read."""
+    stack, seen = list(starts), set()
+    while stack:
+        b = stack.pop()
+        if b == target:
+            return True
+        if b not in seen:
+            seen.add(b)
+            stack.extend(reads[b])
+    return False
+
+
 def local_bytes(node: fx.Node, mesh_shape: tuple[int, ...]) -> float:
     """Bytes of `node`'s value on one rank, from its global value and its placements."""
     val = node.meta["val"]
@@ -52,21 +79,31 @@ def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], buck
     graph.output(graph.graph_copy(backward.graph, {}))
     members = [n for n in graph.nodes if n.target is C.all_reduce and _gradient_chain(n)]
     buckets: list[list[fx.Node]] = []
-    open_by_key: dict[tuple, list[fx.Node]] = {}
+    open_by_key: dict[tuple, int] = {}  # key -> the index of its open bucket
     size_by_key: dict[tuple, float] = {}
+    bucket_of: dict[fx.Node, int] = {}
+    reads: list[set[int]] = []  # per bucket: the buckets whose results its members read (through their chains)
     for node in members:
         kw = node.kwargs
         dtype = node.args[0].meta["val"].dtype if "val" in node.args[0].meta else None
         key = (kw["group"], kw["reduce_op"], kw["world"], dtype)
         nbytes = local_bytes(node.args[0], mesh_shape)
-        if key in open_by_key and size_by_key[key] + nbytes > bucket_bytes:
+        ups = {bucket_of[u] for u in _upstream_members(node, bucket_of)}
+        if key in open_by_key and (size_by_key[key] + nbytes > bucket_bytes or
+                                   _reaches(ups, open_by_key[key], reads)):
+            # (full; or this one reads, through its chain, a bucket that waits for this one's: a gradient reduced
+            # on dp then tp beside one reduced on tp then dp would make two buckets wait on each other; a review)
             del open_by_key[key]
         if key not in open_by_key:
-            open_by_key[key] = []
+            open_by_key[key] = len(buckets)
             size_by_key[key] = 0.0
-            buckets.append(open_by_key[key])
-        open_by_key[key].append(node)
+            buckets.append([])
+            reads.append(set())
+        k = open_by_key[key]
+        buckets[k].append(node)
+        reads[k] |= ups
         size_by_key[key] += nbytes
+        bucket_of[node] = k
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     for bucket in buckets:

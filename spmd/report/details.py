@@ -246,21 +246,25 @@ def compute_details(plan, src) -> PlanDetails:
             continue
         chosen = plan.choices[name]
         idx = ns.strategies.index(chosen)
-        cost = local.with_tie(name, idx)
-        if name in copies:  # (the mean over the layers the row stands for, so that rows x count add up: the
-            # first layer's copy reads the embedding's output, the others their layer's; a probe found a row
-            # showing its representative's 9.9 us for a twin that pays 1.0 us)
-            cost = _mean([cost] + [local.with_tie(m, table.nodes[m].strategies.index(plan.choices[m]))
-                                   for m in copies[name]])
-        if ns.source not in ("placeholder", "output") and cost.compute == 0.0 and name not in incoming:
+        # (a row of repeated layers shows the mean over its layers, the alternative's too, so that rows x count
+        # add up: the first layer's copy reads the embedding's output, the others their layer's; a probe found a
+        # row showing its representative's 9.9 us for a twin that pays 1.0 us)
+        members = [name, *copies.get(name, ())]
+        own = local.with_tie(name, idx)  # (the best alternative is found, and weighed, at the representative)
+        cost = _over(local, table, members, chosen) if len(members) > 1 else own
+        if ns.source not in ("placeholder", "output") and cost.compute == 0.0 and not incoming.intersection(members):
             continue
         best, best_split = None, None
-        for i, s in enumerate(ns.strategies):
+        for i, s in enumerate(ns.strategies):  # (each layer's would cost a walk of its strategies: seconds)
             if i == idx:
                 continue
             sp = local.with_tie(name, i)
             if best is None or (sp.time, sp.memory) < (best_split.time, best_split.memory):
                 best, best_split = s, sp
+        why = _why(own, best_split, plan.memory_budget) if best else "the only strategy"
+        if best is not None and cost != own:  # (shown on the row's basis: the representative's margins)
+            best_split = Split(*(getattr(best_split, f) + getattr(cost, f) - getattr(own, f)
+                                 for f in ("compute", "comm_in", "comm_out", "memory")))
         node = nodes.get(name)
         phase = phase_of(node) if node is not None and kind is None else ""
         if kind is not None:
@@ -276,7 +280,7 @@ def compute_details(plan, src) -> PlanDetails:
         reports.append(NodeReport(
             name, label, op, module, phase,
             _show(chosen, ns.source), cost, _show(best, ns.source, chosen) if best else None, best_split,
-            _why(cost, best_split, plan.memory_budget) if best else "the only strategy", len(ns.strategies), n))
+            why, len(ns.strategies), n))
     inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
               for ph, k in src.kinds.items() if k == "input"}
     backward = frozenset(name for name, node in nodes.items() if node is not None and phase_of(node) == "backward")
@@ -289,6 +293,16 @@ def compute_details(plan, src) -> PlanDetails:
             embeddings = frozenset(p.module for p in uses if p.module in styles and p.module_type == "Embedding")
             regions[axis] = style_regions(src.graph, plan, table, styles, where, i, embeddings)
     return PlanDetails(tuple(reports), tuple(uses), inputs, regions)
+
+
+def _over(local, table, members: list[str], strategy) -> Split:
+    """`strategy`'s cost at each of `members` (a row's layers; their strategy lists are alike), the mean."""
+    splits = []
+    for m in members:
+        strategies = table.nodes[m].strategies
+        if strategy in strategies:
+            splits.append(local.with_tie(m, strategies.index(strategy)))
+    return _mean(splits)
 
 
 def _mean(splits: list[Split]) -> Split:

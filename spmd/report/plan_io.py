@@ -94,8 +94,19 @@ def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:
 def _digest(doc: dict) -> str:
     """A hash of a plan file's content as this module writes it (so a file written before Partial's one spelling,
     "P(sum)", reads as the same content)."""
-    text = json.dumps({k: v for k, v in doc.items() if k != "digest"}, sort_keys=True, default=str)
+    text = json.dumps(_numbers_as_floats({k: v for k, v in doc.items() if k != "digest"}), sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _numbers_as_floats(value):
+    """`value` with every int a float: profiles read back their numbers as floats (`32 * 2**20` comes back
+    33554432.0), which must not read as an edit (a review found every CPU/gloo plan refused so)."""
+    if isinstance(value, dict):
+        return {k: _numbers_as_floats(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_numbers_as_floats(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _content(plan: Plan, details: PlanDetails | None) -> dict:

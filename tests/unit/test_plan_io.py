@@ -64,6 +64,19 @@ def test_load_rejects_other_versions_and_edited_plans(tmp_path):
         spmd.load_plan(tmp_path / "e.json")
 
 
+def test_a_plan_for_a_cpu_mesh_loads_back(tmp_path):
+    """Found by a review: the CPU device and gloo link profiles hold whole numbers that read back as floats, and
+    their plan files were refused as edited."""
+    from spmd.core.mesh import MeshSpec
+    from spmd.core.profiles import device_profile_for, link_profile_for
+
+    torch.manual_seed(0)
+    mesh = MeshSpec((2,), ("dp",), (link_profile_for("gloo"),), device_profile_for("cpu"))
+    plan = spmd.plan(MLP(16, 64), mesh, (torch.randn(4, 16),))
+    plan.save(tmp_path / "cpu.json")
+    assert spmd.load_plan(tmp_path / "cpu.json").fingerprint() == plan.fingerprint()
+
+
 def test_load_rejects_plan_files_edited_beyond_their_choices(tmp_path):
     """Found by a probe: a mesh edited to (4, 4), parameter roles edited to "replicated" and an edited objective
     loaded, and the plan then described itself with them (the fingerprint covers the choices and steps alone)."""

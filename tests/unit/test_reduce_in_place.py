@@ -164,3 +164,26 @@ def test_bucket_pieces_are_views_only_where_every_piece_leaves_the_graph():
     out = bucket_gradients(fx.GraphModule(torch.nn.Module(), g), (2, 2), bucket_bytes=1e9)
     waits = {n.kwargs["group"]: n.kwargs["views"] for n in out.graph.nodes if n.target is C.bucket_wait}
     assert waits == {"g1": False, "g0": True}
+
+
+def test_gradients_reduced_over_two_axes_in_both_orders_make_no_buckets_that_wait_on_each_other():
+    """Found by a review: a gradient reduced on g0 then g1 and another on g1 then g0 put into one bucket per
+    group, each bucket would wait for the other's results. A bucket holding one that a later member reads takes no
+    more members; chains through other resharding steps (a shard_local between) are bucketed too."""
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    for x in (a, b):
+        x.meta["val"] = torch.empty(64)
+        x.meta["spmd_placements"] = ((),)
+    a0 = g.call_function(C.all_reduce, (a,), {"reduce_op": "sum", "group": "g0", "world": 2})
+    b1 = g.call_function(C.all_reduce, (b,), {"reduce_op": "sum", "group": "g1", "world": 2})
+    a_cut = g.call_function(C.shard_local, (a0,), {"dim": 0, "index": 0, "world": 2})
+    a1 = g.call_function(C.all_reduce, (a_cut,), {"reduce_op": "sum", "group": "g1", "world": 2})
+    b0 = g.call_function(C.all_reduce, (b1,), {"reduce_op": "sum", "group": "g0", "world": 2})
+    for n in (a0, b1, a_cut, a1, b0):
+        n.meta = dict(a.meta)
+    g.output((a1, b0))
+    out = bucket_gradients(fx.GraphModule(torch.nn.Module(), g), (2, 2), bucket_bytes=1e9)
+    out.graph.lint()  # (each node after its inputs: no cycle)
+    starts = [n.kwargs["group"] for n in out.graph.nodes if n.target is C.bucket_start]
+    assert sorted(starts) == ["g0", "g0", "g1"] and not [n for n in out.graph.nodes if n.target is C.all_reduce]
