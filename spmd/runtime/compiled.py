@@ -36,7 +36,7 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
-from spmd.runtime.shapes import Shapes, check_room, check_shared, full_key, pinned_to, variant_key
+from spmd.runtime.shapes import Shapes, check_room, check_shared, full_key, pinned_to, variant_key, verify_refusal
 
 
 def _untied_hint(model, missing: list[str]) -> str:
@@ -1711,6 +1711,8 @@ class CompiledModule(nn.Module):
     def _full_inputs(self, args: tuple, kwargs: dict, what: str) -> tuple:
         """Full inputs given by position and keyword, as the graph's flat tuple, checked."""
         flat = self._call.flatten(args, kwargs, what)
+        if what == "verify" and (key := variant_key(flat, self._shapes)) is not None:
+            raise verify_refusal(key, self._shapes, key in self._variants)
         check_full(flat, self._input_specs)
         return flat
 

@@ -23,7 +23,14 @@ from torch.utils._pytree import tree_unflatten
 
 from spmd.core.errors import SpmdError
 from spmd.core.specs import is_even, placements_str, shard_factor
-from spmd.runtime.inputs import SMALLER_BATCH, InputSpec, LocalCheck
+from spmd.runtime.inputs import InputSpec, LocalCheck
+
+# the ways out where other shapes are not compiled for (a probe found the epoch's-last-batch paragraph, which
+# says a module compiled for the size would hold weights of its own, confusing here)
+PAD_OR_DROP = (
+    "pad the batch to shapes this module runs (the compiled ones, or others it was compiled for), with its padded "
+    "targets at the loss's ignore_index (a mean cross-entropy then leaves those rows out), or drop it "
+    "(a DataLoader's drop_last=True).")
 
 MAX_VARIANTS = 8  # (as torch.compile's cache_size_limit: past it, shapes vary by more than buckets do)
 
@@ -133,8 +140,8 @@ def check_shared(variant: Shapes, first: Shapes, taken: list[Shapes]) -> None:
                    f"{_shapes(clash.key)}, so a call could not tell the two apart")
     if why is not None:
         raise SpmdError(f"shard_inputs: inputs of the shapes {_shapes(variant.key)}, where the module was compiled for "
-                        f"{_shapes(first.key)}, cannot run over this module's pieces: {why}. What to do: pass batches "
-                        f"of the compiled shapes. {SMALLER_BATCH}")
+                        f"{_shapes(first.key)}, cannot run over this module's pieces: {why}. What to do: "
+                        f"{PAD_OR_DROP}")
 
 
 def check_room(key: tuple, first: Shapes, taken: int) -> None:
@@ -144,9 +151,19 @@ def check_room(key: tuple, first: Shapes, taken: int) -> None:
     raise SpmdError(
         f"shard_inputs: inputs of the shapes {_shapes(key)}: this module was compiled for {taken + 1} set(s) of "
         f"input shapes already (the first {_shapes(first.key)}), each a compilation of its own, and takes no more "
-        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket "
-        f"the shapes (pad each batch up to one of a few sizes) or pad every batch to the compiled shapes. "
-        f"{SMALLER_BATCH}")
+        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket the shapes: {PAD_OR_DROP}")
+
+
+def verify_refusal(key: tuple, first: Shapes, runs: bool) -> SpmdError:
+    """`verify` given full inputs of other shapes than the compiled ones (`runs`: the module was compiled for
+    them since): it checks the compiled shapes' graphs (a probe got shard_inputs' words, to recompile)."""
+    how = ("runs them too, in graphs compiled for them since over the same weights" if runs else
+           "would compile for them at their first cut (`shard_inputs`), over the same weights")
+    return SpmdError(
+        f"verify: inputs of the shapes {_shapes(key)}, where the module was compiled for {_shapes(first.key)}: verify "
+        f"checks the compiled shapes' graphs against one device; this module {how}. What to do: verify with a "
+        f"batch of the compiled shapes ({_shapes(first.key)}); the graphs of other shapes are planned from the same "
+        "model with the same parameter layouts.")
 
 
 def _shapes(key: tuple) -> str:

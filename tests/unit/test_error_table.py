@@ -374,9 +374,9 @@ def test_shard_inputs_past_the_limit_on_shapes_says_how_to_train_it(world, monke
 
     _, compiled = _training(world)
     monkeypatch.setattr(shapes, "MAX_VARIANTS", 0)
-    with pytest.raises(spmd.SpmdError, match=r"(?s)shapes \[2, 16\], \[2, 16\].*compiled for 1 set.*bucket.*smaller "
-                                             r"last batch.*pad it to the compiled size, with its targets at the "
-                                             r"loss's ignore_index.*drop_last=True"):
+    with pytest.raises(spmd.SpmdError, match=r"(?s)shapes \[2, 16\], \[2, 16\].*compiled for 1 set.*bucket the shapes: "
+                                             r"pad the batch to shapes this module runs.*at the loss's ignore_index"
+                                             r".*drop_last=True"):
         compiled.shard_inputs(torch.randn(2, 16), torch.randn(2, 16))
 
 
@@ -392,6 +392,9 @@ def test_a_smaller_batch_trains_the_compiled_pieces(world):
     assert "x [2, 16] [R], target [2, 16] [R]" in compiled.explain(detail=False)
     for name, p in compiled.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
+    with pytest.raises(spmd.SpmdError, match=r"verify: inputs of the shapes \[2, 16\], \[2, 16\].*runs them too.*"
+                                             r"verify with a batch of the compiled shapes \(\[4, 16\], \[4, 16\]\)"):
+        compiled.verify(x, y)  # (a probe got shard_inputs' words, to recompile)
     x, y = torch.randn(3, 16), torch.randn(3, 16)  # (pieces of other shapes, given to the call: compiled for too)
     assert torch.allclose(compiled(x, y), F.mse_loss(model(x), y), atol=1e-6)
     assert len(compiled._variants) == 2
