@@ -246,8 +246,8 @@ def compute_details(plan, src) -> PlanDetails:
             continue
         chosen = plan.choices[name]
         idx = ns.strategies.index(chosen)
-        # (a row of repeated layers shows the mean over its layers, the alternative's too, so that rows x count
-        # add up: the first layer's copy reads the embedding's output, the others their layer's; a probe found a
+        # (a row of repeated layers shows the mean over its layers, so that rows x count add up, and its
+        # alternative shifted by as much: the first layer's copy reads the embedding's output, the others their layer's; a probe found a
         # row showing its representative's 9.9 us for a twin that pays 1.0 us)
         members = [name, *copies.get(name, ())]
         own = local.with_tie(name, idx)  # (the best alternative is found, and weighed, at the representative)
@@ -263,8 +263,7 @@ def compute_details(plan, src) -> PlanDetails:
                 best, best_split = s, sp
         why = _why(own, best_split, plan.memory_budget) if best else "the only strategy"
         if best is not None and cost != own:  # (shown on the row's basis: the representative's margins)
-            best_split = Split(*(getattr(best_split, f) + getattr(cost, f) - getattr(own, f)
-                                 for f in ("compute", "comm_in", "comm_out", "memory")))
+            best_split = Split(*(getattr(best_split, f) + getattr(cost, f) - getattr(own, f) for f in _SPLIT_FIELDS))
         node = nodes.get(name)
         phase = phase_of(node) if node is not None and kind is None else ""
         if kind is not None:
@@ -305,10 +304,11 @@ def _over(local, table, members: list[str], strategy) -> Split:
     return _mean(splits)
 
 
+_SPLIT_FIELDS = ("compute", "comm_in", "comm_out", "memory")
+
+
 def _mean(splits: list[Split]) -> Split:
-    k = len(splits)
-    return Split(sum(s.compute for s in splits) / k, sum(s.comm_in for s in splits) / k,
-                 sum(s.comm_out for s in splits) / k, sum(s.memory for s in splits) / k)
+    return Split(*(sum(getattr(s, f) for s in splits) / len(splits) for f in _SPLIT_FIELDS))
 
 
 def _show(s, source: str, other=None) -> str:

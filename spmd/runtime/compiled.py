@@ -1739,12 +1739,12 @@ class CompiledModule(nn.Module):
         """What runs `which` ("graph": inference; "forward"/"backward": training) of `shapes` (None: the compiled
         shapes'): the graph module, or that module through torch.compile with `compile_backend` (compiled at
         its first call)."""
-        first = shapes is None or shapes is self._shapes
-        gm = (self.graph_module if first else shapes.graph_module) if which == "graph" else \
-            getattr(self.split if first else shapes.split, which)
+        shapes = self._shapes if shapes is None else shapes
+        gm = shapes.graph_module if which == "graph" else getattr(shapes.split, which)
         if self.compile_backend is None:
             return gm
-        table = self._compiled_graphs if first else shapes.graphs
+        # (the compiled shapes' table is each copy's own, `__deepcopy__`)
+        table = self._compiled_graphs if shapes is self._shapes else shapes.graphs
         made = table.get(which)
         if made is None or made[0] is not gm:
             made = table[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))

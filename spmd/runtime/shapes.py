@@ -1,5 +1,5 @@
 """What a compiled module runs for one set of input shapes (`Shapes`), and how it compiles another set over the
-same pieces (`pinned_to`, `shared_pieces`).
+same pieces (`pinned_to`, `check_shared`).
 
 A plan is for the shapes it was compiled with. An epoch's smaller last batch (a DataLoader's drop_last=False) or
 bucketed sequence lengths come with others. A second `spmd.compile` would hold weights of its own, which the
@@ -85,10 +85,8 @@ class Shapes:
 
 def variant_key(flat: tuple, first: Shapes) -> tuple | None:
     """The shapes of full inputs `flat` another `Shapes` would be compiled for, or None where they are not such
-    inputs: a tensor for each of the first's, of its dtype and number of dims, and some shape other than its."""
-    if len(flat) != len(first.input_specs) or not all(
-            isinstance(t, torch.Tensor) and t.dtype == s.dtype and t.ndim == len(s.shape)
-            for t, s in zip(flat, first.input_specs)):
+    inputs (`_alike`) or are the first's."""
+    if not _alike(flat, first):
         return None
     key = tuple(tuple(t.shape) for t in flat)
     return key if key != first.key else None
@@ -97,14 +95,19 @@ def variant_key(flat: tuple, first: Shapes) -> tuple | None:
 def full_key(pieces: tuple, first: Shapes, mesh_shape: tuple[int, ...]) -> tuple | None:
     """The full shapes of which `pieces` (a call's inputs: each rank's slice from a data-parallel loader, or whole
     inputs the plan replicates) are this rank's pieces, laid out as `first` lays out its inputs; None where they
-    are not such pieces (`variant_key`'s conditions) or are the first's."""
-    if len(pieces) != len(first.input_specs) or not all(
-            isinstance(t, torch.Tensor) and not hasattr(t, "_local_tensor") and t.dtype == s.dtype
-            and t.ndim == len(s.shape) for t, s in zip(pieces, first.input_specs)):
+    are not such pieces (`_alike`, and no DTensor) or are the first's."""
+    if not _alike(pieces, first) or any(hasattr(t, "_local_tensor") for t in pieces):
         return None
     key = tuple(tuple(n * shard_factor(s.placements, mesh_shape, d) for d, n in enumerate(t.shape))
                 for t, s in zip(pieces, first.input_specs))
     return key if key != first.key else None
+
+
+def _alike(tensors: tuple, first: Shapes) -> bool:
+    """A tensor for each of `first`'s inputs, of its dtype and number of dims."""
+    return len(tensors) == len(first.input_specs) and all(
+        isinstance(t, torch.Tensor) and t.dtype == s.dtype and t.ndim == len(s.shape)
+        for t, s in zip(tensors, first.input_specs))
 
 
 def pinned_to(options, first: Shapes, key: tuple, mesh_shape: tuple[int, ...]):
