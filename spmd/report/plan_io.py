@@ -7,7 +7,7 @@ cannot be run or drawn. A file edited since it was saved is refused: the fingerp
 steps, and the `digest` the rest (a probe loaded a mesh edited to (4, 4) and parameter roles edited to
 "replicated", which then explained a plan that was not the one solved).
 
-    {"schema": "spmd-plan", "version": 1, "fingerprint": "3f1c...",
+    {"schema": "spmd-plan", "version": 2, "fingerprint": "3f1c...",
      "mesh": {"shape": [2, 2], "axis_names": ["dp", "tp"], "links": [...], "device": {...}},
      "objective": 0.0398, ..., "choices": {"addmm": {"inputs": [["R", "S(0)"], ...], "outputs": [...]}},
      "edges": [{"value": ["addmm_3", 0], "consumer": "add_1", "steps": [{"kind": "all_reduce", ...}]}],
@@ -29,7 +29,8 @@ from spmd.report.details import NodeReport, ParamUse, PlanDetails, Split
 from spmd.report.tp_regions import StyleRegions
 
 SCHEMA = "spmd-plan"
-VERSION = 1
+VERSION = 2  # 2: a file carries its `digest` and `fingerprint`, and one without them is refused
+READS = (1, 2)  # (version 1 files, written before the digest, load with the fingerprint check alone)
 
 
 # ---- placements as text -------------------------------------------------------------------------
@@ -135,9 +136,14 @@ def _content(plan: Plan, details: PlanDetails | None) -> dict:
 def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | None]:
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{where}: not an spmd plan file (schema {doc.get('schema')!r})")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{where}: plan file version {doc.get('version')}, this spmd reads version {VERSION}. "
-                         "What to do: re-plan with this version (spmd plan ... --json).")
+    if doc.get("version") not in READS:
+        raise ValueError(f"{where}: plan file version {doc.get('version')}, this spmd reads versions "
+                         f"{', '.join(map(str, READS))}. What to do: re-plan with this version (spmd plan ... --json).")
+    if doc["version"] >= 2 and not ("digest" in doc and "fingerprint" in doc):
+        missing = " and ".join(k for k in ("fingerprint", "digest") if k not in doc)
+        raise ValueError(f"{where}: the plan file has no {missing} (edited since it was saved: every version "
+                         f"{doc['version']} file has both), so nothing shows it describes the plan that was solved. "
+                         "What to do: re-plan (plan.save(path), or `spmd plan ... --json path`).")
     choices = {n: Strategy(tuple(_ps_in(p) for p in c["outputs"]), tuple(_ps_in(p) for p in c["inputs"]))
                for n, c in doc["choices"].items()}
     edges = [Edge((e["value"][0], e["value"][1]), e["consumer"], e["slot"], _ps_in(e["src"]), _ps_in(e["dst"]),
@@ -156,7 +162,7 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")
     details = _details_from(doc.get("details"))
-    if "digest" in doc:  # (files written before the digest have none)
+    if "digest" in doc:  # (version 1 files, written before the digest, have none)
         if _digest(_content(plan, details)) != doc["digest"]:
             raise ValueError(f"{where}: the plan file was edited since it was saved (its content no longer matches its "
                              "digest), so it would describe a plan other than the one solved. What to do: re-plan "

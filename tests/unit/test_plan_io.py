@@ -90,6 +90,10 @@ def test_load_rejects_plan_files_edited_beyond_their_choices(tmp_path):
         (tmp_path / "e.json").write_text(json.dumps(edited))
         with pytest.raises(ValueError, match=r"edited since it was saved.*re-plan"):
             spmd.load_plan(tmp_path / "e.json")
+    for key in ("digest", "fingerprint"):  # (deleting the evidence is an edit too)
+        (tmp_path / "e.json").write_text(json.dumps({k: v for k, v in doc.items() if k != key}))
+        with pytest.raises(ValueError, match=rf"e\.json: the plan file has no {key} \(edited since it was saved.*re-plan"):
+            spmd.load_plan(tmp_path / "e.json")
     doc["choices"]["x"]["outputs"] = [["Q"]]  # (a placement no plan writes: the file and the way out named)
     (tmp_path / "e.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"e\.json: not a plan file as written \(not a placement: 'Q'.*What to do"):
@@ -177,7 +181,8 @@ def test_to_parallelize_plan_on_gpt(tmp_path):
     assert loaded.notes == styles.notes and loaded.keys() == styles.keys()
     assert all(repr(loaded[k].__dict__) == repr(styles[k].__dict__) for k in styles)
     doc = json.loads((tmp_path / "plan.json").read_text())
-    del doc["details"]["style_regions"], doc["digest"]  # (a file from before both)
+    del doc["details"]["style_regions"], doc["digest"]  # (a version 1 file, from before both)
+    doc["version"] = 1
     (tmp_path / "old.json").write_text(json.dumps(doc))
     with pytest.warns(UserWarning, match="predates the check"):
         spmd.load_plan(tmp_path / "old.json").to_parallelize_plan()
