@@ -25,12 +25,24 @@ def _wait_limit() -> float:
         return 60.0
 
 
+# each collective method as every rank calls it, keeping what one rank does alone (a write, a print) to that rank
+# (a probe: the one example, `full_state_dict`'s, was given for a `grad_norm()` logged on rank 0 alone)
+_ON_EVERY_RANK = {
+    "full_state_dict": "`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`",
+    "save_safetensors": "`compiled.save_safetensors(path)` on every rank (rank 0 alone writes the file)",
+    "gather_outputs": "`full = compiled.gather_outputs(out); if rank == 0: print(full)`",
+    "grad_norm": "`norm = compiled.grad_norm(); if rank == 0: log(norm)`",
+    "clip_grad_norm_": "`compiled.clip_grad_norm_(max_norm)` on every rank (each scales its own pieces)",
+    "verify": "`report = compiled.verify(*batch); if rank == 0: print(report)`",
+}
+
+
 def _say(what: str, rank: int, seconds: float) -> None:
+    example = _ON_EVERY_RANK.get(what, f"`result = compiled.{what}(...); if rank == 0: ...`")
     print(f"spmd: rank {rank} has waited {seconds:g} s in {what}() for the other ranks. {what}() is collective: "
           f"every rank must call it, and a rank that does not leaves the others waiting here for good (an "
-          f"`if rank == 0:` around it does that). What to do: call it on every rank, and keep only the writing "
-          f"to one (`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`).",
-          file=sys.stderr, flush=True)
+          f"`if rank == 0:` around it does that). What to do: call it on every rank, and keep only what one rank "
+          f"does alone to that rank: {example}.", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -362,7 +362,8 @@ def test_a_rank_waiting_alone_in_a_collective_call_says_so(ranks):
     first, second = ranks(2).run(_one_rank_late)
     assert "spmd: rank 0 has waited 0.5 s in full_state_dict() for the other ranks. full_state_dict() is " \
            "collective: every rank must call it" in first["said"], first["said"]
-    assert "What to do: call it on every rank, and keep only the writing to one" in first["said"]
+    assert "What to do: call it on every rank, and keep only what one rank does alone to that rank: " \
+           "`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`" in first["said"]
     assert second["said"] == "" and first["equal"] and second["equal"]
 
 

@@ -500,3 +500,38 @@ def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypat
     with pytest.raises(spmd.SpmdError, match=r"no plan fits memory_budget=.*even sharding every tensor"):
         spmd.plan(model, dp, inputs, loss_fn=F.mse_loss, memory_budget=0.6 * free.predicted_peak_bytes)
     assert "no plan fits" not in message, message
+
+
+@pytest.mark.parametrize("call, example", [
+    ("grad_norm", "`norm = compiled.grad_norm(); if rank == 0: log(norm)`"),
+    ("gather_outputs", "`full = compiled.gather_outputs(out); if rank == 0: print(full)`"),
+    ("save_safetensors", "`compiled.save_safetensors(path)` on every rank (rank 0 alone writes the file)"),
+])
+def test_a_rank_waiting_alone_is_shown_its_own_call_made_on_every_rank(capsys, call, example):
+    """Found by a probe: a `grad_norm()` or `gather_outputs()` logged under `if rank == 0:` was told to write
+    `state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`, a call it never made."""
+    from spmd.runtime import waiting
+
+    waiting._say(call, 0, 60.0)
+    said = capsys.readouterr().err
+    assert said.startswith(f"spmd: rank 0 has waited 60 s in {call}() for the other ranks.") and \
+        said.rstrip().endswith(f"to that rank: {example}."), said
+    assert "full_state_dict" not in said, said
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_forward_mode_derivatives_through_a_compiled_module_are_refused_with_the_way_out(training):
+    """Found by a probe: dual tensors (torch.autograd.forward_ad) got torch's "You must implement the jvp
+    function for custom autograd.Function", which names neither spmd nor a way out."""
+    import torch.autograd.forward_ad as fwAD
+
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss) if training else one_device(model, (x,))
+    with fwAD.dual_level(), pytest.raises(spmd.SpmdError, match=r"forward-mode derivative .*What to do: pass plain "
+                                                                r"tensors .*unpack_dual"):
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        compiled(dual, y) if training else compiled(dual)

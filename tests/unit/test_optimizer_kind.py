@@ -151,6 +151,45 @@ def test_an_optimizer_spmd_cannot_read_over_a_piece_warns():
 
 
 
+def test_sam_stepping_its_base_optimizer_over_pieces_warns():
+    """Found by a probe: SAM (davda54/sam) perturbs the weights by the norm of all the gradients in its own
+    `first_step` and steps its base SGD in `second_step`; SAM's own `step` never runs, so nothing was said, and
+    each rank took the norm of its own pieces (0.114 off one device after 3 steps). The base's step names SAM."""
+    class SAM(torch.optim.Optimizer):
+        def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+            super().__init__(params, dict(rho=rho, **kwargs))
+            self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+            self.param_groups = self.base_optimizer.param_groups
+
+        @torch.no_grad()
+        def second_step(self):
+            self.base_optimizer.step()
+
+    def stepped(optimizer):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.second_step() if isinstance(optimizer, SAM) else optimizer.step()
+        return [str(w.message) for w in caught]
+
+    piece = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer_guard.watch_pieces({"layer.weight": piece})
+    piece.grad = torch.ones_like(piece)
+    said = stepped(SAM([piece], torch.optim.SGD, lr=0.1, momentum=0.9))
+    assert len(said) == 1 and "SAM (around SGD) steps this rank's pieces of sharded parameters (layer.weight)" in \
+        said[0] and "a norm over all the gradients as SAM's" in said[0] and "compiled.grad_norm()" in said[0], said
+    # the same SGD stepped by a holder that is no optimizer (a GradScaler, a trainer), or over other parameters
+    sgd, other = torch.optim.SGD([piece], lr=0.1), SAM([torch.nn.Parameter(torch.randn(2))], torch.optim.SGD, lr=0.1)
+
+    class Trainer:
+        def step(self):
+            sgd.step()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer().step()
+    assert caught == [] and stepped(other) == []
+
+
 def test_step_hooks_of_an_optimizer_over_pieces_warn_also_when_added_after_its_first_step():
     """Found by a probe: a LARS trust ratio (`p.norm() / p.grad.norm()`) applied in SGD's step pre-hook read each
     rank's piece: 1.6e-3 to 7.7e-3 off one device, silently. The hooks are named, at the first step after one is

@@ -2374,6 +2374,30 @@ def test_a_layer_frozen_or_unfrozen_on_the_model_is_followed():
         compiled(x, y)
 
 
+def test_an_optimizer_built_right_after_freezing_on_the_model_holds_what_one_devices_would():
+    """Found by a probe: the pieces followed the model's `requires_grad` only at the next call, so the gradual-
+    unfreezing idiom, an optimizer rebuilt at once from `[p for p in compiled.parameters() if p.requires_grad]`,
+    left the unfrozen layer out (it never trained: 0.148 off after 3 steps), and one built right after freezing
+    took the frozen layer in (AdamW's weight decay moved it: 0.033 off). `parameters()` now reads the flags."""
+    model, reference = _mlp(), _mlp()
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    for frozen in (True, False, True):
+        for m in (model, reference):
+            m[0].requires_grad_(not frozen)
+        trainable = [name for name, p in compiled.named_parameters() if p.requires_grad]
+        assert trainable == [name for name, p in reference.named_parameters() if p.requires_grad], trainable
+        assert len([p for p in compiled.parameters() if p.requires_grad]) == (2 if frozen else 4)
+    # a parameter frozen when compiled, unfrozen on the model: listed as it was (the next call says why)
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    model[0].weight.requires_grad_(True)
+    assert not compiled.get_parameter("0.weight").requires_grad
+    with pytest.raises(spmd.SpmdError, match=r"0\.weight was frozen"):
+        compiled(x, y)
+
+
 def test_a_parameter_no_gradient_reaches_may_be_frozen_and_unfrozen():
     """Found by a review: unfreezing a parameter the loss never reaches (a pooler) was refused as "frozen when
     compiled"; it was trainable then, and eager takes the same sequence."""
