@@ -398,9 +398,17 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 e = direct
             attrs = _tensor_attributes(model)
             captured = _captured_tensors(root.loss_fn, model) if isinstance(root, WithLoss) else []
+            read = _forward_captured(model) if "FakeTensor" in str(e) and not attrs else []
             named = ", ".join(f"`{a}`" for a in (attrs or captured)[:3]) + (
                 " and others" if len(attrs or captured) > 3 else "")
-            if attrs and "FakeTensor" in str(e):
+            if read:
+                shown = ", ".join(f"`{name}` ({where})" for where, name in read[:3]) + (
+                    " and others" if len(read) > 3 else "")
+                way_out = (f"the forward reads {shown}, a tensor it captured (a global or a closure's), not one of "
+                           "the model's parameters or buffers or an input; a training graph takes tensors only so. "
+                           "Register it on the module that reads it (`self.register_buffer(name, tensor, "
+                           "persistent=False)`, then `self.name`), or pass it as an input")
+            elif attrs and "FakeTensor" in str(e):
                 way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
                            "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
                            "the model holds only as parameters or buffers")
@@ -503,6 +511,21 @@ def _captured_tensors(fn, model: torch.nn.Module | None = None) -> list[str]:
     values += [(n, found.get(n)) for n in code.co_names]
     return [t for name, v in values if isinstance(v, torch.Tensor) for t in held(name, v)] + [
         t for name, v in values if not isinstance(v, torch.Tensor) for t in held(name, v)]
+
+
+def _forward_captured(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(where, name) of the tensors the forwards of `model`'s modules read from their globals or closures, once
+    per module class (a module-level `K` in `F.conv1d(h, K)`: found by a probe; an inference graph holds it as a
+    constant, and the training trace refused it with advice about control flow)."""
+    found, seen = [], set()
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        if forward is None or forward in seen:
+            continue
+        seen.add(forward)
+        found += [(f"{type(module).__name__}.forward", name) for name in _captured_tensors(forward, model)
+                  if "." not in name]
+    return found
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

@@ -535,3 +535,25 @@ def test_forward_mode_derivatives_through_a_compiled_module_are_refused_with_the
                                                                 r"tensors .*unpack_dual"):
         dual = fwAD.make_dual(x, torch.randn_like(x))
         compiled(dual, y) if training else compiled(dual)
+
+
+_KERNEL = torch.randn(6, 4, 3)  # (a module-level tensor a forward reads: not a parameter, a buffer nor an input)
+
+
+def test_a_tensor_the_forward_captured_is_named_with_the_way_out_in_training():
+    """Found by a probe: a module-level tensor a forward reads (`F.conv1d(h, K)`, an index for `index_select`)
+    plans and runs for inference, where the graph holds it as a constant; the training trace refused it with
+    torch's FakeTensor words and advice about data-dependent control flow."""
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(12, 12)
+
+        def forward(self, x):
+            return F.conv1d(self.lin(x), _KERNEL, padding=1)
+
+    x, t = torch.randn(2, 4, 12), torch.randn(2, 6, 12)
+    spmd.plan(Conv(), spec((2,), ("tp",)), (x,))  # (inference: fine)
+    with pytest.raises(spmd.SpmdError, match=r"What to do: the forward reads `_KERNEL` \(Conv\.forward\), a tensor it "
+                                             r"captured .*register_buffer"):
+        spmd.plan(Conv(), spec((2,), ("tp",)), (x, t), loss_fn=F.mse_loss)
