@@ -828,6 +828,39 @@ class CompiledModule(nn.Module):
                 "alike before drawing new weights, or load the same checkpoint), or load DTensors "
                 "(torch.distributed.checkpoint into compiled.state_dict()).")
 
+    def _agree_on_loaded_state(self, state: dict[str, dict]) -> None:
+        """`_agree_on_loaded` for an optimizer's state (FQN -> {"exp_avg": ..., "step": ...}): the whole tensors
+        each rank was given alike on every rank, before any is taken. Each rank cuts its piece of the moments from
+        the state it was given, so per-rank files or state built by hand left the replicas of a replicated
+        parameter 12.7 apart after 2 AdamW steps (a sharded one's moments made of two states; found by a probe),
+        where `load_state_dict` refused the same mistake for the weights. One digest per parameter of the
+        module (of its entries given whole, by key), in the same order on every rank."""
+        if not self._on_live_mesh() or torch._guards.detect_fake_mode(
+                [v for entries in state.values() for v in entries.values() if isinstance(v, torch.Tensor)]) is not None:
+            return
+        import zlib
+
+        given = {self._aliases.get(fqn, fqn): entries for fqn, entries in state.items()}
+        values = []
+        for fqn in sorted(self._param_names):
+            whole = [(zlib.crc32(str(key).encode()), _digest(v, sampled=True))
+                     for key, v in sorted((given.get(fqn) or {}).items(), key=lambda kv: str(kv[0]))
+                     if isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta]
+            values.append((fqn, torch.tensor(whole, dtype=torch.int64) if whole else _NOT_GIVEN))
+        apart, anywhere = self._mesh_check(
+            "load_optimizer_state_dict",
+            "load_optimizer_state_dict compares the whole tensors of the state each rank was given with its peers'",
+            "load on every rank of the mesh, with the same state.",
+            lambda: self._values_apart(values, lambda axis, k: True, "loaded optimizer state"))
+        if anywhere:
+            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
+            raise SpmdError(
+                f"load_optimizer_state_dict: the optimizer state the ranks were given differs ({what}): each rank "
+                "takes its piece of the state it was given, so the replicas of a replicated parameter would train "
+                "apart and a sharded one's moments would be made of several states. What to do: give every rank "
+                "the same state (one checkpoint, `get_optimizer_state_dict` of one optimizer), or load DTensors "
+                "(torch.distributed.checkpoint into compiled.optimizer_state_dict(optimizer)).")
+
     def _place(self, fqn: str, tensor: torch.Tensor, alias: bool = False) -> str:
         """Hold `tensor` (this rank's piece of `fqn`) where the model holds it: `blocks.0.mlp.fc1.weight` in a
         tree of `_Pieces` modules named as the model's, so every tool that goes by names (parameter groups made

@@ -335,13 +335,21 @@ def _state_shapes(optimizer: torch.optim.Optimizer) -> bool:
         return bool(pieces)
     for p in pieces:
         for key, value in optimizer.state.get(p, {}).items():
+            if hasattr(value, "to_local"):  # (DTensors replicated everywhere failed in torch at the step: "mixed
+                _checked.pop(optimizer, None)  # torch.Tensor and DTensor"; a probe)
+                raise SpmdError(
+                    f"{type(optimizer).__name__} holds DTensors as state (its {key!r}): `compiled.optimizer_state_dict"
+                    "(optimizer)`'s form, loaded with `optimizer.load_state_dict` (or torch's "
+                    "`set_optimizer_state_dict`), which keeps each value as it is, where the optimizer steps plain "
+                    "pieces. What to do: load it with `compiled.load_optimizer_state_dict(optimizer, state)`, which "
+                    "gives each rank its pieces.")
             if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape != p.shape:
                 _checked.pop(optimizer, None)  # (its next step asks again: the state stays loaded)
                 raise SpmdError(
                     f"{type(optimizer).__name__} holds state of another shape than the compiled module's pieces (its "
                     f"{key!r} is {tuple(value.shape)}, the piece {tuple(p.shape)}): a single-device optimizer's "
-                    "state_dict() (or one saved on another mesh or plan), loaded with `optimizer.load_state_dict`, "
-                    "which takes each tensor as it is. What to do: load it with `compiled.load_optimizer_state_dict("
+                    "state_dict() (or one saved on another mesh or plan), loaded with `optimizer.load_state_dict` (or "
+                    "torch's `set_optimizer_state_dict`), which takes each tensor as it is. What to do: load it with `compiled.load_optimizer_state_dict("
                     "optimizer, state)`, which gives each rank its pieces, from the state under the model's names "
                     "(`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, single_device_optimizer)`"
                     ", or `compiled.optimizer_state_dict(optimizer)` as saved).")

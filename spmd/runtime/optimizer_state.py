@@ -137,9 +137,16 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
         if given is not None:
             pieces[compiled._aliases.get(fqn, fqn)] = given
     compiled._agree_on_whose_pieces(pieces)
+    compiled._agree_on_loaded_state(named["state"])  # (and the whole tensors: alike on every rank)
     state = {}
     for fqn, entries in named["state"].items():
         fqn = compiled._aliases.get(fqn, fqn)
+        if fqn not in index and isinstance(fqn, int):  # (a probe: "state for 0, which this optimizer does not step")
+            raise SpmdError(
+                f"load_optimizer_state_dict: the state is keyed by position ({fqn!r}, ...), as an optimizer's own "
+                "`state_dict()` is, where this loader takes the parameters' names. What to do: give it the state under "
+                "the model's names: `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, "
+                "single_device_optimizer)`, or `compiled.optimizer_state_dict(optimizer)` as saved.")
         if fqn not in index:
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")

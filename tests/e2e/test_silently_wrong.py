@@ -577,6 +577,18 @@ def _input_gradient_and_optimizer_state(rank: int, world: int) -> dict:
         except spmd.SpmdError as e:
             said = str(e)
         opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
+        try:  # (an optimizer's own state_dict, keyed by position, given to spmd's loader)
+            compiled.load_optimizer_state_dict(opt, copy.deepcopy(ref_opt.state_dict()))
+            positional = None
+        except spmd.SpmdError as e:
+            positional = str(e)
+        try:  # (spmd's DTensor form given to torch's loader: torch's own error at the step, where all replicated)
+            opt.load_state_dict(compiled.optimizer_state_dict(opt))
+            opt.step()
+            dtensors = None
+        except spmd.SpmdError as e:
+            dtensors = str(e)
+        opt = torch.optim.AdamW(compiled.parameters(), lr=0.01)
         compiled.load_optimizer_state_dict(opt, copy.deepcopy(get_optimizer_state_dict(reference, ref_opt)))
         # (pieces of their own: a view of each whole moment kept it alive on every rank, and shared it)
         own = all(v.untyped_storage().nbytes() == v.numel() * v.element_size()
@@ -586,6 +598,7 @@ def _input_gradient_and_optimizer_state(rank: int, world: int) -> dict:
         ref_opt.step()
         full = compiled.full_state_dict()
         return {"input_grad": input_grad, "scale": float(wanted.grad.abs().max()), "said": said, "own": own,
+                "positional": positional, "dtensors": dtensors,
                 "after_load": max(float((full[n] - p).abs().max()) for n, p in reference.named_parameters())}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -602,6 +615,12 @@ def test_an_inputs_gradient_is_the_whole_and_a_single_device_optimizer_state_is_
         assert r["input_grad"] < 1e-12 < r["scale"], r
         assert r["said"] is not None and "compiled.load_optimizer_state_dict(optimizer, state)" in r["said"], r
         assert r["after_load"] < 1e-12 and r["own"], r
+        # (found by a probe: "state for 0, which this optimizer does not step", and torch's "mixed torch.Tensor and
+        # DTensor" at the step)
+        assert r["positional"] and "the state is keyed by position (0, ...)" in r["positional"] and \
+            "get_optimizer_state_dict(model, single_device_optimizer)" in r["positional"], r
+        assert r["dtensors"] and "AdamW holds DTensors as state" in r["dtensors"] and \
+            "compiled.load_optimizer_state_dict(optimizer, state)" in r["dtensors"], r
 
 
 class _ViewOutputs(torch.nn.Module):
@@ -1221,19 +1240,42 @@ def _loaded_apart(rank: int, world: int) -> dict:
     head, first = torch.nn.Linear(32, 16), torch.nn.Linear(16, 32)
     compiled.load_state_dict({"fc2.weight": head.weight, "fc1.weight": first.weight}, strict=False)
     full = compiled.full_state_dict()
+    # optimizer state given whole, apart on the ranks (per-rank files, state made by hand): refused on both
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    torch.manual_seed(3)
+    one = MLP(16, 32)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=0.1)
+    F.mse_loss(one(x), y).backward()
+    one_opt.step()
+    state = get_optimizer_state_dict(one, one_opt)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=0.1)
+    apart = {**state, "state": {**state["state"], "fc2.bias": {
+        **state["state"]["fc2.bias"], "exp_avg": state["state"]["fc2.bias"]["exp_avg"] + rank}}}
+    try:
+        compiled.load_optimizer_state_dict(opt, apart)
+        optimizer = None
+    except spmd.SpmdError as e:
+        optimizer = str(e)
+    compiled.load_optimizer_state_dict(opt, state)  # (the same on every rank: loads)
+    moments = compiled.optimizer_state_dict(opt)["state"]["fc1.weight"]["exp_avg"].full_tensor()
     return {"refused": refused, "entries": entries, "strict": strict, "loaded": bool(torch.equal(full["fc2.weight"], head.weight)
-                                               and torch.equal(full["fc1.weight"], first.weight))}
+                                               and torch.equal(full["fc1.weight"], first.weight)),
+            "optimizer": optimizer, "moments": bool(torch.equal(moments, state["state"]["fc1.weight"]["exp_avg"]))}
 
 
 def test_whole_tensors_loaded_apart_on_the_ranks_are_refused(ranks):
     """Found by a probe: each rank cut its piece of the whole tensor it was given, so a head re-drawn with each
-    rank's own seed left the replicas 0.11 apart after 3 steps, silently."""
+    rank's own seed left the replicas 0.11 apart after 3 steps, silently; and so did optimizer state."""
     for r in ranks(2).run(_loaded_apart):
         assert r["refused"] and "were given differs ('fc2.bias' along 'dp', 'fc2.weight' along 'dp')" in \
             r["refused"], r
         assert r["entries"] and "were given differs ('fc2.bias' along 'dp')" in r["entries"], r
         assert r["strict"] and "(\"keys that are not the model's\" along 'dp')" in r["strict"], r
         assert r["loaded"], r
+        # (optimizer state likewise: found by a probe, a replicated bias's replicas 12.7 apart after 2 AdamW steps)
+        assert r["optimizer"] and "load_optimizer_state_dict: the optimizer state the ranks were given differs " \
+            "('fc2.bias' along 'dp')" in r["optimizer"], r
+        assert r["moments"], r
 
 
 def _loaded_across_meshes(rank: int, world: int) -> dict:
