@@ -731,6 +731,7 @@ class CompiledModule(nn.Module):
             self._agree_on_loaded(state)
         elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
         self._agree_on_whose_pieces(state)
+        self._check_tied_shapes(state)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 value = self._entry(state, fqn)
@@ -745,6 +746,22 @@ class CompiledModule(nn.Module):
         self._uninitialized -= loaded
         if loaded:  # (given weights: not stale beside a module compiled alike that trained, once all are)
             source_guard.given(self, loaded, elsewhere)
+
+    def _check_tied_shapes(self, state: dict) -> None:
+        """Every name of a tied parameter in `state` of its shape, the names whose entry is not taken too (torch's
+        load copies each into the one tensor, and refuses any of another shape): a 3x3 `emb.weight` beside a
+        right `head.weight` was dropped without a word, and a wrong `head.weight` reported as `emb.weight`'s
+        (found by a probe)."""
+        for fqn in {c for c in self._aliases.values()}:
+            shape = self._global_shapes.get(fqn)
+            for name in (fqn, *self._names_of(fqn)):
+                value = state.get(name)
+                if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(shape):
+                    raise SpmdError(f"size mismatch for {name}: copying a tensor of shape {list(value.shape)} from the "
+                                    f"state dict, the model's is {list(shape)} ({name} is tied to "
+                                    f"{', '.join(n for n in (fqn, *self._names_of(fqn)) if n != name)}). What to do: "
+                                    "load a state dict of this model's configuration (whole tensors, or the DTensors "
+                                    "of its state_dict()).")
 
     def _agree_on_whose_pieces(self, state: dict) -> None:
         """Every rank refuses, before any piece is written, where any rank was given DTensors holding another rank's

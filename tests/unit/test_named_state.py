@@ -677,3 +677,17 @@ def test_a_constant_the_trace_lifted_is_in_no_state_dict():
     model.load_state_dict(compiled.full_state_dict())
     torch.testing.assert_close(model.fc.weight, compiled.get_parameter("fc.weight"))
     compiled.load_state_dict(model.state_dict())  # (and back: the constant is no missing entry)
+
+
+def test_every_name_of_a_tied_weight_is_checked_for_its_shape():
+    """Found by a probe: a 3x3 `emb.weight` beside a right `head.weight` loaded without a word (the head's entry is
+    the one taken), and a wrong `head.weight` was reported as `emb.weight`'s; torch's load refuses either, by name."""
+    model, compiled, _ = _compiled()
+    state = model.state_dict()
+    for name in ("emb.weight", "head.weight"):
+        with pytest.raises(spmd.SpmdError, match=rf"size mismatch for {name}: copying a tensor of shape \[3, 3\].*"
+                                                 r"model's is \[16, 8\] \((emb|head)\.weight is tied to"):
+            compiled.load_state_dict({**state, name: torch.zeros(3, 3)})
+        with pytest.raises(RuntimeError, match=rf"size mismatch for {name}"):  # (as torch does)
+            copy.deepcopy(model).load_state_dict({**state, name: torch.zeros(3, 3)})
+    compiled.load_state_dict(state)
