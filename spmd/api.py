@@ -162,9 +162,16 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
-    recompile = functools.partial(_compile_for_rank, model, mesh, spec)
+    recompile = functools.partial(_compile_with_report, model, mesh, spec)
     return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
                           compile_graphs=compile_graphs, recompile=recompile)
+
+
+def _compile_with_report(*args, **kwargs):
+    """`_compile_for_rank`, with the plan's report (which explains and draws itself): a `CompiledModule`'s
+    compilation for other input shapes (runtime/shapes.py)."""
+    c, call = _compile_for_rank(*args, **kwargs)
+    return c, call, report_of(c)
 
 
 def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example_inputs: tuple,

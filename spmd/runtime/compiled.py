@@ -293,8 +293,8 @@ class CompiledModule(nn.Module):
         every rank takes its pieces from (None: each rank cuts its own; see runtime/materialize.py).
         `call`: the names of the positional and keyword inputs (compiler/call.py). `compile_graphs`: run the
         rank graphs through `torch.compile` (True: inductor; a string: that backend; see `_runner`). `recompile`:
-        (options, example_inputs, example_kwargs, weights=False) -> (compilation, call), this rank's compilation
-        for other input shapes (spmd.compile's; None: the module takes the compiled shapes alone; see
+        (options, example_inputs, example_kwargs, weights=False) -> (compilation, call, its plan's report), this
+        rank's compilation for other input shapes (spmd.compile's; None: the module takes the compiled shapes alone; see
         runtime/shapes.py)."""
         super().__init__()
         c = compilation
@@ -321,7 +321,7 @@ class CompiledModule(nn.Module):
         self._warned_state_output: set[int] = set()
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
-        self._shapes = Shapes.of(c, c.mesh, self.rank, c.binding.device)  # (the compiled shapes' graphs and layouts)
+        self._shapes = Shapes.of(c, c.mesh, self.rank, c.binding.device, self.plan)  # (the compiled shapes' graphs and layouts)
         # other input shapes' (an epoch's smaller last batch), compiled by `shard_inputs` over these pieces
         self.__dict__["_variants"]: dict[tuple, Shapes] = {}
         self.__dict__["_recompile"] = recompile
@@ -518,11 +518,21 @@ class CompiledModule(nn.Module):
         if not self._variants:
             return text
         lines = [f"Also compiled for other input shapes ({len(self._variants)}; runtime/shapes.py), over the same "
-                 "pieces: each parameter and buffer laid out as above; the inputs:"]
+                 "pieces: each parameter and buffer laid out as above; the inputs, and each plan's predicted call "
+                 "(`compiled.plans[shapes].explain()` explains one):"]
         for shapes in self._variants.values():
             lines.append("  " + ", ".join(f"{s.name} {list(s.shape)} {placements_str(s.placements)}"
                                           for s in shapes.input_specs))
+            if shapes.plan is not None:
+                lines.append(f"    {shapes.plan}")
         return text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+
+    @property
+    def plans(self) -> dict:
+        """The plan of each set of input shapes this module runs, keyed by the full inputs' shapes: the compiled
+        one's (`self.plan`) first, then those compiled for since (an epoch's smaller last batch, other sequence
+        lengths), whose parameters and buffers keep the first plan's layouts."""
+        return {shapes.key: shapes.plan for shapes in (self._shapes, *self._variants.values())}
 
     def visualize(self, path, collapse: bool | None = None, views: bool = False, title: str | None = None):
         """Draw the sharded graph (all ranks' view, collectives explicit) to .svg/.png/.dot/.html."""
@@ -1629,14 +1639,14 @@ class CompiledModule(nn.Module):
                 param.requires_grad_(fqn not in self._frozen_when_compiled)
             with source_guard.inside(), autocast_off(), autocast_on(self._autocast.state), \
                     torch.inference_mode(False), torch.set_grad_enabled(self.split is not None or torch.is_grad_enabled()):
-                c, _ = self._recompile(pinned_to(self._options, self._shapes, key, self.mesh_spec.shape),
-                                       args, kwargs, weights=False)
+                c, _, report = self._recompile(pinned_to(self._options, self._shapes, key, self.mesh_spec.shape),
+                                               args, kwargs, weights=False)
         finally:
             for m, was in modes:
                 m.training = was
             for param, was in flags:
                 param.requires_grad_(was)
-        shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device)
+        shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device, report)
         try:
             check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
         except SpmdError as e:

@@ -390,6 +390,11 @@ def test_a_smaller_batch_trains_the_compiled_pieces(world):
     assert list(compiled._variants) == [((2, 16), (2, 16))]
     assert "Also compiled for other input shapes (1" in compiled.explain(detail=False)
     assert "x [2, 16] [R], target [2, 16] [R]" in compiled.explain(detail=False)
+    plans = compiled.plans  # (each set of shapes' plan: its predicted call, collectives and memory)
+    assert list(plans) == [((4, 16), (4, 16)), ((2, 16), (2, 16))] and plans[(4, 16), (4, 16)] is compiled.plan
+    assert f"    {plans[(2, 16), (2, 16)]}" in compiled.explain(detail=False)
+    assert plans[(2, 16), (2, 16)].objective < compiled.plan.objective  # (half the batch)
+    assert "Plan on mesh" in plans[(2, 16), (2, 16)].explain(detail=False)
     for name, p in compiled.named_parameters():
         assert torch.allclose(p.grad, grads[name].grad, atol=1e-6), name
     with pytest.raises(spmd.SpmdError, match=r"verify: inputs of the shapes \[2, 16\], \[2, 16\].*runs them too.*"
