@@ -398,16 +398,17 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
                 e = direct
             attrs = _tensor_attributes(model)
             captured = _captured_tensors(root.loss_fn, model) if isinstance(root, WithLoss) else []
-            read = _forward_captured(model) if "FakeTensor" in str(e) and not attrs else []
+            read = _forward_captured(model, str(e)) if "FakeTensor" in str(e) and not attrs else []
             named = ", ".join(f"`{a}`" for a in (attrs or captured)[:3]) + (
                 " and others" if len(attrs or captured) > 3 else "")
             if read:
                 shown = ", ".join(f"`{name}` ({where})" for where, name in read[:3]) + (
                     " and others" if len(read) > 3 else "")
-                way_out = (f"the forward reads {shown}, a tensor it captured (a global or a closure's), not one of "
-                           "the model's parameters or buffers or an input; a training graph takes tensors only so. "
-                           "Register it on the module that reads it (`self.register_buffer(name, tensor, "
-                           "persistent=False)`, then `self.name`), or pass it as an input")
+                way_out = (f"the forward reads {shown}, a tensor of its globals or a closure's, not one of the "
+                           "model's parameters or buffers nor an input, which is likely what the trace met: a training "
+                           "graph takes tensors only so. Register it on the module that reads it "
+                           "(`self.register_buffer(name, tensor, persistent=False)`, then `self.name`), or pass it as "
+                           "an input")
             elif attrs and "FakeTensor" in str(e):
                 way_out = (f"register {named} as {'buffers' if len(attrs) > 1 else 'a buffer'} "
                            "(`self.register_buffer(name, tensor, persistent=False)`): a training graph takes tensors "
@@ -513,19 +514,43 @@ def _captured_tensors(fn, model: torch.nn.Module | None = None) -> list[str]:
         t for name, v in values if not isinstance(v, torch.Tensor) for t in held(name, v)]
 
 
-def _forward_captured(model: torch.nn.Module) -> list[tuple[str, str]]:
-    """(where, name) of the tensors the forwards of `model`'s modules read from their globals or closures, once
+def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str]]:
+    """(where, name) of the tensors the forwards of `model`'s modules load as globals or from their closures, once
     per module class (a module-level `K` in `F.conv1d(h, K)`: found by a probe; an inference graph holds it as a
-    constant, and the training trace refused it with advice about control flow)."""
+    constant, and the training trace refused it with advice about control flow). Where torch's `error` names the
+    sizes of the real tensors it met (`size=(6, 4, 3)`), only those of such a size."""
+    import dis
+
+    def loaded(code) -> set[str]:
+        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_DEREF")}
+        for const in code.co_consts:  # (comprehensions and lambdas inside the forward)
+            if hasattr(const, "co_code"):
+                names |= loaded(const)
+        return names
+
     found, seen = [], set()
     for module in model.modules():
-        forward = getattr(type(module), "forward", None)
-        if forward is None or forward in seen:
+        forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+        code = getattr(forward, "__code__", None)
+        if code is None or code in seen:
             continue
-        seen.add(forward)
-        found += [(f"{type(module).__name__}.forward", name) for name in _captured_tensors(forward, model)
-                  if "." not in name]
-    return found
+        seen.add(code)
+        cells = {n: c.cell_contents for n, c in zip(code.co_freevars, forward.__closure__ or ()) if _filled(c)}
+        names = loaded(code)
+        for name in sorted(names):
+            value = cells[name] if name in cells else forward.__globals__.get(name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((f"{type(module).__name__}.forward", name, tuple(value.shape)))
+    sized = [f for f in found if f"size={f[2]}" in error]
+    return [(where, name) for where, name, _ in (sized or found)]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (a cell not filled yet)
+        return False
+    return True
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

@@ -740,8 +740,7 @@ class CompiledModule(nn.Module):
         if not _agreed:
             self._agree_on_loaded(state)
         elsewhere = source_guard.from_elsewhere(self, state.values())  # (before its own pieces are written)
-        self._agree_on_whose_pieces(state)
-        self._check_tied_shapes(state)
+        self._agree_on_whose_pieces(state, self._check_tied_shapes)
         with torch.no_grad():
             for fqn, attr in self._param_names.items():
                 value = self._entry(state, fqn)
@@ -773,16 +772,21 @@ class CompiledModule(nn.Module):
                                     "load a state dict of this model's configuration (whole tensors, or the DTensors "
                                     "of its state_dict()).")
 
-    def _agree_on_whose_pieces(self, state: dict) -> None:
+    def _agree_on_whose_pieces(self, state: dict, check=None) -> None:
         """Every rank refuses, before any piece is written, where any rank was given DTensors holding another rank's
         pieces (`_saved_here`): files named by LOCAL_RANK on a shared folder, written by every node's ranks over
         each other, refused on the ranks that read another's and loaded on the others; in a `try: resume
         except: start fresh` loop the replicas then trained from different weights, and without it the others
         went on into the step's collectives (gloo's SIGABRT on a size mismatch; found by a probe)."""
         mine = None
+        if check is not None:  # (`check(state)`: a refusal of this rank's own, raised on every rank alike)
+            try:
+                check(state)
+            except SpmdError as e:
+                mine = e
         for fqn in self._param_names:
             value = self._entry(state, fqn)
-            if hasattr(value, "to_local"):
+            if hasattr(value, "to_local") and mine is None:
                 try:
                     self._saved_here(fqn, value)
                 except SpmdError as e:
@@ -798,10 +802,10 @@ class CompiledModule(nn.Module):
             raise mine
         if anywhere:
             raise SpmdError(
-                "load_state_dict / load_optimizer_state_dict: another rank of the mesh was given another rank's "
-                "pieces (its own message says whose), so no rank loaded anything (one rank's file loaded on every "
-                "rank, or each rank's file on a folder every machine shares named by LOCAL_RANK, which the other "
-                "machines' ranks write over). What to do: let each rank save and load "
+                "load_state_dict / load_optimizer_state_dict: another rank of the mesh refused what it was given (its "
+                "own message says why), so no rank loaded anything. Where it was given another rank's pieces (one "
+                "rank's file loaded on every rank, or each rank's file on a folder every machine shares named by "
+                "LOCAL_RANK, which the other machines' ranks write over), what to do: let each rank save and load "
                 "its own file, named by its global rank (`f'ckpt_{dist.get_rank()}.pt'`), or use "
                 "torch.distributed.checkpoint (`dcp.save(compiled.state_dict())`).")
 
@@ -870,9 +874,11 @@ class CompiledModule(nn.Module):
         given = {self._aliases.get(fqn, fqn): entries for fqn, entries in state.items()}
         values = []
         for fqn in sorted(self._param_names):
-            whole = [(zlib.crc32(str(key).encode()), _digest(v, sampled=True))
+            whole = [(zlib.crc32(str(key).encode()), _digest(torch.tensor(float(v)) if isinstance(v, (int, float))
+                                                             else v, sampled=True))
                      for key, v in sorted((given.get(fqn) or {}).items(), key=lambda kv: str(kv[0]))
-                     if isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta]
+                     if (isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta) or
+                     (isinstance(v, (int, float)) and not isinstance(v, bool))]  # (a `step` kept as a number)
             values.append((fqn, torch.tensor(whole, dtype=torch.int64) if whole else _NOT_GIVEN))
         apart, anywhere = self._mesh_check(
             "load_optimizer_state_dict",

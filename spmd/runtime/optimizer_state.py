@@ -125,19 +125,31 @@ def _own(value, given):
     return value
 
 
+def _by_names(named: dict) -> None:
+    """Refuse state whose param groups list parameters by position (an optimizer's own `state_dict()`), which
+    said "state for 0, which this optimizer does not step", or, with no state yet, that a group "holds other
+    parameters" (a probe and a review)."""
+    if any(isinstance(n, int) for group in named.get("param_groups", ()) for n in group.get("params", ())):
+        raise SpmdError(
+            "load_optimizer_state_dict: the state's param groups list parameters by position, as an optimizer's own "
+            "`state_dict()` does, where this loader takes the parameters' names. What to do: give it the state under "
+            "the model's names: `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, "
+            "single_device_optimizer)`, or `compiled.optimizer_state_dict(optimizer)` as saved.")
+
+
 def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
     names = _names(compiled, optimizer)
     index = {fqn: k for k, fqn in enumerate(fqn for group in names for fqn in group)}
-    if len(named["param_groups"]) != len(names):
-        raise SpmdError(f"load_optimizer_state_dict: the state has {len(named['param_groups'])} param groups, the "
-                        f"optimizer {len(names)}. What to do: build the optimizer as it was built when saved.")
     pieces = {}  # (a DTensor entry per parameter: whose pieces, agreed over the mesh before any is taken)
     for fqn, entries in named["state"].items():
         given = next((v for v in entries.values() if hasattr(v, "to_local")), None)
         if given is not None:
             pieces[compiled._aliases.get(fqn, fqn)] = given
-    compiled._agree_on_whose_pieces(pieces)
+    compiled._agree_on_whose_pieces(pieces, lambda _: _by_names(named))  # (every rank refuses alike)
     compiled._agree_on_loaded_state(named["state"])  # (and the whole tensors: alike on every rank)
+    if len(named["param_groups"]) != len(names):
+        raise SpmdError(f"load_optimizer_state_dict: the state has {len(named['param_groups'])} param groups, the "
+                        f"optimizer {len(names)}. What to do: build the optimizer as it was built when saved.")
     state = {}
     for fqn, entries in named["state"].items():
         fqn = compiled._aliases.get(fqn, fqn)

@@ -174,7 +174,9 @@ def test_a_checkpoint_of_one_ranks_pieces_loaded_on_another_is_refused(ranks, tm
                 assert outcome[f"rank0 {what}"] == "ok", outcome
         if rank == 0:  # (refused on every rank alike: rank 1 alone refusing left rank 0 loaded and the replicas apart)
             for what in ("model", "named"):
-                assert "another rank of the mesh was given another rank's pieces" in outcome[f"rank0 {what}"], outcome
+                assert "another rank of the mesh refused what it was given (its own message says why)" in \
+                    outcome[f"rank0 {what}"] and "Where it was given another rank's pieces" in outcome[f"rank0 {what}"], \
+                    outcome
         if rank == 1:
             assert re.search(r"the state dict's '[\w.]+' is the piece of the rank at mesh "
                              r"coordinate \(0,\).*this rank is at \(1,\).*full_state_dict", outcome["rank0 model"])

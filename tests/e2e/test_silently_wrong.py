@@ -617,7 +617,7 @@ def test_an_inputs_gradient_is_the_whole_and_a_single_device_optimizer_state_is_
         assert r["after_load"] < 1e-12 and r["own"], r
         # (found by a probe: "state for 0, which this optimizer does not step", and torch's "mixed torch.Tensor and
         # DTensor" at the step)
-        assert r["positional"] and "the state is keyed by position (0, ...)" in r["positional"] and \
+        assert r["positional"] and "param groups list parameters by position" in r["positional"] and \
             "get_optimizer_state_dict(model, single_device_optimizer)" in r["positional"], r
         assert r["dtensors"] and "AdamW holds DTensors as state" in r["dtensors"] and \
             "compiled.load_optimizer_state_dict(optimizer, state)" in r["dtensors"], r
@@ -1256,11 +1256,17 @@ def _loaded_apart(rank: int, world: int) -> dict:
         optimizer = None
     except spmd.SpmdError as e:
         optimizer = str(e)
+    steps = {**state, "state": {n: {**e, "step": float(1 + 5 * rank)} for n, e in state["state"].items()}}
+    try:  # (a `step` kept as a Python number, apart: compared too; a review)
+        compiled.load_optimizer_state_dict(opt, steps)
+        numbers = None
+    except spmd.SpmdError as e:
+        numbers = str(e)
     compiled.load_optimizer_state_dict(opt, state)  # (the same on every rank: loads)
     moments = compiled.optimizer_state_dict(opt)["state"]["fc1.weight"]["exp_avg"].full_tensor()
     return {"refused": refused, "entries": entries, "strict": strict, "loaded": bool(torch.equal(full["fc2.weight"], head.weight)
                                                and torch.equal(full["fc1.weight"], first.weight)),
-            "optimizer": optimizer, "moments": bool(torch.equal(moments, state["state"]["fc1.weight"]["exp_avg"]))}
+            "optimizer": optimizer, "numbers": numbers, "moments": bool(torch.equal(moments, state["state"]["fc1.weight"]["exp_avg"]))}
 
 
 def test_whole_tensors_loaded_apart_on_the_ranks_are_refused(ranks):
@@ -1275,6 +1281,7 @@ def test_whole_tensors_loaded_apart_on_the_ranks_are_refused(ranks):
         # (optimizer state likewise: found by a probe, a replicated bias's replicas 12.7 apart after 2 AdamW steps)
         assert r["optimizer"] and "load_optimizer_state_dict: the optimizer state the ranks were given differs " \
             "('fc2.bias' along 'dp')" in r["optimizer"], r
+        assert r["numbers"] and "the optimizer state the ranks were given differs" in r["numbers"], r
         assert r["moments"], r
 
 

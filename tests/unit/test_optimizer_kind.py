@@ -169,7 +169,7 @@ def test_sam_stepping_its_base_optimizer_over_pieces_warns():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             optimizer.second_step() if isinstance(optimizer, SAM) else optimizer.step()
-        return [str(w.message) for w in caught]
+        return [str(w.message) for w in caught if "pieces" in str(w.message)]  # (not torch's own, first import)
 
     piece = torch.nn.Parameter(torch.randn(4, 4))
     optimizer_guard.watch_pieces({"layer.weight": piece})
@@ -187,7 +187,27 @@ def test_sam_stepping_its_base_optimizer_over_pieces_warns():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         Trainer().step()
-    assert caught == [] and stepped(other) == []
+    assert not [w for w in caught if "pieces" in str(w.message)] and stepped(other) == []
+
+    class Passing(torch.optim.Optimizer):  # (a wrapper whose own step passes it on, through a helper of its own:
+        def __init__(self, inner):        # accelerate's, Lookahead, Lightning's; a review found them named)
+            self.inner, self.defaults, self.state = inner, inner.defaults, inner.state
+
+        @property
+        def param_groups(self):
+            return self.inner.param_groups
+
+        def step(self, closure=None):
+            return self._step(closure)
+
+        def _step(self, closure):
+            return self.inner.step(closure)
+
+    passing = Passing(torch.optim.AdamW([piece], lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        passing.step()
+    assert not [w for w in caught if "around" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_step_hooks_of_an_optimizer_over_pieces_warn_also_when_added_after_its_first_step():
