@@ -167,6 +167,16 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
                           compile_graphs=compile_graphs, recompile=recompile)
 
 
+def _ordinary(inputs: tuple) -> tuple:
+    """`inputs` with each inference tensor (made under `torch.inference_mode`: a generation loop's last output fed
+    back, a batch made in an evaluation loop) copied to an ordinary one, which the trace can save for backward
+    (torch.export refused it: "Inference tensors cannot be saved for backward"; found by a probe)."""
+    if not any(isinstance(t, torch.Tensor) and t.is_inference() for t in inputs):
+        return inputs
+    with torch.inference_mode(False):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in inputs)
+
+
 def _compile_with_report(*args, **kwargs):
     """`_compile_for_rank`, with the plan's report (which explains and draws itself): a `CompiledModule`'s
     compilation for other input shapes (runtime/shapes.py)."""
@@ -182,6 +192,7 @@ def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example
     first one's pieces, has no weights of its own)."""
     view, flat_inputs, call = positional_call(model, example_inputs, example_kwargs,
                                               loss_only=options.joint and options.loss_fn is None)
+    flat_inputs = _ordinary(flat_inputs)
     device = _rank_device(mesh)
     meeting = Rendezvous() if dist.is_initialized() else None
     binding = RankBinding(mesh.get_rank() if dist.is_initialized() else 0,

@@ -299,6 +299,14 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         return (f"the model returns a {cache.group(1)} (transformers' key/value cache, on by default), which a graph "
                 "cannot hold: build it with `use_cache=False` in its config, or pass `use_cache=False` in the "
                 "example kwargs")
+    if "get_seq_length" in str(error) or (cache and "Unsupported input type" in str(error)):
+        # (found by a probe: torch's own words alone, for a cache given as past_key_values)
+        given = "a tensor" if "'FakeTensor' object" in str(error) else "a key/value cache"
+        return (f"the model was given {given} where it takes `past_key_values` (transformers' key/value cache), which "
+                "a compiled graph cannot take: its inputs are tensors of fixed shapes. Pass the inputs by keyword "
+                "(`input_ids=`, `attention_mask=`), no cache, and `use_cache=False` (in the config or the kwargs); to "
+                "generate, run the whole sequence at each step (each new length is compiled for once), or keep a "
+                "static cache in the model's buffers")
     unknown = re.search(r"Found <class '([^']+)'> in (\w+), which is not a known type", str(error))
     if unknown:  # (a class of the user's in the output: a plain dataclass)
         name = unknown.group(1).rsplit(".", 1)[-1]

@@ -15,32 +15,117 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 
 # ops that only move or re-wrap a tensor: how a forward hands values around, not what it computes
 _BOOKKEEPING = frozenset({"lift_fresh", "lift_fresh_copy", "alias", "detach", "_to_copy", "clone"})
 
 
-class _Ops(TorchDispatchMode):
-    """The ATen ops run under it that compute floating-point values, in order, each with its arguments
-    (tensors as shape and dtype, the rest as written: a constant or a slice that only one mode uses,
-    `x * (2.0 if self.training else 3.0)`, runs the same ops). Integer and boolean work (masks and positions a
-    model builds only in one mode, such as transformers' caches, which it switches off in training) and
-    bookkeeping do not change what the graph computes with the weights."""
+_CONCRETE_NUMEL = 1 << 20  # integer and boolean tensors worked out for real up to this size (masks, indices)
 
-    def __init__(self):
+
+class _Ops(TorchDispatchMode):
+    """The ATen ops run under it that compute floating-point values, in order, each with its arguments: a
+    parameter or buffer by its name (an EMA copy of a head read in eval mode alone, `self.fc.weight if
+    self.training else self.ema.weight`, runs the same ops on another tensor), a small constant by its values
+    (`torch.tensor(0.5 if self.training else 1.0)`), an integer or boolean tensor that depends on no input by
+    its values, worked out for real (a mask `torch.arange(n) < (16 if self.training else 32)`, a
+    `torch.full(..., self.training)`, an index `arange(n) % k`), any other tensor by its shape and dtype, and the
+    rest as written (a constant or a slice that only one mode uses, `x * (2.0 if self.training else 3.0)`). The
+    first three were taken for one another by shape and dtype alone, so such a forward ran the traced mode's
+    graph in the other mode, silently (found by a probe: 1.5e-2 to 3.5e-2 off). Integer and boolean work is known
+    by what it makes, not how: positions made by other ops in one mode (transformers' cache positions, which
+    it switches off in training) are the same positions. A random one (`randperm`) is known by how it is drawn.
+    Bookkeeping (copies, aliases) is the tensor it copies."""
+
+    def __init__(self, names: dict[int, str] | None = None):
         super().__init__()
         self.calls: list[tuple] = []  # (op name, overload, arguments)
+        self.names = dict(names or {})  # id(tensor) -> how it is known: a state tensor's name, a drawn one's draw
+        self.values: dict[int, torch.Tensor] = {}  # id(integer or boolean fake) -> its values, worked out
+        self.kept: list[torch.Tensor] = []  # (the tensors known by id, kept alive while it runs)
+
+    def _concrete(self, a):
+        """`a`'s values where they are known (worked out, or a fake's small constant), else None."""
+        if id(a) in self.values:
+            return self.values[id(a)]
+        constant = getattr(a, "constant", None)
+        return constant if constant is not None and constant.numel() <= _CONCRETE_NUMEL else None
+
+    def _known(self, a):
+        if not isinstance(a, torch.Tensor):
+            return repr(a)
+        if id(a) in self.names:
+            return self.names[id(a)]
+        values = self._concrete(a)
+        if values is not None:
+            return ("values", tuple(a.shape), str(a.dtype), _digest(values))
+        return (tuple(a.shape), a.dtype)
+
+    def _keep(self, out, how=None, values=None) -> None:
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                if how is not None:
+                    self.names[id(t)] = how
+                self.kept.append(t)
+        if values is not None and isinstance(out, torch.Tensor):
+            self.values[id(out)] = values
+
+    def _worked_out(self, func, args, kwargs):
+        """`func` on the known values of its tensor arguments (None where one is not known, or too large)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        flat, spec = tree_flatten((args, kwargs))
+        real = []
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                a = self._concrete(a)
+                if a is None:
+                    return None
+            real.append(a)
+        args, kwargs = tree_unflatten(real, spec)
+        if isinstance(kwargs.get("device"), torch.device) or "device" in kwargs:
+            kwargs = {**kwargs, "device": "cpu"}
+        try:
+            with unset_fake_temporarily():
+                out = func(*args, **kwargs)
+        except Exception:
+            return None
+        return out if isinstance(out, torch.Tensor) and out.numel() <= _CONCRETE_NUMEL else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace != "aten":
+            return out
         name = func._overloadpacket.__name__
-        if func.namespace == "aten" and name not in _BOOKKEEPING and any(
-                isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
-            self.calls.append((name, str(func), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
-                                                      else repr(a) for a in tree_leaves((args, kwargs or {})))))
+        if name in _BOOKKEEPING:  # (an alias or a copy of a tensor is known as that tensor)
+            first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+            if first is not None and (id(first) in self.names or id(first) in self.values):
+                self._keep(out, self.names.get(id(first)), self.values.get(id(first)))
+            return out
+        known = tuple(self._known(a) for a in tree_leaves((args, kwargs or {})))
+        if any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves(out)):
+            self.calls.append((name, str(func), known))
+        elif torch.Tag.nondeterministic_seeded in func.tags:  # (drawn: the same draw in both modes is the same)
+            self._keep(out, ("drawn", str(func), known))
+        elif isinstance(out, torch.Tensor):
+            values = self._worked_out(func, args, kwargs or {})
+            if values is not None:
+                self._keep(out, values=values)
         return out
+
+
+def _digest(values: torch.Tensor) -> int:
+    """64 bits of the SHA-1 of real `values` (read outside the fake mode the check runs under)."""
+    import hashlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        raw = values.detach().to("cpu").contiguous().flatten()
+        raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
+        return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little")
 
 
 def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str | None:
@@ -71,7 +156,7 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
                          for name, t in kind if t is not None}
                 args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
                 root.train(training)
-                with _Ops() as ops:
+                with _Ops({id(t): ("state", name) for name, t in state.items()}) as ops:
                     torch.func.functional_call(root, state, tuple(args), tie_weights=True, strict=False)
             seen[training] = ops.calls
     except Exception:  # (the trace ran this forward under AOTAutograd; a plain fake run may still not)
@@ -96,4 +181,14 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
 
 
 def _shown(args: tuple) -> str:
-    return ", ".join(f"tensor{list(a[0])}" if isinstance(a, tuple) else a for a in args)
+    def one(a) -> str:
+        if not isinstance(a, tuple):
+            return a
+        if a[0] == "state":
+            return a[1]
+        if a[0] == "values":
+            return f"a {a[2].replace('torch.', '')} tensor{list(a[1])} of other values"
+        if a[0] == "drawn":
+            return f"a tensor drawn by {a[1]}"
+        return f"tensor{list(a[0])}"
+    return ", ".join(one(a) for a in args)

@@ -566,3 +566,32 @@ def test_a_tensor_the_forward_captured_is_named_with_the_way_out_in_training():
 
 
 _PAD = torch.zeros(1)  # (a global the forward reads only for its shape: not the cause)
+
+
+def test_inference_tensors_are_taken_as_examples_and_as_batches_of_other_shapes(world):
+    """Found by a probe: a module compiled under `torch.inference_mode` from an inference tensor, or given one of
+    new shapes (a generation loop's last output fed back), failed with torch.export's "Inference tensors cannot
+    be saved for backward". Such inputs are traced from ordinary copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    with torch.inference_mode():
+        x = torch.randn(8, 16)
+        compiled = spmd.compile(model, world, (x,), training=False)
+        for batch in (x, torch.randn(6, 16)):
+            torch.testing.assert_close(compiled.gather_outputs(compiled(*compiled.shard_inputs(batch))), model(batch))
+    assert list(compiled.plans) == [((8, 16),), ((6, 16),)]
+
+
+@pytest.mark.parametrize("error, given", [
+    (AttributeError("'tuple' object has no attribute 'get_seq_length'"), "a key/value cache"),
+    (AttributeError("'FakeTensor' object has no attribute 'get_seq_length'"), "a tensor"),
+    (ValueError("Unsupported input type <class 'transformers.cache_utils.DynamicCache'>"), "a key/value cache"),
+])
+def test_a_key_value_cache_given_to_the_trace_names_use_cache_false(error, given):
+    """Found by a probe: `past_key_values` given as a tuple or a DynamicCache (or a tensor passed where the model
+    takes it, GPT-2's second positional input) got torch's words alone, and advice about control flow."""
+    from spmd.passes.trace_module import untraceable_way_out
+
+    said = untraceable_way_out(error)
+    assert said.startswith(f"the model was given {given} where it takes `past_key_values`") and \
+        "use_cache=False" in said and "by keyword" in said, said

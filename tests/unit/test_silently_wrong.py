@@ -605,6 +605,43 @@ def test_the_mode_check_sees_no_difference_where_the_weights_compute_alike(model
         torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
 
 
+class _ByMode(nn.Module):
+    """A forward that picks other values by `self.training` through the same ops."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.fc, self.ema = how, nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, train = self.fc(x), self.training
+        if self.how == "ema head":
+            return F.linear(h, self.fc.weight if train else self.ema.weight)
+        if self.how == "constant":
+            return h * torch.tensor(0.5 if train else 1.0)
+        if self.how == "mask":
+            return h * (torch.arange(8) < (4 if train else 8))
+        if self.how == "where":
+            return torch.where(torch.full((8,), train), h * 0.5, h)
+        if self.how == "index":
+            return h.index_select(1, torch.arange(8) % (4 if train else 8))
+        return h[:, torch.randperm(8) if train else torch.arange(8)]  # ("drawn")
+
+
+@pytest.mark.parametrize("how", ["ema head", "constant", "mask", "where", "index", "drawn"])
+def test_the_mode_check_sees_other_weights_constants_masks_and_indices(how):
+    """Found by a probe: the check compared the ops' tensor arguments by shape and dtype alone, so a forward
+    that reads an EMA copy of a head in eval mode, or scales by a constant, masks or indexes by values made by
+    mode, ran the traced mode's graph after `compiled.eval()`, silently (1.5e-2 to 3.5e-2 off). Parameters and
+    buffers are now known by name, small constants and integer or boolean tensors that depend on no input by
+    their values, draws by how they are drawn."""
+    torch.manual_seed(0)
+    compiled = one_device(_ByMode(how).train(), (torch.randn(4, 8),))
+    compiled.eval()
+    with torch.no_grad(), pytest.raises(spmd.SpmdError, match=r"compiled from the model in train mode, and its "
+                                                               r"graph does what that mode does .*with other arguments"):
+        compiled(torch.randn(4, 8))
+
+
 def test_converting_a_compiled_modules_pieces_is_refused_before_anything_changes():
     """`compiled.to(torch.bfloat16)` converted the pieces under a graph traced in fp32, which then failed
     deep in a matmul; it is refused up front with the way out, the pieces untouched, and a conversion that
