@@ -49,15 +49,16 @@ def schedule_of(traced: TracedGraph) -> Schedule:
 
 def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: float | None, blocks=None,
                         stats: dict | None = None, bucket_bytes: float | None = None,
-                        on_progress=None, recompute=None, by_axes: bool = False) -> Plan:
+                        on_progress=None, recompute=None, by_axes: bool = False, time_limit: float = 60.0) -> Plan:
     """`stats`: what earlier passes reported, kept in `plan.stats`.
-    `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once."""
+    `by_axes`: solve a few mesh axes at a time (compiler/axis_search.py), not the whole program at once.
+    `time_limit`: seconds each solve may take (`PlanOptions.solver_time_limit`)."""
     labels, regions = traced.labels(), traced.regions()
     schedule = schedule_of(traced)
 
     def solve(table, table_costs) -> Plan:
-        return solve_placements(table, table_costs, labels, memory_budget, blocks=blocks, schedule=schedule,
-                                on_progress=on_progress, regions=regions, recompute=recompute)
+        return solve_placements(table, table_costs, labels, memory_budget, time_limit=time_limit, blocks=blocks,
+                                schedule=schedule, on_progress=on_progress, regions=regions, recompute=recompute)
 
     plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
     extra, point = schedule.temporaries(plan, rebuilt_regions(plan, recompute))

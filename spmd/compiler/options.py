@@ -44,6 +44,9 @@ class PlanOptions:
     bucket_bytes: gradient all_reduces are packed into buckets of this size; defer_waits: wait for a
     bucket, and any all_reduce, at its first use, not right after its launch (passes/overlap_collectives.py;
     False: every all_reduce synchronous, where the trace put it).
+    solver_time_limit: seconds the placement solve may take (60 by default): where it runs out with a plan
+    in hand, that plan is taken with its gap; with none, the solve fails and says so (a large model on a
+    slow or loaded host: give it more).
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
     pass's stated postcondition as it runs (also SPMD_VERIFY=1; the tests turn it on).
     """
@@ -62,6 +65,7 @@ class PlanOptions:
     axis_search: bool | None = None
     bucket_bytes: float = 4 * 2**20
     defer_waits: bool = True
+    solver_time_limit: float = 60.0
     dump_dir: str | None = None
     verify: bool = False
 
@@ -78,6 +82,8 @@ class PlanOptions:
             raise SpmdError(f"recompute must be None, True, False or 'selective', got {self.recompute!r}")
         if not self.bucket_bytes > 0:
             raise SpmdError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
+        if not self.solver_time_limit > 0:
+            raise SpmdError(f"solver_time_limit must be a positive number of seconds, got {self.solver_time_limit!r}")
 
     @property
     def joint(self) -> bool:

@@ -175,6 +175,7 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
             stats["loss_targets"] = inputs[len(inputs) - loss_targets(options.loss_fn):]
         return solve_within_budget(traced, strategies, costs, options.memory_budget, blocks, stats,
                                    options.bucket_bytes, on_progress=progress.solving, recompute=recomputable,
+                                   time_limit=options.solver_time_limit,
                                    by_axes=axis_search.wanted(strategies, len(costs.mesh.shape), options.axis_search))
 
     return make() if binding is None or binding.share_plan is None else binding.share_plan(make)

@@ -1120,15 +1120,19 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     f"sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB "
                     f"({result.status}; a program of {result.n_binary} binary and {result.n_continuous} continuous "
                     "columns). What to do: pin the largest parameters sharded (param_placements=) so the search "
-                    "starts nearer a fitting plan, raise the budget, or plan a smaller batch.")
+                    "starts nearer a fitting plan, give it more time (solver_time_limit=), raise the budget, or plan "
+                    "a smaller batch.")
             raise SpmdError(
                 f"solve_placements: no plan fits memory_budget={memory_budget / 2**20:.1f} MiB per rank "
                 f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
                 "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
+        slow = "time limit" in result.status.lower() or result.status.startswith("Out of time")
         raise SpmdError(
             f"solve_placements: the solver found no plan ({result.status}) for a program of {result.n_binary} "
             f"binary and {result.n_continuous} continuous columns (most of them the layout pairs of edges: a mesh "
-            "with more axes has many more layouts per value). What to do: pin the inputs and the largest weights "
+            "with more axes has many more layouts per value). What to do: "
+            + (f"give it more time (solver_time_limit=, {time_limit:g} s now: a slow or loaded host takes longer), "
+               "or " if slow else "") + "pin the inputs and the largest weights "
             "(in_placements=, param_placements=) so fewer layouts remain, pass merge_followers=True (a smaller "
             "program, near-optimal plans), or plan on a mesh with fewer axes.")
     return to_plan(result.values, result)

@@ -595,3 +595,26 @@ def test_a_key_value_cache_given_to_the_trace_names_use_cache_false(error, given
     said = untraceable_way_out(error)
     assert said.startswith(f"the model was given {given} where it takes `past_key_values`") and \
         "use_cache=False" in said and "by keyword" in said, said
+
+
+def test_a_solve_out_of_time_with_no_plan_names_solver_time_limit(monkeypatch):
+    """Found by a probe: T5 (4+4 layers, d_model 1024) on (2, 2) took 58 s of its fixed 60 s to solve alone and
+    failed on a loaded host with "the solver found no plan (Time limit reached)", naming no way to give it more
+    time. `solver_time_limit=` reaches the solver, and the message names it."""
+    from spmd.cost_model import solver
+
+    model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
+    limits, solve = [], solver.IlpBuilder.solve
+
+    def recorded(self, time_limit=60.0, **kwargs):
+        limits.append(time_limit)
+        return solve(self, time_limit=time_limit, **kwargs)
+
+    monkeypatch.setattr(solver.IlpBuilder, "solve", recorded)
+    spmd.plan(model, spec((2,), ("dp",)), inputs, loss_fn=F.mse_loss, solver_time_limit=7.5)
+    assert limits == [7.5], limits
+    monkeypatch.setattr(solver._Search, "integral", lambda self, costs, **options: (None, float("nan"),
+                                                                                    "Time limit reached"))
+    with pytest.raises(spmd.SpmdError, match=r"found no plan \(.*What to do: give it more time "
+                                             r"\(solver_time_limit=, 7\.5 s now"):
+        spmd.plan(model, spec((2,), ("dp",)), inputs, loss_fn=F.mse_loss, solver_time_limit=7.5)
