@@ -1112,7 +1112,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             # alive when backward ends; above the budget, nothing fits (a proof the search may not have)
             proof = held + grads if counts and schedule is not None else floor
             if result.status.startswith(("Out of time", "Not found")) and proof <= memory_budget:
-                how = (f"ran out of its {time_limit:.0f} s" if result.status.startswith("Out of time") else
+                how = (f"ran out of its {time_limit:g} s" if result.status.startswith("Out of time") else
                        "gave up after its rounds of cuts")
                 raise SpmdError(
                     f"solve_placements: the search {how} before it found a plan that "

@@ -610,7 +610,8 @@ class _ByMode(nn.Module):
 
     def __init__(self, how: str):
         super().__init__()
-        self.how, self.fc, self.ema = how, nn.Linear(8, 8), nn.Linear(8, 8)
+        self.how, self.fc, self.ema, self.tied = how, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.tied.weight = self.fc.weight
 
     def forward(self, x):
         h, train = self.fc(x), self.training
@@ -624,10 +625,14 @@ class _ByMode(nn.Module):
             return torch.where(torch.full((8,), train), h * 0.5, h)
         if self.how == "index":
             return h.index_select(1, torch.arange(8) % (4 if train else 8))
+        if self.how == "listed index":  # (a constant of several elements: its values, from lift_fresh; a review)
+            return h.index_select(1, torch.tensor([0, 1] if train else [1, 0]))
+        if self.how == "tied":  # (tied weights had switched the whole check off; a review)
+            return F.linear(h, self.tied.weight) * (2.0 if train else 3.0)
         return h[:, torch.randperm(8) if train else torch.arange(8)]  # ("drawn")
 
 
-@pytest.mark.parametrize("how", ["ema head", "constant", "mask", "where", "index", "drawn"])
+@pytest.mark.parametrize("how", ["ema head", "constant", "mask", "where", "index", "listed index", "tied", "drawn"])
 def test_the_mode_check_sees_other_weights_constants_masks_and_indices(how):
     """Found by a probe: the check compared the ops' tensor arguments by shape and dtype alone, so a forward
     that reads an EMA copy of a head in eval mode, or scales by a constant, masks or indexes by values made by
