@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import functools
 import operator
 import os
+import re
 import warnings
 import weakref
 from collections import OrderedDict
@@ -1645,8 +1647,17 @@ class CompiledModule(nn.Module):
                 param.requires_grad_(fqn not in self._frozen_when_compiled)
             with source_guard.inside(), autocast_off(), autocast_on(self._autocast.state), \
                     torch.inference_mode(False), torch.set_grad_enabled(self.split is not None or torch.is_grad_enabled()):
-                c, _, report = self._recompile(pinned_to(self._options, self._shapes, key, self.mesh_spec.shape),
-                                               args, kwargs, weights=False)
+                options = pinned_to(self._options, self._shapes, key, self.mesh_spec.shape)
+                try:
+                    c, _, report = self._recompile(options, args, kwargs, weights=False)
+                except SpmdError as e:
+                    # an output pin made for the compiled shapes that does not divide these (a batch of 5 split
+                    # over 2): dropped, as an input's is (found by a probe: the batch was refused). Every rank
+                    # met the same error (planned on rank 0, brought to the others), so every rank retries
+                    if not (options.out_placements and re.search(r"pin \S+ for output \d+ cannot be met", str(e))):
+                        raise
+                    c, _, report = self._recompile(dataclasses.replace(options, out_placements={}), args, kwargs,
+                                                   weights=False)
         finally:
             for m, was in modes:
                 m.training = was

@@ -119,6 +119,28 @@ def test_bucketed_shapes_infer_equal_to_one_device(ranks):
         assert "ranks got inputs of different shapes (rank 0: [1, 16]; rank 1: [2, 16])" in r["apart"]
 
 
+def _pinned_output_on_an_odd_batch(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP(16, 32).eval()
+    mesh = spmd.init_mesh((2,), ("dp",))
+    compiled = spmd.compile(model, mesh, (torch.randn(8, 16),), training=False, mesh_spec=spec((2,), ("dp",)),
+                            out_placements={0: [Shard(0)]})
+    errors = {}
+    with torch.no_grad():
+        for batch in (8, 5, 6):  # (5 cannot be split over 2: the output pin is dropped for it, as an input's is)
+            x = torch.randn(batch, 16)
+            errors[batch] = float((compiled.gather_outputs(compiled(*compiled.shard_inputs(x))) - model(x)).abs().max())
+    return {"errors": errors, "plans": [key for key in compiled.plans]}
+
+
+def test_an_output_pin_that_does_not_divide_a_batch_of_other_shapes_is_dropped_for_it(ranks):
+    """Found by a probe: `out_placements={0: [Shard(0)]}` made for a batch of 8 refused a batch of 5 with the pin's
+    error, where an input's pin is dropped for shapes it does not divide."""
+    for r in ranks(2).run(_pinned_output_on_an_odd_batch):
+        assert max(r["errors"].values()) < 1e-6, r["errors"]
+        assert r["plans"] == [((8, 16),), ((5, 16),), ((6, 16),)], r["plans"]
+
+
 def _train_gpt2_last_batch(rank: int, world: int) -> dict:
     torch.set_default_dtype(torch.float64)
     try:
