@@ -46,17 +46,26 @@ SMALLER_BATCH = (
 def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
     """`shard_inputs`' inputs: the full tensors, as the example inputs were."""
     _count(inputs, specs, "shard_inputs takes")
-    problems, missing, batches = [], [], set()
+    problems, missing, batches, dtypes = [], [], set(), []
     for t, spec in zip(inputs, specs):
         if not isinstance(t, torch.Tensor):
             problems.append(f"  input {spec.name!r}: expected a tensor, got {type(t).__name__}")
             missing.append(spec.name)
-        elif tuple(t.shape) != tuple(spec.shape):
+            continue
+        if t.dtype != spec.dtype:  # (reported beside a shape: a bool mask at a new batch size was told "recompile"
+            problems.append(f"  input {spec.name!r}: expected {spec.dtype}, got {t.dtype}")  # alone; a probe)
+            dtypes.append(spec.name)
+        if tuple(t.shape) != tuple(spec.shape):
             problems.append(f"  input {spec.name!r}: expected the full shape {list(spec.shape)}, got {list(t.shape)}")
             batches.add(t.ndim == len(spec.shape) and t.ndim > 0 and t.shape[0] < spec.shape[0]
                         and tuple(t.shape[1:]) == tuple(spec.shape[1:]))
     if not problems:
         return
+    if dtypes and not missing:
+        raise SpmdError(
+            "shard_inputs cuts full inputs of the dtypes the model was compiled for:\n" + "\n".join(problems) +
+            f"\nWhat to do: pass {', '.join(map(repr, dtypes))} in the compiled dtype (`.to(...)`): the graphs are "
+            "traced for it. Inputs of other shapes in the compiled dtypes are compiled for at their first cut.")
     if missing:  # (`attention_mask=None` where the example had a mask: not a matter of shapes; found by a probe)
         what, way_out = "as the model was compiled for them", (
             f"the model was compiled with a tensor for {', '.join(map(repr, missing))}, and its graph reads one: pass a "

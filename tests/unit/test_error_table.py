@@ -618,3 +618,13 @@ def test_a_solve_out_of_time_with_no_plan_names_solver_time_limit(monkeypatch):
     with pytest.raises(spmd.SpmdError, match=r"found no plan \(.*What to do: give it more time "
                                              r"\(solver_time_limit=, 7\.5 s now"):
         spmd.plan(model, spec((2,), ("dp",)), inputs, loss_fn=F.mse_loss, solver_time_limit=7.5)
+
+
+def test_another_dtype_at_another_shape_is_named_as_the_dtype(world):
+    """Found by a probe: a bool mask at a new batch size (a float one compiled) was told only of its shape, and to
+    recompile, where batches of other shapes are compiled for: the dtype is what the module cannot take."""
+    _, compiled = _training(world)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)of the dtypes the model was compiled for:.*input 'x': expected "
+                                             r"torch\.float32, got torch\.float64.*expected the full shape \[4, 16\], "
+                                             r"got \[2, 16\].*What to do: pass 'x' in the compiled dtype"):
+        compiled.shard_inputs(torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16))
