@@ -45,9 +45,8 @@ class PlanOptions:
     bucket, and any all_reduce, at its first use, not right after its launch (passes/overlap_collectives.py;
     False: every all_reduce synchronous, where the trace put it).
     solver_time_limit: seconds each placement solve may take (60 by default; the axis search makes a few): where
-    it runs out with a plan
-    in hand, that plan is taken with its gap; with none, the solve fails and says so (a large model on a
-    slow or loaded host: give it more).
+    it runs out with a plan in hand, that plan is taken with its gap; with none, the solve fails and says so (a
+    large model on a slow or loaded host: give it more).
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
     pass's stated postcondition as it runs (also SPMD_VERIFY=1; the tests turn it on).
     """

@@ -502,12 +502,7 @@ def _captured_tensors(fn, model: torch.nn.Module | None = None) -> list[str]:
                 f"{name}.{n}" for n in _tensor_attributes(value)]
         return []
 
-    values = []
-    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-        try:
-            values.append((name, cell.cell_contents))
-        except ValueError:  # (a cell not filled yet)
-            pass
+    values = list(_closure(fn).items())
     found = getattr(fn, "__globals__", {})
     values += [(n, found.get(n)) for n in code.co_names]
     return [t for name, v in values if isinstance(v, torch.Tensor) for t in held(name, v)] + [
@@ -535,9 +530,8 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
         if code is None or code in seen:
             continue
         seen.add(code)
-        cells = {n: c.cell_contents for n, c in zip(code.co_freevars, forward.__closure__ or ()) if _filled(c)}
-        names = loaded(code)
-        for name in sorted(names):
+        cells = _closure(forward)
+        for name in sorted(loaded(code)):
             value = cells[name] if name in cells else forward.__globals__.get(name)
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 found.append((f"{type(module).__name__}.forward", name, tuple(value.shape)))
@@ -545,12 +539,15 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
     return [(where, name) for where, name, _ in (sized or found)]
 
 
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # (a cell not filled yet)
-        return False
-    return True
+def _closure(fn) -> dict:
+    """The values `fn`'s closure holds, by name (not a cell not filled yet)."""
+    values = {}
+    for name, cell in zip(fn.__code__.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return values
 
 
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:

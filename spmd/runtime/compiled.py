@@ -34,7 +34,8 @@ from spmd.passes.trace_joint import with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
-    max_over_mesh, same_piece, shard_full, spread_values, total_norm
+    max_over_mesh, same_piece, shard_full, total_norm
+from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
 from spmd.runtime.mode_check import ops_differ_by_mode
@@ -525,8 +526,7 @@ class CompiledModule(nn.Module):
         for shapes in self._variants.values():
             lines.append("  " + ", ".join(f"{s.name} {list(s.shape)} {placements_str(s.placements)}"
                                           for s in shapes.input_specs))
-            if shapes.plan is not None:
-                lines.append(f"    {shapes.plan}")
+            lines.append(f"    {shapes.plan}")
         return text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
 
     @property
@@ -763,7 +763,7 @@ class CompiledModule(nn.Module):
         load copies each into the one tensor, and refuses any of another shape): a 3x3 `emb.weight` beside a
         right `head.weight` was dropped without a word, and a wrong `head.weight` reported as `emb.weight`'s
         (found by a probe)."""
-        for fqn in {c for c in self._aliases.values()}:
+        for fqn in set(self._aliases.values()):
             shape = self._global_shapes.get(fqn)
             for name in (fqn, *self._names_of(fqn)):
                 value = state.get(name)
@@ -848,18 +848,26 @@ class CompiledModule(nn.Module):
         keys = ",".join(sorted(map(str, unexpected))).encode()
         values.append(("keys that are not the model's",
                        torch.frombuffer(bytearray(keys), dtype=torch.uint8) if keys else _NOT_GIVEN))
-        apart, anywhere = self._mesh_check(
-            "load_state_dict", "load_state_dict compares the whole tensors each rank was given with its peers'",
-            "load on every rank of the mesh, with the same entries.",
-            lambda: self._values_apart(values, lambda axis, k: True, "loaded tensors", sampled=True))
-        if anywhere:
-            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
+        what = self._given_apart(values, "load_state_dict", "the whole tensors each rank was given", "the same entries",
+                                 "loaded tensors")
+        if what is not None:
             raise SpmdError(
                 f"load_state_dict: what the ranks were given differs ({what}): each rank takes its piece of "
                 "the one it was given, so the replicas of a replicated weight would train apart and a sharded one "
                 "would be made of several. What to do: give every rank the same entries and values (seed every rank "
                 "alike before drawing new weights, or load the same checkpoint), or load DTensors "
                 "(torch.distributed.checkpoint into compiled.state_dict()).")
+
+    def _given_apart(self, values: list, call: str, compared: str, alike: str, what: str) -> str | None:
+        """Where `values` ((name, tensor) in the same order on every rank: what a load was given) differ between the
+        ranks ("'fc.bias' along 'dp'", or "on other ranks of the mesh" where only another rank saw it), or None
+        where every rank was given the same: a sampled digest of each, compared over the mesh."""
+        apart, anywhere = self._mesh_check(
+            call, f"{call} compares {compared} with its peers'", f"load on every rank of the mesh, with {alike}.",
+            lambda: self._values_apart(values, lambda axis, k: True, what, sampled=True))
+        if not anywhere:
+            return None
+        return ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
 
     def _agree_on_loaded_state(self, state: dict[str, dict]) -> None:
         """`_agree_on_loaded` for an optimizer's state (FQN -> {"exp_avg": ..., "step": ...}): the whole tensors
@@ -882,13 +890,9 @@ class CompiledModule(nn.Module):
                      if (isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and not v.is_meta) or
                      (isinstance(v, (int, float)) and not isinstance(v, bool))]  # (a `step` kept as a number)
             values.append((fqn, torch.tensor(whole, dtype=torch.int64) if whole else _NOT_GIVEN))
-        apart, anywhere = self._mesh_check(
-            "load_optimizer_state_dict",
-            "load_optimizer_state_dict compares the whole tensors of the state each rank was given with its peers'",
-            "load on every rank of the mesh, with the same state.",
-            lambda: self._values_apart(values, lambda axis, k: True, "loaded optimizer state"))
-        if anywhere:
-            what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart[:4]) or "on other ranks of the mesh"
+        what = self._given_apart(values, "load_optimizer_state_dict", "the whole tensors of the state each rank was "
+                                 "given", "the same state", "loaded optimizer state")
+        if what is not None:
             raise SpmdError(
                 f"load_optimizer_state_dict: the optimizer state the ranks were given differs ({what}): each rank "
                 "takes its piece of the state it was given, so the replicas of a replicated parameter would train "
@@ -2435,26 +2439,7 @@ def _listed(kinds) -> str:
                      for what, keys in kinds if keys)
 
 
-_SAMPLED = 1 << 16  # values a sampled digest reads of a larger tensor
-
-
 _NOT_GIVEN = torch.empty(0)  # (an entry a load was not given whole: the same digest on every rank)
-
-
-def _digest(t: torch.Tensor, sampled: bool = False) -> int:
-    """64 bits of the SHA-1 of `t`'s values (the same values: the same digest, whatever the strides or
-    views); 0 for a tensor with no bytes to read (a subclass), on every rank alike. `sampled`: of `_SAMPLED`
-    values spread evenly over a larger tensor (the checks after a first call: a batch of another rank's
-    differs there too; a 154 MB image batch's whole digest takes a few hundred ms)."""
-    import hashlib
-
-    try:
-        t = spread_values(t, _SAMPLED) if sampled else t.detach()
-        raw = t.resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
-        raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
-        return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
-    except (RuntimeError, TypeError):
-        return 0
 
 
 def _first_call(collective, what: str):

@@ -41,6 +41,25 @@ def spread_values(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(-1)[at] if t.is_contiguous() else t[torch.unravel_index(at, t.shape)]
 
 
+SAMPLED = 1 << 16  # values a sampled digest reads of a larger tensor
+
+
+def values_digest(t: torch.Tensor, sampled: bool = False) -> int:
+    """64 bits of the SHA-1 of `t`'s values (the same values: the same digest, whatever the strides or
+    views); 0 for a tensor with no bytes to read (a subclass), on every rank alike. `sampled`: of `SAMPLED`
+    values spread evenly over a larger tensor (the checks after a first call: a batch of another rank's
+    differs there too; a 154 MB image batch's whole digest takes a few hundred ms)."""
+    import hashlib
+
+    try:
+        t = spread_values(t, SAMPLED) if sampled else t.detach()
+        raw = t.resolve_conj().resolve_neg().to("cpu").contiguous().flatten()
+        raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
+        return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little", signed=True)
+    except (RuntimeError, TypeError):
+        return 0
+
+
 def same_piece(saved: tuple, mine: tuple, placements: Placements) -> bool:
     """Whether the piece saved at (coordinate, mesh shape) `saved` is the one this rank holds at `mine`, for a
     tensor laid out as `placements`: the same mesh, and coordinates that differ only along axes it is not split

@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from spmd.runtime.distribute import values_digest
 
 
 # ops that only move or re-wrap a tensor: how a forward hands values around, not what it computes
@@ -73,9 +76,7 @@ class _Ops(TorchDispatchMode):
             self.values[id(out)] = values
 
     def _worked_out(self, func, args, kwargs):
-        """`func` on the known values of its tensor arguments (None where one is not known, or too large)."""
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+        """`func` on the known values of its tensor arguments (None where one is not known)."""
         flat, spec = tree_flatten((args, kwargs))
         real = []
         for a in flat:
@@ -85,14 +86,14 @@ class _Ops(TorchDispatchMode):
                     return None
             real.append(a)
         args, kwargs = tree_unflatten(real, spec)
-        if isinstance(kwargs.get("device"), torch.device) or "device" in kwargs:
+        if "device" in kwargs:
             kwargs = {**kwargs, "device": "cpu"}
         try:
             with unset_fake_temporarily():
                 out = func(*args, **kwargs)
         except Exception:
             return None
-        return out if isinstance(out, torch.Tensor) and out.numel() <= _CONCRETE_NUMEL else None
+        return out if isinstance(out, torch.Tensor) else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -103,10 +104,8 @@ class _Ops(TorchDispatchMode):
             first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor)), None)
             if first is not None and (id(first) in self.names or id(first) in self.values):
                 self._keep(out, self.names.get(id(first)), self.values.get(id(first)))
-            elif name.startswith("lift_fresh") and first is not None and not _is_fake(first) and \
+            elif name.startswith("lift_fresh") and first is not None and not isinstance(first, FakeTensor) and \
                     first.numel() <= _CONCRETE_NUMEL:  # (a constant `torch.tensor([1, 2])`: its values)
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
                 with unset_fake_temporarily():  # (a real copy: made under the fake mode, it would be a fake)
                     self._keep(out, values=first.detach().clone())
             return out
@@ -127,22 +126,10 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 def _digest(values: torch.Tensor) -> int:
-    """64 bits of the SHA-1 of real `values` (read outside the fake mode the check runs under)."""
-    import hashlib
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    """`values_digest` of real `values`, read outside the fake mode the check runs under."""
     with unset_fake_temporarily():
-        raw = values.detach().to("cpu").contiguous().flatten()
-        raw = raw.to(torch.uint8) if raw.dtype == torch.bool else raw.view(torch.uint8)
-        return int.from_bytes(hashlib.sha1(raw.numpy().tobytes()).digest()[:8], "little")
+        return values_digest(values)
 
 
 def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str | None:

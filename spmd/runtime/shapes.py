@@ -53,14 +53,12 @@ class Shapes:
     traced_with_grad: set[str]  # the inputs whose gradient the graph computes
     state: tuple  # (FQN, placements) of each state argument, in order
     order: tuple[str, ...]  # FQN or input name per placeholder (tangents left out)
-    plan: object = None  # the Plan these graphs run (its predicted step, collectives and memory)
+    plan: object  # the plan these graphs run, as the module shows it (spmd.compile's report, which explains itself)
     graphs: dict = field(default_factory=dict)  # torch.compile'd graphs, made at first use (`CompiledModule._graph`)
     laid_out: dict | None = None  # output position -> its layout as `CompiledModule._lay_out` records it
 
     @classmethod
-    def of(cls, c, mesh, rank: int, device, plan=None) -> "Shapes":
-        """`plan`: what the module shows of the plan (spmd.compile's report, which explains itself; default: the
-        compilation's bare plan)."""
+    def of(cls, c, mesh, rank: int, device, plan) -> "Shapes":
         specs, state, order = [], [], []
         for gi in c.traced.inputs:
             if gi.kind == "tangent":
@@ -83,7 +81,7 @@ class Shapes:
             buffer_updates=[(k, o.name) for k, o in enumerate(outputs) if o.kind == "buffer_update"],
             user_outputs=[k for k, o in enumerate(outputs) if o.kind == "output"],
             traced_with_grad={o.name for o in outputs if o.kind == "input_grad"},
-            state=tuple(state), order=tuple(order), plan=plan if plan is not None else c.plan)
+            state=tuple(state), order=tuple(order), plan=plan)
 
 
 def variant_key(flat: tuple, first: Shapes) -> tuple | None:

@@ -3331,7 +3331,8 @@ def test_own_checks_collectives_run_where_the_backend_moves_tensors(monkeypatch,
 def test_a_sampled_digest_reads_values_spread_over_the_tensor():
     """The input checks after a first call digest a sample of a large input (`_SAMPLED` values spread over it):
     the same values give the same digest, whatever the layout; another batch gives another."""
-    from spmd.runtime.compiled import _SAMPLED, _digest
+    from spmd.runtime.distribute import SAMPLED as _SAMPLED
+    from spmd.runtime.distribute import values_digest as _digest
 
     torch.manual_seed(0)
     batch = torch.randn(64, 3, 32, 32)  # (196,608 values)
