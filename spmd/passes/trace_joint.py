@@ -129,16 +129,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     made: list[tuple] = []  # (the tensors it made where it had none: `refuse_made_snapshots`)
     with checkpoints_run_through(root) as checkpoints:
         with random_draws() as drew:
-            gm, out_spec, applied, assigned = _either_road(model, root, example_inputs, counted, made)
-            aliased = _aliased_outputs(gm)
-            if aliased:  # traced again with those outputs copied: each then gets its own gradient
-                with _outputs_copied(root, aliased):
-                    gm, out_spec, applied, assigned = _either_road(model, root, example_inputs)
-        if counted:  # (traced again as this trace was: its outputs copied, its checkpoints run through)
-            def retrace():
-                with _outputs_copied(root, aliased) if aliased else contextlib.nullcontext():
-                    return graph_signature(_either_road(model, root, example_inputs)[0])
-            refuse_counted(counted, retrace, graph_signature(gm), model)
+            gm, out_spec, applied, assigned = _with_own_outputs(model, root, example_inputs, counted, made)
+        if counted:  # (traced again as this trace was: its checkpoints run through)
+            refuse_counted(counted, lambda: graph_signature(_with_own_outputs(model, root, example_inputs)[0]),
+                           graph_signature(gm), model)
         refuse_made_snapshots(made, root, model, lambda: root(*example_inputs), list(example_inputs), "trace_joint")
     # Python's or numpy's generators: in training, a draw without a seed of the model's own before it is a
     # layer drop or a mask that must change at every step (refused); where the draws cannot be named, the
@@ -146,7 +140,7 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     refuse_random_draws(drew.unseeded, model)
     if drew.unnamed:
         refuse_random_draws(draws_change_the_graph(
-            lambda: graph_signature(_either_road(model, root, example_inputs)[0]), graph_signature(gm), []), model)
+            lambda: graph_signature(_with_own_outputs(model, root, example_inputs)[0]), graph_signature(gm), []), model)
     if assigned:  # (neither road carries the assignment out: the new value would be lost, silently)
         raise SpmdError(
             f"trace_joint: the forward assigns a new tensor to {described(assigned[0])} (`self.name = new`, or `.data "
@@ -268,31 +262,44 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         return joint.graph_module, joint.out_spec, applied
 
 
-def _aliased_outputs(gm) -> tuple[int, ...]:
-    """The user's outputs that are views of another output (`return y, y.t()`), or a parameter or an input
-    itself or viewed (`return y, self.logit_bias`; a block's `return out, x`). The joint graph gives them no
-    incoming gradient (AOTAutograd regenerates such aliases outside its graph, which a compiled module does
-    not), so a loss on one would reach no parameter (SigLIP's logit_bias never trained) or input (the
-    residual's share of x.grad was dropped: 7.41 off)."""
+def _with_own_outputs(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
+                      counted: list | None = None, made: list | None = None) -> tuple:
+    """`_either_road` with every floating output of the user's traced as a copy, and the copies then dropped
+    where the output was its own tensor (`_needless_copies_dropped`). A copy stays where the output is a view
+    of another output or of a value computed in the forward (`return y, y.t()`; a Linear's 3-D logits, a view
+    of its matmul), or a parameter or an input itself or viewed (`return y, self.logit_bias`; a block's
+    `return out, x`): AOTAutograd regenerates such aliases outside its graph, which a compiled module does
+    not, and gives them no incoming gradient, so a loss on one would reach no parameter (SigLIP's logit_bias
+    never trained) or input (the residual's share of x.grad was dropped: 7.41 off). Copied before the trace,
+    one trace serves where such outputs were found after it and traced again (transformers' causal LMs: the
+    trace was half of a 2-layer Llama's plan)."""
+    with _outputs_copied(root):
+        gm, *rest = _either_road(model, root, example_inputs, counted, made)
+    _needless_copies_dropped(gm)
+    return (gm, *rest)
+
+
+def _needless_copies_dropped(gm: torch.fx.GraphModule) -> None:
+    """Each user output copied by `_outputs_copied` (a clone only the output reads) that is a value computed
+    in the forward, or a buffer, and not through a view: returned itself, the copy erased. Others keep it."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    descs = out_node.meta.get("desc") or []
-    tangent_of = {d.output.idx for n in gm.graph.nodes if n.op == "placeholder"
-                  for d in [n.meta.get("desc")] if type(d).__name__ == "TangentAOTInput"
-                  and type(d.output).__name__ == "PlainAOTOutput"}
-    found = []
-    for arg, desc in zip(out_node.args[0], descs):
-        if type(desc).__name__ != "PlainAOTOutput" or desc.idx in tangent_of or not isinstance(arg, torch.fx.Node):
+    outs = list(out_node.args[0])
+    for k, (arg, desc) in enumerate(zip(outs, out_node.meta.get("desc") or [])):
+        if type(desc).__name__ != "PlainAOTOutput" or not isinstance(arg, torch.fx.Node) or \
+                arg.target is not torch.ops.aten.clone.default or len(arg.users) != 1:
             continue
-        val = arg.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
-            continue
-        node, through_view = arg, False
+        node, through_view = arg.args[0], False
         while node.op == "call_function" and getattr(node.target, "is_view", False):
             node, through_view = node.args[0], True
-        root = type(node.meta.get("desc")).__name__ if node.op == "placeholder" else "computed"
-        if root in ("ParamAOTInput", "PlainAOTInput") or through_view and root == "computed":
-            found.append(desc.idx)
-    return tuple(found)
+        source = type(node.meta.get("desc")).__name__ if node.op == "placeholder" else "computed"
+        if source not in ("ParamAOTInput", "PlainAOTInput") and not (through_view and source == "computed"):
+            outs[k] = arg.args[0]
+    dropped = [arg for arg, out in zip(out_node.args[0], outs) if arg is not out]
+    if dropped:
+        out_node.args = (type(out_node.args[0])(outs),) + tuple(out_node.args[1:])
+        for copy in dropped:
+            gm.graph.erase_node(copy)
+        gm.recompile()
 
 
 @contextlib.contextmanager
@@ -311,13 +318,13 @@ def _root_call(root: torch.nn.Module, wrap):
             root.__dict__.pop(attr, None)
 
 
-def _outputs_copied(root: torch.nn.Module, indices: tuple[int, ...]):
-    """Within: the root's call returns a copy of its flat outputs at `indices` (`_aliased_outputs`)."""
+def _outputs_copied(root: torch.nn.Module):
+    """Within: the root's call returns a copy of each of its flat floating outputs (`_with_own_outputs`)."""
     def wrap(inner):
         def call(*args, **kwargs):
             flat, spec = torch.utils._pytree.tree_flatten(inner(*args, **kwargs))
             return torch.utils._pytree.tree_unflatten(
-                [t.clone() if k in indices and isinstance(t, torch.Tensor) else t for k, t in enumerate(flat)], spec)
+                [t.clone() if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t for t in flat], spec)
         return call
     return _root_call(root, wrap)
 

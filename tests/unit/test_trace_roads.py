@@ -141,3 +141,36 @@ def test_gradient_hooks_are_applied_or_the_trace_fails(monkeypatch):
     model.forward = lambda x: model.fc2(model.fc1(x))  # (no tensor hook: the module's own is enough)
     with pytest.raises(SpmdError, match="the direct road failed"):
         trace_joint(model, (x, y), F.mse_loss)
+
+
+class _LogitsAndLoss(nn.Module):
+    """A causal LM's outputs: its loss, and 3-D logits (a view of the head's matmul) beside a hidden state of
+    its own (a value no other output shares) and the input itself (a block's residual)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        logits = self.head(h)
+        return logits.square().mean(), logits, h, x
+
+
+def test_outputs_are_traced_once_and_copied_only_where_they_alias(monkeypatch):
+    """Outputs that alias another value (the logits, a view of the head's matmul; the input) used to be found
+    after the trace, and the model traced again with them copied: transformers' causal LMs were traced twice,
+    half of a 2-layer Llama's plan. They are copied before the one trace now, and the copies of outputs that
+    are values of their own dropped after it."""
+    calls = []
+    road = trace_joint_module._aot_over_module
+    monkeypatch.setattr(trace_joint_module, "_aot_over_module", lambda *a: (calls.append(1), road(*a))[1])
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    traced = trace_joint(_LogitsAndLoss(), (x,))
+    assert len(calls) == 1
+    outs = [a for a in traced.graph.output_node().args[0] if isinstance(a, torch.fx.Node)][:4]
+    assert [o.target is torch.ops.aten.clone.default for o in outs] == [False, True, False, True], outs
+    assert outs[2].target is torch.ops.aten.tanh.default  # (the hidden state itself: its copy dropped)
+    assert outs[3].args[0].op == "placeholder"
+    copies = [n for n in traced.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(copies) == 2  # (nothing else: the loss and the hidden state are returned as they are)
