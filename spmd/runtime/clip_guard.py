@@ -91,11 +91,34 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
     _torch_zero_grad(self, set_to_none)
     if not _models:
         return
+    whole = set()
     for module in self.modules():
         for ref in _models.get(id(module), ()):
             compiled = ref()
             if compiled is not None and compiled is not self:
                 compiled.zero_grad(set_to_none)
+                whole.add(id(compiled))
+    # a part of a compiled model (`model.head.zero_grad()`, a loop over the model's children): the pieces of its
+    # parameters (before, they kept their gradients, which piled up over the steps: a probe, 0.25 off after 3)
+    for p in self.parameters():
+        fqn, ref = _sources.get(p, (None, None))
+        compiled = None if ref is None else ref()
+        if compiled is not None and compiled is not self and id(compiled) not in whole:
+            _torch_zero_grad_of(compiled.get_parameter(fqn), set_to_none)
+
+
+def _torch_zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
+    """What torch's `Module.zero_grad` does to each of its parameters."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+        return
+    if p.grad.grad_fn is not None:
+        p.grad.detach_()
+    else:
+        p.grad.requires_grad_(False)
+    p.grad.zero_()
 
 
 _zero_grad.__doc__ = (torch.nn.Module.zero_grad.__doc__ or "") + "\n" + _zero_grad.__doc__
