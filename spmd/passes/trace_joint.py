@@ -37,11 +37,11 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
-from spmd.core.errors import TORCH_DIR, SpmdError
+from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
-                                      _drop_effect_tokens, described, distinct_inputs, draws_change_the_graph,
+                                      _drop_effect_tokens, _tensor_ids, described, distinct_inputs, draws_change_the_graph,
                                       graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
                                       tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
@@ -128,8 +128,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     counted: list[tuple] = []  # (the numbers the forward changed: `refuse_counted`)
     made: list[tuple] = []  # (the tensors it made where it had none: `refuse_made_snapshots`)
     with checkpoints_run_through(root) as checkpoints:
-        with random_draws() as drew:
+        with random_draws() as drew, _grads_stored(model) as stored:
             gm, out_spec, applied, assigned = _with_own_outputs(model, root, example_inputs, counted, made)
+        _warn_grads_stored(stored)
         if counted:  # (traced again as this trace was: its checkpoints run through)
             refuse_counted(counted, lambda: graph_signature(_with_own_outputs(model, root, example_inputs)[0]),
                            graph_signature(gm), model)
@@ -260,6 +261,62 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         _backward_meta_from_forward(joint.graph_module.graph)
         _drop_disable_notes(joint.graph_module.graph)
         return joint.graph_module, joint.out_spec, applied
+
+
+@contextlib.contextmanager
+def _grads_stored(model: torch.nn.Module):
+    """Within: the (module path, attribute name) of each plain attribute of `model`'s modules that a forward gives a
+    tensor that requires grad (`self.aux_loss = ...`, or appended to a list it holds), in a dict used as an
+    ordered set."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    found: dict[tuple[str, str], None] = {}
+    before: dict[int, list] = {}
+
+    def pre(module, args):
+        if id(module) in paths:
+            before.setdefault(id(module), []).append({n: _tensor_ids(v) for n, v in module.__dict__.items()})
+
+    def post(module, args, output):
+        stack = before.get(id(module))
+        if not stack:
+            return
+        held = stack.pop()
+        for name, value in module.__dict__.items():
+            ids = _tensor_ids(value)
+            if ids is None or ids == held.get(name) or name in _REGISTRIES:
+                continue
+            items = [value] if isinstance(value, torch.Tensor) else \
+                list(value.values() if isinstance(value, dict) else value)[:64]
+            old = set(held.get(name) or ())
+            if any(isinstance(t, torch.Tensor) and id(t) not in old and t.requires_grad for t in items):
+                found[(paths[id(module)], name)] = None
+
+    handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _warn_grads_stored(stored: dict) -> None:
+    """A forward that keeps a tensor with a gradient on its module (a Switch layer's `self.aux_loss`): the compiled
+    call runs the graph, not the forward, and the attribute keeps what it held before compiling, so a loss on it
+    would train nothing (a probe: the gate never trained, 3.9e-2 off after 3 steps, silently). Said once, at
+    compile time; the attribute is the model's business (many keep an attention map to look at)."""
+    if not stored:
+        return
+    shown = ", ".join(f"`{path + '.' if path else ''}{name}`" for path, name in list(stored)[:3]) + (
+        f" and {len(stored) - 3} more" if len(stored) > 3 else "")
+    import warnings
+    warnings.warn(
+        f"trace_joint: the forward keeps a tensor that requires grad on {shown} (`self.name = ...`, or appended to a "
+        "list the module holds). A compiled call runs the traced graph, not the forward, so the attribute keeps what it "
+        "held before compiling: a loss on it (an auxiliary loss a layer keeps on itself) would train nothing. What to "
+        "do: return it from the forward, as an output of the model (or of its `output.loss`), and add it to the loss "
+        "from there.", stacklevel=user_stacklevel())
 
 
 def _with_own_outputs(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,

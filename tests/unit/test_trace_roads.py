@@ -174,3 +174,44 @@ def test_outputs_are_traced_once_and_copied_only_where_they_alias(monkeypatch):
     assert outs[3].args[0].op == "placeholder"
     copies = [n for n in traced.graph.nodes if n.target is torch.ops.aten.clone.default]
     assert len(copies) == 2  # (nothing else: the loss and the hidden state are returned as they are)
+
+
+class _KeepsAuxLoss(nn.Module):
+    """A Switch-style layer that keeps its load-balancing loss on itself (or appends it to a list it holds)."""
+
+    def __init__(self, in_list: bool):
+        super().__init__()
+        self.fc, self.gate, self.in_list = nn.Linear(8, 8), nn.Linear(8, 4), in_list
+        self.aux_loss, self.aux_losses = torch.zeros(()), []
+
+    def forward(self, x):
+        p = self.gate(x).softmax(-1)
+        if self.in_list:
+            self.aux_losses.append((p.mean(0) ** 2).sum())
+        else:
+            self.aux_loss = (p.mean(0) ** 2).sum()
+        return self.fc(x) * p.max(-1, keepdim=True).values
+
+
+class _HoldsAuxLayer(nn.Module):
+    def __init__(self, in_list: bool):
+        super().__init__()
+        self.moe = _KeepsAuxLoss(in_list)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("in_list", [False, True])
+def test_a_tensor_with_a_gradient_kept_on_a_module_is_said(in_list):
+    """Found by a probe: a loss the forward keeps on its layer (`self.aux_loss = ...`, a Switch layer's) kept its
+    value from before compiling after every compiled call, and a loop adding it trained no gate (3.9e-2 off after
+    3 steps), silently. An attribute given a tensor without a gradient (an activation kept to look at) is not."""
+    x = torch.randn(4, 8)
+    name = "moe.aux_losses" if in_list else "moe.aux_loss"
+    with pytest.warns(UserWarning, match=f"keeps a tensor that requires grad on `{name}`.*return it from the forward"):
+        trace_joint(_HoldsAuxLayer(in_list), (x, x.clone()), F.mse_loss)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trace_joint(_KeepsLast(), (x, x.clone()), F.mse_loss)
