@@ -2705,6 +2705,15 @@ class _RankStep(torch.autograd.Function):
         try:
             saved = ctx.saved_tensors
         except RuntimeError as e:  # (torch's words name views made in no_grad mode: the graph's, not the user's)
+            if "second time" in str(e) and len(shapes.differentiable) > 1:
+                raise SpmdError(
+                    "a second backward reached this compiled call (torch: 'Trying to backward through the graph a "
+                    "second time'): its outputs share one backward, which computes every output's gradients at once "
+                    "and frees what the forward saved, so a backward from a second output of the same call finds it "
+                    "gone, also where eager's graphs of the two are apart (an auxiliary head on detached features). "
+                    "What to do: add the losses and call backward once (`(loss + aux_loss).backward()`), or pass "
+                    "retain_graph=True to the first backward (it keeps the call's saved activations until the "
+                    "second).") from e
             if "inplace" not in str(e):  # (a second backward through the graph: torch's words are the user's)
                 raise
             raise SpmdError(

@@ -4,6 +4,7 @@ one-rank gloo world inside this process (no process is started). Rank disagreeme
 timeouts need several processes: tests/e2e/test_errors.py and test_reliability.py."""
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import re
@@ -311,6 +312,42 @@ def test_backward_twice(world):
     loss.backward()
     with pytest.raises(RuntimeError, match=r"Trying to backward through the graph a second time"):
         loss.backward()
+
+
+class _AuxHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(32, 3)
+
+    def forward(self, x):
+        f = torch.tanh(self.body(x))
+        return self.head(f), self.aux(f.detach())  # (an auxiliary head on frozen features: a graph apart)
+
+
+def test_a_backward_from_each_output_of_one_call(world):
+    """Found by a probe: eager backwards from each output where their graphs are apart; the compiled call's outputs
+    share one backward, and the second got torch's "through the graph a second time", which the user's code never
+    did. The message says why and gives the two ways out; the second, retain_graph, gives eager's gradients."""
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = _AuxHead()
+    reference = copy.deepcopy(model)
+    compiled = one_device(model, (x16,), training=True)
+    main, aux = compiled(x16)
+    main.square().sum().backward()
+    with pytest.raises(spmd.SpmdError, match=r"(?s)second backward.*add the losses and call backward once.*"
+                                             r"retain_graph=True to the first backward"):
+        aux.square().sum().backward()
+    compiled.zero_grad()
+    main, aux = compiled(x16)
+    main.square().sum().backward(retain_graph=True)
+    aux.square().sum().backward()
+    main, aux = reference(x16)
+    main.square().sum().backward()
+    aux.square().sum().backward()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad)
 
 
 def test_an_optimizer_over_the_original_parameters(world):
