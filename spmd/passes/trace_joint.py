@@ -47,6 +47,7 @@ from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, Trac
                                       without_decompositions)
 
 _PREFIX = "model."
+OUTPUT_COPY = "spmd_output_copy"  # node meta: a copy of a user's output the trace made (`_with_own_outputs`)
 
 
 class WithLoss(torch.nn.Module):
@@ -351,6 +352,8 @@ def _needless_copies_dropped(gm: torch.fx.GraphModule) -> None:
         source = type(node.meta.get("desc")).__name__ if node.op == "placeholder" else "computed"
         if source not in ("ParamAOTInput", "PlainAOTInput") and not (through_view and source == "computed"):
             outs[k] = arg.args[0]
+        else:
+            arg.meta[OUTPUT_COPY] = True  # (the runtime tells it from a copy the user's forward made)
     dropped = [arg for arg, out in zip(out_node.args[0], outs) if arg is not out]
     if dropped:
         out_node.args = (type(out_node.args[0])(outs),) + tuple(out_node.args[1:])

@@ -30,7 +30,7 @@ from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random, is_view
 from spmd.core.specs import contiguous_strides, local_shape, placements_str
 from spmd.passes.split_joint_graph import input_grad_key
-from spmd.passes.trace_joint import with_loss
+from spmd.passes.trace_joint import OUTPUT_COPY, with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
@@ -322,6 +322,9 @@ class CompiledModule(nn.Module):
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
         self._warned_state_output: set[int] = set()
+        # (output position, the copy the last call returned of a parameter, its version then: held until the next
+        # call, as a loop writes into it and lets it go before that)
+        self._returned_state: list[tuple] = []
         # the outputs that get a gradient (the others, such as the logits next to a model's own loss,
         # were detached in the trace), by position among the flat outputs
         self._shapes = Shapes.of(c, c.mesh, self.rank, c.binding.device, self.plan)  # (the compiled shapes' graphs and layouts)
@@ -2176,6 +2179,8 @@ class CompiledModule(nn.Module):
             # the user's (`model.eval()` to evaluate with this module), no longer what that compile left
             del _last_compiled_mode[self._source_model]
         self._require_values()
+        if self._returned_state:
+            self._refuse_lost_writes()
         self._calls += 1
         due = self._check_due(self._calls)
         if self._calls == 1 or due:
@@ -2199,7 +2204,27 @@ class CompiledModule(nn.Module):
         self._cut_pieces.seen(inputs)
         self._outputs_made.record(flat, shapes if shapes is not self._shapes else None)
         self._lay_out(flat, shapes)
+        if self._state_outputs:
+            self._returned_state = [(k, flat[k], flat[k]._version) for k, fqn in self._state_outputs.items()
+                                    if k < len(flat) and isinstance(flat[k], torch.Tensor)
+                                    and not _shares(flat[k], self.piece(fqn))]
         return tree_unflatten(list(flat), shapes.out_spec)
+
+    def _refuse_lost_writes(self) -> None:
+        """The last call returned a copy of a parameter the forward returns (a training graph's: its gradient reaches
+        the parameter only so), where eager returns the parameter itself; written into in place since (a learnable
+        temperature clamped through the output), the write went nowhere (a probe: 0.27 off after 3 steps, silently).
+        Refused at the next call, before the write's absence changes anything more."""
+        returned, self._returned_state = self._returned_state, []
+        for k, t, version in returned:
+            if t._version != version:
+                fqn = self._state_outputs[k]
+                raise SpmdError(
+                    f"output {k} of the last call, the model's {fqn!r} (the forward returns it), was written into in "
+                    "place since; the compiled module returned a copy of its piece (in training, so that its gradient "
+                    "reaches the parameter), where eager returns the parameter itself, so the write changed nothing in "
+                    f"the model. What to do: write into the parameter itself, under torch.no_grad() "
+                    f"(`compiled.get_parameter({fqn!r})`, e.g. `.clamp_(...)`), or make the change in the forward.")
 
     def _shapes_taking(self, inputs: tuple) -> Shapes:
         """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here
@@ -2312,6 +2337,8 @@ def _outputs_of_state(c) -> dict[int, str]:
     for node, kind in zip(flat_outputs(c.traced.graph.output_node()), c.traced.output_kinds()):
         if kind.kind != "output":
             continue
+        if isinstance(node, torch.fx.Node) and node.meta.get(OUTPUT_COPY):
+            node = node.args[0]  # (the trace's copy of an output that is a parameter: `trace_joint._with_own_outputs`)
         while isinstance(node, torch.fx.Node) and node.op == "call_function" and is_view(node.target):
             node = node.args[0]
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.target in state:

@@ -3556,3 +3556,39 @@ def test_an_attention_backward_with_dropout_runs_whole_as_its_forward_does():
     plan = spmd.plan(_FlashBackward(), spec((2,), ("dp",)), (q, g), in_placements={"q": [Shard(0)], "g": [Shard(0)]})
     chosen = [s for n, s in plan.choices.items() if "flash_attention_backward" in n]
     assert chosen and all(ps == (Replicate(),) for s in chosen for ps in s.outputs), chosen
+
+
+class _ReturnsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 6)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))), self.fc2.weight
+
+
+class _ReturnsACopy(_ReturnsItsWeight):
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))), self.fc2.weight.clone()  # (a copy in eager too)
+
+
+def test_a_write_into_a_returned_parameter_is_refused_where_it_went_nowhere():
+    """Found by a probe: a training call returns a copy of a parameter the forward returns (its gradient reaches the
+    parameter only so), where eager returns the parameter; a loop writing into it (`out[1].mul_(0.5)` after the
+    step) changed nothing, 0.27 off after 3 steps, silently. The next call refuses, with the way out; a copy the
+    forward itself made, written into, is eager's business and passes."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    compiled = one_device(_ReturnsItsWeight(), (x,), training=True)
+    out = compiled(x)
+    out[0].square().sum().backward()
+    compiled(x)  # (not written into: nothing said)
+    with torch.no_grad():
+        compiled(x)[1].mul_(0.5)  # (and let go at once, as a loop's step does)
+    with pytest.raises(spmd.SpmdError, match=r"(?s)output 1 of the last call, the model's 'fc2.weight'.*"
+                                             r"compiled.get_parameter\('fc2.weight'\)"):
+        compiled(x)
+    copying = one_device(_ReturnsACopy(), (x,), training=True)
+    with torch.no_grad():
+        copying(x)[1].mul_(0.5)
+    copying(x)
