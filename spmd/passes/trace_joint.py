@@ -291,7 +291,9 @@ def _grads_stored(model: torch.nn.Module):
             items = [value] if isinstance(value, torch.Tensor) else \
                 list(value.values() if isinstance(value, dict) else value)[:64]
             old = set(held.get(name) or ())
-            if any(isinstance(t, torch.Tensor) and id(t) not in old and t.requires_grad for t in items):
+            new = [t for t in items if isinstance(t, torch.Tensor) and id(t) not in old and t.requires_grad]
+            if new and not all(id(t) in state for state in [_state_ids(model)] for t in new):
+                # (the model's own parameters, as the trace holds them, are not: nn.LSTM's `_flat_weights`)
                 found[(paths[id(module)], name)] = None
 
     handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
@@ -300,6 +302,12 @@ def _grads_stored(model: torch.nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+def _state_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters and buffers `model`'s modules hold now (the trace's, during it)."""
+    return {id(t) for m in model.modules() for table in (m._parameters, m._buffers) for t in table.values()
+            if t is not None}
 
 
 def _warn_grads_stored(stored: dict) -> None:

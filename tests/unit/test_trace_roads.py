@@ -215,3 +215,14 @@ def test_a_tensor_with_a_gradient_kept_on_a_module_is_said(in_list):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         trace_joint(_KeepsLast(), (x, x.clone()), F.mse_loss)
+        # (nor the model's own parameters in a list: nn.LSTM's `_flat_weights`, set again at each forward)
+        trace_joint(_Recurrent(), (x.view(2, 2, 8), x.view(2, 2, 8).clone()), F.mse_loss)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
