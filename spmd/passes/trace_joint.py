@@ -286,7 +286,7 @@ def _grads_stored(model: torch.nn.Module):
         held = stack.pop()
         for name, value in module.__dict__.items():
             ids = _tensor_ids(value)
-            if ids is None or ids == held.get(name) or name in _REGISTRIES:
+            if ids is None or ids == held.get(name) or name in _REGISTRIES or _recomputed_weight(module, name):
                 continue
             items = [value] if isinstance(value, torch.Tensor) else \
                 list(value.values() if isinstance(value, dict) else value)[:64]
@@ -302,6 +302,14 @@ def _grads_stored(model: torch.nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+def _recomputed_weight(module: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a weight torch's utilities compute from parameters of the module in a forward pre-hook, which
+    the graph computes too: `weight_norm`'s (`weight_g`, `weight_v`), `spectral_norm`'s and pruning's (`weight_orig`).
+    (Such a hook runs after the snapshot before the forward: a review found them warned.)"""
+    params = module._parameters
+    return name + "_orig" in params or (name + "_g" in params and name + "_v" in params)
 
 
 def _state_ids(model: torch.nn.Module) -> set[int]:
@@ -323,9 +331,10 @@ def _warn_grads_stored(stored: dict) -> None:
     warnings.warn(
         f"trace_joint: the forward keeps a tensor that requires grad on {shown} (`self.name = ...`, or appended to a "
         "list the module holds). A compiled call runs the traced graph, not the forward, so the attribute keeps what it "
-        "held before compiling: a loss on it (an auxiliary loss a layer keeps on itself) would train nothing. What to "
-        "do: return it from the forward, as an output of the model (or of its `output.loss`), and add it to the loss "
-        "from there.", stacklevel=user_stacklevel())
+        "held before compiling: read after a call it is stale, and a loss on it (an auxiliary loss a layer keeps on "
+        "itself) would train nothing. What to do: return it from the forward, as an output of the model (or of its "
+        "`output.loss`), and add it to the loss from there; an attribute no one reads after the call (a cached view "
+        "of a weight) can be left as it is.", stacklevel=user_stacklevel())
 
 
 def _with_own_outputs(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,

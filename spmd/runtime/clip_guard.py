@@ -39,7 +39,8 @@ _torch_norm = None  # torch's own _get_total_norm, likewise
 # The model spmd.compile compiled keeps its own parameters, which no compiled module's backward reaches: a loop's
 # `clip_grad_norm_(model.parameters(), ...)` found no gradient (norm 0, nothing clipped) and `model.zero_grad()`
 # zeroed nothing (the pieces' gradients summed over steps), both silently (found by a probe).
-_sources = WeakIdKeyDictionary()  # a parameter of a compiled model -> (its FQN, the compiled module, weakly)
+# a parameter of a compiled model -> (its FQN, the last module compiled from it (weakly), the model's id in `_models`)
+_sources = WeakIdKeyDictionary()
 # id of a compiled model -> its compiled modules (weak references), the entry dropped with the model: plain ids, so
 # that `Module.zero_grad` stays cheap on a model of thousands of modules and traceable by torch.compile
 _models: dict[int, list] = {}
@@ -74,7 +75,7 @@ def watch_source(model: torch.nn.Module, compiled) -> None:
     with _lock:
         ref = weakref.ref(compiled)
         for fqn, p in model.named_parameters():
-            _sources[p] = (fqn, ref)
+            _sources[p] = (fqn, ref, id(model))
         if id(model) not in _models:
             weakref.finalize(model, _models.pop, id(model), None)
         _models[id(model)] = [r for r in _models.get(id(model), ()) if r() is not None] + [ref]
@@ -101,10 +102,17 @@ def _zero_grad(self, set_to_none: bool = True) -> None:
     # a part of a compiled model (`model.head.zero_grad()`, a loop over the model's children): the pieces of its
     # parameters (before, they kept their gradients, which piled up over the steps: a probe, 0.25 off after 3)
     for p in self.parameters():
-        fqn, ref = _sources.get(p, (None, None))
-        compiled = None if ref is None else ref()
-        if compiled is not None and compiled is not self and id(compiled) not in whole:
-            _torch_zero_grad_of(compiled.get_parameter(fqn), set_to_none)
+        fqn, _, model = _sources.get(p, (None, None, None))
+        # (every module compiled from that model: `_sources` names the last; a review found a second compile, for
+        # inference, left the training module's pieces to pile up again)
+        for other in _models.get(model, ()) if fqn is not None else ():
+            compiled = other()
+            if compiled is not None and compiled is not self and id(compiled) not in whole:
+                try:
+                    piece = compiled.get_parameter(fqn)
+                except AttributeError:  # (not one it holds)
+                    continue
+                _torch_zero_grad_of(piece, set_to_none)
 
 
 def _torch_zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:

@@ -1709,12 +1709,16 @@ class CompiledModule(nn.Module):
             if k in self._state_outputs and k not in self._warned_state_output and not _shares(
                     full[-1], self.piece(self._state_outputs[k])):
                 self._warned_state_output.add(k)
+                fqn = self._state_outputs[k]
+                way_out = (f"write into the parameter itself under torch.no_grad() (`compiled.get_parameter({fqn!r})`; "
+                           "a training call returns a copy of its piece, so that its gradient reaches it)"
+                           if self.split is not None and fqn in dict(self.named_parameters()) else
+                           "update it in the forward (a buffer written in place there is followed), or pin the output "
+                           "Replicate (out_placements) so that the gathered tensor is the buffer's own piece")
                 warnings.warn(
-                    f"gather_outputs: output {k} is the model's {self._state_outputs[k]!r} itself (the forward returns "
+                    f"gather_outputs: output {k} is the model's {fqn!r} itself (the forward returns "
                     "it), and its gathered tensor is a new one: writing into it changes nothing in the model, where "
-                    "eager's output is the tensor itself. What to do: update it in the forward (a buffer written in "
-                    "place there is followed), or pin the output Replicate (out_placements) so that the gathered "
-                    "tensor is the buffer's own piece.", stacklevel=3)
+                    f"eager's output is the tensor itself. What to do: {way_out}.", stacklevel=3)
         return tree_unflatten(full, spec)
 
     def _output_positions(self, flat: list, spec) -> list[tuple[int | None, int]]:
@@ -2205,8 +2209,10 @@ class CompiledModule(nn.Module):
         self._outputs_made.record(flat, shapes if shapes is not self._shapes else None)
         self._lay_out(flat, shapes)
         if self._state_outputs:
-            self._returned_state = [(k, flat[k], flat[k]._version) for k, fqn in self._state_outputs.items()
-                                    if k < len(flat) and isinstance(flat[k], torch.Tensor)
+            # (detached: the same version counter, without the call's graph and what its forward saved; not an
+            # inference tensor, which keeps no version)
+            self._returned_state = [(k, flat[k].detach(), flat[k]._version) for k, fqn in self._state_outputs.items()
+                                    if k < len(flat) and isinstance(flat[k], torch.Tensor) and not flat[k].is_inference()
                                     and not _shares(flat[k], self.piece(fqn))]
         return tree_unflatten(list(flat), shapes.out_spec)
 
@@ -2732,7 +2738,9 @@ class _RankStep(torch.autograd.Function):
         try:
             saved = ctx.saved_tensors
         except RuntimeError as e:  # (torch's words name views made in no_grad mode: the graph's, not the user's)
-            if "second time" in str(e) and len(shapes.differentiable) > 1:
+            # (outputs the first backward reached reached again: the user's own second backward, as eager refuses)
+            again = any(g is not None for k, g in enumerate(grad_outputs) if k in getattr(ctx, "reached", ()))
+            if "second time" in str(e) and len(shapes.differentiable) > 1 and not again:
                 raise SpmdError(
                     "a second backward reached this compiled call (torch: 'Trying to backward through the graph a "
                     "second time'): its outputs share one backward, which computes every output's gradients at once "
@@ -2749,6 +2757,7 @@ class _RankStep(torch.autograd.Function):
                 "in-place op on the output), as eager refuses with 'one of the variables needed for gradient "
                 "computation has been modified by an inplace operation'. What to do: call backward before the "
                 f"optimizer steps, and clone an output before writing into it. (torch: {e})") from e
+        ctx.reached = {k for k, g in enumerate(grad_outputs) if g is not None}  # (for a second backward, above)
         with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
             grads = dict(zip(shapes.split.grads, module._graph("backward", shapes)(*saved, *tangents)))
         if unused:  # one device leaves None where no used output reaches (an optimizer then skips the parameter:

@@ -348,6 +348,11 @@ def test_a_backward_from_each_output_of_one_call(world):
     aux.square().sum().backward()
     for name, p in reference.named_parameters():
         torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad)
+    loss = compiled(x16)[0].sum()  # (one output's loss backwarded twice: the user's own, eager's words; a review)
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"Trying to backward through the graph a second time") as caught:
+        loss.backward()
+    assert not isinstance(caught.value, spmd.SpmdError)
 
 
 def test_an_optimizer_over_the_original_parameters(world):

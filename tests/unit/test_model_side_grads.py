@@ -42,6 +42,16 @@ def test_the_models_zero_grad_zeroes_the_compiled_modules_gradients(set_to_none,
         torch.testing.assert_close(full[name], p.detach())
 
 
+def test_a_parts_zero_grad_zeroes_every_module_compiled_from_the_model():
+    """A review: a second compile of the model (for evaluation) took over its parameters' record, and a part's
+    zero_grad left the training module's pieces to pile up again."""
+    model, _, compiled, x, y = _pair()
+    one_device(model, (x,))  # (the evaluation module)
+    compiled(x, y).backward()
+    model[0].zero_grad()
+    assert compiled.get_parameter("0.weight").grad is None and compiled.get_parameter("2.weight").grad is not None
+
+
 def test_clipping_the_models_own_parameters_is_refused_with_the_way_out():
     model, _, compiled, x, y = _pair()
     compiled(x, y).backward()

@@ -217,6 +217,9 @@ def test_a_tensor_with_a_gradient_kept_on_a_module_is_said(in_list):
         trace_joint(_KeepsLast(), (x, x.clone()), F.mse_loss)
         # (nor the model's own parameters in a list: nn.LSTM's `_flat_weights`, set again at each forward)
         trace_joint(_Recurrent(), (x.view(2, 2, 8), x.view(2, 2, 8).clone()), F.mse_loss)
+        # (nor a weight torch's utilities compute in a forward pre-hook, which the graph computes too; a review)
+        for reparametrized in (nn.utils.spectral_norm(nn.Linear(8, 8)), nn.utils.weight_norm(nn.Linear(8, 8))):
+            trace_joint(reparametrized, (x, x.clone()), F.mse_loss)
 
 
 class _Recurrent(nn.Module):
