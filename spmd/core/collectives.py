@@ -41,12 +41,20 @@ def speaking(fn):
             raise
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            # (a collective that refuses its input is no dead peer: a probe's complex all_to_all, "Invalid scalar
+            # type", was reported as one)
+            refused = any(w in str(e) for w in ("Invalid scalar type", "Unsupported data type", "unsupported dtype",
+                                                "not supported for", "does not support"))
             raise SpmdCollectiveError(
                 f"{fn.__name__} over ranks {_group_ranks(kwargs.get('group'))} failed"
-                + (f" ({where})" if where else "") + f": {type(e).__name__}: {first}\n"
-                "What to do: a rank of that group died or stopped answering; its own log says why. When a step "
-                "legitimately takes longer than the process group's timeout, raise it: "
-                "spmd.init_mesh(..., timeout=datetime.timedelta(minutes=...)).") from e
+                + (f" ({where})" if where else "") + f": {type(e).__name__}: {first}\n" + (
+                    "The collective refused its input on this backend (no rank died): this is spmd's to fix; please "
+                    "report it with this message. What to do meanwhile: pin the value's producer so that it is not "
+                    "resharded here (param_placements / in_placements), or keep it in a dtype the backend takes."
+                    if refused else
+                    "What to do: a rank of that group died or stopped answering; its own log says why. When a step "
+                    "legitimately takes longer than the process group's timeout, raise it: "
+                    "spmd.init_mesh(..., timeout=datetime.timedelta(minutes=...)).")) from e
     return run
 
 
@@ -62,10 +70,25 @@ def _in_place(x: torch.Tensor, asked: bool) -> bool:
     return asked and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x.requires_grad)
 
 
+def _real(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as real pairs (a last dim of 2), as torch.distributed's own API sends one: NCCL has no
+    complex types, and gloo's all_to_all refuses them (a probe: an FNO's spectral weight pinned on its modes
+    failed its first step with "Invalid scalar type"). Anything else as it is."""
+    return torch.view_as_real(x.contiguous()) if x.is_complex() else x
+
+
+def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`y`, a collective's result of `_real(x)`, as complex again where `x` is."""
+    return torch.view_as_complex(y) if x.is_complex() else y
+
+
 def _launch(x: torch.Tensor, reduce_op: str, group: str, inplace: bool) -> torch.Tensor:
-    """The all_reduce of `x` launched, not waited for: in `x`'s own buffer where `inplace` (`_in_place`)."""
+    """The all_reduce of `x` launched, not waited for: in `x`'s own buffer where `inplace` (`_in_place`). A complex
+    `x` is reduced as real pairs and waited for here (its result a view, which no later wait would find)."""
     op = "sum" if reduce_op == "avg" else reduce_op  # not every backend has AVG: sum, then scale
     x = x.contiguous()  # (x itself where it is contiguous)
+    if x.is_complex():
+        return _like(_wait(_launch(_real(x), reduce_op, group, inplace)), x)
     return _c10d.all_reduce_(x, op, group) if inplace else _c10d.all_reduce(x, op, group)
 
 
@@ -101,7 +124,7 @@ def all_reduce_wait(pending: torch.Tensor, reduce_op: str, world: int, group: st
 
 @speaking
 def all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
-    y = _wait(_c10d.all_gather_into_tensor(x.contiguous(), world, group))
+    y = _like(_wait(_c10d.all_gather_into_tensor(_real(x.contiguous()), world, group)), x)
     return y if dim == 0 else torch.cat(y.chunk(world, 0), dim)
 
 
@@ -110,7 +133,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group: str, world:
     if dim != 0:
         x = torch.cat(x.chunk(world, dim), 0)
     op = "sum" if reduce_op == "avg" else reduce_op
-    y = _wait(_c10d.reduce_scatter_tensor(x.contiguous(), op, world, group))
+    y = _like(_wait(_c10d.reduce_scatter_tensor(_real(x.contiguous()), op, world, group)), x)
     return y / world if reduce_op == "avg" else y
 
 
@@ -119,7 +142,7 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str, world: i
     """Sharded on `src_dim` -> sharded on `dst_dim`: block j (chunk j along dst_dim) goes to rank j."""
     blocks = torch.cat(x.chunk(world, dst_dim), 0).contiguous()
     rows = [blocks.shape[0] // world] * world
-    y = _wait(_c10d.all_to_all_single(blocks, rows, rows, group))
+    y = _like(_wait(_c10d.all_to_all_single(_real(blocks), rows, rows, group)), x)
     return y if src_dim == 0 else torch.cat(y.chunk(world, 0), src_dim)
 
 

@@ -42,7 +42,8 @@ from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
                                       _drop_effect_tokens, _tensor_ids, described, distinct_inputs, draws_change_the_graph,
-                                      graph_signature, random_draws, refuse_random_draws, shared_names, state_assigned,
+                                      graph_signature, parameter_changed_message, random_draws, refuse_random_draws,
+                                      shared_names, state_assigned,
                                       tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
@@ -175,15 +176,9 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             inputs.append(GraphInput(node.name, "tangent", f"output_{desc.output.idx}"))
         elif kind == "TangentAOTInput" and "ParamAOTInput" in repr(desc.output):
             target = re.search(r"target='([^']+)'", repr(desc.output))
-            raise SpmdError(
-                f"trace_joint: the forward of {type(model).__name__} changes parameter "
-                f"{strip(target.group(1)) if target else '?'} in place (an Embedding with max_norm renormalizes the "
-                "rows it looks up), and a training graph cannot differentiate through a parameter it also "
-                "updates. What to do: leave such updates out of the forward (renormalize after the optimizer's step, "
-                "under torch.no_grad(), on the compiled module's piece, with the weight pinned so that each rank holds "
-                f"whole rows, `param_placements={{{strip(target.group(1)) if target else 'name'!r}: [Shard(0)]}}` (or "
-                "[Replicate()]; one per mesh axis): a row cut across ranks has "
-                "its norm on none of them), or drop max_norm.")
+            raise SpmdError(parameter_changed_message(
+                "trace_joint", model, strip(target.group(1)) if target else "?",
+                "a training graph cannot differentiate through a parameter it also updates"))
         else:
             raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
                             "this model; inputs that are mutated or tensor subclasses are not supported yet.")
@@ -205,7 +200,11 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
             outputs.append(GraphOutput("buffer_update", strip(desc.mutated_input.target)))
         else:
             mutated = type(getattr(desc, "mutated_input", None)).__name__
-            what = {"PlainAOTInput": "an input", "ParamAOTInput": "a parameter"}.get(mutated, "state")
+            if mutated == "ParamAOTInput":  # (a frozen one: a target network's momentum update; a probe)
+                raise SpmdError(parameter_changed_message(
+                    "trace_joint", model, strip(desc.mutated_input.target),
+                    "a training graph takes its parameters as pieces it only reads"))
+            what = {"PlainAOTInput": "an input"}.get(mutated, "state")
             raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model updates {what} in "
                             "place. What to do: return the new value instead of updating in place (buffers may "
                             "be updated in place).")

@@ -817,6 +817,30 @@ def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, 
             f"(`self.{name}.copy_(new)`), or assign a buffer as `self.{name} = new`, which the graph carries out.")
 
 
+def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why: str) -> str:
+    """The refusal of a forward that changes parameter `fqn` in place (`why` the graph cannot follow it): renormalized
+    by an Embedding with max_norm, or an update of the user's (weight clipping, `.data.mul_`, a target network's
+    momentum step; a probe found those told about max_norm)."""
+    try:
+        owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
+    except AttributeError:
+        owner = None
+    if isinstance(owner, torch.nn.Embedding) and owner.max_norm is not None:
+        return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an Embedding with "
+                f"max_norm renormalizes the rows it looks up), and {why}. What to do: leave such updates out of the "
+                "forward (renormalize the compiled module's piece after the optimizer's step, under torch.no_grad(), "
+                f"with the weight pinned so that each rank holds whole rows, `param_placements={{{fqn!r}: [Shard(0)]}}` "
+                "(or [Replicate()]; one per mesh axis): a row cut across ranks has its norm on none of them), or drop "
+                "max_norm.")
+    return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (a weight clipped or "
+            f"scaled there, `.data` given new values, a target network's momentum update), and {why}. What to do: make "
+            "the update outside the forward, after the optimizer's step, on the compiled module's piece under "
+            f"torch.no_grad() (`compiled.get_parameter({fqn!r}).clamp_(...)`): an update element by element (a clamp, a "
+            "scale, a momentum step from another parameter of the same placements) is the same on each piece; one that "
+            f"needs the whole tensor (a norm) needs it pinned whole, `param_placements={{{fqn!r}: [Replicate()]}}` "
+            "(one per mesh axis).")
+
+
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     held = _held(model)
@@ -889,14 +913,8 @@ def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: 
             outputs.append(GraphOutput("output", f"output_{user}"))
             user += 1
         elif spec.kind == OutputKind.PARAMETER_MUTATION:  # (found by a probe: the message named no cause)
-            raise SpmdError(
-                f"trace_module: the forward of {type(model).__name__} changes parameter {spec.target} in place (an "
-                "Embedding with max_norm renormalizes the rows it looks up), and a compiled module's parameters are "
-                "pieces the graph only reads. What to do: leave such updates out of the forward (renormalize the "
-                "compiled module's piece after the call, under torch.no_grad(), with the weight pinned so that each "
-                f"rank holds whole rows, `param_placements={{{spec.target!r}: [Shard(0)]}}` (or [Replicate()]; one per "
-                "mesh axis): a row cut "
-                "across ranks has its norm on none of them), or drop max_norm.")
+            raise SpmdError(parameter_changed_message("trace_module", model, spec.target,
+                                                      "a compiled module's parameters are pieces the graph only reads"))
         elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := _buffer_names(model, kept.made)):
             # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
             # at the first call; found by a probe: the message named an input the forward never touched)

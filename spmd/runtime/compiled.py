@@ -606,7 +606,7 @@ class CompiledModule(nn.Module):
             return torch.tensor(0.0)
         # (in the gradients' promoted dtype, as torch's stack of per-tensor norms is: the first gradient's narrowed a
         # bf16-and-fp32 model's norm to bf16, found by a probe)
-        dtype = functools.reduce(torch.promote_types, (g.dtype for g, _ in grads))
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g, _ in grads)).to_real()  # (a complex model's: real)
         norm = total_norm(grads, float(norm_type), self.mesh_spec.shape, self.group_names).to(dtype)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "

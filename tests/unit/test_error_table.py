@@ -670,3 +670,23 @@ def test_another_dtype_at_another_shape_is_named_as_the_dtype(world):
                                              r"torch\.float32, got torch\.float64.*expected the full shape \[4, 16\], "
                                              r"got \[2, 16\].*What to do: pass 'x' in the compiled dtype"):
         compiled.shard_inputs(torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16))
+
+
+def test_a_collective_that_refuses_its_input_is_not_called_a_dead_rank():
+    """Found by a probe: gloo's all_to_all refusing a complex tensor ("Invalid scalar type") was reported as a rank
+    that died or stopped answering, with advice about timeouts."""
+    from spmd.core.collectives import speaking
+
+    def refuses(x, group=None):
+        raise RuntimeError("Invalid scalar type")
+
+    def dies(x, group=None):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    from spmd.core.errors import SpmdCollectiveError
+
+    with pytest.raises(SpmdCollectiveError, match=r"(?s)refuses\b.*refused its input.*no rank died") as caught:
+        speaking(refuses)(torch.zeros(2), where="permute_10 on mesh axis dp")
+    assert "timeout" not in str(caught.value)
+    with pytest.raises(SpmdCollectiveError, match=r"(?s)died or stopped answering.*timeout="):
+        speaking(dies)(torch.zeros(2))

@@ -84,7 +84,11 @@ class _OwnGenerator(nn.Module):
 @pytest.mark.parametrize("case,said", [
     ("max_norm", r"changes parameter e.weight in place \(an Embedding with max_norm.*or drop max_norm"),
     ("cumulative", r"What to do: bn: a batch norm with momentum=None.*`momentum=0.1`"),
-    ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward")])
+    ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward"),
+    # (a second probe: these were told about an Embedding's max_norm, or to return the new value)
+    ("clipped", r"changes parameter l.weight in place \(a weight clipped.*compiled.get_parameter\('l.weight'\)"),
+    ("clipped in eval", r"trace_module: .*changes parameter l.weight in place \(a weight clipped"),
+    ("momentum", r"changes parameter target.weight in place .*after the optimizer's step")])
 def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
     """Found by a probe (session 59): these failed with torch's internals ("unsupported graph input tangents_1
     (...ParamAOTInput...) report this model", a data-dependent dump, "unsupported graph input kind CUSTOM_OBJ")."""
@@ -98,8 +102,41 @@ def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
             one_device(_MaxNorm(), (torch.randint(0, 10, (6,)), torch.randn(6, 2)), loss_fn=F.mse_loss)
         elif case == "cumulative":
             one_device(_CumulativeNorm(), (x, x), loss_fn=F.mse_loss)
-        else:
+        elif case == "generator":
             one_device(_OwnGenerator(), (x,))
+        elif case == "clipped":
+            one_device(_Clipped(), (x, x), loss_fn=F.mse_loss)
+        elif case == "clipped in eval":
+            one_device(_Clipped(), (x,), training=False)
+        else:
+            one_device(_Momentum(), (x, x), loss_fn=F.mse_loss)
+
+
+class _Clipped(nn.Module):
+    """A WGAN critic clipping its weight at each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.l.weight.clamp_(-0.1, 0.1)
+        return self.l(x)
+
+
+class _Momentum(nn.Module):
+    """BYOL's target network, moved toward the online one in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.online, self.target = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.target.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.target.weight.mul_(0.9).add_(0.1 * self.online.weight)
+        return self.online(x) + self.target(x)
 
 
 class _CausalEncoder(nn.Module):
