@@ -41,10 +41,10 @@ from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
-                                      _drop_effect_tokens, _tensor_ids, described, distinct_inputs, draws_change_the_graph,
-                                      graph_signature, parameter_changed_message, random_draws, refuse_random_draws,
-                                      shared_names, state_assigned,
-                                      tensor_infos, untraceable_message, untraceable_way_out, user_outputs_first,
+                                      _drop_effect_tokens, _tensor_ids, described, distinct_inputs,
+                                      draws_change_the_graph, graph_signature, parameter_changed_message, random_draws,
+                                      refuse_random_draws, shared_names, state_assigned, tensor_infos,
+                                      untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
 _PREFIX = "model."
@@ -291,7 +291,7 @@ def _grads_stored(model: torch.nn.Module):
                 list(value.values() if isinstance(value, dict) else value)[:64]
             old = set(held.get(name) or ())
             new = [t for t in items if isinstance(t, torch.Tensor) and id(t) not in old and t.requires_grad]
-            if new and not all(id(t) in state for state in [_state_ids(model)] for t in new):
+            if new and not {id(t) for t in new} <= _state_ids(model):
                 # (the model's own parameters, as the trace holds them, are not: nn.LSTM's `_flat_weights`)
                 found[(paths[id(module)], name)] = None
 
