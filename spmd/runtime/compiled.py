@@ -1712,7 +1712,7 @@ class CompiledModule(nn.Module):
                 fqn = self._state_outputs[k]
                 way_out = (f"write into the parameter itself under torch.no_grad() (`compiled.get_parameter({fqn!r})`; "
                            "a training call returns a copy of its piece, so that its gradient reaches it)"
-                           if self.split is not None and fqn in dict(self.named_parameters()) else
+                           if self.split is not None and isinstance(self.piece(fqn), nn.Parameter) else
                            "update it in the forward (a buffer written in place there is followed), or pin the output "
                            "Replicate (out_placements) so that the gathered tensor is the buffer's own piece")
                 warnings.warn(

@@ -126,10 +126,11 @@ def _own(value, given):
 
 
 def _by_names(named: dict) -> None:
-    """Refuse state whose param groups list parameters by position (an optimizer's own `state_dict()`), which
-    said "state for 0, which this optimizer does not step", or, with no state yet, that a group "holds other
+    """Refuse state keyed by position, or whose param groups list parameters so (an optimizer's own `state_dict()`),
+    which said "state for 0, which this optimizer does not step", or, with no state yet, that a group "holds other
     parameters" (a probe and a review)."""
-    if any(isinstance(n, int) for group in named.get("param_groups", ()) for n in group.get("params", ())):
+    if any(isinstance(n, int) for group in named.get("param_groups", ()) for n in group.get("params", ())) or \
+            any(isinstance(fqn, int) for fqn in named.get("state", {})):
         raise SpmdError(
             "load_optimizer_state_dict: the state's param groups list parameters by position, as an optimizer's own "
             "`state_dict()` does, where this loader takes the parameters' names. What to do: give it the state under "
@@ -153,12 +154,6 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
     state = {}
     for fqn, entries in named["state"].items():
         fqn = compiled._aliases.get(fqn, fqn)
-        if fqn not in index and isinstance(fqn, int):  # (a probe: "state for 0, which this optimizer does not step")
-            raise SpmdError(
-                f"load_optimizer_state_dict: the state is keyed by position ({fqn!r}, ...), as an optimizer's own "
-                "`state_dict()` is, where this loader takes the parameters' names. What to do: give it the state under "
-                "the model's names: `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, "
-                "single_device_optimizer)`, or `compiled.optimizer_state_dict(optimizer)` as saved.")
         if fqn not in index:
             raise SpmdError(f"load_optimizer_state_dict: state for {fqn!r}, which this optimizer does not step. "
                             "What to do: load the state of an optimizer over the same model's parameters.")
