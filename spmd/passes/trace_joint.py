@@ -41,7 +41,7 @@ from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
-                                      _drop_effect_tokens, _tensor_ids, described, distinct_inputs,
+                                      _drop_effect_tokens, described, distinct_inputs,
                                       draws_change_the_graph, graph_signature, parameter_changed_message, random_draws,
                                       refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
@@ -130,9 +130,10 @@ def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> 
     counted: list[tuple] = []  # (the numbers the forward changed: `refuse_counted`)
     made: list[tuple] = []  # (the tensors it made where it had none: `refuse_made_snapshots`)
     with checkpoints_run_through(root) as checkpoints:
-        with random_draws() as drew, _grads_stored(model) as stored:
-            gm, out_spec, applied, assigned = _with_own_outputs(model, root, example_inputs, counted, made)
-        _warn_grads_stored(stored)
+        stored: list[tuple] = []  # (the tensors with a gradient the forward keeps on its modules: a warning)
+        with random_draws() as drew:
+            gm, out_spec, applied, assigned = _with_own_outputs(model, root, example_inputs, counted, made, stored)
+        _warn_grads_stored(model, stored)
         if counted:  # (traced again as this trace was: its checkpoints run through)
             refuse_counted(counted, lambda: graph_signature(_with_own_outputs(model, root, example_inputs)[0]),
                            graph_signature(gm), model)
@@ -263,69 +264,18 @@ def _aot_over_module(root: torch.nn.Module, example_inputs: tuple) -> tuple:
         return joint.graph_module, joint.out_spec, applied
 
 
-@contextlib.contextmanager
-def _grads_stored(model: torch.nn.Module):
-    """Within: the (module path, attribute name) of each plain attribute of `model`'s modules that a forward gives a
-    tensor that requires grad (`self.aux_loss = ...`, or appended to a list it holds), in a dict used as an
-    ordered set."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
+def _warn_grads_stored(model: torch.nn.Module, stored: list[tuple]) -> None:
+    """A forward that keeps a tensor with a gradient on its module (a Switch layer's `self.aux_loss`;
+    `state_assigned.kept_with_grad`): the compiled call runs the graph, not the forward, and the attribute keeps
+    what it held before compiling, so a loss on it would train nothing (a probe: the gate never trained, 3.9e-2 off
+    after 3 steps, silently). Said once, at compile time; the attribute is the model's business (many keep an
+    attention map to look at)."""
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-    found: dict[tuple[str, str], None] = {}
-    before: dict[int, list] = {}
-
-    def pre(module, args):
-        if id(module) in paths:
-            before.setdefault(id(module), []).append({n: _tensor_ids(v) for n, v in module.__dict__.items()})
-
-    def post(module, args, output):
-        stack = before.get(id(module))
-        if not stack:
-            return
-        held = stack.pop()
-        for name, value in module.__dict__.items():
-            ids = _tensor_ids(value)
-            if ids is None or ids == held.get(name) or name in _REGISTRIES or _recomputed_weight(module, name):
-                continue
-            items = [value] if isinstance(value, torch.Tensor) else \
-                list(value.values() if isinstance(value, dict) else value)[:64]
-            old = set(held.get(name) or ())
-            new = [t for t in items if isinstance(t, torch.Tensor) and id(t) not in old and t.requires_grad]
-            if new and not {id(t) for t in new} <= _state_ids(model):
-                # (the model's own parameters, as the trace holds them, are not: nn.LSTM's `_flat_weights`)
-                found[(paths[id(module)], name)] = None
-
-    handles = (register_module_forward_pre_hook(pre), register_module_forward_hook(post))
-    try:
-        yield found
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _recomputed_weight(module: torch.nn.Module, name: str) -> bool:
-    """Whether `name` is a weight torch's utilities compute from parameters of the module in a forward pre-hook, which
-    the graph computes too: `weight_norm`'s (`weight_g`, `weight_v`), `spectral_norm`'s and pruning's (`weight_orig`).
-    (Such a hook runs after the snapshot before the forward: a review found them warned.)"""
-    params = module._parameters
-    return name + "_orig" in params or (name + "_g" in params and name + "_v" in params)
-
-
-def _state_ids(model: torch.nn.Module) -> set[int]:
-    """The ids of the parameters and buffers `model`'s modules hold now (the trace's, during it)."""
-    return {id(t) for m in model.modules() for table in (m._parameters, m._buffers) for t in table.values()
-            if t is not None}
-
-
-def _warn_grads_stored(stored: dict) -> None:
-    """A forward that keeps a tensor with a gradient on its module (a Switch layer's `self.aux_loss`): the compiled
-    call runs the graph, not the forward, and the attribute keeps what it held before compiling, so a loss on it
-    would train nothing (a probe: the gate never trained, 3.9e-2 off after 3 steps, silently). Said once, at
-    compile time; the attribute is the model's business (many keep an attention map to look at)."""
-    if not stored:
+    names = list(dict.fromkeys(f"{paths[id(m)] + '.' if paths.get(id(m)) else ''}{name}" for m, name in stored
+                               if id(m) in paths))
+    if not names:
         return
-    shown = ", ".join(f"`{path + '.' if path else ''}{name}`" for path, name in list(stored)[:3]) + (
-        f" and {len(stored) - 3} more" if len(stored) > 3 else "")
+    shown = ", ".join(f"`{name}`" for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     import warnings
     warnings.warn(
         f"trace_joint: the forward keeps a tensor that requires grad on {shown} (`self.name = ...`, or appended to a "
@@ -337,7 +287,7 @@ def _warn_grads_stored(stored: dict) -> None:
 
 
 def _with_own_outputs(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
-                      counted: list | None = None, made: list | None = None) -> tuple:
+                      counted: list | None = None, made: list | None = None, stored: list | None = None) -> tuple:
     """`_either_road` with every floating output of the user's traced as a copy, and the copies then dropped
     where the output was its own tensor (`_needless_copies_dropped`). A copy stays where the output is a view
     of another output or of a value computed in the forward (`return y, y.t()`; a Linear's 3-D logits, a view
@@ -348,7 +298,7 @@ def _with_own_outputs(model: torch.nn.Module, root: torch.nn.Module, example_inp
     one trace serves where such outputs were found after it and traced again (transformers' causal LMs: the
     trace was half of a 2-layer Llama's plan)."""
     with _outputs_copied(root):
-        gm, *rest = _either_road(model, root, example_inputs, counted, made)
+        gm, *rest = _either_road(model, root, example_inputs, counted, made, stored)
     _needless_copies_dropped(gm)
     return (gm, *rest)
 
@@ -406,14 +356,14 @@ def _outputs_copied(root: torch.nn.Module):
 
 
 def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
-                 counted: list | None = None, made: list | None = None) -> tuple:
+                 counted: list | None = None, made: list | None = None, stored: list | None = None) -> tuple:
     """(joint graph module, out spec, custom Functions applied, buffers the forward assigned) from AOTAutograd
     over the module, or, where that road fails, over torch.export's module."""
     # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
     # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
     # found by a probe. The regular kernels are what the graph then runs)
     with _autocast_in_forward(root), _onednn_off():
-        return _either_road_as_eager(model, root, example_inputs, counted, made)
+        return _either_road_as_eager(model, root, example_inputs, counted, made, stored)
 
 
 _onednn_lock = threading.Lock()
@@ -460,7 +410,7 @@ def _autocast_in_forward(root: torch.nn.Module):
 
 
 def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example_inputs: tuple,
-                          counted: list | None = None, made: list | None = None) -> tuple:
+                          counted: list | None = None, made: list | None = None, stored: list | None = None) -> tuple:
     assigned: list[tuple] = []  # state the forward replaced (on either road: `state_assigned`)
     kept = state_kept(root)
     try:
@@ -510,6 +460,8 @@ def _either_road_as_eager(model: torch.nn.Module, root: torch.nn.Module, example
         counted += kept.counted
     if made is not None:
         made += watch.made
+    if stored is not None:
+        stored += watch.kept_with_grad
     return gm, out_spec, applied, assigned
 
 

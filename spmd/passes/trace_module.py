@@ -725,6 +725,10 @@ class state_assigned:
         # (module, name) of the tensors a forward made where it had none: a plain attribute absent or not a tensor
         # before, or a buffer registered as None (`passes/made_state.py`)
         self.made: list[tuple] = []
+        # (module, name) of the plain attributes a forward gave a tensor that requires grad, alone or in a list or
+        # dict it holds (`self.aux_loss = ...`), other than the module's own parameters and buffers (nn.LSTM's
+        # `_flat_weights`) and a weight torch's utilities recompute in a pre-hook (`_recomputed_weight`)
+        self.kept_with_grad: list[tuple] = []
 
     @staticmethod
     def _storage(t) -> int | None:
@@ -736,8 +740,8 @@ class state_assigned:
     def __enter__(self) -> list[tuple]:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-        found, before, made = [], {}, {}
-        self._made = made
+        found, before, made, with_grad = [], {}, {}, {}
+        self._made, self._with_grad = made, with_grad
 
         def snapshot(module):
             return [(m, {**m._parameters, **m._buffers},
@@ -764,6 +768,7 @@ class state_assigned:
                                                    and n not in _REGISTRIES)))
                 made.update(((m, n), None) for n, t in m._buffers.items() if t is not None and n in tensors
                             and tensors[n] is None)
+                with_grad.update(((m, n), None) for n, v in m.__dict__.items() if _new_with_grad(m, n, v, held.get(n)))
                 for table, kind in ((m._buffers, "buffer"), (m._parameters, "parameter")):
                     for n, t in table.items():
                         if tensors.get(n) is None or t is None:  # (not a cache made lazily)
@@ -780,6 +785,28 @@ class state_assigned:
         for h in self.handles:
             h.remove()
         self.made = list(self._made)
+        self.kept_with_grad = list(self._with_grad)
+
+
+def _new_with_grad(m: torch.nn.Module, name: str, value, held: tuple | None) -> bool:
+    """Whether `m.name` (`value`, its tensors' ids `held` before the forward) holds a tensor that requires grad which
+    it did not hold before, and which is none of `m`'s parameters and buffers (`state_assigned.kept_with_grad`)."""
+    ids = _tensor_ids(value)
+    if ids is None or ids == held or name in _REGISTRIES or _recomputed_weight(m, name):
+        return False
+    items = [value] if isinstance(value, torch.Tensor) else list(value.values() if isinstance(value, dict) else value)
+    before = set(held or ())
+    new = {id(t) for t in items[:64] if isinstance(t, torch.Tensor) and id(t) not in before and t.requires_grad}
+    return bool(new) and not new <= {id(t) for sub in m.modules() for table in (sub._parameters, sub._buffers)
+                                     for t in table.values()}
+
+
+def _recomputed_weight(module: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a weight torch's utilities compute from parameters of the module in a forward pre-hook, which
+    the graph computes too: `weight_norm`'s (`weight_g`, `weight_v`), `spectral_norm`'s and pruning's (`weight_orig`).
+    (Such a hook runs after the snapshot before the forward: a review found them warned.)"""
+    params = module._parameters
+    return name + "_orig" in params or (name + "_g" in params and name + "_v" in params)
 
 
 def described(entry: tuple) -> str:
