@@ -191,7 +191,8 @@ def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example
     (`src_data_rank=None`) hold the same ones (a module compiled again for other input shapes, sharing the
     first one's pieces, has no weights of its own)."""
     view, flat_inputs, call = positional_call(model, example_inputs, example_kwargs,
-                                              loss_only=options.joint and options.loss_fn is None)
+                                              loss_only=options.joint and options.loss_fn is None,
+                                              loss_fn=options.loss_fn if options.joint else None)
     flat_inputs = _ordinary(flat_inputs)
     device = _rank_device(mesh)
     meeting = Rendezvous() if dist.is_initialized() else None
@@ -230,7 +231,8 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     view, flat_inputs, _ = positional_call(model, example_inputs, example_kwargs,
-                                           loss_only=options.joint and options.loss_fn is None)
+                                           loss_only=options.joint and options.loss_fn is None,
+                                           loss_fn=options.loss_fn if options.joint else None)
     with collector_paused():  # (the meta model's copy too: `collector_paused`)
         faked, inputs = fake_model(view, flat_inputs)
         c = run_pipeline(faked, inputs, mesh_spec, options)

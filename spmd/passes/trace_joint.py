@@ -641,17 +641,22 @@ def _tensor_hooks():
 
 def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
     """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
-    targets by the loss's parameter names after the first (`def lm_loss(logits, labels)`: `labels`);
-    `target0`, `target1`, ... for a loss without usable names, `arg<i>` for a model without them."""
+    targets (`target_names`); `arg<i>` for a model without names."""
     n_targets = loss_targets(loss_fn) if loss_fn is not None else 0
     names = _positional(model.forward)[: n - n_targets]
     names += [f"arg{i}" for i in range(len(names), n - n_targets)]
-    if n_targets:
-        targets = _positional(loss_fn)[1: 1 + n_targets]
-        if len(targets) != n_targets or set(targets) & set(names):
-            targets = [f"target{i}" for i in range(n_targets)]
-        names += targets
-    return names
+    return names + target_names(loss_fn, n_targets, names)
+
+
+def target_names(loss_fn, n_targets: int, taken) -> list[str]:
+    """The loss's targets by its parameter names after the first (`def lm_loss(logits, labels)`: `labels`);
+    `target0`, `target1`, ... for a loss without usable names or with names in `taken` (the model's inputs)."""
+    if not n_targets:
+        return []
+    targets = _positional(loss_fn)[1: 1 + n_targets]
+    if len(targets) != n_targets or set(targets) & set(taken):
+        targets = [f"target{i}" for i in range(n_targets)]
+    return targets
 
 
 def _positional(fn) -> list[str]:

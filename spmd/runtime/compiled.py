@@ -1597,7 +1597,8 @@ class CompiledModule(nn.Module):
     @torch.compiler.disable  # (its occasional check of the inputs is a collective: as `_collective`'s)
     def shard_inputs(self, *full_inputs: torch.Tensor, **full_kwargs: torch.Tensor):
         """Cut full inputs (the same on every rank) into this rank's local shards. Keyword inputs (a model
-        compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`. A piece is a
+        compiled with example_kwargs) come back as `(args, kwargs)`: `compiled(*args, **kwargs)`; tuples, lists and
+        dicts of tensors in their structures (`compiler/call.py`). A piece is a
         view of its input or a copy, as the plan lays it out; either way a call sees the batch as it is then (a
         copy whose batch was written in place since, a static buffer refilled, is cut again: `inputs.CutPieces`).
 
@@ -1617,7 +1618,7 @@ class CompiledModule(nn.Module):
         for full, piece, spec in zip(flat, local, shapes.input_specs):
             if isinstance(full, torch.Tensor):
                 self._cut_pieces.record(full, piece, spec)
-        return self._call.unflatten(local) if self._call.keywords or self._call.constants else local
+        return self._call.as_given(local)
 
     def _shapes_of_full(self, flat: tuple) -> Shapes:
         """The graphs full inputs `flat` are for: the compiled shapes', or another set's, compiled at its first

@@ -3,6 +3,7 @@ loss function's own parameter names (`target0` only for a loss without names), p
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -312,3 +313,65 @@ def test_torch_compile_of_a_wrapper_runs_the_runtime_as_it_is():
             return self.inner.gather_outputs(self.inner(*self.inner.shard_inputs(x)))
 
     torch.testing.assert_close(torch.compile(Wrapper(compiled), backend="eager")(x), model(x))
+
+
+class _Pairs(nn.Module):
+    """A forward that takes a tuple and a dict of tensors (one with None in it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, pair, extra=None):
+        y = self.fc(pair[0]) + pair[1]
+        return y if extra is None else y * extra["m"] + (0 if extra["n"] is None else extra["n"])
+
+
+def test_structured_inputs_are_one_input_per_tensor_named_by_their_path():
+    """Found by a probe: a tuple or dict input trained with an IndexError (its tensors were named per
+    argument), and a model compiled from one had to be called with the tensors laid flat. Each tensor is an
+    input named by its path, as torch.export names them, and calls pass the structures as the example did."""
+    a, b, m = torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8)
+    model = _Pairs()
+    view, flat, call = positional_call(model, ((a, b),), {"extra": {"m": m, "n": None}})
+    assert call.names == ("pair_0", "pair_1", "extra_m") and flat == (a, b, m)
+    torch.testing.assert_close(view(a, b, m), model((a, b), extra={"m": m, "n": None}))
+    args, kwargs = call.unflatten(flat)
+    assert args[0][0] is a and args[0][1] is b and kwargs["extra"]["m"] is m and kwargs["extra"]["n"] is None
+    assert call.flatten(*call.unflatten((b, a, m))) == (b, a, m)
+    for wrong, said in ((([a, b],), "[tensor, tensor]"), (((a, b, m),), "(tensor, tensor, tensor)")):
+        with pytest.raises(spmd.SpmdError, match=rf"compiled for inputs laid out as \(\(tensor, tensor\), "
+                                                 rf"{{'m': tensor, 'n': None}}\); got \({re.escape(said)}, .*What to do: "
+                                                 "pass the same structures"):
+            call.flatten(wrong, {"extra": {"m": m, "n": None}})
+    with pytest.raises(spmd.SpmdError, match=r"got .*\{'m': tensor, 'n': tensor\}"):
+        call.flatten(((a, b),), {"extra": {"m": m, "n": m}})
+    # a structure holding something that is not a tensor cannot be rebuilt: refused, naming it
+    with pytest.raises(spmd.SpmdError, match=r"example_kwargs extra=\{'m': .* holds tensors and other values.*What to "
+                                             "do: pass the tensors it holds"):
+        positional_call(model, ((a, b),), {"extra": {"m": m, "n": 2.0}})
+
+
+def test_a_loss_functions_targets_come_after_the_keyword_inputs():
+    """Found by a probe: with a loss_fn and a tensor keyword, the target took the name of the forward's next
+    parameter (`mask`), so compiling was refused as "also given positionally"; where names did not clash, the
+    keyword was taken as the target. The targets are named by the loss and go last."""
+    x, y, mask = torch.randn(4, 16), torch.randn(4, 16), torch.ones(4, 16)
+    view, flat, call = positional_call(Masked(), (x, y), {"mask": mask}, loss_fn=F.mse_loss)
+    assert call.positional == ("x", "target") and call.keywords == ("mask",) and call.names == ("x", "mask", "target")
+    assert flat == (x, mask, y)
+    args, kwargs = call.unflatten(flat)
+    assert args == (x, y) and kwargs == {"mask": mask}
+    with pytest.raises(spmd.SpmdError, match=r"the loss's target target is a tuple.*one parameter per tensor"):
+        positional_call(Masked(), (x, (y, y)), {}, loss_fn=F.mse_loss)
+
+
+@pytest.mark.parametrize("inputs, kwargs, names", [
+    (((torch.randn(4, 8), torch.randn(4, 8)), torch.randn(4, 8)), {}, ("pair_0", "pair_1", "target")),
+    ((torch.randn(4, 8),), {"pair": (torch.randn(4, 8), torch.randn(4, 8)),
+                            "extra": {"m": torch.rand(4, 8), "n": torch.randn(4, 8)}},
+     ("pair_0", "pair_1", "extra_m", "extra_n", "target")),
+])
+def test_structured_inputs_plan_for_training(inputs, kwargs, names):
+    plan = spmd.plan(_Pairs(), TP, inputs, example_kwargs=kwargs, loss_fn=F.mse_loss)
+    assert [plan.labels[n] for n in plan.labels if plan.labels[n] in names] == list(names), plan.labels
