@@ -40,12 +40,12 @@ from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
-from spmd.passes.trace_module import (DRAWN_WHOLE, GraphInput, GraphOutput, TracedGraph, _drop_assertions,
-                                      _drop_effect_tokens, described, distinct_inputs,
-                                      draws_change_the_graph, graph_signature, parameter_changed_message, random_draws,
-                                      refuse_random_draws, shared_names, state_assigned, tensor_infos,
-                                      untraceable_message, untraceable_way_out, user_outputs_first,
-                                      without_decompositions)
+from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
+                                      _drop_assertions, _drop_effect_tokens, described, distinct_inputs,
+                                      draws_change_the_graph, graph_signature, kernels_kept_whole,
+                                      parameter_changed_message, random_draws, refuse_random_draws, shared_names,
+                                      state_assigned, tensor_infos, untraceable_message, untraceable_way_out,
+                                      user_outputs_first, without_decompositions)
 
 _PREFIX = "model."
 OUTPUT_COPY = "spmd_output_copy"  # node meta: a copy of a user's output the trace made (`_with_own_outputs`)
@@ -121,10 +121,15 @@ def _decomposition_table():
     aten = torch.ops.aten
     table = dict(torch._decomp.core_aten_decompositions())
     table.update(torch._decomp.get_decompositions([getattr(aten, name) for name in DECOMPOSED]))
-    return without_decompositions(table, ATTENTION + KEPT_WHOLE + DRAWN_WHOLE)
+    return without_decompositions(table, ATTENTION + KEPT_WHOLE + DRAWN_WHOLE + WRONG_IN_TORCH)
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
+    with kernels_kept_whole():
+        return _trace_joint(model, example_inputs, loss_fn)
+
+
+def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> TracedGraph:
     root = with_loss(model, loss_fn)
     example_inputs, _ = distinct_inputs(example_inputs)
     counted: list[tuple] = []  # (the numbers the forward changed: `refuse_counted`)

@@ -6,6 +6,7 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -138,6 +139,43 @@ def user_outputs_first(gm: fx.GraphModule, kinds: list[GraphOutput]) -> list[Gra
 # (rules/random.py draws them whole on every rank, from the generator state one device has)
 DRAWN_WHOLE = ("bernoulli",)
 
+# Ops whose decomposition in torch (2.13) computes something else than their kernel, kept whole (they run
+# replicated, as ops without a rule do). multilabel_margin_loss's never masks the target positions after the
+# first -1, so each adds a term for class 0: 5.17 where the kernel gives 1.65 (found by a probe).
+WRONG_IN_TORCH = ("multilabel_margin_loss_forward",)
+_whole_lock = threading.Lock()
+_whole_depth = 0
+_whole_saved: list = []  # (op overload, torch's Python kernel at its Autograd key) while taken out
+
+
+@contextlib.contextmanager
+def kernels_kept_whole():
+    """While this is open (on any thread: the change is process-wide, counted), the ops in `WRONG_IN_TORCH` trace
+    as themselves: torch registers their decomposition as a Python kernel at the Autograd key too, which a trace
+    runs whatever the decomposition table says."""
+    global _whole_depth
+    with _whole_lock:
+        if _whole_depth == 0:
+            for name in WRONG_IN_TORCH:
+                packet = getattr(torch.ops.aten, name)
+                for overload in packet.overloads():
+                    op = getattr(packet, overload)
+                    kernel = op.py_kernels.pop(torch._C.DispatchKey.Autograd, None)
+                    if kernel is not None:
+                        _whole_saved.append((op, kernel))
+                        op._dispatch_cache.clear()
+        _whole_depth += 1
+    try:
+        yield
+    finally:
+        with _whole_lock:
+            _whole_depth -= 1
+            if _whole_depth == 0:
+                for op, kernel in _whole_saved:
+                    op.py_kernels[torch._C.DispatchKey.Autograd] = kernel
+                    op._dispatch_cache.clear()
+                _whole_saved.clear()
+
 
 def without_decompositions(table: dict, names) -> dict:
     """`table` without the decompositions of every overload of the ATen ops `names`."""
@@ -151,7 +189,7 @@ def without_decompositions(table: dict, names) -> dict:
 def _decomposition_table():
     # SDPA has a sharding rule of its own and its CPU decomposition breaks on GPT-2 (see NOTES).
     return without_decompositions(torch.export.default_decompositions(),
-                                  ("scaled_dot_product_attention",) + DRAWN_WHOLE)
+                                  ("scaled_dot_product_attention",) + DRAWN_WHOLE + WRONG_IN_TORCH)
 
 
 def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
@@ -869,6 +907,11 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
 
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
+    with kernels_kept_whole():
+        return _trace_module(model, example_inputs, example_kwargs)
+
+
+def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> TracedGraph:
     example_inputs, example_kwargs = distinct_inputs(example_inputs, example_kwargs)
     held = _held(model)
 

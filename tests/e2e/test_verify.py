@@ -21,6 +21,11 @@ def _verify(rank: int, world: int, what: str, mode: str, corrupt: bool) -> dict:
         inputs = (torch.randint(0, 128, (2, 31), generator=g), torch.randint(0, 128, (2, 31), generator=g))
         mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
         compiled = spmd.compile(model, mesh, inputs, loss_fn=lm_loss, mesh_spec=megatron_spec())
+    elif what == "bn-transposed":
+        model = _TransposedNorm()
+        inputs = (torch.randn(4, 6, 8), torch.randn(4, 6, 4))
+        mesh = spmd.init_mesh((2,), ("dp",))
+        compiled = spmd.compile(model, mesh, inputs, loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)))
     elif what == "dropout-train":
         model = _DropoutMLP()
         inputs = (torch.randn(8, 16), torch.randn(8, 16))
@@ -64,6 +69,18 @@ class _DropoutMLP(torch.nn.Module):
         return self.fc2(F.dropout(F.gelu(self.fc1(x)), 0.2, training=True))
 
 
+class _TransposedNorm(torch.nn.Module):
+    """Batch norm over a transposed activation: its CPU kernel returns a contiguous tensor where the trace's fake
+    one kept the input's strides, so the traced `view` after it cannot view the real value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.head = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.bn(self.fc(x).transpose(1, 2)).transpose(1, 2))
+
+
 class _Then(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -91,6 +108,14 @@ def test_training_a_gpt_on_a_2x2_mesh_passes(ranks):
     r = ranks(4).run(_verify, "gpt-train", "auto", False)[0]
     assert r["ok"] and r["mode"] == "one device" and r["unchanged"], r["text"]
     assert r["n_outputs"] == 1 and r["n_grads"] >= 10 and r["max_error"] < 1e-4, r["text"]
+
+
+def test_a_kernel_that_lays_its_output_out_otherwise_than_the_trace_is_checked(ranks):
+    """Found by a probe: the single-device reference ran the traced `view` after a batch norm over a transposed
+    activation on the kernel's contiguous output, and verify stopped with an SpmdInternalError (the rank graphs
+    run it as a reshape, as the reference now does)."""
+    r = ranks(2).run(_verify, "bn-transposed", "one device", False)[0]
+    assert r["ok"] and r["n_grads"] == 6, r["text"]
 
 
 def test_dropout_draws_are_adopted_and_what_follows_is_compared(ranks):

@@ -3599,3 +3599,26 @@ def test_a_write_into_a_returned_parameter_is_refused_where_it_went_nowhere():
     with torch.inference_mode():
         compiled(x)
         compiled(x)
+
+
+def test_a_loss_torch_decomposes_wrongly_runs_its_own_kernel():
+    """Found by a probe: torch's decomposition of multilabel_margin_loss (which a trace runs under autograd
+    whatever the decomposition table says) never masks the target positions after the first -1: a loss of 3.61
+    where the kernel gives 1.07, and gradients to match. The op is traced whole and runs its own kernels
+    (replicated, with the warning of ops without a rule), and torch is left as it was."""
+    from torch._C import DispatchKey
+
+    torch.manual_seed(0)
+    model = nn.Linear(12, 6)
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(8, 12), torch.tensor([[1, 3, -1, 0, 0, 0]] * 8)
+    loss_fn = nn.MultiLabelMarginLoss()
+    with pytest.warns(UserWarning, match="multilabel_margin_loss_forward"):
+        compiled = one_device(model, (x, target), training=True, loss_fn=loss_fn)
+    loss = compiled(x, target)
+    loss.backward()
+    want = loss_fn(reference(x), target)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(compiled.get_parameter("weight").grad, reference.weight.grad)
+    assert DispatchKey.Autograd in torch.ops.aten.multilabel_margin_loss_forward.default.py_kernels
