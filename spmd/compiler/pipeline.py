@@ -53,7 +53,7 @@ from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks,
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
 from spmd.passes.insert_collectives import insert_collectives
-from spmd.passes.kernel_layouts import kernel_layouts
+from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
 from spmd.passes.overlap_collectives import overlap_collectives
@@ -234,8 +234,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("trace", _trace, ("model", "example_inputs", "options", "stacks", "binding"), ("traced", "stamp_note"),
          dump=dumps.dump_traced),
     # The values' strides as the device's kernels lay them out (batch norm over a transposed input), which the
-    # random ops' rules read to draw as one device does.
-    Pass("kernel_layouts", kernel_layouts, ("traced",), "traced", dump=dumps.dump_traced),
+    # random ops' rules read to draw as one device does; only where a kernel lays out otherwise than traced.
+    Pass("kernel_layouts", kernel_layouts, ("traced",), "traced", lambda v: bool(laid_out_otherwise(v["traced"].graph)),
+         dumps.dump_traced),
     # Tied weights are one tensor: one placeholder, one gradient (the sum over uses).
     Pass("merge_tied_parameters", merge_tied_parameters, ("traced",), "traced", dump=dumps.dump_traced),
     # On a live mesh, before the first collective: every rank compiled the same graph for the same inputs

@@ -30,10 +30,16 @@ LAID_OUT_BY_INPUT = frozenset({
 })
 
 
+def laid_out_otherwise(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes whose traced values have other strides than their kernels give (the pipeline runs this pass
+    where there are some)."""
+    return [n for n in graph.nodes if n.target in LAID_OUT_BY_INPUT and _misplaced(n)]
+
+
 def kernel_layouts(traced: TracedGraph) -> TracedGraph:
     """See the module docstring. The graph is changed in place (its values' strides) and returned."""
     graph = traced.graph
-    laid_out = [n for n in graph.nodes if n.target in LAID_OUT_BY_INPUT and _misplaced(n)]
+    laid_out = laid_out_otherwise(graph)
     if not laid_out:
         return traced
     run = set(laid_out) | _downstream(laid_out)
