@@ -155,16 +155,39 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
     if dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
+    _refuse_rank_layout(mesh)
     # on CPU, this host's own rates (measured once, cached: runtime/host.py), the same on every rank
     spec = mesh_spec or MeshSpec.from_device_mesh(mesh, host_cpu_profile() if mesh.device_type == "cpu" else None)
     if tuple(spec.shape) != tuple(mesh.shape):
-        raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}")
+        raise SpmdError(f"compile: mesh_spec {spec} does not match the mesh shape {tuple(mesh.shape)}. What to do: "
+                        "describe the mesh you compile on (MeshSpec.from_device_mesh(mesh) gives its shape and names).")
+    if mesh.mesh_dim_names and tuple(mesh.mesh_dim_names) != tuple(spec.axis_names):
+        raise SpmdError(  # (found by a probe: the plan, explain() and errors named the spec's axes, by position)
+            f"compile: mesh_spec names its axes {tuple(spec.axis_names)}, and the mesh {tuple(mesh.mesh_dim_names)}: the "
+            "plan, its explanation and the errors would name each axis by the other's name, and each axis takes "
+            "the link profile given at its position. What to do: name the spec's axes as the mesh's, in the same "
+            f"order (MeshSpec(shape, {tuple(mesh.mesh_dim_names)}, links, device)).")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
     recompile = functools.partial(_compile_with_report, model, mesh, spec)
     return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
                           compile_graphs=compile_graphs, recompile=recompile)
+
+
+def _refuse_rank_layout(mesh) -> None:
+    """spmd places the pieces by each rank's row-major coordinate (rank = dp * tp_size + tp on (dp, tp)), as
+    `init_mesh` and torch's `init_device_mesh` number a mesh. A `DeviceMesh` built from another layout
+    (`DeviceMesh("cpu", [[0, 2], [1, 3]])`) runs its collectives over its own groups: ranks 1 and 2 held each
+    other's pieces, and trained 0.66 off one device without a word (found by a probe)."""
+    layout = mesh.mesh.detach().to("cpu").flatten()
+    if not torch.equal(layout, torch.arange(layout.numel(), dtype=layout.dtype)):
+        raise SpmdError(
+            f"compile: the mesh numbers its ranks {mesh.mesh.tolist()}, not in order (row-major: "
+            f"{torch.arange(layout.numel()).reshape(tuple(mesh.shape)).tolist()}), and spmd places each rank's "
+            "pieces by its row-major coordinate. What to do: build the mesh with spmd.init_mesh(shape, names) or "
+            "torch's init_device_mesh; to put another axis inside a machine, order the mesh's axes otherwise (the "
+            "innermost axis is the one whose ranks are neighbours).")
 
 
 def _ordinary(inputs: tuple) -> tuple:

@@ -45,13 +45,21 @@ def speaking(fn):
             # type", was reported as one)
             refused = any(w in str(e) for w in ("Invalid scalar type", "Unsupported data type", "unsupported dtype",
                                                 "not supported for", "does not support"))
+            # (a group destroyed on this rank, `dist.destroy_process_group()` then a call: no peer died; a probe)
+            gone = "Could not resolve the process group" in str(e) or "has not been initialized" in str(e)
+            group = _group_ranks(kwargs.get('group'))
             raise SpmdCollectiveError(
-                f"{fn.__name__} over ranks {_group_ranks(kwargs.get('group'))} failed"
+                f"{fn.__name__} over {'ranks ' if group.startswith('[') else ''}{group} failed"
                 + (f" ({where})" if where else "") + f": {type(e).__name__}: {first}\n" + (
                     "The collective refused its input on this backend (no rank died): this is spmd's to fix; please "
                     "report it with this message. What to do meanwhile: pin the value's producer so that it is not "
                     "resharded here (param_placements / in_placements), or keep it in a dtype the backend takes."
                     if refused else
+                    "The process groups this module was compiled over are gone on this rank (no rank died): "
+                    "`dist.destroy_process_group()` ran since, or the processes started again. What to do: call the "
+                    "module before destroying the groups; after a new init_process_group, build the mesh again "
+                    "(spmd.init_mesh) and compile the model again on it."
+                    if gone else
                     "What to do: a rank of that group died or stopped answering; its own log says why. When a step "
                     "legitimately takes longer than the process group's timeout, raise it: "
                     "spmd.init_mesh(..., timeout=datetime.timedelta(minutes=...)).")) from e

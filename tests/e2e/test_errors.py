@@ -20,6 +20,26 @@ def test_mesh_size_must_match_world_size(ranks):
     assert all(m and "needs 4 processes but the world has 2" in m and "--nproc-per-node 4" in m for m in messages)
 
 
+def _mesh_out_of_order(rank, world):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.tensor([1, 0]), mesh_dim_names=("dp",))
+    try:
+        spmd.compile(MLP(16, 64), mesh, (torch.randn(8, 16),))
+    except SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_a_mesh_that_numbers_its_ranks_out_of_order_is_refused(ranks):
+    """Found by a probe: a `DeviceMesh("cpu", [[0, 2], [1, 3]])` ran its collectives over its own groups while the
+    pieces went by the row-major coordinate, so ranks 1 and 2 held each other's: 0.66 off one device after 3
+    steps, without a word (and a batch split there was said to differ between ranks)."""
+    for said in ranks(2).run(_mesh_out_of_order):
+        assert said and "the mesh numbers its ranks [1, 0], not in order (row-major: [0, 1])" in said and \
+            "What to do: build the mesh with spmd.init_mesh" in said, said
+
+
 def _wrong_local_shape(rank, world):
     torch.manual_seed(0)
     model, x = MLP(16, 64), torch.randn(8, 16)

@@ -211,7 +211,11 @@ ROWS = [
     ("loss-without-training", lambda w: _plan(MLP(16, 64), (x16, x16), loss_fn=F.mse_loss, training=False),
      [r"a loss_fn only makes sense with training=True"]),
     ("compile-mesh-spec-mismatch", lambda w: spmd.compile(MLP(16, 64), w, (x16,), mesh_spec=TP),
-     [r"mesh_spec \(tp=2\) does not match the mesh shape \(1,\)"]),
+     [r"mesh_spec \(tp=2\) does not match the mesh shape \(1,\)\. What to do: describe the mesh"]),
+    # (found by a probe: the plan and the errors named the axes by the spec's names, the links taken by position)
+    ("compile-mesh-spec-names-the-axes-otherwise", lambda w: spmd.compile(MLP(16, 64), w, (x16,),
+                                                                          mesh_spec=spec((1,), ("tp",))),
+     [r"mesh_spec names its axes \('tp',\), and the mesh \('dp',\).*What to do: name the spec's axes as the mesh's"]),
     # (found by a probe: torch's "'FakeTensor' object has no attribute 'wait'" and a way out that did not apply)
     ("compile-a-model-holding-a-compiled-module",
      lambda w: spmd.compile(nn.Sequential(spmd.compile(MLP(16, 64), w, (x16,)), nn.ReLU()), w, (x16,)),
@@ -690,3 +694,13 @@ def test_a_collective_that_refuses_its_input_is_not_called_a_dead_rank():
     assert "timeout" not in str(caught.value)
     with pytest.raises(SpmdCollectiveError, match=r"(?s)died or stopped answering.*timeout="):
         speaking(dies)(torch.zeros(2))
+
+    def destroyed(x, group=None):
+        raise ValueError("Could not resolve the process group registered under the name 0")
+
+    # (found by a probe: a call after `dist.destroy_process_group()` blamed a dead peer, "over ranks process group")
+    with pytest.raises(SpmdCollectiveError, match=r"(?s)^destroyed over process group '0' failed.*groups this module was "
+                                                  r"compiled over are gone on this rank \(no rank died\).*compile "
+                                                  r"the model again") as caught:
+        speaking(destroyed)(torch.zeros(2), group="0")
+    assert "timeout" not in str(caught.value)
