@@ -180,12 +180,18 @@ def _refuse_rank_layout(mesh) -> None:
     `init_mesh` and torch's `init_device_mesh` number a mesh. A `DeviceMesh` built from another layout
     (`DeviceMesh("cpu", [[0, 2], [1, 3]])`) runs its collectives over its own groups: ranks 1 and 2 held each
     other's pieces, and trained 0.66 off one device without a word (found by a probe)."""
-    layout = mesh.mesh.detach().to("cpu").flatten()
-    if not torch.equal(layout, torch.arange(layout.numel(), dtype=layout.dtype)):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # (compiled under a fake mode: the mesh's ranks are real numbers still)
+        try:
+            layout, shown = [int(r) for r in mesh.mesh.flatten().tolist()], mesh.mesh.tolist()
+        except Exception:  # (a mesh of fake values has no layout to read)
+            return
+        in_order = torch.arange(len(layout)).reshape(tuple(mesh.shape)).tolist()
+    if layout != list(range(len(layout))):
         raise SpmdError(
-            f"compile: the mesh numbers its ranks {mesh.mesh.tolist()}, not in order (row-major: "
-            f"{torch.arange(layout.numel()).reshape(tuple(mesh.shape)).tolist()}), and spmd places each rank's "
-            "pieces by its row-major coordinate. What to do: build the mesh with spmd.init_mesh(shape, names) or "
+            f"compile: the mesh numbers its ranks {shown}, not in order (row-major: {in_order}), and spmd places "
+            "each rank's pieces by its row-major coordinate. What to do: build the mesh with spmd.init_mesh(shape, names) or "
             "torch's init_device_mesh; to put another axis inside a machine, order the mesh's axes otherwise (the "
             "innermost axis is the one whose ranks are neighbours).")
 

@@ -92,6 +92,8 @@ class Call:
         own = tuple(args[:cut]) + tuple(kwargs[k] for k in self.keywords)
         if self.tree is not None:
             given, tree = tree_flatten(own)
+            if tree != self.tree:  # (a dict in another key order, a list where a tuple was: a loader's batch)
+                given, tree = tree_flatten(_conform(own, tree_unflatten([None] * self.tree.num_leaves, self.tree)))
             if tree != self.tree or [isinstance(t, torch.Tensor) for t in given] != list(self.slots):
                 raise SpmdError(
                     f"{what}(...): the model was compiled for inputs laid out as {_layout(self.tree, self.slots)}; "
@@ -123,6 +125,18 @@ class Call:
         if self.keywords or self.constants:
             return self.unflatten(flat)
         return self.unflatten(flat)[0] if self.tree is not None else tuple(flat)
+
+
+def _conform(value, template):
+    """`value` in `template`'s containers where it holds the same things otherwise: a dict with the same keys in
+    another order, a list where the template has a tuple (torch's `default_collate` makes lists of a dataset's
+    tuples) or the reverse, a plain tuple for a namedtuple. Anything else as it is (then refused, naming both)."""
+    if isinstance(template, dict) and isinstance(value, dict) and set(value) == set(template):
+        return type(template)((k, _conform(value[k], template[k])) for k in template)
+    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)) and len(value) == len(template):
+        items = [_conform(v, t) for v, t in zip(value, template)]
+        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    return value
 
 
 def _layout(tree: TreeSpec, slots) -> str:
@@ -179,8 +193,8 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     cut = len(args) - n_targets
     names = tuple(argument_names(model, cut))
     # (the graph takes tensors; a value given by keyword is fixed as a constant of the call instead)
-    plain = [(name, a) for name, a in zip(names, args) if any(not isinstance(leaf, torch.Tensor) for leaf in
-                                                               tree_leaves(a))]
+    plain = [(name, a) for name, a in zip(names, args)  # (None in a structure is kept: `(x, None)`)
+             if any(not isinstance(leaf, torch.Tensor) and (leaf is not None or tree_is_leaf(a)) for leaf in tree_leaves(a))]
     if plain:
         name, value = plain[0]
         what = "holds no tensor" if _plain(value) else "holds values that are not tensors"

@@ -241,8 +241,9 @@ def test_a_positional_example_input_holding_no_tensor_names_the_keyword_way():
 
     with pytest.raises(spmd.SpmdError, match=r"example input t=0\.5 holds no tensor.*example_kwargs=\{'t': \.\.\.\}"):
         positional_call(Scaled(), (torch.randn(2, 4), 0.5), None)
-    with pytest.raises(spmd.SpmdError, match=r"example input t=\[.*None\] holds values that are not tensors"):
-        positional_call(Scaled(), (torch.randn(2, 4), [torch.ones(1), None]), None)
+    with pytest.raises(spmd.SpmdError, match=r"example input t=\[.*0\.5\] holds values that are not tensors"):
+        positional_call(Scaled(), (torch.randn(2, 4), [torch.ones(1), 0.5]), None)
+    positional_call(Scaled(), (torch.randn(2, 4), [torch.ones(1), None]), None)  # (None in a structure is kept)
     positional_call(Scaled(), (torch.randn(2, 4), ()), None)  # (an empty container: nothing to fix, as before)
 
 
@@ -339,7 +340,7 @@ def test_structured_inputs_are_one_input_per_tensor_named_by_their_path():
     args, kwargs = call.unflatten(flat)
     assert args[0][0] is a and args[0][1] is b and kwargs["extra"]["m"] is m and kwargs["extra"]["n"] is None
     assert call.flatten(*call.unflatten((b, a, m))) == (b, a, m)
-    for wrong, said in ((([a, b],), "[tensor, tensor]"), (((a, b, m),), "(tensor, tensor, tensor)")):
+    for wrong, said in ((((a, b, m),), "(tensor, tensor, tensor)"), (([a],), "[tensor]")):
         with pytest.raises(spmd.SpmdError, match=rf"compiled for inputs laid out as \(\(tensor, tensor\), "
                                                  rf"{{'m': tensor, 'n': None}}\); got \({re.escape(said)}, .*What to do: "
                                                  "pass the same structures"):
@@ -375,3 +376,23 @@ def test_a_loss_functions_targets_come_after_the_keyword_inputs():
 def test_structured_inputs_plan_for_training(inputs, kwargs, names):
     plan = spmd.plan(_Pairs(), TP, inputs, example_kwargs=kwargs, loss_fn=F.mse_loss)
     assert [plan.labels[n] for n in plan.labels if plan.labels[n] in names] == list(names), plan.labels
+
+
+def test_structures_are_matched_by_what_they_hold():
+    """Found by a review: a dict in another key order, or a list where the example had a tuple (torch's
+    `default_collate` turns a dataset's tuples into lists), was refused for a layout that reads the same; a None
+    in a positional structure was refused where a keyword's was kept."""
+    import collections
+
+    a, m, n = torch.randn(4, 8), torch.rand(4, 8), torch.randn(4, 8)
+    _, flat, call = positional_call(_Pairs(), ((a, None),), {"extra": {"m": m, "n": n}})
+    assert call.names == ("pair_0", "extra_m", "extra_n") and flat == (a, m, n)
+    assert call.flatten(([a, None],), {"extra": {"n": n, "m": m}}) == (a, m, n)
+    args, kwargs = call.unflatten(flat)
+    assert isinstance(args[0], tuple) and list(kwargs["extra"]) == ["m", "n"]
+    with pytest.raises(spmd.SpmdError, match=r"laid out as \(\(tensor, None\), .*got \(\(tensor, tensor\), "):
+        call.flatten(([a, a],), {"extra": {"m": m, "n": n}})
+    Pair = collections.namedtuple("Pair", "x y")
+    _, flat, call = positional_call(_Pairs(), (Pair(a, n),), None)
+    assert call.names == ("pair_x", "pair_y") and call.flatten(((a, n),), {}) == (a, n)
+    assert type(call.unflatten(flat)[0][0]) is Pair
