@@ -62,8 +62,8 @@ from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
-from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, trace_module, warn_module_hooks,
-                                      warn_nested_fast_path)
+from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_shared_memory, trace_module,
+                                      warn_module_hooks, warn_nested_fast_path)
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
         refuse_gradient_hooks(model)
     warn_module_hooks(model)
     refuse_rnn_dropout(model)
+    refuse_shared_memory(model)
     warn_nested_fast_path(model)
 
     def trace(m):

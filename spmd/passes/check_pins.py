@@ -83,8 +83,9 @@ def check_pins(pins: Pins, traced, mesh) -> Pins:
                 d = p.dim + ndim if p.dim < 0 else p.dim
                 if not 0 <= d < ndim:
                     problems.append(f"the pin for {what} is {p} on axis {mesh.axis_names[i]}, but it is a "
-                                    f"{ndim}-D tensor of shape {tuple(info.shape)}. What to do: shard a dim in "
-                                    f"0..{ndim - 1} (or -{ndim}..-1).")
+                                    f"{ndim}-D tensor of shape {tuple(info.shape)}. What to do: "
+                                    + (f"shard a dim in 0..{ndim - 1} (or -{ndim}..-1)." if ndim else
+                                       "pin it Replicate() (a scalar has no dim to shard; found by a probe)."))
                     return None
                 ps[i] = Shard(d)
         return tuple(ps)

@@ -721,6 +721,60 @@ def refuse_rnn_dropout(model: torch.nn.Module) -> None:
                 "set dropout=0.")
 
 
+def refuse_shared_memory(model: torch.nn.Module) -> None:
+    """Refuse a parameter whose memory overlaps another parameter's or a buffer's without being the same tensor
+    (`out.weight = nn.Parameter(emb.weight.data)`; a buffer that views a parameter, `w.detach()[:, :4]`). On one
+    device the two names are one memory, so each update reaches both; a compiled module holds each name in
+    pieces of its own, and they drifted apart without a word (0.13 off after 3 SGD steps; the view kept its first
+    values: found by a probe). Tensors over disjoint parts of one storage (cuDNN's flattened RNN weights) are
+    left alone; the same tensor under two names is a tie (`shared_names`)."""
+    by_storage: dict[int, list] = {}
+    named = [*((n, t, "parameter") for n, t in model.named_parameters()),
+             *((n, t, "buffer") for n, t in model.named_buffers())]
+    for name, t, kind in named:
+        if t is None or t.layout != torch.strided or t.numel() == 0:
+            continue
+        try:
+            key = t.untyped_storage()._cdata
+        except (NotImplementedError, RuntimeError):
+            continue
+        for other, u, other_kind in by_storage.get(key, ()):
+            if (kind == "parameter" or other_kind == "parameter") and _overlap(t, u):
+                a, b = (other, name) if other_kind == "parameter" else (name, other)
+                what = "buffer" if "buffer" in (kind, other_kind) else "parameter"
+                raise SpmdError(
+                    f"parameter `{a}` shares its memory with the {what} `{b}`, which is another tensor: on one "
+                    "device a change of either shows in both, and a compiled module holds each in pieces of its "
+                    "own, which would drift apart silently. What to do: "
+                    + ("tie them by assigning the same Parameter (`model.out.weight = model.emb.weight`), or give "
+                       "each its own copy (`.clone()`)" if what == "parameter" else
+                       f"compute `{b}` in the forward from `{a}` (a slice or view of it), or register a copy "
+                       "(`.clone()`) if it is meant to keep its first values") + ".")
+        by_storage.setdefault(key, []).append((name, t, kind))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors over one storage share an element (exactly where their byte ranges meet)."""
+    def span(t):
+        start = t.storage_offset() * t.element_size()
+        extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return start, start + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.dtype != b.dtype or a.numel() > 1 << 22 or b.numel() > 1 << 22 or a.device.type == "meta":
+        return True  # (a conservative answer for large, mixed or data-less tensors)
+
+    def offsets(t):
+        index = torch.zeros((), dtype=torch.int64)
+        for n, s in zip(t.shape, t.stride()):
+            index = index.unsqueeze(-1) + torch.arange(n) * s
+        return index.flatten() + t.storage_offset()
+
+    return bool(torch.isin(offsets(a), offsets(b)).any())
+
+
 def warn_nested_fast_path(model: torch.nn.Module) -> None:
     """Warn where an nn.TransformerEncoder may take torch's nested-tensor fast path in eager (evaluation, under
     no_grad or inference_mode, with a padding mask): it returns 0 at the padded positions, where the traced

@@ -796,9 +796,15 @@ def mark_model(compiled, fqns=None) -> None:
 
 
 def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:
-    """("parameter" or "module", name) -> the object the model holds there."""
+    """("parameter" or "module", name) -> the object the model holds there; ("buffers", module name) -> the
+    names of the module's buffers, with which are None (compared by value: a buffer registered as None and set
+    later, or a buffer registered after compiling, which the graph never read; found by a probe, 0.24 off)."""
     return {**{("parameter", n): p for n, p in model.named_parameters(remove_duplicate=False)},
-            **{("module", n): m for n, m in model.named_modules(remove_duplicate=False) if n}}
+            **{("module", n): m for n, m in model.named_modules(remove_duplicate=False) if n},
+            **{("buffers", n): tuple((k, b is None) for k, b in m._buffers.items())
+               for n, m in model.named_modules(remove_duplicate=False)}}
+
+
 
 
 def model_changed(compiled) -> None:
@@ -995,16 +1001,18 @@ def _replaced(compiled, trained: bool = False) -> None:
     swapped, a parameter gone or reshaped (a parametrization registered, weight norm removed)."""
     model = compiled._source_model
     before, now = compiled.__dict__["_model_tree"], _tree(model)
-    gone = [name for (kind, name), obj in before.items() if now.get((kind, name)) is not obj and not (
-        trained and kind == "parameter" and (kind, name) in now and now[(kind, name)].shape == obj.shape)]
+    gone = [name for (kind, name), obj in before.items() if kind != "buffers" and now.get((kind, name)) is not obj
+            and not (trained and kind == "parameter" and (kind, name) in now and now[(kind, name)].shape == obj.shape)]
+    gone += sorted({f"{name}.{k}" if name else k for (kind, name), obj in before.items()
+                    if kind == "buffers" and (kind, name) in now for k, _ in set(obj) ^ set(now[(kind, name)])})
     if not gone:
         compiled.__dict__["_tree_at"] = _registered[0]
         return
     shown = [n for n in gone if not any(n.startswith(m + ".") for m in gone)]  # (a module replaced: not its parts)
     raise SpmdError(
         f"{type(model).__name__} was changed after it was compiled: {', '.join(shown[:4])}"
-        f"{', ...' if len(shown) > 4 else ''} replaced or removed (a new parameter or module set on the model, "
-        "resize_token_embeddings, a load with assign=True), and the compiled module holds the graph traced and the "
+        f"{', ...' if len(shown) > 4 else ''} replaced, added or removed (a new parameter, buffer or module set on "
+        "the model, a buffer registered as None given a tensor, resize_token_embeddings, a load with assign=True), and the compiled module holds the graph traced and the "
         "pieces cut from the old ones: it would run and train on those, silently. What to do: compile the model "
         "again after changing it; where only values changed (the same shapes and modules), give them to the "
         "compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")

@@ -126,6 +126,15 @@ def _ctc(out, labels):
     return F.ctc_loss(out.log_softmax(-1), labels, lengths, torch.full_like(lengths, labels.shape[1]))
 
 
+class _Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.temperature = nn.Linear(16, 16), nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature
+
+
 def _plan(model, inputs, **kw):
     return spmd.plan(model, TP, inputs, **kw)
 
@@ -161,6 +170,8 @@ ROWS = [
      [r"has 2 placements but the mesh \(tp=2\) has 1 axes", r"one placement per mesh axis"]),
     ("pin-shard-out-of-range", lambda w: _plan(MLP(16, 64), (x16,), param_placements={"fc1.weight": [Shard(5)]}),
      [r"is S\(5\) on axis tp, but it is a 2-D tensor", r"shard a dim in 0..1"]),
+    ("pin-shard-a-scalar", lambda w: _plan(_Tempered(), (x16,), param_placements={"temperature": [Shard(0)]}),
+     [r"is S\(0\) on axis tp, but it is a 0-D tensor of shape \(\)\. What to do: pin it Replicate\(\)"]),
     ("pin-partial-input", lambda w: _plan(MLP(16, 64), (x16,), in_placements={"x": [Partial()]}),
      [r"is Partial on axis tp: an input or parameter is a whole tensor", r"pin Shard\(d\) or Replicate\(\)"]),
     ("pin-bare-placement", lambda w: _plan(MLP(16, 64), (x16,), in_placements={"x": Shard(0)}),
