@@ -2480,8 +2480,8 @@ def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
     model[2].weight = model[2].weight  # (the same parameter set again)
     compiled(x, y)
     model[2].weight = nn.Parameter(torch.zeros(2, 8))
-    with pytest.raises(spmd.SpmdError, match=r"Sequential was changed after it was compiled: 2\.weight replaced or "
-                                             r"removed .*compile the model again.*compiled\.load_state_dict"):
+    with pytest.raises(spmd.SpmdError, match=r"Sequential was changed after it was compiled: 2\.weight replaced, added "
+                                             r"or removed .*compile the model again.*compiled\.load_state_dict"):
         compiled(x, y)
     compiled.load_state_dict(model.state_dict())  # (the same shape: given to the compiled module, which follows)
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
