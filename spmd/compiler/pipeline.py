@@ -110,6 +110,12 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     the whole model first (a stamped layer's are not traced)."""
     if options.joint:
         refuse_gradient_hooks(model)
+        if torch.nn.utils.parametrize._cache_enabled:  # (found by a probe: fake-tensor words, advice on control flow)
+            raise SpmdError(
+                "the model is compiled for training inside torch.nn.utils.parametrize.cached(), where each "
+                "parametrized weight is computed once and kept as a plain tensor: a training graph must compute it "
+                "from its parameters at every step. What to do: compile outside the `with parametrize.cached():` "
+                "block.")
     warn_module_hooks(model)
     refuse_rnn_dropout(model)
     refuse_shared_memory(model)

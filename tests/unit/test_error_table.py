@@ -715,3 +715,21 @@ def test_a_collective_that_refuses_its_input_is_not_called_a_dead_rank():
                                                   r"the model again") as caught:
         speaking(destroyed)(torch.zeros(2), group="gone")
     assert "timeout" not in str(caught.value)
+
+
+def test_a_training_compile_inside_parametrize_cached_names_it():
+    """Found by a probe: compiled for training inside `parametrize.cached()`, the trace failed with fake-tensor
+    words ("Please convert all Tensors to FakeTensors") and advice about data-dependent control flow."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).t()
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    with parametrize.cached():
+        with pytest.raises(spmd.SpmdError, match=r"inside torch.nn.utils.parametrize.cached\(\).*What to do: compile "
+                                                 r"outside"):
+            _plan(model, (x16, x16), loss_fn=F.mse_loss)
+    _plan(model, (x16, x16), loss_fn=F.mse_loss)  # (outside it: planned)
