@@ -163,8 +163,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
                         "describe the mesh you compile on (MeshSpec.from_device_mesh(mesh) gives its shape and names).")
     if mesh.mesh_dim_names and tuple(mesh.mesh_dim_names) != tuple(spec.axis_names):
         raise SpmdError(  # (found by a probe: the plan, explain() and errors named the spec's axes, by position)
-            f"compile: mesh_spec names its axes {tuple(spec.axis_names)}, and the mesh {tuple(mesh.mesh_dim_names)}: the "
-            "plan, its explanation and the errors would name each axis by the other's name, and each axis takes "
+            f"compile: mesh_spec names its axes {tuple(spec.axis_names)}, and the mesh {tuple(mesh.mesh_dim_names)}: "
+            "the plan, its explanation and the errors would name each axis by the other's name, and each axis takes "
             "the link profile given at its position. What to do: name the spec's axes as the mesh's, in the same "
             f"order (MeshSpec(shape, {tuple(mesh.mesh_dim_names)}, links, device)).")
     if not isinstance(example_inputs, tuple):
@@ -184,15 +184,15 @@ def _refuse_rank_layout(mesh) -> None:
 
     with unset_fake_temporarily():  # (compiled under a fake mode: the mesh's ranks are real numbers still)
         try:
-            layout, shown = [int(r) for r in mesh.mesh.flatten().tolist()], mesh.mesh.tolist()
+            layout = mesh.mesh.tolist()
         except Exception:  # (a mesh of fake values has no layout to read)
             return
-        in_order = torch.arange(len(layout)).reshape(tuple(mesh.shape)).tolist()
-    if layout != list(range(len(layout))):
+        in_order = torch.arange(mesh.size()).reshape(tuple(mesh.shape)).tolist()
+    if layout != in_order:
         raise SpmdError(
-            f"compile: the mesh numbers its ranks {shown}, not in order (row-major: {in_order}), and spmd places "
-            "each rank's pieces by its row-major coordinate. What to do: build the mesh with spmd.init_mesh(shape, names) or "
-            "torch's init_device_mesh; to put another axis inside a machine, order the mesh's axes otherwise (the "
+            f"compile: the mesh numbers its ranks {layout}, not in order (row-major: {in_order}), and spmd places "
+            "each rank's pieces by its row-major coordinate. What to do: build the mesh with spmd.init_mesh(shape, "
+            "names) or torch's init_device_mesh; to put another axis inside a machine, order the mesh's axes otherwise (the "
             "innermost axis is the one whose ranks are neighbours).")
 
 

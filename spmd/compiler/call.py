@@ -24,7 +24,8 @@ import re
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import (TreeSpec, tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_leaves, tree_map,
+                                 tree_unflatten)
 
 from spmd.core.errors import SpmdError
 from spmd.passes.trace_joint import argument_names, loss_targets, target_names
@@ -94,10 +95,11 @@ class Call:
             given, tree = tree_flatten(own)
             if tree != self.tree:  # (a dict in another key order, a list where a tuple was: a loader's batch)
                 given, tree = tree_flatten(_conform(own, tree_unflatten([None] * self.tree.num_leaves, self.tree)))
-            if tree != self.tree or [isinstance(t, torch.Tensor) for t in given] != list(self.slots):
+            slots = tuple(isinstance(t, torch.Tensor) for t in given)
+            if tree != self.tree or slots != self.slots:
                 raise SpmdError(
                     f"{what}(...): the model was compiled for inputs laid out as {_layout(self.tree, self.slots)}; "
-                    f"got {_layout(tree, [isinstance(t, torch.Tensor) for t in given])}. What to do: pass the same "
+                    f"got {_layout(tree, slots)}. What to do: pass the same "
                     "structures (tuples, lists, dicts of tensors, with None where the example had None) as the "
                     "example inputs of spmd.compile, or compile again for the new ones.")
             own = tuple(t for t in given if isinstance(t, torch.Tensor))
@@ -194,7 +196,8 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     names = tuple(argument_names(model, cut))
     # (the graph takes tensors; a value given by keyword is fixed as a constant of the call instead)
     plain = [(name, a) for name, a in zip(names, args)  # (None in a structure is kept: `(x, None)`)
-             if any(not isinstance(leaf, torch.Tensor) and (leaf is not None or tree_is_leaf(a)) for leaf in tree_leaves(a))]
+             if any(not isinstance(leaf, torch.Tensor) and (leaf is not None or tree_is_leaf(a))
+                    for leaf in tree_leaves(a))]
     if plain:
         name, value = plain[0]
         what = "holds no tensor" if _plain(value) else "holds values that are not tensors"
@@ -205,8 +208,8 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
             "refused.")
     own = tuple(args[:cut]) + tuple(kwargs[k] for k in keywords)
     structured = any(not tree_is_leaf(a) for a in own)  # (a tuple, a dict of tensors)
-    odd = [(name, a) for name, a in zip(names + keywords, own) if structured and
-           any(not isinstance(leaf, torch.Tensor) and leaf is not None for leaf in tree_leaves(a))]
+    odd = [(name, a) for name, a in zip(names + keywords, own) if structured
+           and any(not isinstance(leaf, torch.Tensor) and leaf is not None for leaf in tree_leaves(a))]
     if odd:  # (structures are rebuilt from their tensors, with their Nones: nothing else can be given to the graph)
         name, value = odd[0]
         holds = "holds tensors and other values" if any(isinstance(t, torch.Tensor) for t in tree_leaves(value)) else \

@@ -20,13 +20,14 @@ _c10d = torch.ops._c10d_functional
 
 
 def _group_ranks(group: str | None) -> str:
+    """The group in words: `ranks [0, 1]`, or its name where it cannot be resolved (gone with the failure)."""
     if group is None:
-        return "?"
+        return "ranks ?"
     try:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return str(dist.get_process_group_ranks(_resolve_process_group(group)))
+        return f"ranks {dist.get_process_group_ranks(_resolve_process_group(group))}"
     except Exception:  # the group is gone with the failure, or this torch names groups otherwise
         return f"process group {group!r}"
 
@@ -47,9 +48,8 @@ def speaking(fn):
                                                 "not supported for", "does not support"))
             # (a group destroyed on this rank, `dist.destroy_process_group()` then a call: no peer died; a probe)
             gone = "Could not resolve the process group" in str(e) or "has not been initialized" in str(e)
-            group = _group_ranks(kwargs.get('group'))
             raise SpmdCollectiveError(
-                f"{fn.__name__} over {'ranks ' if group.startswith('[') else ''}{group} failed"
+                f"{fn.__name__} over {_group_ranks(kwargs.get('group'))} failed"
                 + (f" ({where})" if where else "") + f": {type(e).__name__}: {first}\n" + (
                     "The collective refused its input on this backend (no rank died): this is spmd's to fix; please "
                     "report it with this message. What to do meanwhile: pin the value's producer so that it is not "

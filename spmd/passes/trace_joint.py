@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -281,7 +282,6 @@ def _warn_grads_stored(model: torch.nn.Module, stored: list[tuple]) -> None:
     if not names:
         return
     shown = ", ".join(f"`{name}`" for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    import warnings
     warnings.warn(
         f"trace_joint: the forward keeps a tensor that requires grad on {shown} (`self.name = ...`, or appended to a "
         "list the module holds). A compiled call runs the traced graph, not the forward, so the attribute keeps what it "

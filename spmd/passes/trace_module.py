@@ -732,7 +732,7 @@ def refuse_shared_memory(model: torch.nn.Module) -> None:
     named = [*((n, t, "parameter") for n, t in model.named_parameters()),
              *((n, t, "buffer") for n, t in model.named_buffers())]
     for name, t, kind in named:
-        if t is None or t.layout != torch.strided or t.numel() == 0:
+        if t.layout != torch.strided or t.numel() == 0:
             continue
         try:
             key = t.untyped_storage()._cdata

@@ -349,7 +349,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
                                        lambda a: made[a.name] if a.name in made else lookup[a.name])
             # (a view as the rank graphs run it: a reshape, since a kernel may lay its output out otherwise than the
             # trace's fake one did: batch norm over a transposed input returns it contiguous; found by a probe)
-            target = torch.ops.aten.reshape.default if ref_node.target is torch.ops.aten.view.default else ref_node.target
+            view = ref_node.target is torch.ops.aten.view.default
+            target = torch.ops.aten.reshape.default if view else ref_node.target
             made[ref_node.name] = ref = target(*ref_args[0], **ref_args[1])
         if _is_random(ref_node) and not _close(actual, ref):  # another draw: take the sharded one
             ref = _adopt(actual, ref)

@@ -805,8 +805,6 @@ def _tree(model: torch.nn.Module) -> dict[tuple[str, str], object]:
                for n, m in model.named_modules(remove_duplicate=False)}}
 
 
-
-
 def model_changed(compiled) -> None:
     """Raise where the model's weights changed in place after `compiled` cut its pieces from them (or was last
     given weights), before it trained: a checkpoint loaded into the model after compiling
@@ -1012,10 +1010,10 @@ def _replaced(compiled, trained: bool = False) -> None:
     raise SpmdError(
         f"{type(model).__name__} was changed after it was compiled: {', '.join(shown[:4])}"
         f"{', ...' if len(shown) > 4 else ''} replaced, added or removed (a new parameter, buffer or module set on "
-        "the model, a buffer registered as None given a tensor, resize_token_embeddings, a load with assign=True), and the compiled module holds the graph traced and the "
-        "pieces cut from the old ones: it would run and train on those, silently. What to do: compile the model "
-        "again after changing it; where only values changed (the same shapes and modules), give them to the "
-        "compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")
+        "the model, a buffer registered as None given a tensor, resize_token_embeddings, a load with assign=True), "
+        "and the compiled module holds the graph traced and the pieces cut from the old ones: it would run and train "
+        "on those, silently. What to do: compile the model again after changing it; where only values changed (the "
+        "same shapes and modules), give them to the compiled module instead (`compiled.load_state_dict(model.state_dict())`, on every rank).")
 
 
 # the hooks a parameter holds (a module's: trace_module.MODULE_HOOKS; both dicts keyed by the handle's id)
