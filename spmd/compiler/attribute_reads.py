@@ -534,6 +534,8 @@ class AttributeGuard:
                                   for config, path in _configurations(root)]
 
     def _watch_outside(self, fn, reader: str, seen: set) -> None:
+        if (getattr(fn, "__module__", None) or "").startswith("torch."):
+            return  # (torch's own state: parametrize's `_cache_enabled`, read by every parametrized weight)
         for where, name in _outside_reads(fn):
             value = _outside_value(where, name)
             if value is not _NONE and (id(where), name) not in seen:

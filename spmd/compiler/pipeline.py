@@ -110,7 +110,8 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     the whole model first (a stamped layer's are not traced)."""
     if options.joint:
         refuse_gradient_hooks(model)
-        if torch.nn.utils.parametrize._cache_enabled:  # (found by a probe: fake-tensor words, advice on control flow)
+        parametrize = torch.nn.utils.parametrize  # (found by a probe: fake-tensor words, advice on control flow)
+        if parametrize._cache_enabled and any(parametrize.is_parametrized(m) for m in model.modules()):
             raise SpmdError(
                 "the model is compiled for training inside torch.nn.utils.parametrize.cached(), where each "
                 "parametrized weight is computed once and kept as a plain tensor: a training graph must compute it "

@@ -44,9 +44,10 @@ from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
                                       _drop_assertions, _drop_effect_tokens, described, distinct_inputs,
                                       draws_change_the_graph, graph_signature, kernels_kept_whole,
-                                      parameter_changed_message, random_draws, refuse_random_draws, shared_names,
-                                      state_assigned, tensor_infos, untraceable_message, untraceable_way_out,
-                                      user_outputs_first, without_decompositions)
+                                      parameter_changed_message, parametrizations_uncached, random_draws,
+                                      refuse_random_draws, shared_names, state_assigned, tensor_infos,
+                                      untraceable_message, untraceable_way_out, user_outputs_first,
+                                      without_decompositions)
 
 _PREFIX = "model."
 OUTPUT_COPY = "spmd_output_copy"  # node meta: a copy of a user's output the trace made (`_with_own_outputs`)
@@ -126,7 +127,7 @@ def _decomposition_table():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
-    with kernels_kept_whole():
+    with kernels_kept_whole(), parametrizations_uncached():
         return _trace_joint(model, example_inputs, loss_fn)
 
 

@@ -177,6 +177,19 @@ def kernels_kept_whole():
                 _whole_saved.clear()
 
 
+@contextlib.contextmanager
+def parametrizations_uncached():
+    """While this is open, a parametrized weight is computed from its parameters at each read, as a graph must
+    compute it: inside the user's `torch.nn.utils.parametrize.cached()` a trace would otherwise store its own
+    traced tensor in the user's cache, and the graph would hold the weight as a constant (found by a probe)."""
+    parametrize = torch.nn.utils.parametrize
+    enabled, parametrize._cache_enabled = parametrize._cache_enabled, 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled
+
+
 def without_decompositions(table: dict, names) -> dict:
     """`table` without the decompositions of every overload of the ATen ops `names`."""
     for name in names:
@@ -961,7 +974,7 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
 
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
-    with kernels_kept_whole():
+    with kernels_kept_whole(), parametrizations_uncached():
         return _trace_module(model, example_inputs, example_kwargs)
 
 

@@ -733,3 +733,5 @@ def test_a_training_compile_inside_parametrize_cached_names_it():
                                                  r"outside"):
             _plan(model, (x16, x16), loss_fn=F.mse_loss)
     _plan(model, (x16, x16), loss_fn=F.mse_loss)  # (outside it: planned)
+    with parametrize.cached():  # (a model with no parametrization inside it: planned; the host's measured profile
+        _plan(nn.Linear(16, 16), (x16, x16), loss_fn=F.mse_loss)  # compiles a probe model for training there)

@@ -513,6 +513,34 @@ def test_a_parametrization_on_a_sharded_parameter_fails_instead_of_running_on_th
         compiled(*compiled.shard_inputs(x))
 
 
+def test_a_compile_inside_parametrize_cached_leaves_the_cache_alone():
+    """Found by a probe: compiled inside `parametrize.cached()`, the trace stored its fake weight in the user's
+    cache, so the model's own next call in the block computed with it (garbage); and the compiled module, called
+    after the block, was refused for parametrize's own `_cache_enabled`, with a way out (a buffer's `fill_`) that
+    did not apply. The trace now computes the weight from its parameters, as the graph does."""
+    from torch.nn.utils import parametrize
+
+    from spmd.runtime.compiled import CompiledModule
+
+    class Symmetric(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).t()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    x = torch.randn(8, 16)
+    expected = model(x)
+    with parametrize.cached():
+        c = compile_graph(model, (x,), spec((1,), ("dp",)), 0)
+        assert not any(isinstance(v, torch._subclasses.FakeTensor) for v in parametrize._cache.values())
+        torch.testing.assert_close(model(x), expected)
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    with parametrize.cached():
+        torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), expected)
+    torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), expected)  # (after the block: not refused)
+
+
 def test_pruning_a_holder_is_refused_before_anything_moves():
     """Found by a probe: `prune.l1_unstructured(compiled.fc1, "weight", 0.5)` moved the piece to `weight_orig`,
     then met the refused forward pre-hook, and prune's rollback failed with a raw KeyError ("attribute 'weight'
