@@ -140,6 +140,34 @@ def reads_training(cls: type) -> bool:
     return "training" in _reads_and_writes(cls)[0]
 
 
+GRAD_MODE_READS = frozenset({"is_grad_enabled", "is_inference_mode_enabled"})
+
+
+def grad_mode_reader(root: torch.nn.Module) -> str | None:
+    """The first module of `root` (its path, or its class's name) whose forward, the methods it calls on `self`,
+    or a forward hook on it, asks torch whether grad is on (`torch.is_grad_enabled()`,
+    `torch.is_inference_mode_enabled()`); None where none does. torch's own modules are not looked at: their
+    fast paths under no_grad compute the same values."""
+    for path, module in root.named_modules():
+        own = (module.__dict__.get("forward"), *module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        if _class_asks_grad_mode(type(module)) or any(_asks_grad_mode(h) for h in own if h is not None):
+            return path or type(module).__name__
+    return None
+
+
+@functools.cache
+def _class_asks_grad_mode(cls: type) -> bool:
+    return any(_asks_grad_mode(fn) for fn in _walk(cls)[2]
+               if not (getattr(fn, "__module__", None) or "").startswith("torch."))
+
+
+def _asks_grad_mode(fn) -> bool:
+    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
+    return isinstance(code, types.CodeType) and any(
+        ins.argval in GRAD_MODE_READS for c in _codes(code) for ins in dis.get_instructions(c)
+        if ins.opname in _ATTR_LOADS or ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+
+
 def hooks_read_training(module: torch.nn.Module) -> bool:
     """Whether a forward hook or pre-hook on `module` (a function: it reads through its first argument, the module)
     reads the module's mode (`out * 1.5 if m.training else out`): traced into the graph, as its forward's reads

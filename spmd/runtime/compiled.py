@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.compiler.attribute_reads import AttributeGuard, hooks_read_training, reads_training
+from spmd.compiler.attribute_reads import AttributeGuard, grad_mode_reader, hooks_read_training, reads_training
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
@@ -38,7 +38,7 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
-from spmd.runtime.mode_check import ops_differ_by_mode
+from spmd.runtime.mode_check import ops_differ_by_grad, ops_differ_by_mode
 from spmd.runtime.shapes import Shapes, check_room, check_shared, full_key, pinned_to, variant_key, verify_refusal
 
 
@@ -420,6 +420,10 @@ class CompiledModule(nn.Module):
         # other mode where nothing known depends on it (`_ops_differ_by_mode`); the answer, once known
         self.__dict__["_traced_root"] = with_loss(c.model, c.options.loss_fn if c.traced.joint else None)
         self._mode_checked: str | None | bool = False
+        # a module whose forward asks whether grad is on (`torch.is_grad_enabled()`): every graph is traced with
+        # grad on, so a call under no_grad is checked once for another branch (`_refuse_no_grad`)
+        self._grad_reader = grad_mode_reader(self._traced_root)
+        self._grad_checked: str | None | bool = False
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
@@ -2075,6 +2079,23 @@ class CompiledModule(nn.Module):
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
         return self._mode_checked
 
+    def _refuse_no_grad(self) -> None:
+        """Raise where a forward that branches on `torch.is_grad_enabled()` runs other ops under no_grad than
+        with grad on, as it was traced (found on fake tensors once, `ops_differ_by_grad`): the graph would
+        compute the grad-on branch."""
+        if self._grad_checked is False:
+            inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
+            with source_guard.inside():
+                self._grad_checked = ops_differ_by_grad(self._traced_root, inputs)
+        if self._grad_checked:
+            raise SpmdError(
+                f"{self._grad_reader} asks torch whether grad is on (`torch.is_grad_enabled()`), and its forward "
+                f"computes otherwise under no_grad ({self._grad_checked}); the compiled graph was traced with grad "
+                "on, so this call, under torch.no_grad() or torch.inference_mode(), would compute the grad-on "
+                "branch. What to do: call it with grad on (outside no_grad; the outputs can be detached), or "
+                "make the branch depend on something the graph takes, the module's mode (`self.training`, with "
+                "a module compiled in each mode) or an input.")
+
     def _refuse_another_mode(self) -> None:
         """Raise where this module (`.eval()` on it) or the model it was compiled from (`model.eval()` after
         compiling, with no live module compiled from it in that mode) is in the other mode than the traced one,
@@ -2174,6 +2195,8 @@ class CompiledModule(nn.Module):
         source_guard.buffers_changed(self)  # (the model's buffers set after compiling, which this holds copies of)
         if self._flags:
             self._follow_requires_grad()
+        if self._grad_reader is not None and not torch.is_grad_enabled():
+            self._refuse_no_grad()
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
             self._refuse_another_mode()
         elif any(m.training is not was for m, _, was in self._modes) and \

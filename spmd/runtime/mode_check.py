@@ -140,6 +140,19 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     a training step (torch's eval-only fast paths are what the graph was traced without, not a difference
     of the model's). A forward that cannot run on fake tensors (data-dependent Python, say) answers None:
     nothing is known. `root` and its submodules keep their modes and attributes."""
+    return _differ(root, inputs, {"train mode": (True, True), "eval mode": (False, True)})
+
+
+def ops_differ_by_grad(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str | None:
+    """As `ops_differ_by_mode`, between grad enabled (as every graph is traced) and disabled (a call under
+    `torch.no_grad()` or `torch.inference_mode()`), in `root`'s own mode: a forward that branches on
+    `torch.is_grad_enabled()` itself."""
+    return _differ(root, inputs, {"grad on": (None, True), "no_grad": (None, False)})
+
+
+def _differ(root, inputs, settings: dict[str, tuple[bool | None, bool]]) -> str | None:
+    """The difference between the ops the forward runs under the two `settings` (label -> (training, grad
+    enabled); training None: the modules' own modes), described with their labels, or None."""
     from torch._export.utils import _compiling_state_context
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -148,11 +161,12 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     seen = {}
     fastpath = torch.backends.mha.get_fastpath_enabled()
+    modes = [(m, m.training) for m in root.modules()]
     try:
         torch.backends.mha.set_fastpath_enabled(False)
-        for training in (True, False):
+        for label, (training, grad) in settings.items():
             with state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), _compiling_state_context(), \
-                    torch.enable_grad():
+                    torch.set_grad_enabled(grad):
                 # (one name per tensor: functional_call ties the others, and refused a tied weight given under
                 # each name, which the `except` below took for a forward it cannot run: the check was off for
                 # GPT-2, BERT and T5; a review)
@@ -161,29 +175,32 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
                          for kind in (root.named_parameters(), root.named_buffers())
                          for name, t in kind if t is not None}
                 args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
-                root.train(training)
+                if training is not None:
+                    root.train(training)
                 with _Ops({id(t): ("state", name) for name, t in state.items()}) as ops:
                     torch.func.functional_call(root, state, tuple(args), tie_weights=True, strict=False)
-            seen[training] = ops.calls
+            seen[label] = ops.calls
     except Exception:  # (the trace ran this forward under AOTAutograd; a plain fake run may still not)
         return None
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
-    if seen[True] == seen[False]:
+        for m, training in modes:
+            m.training = training
+    (a, first), (b, second) = seen.items()
+    if first == second:
         return None
-    counts = {mode: Counter(name for name, _, _ in calls) for mode, calls in seen.items()}
-    only = {mode: sorted(set(counts[mode]) - set(counts[not mode])) for mode in (True, False)}
-    parts = [f"{', '.join(ops[:6])}{f' and {len(ops) - 6} more' if len(ops) > 6 else ''} only in "
-             f"{'train' if mode else 'eval'} mode" for mode, ops in only.items() if ops]
+    counts = {a: Counter(name for name, _, _ in first), b: Counter(name for name, _, _ in second)}
+    only = {a: sorted(set(counts[a]) - set(counts[b])), b: sorted(set(counts[b]) - set(counts[a]))}
+    parts = [f"{', '.join(ops[:6])}{f' and {len(ops) - 6} more' if len(ops) > 6 else ''} only in {label}"
+             for label, ops in only.items() if ops]
     if parts:
         return "; ".join(parts)
-    if counts[True] != counts[False]:
+    if counts[a] != counts[b]:
         return "the same ops, run a different number of times"
-    k, (train, eval_) = next((k, pair) for k, pair in enumerate(zip(seen[True], seen[False])) if pair[0] != pair[1])
-    if train[1] != eval_[1]:
-        return f"the same ops in another order (op {k}: {train[1]} in train mode, {eval_[1]} in eval mode)"
-    return (f"{train[1]} with other arguments (op {k}: {_shown(train[2])} in train mode, {_shown(eval_[2])} in eval "
-            "mode)")
+    k, (x, y) = next((k, pair) for k, pair in enumerate(zip(first, second)) if pair[0] != pair[1])
+    if x[1] != y[1]:
+        return f"the same ops in another order (op {k}: {x[1]} in {a}, {y[1]} in {b})"
+    return f"{x[1]} with other arguments (op {k}: {_shown(x[2])} in {a}, {_shown(y[2])} in {b})"
 
 
 def _shown(args: tuple) -> str:

@@ -541,6 +541,38 @@ def test_a_compile_inside_parametrize_cached_leaves_the_cache_alone():
     torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), expected)  # (after the block: not refused)
 
 
+class _GradBranch(nn.Module):
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.fc, self.scaled = nn.Linear(8, 4), scaled
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.is_grad_enabled():  # (a checkpointing switch computes the same; a scale does not)
+            y = y * 2 if self.scaled else y.clone()
+        return y
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_forward_branching_on_the_grad_mode_is_checked_under_no_grad(scaled):
+    """Found by a review of the open limits: every graph is traced with grad on, so a forward that branches on
+    `torch.is_grad_enabled()` computed its grad-on branch under `torch.no_grad()` too (1.31 off, silently).
+    Such a call is refused where the branches differ (found on fake tensors), and runs where they do not."""
+    from spmd.runtime.compiled import CompiledModule
+
+    torch.manual_seed(0)
+    model, x = _GradBranch(scaled), torch.randn(4, 8)
+    compiled = CompiledModule(compile_graph(model, (x,), spec((1,), ("dp",)), 0), None, src_data_rank=None)
+    torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
+    with torch.no_grad():
+        if scaled:
+            with pytest.raises(spmd.SpmdError, match=r"_GradBranch asks torch whether grad is on.*mul only in grad "
+                                                     r"on.*What to do: call it with grad on"):
+                compiled(*compiled.shard_inputs(x))
+        else:
+            torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
+
+
 def test_pruning_a_holder_is_refused_before_anything_moves():
     """Found by a probe: `prune.l1_unstructured(compiled.fc1, "weight", 0.5)` moved the piece to `weight_orig`,
     then met the refused forward pre-hook, and prune's rollback failed with a raw KeyError ("attribute 'weight'
