@@ -227,7 +227,7 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)),
-                       checkpoints=tuple(dict.fromkeys(checkpoints)))
+                       checkpoints=tuple(dict.fromkeys(checkpoints)), loss=loss_fn is not None)
 
 
 def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:

@@ -1551,3 +1551,52 @@ def test_complex_values_go_through_every_collective(ranks):
     them, and the norm is real."""
     for r in ranks(2).run(_spectral_steps):
         assert max(r["losses"]) < 1e-12 and max(r["errors"].values()) < 1e-12, r
+
+
+# ---- a loss_fn that returns one loss per example ---------------------------------------------------
+
+def _per_example(out, target):
+    return F.mse_loss(out, target, reduction="none").mean(1)
+
+
+def _train_per_example_loss(rank: int, world: int, steps: int = 3) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        reference = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        x, y, w = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), torch.rand(8, generator=g)
+        mesh = spmd.init_mesh((2,), ("dp",))
+        compiled = spmd.compile(model, mesh, (x, y), loss_fn=_per_example, mesh_spec=spec((2,), ("dp",)),
+                                in_placements={"input": [Shard(0)]})
+        opt, ref_opt = torch.optim.SGD(compiled.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+        losses, ref_losses = [], []
+        for _ in range(steps):
+            per_example = compiled(*compiled.shard_inputs(x, y))
+            loss = (per_example * w).sum()  # (sample weights, applied by the loop)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = (_per_example(reference(x), y) * w).sum()
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(float(loss))
+            ref_losses.append(float(ref_loss))
+        full = compiled.full_state_dict()
+        return {"losses": losses, "ref_losses": ref_losses, "shape": tuple(per_example.shape),
+                "error": max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_loss_fn_of_one_loss_per_example_comes_back_whole(ranks):
+    """Found by a probe: a loss_fn with `reduction="none"`, reduced by the loop, came back as each rank's piece
+    of the batch split, so each rank reduced its own examples (0.864 and 1.019 where one device gave 0.942) and
+    the gradients came out twice on two ranks (0.03 off after 3 steps). A loss_fn's output that is not one
+    number now comes back whole (enumerate_strategies._whole)."""
+    for r in ranks(2).run(_train_per_example_loss):
+        assert r["shape"] == (8,)
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12)
+        assert r["error"] < 1e-12
