@@ -29,6 +29,7 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import sysconfig
 import types
 import warnings
 from copy import deepcopy
@@ -212,27 +213,40 @@ def _walk(cls: type, start: str = "forward") -> tuple[frozenset[str], frozenset[
 
 
 @functools.cache
-def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str]]:
+def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
     """The names `fn` (and the code nested in it) reads from outside itself and never writes: (its module's
-    globals, name) for each global (`AUX_WEIGHT` in a loss function, annealed by the training loop), (the cell,
-    name) for each variable of an enclosing function it reads (a closure's `weight`); and those of the plain
-    functions it calls by name, `depth` deep (a helper reading a global: found by a review), torch's aside. A
-    trace fixes what they held as constants of the graph."""
+    globals, name, ()) for each global (`AUX_WEIGHT` in a loss function, annealed by the training loop), (the
+    cell, name, ()) for each variable of an enclosing function it reads (a closure's `weight`); and those of the
+    plain functions it calls by name, `depth` deep (a helper reading a global: found by a review), torch's aside.
+    A global or variable that holds an object, a dict or a list comes with the path read through it, attribute
+    by attribute or by a constant key (`args.aux_weight`: ("args", (("attr", "aux_weight"),)); `CFG["lam"]`;
+    a config module's `cfg.lam`; found by a probe: those went unwatched, 0.14 off after 3 steps). A trace
+    fixes what they held as constants of the graph."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
-    loads, stores = set(), set()
+    loads, stores, paths, set_ = set(), set(), {}, set()
     for c in _codes(code):
-        for ins in dis.get_instructions(c):
+        instructions = list(dis.get_instructions(c))
+        for at, ins in enumerate(instructions):
+            if ins.opname in ("STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR"):
+                set_.add(ins.argval if ins.opname.endswith("ATTR") else "[]")
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-                loads.add(("global", ins.argval))
-            elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                stores.add(("global", ins.argval))
+                key = ("global", ins.argval)
             elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and c is code:
-                loads.add(("cell", ins.argval))
-            elif ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
-                stores.add(("cell", ins.argval))
+                key = ("cell", ins.argval)
+            else:
+                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                    stores.add(("global", ins.argval))
+                elif ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
+                    stores.add(("cell", ins.argval))
+                continue
+            loads.add(key)
+            paths.setdefault(key, set()).add(_path_read(instructions, at + 1))
+    # (a path through which this code also sets something, `STATS.calls += 1`: state it keeps, not a constant)
+    paths = {key: {p for p in ps if not p or (p[-1][1] if p[-1][0] == "attr" else "[]") not in set_}
+             for key, ps in paths.items()}
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
     found, kept = [], _globals_written(fn)
     for kind, name in sorted(loads - stores):
@@ -241,13 +255,31 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str]]:
                 value = fn.__globals__[name]
                 if isinstance(value, types.FunctionType):
                     if depth and not (getattr(value, "__module__", None) or "torch").startswith("torch"):
-                        found += [(where, n) for where, n in _outside_reads(value, depth - 1)
+                        found += [(where, n, p) for where, n, p in _outside_reads(value, depth - 1)
                                   if not isinstance(where, dict) or n not in kept]
                 else:
-                    found.append((fn.__globals__, name))
+                    found += [(fn.__globals__, name, p) for p in sorted(paths[kind, name])]
         elif name in cells:
-            found.append((cells[name], name))
+            found += [(cells[name], name, p) for p in sorted(paths[kind, name])]
     return found
+
+
+def _path_read(instructions: list, at: int) -> tuple:
+    """The attributes and constant keys read one after another from `instructions[at]` on (after the load of a
+    global or a variable): `(("attr", "aux_weight"),)`, `(("item", "lam"),)`; () for none."""
+    path = []
+    while at < len(instructions):
+        ins = instructions[at]
+        if ins.opname == "LOAD_ATTR":
+            path.append(("attr", ins.argval))
+            at += 1
+        elif ins.opname == "LOAD_CONST" and at + 1 < len(instructions) and \
+                instructions[at + 1].opname == "BINARY_SUBSCR" and plain(ins.argval):
+            path.append(("item", ins.argval))
+            at += 2
+        else:
+            break
+    return tuple(path)
 
 
 def _globals_written(fn, depth: int = 3) -> set[str]:
@@ -286,8 +318,10 @@ def _function_of(callable_) -> object | None:
     return call if isinstance(call, types.FunctionType) else None
 
 
-def _outside_value(where, name: str):
-    """What a global or a cell holds now, where plain, else a marker."""
+def _outside_value(where, name: str, path: tuple = ()):
+    """What a global or a cell holds now, or what is read through it along `path`, where plain, else a marker.
+    Read through an installed package's module or the standard library's (`torch.float32`, `math.pi`): a
+    marker (not the user's to change)."""
     if isinstance(where, dict):
         value = where.get(name, _NONE)
     else:
@@ -295,7 +329,28 @@ def _outside_value(where, name: str):
             value = where.cell_contents
         except ValueError:  # (a cell not filled yet)
             return _NONE
+    if path and isinstance(value, types.ModuleType) and not _users_module(value):
+        return _NONE
+    for kind, key in path:
+        try:
+            value = getattr(value, key) if kind == "attr" else value[key]
+        except Exception:  # (a read the forward guards, an entry gone: nothing to compare)
+            return _NONE
     return value if value is not _NONE and plain(value) else _NONE
+
+
+def _users_module(module: types.ModuleType) -> bool:
+    """A module of the user's own code (a config module), not an installed package's or the standard library's."""
+    path = getattr(module, "__file__", None) or ""
+    return bool(path) and not any(part in path for part in ("site-packages", "dist-packages")) and \
+        not path.startswith(_STDLIB)
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _shown_path(name: str, path: tuple) -> str:
+    return name + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in path)
 
 
 def _code_behind(attribute) -> bool:
@@ -517,7 +572,7 @@ class AttributeGuard:
         self._entries = []  # (the object holding it, attribute, module path, name read, value)
         self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
         self._containers = []  # (the object holding it, attribute, module path, name read, what it held: _Held)
-        self._outside = []  # (a module's globals or a cell, name, who reads it, its value): `_outside_reads`
+        self._outside = []  # (a module's globals or a cell, name, path read, who reads it, its value): `_outside_reads`
         seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
@@ -564,13 +619,14 @@ class AttributeGuard:
     def _watch_outside(self, fn, reader: str, seen: set) -> None:
         if (getattr(fn, "__module__", None) or "").startswith("torch."):
             return  # (torch's own state: parametrize's `_cache_enabled`, read by every parametrized weight)
-        for where, name in _outside_reads(fn):
-            value = _outside_value(where, name)
-            if value is not _NONE and (id(where), name) not in seen:
-                seen.add((id(where), name))
-                shown = f"global `{name}` of {where.get('__name__', fn.__module__)}" if isinstance(where, dict) else \
-                    f"variable `{name}` around {fn.__qualname__}"
-                self._outside.append((where, name, f"{shown} read by {reader}", value))
+        for where, name, path in _outside_reads(fn):
+            value = _outside_value(where, name, path)
+            if value is not _NONE and (id(where), name, path) not in seen:
+                seen.add((id(where), name, path))
+                read = _shown_path(name, path)
+                shown = f"global `{read}` of {where.get('__name__', fn.__module__)}" if isinstance(where, dict) else \
+                    f"variable `{read}` around {fn.__qualname__}"
+                self._outside.append((where, name, path, f"{shown} read by {reader}", value))
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside) + len(self._configs)
@@ -638,8 +694,8 @@ class AttributeGuard:
                 changed.append((f"{path}.{name}" if path else name,
                                 f"{old!r} -> {'not a plain value' if new is _NONE else repr(new)}"))
         outside = []
-        for where, name, shown, old in self._outside:
-            now = _outside_value(where, name)
+        for where, name, path, shown, old in self._outside:
+            now = _outside_value(where, name, path)
             if now is not old and now != old and not _both_nan(now, old):
                 outside.append(f"the {shown} ({old!r} -> {'not a plain value' if now is _NONE else repr(now)})")
         if outside and not changed:

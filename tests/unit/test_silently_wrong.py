@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import gc
 import dataclasses
+import math
 import operator
 import re
+import types
 import warnings
 
 import pytest
@@ -3324,6 +3326,48 @@ def test_python_values_outside_the_model_read_by_the_trace_are_watched():
     with pytest.raises(spmd.SpmdError, match=r"the variable `weight` around .*closure_loss read by loss_fn "
                                              r"\(1\.0 -> 0\.25\)"):
         compiled(x, y)
+
+
+ARGS = types.SimpleNamespace(aux_weight=1.0, calls=0)  # (as argparse's Namespace: read by `_Annealed.forward`)
+LOSS_CFG = {"w": 1.0}  # (read by `_cfg_loss`)
+
+
+def _cfg_loss(out, y):
+    return F.mse_loss(out, y) + LOSS_CFG["w"] * out.pow(2).mean()
+
+
+class _Annealed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        ARGS.calls += 1  # (state kept through the object: not watched)
+        return self.fc(x) * ARGS.aux_weight * math.pi + 0 * ARGS.calls
+
+
+def test_values_read_through_a_global_object_or_dict_are_watched():
+    """Found by a probe: a value the forward reads through a global object (argparse's `args.aux_weight`, a
+    config module's attribute) or a loss function through a global dict (`CFG["w"]`), annealed by the loop, stayed
+    in the graph as traced (0.14 off in the loss after 3 steps). Each path read is now compared at every call;
+    one the forward sets itself (a call counter) and what is read from installed packages (`math.pi`) are not."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(_Annealed(), (x, y), training=True, loss_fn=_cfg_loss)
+    compiled(x, y)
+    compiled(x, y)
+    try:
+        ARGS.aux_weight = 0.5
+        with pytest.raises(spmd.SpmdError, match=r"the global `ARGS\.aux_weight` of tests\.unit\.test_silently_wrong "
+                                                 r"read by _Annealed \(1\.0 -> 0\.5\) changed after compiling"):
+            compiled(x, y)
+        ARGS.aux_weight = 1.0
+        compiled(x, y)
+        LOSS_CFG["w"] = 0.5
+        with pytest.raises(spmd.SpmdError, match=r"the global `LOSS_CFG\['w'\]` .* read by loss_fn \(1\.0 -> 0\.5\)"):
+            compiled(x, y)
+    finally:
+        ARGS.aux_weight, LOSS_CFG["w"] = 1.0, 1.0
 
 
 class _WeightedLoss:  # (a callable loss object, no module)
