@@ -319,9 +319,15 @@ def _function_of(callable_) -> object | None:
 
 
 def _outside_value(where, name: str, path: tuple = ()):
-    """What a global or a cell holds now, or what is read through it along `path`, where plain, else a marker.
-    Read through an installed package's module or the standard library's (`torch.float32`, `math.pi`): a
-    marker (not the user's to change)."""
+    """What a global or a cell holds now, or what is read through it along `path`, where plain, else a marker."""
+    value = _outside_object(where, name, path)
+    return value if value is not _NONE and plain(value) else _NONE
+
+
+def _outside_object(where, name: str, path: tuple = ()):
+    """What a global or a cell holds now, or what is read through it along `path`, else a marker. Read through
+    an installed package's module or the standard library's (`torch.float32`, `math.pi`): a marker (not the
+    user's to change)."""
     if isinstance(where, dict):
         value = where.get(name, _NONE)
     else:
@@ -336,7 +342,7 @@ def _outside_value(where, name: str, path: tuple = ()):
             value = getattr(value, key) if kind == "attr" else value[key]
         except Exception:  # (a read the forward guards, an entry gone: nothing to compare)
             return _NONE
-    return value if value is not _NONE and plain(value) else _NONE
+    return value
 
 
 def _users_module(module: types.ModuleType) -> bool:
@@ -573,6 +579,7 @@ class AttributeGuard:
         self._tensors = []  # [the object holding it, attribute, module path, name read, tensor, its version, a copy]
         self._containers = []  # (the object holding it, attribute, module path, name read, what it held: _Held)
         self._outside = []  # (a module's globals or a cell, name, path read, who reads it, its value): `_outside_reads`
+        self._outside_tensors = []  # [the same, a plain tensor read there, its version, a copy of a small one]
         seen = set()  # (id(holder), attribute): a configuration every layer holds is watched once
         for label, root in roots.items():
             if not isinstance(root, torch.nn.Module):
@@ -620,16 +627,23 @@ class AttributeGuard:
         if (getattr(fn, "__module__", None) or "").startswith("torch."):
             return  # (torch's own state: parametrize's `_cache_enabled`, read by every parametrized weight)
         for where, name, path in _outside_reads(fn):
-            value = _outside_value(where, name, path)
-            if value is not _NONE and (id(where), name, path) not in seen:
+            value = _outside_object(where, name, path)
+            tensor = type(value) is torch.Tensor and not value.is_inference()
+            if (tensor or plain(value)) and (id(where), name, path) not in seen:
                 seen.add((id(where), name, path))
                 read = _shown_path(name, path)
                 shown = f"global `{read}` of {where.get('__name__', fn.__module__)}" if isinstance(where, dict) else \
                     f"variable `{read}` around {fn.__qualname__}"
-                self._outside.append((where, name, path, f"{shown} read by {reader}", value))
+                if tensor:  # (a module-level mask or table: a constant of the graph, as a plain tensor attribute)
+                    copy = value.detach().clone() if value.numel() <= _SNAPSHOT and not value.is_meta else None
+                    self._outside_tensors.append([where, name, path, f"{shown} read by {reader}", value,
+                                                  value._version, copy])
+                else:
+                    self._outside.append((where, name, path, f"{shown} read by {reader}", value))
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside) + len(self._configs)
+        return len(self._entries) + len(self._tensors) + len(self._containers) + len(self._outside) + \
+            len(self._outside_tensors) + len(self._configs)
 
     def _config_changes(self) -> list[tuple[str, str]]:
         """(path of the entry, how) of each configuration entry set since the last call (metadata aside, and
@@ -698,6 +712,15 @@ class AttributeGuard:
             now = _outside_value(where, name, path)
             if now is not old and now != old and not _both_nan(now, old):
                 outside.append(f"the {shown} ({old!r} -> {'not a plain value' if now is _NONE else repr(now)})")
+        for e in self._outside_tensors:
+            where, name, path, shown, old, version, copy = e
+            now = _outside_object(where, name, path)
+            if now is old and old._version == version:
+                continue
+            if isinstance(now, torch.Tensor) and _same_values(now, copy):
+                e[4], e[5] = now, now._version
+                continue
+            outside.append(f"the {shown} ({'set in place' if now is old else 'replaced'})")
         if outside and not changed:
             raise SpmdError(
                 f"{', '.join(outside[:4])}{', ...' if len(outside) > 4 else ''} changed after compiling. The trace "

@@ -3370,6 +3370,43 @@ def test_values_read_through_a_global_object_or_dict_are_watched():
         ARGS.aux_weight, LOSS_CFG["w"] = 1.0, 1.0
 
 
+HIDDEN_MASK = torch.ones(16)  # (read by `_Masked.forward`, pruned by the test after compiling)
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)) * HIDDEN_MASK)
+
+
+def test_a_module_level_tensor_the_forward_reads_is_watched():
+    """Found by a probe: a module-level tensor the forward reads (a mask), pruned in place or rebound after
+    compiling, stayed in the graph as traced (0.42 off, silently). It is now watched as a plain tensor
+    attribute of a module is: set in place to other values, or replaced, it is refused; set to the same
+    values, it runs."""
+    global HIDDEN_MASK
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    compiled = one_device(_Masked().eval(), (x,))
+    compiled(x)
+    held = HIDDEN_MASK
+    try:
+        HIDDEN_MASK.fill_(1.0)  # (the same values: runs)
+        compiled(x)
+        HIDDEN_MASK[:8] = 0
+        with pytest.raises(spmd.SpmdError, match=r"the global `HIDDEN_MASK` .* read by _Masked \(set in place\) "
+                                                 r"changed after compiling"):
+            compiled(x)
+        HIDDEN_MASK = torch.zeros(16)
+        with pytest.raises(spmd.SpmdError, match=r"`HIDDEN_MASK` .* \(replaced\)"):
+            compiled(x)
+    finally:
+        HIDDEN_MASK = held.fill_(1.0)
+
+
 class _WeightedLoss:  # (a callable loss object, no module)
     def __init__(self, alpha):
         self.alpha = alpha
