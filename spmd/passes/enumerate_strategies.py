@@ -167,7 +167,7 @@ def _split_on_leading_dim_only(ps: Placements) -> bool:
     return all(not isinstance(p, Shard) or p.dim == 0 for p in ps)
 
 
-def _whole(ps: Placements) -> bool:
+def _replicated(ps: Placements) -> bool:
     """Replicated on every axis: the layout a loss_fn's output that is not one number comes back in unpinned (a
     per-example loss, `reduction="none"`). The loop reduces it (`.mean()`, a weighted sum), as it would the whole
     loss; a rank's piece gave each rank the mean of its own examples, and twice the gradients on two ranks (found
@@ -234,7 +234,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                                         f"{t.shape}, and on mesh {mesh} that placement is uneven: "
                                         f"{_uneven(pin, t.shape, mesh)}. What to do: pin an even placement.")
                 elif kinds[k].kind == "output" and traced.loss and t.shape:
-                    strategies = [s for s in strategies if _whole(s.inputs[0])]
+                    strategies = [s for s in strategies if _replicated(s.inputs[0])]
                 elif kinds[k].kind == "output" and kinds[k].name in differentiated:
                     strategies = [s for s in strategies if _split_on_leading_dim_only(s.inputs[0])]
                 # gradients land in their parameter's (an input's: the input's) own placements, a buffer's

@@ -858,9 +858,13 @@ class state_assigned:
                     for m in module.modules()]
 
         def pre(module, args):
+            if torch.compiler.is_dynamo_compiling():  # (a torch.cond branch's modules: dynamo refuses the write)
+                return
             before.setdefault(id(module), []).append(snapshot(module))
 
         def post(module, args, output):
+            if torch.compiler.is_dynamo_compiling():
+                return
             stack = before.get(id(module))
             if not stack:
                 return

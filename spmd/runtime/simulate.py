@@ -7,6 +7,8 @@ needed, so tests can check many plans (random pins included) quickly.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -78,6 +80,10 @@ def simulate(compilation, full_inputs: tuple) -> list:
             continue
         if node.op == "output":
             return [fx.node.map_aggregate(n.args[0], lookup(env)) for n, env in zip(nodes, envs)]
+        if node.op == "get_attr":  # (a higher-order op's subgraph: torch.cond's branches)
+            for n, g, env in zip(nodes, graphs, envs):
+                env[n.name] = functools.reduce(getattr, n.target.split("."), g)
+            continue
         args = [fx.node.map_aggregate(n.args, lookup(env)) for n, env in zip(nodes, envs)]
         kwargs = [fx.node.map_aggregate(dict(n.kwargs), lookup(env)) for n, env in zip(nodes, envs)]
         if node.target in (C.all_reduce, C.all_gather, C.reduce_scatter, C.all_to_all):

@@ -1595,7 +1595,7 @@ def test_a_loss_fn_of_one_loss_per_example_comes_back_whole(ranks):
     """Found by a probe: a loss_fn with `reduction="none"`, reduced by the loop, came back as each rank's piece
     of the batch split, so each rank reduced its own examples (0.864 and 1.019 where one device gave 0.942) and
     the gradients came out twice on two ranks (0.03 off after 3 steps). A loss_fn's output that is not one
-    number now comes back whole (enumerate_strategies._whole)."""
+    number now comes back whole (enumerate_strategies._replicated)."""
     for r in ranks(2).run(_train_per_example_loss):
         assert r["shape"] == (8,)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12)

@@ -229,3 +229,26 @@ class _Recurrent(nn.Module):
 
     def forward(self, x):
         return self.rnn(x)[0]
+
+
+class _Branches(nn.Module):
+    """`torch.cond` whose branches call submodules."""
+
+    def __init__(self, sign: float):
+        super().__init__()
+        self.sign = sign
+        self.fc1, self.a, self.b, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.cond(self.sign * h.mean() > -1e3, lambda t: self.a(t), lambda t: self.b(t), (h,))
+        return self.fc2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1e6])
+def test_torch_cond_with_submodules_in_its_branches_trains_equal(sign):
+    """Found by a probe: the trace's watch on each module's state (`state_assigned`) wrote to a dict inside the
+    branches, which dynamo traces, and refused (\"Unsafe side effect\"), so such a model was refused for training
+    and inference alike, while torch.export traces it. Each branch, taken, trains equal to one device."""
+    _, _, _, checked = _trained_on_two_ranks(lambda: _Branches(sign))
+    assert checked == 9
