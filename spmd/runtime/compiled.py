@@ -2216,7 +2216,15 @@ class CompiledModule(nn.Module):
         if self._draws and (not self._generators_agreed or due):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
-        shapes = self._shapes if self._shapes.check.accepts(inputs) else self._shapes_taking(inputs)
+        if self._shapes.check.accepts(inputs):
+            shapes = self._shapes
+        else:
+            try:
+                shapes = self._shapes_taking(inputs)
+            except Exception:
+                if _laid_out:  # (a piece laid out otherwise than taken has another local shape: say that, not
+                    self._check_layouts(inputs, self._shapes)  # what the variant's trace met; found by a probe)
+                raise
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
             self._check_layouts(inputs, shapes)

@@ -1423,7 +1423,13 @@ def _pieces_handed_over(rank: int, world: int) -> dict:
         h_wide(out)
     except spmd.SpmdError as e:
         refused = str(e)
-    return {"error": float((same - head(body(x))).abs().max()), "refused": refused}
+    other_shape = None
+    try:  # (a [8, 8] input split on its columns: another local shape, [8, 4], than `out`'s [4, 8])
+        h_cols = spmd.compile(torch.nn.Linear(8, 8), mesh, (x,), mesh_spec=ms, in_placements={"input": [Shard(1)]})
+        h_cols(out)
+    except spmd.SpmdError as e:
+        other_shape = str(e)
+    return {"error": float((same - head(body(x))).abs().max()), "refused": refused, "other_shape": other_shape}
 
 
 def test_a_piece_handed_to_a_module_that_takes_another_layout(ranks):
@@ -1434,6 +1440,8 @@ def test_a_piece_handed_to_a_module_that_takes_another_layout(ranks):
         assert r["error"] < 1e-6, r
         assert "another compiled module returned, laid out as [S(0)], and this module takes it as [S(1)]" in \
             r["refused"], r
+        # (of another local shape: the same words, not what the trace of a variant for its shape met; a probe)
+        assert "laid out as [S(0)], and this module takes it as [S(1)]" in r["other_shape"], r
 
 
 def _evaluation_module_given_weights_in_place_before_its_first_call(rank: int, world: int) -> dict:
