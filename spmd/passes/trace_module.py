@@ -318,18 +318,24 @@ def _model_line(error: BaseException) -> str | None:
 def _data_lines(model: torch.nn.Module | None) -> list[str]:
     """`file:line: code` of each line of the forwards of `model`'s own module classes (not torch's) that reads a
     tensor's `.data`."""
+    return _forward_lines(model, "data", r"\.data\b(?!\s*\()")
+
+
+def _forward_lines(model: torch.nn.Module | None, name: str, pattern: str) -> list[str]:
+    """`file:line: code` of each line matching `pattern` in the forwards of `model`'s own module classes (not
+    torch's) whose code names `name`."""
     found = []
     for cls in dict.fromkeys(type(m) for m in (model.modules() if model is not None else ())):
         forward = getattr(cls, "forward", None)
-        if cls.__module__.startswith("torch.") or "data" not in getattr(getattr(forward, "__code__", None),
-                                                                          "co_names", ()):
+        if cls.__module__.startswith("torch.") or name not in getattr(getattr(forward, "__code__", None),
+                                                                        "co_names", ()):
             continue
         try:
             lines, start = inspect.getsourcelines(forward)
         except (OSError, TypeError):
             continue
         found += [f"{inspect.getsourcefile(forward) or '?'}:{start + k}: {line.strip()}" for k, line in enumerate(lines)
-                  if re.search(r"\.data\b(?!\s*\()", line.split("#")[0])]
+                  if re.search(pattern, line.split("#")[0])]
     return found
 
 
@@ -381,7 +387,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "length (`out * (torch.arange(T) < lengths[:, None])[..., None]`), each sequence's last state taken at "
                 "`lengths - 1` (`out.gather`). A bidirectional RNN's backward direction would start in the padding: "
                 "keep it outside the compiled module, or left-align it by flipping each sequence" + tail)
-    through_data = _data_lines(model) if "fake tensor in the exported program constant" in str(error) else []
+    in_constants = "fake tensor in the exported program constant" in str(error)
+    differentiates = _forward_lines(model, "grad", r"autograd\.grad\(|\.backward\(") if in_constants else []
+    if differentiates:  # (found by a probe: a force field's -dE/dx, told torch's words and "file an issue")
+        return (f"`{differentiates[0]}` differentiates inside the forward (forces as the gradient of an energy), "
+                "which torch.export cannot trace into a graph for inference. Compile it with `training=True` (the "
+                "joint graph takes a gradient inside the forward; a call need not be followed by a backward)")
+    through_data = _data_lines(model) if in_constants else []
     if through_data:  # (found by a probe: an EMA buffer updated as `self.ema.data.mul_(d).add_(...)`)
         return (f"`{through_data[0]}` goes through `.data`, which torch.export cannot trace in a forward (it leaves a "
                 "fake tensor among the graph's constants). Update the tensor itself under `torch.no_grad()` "

@@ -110,6 +110,21 @@ class _TensorsInADict(nn.Module):
         return self.fc(x) * self.scales["default"]
 
 
+class _Energy(nn.Module):
+    """A force field: forces as the gradient of an energy, taken inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, pos):
+        with torch.enable_grad():
+            pos = pos.detach().requires_grad_(True)
+            e = self.fc2(torch.tanh(self.fc1(pos))).sum()
+            (g,) = torch.autograd.grad(e, pos, create_graph=self.training)
+        return e, -g
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -227,6 +242,9 @@ ROWS = [
     ("compile-mesh-spec-names-the-axes-otherwise", lambda w: spmd.compile(MLP(16, 64), w, (x16,),
                                                                           mesh_spec=spec((1,), ("tp",))),
      [r"mesh_spec names its axes \('tp',\), and the mesh \('dp',\).*What to do: name the spec's axes as the mesh's"]),
+    # (found by a probe: torch.export's "fake tensor in the exported program constant's list ... file an issue")
+    ("inference-gradient-inside-the-forward", lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),)),
+     [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*Compile it with `training=True`"]),
     # (found by a probe: torch's "'FakeTensor' object has no attribute 'wait'" and a way out that did not apply)
     ("compile-a-model-holding-a-compiled-module",
      lambda w: spmd.compile(nn.Sequential(spmd.compile(MLP(16, 64), w, (x16,)), nn.ReLU()), w, (x16,)),
