@@ -3328,7 +3328,7 @@ def test_python_values_outside_the_model_read_by_the_trace_are_watched():
         compiled(x, y)
 
 
-ARGS = types.SimpleNamespace(aux_weight=1.0, calls=0)  # (as argparse's Namespace: read by `_Annealed.forward`)
+ARGS = types.SimpleNamespace(aux_weight=1.0, calls=0)  # (as argparse's Namespace: read by `_ReadsArgs.forward`)
 LOSS_CFG = {"w": 1.0}  # (read by `_cfg_loss`)
 
 
@@ -3336,7 +3336,7 @@ def _cfg_loss(out, y):
     return F.mse_loss(out, y) + LOSS_CFG["w"] * out.pow(2).mean()
 
 
-class _Annealed(nn.Module):
+class _ReadsArgs(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 2)
@@ -3353,13 +3353,13 @@ def test_values_read_through_a_global_object_or_dict_are_watched():
     one the forward sets itself (a call counter) and what is read from installed packages (`math.pi`) are not."""
     torch.manual_seed(0)
     x, y = torch.randn(6, 4), torch.randn(6, 2)
-    compiled = one_device(_Annealed(), (x, y), training=True, loss_fn=_cfg_loss)
+    compiled = one_device(_ReadsArgs(), (x, y), training=True, loss_fn=_cfg_loss)
     compiled(x, y)
     compiled(x, y)
     try:
         ARGS.aux_weight = 0.5
         with pytest.raises(spmd.SpmdError, match=r"the global `ARGS\.aux_weight` of tests\.unit\.test_silently_wrong "
-                                                 r"read by _Annealed \(1\.0 -> 0\.5\) changed after compiling"):
+                                                 r"read by _ReadsArgs \(1\.0 -> 0\.5\) changed after compiling"):
             compiled(x, y)
         ARGS.aux_weight = 1.0
         compiled(x, y)
