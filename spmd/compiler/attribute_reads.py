@@ -146,9 +146,9 @@ GRAD_MODE_READS = frozenset({"is_grad_enabled", "is_inference_mode_enabled"})
 
 def grad_mode_reader(root: torch.nn.Module) -> str | None:
     """The first module of `root` (its path, or its class's name) whose forward, the methods it calls on `self`,
-    or a forward hook on it, asks torch whether grad is on (`torch.is_grad_enabled()`,
-    `torch.is_inference_mode_enabled()`); None where none does. torch's own modules are not looked at: their
-    fast paths under no_grad compute the same values."""
+    the plain functions those call by name, or a forward hook on it, asks torch whether grad is on
+    (`torch.is_grad_enabled()`, `torch.is_inference_mode_enabled()`); None where none does. The code of torch's
+    own modules is not looked at (their fast paths under no_grad compute the same values); a hook on one is."""
     for path, module in root.named_modules():
         own = (module.__dict__.get("forward"), *module._forward_pre_hooks.values(), *module._forward_hooks.values())
         if _class_asks_grad_mode(type(module)) or any(_asks_grad_mode(h) for h in own if h is not None):
@@ -162,11 +162,25 @@ def _class_asks_grad_mode(cls: type) -> bool:
                if not (getattr(fn, "__module__", None) or "").startswith("torch."))
 
 
-def _asks_grad_mode(fn) -> bool:
-    code = getattr(inspect.unwrap(getattr(fn, "__func__", fn)), "__code__", None)
-    return isinstance(code, types.CodeType) and any(
-        ins.argval in GRAD_MODE_READS for c in _codes(code) for ins in dis.get_instructions(c)
-        if ins.opname in _ATTR_LOADS or ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+def _asks_grad_mode(fn, depth: int = 2) -> bool:
+    """Whether `fn`, or a plain function it calls by name (`depth` deep, torch's aside), reads `GRAD_MODE_READS`
+    (found by a review: a helper's `torch.is_grad_enabled()` went unseen)."""
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return False
+    for c in _codes(code):
+        for ins in dis.get_instructions(c):
+            if ins.opname not in _ATTR_LOADS and ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+                continue
+            if ins.argval in GRAD_MODE_READS:
+                return True
+            callee = getattr(fn, "__globals__", {}).get(ins.argval) if ins.opname == "LOAD_GLOBAL" else None
+            if depth and isinstance(callee, types.FunctionType) and callee is not fn and \
+                    not (getattr(callee, "__module__", None) or "torch").startswith("torch") and \
+                    _asks_grad_mode(callee, depth - 1):
+                return True
+    return False
 
 
 def hooks_read_training(module: torch.nn.Module) -> bool:
@@ -226,12 +240,10 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
-    loads, stores, paths, set_ = set(), set(), {}, set()
+    loads, stores, paths, through = set(), set(), {}, {}  # through: key -> the first steps written through it
     for c in _codes(code):
         instructions = list(dis.get_instructions(c))
         for at, ins in enumerate(instructions):
-            if ins.opname in ("STORE_ATTR", "DELETE_ATTR", "STORE_SUBSCR", "DELETE_SUBSCR"):
-                set_.add(ins.argval if ins.opname.endswith("ATTR") else "[]")
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                 key = ("global", ins.argval)
             elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and c is code:
@@ -243,25 +255,35 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
                     stores.add(("cell", ins.argval))
                 continue
             loads.add(key)
+            if (step := _written_through(instructions, at + 1)) is not None:  # (`STATS.calls += 1`: state)
+                through.setdefault(key, set()).add(step)
             paths.setdefault(key, set()).add(_path_read(instructions, at + 1))
-    # (a path through which this code also sets something, `STATS.calls += 1`: state it keeps, not a constant)
-    paths = {key: {p for p in ps if not p or (p[-1][1] if p[-1][0] == "attr" else "[]") not in set_}
-             for key, ps in paths.items()}
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
     found, kept = [], _globals_written(fn)
     for kind, name in sorted(loads - stores):
+        constant = sorted((p for p in paths[kind, name] if not _kept(p, through.get((kind, name), ()))), key=repr)
         if kind == "global":
-            if name in getattr(fn, "__globals__", {}) and name not in kept:
+            if name in getattr(fn, "__globals__", {}):
                 value = fn.__globals__[name]
                 if isinstance(value, types.FunctionType):
                     if depth and not (getattr(value, "__module__", None) or "torch").startswith("torch"):
                         found += [(where, n, p) for where, n, p in _outside_reads(value, depth - 1)
-                                  if not isinstance(where, dict) or n not in kept]
+                                  if not isinstance(where, dict) or not _kept(p, kept.get(n, ()))]
                 else:
-                    found += [(fn.__globals__, name, p) for p in sorted(paths[kind, name])]
+                    found += [(fn.__globals__, name, p) for p in constant if not _kept(p, kept.get(name, ()))]
         elif name in cells:
-            found += [(cells[name], name, p) for p in sorted(paths[kind, name])]
+            found += [(cells[name], name, p) for p in constant]
     return found
+
+
+def _kept(path: tuple, steps) -> bool:
+    """Whether `path`, read through a global or variable, leads to state its readers' code keeps there: `steps`
+    holds the first steps written through it (`("attr", "calls")` for `STATS.calls += 1`), `ALL` for the whole of
+    it (a global assigned, an item under a key not known)."""
+    return ALL in steps or (bool(path) and path[0] in steps)
+
+
+ALL = ("all",)
 
 
 def _path_read(instructions: list, at: int) -> tuple:
@@ -282,12 +304,59 @@ def _path_read(instructions: list, at: int) -> tuple:
     return tuple(path)
 
 
-def _globals_written(fn, depth: int = 3) -> set[str]:
-    """The globals the plain functions `fn` calls by name (and those they call, `depth` deep) write: state the
-    forward keeps through them (found by a review: `_LOGGED`, set by a log-once helper the forward calls, was
-    watched, and an eager call of the model made the compiled one refuse). A training loop that sets a global is
-    no function the forward calls: what it sets stays watched."""
-    written, todo, seen = set(), [(fn, 0)], set()
+def _written_through(instructions: list, at: int) -> tuple | None:
+    """The first step (`("attr", "calls")`, `("item", "n")`, `ALL`) through which the value loaded just before
+    `instructions[at]` (a global's or a variable's) is written by the instructions that follow, before anything
+    is called or loaded by name: an attribute or an item set on it or on what is read from it (`STATS.calls += 1`,
+    `CFG["n"] = v`, `STATS.hist[0] = x`); None where it is not, or a value read from it is stored into another
+    object (`h[:, 0] = CFG["w"]`). The stack is followed where those instructions move it."""
+    # each entry: None (another value), ("const", v), ROOT (the value itself), or the first step read from it
+    ROOT, stack = ("root",), [("root",)]
+
+    def first(entry, step):
+        return step if entry == ROOT else entry
+
+    for ins in instructions[at:]:
+        op, arg = ins.opname, ins.arg
+        if op in ("STORE_ATTR", "DELETE_ATTR"):
+            obj = stack[-1] if stack else None
+            return first(obj, ("attr", ins.argval)) if obj is not None and obj[0] != "const" else None
+        if op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+            key, obj = (stack[-1], stack[-2]) if len(stack) >= 2 else (None, None)
+            if obj is None or obj[0] == "const":
+                return None
+            return first(obj, ("item", key[1]) if key is not None and key[0] == "const" else ALL)
+        if op == "LOAD_ATTR" and stack:
+            top = stack[-1]
+            stack[-1] = first(top, ("attr", ins.argval)) if top is not None and top[0] != "const" else None
+        elif op == "BINARY_SUBSCR" and len(stack) >= 2:
+            key, obj = stack.pop(), stack.pop()
+            stack.append(first(obj, ("item", key[1]) if key is not None and key[0] == "const" else ALL)
+                         if obj is not None and obj[0] != "const" else None)
+        elif op == "LOAD_CONST":
+            stack.append(("const", ins.argval))
+        elif op == "LOAD_FAST":
+            stack.append(None)
+        elif op in ("BINARY_OP", "COMPARE_OP") and len(stack) >= 2:
+            stack[-2:] = [None]
+        elif op == "COPY" and len(stack) >= arg:
+            stack.append(stack[-arg])
+        elif op == "SWAP" and len(stack) >= arg:
+            stack[-1], stack[-arg] = stack[-arg], stack[-1]
+        else:
+            return None
+    return None
+
+
+@functools.cache
+def _globals_written(fn, depth: int = 3, own: bool = False) -> dict[str, frozenset]:
+    """name -> the first steps written through it (`_written_through`; `ALL` for a global assigned) of the globals
+    the plain functions `fn` calls by name (and those they call, `depth` deep) write, and with `own` those `fn`
+    itself writes: state the forward keeps through them (found by a review: `_LOGGED`, set by a log-once helper
+    the forward calls, was watched, and an eager call of the model made the compiled one refuse; a counter
+    `STATS.calls` bumped by a helper). A training loop that sets a global is no function the forward calls:
+    what it sets stays watched."""
+    written, todo, seen = {}, [(fn, 0)], set()
     while todo:
         f, level = todo.pop()
         code = getattr(f, "__code__", None)
@@ -295,14 +364,18 @@ def _globals_written(fn, depth: int = 3) -> set[str]:
             continue
         seen.add(f)
         for c in _codes(code):
-            for ins in dis.get_instructions(c):
-                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") and f is not fn:
-                    written.add(ins.argval)
-                elif ins.opname == "LOAD_GLOBAL" and level < depth:
+            instructions = list(dis.get_instructions(c))
+            for at, ins in enumerate(instructions):
+                if own or f is not fn:
+                    if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                        written.setdefault(ins.argval, set()).add(ALL)
+                    elif ins.opname == "LOAD_GLOBAL" and (step := _written_through(instructions, at + 1)):
+                        written.setdefault(ins.argval, set()).add(step)
+                if ins.opname == "LOAD_GLOBAL" and level < depth:
                     callee = getattr(f, "__globals__", {}).get(ins.argval)
                     if isinstance(callee, types.FunctionType):
                         todo.append((inspect.unwrap(callee), level + 1))
-    return written
+    return {name: frozenset(steps) for name, steps in written.items()}
 
 
 def _function_of(callable_) -> object | None:
@@ -590,9 +663,15 @@ class AttributeGuard:
             else:
                 for path, module in root.named_modules():
                     shown = ".".join(p for p in (label, path) if p) or type(module).__name__
-                    for fn in (*_walk(type(module))[2], module.__dict__.get("forward")):
-                        if fn is not None:
-                            self._watch_outside(getattr(fn, "__func__", fn), shown, seen)
+                    fns = [getattr(fn, "__func__", fn) for fn in (*_walk(type(module))[2], module.__dict__.get("forward"))
+                           if fn is not None]
+                    # (what one method writes, another reads as state: `self._tick()` counting in `STATS.calls`)
+                    kept = {}
+                    for fn in fns:
+                        for name, steps in _globals_written(inspect.unwrap(fn), own=True).items():
+                            kept[name] = kept.get(name, frozenset()) | steps
+                    for fn in fns:
+                        self._watch_outside(fn, shown, seen, kept)
                     # (and its forward hooks', traced into the graph: a probe's `o * scale`, `scale` reassigned
                     # through `nonlocal` after compiling, went on with the old value)
                     for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
@@ -623,10 +702,14 @@ class AttributeGuard:
                 self._configs += [[config, ".".join(p for p in (label, path) if p), dict(vars(config))]
                                   for config, path in _configurations(root)]
 
-    def _watch_outside(self, fn, reader: str, seen: set) -> None:
+    def _watch_outside(self, fn, reader: str, seen: set, kept: dict | None = None) -> None:
+        """Watch what `fn` reads from outside itself (`_outside_reads`), state the reader's code writes aside
+        (`kept`: `_globals_written`'s)."""
         if (getattr(fn, "__module__", None) or "").startswith("torch."):
             return  # (torch's own state: parametrize's `_cache_enabled`, read by every parametrized weight)
         for where, name, path in _outside_reads(fn):
+            if isinstance(where, dict) and _kept(path, (kept or {}).get(name, ())):
+                continue
             value = _outside_object(where, name, path)
             tensor = type(value) is torch.Tensor and not value.is_inference()
             if (tensor or plain(value)) and (id(where), name, path) not in seen:

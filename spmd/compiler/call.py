@@ -250,6 +250,7 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
         out = base.forward(self, *a, **kw)
         return _loss_only(out) if loss_only else out
 
+    forward.__wrapped__ = base.forward  # (what the user's forward reads, for the messages that quote its lines)
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = inspect.Signature(
         [self_param] + [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in taken])

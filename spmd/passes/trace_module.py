@@ -327,6 +327,7 @@ def _forward_lines(model: torch.nn.Module | None, name: str, pattern: str) -> li
     found = []
     for cls in dict.fromkeys(type(m) for m in (model.modules() if model is not None else ())):
         forward = getattr(cls, "forward", None)
+        forward = inspect.unwrap(forward) if callable(forward) else forward
         if cls.__module__.startswith("torch.") or name not in getattr(getattr(forward, "__code__", None),
                                                                         "co_names", ()):
             continue
@@ -391,8 +392,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
     differentiates = _forward_lines(model, "grad", r"autograd\.grad\(|\.backward\(") if in_constants else []
     if differentiates:  # (found by a probe: a force field's -dE/dx, told torch's words and "file an issue")
         return (f"`{differentiates[0]}` differentiates inside the forward (forces as the gradient of an energy), "
-                "which torch.export cannot trace into a graph for inference. Compile it with `training=True` (the "
-                "joint graph takes a gradient inside the forward; a call need not be followed by a backward)")
+                "which a graph holds only as part of a training graph, with the gradient's own computation: compile "
+                "with `training=True` and take the gradient with `create_graph=True` (a call need not be followed "
+                "by a backward)")
     through_data = _data_lines(model) if in_constants else []
     if through_data:  # (found by a probe: an EMA buffer updated as `self.ema.data.mul_(d).add_(...)`)
         return (f"`{through_data[0]}` goes through `.data`, which torch.export cannot trace in a forward (it leaves a "

@@ -423,7 +423,7 @@ class CompiledModule(nn.Module):
         # a module whose forward asks whether grad is on (`torch.is_grad_enabled()`): every graph is traced with
         # grad on, so a call under no_grad is checked once for another branch (`_refuse_no_grad`)
         self._grad_reader = grad_mode_reader(self._traced_root)
-        self._grad_checked: str | None | bool = False
+        self._grad_differs: dict[bool, str | None] = {}  # under inference mode or not -> what differs (None: nothing)
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
@@ -2080,20 +2080,22 @@ class CompiledModule(nn.Module):
         return self._mode_checked
 
     def _refuse_no_grad(self) -> None:
-        """Raise where a forward that branches on `torch.is_grad_enabled()` runs other ops under no_grad than
-        with grad on, as it was traced (found on fake tensors once, `ops_differ_by_grad`): the graph would
-        compute the grad-on branch."""
-        if self._grad_checked is False:
+        """Raise where a forward that branches on `torch.is_grad_enabled()` (or inference mode) runs other ops with
+        grad off, as now, than with grad on, as it was traced (found on fake tensors, once for no_grad and once for
+        inference mode: `ops_differ_by_grad`): the graph would compute the grad-on branch."""
+        inference = torch.is_inference_mode_enabled()
+        if inference not in self._grad_differs:
             inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
             with source_guard.inside():
-                self._grad_checked = ops_differ_by_grad(self._traced_root, inputs)
-        if self._grad_checked:
+                self._grad_differs[inference] = ops_differ_by_grad(self._traced_root, inputs, inference)
+        if self._grad_differs[inference]:
             raise SpmdError(
-                f"{self._grad_reader} asks torch whether grad is on (`torch.is_grad_enabled()`), and its forward "
-                f"computes otherwise under no_grad ({self._grad_checked}); the compiled graph was traced with grad "
-                "on, so this call, under torch.no_grad() or torch.inference_mode(), would compute the grad-on "
-                "branch. What to do: call it with grad on (outside no_grad; the outputs can be detached), or "
-                "make the branch depend on something the graph takes, the module's mode (`self.training`, with "
+                f"{self._grad_reader} asks torch whether grad is on (`torch.is_grad_enabled()` or "
+                f"`torch.is_inference_mode_enabled()`), and its forward computes otherwise with grad off "
+                f"({self._grad_differs[inference]}); the compiled graph was traced with grad on, so this call, under "
+                f"{'torch.inference_mode()' if inference else 'torch.no_grad()'}, would compute the grad-on branch. "
+                "What to do: call it with grad on (outside no_grad or inference_mode; the outputs can be detached), "
+                "or make the branch depend on something the graph takes, the module's mode (`self.training`, with "
                 "a module compiled in each mode) or an input.")
 
     def _refuse_another_mode(self) -> None:
@@ -2222,8 +2224,11 @@ class CompiledModule(nn.Module):
             try:
                 shapes = self._shapes_taking(inputs)
             except Exception:
-                if _laid_out:  # (a piece laid out otherwise than taken has another local shape: say that, not
-                    self._check_layouts(inputs, self._shapes)  # what the variant's trace met; found by a probe)
+                # (a piece laid out otherwise than taken has another local shape: say that, rather than what the
+                # trace of a variant for its shape met; found by a probe. Plain tensors only: a DTensor has its own
+                # refusal, which the lookup would hide)
+                if _laid_out and all(type(t) is torch.Tensor for t in inputs if isinstance(t, torch.Tensor)):
+                    self._check_layouts(inputs, self._shapes)
                 raise
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:

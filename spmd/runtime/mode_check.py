@@ -11,6 +11,8 @@ traced mode computes, not what this one does.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections import Counter
 
 import torch
@@ -140,19 +142,48 @@ def ops_differ_by_mode(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     a training step (torch's eval-only fast paths are what the graph was traced without, not a difference
     of the model's). A forward that cannot run on fake tensors (data-dependent Python, say) answers None:
     nothing is known. `root` and its submodules keep their modes and attributes."""
-    return _differ(root, inputs, {"train mode": (True, True), "eval mode": (False, True)})
+    return _differ(root, inputs, {"train mode": _Setting(training=True), "eval mode": _Setting(training=False)})
 
 
-def ops_differ_by_grad(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> str | None:
+def ops_differ_by_grad(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]],
+                       inference: bool = False) -> str | None:
     """As `ops_differ_by_mode`, between grad enabled (as every graph is traced) and disabled (a call under
-    `torch.no_grad()` or `torch.inference_mode()`), in `root`'s own mode: a forward that branches on
-    `torch.is_grad_enabled()` itself."""
-    return _differ(root, inputs, {"grad on": (None, True), "no_grad": (None, False)})
+    `torch.no_grad()`, or with `inference` under `torch.inference_mode()`), in the modules' own modes: a forward
+    that branches on `torch.is_grad_enabled()` or `torch.is_inference_mode_enabled()` itself."""
+    off = "inference_mode" if inference else "no_grad"
+    return _differ(root, inputs, {"grad on": _Setting(), off: _Setting(grad=off)})
 
 
-def _differ(root, inputs, settings: dict[str, tuple[bool | None, bool]]) -> str | None:
-    """The difference between the ops the forward runs under the two `settings` (label -> (training, grad
-    enabled); training None: the modules' own modes), described with their labels, or None."""
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """How the forward runs: `training` (None: each module's own mode) and `grad`, "on", "no_grad" or
+    "inference_mode"."""
+
+    training: bool | None = None
+    grad: str = "on"
+
+    @contextlib.contextmanager
+    def context(self):
+        """Grad on or off; for "inference_mode", off with `torch.is_inference_mode_enabled()` saying True: under
+        inference mode itself torch leaves composite ops whole (`linear`, where grad mode runs `t` and `addmm`),
+        which would differ in every forward."""
+        if self.grad == "on":
+            with torch.enable_grad():
+                yield
+            return
+        asked = torch.is_inference_mode_enabled
+        try:
+            if self.grad == "inference_mode":
+                torch.is_inference_mode_enabled = lambda: True
+            with torch.no_grad():
+                yield
+        finally:
+            torch.is_inference_mode_enabled = asked
+
+
+def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
+    """The difference between the ops the forward runs under the two `settings`, described with their labels,
+    or None."""
     from torch._export.utils import _compiling_state_context
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -162,11 +193,13 @@ def _differ(root, inputs, settings: dict[str, tuple[bool | None, bool]]) -> str 
     seen = {}
     fastpath = torch.backends.mha.get_fastpath_enabled()
     modes = [(m, m.training) for m in root.modules()]
+    stack = contextlib.ExitStack()
     try:
         torch.backends.mha.set_fastpath_enabled(False)
-        for label, (training, grad) in settings.items():
+        stack.enter_context(torch.inference_mode(False))  # (asked under the user's inference mode: fakes need grad)
+        for label, setting in settings.items():
             with state_kept(root), FakeTensorMode(allow_non_fake_inputs=True), _compiling_state_context(), \
-                    torch.set_grad_enabled(grad):
+                    torch.enable_grad():
                 # (one name per tensor: functional_call ties the others, and refused a tied weight given under
                 # each name, which the `except` below took for a forward it cannot run: the check was off for
                 # GPT-2, BERT and T5; a review)
@@ -175,14 +208,15 @@ def _differ(root, inputs, settings: dict[str, tuple[bool | None, bool]]) -> str 
                          for kind in (root.named_parameters(), root.named_buffers())
                          for name, t in kind if t is not None}
                 args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
-                if training is not None:
-                    root.train(training)
-                with _Ops({id(t): ("state", name) for name, t in state.items()}) as ops:
+                if setting.training is not None:
+                    root.train(setting.training)
+                with setting.context(), _Ops({id(t): ("state", name) for name, t in state.items()}) as ops:
                     torch.func.functional_call(root, state, tuple(args), tie_weights=True, strict=False)
             seen[label] = ops.calls
     except Exception:  # (the trace ran this forward under AOTAutograd; a plain fake run may still not)
         return None
     finally:
+        stack.close()
         torch.backends.mha.set_fastpath_enabled(fastpath)
         for m, training in modes:
             m.training = training

@@ -121,7 +121,7 @@ class _Energy(nn.Module):
         with torch.enable_grad():
             pos = pos.detach().requires_grad_(True)
             e = self.fc2(torch.tanh(self.fc1(pos))).sum()
-            (g,) = torch.autograd.grad(e, pos, create_graph=self.training)
+            (g,) = torch.autograd.grad(e, pos, create_graph=self.training)  # (True in train mode: traced)
         return e, -g
 
 
@@ -244,7 +244,11 @@ ROWS = [
      [r"mesh_spec names its axes \('tp',\), and the mesh \('dp',\).*What to do: name the spec's axes as the mesh's"]),
     # (found by a probe: torch.export's "fake tensor in the exported program constant's list ... file an issue")
     ("inference-gradient-inside-the-forward", lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),)),
-     [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*Compile it with `training=True`"]),
+     [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*compile with `training=True` and take "
+      r"the gradient with `create_graph=True`"]),
+    ("training-gradient-inside-the-forward-without-its-graph",
+     lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),), training=True),
+     [r"differentiates inside the forward.*`create_graph=True`"]),
     # (found by a probe: torch's "'FakeTensor' object has no attribute 'wait'" and a way out that did not apply)
     ("compile-a-model-holding-a-compiled-module",
      lambda w: spmd.compile(nn.Sequential(spmd.compile(MLP(16, 64), w, (x16,)), nn.ReLU()), w, (x16,)),

@@ -543,6 +543,10 @@ def test_a_compile_inside_parametrize_cached_leaves_the_cache_alone():
     torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), expected)  # (after the block: not refused)
 
 
+def _grad_on() -> bool:  # (a helper the forward calls by name: found by a review, it went unseen)
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
 class _GradBranch(nn.Module):
     def __init__(self, scaled: bool):
         super().__init__()
@@ -550,7 +554,7 @@ class _GradBranch(nn.Module):
 
     def forward(self, x):
         y = self.fc(x)
-        if torch.is_grad_enabled():  # (a checkpointing switch computes the same; a scale does not)
+        if _grad_on():  # (a checkpointing switch computes the same; a scale does not)
             y = y * 2 if self.scaled else y.clone()
         return y
 
@@ -566,13 +570,14 @@ def test_a_forward_branching_on_the_grad_mode_is_checked_under_no_grad(scaled):
     model, x = _GradBranch(scaled), torch.randn(4, 8)
     compiled = CompiledModule(compile_graph(model, (x,), spec((1,), ("dp",)), 0), None, src_data_rank=None)
     torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
-    with torch.no_grad():
-        if scaled:
-            with pytest.raises(spmd.SpmdError, match=r"_GradBranch asks torch whether grad is on.*mul only in grad "
-                                                     r"on.*What to do: call it with grad on"):
-                compiled(*compiled.shard_inputs(x))
-        else:
-            torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
+    for off in (torch.no_grad, torch.inference_mode):  # (the second: its own check, found by a review)
+        with off():
+            if scaled:
+                with pytest.raises(spmd.SpmdError, match=r"_GradBranch asks torch whether grad is on.*mul only in "
+                                                         r"grad on.*What to do: call it with grad on"):
+                    compiled(*compiled.shard_inputs(x))
+            else:
+                torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
 
 
 def test_pruning_a_holder_is_refused_before_anything_moves():
