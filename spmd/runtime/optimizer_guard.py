@@ -378,6 +378,24 @@ def made_up(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> No
         _install()
 
 
+def refuse_unwritten(named: dict) -> None:
+    """Raise where `named` (given to `load_optimizer_state_dict`) is state `optimizer_state_dict` made up for an
+    optimizer that had none, and nothing was written into it since: a load before `dcp.load` filled it took
+    the made-up state (AdamW's step 1), and the checkpoint's moments reached the optimizer only through the
+    memory they share, its steps and rates never (found by a probe: 2.35 where the run resumed at 2.27)."""
+    tensors = [getattr(v, "_local_tensor", v) for entries in named.get("state", {}).values()
+               if isinstance(entries, dict) for v in entries.values() if isinstance(v, torch.Tensor)]
+    with _lock:
+        made = {id(t): v for records in _made_up.values() for t, v in records}
+    if tensors and all(id(t) in made and t._version == made[id(t)] for t in tensors):
+        raise SpmdError(
+            "load_optimizer_state_dict: this is the state `compiled.optimizer_state_dict(optimizer)` made up for an "
+            "optimizer that had none (a fresh one's: AdamW's step 1, zero moments), and nothing was loaded into it "
+            "since: the optimizer would resume from it, not from the checkpoint. What to do: load the checkpoint "
+            "into the dict first (`dcp.load({..., 'optim': state}, ...)`), then "
+            "`compiled.load_optimizer_state_dict(optimizer, state)`.")
+
+
 def _refuse_unloaded(optimizer: torch.optim.Optimizer) -> None:
     """FSDP2's way, `dcp.load({"optim": get_optimizer_state_dict(...)})`, fills the optimizer's own state in place;
     spmd's `optimizer_state_dict` of a fresh optimizer is made up beside it (a step at rate 0 would change the

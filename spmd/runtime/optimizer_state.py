@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from spmd.core.errors import SpmdError
 from spmd.runtime import source_guard
-from spmd.runtime.optimizer_guard import SAVED_BY, made_up as made_up_state, step_hooks
+from spmd.runtime.optimizer_guard import SAVED_BY, made_up as made_up_state, refuse_unwritten, step_hooks
 
 
 def _names(compiled, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -139,6 +139,7 @@ def _by_names(named: dict) -> None:
 
 
 def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
+    refuse_unwritten(named)
     names = _names(compiled, optimizer)
     index = {fqn: k for k, fqn in enumerate(fqn for group in names for fqn in group)}
     pieces = {}  # (a DTensor entry per parameter: whose pieces, agreed over the mesh before any is taken)

@@ -277,10 +277,10 @@ class _PartLoad:
             return None
         if not self.after:  # (module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
             state_dict, prefix, errors = args[0], args[1], args[6]
-            _loading[module] = ({k: t for table in (module._parameters, module._buffers) for k, t in table.items()
-                                 if t is not None and prefix + k in state_dict}, errors, len(errors))
+            _loading_into[module] = ({k: t for table in (module._parameters, module._buffers) for k, t in table.items()
+                                      if t is not None and prefix + k in state_dict}, errors, len(errors))
             return None
-        found, errors, before = _loading.pop(module, ({}, (), 0))
+        found, errors, before = _loading_into.pop(module, ({}, (), 0))
         if found and len(errors) == before:
             given = [(t, now) for k, t in found.items()
                      if (now := module._parameters.get(k, module._buffers.get(k))) is not None]
@@ -290,7 +290,9 @@ class _PartLoad:
         return None
 
 
-_loading = WeakIdKeyDictionary()  # module -> (names a load into it gives, the load's errors, their count before)
+# a module of a model `load_state_dict` is loading into -> (names the load gives, its errors, their count before)
+# (a dict of its own: it shared `_loading`'s name, and torch.distributed.checkpoint's loads met its entries)
+_loading_into = WeakIdKeyDictionary()
 
 
 def _part_moved(model: torch.nn.Module, part: torch.nn.Module, now: tuple,
@@ -1185,8 +1187,10 @@ def _settle_loads() -> None:
     """The pieces torch.distributed.checkpoint wrote since `loading`: given from elsewhere (`given`), as
     `load_state_dict` after the load would say. Run before any guard reads who holds the newest weights, and before
     an optimizer steps (whose writes are no load)."""
-    for compiled, entries in list(_loading.items()):
-        del _loading[compiled]
+    for compiled in list(_loading):
+        entries = _loading.pop(compiled, None)  # (settled already by the `given` of another: it re-enters here)
+        if entries is None:
+            continue
         written = {fqn for fqn, (piece, version) in entries.items() if piece._version != version}
         if written:
             given(compiled, written, elsewhere=True)
@@ -1250,7 +1254,9 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
     checkpoint was loaded into evaluated the old weights), and the model until they are copied back into it
     (`_trained`: calling it, compiling it again). Into a module that was behind, or beside one that has
     trained (an older checkpoint evaluated while training goes on), they are only its own."""
-    ahead = elsewhere and not _newer(compiled) and not any(
+    # (a copy, `copy.deepcopy(compiled)`, is a snapshot of its own: an EMA given its checkpoint leaves the module
+    # that trains as it was; found by a probe, whose resume was refused and, following the advice, trained the EMA)
+    ahead = elsewhere and not compiled.__dict__.get("_copy") and not _newer(compiled) and not any(
         (c := ref()) is not None and c is not compiled and c.__dict__.get("_stepped_at", 0)
         for ref in compiled.__dict__.get("_siblings", ()))
     mark_model(compiled, fqns)

@@ -79,6 +79,24 @@ def test_optimizer_state_round_trip_by_the_models_names():
         torch.testing.assert_close(v, went_on[k], rtol=0, atol=0)
 
 
+def test_a_load_of_the_made_up_state_before_the_checkpoint_fills_it_is_refused():
+    """Found by a probe: `compiled.load_optimizer_state_dict(opt, state)` called before `dcp.load` filled `state`
+    took the state made up for the fresh optimizer (AdamW's step 1); the checkpoint's moments reached the
+    optimizer only through the memory they share, its step and rates never (2.35 where the run resumed at
+    2.27). Refused until something is loaded into the dict; after that it loads."""
+    _, compiled, (ids, labels) = _compiled()
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    state = compiled.optimizer_state_dict(opt)
+    with pytest.raises(spmd.SpmdError, match=r"made up for an optimizer that had none.*nothing was loaded into "
+                                             r"it since.*What to do: load the checkpoint into the dict first"):
+        compiled.load_optimizer_state_dict(opt, state)
+    with torch.no_grad():  # (as dcp.load writes the checkpoint's values in place)
+        state["state"]["fc.weight"]["exp_avg"].fill_(0.5)
+        state["state"]["fc.weight"]["step"].fill_(3.0)
+    compiled.load_optimizer_state_dict(opt, state)
+    assert float(opt.state[compiled.get_parameter("fc.weight")]["step"]) == 3.0
+
+
 def _grouped(compiled, order):
     named = dict(compiled.named_parameters())
     groups = {"decay": {"params": [p for n, p in named.items() if p.ndim >= 2], "weight_decay": 0.1},
