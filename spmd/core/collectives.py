@@ -81,13 +81,19 @@ def _in_place(x: torch.Tensor, asked: bool) -> bool:
 def _real(x: torch.Tensor) -> torch.Tensor:
     """A complex tensor as real pairs (a last dim of 2), as torch.distributed's own API sends one: NCCL has no
     complex types, and gloo's all_to_all refuses them (a probe: an FNO's spectral weight pinned on its modes
-    failed its first step with "Invalid scalar type"). Anything else as it is."""
-    return torch.view_as_real(x.contiguous()) if x.is_complex() else x
+    failed its first step with "Invalid scalar type"). A bool tensor as bytes: inductor's all_gather of a bool
+    gave int64 back (a probe, `compile_graphs=True`: a gathered mask negated, `~mask`, was -1 and -2, and the
+    loss 2.21 where eager gave 1.20). Anything else as it is."""
+    if x.is_complex():
+        return torch.view_as_real(x.contiguous())
+    return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 
 def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`y`, a collective's result of `_real(x)`, as complex again where `x` is."""
-    return torch.view_as_complex(y) if x.is_complex() else y
+    """`y`, a collective's result of `_real(x)`, as complex (or bool) again where `x` is."""
+    if x.is_complex():
+        return torch.view_as_complex(y)
+    return y.view(torch.bool) if x.dtype == torch.bool else y
 
 
 def _launch(x: torch.Tensor, reduce_op: str, group: str, inplace: bool) -> torch.Tensor:

@@ -48,3 +48,39 @@ def test_compiled_inference_matches_single_device(ranks):
         assert r["err"] < 1e-5, r
         assert r["compiled"] == ["graph"], r
         assert r["collectives"], r
+
+
+def _gathered_mask(rank: int, world: int) -> dict:
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import spmd
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x, mask):
+            return self.fc(x) * (~mask.flip(0)).unsqueeze(-1)  # (the flip over the split batch gathers the mask)
+
+    torch.manual_seed(0)
+    model = Masked()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y, mask = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, 8, generator=g), torch.rand(4, 6, generator=g) < 0.5
+    compiled = spmd.compile(model, spmd.init_mesh((2,), ("dp",)), (x, mask, y), loss_fn=F.mse_loss, compile_graphs=True,
+                            in_placements={"x": [Shard(0)], "mask": [Shard(0)]})
+    loss = compiled(*compiled.shard_inputs(x, mask, y))
+    return {"loss": float(loss), "eager": float(F.mse_loss(reference(x, mask), y)),
+            "gathers": sum(n for (kind, _), n in compiled.plan.collective_summary().items() if kind == "all_gather")}
+
+
+def test_a_gathered_bool_mask_stays_bool(ranks):
+    """Found by a probe: inductor's all_gather of a bool mask gave int64 back, so `~mask` was -1 and -2 and the
+    loss 2.21 where eager gave 1.20, silently. Bools travel as bytes (core/collectives.py `_real`)."""
+    for r in ranks(2).run(_gathered_mask):
+        assert r["gathers"] and r["loss"] == pytest.approx(r["eager"], rel=1e-6), r
