@@ -388,6 +388,11 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "length (`out * (torch.arange(T) < lengths[:, None])[..., None]`), each sequence's last state taken at "
                 "`lengths - 1` (`out.gather`). A bidirectional RNN's backward direction would start in the padding: "
                 "keep it outside the compiled module, or left-align it by flipping each sequence" + tail)
+    # (found by a probe: torch's words, "'NoneType' object has no attribute 'ignore_fresh_unbacked_symbols'")
+    if "higher_order.while_loop" in str(error) or "while_loop" in _frames(error):
+        return ("the forward runs `torch.while_loop`, which torch traces for inference but cannot differentiate: "
+                "a training graph cannot hold it. Unroll the loop in Python where its count is fixed (`for _ in "
+                "range(3): z = body(z)`), or compile the model for inference" + tail)
     in_constants = "fake tensor in the exported program constant" in str(error)
     differentiates = _forward_lines(model, "grad", r"autograd\.grad\(|\.backward\(") if in_constants else []
     if differentiates:  # (found by a probe: a force field's -dE/dx, told torch's words and "file an issue")

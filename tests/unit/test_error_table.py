@@ -125,6 +125,18 @@ class _Energy(nn.Module):
         return e, -g
 
 
+class _Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        _, z = while_loop(lambda i, z: i < 3, lambda i, z: (i + 1, torch.tanh(z * 1.5)), (torch.tensor(0), self.fc(x)))
+        return z
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -242,6 +254,9 @@ ROWS = [
     ("compile-mesh-spec-names-the-axes-otherwise", lambda w: spmd.compile(MLP(16, 64), w, (x16,),
                                                                           mesh_spec=spec((1,), ("tp",))),
      [r"mesh_spec names its axes \('tp',\), and the mesh \('dp',\).*What to do: name the spec's axes as the mesh's"]),
+    # (found by a probe: "'NoneType' object has no attribute 'ignore_fresh_unbacked_symbols'")
+    ("training-while-loop", lambda w: _plan(_Looped(), (torch.randn(4, 8),), training=True),
+     [r"runs `torch.while_loop`, which torch traces for inference but cannot differentiate.*Unroll the loop"]),
     # (found by a probe: torch.export's "fake tensor in the exported program constant's list ... file an issue")
     ("inference-gradient-inside-the-forward", lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),)),
      [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*compile with `training=True` and take "
