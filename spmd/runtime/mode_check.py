@@ -192,7 +192,6 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     seen = {}
     fastpath = torch.backends.mha.get_fastpath_enabled()
-    modes = [(m, m.training) for m in root.modules()]
     stack = contextlib.ExitStack()
     try:
         torch.backends.mha.set_fastpath_enabled(False)
@@ -218,8 +217,6 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
     finally:
         stack.close()
         torch.backends.mha.set_fastpath_enabled(fastpath)
-        for m, training in modes:
-            m.training = training
     (a, first), (b, second) = seen.items()
     if first == second:
         return None
