@@ -142,6 +142,7 @@ def reads_training(cls: type) -> bool:
 
 
 GRAD_MODE_READS = frozenset({"is_grad_enabled", "is_inference_mode_enabled"})
+GRAD_FLAG_READS = frozenset({"requires_grad"})
 
 
 def grad_mode_reader(root: torch.nn.Module) -> str | None:
@@ -149,22 +150,32 @@ def grad_mode_reader(root: torch.nn.Module) -> str | None:
     the plain functions those call by name, or a forward hook on it, asks torch whether grad is on
     (`torch.is_grad_enabled()`, `torch.is_inference_mode_enabled()`); None where none does. The code of torch's
     own modules is not looked at (their fast paths under no_grad compute the same values); a hook on one is."""
+    return _first_reader(root, GRAD_MODE_READS)
+
+
+def grad_flag_reader(root: torch.nn.Module) -> str | None:
+    """As `grad_mode_reader`, for code that reads a tensor's `requires_grad` (`if x.requires_grad:`): a forward
+    that may branch on whether an input requires grad, which the graph fixed as the example input's."""
+    return _first_reader(root, GRAD_FLAG_READS)
+
+
+def _first_reader(root: torch.nn.Module, names: frozenset[str]) -> str | None:
     for path, module in root.named_modules():
         own = (module.__dict__.get("forward"), *module._forward_pre_hooks.values(), *module._forward_hooks.values())
-        if _class_asks_grad_mode(type(module)) or any(_asks_grad_mode(h) for h in own if h is not None):
+        if _class_reads(type(module), names) or any(_reads_names(h, names) for h in own if h is not None):
             return path or type(module).__name__
     return None
 
 
 @functools.cache
-def _class_asks_grad_mode(cls: type) -> bool:
-    return any(_asks_grad_mode(fn) for fn in _walk(cls)[2]
+def _class_reads(cls: type, names: frozenset[str]) -> bool:
+    return any(_reads_names(fn, names) for fn in _walk(cls)[2]
                if not (getattr(fn, "__module__", None) or "").startswith("torch."))
 
 
-def _asks_grad_mode(fn, depth: int = 2) -> bool:
-    """Whether `fn`, or a plain function it calls by name (`depth` deep, torch's aside), reads `GRAD_MODE_READS`
-    (found by a review: a helper's `torch.is_grad_enabled()` went unseen)."""
+def _reads_names(fn, names: frozenset[str], depth: int = 2) -> bool:
+    """Whether `fn`, or a plain function it calls by name (`depth` deep, torch's aside), reads one of `names` as
+    a global or an attribute (found by a review: a helper's `torch.is_grad_enabled()` went unseen)."""
     fn = inspect.unwrap(getattr(fn, "__func__", fn))
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
@@ -173,12 +184,12 @@ def _asks_grad_mode(fn, depth: int = 2) -> bool:
         for ins in dis.get_instructions(c):
             if ins.opname not in _ATTR_LOADS and ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
                 continue
-            if ins.argval in GRAD_MODE_READS:
+            if ins.argval in names:
                 return True
             callee = getattr(fn, "__globals__", {}).get(ins.argval) if ins.opname == "LOAD_GLOBAL" else None
             if depth and isinstance(callee, types.FunctionType) and callee is not fn and \
                     not (getattr(callee, "__module__", None) or "torch").startswith("torch") and \
-                    _asks_grad_mode(callee, depth - 1):
+                    _reads_names(callee, names, depth - 1):
                 return True
     return False
 

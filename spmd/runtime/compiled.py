@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.compiler.attribute_reads import AttributeGuard, grad_mode_reader, hooks_read_training, reads_training
+from spmd.compiler.attribute_reads import (AttributeGuard, grad_flag_reader, grad_mode_reader, hooks_read_training,
+                                           reads_training)
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
@@ -38,8 +39,9 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
-from spmd.runtime.mode_check import ops_differ_by_grad, ops_differ_by_mode
-from spmd.runtime.shapes import Shapes, check_room, check_shared, full_key, pinned_to, variant_key, verify_refusal
+from spmd.runtime.mode_check import ops_differ_by_grad, ops_differ_by_input_grads, ops_differ_by_mode
+from spmd.runtime.shapes import (Shapes, check_room, check_shared, full_key, pinned_to, requires_grad_flags,
+                                 variant_key, verify_refusal)
 
 
 def _untied_hint(model, missing: list[str]) -> str:
@@ -424,6 +426,11 @@ class CompiledModule(nn.Module):
         # grad on, so a call under no_grad is checked once for another branch (`_refuse_no_grad`)
         self._grad_reader = grad_mode_reader(self._traced_root)
         self._grad_differs: dict[bool, str | None] = {}  # under inference mode or not -> what differs (None: nothing)
+        # a module whose forward reads a tensor's `requires_grad` (`if x.requires_grad:`): a call whose inputs are
+        # flagged otherwise than the example's is checked once per flag pattern for another branch
+        # (`_refuse_other_flags`)
+        self._flag_reader = grad_flag_reader(self._traced_root)
+        self._flags_differ: dict[tuple, str | None] = {}  # (traced flags, a call's) -> what differs (None: nothing)
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
@@ -2098,6 +2105,30 @@ class CompiledModule(nn.Module):
                 "or make the branch depend on something the graph takes, the module's mode (`self.training`, with "
                 "a module compiled in each mode) or an input.")
 
+    def _refuse_other_flags(self, inputs: tuple, shapes: Shapes) -> None:
+        """Raise where a forward that reads a tensor's `requires_grad` runs other ops for this call's inputs, some
+        flagged otherwise than the example inputs the graph was traced from, than for those (found on fake tensors,
+        once per flag pattern): the graph would compute the example's branch (a probe: 0.77 off, silently)."""
+        now, traced = requires_grad_flags(inputs), shapes.input_flags
+        if now == traced or len(now) != len(traced):
+            return
+        if (traced, now) not in self._flags_differ:
+            specs = [(spec.shape, spec.dtype) for spec in shapes.input_specs]
+            with source_guard.inside():
+                self._flags_differ[traced, now] = ops_differ_by_input_grads(self._traced_root, specs, traced, now)
+        differs = self._flags_differ[traced, now]
+        if not differs:
+            return
+        name, was = next((spec.name, a) for spec, a, b in zip(shapes.input_specs, traced, now) if a != b)
+        raise SpmdError(
+            f"{self._flag_reader} reads a tensor's requires_grad, and its forward computes otherwise when input "
+            f"{name!r} {'does not require' if was else 'requires'} grad, as at this call, than when it "
+            f"{'does' if was else 'does not'}, as the example input did ({differs}): the compiled graph keeps the "
+            f"example's branch. What to do: pass {name!r} flagged as the example was ("
+            f"{f'`{name}.requires_grad_()`' if was else f'`{name}.detach()`'}), or compile a module for these calls "
+            f"from an example {name!r} flagged as theirs, or make the branch depend on something the graph takes "
+            "(an input's value, the module's mode).")
+
     def _refuse_another_mode(self) -> None:
         """Raise where this module (`.eval()` on it) or the model it was compiled from (`model.eval()` after
         compiling, with no live module compiled from it in that mode) is in the other mode than the traced one,
@@ -2237,6 +2268,8 @@ class CompiledModule(nn.Module):
             self._agree_on_inputs(inputs, shapes.input_specs)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs, shapes)
+        if self._flag_reader is not None:
+            self._refuse_other_flags(inputs, shapes)
         args = self._graph_args(inputs)
         if tuple(t.shape for t in self._state_at(args)) != self._state_shapes:
             self._refuse_piece_shapes(args)
@@ -2286,8 +2319,7 @@ class CompiledModule(nn.Module):
                 return shapes
         if key is not None:
             examples = tuple(torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(
-                t.is_floating_point() and spec.name in self._shapes.traced_with_grad)
-                for shape, t, spec in zip(key, inputs, self._input_specs))
+                t.is_floating_point() and flag) for shape, t, flag in zip(key, inputs, self._shapes.input_flags))
             shapes = self._variants.get(key) or self._compile_variant(examples, key)
             if shapes.check.accepts(inputs):
                 return shapes

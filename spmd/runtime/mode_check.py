@@ -154,13 +154,22 @@ def ops_differ_by_grad(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...]
     return _differ(root, inputs, {"grad on": _Setting(), off: _Setting(grad=off)})
 
 
+def ops_differ_by_input_grads(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]],
+                              traced: tuple[bool, ...], now: tuple[bool, ...]) -> str | None:
+    """As `ops_differ_by_mode`, between the inputs' `requires_grad` as traced and as now (a forward that branches on
+    `x.requires_grad`), with grad on and the modules in their own modes."""
+    return _differ(root, inputs, {"the example's case": _Setting(input_grads=traced),
+                                  "this call's case": _Setting(input_grads=now)})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
-    """How the forward runs: `training` (None: each module's own mode) and `grad`, "on", "no_grad" or
-    "inference_mode"."""
+    """How the forward runs: `training` (None: each module's own mode), `grad`, "on", "no_grad" or
+    "inference_mode", and `input_grads`, each floating-point input's requires_grad (None: none requires it)."""
 
     training: bool | None = None
     grad: str = "on"
+    input_grads: tuple[bool, ...] | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -206,7 +215,9 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
                                                    ).requires_grad_(t.requires_grad)
                          for kind in (root.named_parameters(), root.named_buffers())
                          for name, t in kind if t is not None}
-                args = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in inputs]
+                flags = setting.input_grads or (False,) * len(inputs)
+                args = [torch.empty(shape, dtype=dtype, device=device).requires_grad_(flag and dtype.is_floating_point)
+                        for (shape, dtype), flag in zip(inputs, flags)]
                 if setting.training is not None:
                     root.train(setting.training)
                 with setting.context(), _Ops({id(t): ("state", name) for name, t in state.items()}) as ops:

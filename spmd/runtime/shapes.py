@@ -51,6 +51,7 @@ class Shapes:
     buffer_updates: list[tuple[int, str]]  # an inference graph's new buffer values: (position, FQN)
     user_outputs: list[int]  # an inference graph's user outputs, by position
     traced_with_grad: set[str]  # the inputs whose gradient the graph computes
+    input_flags: tuple[bool, ...]  # each input's requires_grad in the trace (a forward may branch on it)
     state: tuple  # (FQN, placements) of each state argument, in order
     order: tuple[str, ...]  # FQN or input name per placeholder (tangents left out)
     plan: object  # the plan these graphs run, as the module shows it (spmd.compile's report, which explains itself)
@@ -81,7 +82,13 @@ class Shapes:
             buffer_updates=[(k, o.name) for k, o in enumerate(outputs) if o.kind == "buffer_update"],
             user_outputs=[k for k, o in enumerate(outputs) if o.kind == "output"],
             traced_with_grad={o.name for o in outputs if o.kind == "input_grad"},
+            input_flags=requires_grad_flags(c.example_inputs),
             state=tuple(state), order=tuple(order), plan=plan)
+
+
+def requires_grad_flags(inputs: tuple) -> tuple[bool, ...]:
+    """Each of `inputs`' `requires_grad` (False for what is not a tensor)."""
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 def variant_key(flat: tuple, first: Shapes) -> tuple | None:

@@ -580,6 +580,55 @@ def test_a_forward_branching_on_the_grad_mode_is_checked_under_no_grad(scaled):
                 torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
 
 
+class _FlagBranch(nn.Module):
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.fc, self.scaled = nn.Linear(8, 4), scaled
+
+    def forward(self, x):
+        if x.requires_grad:  # (a checkpointing switch computes the same; a scale does not)
+            x = x * 2 if self.scaled else x.clone()
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("example_flag", [True, False])
+def test_a_forward_branching_on_an_inputs_requires_grad_is_checked_for_other_flags(scaled, example_flag):
+    """Found by a probe: the graph keeps the branch the example input's `requires_grad` took, so a call with an
+    input flagged otherwise computed the example's branch (0.77 off, silently), for training and inference
+    alike. Such a call is refused where the branches differ (found on fake tensors), and runs where they do not."""
+    from spmd.runtime.compiled import CompiledModule
+
+    torch.manual_seed(0)
+    model, x = _FlagBranch(scaled), torch.randn(4, 8, requires_grad=example_flag)
+    compiled = CompiledModule(compile_graph(model, (x,), spec((1,), ("dp",)), 0, training=False), None,
+                              src_data_rank=None)
+    torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x))
+    other = x.detach().requires_grad_(not example_flag)
+    if scaled:
+        with pytest.raises(spmd.SpmdError, match=r"_FlagBranch reads a tensor's requires_grad.*input 'x' "
+                                                 r"(does not require|requires) grad, as at this call.*mul only in "
+                                                 r".*What to do: pass 'x' flagged as the example was"):
+            compiled(*compiled.shard_inputs(other))
+    else:
+        torch.testing.assert_close(compiled(*compiled.shard_inputs(other)), model(other))
+
+
+def test_a_training_step_branching_on_an_inputs_requires_grad_is_checked_for_other_flags():
+    """As above, for a training graph traced from an input that requires grad, called with one that does not."""
+    from spmd.runtime.compiled import CompiledModule
+
+    torch.manual_seed(0)
+    model, x = _FlagBranch(True), torch.randn(4, 8, requires_grad=True)
+    with torch.enable_grad():
+        c = compile_graph(model, (x,), spec((1,), ("dp",)), 0, training=True, loss_fn=lambda y: y.sum())
+    compiled = CompiledModule(c, None, src_data_rank=None)
+    torch.testing.assert_close(compiled(*compiled.shard_inputs(x)), model(x).sum())
+    with pytest.raises(spmd.SpmdError, match=r"input 'x' does not require grad, as at this call.*"
+                                             r"`x.requires_grad_\(\)`"):
+        compiled(*compiled.shard_inputs(x.detach()))
+
+
 def test_pruning_a_holder_is_refused_before_anything_moves():
     """Found by a probe: `prune.l1_unstructured(compiled.fc1, "weight", 0.5)` moved the piece to `weight_orig`,
     then met the refused forward pre-hook, and prune's rollback failed with a raw KeyError ("attribute 'weight'
