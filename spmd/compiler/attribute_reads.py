@@ -176,22 +176,30 @@ def _class_reads(cls: type, names: frozenset[str]) -> bool:
 def _reads_names(fn, names: frozenset[str], depth: int = 2) -> bool:
     """Whether `fn`, or a plain function it calls by name (`depth` deep, torch's aside), reads one of `names` as
     a global or an attribute (found by a review: a helper's `torch.is_grad_enabled()` went unseen)."""
-    fn = inspect.unwrap(getattr(fn, "__func__", fn))
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return False
-    for c in _codes(code):
-        for ins in dis.get_instructions(c):
-            if ins.opname not in _ATTR_LOADS and ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
-                continue
-            if ins.argval in names:
-                return True
-            callee = getattr(fn, "__globals__", {}).get(ins.argval) if ins.opname == "LOAD_GLOBAL" else None
-            if depth and isinstance(callee, types.FunctionType) and callee is not fn and \
-                    not (getattr(callee, "__module__", None) or "torch").startswith("torch") and \
-                    _reads_names(callee, names, depth - 1):
-                return True
-    return False
+    return any(ins.argval in names for f in _called(getattr(fn, "__func__", fn), depth) for c in _codes(f.__code__)
+               for ins in dis.get_instructions(c) if ins.opname in _ATTR_LOADS or ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+
+
+def _called(fn, depth: int, torch_too: bool = False) -> list:
+    """`fn` (unwrapped) and the plain functions it calls by name (a global holding a Python function), and those
+    they call, `depth` deep, each once, nearest first; torch's own (and those of no module) left out unless
+    `torch_too`. The one walk behind every scan here that follows helpers."""
+    found, todo, seen = [], [(inspect.unwrap(fn), 0)], set()
+    while todo:
+        f, level = todo.pop(0)
+        if f in seen or not isinstance(getattr(f, "__code__", None), types.CodeType):
+            continue
+        seen.add(f)
+        found.append(f)
+        if level == depth:
+            continue
+        for c in _codes(f.__code__):
+            for ins in dis.get_instructions(c):
+                callee = getattr(f, "__globals__", {}).get(ins.argval) if ins.opname == "LOAD_GLOBAL" else None
+                if isinstance(callee, types.FunctionType) and \
+                        (torch_too or not (getattr(callee, "__module__", None) or "torch").startswith("torch")):
+                    todo.append((inspect.unwrap(callee), level + 1))
+    return found
 
 
 def hooks_read_training(module: torch.nn.Module) -> bool:
@@ -246,11 +254,16 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
     A global or variable that holds an object, a dict or a list comes with the path read through it, attribute
     by attribute or by a constant key (`args.aux_weight`: ("args", (("attr", "aux_weight"),)); `CFG["lam"]`;
     a config module's `cfg.lam`; found by a probe: those went unwatched, 0.14 off after 3 steps). A trace
-    fixes what they held as constants of the graph."""
-    fn = inspect.unwrap(fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
+    fixes what they held as constants of the graph. What a helper writes through a global (`_globals_written`)
+    is state, not read."""
+    kept = _globals_written(inspect.unwrap(fn))
+    return [(where, name, path) for f in _called(fn, depth) for where, name, path in _own_outside_reads(f)
+            if not isinstance(where, dict) or not _kept(path, kept.get(name, ()))]
+
+
+def _own_outside_reads(fn) -> list[tuple[object, str, tuple]]:
+    """`_outside_reads` of `fn`'s own code, functions it calls aside (they are read on their own)."""
+    code = fn.__code__
     loads, stores, paths, through = set(), set(), {}, {}  # through: key -> the first steps written through it
     for c in _codes(code):
         instructions = list(dis.get_instructions(c))
@@ -270,18 +283,13 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
                 through.setdefault(key, set()).add(step)
             paths.setdefault(key, set()).add(_path_read(instructions, at + 1))
     cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
-    found, kept = [], _globals_written(fn)
+    found = []
     for kind, name in sorted(loads - stores):
         constant = sorted((p for p in paths[kind, name] if not _kept(p, through.get((kind, name), ()))), key=repr)
         if kind == "global":
-            if name in getattr(fn, "__globals__", {}):
-                value = fn.__globals__[name]
-                if isinstance(value, types.FunctionType):
-                    if depth and not (getattr(value, "__module__", None) or "torch").startswith("torch"):
-                        found += [(where, n, p) for where, n, p in _outside_reads(value, depth - 1)
-                                  if not isinstance(where, dict) or not _kept(p, kept.get(n, ()))]
-                else:
-                    found += [(fn.__globals__, name, p) for p in constant if not _kept(p, kept.get(name, ()))]
+            value = getattr(fn, "__globals__", {}).get(name, _NONE)
+            if value is not _NONE and not isinstance(value, types.FunctionType):
+                found += [(fn.__globals__, name, p) for p in constant]
         elif name in cells:
             found += [(cells[name], name, p) for p in constant]
     return found
@@ -367,25 +375,17 @@ def _globals_written(fn, depth: int = 3, own: bool = False) -> dict[str, frozens
     the forward calls, was watched, and an eager call of the model made the compiled one refuse; a counter
     `STATS.calls` bumped by a helper). A training loop that sets a global is no function the forward calls:
     what it sets stays watched."""
-    written, todo, seen = {}, [(fn, 0)], set()
-    while todo:
-        f, level = todo.pop()
-        code = getattr(f, "__code__", None)
-        if f in seen or not isinstance(code, types.CodeType):
+    written = {}
+    for k, f in enumerate(_called(fn, depth, torch_too=True)):
+        if k == 0 and not own:
             continue
-        seen.add(f)
-        for c in _codes(code):
+        for c in _codes(f.__code__):
             instructions = list(dis.get_instructions(c))
             for at, ins in enumerate(instructions):
-                if own or f is not fn:
-                    if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                        written.setdefault(ins.argval, set()).add(ALL)
-                    elif ins.opname == "LOAD_GLOBAL" and (step := _written_through(instructions, at + 1)):
-                        written.setdefault(ins.argval, set()).add(step)
-                if ins.opname == "LOAD_GLOBAL" and level < depth:
-                    callee = getattr(f, "__globals__", {}).get(ins.argval)
-                    if isinstance(callee, types.FunctionType):
-                        todo.append((inspect.unwrap(callee), level + 1))
+                if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                    written.setdefault(ins.argval, set()).add(ALL)
+                elif ins.opname == "LOAD_GLOBAL" and (step := _written_through(instructions, at + 1)):
+                    written.setdefault(ins.argval, set()).add(step)
     return {name: frozenset(steps) for name, steps in written.items()}
 
 
