@@ -39,7 +39,7 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
-from spmd.runtime.mode_check import ops_differ_by_grad, ops_differ_by_input_grads, ops_differ_by_mode
+from spmd.runtime.mode_check import grad_mode, ops_differ_by_grad, ops_differ_by_input_grads, ops_differ_by_mode
 from spmd.runtime.shapes import (Shapes, check_room, check_shared, full_key, pinned_to, requires_grad_flags,
                                  variant_key, verify_refusal)
 
@@ -332,6 +332,9 @@ class CompiledModule(nn.Module):
         self._shapes = Shapes.of(c, c.mesh, self.rank, c.binding.device, self.plan)  # (the compiled shapes' graphs and layouts)
         # other input shapes' (an epoch's smaller last batch), compiled by `shard_inputs` over these pieces
         self.__dict__["_variants"]: dict[tuple, Shapes] = {}
+        # an inference module's graphs for calls under no_grad or inference mode, where its forward computes
+        # otherwise then (`_grad_off`): (the mode, the full input shapes) -> Shapes
+        self.__dict__["_grad_variants"]: dict[tuple, Shapes] = {}
         self.__dict__["_recompile"] = recompile
         self.__dict__["_refused_shapes"]: dict[tuple, SpmdError] = {}  # (refused once: not compiled again each epoch)
         self._options = c.options
@@ -1037,6 +1040,7 @@ class CompiledModule(nn.Module):
         new = object.__new__(type(self))
         new.__dict__ = dict(self.__dict__)
         for name in ("_modules", "_non_persistent_buffers_set", "_uninitialized", "_compiled_graphs", "_variants",
+                     "_grad_variants",
                      *(k for k, v in self.__dict__.items() if k.endswith("_hooks") and isinstance(v, dict))):
             new.__dict__[name] = type(self.__dict__[name])(self.__dict__[name])  # (its own table, same entries)
         memo[id(self)] = new
@@ -1640,18 +1644,22 @@ class CompiledModule(nn.Module):
             return self._shapes
         return self._variants.get(key) or self._compile_variant(flat, key)
 
-    def _compile_variant(self, flat: tuple, key: tuple) -> Shapes:
+    def _compile_variant(self, flat: tuple, key: tuple, grad: str = "on") -> Shapes:
         """This module's graphs for full inputs of the shapes `key`, over its pieces: the model compiled again
         (every rank at once, as `shard_inputs` is called: planned on rank 0 and agreed on), with each parameter and
         buffer pinned to its layout here (`shapes.pinned_to`), traced as this module was: each of its modules in
         its mode then, under its autocast state, with gradients on and the parameters frozen at compile time frozen
         (found by a probe: a first cut of a smaller batch in an evaluation loop under torch.no_grad, outside the
         autocast block, or while a layer was frozen for warm-up, gave graphs that never trained, computed in fp32,
-        or left a layer untrained). Shapes refused once are refused again without compiling."""
-        if key in self._refused_shapes:
-            raise self._refused_shapes[key]
-        check_room(key, self._shapes, len(self._variants))
-        self._agree_on_key(key)
+        or left a layer untrained). Shapes refused once are refused again without compiling. `grad`, "no_grad" or
+        "inference_mode": the graphs an inference module runs for a call under that mode, at the shapes `key`,
+        where its forward asks whether grad is on and computes otherwise (`_grad_off`), traced in that mode."""
+        vkey = key if grad == "on" else (grad, key)
+        if vkey in self._refused_shapes:
+            raise self._refused_shapes[vkey]
+        if grad == "on":
+            check_room(key, self._shapes, len(self._variants))
+        self._agree_on_key(vkey)
         args, kwargs = self._call.unflatten(flat)
         model = self._source_model
         modes = [(m, m.training) for m in model.modules()]
@@ -1665,7 +1673,7 @@ class CompiledModule(nn.Module):
             for (param, _, fqn, _) in self._flags:
                 param.requires_grad_(fqn not in self._frozen_when_compiled)
             with source_guard.inside(), autocast_off(), autocast_on(self._autocast.state), \
-                    torch.inference_mode(False), torch.set_grad_enabled(self.split is not None or torch.is_grad_enabled()):
+                    torch.inference_mode(False), grad_mode(grad):
                 options = pinned_to(self._options, self._shapes, key, self.mesh_spec.shape)
                 try:
                     c, _, report = self._recompile(options, args, kwargs, weights=False)
@@ -1684,11 +1692,11 @@ class CompiledModule(nn.Module):
                 param.requires_grad_(was)
         shapes = Shapes.of(c, self.mesh_spec, self.rank, self._device, report)
         try:
-            check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()])
+            check_shared(shapes, self._shapes, [self._shapes, *self._variants.values()] if grad == "on" else [])
         except SpmdError as e:
-            self._refused_shapes[key] = e
+            self._refused_shapes[vkey] = e
             raise
-        self._variants[key] = shapes
+        (self._variants if grad == "on" else self._grad_variants)[vkey] = shapes
         if self.mesh_spec.size > 1 and any(isinstance(p, Replicate) and n > 1 for spec in shapes.input_specs
                                            for p, n in zip(spec.placements, self.mesh_spec.shape)):
             self._replicated_inputs, self._inputs_agreed = True, False  # (checked at its next call)
@@ -2086,24 +2094,31 @@ class CompiledModule(nn.Module):
                 self._mode_checked = ops_differ_by_mode(self._traced_root, inputs)
         return self._mode_checked
 
-    def _refuse_no_grad(self) -> None:
-        """Raise where a forward that branches on `torch.is_grad_enabled()` (or inference mode) runs other ops with
-        grad off, as now, than with grad on, as it was traced (found on fake tensors, once for no_grad and once for
-        inference mode: `ops_differ_by_grad`): the graph would compute the grad-on branch."""
+    def _grad_off(self) -> str | None:
+        """For a call with grad off, to a module whose forward asks whether grad is on (`torch.is_grad_enabled()`,
+        or inference mode): "no_grad" or "inference_mode" where the forward runs other ops so than with grad on,
+        as every graph is traced (found on fake tensors, once for each: `ops_differ_by_grad`), else None. An
+        inference module then runs graphs traced in that mode (`_compile_variant`); a training module's graph,
+        or one that cannot compile again, would compute the grad-on branch, and is refused."""
         inference = torch.is_inference_mode_enabled()
         if inference not in self._grad_differs:
             inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
             with source_guard.inside():
                 self._grad_differs[inference] = ops_differ_by_grad(self._traced_root, inputs, inference)
-        if self._grad_differs[inference]:
-            raise SpmdError(
-                f"{self._grad_reader} asks torch whether grad is on (`torch.is_grad_enabled()` or "
-                f"`torch.is_inference_mode_enabled()`), and its forward computes otherwise with grad off "
-                f"({self._grad_differs[inference]}); the compiled graph was traced with grad on, so this call, under "
-                f"{'torch.inference_mode()' if inference else 'torch.no_grad()'}, would compute the grad-on branch. "
-                "What to do: call it with grad on (outside no_grad or inference_mode; the outputs can be detached), "
-                "or make the branch depend on something the graph takes, the module's mode (`self.training`, with "
-                "a module compiled in each mode) or an input.")
+        if not self._grad_differs[inference]:
+            return None
+        if self.split is None and self._recompile is not None:
+            return "inference_mode" if inference else "no_grad"
+        way = ("call it with grad on (outside no_grad or inference_mode; the outputs can be detached), or compile "
+               "the model for inference (training=False) for such calls, which then runs graphs traced in that mode"
+               if self.split is not None else "call it with grad on (outside no_grad or inference_mode)")
+        raise SpmdError(
+            f"{self._grad_reader} asks torch whether grad is on (`torch.is_grad_enabled()` or "
+            f"`torch.is_inference_mode_enabled()`), and its forward computes otherwise with grad off "
+            f"({self._grad_differs[inference]}); the compiled graph was traced with grad on, so this call, under "
+            f"{'torch.inference_mode()' if inference else 'torch.no_grad()'}, would compute the grad-on branch. "
+            f"What to do: {way}, or make the branch depend on something the graph takes, the module's mode "
+            "(`self.training`, with a module compiled in each mode) or an input.")
 
     def _refuse_other_flags(self, inputs: tuple, shapes: Shapes) -> None:
         """Raise where a forward that reads a tensor's `requires_grad` runs other ops for this call's inputs, some
@@ -2228,8 +2243,7 @@ class CompiledModule(nn.Module):
         source_guard.buffers_changed(self)  # (the model's buffers set after compiling, which this holds copies of)
         if self._flags:
             self._follow_requires_grad()
-        if self._grad_reader is not None and not torch.is_grad_enabled():
-            self._refuse_no_grad()
+        grad_off = self._grad_off() if self._grad_reader is not None and not torch.is_grad_enabled() else None
         if self.training != self._traced_mode or self._source_model.training != self._traced_mode:
             self._refuse_another_mode()
         elif any(m.training is not was for m, _, was in self._modes) and \
@@ -2261,6 +2275,11 @@ class CompiledModule(nn.Module):
                 if _laid_out and all(type(t) is torch.Tensor for t in inputs if isinstance(t, torch.Tensor)):
                     self._check_layouts(inputs, self._shapes)
                 raise
+        if grad_off is not None:
+            shapes = self._grad_variants.get((grad_off, shapes.key)) or self._compile_variant(
+                tuple(torch.empty(shape, dtype=spec.dtype, device="meta").requires_grad_(flag)
+                      for shape, spec, flag in zip(shapes.key, shapes.input_specs, shapes.input_flags)),
+                shapes.key, grad_off)
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
             self._check_layouts(inputs, shapes)

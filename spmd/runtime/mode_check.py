@@ -162,6 +162,12 @@ def ops_differ_by_input_grads(root: torch.nn.Module, inputs: list[tuple[tuple[in
                                   "this call's case": _Setting(input_grads=now)})
 
 
+def grad_mode(grad: str):
+    """A context that runs code as under `grad`: "on", "no_grad", or "inference_mode" (no_grad, with
+    `torch.is_inference_mode_enabled()` saying True: a trace can run in no other way; see `_Setting.context`)."""
+    return _Setting(grad=grad).context()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     """How the forward runs: `training` (None: each module's own mode), `grad`, "on", "no_grad" or

@@ -1608,3 +1608,48 @@ def test_a_loss_fn_of_one_loss_per_example_comes_back_whole(ranks):
         assert r["shape"] == (8,)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12)
         assert r["error"] < 1e-12
+
+
+class _GradModeBranch(torch.nn.Module):
+    """A forward that computes otherwise with grad on, with grad off, and under inference mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if torch.is_inference_mode_enabled():
+            return y * 5
+        return y * 2 if torch.is_grad_enabled() else y
+
+
+def _grad_mode_calls(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _GradModeBranch()
+        g = torch.Generator().manual_seed(1)
+        x, smaller = torch.randn(8, 8, generator=g), torch.randn(6, 8, generator=g)
+        mesh = spmd.init_mesh((2,), ("tp",))
+        compiled = spmd.compile(model, mesh, (x,), training=False, mesh_spec=spec((2,), ("tp",)),
+                                param_placements={"fc.weight": [Shard(0)]})
+        errors = {}
+        for batch in (x, smaller, x):
+            for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+                with mode():
+                    out = compiled.gather_outputs(compiled(*compiled.shard_inputs(batch)))
+                    errors[mode.__name__, len(batch)] = float((out - model(batch)).abs().max().detach())
+        return {"errors": errors, "piece": tuple(dict(compiled.named_parameters())["fc.weight"].shape)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_an_inference_module_runs_the_grad_off_branch_under_no_grad_and_inference_mode(ranks):
+    """A forward that asks `torch.is_grad_enabled()` (or inference mode) was traced with grad on, so an inference
+    module called under `torch.no_grad()` / `torch.inference_mode()`, its usual use, was refused at every call.
+    Such calls now run graphs traced in their mode (compiled once per mode and input shapes, over the same
+    pieces), each equal to one device, a smaller batch too."""
+    for r in ranks(2).run(_grad_mode_calls):
+        assert r["piece"] == (8, 8)  # (the weight split in two on the ranks)
+        assert max(r["errors"].values()) < 1e-12, r["errors"]
