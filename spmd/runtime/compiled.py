@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils._foreach_utils import (_device_has_foreach_support, _group_tensors_by_device_and_dtype,
+                                         _has_foreach_support)
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
@@ -143,6 +145,15 @@ class _Pieces(nn.Module):
     def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
         return True
 
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """As `nn.Module`'s, after the compiled module follows the flags set since (`_follow_requires_grad`): an
+        optimizer built from `[p for p in compiled.fc.parameters() if p.requires_grad]` right after
+        `model.fc.requires_grad_(False)` took the frozen layer (found by a probe)."""
+        root = self._root()
+        if root is not None and root.__dict__.get("_flags"):
+            root._follow_requires_grad(strict=False)
+        return super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass
@@ -447,6 +458,7 @@ class CompiledModule(nn.Module):
                        for fqn, attr in self._param_names.items()
                        if fqn in model_params and isinstance(self._get(attr), nn.Parameter)] if self.split else []
         self._frozen_pieces = [(piece, fqn) for _, piece, fqn, _ in self._flags if fqn in self._frozen_when_compiled]
+        self._flags_shared = True  # (a flag set on a piece goes to the model's parameter; not a copy's)
         # a graph that draws random numbers draws them whole on every rank (rules/random.py): the ranks'
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
@@ -572,8 +584,8 @@ class CompiledModule(nn.Module):
         return report
 
     @_collective
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
-                        also=()) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None, *, also=()) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (`grad_norm`,
         the same on every rank, equal to the single-device model's) and scales this rank's gradient shards
         by min(1, max_norm / (norm + 1e-6)) in place. Call it on every rank, after backward.
@@ -582,7 +594,8 @@ class CompiledModule(nn.Module):
         `torch.nn.utils.clip_grad_norm_` over the whole model clips: other compiled modules (a body and a head
         compiled apart), and plain parameters whose gradients are the same on every rank (an eager layer's, kept
         in step as DDP keeps them). Clipping each compiled module by its own norm clipped each by another factor
-        (3.7e-3 off after 3 steps; found by a probe)."""
+        (3.7e-3 off after 3 steps; found by a probe). `foreach`, as torch's: the kernels that scale the gradients
+        (None: torch's choice), the same values either way."""
         also = [also] if isinstance(also, (torch.Tensor, nn.Module)) else list(also)  # (a generator, read once)
         modules = [self] + [m for m in also if isinstance(m, CompiledModule)]
         plain = [p for m in also if not isinstance(m, CompiledModule)
@@ -602,11 +615,16 @@ class CompiledModule(nn.Module):
                                "non-finite, so it cannot be clipped. To disable this error and scale the "
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m in modules:
-            for _, g in m._grads():
-                g.mul_(coef.to(g.device))
-        for p in plain:
-            p.grad.detach().mul_(coef.to(p.grad.device))
+        grads = [g for m in modules for _, g in m._grads()] + [p.grad.detach() for p in plain]
+        for (device, _), ([same], _) in _group_tensors_by_device_and_dtype([grads]).items():
+            if (foreach is None and _has_foreach_support(same, device)) or (foreach and
+                                                                          _device_has_foreach_support(device)):
+                torch._foreach_mul_(same, coef.to(device))
+            elif foreach:
+                raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            else:
+                for g in same:
+                    g.mul_(coef.to(device))
         return norm
 
     @_collective
@@ -1051,6 +1069,7 @@ class CompiledModule(nn.Module):
                 new._modules[name] = copy.deepcopy(child, memo)
         new._index()
         new._flags = [(param, memo.get(id(piece), piece), fqn, was) for param, piece, fqn, was in self._flags]
+        new._flags_shared = False  # (a copy's flags are its own: an EMA copy frozen must not freeze the model)
         new._frozen_pieces = [(memo.get(id(piece), piece), fqn) for piece, fqn in self._frozen_pieces]
         new._watch_pieces()  # (compiled from the same model: the guards know the copy's pieces too)
         new.__dict__["_copy"] = True  # (a snapshot its user keeps up to date, or not: never stale)
@@ -2212,7 +2231,11 @@ class CompiledModule(nn.Module):
         `parameters()` / `named_parameters()` (`strict=False`: an unfreezing the graph cannot follow is left to the
         next call's error), so the optimizer a loop builds right after freezing or unfreezing on the model, from
         `[p for p in compiled.parameters() if p.requires_grad]`, holds what one device's would (a probe: the
-        unfrozen layer was left out and never trained, 0.148 off; a frozen one went in and decayed, 0.033 off)."""
+        unfrozen layer was left out and never trained, 0.148 off; a frozen one went in and decayed, 0.033 off).
+        One set on the piece since (`compiled.fc.requires_grad_(False)`) goes to the model's parameter, so the two
+        stay one flag, as one tensor's: a layer frozen on the compiled module and unfrozen on the model stayed
+        frozen, and one unfrozen on the compiled module and frozen again on the model stayed trainable (a probe:
+        0.014 off after 6 steps, silently)."""
         if strict:
             for piece, fqn in self._frozen_pieces:  # (unfrozen on the compiled module itself: its piece's flag)
                 if piece.requires_grad:
@@ -2220,6 +2243,11 @@ class CompiledModule(nn.Module):
         for k, (param, piece, fqn, was) in enumerate(self._flags):
             now = param.requires_grad
             if now is was:
+                if self._flags_shared and piece.requires_grad is not now and \
+                        not (piece.requires_grad and fqn in self._frozen_when_compiled):
+                    now = piece.requires_grad  # (set on the compiled module: the model's follows)
+                    param.requires_grad_(now)
+                    self._flags[k] = (param, piece, fqn, now)
                 continue
             if now and fqn in self._frozen_when_compiled:  # (one no gradient reaches is only set: none comes)
                 if not strict:

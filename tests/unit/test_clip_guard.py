@@ -73,3 +73,21 @@ def test_replicated_parameters_and_other_models_clip_as_before(one_rank):
     p.grad = torch.full((3,), 2.0)
     assert float(torch.nn.utils.clip_grad_norm_([p], 1.0)) == pytest.approx(12 ** 0.5)
     assert float(torch.nn.utils.clip_grad_norm_(p, 1.0)) == pytest.approx(1.0, rel=1e-5)  # (a lone tensor)
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_the_compiled_clip_takes_torchs_foreach_and_clips_as_torch_does(one_rank, foreach):
+    """Found by a probe: a loop that passed `foreach=True`, as torch's clip_grad_norm_ takes it, got a raw
+    TypeError from the compiled module's clip_grad_norm_ the refusal above points to."""
+    compiled, model = _compiled(one_rank, {"0.weight": [Shard(0)]})
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    reference.load_state_dict(compiled.state_dict())
+    compiled.zero_grad()
+    compiled(x, y).backward()
+    F.mse_loss(reference(x), y).backward()
+    norm = compiled.clip_grad_norm_(0.1, 2.0, False, foreach)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, foreach=foreach))
+    for (name, p), q in zip(compiled.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

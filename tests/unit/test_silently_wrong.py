@@ -2583,6 +2583,35 @@ def test_a_parameter_no_gradient_reaches_may_be_frozen_and_unfrozen():
     assert compiled.get_parameter("b.weight").grad is None and compiled.get_parameter("a.weight").grad is not None
 
 
+def test_a_flag_set_on_either_handle_is_the_one_flag():
+    """Found by a probe: the pieces followed a change of the model's flag only, so a layer frozen on the compiled
+    module and unfrozen on the model (already trainable there) stayed frozen, and one unfrozen on the compiled
+    module and frozen again on the model stayed trainable (0.014 off after 6 steps, silently); and
+    `compiled.fc.parameters()` did not read the model's flags as `compiled.parameters()` does. A flag set on a
+    piece now goes to the model's parameter, as one tensor's would; an EMA copy's flags stay its own."""
+    model, x, y = _mlp(), torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    ema = copy.deepcopy(compiled)
+    ema.requires_grad_(False)  # (timm's ModelEma: the copy is never trained)
+    compiled.get_submodule("0").requires_grad_(False)
+    compiled(x, y).backward()
+    assert not model[0].weight.requires_grad and model[2].weight.requires_grad  # (the model follows the piece)
+    model[0].requires_grad_(True)
+    compiled.zero_grad(set_to_none=True)
+    compiled(x, y).backward()
+    assert compiled.get_parameter("0.weight").grad is not None
+    model[0].requires_grad_(False)
+    compiled.get_submodule("0").requires_grad_(True)
+    compiled(x, y)
+    model[0].requires_grad_(False)
+    compiled.zero_grad(set_to_none=True)
+    compiled(x, y).backward()
+    assert compiled.get_parameter("0.weight").grad is None
+    model[0].requires_grad_(True)
+    assert [p.requires_grad for p in compiled.get_submodule("0").parameters()] == [True, True]
+    assert not any(p.requires_grad for p in ema.parameters())
+
+
 def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
     """The version counters the check above reads are the old objects': a parameter replaced on the model after
     compiling (`model[2].weight = nn.Parameter(...)`, a load with assign=True, transformers'
