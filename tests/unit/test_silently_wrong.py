@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 import spmd
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.runtime.distribute import local_shard
+from spmd.runtime.compiled import _Pieces
 from spmd.runtime.simulate import simulate
 from tests.models import Quantized
 from tests.support import check_simulated_training, compile_graph, one_device, spec
@@ -2610,6 +2611,39 @@ def test_a_flag_set_on_either_handle_is_the_one_flag():
     model[0].requires_grad_(True)
     assert [p.requires_grad for p in compiled.get_submodule("0").parameters()] == [True, True]
     assert not any(p.requires_grad for p in ema.parameters())
+
+
+def _names_outside(module: nn.Module, kinds: tuple) -> list[str]:
+    """transformers' `get_parameter_names`: the parameters of `module` outside modules of `kinds`, walked by type
+    (its Trainer puts those in the group with weight decay)."""
+    names = [f"{child_name}.{n}" for child_name, child in module.named_children() if not isinstance(child, kinds)
+             for n in _names_outside(child, kinds)]
+    return sorted(names + list(module._parameters))
+
+
+def test_code_that_picks_modules_by_type_finds_the_models_modules_on_the_compiled_one():
+    """Found by a probe: every module under a compiled module was a holder of pieces, never an nn.LayerNorm or an
+    nn.Dropout, so transformers' Trainer put the LayerNorm weights in the weight-decay group (0.077 off after 3
+    steps, silently), and a loop that set `m.p = 0.0` on each dropout found none. Holders now pass for the model's
+    modules in `isinstance` (and in the compiled module's repr), and a plain attribute set on one is refused."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Dropout(0.1), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    assert _names_outside(compiled, (nn.LayerNorm,)) == _names_outside(model, (nn.LayerNorm,)) == [
+        "0.bias", "0.weight", "3.bias", "3.weight"]
+    assert [type(m) for m in compiled.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Dropout))] == \
+        [type(m) for m in compiled.modules() if isinstance(m, _Pieces)]
+    assert sorted(m.__class__.__name__ for m in compiled.modules() if isinstance(m, _Pieces)) == [
+        "Dropout", "LayerNorm", "Linear", "Linear"]
+    assert "(1): LayerNorm()" in repr(compiled)
+    with pytest.raises(spmd.SpmdError, match=r"`2\.p` set on the compiled module: .*\(Dropout\), whose `p` the graph "
+                                             r"took as it was when traced.*model\.get_submodule\(\"2\"\)\.p = "):
+        compiled.get_submodule("2").p = 0.0
+    with pytest.raises(AttributeError, match=r"the model's `1` \(LayerNorm\) has one"):
+        compiled.get_submodule("1").reset_parameters()  # (the model's methods are not the holder's)
+    compiled.get_submodule("2").eval()  # (its mode, as on the model: refused at the call, as before)
+    with pytest.raises(spmd.SpmdError, match=r"was switched to eval mode after compiling"):
+        compiled(x, y)
 
 
 def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
