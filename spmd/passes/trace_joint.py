@@ -594,16 +594,19 @@ def _closure(fn) -> dict:
 def _tensor_attributes(model: torch.nn.Module) -> list[str]:
     """Paths of the tensors the model's modules hold as plain attributes (not parameters or buffers), alone or in a
     dict, list or tuple (peft's prompt tuning keeps `prompt_tokens = {"default": tensor}`: found by a probe, whose
-    refusal then named nothing and advised against data-dependent control flow)."""
+    refusal then named nothing and advised against data-dependent control flow). A module's own parameter or
+    buffer held again so (nn.RNN's `_flat_weights`) is none: a probe's packed-sequence GRU was told to register
+    its own weights as buffers."""
+    registered = {id(t) for t in (*model.parameters(), *model.buffers())}
     found = []
     for path, m in model.named_modules():
         for name, value in vars(m).items():
             at = f"{path}.{name}" if path else name
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and id(value) not in registered:
                 found.append(at)
             elif isinstance(value, (dict, list, tuple)) and name not in _REGISTRIES:
                 items = value.items() if isinstance(value, dict) else enumerate(value)
-                found += [f"{at}[{key!r}]" for key, v in items if isinstance(v, torch.Tensor)]
+                found += [f"{at}[{key!r}]" for key, v in items if isinstance(v, torch.Tensor) and id(v) not in registered]
     return found
 
 
@@ -690,12 +693,18 @@ def checkpoints_run_through(root: torch.nn.Module):
     non-reentrant form's saved-tensor hooks (and a selective `context_fn`) are left out too: which layers
     backward runs again is the plan's to say (`find_recomputable_layers`: every layer, where the model
     checkpoints every one and no memory budget asks otherwise). The values are the same: checkpointing runs
-    the same ops, with the random state it had in forward."""
+    the same ops, with the random state it had in forward. Two differences from eager are kept apart: a
+    reentrant checkpoint none of whose tensor arguments requires grad gives what it runs no gradient in eager
+    (torch warns), so it runs under no_grad here too (a probe: a checkpointed stem trained only when compiled,
+    3.3e-3 off after 3 steps); and eager updates a batch norm's running statistics twice per step inside a
+    checkpoint (in forward and again in backward's recompute, pytorch/pytorch#96136), where the graph updates
+    them once, which is said in a warning (found by a probe)."""
     global _checkpoints_depth, _checkpoints_restore
     import torch.utils.checkpoint as ckpt
 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     calls: list[str] = []
+    norms: dict[str, str] = {}  # path -> class of each batch norm updating its statistics inside a checkpoint
 
     def owner(function) -> str:
         """The path of the module `function` runs: the module, its bound method, or transformers'
@@ -719,7 +728,10 @@ def checkpoints_run_through(root: torch.nn.Module):
                 if here is None:
                     return torch_apply(function, preserve_rng_state, *args)
                 here[0].append(here[1](function))
-                return function(*args)
+                ckpt.check_backward_validity(args)  # (torch's warning where none requires grad)
+                grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                with _inside_checkpoint(), torch.set_grad_enabled(grad):
+                    return function(*args)
 
             def without_reentrant(function, *args, **kwargs):  # (checkpoint() runs it between its two steps)
                 here = getattr(_checkpoints_here, "calls", None)
@@ -727,17 +739,35 @@ def checkpoints_run_through(root: torch.nn.Module):
                     yield from torch_generator(function, *args, **kwargs)
                     return
                 here[0].append(here[1](function))
-                yield
+                with _inside_checkpoint():
+                    yield
+
+            def norm_inside(module, args):
+                here = getattr(_checkpoints_here, "calls", None)
+                if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
+                        isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+                    here[2].setdefault(here[3].get(id(module), type(module).__name__), type(module).__name__)
 
             reentrant.apply = classmethod(apply)
             if torch_generator is not None:
                 ckpt._checkpoint_without_reentrant_generator = without_reentrant
-            _checkpoints_restore = (reentrant, own_apply, torch_generator)
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(norm_inside)
+            _checkpoints_restore = (reentrant, own_apply, torch_generator, hook)
         _checkpoints_depth += 1
     outer = getattr(_checkpoints_here, "calls", None)
-    _checkpoints_here.calls = (calls, owner)
+    _checkpoints_here.calls = (calls, owner, norms, paths)
     try:
         yield calls
+        if norms:
+            named = ", ".join(f"`{path.removeprefix(_PREFIX) if isinstance(root, WithLoss) else path}` ({kind})"
+                              for path, kind in list(norms.items())[:3])
+            warnings.warn(
+                f"{named}{' and more' if len(norms) > 3 else ''} update{'s' if len(norms) == 1 else ''} running "
+                "statistics inside "
+                "torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
+                "again when backward recomputes the checkpointed part; pytorch/pytorch#96136), the compiled module "
+                "once, as without checkpointing. Losses and gradients are the same; the running statistics (and "
+                "num_batches_tracked) differ from an eager run's.")
     finally:
         _checkpoints_here.calls = outer
         if outer is None:
@@ -745,13 +775,24 @@ def checkpoints_run_through(root: torch.nn.Module):
         with _CHECKPOINTS_LOCK:
             _checkpoints_depth -= 1
             if _checkpoints_depth == 0:
-                reentrant, own_apply, torch_generator = _checkpoints_restore
+                reentrant, own_apply, torch_generator, hook = _checkpoints_restore
+                hook.remove()
                 if own_apply is not None:
                     reentrant.apply = own_apply
                 else:
                     del reentrant.apply
                 if torch_generator is not None:
                     ckpt._checkpoint_without_reentrant_generator = torch_generator
+
+
+@contextlib.contextmanager
+def _inside_checkpoint():
+    """Counts, on this thread, the checkpointed calls running (`checkpoints_run_through`'s batch norm watch)."""
+    _checkpoints_here.inside = getattr(_checkpoints_here, "inside", 0) + 1
+    try:
+        yield
+    finally:
+        _checkpoints_here.inside -= 1
 
 
 @contextlib.contextmanager

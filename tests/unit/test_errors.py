@@ -176,6 +176,11 @@ def test_packed_sequences_name_the_packing_and_the_padded_way():
     with pytest.raises(SpmdError, match=r"What to do: _Packed packs its sequences \(`pack_padded_sequence`\).*"
                                         r"Run the RNN on the padded batch and mask"):
         spmd.plan(_Packed(), spec((2,), ("tp",)), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])))
+    # in training too (found by a probe: the RNN's own weights, held again in its `_flat_weights`, were named as
+    # tensors to register as buffers)
+    with pytest.raises(SpmdError, match=r"What to do: _Packed packs its sequences \(`pack_padded_sequence`\)"):
+        spmd.plan(_Packed(), spec((2,), ("tp",)), (torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2]),
+                                                    torch.randn(4, 6, 4)), loss_fn=F.mse_loss)
 
 
 def test_a_lazy_module_not_yet_called_names_the_way_out():
