@@ -2338,7 +2338,10 @@ class CompiledModule(nn.Module):
                 # trace of a variant for its shape met; found by a probe. Plain tensors only: a DTensor has its own
                 # refusal, which the lookup would hide)
                 if _laid_out and all(type(t) is torch.Tensor for t in inputs if isinstance(t, torch.Tensor)):
-                    self._check_layouts(inputs, self._shapes)
+                    try:
+                        self._check_layouts(inputs, self._shapes)
+                    except SpmdError as e:
+                        raise e from None  # (the variant's failure is not the story: a probe got both tracebacks)
                 raise
         if grad_off is not None:
             shapes = self._grad_variants.get((grad_off, shapes.key)) or self._compile_variant(
@@ -2435,7 +2438,7 @@ class CompiledModule(nn.Module):
             made = _laid_out.get(t) if isinstance(t, torch.Tensor) else None
             if made is not None and made[0] == mesh and made[1] != self._layout_key(spec.placements):
                 raise SpmdError(
-                    f"input {spec.name!r} is a piece another compiled module returned, laid out as "
+                    f"input {spec.name!r} is a piece a compiled module returned (this one or another), laid out as "
                     f"{placements_str(made[1])}, and this module takes it as {placements_str(spec.placements)}: each "
                     "rank would read its piece of another part of the tensor. What to do: pass "
                     "producer.gather_outputs(out) through this module's shard_inputs(...), or pin the two alike "
