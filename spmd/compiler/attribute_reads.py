@@ -256,7 +256,7 @@ def _outside_reads(fn, depth: int = 2) -> list[tuple[object, str, tuple]]:
     a config module's `cfg.lam`; found by a probe: those went unwatched, 0.14 off after 3 steps). A trace
     fixes what they held as constants of the graph. What a helper writes through a global (`_globals_written`)
     is state, not read."""
-    kept = _globals_written(inspect.unwrap(fn))
+    kept = _globals_written(inspect.unwrap(fn), depth + 3)  # (each reader's own callees, 3 deep; a review)
     return [(where, name, path) for f in _called(fn, depth) for where, name, path in _own_outside_reads(f)
             if not isinstance(where, dict) or not _kept(path, kept.get(name, ()))]
 

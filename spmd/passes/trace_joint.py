@@ -227,7 +227,8 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
                        aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)),
-                       checkpoints=tuple(dict.fromkeys(checkpoints)), loss=loss_fn is not None)
+                       checkpoints=tuple(dict.fromkeys(checkpoints)), reentrant=checkpoints.reentrant,
+                       loss=loss_fn is not None)
 
 
 def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:
@@ -703,7 +704,7 @@ def checkpoints_run_through(root: torch.nn.Module):
     import torch.utils.checkpoint as ckpt
 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    calls: list[str] = []
+    calls = _Calls()
     norms: dict[str, str] = {}  # path -> class of each batch norm updating its statistics inside a checkpoint
 
     def owner(function) -> str:
@@ -728,6 +729,7 @@ def checkpoints_run_through(root: torch.nn.Module):
                 if here is None:
                     return torch_apply(function, preserve_rng_state, *args)
                 here[0].append(here[1](function))
+                here[0].reentrant = True
                 ckpt.check_backward_validity(args)  # (torch's warning where none requires grad)
                 grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
                 with _inside_checkpoint(), torch.set_grad_enabled(grad):
@@ -783,6 +785,12 @@ def checkpoints_run_through(root: torch.nn.Module):
                     del reentrant.apply
                 if torch_generator is not None:
                     ckpt._checkpoint_without_reentrant_generator = torch_generator
+
+
+class _Calls(list):
+    """The paths of the modules checkpoints ran (`checkpoints_run_through`), and whether one was reentrant."""
+
+    reentrant = False
 
 
 @contextlib.contextmanager

@@ -62,6 +62,7 @@ class TracedGraph:
     aliases: dict[str, str] = field(default_factory=dict)  # extra name of a shared tensor -> canonical FQN
     custom_functions: tuple[str, ...] = ()  # autograd.Functions traced with their own backward (joint)
     checkpoints: tuple[str, ...] = ()  # the modules torch.utils.checkpoint ran, run through (their paths; joint)
+    reentrant: bool = False  # one ran as use_reentrant=True: what it runs gets a gradient only where an input needs one
     loss: bool = False  # traced with a loss_fn: the user's outputs are its (joint)
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)

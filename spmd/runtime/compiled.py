@@ -41,7 +41,8 @@ from spmd.runtime.distribute import collective_device, gather_full, gather_to_fi
 from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
-from spmd.runtime.mode_check import grad_mode, ops_differ_by_grad, ops_differ_by_input_grads, ops_differ_by_mode
+from spmd.runtime.mode_check import (grad_mode, ops_differ_by_frozen, ops_differ_by_grad, ops_differ_by_input_grads,
+                                     ops_differ_by_mode)
 from spmd.runtime.shapes import (Shapes, check_room, check_shared, full_key, pinned_to, requires_grad_flags,
                                  variant_key, verify_refusal)
 
@@ -113,8 +114,12 @@ class _Pieces(nn.Module):
     def __init__(self, root: "CompiledModule", prefix: str):
         super().__init__()
         self.__dict__["_root"], self.__dict__["_prefix"] = weakref.ref(root), prefix
+        # (not for a parametrized module's, nor under one's `parametrizations`: torch's parametrize, asked of such a
+        # holder, took it for parametrized and set its properties on the class it named, torch's own Linear; a review)
         part = self._part()
-        self.__dict__["_model_class"] = type(part) if part is not None else _Pieces
+        plain = part is not None and not torch.nn.utils.parametrize.is_parametrized(part) and \
+            "parametrizations" not in prefix.split(".")
+        self.__dict__["_model_class"] = type(part) if plain else _Pieces
 
     @property
     def __class__(self):
@@ -128,6 +133,10 @@ class _Pieces(nn.Module):
         if not issubclass(cls, _Pieces):
             cls = type(cls.__name__, (_Pieces,), {})
         object.__dict__["__class__"].__set__(self, cls)
+
+    def __dir__(self):
+        """nn.Module's, with this holder's own class (it has none of the model's module's methods)."""
+        return sorted({*dir(type(self)), *self.__dict__, *self._parameters, *self._buffers, *self._modules})
 
     def _part(self) -> "nn.Module | None":
         """The model's module whose pieces this holds, where the model is known."""
@@ -480,7 +489,9 @@ class CompiledModule(nn.Module):
         # a module whose forward reads a tensor's `requires_grad` (`if x.requires_grad:`): a call whose inputs are
         # flagged otherwise than the example's is checked once per flag pattern for another branch
         # (`_refuse_other_flags`)
-        self._flag_reader = grad_flag_reader(self._traced_root)
+        self._flag_reader = grad_flag_reader(self._traced_root) or (
+            "torch.utils.checkpoint(use_reentrant=True)" if c.traced.reentrant and self.split is not None else None)
+        self._reentrant = c.traced.reentrant
         self._flags_differ: dict[tuple, str | None] = {}  # (traced flags, a call's) -> what differs (None: nothing)
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
@@ -1713,6 +1724,8 @@ class CompiledModule(nn.Module):
         vkey = key if grad == "on" else (grad, key)
         if vkey in self._refused_shapes:
             raise self._refused_shapes[vkey]
+        if len(flat) == len(self._shapes.input_flags):  # (`shard_inputs`' full inputs: flagged as the example was,
+            flat = tuple(_flagged(t, flag) for t, flag in zip(flat, self._shapes.input_flags))  # not as cut; a review)
         if grad == "on":
             check_room(key, self._shapes, len(self._variants))
         self._agree_on_key(vkey)
@@ -2188,6 +2201,9 @@ class CompiledModule(nn.Module):
             with source_guard.inside():
                 self._flags_differ[traced, now] = ops_differ_by_input_grads(self._traced_root, specs, traced, now)
         differs = self._flags_differ[traced, now]
+        if not differs and self._reentrant and self.split is not None and any(a and not b for a, b in zip(traced, now)):
+            # (in torch's code, which the fake run does not tell apart: what it runs trains or not; a review)
+            differs = "a reentrant checkpoint gives what it runs a gradient only where one of its inputs requires grad"
         if not differs:
             return
         name, was = next((spec.name, a) for spec, a, b in zip(shapes.input_specs, traced, now) if a != b)
@@ -2199,6 +2215,29 @@ class CompiledModule(nn.Module):
             f"{f'`{name}.requires_grad_()`' if was else f'`{name}.detach()`'}), or compile a module for these calls "
             f"from an example {name!r} flagged as theirs, or make the branch depend on something the graph takes "
             "(an input's value, the module's mode).")
+
+    def _refuse_other_frozen(self) -> None:
+        """As `_refuse_other_flags`, for the parameters frozen since compiling, or unfrozen (`if self.fc.weight.
+        requires_grad:`; a review: 0.94 off after freezing on the model, silently)."""
+        traced = frozenset(fqn for _, _, fqn, _ in self._flags if fqn in self._frozen_when_compiled)
+        now = frozenset(fqn for _, piece, fqn, _ in self._flags if not piece.requires_grad)
+        if now == traced:
+            return
+        if now not in self._flags_differ:
+            ids = {fqn: id(param) for param, _, fqn, _ in self._flags}
+            inputs = [(spec.shape, spec.dtype) for spec in self._input_specs]
+            with source_guard.inside():
+                self._flags_differ[now] = ops_differ_by_frozen(
+                    self._traced_root, inputs, frozenset(ids[f] for f in traced), frozenset(ids[f] for f in now))
+        if self._flags_differ[now]:
+            fqn = sorted(now ^ traced)[0]
+            raise SpmdError(
+                f"{self._flag_reader} reads a tensor's requires_grad, and its forward computes otherwise with "
+                f"{fqn} {'frozen' if fqn in now else 'trainable'}, as now, than as it was compiled "
+                f"({self._flags_differ[now]}): the compiled graph keeps the branch of the compile. What to do: compile "
+                "the model again with its parameters frozen as now (give the new module this one's weights, "
+                "`new.load_state_dict(compiled.state_dict())`), or make the branch depend on something the graph "
+                "takes (an input's value, the module's mode).")
 
     def _refuse_another_mode(self) -> None:
         """Raise where this module (`.eval()` on it) or the model it was compiled from (`model.eval()` after
@@ -2272,16 +2311,18 @@ class CompiledModule(nn.Module):
         One set on the piece since (`compiled.fc.requires_grad_(False)`) goes to the model's parameter, so the two
         stay one flag, as one tensor's: a layer frozen on the compiled module and unfrozen on the model stayed
         frozen, and one unfrozen on the compiled module and frozen again on the model stayed trainable (a probe:
-        0.014 off after 6 steps, silently)."""
+        0.014 off after 6 steps, silently). A copy (`copy.deepcopy(compiled)`, an EMA) follows neither way: its
+        flags are its own."""
         if strict:
             for piece, fqn in self._frozen_pieces:  # (unfrozen on the compiled module itself: its piece's flag)
                 if piece.requires_grad:
                     raise _unfrozen(fqn, "on the compiled module (its parameter's requires_grad_(True))")
+        if not self._flags_shared:  # (a copy's flags are its own: an EMA copy frozen stays frozen; a review)
+            return
         for k, (param, piece, fqn, was) in enumerate(self._flags):
             now = param.requires_grad
             if now is was:
-                if self._flags_shared and piece.requires_grad is not now and \
-                        not (piece.requires_grad and fqn in self._frozen_when_compiled):
+                if piece.requires_grad is not now and not (piece.requires_grad and fqn in self._frozen_when_compiled):
                     now = piece.requires_grad  # (set on the compiled module: the model's follows)
                     param.requires_grad_(now)
                     self._flags[k] = (param, piece, fqn, now)
@@ -2357,6 +2398,8 @@ class CompiledModule(nn.Module):
             self._check_input_grads(inputs, shapes)
         if self._flag_reader is not None:
             self._refuse_other_flags(inputs, shapes)
+            if self._flags:
+                self._refuse_other_frozen()
         args = self._graph_args(inputs)
         if tuple(t.shape for t in self._state_at(args)) != self._state_shapes:
             self._refuse_piece_shapes(args)
@@ -2684,6 +2727,17 @@ def graph_backend(compile_graphs: bool | str | None) -> str | None:
         return compile_graphs
     raise SpmdError(f"compile_graphs must be True, False or the name of a torch.compile backend (\"inductor\"), "
                     f"got {compile_graphs!r}")
+
+
+def _flagged(t, flag: bool):
+    """`t` (an example input) requiring grad where `flag` says, as a detached tensor (a copy of an inference tensor,
+    which cannot require grad); what is not a floating-point tensor as it is."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.requires_grad == flag:
+        return t
+    if t.is_inference():
+        with torch.inference_mode(False):
+            t = t.clone()
+    return t.detach().requires_grad_(flag)
 
 
 def _module_ref(owner: str, path: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections import Counter
 
 import torch
@@ -168,14 +169,23 @@ def grad_mode(grad: str):
     return _Setting(grad=grad).context()
 
 
+def ops_differ_by_frozen(root: torch.nn.Module, inputs: list[tuple[tuple[int, ...], torch.dtype]],
+                         traced: frozenset[int], now: frozenset[int]) -> str | None:
+    """As `ops_differ_by_mode`, between `root`'s parameters frozen as when traced and as now (sets of the ids of
+    those with requires_grad=False): a forward that branches on a parameter's `requires_grad`."""
+    return _differ(root, inputs, {"as compiled": _Setting(frozen=traced), "as now": _Setting(frozen=now)})
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     """How the forward runs: `training` (None: each module's own mode), `grad`, "on", "no_grad" or
-    "inference_mode", and `input_grads`, each floating-point input's requires_grad (None: none requires it)."""
+    "inference_mode", `input_grads`, each floating-point input's requires_grad (None: none requires it), and
+    `frozen`, the ids of the parameters without requires_grad (None: each as it is)."""
 
     training: bool | None = None
     grad: str = "on"
     input_grads: tuple[bool, ...] | None = None
+    frozen: frozenset[int] | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -187,13 +197,32 @@ class _Setting:
                 yield
             return
         asked = torch.is_inference_mode_enabled
+        held = _holders_of(asked) if self.grad == "inference_mode" else []
         try:
-            if self.grad == "inference_mode":
-                torch.is_inference_mode_enabled = lambda: True
+            for names, name in held:
+                names[name] = _inference_mode_on
             with torch.no_grad():
                 yield
         finally:
-            torch.is_inference_mode_enabled = asked
+            for names, name in held:
+                names[name] = asked
+
+
+def _inference_mode_on() -> bool:
+    return True
+
+
+def _holders_of(fn) -> list[tuple[dict, str]]:
+    """(globals, name) of each module's global that holds `fn`: torch's own name, and every module of the user's
+    that imported it by name (`from torch import is_inference_mode_enabled`, which patching `torch.` alone
+    missed: the forward ran its other branch, 0.98 off; a review). torch's submodules are left alone."""
+    found = [(vars(torch), "is_inference_mode_enabled")]
+    for module_name, module in list(sys.modules.items()):
+        names = getattr(module, "__dict__", None)
+        if module is torch or module_name.startswith("torch.") or not isinstance(names, dict):
+            continue
+        found += [(names, name) for name, value in list(names.items()) if value is fn]
+    return found
 
 
 def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
@@ -217,8 +246,10 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
                 # (one name per tensor: functional_call ties the others, and refused a tied weight given under
                 # each name, which the `except` below took for a forward it cannot run: the check was off for
                 # GPT-2, BERT and T5; a review)
+                params = {id(t) for t in root.parameters()}
                 state = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
-                                                   ).requires_grad_(t.requires_grad)
+                                                   ).requires_grad_(t.requires_grad if setting.frozen is None
+                                                                    else id(t) in params and id(t) not in setting.frozen)
                          for kind in (root.named_parameters(), root.named_buffers())
                          for name, t in kind if t is not None}
                 flags = setting.input_grads or (False,) * len(inputs)

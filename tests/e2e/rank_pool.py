@@ -86,7 +86,12 @@ def _context():
 
 
 class RankDied(RuntimeError):
-    """A rank's process ended while the others worked on a task."""
+    """A rank's process ended while the others worked on a task (`signalled`: killed by a signal, in a pool that
+    had run nothing yet)."""
+
+    def __init__(self, message: str, signalled: bool):
+        super().__init__(message)
+        self.signalled = signalled
 
 
 class RankPool:
@@ -115,12 +120,12 @@ class RankPool:
         try:
             return self._run(fn, args)
         except RankDied as e:
-            if not e.args[1]:
+            if not e.signalled:
                 raise
             # a rank of a pool that had run nothing yet was killed by a signal (once: rank 2 of 4 aborted in its
             # first gloo all_reduce, and the test it ran passes alone and in every other run): gloo's start-up,
             # not the test. Started again once, said aloud
-            warnings.warn(f"a fresh pool of {self.world} ranks lost a rank ({e.args[0].splitlines()[0]}); started again")
+            warnings.warn(f"a fresh pool of {self.world} ranks lost a rank ({str(e).splitlines()[0]}); started again")
             self._start()
             return self._run(fn, args)
 

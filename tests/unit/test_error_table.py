@@ -772,3 +772,17 @@ def test_a_training_compile_inside_parametrize_cached_names_it():
     _plan(model, (x16, x16), loss_fn=F.mse_loss)  # (outside it: planned)
     with parametrize.cached():  # (a model with no parametrization inside it: planned; the host's measured profile
         _plan(nn.Linear(16, 16), (x16, x16), loss_fn=F.mse_loss)  # compiles a probe model for training there)
+
+
+def test_a_smaller_batch_cut_from_inputs_flagged_otherwise_is_traced_with_the_examples_flags(world):
+    """Found by a review: `shard_inputs` of a smaller batch traced its graphs from the inputs as given, so a batch
+    first cut from an input that needed no gradient made graphs without the input's gradient, and every later batch
+    of that size flagged as the example was refused ("traced from an example that did not require grad")."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    compiled = spmd.compile(model, world, (x, x16), loss_fn=F.mse_loss)
+    compiled(*compiled.shard_inputs(torch.randn(2, 16), torch.randn(2, 16))).backward()
+    x2 = torch.randn(2, 16, requires_grad=True)
+    compiled(*compiled.shard_inputs(x2, torch.randn(2, 16))).backward()
+    assert x2.grad is not None

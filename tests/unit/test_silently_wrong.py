@@ -2610,6 +2610,7 @@ def test_a_flag_set_on_either_handle_is_the_one_flag():
     assert compiled.get_parameter("0.weight").grad is None
     model[0].requires_grad_(True)
     assert [p.requires_grad for p in compiled.get_submodule("0").parameters()] == [True, True]
+    ema(x, y)  # (a copy follows the model neither way: an EMA frozen stays frozen; a review)
     assert not any(p.requires_grad for p in ema.parameters())
 
 
@@ -2644,6 +2645,100 @@ def test_code_that_picks_modules_by_type_finds_the_models_modules_on_the_compile
     compiled.get_submodule("2").eval()  # (its mode, as on the model: refused at the call, as before)
     with pytest.raises(spmd.SpmdError, match=r"was switched to eval mode after compiling"):
         compiled(x, y)
+
+
+def test_a_parametrization_on_a_holder_of_a_parametrized_module_leaves_the_model_alone():
+    """Found by a review: a holder of a weight-normed Linear passed for the model's `ParametrizedLinear`, so torch's
+    parametrize took it for parametrized and set a property on that class (or torch's Linear): the model itself
+    then failed. Holders of parametrized modules keep their own class."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return w * 2.0
+
+    model = nn.Sequential(weight_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    want = model(x)
+    try:
+        parametrize.register_parametrization(compiled.get_submodule("0"), "bias", Twice())
+    except Exception:  # noqa: BLE001 - refused or not, the model must be as it was
+        pass
+    assert "bias" not in vars(type(model[0])) and "bias" not in vars(nn.Linear)
+    torch.testing.assert_close(model(x), want)
+    assert isinstance(compiled.get_submodule("2"), nn.Linear) and not isinstance(compiled.get_submodule("0"), nn.Linear)
+
+
+class _ParamFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * 2 if self.a.weight.requires_grad else h)
+
+
+class _Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True))
+
+
+def test_a_forward_branching_on_a_parameters_flag_or_a_reentrant_checkpoint_is_checked():
+    """Found by a review: a forward that branches on a parameter's `requires_grad`, with the layer frozen after
+    compiling, ran the compiled branch (0.94 off, silently); and a reentrant checkpoint, whose gradients hang on
+    its inputs' flags inside torch's code, trained its layer for an input flagged otherwise than the example,
+    where eager gives it none. Both are refused, with the way out."""
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    model = _ParamFlag()
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    compiled(x, y)
+    model.b.requires_grad_(False)  # (what the branch does not read: runs)
+    compiled(x, y)
+    model.a.requires_grad_(False)
+    with pytest.raises(spmd.SpmdError, match=r"reads a tensor's requires_grad, and its forward computes otherwise "
+                                             r"with a\.\w+ frozen, as now.*compile the model again"):
+        compiled(x, y)
+    xg = x.clone().requires_grad_()
+    compiled = one_device(_Reentrant(), (xg, y), training=True, loss_fn=F.mse_loss)
+    compiled(xg, y)
+    with pytest.raises(spmd.SpmdError, match=r"torch\.utils\.checkpoint\(use_reentrant=True\) reads a tensor's "
+                                             r"requires_grad.*input 'x' does not require grad"):
+        compiled(x, y)
+
+
+def test_inference_mode_is_emulated_for_a_name_imported_from_torch():
+    """Found by a review: `from torch import is_inference_mode_enabled` in a forward escaped the emulation, which
+    patched `torch.is_inference_mode_enabled` alone: the check saw no difference and the forward's other branch
+    ran (0.98 off)."""
+    from spmd.runtime.mode_check import ops_differ_by_grad
+
+    import sys
+
+    module = types.ModuleType("users_forward_module")  # (a module of the user's: its functions' globals are its own)
+    exec("from torch import is_inference_mode_enabled\n"
+         "def scaled(x):\n    return x * 3 if is_inference_mode_enabled() else x\n", module.__dict__)
+
+    sys.modules[module.__name__] = module
+    try:
+        class Reader(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 4)
+
+            def forward(self, x):
+                return self.fc(module.scaled(x))
+
+        assert ops_differ_by_grad(Reader(), [((4, 8), torch.float32)], inference=True)
+        assert ops_differ_by_grad(Reader(), [((4, 8), torch.float32)], inference=False) is None
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_a_parameter_or_module_replaced_on_the_model_after_compiling_is_named():
