@@ -1338,6 +1338,18 @@ class CompiledModule(nn.Module):
         if strict:
             unexpected_keys.extend(prefix + k for k in unexpected)
 
+    def apply(self, fn):
+        """Refused: `fn` would run on the holders of this rank's pieces, which pass for the model's modules in
+        `isinstance`, so an init function (`compiled.apply(model._init_weights)`) would draw each rank's piece on
+        its own, with the fan-in of the piece, and stop at the first attribute only the model has, half done (a
+        review)."""
+        raise SpmdError(
+            "compiled.apply(fn) would run fn on the holders of this rank's pieces of the model's weights: an init "
+            "function would draw each rank's piece on its own, not the model's values. What to do: apply it to the "
+            "model before spmd.compile (the compiled module takes the model's weights), or, for a model built on "
+            "the meta device, `compiled.init_weights(seed, init_fn=fn)`, which gives each rank the pieces of "
+            "`model.apply(fn)` on one device.")
+
     def init_weights(self, seed: int | None = None, init_fn=None, **replay) -> None:
         """Give this rank's shards of a model compiled from the meta device the values of the model's own
         init: the local pieces of what `torch.manual_seed(seed); model = Model(cfg)` (then

@@ -2642,6 +2642,8 @@ def test_code_that_picks_modules_by_type_finds_the_models_modules_on_the_compile
         compiled.get_submodule("2").p = 0.0
     with pytest.raises(AttributeError, match=r"the model's `1` \(LayerNorm\) has one"):
         compiled.get_submodule("1").reset_parameters()  # (the model's methods are not the holder's)
+    with pytest.raises(spmd.SpmdError, match=r"compiled\.apply\(fn\) would run fn on the holders.*init_fn=fn"):
+        compiled.apply(lambda m: None)  # (an init function would draw each rank's piece alone; a review)
     compiled.get_submodule("2").eval()  # (its mode, as on the model: refused at the call, as before)
     with pytest.raises(spmd.SpmdError, match=r"was switched to eval mode after compiling"):
         compiled(x, y)
