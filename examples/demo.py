@@ -8,7 +8,8 @@ one layer and the memory each rank holds. The plan is made with the measured glo
 gloo mesh; with 4 ranks on 2 cores the "oversubscribed" one, where every collective costs milliseconds):
 the solver splits the batch over one axis and, where it pays, the MLP weights over the other.
 `--profile h100` plans the same graph as if for H100s with NVLink and InfiniBand (and runs that plan
-here); `--tiny` shrinks the model, where on gloo the honest answer is not to shard weights at all.
+here); `--tiny` shrinks the model, where on gloo the honest answer shards little or nothing (no
+collective: at most a layer laid out where its work splits for free; this depends on the host's profile).
 """
 from __future__ import annotations
 

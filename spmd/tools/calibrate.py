@@ -150,7 +150,7 @@ def summary(profile) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="spmd calibrate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="spmd calibrate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--mesh", default=None, help="NAME=SIZE,... (default: tp=<world size>)")
     ap.add_argument("--nproc", type=int, default=None,
                     help="not under torchrun: spawn this many gloo processes (default: the mesh's size)")

@@ -35,6 +35,13 @@ def test_formula_equals_the_objective_at_the_solved_batch():
     plan = spmd.plan(gpt, MESH_2D, (tokens,))
     assert float(plan.cost_formula.subs("batch", 4)) == pytest.approx(plan.objective, rel=1e-9)
 
+    # a cross-entropy loss: its log_softmax chain runs as one kernel, priced as its share (a docs check found the
+    # formula 64 us above the objective, as if each piece ran apart)
+    model = torch.nn.Linear(256, 512)
+    plan = spmd.plan(model, spmd.MeshSpec((2,), ("dp",)), (torch.randn(8, 256), torch.randint(0, 512, (8,))),
+                     loss_fn=F.cross_entropy)
+    assert float(plan.cost_formula.subs("batch", 8)) == pytest.approx(plan.objective, rel=1e-9)
+
 
 def test_formula_prices_the_same_plan_at_another_batch():
     """Pin the plan's inputs and parameters at batch 32: the solver's price is the formula's."""
