@@ -73,8 +73,35 @@ def watch(model: torch.nn.Module) -> None:
     with _lock:
         for fqn, p in model.named_parameters():
             key = id(p)
-            _watched[key] = (weakref.ref(p, lambda _, key=key: _watched.pop(key, None)), fqn, type(model).__name__)
+            _watched[key] = (weakref.ref(p, lambda _, key=key: _watched.pop(key, None)), fqn, type(model).__name__,
+                             _grad_key(p))
         _install()
+
+
+def _grad_key(p: torch.Tensor) -> tuple | None:
+    """What `p`'s gradient is now (None: it has none): a gradient that came since is one its users made."""
+    return None if p.grad is None else (id(p.grad), p.grad._version)
+
+
+def _refuse_read_outside(optimizer: torch.optim.Optimizer) -> None:
+    """A parameter of a compiled model that got a gradient since it was compiled: code outside the compiled module
+    reads the original tensor (an eager head tied to the compiled backbone's embedding, `h @ bb.emb.weight.T`),
+    which the compiled module's pieces replaced. Its gradient lands there, where no step of the pieces reaches,
+    and it reads weights that never change: the probe's loss was 4.4269 where eager gave 4.4295 after a step,
+    the embedding 0.049 off after 3, silently. Looked for at each optimizer's first step."""
+    grown = [(fqn, model) for ref, fqn, model, was in list(_watched.values())
+             if (p := ref()) is not None and p.grad is not None and _grad_key(p) != was]
+    if not grown:
+        return
+    names = ", ".join(fqn for fqn, _ in grown[:5]) + (f" and {len(grown) - 5} more" if len(grown) > 5 else "")
+    raise SpmdError(
+        f"{type(optimizer).__name__}.step(): the original {grown[0][1]}'s {names} got a gradient since it was "
+        "compiled: code outside the compiled module reads the original tensor (an eager head tied to the compiled "
+        "embedding), which the compiled module replaced with its pieces. That code reads weights no step changes, "
+        "and its gradient never reaches the pieces. What to do: read the compiled module's parameter there "
+        f"(`compiled.get_parameter({grown[0][0]!r})`, whole where its plan replicates it: pin it so with "
+        "param_placements), or compile the whole computation that uses it (the head inside the compiled module, "
+        "with a loss_fn).")
 
 
 def expect(parameters, state_factor: float) -> None:
@@ -417,6 +444,8 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         _refuse_unloaded(optimizer)
     if (before := _checked.get(optimizer)) == _count(optimizer):
         return
+    if before is None:
+        _refuse_read_outside(optimizer)
     stale = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -424,7 +453,7 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             if entry is not None and entry[0]() is p:
                 stale.append(entry)
     if stale:
-        names = ", ".join(fqn for _, fqn, _ in stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+        names = ", ".join(fqn for _, fqn, *_ in stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
         raise SpmdError(
             f"{type(optimizer).__name__} steps {len(stale)} parameter(s) of the original {stale[0][2]} ({names}), "
             "which the compiled module does not use: they never get a gradient, so training would change "

@@ -307,6 +307,27 @@ def test_an_input_made_outside_from_a_parameter_the_module_holds_is_refused():
     other(nn.Embedding(32, 16)(ids), y).backward()  # (an embedding of another model: not held)
 
 
+def test_a_parameter_read_outside_after_the_compiled_module_is_refused_at_the_first_step():
+    """Found by a probe: the mirror of the case above, an eager head reading the compiled backbone's embedding
+    (`h @ bb.emb.weight.T`) after its output. It read the original weight, which no step updates, and its gradient
+    landed there (the embedding 0.049 off after 3 steps, silently); with that weight in the optimizer too, the
+    refusal said it got no gradient. A parameter of a compiled model that got a gradient since compiling is now
+    refused at the optimizer's first step, with the way out."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16))
+    ids = torch.randint(0, 32, (4, 6))
+    backbone(ids).sum().backward()  # (a gradient from before compiling is the user's: not taken for a read)
+    compiled = _compiled_on_one_device(backbone, (ids,), None)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    compiled(ids).sum().backward()
+    opt.step()  # (nothing read outside yet)
+    h = compiled(ids)
+    (h @ backbone[0].weight.T).sum().backward()  # (the eager head, tied to the original embedding)
+    with pytest.raises(spmd.SpmdError, match=r"SGD\.step\(\): the original Sequential's 0\.weight got a gradient "
+                                             r"since it was compiled.*compiled\.get_parameter\('0\.weight'\)"):
+        torch.optim.SGD(compiled.parameters(), lr=0.1).step()
+
+
 def test_an_input_requiring_grad_the_step_was_not_traced_for_fails_loudly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
