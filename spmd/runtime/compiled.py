@@ -8,6 +8,7 @@ import functools
 import operator
 import os
 import re
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -254,6 +255,11 @@ class _Pieces(nn.Module):
             part = self._part()
             if part is None or name.startswith("__") or not _has_static(part, name):
                 raise
+        if _inside_ddp_construction():  # (DDP asks an embedding's `sparse`: its words, not the read's; a probe)
+            raise SpmdError(_DDP_OVER_PIECES + " (DistributedDataParallel was being built over it: transformers' "
+                            "Trainer builds one through accelerate when torch.distributed is initialized; there, "
+                            "set `compiled._is_accelerate_prepared = True` before the Trainer, see "
+                            "docs/huggingface.md.)") from None
         raise _only_the_model_has(type(self).__name__, part, name, self._prefix + ".") from None
 
     def _refused(self, *args, **kwargs):
@@ -2516,15 +2522,8 @@ class CompiledModule(nn.Module):
                 managed = getattr(ddp, "_module_parameters", None)
                 mine = mine or {id(p) for p in self.parameters()}
                 if managed is None or any(id(p) in mine for p in managed):
-                    raise SpmdError(
-                        "a compiled module inside torch's DistributedDataParallel, which manages its parameters: DDP "
-                        "broadcast rank 0's values over every rank's when it was built, but each rank holds its own "
-                        "piece, and DDP would average the gradients of different pieces. What to do: leave the "
-                        "compiled module out of DDP (its graphs keep its replicas in step: gradients are reduced "
-                        "over the mesh's data-parallel axes); wrap only the plain modules around it, or list its "
-                        "parameters in the holder's `_ddp_params_and_buffers_to_ignore` before building DDP "
-                        "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model). Reload the weights "
-                        "first: the broadcast has already written them.")
+                    raise SpmdError(_DDP_OVER_PIECES + " Reload the weights first: the broadcast has already "
+                                    "written them.")
             frame = frame.f_back
 
     def _run_graphs(self, args: list, shapes: Shapes) -> list:
@@ -2750,6 +2749,25 @@ def _flagged(t, flag: bool):
         with torch.inference_mode(False):
             t = t.clone()
     return t.detach().requires_grad_(flag)
+
+
+_DDP_OVER_PIECES = (
+    "a compiled module inside torch's DistributedDataParallel, which manages its parameters: DDP broadcast rank 0's "
+    "values over every rank's when it was built, but each rank holds its own piece, and DDP would average the "
+    "gradients of different pieces. What to do: leave the compiled module out of DDP (its graphs keep its replicas "
+    "in step: gradients are reduced over the mesh's data-parallel axes); wrap only the plain modules around it, or "
+    "list its parameters in the holder's `_ddp_params_and_buffers_to_ignore` before building DDP "
+    "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model).")
+
+
+def _inside_ddp_construction() -> bool:
+    """Whether torch's DistributedDataParallel is being built in a calling frame."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith("torch/nn/parallel/distributed.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _module_ref(owner: str, path: str) -> str:

@@ -140,6 +140,10 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
             todo.append("pass this rank's shard (compiled.shard_inputs(*full_inputs) cuts it"
                         + (", and compiles for full inputs of other shapes, over the same weights)" if "shape" in fix
                            else ")"))
+        if "shard" in fix:  # (found by a probe: transformers' Trainer feeds each rank its own rows)
+            todo.append("where each rank already holds its own slice of a larger batch (a distributed sampler, "
+                        "transformers' Trainer), compile for the whole batch (all ranks' rows) with the inputs pinned "
+                        "`in_placements={name: [Shard(0)]}`, and pass each rank's slice as it is")
         if "dtype" in fix:
             todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
         if "device" in fix:

@@ -59,6 +59,7 @@ def test_wrong_local_input_shape_at_run_time(ranks):
         assert "input 'x': got the full tensor [8, 16]; this rank takes its shard [4, 16] (global [8, 16] laid " \
                "out as [S(0)]" in m
         assert "compiled.shard_inputs" in m
+        assert "compile for the whole batch (all ranks' rows) with the inputs pinned" in m  # (a Trainer's slices)
 
 
 def _optimizer_over_original(rank, world):

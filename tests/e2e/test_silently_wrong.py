@@ -1394,7 +1394,18 @@ def _inside_ddp(rank: int, world: int) -> dict:
     compiled.load_state_dict(core.state_dict())  # (the broadcast wrote rank 0's pieces over rank 1's)
     holder = _Holder(pre, compiled)
     DDP._set_params_and_buffers_to_ignore_for_model(holder, [f"core.{n}" for n, _ in compiled.named_parameters()])
-    return {"refused": refused, "losses": _three_steps_each(DDP(holder), eager, x, y)}
+    losses = _three_steps_each(DDP(holder), eager, x, y)
+    # a model with an embedding: DDP's constructor asks it `sparse`, refused with DDP's words, not the read's (found
+    # by a probe: transformers' Trainer, through accelerate, got "read values from the model")
+    ids = torch.randint(0, 16, (8, 4))
+    lm = spmd.compile(torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)),
+                      spmd.init_mesh((2,), ("tp",)), (ids,), training=True, mesh_spec=spec((2,), ("tp",)))
+    try:
+        DDP(lm)
+        at_build = None
+    except spmd.SpmdError as e:
+        at_build = str(e)
+    return {"refused": refused, "losses": losses, "at_build": at_build}
 
 
 def test_a_compiled_module_inside_ddp(ranks):
@@ -1404,6 +1415,8 @@ def test_a_compiled_module_inside_ddp(ranks):
     for r in _in_ranks_of_its_own(ranks, _inside_ddp):
         assert "inside torch's DistributedDataParallel" in r["refused"], r
         assert r["losses"][:3] == pytest.approx(r["losses"][3:], rel=1e-5), r
+        assert r["at_build"] and "inside torch's DistributedDataParallel" in r["at_build"] and \
+            "_is_accelerate_prepared" in r["at_build"], r["at_build"]
 
 
 def _pieces_handed_over(rank: int, world: int) -> dict:
