@@ -177,7 +177,8 @@ def _reads_names(fn, names: frozenset[str], depth: int = 2) -> bool:
     """Whether `fn`, or a plain function it calls by name (`depth` deep, torch's aside), reads one of `names` as
     a global or an attribute (found by a review: a helper's `torch.is_grad_enabled()` went unseen)."""
     return any(ins.argval in names for f in _called(getattr(fn, "__func__", fn), depth) for c in _codes(f.__code__)
-               for ins in dis.get_instructions(c) if ins.opname in _ATTR_LOADS or ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+               for ins in dis.get_instructions(c)
+               if ins.opname in _ATTR_LOADS or ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
 
 
 def _called(fn, depth: int, torch_too: bool = False) -> list:

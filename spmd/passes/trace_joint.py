@@ -705,7 +705,6 @@ def checkpoints_run_through(root: torch.nn.Module):
 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     calls = _Calls()
-    norms: dict[str, str] = {}  # path -> class of each batch norm updating its statistics inside a checkpoint
 
     def owner(function) -> str:
         """The path of the module `function` runs: the module, its bound method, or transformers'
@@ -748,7 +747,7 @@ def checkpoints_run_through(root: torch.nn.Module):
                 here = getattr(_checkpoints_here, "calls", None)
                 if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
                         isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-                    here[2].setdefault(here[3].get(id(module), type(module).__name__), type(module).__name__)
+                    here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
 
             reentrant.apply = classmethod(apply)
             if torch_generator is not None:
@@ -757,14 +756,15 @@ def checkpoints_run_through(root: torch.nn.Module):
             _checkpoints_restore = (reentrant, own_apply, torch_generator, hook)
         _checkpoints_depth += 1
     outer = getattr(_checkpoints_here, "calls", None)
-    _checkpoints_here.calls = (calls, owner, norms, paths)
+    _checkpoints_here.calls = (calls, owner)
     try:
         yield calls
-        if norms:
+        if calls.norms:
             named = ", ".join(f"`{path.removeprefix(_PREFIX) if isinstance(root, WithLoss) else path}` ({kind})"
-                              for path, kind in list(norms.items())[:3])
+                              for path, kind in list(calls.norms.items())[:3])
             warnings.warn(
-                f"{named}{' and more' if len(norms) > 3 else ''} update{'s' if len(norms) == 1 else ''} running "
+                f"{named}{' and more' if len(calls.norms) > 3 else ''} update{'s' if len(calls.norms) == 1 else ''} "
+                "running "
                 "statistics inside "
                 "torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
                 "again when backward recomputes the checkpointed part; pytorch/pytorch#96136), the compiled module "
@@ -788,9 +788,14 @@ def checkpoints_run_through(root: torch.nn.Module):
 
 
 class _Calls(list):
-    """The paths of the modules checkpoints ran (`checkpoints_run_through`), and whether one was reentrant."""
+    """The paths of the modules checkpoints ran (`checkpoints_run_through`), whether one was reentrant, and each
+    batch norm updating its statistics inside one (path -> class)."""
 
     reentrant = False
+
+    def __init__(self):
+        super().__init__()
+        self.norms: dict[str, str] = {}
 
 
 @contextlib.contextmanager

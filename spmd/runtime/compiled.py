@@ -1742,8 +1742,8 @@ class CompiledModule(nn.Module):
         vkey = key if grad == "on" else (grad, key)
         if vkey in self._refused_shapes:
             raise self._refused_shapes[vkey]
-        if len(flat) == len(self._shapes.input_flags):  # (`shard_inputs`' full inputs: flagged as the example was,
-            flat = tuple(_flagged(t, flag) for t, flag in zip(flat, self._shapes.input_flags))  # not as cut; a review)
+        if len(flat) == len(self._shapes.input_flags):  # (flagged as the example was, not as the call's inputs
+            flat = tuple(_flagged(t, flag) for t, flag in zip(flat, self._shapes.input_flags))  # are; a review)
         if grad == "on":
             check_room(key, self._shapes, len(self._variants))
         self._agree_on_key(vkey)
@@ -2404,9 +2404,8 @@ class CompiledModule(nn.Module):
                 raise
         if grad_off is not None:
             shapes = self._grad_variants.get((grad_off, shapes.key)) or self._compile_variant(
-                tuple(torch.empty(shape, dtype=spec.dtype, device="meta").requires_grad_(flag)
-                      for shape, spec, flag in zip(shapes.key, shapes.input_specs, shapes.input_flags)),
-                shapes.key, grad_off)
+                tuple(torch.empty(shape, dtype=spec.dtype, device="meta")
+                      for shape, spec in zip(shapes.key, shapes.input_specs)), shapes.key, grad_off)
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
             self._check_layouts(inputs, shapes)
@@ -2466,8 +2465,7 @@ class CompiledModule(nn.Module):
                     self._inputs_agreed = False
                 return shapes
         if key is not None:
-            examples = tuple(torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(
-                t.is_floating_point() and flag) for shape, t, flag in zip(key, inputs, self._shapes.input_flags))
+            examples = tuple(torch.empty(shape, dtype=t.dtype, device="meta") for shape, t in zip(key, inputs))
             shapes = self._variants.get(key) or self._compile_variant(examples, key)
             if shapes.check.accepts(inputs):
                 return shapes

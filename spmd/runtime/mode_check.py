@@ -236,6 +236,7 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     seen = {}
     fastpath = torch.backends.mha.get_fastpath_enabled()
+    params = {id(t) for t in root.parameters()}  # (what a setting's `frozen` may hold)
     stack = contextlib.ExitStack()
     try:
         torch.backends.mha.set_fastpath_enabled(False)
@@ -246,7 +247,6 @@ def _differ(root, inputs, settings: dict[str, _Setting]) -> str | None:
                 # (one name per tensor: functional_call ties the others, and refused a tied weight given under
                 # each name, which the `except` below took for a forward it cannot run: the check was off for
                 # GPT-2, BERT and T5; a review)
-                params = {id(t) for t in root.parameters()}
                 state = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device
                                                    ).requires_grad_(t.requires_grad if setting.frozen is None
                                                                     else id(t) in params and id(t) not in setting.frozen)
