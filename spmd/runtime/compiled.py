@@ -325,6 +325,13 @@ GENERATOR_CHECK_SHARE = 0.01
 
 # model -> the live modules compiled from it, whose traced modes explain the model's mode (`_model_mode_unexplained`)
 _compiled_modules = WeakIdKeyDictionary()
+
+
+def _all_compiled() -> list:
+    """Every compiled module alive in this process (copies too)."""
+    return [c for modules in list(_compiled_modules.values()) for c in list(modules)]
+
+
 # model -> the mode it was last compiled in (`spmd.compile(model.eval(), ...)` leaves the model in eval mode, also
 # once that module is gone or where a copy of it lives on)
 _last_compiled_mode = WeakIdKeyDictionary()
@@ -571,6 +578,7 @@ class CompiledModule(nn.Module):
                                        for p, n in zip(self._state_placements[fqn], self.mesh_spec.shape))})
         # and the model it was made from keeps its old weights once these move: calling or saving it then raises
         source_guard.watch(self._source_model, self, getattr(self._traced_root, "loss_fn", None))
+        source_guard.mark_written(self)  # (weights given in place from a module of another plan: seen at a call)
 
     @property
     def code(self) -> str:
@@ -1414,6 +1422,7 @@ class CompiledModule(nn.Module):
                                             f"{tuple(target.shape)}")
                 target.data = piece.to(target.dtype)  # the piece itself: the empty shard is never touched
                 self._uninitialized.discard(fqn)
+        source_guard.mark_written(self)
 
     def _agree_on_generator(self) -> None:
         """`init_weights()` with no seed draws from each rank's global generator: ranks seeded apart (a data
@@ -2362,6 +2371,7 @@ class CompiledModule(nn.Module):
         self._attributes.check()
         self._autocast.check()
         source_guard.stale(self)  # (another module compiled from the same model trained; this one did not)
+        source_guard.written_across_plans(self, _all_compiled)  # (an EMA teacher of another plan than its student)
         source_guard.model_changed(self)  # (the model given new weights after compiling, before this trained)
         source_guard.hooks_changed(self)  # (hooks on the model added after compiling, or removed)
         source_guard.buffers_changed(self)  # (the model's buffers set after compiling, which this holds copies of)

@@ -1280,6 +1280,7 @@ def given(compiled, fqns=None, elsewhere: bool = False) -> None:
     if compiled.__dict__["_loaded"]:
         compiled.__dict__["_synced"] = _clock[0]
     _mark_pieces(compiled)
+    mark_written(compiled)
 
 
 def _mark_pieces(compiled) -> None:
@@ -1428,6 +1429,76 @@ def _same_plan_or_refuse(compiled, trained) -> None:
         "place from the trained module.")
 
 
+
+def mark_written(compiled) -> None:
+    """The versions of `compiled`'s pieces now: what `written_across_plans` sees them written in place against
+    (marked when it is compiled or copied, given weights by spmd, and after each optimizer step over it)."""
+    compiled.__dict__["_written_mark"] = tuple((fqn, p, p._version) for fqn, p in compiled.named_parameters())
+
+
+def written_across_plans(compiled, others) -> None:
+    """Raise where `compiled`'s pieces were written in place outside its optimizer's steps and spmd's loads
+    (an EMA teacher's `t.lerp_(s, 1 - decay)` over `zip(teacher.parameters(), student.parameters())`) while
+    another compiled module among `others()` with the same parameters lays some of them out otherwise in pieces
+    of the same shapes: a rank's piece of one is not its piece of the other, and nothing else sees the mix-up.
+    Modules compiled from one model are seen by `stale` (`_same_plan_or_refuse`); this is for a teacher compiled
+    from its own copy of the model (known since session 84: a teacher compiled for inference, its student for
+    training, on (2, 2), `[R, S(0)]` against `[S(0), R]`: each rank averaged pieces of other rows)."""
+    mark = compiled.__dict__.get("_written_mark")
+    if not mark or all(p._version == v for _, p, v in mark):
+        return
+    # (a written piece with a gradient is a step of the user's own, `p -= lr * p.grad`: not weights given)
+    written = {fqn for fqn, p, v in mark if p._version != v and p.grad is None}
+    layouts = compiled.__dict__.setdefault("_twin_layouts", weakref.WeakKeyDictionary())
+    otherwise, alike = {}, set()
+    for other in others():
+        if other is compiled:
+            continue
+        if other not in layouts:
+            layouts[other] = _laid_out(compiled, other)
+        apart, same = layouts[other]
+        alike |= same & written
+        for fqn in apart & written:
+            otherwise.setdefault(fqn, other)
+    # (a module that lays them out alike may be where they came from: an EMA kept as `copy.deepcopy(student)` beside
+    # an evaluation module of another plan is right)
+    differ = [fqn for fqn, _, _ in mark if fqn in otherwise and fqn not in alike]  # (in the module's order)
+    if differ:
+        fqn = differ[0]
+        other = otherwise[fqn]
+        raise SpmdError(
+            f"this module's weights were set in place since it was compiled or loaded ({len(written)} "
+            f"parameter(s) written with no gradient: an EMA teacher updated from a student, weights copied over "
+            f"`zip(a.parameters(), b.parameters())`), and another compiled module with the same parameters "
+            f"({type(other._source_model).__name__}) lays them out otherwise in pieces of the same shapes "
+            f"({fqn}: {placements_str(compiled._state_placements[fqn])} here, "
+            f"{placements_str(other._state_placements[fqn])} in the other, on mesh "
+            f"{tuple(compiled.mesh_spec.shape)}; {len(differ)} parameter(s) in all), and none lays them out as "
+            "this one does: a rank's piece of one is not its piece of the other, so copying or averaging them "
+            "piece by piece mixes parts of different rows. What to do: keep the teacher as "
+            "`copy.deepcopy(student)` (the same plan), or compile it with the student's layouts "
+            "(`param_placements=` pins naming each parameter's placements in the student's plan); to give weights "
+            "across plans, `this.load_state_dict(other.state_dict())` (DTensors: any plan, any mesh).")
+    compiled.__dict__["_written_mark"] = tuple((fqn, p, p._version) for fqn, p, _ in mark)
+
+
+def _laid_out(compiled, other) -> tuple[frozenset, frozenset]:
+    """Of the parameters of two modules with the same parameters in the same order (as a zip over both pairs
+    them) on meshes of one shape, those laid out otherwise in pieces of the same shapes, and those laid out
+    alike; both empty for modules of other parameters."""
+    mine, theirs = list(compiled.named_parameters()), list(other.named_parameters())
+    shape = tuple(compiled.mesh_spec.shape)
+    if [n for n, _ in mine] != [n for n, _ in theirs] or shape != tuple(other.mesh_spec.shape):
+        return frozenset(), frozenset()
+
+    def pieces(module, fqn):  # (a placement on an axis of size 1 cuts nothing)
+        return tuple(p if n > 1 else Replicate() for p, n in zip(module._state_placements.get(fqn, ()), shape))
+
+    apart = {fqn for (fqn, p), (_, q) in zip(mine, theirs) if p.shape == q.shape and pieces(compiled, fqn) !=
+             pieces(other, fqn)}
+    same = {fqn for fqn, _ in mine if pieces(compiled, fqn) == pieces(other, fqn)}
+    return frozenset(apart), frozenset(same)
+
 class inside:
     """spmd running the model itself (the mode check's forward on fake tensors): the guard stands aside."""
 
@@ -1502,8 +1573,7 @@ def _diverge(compiled, stepped) -> None:
 def _stepped(optimizer, args, kwargs) -> None:
     """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
     step, and again when its param groups grow); their siblings' loads are out of date."""
-    if _moves_nothing(optimizer):
-        return
+    nothing = _moves_nothing(optimizer)
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     known = _stepping.get(optimizer)
     if known is None or known[0] != count:
@@ -1515,6 +1585,11 @@ def _stepped(optimizer, args, kwargs) -> None:
                     found[id(ref())] = ref
                     held.add(id(p))
         known = _stepping[optimizer] = (count, list(found.values()), frozenset(held))
+    for ref in known[1]:
+        if (compiled := ref()) is not None and "_written_mark" in compiled.__dict__:
+            mark_written(compiled)  # (what the step wrote is not weights given in place)
+    if nothing:
+        return
     for ref in known[1]:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)

@@ -910,6 +910,57 @@ def test_weights_given_in_place_from_a_module_of_another_plan_are_refused(ranks)
         assert r["error"] < 1e-12, r
 
 
+
+def _teacher_compiled_from_its_own_copy(rank: int, world: int) -> dict:
+    from tests.models import MLP
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = MLP(16, 32)
+        teacher_model = copy.deepcopy(model)  # (a mean teacher compiled apart from its student)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+        names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+        student = spmd.compile(model, mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((2, 2), ("dp", "tp")),
+                               param_placements={n: [Shard(0), Replicate()] for n in names})
+        teacher = spmd.compile(teacher_model, mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                               param_placements={n: [Replicate(), Shard(0)] for n in names})
+        same = spmd.compile(copy.deepcopy(model), mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                            param_placements={n: [Shard(0), Replicate()] for n in names})
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        student(*student.shard_inputs(x, y)).backward()
+        opt.step()
+        with torch.no_grad():
+            for t, s, u in zip(teacher.parameters(), student.parameters(), same.parameters()):
+                t.lerp_(s, 0.5)  # (this rank's pieces of other rows, where the layouts differ)
+                u.lerp_(s, 0.5)
+            try:
+                teacher(*teacher.shard_inputs(x))
+                refused = None
+            except spmd.SpmdError as e:
+                refused = str(e)
+            out = same.gather_outputs(same(*same.shard_inputs(x)))  # (the same layouts: right)
+            want = copy.deepcopy(teacher_model)
+            for w, a, b in zip(want.parameters(), teacher_model.parameters(), model.parameters()):
+                w.copy_(torch.lerp(a, student.full_state_dict()[[n for n, q in model.named_parameters()
+                                                                   if q is b][0]], 0.5))
+            error = float((out - want(x)).abs().max())
+        return {"refused": refused, "error": error}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_teacher_compiled_from_its_own_copy_given_weights_of_another_layout_is_refused(ranks):
+    """Known since session 84: a mean teacher compiled from its own copy of the model, with another plan than
+    its student (the teacher compiled for inference, the student for training), updated by hand over
+    `zip(teacher.parameters(), student.parameters())`. Where the two lay a parameter out differently with
+    pieces of one shape (on (2, 2), `[R, S(0)]` against `[S(0), R]`), each rank averaged pieces of other rows,
+    silently. It is refused at the teacher's next call; a teacher with the student's layouts is right."""
+    for r in ranks(4).run(_teacher_compiled_from_its_own_copy):
+        assert r["refused"] and "fc1.weight: [R, S(0)] here, [S(0), R] in" in r["refused"], r["refused"]
+        assert r["error"] < 1e-12, r
+
 # ---- checkpoints and modules compiled from one model ---------------------------------------------------------
 
 def _refused(call) -> str | None:
