@@ -254,7 +254,7 @@ PIPELINE: tuple[Pass, ...] = (
          and v["binding"].check is not None),
     # Identical layers, found once, let the next three passes do one layer's work for all of them.
     Pass("find_repeated_blocks", lambda traced, tie, pins: find_repeated_blocks(
-             traced, 2, frozenset(pins.params), AUTO_MIN_REPEATS if tie is None else 2),
+             traced, 2, dict(pins.params), AUTO_MIN_REPEATS if tie is None else 2),
          ("traced", "options.tie_blocks", "options.pins"), "blocks", lambda v: v["options"].tie_blocks is not False,
          lambda v: v["blocks"].summary()),
     # Training: what recomputing each layer in backward would run again and free, for the solver to weigh.

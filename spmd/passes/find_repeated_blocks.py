@@ -137,14 +137,35 @@ def instances(traced) -> dict[str, list[fx.Node]]:
     return found
 
 
-def find_repeated_blocks(traced, min_repeats: int = 2, pinned: frozenset[str] = frozenset(),
+def _tie(blocks: RepeatedBlocks, members: list[str], by_key: dict[str, list[fx.Node]]) -> None:
+    """One class of identical instances: each node of the later ones maps to the first's."""
+    first = by_key[members[0]]
+    blocks.classes.append(members)
+    blocks.nodes_per_instance[members[0]] = len(first)
+    for key in members[1:]:
+        for node, rep in zip(by_key[key], first):
+            blocks.representative[node.name] = rep.name
+
+
+def find_repeated_blocks(traced, min_repeats: int = 2, pinned=frozenset(),
                          pinned_min_repeats: int = 2) -> RepeatedBlocks:
     """Classes of at least `min_repeats` identical instances; of at least `pinned_min_repeats` where a
-    member's parameters are among `pinned` (FQNs)."""
+    member's parameters are among `pinned` (FQNs; a dict of FQN -> placements: the user's pins). Layers pinned
+    otherwise than each other (`layers.1.q` replicated, `layers.2.q` sharded) are not identical: each set of
+    pins ties apart (tied, they shared one choice that no placement could meet: "Infeasible", found by a
+    probe)."""
     by_key = instances(traced)
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
     prefix = module_prefix(traced.graph, by_fqn) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
     pinned_layers = {layer_of(prefix + fqn) for fqn in pinned}
+    pins_of: dict[str, list] = {}  # layer -> its pins, by the names within the layer
+    for fqn in pinned:
+        layer = layer_of(prefix + fqn)
+        if layer is None:  # (a parameter of no layer)
+            continue
+        shown = tuple(pinned[fqn]) if isinstance(pinned, dict) else None
+        pins_of.setdefault(layer, []).append(((prefix + fqn)[len(layer):], repr(shown)))
+    pin_key = {layer: tuple(sorted(pins)) for layer, pins in pins_of.items()}
     # layers stamp_layers copied are their source node for node: they join its class unhashed
     copies: dict[str, list[str]] = {}
     for key, source in traced.stamped.items():
@@ -165,17 +186,15 @@ def find_repeated_blocks(traced, min_repeats: int = 2, pinned: frozenset[str] = 
         by_sig: dict[tuple, list[str]] = {}
         for key in keys:
             by_sig.setdefault(signature(by_key[key]), []).append(key)
-        for members in by_sig.values():
-            members = sorted(members + [c for key in members for c in copies.get(key, ())], key=order.__getitem__)
-            least = pinned_min_repeats if any(m.split("/")[0] in pinned_layers for m in members) else min_repeats
-            if len(members) < max(2, least):
-                continue
-            first = by_key[members[0]]
-            blocks.classes.append(members)
-            blocks.nodes_per_instance[members[0]] = len(first)
-            for key in members[1:]:
-                for node, rep in zip(by_key[key], first):
-                    blocks.representative[node.name] = rep.name
+        for similar in by_sig.values():
+            similar = sorted(similar + [c for key in similar for c in copies.get(key, ())], key=order.__getitem__)
+            least = pinned_min_repeats if any(m.split("/")[0] in pinned_layers for m in similar) else min_repeats
+            alike: dict[tuple, list[str]] = {}
+            for key in similar:
+                alike.setdefault(pin_key.get(key.split("/")[0], ()), []).append(key)
+            for members in alike.values():
+                if len(members) >= max(2, least):
+                    _tie(blocks, members, by_key)
 
     # a layer's parameters follow the representative of its forward class (the backward class's may be
     # another layer: backward runs last layer first); a representative is never itself mapped

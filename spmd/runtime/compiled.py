@@ -1119,6 +1119,7 @@ class CompiledModule(nn.Module):
 
         new = object.__new__(type(self))
         new.__dict__ = dict(self.__dict__)
+        new.__dict__.pop("_twin_layouts", None)  # (`source_guard.written_across_plans`' table is the original's)
         for name in ("_modules", "_non_persistent_buffers_set", "_uninitialized", "_compiled_graphs", "_variants",
                      "_grad_variants",
                      *(k for k, v in self.__dict__.items() if k.endswith("_hooks") and isinstance(v, dict))):

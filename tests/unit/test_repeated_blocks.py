@@ -92,3 +92,53 @@ def test_merged_followers_shrink_the_solve_and_stay_correct():
             torch.testing.assert_close(out[0], local_shard(want.detach(), ps, MESH.shape, MESH.coordinate(rank)))
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class _Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return x + x * self.q
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Gated() for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_layers_pinned_otherwise_than_each_other_tie_apart():
+    """Found by a probe: 9 identical layers, `layers.1.q` pinned replicated and `layers.2.q` sharded, tied into
+    one class whose shared choice no placement could meet: the training solve said "Infeasible" and advised
+    pinning more. Each set of pins now ties apart, and every pin holds in the plan."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd.runtime.simulate import simulate
+    from tests.support import check_simulated_training, spec
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, x, t = _Stack(9), torch.randn(4, 8, 8), torch.randn(4, 8, 8)
+        loss_fn = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+        pins = {"layers.1.q": [Replicate()], "layers.2.q": [Shard(0)]}
+        c = compile_graph(model, (x, t), spec((4,), ("tp",)), loss_fn=loss_fn, param_placements=pins)
+        classes = [[key.split("/")[0] for key in members] for members in c.blocks.classes]
+        assert not any("layers.1" in members and "layers.2" in members for members in classes), classes
+        assert any(len(members) == 7 for members in classes), classes  # (the seven unpinned layers tie)
+        by_fqn = {i.name: i.placeholder for i in c.traced.inputs}
+        for fqn, want in pins.items():
+            assert list(c.plan.choices[by_fqn[fqn]].outputs[0]) == want
+        outs = simulate(c, (x, t, torch.tensor(1.0)))  # (the loss's tangent last)
+        loss = loss_fn(model(x), t)
+        loss.backward()
+        assert check_simulated_training(c, outs, loss, model) == 1 + 9
+    finally:
+        torch.set_default_dtype(torch.float32)
