@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -35,13 +36,15 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str | None = None,
-              timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+              timeout: datetime.timedelta | None = None):
     """Start the process group if needed (NCCL on CUDA, gloo on CPU) and return a torch DeviceMesh.
 
     timeout: how long a collective may wait for its peers before it fails (with an error naming it,
     `SpmdCollectiveError`). torch's default is 30 minutes for gloo, 10 for NCCL: a rank that hangs
     would block the others that long. Five minutes covers a compile (ranks wait for each other at
-    its start) and a training step; raise it for steps or checkpoints that take longer.
+    its start) and a training step; raise it for steps or checkpoints that take longer. A process group
+    the user started keeps its own timeout unless `timeout` is given: then it takes this one (it was
+    ignored there, found by a probe: a rank that stopped left the others waiting 30 minutes, not 10 s).
 
     Asking again for the same shape and axis names returns the same mesh (torch's init_device_mesh
     would make new process groups each time: runtime/meshes.py)."""
@@ -53,11 +56,14 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
                             f"launch with `torchrun --nproc-per-node {torch.Size(shape).numel()} script.py`.")
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
-    elif device_type == "cuda" and "LOCAL_RANK" in os.environ and not torch.cuda.is_initialized():
-        # (a process group the user started without choosing a GPU: the comparison below runs on the current
-        # device, which would be cuda:0 on every rank; torch's DeviceMesh picks LOCAL_RANK's as this does)
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout or DEFAULT_TIMEOUT)
+    else:
+        if timeout is not None:
+            _set_timeout(timeout)
+        if device_type == "cuda" and "LOCAL_RANK" in os.environ and not torch.cuda.is_initialized():
+            # (a process group the user started without choosing a GPU: the comparison below runs on the current
+            # device, which would be cuda:0 on every rank; torch's DeviceMesh picks LOCAL_RANK's as this does)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world = dist.get_world_size()
     if world > 1:  # (every rank asks for the same mesh: nodes started with other meshes waited in the groups' creation)
         # (and where each rank runs: which ranks share a machine, for the links' and the cores' prices; srun and
@@ -80,6 +86,20 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
         raise SpmdError(f"init_mesh: mesh {shape} needs {need} processes but the world has {world}. What to do: "
                         f"launch with `torchrun --nproc-per-node {need}` or choose a mesh whose sizes multiply to {world}.")
     return device_mesh(shape, axis_names, device_type)
+
+
+def _set_timeout(timeout: datetime.timedelta) -> None:
+    """The user's own default process group takes `timeout` (the mesh axes' groups take the default group's:
+    runtime/meshes.py). torch keeps no public way to do it; where its private one is gone, a warning says so."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout)
+    except Exception as e:  # noqa: BLE001 - a torch without it: say so rather than wait 30 minutes silently
+        warnings.warn(f"init_mesh: the process group was started before, and its timeout could not be set to "
+                      f"{timeout} ({type(e).__name__}: {e}): collectives wait as long as it says. What to do: pass "
+                      "timeout= to dist.init_process_group, or let spmd.init_mesh start the process group.",
+                      stacklevel=3)
 
 
 def _rank_device(mesh) -> torch.device | None:

@@ -538,6 +538,8 @@ class CompiledModule(nn.Module):
             isinstance(p, Replicate) and n > 1 for spec in self._input_specs
             for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._inputs_agreed = not self._replicated_inputs
+        # and a graph with collectives, the call itself (`_agree_on_inputs`): one rank calling alone pairs them apart
+        self._collective_calls = self.mesh_spec.size > 1 and bool(self.plan.collectives())
         self._shard_calls, self._shards_agreed = 0, False  # shard_inputs' calls, checked at the same counts
         self._input_names = [name for kind, name in self._order if kind == "input"]
         self.train(self._traced_mode)
@@ -1803,8 +1805,18 @@ class CompiledModule(nn.Module):
         """Every rank compiling for the same shapes (one all_gather of them), else the ranks' shapes named."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
+        from spmd.core.errors import SpmdCollectiveError
+
         keys = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, key)
+        try:
+            dist.all_gather_object(keys, key)
+        except RuntimeError as e:  # (a probe: a raw gloo timeout, or a peer aborted by gloo's size check)
+            raise SpmdCollectiveError(
+                f"this rank got inputs of new shapes ({', '.join(str(list(s)) for s in key)}) and asked its peers "
+                f"whether they got the same, and the collective failed or timed out ({e}): a peer that got other "
+                "shapes (the compiled ones: an uneven last batch on this rank alone) went on into its graph's own "
+                "collectives. What to do: give every rank batches of the same shapes (a DataLoader with "
+                "drop_last=True, or a DistributedSampler, whose batches are the same size on every rank).") from e
         if any(k != key for k in keys):
             shown = "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in k)}" for r, k in enumerate(keys))
             raise SpmdError(
@@ -2074,11 +2086,25 @@ class CompiledModule(nn.Module):
         if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
             self._replicated_inputs = False  # (fake tensors, as a CUDA rank planned on this host: no values)
             return
+        # (and the call itself: a rank calling the module alone, to evaluate under no_grad while its peers train,
+        # paired its collectives with their next call's, and every rank went on wrong; found by a probe)
+        call = torch.tensor([torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.training,
+                             self.__dict__.get("_steps", 0)], dtype=torch.int64)
         apart, anywhere = self._values_apart(
-            [(spec.name, t) for spec, t in zip(specs, inputs)],
-            lambda axis, k: isinstance(specs[k].placements[axis], Replicate), "replicated inputs",
+            [(spec.name, t) for spec, t in zip(specs, inputs)] + [(_THE_CALL, call)],
+            lambda axis, k: k == len(specs) or isinstance(specs[k].placements[axis], Replicate), "replicated inputs",
             sampled=self._calls > 1)
         self._inputs_agreed = not anywhere  # (else asked again)
+        if any(name == _THE_CALL for name, _ in apart):
+            axes = ", ".join(repr(axis) for name, axis in apart if name == _THE_CALL)
+            raise SpmdError(
+                f"the ranks made different calls of this module at its call {self._calls} (along {axes}: the "
+                "optimizer steps taken over it, grad mode, inference mode or train/eval mode differ): a rank called "
+                "it where its peers did not (evaluating "
+                "on rank 0 alone while the others train), and the graphs' collectives paired calls apart, so every "
+                "rank computed with its peers' other values (the steps since its last checked call are not to be "
+                "trusted: resume from a checkpoint). What to do: make every call of a compiled module on every rank "
+                "of its mesh (evaluate on all ranks, then log on one), in the same modes.")
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             at = f" at call {self._calls} of this module" if self._calls > 1 else ""
@@ -2420,8 +2446,8 @@ class CompiledModule(nn.Module):
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
             self._check_layouts(inputs, shapes)
-        if self._replicated_inputs and (not self._inputs_agreed or due):
-            self._agree_on_inputs(inputs, shapes.input_specs)
+        if self._replicated_inputs and (not self._inputs_agreed or due) or due and self._collective_calls:
+            self._agree_on_inputs(inputs, shapes.input_specs)  # (and on the call: every module on a mesh)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs, shapes)
         if self._flag_reader is not None:
@@ -2488,7 +2514,7 @@ class CompiledModule(nn.Module):
         layouts = shapes.laid_out
         if layouts is None:
             layouts = shapes.laid_out = {k: self._layout_key(ps) for k, ps in shapes.out_placements.items()}
-        mesh = tuple(self.group_names)
+        mesh = (tuple(self.group_names), tuple(self.mesh_spec.shape))
         for k, t in enumerate(flat):
             if isinstance(t, torch.Tensor) and k in layouts:
                 _laid_out.record(t, (mesh, layouts[k]))
@@ -2503,16 +2529,24 @@ class CompiledModule(nn.Module):
         that input: on a (2, 2) mesh an output `[S(0), S(1)]` and an input `[S(1), S(0)]` have the same local
         shape, and each rank took its piece of another part of the tensor (losses 1.0056 where eager gave 1.0118;
         found by a probe)."""
-        mesh = tuple(self.group_names)
+        mesh = (tuple(self.group_names), tuple(self.mesh_spec.shape))
         for t, spec in zip(inputs, shapes.input_specs):
             made = _laid_out.get(t) if isinstance(t, torch.Tensor) else None
-            if made is not None and made[0] == mesh and made[1] != self._layout_key(spec.placements):
+            if made is None:
+                continue
+            mine = self._layout_key(spec.placements)
+            if made[0] == mesh:
+                apart = made[1] != mine
+            else:  # (a module on another mesh over the same ranks: a probe's (2, 2) of its own groups, 0.13 off)
+                apart = not _same_pieces(tuple(t.shape), made[1], made[0][1], mine, mesh[1])
+            if apart:
+                there = "" if made[0] == mesh else f" on mesh {made[0][1]}"
                 raise SpmdError(
                     f"input {spec.name!r} is a piece a compiled module returned (this one or another), laid out as "
-                    f"{placements_str(made[1])}, and this module takes it as {placements_str(spec.placements)}: each "
-                    "rank would read its piece of another part of the tensor. What to do: pass "
-                    "producer.gather_outputs(out) through this module's shard_inputs(...), or pin the two alike "
-                    "(out_placements on the producer, in_placements here).")
+                    f"{placements_str(made[1])}{there}, and this module takes it as {placements_str(spec.placements)}"
+                    f"{'' if made[0] == mesh else f' on mesh {mesh[1]}'}: each rank would read its piece of another "
+                    "part of the tensor. What to do: pass producer.gather_outputs(out) through this module's "
+                    "shard_inputs(...), or pin the two alike (out_placements on the producer, in_placements here).")
 
     def _refuse_data_parallel_wrap(self) -> None:
         """A compiled module called from torch's DistributedDataParallel that manages its parameters: DDP's
@@ -2599,6 +2633,42 @@ class _LaidOut:
 
 
 _laid_out = _LaidOut()
+
+
+_THE_CALL = "(the call)"  # (its grad, inference and train/eval modes, compared with the replicated inputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _same_pieces(local: tuple, made: tuple, made_mesh: tuple, taken: tuple, mesh: tuple) -> bool:
+    """Whether every rank's piece of shape `local`, laid out as `made` on a mesh of shape `made_mesh`, is the part
+    of the tensor a layout `taken` on `mesh` gives that rank: both meshes number the same ranks in row-major
+    order (`api._refuse_rank_layout`). A layout that holds a Partial sum is compared as it is written."""
+    import math
+
+    if math.prod(made_mesh) != math.prod(mesh):
+        return True  # (not the same ranks: not this check's to say)
+    if any(isinstance(p, Partial) for p in (*made, *taken)):
+        return tuple(made) == tuple(taken) and tuple(made_mesh) == tuple(mesh)
+    full = list(local)
+    for p, n in zip(made, made_mesh):
+        if isinstance(p, Shard):
+            full[p.dim] *= n
+    full = tuple(full)
+    for rank in range(math.prod(mesh)):
+        a = local_slices(full, made, made_mesh, _coordinate(rank, made_mesh))
+        b = local_slices(full, taken, mesh, _coordinate(rank, mesh))
+        if a != b:
+            return False
+    return True
+
+
+def _coordinate(rank: int, shape: tuple) -> tuple:
+    """A rank's coordinate on a mesh that numbers its ranks in row-major order."""
+    coord = []
+    for n in reversed(shape):
+        rank, i = divmod(rank, n)
+        coord.append(i)
+    return tuple(reversed(coord))
 
 
 class _OutputsMade:

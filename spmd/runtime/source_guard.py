@@ -1594,6 +1594,8 @@ def _stepped(optimizer, args, kwargs) -> None:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
             continue
+        # (the steps taken, the same on every rank: compared with the call's modes at the checked calls)
+        compiled.__dict__["_steps"] = compiled.__dict__.get("_steps", 0) + 1
         if compiled.__dict__.get("_copy"):  # (a copy's pieces are its own: two fine-tunes from one start leave
             continue                        # the original and the model as they were; found by a probe)
         stepped = _stepped_shared(compiled, known[2])

@@ -1406,6 +1406,41 @@ def _in_ranks_of_its_own(ranks, fn) -> list:
         pool.close()
 
 
+
+def _one_rank_evaluates_alone(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        c = spmd.compile(model, spmd.init_mesh((2,), ("dp",)), (x, y), loss_fn=F.cross_entropy,
+                         mesh_spec=spec((2,), ("dp",)), param_placements={"0.weight": [Shard(0)]})
+        opt = torch.optim.SGD(c.parameters(), lr=0.1)
+        local = c.shard_inputs(x, y)
+        for step in range(6):
+            try:
+                c(*local).backward()
+            except spmd.SpmdError as e:
+                return {"refused": str(e), "step": step}
+            opt.step()
+            opt.zero_grad()
+            if step == 1 and rank == 0:  # (an evaluation on rank 0 alone)
+                with torch.no_grad():
+                    c(*local)
+        return {"refused": None}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_module_called_on_one_rank_alone_while_the_others_train_is_refused(ranks):
+    """Found by a probe: rank 0 alone evaluated a tensor-parallel module once between steps; its forward's
+    all_reduce paired with rank 1's next training call, and from then on every collective paired one call apart:
+    both ranks trained 0.02 off one device, without an error. The checked calls (1, 2, 4, 8, ..., then every
+    few) now compare the call on every rank: the optimizer steps taken over the module, and the grad, inference
+    and train/eval modes. Here both ranks stop at call 4."""
+    for r in _in_ranks_of_its_own(ranks, _one_rank_evaluates_alone):
+        assert r["refused"] and "the ranks made different calls of this module at its call 4" in r["refused"], r
+
 def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     core = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
@@ -1507,6 +1542,46 @@ def test_a_piece_handed_to_a_module_that_takes_another_layout(ranks):
         # (of another local shape: the same words, not what the trace of a variant for its shape met; a probe)
         assert "laid out as [S(0)], and this module takes it as [S(1)]" in r["other_shape"], r
 
+
+
+def _pieces_handed_across_meshes(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        body, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        x = torch.randn(8, 8)
+        square = spmd.init_mesh((2, 2), ("dp", "tp"))
+        b = spmd.compile(body, square, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                         out_placements={0: [Shard(0), Shard(1)]})
+        out = b(*b.shard_inputs(x))
+        refused = None
+        try:  # (a (2, 2) mesh of its own groups, the input taken [S(1), S(0)]: pieces of the same shape)
+            other = spmd.init_mesh((2, 2), ("a", "b"))
+            h = spmd.compile(head, other, (x,), mesh_spec=spec((2, 2), ("a", "b")),
+                             in_placements={"input": [Shard(1), Shard(0)]})
+            h(out)
+        except spmd.SpmdError as e:
+            refused = str(e)
+        # (the same pieces on a mesh of another shape over the same ranks: [S(0), S(0)] on (2, 2) is [S(0)] on (4,))
+        rows = spmd.compile(body, square, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                            out_placements={0: [Shard(0), Shard(0)]})
+        line = spmd.compile(head, spmd.init_mesh((4,), ("all",)), (x,), mesh_spec=spec((4,), ("all",)),
+                            in_placements={"input": [Shard(0)]})
+        got = line.gather_outputs(line(rows(*rows.shard_inputs(x))))
+        return {"refused": refused, "error": float((got - head(body(x))).abs().max())}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_piece_handed_to_a_module_on_another_mesh_is_checked(ranks):
+    """Found by a probe: a piece handed to a module compiled on another (2, 2) mesh (its own axis names and process
+    groups) was not checked, since the check compared the meshes' groups: `[S(0), S(1)]` taken as `[S(1), S(0)]`
+    trained 0.13 off one device in 3 steps, silently. Each rank's part of the tensor is now compared under both
+    layouts; the same pieces on a mesh of another shape over the same ranks run as one device."""
+    for r in ranks(4).run(_pieces_handed_across_meshes):
+        assert r["refused"] and "laid out as [S(0), S(1)] on mesh (2, 2), and this module takes it as [S(1), S(0)]" \
+            in r["refused"], r["refused"]
+        assert r["error"] < 1e-12, r
 
 def _evaluation_module_given_weights_in_place_before_its_first_call(rank: int, world: int) -> dict:
     torch.manual_seed(0)
