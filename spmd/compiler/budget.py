@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from spmd.compiler.axis_search import solve_by_axes
+from spmd.core.graph_facts import format_bytes
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
 from spmd.cost_model.memory import Schedule
@@ -66,9 +67,9 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
     peak = sum(b for k, b in plan.memory.items() if k != "gradients") + extra
     at = None if point is None else point.at
     if memory_budget is not None and peak > memory_budget * (1 + 1e-9):
-        warnings.warn(f"memory_budget {memory_budget / 2**20:.1f} MiB: the plan's parameters, optimizer state and "
+        warnings.warn(f"memory_budget {format_bytes(memory_budget)}: the plan's parameters, optimizer state and "
                       f"saved activations fit, but with the gradients and temporaries the schedule holds "
-                      f"({extra / 2**20:.1f} MiB more at '{at}') the predicted peak is {peak / 2**20:.1f} MiB, and "
+                      f"({format_bytes(extra)} more at '{at}') the predicted peak is {format_bytes(peak)}, and "
                       + ("no plan fits whole (proven; this is the leanest plan found). "
                          if "(proven)" in str(plan.stats.get("status")) else
                          "no plan the search met fits whole (this is the leanest it found). ") +

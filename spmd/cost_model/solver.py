@@ -23,6 +23,7 @@ import highspy
 import numpy as np
 
 from spmd.core.errors import SpmdInternalError
+from spmd.core.graph_facts import format_bytes
 from spmd.cost_model.restrict import Entries, restrict
 
 
@@ -741,7 +742,7 @@ class IlpBuilder:
                                  "no plan fits (proven); the leanest plan found" if state["proven"] else
                                  "the leanest plan found"), *sizes)
         if state["x"] is None:
-            leanest = "" if lean is None else f"; the leanest plan found needs {state['leanest_need'] / 2**20:.1f} MiB"
+            leanest = "" if lean is None else f"; the leanest plan found needs {format_bytes(state['leanest_need'])}"
             status = ("Infeasible: no plan fits the budget" if state["proven"] else
                       "Out of time: no plan found that fits the budget" + leanest
                       if state.get("out_of_time") or search.out_of_time() else

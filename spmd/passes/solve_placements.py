@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from spmd.core.errors import SpmdError, SpmdInternalError
-from spmd.core.graph_facts import follows_input, is_gradient_sink, is_view
+from spmd.core.graph_facts import follows_input, format_bytes, is_gradient_sink, is_view
 from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, TensorInfo, Value, pieces
 from spmd.cost_model.comm import bucket_share
@@ -1116,15 +1116,15 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                        "gave up after its rounds of cuts")
                 raise SpmdError(
                     f"solve_placements: the search {how} before it found a plan that "
-                    f"fits memory_budget={memory_budget / 2**20:.1f} MiB per rank. That is not proven impossible: "
-                    f"sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB "
+                    f"fits memory_budget={format_bytes(memory_budget)} per rank. That is not proven impossible: "
+                    f"sharding every tensor as far as the mesh allows needs about {format_bytes(floor)} "
                     f"({result.status}; a program of {result.n_binary} binary and {result.n_continuous} continuous "
                     "columns). What to do: pin the largest parameters sharded (param_placements=) so the search "
                     "starts nearer a fitting plan, give it more time (solver_time_limit=), raise the budget, or plan "
                     "a smaller batch.")
             raise SpmdError(
-                f"solve_placements: no plan fits memory_budget={memory_budget / 2**20:.1f} MiB per rank "
-                f"(even sharding every tensor as far as the mesh allows needs about {floor / 2**20:.1f} MiB). "
+                f"solve_placements: no plan fits memory_budget={format_bytes(memory_budget)} per rank "
+                f"(even sharding every tensor as far as the mesh allows needs about {format_bytes(floor)}). "
                 "What to do: raise the budget, use a bigger mesh, or a smaller batch.")
         slow = "time limit" in result.status.lower() or result.status.startswith("Out of time")
         raise SpmdError(

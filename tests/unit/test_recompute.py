@@ -396,3 +396,31 @@ def test_checkpoints_differ_from_eager_only_as_they_say(reentrant):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert (compiled.get_parameter("stem.weight").grad is None) == reentrant
+
+
+def test_recompute_asked_of_listed_layers_that_save_nothing_says_so():
+    """Found by a probe: layers in a module list whose forwards save nothing for backward (`x + b`) were refused
+    with "keep the blocks in a module list", which they were. The message now says they save nothing."""
+
+    class Shift(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = torch.nn.Parameter(torch.zeros(8))
+
+        def forward(self, x):
+            return x + self.b
+
+    class Shifts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Shift() for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with pytest.raises(spmd.SpmdError) as e:
+        compile_graph(Shifts(), (torch.randn(4, 8), torch.randn(4, 8)), spec((2,), ("dp",)),
+                      loss_fn=torch.nn.functional.mse_loss, recompute=True)
+    assert "its module lists' 3 elements save none" in str(e.value) and "keep the blocks" not in str(e.value)
