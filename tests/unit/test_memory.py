@@ -1,9 +1,12 @@
 """The schedule's live-bytes peak (cost_model/memory.py): what is alive at the worst point, by hand."""
+import re
+
 import pytest
 import torch
 from torch.distributed.tensor import Shard
 
 import spmd
+from spmd.core.graph_facts import format_bytes
 from tests.models import MLP
 from tests.support import LATENCY_LINK, SLOW_DEVICE, compile_graph
 
@@ -48,7 +51,8 @@ def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
     free = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss)
     row = sum(b for k, b in free.memory.items() if k not in ("gradients", "temporaries"))  # when backward starts
     budget = (row + free.predicted_peak_bytes) / 2
-    with pytest.warns(UserWarning, match=rf"memory_budget {budget / 2**20:.1f} MiB.*no plan fits whole \(proven"):
+    with pytest.warns(UserWarning, match=rf"memory_budget {re.escape(format_bytes(budget))}.*no plan fits whole "
+                      r"\(proven"):
         tight = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
     assert tight.predicted_peak_bytes == free.predicted_peak_bytes
 
