@@ -89,12 +89,18 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
 
 
 def _set_timeout(timeout: datetime.timedelta) -> None:
-    """The user's own default process group takes `timeout` (the mesh axes' groups take the default group's:
-    runtime/meshes.py). torch keeps no public way to do it; where its private one is gone, a warning says so."""
+    """The user's own default process group takes `timeout`, and so do the axes' groups of the meshes made
+    before (a new mesh's take the default group's: runtime/meshes.py). torch keeps no public way to do it; where its private one is gone, a warning says so."""
+    from spmd.runtime.meshes import cached_meshes
+
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         _set_pg_timeout(timeout)
+        for mesh in cached_meshes():  # (a mesh asked for before: its axes' groups, made with the old timeout; a review)
+            for axis in range(mesh.ndim):
+                if 1 < mesh.size(axis) < dist.get_world_size():
+                    _set_pg_timeout(timeout, mesh.get_group(axis))
     except Exception as e:  # noqa: BLE001 - a torch without it: say so rather than wait 30 minutes silently
         warnings.warn(f"init_mesh: the process group was started before, and its timeout could not be set to "
                       f"{timeout} ({type(e).__name__}: {e}): collectives wait as long as it says. What to do: pass "

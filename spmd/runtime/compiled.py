@@ -538,7 +538,7 @@ class CompiledModule(nn.Module):
             isinstance(p, Replicate) and n > 1 for spec in self._input_specs
             for p, n in zip(spec.placements, self.mesh_spec.shape))
         self._inputs_agreed = not self._replicated_inputs
-        # and a graph with collectives, the call itself (`_agree_on_inputs`): one rank calling alone pairs them apart
+        # and a graph with collectives, the call itself (`_agree_on_call`): one rank calling alone pairs them apart
         self._collective_calls = self.mesh_spec.size > 1 and bool(self.plan.collectives())
         self._shard_calls, self._shards_agreed = 0, False  # shard_inputs' calls, checked at the same counts
         self._input_names = [name for kind, name in self._order if kind == "input"]
@@ -2086,25 +2086,11 @@ class CompiledModule(nn.Module):
         if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
             self._replicated_inputs = False  # (fake tensors, as a CUDA rank planned on this host: no values)
             return
-        # (and the call itself: a rank calling the module alone, to evaluate under no_grad while its peers train,
-        # paired its collectives with their next call's, and every rank went on wrong; found by a probe)
-        call = torch.tensor([torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.training,
-                             self.__dict__.get("_steps", 0)], dtype=torch.int64)
         apart, anywhere = self._values_apart(
-            [(spec.name, t) for spec, t in zip(specs, inputs)] + [(_THE_CALL, call)],
-            lambda axis, k: k == len(specs) or isinstance(specs[k].placements[axis], Replicate), "replicated inputs",
+            [(spec.name, t) for spec, t in zip(specs, inputs)],
+            lambda axis, k: isinstance(specs[k].placements[axis], Replicate), "replicated inputs",
             sampled=self._calls > 1)
         self._inputs_agreed = not anywhere  # (else asked again)
-        if any(name == _THE_CALL for name, _ in apart):
-            axes = ", ".join(repr(axis) for name, axis in apart if name == _THE_CALL)
-            raise SpmdError(
-                f"the ranks made different calls of this module at its call {self._calls} (along {axes}: the "
-                "optimizer steps taken over it, grad mode, inference mode or train/eval mode differ): a rank called "
-                "it where its peers did not (evaluating "
-                "on rank 0 alone while the others train), and the graphs' collectives paired calls apart, so every "
-                "rank computed with its peers' other values (the steps since its last checked call are not to be "
-                "trusted: resume from a checkpoint). What to do: make every call of a compiled module on every rank "
-                "of its mesh (evaluate on all ranks, then log on one), in the same modes.")
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             at = f" at call {self._calls} of this module" if self._calls > 1 else ""
@@ -2114,6 +2100,28 @@ class CompiledModule(nn.Module):
                 "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
                 "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
+
+    def _agree_on_call(self) -> None:
+        """The same call on every rank of the mesh, at the checked calls of a module whose graph has collectives:
+        the optimizer steps taken over it (`source_guard._count_step`) and the grad, inference and train/eval
+        modes. A rank calling it alone (evaluating under no_grad on rank 0 while its peers train) paired its
+        collectives with their next call's, and every rank went on wrong from then on (found by a probe: 0.02
+        off, no error)."""
+        if not dist.is_initialized():
+            return
+        call = torch.tensor([torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.training,
+                             self.__dict__.get("_steps", 0)], dtype=torch.int64)
+        apart, anywhere = self._values_apart([("the call", call)], lambda axis, k: True, "calls")
+        if anywhere:
+            where = f"along {', '.join(repr(axis) for _, axis in apart)}" if apart else "elsewhere in the mesh"
+            raise SpmdError(
+                f"the ranks made different calls of this module at its call {self._calls} ({where}: the "
+                "optimizer steps taken over it, grad mode, inference mode or train/eval mode differ): a rank called "
+                "it where its peers did not (evaluating on rank 0 alone while the others train), and the graphs' "
+                "collectives paired calls apart, so every rank computed with its peers' other values (the steps "
+                "since its last checked call are not to be trusted: resume from a checkpoint). What to do: make "
+                "every call of a compiled module on every rank of its mesh (evaluate on all ranks, then log on one), "
+                "in the same modes.")
 
     def _values_apart(self, values: list[tuple[str, torch.Tensor]], compared, what: str,
                       sampled: bool = False) -> tuple[list, bool]:
@@ -2446,8 +2454,10 @@ class CompiledModule(nn.Module):
         self._cut_pieces.check(inputs, shapes.input_specs)
         if _laid_out:
             self._check_layouts(inputs, shapes)
-        if self._replicated_inputs and (not self._inputs_agreed or due) or due and self._collective_calls:
-            self._agree_on_inputs(inputs, shapes.input_specs)  # (and on the call: every module on a mesh)
+        if due and self._collective_calls:
+            self._agree_on_call()
+        if self._replicated_inputs and (not self._inputs_agreed or due):
+            self._agree_on_inputs(inputs, shapes.input_specs)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs, shapes)
         if self._flag_reader is not None:
@@ -2633,9 +2643,6 @@ class _LaidOut:
 
 
 _laid_out = _LaidOut()
-
-
-_THE_CALL = "(the call)"  # (its grad, inference and train/eval modes, compared with the replicated inputs)
 
 
 @functools.lru_cache(maxsize=256)

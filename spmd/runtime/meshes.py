@@ -45,6 +45,14 @@ def _alive(mesh) -> bool:
         return False
 
 
+def cached_meshes() -> list:
+    """The meshes `device_mesh` made over the live default process group."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    return [mesh for group, mesh in _MESHES.values() if group is default and _alive(mesh)]
+
+
 def device_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str):
     """`init_device_mesh(device_type, shape, mesh_dim_names=axis_names)`, made once per default process
     group. The default group must exist."""

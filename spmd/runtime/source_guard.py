@@ -1432,18 +1432,51 @@ def _same_plan_or_refuse(compiled, trained) -> None:
 
 def mark_written(compiled) -> None:
     """The versions of `compiled`'s pieces now: what `written_across_plans` sees them written in place against
-    (marked when it is compiled or copied, given weights by spmd, and after each optimizer step over it)."""
+    (marked when it is compiled or copied, given weights by spmd, or given its values by `init_weights`); and
+    its pieces, whose optimizer steps are counted from now on (`_count_step`)."""
+    global _count_hook
     compiled.__dict__["_written_mark"] = tuple((fqn, p, p._version) for fqn, p in compiled.named_parameters())
+    for _, p, _ in compiled.__dict__["_written_mark"]:
+        _counted[p] = weakref.ref(compiled)
+    if _count_hook is None:
+        _count_hook = register_optimizer_step_post_hook(_eager(_count_step))
+
+
+_counted = WeakIdKeyDictionary()  # piece -> its compiled module (a weak reference), meta-built ones too
+_counting: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (its parameter count, modules)
+_count_hook = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    """Each optimizer step that a gradient of a compiled module's pieces took part in counts one for it
+    (`_steps`): the same on every rank of its mesh, where the calls of one rank alone move it apart (compared at
+    the checked calls: `CompiledModule._agree_on_call`)."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    known = _counting.get(optimizer)
+    if known is None or known[0] != count:
+        found = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref = _counted.get(p)
+                if ref is not None and ref() is not None:
+                    found[id(ref())] = ref
+        known = _counting[optimizer] = (count, list(found.values()))
+    for ref in known[1]:
+        if (compiled := ref()) is not None and _moved(compiled):
+            compiled.__dict__["_steps"] = compiled.__dict__.get("_steps", 0) + 1
 
 
 def written_across_plans(compiled, others) -> None:
-    """Raise where `compiled`'s pieces were written in place outside its optimizer's steps and spmd's loads
-    (an EMA teacher's `t.lerp_(s, 1 - decay)` over `zip(teacher.parameters(), student.parameters())`) while
-    another compiled module among `others()` with the same parameters lays some of them out otherwise in pieces
-    of the same shapes: a rank's piece of one is not its piece of the other, and nothing else sees the mix-up.
+    """Raise where the pieces of `compiled`, a module compiled for inference, were written in place outside
+    spmd's loads (an EMA teacher's `t.lerp_(s, 1 - decay)` over `zip(teacher.parameters(),
+    student.parameters())`) while a module among `others()` that trains, with the same parameters, lays some of
+    them out otherwise in pieces of the same shapes, and none that trains lays them out alike: a rank's piece of
+    one is not its piece of the other, and nothing else sees the mix-up.
     Modules compiled from one model are seen by `stale` (`_same_plan_or_refuse`); this is for a teacher compiled
     from its own copy of the model (known since session 84: a teacher compiled for inference, its student for
     training, on (2, 2), `[R, S(0)]` against `[S(0), R]`: each rank averaged pieces of other rows)."""
+    if compiled.split is not None:  # (a module that trains writes its own pieces: steps of its own, SAM's
+        return                      # perturbation, a clamp after the step; a review found those refused)
     mark = compiled.__dict__.get("_written_mark")
     if not mark or all(p._version == v for _, p, v in mark):
         return
@@ -1452,8 +1485,8 @@ def written_across_plans(compiled, others) -> None:
     layouts = compiled.__dict__.setdefault("_twin_layouts", weakref.WeakKeyDictionary())
     otherwise, alike = {}, set()
     for other in others():
-        if other is compiled:
-            continue
+        if other is compiled or other.split is None:  # (where given weights come from: a module that trains;
+            continue                                  # an evaluation module laid out alike is none: a review)
         if other not in layouts:
             layouts[other] = _laid_out(compiled, other)
         apart, same = layouts[other]
@@ -1573,7 +1606,8 @@ def _diverge(compiled, stepped) -> None:
 def _stepped(optimizer, args, kwargs) -> None:
     """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
     step, and again when its param groups grow); their siblings' loads are out of date."""
-    nothing = _moves_nothing(optimizer)
+    if _moves_nothing(optimizer):
+        return
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     known = _stepping.get(optimizer)
     if known is None or known[0] != count:
@@ -1586,16 +1620,9 @@ def _stepped(optimizer, args, kwargs) -> None:
                     held.add(id(p))
         known = _stepping[optimizer] = (count, list(found.values()), frozenset(held))
     for ref in known[1]:
-        if (compiled := ref()) is not None and "_written_mark" in compiled.__dict__:
-            mark_written(compiled)  # (what the step wrote is not weights given in place)
-    if nothing:
-        return
-    for ref in known[1]:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
             continue
-        # (the steps taken, the same on every rank: compared with the call's modes at the checked calls)
-        compiled.__dict__["_steps"] = compiled.__dict__.get("_steps", 0) + 1
         if compiled.__dict__.get("_copy"):  # (a copy's pieces are its own: two fine-tunes from one start leave
             continue                        # the original and the model as they were; found by a probe)
         stepped = _stepped_shared(compiled, known[2])

@@ -93,6 +93,7 @@ _USERS_GROUP_TIMEOUT = """
 import datetime, torch, torch.distributed as dist, spmd
 from spmd.runtime.meshes import device_mesh
 dist.init_process_group("gloo")  # (the user's own, torch's 30 minutes)
+spmd.init_mesh((2, 2), ("dp", "tp"))  # (asked for before: its axes' groups made with the old timeout; a review)
 spmd.init_mesh((2, 2), ("dp", "tp"), timeout=datetime.timedelta(seconds=7))
 mesh, cpu = device_mesh((2, 2), ("dp", "tp"), "cpu"), torch.device("cpu")
 groups = [dist.distributed_c10d._get_default_group()] + [mesh.get_group(a) for a in ("dp", "tp")]
@@ -103,7 +104,8 @@ print("timeouts", [g._get_backend(cpu).options._timeout.total_seconds() for g in
 def test_a_process_group_the_user_started_takes_the_timeout_init_mesh_is_given():
     """Found by a probe: after the user's own `dist.init_process_group("gloo")`, `init_mesh(timeout=10 s)` was
     ignored, and a rank that stopped left the others waiting 30 minutes (the probe's rank waited 100 s, until its
-    peer exited). The default group and the axes' groups now take it (the probe's wait: 10.0 s)."""
+    peer exited). The default group and the axes' groups, of meshes made before too, now take it (the probe's
+    wait: 10.0 s)."""
     for out in _four(_USERS_GROUP_TIMEOUT):
         assert "timeouts [7.0, 7.0, 7.0]" in out, out
 

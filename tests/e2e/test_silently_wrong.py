@@ -928,8 +928,17 @@ def _teacher_compiled_from_its_own_copy(rank: int, world: int) -> dict:
                                param_placements={n: [Replicate(), Shard(0)] for n in names})
         same = spmd.compile(copy.deepcopy(model), mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
                             param_placements={n: [Shard(0), Replicate()] for n in names})
+        # (an evaluation module laid out as the teacher is: no source of given weights, so no excuse; a review)
+        evaluate = spmd.compile(copy.deepcopy(model), mesh, (x,), mesh_spec=spec((2, 2), ("dp", "tp")),
+                                param_placements={n: [Replicate(), Shard(0)] for n in names})
         opt = torch.optim.SGD(student.parameters(), lr=0.1)
         student(*student.shard_inputs(x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # (the student's own writes, gradients cleared: a clamp after the step; a review)
+            for p in student.parameters():
+                p.clamp_(-10.0, 10.0)
+        student(*student.shard_inputs(x, y)).backward()  # (runs)
         opt.step()
         with torch.no_grad():
             for t, s, u in zip(teacher.parameters(), student.parameters(), same.parameters()):
@@ -946,6 +955,7 @@ def _teacher_compiled_from_its_own_copy(rank: int, world: int) -> dict:
                 w.copy_(torch.lerp(a, student.full_state_dict()[[n for n, q in model.named_parameters()
                                                                    if q is b][0]], 0.5))
             error = float((out - want(x)).abs().max())
+        del evaluate
         return {"refused": refused, "error": error}
     finally:
         torch.set_default_dtype(torch.float32)
