@@ -2101,14 +2101,14 @@ class CompiledModule(nn.Module):
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
                 "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
 
-    def _agree_on_call(self) -> None:
+    def _agree_on_call(self, inputs) -> None:
         """The same call on every rank of the mesh, at the checked calls of a module whose graph has collectives:
         the optimizer steps taken over it (`source_guard._count_step`) and the grad, inference and train/eval
         modes. A rank calling it alone (evaluating under no_grad on rank 0 while its peers train) paired its
         collectives with their next call's, and every rank went on wrong from then on (found by a probe: 0.02
         off, no error)."""
-        if not dist.is_initialized():
-            return
+        if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
+            return  # (fake tensors, as a CUDA rank planned on this host: `_agree_on_inputs`)
         call = torch.tensor([torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.training,
                              self.__dict__.get("_steps", 0)], dtype=torch.int64)
         apart, anywhere = self._values_apart([("the call", call)], lambda axis, k: True, "calls")
@@ -2455,7 +2455,7 @@ class CompiledModule(nn.Module):
         if _laid_out:
             self._check_layouts(inputs, shapes)
         if due and self._collective_calls:
-            self._agree_on_call()
+            self._agree_on_call(inputs)
         if self._replicated_inputs and (not self._inputs_agreed or due):
             self._agree_on_inputs(inputs, shapes.input_specs)
         if self.split is not None and torch.is_grad_enabled():
