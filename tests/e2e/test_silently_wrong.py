@@ -1417,14 +1417,17 @@ def _in_ranks_of_its_own(ranks, fn) -> list:
 
 
 
-def _one_rank_evaluates_alone(rank: int, world: int) -> dict:
+def _one_rank_evaluates_alone(rank: int, world: int, meta: bool = False) -> dict:
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        with torch.device("meta" if meta else "cpu"):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
         x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
         c = spmd.compile(model, spmd.init_mesh((2,), ("dp",)), (x, y), loss_fn=F.cross_entropy,
                          mesh_spec=spec((2,), ("dp",)), param_placements={"0.weight": [Shard(0)]})
+        if meta:  # (a module built on meta is not watched as the model's: its steps are counted all the same)
+            c.init_weights(seed=0)
         opt = torch.optim.SGD(c.parameters(), lr=0.1)
         local = c.shard_inputs(x, y)
         for step in range(6):
@@ -1448,8 +1451,13 @@ def test_a_module_called_on_one_rank_alone_while_the_others_train_is_refused(ran
     both ranks trained 0.02 off one device, without an error. The checked calls (1, 2, 4, 8, ..., then every
     few) now compare the call on every rank: the optimizer steps taken over the module, and the grad, inference
     and train/eval modes. Here both ranks stop at call 4."""
-    for r in _in_ranks_of_its_own(ranks, _one_rank_evaluates_alone):
-        assert r["refused"] and "the ranks made different calls of this module at its call 4" in r["refused"], r
+    for fn in (_one_rank_evaluates_alone, _one_rank_evaluates_alone_built_on_meta):
+        for r in _in_ranks_of_its_own(ranks, fn):
+            assert r["refused"] and "the ranks made different calls of this module at its call 4" in r["refused"], r
+
+
+def _one_rank_evaluates_alone_built_on_meta(rank: int, world: int) -> dict:
+    return _one_rank_evaluates_alone(rank, world, meta=True)
 
 def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
     torch.manual_seed(0)
