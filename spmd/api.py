@@ -29,7 +29,7 @@ from spmd.runtime import source_guard
 from spmd.runtime.agreement import Rendezvous
 from spmd.runtime.compiled import CompiledModule, graph_backend
 from spmd.runtime.host import host_cpu_profile
-from spmd.runtime.meshes import device_mesh
+from spmd.runtime.meshes import cached_meshes, device_mesh
 
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -90,9 +90,8 @@ def init_mesh(shape: Sequence[int], axis_names: Sequence[str], device_type: str 
 
 def _set_timeout(timeout: datetime.timedelta) -> None:
     """The user's own default process group takes `timeout`, and so do the axes' groups of the meshes made
-    before (a new mesh's take the default group's: runtime/meshes.py). torch keeps no public way to do it; where its private one is gone, a warning says so."""
-    from spmd.runtime.meshes import cached_meshes
-
+    before (a new mesh's take the default group's: runtime/meshes.py). torch keeps no public way to do it;
+    where its private one is gone, a warning says so."""
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 

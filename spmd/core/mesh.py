@@ -69,11 +69,7 @@ class MeshSpec:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Row-major coordinate of `rank` (ranks numbered as in `torch.arange(size).reshape(shape)`)."""
-        coord = []
-        for s in reversed(self.shape):
-            coord.append(rank % s)
-            rank //= s
-        return tuple(reversed(coord))
+        return coordinate(rank, self.shape)
 
     def __str__(self) -> str:
         return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
@@ -119,6 +115,16 @@ class MeshSpec:
                 raise ValueError(f"MeshSpec.from_profile: the profile has links for axes {sorted(prof.links)}, "
                                  f"none named {name!r}; calibrate with that axis name (--mesh {name}=N,...)")
         return MeshSpec(tuple(shape), tuple(axis_names), tuple(links), prof.device.in_lockstep(math.prod(shape)))
+
+
+def coordinate(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major coordinate of `rank` on a mesh of `shape` (ranks numbered as in
+    `torch.arange(size).reshape(shape)`)."""
+    coord = []
+    for s in reversed(shape):
+        coord.append(rank % s)
+        rank //= s
+    return tuple(reversed(coord))
 
 
 def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:

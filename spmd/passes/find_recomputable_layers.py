@@ -113,13 +113,13 @@ def find_recomputable_layers(traced, blocks: RepeatedBlocks | None, recompute: b
             any(layer.key == c or layer.key.startswith(c + ".") for c in checkpointed) for s in stacks for layer in s):
         return Recomputable(tuple(stacks), "all")  # (the model checkpoints every layer: so does the plan)
     if recompute and not stacks:
-        listed = bool(found)  # (layers there, none of which saves an activation: the list is not the matter)
+        # (layers there, none of which saves an activation: the list is not the matter)
+        why, way = ((f"; its module lists' {len(found)} elements save none: recomputing them would free nothing",
+                     "leave recompute unset.") if found else
+                    ("", "keep the blocks in a module list, or leave recompute unset."))
         raise SpmdError(f"recompute={recompute!r}: the model has no layers to recompute (a layer is an element of "
-                        "an nn.ModuleList or nn.Sequential whose forward saves activations for backward"
-                        + (f"; its module lists' {len(found)} elements save none: recomputing them would free nothing"
-                           if listed else "") + "). What to do: "
-                        + ("leave recompute unset." if listed else
-                           "keep the blocks in a module list, or leave recompute unset."))
+                        f"an nn.ModuleList or nn.Sequential whose forward saves activations for backward{why}). "
+                        f"What to do: {way}")
     if recompute == "selective" and not any(s[0].selective for s in stacks):
         raise SpmdError("recompute='selective': no layer has a matmul or attention to keep saved with ops between "
                         "them to run again. What to do: recompute=True recomputes the layers whole.")

@@ -147,24 +147,21 @@ def _tie(blocks: RepeatedBlocks, members: list[str], by_key: dict[str, list[fx.N
             blocks.representative[node.name] = rep.name
 
 
-def find_repeated_blocks(traced, min_repeats: int = 2, pinned=frozenset(),
+def find_repeated_blocks(traced, min_repeats: int = 2, pinned: dict | None = None,
                          pinned_min_repeats: int = 2) -> RepeatedBlocks:
     """Classes of at least `min_repeats` identical instances; of at least `pinned_min_repeats` where a
-    member's parameters are among `pinned` (FQNs; a dict of FQN -> placements: the user's pins). Layers pinned
+    member's parameters are among `pinned` (the user's pins: FQN -> placements). Layers pinned
     otherwise than each other (`layers.1.q` replicated, `layers.2.q` sharded) are not identical: each set of
     pins ties apart (tied, they shared one choice that no placement could meet: "Infeasible", found by a
     probe)."""
     by_key = instances(traced)
     by_fqn = {i.name: i.placeholder for i in traced.inputs if i.kind in ("parameter", "buffer")}
     prefix = module_prefix(traced.graph, by_fqn) if traced.joint else ""  # a loss_fn's wrapper, not a child `model`
-    pinned_layers = {layer_of(prefix + fqn) for fqn in pinned}
     pins_of: dict[str, list] = {}  # layer -> its pins, by the names within the layer
-    for fqn in pinned:
+    for fqn, placements in (pinned or {}).items():
         layer = layer_of(prefix + fqn)
-        if layer is None:  # (a parameter of no layer)
-            continue
-        shown = tuple(pinned[fqn]) if isinstance(pinned, dict) else None
-        pins_of.setdefault(layer, []).append(((prefix + fqn)[len(layer):], repr(shown)))
+        if layer is not None:  # (else a parameter of no layer)
+            pins_of.setdefault(layer, []).append(((prefix + fqn)[len(layer):], repr(tuple(placements))))
     pin_key = {layer: tuple(sorted(pins)) for layer, pins in pins_of.items()}
     # layers stamp_layers copied are their source node for node: they join its class unhashed
     copies: dict[str, list[str]] = {}
@@ -188,7 +185,7 @@ def find_repeated_blocks(traced, min_repeats: int = 2, pinned=frozenset(),
             by_sig.setdefault(signature(by_key[key]), []).append(key)
         for similar in by_sig.values():
             similar = sorted(similar + [c for key in similar for c in copies.get(key, ())], key=order.__getitem__)
-            least = pinned_min_repeats if any(m.split("/")[0] in pinned_layers for m in similar) else min_repeats
+            least = pinned_min_repeats if any(m.split("/")[0] in pin_key for m in similar) else min_repeats
             alike: dict[tuple, list[str]] = {}
             for key in similar:
                 alike.setdefault(pin_key.get(key.split("/")[0], ()), []).append(key)

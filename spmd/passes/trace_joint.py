@@ -764,9 +764,7 @@ def checkpoints_run_through(root: torch.nn.Module):
                               for path, kind in list(calls.norms.items())[:3])
             warnings.warn(
                 f"{named}{' and more' if len(calls.norms) > 3 else ''} update{'s' if len(calls.norms) == 1 else ''} "
-                "running "
-                "statistics inside "
-                "torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
+                "running statistics inside torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
                 "again when backward recomputes the checkpointed part; pytorch/pytorch#96136), the compiled module "
                 "once, as without checkpointing. Losses and gradients are the same; the running statistics (and "
                 "num_batches_tracked) differ from an eager run's.")

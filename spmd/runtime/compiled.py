@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import math
 import operator
 import os
 import re
@@ -32,7 +33,8 @@ from spmd.core import collectives
 from spmd.core.autocast import autocast_off, autocast_on
 from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError
 from spmd.core.graph_facts import is_random, is_view
-from spmd.core.specs import contiguous_strides, local_shape, placements_str
+from spmd.core.mesh import coordinate
+from spmd.core.specs import contiguous_strides, local_shape, placements_str, shard_factor
 from spmd.passes.split_joint_graph import input_grad_key
 from spmd.passes.trace_joint import OUTPUT_COPY, with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
@@ -1805,8 +1807,6 @@ class CompiledModule(nn.Module):
         """Every rank compiling for the same shapes (one all_gather of them), else the ranks' shapes named."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        from spmd.core.errors import SpmdCollectiveError
-
         keys = [None] * dist.get_world_size()
         try:
             dist.all_gather_object(keys, key)
@@ -2650,32 +2650,13 @@ def _same_pieces(local: tuple, made: tuple, made_mesh: tuple, taken: tuple, mesh
     """Whether every rank's piece of shape `local`, laid out as `made` on a mesh of shape `made_mesh`, is the part
     of the tensor a layout `taken` on `mesh` gives that rank: both meshes number the same ranks in row-major
     order (`api._refuse_rank_layout`). A layout that holds a Partial sum is compared as it is written."""
-    import math
-
     if math.prod(made_mesh) != math.prod(mesh):
         return True  # (not the same ranks: not this check's to say)
     if any(isinstance(p, Partial) for p in (*made, *taken)):
-        return tuple(made) == tuple(taken) and tuple(made_mesh) == tuple(mesh)
-    full = list(local)
-    for p, n in zip(made, made_mesh):
-        if isinstance(p, Shard):
-            full[p.dim] *= n
-    full = tuple(full)
-    for rank in range(math.prod(mesh)):
-        a = local_slices(full, made, made_mesh, _coordinate(rank, made_mesh))
-        b = local_slices(full, taken, mesh, _coordinate(rank, mesh))
-        if a != b:
-            return False
-    return True
-
-
-def _coordinate(rank: int, shape: tuple) -> tuple:
-    """A rank's coordinate on a mesh that numbers its ranks in row-major order."""
-    coord = []
-    for n in reversed(shape):
-        rank, i = divmod(rank, n)
-        coord.append(i)
-    return tuple(reversed(coord))
+        return (made, made_mesh) == (taken, mesh)
+    full = tuple(n * shard_factor(made, made_mesh, d) for d, n in enumerate(local))
+    return all(local_slices(full, made, made_mesh, coordinate(rank, made_mesh)) ==
+               local_slices(full, taken, mesh, coordinate(rank, mesh)) for rank in range(math.prod(mesh)))
 
 
 class _OutputsMade:

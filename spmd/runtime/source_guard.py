@@ -1407,12 +1407,8 @@ def _same_plan_or_refuse(compiled, trained) -> None:
     off)."""
     shape = tuple(compiled.mesh_spec.shape)
     params = [fqn for fqn, _ in compiled.named_parameters()]  # (what an update in place goes over)
-
-    def pieces(module, fqn):  # (a placement on an axis of size 1 cuts nothing)
-        return tuple(p if n > 1 else Replicate() for p, n in zip(module._state_placements.get(fqn, ()), shape))
-
     if shape == tuple(trained.mesh_spec.shape):
-        differ = [fqn for fqn in params if pieces(trained, fqn) != pieces(compiled, fqn)]
+        differ = [fqn for fqn in params if _pieces(trained, fqn) != _pieces(compiled, fqn)]
     else:
         differ = params
     if not differ:
@@ -1427,7 +1423,6 @@ def _same_plan_or_refuse(compiled, trained) -> None:
         "rows. What to do: give weights across plans with `this.load_state_dict(trained.state_dict())` (DTensors: "
         "any plan, any mesh); keep an EMA teacher as `copy.deepcopy(trained)` (the same plan) and update it in "
         "place from the trained module.")
-
 
 
 def mark_written(compiled) -> None:
@@ -1451,17 +1446,7 @@ def _count_step(optimizer, args, kwargs) -> None:
     """Each optimizer step that a gradient of a compiled module's pieces took part in counts one for it
     (`_steps`): the same on every rank of its mesh, where the calls of one rank alone move it apart (compared at
     the checked calls: `CompiledModule._agree_on_call`)."""
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    known = _counting.get(optimizer)
-    if known is None or known[0] != count:
-        found = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                ref = _counted.get(p)
-                if ref is not None and ref() is not None:
-                    found[id(ref())] = ref
-        known = _counting[optimizer] = (count, list(found.values()))
-    for ref in known[1]:
+    for ref in _modules_stepped(optimizer, _counted, _counting)[1]:
         if (compiled := ref()) is not None and _moved(compiled):
             compiled.__dict__["_steps"] = compiled.__dict__.get("_steps", 0) + 1
 
@@ -1480,8 +1465,7 @@ def written_across_plans(compiled, others) -> None:
     mark = compiled.__dict__.get("_written_mark")
     if not mark or all(p._version == v for _, p, v in mark):
         return
-    # (a written piece with a gradient is a step of the user's own, `p -= lr * p.grad`: not weights given)
-    written = {fqn for fqn, p, v in mark if p._version != v and p.grad is None}
+    written = {fqn for fqn, p, v in mark if p._version != v}
     layouts = compiled.__dict__.setdefault("_twin_layouts", weakref.WeakKeyDictionary())
     otherwise, alike = {}, set()
     for other in others():
@@ -1501,7 +1485,7 @@ def written_across_plans(compiled, others) -> None:
         other = otherwise[fqn]
         raise SpmdError(
             f"this module's weights were set in place since it was compiled or loaded ({len(written)} "
-            f"parameter(s) written with no gradient: an EMA teacher updated from a student, weights copied over "
+            f"parameter(s) written: an EMA teacher updated from a student, weights copied over "
             f"`zip(a.parameters(), b.parameters())`), and another compiled module with the same parameters "
             f"({type(other._source_model).__name__}) lays them out otherwise in pieces of the same shapes "
             f"({fqn}: {placements_str(compiled._state_placements[fqn])} here, "
@@ -1520,17 +1504,16 @@ def _laid_out(compiled, other) -> tuple[frozenset, frozenset]:
     them) on meshes of one shape, those laid out otherwise in pieces of the same shapes, and those laid out
     alike; both empty for modules of other parameters."""
     mine, theirs = list(compiled.named_parameters()), list(other.named_parameters())
-    shape = tuple(compiled.mesh_spec.shape)
-    if [n for n, _ in mine] != [n for n, _ in theirs] or shape != tuple(other.mesh_spec.shape):
+    if [n for n, _ in mine] != [n for n, _ in theirs] or compiled.mesh_spec.shape != other.mesh_spec.shape:
         return frozenset(), frozenset()
+    same = frozenset(fqn for fqn, _ in mine if _pieces(compiled, fqn) == _pieces(other, fqn))
+    return frozenset(fqn for (fqn, p), (_, q) in zip(mine, theirs) if p.shape == q.shape and fqn not in same), same
 
-    def pieces(module, fqn):  # (a placement on an axis of size 1 cuts nothing)
-        return tuple(p if n > 1 else Replicate() for p, n in zip(module._state_placements.get(fqn, ()), shape))
 
-    apart = {fqn for (fqn, p), (_, q) in zip(mine, theirs) if p.shape == q.shape and pieces(compiled, fqn) !=
-             pieces(other, fqn)}
-    same = {fqn for fqn, _ in mine if pieces(compiled, fqn) == pieces(other, fqn)}
-    return frozenset(apart), frozenset(same)
+def _pieces(module, fqn: str) -> tuple:
+    """How `module` cuts `fqn` (a placement on an axis of size 1 cuts nothing: `CompiledModule._layout_key`)."""
+    return module._layout_key(module._state_placements.get(fqn, ()))
+
 
 class inside:
     """spmd running the model itself (the mode check's forward on fake tensors): the guard stands aside."""
@@ -1603,22 +1586,30 @@ def _diverge(compiled, stepped) -> None:
         compiled.__dict__["_shared_diverged"] = compiled.__dict__.get("_shared_diverged", frozenset()) | behind
 
 
+def _modules_stepped(optimizer, owners, known: "weakref.WeakKeyDictionary") -> tuple:
+    """(the optimizer's parameter count, weak references to the compiled modules whose pieces it steps, the ids of
+    those pieces), by `owners` (piece -> module), found at its first step and again when its param groups grow
+    (kept in `known`)."""
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    found = known.get(optimizer)
+    if found is None or found[0] != count:
+        modules, held = {}, set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref = owners.get(p)
+                if ref is not None and ref() is not None:
+                    modules[id(ref())] = ref
+                    held.add(id(p))
+        found = known[optimizer] = (count, list(modules.values()), frozenset(held))
+    return found
+
+
 def _stepped(optimizer, args, kwargs) -> None:
     """After each step: the compiled modules whose pieces the optimizer steps have moved (found at its first
     step, and again when its param groups grow); their siblings' loads are out of date."""
     if _moves_nothing(optimizer):
         return
-    count = sum(len(g["params"]) for g in optimizer.param_groups)
-    known = _stepping.get(optimizer)
-    if known is None or known[0] != count:
-        found, held = {}, set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                ref = _owners.get(p)
-                if ref is not None and ref() is not None:
-                    found[id(ref())] = ref
-                    held.add(id(p))
-        known = _stepping[optimizer] = (count, list(found.values()), frozenset(held))
+    known = _modules_stepped(optimizer, _owners, _stepping)
     for ref in known[1]:
         compiled = ref()
         if compiled is None or not _moved(compiled):  # (no gradient reached it: an optimizer over several modules)
