@@ -102,6 +102,34 @@ def _ignored_unexpected(model, key: str) -> bool:
     return any(re.search(p, key) for p in patterns)
 
 
+def _children_of(model: "nn.Module | None", prefix: str, held: dict) -> list[str]:
+    """The names of the children of the model's module at `prefix` ("" for the model), in the model's order;
+    where the model is not known, the holders' names (`held`)."""
+    try:
+        return list((model.get_submodule(prefix) if prefix else model)._modules) if model is not None else list(held)
+    except AttributeError:
+        return list(held)
+
+
+def _part_at(children: list[str], held: dict, prefix: str, index):
+    """The holder of the child at `index` (a position, a slice or a `nn.ModuleDict` key) of the model's module at
+    `prefix`, counted over all its children as the model counts them; a child that holds no weights has no
+    holder and is refused by name."""
+    if isinstance(index, slice):
+        return [_part_at(children, held, prefix, k) for k in range(len(children))[index]]
+    where = f"`{prefix}` of the model" if prefix else "the model"
+    try:
+        name = index if isinstance(index, str) and index in children else children[operator.index(index)]
+    except (IndexError, TypeError):
+        raise IndexError(f"{where} has parts {children}: no {index!r}") from None
+    if name not in held:
+        path = f"{prefix}.{name}" if prefix else name
+        raise SpmdError(f"`{path}` of the model holds no weights, so the compiled module holds no part for it (it "
+                        f"holds {[n for n in children if n in held]} under {where}). What to do: reach the parts that hold weights by name "
+                        "(`compiled.get_submodule(...)`).")
+    return held[name]
+
+
 class _Pieces(nn.Module):
     """Holds this rank's pieces under the model's names (`CompiledModule._place`): a module only so that names
     go through it. The compiled module saves and loads them (its state dict is the model's): in its walk a
@@ -166,29 +194,14 @@ class _Pieces(nn.Module):
         """The names of the model's children at this holder's path, in the model's order (the holders are only
         those that hold weights, made in another order)."""
         root = self._root()
-        model = None if root is None else root.__dict__.get("_source_model")
-        try:
-            return list(model.get_submodule(self._prefix)._modules) if model is not None else list(self._modules)
-        except AttributeError:
-            return list(self._modules)
+        return _children_of(None if root is None else root.__dict__.get("_source_model"), self._prefix, self._modules)
 
     def __getitem__(self, index):
         """`compiled.blocks[1]`, `compiled.blocks[-2:]`: the part at that position of the model's `nn.ModuleList`
         or `nn.Sequential` (or under that key of its `nn.ModuleDict`), as the model is indexed (found by a probe:
         not subscriptable; a review found a first version counting the holders, which are only the parts that
         hold weights). A part with no holder here is refused by name."""
-        children = self._children()
-        if isinstance(index, slice):
-            return [self[k] for k in range(len(children))[index]]
-        try:
-            name = index if isinstance(index, str) and index in children else children[operator.index(index)]
-        except (IndexError, TypeError):
-            raise IndexError(f"`{self._prefix}` of the model has parts {children}: no {index!r}") from None
-        if name not in self._modules:
-            raise SpmdError(f"`{self._prefix}.{name}` of the model holds no weights, so the compiled module holds no "
-                            f"part for it (it holds {sorted(self._modules)} under `{self._prefix}`). What to do: "
-                            "reach the parts that hold weights by name (`compiled.get_submodule(...)`).")
-        return self._modules[name]
+        return _part_at(self._children(), self._modules, self._prefix, index)
 
     def __len__(self) -> int:
         return len(self._children())
@@ -1103,6 +1116,31 @@ class CompiledModule(nn.Module):
             if source is None or name.startswith("__") or not _has_static(source, name):
                 raise
         raise _only_the_model_has(type(self).__name__, source, name, "") from None
+
+    def _root_children(self) -> list[str]:
+        """The model's children where the model is a container (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`),
+        which its users index: `compiled[0]` of a Sequential said "not subscriptable" (a probe). Anything else is
+        not subscriptable, as the model is not."""
+        source = self.__dict__.get("_source_model")
+        if not isinstance(source, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            kind = "a compiled module" if source is None else f"the compiled module of a {type(source).__name__}"
+            raise TypeError(f"{kind} is not subscriptable (only one of an nn.Sequential, nn.ModuleList or "
+                            "nn.ModuleDict is, as the model is); reach its parts by name (`compiled.fc1`)")
+        return _children_of(source, "", self._modules)
+
+    def __getitem__(self, index):
+        """`compiled[0]`, `compiled[-1]`, `compiled[1:]` of an `nn.Sequential` (a key of an `nn.ModuleDict`): the
+        holder of that part's pieces, as `compiled.blocks[0]` is below the root."""
+        return _part_at(self._root_children(), self._modules, "", index)
+
+    def __len__(self) -> int:
+        return len(self._root_children())
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
+
+    def __bool__(self) -> bool:  # (`if compiled:` of a Sequential of no parts, as for any module)
+        return True
 
     def __getstate__(self):
         """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import spmd
 from tests.support import one_device
 
 
@@ -116,6 +117,25 @@ def test_parts_are_indexed_as_the_model_s_module_list():
     assert len(compiled.head[1]) == 2 and list(compiled.head[1]) == compiled.head[1][:] == [compiled.head[1][0],
                                                                                          compiled.head[1][1]]
     assert compiled.head[1][-1:] == [compiled.head[1][1]] and compiled.head[1][1] in compiled.head[1]
+
+
+def test_a_sequential_root_is_indexed_as_the_model():
+    """`compiled[0]` of an `nn.Sequential` said "'CompiledModule' object is not subscriptable" (known since session
+    84); a root that is no container still is not, naming the way out."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = one_device(model, (torch.randn(3, 4),))
+    assert compiled[0] is compiled.get_submodule("0") and compiled[-1] is compiled.get_submodule("2")
+    assert compiled[0].weight.shape == (8, 4) and isinstance(compiled[-1], nn.Linear)
+    assert len(compiled) == 3 and compiled[::2] == [compiled[0], compiled[2]] and bool(compiled)
+    with pytest.raises(spmd.SpmdError, match=r"`1` of the model holds no weights.*holds \['0', '2'\] under the model"):
+        compiled[1]
+    with pytest.raises(IndexError, match=r"the model has parts \['0', '1', '2'\]: no 3"):
+        compiled[3]
+    linear = one_device(nn.Linear(4, 2), (torch.randn(3, 4),))
+    for use in (lambda: linear[0], lambda: len(linear), lambda: list(linear)):
+        with pytest.raises(TypeError, match=r"the compiled module of a Linear is not subscriptable.*by name"):
+            use()
+    assert bool(linear)
 
 
 def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():
