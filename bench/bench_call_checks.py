@@ -28,10 +28,16 @@ and the record of each call's outputs that `gather_outputs` reads (session 74); 
 `load_state_dict` of whole tensors compares over the mesh (session 75); and the layout record of each call's output
 pieces, looked up for each input (session 76).
 
+Under torchrun (2 or more ranks), it measures instead the agreement on the pieces' shapes at each call of a
+module compiled for more than one set of input shapes (`CompiledModule._agree_on_shapes`, session 86), beside a
+whole call of the same module.
+
     python bench/bench_call_checks.py      # prints the rows of bench/results_call_checks.md
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bench_call_checks.py   # the shapes' agreement
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -278,7 +284,34 @@ def layout_record_cost() -> None:
               "call", flush=True)
 
 
-if __name__ == "__main__":
+def shapes_agreement_cost() -> None:
+    """The shapes' agreement of each call (`_agree_on_shapes`) of an MLP compiled on (world,) for a batch of 8
+    split on dp, with a variant for a batch of 4 (so that every call checks), against a whole training call."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import spmd
+    from tests.models import MLP
+    from tests.support import spec
+
+    world = int(os.environ["WORLD_SIZE"])
+    mesh = spmd.init_mesh((world,), ("dp",))
+    torch.manual_seed(0)
+    x, y = torch.randn(8 * world, 64), torch.randn(8 * world, 64)
+    compiled = spmd.compile(MLP(64, 256), mesh, (x, y), loss_fn=F.mse_loss, mesh_spec=spec((world,), ("dp",)),
+                            in_placements={"x": [Shard(0)], "target": [Shard(0)]})
+    compiled.shard_inputs(x[: 4 * world], y[: 4 * world])  # (a variant: from now on every call agrees on shapes)
+    local = compiled.shard_inputs(x, y)
+    agree = _us(lambda: compiled._agree_on_shapes(local), calls=500)
+    step = _us(lambda: compiled(*local).backward(), calls=100)
+    if torch.distributed.get_rank() == 0:
+        print(f"shapes' agreement on {world} gloo ranks: {agree:.1f} us per call; a training call of the MLP "
+              f"(64 -> 256 -> 64, batch {8 * world}): {step:.0f} us", flush=True)
+
+
+if __name__ == "__main__" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    shapes_agreement_cost()
+elif __name__ == "__main__":
     main()
     first_call_read()
     buffers_moved_cost()

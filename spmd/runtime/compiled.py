@@ -2161,6 +2161,37 @@ class CompiledModule(nn.Module):
                 "every call of a compiled module on every rank of its mesh (evaluate on all ranks, then log on one), "
                 "in the same modes.")
 
+    def _agree_on_shapes(self, inputs: tuple) -> None:
+        """Every rank's pieces of the same shapes, at each call of a module compiled for more than one set of input
+        shapes (`_variants`, which every rank compiled together): each rank picks its graphs by its own pieces'
+        shapes, and a loader's uneven last batch (5 rows over 3 ranks: 2, 2 and 1) had rank 2 run the graphs of an
+        earlier batch of 3 while its peers ran the compiled ones; their collectives paired, and every rank trained
+        5.4% off with no error (found by a probe). Pieces of one call have the same shapes on every rank (uneven
+        pieces are no layout spmd makes), so a digest and its negation, reduced to their maximum over the mesh (the
+        ranks' largest digest and smallest), settle it: one all_reduce per mesh axis. Only where they differ are
+        the shapes gathered, to name them. With one set of shapes, a rank given others compiles for them, which its
+        peers do not join, and that fails loudly (`_agree_on_key`)."""
+        if not dist.is_initialized() or torch._guards.detect_fake_mode(inputs) is not None:
+            return
+        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
+        digest = _shapes_digest(shapes)
+        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self._collective_device())
+        largest, negated_smallest = _first_call(
+            lambda: max_over_mesh(mine, self.mesh_spec.shape, self.group_names), "input shapes").tolist()
+        if largest == -negated_smallest:
+            return
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        shown = "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in k if s is not None)}" for r, k in enumerate(every)
+                          if k is not None)
+        raise SpmdError(
+            f"the ranks called this module (call {self._calls}) with pieces of different shapes ({shown}): each rank "
+            "would run the graphs of its own shapes, and their collectives would pair across graphs. An uneven last "
+            "batch cut by hand (5 rows over 3 ranks: 2, 2 and 1) does that. What to do: give every rank pieces of "
+            "the same shapes: cut the whole batch with compiled.shard_inputs(...) on every rank (a batch that does "
+            "not divide is compiled for whole or refused, never cut unevenly), or use a DataLoader with "
+            "drop_last=True or a DistributedSampler, whose batches are the same size on every rank.")
+
     def _values_apart(self, values: list[tuple[str, torch.Tensor]], compared, what: str,
                       sampled: bool = False) -> tuple[list, bool]:
         """((name, mesh axis) of each of `values` that differs between the ranks along an axis where
@@ -2470,6 +2501,8 @@ class CompiledModule(nn.Module):
         if self._draws and (not self._generators_agreed or due):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
+        if self._variants and self._collective_calls:
+            self._agree_on_shapes(inputs)
         if self._shapes.check.accepts(inputs):
             shapes = self._shapes
         else:
@@ -2789,6 +2822,16 @@ def _listed(kinds) -> str:
 
 
 _NOT_GIVEN = torch.empty(0)  # (an entry a load was not given whole: the same digest on every rank)
+
+
+def _shapes_digest(shapes: tuple) -> int:
+    """A number for a call's input shapes (None for a non-tensor), the same in every process (Python's own hash of
+    None is not, before 3.12), below 2**61 so that its negation fits an int64 too."""
+    digest = 17
+    for shape in shapes:
+        for n in ((-1,) if shape is None else (len(shape), *shape)):
+            digest = (digest * 1_000_003 + n + 2) % (2**61 - 1)
+    return digest
 
 
 def _first_call(collective, what: str):

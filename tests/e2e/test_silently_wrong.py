@@ -1459,6 +1459,56 @@ def test_a_module_called_on_one_rank_alone_while_the_others_train_is_refused(ran
 def _one_rank_evaluates_alone_built_on_meta(rank: int, world: int) -> dict:
     return _one_rank_evaluates_alone(rank, world, meta=True)
 
+def _uneven_last_batch_cut_by_hand(rank: int, world: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    try:
+        from tests.models import MLP
+
+        torch.manual_seed(0)
+        model = MLP(12, 24)
+        reference = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)
+        compiled = spmd.compile(model, spmd.init_mesh((3,), ("dp",)), (x, y), loss_fn=F.mse_loss,
+                                mesh_spec=spec((3,), ("dp",)), in_placements={"x": [Shard(0)], "target": [Shard(0)]})
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (compiled, reference))
+        errors = []
+        for rows in (6, 3, 5):  # (3: a variant of 1 row per rank; 5: a loader's last batch, chunked 2, 2 and 1)
+            a, b = torch.randn(rows, 12, generator=g), torch.randn(rows, 12, generator=g)
+            local = compiled.shard_inputs(a, b) if rows != 5 else (a.chunk(3)[rank], b.chunk(3)[rank])
+            try:
+                loss = compiled(*local)
+            except spmd.SpmdError as e:
+                return {"refused": str(e), "errors": errors}
+            loss.backward()
+            want = F.mse_loss(reference(a), b)
+            want.backward()
+            errors.append(abs(loss.item() - want.item()))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        return {"refused": None, "errors": errors}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_pieces_of_other_shapes_on_one_rank_are_refused_where_the_module_has_graphs_for_them(ranks):
+    """Found by a probe on 3 ranks: compiled for a batch of 6 split on dp, and for a batch of 3 once (1 row per
+    rank), a data-parallel loader's last batch of 5 cut by hand (2, 2 and 1 rows) had rank 2 run the batch-3 graphs
+    while its peers ran the compiled ones. Their collectives paired, and all three trained 5.4% off one device,
+    without an error. Once a module has graphs for more than one set of shapes, each call now compares the pieces'
+    shapes over the mesh, and every rank stops naming them."""
+    pool = ranks(3)
+    try:
+        results = pool.run(_uneven_last_batch_cut_by_hand)
+    finally:
+        pool.close()
+    for r in results:
+        assert len(r["errors"]) == 2 and max(r["errors"]) < 1e-12, r  # (the even batches: equal to one device)
+        assert r["refused"] and "with pieces of different shapes (rank 0: [2, 12], [2, 12]; rank 1: [2, 12], " \
+            "[2, 12]; rank 2: [1, 12], [1, 12])" in r["refused"] and "shard_inputs" in r["refused"], r
+
+
 def _compiled_holder_cutting_an_activation(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     core = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
