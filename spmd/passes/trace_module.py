@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
+from spmd.passes.buffer_aliases import buffers_through_aliases
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 
@@ -365,8 +366,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         return (f"the model was given {given} where it takes `past_key_values` (transformers' key/value cache), which "
                 "a compiled graph cannot take: its inputs are tensors of fixed shapes. Pass the inputs by keyword "
                 "(`input_ids=`, `attention_mask=`), no cache, and `use_cache=False` (in the config or the kwargs); to "
-                "generate, run the whole sequence at each step (each new length is compiled for once), or keep a "
-                "static cache in the model's buffers")
+                "generate, run a buffer of the longest length, right-padded, with its attention_mask at each step "
+                "(one compile for every step; each new length would be a compile of its own, 8 at most), or keep a "
+                "static key/value cache in the model's buffers (docs/huggingface.md, \"Generation\")")
     unknown = re.search(r"Found <class '([^']+)'> in (\w+), which is not a known type", str(error))
     if unknown:  # (a class of the user's in the output: a plain dataclass)
         name = unknown.group(1).rsplit(".", 1)[-1]
@@ -1008,7 +1010,8 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
     held = _held(model)
 
     def export():
-        return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
+        with buffers_through_aliases(held):  # (transformers' static key/value cache: its buffers through the cache)
+            return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     def signature_again():
         with state_kept(held):

@@ -162,7 +162,9 @@ def check_room(key: tuple, first: Shapes, taken: int) -> None:
     raise SpmdError(
         f"shard_inputs: inputs of the shapes {_shapes(key)}: this module was compiled for {taken + 1} set(s) of "
         f"input shapes already (the first {_shapes(first.key)}), each a compilation of its own, and takes no more "
-        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket the shapes: {PAD_OR_DROP}")
+        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket the shapes: {PAD_OR_DROP} To generate "
+        "token by token, run one buffer of the longest length, right-padded, with its attention mask at every step "
+        "(docs/huggingface.md, \"Generation\").")
 
 
 def verify_refusal(key: tuple, first: Shapes, runs: bool) -> SpmdError:

@@ -124,7 +124,8 @@ def _ahead(compiled) -> bool:
                 or compiled.__dict__.get("_given_elsewhere"))
 
 
-_BUFFERS_MOVED = "updated its buffers in a forward (batch norm's running statistics, in train mode)"
+_BUFFERS_MOVED = ("updated its buffers in a forward (batch norm's running statistics in train mode, a key/value cache "
+                  "written in place)")
 
 
 def _how(model) -> str:
@@ -466,11 +467,24 @@ def _copied_back_shared(model, copied) -> None:
                 mark_model(other, {there})
 
 
+def _way_out(model) -> str:
+    """`_WAY_OUT`, where a module compiled from `model` in train mode has a graph that does what that mode does
+    (dropout, batch statistics), without `compiled.eval()`, which such a module refuses: a probe followed it from
+    this message into the next refusal."""
+    modules = [c for ref in _compiled_from.get(model, ()) if (c := ref()) is not None]
+    if not any(c.__dict__.get("_mode_dependent") and c.__dict__.get("_traced_mode") for c in modules):
+        return _WAY_OUT
+    return _WAY_OUT.replace(
+        "(evaluation too: `compiled.eval()`, with `torch.no_grad()`)",
+        "(to evaluate: its graph does what train mode does, so copy its weights back as below and compile "
+        "`model.eval()` for evaluation)")
+
+
 def _stale_model(model, what: str) -> SpmdError:
     return SpmdError(
         f"{type(model).__name__} was compiled by spmd.compile, and the compiled module {_how(model)} since: the "
         f"model's own weights are still those it was compiled with, so {what} would give the numbers of the old "
-        f"weights. What to do: {_WAY_OUT}.")
+        f"weights. What to do: {_way_out(model)}.")
 
 
 def check_compile(model: torch.nn.Module) -> None:
@@ -749,13 +763,23 @@ def buffers_changed(compiled) -> None:
     if changed:
         loss = _loss_module(compiled) if changed[0] in compiled._loss_names else None
         whose = f"{type(model).__name__}'s" if loss is None else f"the loss_fn {type(loss).__name__}'s"
+        first = changed[0]
+        piece = compiled.get_buffer(first)
+        whole = tuple(compiled._global_shapes.get(first, piece.shape))
+        if tuple(piece.shape) != whole:  # (a piece: a whole tensor copied into it fails on its size; a probe)
+            set_it = (f"`compiled.get_buffer('{first}')` is this rank's piece ({list(piece.shape)} of {list(whole)}): "
+                      "set a value the same everywhere in place (`.zero_()`, `.fill_(v)`: a cache reset between "
+                      f"prompts), or load whole tensors, `compiled.load_state_dict({{'{first}': new}}, strict=False)`, "
+                      "on every rank")
+        else:
+            set_it = f"`compiled.get_buffer('{first}').copy_(new)`, on every rank"
+        if loss is None and not compiled.__dict__.get("_buffers_moved"):  # (else its state_dict is refused: stale)
+            set_it += ", or give it the model's (`compiled.load_state_dict(model.state_dict())`, for persistent ones)"
         raise SpmdError(
             f"{whose} buffer(s) {', '.join(f'`{n}`' for n in changed[:4])}"
             f"{', ...' if len(changed) > 4 else ''} changed after it was compiled (set in place or assigned), and "
             "the compiled module holds its own copy of each: this call would run with the old values. What to do: "
-            f"set them on the compiled module as well (`compiled.get_buffer('{changed[0]}').copy_(new)`, on every "
-            "rank)" + (", or give it the model's (`compiled.load_state_dict(model.state_dict())`, for "
-                                   "persistent ones)." if loss is None else "."))
+            f"set them on the compiled module as well ({set_it}).")
     if walk:
         compiled.__dict__["_buffers_at"] = _registered[0]
 

@@ -1765,6 +1765,30 @@ def test_the_model_after_its_compiled_module_trained_is_refused():
         model(x)
 
 
+def test_the_stale_model_s_way_out_for_a_graph_with_dropout_is_no_compiled_eval():
+    """Found by a probe: after a step, calling the model said "evaluation too: `compiled.eval()`", which a module whose
+    graph draws dropout refuses in turn; it now says to copy the weights back and compile `model.eval()`."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    for dropout in (0.0, 0.5):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(dropout), nn.Linear(8, 2)).train()
+        compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+        opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        compiled(x, y).backward()
+        opt.step()
+        with pytest.raises(spmd.SpmdError) as refused:
+            model(x)
+        if dropout:
+            assert "compiled.eval()" not in str(refused.value), refused.value
+            assert "so copy its weights back as below and compile `model.eval()` for evaluation" in str(refused.value)
+            with pytest.raises(spmd.SpmdError, match=r"compile the model in eval mode"):
+                compiled.eval()(x, y)
+            compiled.train()
+        else:  # (no dropout: the compiled module evaluates)
+            assert "evaluation too: `compiled.eval()`" in str(refused.value), refused.value
+            compiled.eval()(x, y)
+
+
 def test_a_module_compiled_beside_the_one_that_trained_is_refused(tmp_path):
     """Compiled from the same model for evaluation (as the mode guard advises), it held the untrained weights
     once its sibling trained (a review measured 0.18 off), and compiling the model again started from them.
@@ -3782,7 +3806,8 @@ def test_statistics_a_compiled_forward_recalibrated_are_not_left_behind():
         for _ in range(3):
             recalibrate(x), reference(x)
     reference.eval()
-    said = r"updated its buffers in a forward \(batch norm's running statistics, in train mode\) since"
+    said = (r"updated its buffers in a forward \(batch norm's running statistics in train mode, a key/value cache "
+            r"written in place\) since")
     with pytest.raises(spmd.SpmdError, match=said + r".*this one still holds the old values.*this.load_state_dict"):
         evaluate(x)
     with pytest.raises(spmd.SpmdError, match=said + r".*What to do: .*model.load_state_dict\(compiled.full_state_dict"):
