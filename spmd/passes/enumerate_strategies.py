@@ -146,6 +146,25 @@ def _query_key(target, args, kwargs, in_infos, outs, candidates) -> tuple | None
         return None
 
 
+def _replicated_on_axes_of_one(strategies, mesh_shape) -> list[Strategy]:
+    """`strategies` with every placement on a mesh axis of one device as Replicate (there a piece is the whole
+    tensor and a Partial the sum of one term: every layout is the same), duplicates dropped in order. A plan on
+    (1, 2) emitted and priced all_reduces on its one-device axis (a probe)."""
+    if all(n > 1 for n in mesh_shape):
+        return list(strategies)
+
+    def one(ps):
+        return None if ps is None else tuple(Replicate() if n == 1 else p for p, n in zip(ps, mesh_shape))
+
+    seen, out = set(), []
+    for st in strategies:
+        c = Strategy(tuple(one(p) for p in st.outputs), tuple(one(p) for p in st.inputs))
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
 def _whole(outs, inputs, ndim: int) -> list[Strategy]:
     """The one strategy of an op run whole on every rank: every input and tensor output replicated."""
     rep = (Replicate(),) * ndim
@@ -215,6 +234,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             book = pins.inputs if gi.kind == "input" else pins.params
             if gi.name in book:
                 strategies = _restrict(strategies, book[gi.name], f"{gi.kind} {gi.name!r}", t.shape, mesh)
+            strategies = _replicated_on_axes_of_one(strategies, mesh.shape)
             # a tangent (the incoming gradient) arrives laid out like its output
             nodes[node.name] = NodeStrategies(tuple(strategies), (), (t,), "placeholder", next_variant(),
                                               tie=gi.name if gi.kind == "tangent" else None)
@@ -239,6 +259,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                     strategies = [s for s in strategies if _split_on_leading_dim_only(s.inputs[0])]
                 # gradients land in their parameter's (an input's: the input's) own placements, a buffer's
                 # new value in the buffer's
+                strategies = _replicated_on_axes_of_one(strategies, mesh.shape)
                 tie = by_fqn[kinds[k].name] if kinds[k].kind in ("grad", "buffer_update") else \
                     by_input[kinds[k].name] if kinds[k].kind == "input_grad" else None
                 nodes[f"output_{k}"] = NodeStrategies(tuple(strategies), ((a.name, 0),), (), "output",
@@ -322,7 +343,7 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         producible = [_partials(table.output_candidates(v)) for v in inputs]
         usable = [s for s in strategies if len(s.inputs) == len(inputs) and len(s.outputs) == len(outs)
                   and _partials_available(s, producible) and floating_partials(s, outs, in_infos)]
-        kept = [s for s in usable if even(s, outs, in_infos)]
+        kept = _replicated_on_axes_of_one([s for s in usable if even(s, outs, in_infos)], mesh.shape)
         if not kept:
             kept = _whole(outs, inputs, mesh.ndim)
         kept.sort(key=strategy_key)  # DTensor's rules may list them in set order, which varies by process

@@ -2501,7 +2501,7 @@ class CompiledModule(nn.Module):
         if self._draws and (not self._generators_agreed or due):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
-        if self._variants and self._collective_calls:
+        if self._variants and self.mesh_spec.size > 1:  # (a variant's graphs may have collectives the first lacks)
             self._agree_on_shapes(inputs)
         if self._shapes.check.accepts(inputs):
             shapes = self._shapes
@@ -2584,11 +2584,35 @@ class CompiledModule(nn.Module):
                 return shapes
         if key is not None:
             examples = tuple(torch.empty(shape, dtype=t.dtype, device="meta") for shape, t in zip(key, inputs))
-            shapes = self._variants.get(key) or self._compile_variant(examples, key)
+            try:
+                shapes = self._variants.get(key) or self._compile_variant(examples, key)
+            except SpmdError as e:  # (its own refusals, `shard_inputs: ...`, and the ranks' disagreement say enough)
+                if type(e) is not SpmdError or str(e).startswith("shard_inputs:"):
+                    raise
+                raise self._pieces_read_as(inputs, key, e) from e
             if shapes.check.accepts(inputs):
                 return shapes
         self._shapes.check(inputs)
         raise SpmdInternalError("LocalCheck refused inputs that check_local accepts")
+
+    def _pieces_read_as(self, inputs: tuple, key: tuple, error: SpmdError) -> SpmdError:
+        """`error`, met compiling for the full shapes `key` that a call's inputs of new shapes were read as pieces of,
+        prefixed with that reading: each rank's slice of a batch for an input the plan takes whole (Replicate) read
+        as a whole batch of half the rows beside the other inputs' full ones, and the user got a trace error about
+        batch sizes from inside their model (found by a probe)."""
+        if "were read as this rank's pieces" in str(error):
+            return error
+        reading = "; ".join(
+            f"{spec.name} {list(t.shape)} as a piece of {list(shape)} {placements_str(spec.placements)}"
+            for t, spec, shape in zip(inputs, self._shapes.input_specs, key) if isinstance(t, torch.Tensor))
+        whole = [spec.name for spec in self._shapes.input_specs
+                 if all(not isinstance(p, Shard) for p in spec.placements)]
+        hint = (f" The plan takes {', '.join(whole)} whole on every rank: a rank's own slice of it is no piece (pass "
+                "the whole batch through compiled.shard_inputs, or pin the inputs split, in_placements)."
+                if whole and len(whole) < len(key) else "")
+        return SpmdError(f"this call's inputs, of other shapes than the compiled ones, were read as this rank's pieces "
+                         f"of inputs laid out as compiled ({reading}), and compiling for those shapes failed.{hint} "
+                         f"The failure: {error}")
 
     def _lay_out(self, flat, shapes: Shapes) -> None:
         """Each output piece's layout, for a compiled module it is handed to next (`_check_layouts`)."""

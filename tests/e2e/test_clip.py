@@ -42,6 +42,11 @@ def _scaled_step_with_an_overflow_on_rank_0(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(compiled(*compiled.shard_inputs(x, y))).backward()
+    try:  # (torch's clip over this rank's pieces: each rank's own norm; runtime/clip_guard.py)
+        torch.nn.utils.clip_grad_norm_(compiled.parameters(), 1e9)
+        clip = None
+    except spmd.SpmdError as e:
+        clip = str(e)
     piece = compiled.get_parameter("fc1.weight")
     if rank == 0:
         piece.grad[0, 0] = float("inf")
@@ -49,7 +54,7 @@ def _scaled_step_with_an_overflow_on_rank_0(rank: int, world: int) -> dict:
     scaler.step(opt)
     scaler.update()
     moved = [n for n, p in compiled.named_parameters() if not torch.equal(p.detach(), before[n])]
-    return {"moved": moved, "scale": scaler.get_scale()}
+    return {"moved": moved, "scale": scaler.get_scale(), "clip": clip}
 
 
 def test_a_grad_scaler_skips_the_step_on_every_rank_when_one_ranks_piece_overflows(ranks):
@@ -57,7 +62,11 @@ def test_a_grad_scaler_skips_the_step_on_every_rank_when_one_ranks_piece_overflo
     sharded parameter. Rank 0 alone skipped its step and halved its scale while rank 1 stepped, and the
     replicas drifted apart, silently; the flag is now agreed over the mesh (runtime/scaler_guard.py)."""
     for r in ranks(2).run(_scaled_step_with_an_overflow_on_rank_0):
-        assert r == {"moved": [], "scale": 512.0}, r
+        assert r["moved"] == [] and r["scale"] == 512.0, r
+        # (and torch's own clip over the pieces is refused: the registration tests/unit/test_clip_guard.py takes
+        # as given)
+        assert r["clip"] and "handed this rank's pieces of sharded parameters" in r["clip"] and "fc1.weight" in \
+            r["clip"], r
 
 
 def _norms_of_awkward_gradients(rank: int, world: int) -> dict:

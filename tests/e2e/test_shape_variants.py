@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 import spmd
 from spmd.core.errors import SpmdError
 from tests.models import GPT, MLP, GPTConfig, gpt2
-from tests.support import spec
+from tests.support import lm_loss, spec
 
 
 def _train_mlp_on_ragged_batches(rank: int, world: int) -> dict:
@@ -184,3 +184,33 @@ def test_a_transformers_model_takes_an_epochs_last_batch(ranks):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6)
         assert r["err"] < 1e-6
         assert r["variants"] == 1
+
+
+def _slices_of_a_replicated_input(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=1))
+    ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    pins = {"blocks.0.mlp.fc1.weight": [Shard(0)], "blocks.0.mlp.fc2.weight": [Shard(1)], "lm_head.weight": [Shard(0)]}
+    compiled = spmd.compile(model, spmd.init_mesh((2,), ("tp",)), (x, y),
+                            loss_fn=lm_loss, mesh_spec=spec((2,), ("tp",)), param_placements=pins,
+                            in_placements={"targets": [Shard(0)]})
+    layouts = {s.name: str(s.placements) for s in compiled._shapes.input_specs}
+    compiled(*compiled.shard_inputs(x, y)).backward()
+    try:  # (each rank's own slice of both, a data-parallel loader's habit, where tokens are taken whole)
+        compiled(x.chunk(2)[rank], y.chunk(2)[rank]).backward()
+        return {"refused": None, "layouts": layouts}
+    except SpmdError as e:
+        return {"refused": str(e), "layouts": layouts}
+
+
+def test_a_ranks_slice_of_an_input_taken_whole_is_named_as_such(ranks):
+    """Found by a probe: tokens taken whole (Replicate) and targets split on dp; each rank called with its own slice
+    of both. The slices were read as pieces of a batch of 2 tokens beside 4 targets, and the user got the trace's
+    "Expected input batch_size (32) to match target batch_size (64)" from inside their model. The refusal now says
+    how the inputs were read, and which input the plan takes whole."""
+    for r in ranks(2).run(_slices_of_a_replicated_input):
+        assert "Replicate" in r["layouts"]["tokens"] and "Shard" in r["layouts"]["targets"], r
+        assert r["refused"] and "were read as this rank's pieces of inputs laid out as compiled (tokens [2, 16] as a " \
+            "piece of [2, 16] [R]; targets [2, 16] as a piece of [4, 16] [S(0)])" in r["refused"], r
+        assert "The plan takes tokens whole on every rank" in r["refused"] and "batch_size" in r["refused"], r

@@ -30,8 +30,19 @@ def _compiled(group: str, pins: dict):
     return compiled, model
 
 
+def _with_a_cut_piece(group: str):
+    """A compiled module whose `0.weight` the guard takes for a piece of a sharded parameter, as a rank of a larger
+    mesh registers it (`CompiledModule._watch_pieces`; on one device nothing is cut: an axis of one device holds
+    every tensor whole, Replicate; tests/e2e/test_clip.py checks the registration on 2 ranks)."""
+    from spmd.runtime import clip_guard
+
+    compiled, model = _compiled(group, {})
+    clip_guard.watch({"0.weight": compiled.get_parameter("0.weight")})
+    return compiled, model
+
+
 def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_rank):
-    compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
+    compiled, _ = _with_a_cut_piece(one_rank)
     with pytest.raises(spmd.SpmdError, match=r"clip_grad_norm_ \(or get_total_norm, or clip_grads_with_norm_\) was "
                                              r"handed this rank's pieces of sharded parameters or their gradients "
                                              r"\(0.weight\).*What to do: call compiled.clip_grad_norm_"):
@@ -49,7 +60,7 @@ def test_torchs_clip_over_sharded_pieces_raises_and_the_compiled_clip_runs(one_r
 
 
 def test_torchs_norm_of_sharded_gradients_raises_and_the_compiled_norm_is_the_full_one(one_rank):
-    compiled, _ = _compiled(one_rank, {"0.weight": [Shard(0)]})
+    compiled, _ = _with_a_cut_piece(one_rank)
     grads = [p.grad for p in compiled.parameters()]
     for get_total_norm in (torch.nn.utils.get_total_norm, torch.nn.utils.clip_grad._get_total_norm):
         with pytest.raises(spmd.SpmdError, match=r"\(0.weight\).*or compiled.grad_norm\(norm_type\) for the norm"):

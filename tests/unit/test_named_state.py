@@ -291,8 +291,9 @@ def test_a_nested_load_names_what_is_missing_by_the_models_names():
 
 def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
     """Pinned Shard(0) over a mesh axis of one rank, fc's weight is whole on the rank: the checkpoint guard
-    leaves it (a review found it refused, though a plain save of it is right)."""
-    from torch.distributed.tensor import Shard
+    leaves it (a review found it refused, though a plain save of it is right). The plan says so too: on an axis of
+    one device every layout is Replicate (a probe found collectives launched over such axes)."""
+    from torch.distributed.tensor import Replicate, Shard
 
     from spmd.runtime import checkpoint_guard
 
@@ -300,7 +301,7 @@ def test_a_piece_cut_over_an_axis_of_one_rank_is_no_piece():
     x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
     compiled = one_device(_Unused(), (x, y), training=True, loss_fn=F.cross_entropy,
                           param_placements={"fc.weight": [Shard(0)]})
-    assert compiled._state_placements["fc.weight"] == (Shard(0),)
+    assert compiled._state_placements["fc.weight"] == (Replicate(),)
     assert checkpoint_guard._piece(compiled.get_parameter("fc.weight")) is None
 
 
