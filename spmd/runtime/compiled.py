@@ -1836,6 +1836,8 @@ class CompiledModule(nn.Module):
             self._refused_shapes[vkey] = e
             raise
         (self._variants if grad == "on" else self._grad_variants)[vkey] = shapes
+        if self.mesh_spec.size > 1 and c.plan.collectives():  # (its calls are collective, as the first plan's may not)
+            self._collective_calls = True
         if self.mesh_spec.size > 1 and any(isinstance(p, Replicate) and n > 1 for spec in shapes.input_specs
                                            for p, n in zip(spec.placements, self.mesh_spec.shape)):
             self._replicated_inputs, self._inputs_agreed = True, False  # (checked at its next call)
@@ -2501,7 +2503,7 @@ class CompiledModule(nn.Module):
         if self._draws and (not self._generators_agreed or due):
             self._agree_on_generators()
         inputs = self._call.flatten(inputs, kw_inputs)
-        if self._variants and self.mesh_spec.size > 1:  # (a variant's graphs may have collectives the first lacks)
+        if self._variants and self._collective_calls:  # (any of its graphs': `_compile_variant` sets it)
             self._agree_on_shapes(inputs)
         if self._shapes.check.accepts(inputs):
             shapes = self._shapes
