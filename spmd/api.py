@@ -27,7 +27,7 @@ from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime import source_guard
 from spmd.runtime.agreement import Rendezvous
-from spmd.runtime.compiled import CompiledModule, graph_backend
+from spmd.runtime.compiled import CompiledModule, compiled_module_class, graph_backend
 from spmd.runtime.host import host_cpu_profile
 from spmd.runtime.meshes import cached_meshes, device_mesh
 
@@ -196,8 +196,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
         example_inputs = (example_inputs,)
     c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
     recompile = functools.partial(_compile_with_report, model, mesh, spec)
-    return CompiledModule(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank, call=call,
-                          compile_graphs=compile_graphs, recompile=recompile)
+    return compiled_module_class(model)(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank,
+                                        call=call, compile_graphs=compile_graphs, recompile=recompile)
 
 
 def _refuse_rank_layout(mesh) -> None:

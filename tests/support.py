@@ -104,13 +104,13 @@ def compile_graph(model, example_inputs, mesh: MeshSpec, rank: int | None = None
 def one_device(model, example_inputs, **options):
     """`model` compiled on a mesh of one device in this process (no process group): a `CompiledModule` to
     call as a training loop does. `options`: PlanOptions (stamping off unless given)."""
-    from spmd.runtime.compiled import CompiledModule
+    from spmd.runtime.compiled import compiled_module_class
     from spmd.runtime.measure import builtin_cpu
 
     options.setdefault("stamp_layers", False)
     c = run_pipeline(model, tuple(example_inputs), MeshSpec((1,), ("dp",), device=builtin_cpu()), PlanOptions(**options),
                      RankBinding(0, ("",)), quiet=True)
-    return CompiledModule(c, None, src_data_rank=None)
+    return compiled_module_class(model)(c, None, src_data_rank=None)
 
 
 def check_simulated_training(c, outs, loss, model) -> int:

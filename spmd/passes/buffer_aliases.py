@@ -43,7 +43,7 @@ def buffer_aliases(model: torch.nn.Module, depth: int = 3) -> list[tuple[object,
             items = list(vars(obj).items()) if hasattr(obj, "__dict__") else ()
         for key, value in items:
             if isinstance(value, torch.Tensor):
-                if id(value) in owners:
+                if id(value) in owners and _settable(obj, key, value):
                     found.append((obj, key, *owners[id(value)]))
             else:
                 visit(value, left - 1)
@@ -53,6 +53,17 @@ def buffer_aliases(model: torch.nn.Module, depth: int = 3) -> list[tuple[object,
             if name not in ("_parameters", "_buffers", "_modules") and not isinstance(value, _LEAVES):
                 visit(value, depth)
     return found
+
+
+def _settable(holder, key, value) -> bool:
+    """Whether `holder[key]` / `holder.key` takes a value (set to the one it holds: nothing changes). A frozen
+    dataclass holding a rotary cache beside its buffers refuses, and its model traced as before this module (a
+    review found it refused with a misleading trace error)."""
+    try:
+        _set(holder, key, value)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal of the holder's own (frozen, slots, a property)
+        return False
 
 
 def _set(holder, key, value) -> None:

@@ -102,35 +102,77 @@ def _ignored_unexpected(model, key: str) -> bool:
     return any(re.search(p, key) for p in patterns)
 
 
-def _children_of(model: "nn.Module | None", prefix: str, held: dict) -> list[str]:
-    """The names of the children of the model's module at `prefix` ("" for the model), in the model's order;
-    where the model is not known, the holders' names (`held`)."""
-    try:
-        return list((model.get_submodule(prefix) if prefix else model)._modules) if model is not None else list(held)
-    except AttributeError:
-        return list(held)
-
-
-def _part_at(children: list[str], held: dict, prefix: str, index):
-    """The holder of the child at `index` (a position, a slice or a `nn.ModuleDict` key) of the model's module at
-    `prefix`, counted over all its children as the model counts them; a child that holds no weights has no
-    holder and is refused by name."""
+def _part_at(children: list[str], held: dict, prefix: str, index, container: "nn.Module | None"):
+    """The part at `index` (a position, a slice or a `nn.ModuleDict` key) of the model's module `container` at
+    `prefix`, counted over all its children as the model counts them: the holder of its pieces, or for a child
+    that holds no parameter or buffer (an activation), the model's own module, of which the compiled module holds
+    nothing (a review: iterating a compiled Sequential stopped at its ReLU). A part with state but no holder is
+    refused by name."""
     if isinstance(index, slice):
-        return [_part_at(children, held, prefix, k) for k in range(len(children))[index]]
+        return [_part_at(children, held, prefix, k, container) for k in range(len(children))[index]]
     where = f"`{prefix}` of the model" if prefix else "the model"
     try:
         name = index if isinstance(index, str) and index in children else children[operator.index(index)]
     except (IndexError, TypeError):
-        raise IndexError(f"{where} has parts {children}: no {index!r}") from None
-    if name not in held:
-        path = f"{prefix}.{name}" if prefix else name
-        raise SpmdError(f"`{path}` of the model holds no weights, so the compiled module holds no part for it (it "
-                        f"holds {[n for n in children if n in held]} under {where}). What to do: reach the parts that hold weights by name "
-                        "(`compiled.get_submodule(...)`).")
-    return held[name]
+        raise (KeyError(index) if isinstance(index, str) else
+               IndexError(f"{where} has parts {children}: no {index!r}")) from None
+    if name in held:
+        return held[name]
+    child = None if container is None else container._modules.get(name)
+    if child is not None and next(child.parameters(), None) is None and next(child.buffers(), None) is None:
+        return child
+    path = f"{prefix}.{name}" if prefix else name
+    raise SpmdError(f"`{path}` of the model has no part in the compiled module (it holds "
+                    f"{[n for n in children if n in held]} under {where}). What to do: reach the parts that hold "
+                    "weights by name (`compiled.get_submodule(...)`).")
 
 
-class _Pieces(nn.Module):
+class _Indexed:
+    """Indexed as the model's container at this place is (`nn.Sequential` and `nn.ModuleList` by position, slices
+    too; `nn.ModuleDict` by key, iterated over its keys, with `keys()`, `values()`, `items()`, `in`): the parts are
+    the holders of their pieces (`_part_at`). Subclasses give `_container()`, the model's module, and
+    `_container_path()`, its path."""
+
+    def _container(self) -> "nn.Module | None":
+        raise NotImplementedError
+
+    def _container_path(self) -> str:
+        raise NotImplementedError
+
+    def _names(self) -> list[str]:
+        container = self._container()
+        return list(container._modules) if container is not None else list(self._modules)
+
+    def __getitem__(self, index):
+        return _part_at(self._names(), self._modules, self._container_path(), index, self._container())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self):
+        if isinstance(self._container(), nn.ModuleDict):
+            return iter(self._names())
+        return (self[k] for k in range(len(self)))
+
+    def __contains__(self, item) -> bool:
+        if isinstance(self._container(), nn.ModuleDict):
+            return item in self._names()
+        return any(part is item for part in self)
+
+    def keys(self):
+        return self._names()
+
+    def values(self):
+        return [self[k] for k in self._names()]
+
+    def items(self):
+        return [(k, self[k]) for k in self._names()]
+
+    def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
+        return True
+
+
+class _Pieces(_Indexed, nn.Module):
     """Holds this rank's pieces under the model's names (`CompiledModule._place`): a module only so that names
     go through it. The compiled module saves and loads them (its state dict is the model's): in its walk a
     holder adds nothing; asked itself (`compiled.encoder.state_dict()`, `.load_state_dict(...)`), it answers
@@ -190,28 +232,14 @@ class _Pieces(nn.Module):
                 "make it an input of the forward.")
         super().__setattr__(name, value)
 
-    def _children(self) -> list[str]:
-        """The names of the model's children at this holder's path, in the model's order (the holders are only
-        those that hold weights, made in another order)."""
-        root = self._root()
-        return _children_of(None if root is None else root.__dict__.get("_source_model"), self._prefix, self._modules)
+    def _container(self) -> "nn.Module | None":
+        """The model's module at this holder's path (its container, where indexed: `compiled.blocks[1]`; found by a
+        probe: not subscriptable; a review found a first version counting the holders, which are only the parts
+        that hold weights)."""
+        return self._part()
 
-    def __getitem__(self, index):
-        """`compiled.blocks[1]`, `compiled.blocks[-2:]`: the part at that position of the model's `nn.ModuleList`
-        or `nn.Sequential` (or under that key of its `nn.ModuleDict`), as the model is indexed (found by a probe:
-        not subscriptable; a review found a first version counting the holders, which are only the parts that
-        hold weights). A part with no holder here is refused by name."""
-        return _part_at(self._children(), self._modules, self._prefix, index)
-
-    def __len__(self) -> int:
-        return len(self._children())
-
-    def __iter__(self):
-        return (self[k] for k in range(len(self)))
-
-    def __bool__(self) -> bool:  # (a holder of no parts is still one: `if compiled.fc:`)
-        return True
-
+    def _container_path(self) -> str:
+        return self.__dict__["_prefix"]
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """As `nn.Module`'s, after the compiled module follows the flags set since (`_follow_requires_grad`): an
@@ -1116,31 +1144,6 @@ class CompiledModule(nn.Module):
             if source is None or name.startswith("__") or not _has_static(source, name):
                 raise
         raise _only_the_model_has(type(self).__name__, source, name, "") from None
-
-    def _root_children(self) -> list[str]:
-        """The model's children where the model is a container (`nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict`),
-        which its users index: `compiled[0]` of a Sequential said "not subscriptable" (a probe). Anything else is
-        not subscriptable, as the model is not."""
-        source = self.__dict__.get("_source_model")
-        if not isinstance(source, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-            kind = "a compiled module" if source is None else f"the compiled module of a {type(source).__name__}"
-            raise TypeError(f"{kind} is not subscriptable (only one of an nn.Sequential, nn.ModuleList or "
-                            "nn.ModuleDict is, as the model is); reach its parts by name (`compiled.fc1`)")
-        return _children_of(source, "", self._modules)
-
-    def __getitem__(self, index):
-        """`compiled[0]`, `compiled[-1]`, `compiled[1:]` of an `nn.Sequential` (a key of an `nn.ModuleDict`): the
-        holder of that part's pieces, as `compiled.blocks[0]` is below the root."""
-        return _part_at(self._root_children(), self._modules, "", index)
-
-    def __len__(self) -> int:
-        return len(self._root_children())
-
-    def __iter__(self):
-        return (self[k] for k in range(len(self)))
-
-    def __bool__(self) -> bool:  # (`if compiled:` of a Sequential of no parts, as for any module)
-        return True
 
     def __getstate__(self):
         """A compiled module is not pickled whole (`torch.save(compiled)`): it holds its graphs, the mesh's process
@@ -2589,7 +2592,7 @@ class CompiledModule(nn.Module):
             try:
                 shapes = self._variants.get(key) or self._compile_variant(examples, key)
             except SpmdError as e:  # (its own refusals, `shard_inputs: ...`, and the ranks' disagreement say enough)
-                if type(e) is not SpmdError or str(e).startswith("shard_inputs:"):
+                if type(e) is not SpmdError or str(e).startswith(("shard_inputs:", "the ranks got inputs of different")):
                     raise
                 raise self._pieces_read_as(inputs, key, e) from e
             if shapes.check.accepts(inputs):
@@ -2691,6 +2694,25 @@ class CompiledModule(nn.Module):
         else:
             flat = _RankStep.apply(self, shapes, *args)
         return flat
+
+
+class CompiledContainer(_Indexed, CompiledModule):
+    """The compiled module of an `nn.Sequential`, `nn.ModuleList` or `nn.ModuleDict`, indexed and iterated as the
+    model is (`compiled[0]`, `compiled[-1]`, `len(compiled)`, `for part in compiled`; a dict's keys): known since
+    session 84, `compiled[0]` said "not subscriptable". Only such a root is a container: any other compiled module
+    has no `__iter__` or `__len__`, as its model has none (a review: `torch.optim.SGD(compiled)` then read as an
+    iteration)."""
+
+    def _container(self) -> "nn.Module | None":
+        return self.__dict__.get("_source_model")
+
+    def _container_path(self) -> str:
+        return ""
+
+
+def compiled_module_class(model) -> type:
+    """`CompiledContainer` for a model that is a container, else `CompiledModule`."""
+    return CompiledContainer if isinstance(model, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) else CompiledModule
 
 
 def _outputs_of_state(c) -> dict[int, str]:

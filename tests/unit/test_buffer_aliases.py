@@ -58,3 +58,30 @@ def test_a_forward_writing_buffers_through_an_object_compiles_and_runs_as_eager(
             torch.testing.assert_close(compiled(x, pos), reference(x, pos), rtol=0, atol=1e-6)
     torch.testing.assert_close(compiled.get_buffer("k1"), reference.k1, rtol=0, atol=1e-6)
     assert model.cache.layers[1].keys is model.k1 and type(model.k1) is torch.Tensor
+
+
+def test_a_frozen_holder_of_buffers_is_left_alone():
+    """A review: a rotary cache kept in a frozen dataclass beside its buffers was refused with a trace error (the
+    rebinding could not assign); such a holder keeps its tensors, which trace as constants, as before."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Rope:
+        cos: torch.Tensor
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("cos", torch.rand(4))
+            self.rope = Rope(self.cos)
+
+        def forward(self, x):
+            return self.fc(x) * self.rope.cos
+
+    torch.manual_seed(0)
+    model = Rotary()
+    assert buffer_aliases(model) == []
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(one_device(model, (x,))(x), model(x), rtol=0, atol=0)
+    assert model.rope.cos is model.cos

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import spmd
 from tests.support import one_device
 
 
@@ -119,23 +118,42 @@ def test_parts_are_indexed_as_the_model_s_module_list():
     assert compiled.head[1][-1:] == [compiled.head[1][1]] and compiled.head[1][1] in compiled.head[1]
 
 
-def test_a_sequential_root_is_indexed_as_the_model():
+def test_a_container_root_is_indexed_as_the_model():
     """`compiled[0]` of an `nn.Sequential` said "'CompiledModule' object is not subscriptable" (known since session
-    84); a root that is no container still is not, naming the way out."""
+    84). A review then found iteration stopping at a ReLU, a ModuleDict iterated over parts instead of keys (`"a" in
+    compiled` False), and `__iter__` on every compiled module. A part with no state is the model's own module; only a
+    container's compiled module is one."""
+    from collections.abc import Iterable
+
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     compiled = one_device(model, (torch.randn(3, 4),))
     assert compiled[0] is compiled.get_submodule("0") and compiled[-1] is compiled.get_submodule("2")
     assert compiled[0].weight.shape == (8, 4) and isinstance(compiled[-1], nn.Linear)
+    assert compiled[1] is model[1] and list(compiled) == [compiled[0], model[1], compiled[2]]
     assert len(compiled) == 3 and compiled[::2] == [compiled[0], compiled[2]] and bool(compiled)
-    with pytest.raises(spmd.SpmdError, match=r"`1` of the model holds no weights.*holds \['0', '2'\] under the model"):
-        compiled[1]
+    assert compiled[2] in compiled and model[2] not in compiled
     with pytest.raises(IndexError, match=r"the model has parts \['0', '1', '2'\]: no 3"):
         compiled[3]
+    heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 2)})
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = heads
+
+        def forward(self, x):
+            return self.heads["a"](x) + self.heads["b"](x)
+
+    compiled = one_device(Both(), (torch.randn(3, 4),))
+    assert list(compiled.heads) == ["a", "b"] and "a" in compiled.heads and "c" not in compiled.heads
+    assert compiled.heads["b"] is compiled.get_submodule("heads.b") and len(compiled.heads) == 2
+    assert [k for k, _ in compiled.heads.items()] == ["a", "b"] and compiled.heads.values()[0] is compiled.heads["a"]
+    with pytest.raises(KeyError):
+        compiled.heads["c"]
     linear = one_device(nn.Linear(4, 2), (torch.randn(3, 4),))
-    for use in (lambda: linear[0], lambda: len(linear), lambda: list(linear)):
-        with pytest.raises(TypeError, match=r"the compiled module of a Linear is not subscriptable.*by name"):
-            use()
-    assert bool(linear)
+    assert not isinstance(linear, Iterable) and not hasattr(type(linear), "__len__") and bool(linear)
+    with pytest.raises(TypeError, match="not subscriptable"):
+        linear[0]
 
 
 def test_no_sync_runs_a_ddp_accumulation_loop_as_it_is():
