@@ -332,9 +332,11 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         if strategies is None:
             where = describe_node(node)
             reason = f"its rule failed ({type(error).__name__}: {error})" if error else "it has no sharding rule"
-            # (an op on 0-d tensors alone loses nothing whole: transformers' static cache copies its position into
-            # a 0-d buffer at every call, and each compile warned of it)
-            if not all(len(getattr(t, "shape", (0,))) == 0 for t in (*in_infos, *outs) if t is not None):
+            # (an op with no rule on 0-d tensors alone loses nothing whole: transformers' static cache copies its
+            # position into a 0-d buffer at every call, and each compile warned of it; a rule that failed still
+            # warns, a review)
+            if error is not None or not all(len(getattr(t, "shape", (0,))) == 0 for t in (*in_infos, *outs)
+                                            if t is not None):
                 warnings.warn(UnknownOpWarning(
                     f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: add a "
                     f"rule in spmd/passes/rules/ with @rule({op_name(node.target)})."), stacklevel=2)
