@@ -81,8 +81,7 @@ def buffers_through_aliases(model: torch.nn.Module):
     if not aliases:
         yield
         return
-    originals = [(holder, key, holder[key] if isinstance(holder, (list, dict)) else getattr(holder, key))
-                 for holder, key, _, _ in aliases]
+    originals = [owner._buffers[name] for _, _, owner, name in aliases]  # (what each holder holds: `buffer_aliases`)
 
     def rebind(module, args):
         for holder, key, owner, name in aliases:
@@ -93,5 +92,5 @@ def buffers_through_aliases(model: torch.nn.Module):
         yield
     finally:
         handle.remove()
-        for holder, key, value in originals:
+        for (holder, key, _, _), value in zip(aliases, originals):
             _set(holder, key, value)

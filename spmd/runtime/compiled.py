@@ -1861,7 +1861,7 @@ class CompiledModule(nn.Module):
                 "collectives. What to do: give every rank batches of the same shapes (a DataLoader with "
                 "drop_last=True, or a DistributedSampler, whose batches are the same size on every rank).") from e
         if any(k != key for k in keys):
-            shown = "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in k)}" for r, k in enumerate(keys))
+            shown = _shapes_by_rank(keys)
             raise SpmdError(
                 f"the ranks got inputs of different shapes ({shown}), none of them the compiled ones: every rank must "
                 "take the same global batch (shard_inputs cuts each rank's piece from it), or its own slice of "
@@ -2187,10 +2187,9 @@ class CompiledModule(nn.Module):
             return
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, shapes)
-        shown = "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in k if s is not None)}" for r, k in enumerate(every)
-                          if k is not None)
         raise SpmdError(
-            f"the ranks called this module (call {self._calls}) with pieces of different shapes ({shown}): each rank "
+            f"the ranks called this module (call {self._calls}) with pieces of different shapes "
+            f"({_shapes_by_rank(every)}): each rank "
             "would run the graphs of its own shapes, and their collectives would pair across graphs. An uneven last "
             "batch cut by hand (5 rows over 3 ranks: 2, 2 and 1) does that. What to do: give every rank pieces of "
             "the same shapes: cut the whole batch with compiled.shard_inputs(...) on every rank (a batch that does "
@@ -2870,6 +2869,12 @@ def _listed(kinds) -> str:
 
 
 _NOT_GIVEN = torch.empty(0)  # (an entry a load was not given whole: the same digest on every rank)
+
+
+def _shapes_by_rank(every: list) -> str:
+    """Each rank's input shapes (None for a non-tensor, left out), as the ranks' disagreements name them."""
+    return "; ".join(f"rank {r}: {', '.join(str(list(s)) for s in shapes if s is not None)}"
+                     for r, shapes in enumerate(every))
 
 
 def _shapes_digest(shapes: tuple) -> int:

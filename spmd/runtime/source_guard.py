@@ -93,9 +93,6 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
 
 # The copy of a compiled module's trained weights back into the model, as every guard's way out names it
 COPY_BACK = "model.load_state_dict(compiled.full_state_dict(persistent_only=True))"
-_WAY_OUT = ("call the compiled module that trained (evaluation too: `compiled.eval()`, with `torch.no_grad()`), save "
-            "with `compiled.state_dict()`, `compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy "
-            f"its weights back first (`{COPY_BACK}`, on every rank; until the next step)")
 
 
 class _Inert:
@@ -468,16 +465,18 @@ def _copied_back_shared(model, copied) -> None:
 
 
 def _way_out(model) -> str:
-    """`_WAY_OUT`, where a module compiled from `model` in train mode has a graph that does what that mode does
-    (dropout, batch statistics), without `compiled.eval()`, which such a module refuses: a probe followed it from
-    this message into the next refusal."""
+    """What to do with a model whose compiled module holds newer weights. Evaluation goes through the compiled
+    module (`compiled.eval()`), except where a module compiled from `model` in train mode has a graph that does
+    what that mode does (dropout, batch statistics), which refuses `eval()`: a probe followed that advice into the
+    next refusal."""
     modules = [c for ref in _compiled_from.get(model, ()) if (c := ref()) is not None]
-    if not any(c.__dict__.get("_mode_dependent") and c.__dict__.get("_traced_mode") for c in modules):
-        return _WAY_OUT
-    return _WAY_OUT.replace(
-        "(evaluation too: `compiled.eval()`, with `torch.no_grad()`)",
-        "(to evaluate: its graph does what train mode does, so copy its weights back as below and compile "
-        "`model.eval()` for evaluation)")
+    evaluate = ("to evaluate: its graph does what train mode does, so copy its weights back as below and compile "
+                "`model.eval()` for evaluation"
+                if any(c.__dict__.get("_mode_dependent") and c.__dict__.get("_traced_mode") for c in modules) else
+                "evaluation too: `compiled.eval()`, with `torch.no_grad()`")
+    return (f"call the compiled module that trained ({evaluate}), save with `compiled.state_dict()`, "
+            "`compiled.full_state_dict()` or `compiled.save_safetensors(...)`, or copy its weights back first "
+            f"(`{COPY_BACK}`, on every rank; until the next step)")
 
 
 def _stale_model(model, what: str) -> SpmdError:

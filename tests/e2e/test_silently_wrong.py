@@ -1459,6 +1459,7 @@ def test_a_module_called_on_one_rank_alone_while_the_others_train_is_refused(ran
 def _one_rank_evaluates_alone_built_on_meta(rank: int, world: int) -> dict:
     return _one_rank_evaluates_alone(rank, world, meta=True)
 
+
 def _uneven_last_batch_cut_by_hand(rank: int, world: int) -> dict:
     torch.set_default_dtype(torch.float64)
     try:
