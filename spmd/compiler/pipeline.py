@@ -63,7 +63,7 @@ from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
 from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_shared_memory, trace_module,
-                                      warn_module_hooks, warn_nested_fast_path)
+                                      warn_module_hooks)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,6 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     warn_module_hooks(model)
     refuse_rnn_dropout(model)
     refuse_shared_memory(model)
-    warn_nested_fast_path(model)
 
     def trace(m):
         traced = trace_joint(m, example_inputs, options.loss_fn) if options.joint else trace_module(m, example_inputs)

@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
 from spmd.passes.buffer_aliases import buffers_through_aliases
+from spmd.passes.encoder_fast_path import encoder_fast_path_as_eager
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 
@@ -811,21 +812,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(offsets(a), offsets(b)).any())
 
 
-def warn_nested_fast_path(model: torch.nn.Module) -> None:
-    """Warn where an nn.TransformerEncoder may take torch's nested-tensor fast path in eager (evaluation, under
-    no_grad or inference_mode, with a padding mask): it returns 0 at the padded positions, where the traced
-    graph, the regular path, returns their values (a probe's mean over every position: 1.25 off)."""
-    found = [path or type(model).__name__ for path, m in model.named_modules()
-             if isinstance(m, torch.nn.TransformerEncoder) and not m.training and getattr(m, "use_nested_tensor", False)]
-    if found:
-        warnings.warn(
-            f"{', '.join(found[:3])}: an nn.TransformerEncoder with enable_nested_tensor=True, in evaluation: called "
-            "under torch.no_grad or inference_mode with a src_key_padding_mask, eager PyTorch takes its nested-tensor "
-            "fast path and returns 0 at the padded positions; the compiled graph is the regular path and returns "
-            "values there (the positions that are not padded agree). What to do: ignore the padded positions (mask "
-            "them before pooling), or build it with enable_nested_tensor=False, where eager agrees.", stacklevel=user_stacklevel())
-
-
 def _tensor_ids(value) -> tuple | None:
     """The ids of the tensors `value` is, or holds at its first level (a list, tuple or dict, its first 64 items:
     an anchor kept as `[w]`); None where it holds none."""
@@ -985,12 +971,16 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
     except AttributeError:
         owner = None
     if isinstance(owner, torch.nn.Embedding) and owner.max_norm is not None:
+        module = fqn.rpartition(".")[0]
         return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an Embedding with "
-                f"max_norm renormalizes the rows it looks up), and {why}. What to do: leave such updates out of the "
-                "forward (renormalize the compiled module's piece after the optimizer's step, under torch.no_grad(), "
-                f"with the weight pinned so that each rank holds whole rows, `param_placements={{{fqn!r}: [Shard(0)]}}` "
-                "(or [Replicate()]; one per mesh axis): a row cut across ranks has its norm on none of them), or drop "
-                "max_norm.")
+                f"max_norm renormalizes the rows it looks up), and {why}. What to do: compile it without max_norm "
+                f"(`model.{module}.max_norm = None`) and renormalize before each call, on every rank, with the ids that "
+                f"call looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={owner.max_norm}"
+                f"{'' if owner.norm_type == 2.0 else f', norm_type={owner.norm_type}'})` (the rows any rank looks up, as "
+                "one device renormalizes the whole batch's). It needs whole rows on each rank: pin "
+                f"`param_placements={{{fqn!r}: [Shard(0)]}}` (or [Replicate()]; one per mesh axis) if the plan cuts them. "
+                "Renormalizing after the optimizer's step is not the same: max_norm applies to the weights each "
+                "forward reads.")
     return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (a weight clipped or "
             f"scaled there, `.data` given new values, a target network's momentum update), and {why}. What to do: make "
             "the update outside the forward, after the optimizer's step, on the compiled module's piece under "
@@ -1010,7 +1000,7 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
     held = _held(model)
 
     def export():
-        with buffers_through_aliases(held):  # (transformers' static key/value cache: its buffers through the cache)
+        with buffers_through_aliases(held), encoder_fast_path_as_eager(held):  # (see their modules)
             return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     def signature_again():

@@ -735,6 +735,35 @@ class CompiledModule(nn.Module):
         return norm
 
     @_collective
+    def embedding_renorm_(self, name: str, ids: torch.Tensor, max_norm: float, norm_type: float = 2.0) -> None:
+        """What `nn.Embedding(max_norm=...)` does before its lookup, for the compiled module's piece of the
+        embedding weight `name`: each row some rank's `ids` look up whose `norm_type`-norm exceeds `max_norm` is
+        scaled in place to it (`torch.embedding_renorm_`). Call it on every rank before the call, with that
+        call's ids (the whole batch, or this rank's part of it): a row is renormalized where any rank looks it up,
+        as one device renormalizes the rows of the whole batch (the rows looked up are a union over the mesh, one
+        all_reduce of a flag per row and mesh axis). The weight must hold whole rows on each rank (`Shard(0)` or
+        `Replicate()`); a compile refuses an Embedding with max_norm, whose forward changes its weight."""
+        weight = self.piece(name)
+        fqn = name if name in self._state_placements else self._aliases.get(name, name)
+        placements, shape = self._state_placements[fqn], self._global_shapes[fqn]
+        cut = [axis for axis, p in enumerate(placements) if self.mesh_spec.shape[axis] > 1
+               and not isinstance(p, Replicate) and not (isinstance(p, Shard) and p.dim == 0)]
+        if weight.dim() != 2 or cut:
+            raise SpmdError(
+                f"embedding_renorm_({name!r}): renormalizing rows needs each rank to hold whole rows of a 2-D weight, "
+                f"and the plan places {name} {placements_str(placements)}"
+                f"{f' (shape {tuple(shape)})' if weight.dim() != 2 else ''}, cut across its rows on mesh axis "
+                f"{', '.join(self.mesh_spec.axis_names[a] for a in cut) or '-'}. What to do: pin it "
+                f"`param_placements={{{fqn!r}: [Shard(0)]}}` or [Replicate()] (one per mesh axis) when compiling.")
+        seen = torch.zeros(shape[0], dtype=torch.int32, device=self._collective_device())
+        seen[ids.detach().reshape(-1).to(seen.device, torch.long)] = 1
+        seen = max_over_mesh(seen, self.mesh_spec.shape, self.group_names)
+        rows = local_slices(tuple(shape), placements, self.mesh_spec.shape, self.coord)[0]
+        mine = seen[rows].nonzero().reshape(-1).to(weight.device)
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, mine, max_norm, norm_type)
+
+    @_collective
     def grad_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """`torch.nn.utils.get_total_norm` of the full gradients (the norm a training loop logs): the same
         on every rank, equal to the single-device model's. Gradients come out of backward in their
@@ -1421,7 +1450,8 @@ class CompiledModule(nn.Module):
         (for modules that set tensors in `__init__` without a `reset_parameters`), init_roots,
         discard_writes, tied_reset_owner, strict, init_dtype (see `init_weights.init_local_shards`)."""
         from spmd.runtime.init_tape import record_init_fn, replay_local_shards, tape_of
-        from spmd.runtime.init_weights import hf_init_kwargs, init_local_shards, is_transformers
+        from spmd.runtime.init_weights import (hf_init_kwargs, init_local_shards, is_peft, is_transformers,
+                                               peft_init_kwargs)
 
         model = self._source_model
         if not is_meta(model):
@@ -1451,6 +1481,9 @@ class CompiledModule(nn.Module):
                                         device=self._device or "cpu")
         else:
             kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
+            if is_peft(model):  # (the adapters: wrapped in after the base model was built)
+                for key, value in peft_init_kwargs(model).items():
+                    kwargs[key] = {**kwargs.get(key, {}), **value}
             for key, value in replay.items():     # (the user's reset_fns / init_roots entries join transformers')
                 kwargs[key] = {**kwargs[key], **value} if isinstance(kwargs.get(key), dict) else value
             if "init_dtype" not in kwargs:

@@ -14,6 +14,10 @@ replayed as a list of *events* in construction order:
     init   M   init_fn(M), in exactly the order model.apply(init_fn) calls it (post-order, after every
                reset); or, for `init_roots` (transformers' post_init), at the root's post-order slot.
 
+A module `wrapped` after construction (peft's LoRA layers, put in place of the Linear they wrap once the
+model is built and initialized) stands in the walk as the modules it wraps: its own modules and reset come
+after the whole walk, in `wrapped`'s order, as the wrapping built them.
+
 `plan_init` runs every event once on the meta model (no random numbers drawn, no memory) under a
 TorchDispatchMode that maps each aten op's arguments to the model's tensors by storage (so `.data`
 writes are seen too, which do not bump a meta tensor's `_version`), and records per event which tensors
@@ -176,8 +180,9 @@ def _children(m: nn.Module):
             yield name, c
 
 
-def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
+def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None):
     events: list[_Event] = []
+    wrapped = {id(model.get_submodule(f)): (f, kept) for f, kept in (wrapped or {}).items()}
     user = dict(reset_fns or {})
     defaults = _default_reset_fns()
     roots = {}
@@ -231,8 +236,17 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
                 out[name], carry = carry, []
         return out, carry
 
-    def visit(m, fqn):
+    def as_built(m):
+        """`m`'s children as construction saw them: a wrapper's, the modules it wraps."""
+        kept = wrapped[id(m)][1] if id(m) in wrapped else None
+        return [(n, c) for n, c in _children(m) if kept is None or n in kept]
+
+    def visit(m, fqn, late=False):
         if id(m) in constructed:                 # a shared module is built once
+            return
+        if id(m) in wrapped and not late:        # (built later: what it wraps, now)
+            for name, c in as_built(m):
+                visit(c, _join(fqn, name))
             return
         constructed.add(id(m))
         if order == "pre":                       # for comparison only: named_modules() order
@@ -241,21 +255,24 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post"):
         for name, c in _children(m):
             for fn in early.get(name, ()):
                 add("reset", m, fqn, fn)
-            visit(c, _join(fqn, name))
+            if not (late and name in wrapped[id(m)][1]):
+                visit(c, _join(fqn, name))
         for fn in tail:
             add("reset", m, fqn, fn)
         if order == "post":
             reset_event(m, fqn)
         if id(m) in roots:                       # transformers post_init: init the subtree once
             def walk(x, xfqn, fn_here):
-                for n, c in _children(x):
+                for n, c in as_built(x):
                     walk(c, _join(xfqn, n), roots.get(id(c), fn_here))
-                if id(x) not in initialized:
+                if id(x) not in initialized and id(x) not in wrapped:
                     initialized.add(id(x))
                     add("init", x, xfqn, fn_here)
             walk(m, fqn, roots[id(m)])
 
     visit(model, "")
+    for fqn, _ in list(wrapped.values()):
+        visit(model.get_submodule(fqn), fqn, late=True)
     if init_fn is not None:                      # model.apply(init_fn), exactly its traversal
         def apply(x, xfqn):
             for n, c in _children(x):
@@ -343,7 +360,8 @@ class _Recorder(TorchDispatchMode):
 def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
               reset_fns: Mapping[type, Callable | None] | None = None,
               init_roots: Mapping[str, Callable] | None = None,
-              discard_writes: Iterable[str] = (), tied_reset_owner: str | None = None, order: str = "post"):
+              discard_writes: Iterable[str] = (), tied_reset_owner: str | None = None, order: str = "post",
+              wrapped: Mapping[str, tuple[str, ...]] | None = None):
     """Dry-run the replay on the meta model: (tensors, events with what each touched, classes of modules
     with tensors and no reset, which slots each event writes to scratch). See `init_weights.init_local_shards`
     for the arguments. order="pre" (resets in named_modules() pre-order) exists to show where it departs
@@ -362,7 +380,7 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
                 "where it can read it; or load the weights from a checkpoint.")
     if order not in ("post", "pre"):
         raise SpmdError("order: 'post' or 'pre'")
-    events, unknown = _schedule(meta_model, reset_fns, init_fn, init_roots, order)
+    events, unknown = _schedule(meta_model, reset_fns, init_fn, init_roots, order, wrapped)
     # which (module, kind, attr) slots write to scratch in which events
     discard_fqns = set(discard_writes)
     slot_names = defaultdict(set)                  # slot -> every fqn naming it

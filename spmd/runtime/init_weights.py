@@ -385,7 +385,8 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
                       reset_fns: Mapping[type, Callable | None] | None = None,
                       init_roots: Mapping[str, Callable] | None = None, discard_writes: Iterable[str] = (),
                       tied_reset_owner: str | None = None, device="cpu", strict: bool = True,
-                      replicate_missing: bool = False, init_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                      replicate_missing: bool = False, init_dtype: torch.dtype | None = None,
+                      wrapped: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
     """{fqn: this rank's piece} of every parameter and buffer of `meta_model` (tied names share one tensor),
     equal to the pieces of `torch.manual_seed(seed); m = Model(cfg); m.apply(init_fn)` built on CPU.
 
@@ -410,10 +411,12 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
     init_dtype: draw floating tensors in this dtype and cast the pieces to the meta dtype: a meta model
         cast with .to(torch.bfloat16) equals `Model(cfg).to(torch.bfloat16)` with init_dtype=torch.float32
         (without it, it equals a model built in bfloat16, e.g. under torch.set_default_dtype).
+    wrapped: {module fqn: names of the children it wraps}, in the order they were wrapped: modules put in place
+        of others after construction (peft's LoRA layers; see peft_init_kwargs), built after everything else.
     device: where the pieces go (the draws are always on the CPU generator, as a CPU build's).
     """
     plan = plan_init(meta_model, init_fn=init_fn, reset_fns=reset_fns, init_roots=init_roots,
-                     discard_writes=discard_writes, tied_reset_owner=tied_reset_owner)
+                     discard_writes=discard_writes, tied_reset_owner=tied_reset_owner, wrapped=wrapped)
     return plan.materialize(placements, mesh_shape, coord, seed=seed, device=device, strict=strict,
                             replicate_missing=replicate_missing, init_dtype=init_dtype)
 
@@ -512,6 +515,64 @@ def hf_init_kwargs(model: nn.Module) -> dict:
         except AttributeError:
             pass
     return {"init_roots": roots, "reset_fns": reset_fns, "discard_writes": discard}
+
+
+# ---- peft -----------------------------------------------------------------------------------------
+
+_PEFT_INITS = (True, False, "gaussian")  # (init_lora_weights that draw or write nothing but A and B)
+
+
+def is_peft(model: nn.Module) -> bool:
+    """A model with peft's adapter layers in it (checked without importing peft when it is not loaded)."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def peft_init_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments for init_local_shards that replay `get_peft_model(Model(cfg), config)`: the base model is
+    built and initialized (transformers' post_init) with its Linear layers in place, then peft wraps each target
+    in a LoRA layer, in the model's module order (`wrapped`), whose construction builds `lora_A` and `lora_B` as
+    nn.Linear (each drawing its default init) and ends with `reset_lora_parameters` (A drawn again, B zeroed).
+    The replay without it initialized the adapters with the base model's post_init (lora_B drawn, not zero:
+    0.19 off one device after 3 steps, silently; found by a probe).
+
+    LoRA's own Linear layers only, with `init_lora_weights` True, False or "gaussian"; another init (PiSSA, OLoRA,
+    LoftQ, EVA, DoRA's magnitudes, which read the base weights) and another kind of adapter layer are refused
+    when replayed, unless `reset_fns` names the class."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    configs = {}
+    for m in model.modules():
+        found = getattr(m, "peft_config", None)
+        if isinstance(found, dict):
+            configs.update(found)
+    wrapped, classes = {}, set()
+    for fqn, m in model.named_modules():
+        if isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
+            wrapped[fqn] = ("base_layer",)
+            classes.add(type(m))
+
+    def reset_lora(layer: nn.Module) -> None:
+        for adapter in layer.lora_A.keys():
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if type(layer) is not LoraLinear or init not in _PEFT_INITS or layer.use_dora.get(adapter) \
+                    or adapter in getattr(layer, "lora_variant", {}):
+                raise SpmdError(
+                    f"init_weights: {type(layer).__module__}.{type(layer).__qualname__} (adapter {adapter!r}, "
+                    f"init_lora_weights={init!r}{', DoRA' if layer.use_dora.get(adapter) else ''}) is initialized by "
+                    "peft in a way the replay does not redo. What to do: initialize the base model with "
+                    "init_weights or a checkpoint and load the adapter's weights "
+                    "(`compiled.load_state_dict(adapter_state, strict=False)`), or say how the layer is "
+                    f"initialized, `reset_fns={{{type(layer).__qualname__}: fn}}`.")
+            layer.reset_lora_parameters(adapter, init)
+
+    return {"wrapped": wrapped, "reset_fns": {cls: reset_lora for cls in classes}}
 
 
 # ---- transformers: tensors drawn in __init__ -----------------------------------------------------

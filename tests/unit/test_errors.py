@@ -82,7 +82,8 @@ class _OwnGenerator(nn.Module):
 
 
 @pytest.mark.parametrize("case,said", [
-    ("max_norm", r"changes parameter e.weight in place \(an Embedding with max_norm.*or drop max_norm"),
+    ("max_norm", r"changes parameter e.weight in place \(an Embedding with max_norm.*`model.e.max_norm = None`.*"
+                 r"compiled.embedding_renorm_\('e.weight', ids, max_norm=1.0\)"),
     ("cumulative", r"What to do: bn: a batch norm with momentum=None.*`momentum=0.1`"),
     ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward"),
     # (a second probe: these were told about an Embedding's max_norm, or to return the new value)
