@@ -1571,24 +1571,36 @@ class CompiledModule(nn.Module):
         from spmd.runtime.checkpoint import checkpoint_files, read_pieces
 
         files = checkpoint_files(path)
-        missing, wanted, stored_as, tied = [], {}, {}, {}
+        missing, wanted, stored_as, tied, again = [], {}, {}, {}, []
+        peft = self._peft_names()
         for fqn in self._param_names:
             if fqn in self._non_persistent or fqn in self._loss_names:
                 continue
             names = [n for n in reversed((fqn, *self._names_of(fqn))) if n in files]
+            if not names and fqn in peft:  # (a peft model's base checkpoint, or its adapter's file)
+                names = [n for n in peft[fqn][0] if n in files][:1]
             if not names:
                 missing.append(fqn)
                 continue
             shape = self._global_shapes[fqn]
             index = local_slices(shape, self._state_placements[fqn], self.mesh_spec.shape, self.coord)
+            stored_as[fqn] = names[0]
+            if names[0] in wanted:  # (one entry for two tensors: a peft `modules_to_save` copy and its original)
+                again.append((fqn, names[0], index, shape))
+                continue
             for name in names:
                 wanted[name] = (index, shape)
-            stored_as[fqn] = names[0]
             if len(names) > 1:
                 tied[fqn] = names
-        unexpected = [k for k in self._model_keys(files)[1] if not _ignored_unexpected(self._source_model, k)]
+        read_names = set(stored_as.values())
+        unexpected = [k for k in self._model_keys(files)[1]
+                      if k not in read_names and not _ignored_unexpected(self._source_model, k)]
         read = {}
-        if missing and strict:
+        if missing and strict and peft and stored_as and len({peft[f][1] for f in missing}) == 1:
+            missing_ok = True  # (a peft model: all of the adapter's tensors missing from the base checkpoint, or all
+        else:              # of the base's from the adapter's file; each loads apart, as peft loads them)
+            missing_ok = False
+        if missing and strict and not missing_ok:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
                             "a checkpoint of this model, or strict=False to keep the others as they are"
@@ -1605,7 +1617,8 @@ class CompiledModule(nn.Module):
             warnings.warn(f"load_safetensors: {path} holds {len(unexpected)} tensors that are not the model's "
                           f"({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''}), left out, as "
                           "transformers leaves them out (buffers older versions saved).", stacklevel=3)
-        by_name = {name: fqn for fqn in stored_as for name in tied.get(fqn, (stored_as[fqn],))}
+        later = {fqn for fqn, *_ in again}
+        by_name = {name: fqn for fqn in stored_as if fqn not in later for name in tied.get(fqn, (stored_as[fqn],))}
         with torch.no_grad():
             for name, piece in read_pieces(files, wanted):
                 fqn = by_name[name]
@@ -1624,7 +1637,22 @@ class CompiledModule(nn.Module):
                             "tied entries are equal.")
                 self.piece(fqn).copy_(piece)
                 self._uninitialized.discard(fqn)
+            for fqn, name, index, shape in again:
+                for _, piece in read_pieces(files, {name: (index, shape)}):
+                    self.piece(fqn).copy_(piece)
+                self._uninitialized.discard(fqn)
         return files, missing, unexpected, stored_as
+
+    def _peft_names(self) -> dict[str, tuple[tuple[str, ...], bool]]:
+        """{fqn: (its names in the checkpoints a peft model loads, whether it is the adapter's own)} for a peft
+        model (runtime/peft_names.py), else {}."""
+        from spmd.runtime import peft_names
+
+        model = self.__dict__.get("_source_model")
+        if model is None or not peft_names.is_peft_model(model):
+            return {}
+        adapters = peft_names.adapter_names(model)
+        return {fqn: peft_names.checkpoint_names(fqn, adapters) for fqn in self._param_names}
 
     def _agree_on_checkpoint(self, files, failed, written: bool = True, digest: bytes | None = None) -> bytes | None:
         """Every rank of the mesh loaded, from the same files (their headers, sizes and samples of their
@@ -1658,7 +1686,7 @@ class CompiledModule(nn.Module):
                             "What to do: fix what that rank reports, and load again on every rank.")
         if failed is None and apart:
             raise SpmdError(
-                "load_safetensors: the ranks read different checkpoints (the files' headers, sizes or contents differ along "
+                "load_safetensors: the ranks read different checkpoints (the files' names, headers, sizes or contents differ along "
                 f"{', '.join(repr(axis) for _, axis in apart)}); {done}. On several "
                 "machines, a path on each machine's local disk is a file of each machine's (save_safetensors writes "
                 "on the mesh's first rank only, and another machine may hold an older file under the same name). "

@@ -15,8 +15,9 @@ replayed as a list of *events* in construction order:
                reset); or, for `init_roots` (transformers' post_init), at the root's post-order slot.
 
 A module `wrapped` after construction (peft's LoRA layers, put in place of the Linear they wrap once the
-model is built and initialized) stands in the walk as the modules it wraps: its own modules and reset come
-after the whole walk, in `wrapped`'s order, as the wrapping built them.
+model is built and initialized) stands in the walk as the modules it wraps: the modules its wrapping built and
+its own reset come after the whole walk, in `wrapped`'s order; any other module of it is a copy, which its reset
+makes (peft's `modules_to_save`).
 
 `plan_init` runs every event once on the meta model (no random numbers drawn, no memory) under a
 TorchDispatchMode that maps each aten op's arguments to the model's tensors by storage (so `.data`
@@ -182,7 +183,7 @@ def _children(m: nn.Module):
 
 def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None):
     events: list[_Event] = []
-    wrapped = {id(model.get_submodule(f)): (f, kept) for f, kept in (wrapped or {}).items()}
+    wrapped = {id(model.get_submodule(f)): (f, kept, built) for f, (kept, built) in (wrapped or {}).items()}
     user = dict(reset_fns or {})
     defaults = _default_reset_fns()
     roots = {}
@@ -255,7 +256,7 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
         for name, c in _children(m):
             for fn in early.get(name, ()):
                 add("reset", m, fqn, fn)
-            if not (late and name in wrapped[id(m)][1]):
+            if not late or name in wrapped[id(m)][2]:
                 visit(c, _join(fqn, name))
         for fn in tail:
             add("reset", m, fqn, fn)
@@ -271,7 +272,7 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
             walk(m, fqn, roots[id(m)])
 
     visit(model, "")
-    for fqn, _ in list(wrapped.values()):
+    for fqn, _, _ in list(wrapped.values()):
         visit(model.get_submodule(fqn), fqn, late=True)
     if init_fn is not None:                      # model.apply(init_fn), exactly its traversal
         def apply(x, xfqn):
@@ -361,7 +362,7 @@ def dry_run(meta_model: nn.Module, *, init_fn: Callable | None = None,
               reset_fns: Mapping[type, Callable | None] | None = None,
               init_roots: Mapping[str, Callable] | None = None,
               discard_writes: Iterable[str] = (), tied_reset_owner: str | None = None, order: str = "post",
-              wrapped: Mapping[str, tuple[str, ...]] | None = None):
+              wrapped: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None):
     """Dry-run the replay on the meta model: (tensors, events with what each touched, classes of modules
     with tensors and no reset, which slots each event writes to scratch). See `init_weights.init_local_shards`
     for the arguments. order="pre" (resets in named_modules() pre-order) exists to show where it departs

@@ -386,7 +386,8 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
                       init_roots: Mapping[str, Callable] | None = None, discard_writes: Iterable[str] = (),
                       tied_reset_owner: str | None = None, device="cpu", strict: bool = True,
                       replicate_missing: bool = False, init_dtype: torch.dtype | None = None,
-                      wrapped: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
+                      wrapped: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """{fqn: this rank's piece} of every parameter and buffer of `meta_model` (tied names share one tensor),
     equal to the pieces of `torch.manual_seed(seed); m = Model(cfg); m.apply(init_fn)` built on CPU.
 
@@ -411,8 +412,9 @@ def init_local_shards(meta_model: nn.Module, placements: Mapping[str, tuple], me
     init_dtype: draw floating tensors in this dtype and cast the pieces to the meta dtype: a meta model
         cast with .to(torch.bfloat16) equals `Model(cfg).to(torch.bfloat16)` with init_dtype=torch.float32
         (without it, it equals a model built in bfloat16, e.g. under torch.set_default_dtype).
-    wrapped: {module fqn: names of the children it wraps}, in the order they were wrapped: modules put in place
-        of others after construction (peft's LoRA layers; see peft_init_kwargs), built after everything else.
+    wrapped: {module fqn: (names of the children it wraps, names of those its wrapping builds)}, in the order
+        they were wrapped: modules put in place of others after construction (peft's LoRA layers; see
+        peft_init_kwargs), built after everything else; their other children are copies their reset makes.
     device: where the pieces go (the draws are always on the CPU generator, as a CPU build's).
     """
     plan = plan_init(meta_model, init_fn=init_fn, reset_fns=reset_fns, init_roots=init_roots,
@@ -541,22 +543,27 @@ def peft_init_kwargs(model: nn.Module) -> dict:
     The replay without it initialized the adapters with the base model's post_init (lora_B drawn, not zero:
     0.19 off one device after 3 steps, silently; found by a probe).
 
-    LoRA's own Linear layers only, with `init_lora_weights` True, False or "gaussian"; another init (PiSSA, OLoRA,
-    LoftQ, EVA, DoRA's magnitudes, which read the base weights) and another kind of adapter layer are refused
-    when replayed, unless `reset_fns` names the class."""
+    A `modules_to_save` module is copied from the original's values. LoRA's own Linear layers only, with
+    `init_lora_weights` True, False or "gaussian"; another init (PiSSA, OLoRA, LoftQ, EVA, DoRA's magnitudes,
+    which read the base weights) and another kind of adapter layer are refused when replayed, unless `reset_fns`
+    names the class."""
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     configs = {}
     for m in model.modules():
         found = getattr(m, "peft_config", None)
         if isinstance(found, dict):
             configs.update(found)
-    wrapped, classes = {}, set()
+    wrapped, resets = {}, {}
     for fqn, m in model.named_modules():
-        if isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
-            wrapped[fqn] = ("base_layer",)
-            classes.add(type(m))
+        if isinstance(m, ModulesToSaveWrapper) and "original_module" in m._modules:
+            wrapped[fqn] = (("original_module",), ())  # (its copies: made by copying, nothing drawn)
+            resets[type(m)] = _copies_saved
+        elif isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
+            wrapped[fqn] = (("base_layer",), tuple(n for n in m._modules if n != "base_layer"))
+            resets[type(m)] = None
 
     def reset_lora(layer: nn.Module) -> None:
         for adapter in layer.lora_A.keys():
@@ -572,7 +579,16 @@ def peft_init_kwargs(model: nn.Module) -> dict:
                     f"initialized, `reset_fns={{{type(layer).__qualname__}: fn}}`.")
             layer.reset_lora_parameters(adapter, init)
 
-    return {"wrapped": wrapped, "reset_fns": {cls: reset_lora for cls in classes}}
+    return {"wrapped": wrapped, "reset_fns": {cls: fn or reset_lora for cls, fn in resets.items()}}
+
+
+def _copies_saved(wrapper: nn.Module) -> None:
+    """peft's `ModulesToSaveWrapper`: each adapter's module starts as a copy of the original's values."""
+    original = dict(wrapper.original_module.state_dict(keep_vars=True))
+    for copy in wrapper.modules_to_save.values():
+        for name, tensor in copy.state_dict(keep_vars=True).items():
+            if name in original:
+                tensor.data.copy_(original[name].data)
 
 
 # ---- transformers: tensors drawn in __init__ -----------------------------------------------------

@@ -1,7 +1,10 @@
 """peft's LoRA adapters on a model built under torch.device("meta"): `init_weights` replays
 `get_peft_model(Model(cfg), config)` as it ran on one device, the base model built and initialized first, the
-adapters wrapped in after it (runtime/init_weights.py, `peft_init_kwargs`)."""
+adapters wrapped in after it (runtime/init_weights.py, `peft_init_kwargs`); `load_safetensors` reads the base
+model's checkpoint and the adapter's file under their own names (runtime/peft_names.py)."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -36,7 +39,7 @@ def test_lora_adapters_on_a_meta_model_are_initialized_as_on_one_device(init):
     was no longer a no-op at the start, 0.19 off one device after 3 steps, silently. Now every tensor equals
     `torch.manual_seed(0); get_peft_model(LlamaForCausalLM(cfg), config)`, the generator's draws in order."""
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=init)
+                           init_lora_weights=init, modules_to_save=["lm_head"])  # (the head: copied, not drawn)
     compiled, eager = _compiled_on_meta(lora)
     full = compiled.full_state_dict(persistent_only=True)
     want = eager.state_dict()
@@ -72,3 +75,42 @@ def test_the_users_own_reset_of_an_adapter_layer_is_kept():
     assert full["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().min() > 0
     base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert torch.equal(full[base], eager.state_dict()[base])
+
+
+def test_a_meta_peft_model_loads_its_base_checkpoint_and_its_adapters_file():
+    """Found by a probe: a compiled peft model could load neither file it is made from, a base model's checkpoint
+    (`model.layers.0.self_attn.q_proj.weight`, which peft names `base_model.model.model.layers.0.self_attn.q_proj.
+    base_layer.weight`) nor `adapter_model.safetensors` (`...q_proj.lora_A.weight`, peft's `lora_A.default.
+    weight`): strict loads were refused with advice that did not apply, and strict=False loaded nothing. Each file
+    now loads strictly, the other's tensors left as they were (and reported missing), as peft loads them; a
+    `modules_to_save` copy starts from the base checkpoint and takes the adapter's values from its file."""
+    import tempfile
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(_config())
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    trained = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():  # (as after fine-tuning: B no longer zero, the head's copy moved)
+        for name, p in trained.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p))
+    with torch.device("meta"):
+        meta = peft.get_peft_model(transformers.LlamaForCausalLM(_config()), lora)
+    compiled = one_device(meta, (torch.randint(0, 128, (2, 8), device="meta"),))
+    compiled.init_weights(seed=1)
+    with tempfile.TemporaryDirectory() as folder:
+        base.save_pretrained(f"{folder}/base")
+        trained.save_pretrained(f"{folder}/adapter")
+        missing, unexpected = compiled.load_safetensors(f"{folder}/base")
+        assert missing and all("lora_" in k for k in missing) and not unexpected
+        full = compiled.full_state_dict(persistent_only=True)
+        for name, value in base.state_dict().items():
+            peft_name = next(k for k in full if k.replace(".base_layer", "").replace(".original_module", "")
+                             == f"base_model.model.{name}")
+            assert torch.equal(full[peft_name], value), name
+        assert torch.equal(full["base_model.model.lm_head.modules_to_save.default.weight"], base.lm_head.weight)
+        missing, unexpected = compiled.load_safetensors(f"{folder}/adapter/adapter_model.safetensors")
+        assert missing and not any("lora_" in k for k in missing) and not unexpected
+    full = compiled.full_state_dict(persistent_only=True)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(full[name], value), name
