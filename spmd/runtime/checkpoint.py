@@ -33,10 +33,13 @@ INDEX = "model.safetensors.index.json"
 
 def checkpoint_files(path) -> dict[str, Path]:
     """tensor name -> the file holding it: `path` is a .safetensors file, an index JSON, or a folder with
-    either `model.safetensors` or the index."""
+    either `model.safetensors` or the index (or peft's `adapter_model.safetensors`, the folder its
+    `save_pretrained` wrote)."""
     path = Path(path)
     if path.is_dir():
-        path = path / INDEX if (path / INDEX).exists() else path / "model.safetensors"
+        found = [path / name for name in (INDEX, "model.safetensors", "adapter_model.safetensors")
+                 if (path / name).exists()]
+        path = found[0] if found else path / "model.safetensors"
     if not path.exists():
         raise SpmdError(f"no checkpoint at {path}. What to do: pass a .safetensors file, an index "
                         f"({INDEX}) or the folder save_pretrained wrote (on several machines, on every one of them: "

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import spmd
 from tests.support import COMPUTE_BOUND_DEVICE, spec
@@ -195,3 +196,51 @@ def test_transformers_trainer_trains_as_documented(tmp_path):
     assert set(reference) <= set(trained)
     for k, v in reference.items():
         torch.testing.assert_close(trained[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _peft_from_checkpoints(rank: int, world: int, folder: str) -> dict:
+    import peft
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg)
+    trained = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():  # (as after fine-tuning)
+        for name, p in trained.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p))
+    if rank == 0:
+        base.save_pretrained(f"{folder}/base")
+        trained.save_pretrained(f"{folder}/adapter")
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    with torch.device("meta"):
+        meta = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+    ids = torch.randint(0, 128, (4, 8))
+    head = "base_model.model.lm_head"
+    mesh = spmd.init_mesh((2,), ("tp",))
+    compiled = spmd.compile(meta, mesh, example_kwargs=dict(input_ids=ids, labels=ids), training=True,
+                            mesh_spec=spec((2,), ("tp",), device=COMPUTE_BOUND_DEVICE),
+                            param_placements={f"{head}.original_module.weight": [Shard(0)],
+                                              f"{head}.modules_to_save.default.weight": [Shard(1)],
+                                              "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight":
+                                                  [Shard(0)]})
+    compiled.init_weights(seed=0)
+    compiled.load_safetensors(f"{folder}/base")
+    compiled.load_safetensors(f"{folder}/adapter")
+    full = compiled.full_state_dict(persistent_only=True)
+    return {"errors": {k: float((full[k] - v).abs().max()) for k, v in trained.state_dict().items()},
+            "pieces": [tuple(compiled.piece(f"{head}.{n}.weight").shape)
+                       for n in ("original_module", "modules_to_save.default")]}
+
+
+def test_a_peft_model_built_on_meta_loads_its_base_and_adapter_checkpoints_on_two_ranks(ranks, tmp_path):
+    """A LoRA model built on meta and split over 2 ranks (the head's original and its `modules_to_save` copy in
+    two layouts) loads the base model's checkpoint and the adapter's file peft wrote: every tensor equals the
+    fine-tuned model's (docs/huggingface.md, LoRA with peft)."""
+    pytest.importorskip("peft")
+    for r in ranks(2).run(_peft_from_checkpoints, str(tmp_path)):
+        assert r["pieces"] == [(64, 32), (128, 16)]
+        assert max(r["errors"].values()) == 0.0, r["errors"]
