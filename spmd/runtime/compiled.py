@@ -1450,7 +1450,7 @@ class CompiledModule(nn.Module):
         (for modules that set tensors in `__init__` without a `reset_parameters`), init_roots,
         discard_writes, tied_reset_owner, strict, init_dtype (see `init_weights.init_local_shards`)."""
         from spmd.runtime.init_tape import record_init_fn, replay_local_shards, tape_of
-        from spmd.runtime.init_weights import (hf_init_kwargs, init_local_shards, is_peft, is_transformers,
+        from spmd.runtime.init_weights import (has_peft_layers, hf_init_kwargs, init_local_shards, is_transformers,
                                                peft_init_kwargs)
 
         model = self._source_model
@@ -1481,7 +1481,7 @@ class CompiledModule(nn.Module):
                                         device=self._device or "cpu")
         else:
             kwargs = hf_init_kwargs(model) if is_transformers(model) else {}
-            if is_peft(model):  # (the adapters: wrapped in after the base model was built)
+            if has_peft_layers(model):  # (the adapters: wrapped in after the base model was built)
                 for key, value in peft_init_kwargs(model).items():
                     kwargs[key] = {**kwargs.get(key, {}), **value}
             for key, value in replay.items():     # (the user's reset_fns / init_roots entries join transformers')

@@ -524,7 +524,7 @@ def hf_init_kwargs(model: nn.Module) -> dict:
 _PEFT_INITS = (True, False, "gaussian")  # (init_lora_weights that draw or write nothing but A and B)
 
 
-def is_peft(model: nn.Module) -> bool:
+def has_peft_layers(model: nn.Module) -> bool:
     """A model with peft's adapter layers in it (checked without importing peft when it is not loaded)."""
     import sys
 
@@ -573,10 +573,10 @@ def peft_init_kwargs(model: nn.Module) -> dict:
                 raise SpmdError(
                     f"init_weights: {type(layer).__module__}.{type(layer).__qualname__} (adapter {adapter!r}, "
                     f"init_lora_weights={init!r}{', DoRA' if layer.use_dora.get(adapter) else ''}) is initialized by "
-                    "peft in a way the replay does not redo. What to do: initialize the base model with "
-                    "init_weights or a checkpoint and load the adapter's weights "
-                    "(`compiled.load_state_dict(adapter_state, strict=False)`), or say how the layer is "
-                    f"initialized, `reset_fns={{{type(layer).__qualname__}: fn}}`.")
+                    "peft in a way the replay does not redo. What to do: say how the layer starts, "
+                    f"`init_weights(seed=..., reset_fns={{{type(layer).__qualname__}: fn}})` (fn(layer) writes each "
+                    "adapter's tensors: zeros will do where a checkpoint follows), then load the adapter's weights "
+                    "(`compiled.load_safetensors(folder)`, the folder peft's save_pretrained wrote).")
             layer.reset_lora_parameters(adapter, init)
 
     return {"wrapped": wrapped, "reset_fns": {cls: fn or reset_lora for cls, fn in resets.items()}}

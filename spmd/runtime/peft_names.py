@@ -44,6 +44,8 @@ def checkpoint_names(fqn: str, adapters: frozenset[str]) -> tuple[tuple[str, ...
             own, copied = True, copied or parts[i] == "modules_to_save"
             if parts[i] != "modules_to_save":  # (lora_A.default.weight: lora_A.weight; modules_to_save.default: -)
                 saved.append(parts[i])
+            if parts[i] == "lora_magnitude_vector" and parts[i + 2:] == ["weight"]:
+                break  # (DoRA's magnitudes: `...q_proj.lora_magnitude_vector`)
             i += 2
             continue
         if parts[i] not in _WRAPPERS:

@@ -34,6 +34,7 @@ _ON_EVERY_RANK = {
     "grad_norm": "`norm = compiled.grad_norm(); if rank == 0: log(norm)`",
     "clip_grad_norm_": "`compiled.clip_grad_norm_(max_norm)` on every rank (each scales its own pieces)",
     "verify": "`report = compiled.verify(*batch); if rank == 0: print(report)`",
+    "embedding_renorm_": "`compiled.embedding_renorm_(name, ids, max_norm)` on every rank, each with its call's ids",
 }
 
 

@@ -50,13 +50,40 @@ def test_lora_adapters_on_a_meta_model_are_initialized_as_on_one_device(init):
     assert not full[b].any()  # (what the test would miss: B starts at zero)
 
 
-def test_an_adapter_init_the_replay_does_not_redo_is_refused_with_the_way_out():
-    """DoRA's magnitudes read the base weights: refused when replayed, naming the ways out."""
+def test_an_adapter_init_the_replay_does_not_redo_is_refused_with_a_way_out_that_works():
+    """DoRA's magnitudes read the base weights: refused when replayed, naming the way out, which is followed here:
+    the layer's tensors zeroed by `reset_fns`, then the base checkpoint and the adapter's file (whose magnitudes
+    peft saves as `...q_proj.lora_magnitude_vector`) loaded: every tensor equals the fine-tuned model's."""
+    import tempfile
+
+    from peft.tuners.lora.layer import Linear
+
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(spmd.SpmdError, match=r"init_weights: peft.tuners.lora.layer.Linear \(adapter 'default', "
-                                             r"init_lora_weights=True, DoRA\).*load_state_dict\(adapter_state, "
-                                             r"strict=False\).*reset_fns=\{Linear: fn\}"):
+                                             r"init_lora_weights=True, DoRA\).*reset_fns=\{Linear: fn\}.*"
+                                             r"compiled.load_safetensors\(folder\)"):
         _compiled_on_meta(lora)
+
+    def zeros(layer):
+        for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters(), *layer.lora_magnitude_vector.parameters()):
+            torch.nn.init.zeros_(p)
+
+    compiled, _ = _compiled_on_meta(lora, reset_fns={Linear: zeros})
+    torch.manual_seed(1)
+    base = transformers.LlamaForCausalLM(_config())  # (a pretrained model's stand-in)
+    trained = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p))
+    with tempfile.TemporaryDirectory() as folder:
+        base.save_pretrained(f"{folder}/base")
+        trained.save_pretrained(f"{folder}/adapter")
+        compiled.load_safetensors(f"{folder}/base")
+        compiled.load_safetensors(f"{folder}/adapter")
+    full = compiled.full_state_dict(persistent_only=True)
+    for name, value in trained.state_dict().items():
+        assert torch.equal(full[name], value), name
 
 
 def test_the_users_own_reset_of_an_adapter_layer_is_kept():
