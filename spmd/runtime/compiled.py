@@ -31,7 +31,7 @@ from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off, autocast_on
-from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError
+from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError, user_stacklevel
 from spmd.core.graph_facts import is_random, is_view
 from spmd.core.mesh import coordinate
 from spmd.core.specs import contiguous_strides, local_shape, placements_str, shard_factor
@@ -570,6 +570,7 @@ class CompiledModule(nn.Module):
         self._draws = (bool(ops & _RANDOM_OPS) or any(is_random(n) for n in c.traced.graph.nodes if n.op == "call_function")
                        ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
         self._generators_agreed = not self._draws
+        self._warned_plain_pieces = False  # (`_warn_plain_parameters_on_pieces`: said once)
         # (from the plan, rank 0's on every rank, links included: a rank's own mesh spec may price its links
         # otherwise, and ranks checking at other calls would meet in different collectives)
         self._generator_period = generator_check_period(self.plan.mesh, self.plan.predicted_step_s)
@@ -715,6 +716,7 @@ class CompiledModule(nn.Module):
         if plain:
             norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach(), norm_type)
                                                                .to(norms[0].device) for p in plain]), norm_type))
+            self._refuse_plain_apart(norms[-1])
         norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
             torch.stack([n.to(torch.promote_types(n.dtype, norms[0].dtype)) for n in norms]), norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):
@@ -733,6 +735,24 @@ class CompiledModule(nn.Module):
                 for g in same:
                     g.mul_(coef.to(device))
         return norm
+
+    def _refuse_plain_apart(self, norm: torch.Tensor) -> None:
+        """`clip_grad_norm_(also=...)`'s plain parameters must have the same gradients on every rank: their norm
+        is compared over the mesh (one all_reduce of two values per mesh axis). Gradients a layer took from this
+        rank's piece alone (an eager layer between two compiled modules) differ, and each rank clipped by its own
+        norm, which moved even the compiled modules' replicas apart (2.4e-4 after 3 steps; found by a probe)."""
+        if not self._on_live_mesh():
+            return
+        mine = norm.detach().to(self._collective_device(), torch.float64)
+        both = max_over_mesh(torch.stack([mine, -mine]), self.mesh_spec.shape, self.group_names)
+        if float(both[0]) != -float(both[1]):
+            raise SpmdError(
+                f"clip_grad_norm_(also=...): the plain parameters' gradients differ between the ranks (their norm is "
+                f"{float(mine):.6g} on this rank, between {-float(both[1]):.6g} and {float(both[0]):.6g} over the "
+                "mesh), so each rank would clip by its own norm and its replicas drift apart. They were computed from "
+                "each rank's own piece (an eager layer on a compiled module's output piece). What to do: sum them over "
+                "the ranks first (`torch.distributed.all_reduce(p.grad)`; or run such layers on whole tensors, "
+                "`gather_outputs` then `shard_inputs`).")
 
     @_collective
     def embedding_renorm_(self, name: str, ids: torch.Tensor, max_norm: float, norm_type: float = 2.0) -> None:
@@ -1834,6 +1854,7 @@ class CompiledModule(nn.Module):
         for full, piece, spec in zip(flat, local, shapes.input_specs):
             if isinstance(full, torch.Tensor):
                 self._cut_pieces.record(full, piece, spec)
+                _cut_by_shard_inputs[piece] = True
         return self._call.as_given(local)
 
     def _shapes_of_full(self, flat: tuple) -> Shapes:
@@ -2596,6 +2617,8 @@ class CompiledModule(nn.Module):
             self._agree_on_inputs(inputs, shapes.input_specs)
         if self.split is not None and torch.is_grad_enabled():
             self._check_input_grads(inputs, shapes)
+            if not self._warned_plain_pieces and (self._calls == 1 or due):
+                self._warn_plain_parameters_on_pieces(inputs, shapes)
         if self._flag_reader is not None:
             self._refuse_other_flags(inputs, shapes)
             if self._flags:
@@ -2678,6 +2701,35 @@ class CompiledModule(nn.Module):
         return SpmdError(f"this call's inputs, of other shapes than the compiled ones, were read as this rank's pieces "
                          f"of inputs laid out as compiled ({reading}), and compiling for those shapes failed.{hint} "
                          f"The failure: {error}")
+
+    def _warn_plain_parameters_on_pieces(self, inputs: tuple, shapes: Shapes) -> None:
+        """Warn (once) where an input this training call takes split is this rank's piece computed by plain
+        parameters (an eager layer between two compiled modules, run on the first one's output piece): their
+        gradients then hold this rank's piece's part alone, where one device's hold the whole batch's. The ranks'
+        replicas drift apart, silently, and under DDP (which averages) they are 1/n of one device's, since a
+        compiled loss is the whole batch's (found by a probe: 0.016 off one device after 3 steps; 0.025 under DDP).
+        Looked for in the autograd graph behind the input, back to the last compiled module's step; an input
+        `shard_inputs` cut (from a whole tensor) is not looked at."""
+        names = self.mesh_spec.axis_names
+        for t, spec in zip(inputs, shapes.input_specs):
+            if not isinstance(t, torch.Tensor) or t.grad_fn is None or t in _cut_by_shard_inputs or \
+                    _laid_out.get(t) is not None:
+                continue
+            split = [names[a] for a, p in enumerate(spec.placements) if isinstance(p, Shard) and self.mesh_spec.shape[a] > 1]
+            found = _plain_parameters_behind(t) if split else []
+            if found:
+                self._warned_plain_pieces = True
+                shapes_said = ", ".join(str(tuple(p.shape)) for p in found[:4]) + (", ..." if len(found) > 4 else "")
+                warnings.warn(
+                    f"input {spec.name!r} of this training call is this rank's piece ({placements_str(spec.placements)}"
+                    f", split over {', '.join(split)}), computed from {len(found)} plain parameter(s) of shape "
+                    f"{shapes_said} outside the compiled modules: each rank's gradients for them come from its own "
+                    "piece alone, where one device's come from the whole batch, so their replicas drift apart (and "
+                    "DDP's average makes them 1/n of one device's: the compiled loss is the whole batch's). What to do: "
+                    "run such layers on whole tensors, `this(*this.shard_inputs(layer(other.gather_outputs(out))))`, "
+                    "or sum their gradients over the ranks after backward (`torch.distributed.all_reduce(p.grad)`, a "
+                    f"sum, over {', '.join(split)}).", stacklevel=user_stacklevel())
+                return
 
     def _lay_out(self, flat, shapes: Shapes) -> None:
         """Each output piece's layout, for a compiled module it is handed to next (`_check_layouts`)."""
@@ -2822,6 +2874,25 @@ class _LaidOut:
 
 
 _laid_out = _LaidOut()
+_cut_by_shard_inputs = WeakIdKeyDictionary()  # the pieces `shard_inputs` returned (cut from a whole tensor)
+
+
+def _plain_parameters_behind(t: torch.Tensor, limit: int = 4096) -> list[torch.Tensor]:
+    """The nn.Parameters that are not a compiled module's pieces whose gradients the autograd graph behind `t`
+    accumulates, back to the steps of compiled modules (at most `limit` nodes are looked at)."""
+    found, seen, todo = [], set(), [t.grad_fn]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "_forward_cls", None) in (_RankStep, _ForwardOnly):
+            continue
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, nn.Parameter) and leaf not in clip_guard._watched and leaf.requires_grad:
+            found.append(leaf)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 @functools.lru_cache(maxsize=256)
@@ -3218,8 +3289,11 @@ class _RankStep(torch.autograd.Function):
                 "a gradient of a compiled module's gradients was asked for (torch.autograd.grad(..., "
                 "create_graph=True), as a gradient penalty does): its backward graph runs as one step autograd "
                 "does not see into, so the second-order gradients would be missing (no gradient reached the "
-                "parameters, silently). Second-order gradients through a compiled module are not supported. What to "
-                "do: compute such a penalty with the model outside spmd, or train without it.")
+                "parameters, silently). Second-order gradients through a compiled module's call are not supported. "
+                "What to do: compute the penalty inside the compiled forward, a module whose forward runs "
+                "`torch.autograd.grad(critic(x).sum(), x, create_graph=True)` and returns the loss with the penalty "
+                "(compiled with `loss_fn=lambda loss: loss`; the trace takes the second-order graph in), or compute it "
+                "with the model outside spmd.")
         module, shapes = ctx.module, ctx.shapes
         # (a gradient of zeros, `out.loss + 0 * out.logits.sum()` as DDP's unused-parameter trick, changes nothing)
         reached = [name for k, name in shapes.refused_grads.items()
