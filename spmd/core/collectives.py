@@ -93,7 +93,7 @@ def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`y`, a collective's result of `_real(x)`, as complex (or bool) again where `x` is."""
     if x.is_complex():
         return torch.view_as_complex(y)
-    return y.view(torch.bool) if x.dtype == torch.bool else y
+    return y.ne(0) if x.dtype == torch.bool else y  # (not `.view(torch.bool)`: inductor's CPU code for it fails)
 
 
 def _launch(x: torch.Tensor, reduce_op: str, group: str, inplace: bool) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from spmd.core.errors import SpmdError
+from spmd.core.errors import SpmdError, user_stacklevel
 from spmd.runtime.distribute import same_piece
 
 _lock = threading.Lock()
@@ -477,4 +477,4 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             f"module was planned for optimizer_state_factor={f:g} (AdamW's 2 by default): its predicted memory "
             "counts the wrong optimizer state, and the optimizer's step is priced as another optimizer's, so the "
             "plan may not be the best for this one. What to do: compile with "
-            f"`spmd.compile(..., optimizer_state_factor={keeps:g})`.", stacklevel=3)
+            f"`spmd.compile(..., optimizer_state_factor={keeps:g})`.", stacklevel=user_stacklevel())

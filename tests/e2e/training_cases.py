@@ -199,4 +199,5 @@ def _run_training(case: TrainCase, steps: int) -> dict:
             "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
             "peak": compiled.plan.predicted_peak_bytes,
             "unconstrained": free_memory,
-            "placements": placements, "compiled_graphs": sorted(compiled._compiled_graphs)}
+            "placements": placements,  # (a graph the backend failed on runs uncompiled: not counted)
+            "compiled_graphs": sorted(k for k, (_, g) in compiled._compiled_graphs.items() if not g.failed)}
