@@ -12,12 +12,14 @@ fast path for these inputs. Whether it would is decided at trace time from the m
 is at its end (`mask_check`), which depends on the values and is computed in the graph.
 
 Inference traces only: with gradients on and parameters that require them, eager takes the standard path too, as
-it does in training; an inference graph is the one evaluated under `torch.no_grad()`.
+it does in training; an inference graph is the one evaluated under `torch.no_grad()`, and a call of it with grad on
+and such parameters warns once (`CompiledModule`), its padded positions being eager's under no_grad.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,11 @@ def _arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
         return dict(zip(("src", "mask", "src_key_padding_mask"), args)) | kwargs
 
 
+# the layers of the encoders a trace gave eager's zeros: a call of such a graph with grad on, where eager takes the
+# standard path, is told (`CompiledModule`)
+emulated: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def encoder_fast_path_as_eager(model: torch.nn.Module):
     """While open, each `nn.TransformerEncoder` in `model` that eager would run on its fast path zeroes its layers'
@@ -69,11 +76,13 @@ def encoder_fast_path_as_eager(model: torch.nn.Module):
             src, mask, padding = (given.get(name) for name in ("src", "mask", "src_key_padding_mask"))
             state["padded"] = (_padded(padding, src) if _takes_fast_path(module, src, mask, padding) else None)
             state["check"] = getattr(module, "mask_check", True)
+            state["layers"] = module.layers  # (shared by a compiled root's view and the model)
 
         def zeroed(out, state=state):
             padded, state["padded"] = state.get("padded"), None
             if padded is None or not isinstance(out, torch.Tensor) or out.dim() != 3:
                 return out
+            emulated.add(state["layers"])
             kept_out = out.masked_fill(padded.unsqueeze(-1), 0)
             if not state["check"]:
                 return kept_out

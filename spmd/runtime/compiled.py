@@ -571,6 +571,7 @@ class CompiledModule(nn.Module):
                        ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
         self._generators_agreed = not self._draws
         self._warned_plain_pieces = False  # (`_warn_plain_parameters_on_pieces`: said once)
+        self._fast_path_warning = None  # (`_warn_fast_path_with_grad`: looked at once)
         # (from the plan, rank 0's on every rank, links included: a rank's own mesh spec may price its links
         # otherwise, and ranks checking at other calls would meet in different collectives)
         self._generator_period = generator_check_period(self.plan.mesh, self.plan.predicted_step_s)
@@ -744,8 +745,9 @@ class CompiledModule(nn.Module):
         if not self._on_live_mesh():
             return
         mine = norm.detach().to(self._collective_device(), torch.float64)
+        mine = torch.where(torch.isfinite(mine), mine, torch.full_like(mine, float("inf")))  # (NaN, inf: as one)
         both = max_over_mesh(torch.stack([mine, -mine]), self.mesh_spec.shape, self.group_names)
-        if float(both[0]) != -float(both[1]):
+        if float(both[0]) != -float(both[1]):  # (a NaN norm everywhere, GradScaler's overflow step, goes on)
             raise SpmdError(
                 f"clip_grad_norm_(also=...): the plain parameters' gradients differ between the ranks (their norm is "
                 f"{float(mine):.6g} on this rank, between {-float(both[1]):.6g} and {float(both[0]):.6g} over the "
@@ -775,9 +777,16 @@ class CompiledModule(nn.Module):
                 f"{f' (shape {tuple(shape)})' if weight.dim() != 2 else ''}, cut across its rows on mesh axis "
                 f"{', '.join(self.mesh_spec.axis_names[a] for a in cut) or '-'}. What to do: pin it "
                 f"`param_placements={{{fqn!r}: [Shard(0)]}}` or [Replicate()] (one per mesh axis) when compiling.")
-        seen = torch.zeros(shape[0], dtype=torch.int32, device=self._collective_device())
-        seen[ids.detach().reshape(-1).to(seen.device, torch.long)] = 1
+        ids = ids.detach().reshape(-1).to(self._collective_device(), torch.long)
+        seen = torch.zeros(shape[0] + 1, dtype=torch.int32, device=ids.device)  # (the last: some rank's ids are out
+        outside = bool(((ids < 0) | (ids >= shape[0])).any())                    # of range, said on every rank)
+        seen[shape[0] if outside else ids] = 1
         seen = max_over_mesh(seen, self.mesh_spec.shape, self.group_names)
+        if seen[-1]:
+            raise SpmdError(f"embedding_renorm_({name!r}): some rank's ids are outside [0, {shape[0]}) "
+                            f"({'this one' if outside else 'not this one'}), as an Embedding of {shape[0]} rows would "
+                            "refuse. What to do: pass the ids the call looks up.")
+        seen = seen[:-1]
         rows = local_slices(tuple(shape), placements, self.mesh_spec.shape, self.coord)[0]
         mine = seen[rows].nonzero().reshape(-1).to(weight.device)
         with torch.no_grad():
@@ -2581,6 +2590,8 @@ class CompiledModule(nn.Module):
         if self._returned_state:
             self._refuse_lost_writes()
         self._calls += 1
+        if self.split is None and torch.is_grad_enabled() and self._fast_path_warning is None:
+            self._warn_fast_path_with_grad()
         due = self._check_due(self._calls)
         if self._calls == 1 or due:
             self._refuse_data_parallel_wrap()
@@ -2701,6 +2712,25 @@ class CompiledModule(nn.Module):
         return SpmdError(f"this call's inputs, of other shapes than the compiled ones, were read as this rank's pieces "
                          f"of inputs laid out as compiled ({reading}), and compiling for those shapes failed.{hint} "
                          f"The failure: {error}")
+
+    def _warn_fast_path_with_grad(self) -> None:
+        """Warn (once) where this inference graph gives an nn.TransformerEncoder's padded positions eager's zeros
+        under no_grad (passes/encoder_fast_path.py) and this call has grad on, with parameters requiring it: eager
+        takes the standard path there (a review: 2.43 off at padded positions)."""
+        from spmd.passes.encoder_fast_path import emulated
+
+        found = [path or type(m).__name__ for path, m in self._source_model.named_modules()
+                 if isinstance(m, nn.TransformerEncoder) and m.layers in emulated
+                 and any(p.requires_grad for p in m.parameters())]
+        self._fast_path_warning = bool(found)
+        if found:
+            warnings.warn(
+                f"{found[0]} (nn.TransformerEncoder): this compiled inference graph gives its padded positions the "
+                "zeros eager gives under torch.no_grad() (its nested-tensor fast path), and this call has grad on "
+                "with parameters that require it, where eager takes the standard path and gives other values there "
+                "(the positions that are not padded agree). What to do: call it under torch.no_grad() or "
+                "torch.inference_mode(), as an evaluation does, or leave the padded positions out of what you use.",
+                stacklevel=user_stacklevel())
 
     def _warn_plain_parameters_on_pieces(self, inputs: tuple, shapes: Shapes) -> None:
         """Warn (once) where an input this training call takes split is this rank's piece computed by plain

@@ -510,13 +510,31 @@ def hf_init_kwargs(model: nn.Module) -> dict:
             if made is not _UNREAD:              # (no source: left to the replay's warning)
                 reset_fns[cls] = made if not isinstance(made, _Draws) or made.draws or made.before_children else None
     discard = []
-    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        try:
-            if model.get_parameter(target) is model.get_parameter(source):
+    for prefix, m in model.named_modules():  # (each model's ties, under its path: a peft model's base model's too)
+        if not isinstance(m, PreTrainedModel):
+            continue
+        for target, source in (m.__dict__.get("all_tied_weights_keys") or getattr(type(m), "all_tied_weights_keys",
+                                                                                  None) or {}).items():
+            target, source = (_wrapped_name(model, f"{prefix}.{n}" if prefix else n) for n in (target, source))
+            if target is not None and source is not None and target not in discard and \
+                    model.get_parameter(target) is model.get_parameter(source):
                 discard.append(target)
-        except AttributeError:
-            pass
     return {"init_roots": roots, "reset_fns": reset_fns, "discard_writes": discard}
+
+
+def _wrapped_name(model: nn.Module, name: str) -> str | None:
+    """`name`, a parameter's path in a model as built, as the model holds it now: through the module peft put in
+    place of its module (`lm_head.weight`: `lm_head.original_module.weight`, `q_proj.weight`:
+    `q_proj.base_layer.weight`); None where there is no such parameter."""
+    module, path = model, []
+    for part in name.split("."):
+        while part not in module._modules and part not in module._parameters:
+            inner = next((n for n in ("base_layer", "original_module") if n in module._modules), None)
+            if inner is None:
+                return None
+            module, path = module._modules[inner], path + [inner]
+        module, path = (module._modules[part] if part in module._modules else module), path + [part]
+    return ".".join(path) if isinstance(model.get_parameter(".".join(path)), nn.Parameter) else None
 
 
 # ---- peft -----------------------------------------------------------------------------------------
@@ -556,16 +574,36 @@ def peft_init_kwargs(model: nn.Module) -> dict:
         found = getattr(m, "peft_config", None)
         if isinstance(found, dict):
             configs.update(found)
-    wrapped, resets = {}, {}
+    wrapped, resets, sources = {}, {}, {}
+    holders = {}  # id(parameter) -> (module, attribute) of its first name: a tie's source
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), (m, name))
     for fqn, m in model.named_modules():
         if isinstance(m, ModulesToSaveWrapper) and "original_module" in m._modules:
             wrapped[fqn] = (("original_module",), ())  # (its copies: made by copying, nothing drawn)
             resets[type(m)] = _copies_saved
+            # (each copied value read where its tensor was made: a tied head's weight from the embedding, whose
+            # slot the replay writes; the head's own is scratch)
+            sources[id(m)] = {name: holders[id(p)] for name, p in m.original_module.named_parameters()}
         elif isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
             wrapped[fqn] = (("base_layer",), tuple(n for n in m._modules if n != "base_layer"))
             resets[type(m)] = None
 
+    adapters = list(configs) or ["default"]
+
+    def copies_saved(wrapper: nn.Module) -> None:
+        _copies_saved(wrapper, sources.get(id(wrapper), {}))
+
     def reset_lora(layer: nn.Module) -> None:
+        if len(adapters) > 1:  # (peft builds each adapter over all layers in turn: the draws come in another order)
+            raise SpmdError(
+                f"init_weights: the model holds {len(adapters)} peft adapters ({', '.join(map(repr, adapters))}), "
+                "whose layers peft built one adapter after another; the replay does not redo that order. What to "
+                f"do: say how the layers start, `init_weights(seed=..., reset_fns={{{type(layer).__qualname__}: fn}})` "
+                "(fn(layer) writes each adapter's tensors: zeros will do where a checkpoint follows), then load each "
+                "adapter's weights (`compiled.load_state_dict`, under the model's own names).")
         for adapter in layer.lora_A.keys():
             init = getattr(configs.get(adapter), "init_lora_weights", True)
             if type(layer) is not LoraLinear or init not in _PEFT_INITS or layer.use_dora.get(adapter) \
@@ -579,12 +617,16 @@ def peft_init_kwargs(model: nn.Module) -> dict:
                     "(`compiled.load_safetensors(folder)`, the folder peft's save_pretrained wrote).")
             layer.reset_lora_parameters(adapter, init)
 
-    return {"wrapped": wrapped, "reset_fns": {cls: fn or reset_lora for cls, fn in resets.items()}}
+    return {"wrapped": wrapped, "reset_fns": {cls: (copies_saved if fn is _copies_saved else fn) or reset_lora
+                                              for cls, fn in resets.items()}}
 
 
-def _copies_saved(wrapper: nn.Module) -> None:
-    """peft's `ModulesToSaveWrapper`: each adapter's module starts as a copy of the original's values."""
+def _copies_saved(wrapper: nn.Module, sources: dict) -> None:
+    """peft's `ModulesToSaveWrapper`: each adapter's module starts as a copy of the original's values, each read
+    from where its tensor is held first (`sources`: {name in the original: (module, attribute)})."""
     original = dict(wrapper.original_module.state_dict(keep_vars=True))
+    for name, (module, attr) in sources.items():
+        original[name] = getattr(module, attr)
     for copy in wrapper.modules_to_save.values():
         for name, tensor in copy.state_dict(keep_vars=True).items():
             if name in original:

@@ -141,3 +141,58 @@ def test_a_meta_peft_model_loads_its_base_checkpoint_and_its_adapters_file():
     full = compiled.full_state_dict(persistent_only=True)
     for name, value in trained.state_dict().items():
         assert torch.equal(full[name], value), name
+
+
+@pytest.mark.parametrize("saved", [None, ["lm_head"], ["wte"]])
+def test_lora_on_a_model_with_tied_weights_is_initialized_as_on_one_device(saved):
+    """Found by a review: GPT-2 ties its head to its embedding, and the tie's names were the base model's
+    (`lm_head.weight`), not the peft model's: init_weights failed on every GPT-2, and with the head in
+    `modules_to_save` the copy came out of uninitialized memory (7e29) and the embedding 0.107 off."""
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=16, use_cache=False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                           modules_to_save=saved)
+    torch.manual_seed(0)
+    eager = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+    with torch.device("meta"):
+        meta = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+    compiled = one_device(meta, (torch.randint(0, 128, (2, 8), device="meta"),))
+    compiled.init_weights(seed=0)
+    full = compiled.full_state_dict(persistent_only=True)
+    for name, value in eager.state_dict().items():
+        assert torch.equal(full[name], value), name
+
+
+def test_two_adapters_are_refused_by_the_replay_and_not_mixed_by_a_load():
+    """Found by a review: peft builds a second adapter over all layers after the first, so the replay's draws
+    would come in another order: refused, naming the way out. And an adapter's file names no adapter: with two,
+    loading one wrote its values into both; its names are not taken as either's now, and a strict load refuses."""
+    import tempfile
+
+    from peft.tuners.lora.layer import Linear
+
+    def build():
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(_config()),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        model.add_adapter("two", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+        return model
+
+    with torch.device("meta"):
+        meta = build()
+    compiled = one_device(meta, (torch.randint(0, 128, (2, 8), device="meta"),))
+    with pytest.raises(spmd.SpmdError, match=r"2 peft adapters \('default', 'two'\).*reset_fns=\{Linear: fn\}"):
+        compiled.init_weights(seed=0)
+
+    def zeros(layer):
+        for p in (*layer.lora_A.parameters(), *layer.lora_B.parameters()):
+            torch.nn.init.zeros_(p)
+
+    compiled.init_weights(seed=0, reset_fns={Linear: zeros})
+    torch.manual_seed(0)
+    trained = peft.get_peft_model(transformers.LlamaForCausalLM(_config()),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with tempfile.TemporaryDirectory() as folder:
+        trained.save_pretrained(folder)
+        with pytest.raises(spmd.SpmdError, match="tensors of the model are not in"):
+            compiled.load_safetensors(folder)
+    two = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.two.weight"
+    assert not compiled.full_state_dict()[two].any()

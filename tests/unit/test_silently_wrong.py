@@ -1389,6 +1389,13 @@ def test_a_transformer_encoder_that_eager_runs_on_nested_tensors_gives_eagers_pa
         with torch.no_grad():
             for mask in (at_end, at_end.flip(1)):
                 torch.testing.assert_close(compiled(x, mask), model(x, mask))
+        # (with grad on, eager takes the standard path: said, where the graph gave the zeros; a review)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(x, at_end)
+        said = [str(w.message) for w in caught if "nn.TransformerEncoder" in str(w.message)]
+        assert len(said) == nested and all(m.startswith("enc (nn.TransformerEncoder): this compiled inference graph")
+                                          for m in said), said
     with torch.no_grad():  # (what the test would miss: eager's zeros do move the mean)
         standard = model(x, at_end)
         model.enc.use_nested_tensor = True
@@ -1646,6 +1653,30 @@ def test_an_embedding_with_max_norm_compiled_for_inference_is_named():
     with pytest.raises(spmd.SpmdError, match=r"trace_module: the forward of Lookup changes parameter emb.weight in "
                                              r"place \(an Embedding with max_norm.*compiled.embedding_renorm_"):
         one_device(Lookup().eval(), (torch.randint(0, 10, (3,)),))
+
+
+def test_embedding_renorm_refuses_ids_outside_the_table():
+    """Found by a review: an id of -1 renormalized the last row without a word (eager's lookup raises), and one
+    past the end would have raised on its rank alone, leaving the others waiting in the mesh's reduction: every
+    rank learns it from the reduction now and refuses."""
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            return self.emb(ids)
+
+    model = Lookup()
+    compiled = one_device(model, (torch.randint(0, 10, (3,)),))
+    before = compiled.get_parameter("emb.weight").detach().clone()
+    for ids in (torch.tensor([1, -1]), torch.tensor([10])):
+        with pytest.raises(spmd.SpmdError, match=r"embedding_renorm_\('emb.weight'\): some rank's ids are outside "
+                                                 r"\[0, 10\) \(this one\)"):
+            compiled.embedding_renorm_("emb.weight", ids, max_norm=1e-3)
+    assert torch.equal(compiled.get_parameter("emb.weight"), before)
+    compiled.embedding_renorm_("emb.weight", torch.tensor([2]), max_norm=1e-3)
+    assert compiled.get_parameter("emb.weight")[2].norm() <= 1e-3 + 1e-9
 
 
 def test_a_buffer_registered_as_none_and_made_in_an_inference_forward_is_named_with_the_way_out():
