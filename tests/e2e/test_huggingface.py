@@ -244,3 +244,81 @@ def test_a_peft_model_built_on_meta_loads_its_base_and_adapter_checkpoints_on_tw
     for r in ranks(2).run(_peft_from_checkpoints, str(tmp_path)):
         assert r["pieces"] == [(64, 32), (128, 16)]
         assert max(r["errors"].values()) == 0.0, r["errors"]
+
+
+def _lora_on_meta_trains(rank: int, world: int, folder: str) -> dict:
+    import peft
+    import transformers
+    from torch.distributed.tensor import Replicate
+
+    from spmd.runtime.peft_names import checkpoint_names
+    from tests.support import COMPUTE_BOUND_DEVICE
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+        torch.manual_seed(1)
+        base = transformers.LlamaForCausalLM(cfg)  # (a pretrained model's stand-in)
+        if rank == 0:
+            base.save_pretrained(folder)
+        torch.manual_seed(0)  # (one device: the peft model built with values, then the base checkpoint loaded)
+        eager = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+        with torch.no_grad():
+            for name, p in eager.named_parameters():
+                names, own = checkpoint_names(name, frozenset({"default"}))
+                if not own:
+                    p.copy_(base.state_dict()[names[0]])
+        mesh = spmd.init_mesh((2, 2), ("dp", "tp"))
+        torch.distributed.barrier()
+        with torch.device("meta"):
+            meta = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+        ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+        layer, pins = "base_model.model.model.layers.{}.", {}
+        for i in range(2):
+            for name in ("self_attn.q_proj.base_layer", "self_attn.k_proj", "self_attn.v_proj.base_layer",
+                         "mlp.gate_proj", "mlp.up_proj"):
+                pins[layer.format(i) + name + ".weight"] = [Replicate(), Shard(0)]
+            for name in ("self_attn.o_proj", "mlp.down_proj.base_layer"):
+                pins[layer.format(i) + name + ".weight"] = [Replicate(), Shard(1)]
+        compiled = spmd.compile(meta, mesh, example_kwargs=dict(input_ids=ids, labels=ids), training=True,
+                                mesh_spec=spec((2, 2), ("dp", "tp"), device=COMPUTE_BOUND_DEVICE), param_placements=pins,
+                                in_placements={"input_ids": [Shard(0), Replicate()], "labels": [Shard(0), Replicate()]})
+        compiled.init_weights(seed=0)
+        compiled.load_safetensors(folder)
+        opt = torch.optim.AdamW([p for p in compiled.parameters() if p.requires_grad], lr=1e-2)
+        ref_opt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-2)
+        losses, ref_losses = [], []
+        for _ in range(3):
+            args, kwargs = compiled.shard_inputs(input_ids=ids, labels=ids)
+            loss = compiled(*args, **kwargs).loss
+            loss.backward()
+            compiled.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            ref_loss = eager(input_ids=ids, labels=ids).loss
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            losses.append(float(loss))
+            ref_losses.append(float(ref_loss))
+        full = compiled.full_state_dict(persistent_only=True)
+        return {"losses": losses, "ref_losses": ref_losses,
+                "error": max(float((full[k] - v).abs().max()) for k, v in eager.state_dict().items()),
+                "piece": tuple(compiled.piece(layer.format(0) + "self_attn.q_proj.base_layer.weight").shape)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_lora_on_a_model_built_on_meta_trains_as_on_one_device_on_a_2x2_mesh(ranks, tmp_path):
+    """The big-model LoRA recipe of docs/huggingface.md on (dp, tp) = (2, 2), Megatron pins on the base layers: a
+    peft model built on meta, `init_weights(seed=0)` for the adapters, the base model's checkpoint loaded, 3 AdamW
+    steps with clipping: equal to the peft model built with values and given the same checkpoint on one device
+    (transformers computes the loss in fp32: the losses to that precision, the weights to float64's)."""
+    pytest.importorskip("peft")
+    for r in ranks(4).run(_lora_on_meta_trains, str(tmp_path)):
+        assert r["piece"] == (16, 32)
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6)
+        assert r["error"] < 1e-12, r
