@@ -194,6 +194,34 @@ def parametrizations_uncached():
         parametrize._cache_enabled = enabled
 
 
+@contextlib.contextmanager
+def dataclass_outputs_registered(root: torch.nn.Module):
+    """While open, a dataclass the forward returns (alone, or in tuples, lists and dicts) that torch's pytree does
+    not know is registered with it (`torch.export.register_dataclass`, as torch's own refusal advises), so the
+    export can take the output apart and the compiled module gives the same class back. (A training compile takes
+    such an output through its loss; a forward-only one was refused with torch's words, found by a probe.) The
+    registration is torch's, process-wide, as the user's own would be."""
+    import dataclasses
+
+    def register(value, depth: int = 3) -> None:
+        if depth < 0:
+            return
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if type(value) not in torch.utils._pytree.SUPPORTED_NODES:
+                with contextlib.suppress(Exception):  # (one torch cannot take: its own refusal says why)
+                    torch.export.register_dataclass(type(value))
+            return
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+        for item in items:
+            register(item, depth - 1)
+
+    handle = root.register_forward_hook(lambda module, args, out: register(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def without_decompositions(table: dict, names) -> dict:
     """`table` without the decompositions of every overload of the ATen ops `names`."""
     for name in names:
@@ -1000,7 +1028,7 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
     held = _held(model)
 
     def export():
-        with buffers_through_aliases(held), encoder_fast_path_as_eager(held):  # (see their modules)
+        with buffers_through_aliases(held), encoder_fast_path_as_eager(held), dataclass_outputs_registered(held):
             return torch.export.export(held, tuple(example_inputs), kwargs=example_kwargs or {}, strict=False)
 
     def signature_again():
