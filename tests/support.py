@@ -133,13 +133,16 @@ def check_simulated_training(c, outs, loss, model) -> int:
 
 
 def train_side_by_side(compiled, reference, inputs: tuple, targets: tuple, loss_fn, steps: int,
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), before=None):
     """`steps` optimizer steps of `compiled` (compiled with `loss_fn`) and of `reference` on one device, on
-    the same full batch. Returns (compiled losses, reference losses, the compiled model's optimizer)."""
+    the same full batch; `before(local)`, if given, runs before each compiled step with this rank's inputs.
+    Returns (compiled losses, reference losses, the compiled model's optimizer)."""
     opt, ref_opt = optimizer(compiled.parameters()), optimizer(reference.parameters())
     local = compiled.shard_inputs(*inputs, *targets)
     losses, ref_losses = [], []
     for _ in range(steps):
+        if before is not None:
+            before(local)
         for run, o, record in ((lambda: compiled(*local), opt, losses),
                                (lambda: loss_fn(reference(*inputs), *targets), ref_opt, ref_losses)):
             loss = run()

@@ -5,9 +5,9 @@ default) and called with a `src_key_padding_mask` runs its layers on a nested te
 pads the result with zeros: its outputs at padded positions are 0 (or its final norm of 0). A trace never takes
 that path (torch.export and torch.compile skip it), so the compiled graph computed the padded positions as the
 layers' standard path does, and a mean over the sequence was 0.99 off one device without a word (found by a
-probe). `encoder_fast_path_as_eager` makes the trace give eager's values: while open, the last layer of each such
-encoder writes zeros at the padded positions before the encoder's final norm, where eager would have taken the
-fast path for these inputs. Whether it would is decided at trace time from the module and the inputs' kinds
+probe). `encoder_fast_path_as_eager` makes the trace give eager's values: while open, each such encoder's layers'
+output gets zeros at the padded positions before the encoder's final norm, where eager would have taken the fast
+path for these inputs. Whether it would is decided at trace time from the module and the inputs' kinds
 (eval mode, the mask given alone, batched input, no autocast), except eager's own check that each row's padding
 is at its end (`mask_check`), which depends on the values and is computed in the graph.
 

@@ -1625,11 +1625,10 @@ class CompiledModule(nn.Module):
         unexpected = [k for k in self._model_keys(files)[1]
                       if k not in read_names and not _ignored_unexpected(self._source_model, k)]
         read = {}
-        if missing and strict and peft and stored_as and len({peft[f][1] for f in missing}) == 1:
-            missing_ok = True  # (a peft model: all of the adapter's tensors missing from the base checkpoint, or all
-        else:              # of the base's from the adapter's file; each loads apart, as peft loads them)
-            missing_ok = False
-        if missing and strict and not missing_ok:
+        # (a peft model: all of the adapter's tensors missing from the base checkpoint, or all of the base's from the
+        # adapter's file; each loads apart, as peft loads them)
+        one_part = bool(peft) and bool(stored_as) and len({peft[f][1] for f in missing}) == 1
+        if missing and strict and not one_part:
             raise SpmdError(f"load_safetensors: {len(missing)} tensors of the model are not in {path} "
                             f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). What to do: load "
                             "a checkpoint of this model, or strict=False to keep the others as they are"
@@ -2745,7 +2744,8 @@ class CompiledModule(nn.Module):
             if not isinstance(t, torch.Tensor) or t.grad_fn is None or t in _cut_by_shard_inputs or \
                     _laid_out.get(t) is not None:
                 continue
-            split = [names[a] for a, p in enumerate(spec.placements) if isinstance(p, Shard) and self.mesh_spec.shape[a] > 1]
+            split = [names[a] for a, p in enumerate(spec.placements)
+                     if isinstance(p, Shard) and self.mesh_spec.shape[a] > 1]
             found = _plain_parameters_behind(t) if split else []
             if found:
                 self._warned_plain_pieces = True

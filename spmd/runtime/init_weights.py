@@ -574,36 +574,25 @@ def peft_init_kwargs(model: nn.Module) -> dict:
         found = getattr(m, "peft_config", None)
         if isinstance(found, dict):
             configs.update(found)
-    wrapped, resets, sources = {}, {}, {}
+    adapters = list(configs) or ["default"]
     holders = {}  # id(parameter) -> (module, attribute) of its first name: a tie's source
     for m in model.modules():
         for name, p in m._parameters.items():
             if p is not None:
                 holders.setdefault(id(p), (m, name))
-    for fqn, m in model.named_modules():
-        if isinstance(m, ModulesToSaveWrapper) and "original_module" in m._modules:
-            wrapped[fqn] = (("original_module",), ())  # (its copies: made by copying, nothing drawn)
-            resets[type(m)] = _copies_saved
-            # (each copied value read where its tensor was made: a tied head's weight from the embedding, whose
-            # slot the replay writes; the head's own is scratch)
-            sources[id(m)] = {name: holders[id(p)] for name, p in m.original_module.named_parameters()}
-        elif isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
-            wrapped[fqn] = (("base_layer",), tuple(n for n in m._modules if n != "base_layer"))
-            resets[type(m)] = None
-
-    adapters = list(configs) or ["default"]
+    sources = {}  # id(ModulesToSaveWrapper) -> where each of its original's tensors is held first
 
     def copies_saved(wrapper: nn.Module) -> None:
-        _copies_saved(wrapper, sources.get(id(wrapper), {}))
+        _copies_saved(wrapper, sources[id(wrapper)])
 
     def reset_lora(layer: nn.Module) -> None:
+        way_out = (f"say how the layers start, `init_weights(seed=..., reset_fns={{{type(layer).__qualname__}: fn}})` "
+                   "(fn(layer) writes each adapter's tensors: zeros will do where a checkpoint follows), then load ")
         if len(adapters) > 1:  # (peft builds each adapter over all layers in turn: the draws come in another order)
             raise SpmdError(
                 f"init_weights: the model holds {len(adapters)} peft adapters ({', '.join(map(repr, adapters))}), "
                 "whose layers peft built one adapter after another; the replay does not redo that order. What to "
-                f"do: say how the layers start, `init_weights(seed=..., reset_fns={{{type(layer).__qualname__}: fn}})` "
-                "(fn(layer) writes each adapter's tensors: zeros will do where a checkpoint follows), then load each "
-                "adapter's weights (`compiled.load_state_dict`, under the model's own names).")
+                f"do: {way_out}each adapter's weights (`compiled.load_state_dict`, under the model's own names).")
         for adapter in layer.lora_A.keys():
             init = getattr(configs.get(adapter), "init_lora_weights", True)
             if type(layer) is not LoraLinear or init not in _PEFT_INITS or layer.use_dora.get(adapter) \
@@ -611,14 +600,22 @@ def peft_init_kwargs(model: nn.Module) -> dict:
                 raise SpmdError(
                     f"init_weights: {type(layer).__module__}.{type(layer).__qualname__} (adapter {adapter!r}, "
                     f"init_lora_weights={init!r}{', DoRA' if layer.use_dora.get(adapter) else ''}) is initialized by "
-                    "peft in a way the replay does not redo. What to do: say how the layer starts, "
-                    f"`init_weights(seed=..., reset_fns={{{type(layer).__qualname__}: fn}})` (fn(layer) writes each "
-                    "adapter's tensors: zeros will do where a checkpoint follows), then load the adapter's weights "
+                    f"peft in a way the replay does not redo. What to do: {way_out}the adapter's weights "
                     "(`compiled.load_safetensors(folder)`, the folder peft's save_pretrained wrote).")
             layer.reset_lora_parameters(adapter, init)
 
-    return {"wrapped": wrapped, "reset_fns": {cls: (copies_saved if fn is _copies_saved else fn) or reset_lora
-                                              for cls, fn in resets.items()}}
+    wrapped, reset_fns = {}, {}
+    for fqn, m in model.named_modules():
+        if isinstance(m, ModulesToSaveWrapper) and "original_module" in m._modules:
+            wrapped[fqn] = (("original_module",), ())  # (its copies: made by copying, nothing drawn)
+            reset_fns[type(m)] = copies_saved
+            # (each copied value read where its tensor was made: a tied head's weight from the embedding, whose
+            # slot the replay writes; the head's own is scratch)
+            sources[id(m)] = {name: holders[id(p)] for name, p in m.original_module.named_parameters()}
+        elif isinstance(m, BaseTunerLayer) and "base_layer" in m._modules:
+            wrapped[fqn] = (("base_layer",), tuple(n for n in m._modules if n != "base_layer"))
+            reset_fns[type(m)] = reset_lora
+    return {"wrapped": wrapped, "reset_fns": reset_fns}
 
 
 def _copies_saved(wrapper: nn.Module, sources: dict) -> None:

@@ -1892,22 +1892,10 @@ def _renormed_training(rank: int, world: int, pins: dict) -> dict:
         target = torch.randn(4, 5, 6, generator=g)
         mesh = spmd.init_mesh((2,), ("dp",))
         compiled = spmd.compile(model, mesh, (ids, target), loss_fn=F.mse_loss, mesh_spec=spec((2,), ("dp",)), **pins)
-        opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        losses, ref_losses = [], []
-        for _ in range(3):
-            local_ids, local_target = compiled.shard_inputs(ids, target)
-            compiled.embedding_renorm_("e.weight", local_ids, max_norm=1.0)  # (as the refusal says)
-            loss = compiled(local_ids, local_target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = F.mse_loss(reference(ids), target)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
+        losses, ref_losses, _ = train_side_by_side(
+            compiled, reference, (ids,), (target,), F.mse_loss, 3, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+            before=lambda local: compiled.embedding_renorm_("e.weight", local[0], max_norm=1.0))  # (as refused)
+        local_ids = compiled.shard_inputs(ids, target)[0]
         full = compiled.full_state_dict()
         return {"losses": losses, "ref_losses": ref_losses, "local_ids": tuple(local_ids.shape),
                 "piece": tuple(compiled.piece("e.weight").shape),
