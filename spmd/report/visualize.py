@@ -209,16 +209,17 @@ class _Drawing:
     def _display(self, name: str) -> str:
         return self.folded.get(name, name)
 
-    def _sources_of(self, n: fx.Node, memo: dict) -> set[str]:
-        """The visible nodes `n` reads from, looking through hidden views."""
+    def _sources_of(self, n: fx.Node, memo: dict) -> dict[str, None]:
+        """The visible nodes `n` reads from, looking through hidden views, in the order it reads them (a set's
+        order changed with each process's hash seed, and with it graphviz's edge ids in the rendered file)."""
         if n.name in memo:
             return memo[n.name]
-        out: set[str] = set()
+        out: dict[str, None] = {}
         for a in n.all_input_nodes:
             if a.name in self._visible_names:
-                out.add(a.name)
+                out[a.name] = None
             else:
-                out |= self._sources_of(a, memo)
+                out.update(self._sources_of(a, memo))
         memo[n.name] = out
         return out
 

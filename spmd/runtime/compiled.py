@@ -3152,11 +3152,13 @@ def _warn_init_dtype(model: nn.Module) -> None:
     """Warn where a meta model's floating weights are in another dtype than torch's default and nothing says
     which build `init_weights` is to equal: it draws in the model's dtype, which is a build in that dtype (under
     `torch.set_default_dtype`, transformers' `torch_dtype=`), and not `Model(cfg).to(dtype)`, whose values are
-    drawn in the default dtype and cast (a probe's `.double()` meta model: 0.79 off that, silently)."""
+    drawn in the default dtype and cast (a probe's `.double()` meta model: 0.79 off that, silently). The
+    parameters decide: a buffer kept in its own dtype on purpose (transformers' float32 rotary `inv_freq` in a
+    float64 build) is no sign of a cast (a docs probe was told to pass init_dtype for an exact build)."""
     import warnings
 
     default = torch.get_default_dtype()
-    dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    dtypes = {t.dtype for t in model.parameters() if t.is_floating_point()}
     config = getattr(model, "config", None)
     # (`torch_dtype` read only where `dtype` is not there: transformers warns on every read of the old name)
     built = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)

@@ -15,6 +15,8 @@ import os
 import sys
 import threading
 
+from spmd.core.errors import SpmdCollectiveError
+
 _state = threading.local()
 
 
@@ -59,6 +61,13 @@ def collective(what: str, rank: int, world: int):
     timer.start()
     try:
         yield
+    except SpmdCollectiveError as e:
+        # (a probe: rank 0 alone in `full_state_dict()` while rank 1 went on to train; rank 1's gloo aborted on
+        # the mismatched collective, and rank 0's error said only that a peer died)
+        e.add_note(f"spmd: rank {rank} was in {what}(), which every rank must call; a rank that skipped it (an "
+                   f"`if rank == 0:` around it) and went on to other collectives, or died meanwhile, ends it so. "
+                   f"What to do: call it on every rank: {_ON_EVERY_RANK.get(what, f'`compiled.{what}(...)`')}.")
+        raise
     finally:
         timer.cancel()
         _state.armed = False

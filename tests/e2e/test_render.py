@@ -1,8 +1,11 @@
 """Pictures rendered by a process of their own (hence e2e): graphviz's `dot` when on PATH, else the
 pip-installed `graphviz-pure`. Module boxes, collectives in red, folded repeated blocks, the
 self-contained HTML page, valid SVG and PNG files, and graphviz-pure standing in for a missing `dot`."""
+import os
 import re
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -113,3 +116,17 @@ def test_pdf_without_dot_writes_the_source_and_says_why(tmp_path, without_dot):
         written = megatron_gpt_plan().visualize(tmp_path / "gpt.pdf")
     assert written == tmp_path / "gpt.dot" and written.read_text().startswith("digraph spmd")
     assert not (tmp_path / "gpt.pdf").exists()
+
+
+def test_the_dot_source_is_the_same_under_every_hash_seed(tmp_path):
+    """Found by a docs probe: `python examples/render_gpt.py` rewrote the tracked pictures at every run, their
+    edges listed in each process's set order (graphviz numbers edges as they come). Two processes with other
+    hash seeds now write the same source."""
+    script = ("import torch, sys; from tests.support import megatron_gpt_plan; "
+              "from spmd.report.visualize import to_dot; plan = megatron_gpt_plan(); "
+              "sys.stdout.write(to_dot(plan, plan.sources))")
+    root = str(Path(__file__).resolve().parents[2])
+    sources = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=root,
+                              env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}).stdout
+               for seed in ("1", "2")]
+    assert sources[0].startswith("digraph spmd") and sources[0] == sources[1]

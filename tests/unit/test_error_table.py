@@ -787,3 +787,19 @@ def test_a_smaller_batch_cut_from_inputs_flagged_otherwise_is_traced_with_the_ex
     x2 = torch.randn(2, 16, requires_grad=True)
     compiled(*compiled.shard_inputs(x2, torch.randn(2, 16))).backward()
     assert x2.grad is not None
+
+
+def test_a_collective_failing_inside_a_call_every_rank_must_make_names_that_call():
+    """Found by a docs probe: `if rank == 0: torch.save(compiled.full_state_dict(), path)` with rank 1 going on to
+    train: rank 1's gloo aborted on the mismatched collective, and rank 0's error said only that a peer had died.
+    The error now carries a note naming the call it came out of and the way out."""
+    from spmd.runtime import waiting
+
+    from spmd.core.errors import SpmdCollectiveError
+
+    with pytest.raises(SpmdCollectiveError) as e:
+        with waiting.collective("full_state_dict", 0, 2):
+            raise SpmdCollectiveError("all_gather over ranks [0, 1] failed: Connection reset by peer")
+    note = "\n".join(e.value.__notes__)
+    assert "rank 0 was in full_state_dict(), which every rank must call" in note, note
+    assert "`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`" in note, note

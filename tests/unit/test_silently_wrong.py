@@ -4145,3 +4145,41 @@ def test_a_buffer_given_a_tensor_where_the_graph_read_none_is_refused(change):
     with pytest.raises(spmd.SpmdError, match=r"Optional was changed after it was compiled: (nb|late) replaced, added "
                                              r"or removed .*What to do: compile the model again"):
         compiled(x)
+
+
+def test_init_weights_of_a_meta_model_built_in_float64_with_a_float32_buffer_does_not_warn(recwarn):
+    """Found by a docs probe: a transformers Llama built on meta under `torch.set_default_dtype(torch.float64)`
+    keeps its rotary `inv_freq` in float32 on purpose, and `init_weights` warned that the weights were float32
+    and to pass init_dtype, though every weight was float64 and the init exact. The parameters decide now."""
+    class Frequencies(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.empty(4, dtype=torch.float32), persistent=False)
+            self.reset_parameters()
+
+        def reset_parameters(self):
+            with torch.no_grad():
+                self.inv_freq.copy_(torch.arange(4, dtype=torch.float32))
+
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.rope = Frequencies()
+
+        def forward(self, x):
+            return self.fc(x) * self.rope.inv_freq
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            meta = Rotary()
+        compiled = one_device(meta, (torch.randn(3, 4, device="meta"),))
+        compiled.init_weights(seed=0)
+        torch.manual_seed(0)
+        reference = Rotary()
+    finally:
+        torch.set_default_dtype(default)
+    assert not [w for w in recwarn if "init_weights" in str(w.message)]
+    assert torch.equal(compiled.get_parameter("fc.weight"), reference.fc.weight)
