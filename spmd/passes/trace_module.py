@@ -333,6 +333,24 @@ def _frames(error: BaseException) -> set[str]:
     return {f.name for f in _chain_frames(error)}
 
 
+def _original_line(error: BaseException) -> str | None:
+    """`file:line: code` of the innermost frame outside torch and spmd in the "Original traceback" torch's FX
+    interpreter writes into an error met running a node: the user's line that called the op."""
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = (os.path.dirname(torch.__file__) + os.sep, here + os.sep)
+    texts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        texts += [str(error), *getattr(error, "__notes__", ())]  # (torch's interpreter adds it as a note)
+        error = error.__cause__ or error.__context__
+    text = "\n".join(texts)
+    found = [(f, n, code.strip()) for f, n, code in re.findall(r'File "([^"]+)", line (\d+), in \S+\n(.*)', text)
+             if not f.startswith(skip)]
+    return f"{found[-1][0]}:{found[-1][1]}: {found[-1][2]}" if found else None
+
+
 def _model_line(error: BaseException) -> str | None:
     """`file:line: code` of the innermost frame `error` (or what it was raised from) passed through outside torch
     and spmd: the model's line (or its library's) that read a tensor's values. Torch's own "Caused by" can name
@@ -405,11 +423,16 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 f"tensors. Return a tuple, a dict or a transformers ModelOutput, or register the class before "
                 f"compiling: `torch.utils._pytree.register_dataclass({name})` for a dataclass")
     if type(error).__name__ == "DynamicOutputShapeException":  # (torch says only the op's name)
-        return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values, and torch's tracing "
-                "has no rule for it. Replace it with ops of a fixed shape, or compute it outside the compiled "
-                "module: a loss such as CTC's from its outputs (compiled with `training=True` and no `loss_fn`, "
-                "they take `.backward()` from a loss computed after the call, on this rank's pieces as the plan "
-                "lays them out: pin `out_placements` to the layout it needs)" + tail)
+        # (found by a probe: BartForSequenceClassification's check that every row has as many eos tokens, in its
+        # forward, was told to move a loss out; the line it is on is in torch's "Original traceback" text)
+        line = _original_line(error)
+        return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values"
+                f"{f' ({line})' if line else ''}, and torch's tracing has no rule for it. Replace it with ops of a "
+                "fixed shape, or compute it outside the compiled module: a loss such as CTC's from its outputs "
+                "(compiled with `training=True` and no `loss_fn`, they take `.backward()` from a loss computed after "
+                "the call, on this rank's pieces as the plan lays them out: pin `out_placements` to the layout it "
+                "needs); in a model's own forward, compile the part before it (a transformers model's base, "
+                "`model.model`) and run the rest on the gathered outputs" + tail)
     packing = [name or type(model).__name__ for name, m in (model.named_modules() if model is not None else ())
                if not type(m).__module__.startswith("torch.")  # (nn.LSTM's own forward takes a PackedSequence)
                and _PACKING & set(getattr(getattr(type(m).forward, "__code__", None), "co_names", ()))]

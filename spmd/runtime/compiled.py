@@ -1872,7 +1872,24 @@ class CompiledModule(nn.Module):
         if key is None:
             check_full(flat, self._input_specs)
             return self._shapes
-        return self._variants.get(key) or self._compile_variant(flat, key)
+        try:
+            return self._variants.get(key) or self._compile_variant(flat, key)
+        except SpmdError as e:
+            if type(e) is not SpmdError or not str(e).startswith(("trace_joint:", "trace_module:")):
+                raise
+            raise self._new_shapes_untraceable(key, e) from e
+
+    def _new_shapes_untraceable(self, key: tuple, error: SpmdError) -> SpmdError:
+        """`error`, met tracing the model again for full inputs of the new shapes `key`, prefixed with those shapes
+        beside the compiled ones: inputs cut to a new length but one left at the old (`token_type_ids`) gave a
+        trace error about broadcasting from inside the model, and advice to change the model (found by a probe)."""
+        shapes = "; ".join(
+            f"{spec.name} {list(shape)}" + ("" if tuple(shape) == tuple(spec.shape) else f" (compiled {list(spec.shape)})")
+            for spec, shape in zip(self._shapes.input_specs, key) if shape is not None)
+        return SpmdError(f"shard_inputs: these inputs have other shapes than the compiled ones ({shapes}), so the "
+                         "model was traced again for them, and that trace failed. Where the inputs were meant to "
+                         "change together (a new length on each), check they did: an input left at its old shape "
+                         f"fails so. The failure: {error}")
 
     def _compile_variant(self, flat: tuple, key: tuple, grad: str = "on") -> Shapes:
         """This module's graphs for full inputs of the shapes `key`, over its pieces: the model compiled again
@@ -2460,8 +2477,9 @@ class CompiledModule(nn.Module):
                 f"{self._flag_reader} reads a tensor's requires_grad, and its forward computes otherwise with "
                 f"{fqn} {'frozen' if fqn in now else 'trainable'}, as now, than as it was compiled "
                 f"({self._flags_differ[now]}): the compiled graph keeps the branch of the compile. What to do: compile "
-                "the model again with its parameters frozen as now (give the new module this one's weights, "
-                "`new.load_state_dict(compiled.state_dict())`), or make the branch depend on something the graph "
+                f"the model again with its parameters frozen as now (where this module has trained, copy its weights "
+                f"into the model first, `{source_guard.COPY_BACK}`, on every rank), or make the branch depend on "
+                "something the graph "
                 "takes (an input's value, the module's mode).")
 
     def _refuse_another_mode(self) -> None:
@@ -2481,16 +2499,15 @@ class CompiledModule(nn.Module):
                 f"does ({reason}); .{now}() does not change a compiled graph, so this call would "
                 f"run in {traced} mode. What to do: compile the model in {now} mode for this use "
                 f"(spmd.compile(model.{now}(), ...); where this module has trained, copy its weights into the "
-                f"model first, `{source_guard.COPY_BACK}`, or give the new module "
-                f"this one's, `new.load_state_dict(compiled.state_dict())`), or call .{traced}() on this "
+                f"model first, `{source_guard.COPY_BACK}`, on every rank), or call .{traced}() on this "
                 "module again.")
         raise SpmdError(
             f"the model this module was compiled from in {traced} mode is in {now} mode now (`model.{now}()` "
             f"after compiling), and this module's graph does what {traced} mode does ({reason}): a compiled "
             f"graph keeps the mode it was traced in, so this call would run in {traced} mode. What to do: "
             f"to use it in {now} mode, compile the model in that mode (spmd.compile(model.{now}(), ...); where "
-            f"this module has trained, give the new module its weights, `new.load_state_dict("
-            f"compiled.state_dict())`); to go on with this module, put the model back, `model.{traced}()`.")
+            f"this module has trained, copy its weights into the model first, `{source_guard.COPY_BACK}`, on every "
+            f"rank); to go on with this module, put the model back, `model.{traced}()`.")
 
     def _submodule_switched(self) -> None:
         """Raise, naming the first module whose forward reads its mode and was switched alone since compiling
@@ -2511,8 +2528,8 @@ class CompiledModule(nn.Module):
             f"), and it was in {traced} mode when traced: its forward reads its mode (dropout, batch "
             f"norm's statistics), and the compiled graph does what {traced} mode did, so this call would run it "
             f"in {traced} mode. What to do: compile the model with its modules in the modes you want "
-            f"(`{_module_ref('model', path)}.{now}()` before spmd.compile; where this module has trained, give the new "
-            f"one its weights, `new.load_state_dict(compiled.state_dict())`), or put it back "
+            f"(`{_module_ref('model', path)}.{now}()` before spmd.compile; where this module has trained, copy its "
+            f"weights into the model first, `{source_guard.COPY_BACK}`, on every rank), or put it back "
             f"(`{_module_ref(owner, path)}.{traced}()`).")
 
     def _model_mode_unexplained(self) -> bool:

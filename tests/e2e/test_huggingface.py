@@ -322,3 +322,64 @@ def test_lora_on_a_model_built_on_meta_trains_as_on_one_device_on_a_2x2_mesh(ran
         assert r["piece"] == (16, 32)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6)
         assert r["error"] < 1e-12, r
+
+
+def _bart_classifier_refused_then_its_body_compiled(rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+    import transformers as tf
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = tf.BartConfig(vocab_size=104, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                            dropout=0.0, use_cache=False, num_labels=3)
+        torch.manual_seed(0)
+        reference = tf.BartForSequenceClassification(cfg)
+        model = copy.deepcopy(reference)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, 100, (4, 16), generator=g)
+        ids[:, -1] = cfg.eos_token_id
+        labels = torch.randint(0, 3, (4,), generator=g)
+        mesh = spmd.init_mesh((2,), ("dp",))
+        mesh_spec = spec((2,), ("dp",), device=COMPUTE_BOUND_DEVICE)
+        try:
+            spmd.compile(model, mesh, example_kwargs=dict(input_ids=ids, labels=labels), training=True,
+                         mesh_spec=mesh_spec)
+            refused = ""
+        except spmd.SpmdError as e:
+            refused = str(e)
+        # the way out: the base model compiled, the head (eos pooling, classifier) on its gathered output
+        body = spmd.compile(model.model, mesh, example_kwargs=dict(input_ids=ids), training=True, mesh_spec=mesh_spec)
+        head = model.classification_head
+        opt = torch.optim.SGD([*body.parameters(), *head.parameters()], lr=0.1)
+        reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        gaps = []
+        for _ in range(3):
+            args, local = body.shard_inputs(input_ids=ids)
+            hidden = body.gather_outputs(body(*args, **local).last_hidden_state)
+            eos = hidden[ids.eq(cfg.eos_token_id), :].view(hidden.size(0), -1, hidden.size(-1))[:, -1, :]
+            loss = F.cross_entropy(head(eos), labels)
+            want = reference(input_ids=ids, labels=labels).loss
+            for value, o in ((loss, opt), (want, reference_opt)):
+                value.backward()
+                o.step()
+                o.zero_grad()
+            gaps.append(abs(float(loss) - float(want)))
+        full = body.full_state_dict()
+        err = max(float((full[n] - p).abs().max()) for n, p in reference.model.named_parameters())
+        err = max([err] + [float((p - q).abs().max()) for p, q in
+                           zip(head.parameters(), reference.classification_head.parameters())])
+        return {"refused": refused, "gaps": gaps, "err": err}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_classifier_whose_forward_makes_data_dependent_shapes_is_refused_naming_its_line_and_the_way_out(ranks):
+    """Found by a probe: BartForSequenceClassification checks in its forward that every row has as many eos tokens
+    (`torch.unique_consecutive(...).numel() == 1`) and pools with a bool mask, shapes no graph holds. The refusal
+    told the user to move a loss out of the compiled module. It now names the model's line, and the way out it
+    gives (the base model compiled, the head run on its gathered output) trains equal to one device."""
+    for r in ranks(2).run(_bart_classifier_refused_then_its_body_compiled):
+        assert "modeling_bart.py" in r["refused"] and "torch.unique_consecutive(eos_mask.sum(1))" in r["refused"], r
+        assert "compile the part before it (a transformers model's base, `model.model`)" in r["refused"], r
+        assert max(r["gaps"]) < 1e-12 and r["err"] < 1e-12, r

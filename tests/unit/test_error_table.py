@@ -803,3 +803,26 @@ def test_a_collective_failing_inside_a_call_every_rank_must_make_names_that_call
     note = "\n".join(e.value.__notes__)
     assert "rank 0 was in full_state_dict(), which every rank must call" in note, note
     assert "`state = compiled.full_state_dict(); if rank == 0: torch.save(state, path)`" in note, note
+
+
+def test_inputs_cut_to_a_new_length_but_one_are_named_beside_the_compiled_shapes(world):
+    """Found by a probe: BERT compiled at length 16, then `shard_inputs` with `input_ids` and `attention_mask` cut to
+    12 and `token_type_ids` left at 16. The trace for the new shapes failed on a broadcast inside the model, and the
+    error said to make the forward traceable. It now lists each input's new shape beside the compiled one."""
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, gate):
+            return self.fc(x) * gate
+
+    x, gate = torch.randn(4, 6, 8), torch.rand(4, 6, 1)
+    compiled = spmd.compile(Gate(), world, (x, gate))
+    with pytest.raises(spmd.SpmdError) as e:
+        compiled.shard_inputs(x[:, :5], gate)
+    said = str(e.value)
+    assert said.startswith("shard_inputs: these inputs have other shapes than the compiled ones "
+                           "(x [4, 5, 8] (compiled [4, 6, 8]); gate [4, 6, 1])"), said
+    assert "an input left at its old shape fails so. The failure: trace_module:" in said, said
+    assert compiled.shard_inputs(x[:, :5], gate[:, :5])  # (both cut: compiled for, and cut)

@@ -415,6 +415,32 @@ def test_switching_a_compiled_module_to_the_other_mode_fails_instead_of_running_
         torch.testing.assert_close(plain(x), torch.tanh(plain._source_model[0](x)))
 
 
+def test_the_other_mode_refusal_after_training_names_a_way_out_that_compiles():
+    """Found by a probe: after training, `compiled.eval()` is refused, and its way out offered
+    `spmd.compile(model.eval(), ...)` then `new.load_state_dict(compiled.state_dict())`; that compile is itself
+    refused (the model's weights are still those it was compiled with). The message names the copy back, which
+    is followed here to an evaluation equal to the trained weights'."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    trained = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    trained(x, y).backward()
+    opt.step()
+    trained.eval()
+    with pytest.raises(spmd.SpmdError) as e:
+        trained(x, y)
+    said = str(e.value)
+    assert "model.load_state_dict(compiled.full_state_dict(persistent_only=True))" in said, said
+    assert "new.load_state_dict" not in said, said
+    model.load_state_dict(trained.full_state_dict(persistent_only=True))
+    evaluation = one_device(model.eval(), (x,))
+    with torch.no_grad():
+        want = model[2](model[0](x))
+        torch.testing.assert_close(evaluation(x), want)
+        torch.testing.assert_close(model[0].weight, trained.get_parameter("0.weight"))
+
+
 class _FunctionalDropout(nn.Module):
     def __init__(self):
         super().__init__()
