@@ -405,6 +405,19 @@ def made_up(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> No
         _install()
 
 
+def made_up_ids() -> frozenset:
+    """The ids of the tensors of every state `optimizer_state_dict` made up and no load has taken yet."""
+    with _lock:
+        return frozenset(id(t) for records in _made_up.values() for t, _ in records)
+
+
+def forget_made_up(optimizer: torch.optim.Optimizer) -> None:
+    """`optimizer` was loaded: the state made up for it is no longer watched, nor kept alive here (a memory probe:
+    held until the first step, it was a second copy of the optimizer's state beside the loaded one)."""
+    with _lock:
+        _made_up.pop(optimizer, None)
+
+
 def refuse_unwritten(named: dict) -> None:
     """Raise where `named` (given to `load_optimizer_state_dict`) is state `optimizer_state_dict` made up for an
     optimizer that had none, and nothing was written into it since: a load before `dcp.load` filled it took
