@@ -33,7 +33,7 @@ from spmd.compiler.axis_search import solve_by_axes
 from spmd.core.graph_facts import format_bytes
 from spmd.core.plan import Plan
 from spmd.cost_model.compute import wrapper_counts
-from spmd.cost_model.memory import Schedule
+from spmd.cost_model.memory import AT_THE_STEP, Schedule
 from spmd.passes.solve_placements import rebuilt_regions, solve_placements
 from spmd.passes.trace_module import TracedGraph, flat_outputs
 
@@ -64,20 +64,27 @@ def solve_within_budget(traced: TracedGraph, strategies, costs, memory_budget: f
     plan = solve_by_axes(solve, strategies, costs, len(costs.mesh.shape)) if by_axes else solve(strategies, costs)
     extra, point = schedule.temporaries(plan, rebuilt_regions(plan, recompute))
     # the row's kinds (held when backward starts) with what the walk holds beyond the saved activations
-    peak = sum(b for k, b in plan.memory.items() if k != "gradients") + extra
+    peak = sum(b for k, b in plan.memory.items() if k not in AT_THE_STEP) + extra
     at = None if point is None else point.at
-    if memory_budget is not None and peak > memory_budget * (1 + 1e-9):
-        warnings.warn(f"memory_budget {format_bytes(memory_budget)}: the plan's parameters, optimizer state and "
-                      f"saved activations fit, but with the gradients and temporaries the schedule holds "
-                      f"({format_bytes(extra)} more at '{at}') the predicted peak is {format_bytes(peak)}, and "
-                      + ("no plan fits whole (proven; this is the leanest plan found). "
-                         if "(proven)" in str(plan.stats.get("status")) else
-                         "no plan the search met fits whole (this is the leanest it found). ") +
-                      "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     # "temporaries": the rest of what the walk holds beyond the saved activations, less the gradients made
     # by the worst point (`memory` keeps every kind at its most, so its sum is at least the peak)
     made = 0.0 if point is None else schedule.gradient_bytes(point, plan.choices, plan.mesh.shape)
     temporaries = max(0.0, extra - made)  # (0 where the worst point holds fewer activations than were saved)
+    more = f"with the gradients and temporaries the schedule holds ({format_bytes(extra)} more at '{at}')"
+    # the optimizer's step, after backward: every gradient and the step's temporaries (`optimizer_step_factor`)
+    # beside what is held all the time (a memory probe: AdamW's foreach step 1.25x the peak predicted without them)
+    step = sum(b for k, b in plan.memory.items() if k != "activations")
+    if plan.memory.get("optimizer step") and step > peak:
+        peak, at, made = step, "the optimizer's step", plan.memory.get("gradients", 0.0)
+        more = (f"at the optimizer's step, with every gradient and the step's own temporaries "
+                f"({format_bytes(plan.memory['optimizer step'])}: AdamW's foreach square roots)")
+    if memory_budget is not None and peak > memory_budget * (1 + 1e-9):
+        warnings.warn(f"memory_budget {format_bytes(memory_budget)}: the plan's parameters, optimizer state and "
+                      f"saved activations fit, but {more} the predicted peak is {format_bytes(peak)}, and "
+                      + ("no plan fits whole (proven; this is the leanest plan found). "
+                         if "(proven)" in str(plan.stats.get("status")) else
+                         "no plan the search met fits whole (this is the leanest it found). ") +
+                      "What to do: raise the budget, use a bigger mesh, or a smaller batch.", stacklevel=4)
     kinds = {gi.placeholder: gi.kind for gi in traced.inputs}
     return dataclasses.replace(
         plan, memory={**plan.memory, "temporaries": temporaries}, peak_bytes=peak,

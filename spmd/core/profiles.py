@@ -123,6 +123,11 @@ class DeviceProfile:
     optimizer_cached_bandwidth: float | None = None
     optimizer_tensor_overhead_s: float = 0.0
     optimizer_call_overhead_s: float = 0.0
+    # torch's optimizers take their multi-tensor ("foreach") form by default here (on CUDA; on CPU they step
+    # tensor by tensor): AdamW's then makes the square root of every second moment at once, one more copy of
+    # the optimizer's state per parameter, alive beside the gradients and the state at the step
+    # (cost_model/memory.py `optimizer_step_factor`; a memory probe: 1.25x the predicted peak without it)
+    foreach_optimizer: bool = False
 
     def __post_init__(self):
         if self.flops <= 0 or self.memory_bandwidth <= 0:
@@ -169,7 +174,7 @@ class DeviceProfile:
                              optimizer_bandwidth=None if self.optimizer_bandwidth is None
                              else self.optimizer_bandwidth * share,
                              optimizer_cached_bandwidth=None if self.optimizer_cached_bandwidth is None
-                             else self.optimizer_cached_bandwidth * share,
+                             else self.optimizer_cached_bandwidth * share, foreach_optimizer=self.foreach_optimizer,
                              **{f: getattr(self, f) / share for f in _OVERHEADS if f != "op_overhead_s"})
 
     def in_lockstep(self, ranks: int) -> "DeviceProfile":
@@ -239,12 +244,13 @@ DEVICES: dict[str, DeviceProfile] = {
         # unmeasured.
         DeviceProfile("h100", 750e12, 2.97e12, 8e-6, 80e9, "H100 SXM: 989 TFLOP/s bf16 dense and 3.35 TB/s HBM3 on "
                       "the datasheet; 0.76 and 0.885 of them, as measured on an H200 at transformer shapes",
-                      attention_efficiency=0.5),
+                      attention_efficiency=0.5, foreach_optimizer=True),
         DeviceProfile("h200", 750e12, 4.25e12, 8e-6, 141e9, "H200 SXM, measured (bench_gpu.py --measure, bf16): "
                       "708-788 TFLOP/s matmuls, 4.07-4.45 TB/s streaming; datasheet 989 TFLOP/s, 4.8 TB/s",
-                      attention_efficiency=0.5),
+                      attention_efficiency=0.5, foreach_optimizer=True),
         DeviceProfile("a100", 237e12, 1.77e12, 8e-6, 80e9, "A100 SXM 80GB: 312 TFLOP/s bf16 and 2.0 TB/s on the "
-                      "datasheet, at the fractions measured on an H200 (0.76, 0.885)", attention_efficiency=0.5),
+                      "datasheet, at the fractions measured on an H200 (0.76, 0.885)", attention_efficiency=0.5,
+                      foreach_optimizer=True),
         # Per-call costs: measured(compiled step) - measured(its generated graphs called directly), 7 models
         # (4-96 parameters, 6-145 saved values), one process, fitted by least squares on relative errors:
         # forward 7-55 us, training 80-900 us (residuals +-30%; large activations pay more, gpt-medium's
@@ -365,7 +371,8 @@ def device_to_json(device: DeviceProfile) -> dict:
          "attention_efficiency": device.attention_efficiency, **{f: getattr(device, f) for f in _OVERHEADS},
          "dram_bandwidth": device.dram_bandwidth, "element_seconds": {op: s for op, s in device.element_seconds},
          "lockstep_slowdown": device.lockstep_slowdown, "optimizer_bandwidth": device.optimizer_bandwidth,
-         "optimizer_cached_bandwidth": device.optimizer_cached_bandwidth}
+         "optimizer_cached_bandwidth": device.optimizer_cached_bandwidth,
+         "foreach_optimizer": device.foreach_optimizer}
     d.update({f: None if math.isinf(getattr(device, f)) else getattr(device, f) for f in _HIERARCHY})
     return d
 
@@ -380,6 +387,7 @@ def device_from_json(d: dict) -> DeviceProfile:
                          dram_bandwidth=None if d.get("dram_bandwidth") is None else float(d["dram_bandwidth"]),
                          element_seconds=tuple((op, float(s)) for op, s in (d.get("element_seconds") or {}).items()),
                          lockstep_slowdown=float(d.get("lockstep_slowdown", 1.0)), **hierarchy,
+                         foreach_optimizer=bool(d.get("foreach_optimizer", False)),
                          **{f: None if d.get(f) is None else float(d[f])
                             for f in ("optimizer_bandwidth", "optimizer_cached_bandwidth")},
                          **{f: float(d[f]) for f in _OVERHEADS if f in d and f != "op_overhead_s"})

@@ -22,10 +22,14 @@ from spmd.core.graph_facts import is_view, view_base
 from spmd.core.specs import Placements, TensorInfo, Value, pieces
 
 
+# the kinds alive when backward ends, not when it starts: every gradient, and the optimizer step's temporaries
+AT_THE_STEP = ("gradients", "optimizer step")
+
+
 @dataclass(frozen=True)
 class MemoryTerm:
     value: Value
-    kind: str  # parameters | gradients | optimizer | buffers | inputs | activations
+    kind: str  # parameters | gradients | optimizer | optimizer step | buffers | inputs | activations
     info: TensorInfo
     factor: float = 1.0
 
@@ -46,11 +50,22 @@ def stepped_parameters(traced) -> set[str]:
             if gi.kind == "parameter" and gi.name not in traced.frozen and gi.name in graded}
 
 
-def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm]:
+def optimizer_step_factor(optimizer_state_factor: float, device) -> float:
+    """What the optimizer's step allocates at once, in parameter sizes: an Adam-family optimizer (2 values of
+    state per element) in torch's multi-tensor form, the default where `device.foreach_optimizer` (CUDA), makes
+    the square root of every second moment before it divides (`_foreach_sqrt`): one more copy of the state's
+    second half, alive with the parameters, all gradients and the state. SGD's momentum is updated in place,
+    and the per-tensor form (CPU) holds two temporaries of one piece at a time: neither is counted."""
+    return 1.0 if optimizer_state_factor >= 2 and getattr(device, "foreach_optimizer", False) else 0.0
+
+
+def memory_terms(traced, optimizer_state_factor: float = 2.0, step_factor: float = 0.0) -> list[MemoryTerm]:
     """What one rank holds, as terms over graph values. `optimizer_state_factor`: optimizer state per
     parameter element, in parameter sizes (Adam/AdamW 2, SGD with momentum 1, plain SGD 0). A parameter
     that backward gives no gradient (frozen, or not reached from the loss: its output is None) gets no
-    gradient and no optimizer state (torch's optimizers skip a parameter whose .grad is None)."""
+    gradient and no optimizer state (torch's optimizers skip a parameter whose .grad is None). `step_factor`
+    (`optimizer_step_factor`): the optimizer step's temporaries, "optimizer step", held only at the step,
+    after backward, with every gradient."""
     terms: list[MemoryTerm] = []
     stepped = stepped_parameters(traced)
     for gi in traced.inputs:
@@ -62,6 +77,8 @@ def memory_terms(traced, optimizer_state_factor: float = 2.0) -> list[MemoryTerm
                 terms.append(MemoryTerm(value, "gradients", info))
                 if optimizer_state_factor:
                     terms.append(MemoryTerm(value, "optimizer", info, optimizer_state_factor))
+                if step_factor:
+                    terms.append(MemoryTerm(value, "optimizer step", info, step_factor))
         elif gi.kind in ("buffer", "constant"):
             terms.append(MemoryTerm(value, "buffers", info))
         elif gi.kind == "input":

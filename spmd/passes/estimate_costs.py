@@ -19,7 +19,7 @@ from spmd.core.redistribute import pick
 from spmd.core.specs import Placements, Strategy, TensorInfo, Value, local_shape
 from spmd.cost_model.compute import compute_cost, is_drawn_whole, local_call, optimizer_cost
 from spmd.cost_model.layout_graph import cheapest_paths, layout_graph
-from spmd.cost_model.memory import MemoryTerm, memory_terms, stepped_parameters
+from spmd.cost_model.memory import MemoryTerm, memory_terms, optimizer_step_factor, stepped_parameters
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.fuse_decomposed_ops import fusible_chains
 from spmd.passes.trace_module import TracedGraph
@@ -224,5 +224,6 @@ def estimate_costs(traced: TracedGraph, table: StrategyTable, mesh, optimizer_st
         if question is not None:
             rows_by_question[question] = node_costs[name]
     numbers = {id(f): k for k, f in enumerate(dict.fromkeys(fused.values()))}
-    return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor)),
+    step = optimizer_step_factor(optimizer_state_factor, mesh.device)
+    return CostTable(mesh, info, node_costs, tuple(memory_terms(traced, optimizer_state_factor, step)),
                      bucket_bytes if traced.joint else None, {n: (numbers[id(f)], f.dim) for n, f in fused.items()})

@@ -20,7 +20,7 @@ from spmd.core.plan import Edge, Plan
 from spmd.core.specs import Placements, TensorInfo, Value, pieces
 from spmd.cost_model.comm import bucket_share
 from spmd.cost_model.layout_graph import layout_graph
-from spmd.cost_model.memory import LivePoint, Schedule, value_bytes
+from spmd.cost_model.memory import AT_THE_STEP, LivePoint, Schedule, value_bytes
 from spmd.cost_model.solver import Budget, Cut, IlpBuilder
 from spmd.passes.enumerate_strategies import StrategyTable
 from spmd.passes.estimate_costs import CostTable, keeps_whole
@@ -914,7 +914,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                 for col in expr:
                     if term.kind != "activations":
                         ending[col] = ending.get(col, 0.0) + b
-                    if term.kind != "gradients" or schedule is None:
+                    if term.kind not in AT_THE_STEP or schedule is None:
                         memory_row[col] = memory_row.get(col, 0.0) + b
         droppable = ()
         if memory_budget is not None and schedule is not None and any(t.kind == "gradients" for t in costs.memory):
@@ -1087,7 +1087,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
 
         by_phase: dict = {}
         spans: list = []  # (where a recomputed layer's copy starts, ends, its `Rebuild`, its values' forward ends)
-        held = {term.value[0] for term in costs.memory if term.kind in ("parameters", "gradients", "optimizer")}
+        held = {term.value[0] for term in costs.memory
+                if term.kind in ("parameters", "gradients", "optimizer", "optimizer step")}
         held |= {name for name, ns in table.nodes.items() if ns.tie in held}  # (a gradient equals its parameter)
         weights_only = tuple(sorted({c for name in held for expr in node_expr[name] for c in expr}))
         budget = Budget(memory_row, memory_budget, None if schedule is None else lambda x: walk(x)[0],
@@ -1105,8 +1106,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
             least = {}  # each kind sharded as far as the mesh allows
             for t in costs.memory:
                 least[t.kind] = least.get(t.kind, 0.0) + t.bytes(tuple(_shard_all(t.info, mesh_shape)), mesh_shape)
-            held = sum(b for k, b in least.items() if k not in ("gradients", "activations"))
-            grads, acts = least.get("gradients", 0.0), least.get("activations", 0.0)
+            held = sum(b for k, b in least.items() if k not in (*AT_THE_STEP, "activations"))
+            grads, acts = sum(least.get(k, 0.0) for k in AT_THE_STEP), least.get("activations", 0.0)
             floor = held + (max(grads, acts) if schedule is not None else grads + acts)
             # what every plan needs: the floor, or with recomputation (which frees saved activations) what is
             # alive when backward ends; above the budget, nothing fits (a proof the search may not have)

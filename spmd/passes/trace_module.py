@@ -346,7 +346,7 @@ def _original_line(error: BaseException) -> str | None:
         texts += [str(error), *getattr(error, "__notes__", ())]  # (torch's interpreter adds it as a note)
         error = error.__cause__ or error.__context__
     text = "\n".join(texts)
-    found = [(f, n, code.strip()) for f, n, code in re.findall(r'File "([^"]+)", line (\d+), in \S+\n(.*)', text)
+    found = [(f, n, code.strip()) for f, n, code in re.findall(r'File "([^"]+)", line (\d+), in \S+\n[ \t]+(?!File ")(\S.*)', text)
              if not f.startswith(skip)]
     return f"{found[-1][0]}:{found[-1][1]}: {found[-1][2]}" if found else None
 

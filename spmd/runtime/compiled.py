@@ -1875,7 +1875,9 @@ class CompiledModule(nn.Module):
         try:
             return self._variants.get(key) or self._compile_variant(flat, key)
         except SpmdError as e:
-            if type(e) is not SpmdError or not str(e).startswith(("trace_joint:", "trace_module:")):
+            kept = [tuple(shape) == tuple(spec.shape) for spec, shape in zip(self._shapes.input_specs, key)]
+            if type(e) is not SpmdError or not str(e).startswith(("trace_joint:", "trace_module:")) or all(kept) \
+                    or not any(kept):  # (only where some inputs changed and others kept theirs: a review)
                 raise
             raise self._new_shapes_untraceable(key, e) from e
 

@@ -405,10 +405,12 @@ def made_up(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> No
         _install()
 
 
-def made_up_ids() -> frozenset:
-    """The ids of the tensors of every state `optimizer_state_dict` made up and no load has taken yet."""
+def made_up_ids(optimizer: torch.optim.Optimizer) -> frozenset:
+    """The ids of the tensors of the state `optimizer_state_dict` made up for `optimizer`, no load having taken
+    it yet. (Only its own: another optimizer's made-up state, loaded into this one and kept, would be that
+    one's too once loaded there, and both would step the same moments; a review.)"""
     with _lock:
-        return frozenset(id(t) for records in _made_up.values() for t, _ in records)
+        return frozenset(id(t) for t, _ in _made_up.get(optimizer, ()))
 
 
 def forget_made_up(optimizer: torch.optim.Optimizer) -> None:

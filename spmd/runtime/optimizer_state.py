@@ -117,7 +117,7 @@ def _own(value, given, made: frozenset = frozenset()):
     whole moment alive, and shared it with the state given (found by a probe). So did a whole tensor taken as it is
     (a replicated moment, a `step`): a single-device optimizer's state loaded as training.md shows stepped with both
     optimizers, each moving the other's (found by a probe of the docs: weights 1.4e-4 apart after 2 steps). A
-    The local piece of a DTensor of the state `optimizer_state_dict` made up for a fresh optimizer (`made`: their
+    The local piece of a DTensor of the state `optimizer_state_dict` made up for this fresh optimizer (`made`: their
     ids; a checkpoint loaded into it by torch.distributed.checkpoint, held by no optimizer) is kept: its
     `to_local()` is a view of it, which was cloned too, so a resume held the optimizer's state twice (a memory probe:
     730 MiB more per rank, for a model of 1.4 GiB over 4 ranks). Another optimizer's live state is cloned."""
@@ -155,7 +155,7 @@ def _by_names(named: dict) -> None:
 
 def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
     refuse_unwritten(named)
-    made = made_up_ids()
+    made = made_up_ids(optimizer)
     names = _names(compiled, optimizer)
     index = {fqn: k for k, fqn in enumerate(fqn for group in names for fqn in group)}
     pieces = {}  # (a DTensor entry per parameter: whose pieces, agreed over the mesh before any is taken)

@@ -122,8 +122,9 @@ def test_the_dot_source_is_the_same_under_every_hash_seed(tmp_path):
     """Found by a docs probe: `python examples/render_gpt.py` rewrote the tracked pictures at every run, their
     edges listed in each process's set order (graphviz numbers edges as they come). Two processes with other
     hash seeds now write the same source."""
-    script = ("import torch, sys; from tests.support import megatron_gpt_plan; "
-              "from spmd.report.visualize import to_dot; plan = megatron_gpt_plan(); "
+    script = ("import sys, torch, spmd; from tests.models import MLP; from tests.support import spec; "
+              "from spmd.report.visualize import to_dot; torch.manual_seed(0); "
+              "plan = spmd.plan(MLP(), spec((2, 2), ('dp', 'tp')), (torch.randn(8, 16),)); "
               "sys.stdout.write(to_dot(plan, plan.sources))")
     root = str(Path(__file__).resolve().parents[2])
     sources = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=root,

@@ -40,7 +40,7 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
     def spy_temporaries(self, plan, rebuilt=()):
         got = temporaries(self, plan, rebuilt)
         # (what the plan needs whole: the row's kinds, all but the gradients, and what the walk holds beyond)
-        plans.append((None, plan, self, sum(b for k, b in plan.memory.items() if k != "gradients") + got[0]))
+        plans.append((None, plan, self, sum(b for k, b in plan.memory.items() if k not in ("gradients", "optimizer step")) + got[0]))
         return got
 
     solve = solver.IlpBuilder.solve

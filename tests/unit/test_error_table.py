@@ -826,3 +826,21 @@ def test_inputs_cut_to_a_new_length_but_one_are_named_beside_the_compiled_shapes
                            "(x [4, 5, 8] (compiled [4, 6, 8]); gate [4, 6, 1])"), said
     assert "an input left at its old shape fails so. The failure: trace_module:" in said, said
     assert compiled.shard_inputs(x[:, :5], gate[:, :5])  # (both cut: compiled for, and cut)
+    with pytest.raises(spmd.SpmdError) as e:  # (every input changed: the trace's own words, nothing about one left)
+        compiled.shard_inputs(torch.randn(4, 5, 8), torch.rand(4, 3, 1))
+    assert str(e.value).startswith("trace_module:"), str(e.value)
+
+
+def test_the_users_line_is_read_from_torchs_original_traceback_only_where_it_has_source():
+    """The line a data-dependent op was called from, in the "Original traceback" torch's interpreter writes: the
+    innermost frame outside torch and spmd, with its code; a frame without source (`<stdin>`, exec'd code) is
+    skipped (a review: its next line, torch's tlparse hint, was shown as the code)."""
+    from spmd.passes.trace_module import _original_line
+
+    spmd_file = spmd.__file__.replace("__init__.py", "passes/trace_joint.py")
+    text = (f'Original traceback:\nFile "{spmd_file}", line 65, in forward\n    return self.loss_fn(x)\n'
+            '  File "/home/u/my dir/model.py", line 12, in forward\n    torch.unique_consecutive(x).numel() == 1,\n'
+            '  File "<stdin>", line 7, in head\nUse tlparse to see full graph.')
+    assert _original_line(RuntimeError(text)) == \
+        "/home/u/my dir/model.py:12: torch.unique_consecutive(x).numel() == 1,"
+    assert _original_line(RuntimeError('File "<stdin>", line 7, in forward\nUse tlparse to see full graph.')) is None

@@ -34,7 +34,7 @@ def test_training_temporaries_come_on_top_of_saved_activations_and_fit_the_budge
     assert free.memory["activations"] > 0
     # the schedule holds more than the row (what is held when backward starts): gradients and temporaries;
     # less than every kind at its most at once (every gradient is held only when backward ends)
-    row = sum(b for k, b in free.memory.items() if k not in ("gradients", "temporaries"))
+    row = sum(b for k, b in free.memory.items() if k not in ("gradients", "optimizer step", "temporaries"))
     assert row < free.predicted_peak_bytes < sum(free.memory.values())
     budget = 0.8 * free.predicted_peak_bytes
     tight = spmd.plan(model, MESH, inputs, loss_fn=torch.nn.functional.mse_loss, memory_budget=budget)
@@ -49,7 +49,7 @@ def test_budget_without_room_for_temporaries_keeps_the_plan_and_warns():
     one = spmd.MeshSpec((1,), ("dp",), (LATENCY_LINK,), SLOW_DEVICE)
     model, inputs = MLP(16, 64), (torch.randn(8, 16), torch.randn(8, 16))
     free = spmd.plan(model, one, inputs, loss_fn=torch.nn.functional.mse_loss)
-    row = sum(b for k, b in free.memory.items() if k not in ("gradients", "temporaries"))  # when backward starts
+    row = sum(b for k, b in free.memory.items() if k not in ("gradients", "optimizer step", "temporaries"))  # when backward starts
     budget = (row + free.predicted_peak_bytes) / 2
     with pytest.warns(UserWarning, match=rf"memory_budget {re.escape(format_bytes(budget))}.*no plan fits whole "
                       r"\(proven"):
@@ -189,3 +189,31 @@ def test_a_parameter_backward_never_reaches_holds_no_gradient_and_no_optimizer_s
     assert plan.memory["parameters"] == 2 * used
     assert plan.memory["gradients"] == used
     assert plan.memory["optimizer"] == 2 * used  # (AdamW: two states per element)
+
+
+def test_the_optimizers_foreach_step_is_a_point_of_the_schedule_and_of_the_budget():
+    """Found by a memory probe: AdamW's foreach step (torch's default on CUDA) makes the square root of every
+    second moment at once, one more copy of the parameters beside every gradient and the state; a plan predicted
+    1524 MiB per rank and the step measured 1.25x that. On a device whose optimizers step so, the plan counts it
+    ("optimizer step", at the optimizer's step), and a budget keeps it in: the plan then shards the weights."""
+    import dataclasses
+
+    from spmd.core.profiles import LinkProfile
+
+    torch.manual_seed(0)
+    model = MLP(256, 256)
+    inputs = (torch.randn(2, 256), torch.randn(2, 256))  # (a small batch: the weights decide the peak)
+    loss = torch.nn.functional.mse_loss
+    mesh = spmd.MeshSpec((2,), ("dp",), (LinkProfile("test-slow-link", 1e-2, 1e8),), SLOW_DEVICE)  # (replicated)
+    plain = spmd.plan(model, mesh, inputs, loss_fn=loss)
+    assert "optimizer step" not in plain.memory  # (a CPU steps tensor by tensor)
+    foreach = dataclasses.replace(mesh, device=dataclasses.replace(SLOW_DEVICE, foreach_optimizer=True))
+    free = spmd.plan(model, foreach, inputs, loss_fn=loss)
+    assert free.memory["optimizer step"] == free.memory["parameters"] == pytest.approx(plain.memory["parameters"])
+    step = sum(b for k, b in free.memory.items() if k not in ("activations", "temporaries"))
+    assert free.predicted_peak_bytes == pytest.approx(step) and free.stats["peak_live_at"] == "the optimizer's step"
+    assert free.predicted_peak_bytes > plain.predicted_peak_bytes
+    budget = plain.predicted_peak_bytes  # (the peak without the step's temporaries: over it with them)
+    tight = spmd.plan(model, foreach, inputs, loss_fn=loss, memory_budget=budget)
+    assert tight.predicted_peak_bytes <= budget
+    assert tight.memory["parameters"] < free.memory["parameters"]  # (weights sharded to make room)
