@@ -338,8 +338,11 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             if error is not None or not all(len(getattr(t, "shape", (0,))) == 0 for t in (*in_infos, *outs)
                                             if t is not None):
                 warnings.warn(UnknownOpWarning(
-                    f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: add a "
-                    f"rule in spmd/passes/rules/ with @rule({op_name(node.target)})."), stacklevel=2)
+                    f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: give it "
+                    f"a rule from your own code, `@rule(torch.ops.{op_name(node.target)})` (`from "
+                    "spmd.passes.rules.registry import rule`: a function of its single-axis placements, as "
+                    "spmd/passes/rules/ writes them), or DTensor's `torch.distributed.tensor.experimental."
+                    "register_sharding`, which spmd reads too."), stacklevel=2)
             fallbacks.append(where)
             strategies, source = _whole(outs, inputs, mesh.ndim), "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]

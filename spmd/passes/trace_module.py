@@ -488,6 +488,15 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "picked (`nonzero()`), a number a graph cannot hold. Build the model with "
                 "`experts_implementation=\"grouped_mm\"` (transformers' default) or `\"batched_mm\"`, which run every "
                 "expert as one batched op" + tail)
+    functional = os.path.join("torch", "nn", "functional.py")
+    checks = [f.name for f in _chain_frames(error) if f.filename.endswith(functional)] or \
+        re.findall(r"Caused by: \S*nn/functional\.py:\d+ in (\w+)", str(error))
+    if "data-dependent" in str(error) and checks:  # (found by a probe: F.gaussian_nll_loss's `var < 0` check in a
+        # loss_fn was told to move its check out, with the loss computed by a loss_fn: it was one, and torch's)
+        return (f"torch's own `F.{checks[-1]}` checks its arguments' values in Python, and a graph holds one "
+                "outcome. Compile with `training=True` and no `loss_fn`, and compute the loss after the call on the "
+                "gathered outputs (`F.{0}(compiled.gather_outputs(out), ...)`, then `.backward()`), or write it as "
+                "tensor ops".format(checks[-1]) + tail)
     if "data-dependent" in str(error):
         line = _model_line(error)
         where = f"`{line}`" if line else "the line torch names above (\"Caused by\")"

@@ -331,7 +331,8 @@ def test_an_op_without_a_rule_runs_replicated_with_one_warning_and_equal(world):
         compiled = spmd.compile(model, world, (x,))
     messages = [str(w.message) for w in caught if issubclass(w.category, spmd.UnknownOpWarning)]
     assert len(messages) == 1 and "aten.searchsorted.Tensor" in messages[0] and "runs replicated" in messages[0]
-    assert "@rule(aten.searchsorted.Tensor)" in messages[0] and "test_error_table.py" in messages[0]
+    assert "@rule(torch.ops.aten.searchsorted.Tensor)" in messages[0] and "register_sharding" in messages[0]
+    assert "test_error_table.py" in messages[0]
     with torch.no_grad():
         torch.testing.assert_close(compiled.gather_outputs(compiled(*compiled.shard_inputs(x))), model(x))
 
@@ -844,3 +845,20 @@ def test_the_users_line_is_read_from_torchs_original_traceback_only_where_it_has
     assert _original_line(RuntimeError(text)) == \
         "/home/u/my dir/model.py:12: torch.unique_consecutive(x).numel() == 1,"
     assert _original_line(RuntimeError('File "<stdin>", line 7, in forward\nUse tlparse to see full graph.')) is None
+
+
+def test_a_loss_fn_of_torch_whose_own_check_reads_values_is_told_to_compute_the_loss_after_the_call():
+    """Found by a probe: `F.gaussian_nll_loss` in a loss_fn checks `var < 0` in Python; the refusal said to move
+    the check to the training loop with the loss computed by a loss_fn (it was one, and the check is torch's).
+    It now names torch's function and the route the probe followed to one device's numbers: no loss_fn, the loss
+    on the gathered outputs."""
+    from tests.support import one_device
+
+    def loss_fn(out, target):
+        return F.gaussian_nll_loss(out[:, :4], target[:, :4], F.softplus(out[:, 4:]))
+
+    with pytest.raises(spmd.SpmdError) as e:
+        one_device(nn.Linear(16, 8), (torch.randn(8, 16), torch.randn(8, 8)), loss_fn=loss_fn)
+    said = str(e.value).split("torch's whole message")[0]
+    assert "torch's own `F.gaussian_nll_loss` checks its arguments' values in Python" in said, said
+    assert "Compile with `training=True` and no `loss_fn`" in said and "gather_outputs" in said, said
