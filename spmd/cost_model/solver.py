@@ -142,7 +142,8 @@ class Budget:
     # make it too hard for the dual simplex (its iteration cap reached), the relaxation drops them and
     # every branch and bound and polish keeps them (the 2-layer transformers Llama at 0.6 of its peak: the
     # first price's relaxation ran past the 60 s limit with its row, 9 s without). A plan that breaks one
-    # is over by its extra (the walk holds the same bytes).
+    # is over by its extra (the walk holds the same bytes; the optimizer's step's, where its temporaries are
+    # counted, solve_placements folds into the extra and gives as a cut).
     droppable: tuple[int, ...] = ()
 
     def row(self, n: int) -> np.ndarray:

@@ -593,6 +593,7 @@ class _Program:
     rebuilds: list
     last_stack: int
     pooled_columns: int
+    ending: dict  # column -> bytes held when backward ends and the optimizer steps (the "ending" row)
 
 
 def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, str] | None = None,
@@ -930,7 +931,7 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                                 memory_row, flows, copies, rebuilds)
         last_stack = _last_stack(recompute, table) if counts else 0  # (its last layer, recomputed, frees nothing)
         return _Program(ilp, node_expr, value_expr, memory_row, droppable, copies, counts, rebuilds, last_stack,
-                        pooled_columns)
+                        pooled_columns, ending)
 
     program = build(pooled=False)
     ilp, node_expr, value_expr, memory_row, droppable = (program.ilp, program.node_expr, program.value_expr,
@@ -1061,15 +1062,29 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     del walked[next(iter(walked))]
             return walked[key]
 
+        stepping = any(t.kind == "optimizer step" for t in costs.memory)
+
+        def over_at_step(x) -> float:
+            """What the optimizer's step holds (the ending row: every gradient and the step's temporaries) beyond
+            the budget row, where the step's temporaries are counted: the search judges a plan by its row and
+            extra, and the ending row alone is dropped from its relaxations (a review: a plan over at the step
+            came back, warned as the leanest, where one that fits existed)."""
+            if not stepping:
+                return -math.inf
+            return sum(b * x[c] for c, b in program.ending.items()) - sum(b * x[c] for c, b in memory_row.items())
+
         def walk(x) -> tuple[float, LivePoint | None]:
-            return walked_plan(x)[1]
+            extra, worst = walked_plan(x)[1]
+            return max(extra, over_at_step(x)), worst
 
         def cuts(x) -> tuple[Cut, ...]:
             """A cut at each hill of x's schedule over the budget, the worst first (`CUT_POINTS` at most)."""
             plan, (extra, worst) = walked_plan(x)
-            if worst is None:
-                return ()
             row = sum(b * x[c] for c, b in memory_row.items())
+            step = (Cut(tuple(sorted(program.ending.items()))),) \
+                if row + over_at_step(x) > memory_budget * (1 + 1e-9) else ()  # (the step's row, as a cut)
+            if worst is None:
+                return step
             # a point is over when row - saved activations + what is alive there > budget
             level = memory_budget - row + plan.memory.get("activations", 0.0)
             points = schedule.hills(plan, level, CUT_POINTS, rebuilt_regions(plan, recompute)) or [worst]
@@ -1082,8 +1097,8 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                         region = set(r.region)
                         ends = {root.name: i for i, roots in moved.items() for root in roots if root.name in region}
                         spans.append((min(again), max(dies), r, ends))
-            return tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase, copy_cols,
-                              tuple(spans)) for point in points)
+            return step + tuple(_cut(point, schedule, table, costs, node_expr, value_expr, memory_row, by_phase,
+                                     copy_cols, tuple(spans)) for point in points)
 
         by_phase: dict = {}
         spans: list = []  # (where a recomputed layer's copy starts, ends, its `Rebuild`, its values' forward ends)

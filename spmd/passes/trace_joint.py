@@ -217,7 +217,7 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
                             "place. What to do: return the new value instead of updating in place (buffers may "
                             "be updated in place).")
     outputs = user_outputs_first(gm, outputs)
-    _warn_updates_in_checkpoints(outputs, [strip(p) for p in checkpoints], [strip(p) for p in checkpoints.norms])
+    _warn_updates_in_checkpoints(outputs, {strip(p) for p in checkpoints.ran}, [strip(p) for p in checkpoints.norms])
     inputs, constants = _lift_constants(gm, inputs)
     _drop_assertions(gm)
     state = dict(constants)
@@ -232,22 +232,26 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
                        loss=loss_fn is not None)
 
 
-def _warn_updates_in_checkpoints(outputs: list, checkpointed: list[str], norms: list[str]) -> None:
+def _warn_updates_in_checkpoints(outputs: list, ran: set[str], norms: list[str]) -> None:
     """Warn where the forward updates a buffer in place inside a module torch.utils.checkpoint runs (a custom op
     that accumulates into one, a running mean of its own): eager updates it again when backward recomputes the
     module, and a forward that reads it after the update computes other values there, so eager's gradients differ
     too; the compiled module updates it once (found by a probe: a buffer 0.099 and weights 3.8e-3 off eager after 3
-    steps, with no word). Batch norm's statistics have their own warning (`checkpoints_run_through`)."""
+    steps, with no word). Batch norm's statistics have their own warning (`checkpoints_run_through`). `ran`: the
+    modules whose forward ran inside a checkpoint (a checkpointed lambda's or method's too): a buffer of one of them
+    is taken as updated there (a review: the checkpointed module's path alone missed those, and named a buffer its
+    parent updated outside)."""
     inside = [o.name for o in outputs if o.kind == "buffer_update"
-              and any(o.name.startswith(p + ".") for p in checkpointed if p)
+              and (o.name.rsplit(".", 1)[0] if "." in o.name else "") in ran
               and not any(o.name.startswith(n + ".") for n in norms)]
     if inside:
         warnings.warn(
             f"{', '.join(f'`{n}`' for n in inside[:3])}{' and more' if len(inside) > 3 else ''} "
-            f"{'is' if len(inside) == 1 else 'are'} updated in place inside torch.utils.checkpoint: eager PyTorch "
-            "updates such a buffer twice per training step (in forward, and again when backward recomputes the "
-            "checkpointed module), the compiled module once, as without checkpointing; where the forward reads the "
-            "buffer after updating it, eager's recomputed values and gradients differ from its forward's too. "
+            f"{'is a buffer' if len(inside) == 1 else 'are buffers'} the forward updates in place, of modules that "
+            "run inside torch.utils.checkpoint: where the update is inside the checkpointed call, eager PyTorch "
+            "makes it twice per training step (in forward, and again when backward recomputes the checkpointed "
+            "part), the compiled module once, as without checkpointing; where the forward reads the buffer after "
+            "updating it, eager's recomputed values and gradients differ from its forward's too. "
             "What to do: update the buffer outside the checkpointed module for eager's numbers to be the compiled "
             "module's.", stacklevel=4)
 
@@ -766,8 +770,11 @@ def checkpoints_run_through(root: torch.nn.Module):
 
             def norm_inside(module, args):
                 here = getattr(_checkpoints_here, "calls", None)
-                if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
-                        isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+                if here is None or not getattr(_checkpoints_here, "inside", 0):
+                    return
+                here[0].ran.add(here[1](module))  # (whose in-place buffer updates eager runs twice)
+                if module.training and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and \
+                        module.track_running_stats:
                     here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
 
             reentrant.apply = classmethod(apply)
@@ -815,6 +822,7 @@ class _Calls(list):
     def __init__(self):
         super().__init__()
         self.norms: dict[str, str] = {}
+        self.ran: set[str] = set()  # the paths of the modules whose forward ran inside a checkpoint
 
 
 @contextlib.contextmanager

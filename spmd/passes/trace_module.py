@@ -491,8 +491,10 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
     functional = os.path.join("torch", "nn", "functional.py")
     checks = [f.name for f in _chain_frames(error) if f.filename.endswith(functional)] or \
         re.findall(r"Caused by: \S*nn/functional\.py:\d+ in (\w+)", str(error))
-    if "data-dependent" in str(error) and checks:  # (found by a probe: F.gaussian_nll_loss's `var < 0` check in a
-        # loss_fn was told to move its check out, with the loss computed by a loss_fn: it was one, and torch's)
+    if "data-dependent" in str(error) and checks and checks[-1].endswith("_loss") and \
+            "_local_scalar_dense" not in str(error):  # (found by a probe: F.gaussian_nll_loss's `var < 0` check in a
+        # loss_fn was told to move its check out, with the loss computed by a loss_fn: it was one, and torch's;
+        # torch's losses only: a pool sized by the user's `.item()` is the user's line's, a review)
         return (f"torch's own `F.{checks[-1]}` checks its arguments' values in Python, and a graph holds one "
                 "outcome. Compile with `training=True` and no `loss_fn`, and compute the loss after the call on the "
                 "gathered outputs (`F.{0}(compiled.gather_outputs(out), ...)`, then `.backward()`), or write it as "

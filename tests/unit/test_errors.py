@@ -48,7 +48,7 @@ class _UsesSearchsorted(nn.Module):
 
 def test_unknown_op_falls_back_to_replicate_with_a_warning_naming_op_and_line():
     with pytest.warns(UnknownOpWarning, match=r"aten.searchsorted.Tensor.*test_errors.py:\d+.*searchsorted.*"
-                                              r"runs replicated on every rank.*@rule\(aten.searchsorted.Tensor\)"):
+                                              r"runs replicated on every rank.*@rule\(torch.ops.aten.searchsorted.Tensor\)"):
         plan = spmd.plan(_UsesSearchsorted(), spec((2,), ("tp",)), (torch.randn(4, 16),))
     name = next(n for n in plan.choices if n.startswith("searchsorted"))
     assert plan.choices[name].outputs[0] == (Replicate(),)
