@@ -235,6 +235,8 @@ def may_draw(node: fx.Node) -> bool:
     if is_random(node):
         return True
     op = node.target
+    if node.op == "call_function" and getattr(op, "__name__", "").startswith("auto_functionalized") and node.args:
+        op = node.args[0]  # (a custom op that mutates an argument, traced functionalized: the op it wraps; a review)
     return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES
 
 

@@ -443,19 +443,36 @@ _noisy.register_autograd(lambda ctx, gy, gr: gy * ctx.saved_tensors[0],
                          setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output[1]))
 
 
+@torch.library.custom_op("spmd_test::noisy_", mutates_args=("noise",))
+def _noisy_(x: torch.Tensor, noise: torch.Tensor) -> None:
+    """The same, writing its draw into an argument (traced functionalized: `auto_functionalized`)."""
+    noise.copy_(torch.rand_like(x) + 0.5)
+
+
+@_noisy_.register_fake
+def _(x, noise):
+    return None
+
+
 class _NoisyLayer(nn.Module):
-    def __init__(self):
+    def __init__(self, mutating: bool = False):
         super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.a, self.b, self.mutating = nn.Linear(16, 16), nn.Linear(16, 16), mutating
 
     def forward(self, h):
-        return h + self.b(_noisy(torch.tanh(self.a(h)))[0])
+        z = torch.tanh(self.a(h))
+        if self.mutating:
+            noise = torch.empty_like(z)
+            _noisy_(z, noise)
+            return h + self.b(z * noise)
+        return h + self.b(_noisy(z)[0])
 
 
 class _NoisyNet(nn.Module):
-    def __init__(self, checkpointed: bool):
+    def __init__(self, checkpointed: bool, mutating: bool = False):
         super().__init__()
-        self.layers, self.head, self.checkpointed = nn.ModuleList(_NoisyLayer() for _ in range(2)), nn.Linear(16, 4), checkpointed
+        self.layers, self.head = nn.ModuleList(_NoisyLayer(mutating) for _ in range(2)), nn.Linear(16, 4)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
         for layer in self.layers:
@@ -463,17 +480,17 @@ class _NoisyNet(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("how", ["recompute", "checkpoint"])
+@pytest.mark.parametrize("how", ["recompute", "checkpoint", "recompute, mutating"])
 def test_a_custom_op_that_draws_is_kept_not_run_again_in_backward(how):
     """Found by a probe: a `torch.library.custom_op` drawing `rand_like` inside (untagged), under recompute=True or
     torch.utils.checkpoint, was run again in backward and drew other numbers: gradients 8.4e-3 off one device
     after 3 steps, silently (eager checkpointing restores the generator around its region). Ops of a library's
     own namespace are now kept saved, as dropout is."""
     torch.manual_seed(0)
-    model = _NoisyNet(how == "checkpoint").double()
+    model = _NoisyNet(how == "checkpoint", mutating="mutating" in how).double()
     reference = copy.deepcopy(model)
     x, t = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    compiled = one_device(model, (x, t), loss_fn=F.mse_loss, **({"recompute": True} if how == "recompute" else {}))
+    compiled = one_device(model, (x, t), loss_fn=F.mse_loss, **({"recompute": True} if "recompute" in how else {}))
     assert compiled.plan.recompute  # (the layers are recomputed, the op's outputs saved)
     opt, reference_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (compiled, reference))
     for step in range(3):
