@@ -32,7 +32,7 @@ from spmd.compiler.meta import is_meta
 from spmd.core import collectives
 from spmd.core.autocast import autocast_off, autocast_on
 from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError, user_stacklevel
-from spmd.core.graph_facts import is_random, is_view
+from spmd.core.graph_facts import is_view, may_draw
 from spmd.core.mesh import coordinate
 from spmd.core.specs import contiguous_strides, local_shape, placements_str, shard_factor
 from spmd.passes.split_joint_graph import input_grad_key
@@ -567,7 +567,7 @@ class CompiledModule(nn.Module):
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
         # rank 0 alone for a log)
-        self._draws = (bool(ops & _RANDOM_OPS) or any(is_random(n) for n in c.traced.graph.nodes if n.op == "call_function")
+        self._draws = (bool(ops & _RANDOM_OPS) or any(may_draw(n) for n in c.traced.graph.nodes if n.op == "call_function")
                        ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
         self._generators_agreed = not self._draws
         self._warned_plain_pieces = False  # (`_warn_plain_parameters_on_pieces`: said once)

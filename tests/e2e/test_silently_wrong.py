@@ -121,6 +121,57 @@ def test_ranks_whose_random_generators_differ_stop_before_drawing_different_mask
     assert results[0]["loss"] == results[1]["loss"]
 
 
+@torch.library.custom_op("spmd_e2e::noise", mutates_args=())
+def _noise(x: torch.Tensor) -> torch.Tensor:
+    """A library's op that draws inside, untagged (no rule: it runs whole on every rank)."""
+    return x * (torch.rand_like(x) + 0.5)
+
+
+@_noise.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(_noise(self.a(x)))
+
+
+def _custom_noise_step(rank: int, world: int) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    mesh = spmd.init_mesh((2,), ("tp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", spmd.UnknownOpWarning)
+        compiled = spmd.compile(_Noisy(), mesh, (x,), mesh_spec=spec((2,), ("tp",)))
+    local = compiled.shard_inputs(x)
+    torch.manual_seed(100 + rank)
+    try:
+        compiled(*local)
+        differs = None
+    except spmd.SpmdError as e:
+        differs = str(e)
+    torch.manual_seed(7)
+    out = compiled.gather_outputs(compiled(*local))
+    return {"differs": differs, "sum": float(out.sum())}
+
+
+def test_ranks_whose_generators_differ_stop_before_a_custom_op_draws_apart(ranks):
+    """Found by a review: the ranks' generators were compared only for ops tagged as random; a
+    `torch.library.custom_op` drawing inside (untagged, run whole on every rank) drew each rank's own numbers where
+    the ranks were seeded apart. Such an op now counts as a draw: every rank raises, and seeded alike they agree."""
+    results = ranks(2).run(_custom_noise_step)
+    for r in results:
+        assert r["differs"] and "random generators differ" in r["differs"], r
+    assert results[0]["sum"] == results[1]["sum"]
+
+
 def _seed_per_dp_row(rank: int) -> int:
     return rank // 2  # the (dp, tp) coordinate's dp: tp peers alike, dp peers apart
 
