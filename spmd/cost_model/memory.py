@@ -56,7 +56,7 @@ def optimizer_step_factor(optimizer_state_factor: float, device) -> float:
     the square root of every second moment before it divides (`_foreach_sqrt`): one more copy of the state's
     second half, alive with the parameters, all gradients and the state. SGD's momentum is updated in place,
     and the per-tensor form (CPU) holds two temporaries of one piece at a time: neither is counted."""
-    return 1.0 if optimizer_state_factor >= 2 and getattr(device, "foreach_optimizer", False) else 0.0
+    return 1.0 if optimizer_state_factor >= 2 and device.foreach_optimizer else 0.0
 
 
 def memory_terms(traced, optimizer_state_factor: float = 2.0, step_factor: float = 0.0) -> list[MemoryTerm]:

@@ -1062,16 +1062,16 @@ def solve_placements(table: StrategyTable, costs: CostTable, labels: dict[str, s
                     del walked[next(iter(walked))]
             return walked[key]
 
-        stepping = any(t.kind == "optimizer step" for t in costs.memory)
+        # the ending row less the budget row, per column, where the step's temporaries are counted
+        beyond = {c: program.ending.get(c, 0.0) - memory_row.get(c, 0.0) for c in {*program.ending, *memory_row}} \
+            if any(t.kind == "optimizer step" for t in costs.memory) else None
 
         def over_at_step(x) -> float:
             """What the optimizer's step holds (the ending row: every gradient and the step's temporaries) beyond
             the budget row, where the step's temporaries are counted: the search judges a plan by its row and
             extra, and the ending row alone is dropped from its relaxations (a review: a plan over at the step
             came back, warned as the leanest, where one that fits existed)."""
-            if not stepping:
-                return -math.inf
-            return sum(b * x[c] for c, b in program.ending.items()) - sum(b * x[c] for c, b in memory_row.items())
+            return -math.inf if beyond is None else sum(b * x[c] for c, b in beyond.items())
 
         def walk(x) -> tuple[float, LivePoint | None]:
             extra, worst = walked_plan(x)[1]

@@ -333,21 +333,24 @@ def _frames(error: BaseException) -> set[str]:
     return {f.name for f in _chain_frames(error)}
 
 
+def _torch_and_spmd() -> tuple[str, str]:
+    """The folders of torch's and spmd's own files: frames in them are not the user's."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (spmd's own folder)
+    return os.path.dirname(torch.__file__) + os.sep, here + os.sep
+
+
 def _original_line(error: BaseException) -> str | None:
     """`file:line: code` of the innermost frame outside torch and spmd in the "Original traceback" torch's FX
     interpreter writes into an error met running a node: the user's line that called the op."""
-    import os
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    skip = (os.path.dirname(torch.__file__) + os.sep, here + os.sep)
+    skip = _torch_and_spmd()
     texts, seen = [], set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         texts += [str(error), *getattr(error, "__notes__", ())]  # (torch's interpreter adds it as a note)
         error = error.__cause__ or error.__context__
     text = "\n".join(texts)
-    found = [(f, n, code.strip()) for f, n, code in re.findall(r'File "([^"]+)", line (\d+), in \S+\n[ \t]+(?!File ")(\S.*)', text)
-             if not f.startswith(skip)]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n[ \t]+(?!File ")(\S.*)', text)
+    found = [(f, n, code.strip()) for f, n, code in frames if not f.startswith(skip)]
     return f"{found[-1][0]}:{found[-1][1]}: {found[-1][2]}" if found else None
 
 
@@ -356,10 +359,7 @@ def _model_line(error: BaseException) -> str | None:
     and spmd: the model's line (or its library's) that read a tensor's values. Torch's own "Caused by" can name
     a line of torch's (found by a probe: transformers' dynamic RoPE update was named as
     `_export/non_strict_utils.py`)."""
-    import os
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (spmd's own folder)
-    skip = (os.path.dirname(torch.__file__) + os.sep, here + os.sep)
+    skip = _torch_and_spmd()
     ours = [f for f in _chain_frames(error) if not f.filename.startswith(skip) and not f.filename.startswith("<")]
     return f"{ours[-1].filename}:{ours[-1].lineno}: {(ours[-1].line or '').strip()}" if ours else None
 
@@ -488,13 +488,14 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "picked (`nonzero()`), a number a graph cannot hold. Build the model with "
                 "`experts_implementation=\"grouped_mm\"` (transformers' default) or `\"batched_mm\"`, which run every "
                 "expert as one batched op" + tail)
+    # (found by a probe: F.gaussian_nll_loss's `var < 0` check in a loss_fn was told to move its check out, with the
+    # loss computed by a loss_fn: it was one, and torch's; torch's losses only: a pool sized by the user's `.item()`
+    # is the user's line's, a review)
     functional = os.path.join("torch", "nn", "functional.py")
-    checks = [f.name for f in _chain_frames(error) if f.filename.endswith(functional)] or \
-        re.findall(r"Caused by: \S*nn/functional\.py:\d+ in (\w+)", str(error))
-    if "data-dependent" in str(error) and checks and checks[-1].endswith("_loss") and \
-            "_local_scalar_dense" not in str(error):  # (found by a probe: F.gaussian_nll_loss's `var < 0` check in a
-        # loss_fn was told to move its check out, with the loss computed by a loss_fn: it was one, and torch's;
-        # torch's losses only: a pool sized by the user's `.item()` is the user's line's, a review)
+    checks = ([f.name for f in _chain_frames(error) if f.filename.endswith(functional)] or
+              re.findall(r"Caused by: \S*nn/functional\.py:\d+ in (\w+)", str(error))) \
+        if "data-dependent" in str(error) and "_local_scalar_dense" not in str(error) else []
+    if checks and checks[-1].endswith("_loss"):
         return (f"torch's own `F.{checks[-1]}` checks its arguments' values in Python, and a graph holds one "
                 "outcome. Compile with `training=True` and no `loss_fn`, and compute the loss after the call on the "
                 "gathered outputs (`F.{0}(compiled.gather_outputs(out), ...)`, then `.backward()`), or write it as "
