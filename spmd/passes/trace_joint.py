@@ -217,7 +217,8 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
                             "place. What to do: return the new value instead of updating in place (buffers may "
                             "be updated in place).")
     outputs = user_outputs_first(gm, outputs)
-    _warn_updates_in_checkpoints(outputs, {strip(p) for p in checkpoints.ran}, [strip(p) for p in checkpoints.norms])
+    _warn_updates_in_checkpoints(outputs, {strip(p) for p in checkpoints.updated},
+                                 [strip(p) for p in checkpoints.norms])
     inputs, constants = _lift_constants(gm, inputs)
     _drop_assertions(gm)
     state = dict(constants)
@@ -232,28 +233,26 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
                        loss=loss_fn is not None)
 
 
-def _warn_updates_in_checkpoints(outputs: list, ran: set[str], norms: list[str]) -> None:
+def _warn_updates_in_checkpoints(outputs: list, updated: set[str], norms: list[str]) -> None:
     """Warn where the forward updates a buffer in place inside a module torch.utils.checkpoint runs (a custom op
     that accumulates into one, a running mean of its own): eager updates it again when backward recomputes the
     module, and a forward that reads it after the update computes other values there, so eager's gradients differ
     too; the compiled module updates it once (found by a probe: a buffer 0.099 and weights 3.8e-3 off eager after 3
-    steps, with no word). Batch norm's statistics have their own warning (`checkpoints_run_through`). `ran`: the
-    modules whose forward ran inside a checkpoint (a checkpointed lambda's or method's too): a buffer of one of them
-    is taken as updated there (a review: the checkpointed module's path alone missed those, and named a buffer its
-    parent updated outside)."""
-    inside = [o.name for o in outputs if o.kind == "buffer_update"
-              and (o.name.rsplit(".", 1)[0] if "." in o.name else "") in ran
+    steps, with no word). Batch norm's statistics have their own warning (`checkpoints_run_through`). `updated`:
+    the buffers written in place while a checkpointed call ran (a checkpointed lambda's or method's too), by
+    their version counters: a buffer its parent updates outside its module's checkpoint is none (a review: the
+    checkpointed module's path alone missed the lambdas; the modules that ran inside named the parent's update)."""
+    inside = [o.name for o in outputs if o.kind == "buffer_update" and o.name in updated
               and not any(o.name.startswith(n + ".") for n in norms)]
     if inside:
         warnings.warn(
             f"{', '.join(f'`{n}`' for n in inside[:3])}{' and more' if len(inside) > 3 else ''} "
-            f"{'is a buffer' if len(inside) == 1 else 'are buffers'} the forward updates in place, of modules that "
-            "run inside torch.utils.checkpoint: where the update is inside the checkpointed call, eager PyTorch "
-            "makes it twice per training step (in forward, and again when backward recomputes the checkpointed "
-            "part), the compiled module once, as without checkpointing; where the forward reads the buffer after "
-            "updating it, eager's recomputed values and gradients differ from its forward's too. "
-            "What to do: update the buffer outside the checkpointed module for eager's numbers to be the compiled "
-            "module's.", stacklevel=4)
+            f"{'is a buffer' if len(inside) == 1 else 'are buffers'} the forward updates in place inside "
+            "torch.utils.checkpoint: eager PyTorch makes the update twice per training step (in forward, and again "
+            "when backward recomputes the checkpointed part), the compiled module once, as without checkpointing; "
+            "where the forward reads the buffer after updating it, eager's recomputed values and gradients differ "
+            "from its forward's too. What to do: update the buffer outside the checkpointed call for eager's "
+            "numbers to be the compiled module's.", stacklevel=4)
 
 
 def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]:
@@ -729,7 +728,7 @@ def checkpoints_run_through(root: torch.nn.Module):
     import torch.utils.checkpoint as ckpt
 
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
-    calls = _Calls()
+    calls = _Calls(root)
 
     def owner(function) -> str:
         """The path of the module `function` runs: the module, its bound method, or transformers'
@@ -772,7 +771,6 @@ def checkpoints_run_through(root: torch.nn.Module):
                 here = getattr(_checkpoints_here, "calls", None)
                 if here is None or not getattr(_checkpoints_here, "inside", 0):
                     return
-                here[0].ran.add(here[1](module))  # (whose in-place buffer updates eager runs twice)
                 if module.training and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and \
                         module.track_running_stats:
                     here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
@@ -814,25 +812,34 @@ def checkpoints_run_through(root: torch.nn.Module):
 
 
 class _Calls(list):
-    """The paths of the modules checkpoints ran (`checkpoints_run_through`), whether one was reentrant, and each
-    batch norm updating its statistics inside one (path -> class)."""
+    """The paths of the modules checkpoints ran (`checkpoints_run_through`), whether one was reentrant, each
+    batch norm updating its statistics inside one (path -> class), and the buffers written in place inside one
+    (`updated`: paths under `root`, whose in-place updates eager makes twice)."""
 
     reentrant = False
 
-    def __init__(self):
+    def __init__(self, root: torch.nn.Module):
         super().__init__()
+        self.root = root
         self.norms: dict[str, str] = {}
-        self.ran: set[str] = set()  # the paths of the modules whose forward ran inside a checkpoint
+        self.updated: set[str] = set()
 
 
 @contextlib.contextmanager
 def _inside_checkpoint():
-    """Counts, on this thread, the checkpointed calls running (`checkpoints_run_through`'s batch norm watch)."""
+    """Counts, on this thread, the checkpointed calls running (`checkpoints_run_through`'s batch norm watch),
+    and adds the buffers the call writes in place to `_Calls.updated`: their version counters move (the traced
+    buffers' too), whichever module's code writes them, and only then (a parent's update of its child's buffer
+    outside the child's checkpoint is none)."""
+    calls = _checkpoints_here.calls[0]
+    before = {name: b._version for name, b in calls.root.named_buffers(remove_duplicate=False)}
     _checkpoints_here.inside = getattr(_checkpoints_here, "inside", 0) + 1
     try:
         yield
     finally:
         _checkpoints_here.inside -= 1
+        calls.updated.update(name for name, b in calls.root.named_buffers(remove_duplicate=False)
+                             if name in before and b._version != before[name])
 
 
 @contextlib.contextmanager

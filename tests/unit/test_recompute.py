@@ -510,8 +510,10 @@ def test_a_custom_op_that_draws_is_kept_not_run_again_in_backward(how):
 def test_a_buffer_updated_inside_a_checkpointed_module_warns_that_eager_updates_it_twice():
     """Found by a probe (a custom op accumulating into a buffer): inside torch.utils.checkpoint eager updates a
     buffer again when backward recomputes the module, and the compiled module once: after 3 steps the buffer was
-    0.099 off eager and the weights 3.8e-3, with no word. It warns now, naming the buffer; batch norm keeps its
-    own warning, and a buffer updated outside the checkpoint none."""
+    0.099 off eager and the weights 3.8e-3, with no word. It warns now, naming the buffer (written by the
+    checkpointed module or by a checkpointed lambda); batch norm keeps its own warning, and a buffer updated outside
+    the checkpoint none, its module's forward inside one or not (the parent's update of its child's buffer warned
+    before: the warning followed the modules that ran inside, not the writes)."""
     class Tracking(nn.Module):
         def __init__(self):
             super().__init__()
@@ -534,11 +536,38 @@ def test_a_buffer_updated_inside_a_checkpointed_module_warns_that_eager_updates_
                 else self.block(x)
             return self.head(h)
 
+    class Plain(nn.Module):  # (a buffer of its own, which its parent updates)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("acc", torch.zeros(8))
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    class Parent(nn.Module):
+        def __init__(self, in_lambda):
+            super().__init__()
+            self.block, self.head, self.in_lambda = Plain(), nn.Linear(8, 2), in_lambda
+
+        def forward(self, x):
+            def update(z):
+                with torch.no_grad():
+                    self.block.acc.add_(z.mean(0))
+                return z - self.block.acc
+            if self.in_lambda:  # (the parent's update, checkpointed with the child)
+                h = torch.utils.checkpoint.checkpoint(lambda y: update(self.block(y)), x, use_reentrant=False)
+            else:  # (the child inside, the parent's update of its buffer outside)
+                h = update(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+            return self.head(h)
+
     x, t = torch.randn(4, 8), torch.randn(4, 2)
-    with pytest.warns(UserWarning, match=r"`block\.acc` is a buffer the forward updates in place, of modules that "
-                                         r"run inside torch\.utils\.checkpoint: .*eager PyTorch makes it twice"):
-        one_device(Net(True), (x, t), loss_fn=F.mse_loss)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        one_device(Net(False), (x, t), loss_fn=F.mse_loss)
-    assert not [w for w in caught if "inside torch.utils.checkpoint" in str(w.message)]
+    for model in (Net(True), Parent(True)):
+        with pytest.warns(UserWarning, match=r"`block\.acc` is a buffer the forward updates in place inside "
+                                             r"torch\.utils\.checkpoint: eager PyTorch makes the update twice"):
+            one_device(model, (x, t), loss_fn=F.mse_loss)
+    for model in (Net(False), Parent(False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            one_device(model, (x, t), loss_fn=F.mse_loss)
+        assert not [w for w in caught if "inside torch.utils.checkpoint" in str(w.message)]
