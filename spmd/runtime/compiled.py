@@ -2101,11 +2101,13 @@ class CompiledModule(nn.Module):
                     f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); they are not persistent, so no "
                     "checkpoint holds them (a rotary embedding's inv_freq is computed in __init__). What to do: "
                     "compiled.init_weights(seed=...) first, which computes them (and draws the weights), then load the "
-                    "checkpoint: compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
+                    "checkpoint: compiled.load_safetensors(path), or torch.distributed.checkpoint's dcp.load into "
+                    "compiled.state_dict() (docs/training.md, the whole loop).")
             raise SpmdError(f"the model was compiled from the meta device and {len(names)} of its parameters and "
                             f"buffers have no values yet ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). "
                             "What to do: compiled.init_weights(seed=...) (the model's own init, on shards), "
-                            "compiled.load_safetensors(path) or compiled.load_sharded_state_dict(state).")
+                            "compiled.load_safetensors(path), or torch.distributed.checkpoint's dcp.load into "
+                            "compiled.state_dict() (docs/training.md, the whole loop).")
 
     def _graph(self, which: str, shapes: Shapes | None = None):
         """What runs `which` ("graph": inference; "forward"/"backward": training) of `shapes` (None: the compiled
