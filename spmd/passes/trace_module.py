@@ -403,19 +403,21 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "statistics) computes its factor from `num_batches_tracked` in Python, which a graph cannot hold. "
                 "Give it a momentum (`momentum=0.1`, torch's default), or compile the model in eval mode")
     cache = re.search(r"\b(\w*Cache)\b", str(error))
-    if cache and ("pytree" in str(error) or "not a known type" in str(error)):  # (transformers' KV cache)
+    given = "get_seq_length" in str(error) or (cache and "Unsupported input type" in str(error))
+    if cache and not given and ("pytree" in str(error) or "not a known type" in str(error)):  # (transformers' cache)
         return (f"the model returns a {cache.group(1)} (transformers' key/value cache, on by default), which a graph "
                 "cannot hold: build it with `use_cache=False` in its config, or pass `use_cache=False` in the "
                 "example kwargs")
-    if "get_seq_length" in str(error) or (cache and "Unsupported input type" in str(error)):
+    if given:  # (an input: a StaticCache given as past_key_values was told it was returned; a serving probe)
         # (found by a probe: torch's own words alone, for a cache given as past_key_values)
         given = "a tensor" if "'FakeTensor' object" in str(error) else "a key/value cache"
         return (f"the model was given {given} where it takes `past_key_values` (transformers' key/value cache), which "
                 "a compiled graph cannot take: its inputs are tensors of fixed shapes. Pass the inputs by keyword "
                 "(`input_ids=`, `attention_mask=`), no cache, and `use_cache=False` (in the config or the kwargs); to "
                 "generate, run a buffer of the longest length, right-padded, with its attention_mask at each step "
-                "(one compile for every step; each new length would be a compile of its own, 8 at most), or keep a "
-                "static key/value cache in the model's buffers (docs/huggingface.md, \"Generation\")")
+                "(one compile for every step; each new length would be a compile of its own, 8 at most), keep a "
+                "static key/value cache in the model's buffers, or compile transformers' "
+                "TorchExportableModuleWithStaticCache around the model (docs/huggingface.md, \"Generation\")")
     unknown = re.search(r"Found <class '([^']+)'> in (\w+), which is not a known type", str(error))
     if unknown:  # (a class of the user's in the output: a plain dataclass)
         name = unknown.group(1).rsplit(".", 1)[-1]

@@ -3029,13 +3029,17 @@ def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> 
     `owner` does not."""
     whose = f"the model's `{path[:-1]}`" if path else "the model it was compiled from"
     read = f"{_module_ref('model', path[:-1])}.{name}" if path else f"model.{name}"
+    mesh = (" To generate on the mesh with the pieces (a serving probe was sent to the whole model here): a "
+            "right-padded buffer of the longest length run whole at each step, a static key/value cache in the "
+            "model's buffers, or transformers' TorchExportableModuleWithStaticCache compiled around the model, each "
+            "a loop of compiled calls (docs/huggingface.md, \"Generation\")." if name == "generate" else "")
     return AttributeError(
         f"'{owner}' object has no attribute '{name}'; {whose} ({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
         f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
         f"What to do: read values from the model (`{read}`); for its methods with the trained weights "
         f"(`generate`, `save_pretrained`), copy them back first, `{source_guard.COPY_BACK}` "
         f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
-        f"change it and compile again.")
+        f"change it and compile again.{mesh}")
 
 
 def _has_static(model: nn.Module, name: str) -> bool:

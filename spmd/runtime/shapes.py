@@ -32,7 +32,19 @@ PAD_OR_DROP = (
     "targets at the loss's ignore_index (a mean cross-entropy then leaves those rows out), or drop it "
     "(a DataLoader's drop_last=True).")
 
+# the same for a module compiled without training (serving): no targets, and nothing is dropped (a probe got the
+# training words for a batch of 1 served after one of 2)
+PAD_FOR_INFERENCE = (
+    "pad the batch to shapes this module runs (the compiled ones, or others it was compiled for) and drop the "
+    "padded rows from the outputs; batch sizes served in another order may run (a batch of 1 first is not split, "
+    "and a batch of 2 split in 2 is then the one refused).")
+
 MAX_VARIANTS = 8  # (as torch.compile's cache_size_limit: past it, shapes vary by more than buckets do)
+
+
+def _pad(shapes: Shapes) -> str:
+    """The way out for shapes this module cannot take: padding, worded for training or for serving."""
+    return PAD_OR_DROP if shapes.split is not None else PAD_FOR_INFERENCE
 
 
 @dataclass
@@ -152,7 +164,7 @@ def check_shared(variant: Shapes, first: Shapes, taken: list[Shapes]) -> None:
     if why is not None:
         raise SpmdError(f"shard_inputs: inputs of the shapes {_shapes(variant.key)}, where the module was compiled for "
                         f"{_shapes(first.key)}, cannot run over this module's pieces: {why}. What to do: "
-                        f"{PAD_OR_DROP}")
+                        f"{_pad(first)}")
 
 
 def check_room(key: tuple, first: Shapes, taken: int) -> None:
@@ -162,9 +174,10 @@ def check_room(key: tuple, first: Shapes, taken: int) -> None:
     raise SpmdError(
         f"shard_inputs: inputs of the shapes {_shapes(key)}: this module was compiled for {taken + 1} set(s) of "
         f"input shapes already (the first {_shapes(first.key)}), each a compilation of its own, and takes no more "
-        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket the shapes: {PAD_OR_DROP} To generate "
+        f"(`spmd.runtime.shapes.MAX_VARIANTS` others). What to do: bucket the shapes: {_pad(first)} To generate "
         "token by token, run one buffer of the longest length, right-padded, with its attention mask at every step "
-        "(docs/huggingface.md, \"Generation\").")
+        "(docs/huggingface.md, \"Generation\"). Or raise the limit before the call, "
+        "`spmd.runtime.shapes.MAX_VARIANTS = n`: each set of shapes costs a compile and keeps its graphs.")
 
 
 def verify_refusal(key: tuple, first: Shapes, runs: bool) -> SpmdError:

@@ -427,6 +427,12 @@ def test_what_only_the_model_has_is_named_with_the_way_out():
                                                  r"has one\..*model\.load_state_dict\(compiled\.full_state_dict\(persistent_only=True\)\)"):
             getattr(compiled, name)
     assert not hasattr(compiled, "generate")
+    with pytest.raises(AttributeError, match=r"To generate on the mesh with the pieces.*TorchExportableModuleWithStatic"
+                                             r"Cache compiled around the model.*\"Generation\""):
+        compiled.generate  # (the routes on the mesh, not only the whole model on every rank: a serving probe)
+    with pytest.raises(AttributeError) as e:
+        compiled.config
+    assert "To generate" not in str(e.value)
     with pytest.raises(AttributeError, match=r"no attribute 'missing'$"):  # (what the model lacks: as before)
         compiled.missing
     assert isinstance(compiled.fc.weight, nn.Parameter)  # (its pieces, under the model's names, as before)
