@@ -83,9 +83,11 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     complex types, and gloo's all_to_all refuses them (a probe: an FNO's spectral weight pinned on its modes
     failed its first step with "Invalid scalar type"). A bool tensor as bytes: inductor's all_gather of a bool
     gave int64 back (a probe, `compile_graphs=True`: a gathered mask negated, `~mask`, was -1 and -2, and the
-    loss 2.21 where eager gave 1.20). Anything else as it is."""
+    loss 2.21 where eager gave 1.20). Anything else as it is. A conjugate view (`z.conj()`, and what complex
+    gradients are made of) is made plain first: `view_as_real` refuses one, and `verify` or `gather_outputs` of
+    one failed, said to be a dead peer (a probe)."""
     if x.is_complex():
-        return torch.view_as_real(x.contiguous())
+        return torch.view_as_real(x.resolve_conj().contiguous())
     return x.view(torch.uint8) if x.dtype == torch.bool else x
 
 

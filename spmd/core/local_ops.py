@@ -84,7 +84,24 @@ def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, 
     packet, overload = name.split(".")
     if tuple(x.stride()) != tuple(stride):  # (laid out as traced already: drawn on it)
         x = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+    if name == "bernoulli.default" and torch.compiler.is_compiling():
+        return torch.ops.spmd.bernoulli_as_eager.default(x, *args, **kwargs)
     return getattr(getattr(aten, packet), overload)(x, *args, **kwargs)
+
+
+@torch.library.custom_op("spmd::bernoulli_as_eager", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def bernoulli_as_eager(p: torch.Tensor) -> torch.Tensor:
+    """`torch.bernoulli(p)`, which torch.compile cannot take apart: inductor decomposes `aten.bernoulli.default`
+    into `rand_like(p, dtype=float32) < p` even with `fallback_random`, which draws other numbers than eager's
+    kernel for float64 (a probe: a loss 0.0049 off one device at the first step under `compile_graphs=True`, and
+    the generator left elsewhere). Called in the rank graphs handed to torch.compile (runtime/compiled.py
+    `_runner`); seeded-nondeterministic, so no pass merges two draws."""
+    return torch.bernoulli(p)
+
+
+@bernoulli_as_eager.register_fake
+def _bernoulli_as_eager_fake(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(p)
 
 
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -29,7 +30,7 @@ from spmd.compiler.attribute_reads import (AttributeGuard, grad_flag_reader, gra
                                            reads_training)
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
-from spmd.core import collectives
+from spmd.core import collectives, local_ops  # noqa: F401  (local_ops registers spmd::bernoulli_as_eager)
 from spmd.core.autocast import autocast_off, autocast_on
 from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError, user_stacklevel
 from spmd.core.graph_facts import is_view, may_draw
@@ -3209,7 +3210,20 @@ def _runner(gm, backend: str):
     graphs with the same seed (a loss 0.036 off), and left the generator elsewhere for what the loop draws
     next."""
     options = {"fallback_random": True} if backend == "inductor" else None
-    return torch.compile(gm, backend=backend, dynamic=False, options=options)
+    return torch.compile(_drawn_as_eager(gm), backend=backend, dynamic=False, options=options)
+
+
+def _drawn_as_eager(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm`, or a copy whose `aten.bernoulli.default` calls are `local_ops.bernoulli_as_eager`, which torch.compile
+    runs as eager's kernel (its decomposition drew float32 numbers for a float64 tensor)."""
+    draws = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bernoulli.default]
+    if not draws:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.bernoulli.default:
+            node.target = torch.ops.spmd.bernoulli_as_eager.default
+    return torch.fx.GraphModule(gm, graph)
 
 
 class _OrUncompiled:

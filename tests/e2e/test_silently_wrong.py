@@ -1806,8 +1806,18 @@ def _spectral_steps(rank: int, world: int) -> dict:
         losses += [abs(float(loss) - float(eager_loss)), abs(float(norm) - float(eager_norm))]
     full = compiled.full_state_dict()
     errors = {n: float((full[n] - p.detach()).abs().max()) for n, p in eager.named_parameters()}
+    report = compiled.verify(x, y)  # (complex gradients are conjugate views: view_as_real refused them)
+
+    class Conjugate(torch.nn.Module):  # (an output that is a conjugate view, split on the batch)
+        def forward(self, x):
+            return torch.fft.rfft(x, dim=1).conj()
+
+    spectrum = spmd.compile(Conjugate(), mesh, (x,), mesh_spec=spec((2,), ("dp",)), in_placements={"x": [Shard(0)]},
+                            out_placements={0: [Shard(0)]})
+    gathered = spectrum.gather_outputs(spectrum(*spectrum.shard_inputs(x)))
     torch.set_default_dtype(torch.float32)
-    return {"losses": losses, "errors": errors}
+    return {"losses": losses, "errors": errors, "verified": report.ok,
+            "conj": float((gathered - torch.fft.rfft(x, dim=1).conj()).abs().max())}
 
 
 def test_complex_values_go_through_every_collective(ranks):
@@ -1815,9 +1825,11 @@ def test_complex_values_go_through_every_collective(ranks):
     all_to_all saying "Invalid scalar type" (gloo's refuses complex tensors, and NCCL has no complex types at all),
     and the error said a rank had died; `full_state_dict` of such a weight failed alike, and `clip_grad_norm_` (a
     complex norm: clamp refused it). Complex values now travel as real pairs, as torch.distributed's own API sends
-    them, and the norm is real."""
+    them, and the norm is real. A conjugate view (a complex gradient, `z.conj()`) is made plain before it goes:
+    `verify` and `gather_outputs` of one failed, said to be a dead peer (a probe)."""
     for r in ranks(2).run(_spectral_steps):
         assert max(r["losses"]) < 1e-12 and max(r["errors"].values()) < 1e-12, r
+        assert r["verified"] and r["conj"] == 0.0, r
 
 
 # ---- a loss_fn that returns one loss per example ---------------------------------------------------
