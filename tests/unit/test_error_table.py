@@ -885,3 +885,36 @@ def test_a_loss_fn_of_torch_whose_own_check_reads_values_is_told_to_compute_the_
     said = str(e.value).split("torch's whole message")[0]
     assert "torch's own `F.gaussian_nll_loss` checks its arguments' values in Python" in said, said
     assert "Compile with `training=True` and no `loss_fn`" in said and "gather_outputs" in said, said
+
+
+class _Drawn(nn.Module):
+    """A draw of integers (mixup's permutation, a sampled class) or a tensor made empty and written (affine_grid)."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.fc, self.case = nn.Linear(4, 4), case
+
+    def forward(self, x):
+        if self.case == "randperm":
+            x = 0.7 * x + 0.3 * x[torch.randperm(x.shape[0])]
+        elif self.case == "multinomial":
+            x = x + torch.multinomial(torch.softmax(x.detach(), -1), 1).to(x.dtype)
+        else:
+            theta = self.fc.weight[:2, :3][None].expand(x.shape[0], 2, 3)
+            x = x + F.affine_grid(theta, [x.shape[0], 1, 2, 2], align_corners=False).reshape(x.shape[0], 8)[:, :4]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("case", ["randperm", "multinomial", "affine_grid"])
+def test_verify_takes_the_ranks_draws_of_integers_and_ignores_uninitialized_memory(world, case):
+    """Found by a probe: a permutation or a sample drawn again by verify's reference was compared as floats only,
+    so it was taken as the same draw, and verify said MISMATCH at the `index` after it, naming no random op; and
+    the values of an `empty` tensor (affine_grid's, written after) were compared: `BAD empty`, 1.34e+152. Training
+    was exact in each case."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    compiled = spmd.compile(_Drawn(case).double(), world, (x, y), loss_fn=F.mse_loss)
+    torch.manual_seed(5)
+    report = compiled.verify(x, y)
+    assert report.ok, report
+    assert bool(report.random_ops) == (case != "affine_grid"), report.random_ops
