@@ -75,6 +75,8 @@ class PlanDetails:
     # mesh axis name -> where DTensor's parallel styles need whole tensors to compute what the plan does
     # (report/tp_regions.py); None: not worked out (a plan file from before it)
     style_regions: dict[str, StyleRegions] | None = None
+    # user input name -> the mesh axes its batch split is gathered on before any op reads it (`_gathered_on`)
+    inputs_gathered: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class _Local:
@@ -282,6 +284,8 @@ def compute_details(plan, src) -> PlanDetails:
             why, len(ns.strategies), n))
     inputs = {plan.labels[ph]: placements_str(plan.choices[ph].outputs[0])
               for ph, k in src.kinds.items() if k == "input"}
+    gathered = {plan.labels[ph]: axes for ph, k in src.kinds.items() if k == "input"
+                for axes in [_gathered_on(plan, ph, local.consumers[(ph, 0)])] if axes}
     backward = frozenset(name for name, node in nodes.items() if node is not None and phase_of(node) == "backward")
     uses = _param_roles(plan, table, params, where, types, local.follower, backward)
     regions = {}
@@ -291,7 +295,17 @@ def compute_details(plan, src) -> PlanDetails:
         if styles:
             embeddings = frozenset(p.module for p in uses if p.module in styles and p.module_type == "Embedding")
             regions[axis] = style_regions(src.graph, plan, table, styles, where, i, embeddings)
-    return PlanDetails(tuple(reports), tuple(uses), inputs, regions)
+    return PlanDetails(tuple(reports), tuple(uses), inputs, regions, inputs_gathered=gathered)
+
+
+def _gathered_on(plan, ph: str, consumers: list[tuple[str, int]]) -> tuple[str, ...]:
+    """The mesh axes on which input `ph` comes split on its batch (dim 0) and every op reading it takes it
+    otherwise: the split is undone before use, so each rank of that axis computes with the whole batch (a probe:
+    explain called such an input data parallel while every rank gathered it first)."""
+    given = plan.choices[ph].outputs[0]
+    return tuple(axis for i, axis in enumerate(plan.mesh.axis_names)
+                 if given[i] == Shard(0) and consumers
+                 and all(plan.choices[c].inputs[j][i] != Shard(0) for c, j in consumers))
 
 
 def _over(local, table, members: list[str], strategy) -> Split:

@@ -137,9 +137,13 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     rows = module_summary(details, names)
     lines += _table([[m or "(root)", t, d] for m, t, d in rows]) if rows else ["  (no parameters)"]
     for name, ps in details.inputs.items():
-        batch = [names[i] for i, p in enumerate(_parse_list(ps)) if p == "S(0)"]
-        note = f": batch split on {', '.join(batch)} (data parallel)" if batch else ""
-        lines.append(f"  input {name} {ps}{note}")
+        undone = details.inputs_gathered.get(name, ())
+        batch = [names[i] for i, p in enumerate(_parse_list(ps)) if p == "S(0)" and names[i] not in undone]
+        notes = [f"batch split on {', '.join(batch)} (data parallel)"] if batch else []
+        if undone:
+            notes.append(f"gathered on {', '.join(undone)} before any op reads it: every rank of "
+                         f"{'that axis' if len(undone) == 1 else 'those axes'} computes with the whole batch")
+        lines.append(f"  input {name} {ps}{': ' + '; '.join(notes) if notes else ''}")
     lines += ["", "Collectives per call:"]
     totals = collective_totals(plan)
     if totals:

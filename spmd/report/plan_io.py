@@ -68,7 +68,8 @@ def _details_json(details: PlanDetails | None) -> dict | None:
     regions = None if details.style_regions is None else \
         {axis: asdict(r) for axis, r in details.style_regions.items()}
     return {"nodes": [asdict(r) for r in details.nodes], "params": [asdict(p) for p in details.params],
-            "inputs": dict(details.inputs), "style_regions": regions}
+            "inputs": dict(details.inputs), "style_regions": regions,
+            "inputs_gathered": {k: list(v) for k, v in details.inputs_gathered.items()}}
 
 
 def _details_from(d: dict | None) -> PlanDetails | None:
@@ -84,7 +85,8 @@ def _details_from(d: dict | None) -> PlanDetails | None:
     regions = d.get("style_regions")
     if regions is not None:
         regions = {axis: StyleRegions(**{k: tuple(v) for k, v in r.items()}) for axis, r in regions.items()}
-    return PlanDetails(tuple(nodes), tuple(params), dict(d["inputs"]), regions)
+    gathered = {k: tuple(v) for k, v in d.get("inputs_gathered", {}).items()}  # (absent from older files)
+    return PlanDetails(tuple(nodes), tuple(params), dict(d["inputs"]), regions, inputs_gathered=gathered)
 
 
 def plan_to_json(plan: Plan, details: PlanDetails | None = None) -> dict:

@@ -167,3 +167,25 @@ def test_rows_of_repeated_layers_add_up_to_the_plans_communication():
     plan = spmd.plan(GPT(GPTConfig()), spec((2, 2), ("dp", "tp")), (ids, ids), loss_fn=lm_loss)
     assert any(r.count > 1 for r in plan.details.nodes)
     assert abs(sum(r.cost.comm_in * r.count for r in plan.details.nodes) - plan.comm_cost) < 1e-12
+
+
+def test_an_input_split_on_the_batch_but_gathered_before_use_is_not_called_data_parallel(tmp_path):
+    """Found by a probe: explain said "batch split on dp (data parallel)" from the input's pin alone, while the plan
+    gathered it on dp before its first op and every dp rank computed the whole batch. Here a slow link and a small
+    input make gathering it cheaper than gathering the wider output; the plan file keeps the note."""
+    import dataclasses
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd.core.profiles import LinkProfile
+    from tests.support import SLOW_DEVICE
+
+    fast = dataclasses.replace(SLOW_DEVICE, name="test-fast", flops=1e15, memory_bandwidth=1e15)
+    plan = spmd.plan(torch.nn.Sequential(torch.nn.Linear(4, 256)),
+                     spec((2,), ("dp",), link=LinkProfile("test-slow", 0.0, 1e6), device=fast), (torch.randn(8, 4),),
+                     in_placements={"input": [Shard(0)]}, out_placements={0: [Replicate()]})
+    assert [e.steps[0].kind for e in plan.edges] == ["all_gather"]  # (the input, before its matmul)
+    said = "input input [S(0)]: gathered on dp before any op reads it: every rank of that axis computes with the whole"
+    assert said in plan.explain() and "data parallel" not in plan.explain()
+    plan.save(tmp_path / "plan.json")
+    assert said in spmd.load_plan(tmp_path / "plan.json").explain()
