@@ -349,7 +349,7 @@ class Profile:
 def link_to_json(link: LinkProfile) -> dict:
     return {"name": link.name, "latency_s": link.latency_s, "bandwidth": link.bandwidth, "source": link.source,
             "per_collective": {k: {"latency_s": lat, "bandwidth": bw} for k, lat, bw in link.per_collective},
-            "large_messages": {k: {"wire_bytes": size, "bandwidth": bw} for k, size, bw in link.large_messages}}
+            "large_messages": {k: {"wire_bytes": float(size), "bandwidth": float(bw)} for k, size, bw in link.large_messages}}
 
 
 def link_from_json(d: dict) -> LinkProfile:

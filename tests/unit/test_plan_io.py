@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import spmd
 from tests.models import MLP
+from spmd.core.mesh import MeshSpec
 from spmd.core.specs import placement_from_text, placement_str
 from spmd.report.plan_io import SCHEMA, VERSION
 from tests.support import megatron_gpt_plan, spec
@@ -50,6 +51,20 @@ def test_json_round_trip_keeps_everything_explain_needs(tmp_path):
     # a file written before the one spelling (Partial as "P(sum)") reads as the same plan
     (tmp_path / "old.json").write_text(path.read_text().replace('"P"', '"P(sum)"'))
     assert spmd.load_plan(tmp_path / "old.json").fingerprint() == plan.fingerprint()
+
+
+def test_a_plan_over_gloo_links_saves_the_same_bytes_again(tmp_path):
+    """Found by a probe: the gloo link's large-message sizes were saved as written (8388608) and loaded as floats,
+    so a loaded plan saved again differed (8388608.0), against the docs' "the same bytes"."""
+    from spmd.core.profiles import link_profile_for
+    from tests.support import SLOW_DEVICE
+
+    gloo = link_profile_for("gloo")
+    assert gloo.large_messages  # (what the bytes differed in)
+    plan = spmd.plan(MLP(16, 64), MeshSpec((2,), ("dp",), (gloo,), SLOW_DEVICE), (torch.randn(4, 16),))
+    plan.save(tmp_path / "plan.json")
+    spmd.load_plan(tmp_path / "plan.json").save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (tmp_path / "plan.json").read_text()
 
 
 def test_load_rejects_other_versions_and_edited_plans(tmp_path):
