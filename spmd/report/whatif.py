@@ -105,7 +105,12 @@ class Crossover:
                 "str() lists them, .below and .above are the plans)")
 
     def __str__(self) -> str:
-        if self.at is None:
+        if self.at is None and self.below_formula is None:
+            lo, hi = self.between
+            lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; where, no formula says: a graph "
+                     f"traced there has other ops than at twice the size (at {self.symbol} 1, dims of size 1 broadcast), "
+                     f"so no formula in the {self.symbol} covers it"]
+        elif self.at is None:
             lo, hi = self.between
             lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; their formulas do not cross "
                      "there (each plan's formula also counts sizes its layout cannot split evenly, where it "
@@ -138,10 +143,13 @@ def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[
     for (b1, p1), (b2, p2) in zip(plans, plans[1:]):
         if _layout(p1) == _layout(p2):
             continue
-        f1, f2 = cost_formula(p1, request, symbol, b1), cost_formula(p2, request, symbol, b2)
-        formula = sympy.lambdify(x, f1 - f2, "math")
+        try:
+            f1, f2 = cost_formula(p1, request, symbol, b1), cost_formula(p2, request, symbol, b2)
+        except SpmdError:  # (a size whose graph is not the others' with other sizes: transformers' masks at batch 1
+            f1 = f2 = None  # expand from 1; a probe's Llama stopped the whole crossover there)
+        formula = sympy.lambdify(x, f1 - f2, "math") if f1 is not None else None
         lo, hi = float(b1), float(b2)
-        if formula(lo) > 0 or formula(hi) < 0:  # no sign change between the two sizes: no crossing to report
+        if formula is None or formula(lo) > 0 or formula(hi) < 0:  # no sign change: no crossing to report
             at = None
         else:
             for _ in range(60):

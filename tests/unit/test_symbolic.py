@@ -118,3 +118,28 @@ def test_crossover_without_a_crossing_names_the_sizes_not_a_midpoint(monkeypatch
     found = plan.crossover()
     assert len(found) == 1 and found[0].at is None and found[0].between[0] < found[0].between[1]
     assert str(found[0]).startswith(f"between batch {found[0].between[0]} and {found[0].between[1]} the best plan")
+
+
+def test_crossover_past_a_size_no_formula_covers_reports_the_change_and_goes_on(monkeypatch):
+    """Found by a probe: transformers' Llama traced at batch 1 has other nodes than at batch 2 (its masks expand from
+    1), so `cost_formula` at batch 1 raised and the whole crossover stopped with it. The pair of sizes is reported
+    with no formula (`at` None) and the search goes on."""
+    from spmd.core.errors import SpmdError
+    from spmd.report import whatif
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    plan = spmd.plan(model, FAST_MEMORY_1D, (torch.randn(8, 64), torch.randn(8, 64)), loss_fn=F.mse_loss)
+    real = whatif.cost_formula
+
+    def formula(p, request, symbol="batch", batch=None):
+        if batch == 2:  # (as cost_formula says of such a graph at batch 1; the plan here changes between 2 and 4)
+            raise SpmdError("cost_formula: node 'expand_1' has a dim that goes from 1 to 128 when the batch goes from 1 "
+                            "to 2")
+        return real(p, request, symbol, batch)
+
+    monkeypatch.setattr(whatif, "cost_formula", formula)
+    found = plan.crossover()
+    assert len(found) == 1 and found[0].at is None and found[0].between == (2, 4), [str(c) for c in found]
+    assert found[0].below_formula is None and found[0].changed
+    assert str(found[0]).startswith("between batch 2 and 4 the best plan changes; where, no formula says")
