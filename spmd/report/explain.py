@@ -109,9 +109,13 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     buckets = plan.objective - plan.compute_cost - plan.comm_cost - plan.recompute_cost
     rest = "".join(f", {what} {t * 1e3:.3f} ms" for what, t in (
         ("recomputation", plan.recompute_cost), ("gradient buckets' latency", buckets)) if t >= 5e-7)
+    # (the runtime's own time around the graphs, which no plan changes: a probe read two predictions for one plan)
+    wrapper = plan.wrapper_overhead_s
+    around = (f"; with the runtime's {wrapper * 1e3:.3f} ms around the graphs, {plan.predicted_step_s * 1e3:.3f} ms "
+              f"per {'step' if plan.joint else 'call'} (predicted_step_s)" if wrapper >= 5e-7 else "")
     lines = [f"Plan on mesh {plan.mesh}: estimated {plan.objective * 1e3:.3f} ms per call "
              f"(compute {plan.compute_cost * 1e3:.3f} ms{of_it}, communication {plan.comm_cost * 1e3:.3f} ms{rest}), "
-             f"optimality gap {plan.gap_text}"]
+             f"optimality gap {plan.gap_text}{around}"]
     search = plan.stats.get("axis_search")
     if search:
         lines.append(f"solved by axis search ({search['solves']} solves of two mesh axes at a time, "

@@ -189,3 +189,17 @@ def test_an_input_split_on_the_batch_but_gathered_before_use_is_not_called_data_
     assert said in plan.explain() and "data parallel" not in plan.explain()
     plan.save(tmp_path / "plan.json")
     assert said in spmd.load_plan(tmp_path / "plan.json").explain()
+
+
+def test_the_headline_names_the_runtimes_time_and_the_predicted_step():
+    """Found by a probe: the headline said 71.784 ms per call where `predicted_step_s` said 73.07 ms, and nothing said
+    why; the runtime's own time around the graphs (no plan changes it) is named, with the sum."""
+    import dataclasses
+
+    from tests.support import SLOW_DEVICE
+
+    device = dataclasses.replace(SLOW_DEVICE, name="test-overhead", call_overhead_s=2e-3)
+    plan = spmd.plan(MLP(16, 64), spec((2,), ("dp",), device=device), (torch.randn(4, 16),))
+    head = plan.explain(detail=False).splitlines()[0]
+    assert head.endswith(f"; with the runtime's 2.000 ms around the graphs, {plan.predicted_step_s * 1e3:.3f} ms per "
+                         "call (predicted_step_s)"), head
