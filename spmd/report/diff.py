@@ -18,6 +18,8 @@ class PlanDiff:
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (kind, axis) -> counts
     # (kind, axis) -> bytes entering the collectives, where the counts agree and the bytes do not (another size)
     collective_bytes: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    # (kind, axis) -> bytes entering the collectives, where the counts differ (a probe: the counts alone were shown)
+    counted_bytes: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     costs: dict[str, tuple[float, float]] = field(default_factory=dict)  # seconds / bytes in a and b
     recompute: list[tuple[str, str, str]] = field(default_factory=list)  # (layer, in a, in b)
     # the graphs differ (another model, or parameters added): ops were not compared node by node
@@ -66,7 +68,10 @@ class PlanDiff:
                 lines.append(f"{what} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
         if self.collectives:
             lines.append("collectives:")
-            lines += [f"  {k} on {ax}: {a} -> {b} ({b - a:+d})" for (k, ax), (a, b) in sorted(self.collectives.items())]
+            moved = self.counted_bytes
+            lines += [f"  {k} on {ax}: {a} -> {b} ({b - a:+d})" + (
+                f", {moved[k, ax][0] / 2**10:.1f} -> {moved[k, ax][1] / 2**10:.1f} KiB" if (k, ax) in moved else "")
+                for (k, ax), (a, b) in sorted(self.collectives.items())]
         if self.collective_bytes:
             lines.append("collective bytes (the same counts):")
             lines += [f"  {k} on {ax}: {a / 2**10:.1f} -> {b / 2**10:.1f} KiB"
@@ -121,6 +126,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     ba, bb = _collective_bytes(a), _collective_bytes(b)
     d.collective_bytes = {k: (ba[k], bb[k]) for k in sorted(set(ba) & set(bb))
                           if k not in d.collectives and ba[k] != bb[k]}
+    d.counted_bytes = {k: (ba.get(k, 0), bb.get(k, 0)) for k in d.collectives}
     d.costs = {"estimated time": (a.objective, b.objective), "compute": (a.compute_cost, b.compute_cost),
                "communication": (a.comm_cost, b.comm_cost)}
     if a.memory or b.memory:

@@ -133,6 +133,10 @@ def test_diff_names_changed_placements_collectives_and_costs():
     assert "fc1.weight  [R] -> [S(0)]" in text
     assert "estimated time:" in text and "ms (+" in text
     assert d.collectives and all(x != y for x, y in d.collectives.values())
+    for (kind, axis), (x, y) in d.collectives.items():  # (with the bytes they move: a probe saw counts alone)
+        moved = d.counted_bytes[kind, axis]
+        assert f"  {kind} on {axis}: {x} -> {y} ({y - x:+d}), {moved[0] / 2**10:.1f} -> {moved[1] / 2**10:.1f} KiB" \
+            in text, text
     assert str(spmd.diff_plans(a, a)) == "plans are the same (placements, collectives and costs)"
 
 
