@@ -9,6 +9,8 @@ rewrites the op to one of these with this rank's `start` (passes/rules/vocab_par
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 aten = torch.ops.aten
@@ -84,24 +86,37 @@ def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, 
     packet, overload = name.split(".")
     if tuple(x.stride()) != tuple(stride):  # (laid out as traced already: drawn on it)
         x = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
-    if name == "bernoulli.default" and torch.compiler.is_compiling():
-        return torch.ops.spmd.bernoulli_as_eager.default(x, *args, **kwargs)
+    if name == "bernoulli.default" and torch.compiler.is_compiling() and not args and \
+            all(v is None for v in kwargs.values()):
+        return torch.ops.spmd.bernoulli_as_eager.default(x, next(_DRAWS))
     return getattr(getattr(aten, packet), overload)(x, *args, **kwargs)
 
 
+_DRAWS = itertools.count()  # (each call site of `bernoulli_as_eager` its own number: see there)
+
+
 @torch.library.custom_op("spmd::bernoulli_as_eager", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def bernoulli_as_eager(p: torch.Tensor) -> torch.Tensor:
+def bernoulli_as_eager(p: torch.Tensor, draw: int) -> torch.Tensor:
     """`torch.bernoulli(p)`, which torch.compile cannot take apart: inductor decomposes `aten.bernoulli.default`
     into `rand_like(p, dtype=float32) < p` even with `fallback_random`, which draws other numbers than eager's
     kernel for float64 (a probe: a loss 0.0049 off one device at the first step under `compile_graphs=True`, and
     the generator left elsewhere). Called in the rank graphs handed to torch.compile (runtime/compiled.py
-    `_runner`); seeded-nondeterministic, so no pass merges two draws."""
+    `_runner`). `draw`: a number of its own per call site, which the op ignores: a common-subexpression pass
+    merges two calls with the same arguments (AOTAutograd's skips a fixed list of torch's random ops, not this
+    tag; a review), and two draws of one `p` are two draws."""
     return torch.bernoulli(p)
 
 
 @bernoulli_as_eager.register_fake
-def _bernoulli_as_eager_fake(p: torch.Tensor) -> torch.Tensor:
+def _bernoulli_as_eager_fake(p: torch.Tensor, draw: int) -> torch.Tensor:
     return torch.empty_like(p)
+
+
+def _bernoulli_as_eager_backward(ctx, grad: torch.Tensor):
+    return torch.zeros_like(grad), None  # (as torch's own bernoulli: no gradient reaches the probabilities)
+
+
+bernoulli_as_eager.register_autograd(_bernoulli_as_eager_backward)
 
 
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],

@@ -820,9 +820,16 @@ class _Calls(list):
 
     def __init__(self, root: torch.nn.Module):
         super().__init__()
-        self.root = root
+        # (path, module, key) of each buffer, walked once: read at every checkpointed call (a review: a walk of the
+        # tree per call grew as layers x buffers)
+        self._slots = [(f"{path}.{key}" if path else key, module, key)
+                       for path, module in root.named_modules(remove_duplicate=False) for key in module._buffers]
         self.norms: dict[str, str] = {}
         self.updated: set[str] = set()
+
+    def buffers(self):
+        """(path, tensor) of every buffer under the root, as the trace holds them now."""
+        return [(path, b) for path, module, key in self._slots if (b := module._buffers.get(key)) is not None]
 
 
 @contextlib.contextmanager
@@ -832,14 +839,22 @@ def _inside_checkpoint():
     buffers' too), whichever module's code writes them, and only then (a parent's update of its child's buffer
     outside the child's checkpoint is none)."""
     calls = _checkpoints_here.calls[0]
-    before = {name: b._version for name, b in calls.root.named_buffers(remove_duplicate=False)}
+    before = {name: _writes(b) for name, b in calls.buffers()}
     _checkpoints_here.inside = getattr(_checkpoints_here, "inside", 0) + 1
     try:
         yield
     finally:
         _checkpoints_here.inside -= 1
-        calls.updated.update(name for name, b in calls.root.named_buffers(remove_duplicate=False)
-                             if name in before and b._version != before[name])
+        calls.updated.update(name for name, b in calls.buffers() if name in before and _writes(b) != before[name])
+
+
+def _writes(t: torch.Tensor) -> tuple[int, int]:
+    """What moves when `t` is written in place: its version counter, and where the trace gives it as a functional
+    tensor, its storage's mutation counter too (a write through `.data` gets a fresh version counter and moved
+    none: a review)."""
+    inner = getattr(t, "elem", None)
+    functional = isinstance(inner, torch.Tensor) and torch._is_functional_tensor(inner)
+    return t._version, torch._functionalize_mutation_counter(inner) if functional else 0
 
 
 @contextlib.contextmanager

@@ -300,8 +300,8 @@ def compute_details(plan, src) -> PlanDetails:
 
 def _gathered_on(plan, ph: str, consumers: list[tuple[str, int]]) -> tuple[str, ...]:
     """The mesh axes on which input `ph` comes split on its batch (dim 0) and every op reading it takes it
-    otherwise: the split is undone before use, so each rank of that axis computes with the whole batch (a probe:
-    explain called such an input data parallel while every rank gathered it first)."""
+    otherwise: the split is undone before use, gathered or moved to another axis, and no op runs data parallel on
+    that axis (a probe: explain called such an input data parallel while every rank gathered it first)."""
     given = plan.choices[ph].outputs[0]
     return tuple(axis for i, axis in enumerate(plan.mesh.axis_names)
                  if given[i] == Shard(0) and consumers

@@ -145,8 +145,8 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         batch = [names[i] for i, p in enumerate(_parse_list(ps)) if p == "S(0)" and names[i] not in undone]
         notes = [f"batch split on {', '.join(batch)} (data parallel)"] if batch else []
         if undone:
-            notes.append(f"gathered on {', '.join(undone)} before any op reads it: every rank of "
-                         f"{'that axis' if len(undone) == 1 else 'those axes'} computes with the whole batch")
+            notes.append(f"its batch split on {', '.join(undone)} undone before any op reads it (gathered, or moved to "
+                         f"another axis): no op runs data parallel on {'it' if len(undone) == 1 else 'them'}")
         lines.append(f"  input {name} {ps}{': ' + '; '.join(notes) if notes else ''}")
     lines += ["", "Collectives per call:"]
     totals = collective_totals(plan)

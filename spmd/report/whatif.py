@@ -97,6 +97,7 @@ class Crossover:
     below_formula: Any = None  # their costs in the batch size (sympy)
     above_formula: Any = None
     between: tuple[int, int] = (0, 0)  # the two sizes solved: `below` best at the first, `above` at the second
+    unpriced: str = ""  # why no formula covers `between` (cost_formula's error), where none does
 
     def __repr__(self) -> str:
         # (the dataclass's own repr printed both whole Plans: about 70 kB for one crossover in a list)
@@ -105,11 +106,10 @@ class Crossover:
                 "str() lists them, .below and .above are the plans)")
 
     def __str__(self) -> str:
-        if self.at is None and self.below_formula is None:
+        if self.at is None and self.unpriced:
             lo, hi = self.between
-            lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; where, no formula says: a graph "
-                     f"traced there has other ops than at twice the size (at {self.symbol} 1, dims of size 1 broadcast), "
-                     f"so no formula in the {self.symbol} covers it"]
+            lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; where, no formula says: "
+                     f"{self.unpriced}"]
         elif self.at is None:
             lo, hi = self.between
             lines = [f"between {self.symbol} {lo} and {hi} the best plan changes; their formulas do not cross "
@@ -143,11 +143,14 @@ def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[
     for (b1, p1), (b2, p2) in zip(plans, plans[1:]):
         if _layout(p1) == _layout(p2):
             continue
+        f1 = f2 = None
+        unpriced = ""
         try:
-            f1, f2 = cost_formula(p1, request, symbol, b1), cost_formula(p2, request, symbol, b2)
-        except SpmdError:  # (a size whose graph is not the others' with other sizes: transformers' masks at batch 1
-            f1 = f2 = None  # expand from 1; a probe's Llama stopped the whole crossover there)
-        formula = sympy.lambdify(x, f1 - f2, "math") if f1 is not None else None
+            f1 = cost_formula(p1, request, symbol, b1)
+            f2 = cost_formula(p2, request, symbol, b2)
+        except SpmdError as e:  # (a size whose graph has other ops than at twice it: transformers' masks at batch 1
+            unpriced = str(e).splitlines()[0]  # expand from 1; a probe's Llama stopped the whole crossover there)
+        formula = sympy.lambdify(x, f1 - f2, "math") if f2 is not None else None
         lo, hi = float(b1), float(b2)
         if formula is None or formula(lo) > 0 or formula(hi) < 0:  # no sign change: no crossing to report
             at = None
@@ -159,5 +162,5 @@ def crossover(plan, request: Request | None, symbol: str = "batch", sizes: list[
         labels = p1.labels
         changed = [(labels[n], placements_str(p1.choices[n].outputs[0]), placements_str(p2.choices[n].outputs[0]))
                    for n in labels if n in p2.choices and p1.choices[n].outputs[0] != p2.choices[n].outputs[0]]
-        found.append(Crossover(symbol, at, p1, p2, changed, f1, f2, (b1, b2)))
+        found.append(Crossover(symbol, at, p1, p2, changed, f1, f2, (b1, b2), unpriced))
     return found

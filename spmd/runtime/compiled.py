@@ -3220,9 +3220,11 @@ def _drawn_as_eager(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if not draws:
         return gm
     graph = copy.deepcopy(gm.graph)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.bernoulli.default:
-            node.target = torch.ops.spmd.bernoulli_as_eager.default
+    for k, node in enumerate(n for n in graph.nodes
+                             if n.op == "call_function" and n.target is torch.ops.aten.bernoulli.default):
+        if node.kwargs.get("generator") is not None:  # (a generator of the user's: eager's op, as traced)
+            continue
+        node.target, node.args, node.kwargs = torch.ops.spmd.bernoulli_as_eager.default, (node.args[0], k), {}
     return torch.fx.GraphModule(gm, graph)
 
 

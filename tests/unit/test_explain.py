@@ -185,8 +185,8 @@ def test_an_input_split_on_the_batch_but_gathered_before_use_is_not_called_data_
                      spec((2,), ("dp",), link=LinkProfile("test-slow", 0.0, 1e6), device=fast), (torch.randn(8, 4),),
                      in_placements={"input": [Shard(0)]}, out_placements={0: [Replicate()]})
     assert [e.steps[0].kind for e in plan.edges] == ["all_gather"]  # (the input, before its matmul)
-    said = "input input [S(0)]: gathered on dp before any op reads it: every rank of that axis computes with the whole"
-    assert said in plan.explain() and "data parallel" not in plan.explain()
+    said = "input input [S(0)]: its batch split on dp undone before any op reads it (gathered, or moved to another axis)"
+    assert said in plan.explain() and "batch split on dp (data parallel)" not in plan.explain()
     plan.save(tmp_path / "plan.json")
     assert said in spmd.load_plan(tmp_path / "plan.json").explain()
 

@@ -561,8 +561,16 @@ def test_a_buffer_updated_inside_a_checkpointed_module_warns_that_eager_updates_
                 h = update(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
             return self.head(h)
 
+    class ThroughData(Tracking):  # (a write through `.data`: a fresh version counter, which moved none; a review)
+        def forward(self, x):
+            z = self.fc(x)
+            self.acc.data.add_(z.detach().mean(0))
+            return torch.tanh(z - self.acc)
+
+    through_data = Net(True)
+    through_data.block = ThroughData()
     x, t = torch.randn(4, 8), torch.randn(4, 2)
-    for model in (Net(True), Parent(True)):
+    for model in (Net(True), Parent(True), through_data):
         with pytest.warns(UserWarning, match=r"`block\.acc` is a buffer the forward updates in place inside "
                                              r"torch\.utils\.checkpoint: eager PyTorch makes the update twice"):
             one_device(model, (x, t), loss_fn=F.mse_loss)

@@ -141,5 +141,6 @@ def test_crossover_past_a_size_no_formula_covers_reports_the_change_and_goes_on(
     monkeypatch.setattr(whatif, "cost_formula", formula)
     found = plan.crossover()
     assert len(found) == 1 and found[0].at is None and found[0].between == (2, 4), [str(c) for c in found]
-    assert found[0].below_formula is None and found[0].changed
-    assert str(found[0]).startswith("between batch 2 and 4 the best plan changes; where, no formula says")
+    assert found[0].above_formula is None and found[0].changed
+    assert str(found[0]).startswith("between batch 2 and 4 the best plan changes; where, no formula says: cost_formula: "
+                                    "node 'expand_1' has a dim that goes from 1 to 128"), str(found[0])
