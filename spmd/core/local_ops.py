@@ -88,7 +88,7 @@ def drawn_in_layout(name: str, stride: tuple[int, ...], x: torch.Tensor, *args, 
         x = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
     if name == "bernoulli.default" and torch.compiler.is_compiling() and not args and \
             all(v is None for v in kwargs.values()):
-        return torch.ops.spmd.bernoulli_as_eager.default(x, next(_DRAWS))
+        return BERNOULLI_AS_EAGER(x, next(_DRAWS))
     return getattr(getattr(aten, packet), overload)(x, *args, **kwargs)
 
 
@@ -117,6 +117,7 @@ def _bernoulli_as_eager_backward(ctx, grad: torch.Tensor):
 
 
 bernoulli_as_eager.register_autograd(_bernoulli_as_eager_backward)
+BERNOULLI_AS_EAGER = torch.ops.spmd.bernoulli_as_eager.default  # (the op as a graph node calls it)
 
 
 def dropout_piece(x: torch.Tensor, p: float, train: bool | None, shape: tuple[int, ...],

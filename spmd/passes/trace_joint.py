@@ -769,10 +769,8 @@ def checkpoints_run_through(root: torch.nn.Module):
 
             def norm_inside(module, args):
                 here = getattr(_checkpoints_here, "calls", None)
-                if here is None or not getattr(_checkpoints_here, "inside", 0):
-                    return
-                if module.training and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and \
-                        module.track_running_stats:
+                if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
+                        isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
                     here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
 
             reentrant.apply = classmethod(apply)

@@ -403,13 +403,14 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "statistics) computes its factor from `num_batches_tracked` in Python, which a graph cannot hold. "
                 "Give it a momentum (`momentum=0.1`, torch's default), or compile the model in eval mode")
     cache = re.search(r"\b(\w*Cache)\b", str(error))
-    given = "get_seq_length" in str(error) or (cache and "Unsupported input type" in str(error))
-    if cache and not given and ("pytree" in str(error) or "not a known type" in str(error)):  # (transformers' cache)
+    # (a cache given as past_key_values: torch's own words alone before, found by a probe; a StaticCache given was
+    # told it was returned, found by a serving probe)
+    as_input = "get_seq_length" in str(error) or (cache and "Unsupported input type" in str(error))
+    if cache and not as_input and ("pytree" in str(error) or "not a known type" in str(error)):  # (returned)
         return (f"the model returns a {cache.group(1)} (transformers' key/value cache, on by default), which a graph "
                 "cannot hold: build it with `use_cache=False` in its config, or pass `use_cache=False` in the "
                 "example kwargs")
-    if given:  # (an input: a StaticCache given as past_key_values was told it was returned; a serving probe)
-        # (found by a probe: torch's own words alone, for a cache given as past_key_values)
+    if as_input:
         given = "a tensor" if "'FakeTensor' object" in str(error) else "a key/value cache"
         return (f"the model was given {given} where it takes `past_key_values` (transformers' key/value cache), which "
                 "a compiled graph cannot take: its inputs are tensors of fixed shapes. Pass the inputs by keyword "

@@ -30,7 +30,7 @@ from spmd.compiler.attribute_reads import (AttributeGuard, grad_flag_reader, gra
                                            reads_training)
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
-from spmd.core import collectives, local_ops  # noqa: F401  (local_ops registers spmd::bernoulli_as_eager)
+from spmd.core import collectives, local_ops
 from spmd.core.autocast import autocast_off, autocast_on
 from spmd.core.errors import SpmdCollectiveError, SpmdError, SpmdInternalError, user_stacklevel
 from spmd.core.graph_facts import is_view, may_draw
@@ -3216,15 +3216,15 @@ def _runner(gm, backend: str):
 def _drawn_as_eager(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm`, or a copy whose `aten.bernoulli.default` calls are `local_ops.bernoulli_as_eager`, which torch.compile
     runs as eager's kernel (its decomposition drew float32 numbers for a float64 tensor)."""
-    draws = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bernoulli.default]
-    if not draws:
+    def draws(graph):  # (with a generator of the user's: eager's op, as traced)
+        return [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bernoulli.default
+                and n.kwargs.get("generator") is None]
+
+    if not draws(gm.graph):
         return gm
     graph = copy.deepcopy(gm.graph)
-    for k, node in enumerate(n for n in graph.nodes
-                             if n.op == "call_function" and n.target is torch.ops.aten.bernoulli.default):
-        if node.kwargs.get("generator") is not None:  # (a generator of the user's: eager's op, as traced)
-            continue
-        node.target, node.args, node.kwargs = torch.ops.spmd.bernoulli_as_eager.default, (node.args[0], k), {}
+    for k, node in enumerate(draws(graph)):
+        node.target, node.args, node.kwargs = local_ops.BERNOULLI_AS_EAGER, (node.args[0], k), {}
     return torch.fx.GraphModule(gm, graph)
 
 
