@@ -7,6 +7,7 @@ verify), or a ready `options=PlanOptions(...)` with keywords on top.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -23,6 +24,8 @@ from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import collector_paused, run_pipeline
 from spmd.core.errors import SpmdError
 from spmd.core.mesh import MeshSpec, host_id, record_hosts
+from spmd.core.plan import Plan
+from spmd.report import plan_io
 from spmd.report.result import PlanReport, report_of
 from spmd.report.whatif import Request
 from spmd.runtime import source_guard
@@ -143,13 +146,30 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     loss_fn (then `compiled(*inputs, *targets)` returns the loss and trains), training, memory_budget,
     optimizer_state_factor, stamp_layers (on by default: a stack of 8 or more identical layers is traced 3
     deep and stamped to full depth, once the forward at full depth is checked to run those layers
-    repeated and nothing else), ...
+    repeated and nothing else), plan (a plan solved before, its `PlanReport` or file path: run without
+    solving, once checked against this trace), ...
     """
     # (under torch.inference_mode the pieces would be inference tensors: no version counters for the guards,
     # no autograd; compiled outside it, the module is called under it as the user likes)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
-                        PlanOptions.build(options, **kwargs))
+                        _built(options, kwargs))
+
+
+def _built(options: PlanOptions | None, kwargs: dict) -> PlanOptions:
+    """`PlanOptions.build`, with a given `plan` as the plan itself: a `PlanReport` or a plan file's path (what
+    `plan.save(path)` and `spmd plan --json` write) becomes the `Plan` it holds."""
+    given = kwargs.get("plan", options.plan if options is not None else None)
+    if isinstance(given, (str, os.PathLike)):
+        try:
+            given, _ = plan_io.load_plan(given)
+        except (OSError, ValueError) as e:
+            raise SpmdError(f"plan={str(given)!r}: {e}") from None
+    if isinstance(given, Plan) and type(given) is not Plan:  # (a PlanReport: the plan without its sources)
+        given = Plan(**{f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)})
+    if given is not None:
+        kwargs = {**kwargs, "plan": given}
+    return PlanOptions.build(options, **kwargs)
 
 
 def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
@@ -181,6 +201,13 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
     _refuse_rank_layout(mesh)
+    if mesh_spec is None and options.plan is not None:  # priced with the plan's profiles, as it was solved
+        if tuple(options.plan.mesh.shape) != tuple(mesh.shape):
+            raise SpmdError(f"compile: the plan given (plan=) was solved for a mesh of shape "
+                            f"{tuple(options.plan.mesh.shape)}, and the mesh has shape {tuple(mesh.shape)}. What to do: "
+                            "plan for this mesh's shape (spmd.plan(model, MeshSpec(shape, names, ...), inputs)), or "
+                            "compile without plan= to solve here.")
+        mesh_spec = options.plan.mesh
     # on CPU, this host's own rates (measured once, cached: runtime/host.py), the same on every rank
     spec = mesh_spec or MeshSpec.from_device_mesh(mesh, host_cpu_profile() if mesh.device_type == "cpu" else None)
     if tuple(spec.shape) != tuple(mesh.shape):
@@ -281,7 +308,7 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
     3 layers deep and stamped to full depth by default (`stamp_layers`), identical layers that repeat 4
     times or more are solved once (`tie_blocks`), and graphs over 1500 ops let single-input ops follow
     their input (`merge_followers`)."""
-    options = PlanOptions.build(options, **kwargs)
+    options = _built(options, kwargs)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     view, flat_inputs, _ = positional_call(model, example_inputs, example_kwargs,

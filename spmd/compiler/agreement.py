@@ -28,7 +28,7 @@ from spmd.core.specs import TensorInfo, placements_str
 
 # PlanOptions fields that change the plan (dump_dir and verify only change what is written or checked)
 _PLAN_FIELDS = ("loss_fn", "training", "memory_budget", "optimizer_state_factor", "tie_blocks", "merge_followers",
-                "stamp_layers", "bucket_bytes", "defer_waits")
+                "stamp_layers", "bucket_bytes", "defer_waits", "plan")
 
 
 def _pins_text(pins) -> list[str]:
@@ -53,6 +53,8 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         value = getattr(options, f)
         if f == "loss_fn" and value is not None:
             value = getattr(value, "__qualname__", type(value).__name__)
+        elif f == "plan" and value is not None:  # (a given plan: the same one on every rank)
+            value = value.fingerprint()
         options_text.append(f"{f}={value}")
     return {
         "mesh": [f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.shape)],

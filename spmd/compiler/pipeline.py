@@ -38,6 +38,7 @@ from spmd.compiler.agreement import graph_digest, summarize
 from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
+from spmd.compiler.given_plan import take_given_plan
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.verify import CHECKS
 from spmd.core.errors import SpmdError, SpmdInternalError
@@ -171,7 +172,10 @@ def _merging(v: dict) -> bool:
 
 
 def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress,
-           recomputable) -> Plan:
+           recomputable, mesh) -> Plan:
+    if options.plan is not None:  # solved before: every rank takes it, once it is checked against this trace
+        return take_given_plan(options.plan, traced, mesh, options)
+
     def make() -> Plan:
         stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
         stats["graph"] = graph_digest(traced)
@@ -191,8 +195,11 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
 
 
 def _plans_here(v: dict) -> bool:
-    """This process builds the placement program (on a live mesh only one rank does; see `_solve`)."""
-    return v["binding"] is None or v["binding"].plans
+    """This process builds the placement program (on a live mesh only one rank does, and none where a plan was
+    given; see `_solve`)."""
+    if v["binding"] is None:
+        return True
+    return v["binding"].plans and v["options"].plan is None
 
 
 def planning_tables(traced, mesh, options: PlanOptions, blocks) -> tuple:
@@ -275,7 +282,7 @@ PIPELINE: tuple[Pass, ...] = (
     # and the solver breaks ties by timing, so on a live mesh one rank plans (the three passes above and
     # this one) and every rank takes its plan.
     Pass("solve_placements", _solve, ("traced", "strategies", "costs", "options", "blocks", "binding", "stamp_note",
-                                      "progress", "recomputable"),
+                                      "progress", "recomputable", "mesh"),
          "plan", dump=dumps.dump_plan),
     # Structural passes from here, for a rank only: explicit steps, then this rank's local graph.
     Pass("insert_collectives", insert_collectives, ("traced", "plan"), "global_gm", _bound,

@@ -133,14 +133,15 @@ def _alike(tensors: tuple, first: Shapes) -> bool:
 def pinned_to(options, first: Shapes, key: tuple, mesh_shape: tuple[int, ...]):
     """`options` with every parameter and buffer pinned to its layout in `first`, and each input to its layout
     there where that still divides its new shape; else left to the plan (the user's pin on it, met by that
-    layout, is for the compiled shape: a batch of 5 cannot be split in 2)."""
+    layout, is for the compiled shape: a batch of 5 cannot be split in 2). A plan given to the first compile
+    (`PlanOptions.plan`) is for its shapes: the new ones are solved."""
     inputs = dict(options.in_placements or {})
     for spec, shape in zip(first.input_specs, key):
         if is_even(shape, spec.placements, mesh_shape):
             inputs[spec.name] = list(spec.placements)
         else:
             inputs.pop(spec.name, None)
-    return replace(options, param_placements={**dict(options.param_placements or {}),
+    return replace(options, plan=None, param_placements={**dict(options.param_placements or {}),
                                               **{fqn: list(ps) for fqn, ps in first.state}},
                    in_placements=inputs)
 

@@ -1,0 +1,123 @@
+"""A plan solved before, taken instead of solving (`PlanOptions.plan`): checked against what this compilation
+traced, since a plan names nodes and a plan for another graph would run other collectives, or none, around
+the same names.
+
+    take_given_plan(plan, traced, mesh, options) -> plan    or one SpmdError listing every difference
+
+What is checked: the mesh's shape and axis names; training or not; the digest of the traced ops (each op,
+the numbers it takes and its output shape, in order: `agreement.graph_digest`), which the plan keeps from its
+own trace; a choice for every value the graph makes and none for a node it lacks; the names of the inputs,
+parameters and buffers; the pins given with the plan, each met; a memory budget given with it, the plan's.
+The profiles the plan was priced with may differ from this mesh's: they are what its costs and memory say.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from spmd.compiler.agreement import graph_digest
+from spmd.compiler.options import PlanOptions
+from spmd.core.errors import SpmdError
+from spmd.core.plan import Plan
+from spmd.core.specs import placements_str
+from spmd.passes.check_pins import check_pins
+
+_WAY_OUT = ("What to do: plan again from this model with these inputs and options (`spmd.plan(...)`, then "
+            "`plan.save(path)`), or compile without plan= to solve here.")
+
+
+def take_given_plan(plan: Plan, traced, mesh, options: PlanOptions) -> Plan:
+    problems = _differences(plan, traced, mesh, options)
+    if problems:
+        raise SpmdError("the plan given (plan=) is not a plan of what this compile traced:\n" +
+                        "\n".join(f"  - {p}" for p in problems) + f"\n{_WAY_OUT}")
+    return plan
+
+
+def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
+    mine = (tuple(mesh.shape), tuple(mesh.axis_names))
+    theirs = (tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
+    if mine != theirs:  # (nothing else can be compared: the pieces' shapes follow from the mesh)
+        return [f"it was solved for a mesh of shape {theirs[0]} with axes {theirs[1]}, this one is {mine[0]} with "
+                f"axes {mine[1]}"]
+    problems = []
+    if plan.joint != traced.joint:
+        said = {True: "training (forward and backward)", False: "inference (forward only)"}
+        problems.append(f"it is a plan for {said[plan.joint]}, this compile is for {said[traced.joint]}")
+    digest = plan.stats.get("graph")
+    if digest is None:
+        problems.append("it keeps no digest of its ops (a plan file written before spmd kept one), so nothing shows it "
+                        "is this graph's")
+    elif digest != graph_digest(traced):
+        problems.append("its ops are not this graph's (another model or configuration, other input shapes or dtypes, "
+                        "another loss function, or a device whose kernels trace otherwise)")
+    problems += _names_differ(plan, traced)
+    if not problems:  # (the same ops: the nodes and their names are too, but for what the plan left out)
+        problems += _unchosen(plan, traced)
+        problems += _pins_unmet(plan, traced, mesh, options)
+    if options.memory_budget is not None and options.memory_budget != plan.memory_budget:
+        planned = "no budget" if plan.memory_budget is None else f"a budget of {plan.memory_budget:.0f} bytes"
+        problems.append(f"memory_budget={options.memory_budget:.0f} was given, and the plan was solved under "
+                        f"{planned} (leave memory_budget out to take the plan as solved)")
+    if options.recompute is not None:
+        problems.append(f"recompute={options.recompute!r} was given: the plan says which layers recompute (its "
+                        f"recompute: {list(plan.recompute) or 'none'}; selectively: "
+                        f"{list(plan.recompute_selective) or 'none'}); give recompute= when planning")
+    return problems
+
+
+def _names_differ(plan: Plan, traced) -> list[str]:
+    """The plan's labels (placeholder -> parameter or buffer FQN, input name) against this trace's, backward's
+    seeds (the outputs' gradients, which a training plan has and an inference plan lacks) left out."""
+    seeds = {gi.name for gi in traced.inputs if gi.kind == "tangent"}
+    mine = {ph: name for ph, name in traced.labels().items() if name not in seeds}
+    theirs = {ph: name for ph, name in plan.labels.items() if name not in seeds and not ph.startswith("tangents")}
+    if mine == theirs:
+        return []
+    only_plan = sorted(set(theirs.values()) - set(mine.values()))
+    only_here = sorted(set(mine.values()) - set(theirs.values()))
+    if not only_plan and not only_here:
+        return ["its inputs, parameters and buffers come in another order"]
+    said = []
+    if only_plan:
+        said.append(f"the plan's {_few(only_plan)} are not this model's")
+    if only_here:
+        said.append(f"this model's {_few(only_here)} are not in the plan")
+    return ["; ".join(said)]
+
+
+def _unchosen(plan: Plan, traced) -> list[str]:
+    graph: fx.Graph = traced.graph
+    made = [n.name for n in graph.nodes if n.op in ("placeholder", "call_function")]
+    missing = [n for n in made if n not in plan.choices]
+    known = set(made) | {f"output_{k}" for k in range(len(traced.output_kinds()))}
+    extra = [n for n in plan.choices if n not in known]
+    if not missing and not extra:
+        return []
+    said = []
+    if missing:
+        said.append(f"it chooses no placements for {_few(missing)}")
+    if extra:
+        said.append(f"it chooses placements for {_few(extra)}, which this graph does not have")
+    return ["; ".join(said)]
+
+
+def _pins_unmet(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
+    pins = check_pins(options.pins, traced, mesh)
+    by_name = {gi.name: gi.placeholder for gi in traced.inputs}
+    unmet = []
+    for book, table, what in (("in_placements", pins.inputs, "input"), ("param_placements", pins.params, "")):
+        for name, pin in table.items():
+            chosen = plan.choices[by_name[name]].outputs[0]
+            if tuple(chosen) != tuple(pin):
+                unmet.append(f"{book} pins {what + ' ' if what else ''}{name!r} to {placements_str(pin)}; the plan "
+                             f"lays it out {placements_str(chosen)}")
+    for k, pin in pins.outputs.items():
+        chosen = plan.choices[f"output_{k}"].inputs[0]
+        if tuple(chosen) != tuple(pin):
+            unmet.append(f"out_placements pins output {k} to {placements_str(pin)}; the plan returns it "
+                         f"{placements_str(chosen)}")
+    return unmet
+
+
+def _few(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

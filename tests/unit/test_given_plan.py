@@ -1,0 +1,123 @@
+"""A plan solved before, given with `plan=` (a `PlanReport`, a `Plan` or a plan file's path): taken as it is
+where it is this trace's plan, refused with every difference named where it is not (compiler/given_plan.py).
+Compiling with one on gloo ranks: tests/e2e/test_given_plan.py."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+import spmd
+from spmd.core.errors import SpmdError
+from tests.models import GPT, GPTConfig
+from tests.support import lm_loss, spec
+
+TP2 = spec((2,), ("tp",))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=1))
+    tokens = torch.randint(0, 128, (2, 32))
+    planned = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss,
+                        param_placements={"blocks.0.mlp.fc1.weight": [Shard(0)]})
+    return model, tokens, planned
+
+
+def _refusal(model, inputs, mesh=TP2, **options) -> str:
+    with pytest.raises(SpmdError) as e:
+        spmd.plan(model, mesh, inputs, **options)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("form", ["report", "file"])
+def test_the_plan_given_is_the_plan_taken(gpt, tmp_path, form):
+    model, tokens, planned = gpt
+    given = planned
+    if form == "file":
+        given = tmp_path / "plan.json"
+        planned.save(given)
+    taken = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, plan=given, verify=True)
+    assert (taken.fingerprint(), taken.solve_seconds) == (planned.fingerprint(), planned.solve_seconds)
+    assert taken.explain(detail=False) == planned.explain(detail=False)
+    # the pins it was solved with hold in it: given again, they are met
+    again = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, plan=given,
+                      param_placements={"blocks.0.mlp.fc1.weight": [Shard(0)]})
+    assert again.fingerprint() == planned.fingerprint()
+
+
+def test_a_plan_of_another_graph_is_refused(gpt):
+    model, tokens, planned = gpt
+    longer = torch.randint(0, 128, (4, 32))
+    said = _refusal(model, (longer, longer), loss_fn=lm_loss, plan=planned)
+    assert "its ops are not this graph's (another model or configuration, other input shapes" in said
+    assert "What to do: plan again from this model with these inputs and options" in said
+    torch.manual_seed(0)
+    said = _refusal(GPT(GPTConfig(layers=1, heads=2)), (tokens, tokens), loss_fn=lm_loss, plan=planned)
+    assert "its ops are not this graph's" in said
+
+
+def test_a_plan_for_training_is_refused_for_inference(gpt):
+    model, tokens, planned = gpt
+    said = _refusal(model, (tokens,), plan=planned)
+    assert "it is a plan for training (forward and backward), this compile is for inference (forward only)" in said
+    assert "the plan's targets are not this model's" in said
+
+
+def test_a_plan_for_another_mesh_is_refused(gpt):
+    model, tokens, planned = gpt
+    said = _refusal(model, (tokens, tokens), spec((2,), ("dp",)), loss_fn=lm_loss, plan=planned)
+    assert "it was solved for a mesh of shape (2,) with axes ('tp',), this one is (2,) with axes ('dp',)" in said
+
+
+def test_pins_the_plan_does_not_meet_are_refused(gpt):
+    model, tokens, planned = gpt
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=planned,
+                    param_placements={"blocks.0.mlp.fc1.weight": [Replicate()]},
+                    in_placements={"tokens": [Shard(1)]})
+    assert "param_placements pins 'blocks.0.mlp.fc1.weight' to [R]; the plan lays it out [S(0)]" in said
+    assert "in_placements pins input 'tokens' to [S(1)]; the plan lays it out" in said
+
+
+def test_solver_options_that_would_change_the_plan_are_refused(gpt):
+    model, tokens, planned = gpt
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=planned, memory_budget=1e6, recompute=True)
+    assert "memory_budget=1000000 was given, and the plan was solved under no budget" in said
+    assert "recompute=True was given: the plan says which layers recompute" in said
+
+
+def test_a_plan_with_no_digest_of_its_ops_is_refused(gpt):
+    model, tokens, planned = gpt
+    stats = {k: v for k, v in planned.stats.items() if k != "graph"}
+    old = dataclasses.replace(spmd.core.plan.Plan(**{f.name: getattr(planned, f.name)
+                                                    for f in dataclasses.fields(spmd.core.plan.Plan)}), stats=stats)
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=old)
+    assert "it keeps no digest of its ops" in said
+
+
+def test_the_same_ops_under_other_names_are_refused():
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    x = torch.randn(4, 8)
+    planned = spmd.plan(nn.Sequential(nn.Linear(8, 8)), TP2, (x,))
+    said = _refusal(Named(), (x,), plan=planned)
+    assert "the plan's 0.bias, 0.weight, input are not this model's; this model's fc.bias, fc.weight, x are not in the plan" in said
+
+
+def test_what_is_not_a_plan_is_refused(gpt, tmp_path):
+    model, tokens, _ = gpt
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan={"choices": {}})
+    assert "plan must be a solved plan (spmd.plan's result, or spmd.load_plan(path)), got dict" in said
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=str(tmp_path / "missing.json"))
+    assert said.startswith(f"plan={str(tmp_path / 'missing.json')!r}: ")
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=tmp_path / "notes.json")
+    assert "not a plan file (a JSON list, not an object)" in said
