@@ -3,6 +3,7 @@
 
     python bench/bench_first_step.py            # spawns the 2 ranks itself (or under torchrun)
     python bench/bench_first_step.py --steps 5  # also time later steps and one process in eager
+    python bench/bench_first_step.py --plan /tmp/gpt2.json  # solve and save the plan; run again: compile with it
 
 Phases (rank 0's clock, after a barrier): the model built on every rank (random weights, seed 0, not
 counted), `spmd.compile` (its pipeline's passes separately, from `Compilation.timings`), the optimizer
@@ -54,9 +55,13 @@ def worker(args) -> None:
     run = spmd.api.run_pipeline
     spmd.api.run_pipeline = lambda *a, **k: made.append(run(*a, **k)) or made[-1]
     t = _clock(rank)
+    given = args.plan if args.plan and os.path.exists(args.plan) else None
     compiled = spmd.compile(model, mesh, example_kwargs=dict(input_ids=ids, labels=ids), training=True,
-                            compile_graphs=args.compile_graphs, stamp_layers=False if args.whole else None)
+                            compile_graphs=args.compile_graphs, stamp_layers=False if args.whole else None,
+                            plan=given)
     t1 = _clock(rank)
+    if args.plan and not given and rank == 0:
+        compiled.plan.save(args.plan)
     rows.append(("spmd.compile", t1 - t))
     spmd.api.run_pipeline = run
     for name, s in made[0].timings.items():
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="later steps to time, and as many eager ones")
     ap.add_argument("--compile-graphs", action="store_true")
     ap.add_argument("--whole", action="store_true", help="trace all 12 layers (default: 3, stamped to 12)")
+    ap.add_argument("--plan", help="a plan file: compiled with it (plan=) where it exists, else solved and saved there")
     launch(worker, ap.parse_args())
 
 

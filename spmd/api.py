@@ -153,27 +153,50 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     # no autograd; compiled outside it, the module is called under it as the user likes)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
-                        _built(options, kwargs))
+                        _built(options, kwargs), "optimizer_state_factor" in kwargs)
 
 
 def _built(options: PlanOptions | None, kwargs: dict) -> PlanOptions:
-    """`PlanOptions.build`, with a given `plan` as the plan itself: a `PlanReport` or a plan file's path (what
-    `plan.save(path)` and `spmd plan --json` write) becomes the `Plan` it holds."""
-    given = kwargs.get("plan", options.plan if options is not None else None)
-    if isinstance(given, (str, os.PathLike)):
-        try:
-            given, _ = plan_io.load_plan(given)
-        except (OSError, ValueError) as e:
-            raise SpmdError(f"plan={str(given)!r}: {e}") from None
+    """`PlanOptions.build`, with a given `PlanReport` as its bare `Plan` (a path stays a path: each rank reads the
+    file where the ranks meet, `_with_plan_loaded`)."""
+    given = kwargs.get("plan")
     if isinstance(given, Plan) and type(given) is not Plan:  # (a PlanReport: the plan without its sources)
-        given = Plan(**{f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)})
-    if given is not None:
-        kwargs = {**kwargs, "plan": given}
+        kwargs = {**kwargs, "plan": Plan(**{f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)})}
     return PlanOptions.build(options, **kwargs)
 
 
+def _priced_as_given(spec: MeshSpec, options: PlanOptions) -> MeshSpec:
+    """The plan given's mesh, with the link and device profiles it was priced with, where it is this mesh's
+    shape and axes (else `spec`, and the pipeline refuses the plan, naming both): its explanation prices the
+    alternatives as it priced its choices."""
+    given = options.plan
+    if given is None or (tuple(given.mesh.shape), tuple(given.mesh.axis_names)) != (tuple(spec.shape),
+                                                                                   tuple(spec.axis_names)):
+        return spec
+    return given.mesh
+
+
+def _with_plan_loaded(options: PlanOptions, factor_given: bool) -> PlanOptions:
+    """`options` with a given plan file read (`plan=path`), and the optimizer state factor the plan was priced for
+    where none was given."""
+    given = options.plan
+    if isinstance(given, (str, os.PathLike)):
+        try:
+            given, _ = plan_io.load_plan(given)
+        except OSError as e:  # (every rank reads it: saved on one machine's disk, the others' have none)
+            raise SpmdError(f"plan={str(given)!r}: this rank cannot read it ({e}). What to do: give every rank the "
+                            "file (a shared filesystem, or a copy on each machine), or compile without plan=.") from None
+        except ValueError as e:
+            raise SpmdError(f"plan={str(given)!r}: {e}") from None
+        options = dataclasses.replace(options, plan=given)
+    factor = given.stats.get("optimizer_state_factor") if given is not None else None
+    if factor is not None and not factor_given:
+        options = dataclasses.replace(options, optimizer_state_factor=factor)
+    return options
+
+
 def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
-             options: PlanOptions) -> CompiledModule:
+             options: PlanOptions, factor_given: bool = False) -> CompiledModule:
     graph_backend(compile_graphs)  # a wrong value fails before planning
     lazy = [n for n, t in (*model.named_parameters(), *model.named_buffers())
             if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
@@ -201,13 +224,6 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
         raise SpmdError(f"compile: the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}. "
                         "What to do: build the mesh over all ranks (spmd.init_mesh).")
     _refuse_rank_layout(mesh)
-    if mesh_spec is None and options.plan is not None:  # priced with the plan's profiles, as it was solved
-        if tuple(options.plan.mesh.shape) != tuple(mesh.shape):
-            raise SpmdError(f"compile: the plan given (plan=) was solved for a mesh of shape "
-                            f"{tuple(options.plan.mesh.shape)}, and the mesh has shape {tuple(mesh.shape)}. What to do: "
-                            "plan for this mesh's shape (spmd.plan(model, MeshSpec(shape, names, ...), inputs)), or "
-                            "compile without plan= to solve here.")
-        mesh_spec = options.plan.mesh
     # on CPU, this host's own rates (measured once, cached: runtime/host.py), the same on every rank
     spec = mesh_spec or MeshSpec.from_device_mesh(mesh, host_cpu_profile() if mesh.device_type == "cpu" else None)
     if tuple(spec.shape) != tuple(mesh.shape):
@@ -221,7 +237,8 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
             f"order (MeshSpec(shape, {tuple(mesh.mesh_dim_names)}, links, device)).")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
+    c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank,
+                                factor_given=factor_given)
     recompile = functools.partial(_compile_with_report, model, mesh, spec)
     return compiled_module_class(model)(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank,
                                         call=call, compile_graphs=compile_graphs, recompile=recompile)
@@ -266,11 +283,13 @@ def _compile_with_report(*args, **kwargs):
 
 
 def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example_inputs: tuple,
-                      example_kwargs: dict | None, src_data_rank: int | None = None, weights: bool = True):
+                      example_kwargs: dict | None, src_data_rank: int | None = None, weights: bool = True,
+                      factor_given: bool = False):
     """This rank's compilation of `model` for these example inputs, planned once (on rank 0) and agreed on by
     every rank; with the `Call` that names the inputs. `weights`: check that ranks keeping their own weights
     (`src_data_rank=None`) hold the same ones (a module compiled again for other input shapes, sharing the
-    first one's pieces, has no weights of its own)."""
+    first one's pieces, has no weights of its own). A plan given (`plan=`) is read here, where a rank that
+    cannot read it brings its error to the others; it is priced with its own profiles (`_priced_as_given`)."""
     view, flat_inputs, call = positional_call(model, example_inputs, example_kwargs,
                                               loss_only=options.joint and options.loss_fn is None,
                                               loss_fn=options.loss_fn if options.joint else None)
@@ -282,6 +301,8 @@ def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example
                           meeting.share_plan if meeting else None, meeting.agree_on if meeting else None,
                           plans=meeting is None or meeting.plans_here())
     try:
+        options = _with_plan_loaded(options, factor_given)
+        spec = _priced_as_given(spec, options)
         # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh (its
         # copy, like the pipeline, runs with the garbage collector paused: `collector_paused`)
         with collector_paused():
@@ -308,7 +329,8 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
     3 layers deep and stamped to full depth by default (`stamp_layers`), identical layers that repeat 4
     times or more are solved once (`tie_blocks`), and graphs over 1500 ops let single-input ops follow
     their input (`merge_followers`)."""
-    options = _built(options, kwargs)
+    options = _with_plan_loaded(_built(options, kwargs), "optimizer_state_factor" in kwargs)
+    mesh_spec = _priced_as_given(mesh_spec, options)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     view, flat_inputs, _ = positional_call(model, example_inputs, example_kwargs,

@@ -86,10 +86,11 @@ def graph_lines(traced, wiring: bool = False) -> list[str]:
     return graph
 
 
-def graph_digest(traced) -> str:
+def graph_digest(traced, wiring: bool = False) -> str:
     """A short hash of `graph_lines`: two plans of graphs that differ (another number of heads, causal or not)
-    have other digests (the plan diff's check; found by a probe)."""
-    return hashlib.sha256("\n".join(graph_lines(traced)).encode()).hexdigest()[:16]
+    have other digests (the plan diff's check; found by a probe). `wiring`: and of the values each op reads
+    (`x * 2 + y` against `y * 2 + x`, which a plan given to compile must tell apart)."""
+    return hashlib.sha256("\n".join(graph_lines(traced, wiring)).encode()).hexdigest()[:16]
 
 
 def _constants(node) -> str:

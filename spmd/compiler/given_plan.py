@@ -5,9 +5,10 @@ the same names.
     take_given_plan(plan, traced, mesh, options) -> plan    or one SpmdError listing every difference
 
 What is checked: the mesh's shape and axis names; training or not; the digest of the traced ops (each op,
-the numbers it takes and its output shape, in order: `agreement.graph_digest`), which the plan keeps from its
-own trace; a choice for every value the graph makes and none for a node it lacks; the names of the inputs,
-parameters and buffers; the pins given with the plan, each met; a memory budget given with it, the plan's.
+the numbers it takes, the values it reads and its output shape, in order: `agreement.graph_digest`), which
+the plan keeps from its own trace; a choice for every value the graph makes and none for a node it lacks; the
+names of the inputs, parameters and buffers; the pins given with the plan, each met; a memory budget and an
+optimizer state factor given with it, the plan's.
 The profiles the plan was priced with may differ from this mesh's: they are what its costs and memory say.
 """
 from __future__ import annotations
@@ -39,17 +40,18 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
     if mine != theirs:  # (nothing else can be compared: the pieces' shapes follow from the mesh)
         return [f"it was solved for a mesh of shape {theirs[0]} with axes {theirs[1]}, this one is {mine[0]} with "
                 f"axes {mine[1]}"]
-    problems = []
-    if plan.joint != traced.joint:
+    if plan.joint != traced.joint:  # (then every op after the forward's differs: nothing more to say)
         said = {True: "training (forward and backward)", False: "inference (forward only)"}
-        problems.append(f"it is a plan for {said[plan.joint]}, this compile is for {said[traced.joint]}")
-    digest = plan.stats.get("graph")
+        return [f"it is a plan for {said[plan.joint]}, this compile is for {said[traced.joint]}"]
+    problems = []
+    digest = plan.stats.get("wired_graph")
     if digest is None:
-        problems.append("it keeps no digest of its ops (a plan file written before spmd kept one), so nothing shows it "
-                        "is this graph's")
-    elif digest != graph_digest(traced):
-        problems.append("its ops are not this graph's (another model or configuration, other input shapes or dtypes, "
-                        "another loss function, or a device whose kernels trace otherwise)")
+        problems.append("it keeps no digest of its ops and what each reads (a plan file written before spmd kept "
+                        "one), so nothing shows it is this graph's")
+    elif digest != graph_digest(traced, wiring=True):
+        problems.append("its ops are not this graph's, or read other values (another model, configuration or "
+                        "forward, other input shapes or dtypes, another loss function, or a device whose kernels "
+                        "trace otherwise)")
     problems += _names_differ(plan, traced)
     if not problems:  # (the same ops: the nodes and their names are too, but for what the plan left out)
         problems += _unchosen(plan, traced)
@@ -62,6 +64,11 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
         problems.append(f"recompute={options.recompute!r} was given: the plan says which layers recompute (its "
                         f"recompute: {list(plan.recompute) or 'none'}; selectively: "
                         f"{list(plan.recompute_selective) or 'none'}); give recompute= when planning")
+    factor = plan.stats.get("optimizer_state_factor")
+    if factor is not None and factor != options.optimizer_state_factor:
+        problems.append(f"optimizer_state_factor={options.optimizer_state_factor:g} was given, and the plan was priced "
+                        f"for {factor:g} (its memory counts that much optimizer state; leave it out to take the "
+                        "plan's)")
     return problems
 
 
@@ -79,9 +86,9 @@ def _names_differ(plan: Plan, traced) -> list[str]:
         return ["its inputs, parameters and buffers come in another order"]
     said = []
     if only_plan:
-        said.append(f"the plan's {_few(only_plan)} are not this model's")
+        said.append(f"the plan's {_few(only_plan)} are not among this compile's inputs, parameters and buffers")
     if only_here:
-        said.append(f"this model's {_few(only_here)} are not in the plan")
+        said.append(f"this compile's {_few(only_here)} are not in the plan")
     return ["; ".join(said)]
 
 

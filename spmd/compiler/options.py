@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,10 +50,11 @@ class PlanOptions:
     it runs out with a plan in hand, that plan is taken with its gap; with none, the solve fails and says so (a
     large model on a slow or loaded host: give it more).
     plan: a plan solved before (by `spmd.plan`, `spmd plan --json`, or a compile), to run instead of solving
-    again: `spmd.compile` also takes its `PlanReport` or the path of its file (`plan.save(path)`). It must be
-    for this graph (the same model, input shapes, training and loss function: checked against the digest of
-    the ops the plan keeps) on a mesh of this shape; the pins given with it must hold in it. Costs,
-    memory and explanation are the plan's, priced by the profiles it was solved with.
+    again: its `PlanReport`, `Plan`, or the path of its file (`plan.save(path)`). It must be for this graph
+    (the same model, input shapes, training and loss function: checked against the digest of the ops and
+    their wiring that the plan keeps) on a mesh of this shape and axis names; the pins given with it must hold
+    in it. Costs, memory and explanation are the plan's, priced by the profiles it was solved with (and its
+    optimizer_state_factor, where none is given).
     dump_dir: write the annotated graph after every pass there (also SPMD_DUMP=dir); verify: check every
     pass's stated postcondition as it runs (also SPMD_VERIFY=1; the tests turn it on).
     """
@@ -72,7 +74,7 @@ class PlanOptions:
     bucket_bytes: float = 4 * 2**20
     defer_waits: bool = True
     solver_time_limit: float = 60.0
-    plan: Any = None  # a core.plan.Plan
+    plan: Any = None  # a core.plan.Plan, or a plan file's path until spmd.api reads it
     dump_dir: str | None = None
     verify: bool = False
 
@@ -91,9 +93,9 @@ class PlanOptions:
             raise SpmdError(f"bucket_bytes must be > 0, got {self.bucket_bytes!r}")
         if not self.solver_time_limit > 0:
             raise SpmdError(f"solver_time_limit must be a positive number of seconds, got {self.solver_time_limit!r}")
-        if self.plan is not None and not isinstance(self.plan, Plan):
-            raise SpmdError(f"plan must be a solved plan (spmd.plan's result, or spmd.load_plan(path)), got "
-                            f"{type(self.plan).__name__}")
+        if self.plan is not None and not isinstance(self.plan, (Plan, str, os.PathLike)):
+            raise SpmdError(f"plan must be a solved plan (spmd.plan's result, or spmd.load_plan(path)) or the path of "
+                            f"a plan file, got {type(self.plan).__name__}")
 
     @property
     def joint(self) -> bool:

@@ -179,6 +179,8 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
     def make() -> Plan:
         stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
         stats["graph"] = graph_digest(traced)
+        stats["wired_graph"] = graph_digest(traced, wiring=True)  # (what a plan given to compile is checked by)
+        stats["optimizer_state_factor"] = options.optimizer_state_factor
         if stamp_note:
             stats["stamped_layers"] = stamp_note
         if traced.custom_functions:

@@ -1,7 +1,7 @@
 """A plan solved before (`spmd.plan` with no processes, saved to a file) compiled with `plan=path` on gloo
 ranks: no rank solves, the module runs that plan (its fingerprint, its solve), and trains equal to one
-device; a batch of another size is solved afresh over the same pieces; a pin the plan does not meet is
-refused on every rank."""
+device; a batch of another size is solved afresh over the same pieces; a pin the plan does not meet, a plan
+given on one rank only, or a file one rank cannot read are refused on every rank."""
 import pytest
 
 
@@ -30,12 +30,15 @@ def _train_with(rank: int, world: int, path: str) -> dict:
         model, tokens, targets = _model_and_batch()
         reference = copy.deepcopy(model)
         mesh = spmd.init_mesh((2,), ("tp",))
-        refused = None
-        try:
-            spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, plan=path,
-                         param_placements={"blocks.0.mlp.fc1.weight": [Replicate()]})
-        except spmd.SpmdError as e:
-            refused = str(e)
+        refused = {}
+        for case, kwargs in {
+                "pin": dict(plan=path, param_placements={"blocks.0.mlp.fc1.weight": [Replicate()]}),
+                "rank 0 alone": dict(plan=path if rank == 0 else None),  # (none solves: no meeting skipped)
+                "a file rank 1 lacks": dict(plan=path if rank == 0 else path + ".missing")}.items():
+            try:
+                spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, **kwargs)
+            except spmd.SpmdError as e:
+                refused[case] = str(e)
         compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, plan=path)
         losses, ref_losses, _ = train_side_by_side(compiled, reference, (tokens,), (targets,), lm_loss, 3,
                                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
@@ -76,4 +79,9 @@ def test_a_saved_plan_compiles_and_trains_equal_to_one_device(ranks, tmp_path):
         # the plan as saved, not solved again (another solve takes other seconds)
         assert (r["fingerprint"], r["solve_seconds"]) == (planned.fingerprint(), planned.solve_seconds)
         assert r["collectives"] > 0
-        assert "param_placements pins 'blocks.0.mlp.fc1.weight' to [R]; the plan lays it out [S(0)]" in r["refused"]
+        refused = r["refused"]
+        assert "param_placements pins 'blocks.0.mlp.fc1.weight' to [R]; the plan lays it out [S(0)]" in refused["pin"]
+        # every rank raises, none is left waiting (before: raw TypeErrors from collectives paired apart)
+        assert "the ranks did not compile the same thing" in refused["rank 0 alone"], refused
+        assert "options: rank 1 differs from rank 0" in refused["rank 0 alone"], refused
+        assert "plan.json.missing" in refused["a file rank 1 lacks"], refused
