@@ -20,6 +20,7 @@ import torch.distributed as dist
 from spmd.compiler.agreement import weights_summary
 from spmd.compiler.call import positional_call
 from spmd.compiler.meta import fake_model, is_meta
+from spmd.compiler.given_plan import was_stamped
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import collector_paused, run_pipeline
 from spmd.core.errors import SpmdError
@@ -153,16 +154,7 @@ def compile(model: torch.nn.Module, mesh, example_inputs: tuple = (), *, example
     # no autograd; compiled outside it, the module is called under it as the user likes)
     with torch.inference_mode(False):
         return _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
-                        _built(options, kwargs), "optimizer_state_factor" in kwargs)
-
-
-def _built(options: PlanOptions | None, kwargs: dict) -> PlanOptions:
-    """`PlanOptions.build`, with a given `PlanReport` as its bare `Plan` (a path stays a path: each rank reads the
-    file where the ranks meet, `_with_plan_loaded`)."""
-    given = kwargs.get("plan")
-    if isinstance(given, Plan) and type(given) is not Plan:  # (a PlanReport: the plan without its sources)
-        kwargs = {**kwargs, "plan": Plan(**{f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)})}
-    return PlanOptions.build(options, **kwargs)
+                        PlanOptions.build(options, **kwargs))
 
 
 def _priced_as_given(spec: MeshSpec, options: PlanOptions) -> MeshSpec:
@@ -176,27 +168,37 @@ def _priced_as_given(spec: MeshSpec, options: PlanOptions) -> MeshSpec:
     return given.mesh
 
 
-def _with_plan_loaded(options: PlanOptions, factor_given: bool) -> PlanOptions:
-    """`options` with a given plan file read (`plan=path`), and the optimizer state factor the plan was priced for
-    where none was given."""
+def _with_plan_loaded(options: PlanOptions, ranks: bool = True) -> PlanOptions:
+    """`options` with a given plan as a bare `Plan` (a file read, `plan=path`; a `PlanReport` without the graphs it
+    holds), and what the plan was priced with where the options leave it at its default: the optimizer state
+    factor, the gradient bucket size, and whether stacks of layers are stamped (`take_given_plan` refuses what
+    differs). `ranks`: read by each rank of a compile (the error says every rank needs the file)."""
     given = options.plan
+    if given is None:
+        return options
     if isinstance(given, (str, os.PathLike)):
         try:
             given, _ = plan_io.load_plan(given)
         except OSError as e:  # (every rank reads it: saved on one machine's disk, the others' have none)
-            raise SpmdError(f"plan={str(given)!r}: this rank cannot read it ({e}). What to do: give every rank the "
-                            "file (a shared filesystem, or a copy on each machine), or compile without plan=.") from None
-        except ValueError as e:
-            raise SpmdError(f"plan={str(given)!r}: {e}") from None
-        options = dataclasses.replace(options, plan=given)
-    factor = given.stats.get("optimizer_state_factor") if given is not None else None
-    if factor is not None and not factor_given:
-        options = dataclasses.replace(options, optimizer_state_factor=factor)
-    return options
+            way = "give every rank the file (a shared filesystem, or a copy on each machine)" if ranks else \
+                "give the path of a plan file (plan.save(path), or `spmd plan ... --json path`)"
+            raise SpmdError(f"plan={str(given)!r}: cannot be read ({e}). What to do: {way}, or leave plan= out to "
+                            "solve.") from None
+        except ValueError as e:  # (its message names the file)
+            raise SpmdError(str(e)) from None
+    if type(given) is not Plan:  # (a PlanReport: the plan without its sources)
+        given = Plan(**{f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)})
+    defaults, taken = PlanOptions(), {"plan": given}
+    for name in ("optimizer_state_factor", "bucket_bytes"):
+        if name in given.stats and getattr(options, name) == getattr(defaults, name):
+            taken[name] = given.stats[name]
+    if not was_stamped(given.stats.get("stamped_layers", "")) and options.stamp_layers is None:
+        taken["stamp_layers"] = False  # (solved over every layer: traced so again, the same node names)
+    return dataclasses.replace(options, **taken)
 
 
 def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_rank, compile_graphs,
-             options: PlanOptions, factor_given: bool = False) -> CompiledModule:
+             options: PlanOptions) -> CompiledModule:
     graph_backend(compile_graphs)  # a wrong value fails before planning
     lazy = [n for n, t in (*model.named_parameters(), *model.named_buffers())
             if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
@@ -237,8 +239,7 @@ def _compile(model, mesh, example_inputs, example_kwargs, mesh_spec, src_data_ra
             f"order (MeshSpec(shape, {tuple(mesh.mesh_dim_names)}, links, device)).")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank,
-                                factor_given=factor_given)
+    c, call = _compile_for_rank(model, mesh, spec, options, example_inputs, example_kwargs, src_data_rank)
     recompile = functools.partial(_compile_with_report, model, mesh, spec)
     return compiled_module_class(model)(c, mesh, report_of(c), source_model=model, src_data_rank=src_data_rank,
                                         call=call, compile_graphs=compile_graphs, recompile=recompile)
@@ -283,8 +284,7 @@ def _compile_with_report(*args, **kwargs):
 
 
 def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example_inputs: tuple,
-                      example_kwargs: dict | None, src_data_rank: int | None = None, weights: bool = True,
-                      factor_given: bool = False):
+                      example_kwargs: dict | None, src_data_rank: int | None = None, weights: bool = True):
     """This rank's compilation of `model` for these example inputs, planned once (on rank 0) and agreed on by
     every rank; with the `Call` that names the inputs. `weights`: check that ranks keeping their own weights
     (`src_data_rank=None`) hold the same ones (a module compiled again for other input shapes, sharing the
@@ -301,7 +301,7 @@ def _compile_for_rank(model, mesh, spec: MeshSpec, options: PlanOptions, example
                           meeting.share_plan if meeting else None, meeting.agree_on if meeting else None,
                           plans=meeting is None or meeting.plans_here())
     try:
-        options = _with_plan_loaded(options, factor_given)
+        options = _with_plan_loaded(options)
         spec = _priced_as_given(spec, options)
         # a meta model is traced through fakes on the rank's device: CUDA kernels for a CUDA mesh (its
         # copy, like the pipeline, runs with the garbage collector paused: `collector_paused`)
@@ -329,7 +329,7 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
     3 layers deep and stamped to full depth by default (`stamp_layers`), identical layers that repeat 4
     times or more are solved once (`tie_blocks`), and graphs over 1500 ops let single-input ops follow
     their input (`merge_followers`)."""
-    options = _with_plan_loaded(_built(options, kwargs), "optimizer_state_factor" in kwargs)
+    options = _with_plan_loaded(PlanOptions.build(options, **kwargs), ranks=False)
     mesh_spec = _priced_as_given(mesh_spec, options)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
@@ -340,4 +340,5 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
         faked, inputs = fake_model(view, flat_inputs)
         c = run_pipeline(faked, inputs, mesh_spec, options)
     # asked again at another batch size (cost_formula, crossover), the model is faked again as given
-    return report_of(c, Request(view, flat_inputs, mesh_spec, options))
+    # (asked again at another batch size, the model is solved there: a given plan is this batch's alone)
+    return report_of(c, Request(view, flat_inputs, mesh_spec, dataclasses.replace(options, plan=None)))

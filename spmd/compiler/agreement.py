@@ -89,8 +89,17 @@ def graph_lines(traced, wiring: bool = False) -> list[str]:
 def graph_digest(traced, wiring: bool = False) -> str:
     """A short hash of `graph_lines`: two plans of graphs that differ (another number of heads, causal or not)
     have other digests (the plan diff's check; found by a probe). `wiring`: and of the values each op reads
-    (`x * 2 + y` against `y * 2 + x`, which a plan given to compile must tell apart)."""
-    return hashlib.sha256("\n".join(graph_lines(traced, wiring)).encode()).hexdigest()[:16]
+    (`x * 2 + y` against `y * 2 + x`, which a plan given to compile must tell apart) and of each placeholder's
+    name, shape and dtype."""
+    lines = graph_lines(traced, wiring)
+    if wiring:  # (and each input's shape: `x + b` with b of [8] or of [1] makes the same ops of the same outputs)
+        lines = [f"{n.name}: {_shape(traced.tensor_info.get(n.name))}" for n in traced.graph.nodes
+                 if n.op == "placeholder"] + lines
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _shape(info) -> str:
+    return f"{list(info.shape)} {str(info.dtype).replace('torch.', '')}" if isinstance(info, TensorInfo) else "-"
 
 
 def _constants(node) -> str:

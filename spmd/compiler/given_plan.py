@@ -7,8 +7,10 @@ the same names.
 What is checked: the mesh's shape and axis names; training or not; the digest of the traced ops (each op,
 the numbers it takes, the values it reads and its output shape, in order: `agreement.graph_digest`), which
 the plan keeps from its own trace; a choice for every value the graph makes and none for a node it lacks; the
-names of the inputs, parameters and buffers; the pins given with the plan, each met; a memory budget and an
-optimizer state factor given with it, the plan's.
+names of the inputs, parameters and buffers, and each placeholder's shape and dtype; stamped layer stacks
+where the plan stamped them; the pins given with the plan, each met; a memory budget, an optimizer state
+factor and a gradient bucket size given with it, the plan's (`spmd.api` takes the plan's where they are
+left at their defaults).
 The profiles the plan was priced with may differ from this mesh's: they are what its costs and memory say.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.fx as fx
 from spmd.compiler.agreement import graph_digest
 from spmd.compiler.options import PlanOptions
 from spmd.core.errors import SpmdError
+from spmd.core.graph_facts import format_bytes
 from spmd.core.plan import Plan
 from spmd.core.specs import placements_str
 from spmd.passes.check_pins import check_pins
@@ -26,15 +29,17 @@ _WAY_OUT = ("What to do: plan again from this model with these inputs and option
             "`plan.save(path)`), or compile without plan= to solve here.")
 
 
-def take_given_plan(plan: Plan, traced, mesh, options: PlanOptions) -> Plan:
-    problems = _differences(plan, traced, mesh, options)
+def take_given_plan(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str = "") -> Plan:
+    """`stamp_note`: how this trace stamped its layer stacks (pipeline's `_trace`), which a plan solved over
+    stamped layers must have done too (its node names are the stamped graph's)."""
+    problems = _differences(plan, traced, mesh, options, stamp_note)
     if problems:
         raise SpmdError("the plan given (plan=) is not a plan of what this compile traced:\n" +
                         "\n".join(f"  - {p}" for p in problems) + f"\n{_WAY_OUT}")
     return plan
 
 
-def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
+def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str) -> list[str]:
     mine = (tuple(mesh.shape), tuple(mesh.axis_names))
     theirs = (tuple(plan.mesh.shape), tuple(plan.mesh.axis_names))
     if mine != theirs:  # (nothing else can be compared: the pieces' shapes follow from the mesh)
@@ -44,6 +49,10 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
         said = {True: "training (forward and backward)", False: "inference (forward only)"}
         return [f"it is a plan for {said[plan.joint]}, this compile is for {said[traced.joint]}"]
     problems = []
+    stamped, here = plan.stats.get("stamped_layers", ""), stamp_note
+    if was_stamped(stamped) and not was_stamped(here):  # (the ops alike, the node names apart)
+        return [f"it was solved over layer stacks traced a few layers deep and stamped ({stamped}); this compile "
+                f"traced every layer ({here or 'stamp_layers=False'}). Plan with stamp_layers=False to run it here"]
     digest = plan.stats.get("wired_graph")
     if digest is None:
         problems.append("it keeps no digest of its ops and what each reads (a plan file written before spmd kept "
@@ -64,12 +73,20 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
         problems.append(f"recompute={options.recompute!r} was given: the plan says which layers recompute (its "
                         f"recompute: {list(plan.recompute) or 'none'}; selectively: "
                         f"{list(plan.recompute_selective) or 'none'}); give recompute= when planning")
-    factor = plan.stats.get("optimizer_state_factor")
-    if factor is not None and factor != options.optimizer_state_factor:
-        problems.append(f"optimizer_state_factor={options.optimizer_state_factor:g} was given, and the plan was priced "
-                        f"for {factor:g} (its memory counts that much optimizer state; leave it out to take the "
-                        "plan's)")
+    for name, what in (("optimizer_state_factor", "its memory counts that much optimizer state and prices its "
+                                                  "step so"),
+                       ("bucket_bytes", "it priced its gradient all_reduces packed so, and explains them so")):
+        planned, given = plan.stats.get(name), getattr(options, name)
+        if planned is not None and planned != given:
+            said = (lambda v: format_bytes(v)) if name == "bucket_bytes" else (lambda v: f"{v:g}")
+            problems.append(f"{name}={said(given)} was given, and the plan was priced for {said(planned)} ({what}; "
+                            "leave it out to take the plan's)")
     return problems
+
+
+def was_stamped(note: str) -> bool:
+    """A trace's stamping note says it stamped layers (not "none: ...", why it traced every layer)."""
+    return bool(note) and not note.startswith("none")
 
 
 def _names_differ(plan: Plan, traced) -> list[str]:
@@ -83,7 +100,7 @@ def _names_differ(plan: Plan, traced) -> list[str]:
     only_plan = sorted(set(theirs.values()) - set(mine.values()))
     only_here = sorted(set(mine.values()) - set(theirs.values()))
     if not only_plan and not only_here:
-        return ["its inputs, parameters and buffers come in another order"]
+        return ["its inputs, parameters and buffers are the same but held by other placeholders (another trace)"]
     said = []
     if only_plan:
         said.append(f"the plan's {_few(only_plan)} are not among this compile's inputs, parameters and buffers")

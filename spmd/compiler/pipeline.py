@@ -174,7 +174,7 @@ def _merging(v: dict) -> bool:
 def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, stamp_note, progress,
            recomputable, mesh) -> Plan:
     if options.plan is not None:  # solved before: every rank takes it, once it is checked against this trace
-        return take_given_plan(options.plan, traced, mesh, options)
+        return take_given_plan(options.plan, traced, mesh, options, stamp_note)
 
     def make() -> Plan:
         stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}

@@ -95,7 +95,7 @@ def check_plan(pass_name: str, v: dict) -> None:
     """solve_placements: every node picks one of its strategies; an edge exactly where a producer's
     placements differ from what the consumer reads, whose steps end in the consumer's; ties hold."""
     table, plan = v["strategies"], v["plan"]
-    if table is None:  # this rank took rank 0's plan, checked there
+    if table is None:  # this rank took rank 0's plan, checked there, or a plan given (given_plan.py checked it)
         return
     problems = []
     for name, ns in table.nodes.items():

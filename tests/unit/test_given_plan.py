@@ -131,13 +131,60 @@ def test_the_same_ops_reading_other_values_are_refused():
     assert "its ops are not this graph's, or read other values" in said
 
 
-def test_the_optimizer_state_the_plan_counts_is_taken_or_refused(gpt):
+def test_what_the_plan_was_priced_with_is_taken_or_refused(gpt):
+    """The optimizer state factor and the gradient bucket size: left at their defaults, the plan's are taken (its
+    memory counts that optimizer state, its explanation those buckets); given otherwise, refused."""
     model, tokens, _ = gpt
-    sgd = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, optimizer_state_factor=1)
-    taken = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, plan=sgd)
-    assert taken.request.options.optimizer_state_factor == 1
-    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=sgd, optimizer_state_factor=2)
-    assert "optimizer_state_factor=2 was given, and the plan was priced for 1" in said
+    sgd = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, optimizer_state_factor=1, bucket_bytes=2**20)
+    for taken in (spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, plan=sgd),
+                  spmd.plan(model, TP2, (tokens, tokens), options=spmd.PlanOptions(loss_fn=lm_loss, plan=sgd))):
+        assert (taken.request.options.optimizer_state_factor, taken.request.options.bucket_bytes) == (1, 2**20)
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=sgd, optimizer_state_factor=0, bucket_bytes=2**21)
+    assert "optimizer_state_factor=0 was given, and the plan was priced for 1" in said
+    assert "bucket_bytes=2.0 MiB was given, and the plan was priced for 1.0 MiB" in said
+    said = _refusal(model, (tokens, tokens), options=spmd.PlanOptions(loss_fn=lm_loss, optimizer_state_factor=4,
+                                                                      plan=sgd))
+    assert "optimizer_state_factor=4 was given" in said
+
+
+def test_an_input_of_another_shape_behind_the_same_ops_is_refused():
+    """`x + b` with `b` of [8] or of [1]: the same op with the same output (found by a review: the rank graphs then
+    failed in torch, or would have waited at a collective)."""
+    class Bias(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.b = nn.Parameter(torch.zeros(n))
+
+        def forward(self, x):
+            return x + self.b
+
+    x = torch.randn(4, 8)
+    planned = spmd.plan(Bias(8), TP2, (x,), param_placements={"b": [Shard(0)]})
+    said = _refusal(Bias(1), (x,), plan=planned)
+    assert "its ops are not this graph's, or read other values" in said
+
+
+def test_a_stamped_plan_is_refused_where_every_layer_is_traced_with_the_way_out(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, dim=32))
+    tokens = torch.randint(0, 128, (2, 32))
+    stamped = spmd.plan(model, TP2, (tokens,))
+    assert stamped.stats["stamped_layers"].startswith("blocks: 3 traced, 5 stamped")
+    said = _refusal(model, (tokens,), plan=stamped, stamp_layers=False)
+    assert "it was solved over layer stacks traced a few layers deep and stamped (blocks: 3 traced, 5 stamped); " \
+           "this compile traced every layer (stamp_layers=False). Plan with stamp_layers=False to run it here" in said
+    # the way out: a plan over every layer is traced so again, whether stamping is asked or not
+    whole = spmd.plan(model, TP2, (tokens,), stamp_layers=False)
+    assert spmd.plan(model, TP2, (tokens,), plan=whole).fingerprint() == whole.fingerprint()
+
+
+def test_crossover_of_a_plan_taken_solves_the_other_sizes(gpt):
+    """(found by a review: each other size was refused as another graph, and crossover said nothing changes)"""
+    model, tokens, planned = gpt
+    taken = spmd.plan(model, TP2, (tokens, tokens), loss_fn=lm_loss, plan=planned,
+                      param_placements={"blocks.0.mlp.fc1.weight": [Shard(0)]})
+    found = [[(c.between, c.changed) for c in p.crossover(sizes=[1, 2, 8])] for p in (taken, planned)]
+    assert found[0] == found[1] and found[0], found
 
 
 def test_what_is_not_a_plan_is_refused(gpt, tmp_path):
@@ -146,7 +193,8 @@ def test_what_is_not_a_plan_is_refused(gpt, tmp_path):
     assert "plan must be a solved plan (spmd.plan's result, or spmd.load_plan(path)) or the path of a plan file, " \
            "got dict" in said
     said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=str(tmp_path / "missing.json"))
-    assert said.startswith(f"plan={str(tmp_path / 'missing.json')!r}: ")
+    assert said.startswith(f"plan={str(tmp_path / 'missing.json')!r}: cannot be read")
+    assert "What to do: give the path of a plan file" in said
     (tmp_path / "notes.json").write_text("[1, 2]")
     said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=tmp_path / "notes.json")
     assert "not a plan file (a JSON list, not an object)" in said
