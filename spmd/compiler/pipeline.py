@@ -41,9 +41,11 @@ from spmd.compiler.dump import Dumper
 from spmd.compiler.given_plan import take_given_plan
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.verify import CHECKS
+from spmd.core import collectives as C
 from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.cost_model.comm import all_reduce_seconds
 from spmd.core.plan import Plan
-from spmd.passes.bucket_gradients import bucket_gradients
+from spmd.passes.bucket_gradients import bucket_gradients, local_bytes
 from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.check_stamping import check_stamping
 from spmd.passes.emit_rank_graph import emit_rank_graph
@@ -57,7 +59,7 @@ from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
-from spmd.passes.overlap_collectives import overlap_collectives
+from spmd.passes.overlap_collectives import Estimates, overlap_collectives
 from spmd.passes.recompute_layers import recompute_layers
 from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
@@ -227,9 +229,29 @@ def _reduce_in_place(rank_gm: fx.GraphModule, traced: TracedGraph) -> fx.GraphMo
     return reduce_in_place(rank_gm, frozenset(i.placeholder for i in traced.inputs if i.kind == "tangent"))
 
 
-def _overlap(split: SplitGraphs) -> SplitGraphs:
-    return dataclasses.replace(split, forward=overlap_collectives(split.forward),
-                               backward=overlap_collectives(split.backward))
+def _estimates(plan: Plan, mesh, binding: RankBinding) -> Estimates:
+    """The plan's seconds for each op (0 for what it did not price: recomputed copies), and for each launch's
+    all_reduce from its pieces' bytes on its axis's link (unknown: as long as any work, so all may hide it)."""
+    def collective(launch: fx.Node) -> float:
+        inputs = launch.args[0] if launch.target is C.bucket_start else [launch.args[0]]
+        group = launch.kwargs.get("group")
+        if group not in binding.group_names or not all(
+                isinstance(i, fx.Node) and "val" in i.meta and "spmd_placements" in i.meta for i in inputs):
+            return float("inf")
+        nbytes = sum(local_bytes(i, mesh.shape) for i in inputs)
+        return all_reduce_seconds(mesh, binding.group_names.index(group), nbytes)
+
+    return Estimates(lambda node: plan.node_costs.get(node.name, 0.0), collective)
+
+
+def _overlap(split: SplitGraphs, plan: Plan, mesh, binding: RankBinding) -> SplitGraphs:
+    estimates = _estimates(plan, mesh, binding)
+    return dataclasses.replace(split, forward=overlap_collectives(split.forward, estimates),
+                               backward=overlap_collectives(split.backward, estimates))
+
+
+def _overlap_rank(rank_gm: fx.GraphModule, plan: Plan, mesh, binding: RankBinding) -> fx.GraphModule:
+    return overlap_collectives(rank_gm, _estimates(plan, mesh, binding))
 
 
 def _bound(v: dict) -> bool:
@@ -309,9 +331,9 @@ PIPELINE: tuple[Pass, ...] = (
          lambda v: v["split"].backward.code),
     # Then each all_reduce is launched as soon as its input is ready and waited for where it is read, with
     # the work that needs neither in between (the buckets are launches too).
-    Pass("overlap_collectives", overlap_collectives, ("rank_gm",), "rank_gm",
+    Pass("overlap_collectives", _overlap_rank, ("rank_gm", "plan", "mesh", "binding"), "rank_gm",
          lambda v: _bound(v) and not v["traced"].joint and v["options"].defer_waits, lambda v: v["rank_gm"].code),
-    Pass("overlap_collectives", _overlap, ("split",), "split",
+    Pass("overlap_collectives", _overlap, ("split", "plan", "mesh", "binding"), "split",
          lambda v: _training_rank(v) and v["options"].defer_waits,
          lambda v: v["split"].forward.code + "\n" + v["split"].backward.code),
 )

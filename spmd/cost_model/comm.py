@@ -74,6 +74,12 @@ def _sympy_max(a, b):
     return sympy.Max(a, b)
 
 
+def all_reduce_seconds(mesh, axis: int, nbytes: float) -> float:
+    """Seconds one all_reduce of `nbytes` per rank takes on mesh axis `axis` (a bucket's, or a lone one's)."""
+    n, link = mesh.shape[axis], mesh.links[axis]
+    return link.alpha_beta("all_reduce")[0] + link.transfer_seconds("all_reduce", wire_bytes("all_reduce", n, nbytes))
+
+
 def step_cost(step: Step, mesh, bucket_bytes: float | None = None) -> float:
     """Seconds for one step. `bucket_bytes`: the step is a gradient all_reduce that the runtime packs
     with others into buckets of that size, so it pays its share of one latency, not a whole one."""

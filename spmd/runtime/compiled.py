@@ -2125,6 +2125,17 @@ class CompiledModule(nn.Module):
             made = table[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
         return made[1]
 
+    def _run_emptying(self, which: str, shapes: Shapes, args: list):
+        """`which`'s graph of `shapes` run on `args`, a list it empties as it starts, so that each argument lives
+        only as long as the graph reads it (`_emptying`); through torch.compile, its compiled function's own way."""
+        if self.compile_backend is not None:  # (held until it returns, as before)
+            return self._graph(which, shapes)(*args)
+        gm = getattr(shapes.split, which)
+        made = shapes.emptying.get(which)
+        if made is None or made[0] is not gm:
+            made = shapes.emptying[which] = (gm, _emptying(gm))
+        return made[1](args)
+
     @property
     def last_saved_bytes(self) -> int:
         """Bytes of the activations a training step saves for backward (parameters saved are counted as
@@ -3228,6 +3239,17 @@ def _drawn_as_eager(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+def _emptying(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` that takes its arguments in one list and empties it at once (torch.fx's boxed calling
+    convention, as AOTAutograd runs backward): each argument is then held by the graph's own variable alone,
+    which the graph drops after its last reader. Called as `gm(*args)`, the call's argument tuple holds every
+    one until the graph returns."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    return torch.fx.GraphModule(gm, graph)
+
+
 class _OrUncompiled:
     """A rank graph through torch.compile, or, where the backend fails to compile it (a bug of torch's: inductor's
     C++ vectorizer failed on transformers' padding-mask lookup in a batch-split Llama graph, found by a probe, and
@@ -3408,8 +3430,15 @@ class _RankStep(torch.autograd.Function):
                 "computation has been modified by an inplace operation'. What to do: call backward before the "
                 f"optimizer steps, and clone an output before writing into it. (torch: {e})") from e
         ctx.reached = {k for k, g in enumerate(grad_outputs) if g is not None}  # (for a second backward, above)
+        # Each saved activation is let go of where backward last reads it, as the memory plan has it: autograd's
+        # own hold is dropped (unless retain_graph), and the graph takes its arguments in a list it empties
+        # (before, all were held until backward ended: a step's peak 21% over the plan's, found by measuring
+        # the tensors a step holds).
+        args = [*saved, *tangents]
+        del saved, tangents
+        ctx.maybe_clear_saved_tensors()
         with autocast_off():  # (a backward called inside the user's autocast block: the traced dtypes)
-            grads = dict(zip(shapes.split.grads, module._graph("backward", shapes)(*saved, *tangents)))
+            grads = dict(zip(shapes.split.grads, module._run_emptying("backward", shapes, args)))
         if unused:  # one device leaves None where no used output reaches (an optimizer then skips the parameter:
             # zeros would move it by its momentum and weight decay)
             for name, needs in zip(shapes.split.grads, shapes.split.grad_tangents):

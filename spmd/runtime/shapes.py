@@ -68,6 +68,7 @@ class Shapes:
     order: tuple[str, ...]  # FQN or input name per placeholder (tangents left out)
     plan: object  # the plan these graphs run, as the module shows it (spmd.compile's report, which explains itself)
     graphs: dict = field(default_factory=dict)  # torch.compile'd graphs, made at first use (`CompiledModule._graph`)
+    emptying: dict = field(default_factory=dict)  # graphs that empty their argument list (`_run_emptying`)
     laid_out: dict | None = None  # output position -> its layout as `CompiledModule._lay_out` records it
 
     @classmethod
