@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.compiler.attribute_reads import (AttributeGuard, grad_flag_reader, grad_mode_reader, hooks_read_training,
                                            reads_training)
+from spmd.compiler import fx_sources
 from spmd.compiler.call import Call
 from spmd.compiler.meta import is_meta
 from spmd.core import collectives, local_ops
@@ -3247,7 +3248,10 @@ def _emptying(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph.set_codegen(torch.fx.graph._BoxedCodeGen())
-    return torch.fx.GraphModule(gm, graph)
+    since = fx_sources.mark()
+    made = torch.fx.GraphModule(gm, graph)
+    fx_sources.release_sources(since, [made])  # (its source goes with it: a process that compiles again and again)
+    return made
 
 
 class _OrUncompiled:
