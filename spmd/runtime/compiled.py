@@ -2135,7 +2135,7 @@ class CompiledModule(nn.Module):
         made = shapes.emptying.get(which)
         if made is None or made[0] is not gm:
             made = shapes.emptying[which] = (gm, _emptying(gm))
-        return made[1](args)
+        return made[1](args) if made[1] is not None else gm(*args)
 
     @property
     def last_saved_bytes(self) -> int:
@@ -3240,14 +3240,17 @@ def _drawn_as_eager(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _emptying(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _emptying(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """A copy of `gm` that takes its arguments in one list and empties it at once (torch.fx's boxed calling
     convention, as AOTAutograd runs backward): each argument is then held by the graph's own variable alone,
     which the graph drops after its last reader. Called as `gm(*args)`, the call's argument tuple holds every
-    one until the graph returns."""
+    one until the graph returns. None where this torch.fx has no such code generator (private to torch)."""
+    boxed = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if boxed is None:
+        return None
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    graph.set_codegen(boxed())
     since = fx_sources.mark()
     made = torch.fx.GraphModule(gm, graph)
     fx_sources.release_sources(since, [made])  # (its source goes with it: a process that compiles again and again)
