@@ -230,7 +230,7 @@ def _reduce_in_place(rank_gm: fx.GraphModule, traced: TracedGraph) -> fx.GraphMo
 
 
 def _estimates(plan: Plan, mesh, binding: RankBinding) -> Estimates:
-    """The plan's seconds for each op (0 for what it did not price: recomputed copies), and for each launch's
+    """The plan's seconds for each op (a recomputed copy's: its original's; 0 for what it did not price), and for each launch's
     all_reduce from its pieces' bytes on its axis's link (unknown: as long as any work, so all may hide it)."""
     def collective(launch: fx.Node) -> float:
         inputs = launch.args[0] if launch.target is C.bucket_start else [launch.args[0]]
@@ -241,7 +241,10 @@ def _estimates(plan: Plan, mesh, binding: RankBinding) -> Estimates:
         nbytes = sum(local_bytes(i, mesh.shape) for i in inputs)
         return all_reduce_seconds(mesh, binding.group_names.index(group), nbytes)
 
-    return Estimates(lambda node: plan.node_costs.get(node.name, 0.0), collective)
+    def compute(node: fx.Node) -> float:  # (a recomputed copy: its original's)
+        return plan.node_costs.get(node.meta.get("spmd_recomputes", node.name), 0.0)
+
+    return Estimates(compute, collective)
 
 
 def _overlap(split: SplitGraphs, plan: Plan, mesh, binding: RankBinding) -> SplitGraphs:

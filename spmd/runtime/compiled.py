@@ -2128,7 +2128,9 @@ class CompiledModule(nn.Module):
 
     def _run_emptying(self, which: str, shapes: Shapes, args: list):
         """`which`'s graph of `shapes` run on `args`, a list it empties as it starts, so that each argument lives
-        only as long as the graph reads it (`_emptying`); through torch.compile, its compiled function's own way."""
+        only as long as the graph reads it (`_emptying`); through torch.compile, every argument is held until
+        it returns, as before. (As eager's autograd, a backward that fails part-way has let its saved
+        activations go: a retry needs a new forward.)"""
         if self.compile_backend is not None:  # (held until it returns, as before)
             return self._graph(which, shapes)(*args)
         gm = getattr(shapes.split, which)
