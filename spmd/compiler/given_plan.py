@@ -48,11 +48,12 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
     if plan.joint != traced.joint:  # (then every op after the forward's differs: nothing more to say)
         said = {True: "training (forward and backward)", False: "inference (forward only)"}
         return [f"it is a plan for {said[plan.joint]}, this compile is for {said[traced.joint]}"]
-    problems = []
-    stamped, here = plan.stats.get("stamped_layers", ""), stamp_note
-    if was_stamped(stamped) and not was_stamped(here):  # (the ops alike, the node names apart)
+    stamped = plan.stats.get("stamped_layers", "")
+    if was_stamped(stamped) and not was_stamped(stamp_note):  # (the ops alike, the node names apart)
         return [f"it was solved over layer stacks traced a few layers deep and stamped ({stamped}); this compile "
-                f"traced every layer ({here or 'stamp_layers=False'}). Plan with stamp_layers=False to run it here"]
+                f"traced every layer ({stamp_note or 'stamp_layers=False'}). Plan with stamp_layers=False to run it "
+                "here"]
+    problems = []
     digest = plan.stats.get("wired_graph")
     if digest is None:
         problems.append("it keeps no digest of its ops and what each reads (a plan file written before spmd kept "
@@ -64,6 +65,7 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
     problems += _names_differ(plan, traced)
     if not problems:  # (the same ops: the nodes and their names are too, but for what the plan left out)
         problems += _unchosen(plan, traced)
+    if not problems:  # (every pinned value has its choice)
         problems += _pins_unmet(plan, traced, mesh, options)
     if options.memory_budget is not None and options.memory_budget != plan.memory_budget:
         planned = "no budget" if plan.memory_budget is None else f"a budget of {plan.memory_budget:.0f} bytes"
@@ -78,7 +80,7 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
                        ("bucket_bytes", "it priced its gradient all_reduces packed so, and explains them so")):
         planned, given = plan.stats.get(name), getattr(options, name)
         if planned is not None and planned != given:
-            said = (lambda v: format_bytes(v)) if name == "bucket_bytes" else (lambda v: f"{v:g}")
+            said = format_bytes if name == "bucket_bytes" else (lambda v: f"{v:g}")
             problems.append(f"{name}={said(given)} was given, and the plan was priced for {said(planned)} ({what}; "
                             "leave it out to take the plan's)")
     return problems

@@ -230,8 +230,9 @@ def _reduce_in_place(rank_gm: fx.GraphModule, traced: TracedGraph) -> fx.GraphMo
 
 
 def _estimates(plan: Plan, mesh, binding: RankBinding) -> Estimates:
-    """The plan's seconds for each op (a recomputed copy's: its original's; 0 for what it did not price), and for each launch's
-    all_reduce from its pieces' bytes on its axis's link (unknown: as long as any work, so all may hide it)."""
+    """The plan's seconds for each op (a recomputed copy's: its original's; 0 for what it did not price), and for
+    each launch's all_reduce from its pieces' bytes on its axis's link (unknown: as long as any work, so all may
+    hide it)."""
     def collective(launch: fx.Node) -> float:
         inputs = launch.args[0] if launch.target is C.bucket_start else [launch.args[0]]
         group = launch.kwargs.get("group")
