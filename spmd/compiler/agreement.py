@@ -43,11 +43,6 @@ def _pins_text(pins) -> list[str]:
 
 def summarize(traced, mesh, options) -> dict[str, list[str]]:
     info = traced.tensor_info
-
-    def shape(name):
-        i = info.get(name)
-        return f"{list(i.shape)} {str(i.dtype).replace('torch.', '')}" if isinstance(i, TensorInfo) else "-"
-
     options_text = []
     for f in _PLAN_FIELDS:
         value = getattr(options, f)
@@ -60,8 +55,8 @@ def summarize(traced, mesh, options) -> dict[str, list[str]]:
         "mesh": [f"{name}={size}" for name, size in zip(mesh.axis_names, mesh.shape)],
         "options": options_text,
         "pins": _pins_text(options.pins),
-        "inputs": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs if gi.kind == "input"],
-        "parameters": [f"{gi.name}: {shape(gi.placeholder)}" for gi in traced.inputs
+        "inputs": [f"{gi.name}: {_shape(info.get(gi.placeholder))}" for gi in traced.inputs if gi.kind == "input"],
+        "parameters": [f"{gi.name}: {_shape(info.get(gi.placeholder))}" for gi in traced.inputs
                        if gi.kind in ("parameter", "buffer", "constant")],
         "graph": graph_lines(traced, wiring=True),
         "versions": [f"torch {torch.__version__}", f"python {platform.python_version()}"],

@@ -103,12 +103,9 @@ def _names_differ(plan: Plan, traced) -> list[str]:
     only_here = sorted(set(mine.values()) - set(theirs.values()))
     if not only_plan and not only_here:
         return ["its inputs, parameters and buffers are the same but held by other placeholders (another trace)"]
-    said = []
-    if only_plan:
-        said.append(f"the plan's {_few(only_plan)} are not among this compile's inputs, parameters and buffers")
-    if only_here:
-        said.append(f"this compile's {_few(only_here)} are not in the plan")
-    return ["; ".join(said)]
+    return _either(only_plan and f"the plan's {_few(only_plan)} are not among this compile's inputs, parameters "
+                                 "and buffers",
+                   only_here and f"this compile's {_few(only_here)} are not in the plan")
 
 
 def _unchosen(plan: Plan, traced) -> list[str]:
@@ -117,14 +114,8 @@ def _unchosen(plan: Plan, traced) -> list[str]:
     missing = [n for n in made if n not in plan.choices]
     known = set(made) | {f"output_{k}" for k in range(len(traced.output_kinds()))}
     extra = [n for n in plan.choices if n not in known]
-    if not missing and not extra:
-        return []
-    said = []
-    if missing:
-        said.append(f"it chooses no placements for {_few(missing)}")
-    if extra:
-        said.append(f"it chooses placements for {_few(extra)}, which this graph does not have")
-    return ["; ".join(said)]
+    return _either(missing and f"it chooses no placements for {_few(missing)}",
+                   extra and f"it chooses placements for {_few(extra)}, which this graph does not have")
 
 
 def _pins_unmet(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
@@ -143,6 +134,12 @@ def _pins_unmet(plan: Plan, traced, mesh, options: PlanOptions) -> list[str]:
             unmet.append(f"out_placements pins output {k} to {placements_str(pin)}; the plan returns it "
                          f"{placements_str(chosen)}")
     return unmet
+
+
+def _either(*said) -> list[str]:
+    """One problem of the parts said (an empty part: nothing to say), or none."""
+    said = [s for s in said if s]
+    return ["; ".join(said)] if said else []
 
 
 def _few(names: list[str], shown: int = 4) -> str:
