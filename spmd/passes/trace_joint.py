@@ -954,8 +954,11 @@ def source_meta(root: torch.nn.Module):
 def _backward_meta_from_forward(graph: torch.fx.Graph) -> None:
     """As torch.export's road leaves them: a backward node has no module stack of its own (AOTAutograd
     put the forward one in `fwd_nn_module_stack`) and the stack trace of the forward op it differentiates."""
-    forward_trace = {n.meta["seq_nr"]: n.meta.get("stack_trace") for n in graph.nodes
-                     if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta}
+    forward_trace = {}
+    for n in graph.nodes:  # (the first op of a number made its autograd node: the ops after it that make none,
+        # as a rotary cache built after the embedding, carry the same number until the next one is made)
+        if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta:
+            forward_trace.setdefault(n.meta["seq_nr"], n.meta.get("stack_trace"))
     for n in graph.nodes:
         if n.meta.get("partitioner_tag") == "is_backward":
             n.meta.pop("nn_module_stack", None)

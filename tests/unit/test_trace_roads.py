@@ -102,6 +102,30 @@ def test_source_lines_are_the_models_not_the_callers():
     assert not any("# CALLER" in t or "test_source_lines_are" in t for t in traces)
 
 
+class _EmbedThenTable(nn.Module):
+    """An embedding followed by ops that make no autograd node (a rotary table from positions), as
+    transformers' Llama builds its cos/sin after the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        h = self.embed(ids)  # EMBED
+        table = torch.arange(ids.shape[1], dtype=torch.float32).cos()  # TABLE
+        return h * table[:, None]
+
+
+def test_a_gradient_names_the_op_it_differentiates_not_the_ops_after_it():
+    """A backward node takes the source line of the forward op whose autograd node it runs: the first forward op
+    of that sequence number (the ops after it that make no node carry the same number; the last of them was
+    named: verify blamed a rotary line for the embedding's gradient)."""
+    ids = torch.randint(0, 16, (2, 4))
+    traced = trace_joint(_EmbedThenTable(), (ids, torch.randn(2, 4, 8)), F.mse_loss)
+    (grad,) = [n for n in traced.graph.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+    assert "# EMBED" in grad.meta["stack_trace"] and "# TABLE" not in grad.meta["stack_trace"]
+
+
 def test_distinct_inputs_copies_what_shares_memory_and_only_that():
     t = torch.randn(4, 8, requires_grad=True)
     view = t.detach()[1:]
