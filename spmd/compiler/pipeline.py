@@ -1,7 +1,7 @@
 """The compiler pipeline: one tuple, read top to bottom.
 
     nn.Module ──trace (find_layer_stacks, trace_module | trace_joint, stamp_layers)──▶ ATen FX graph
-       ──kernel_layouts──▶ values with the kernels' strides
+       ──index_by_arange──▶ lookups by whole-dim aranges as views ──kernel_layouts──▶ the kernels' strides
        ──merge_tied_parameters──▶ one placeholder per tensor ──find_repeated_blocks──▶ identical layers
        ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
        ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
@@ -56,6 +56,7 @@ from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks,
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
 from spmd.passes.insert_collectives import insert_collectives
+from spmd.passes.index_by_arange import identity_indexes, index_by_arange
 from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
@@ -275,6 +276,10 @@ PIPELINE: tuple[Pass, ...] = (
     # the joint forward+backward graph; after that, both take the same road.
     Pass("trace", _trace, ("model", "example_inputs", "options", "stacks", "binding"), ("traced", "stamp_note"),
          dump=dumps.dump_traced),
+    # A lookup by aranges over whole dims (transformers' attention masks) is its source's values: as views, a
+    # batch-split plan keeps the mask split instead of gathering it at every call.
+    Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: bool(identity_indexes(v["traced"].graph)),
+         dumps.dump_traced),
     # The values' strides as the device's kernels lay them out (batch norm over a transposed input), which the
     # random ops' rules read to draw as one device does; only where a kernel lays out otherwise than traced.
     Pass("kernel_layouts", kernel_layouts, ("traced",), "traced", lambda v: bool(laid_out_otherwise(v["traced"].graph)),
