@@ -11,6 +11,7 @@ says: a collective that fails or times out (a peer died, or stopped answering) r
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -189,19 +190,21 @@ def bucket_start(tensors: list[torch.Tensor], reduce_op: str, group: str, world:
 
 
 @speaking
-def bucket_wait(flat: torch.Tensor, tensors: list[torch.Tensor], reduce_op: str, world: int,
+def bucket_wait(flat: torch.Tensor, shapes: list[tuple[int, ...]], reduce_op: str, world: int,
                 group: str | None = None, views: bool = False) -> list[torch.Tensor]:
-    """Wait for a bucket and cut it back into tensors shaped like `tensors`. `views`: the pieces are views
+    """Wait for a bucket and cut it back into tensors of `shapes` (the gradients' own shapes: not the
+    gradients, which `bucket_start` copied into the bucket, so that they die at its launch and not here, a
+    second copy of them held through the collective; a memory probe, 1.10x the predicted peak). `views`: the pieces are views
     of the bucket, which is right where every piece lives as long as the others (all are the graph's
     outputs, gradients held until the optimizer's step); else copies, since a view would keep the whole
     bucket alive for as long as any one piece lives, which the memory plan does not count."""
     flat = _wait(flat)
     if reduce_op == "avg":
         flat = flat.div_(world)
-    pieces = flat.split([t.numel() for t in tensors])
+    pieces = flat.split([math.prod(shape) for shape in shapes])
     if views:
-        return [p.view(t.shape) for p, t in zip(pieces, tensors)]
-    return [p.view(t.shape).clone() for p, t in zip(pieces, tensors)]
+        return [p.view(shape) for p, shape in zip(pieces, shapes)]
+    return [p.view(shape).clone() for p, shape in zip(pieces, shapes)]
 
 
 STEP_FUNCTIONS = {

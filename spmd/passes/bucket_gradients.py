@@ -16,7 +16,7 @@ import operator
 import torch.fx as fx
 
 from spmd.core import collectives as C
-from spmd.core.specs import pieces
+from spmd.core.specs import local_shape, pieces
 
 
 # the steps of a resharding (core/collectives.py): a gradient on its way out passes through these alone
@@ -116,11 +116,13 @@ def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], buck
             start = graph.call_function(C.bucket_start, (inputs,),
                                         {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"],
                                          "where": where})
-        # Views of the bucket where every piece is a gradient the graph returns: they all live until the
-        # optimizer's step, so a view keeps nothing alive that the pieces would not (and saves a copy).
-        views = all(u.op == "output" for n in bucket for u in n.users)
+        # Views of the bucket where every piece is a gradient the graph returns (they all live until the
+        # optimizer's step) or goes into a later bucket (whose launch copies it): a view keeps nothing alive that
+        # the pieces would not, and saves a copy (a gradient reduced on tp, then on dp, was copied twice).
+        views = all(u.op == "output" or u in bucket_of or u.target is C.bucket_start for n in bucket for u in n.users)
+        shapes = [local_shape(tuple(n.meta["val"].shape), n.meta["spmd_placements"][0], mesh_shape) for n in inputs]
         with graph.inserting_after(start):
-            done = graph.call_function(C.bucket_wait, (start, inputs),
+            done = graph.call_function(C.bucket_wait, (start, shapes),
                                        {"reduce_op": kw["reduce_op"], "world": kw["world"], "group": kw["group"],
                                         "views": views, "where": where})
         for i, node in enumerate(bucket):
