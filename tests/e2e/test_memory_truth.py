@@ -67,15 +67,18 @@ def _step_peak(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dic
         compiled(*local).backward()
         opt.step()
         opt.zero_grad()
-    held = Held()
-    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    for t in (*compiled.parameters(), *compiled.buffers(), *state, *local):
-        held.hold(t)
-    with held:
-        compiled(*local).backward()
-        opt.step()
-        opt.zero_grad()
-    return {"measured": held.peak, "predicted": compiled.plan.predicted_peak_bytes,
+    peaks = []
+    for _ in range(2):  # (the lower of two steps: gloo's worker may let a finished collective's tensors go a
+        held = Held()  # little after the wait returns, at random, most on oversubscribed cores; a probe, 1.16x)
+        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        for t in (*compiled.parameters(), *compiled.buffers(), *state, *local):
+            held.hold(t)
+        with held:
+            compiled(*local).backward()
+            opt.step()
+            opt.zero_grad()
+        peaks.append(held.peak)
+    return {"measured": min(peaks), "predicted": compiled.plan.predicted_peak_bytes,
             "collectives": sum(compiled.plan.collective_summary().values())}
 
 
@@ -84,7 +87,7 @@ MEGATRON = {
     **{f"blocks.{i}.attn.o_proj.weight": ["R", "S(1)"] for i in range(2)},
     **{f"blocks.{i}.mlp.fc1.weight": ["R", "S(0)"] for i in range(2)},
     **{f"blocks.{i}.mlp.fc2.weight": ["R", "S(1)"] for i in range(2)}}
-CASES = {  # (measured / predicted in session 90: 0.95, 1.01-1.02, 1.02)
+CASES = {  # (measured / predicted: 0.95, 1.00, 1.00; 1.01-1.02 for the latter two before buckets held the gradients once)
     "batch split": ((2,), ("dp",), {}, None),
     "megatron on (2, 2)": ((2, 2), ("dp", "tp"), MEGATRON, None),
     "megatron on (2, 2), every layer recomputed": ((2, 2), ("dp", "tp"), MEGATRON, True),

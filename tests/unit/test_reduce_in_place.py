@@ -166,7 +166,10 @@ def test_bucket_pieces_are_views_where_every_piece_leaves_the_graph_or_goes_into
             n.meta = dict(a.meta)
         g.output((ga, gb, gc2))
         out = bucket_gradients(fx.GraphModule(torch.nn.Module(), g), (2, 2), bucket_bytes=1e9)
-        return {n.kwargs["group"]: n.kwargs["views"] for n in out.graph.nodes if n.target is C.bucket_wait}
+        waits = [n for n in out.graph.nodes if n.target is C.bucket_wait]
+        # (a wait reads its launch alone: the gradients, copied into the bucket, die at the launch)
+        assert all(n.all_input_nodes == [n.args[0]] and n.args[1] == [(64,)] * len(n.args[1]) for n in waits)
+        return {n.kwargs["group"]: n.kwargs["views"] for n in waits}
 
     assert waits(read_by_another_op=False) == {"g1": True, "g0": True}
     assert waits(read_by_another_op=True) == {"g1": False, "g0": True}  # (its piece cut by shard_local: a copy)
