@@ -4,6 +4,7 @@ is also trained, simulated on every rank, equal to one device."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
@@ -12,6 +13,20 @@ from torch.distributed.tensor import Replicate, Shard
 
 from spmd.runtime.simulate import simulate
 from tests.support import check_simulated_training, compile_graph, spec
+
+
+class _ShiftRight(nn.Module):
+    """T5's `_shift_right`: the ids moved one step right into new zeros, by slice assignment (`aten.copy` into a
+    slice, then `slice_scatter`), then embedded."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        return self.embed(shifted)
 
 
 class _RotateHalf(nn.Module):
@@ -27,21 +42,22 @@ class _RotateHalf(nn.Module):
         return h * torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
 
 
-def _data_parallel(model, shape: tuple, mesh_shape: tuple, names: tuple):
-    """`model()` trained with an MSE loss on inputs of `shape` on a mesh, split on the batch over its first axis,
-    weights replicated: (the plan's collectives as (kind, value, consumer), outputs checked equal to one device)."""
+def _data_parallel(make, x, t) -> tuple[list, int]:
+    """`make()`'s model trained with an MSE loss of its output for `t` on (dp=2), input and target split on the
+    batch, weights replicated: (the plan's collectives as (kind, value, consumer), outputs checked equal to one
+    device). In float64."""
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
-        model = model()
-        x, t = torch.randn(*shape), torch.randn(*shape)
+        model = make()
+        x, t = x(), t()
         reference = copy.deepcopy(model)
         loss = F.mse_loss(reference(x), t)
         loss.backward()
-        rest = [Replicate()] * (len(mesh_shape) - 1)
-        c = compile_graph(model, (x, t), spec(mesh_shape, names), loss_fn=F.mse_loss,
-                          in_placements={"x": [Shard(0), *rest], "target": [Shard(0), *rest]},
-                          param_placements={n: [Replicate(), *rest] for n, _ in model.named_parameters()})
+        c = compile_graph(model, (x, t), spec((2,), ("dp",)), loss_fn=F.mse_loss,
+                          in_placements={name: [Shard(0)] for name in (*inspect.signature(model.forward).parameters,
+                                                                       "target")},
+                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
         checked = check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
         return [(step.kind, edge.value[0], edge.consumer) for edge, step in c.plan.collectives()], checked
     finally:
@@ -52,6 +68,15 @@ def test_the_backward_of_a_slice_keeps_the_batch_split():
     """`zeros`/`full` may be built as any piece of themselves: the slice's backward (`slice_scatter` into zeros,
     whose strategies follow its inputs') had only the whole layout, and every Llama-family training plan
     gathered rotary's activations in backward, two all_gathers per layer."""
-    collectives, checked = _data_parallel(_RotateHalf, (4, 6, 8), (2,), ("dp",))
+    collectives, checked = _data_parallel(_RotateHalf, lambda: torch.randn(4, 6, 8), lambda: torch.randn(4, 6, 8))
     assert checked == 3
+    assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
+
+
+def test_a_slice_assignment_keeps_the_batch_split():
+    """`aten.copy` (the functional form of `shifted[..., 1:] = ids[..., :-1]`) splits as a pointwise op: it had no
+    rule, so T5's batch-split plan gathered the labels in its forward."""
+    collectives, checked = _data_parallel(_ShiftRight, lambda: torch.randint(0, 16, (4, 6)),
+                                          lambda: torch.randn(4, 6, 8))
+    assert checked == 2
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
