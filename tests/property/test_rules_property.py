@@ -68,6 +68,14 @@ def mul(draw):
 
 
 @st.composite
+def copy(draw):
+    """`aten.copy(x, src)`, a slice assignment's functional form: src broadcast into x's shape, x's values gone."""
+    m, n = _dims(draw, 2)
+    src = draw(st.sampled_from(((m, n), (n,), (m, 1), (1, n))))
+    return Case(("copy", m, n, src), ((m, n), src), frozenset({aten.copy.default}), aten.copy.default)
+
+
+@st.composite
 def gelu(draw):
     shape = tuple(_dims(draw, draw(st.integers(1, 3))))
     approx = draw(st.sampled_from(("none", "tanh")))
@@ -255,7 +263,7 @@ def masked_put(draw):
                 frozenset({aten.index_put.default}), lambda x, m, v: x.index_put((m,), v, accumulate=accumulate))
 
 
-CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, gelu, layer_norm, softmax, view, permute,
+CASES = {f.__name__: f for f in (mm, addmm, linear, bmm, add, mul, copy, gelu, layer_norm, softmax, view, permute,
                                  embedding, gather, reduction, mean_then_add, prod_then_mul, sdpa, split, solve_triangular, scan,
                                  index_put, masked_put)}
 
