@@ -25,6 +25,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,7 +43,8 @@ from spmd.compiler.given_plan import take_given_plan
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.verify import CHECKS
 from spmd.core import collectives as C
-from spmd.core.errors import SpmdError, SpmdInternalError
+from spmd.core.errors import SpmdError, SpmdInternalError, describe_node, user_stacklevel
+from spmd.core.graph_facts import dropout_p, is_random
 from spmd.cost_model.comm import all_reduce_seconds
 from spmd.core.plan import Plan
 from spmd.passes.bucket_gradients import bucket_gradients, local_bytes
@@ -128,6 +130,8 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     def trace(m):
         traced = trace_joint(m, example_inputs, options.loss_fn) if options.joint else trace_module(m, example_inputs)
         check_dtypes(traced.graph)
+        if not options.joint:
+            _warn_dropout_in_inference(traced.graph, model)
         return traced
 
     note = ""
@@ -149,6 +153,27 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
         except CannotStamp as e:
             note = f"none: {e}; traced every layer"
     return trace(model), note
+
+
+_DROPOUTS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli.p,
+                       torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli_.float})
+
+
+def _warn_dropout_in_inference(graph: fx.Graph, model: torch.nn.Module) -> None:
+    """A model compiled for inference while in train mode (as a model built from its config, transformers' too, is)
+    runs its dropout: equal to that model, but a dropout inside attention keeps the attention whole on every rank
+    (its kernel draws its mask itself; rules/attention.py), and the forward is not the evaluation one. Said once."""
+    if not any(m.training for m in model.modules()):
+        return
+    drops = [n for n in graph.nodes if n.op == "call_function" and (
+        n.target in _DROPOUTS or (is_random(n) and dropout_p(n.target, n.args, n.kwargs) is not None))]
+    if drops:
+        warnings.warn(
+            f"spmd: the model is compiled for inference (training=False) in train mode, so its {len(drops)} dropout "
+            f"op(s) run in the compiled forward, first {describe_node(drops[0])}; a dropout inside attention keeps "
+            "the attention whole on every rank. What to do: `model.eval()` before compiling for evaluation or "
+            "serving (a model built from its config starts in train mode); where dropout at inference is meant "
+            "(Monte Carlo dropout), nothing.", stacklevel=user_stacklevel())
 
 
 def stamping_unchecked(model, example_inputs, options: PlanOptions) -> str | None:

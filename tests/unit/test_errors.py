@@ -266,3 +266,29 @@ def test_a_buffer_updated_through_data_in_a_forward_names_the_line_and_the_way_o
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(compiled(x), reference(x))
+
+
+class _Dropping(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))  # DROP
+
+
+@pytest.mark.parametrize("p, train, warned", [(0.1, True, True), (0.1, False, False), (0.0, True, False)])
+def test_a_model_compiled_for_inference_in_train_mode_is_said_to_run_its_dropout(p, train, warned):
+    """A model built from its config starts in train mode; compiled for inference its dropout runs (and a dropout
+    inside attention keeps the attention whole on every rank: a plan-quality probe found BERT's inference plan
+    gathering every layer's q, k and v)."""
+    import warnings
+
+    model = _Dropping(p).train(train)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spmd.plan(model, spmd.MeshSpec((2,), ("dp",)), (torch.randn(4, 8),), training=False)
+    said = [w for w in caught if "in train mode" in str(w.message)]
+    assert bool(said) == warned
+    if warned:
+        assert "# DROP" in str(said[0].message) and "model.eval()" in str(said[0].message) and said[0].filename == __file__
