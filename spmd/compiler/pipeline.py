@@ -1,7 +1,8 @@
 """The compiler pipeline: one tuple, read top to bottom.
 
     nn.Module ──trace (find_layer_stacks, trace_module | trace_joint, stamp_layers)──▶ ATen FX graph
-       ──index_by_arange──▶ lookups by whole-dim aranges as views ──kernel_layouts──▶ the kernels' strides
+       ──index_by_arange──▶ lookups by whole-dim aranges as views ──unmerge_bmm──▶ 4-D matmuls whole again
+       ──kernel_layouts──▶ the kernels' strides
        ──merge_tied_parameters──▶ one placeholder per tensor ──find_repeated_blocks──▶ identical layers
        ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
        ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
@@ -57,8 +58,8 @@ from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable
 from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
-from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.index_by_arange import identity_indexes, index_by_arange
+from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
 from spmd.passes.merge_tied_parameters import merge_tied_parameters
@@ -70,6 +71,7 @@ from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
 from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_shared_memory, trace_module,
                                       warn_module_hooks)
+from spmd.passes.unmerge_bmm import unmerge_bmm, unmergeable
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,6 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     def trace(m):
         traced = trace_joint(m, example_inputs, options.loss_fn) if options.joint else trace_module(m, example_inputs)
         check_dtypes(traced.graph)
-        if not options.joint:
-            _warn_dropout_in_inference(traced.graph, model)
         return traced
 
     note = ""
@@ -146,31 +146,40 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
                 short = trace(model)
             if read:
                 raise CannotStamp(f"the layers differ in {', '.join(sorted(read))}, which the forward reads")
-            return stamp_layers(short, stacks, model), "; ".join(
+            return _warned(stamp_layers(short, stacks, model), model, options), "; ".join(
                 f"{s.fqn}: {TRACED} traced, {s.depth - TRACED} stamped" for s in stacks)
         except SpmdError as e:
             note = f"none: the model with {TRACED} layers per stack did not trace ({e})"
         except CannotStamp as e:
             note = f"none: {e}; traced every layer"
-    return trace(model), note
+    return _warned(trace(model), model, options), note
 
 
+def _warned(traced: TracedGraph, model, options: PlanOptions) -> TracedGraph:
+    """The graph kept, once what it says about the model is said (a forward-only graph's dropout)."""
+    if not options.joint:
+        _warn_dropout_in_inference(traced.graph, model)
+    return traced
+
+
+# (dropout's draws; not `bernoulli.default`, a draw from a tensor of probabilities: sampling, which eval() keeps)
 _DROPOUTS = frozenset({torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli.p,
-                       torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli_.float})
+                       torch.ops.aten.bernoulli_.float})
 
 
 def _warn_dropout_in_inference(graph: fx.Graph, model: torch.nn.Module) -> None:
     """A model compiled for inference while in train mode (as a model built from its config, transformers' too, is)
     runs its dropout: equal to that model, but a dropout inside attention keeps the attention whole on every rank
-    (its kernel draws its mask itself; rules/attention.py), and the forward is not the evaluation one. Said once."""
+    (its kernel draws its mask itself; rules/attention.py), and the forward is not the evaluation one. Said of the
+    graph kept (stamped to full depth, or traced whole where stamping gave up)."""
     if not any(m.training for m in model.modules()):
         return
     drops = [n for n in graph.nodes if n.op == "call_function" and (
         n.target in _DROPOUTS or (is_random(n) and dropout_p(n.target, n.args, n.kwargs) is not None))]
     if drops:
         warnings.warn(
-            f"spmd: the model is compiled for inference (training=False) in train mode, so its {len(drops)} dropout "
-            f"op(s) run in the compiled forward, first {describe_node(drops[0])}; a dropout inside attention keeps "
+            "spmd: the model is compiled for inference (training=False) in train mode, so its dropout runs in the "
+            f"compiled forward ({describe_node(drops[0])}, and {len(drops) - 1} more); a dropout inside attention keeps "
             "the attention whole on every rank. What to do: `model.eval()` before compiling for evaluation or "
             "serving (a model built from its config starts in train mode); where dropout at inference is meant "
             "(Monte Carlo dropout), nothing.", stacklevel=user_stacklevel())
@@ -304,6 +313,10 @@ PIPELINE: tuple[Pass, ...] = (
     # A lookup by aranges over whole dims (transformers' attention masks) is its source's values: as views, a
     # batch-split plan keeps the mask split instead of gathering it at every call.
     Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: bool(identity_indexes(v["traced"].graph)),
+         dumps.dump_traced),
+    # A matmul of 4-D tensors, decomposed to a bmm over their merged leading dims, is one matmul again: split on
+    # heads (Megatron) as well as on the batch, where the merged dim kept only the batch split.
+    Pass("unmerge_bmm", unmerge_bmm, ("traced",), "traced", lambda v: bool(unmergeable(v["traced"].graph)),
          dumps.dump_traced),
     # The values' strides as the device's kernels lay them out (batch norm over a transposed input), which the
     # random ops' rules read to draw as one device does; only where a kernel lays out otherwise than traced.

@@ -240,7 +240,7 @@ def may_draw(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op.namespace not in _TORCH_NAMESPACES
 
 
-_SELECTIVE_KEEPS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "scaled_dot_product_attention",
+_SELECTIVE_KEEPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "scaled_dot_product_attention",
                     "flex_attention"}
 
 

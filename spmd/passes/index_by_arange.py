@@ -13,7 +13,8 @@ contiguous `clone` (an index makes a new tensor), the same values, dtype, shape 
 their views that fed nothing else are gone. The rest of the graph, its nodes' names and metadata, is as traced.
 Only what the graph proves is taken: an arange from 0 by 1, moved only through views that add or drop
 dims of size 1, adding 0, or a cast to an integer dtype that holds it; indices in the order of the dims they
-index (a transposing lookup stays a gather), with no `None` (slice) among them.
+index (a transposing lookup stays a gather), with no `None` (slice) among them; a contiguous source (a lookup
+lays its result out as its source, channels_last too, which the copy would not).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from spmd.passes.trace_module import TracedGraph, graph_module, tensor_infos
+from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, graph_module, tensor_infos
 
 aten = torch.ops.aten
 
@@ -55,9 +56,7 @@ def index_by_arange(traced: TracedGraph) -> TracedGraph:
     found = identity_indexes(traced.graph)
     if not found:
         return traced
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(traced.graph, env))
+    graph, env = copy_graph(traced.graph)
     fake_mode = detect_fake_mode([index.meta["val"] for index, _ in found]) or contextlib.nullcontext()
     for index, dims in found:
         node = env[index]
@@ -66,22 +65,14 @@ def index_by_arange(traced: TracedGraph) -> TracedGraph:
         value = source
         with graph.inserting_before(node), fake_mode:
             for dim in (d for d in range(rank) if d not in dims):  # (ascending: each lands where it is meant to)
-                value = _call(graph, node, aten.unsqueeze.default, (value, dim))
-            copy = _call(graph, node, aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+                value = call_like(graph, node, aten.unsqueeze.default, (value, dim))
+            copy = call_like(graph, node, aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
         node.replace_all_uses_with(copy)
         graph.erase_node(node)
         for feeder in dict.fromkeys(indices):  # the aranges and views that fed only this lookup
             _erase_unused(graph, feeder)
     gm = graph_module(traced.gm, graph)
     return dataclasses.replace(traced, gm=gm, tensor_info=tensor_infos(gm))
-
-
-def _call(graph: fx.Graph, like: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
-    """`op(*args)` in `graph` with `like`'s metadata (source line, module, phase) and its own fake value."""
-    node = graph.call_function(op, args, kwargs or {})
-    node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
-    node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]), **(kwargs or {}))
-    return node
 
 
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
@@ -106,6 +97,8 @@ def _identity_dims(node: fx.Node, along: dict) -> tuple[int, ...] | None:
     shape, out = source.meta.get("val"), node.meta.get("val")
     if not isinstance(shape, torch.Tensor) or not isinstance(out, torch.Tensor) or len(indices) > shape.dim():
         return None
+    if not (shape.is_contiguous() and out.is_contiguous()):  # (a lookup follows its source's layout, channels_last
+        return None  # too, which the contiguous copy would not: a dropout after it drew another mask; a review)
     rank = out.dim() - (shape.dim() - len(indices))  # the indices' broadcast rank
     dims = []
     for d, index in enumerate(indices):

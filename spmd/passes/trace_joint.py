@@ -957,8 +957,8 @@ def _backward_meta_from_forward(graph: torch.fx.Graph) -> None:
     forward_trace = {}
     for n in graph.nodes:  # (the first op of a number made its autograd node: the ops after it that make none,
         # as a rotary cache built after the embedding, carry the same number until the next one is made)
-        if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta:
-            forward_trace.setdefault(n.meta["seq_nr"], n.meta.get("stack_trace"))
+        if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta and n.meta.get("stack_trace"):
+            forward_trace.setdefault(n.meta["seq_nr"], n.meta["stack_trace"])
     for n in graph.nodes:
         if n.meta.get("partitioner_tag") == "is_backward":
             n.meta.pop("nn_module_stack", None)

@@ -108,6 +108,23 @@ def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return _LazyGraphModule(root, graph)
 
 
+def copy_graph(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of `graph` (its output node's metadata too) and the map from its nodes to the copy's."""
+    copied, env = fx.Graph(), {}
+    output = copied.output(copied.graph_copy(graph, env))
+    output.meta, output.type = dict(graph.output_node().meta), graph.output_node().type
+    return copied, env
+
+
+def call_like(graph: fx.Graph, like: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """`op(*args)` in `graph`, named as the graph names its own (`clone_3`), with `like`'s metadata (source line,
+    module, phase, sequence number) and its own fake value (run under the fake mode)."""
+    node = graph.create_node("call_function", op, args, kwargs or {}, name=op.overloadpacket.__name__)
+    node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
+    node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]), **(kwargs or {}))
+    return node
+
+
 def tensor_infos(gm: fx.GraphModule) -> dict:
     """node name -> TensorInfo (or a tuple of them for multi-output nodes) for every tensor node."""
     return {n.name: info for n in gm.graph.nodes if (info := tensor_info_of(n)) is not None}

@@ -60,6 +60,18 @@ def test_only_a_lookup_by_whole_aranges_in_order_becomes_views_and_the_values_st
     torch.testing.assert_close(after.gm(*args)[0], model(mask, x), rtol=0, atol=0)
 
 
+def test_a_lookup_of_a_channels_last_source_stays_a_gather():
+    """A lookup lays its result out as its source (channels_last strides): the contiguous copy would not, and a
+    dropout or `as_strided` after it would read other memory (a review)."""
+    class Lookup(nn.Module):
+        def forward(self, x):
+            return x[torch.arange(x.shape[0])] * 2.0
+
+    x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    traced = trace_module(Lookup(), (x,))
+    assert index_by_arange(traced) is traced
+
+
 def test_a_batch_split_plan_of_a_model_with_an_attention_mask_runs_no_collective():
     """transformers' GPT-2 with its attention mask, inputs split on the batch and weights replicated (the
     hand-written data parallel layout): no collective, where the mask lookup gathered the mask at every call."""
