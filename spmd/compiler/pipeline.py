@@ -446,6 +446,20 @@ def collector_paused():
                 gc.enable()
 
 
+# The passes between the trace and the strategies that rewrite the traced graph (what a plan's names refer to)
+GRAPH_REWRITES = ("index_by_arange", "unmerge_bmm", "kernel_layouts", "merge_tied_parameters")
+
+
+def rewritten(traced: TracedGraph) -> TracedGraph:
+    """`traced` as the pipeline rewrites it before planning (`GRAPH_REWRITES`): for what prices a plan on a
+    graph traced apart, at other sizes (report/whatif.py's cost formulas; a review: a plan's `matmul` nodes were
+    missing from the plain trace, so its products went unpriced)."""
+    for p in PIPELINE:
+        if p.name in GRAPH_REWRITES and p.when({"traced": traced}):
+            traced = p.run(traced)
+    return traced
+
+
 def run_pipeline(model: torch.nn.Module, example_inputs: tuple, mesh, options: PlanOptions | None = None,
                  binding: RankBinding | None = None, quiet: bool = False) -> Compilation:
     """Plan `model` on `mesh` (a `MeshSpec`) for `example_inputs`; with a `binding`, also emit that rank's

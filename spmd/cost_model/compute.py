@@ -77,7 +77,8 @@ def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[i
         causal = causal or kwargs.get("is_causal") is True
         # a causal flash kernel skips the blocks above the diagonal: about half the work
         return 2.0 * matmuls * math.prod(q[:-1]) * k[-2] * q[-1] * (0.5 if causal else 1.0)
-    if op is aten.matmul.default and len(args_with_shapes[0]) >= 2:  # (passes/unmerge_bmm.py's, of equal leading dims)
+    if op is aten.matmul.default and len(args_with_shapes[0]) >= 3 and \
+            tuple(args_with_shapes[0][:-2]) == tuple(args_with_shapes[1][:-2]):  # (unmerge_bmm's: equal leading dims)
         a, b = args_with_shapes[:2]
         return 2.0 * math.prod(a[:-1]) * a[-1] * b[-1]
     if packet in flop_registry:

@@ -15,7 +15,8 @@ from torch import fx
 from spmd.core.errors import SpmdError, describe_node
 
 aten = torch.ops.aten
-# the products whose kernels refuse operands of two dtypes (the bias of addmm/baddbmm included)
+# the products whose kernels refuse operands of two dtypes (the bias of addmm/baddbmm included; matmul where a graph
+# holds it whole: unmerge_bmm's run after this check)
 PRODUCTS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
             aten.matmul.default, aten.linear.default}
 

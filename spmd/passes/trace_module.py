@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
+from spmd.core.autocast import autocast_off
 from spmd.core.errors import SpmdError, describe_node, user_stacklevel
 from spmd.core.specs import TensorInfo
 from spmd.passes.buffer_aliases import buffers_through_aliases
@@ -118,10 +119,12 @@ def copy_graph(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 
 def call_like(graph: fx.Graph, like: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """`op(*args)` in `graph`, named as the graph names its own (`clone_3`), with `like`'s metadata (source line,
-    module, phase, sequence number) and its own fake value (run under the fake mode)."""
+    module, phase, sequence number) and its own fake value (run under the fake mode, with autocast off: the graph
+    holds autocast's casts already, and a compile under `torch.autocast` gave a float32 product bfloat16 values)."""
     node = graph.create_node("call_function", op, args, kwargs or {}, name=op.overloadpacket.__name__)
     node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
-    node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]), **(kwargs or {}))
+    with autocast_off():
+        node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]), **(kwargs or {}))
     return node
 
 

@@ -12,7 +12,7 @@ eager path; the same on T5 and any model that calls `torch.matmul` on 4-D tensor
 After: each such `bmm` whose two operands are merged views of tensors with the same leading dims (each maybe
 transposed in its last two dims) and whose every reader splits the merged dim back into them is one
 `aten.matmul` of the unmerged tensors (transposed with a `permute` of their last two dims), read in place of
-those splits; `rules/linalg.py` splits it on any leading dim. The merged views and transposes nothing else
+those splits; `rules/matmul.py` splits it on any leading dim. The merged views and transposes nothing else
 reads are gone. The values are the same (each batch of the `bmm` is one (leading index) of the `matmul`).
 """
 from __future__ import annotations
@@ -75,6 +75,8 @@ def unmerge_bmm(traced: TracedGraph) -> TracedGraph:
                     value = call_like(graph, env[operand.via[-1]], aten.permute.default, (value, order))
                 unmerged.append(value)
             product = call_like(graph, node, aten.matmul.default, tuple(unmerged))
+        split = next(iter(node.users)).meta["val"]
+        assert (product.meta["val"].shape, product.meta["val"].dtype) == (split.shape, split.dtype), (node, split)
         for split in list(node.users):
             split.replace_all_uses_with(product)
             graph.erase_node(split)

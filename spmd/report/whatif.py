@@ -19,7 +19,7 @@ import torch
 
 from spmd.compiler.meta import fake_model
 from spmd.compiler.options import PlanOptions
-from spmd.compiler.pipeline import run_pipeline
+from spmd.compiler.pipeline import rewritten, run_pipeline
 from spmd.core.errors import SpmdError
 from spmd.core.specs import placements_str
 from spmd.cost_model import symbolic
@@ -59,8 +59,8 @@ class Request:
     def trace(self, batch: int):
         model, inputs = fake_model(self.model, self.inputs_at(batch))
         if self.options.joint:
-            return trace_joint(model, inputs, self.options.loss_fn)
-        return trace_module(model, inputs)
+            return rewritten(trace_joint(model, inputs, self.options.loss_fn))
+        return rewritten(trace_module(model, inputs))
 
     def plan(self, batch: int):
         model, inputs = fake_model(self.model, self.inputs_at(batch))

@@ -115,3 +115,30 @@ def test_every_layout_of_the_matmul_rule_computes_the_product():
         pieces = [torch.matmul(piece(a, pa, r), piece(b, pb, r)) for r in range(2)]
         got = sum(pieces) if isinstance(out, Partial) else torch.cat(pieces, out.dim)
         torch.testing.assert_close(got, whole)
+
+
+def test_a_plans_cost_formula_prices_the_products_the_pass_made():
+    """cost_formula traces the model again at other batch sizes: through the same rewrites, so its formula at the
+    solved batch is the plan's objective (the plain trace had bmm nodes, no choice for them: too low; a review)."""
+    import spmd
+
+    torch.manual_seed(0)
+    x, t = torch.randn(4, 6, 16), torch.randn(4, 6, 16)
+    plan = spmd.plan(_EagerAttention(), spec((2,), ("dp",)), (x, t), loss_fn=F.mse_loss)
+    assert float(plan.cost_formula.subs("batch", 4)) == pytest.approx(plan.objective, rel=1e-9)
+
+
+def test_under_autocast_the_products_keep_the_dtype_the_graph_computes():
+    """A product the model runs in float32 inside `torch.autocast(enabled=False)` was given bfloat16 values (the
+    fake call ran under the user's autocast), and its collectives and memory were priced at half (a review)."""
+    class Scores(nn.Module):
+        def forward(self, q, k):
+            with torch.autocast("cpu", enabled=False):
+                return torch.matmul(q.float(), k.float().transpose(-1, -2))
+
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        traced = trace_module(Scores(), (q, k))
+        after = unmerge_bmm(traced)
+    (product,) = [n for n in after.graph.nodes if n.target is aten.matmul.default]
+    assert product.meta["val"].dtype == torch.float32 and after.tensor_info[product.name].dtype == torch.float32
