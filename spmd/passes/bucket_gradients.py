@@ -117,8 +117,9 @@ def bucket_gradients(backward: fx.GraphModule, mesh_shape: tuple[int, ...], buck
                                         {"reduce_op": kw["reduce_op"], "group": kw["group"], "world": kw["world"],
                                          "where": where})
         # Views of the bucket where every piece is a gradient the graph returns (they all live until the
-        # optimizer's step) or goes into a later bucket (whose launch copies it): a view keeps nothing alive that
-        # the pieces would not, and saves a copy (a gradient reduced on tp, then on dp, was copied twice).
+        # optimizer's step) or goes into a later bucket (whose launch copies it): a view saves a copy (a gradient
+        # reduced on tp, then on dp, was copied twice), though pieces bound for buckets launched far apart keep
+        # the whole bucket until the last of those launches, where copies would each go at their own.
         views = all(u.op == "output" or u in bucket_of or u.target is C.bucket_start for n in bucket for u in n.users)
         shapes = [local_shape(tuple(n.meta["val"].shape), n.meta["spmd_placements"][0], mesh_shape) for n in inputs]
         with graph.inserting_after(start):
