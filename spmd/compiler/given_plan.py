@@ -60,8 +60,8 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
                         "one), so nothing shows it is this graph's")
     elif digest != graph_digest(traced, wiring=True):
         problems.append("its ops are not this graph's, or read other values (another model, configuration or "
-                        "forward, other input shapes or dtypes, another loss function, or a device whose kernels "
-                        "trace otherwise)")
+                        "forward, other input shapes or dtypes, another loss function, a device whose kernels "
+                        "trace otherwise, or an spmd version that rewrites the traced graph otherwise)")
     problems += _names_differ(plan, traced)
     if not problems:  # (the same ops: the nodes and their names are too, but for what the plan left out)
         problems += _unchosen(plan, traced)
