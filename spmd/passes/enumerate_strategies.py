@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from math import prod
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils._pytree import tree_map
@@ -194,6 +195,10 @@ def _replicated(ps: Placements) -> bool:
     return all(isinstance(p, Replicate) for p in ps)
 
 
+# sums whose integer output (a count) may be left Partial(sum) for its reader's all_reduce
+_INTEGER_SUMS = frozenset({torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList})
+
+
 def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, blocks=None) -> StrategyTable:
     """`pins`: as the user gave them (validated here by `check_pins`). `blocks`: a `RepeatedBlocks`; nodes of
     repeated layers copy their representative's strategies."""
@@ -214,12 +219,19 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
     next_variant = iter(range(1 << 62)).__next__
     answers: dict[tuple, tuple] = {}  # _query_key -> (strategies, source, excluded)
 
-    def floating_partials(s: Strategy, outs, ins) -> bool:
+    def floating_partials(s: Strategy, outs, ins, counts: bool = False) -> bool:
         """Partial only on floating-point values: a sum of bool masks is no mask, and the integer tensors
-        of a graph are indices and counts, which no rule reads unreduced."""
-        return all(ps is None or t is None or t.dtype.is_floating_point or t.dtype.is_complex
-                   or not any(isinstance(p, Partial) for p in ps)
-                   for ps, t in zip(s.outputs + s.inputs, tuple(outs) + tuple(ins)))
+        of a graph are indices and counts, which no rule reads unreduced. `counts`: an integer sum's output may
+        be Partial(sum) (each rank's count of its piece, all-reduced where it is read; a loss's count of the
+        targets it does not ignore gathered a per-token mask instead, a plan-quality probe)."""
+        def allowed(ps, t, output: bool) -> bool:
+            if ps is None or t is None or t.dtype.is_floating_point or t.dtype.is_complex:
+                return True
+            partials = [p for p in ps if isinstance(p, Partial)]
+            return not partials or (output and counts and all(p.reduce_op == "sum" for p in partials))
+
+        return all(allowed(ps, t, True) for ps, t in zip(s.outputs, outs)) and \
+            all(allowed(ps, t, False) for ps, t in zip(s.inputs, ins))
 
     def even(s: Strategy, outs, ins) -> bool:
         return all(ps is None or o is None or is_even(o.shape, ps, mesh.shape) for ps, o in zip(s.outputs, outs)) \
@@ -347,7 +359,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             strategies, source = _whole(outs, inputs, mesh.ndim), "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
         usable = [s for s in strategies if len(s.inputs) == len(inputs) and len(s.outputs) == len(outs)
-                  and _partials_available(s, producible) and floating_partials(s, outs, in_infos)]
+                  and _partials_available(s, producible)
+                  and floating_partials(s, outs, in_infos, counts=node.target in _INTEGER_SUMS)]
         kept = _replicated_on_axes_of_one([s for s in usable if even(s, outs, in_infos)], mesh.shape)
         if not kept:
             kept = _whole(outs, inputs, mesh.ndim)

@@ -80,3 +80,22 @@ def test_a_slice_assignment_keeps_the_batch_split():
                                           lambda: torch.randn(4, 6, 8))
     assert checked == 2
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
+
+
+def test_a_whole_sum_of_a_split_value_sums_each_piece():
+    """`x.sum()` (torch.export's `sum.dim_IntList(x, [])`, every dim) of a value split on the batch, a float loss
+    sum or an integer count of the targets a loss does not ignore: each rank sums its piece and one scalar is
+    all-reduced. DTensor's rule read the empty list as no dim and kept the value whole (an all_gather), and an
+    integer sum could not be Partial at all."""
+    import spmd
+
+    class Counted(nn.Module):
+        def forward(self, x, targets):
+            kept = targets != -100
+            return (x * 2.0).sum() / kept.sum()
+
+    x, targets = torch.randn(8, 16), torch.randint(-1, 3, (8, 16)).masked_fill_(torch.rand(8, 16) < 0.3, -100)
+    plan = spmd.plan(Counted(), spmd.MeshSpec((2,), ("dp",)), (x, targets), training=False,
+                     in_placements={"x": [Shard(0)], "targets": [Shard(0)]})
+    kinds = [step.kind for _, step in plan.collectives()]
+    assert kinds and set(kinds) == {"all_reduce"}, kinds

@@ -89,6 +89,21 @@ def _positive_dim(op, args: tuple, arg_infos: dict) -> tuple:
     return args if ndim is None else (*args[:at], args[at] % ndim, *args[at + 1:])
 
 
+# reductions whose empty dim list means every dim (`x.sum()` traced by torch.export as `sum.dim_IntList(x, [])`), which
+# DTensor's rule reads as no dim: its only strategy kept the input whole, so a full sum of a split value gathered it
+# instead of summing each piece (a probe: a loss's count of its targets, every inference `x.sum()`)
+_ALL_DIMS_WHEN_EMPTY = {torch.ops.aten.sum.dim_IntList: 1, torch.ops.aten.mean.dim: 1, torch.ops.aten.amax.default: 1,
+                        torch.ops.aten.amin.default: 1}
+
+
+def _every_dim_listed(op, args: tuple, arg_infos: dict) -> tuple:
+    at = _ALL_DIMS_WHEN_EMPTY.get(op)
+    if at is None or len(args) <= at or not isinstance(args[at], (list, tuple)) or len(args[at]) or \
+            not isinstance(args[0], TensorArg):
+        return args
+    return (*args[:at], list(range(len(arg_infos[args[0].index].shape))), *args[at + 1:])
+
+
 def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
                candidates: dict[int, list[Placements]], outputs: tuple[TensorInfo | None, ...],
                mesh) -> list[Strategy] | None:
@@ -103,7 +118,7 @@ def strategies(op, args: tuple, kwargs: dict, arg_infos: dict[int, TensorInfo],
     if info is None and func is None:
         return None
     dmesh = offline_mesh(mesh.shape, mesh.axis_names)
-    args = _positive_dim(op, tuple(args), arg_infos)
+    args = _every_dim_listed(op, _positive_dim(op, tuple(args), arg_infos), arg_infos)
 
     def schema(cands: dict[int, list[Placements]], schema_info) -> OpSchema:
         """The OpSchema DTensor's rules read: each tensor arg an OpStrategy over its candidates."""
