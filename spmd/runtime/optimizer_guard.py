@@ -133,9 +133,10 @@ def place(pieces: dict[str, tuple[torch.Tensor, tuple]], coordinate: tuple, mesh
 
 
 def _where(p) -> tuple | None:
-    """(this rank's coordinate, the mesh's shape, the placements) of a placed piece; None for any other."""
+    """(this rank's coordinate, the mesh's shape, the placements, its name) of a placed piece; None for any other.
+    (The name: what a load under another plan that keeps the parameter whole names.)"""
     entry = _placed.get(p)
-    return None if entry is None else (entry[1], entry[2], str(entry[3]))
+    return None if entry is None else (entry[1], entry[2], str(entry[3]), entry[0])
 
 
 def _stamp(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -159,10 +160,11 @@ def _refuse_saved_elsewhere(optimizer: torch.optim.Optimizer) -> None:
             if not optimizer.state.get(p) or saved == now:
                 continue
             if saved is None or now is None or saved[2] != now[2]:
-                what = (f"under another plan ({entry[0] if entry else 'a parameter'}: laid out "
+                name = entry[0] if entry else saved[3] if saved is not None and len(saved) > 3 else "a parameter"
+                what = (f"under another plan ({name}: laid out "
                         f"{saved[2] if saved else 'whole'} then, {now[2] if now else 'whole'} now)")
             else:
-                (coordinate, shape, _), (fqn, mine, mesh_shape, placements) = saved, entry
+                (coordinate, shape), (fqn, mine, mesh_shape, placements) = saved[:2], entry
                 if same_piece((coordinate, shape), (mine, mesh_shape), placements):
                     continue
                 what = (f"by the rank at mesh coordinate {tuple(coordinate)} (of a mesh {tuple(shape)}), and this "

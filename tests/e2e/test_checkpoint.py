@@ -117,7 +117,7 @@ def test_plain_pieces_are_refused(ranks, tmp_path):
     for refused in ranks(2).run(_plain_pieces, str(tmp_path)):
         assert len(refused) == 3, refused
         for r in refused[:2]:
-            assert re.search(r"'opt\.state\.\d+\.exp_avg' \(this rank's piece of AdamW's 'exp_avg' of blocks\.0\.", r)
+            assert re.search(r"'opt\.state\.\d+\.exp_avg' \(this rank's piece of AdamW's 'exp_avg' of [\w.]+\.weight\)", r)
             assert "compiled.optimizer_state_dict(optimizer)" in r
         assert "asked to load plain pieces" in refused[2] and "piece of blocks.0.mlp.fc1.weight" in refused[2]
 
