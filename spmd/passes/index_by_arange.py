@@ -18,14 +18,10 @@ lays its result out as its source, channels_last too, which the copy would not).
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, graph_module, tensor_infos
+from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, with_graph
 
 aten = torch.ops.aten
 
@@ -57,13 +53,12 @@ def index_by_arange(traced: TracedGraph) -> TracedGraph:
     if not found:
         return traced
     graph, env = copy_graph(traced.graph)
-    fake_mode = detect_fake_mode([index.meta["val"] for index, _ in found]) or contextlib.nullcontext()
     for index, dims in found:
         node = env[index]
         source, indices = node.args[0], node.args[1]
         rank = len(node.meta["val"].shape) - (len(source.meta["val"].shape) - len(indices))
         value = source
-        with graph.inserting_before(node), fake_mode:
+        with graph.inserting_before(node):
             for dim in (d for d in range(rank) if d not in dims):  # (ascending: each lands where it is meant to)
                 value = call_like(graph, node, aten.unsqueeze.default, (value, dim))
             copy = call_like(graph, node, aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
@@ -71,8 +66,7 @@ def index_by_arange(traced: TracedGraph) -> TracedGraph:
         graph.erase_node(node)
         for feeder in dict.fromkeys(indices):  # the aranges and views that fed only this lookup
             _erase_unused(graph, feeder)
-    gm = graph_module(traced.gm, graph)
-    return dataclasses.replace(traced, gm=gm, tensor_info=tensor_infos(gm))
+    return with_graph(traced, graph)
 
 
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:

@@ -10,12 +10,10 @@ single device). `aliases` is kept: state dicts list the tensor under every name.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx as fx
 
-from spmd.passes.trace_module import TracedGraph, flat_outputs, graph_module, tensor_infos
+from spmd.passes.trace_module import TracedGraph, flat_outputs, with_graph
 
 aten = torch.ops.aten
 
@@ -56,8 +54,6 @@ def merge_tied_parameters(traced: TracedGraph) -> TracedGraph:
         keep = [i for i, k in enumerate(kinds) if not (k.kind == "grad" and k.name in merged)]
         flat, kinds = [flat[i] for i in keep], [kinds[i] for i in keep]
     graph.output(tuple(flat) if isinstance(traced.graph.output_node().args[0], (tuple, list)) else flat[0])
-    gm = graph_module(traced.gm, graph)
     inputs = tuple(gi for gi in traced.inputs if gi.name not in merged or gi.kind not in ("parameter", "buffer"))
-    return dataclasses.replace(traced, gm=gm, inputs=inputs, tensor_info=tensor_infos(gm),
-                               outputs=tuple(kinds) if traced.outputs else ())
+    return with_graph(traced, graph, inputs=inputs, outputs=tuple(kinds) if traced.outputs else ())
 

@@ -21,7 +21,6 @@ instead of a graph, so the caller traces the whole model.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 
@@ -31,7 +30,7 @@ import torch.fx as fx
 from spmd.core.graph_facts import module_prefix, renumber
 from spmd.passes.find_layer_stacks import TRACED, LayerStack
 from spmd.passes.find_repeated_blocks import instances, signature
-from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, graph_module, tensor_infos
+from spmd.passes.trace_module import GraphInput, GraphOutput, TracedGraph, flat_outputs, with_graph
 
 MIDDLE = TRACED - 2  # P = MIDDLE - 1, M = MIDDLE, N = MIDDLE + 1 = the last traced layer
 
@@ -215,12 +214,10 @@ def _stamp(traced: TracedGraph, stack: LayerStack) -> TracedGraph:
                     new_kinds.append(GraphOutput("grad", _renumbered(gk.name, stack.fqn, M + c)))
     new.output(tuple(new_flat) if isinstance(out.args[0], (tuple, list)) else new_flat[0])
     new.output_node().meta = dict(out.meta)
-    gm = graph_module(traced.gm, new)
     stamped = {f"{prefix}{stack.fqn}.{M + c}/{phase}": f"{prefix}{stack.fqn}.{M}/{phase}"
                for c in range(1, n + 1) for phase in phases}
-    return dataclasses.replace(traced, gm=gm, inputs=tuple(inputs), tensor_info=tensor_infos(gm),
-                               outputs=tuple(new_kinds) if traced.outputs else (),
-                               stamped={**traced.stamped, **stamped})
+    return with_graph(traced, new, inputs=tuple(inputs), outputs=tuple(new_kinds) if traced.outputs else (),
+                      stamped={**traced.stamped, **stamped})
 
 
 def _renumber_meta(meta: dict, stack_path: str, moves: dict[int, int]) -> dict:

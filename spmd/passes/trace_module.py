@@ -7,6 +7,7 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -119,13 +120,24 @@ def copy_graph(graph: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 
 def call_like(graph: fx.Graph, like: fx.Node, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
     """`op(*args)` in `graph`, named as the graph names its own (`clone_3`), with `like`'s metadata (source line,
-    module, phase, sequence number) and its own fake value (run under the fake mode, with autocast off: the graph
-    holds autocast's casts already, and a compile under `torch.autocast` gave a float32 product bfloat16 values)."""
+    module, phase, sequence number) and its own fake value (run under its inputs' fake mode, with autocast off:
+    the graph holds autocast's casts already, and a compile under `torch.autocast` gave a float32 product
+    bfloat16 values)."""
+    from torch._guards import detect_fake_mode
+
     node = graph.create_node("call_function", op, args, kwargs or {}, name=op.overloadpacket.__name__)
     node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
-    with autocast_off():
-        node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]), **(kwargs or {}))
+    vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+    with autocast_off(), detect_fake_mode(list(vals)) or contextlib.nullcontext():
+        node.meta["val"] = op(*vals, **(kwargs or {}))
     return node
+
+
+def with_graph(traced: "TracedGraph", graph: fx.Graph, **changes) -> "TracedGraph":
+    """`traced` over `graph`, a rewritten copy of its graph: its module and tensor infos anew, and `changes` to its
+    other fields (`inputs`, `outputs`, ...)."""
+    gm = graph_module(traced.gm, graph)
+    return dataclasses.replace(traced, gm=gm, tensor_info=tensor_infos(gm), **changes)
 
 
 def tensor_infos(gm: fx.GraphModule) -> dict:

@@ -17,15 +17,13 @@ reads are gone. The values are the same (each batch of the `bmm` is one (leading
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, graph_module, tensor_infos
+from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, with_graph
 
 aten = torch.ops.aten
 
@@ -61,11 +59,10 @@ def unmerge_bmm(traced: TracedGraph) -> TracedGraph:
     if not found:
         return traced
     graph, env = copy_graph(traced.graph)
-    fake_mode = detect_fake_mode([bmm.meta["val"] for bmm, _, _ in found]) or contextlib.nullcontext()
     became: dict[fx.Node, fx.Node] = {}  # a split erased -> the matmul read in its place (a chain of products)
     for bmm, *operands in found:
         node = env[bmm]
-        with graph.inserting_before(node), fake_mode:
+        with graph.inserting_before(node):
             unmerged = []
             for operand in operands:
                 value = became.get(env[operand.source], env[operand.source])
@@ -87,8 +84,7 @@ def unmerge_bmm(traced: TracedGraph) -> TracedGraph:
                 if env[via] not in became and not env[via].users and env[via].graph is graph:
                     graph.erase_node(env[via])
                     became[env[via]] = None
-    gm = graph_module(traced.gm, graph)
-    return dataclasses.replace(traced, gm=gm, tensor_info=tensor_infos(gm))
+    return with_graph(traced, graph)
 
 
 def _operand(node) -> _Operand | None:
