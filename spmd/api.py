@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from spmd.compiler.agreement import weights_summary
 from spmd.compiler.call import positional_call
-from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.given_plan import was_stamped
+from spmd.compiler.meta import fake_model, is_meta
 from spmd.compiler.options import PlanOptions, RankBinding
 from spmd.compiler.pipeline import collector_paused, run_pipeline
 from spmd.core.errors import SpmdError
@@ -339,6 +339,6 @@ def plan(model: torch.nn.Module, mesh_spec: MeshSpec, example_inputs: tuple = ()
     with collector_paused():  # (the meta model's copy too: `collector_paused`)
         faked, inputs = fake_model(view, flat_inputs)
         c = run_pipeline(faked, inputs, mesh_spec, options)
-    # asked again at another batch size (cost_formula, crossover), the model is faked again as given
-    # (asked again at another batch size, the model is solved there: a given plan is this batch's alone)
+    # asked again at another batch size (cost_formula, crossover), the model is faked again as given and solved
+    # there: a given plan is this batch's alone
     return report_of(c, Request(view, flat_inputs, mesh_spec, dataclasses.replace(options, plan=None)))

@@ -46,8 +46,8 @@ from spmd.compiler.verify import CHECKS
 from spmd.core import collectives as C
 from spmd.core.errors import SpmdError, SpmdInternalError, describe_node, user_stacklevel
 from spmd.core.graph_facts import dropout_p, is_random
-from spmd.cost_model.comm import all_reduce_seconds
 from spmd.core.plan import Plan
+from spmd.cost_model.comm import all_reduce_seconds
 from spmd.passes.bucket_gradients import bucket_gradients, local_bytes
 from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.check_stamping import check_stamping

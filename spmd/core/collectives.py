@@ -195,10 +195,10 @@ def bucket_wait(flat: torch.Tensor, shapes: list[tuple[int, ...]], reduce_op: st
                 group: str | None = None, views: bool = False) -> list[torch.Tensor]:
     """Wait for a bucket and cut it back into tensors of `shapes` (the gradients' own shapes: not the
     gradients, which `bucket_start` copied into the bucket, so that they die at its launch and not here, a
-    second copy of them held through the collective; a memory probe, 1.10x the predicted peak). `views`: the pieces are views
-    of the bucket, which is right where every piece lives as long as the others (all are the graph's
-    outputs, gradients held until the optimizer's step); else copies, since a view would keep the whole
-    bucket alive for as long as any one piece lives, which the memory plan does not count."""
+    second copy of them held through the collective; a memory probe, 1.10x the predicted peak). `views`: the
+    pieces are views of the bucket, which is right where every piece lives as long as the others (all are the
+    graph's outputs, gradients held until the optimizer's step); else copies, since a view would keep the
+    whole bucket alive for as long as any one piece lives, which the memory plan does not count."""
     flat = _wait(flat)
     if reduce_op == "avg":
         flat = flat.div_(world)
