@@ -174,3 +174,52 @@ def test_bernoulli_of_a_tensor_draws_as_eager(ranks):
     for r in ranks(2).run(_bernoulli):
         assert r["losses"] == pytest.approx(r["eager"], rel=1e-9, abs=1e-12), r
         assert r["param_err"] < 1e-9 and not r["uncompiled"], r
+
+
+def _step_peak_bytes(compiled, x) -> int:
+    """The most bytes of tensors alive at once in a training step, as the CPU allocator reports them to
+    torch.profiler (inductor's kernels allocate outside any dispatch mode)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        compiled(x).square().mean().backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
+
+
+def test_compiled_backward_lets_each_saved_activation_go():
+    """A compiled backward takes its arguments in a list it empties, as the uncompiled one does: through
+    torch.compile, the call's frame held every saved activation until backward returned (this MLP's step:
+    73 MiB against 47 uncompiled, and 1.19-1.22x the plan's peak in training on gloo ranks)."""
+    import warnings
+
+    import torch
+    import torch.nn as nn
+
+    from spmd.compiler.options import PlanOptions, RankBinding
+    from spmd.compiler.pipeline import run_pipeline
+    from spmd.core.mesh import MeshSpec
+    from spmd.runtime.compiled import compiled_module_class
+    from spmd.runtime.measure import builtin_cpu
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512), nn.LayerNorm(512))
+                            for _ in range(4)])
+    x = torch.randn(512, 512)
+    c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()),
+                     PlanOptions(training=True, stamp_layers=False), RankBinding(0, ("",)), quiet=True)
+    peaks = {}
+    for backend in (False, True):
+        compiled = compiled_module_class(model)(c, None, src_data_rank=None, compile_graphs=backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(x).square().mean().backward()  # (the first step compiles)
+        assert not [w for w in caught if "compile_graphs" in str(w.message)]  # (none fell back to uncompiled)
+        peaks[backend] = _step_peak_bytes(compiled, x)
+        assert all(not g.failed for _, g in compiled._compiled_graphs.values())
+    saved = compiled.last_saved_bytes  # 41 MiB
+    assert peaks[True] <= peaks[False] + saved / 8, (peaks, saved)
