@@ -103,3 +103,89 @@ def test_a_whole_sum_of_a_split_value_sums_each_piece():
     assert kinds and set(kinds) == {"all_reduce"}, kinds
     for (out,) in simulate(c, (x, targets)):  # every rank's value, equal to one device's
         torch.testing.assert_close(out, Counted()(x, targets))
+
+
+class _MixFFN(nn.Module):
+    """Segformer's Mix-FFN (ConvNeXt's and MobileNet's blocks alike): a depthwise conv between an MLP's Linears."""
+
+    def __init__(self, d=16, h=32, multiplier=1):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.dw = nn.Conv2d(h, h * multiplier, 3, padding=1, groups=h)
+        self.fc2 = nn.Linear(h * multiplier, d)
+
+    def forward(self, x):  # x: (B, 8 * 8, d)
+        y = self.fc1(x)
+        b, n, c = y.shape
+        y = self.dw(y.transpose(1, 2).reshape(b, c, 8, 8)).flatten(2).transpose(1, 2)
+        return self.fc2(F.gelu(y))
+
+
+class _ConvPair(nn.Module):
+    """Two dense convs, the first split on its output channels and the second on its input channels, as Megatron
+    splits an MLP's Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(8, 16, 3, padding=1), nn.Conv1d(16, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.c2(F.gelu(self.c1(x)))
+
+
+def _tensor_parallel(model, x, t, mesh, pins) -> tuple[list, int]:
+    """`model` trained with an MSE loss on `mesh`, the input whole, `pins` on the weights: (the plan's collectives
+    as (kind, value, consumer, forward?), outputs checked equal to one device). In float64."""
+    reference = copy.deepcopy(model)
+    loss = F.mse_loss(reference(x), t)
+    loss.backward()
+    c = compile_graph(model, (x, t), mesh, loss_fn=F.mse_loss, param_placements=pins,
+                      in_placements={"x": [Replicate()] * len(mesh.shape), "target": [Replicate()] * len(mesh.shape)})
+    checked = check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
+    forward = {n.name for n in c.traced.graph.nodes if c.traced.regions().get(n.name) == "is_forward"}
+    return [(step.kind, edge.value[0], edge.consumer, edge.consumer in forward)
+            for edge, step in c.plan.collectives()], checked
+
+
+def test_a_depthwise_conv_keeps_megatrons_channel_split():
+    """A depthwise conv between a column- and a row-parallel Linear runs on its channels' piece, with its own number
+    of groups: one all_reduce after fc2 in forward, as Megatron's MLP. DTensor's only conv layout is the batch
+    split, so the activation went from channels to the batch into the conv and the pinned weights were gathered
+    (a Segformer probe: 9 forward all_gathers). Also with two output channels per group, and on (2, 2) with both
+    axes splitting the channels (a piece of a quarter of the groups)."""
+    from tests.support import LATENCY_LINK
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        for mesh, multiplier in ((spec((2,), ("tp",), LATENCY_LINK), 1), (spec((2,), ("tp",), LATENCY_LINK), 2),
+                                 (spec((2, 2), ("a", "b"), LATENCY_LINK), 1)):
+            torch.manual_seed(0)
+            model = _MixFFN(multiplier=multiplier)
+            x, t = torch.randn(4, 64, 16), torch.randn(4, 64, 16)
+            both = [Shard(0)] * len(mesh.shape)
+            pins = {"fc1.weight": both, "fc1.bias": both, "fc2.weight": [Shard(1)] * len(mesh.shape), "dw.weight": both}
+            collectives, checked = _tensor_parallel(model, x, t, mesh, pins)
+            assert checked == 7
+            forward = [(kind, value) for kind, value, _, fwd in collectives if fwd]
+            assert [kind for kind, _ in forward] == ["all_reduce"] * len(mesh.shape), collectives
+            assert not [c for c in collectives if c[0] != "all_reduce"], collectives
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_dense_convs_split_as_megatrons_linears():
+    """A conv split on its output channels (column-parallel), then one split on its input channels (row-parallel,
+    its bias added on one rank): one all_reduce in forward, none of the weights gathered."""
+    from tests.support import LATENCY_LINK
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        x, t = torch.randn(4, 8, 12), torch.randn(4, 8, 12)
+        pins = {"c1.weight": [Shard(0)], "c1.bias": [Shard(0)], "c2.weight": [Shard(1)]}
+        collectives, checked = _tensor_parallel(_ConvPair(), x, t, spec((2,), ("tp",), LATENCY_LINK), pins)
+        assert checked == 5
+        assert [kind for kind, _, _, fwd in collectives if fwd] == ["all_reduce"], collectives
+        assert not [c for c in collectives if c[0] == "all_gather"], collectives
+    finally:
+        torch.set_default_dtype(torch.float32)
