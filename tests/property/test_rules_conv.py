@@ -3,9 +3,9 @@ strategy on random inputs split as it claims, on simulated ranks, against the un
 (column, row, depthwise) are spmd's; a depthwise piece runs its own number of groups."""
 from __future__ import annotations
 
-import torch
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
