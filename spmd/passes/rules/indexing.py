@@ -10,7 +10,10 @@ gradient rows).
 A bool mask over self's first k dims takes only the rows that split self past them (the mask whole), and,
 accumulating, the Partial one.
 DTensor's own rule has no Partial output, so without this a data-parallel embedding gradient would be
-gathered instead of joining the bucketed gradient reductions. Other index_put forms stay replicated.
+gathered instead of joining the bucketed gradient reductions. Integer indices on adjacent dims after whole
+slices (`out[:, :, i, j] += g`, the backward of nearest and bilinear upsampling and of `unfold`) split self on
+any other dim, values on the matching dim of the index result (`_past_slices`): a batch-split CNN gathered its
+activations there. Other index_put forms stay replicated.
 
 embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq) is the same
 scatter-add (rows at padding_idx dropped), so along one mesh axis:
@@ -40,7 +43,9 @@ def index_put(inp: RuleInput) -> list[list]:
     self_info, values = inp.inputs[0], inp.inputs[-1]
     n_idx = len(tensor_indices)
     rows = [[Replicate()] * (3 + n_idx)]  # out, self, indices..., values
-    if n_idx != 1 or indices[0] is None:  # only the embedding form: one index tensor on dim 0
+    if n_idx and indices[0] is None:
+        return rows + _past_slices(indices, self_info, values, accumulate)
+    if n_idx != 1:  # only the embedding form: one index tensor on dim 0
         return rows
     idx_ndim = len(tensor_indices[0].shape)
     if tensor_indices[0].dtype in (torch.bool, torch.uint8):
@@ -70,6 +75,34 @@ def index_put(inp: RuleInput) -> list[list]:
         for d in range(idx_ndim):
             rows.append([Partial(), Partial(), Shard(d), values_on(d, tensor_indices[0].shape[d])])
         rows.append([Partial(), Partial(), Replicate(), Partial()])
+    return rows
+
+
+def _past_slices(indices, self_info, values, accumulate) -> list[list]:
+    """`out = self; out[:, ..., i, j] (+)= values`: integer index tensors on adjacent dims [k, k + m) after k whole
+    slices (None), as the backward of `x[:, :, rows, cols]` (nearest upsampling, reflection padding) puts its
+    gradient. The index result is (*self.shape[:k], *broadcast index shape, *self.shape[k + m:]), so self splits on
+    any dim the indices do not cover, values on the matching dim of the result (whole where it broadcasts there),
+    the indices whole; accumulating, Partial self and values give a Partial result."""
+    at = [p for p, i in enumerate(indices) if i is not None]
+    k, m = at[0], len(at)
+    if at != list(range(k, k + m)) or any(indices[p].dtype in (torch.bool, torch.uint8) for p in at):
+        return []  # (indices apart put their dims first; a mask counts its True positions)
+    b = max(len(indices[p].shape) for p in at)
+    offset = k + b + len(self_info.shape) - k - m - len(values.shape)
+
+    def values_on(pos: int, size: int):
+        j = pos - offset
+        return Shard(j) if j >= 0 and values.shape[j] == size else Replicate()
+
+    rows = []
+    for d in range(len(self_info.shape)):
+        if k <= d < k + m:
+            continue
+        pos = d if d < k else d - m + b
+        rows.append([Shard(d), Shard(d), *[Replicate()] * m, values_on(pos, self_info.shape[d])])
+    if accumulate:
+        rows.append([Partial(), Partial(), *[Replicate()] * m, Partial()])
     return rows
 
 
