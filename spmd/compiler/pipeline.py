@@ -58,7 +58,7 @@ from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable
 from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
-from spmd.passes.index_by_arange import identity_indexes, index_by_arange
+from spmd.passes.index_by_arange import index_by_arange, rewritable
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
@@ -311,8 +311,9 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("trace", _trace, ("model", "example_inputs", "options", "stacks", "binding"), ("traced", "stamp_note"),
          dump=dumps.dump_traced),
     # A lookup by aranges over whole dims (transformers' attention masks) is its source's values: as views, a
-    # batch-split plan keeps the mask split instead of gathering it at every call.
-    Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: bool(identity_indexes(v["traced"].graph)),
+    # batch-split plan keeps the mask split instead of gathering it at every call. A lookup of one position per
+    # row (`logits[arange(B), last]`) is a gather along the rows, split on them.
+    Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: rewritable(v["traced"].graph),
          dumps.dump_traced),
     # A matmul of 4-D tensors, decomposed to a bmm over their merged leading dims, is one matmul again: split on
     # heads (Megatron) as well as on the batch, where the merged dim kept only the batch split.
