@@ -189,3 +189,32 @@ def test_dense_convs_split_as_megatrons_linears():
         assert not [c for c in collectives if c[0] == "all_gather"], collectives
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class _ChannelsLastFill(nn.Module):
+    """`torch.empty_like` of a channels_last activation, filled: `aten.empty_permuted` (MobileNetV2 in transformers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c(x.contiguous(memory_format=torch.channels_last))
+        return y * torch.empty_like(y).fill_(2.0)
+
+
+def test_an_empty_permuted_is_built_as_its_piece():
+    """`empty_permuted` had no rule (an UnknownOpWarning, built whole on every rank); it is a constant factory, each
+    piece built at its own size (a probe's MobileNetV2)."""
+    import warnings
+
+    import spmd
+    from spmd.passes.rules.registry import RULES
+
+    assert torch.ops.aten.empty_permuted.default in RULES
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=spmd.UnknownOpWarning)
+        collectives, checked = _data_parallel(_ChannelsLastFill, lambda: torch.randn(4, 4, 6, 6),
+                                              lambda: torch.randn(4, 8, 6, 6))
+    assert checked == 3
+    assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives

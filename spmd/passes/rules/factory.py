@@ -1,5 +1,5 @@
 """Factories (full, arange, zeros, ...): no tensor input. Those whose every element is the same (full, zeros,
-ones, empty) are built whole or as any piece of themselves, at the piece's size (emit_rank_graph's
+ones, empty, and `empty_permuted`, a channels_last `empty_like`) are built whole or as any piece of themselves, at the piece's size (emit_rank_graph's
 `SHAPE_ARG`); the others (arange, the random draws) whole, Replicate on every rank.
 
 A consumer that wants a whole-built value sharded takes its local slice for free (R -> S is a view), but an
@@ -23,7 +23,7 @@ def factory(inp: RuleInput) -> list[list]:
     return [[Replicate()]]
 
 
-@rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
+@rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_permuted.default)
 def constant_factory(inp: RuleInput) -> list[list]:
     """Whole, or split on any dim (each piece is the same constant)."""
     return [[Replicate()]] + [[Shard(d)] for d in range(len(inp.outputs[0].shape))]
