@@ -2119,11 +2119,16 @@ class CompiledModule(nn.Module):
         gm = shapes.graph_module if which == "graph" else getattr(shapes.split, which)
         if self.compile_backend is None:
             return gm
+        return self._compiled(which, shapes, gm, lambda: _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
+
+    def _compiled(self, which: str, shapes: Shapes, gm, make):
+        """The compiled form of `which`'s graph `gm` of `shapes`, made by `make()` at the first ask (and again for
+        another graph module)."""
         # (the compiled shapes' table is each copy's own, `__deepcopy__`)
         table = self._compiled_graphs if shapes is self._shapes else shapes.graphs
         made = table.get(which)
         if made is None or made[0] is not gm:
-            made = table[which] = (gm, _OrUncompiled(gm, _runner(gm, self.compile_backend), which))
+            made = table[which] = (gm, make())
         return made[1]
 
     def _run_emptying(self, which: str, shapes: Shapes, args: list):
@@ -2133,11 +2138,7 @@ class CompiledModule(nn.Module):
         fails part-way has let its saved activations go: a retry needs a new forward.)"""
         gm = getattr(shapes.split, which)
         if self.compile_backend == "inductor":
-            table = self._compiled_graphs if shapes is self._shapes else shapes.graphs
-            made = table.get(which)
-            if made is None or made[0] is not gm:
-                made = table[which] = (gm, _InductorEmptying(gm, which))
-            return made[1](args)
+            return self._compiled(which, shapes, gm, lambda: _InductorEmptying(gm, which))(args)
         if self.compile_backend is not None:  # (another backend: held until it returns)
             return self._graph(which, shapes)(*args)
         made = shapes.emptying.get(which)
@@ -3272,15 +3273,25 @@ class _InductorEmptying:
     activation to its end (a training step's peak 1.19-1.22x the plan's; an MLP's backward 73 MiB against 47
     uncompiled). Compiled at the first call, where the graph's ATen ops are decomposed as inductor wants them
     (traced on fake tensors of the arguments) and lowered by inductor alone (`compile_fx_inner`); random ops
-    draw from torch's generator as eager does (`_runner`). Where torch fails to compile it, nothing has run
-    yet: the graph runs uncompiled, emptying its list alike, with one warning (as `_OrUncompiled`)."""
+    draw from torch's generator as eager does (`_runner`). The code is for the strides of that call's arguments:
+    an argument laid out otherwise at a later call (an expanded incoming gradient, `loss = out.sum()` after
+    `out.mean()`; a transposed input saved for backward) is copied into them first, as AOTAutograd does with
+    gradients (inductor's code asserted them, and a review's second step failed there). Where torch fails to
+    compile the graph, nothing has run yet: the graph runs uncompiled, emptying its list alike, with one warning
+    (`_warn_uncompiled`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, which: str):
-        self.gm, self.which, self.compiled, self.failed = gm, which, None, False
+        self.gm, self.which, self.compiled, self.failed, self.strides = gm, which, None, False, None
 
     def __call__(self, args: list):
         if self.compiled is None:
+            self.strides = [tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in args]
             self.compiled = self._compile(args)
+        elif not self.failed:
+            for k, (arg, stride) in enumerate(zip(args, self.strides)):
+                if stride is not None and tuple(arg.stride()) != stride:
+                    args[k] = torch.empty_strided(arg.shape, stride, dtype=arg.dtype, device=arg.device).copy_(arg)
+                    del arg
         return self.compiled(args)
 
     def _compile(self, args: list):
@@ -3298,14 +3309,21 @@ class _InductorEmptying:
                 return compile_fx_inner(decomposed, list(args))
         except Exception as e:  # (compiling runs nothing: no collective was issued, no argument let go)
             self.failed = True
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            warnings.warn(
-                f"compile_graphs: inductor could not compile this rank's {self.which!r} graph ({type(e).__name__}: "
-                f"{first[:300]}), a failure inside torch; it runs uncompiled, as with compile_graphs=False (the same "
-                "results, without inductor's fusions). What to do: nothing to go on; to get the fusions, try another "
-                "torch version, and report the failure to PyTorch with the graph (`compiled.code`).", stacklevel=4)
+            _warn_uncompiled(self.which, e, "inductor")
             uncompiled = _emptying(self.gm)
             return uncompiled if uncompiled is not None else (lambda args: self.gm(*args))
+
+
+def _warn_uncompiled(which: str, e: Exception, backend: str) -> None:
+    """Warn, once per graph, that torch's `backend` could not compile this rank's `which` graph, which then runs
+    uncompiled (a failure inside torch, not the user's)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    warnings.warn(
+        f"compile_graphs: {backend} could not compile this rank's {which!r} graph ({type(e).__name__}: {first[:300]}), "
+        "a failure inside torch; it runs uncompiled, as with compile_graphs=False (the same results, without the "
+        "backend's fusions). What to do: nothing for the results; for the fusions, try another backend "
+        "(compile_graphs='aot_eager' checks the graph without inductor) or another torch version, and report the "
+        "failure to PyTorch with the graph (`compiled.code`).", stacklevel=4)
 
 
 class _OrUncompiled:
@@ -3324,13 +3342,7 @@ class _OrUncompiled:
             return self.compiled(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             self.failed = True
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            warnings.warn(
-                f"compile_graphs: torch.compile could not compile this rank's {self.which!r} graph ({type(e).__name__}: "
-                f"{first[:300]}), a failure inside torch's backend; it runs uncompiled, as with compile_graphs=False "
-                "(the same results, without the backend's fusions). What to do: nothing to go on; to get the fusions, "
-                "try another backend (compile_graphs='aot_eager' checks the graph without inductor) or another torch "
-                "version, and report the failure to PyTorch with the graph (`compiled.code`).", stacklevel=3)
+            _warn_uncompiled(self.which, e, "torch.compile")
             return self.gm(*args)
 
 
