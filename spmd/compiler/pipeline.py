@@ -1,7 +1,8 @@
 """The compiler pipeline: one tuple, read top to bottom.
 
     nn.Module ──trace (find_layer_stacks, trace_module | trace_joint, stamp_layers)──▶ ATen FX graph
-       ──index_by_arange──▶ lookups by whole-dim aranges as views ──unmerge_bmm──▶ 4-D matmuls whole again
+       ──index_by_arange──▶ lookups by whole-dim aranges as views ──gather_rows──▶ row lookups as gathers
+       ──unmerge_bmm──▶ 4-D matmuls whole again
        ──kernel_layouts──▶ the kernels' strides
        ──merge_tied_parameters──▶ one placeholder per tensor ──find_repeated_blocks──▶ identical layers
        ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
@@ -58,7 +59,8 @@ from spmd.passes.find_recomputable_layers import Recomputable, find_recomputable
 from spmd.passes.find_layer_stacks import MIN_LAYERS, TRACED, find_layer_stacks, truncated
 from spmd.passes.find_repeated_blocks import AUTO_MIN_REPEATS, RepeatedBlocks, find_repeated_blocks
 from spmd.passes.fuse_decomposed_ops import fuse_decomposed_ops
-from spmd.passes.index_by_arange import index_by_arange, rewritable
+from spmd.passes.gather_rows import gather_rows, row_lookups
+from spmd.passes.index_by_arange import identity_indexes, index_by_arange
 from spmd.passes.insert_collectives import insert_collectives
 from spmd.passes.kernel_layouts import kernel_layouts, laid_out_otherwise
 from spmd.passes.merge_followers import AUTO_MIN_NODES, merge_followers
@@ -311,9 +313,12 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("trace", _trace, ("model", "example_inputs", "options", "stacks", "binding"), ("traced", "stamp_note"),
          dump=dumps.dump_traced),
     # A lookup by aranges over whole dims (transformers' attention masks) is its source's values: as views, a
-    # batch-split plan keeps the mask split instead of gathering it at every call. A lookup of one position per
-    # row (`logits[arange(B), last]`) is a gather along the rows, split on them.
-    Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: rewritable(v["traced"].graph),
+    # batch-split plan keeps the mask split instead of gathering it at every call.
+    Pass("index_by_arange", index_by_arange, ("traced",), "traced", lambda v: bool(identity_indexes(v["traced"].graph)),
+         dumps.dump_traced),
+    # A lookup of one position per row (`logits[arange(B), last]`, sequence classification) is a gather along the
+    # rows, and its backward's index_put a scatter_add: split on the rows, where the lookup wanted its source whole.
+    Pass("gather_rows", gather_rows, ("traced",), "traced", lambda v: bool(row_lookups(v["traced"].graph)),
          dumps.dump_traced),
     # A matmul of 4-D tensors, decomposed to a bmm over their merged leading dims, is one matmul again: split on
     # heads (Megatron) as well as on the batch, where the merged dim kept only the batch split.
@@ -448,7 +453,7 @@ def collector_paused():
 
 
 # The passes between the trace and the strategies that rewrite the traced graph (what a plan's names refer to)
-GRAPH_REWRITES = ("index_by_arange", "unmerge_bmm", "kernel_layouts", "merge_tied_parameters")
+GRAPH_REWRITES = ("index_by_arange", "gather_rows", "unmerge_bmm", "kernel_layouts", "merge_tied_parameters")
 
 
 def rewritten(traced: TracedGraph) -> TracedGraph:

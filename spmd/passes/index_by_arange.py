@@ -14,16 +14,8 @@ their views that fed nothing else are gone. The rest of the graph, its nodes' na
 Only what the graph proves is taken: an arange from 0 by 1, moved only through views that add or drop
 dims of size 1, adding 0, or a cast to an integer dtype that holds it; indices in the order of the dims they
 index (a transposing lookup stays a gather), with no `None` (slice) among them; a contiguous source (a lookup
-lays its result out as its source, channels_last too, which the copy would not).
-
-Also a lookup of one position per row, `source[arange(B), idx]` (transformers' sequence classification and reward
-models pick each row's last token so: `logits[arange(batch), last_non_pad]`), and the `index_put` its backward
-writes the gradient with: k leading aranges of source's first k dims, each along its own dim of the indices'
-broadcast shape (which is source's first k dims), then one integer index that broadcasts to it. The lookup
-becomes `gather` along dim k with the index expanded over the other dims, then `squeeze(k)`; the put becomes
-`scatter_add` (accumulating) or `scatter` of the values unsqueezed at k. A negative index counts from the end, as
-the lookup's does. Both split on the rows as the index does, where the lookup needed its source whole: a
-batch-split plan of such a model gathered the logits in forward and their gradient in backward.
+lays its result out as its source, channels_last too, which the copy would not). A lookup of one position per
+row is gather_rows's.
 """
 from __future__ import annotations
 
@@ -55,33 +47,13 @@ def identity_indexes(graph: fx.Graph) -> list[tuple[fx.Node, tuple[int, ...]]]:
     return found
 
 
-def row_lookups(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
-    """The `aten.index.Tensor` and `aten.index_put.default` nodes that look up or write one position per row
-    (`source[arange(B), idx]`), each with the dim its index picks along."""
-    along: dict[fx.Node, int | None] = {}
-    found = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.index.Tensor, aten.index_put.default):
-            dim = _row_lookup_dim(node, along)
-            if dim is not None:
-                found.append((node, dim))
-    return found
-
-
-def rewritable(graph: fx.Graph) -> bool:
-    """Whether the pass has anything to rewrite in `graph`."""
-    return bool(identity_indexes(graph) or row_lookups(graph))
-
-
 def index_by_arange(traced: TracedGraph) -> TracedGraph:
     """See the module docstring. A graph with nothing to rewrite is returned as it is; otherwise a new
     TracedGraph over a copy of the graph."""
-    found, rows = identity_indexes(traced.graph), row_lookups(traced.graph)
-    if not found and not rows:
+    found = identity_indexes(traced.graph)
+    if not found:
         return traced
     graph, env = copy_graph(traced.graph)
-    for node, dim in rows:
-        _as_gather_or_scatter(graph, env[node], dim)
     for index, dims in found:
         node = env[index]
         source, indices = node.args[0], node.args[1]
@@ -94,79 +66,12 @@ def index_by_arange(traced: TracedGraph) -> TracedGraph:
         node.replace_all_uses_with(copy)
         graph.erase_node(node)
         for feeder in dict.fromkeys(indices):  # the aranges and views that fed only this lookup
-            _erase_unused(graph, feeder)
+            erase_unused(graph, feeder)
     return with_graph(traced, graph)
 
 
-def _as_gather_or_scatter(graph: fx.Graph, node: fx.Node, k: int) -> None:
-    """`source[a_0, ..., a_k-1, idx]` as `gather(source, k, idx expanded).squeeze(k)`, or its `index_put` as
-    `scatter_add` / `scatter` of the values unsqueezed at k (see the module docstring)."""
-    source, indices = node.args[0], node.args[1]
-    shape = tuple(source.meta["val"].shape)
-    rows, rest = shape[:k], shape[k + 1:]
-    idx = indices[k]
-    with graph.inserting_before(node):
-        index = idx
-        if index.meta["val"].dim() < k:
-            index = call_like(graph, node, aten.view.default, (index, [1] * (k - index.meta["val"].dim()) +
-                                                                list(index.meta["val"].shape)))
-        if index.meta["val"].dtype != torch.int64:
-            index = call_like(graph, node, aten._to_copy.default, (index,), {"dtype": torch.int64})
-        negative = call_like(graph, node, aten.lt.Scalar, (index, 0))
-        wrapped = call_like(graph, node, aten.add.Tensor, (index, shape[k]))
-        index = call_like(graph, node, aten.where.self, (negative, wrapped, index))
-        index = call_like(graph, node, aten.expand.default, (index, list(rows)))
-        index = call_like(graph, node, aten.view.default, (index, [*rows, 1] + [1] * len(rest)))
-        index = call_like(graph, node, aten.expand.default, (index, [*rows, 1, *rest]))
-        if node.target is aten.index.Tensor:
-            picked = call_like(graph, node, aten.gather.default, (source, k, index))
-            result = call_like(graph, node, aten.squeeze.dim, (picked, k))
-        else:
-            values, accumulate = node.args[2], (node.args[3] if len(node.args) > 3 else
-                                                node.kwargs.get("accumulate", False))
-            values = call_like(graph, node, aten.expand.default, (values, [*rows, *rest]))
-            values = call_like(graph, node, aten.unsqueeze.default, (values, k))
-            op = aten.scatter_add.default if accumulate else aten.scatter.src
-            result = call_like(graph, node, op, (source, k, index, values))
-    node.replace_all_uses_with(result)
-    graph.erase_node(node)
-    for feeder in dict.fromkeys(indices[:k]):  # the aranges and views that fed only this lookup
-        _erase_unused(graph, feeder)
-
-
-def _row_lookup_dim(node: fx.Node, along: dict) -> int | None:
-    """k, for `source[a_0, ..., a_k-1, idx]` (or its index_put) where each `a_j` is `arange(source.shape[j])`
-    along dim j of the indices' broadcast shape, that shape is `source.shape[:k]`, and `idx` is an integer tensor
-    that broadcasts to it; else None."""
-    source, indices = node.args[0], node.args[1]
-    if not isinstance(source, fx.Node) or not isinstance(indices, (list, tuple)) or len(indices) < 2 or \
-            any(not isinstance(i, fx.Node) for i in indices):
-        return None
-    val = source.meta.get("val")
-    k = len(indices) - 1
-    if not isinstance(val, torch.Tensor) or val.dim() <= k:
-        return None
-    shape = tuple(val.shape)
-    for j, index in enumerate(indices[:k]):
-        p, arange = _arange_dim(index, along), index.meta.get("val")
-        if p is None or p + k - arange.dim() != j or arange.shape[p] != shape[j]:
-            return None
-    idx = indices[k].meta.get("val")
-    if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex or \
-            idx.dtype in (torch.bool, torch.uint8) or idx.dim() > k or \
-            any(n not in (1, shape[k - idx.dim() + d]) for d, n in enumerate(idx.shape)):
-        return None
-    if node.target is aten.index_put.default:
-        values = node.args[2].meta.get("val") if isinstance(node.args[2], fx.Node) else None
-        result = shape[:k] + shape[k + 1:]
-        if not isinstance(values, torch.Tensor) or values.dim() > len(result) or \
-                any(n not in (1, result[len(result) - values.dim() + d]) for d, n in enumerate(values.shape)):
-            return None
-    return k
-
-
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """`node` and, in turn, the inputs it alone read, while they are aranges or the ops that carry them."""
+def erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` and, in turn, the inputs it alone read, while they are aranges or the ops that carry them."""
     stack = [node]
     while stack:
         n = stack.pop()
@@ -192,7 +97,7 @@ def _identity_dims(node: fx.Node, along: dict) -> tuple[int, ...] | None:
     rank = out.dim() - (shape.dim() - len(indices))  # the indices' broadcast rank
     dims = []
     for d, index in enumerate(indices):
-        p = _arange_dim(index, along)
+        p = arange_dim(index, along)
         val = index.meta.get("val")
         if p is None or val.shape[p] != shape.shape[d]:
             return None
@@ -204,7 +109,7 @@ def _identity_dims(node: fx.Node, along: dict) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def _arange_dim(node: fx.Node, along: dict) -> int | None:
+def arange_dim(node: fx.Node, along: dict) -> int | None:
     """The dim along which `node`'s value is `arange(0, n)` (its only dim of more than one element; n >= 2),
     or None where the graph does not show it."""
     if node in along:
@@ -224,10 +129,10 @@ def _arange_dim(node: fx.Node, along: dict) -> int | None:
         proven = start == 0 and step == 1
     elif node.target in _PLUS_ZERO:
         proven = isinstance(args[0], fx.Node) and len(args) > 1 and not isinstance(args[1], fx.Node) and \
-            args[1] == 0 and kwargs.get("alpha", 1) == 1 and _arange_dim(args[0], along) is not None
+            args[1] == 0 and kwargs.get("alpha", 1) == 1 and arange_dim(args[0], along) is not None
     elif node.target in _SAME_VALUES:
         source = args[0] if args and isinstance(args[0], fx.Node) else None
-        proven = source is not None and _arange_dim(source, along) is not None and \
+        proven = source is not None and arange_dim(source, along) is not None and \
             source.meta["val"].numel() == val.numel() and \
             (node.target is not aten._to_copy.default or set(kwargs) <= {"dtype", "device", "layout"})
     else:

@@ -32,7 +32,7 @@ class _Lookup(nn.Module):
             picked = mask[batch[:, None], (kv[None, :] + 1) % t]
         elif self.how == "transposed":  # the indices' dims the other way round: a transpose, left a gather
             picked = mask[batch[None, :], kv[:, None]]
-        elif self.how == "diagonal":  # both along one dim: one position per row (x[b, b]), a gather along dim 1
+        elif self.how == "diagonal":  # both along one dim (one position per row: gather_rows's)
             picked = x[batch, batch]
         else:  # "reversed"
             picked = mask[batch[:, None], kv.flip(0)[None, :]]
@@ -44,7 +44,7 @@ def _indexes(traced) -> int:
 
 
 @pytest.mark.parametrize("how, rewritten", [("mask", True), ("leading", True), ("shifted", False),
-                                             ("transposed", False), ("diagonal", True), ("reversed", False)])
+                                             ("transposed", False), ("diagonal", False), ("reversed", False)])
 def test_only_a_lookup_by_whole_aranges_in_order_becomes_views_and_the_values_stay(how, rewritten):
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     x = torch.randn(4, 4, 5) if how == "diagonal" else torch.randn(4, 5)
@@ -52,7 +52,7 @@ def test_only_a_lookup_by_whole_aranges_in_order_becomes_views_and_the_values_st
     traced = trace_module(model, (mask, x))
     after = index_by_arange(traced)
     assert (_indexes(after) == 0) == rewritten and _indexes(traced) == 1  # (the traced graph itself untouched)
-    if rewritten and how != "diagonal":  # (the diagonal's second arange is its index: a gather along dim 1)
+    if rewritten:
         assert not any(n.target in (aten.arange.start_step, aten.arange.default) for n in after.graph.nodes)
         assert all(n.name in after.tensor_info for n in after.graph.nodes if n.op == "call_function")
     args = [mask, x]
@@ -87,103 +87,3 @@ def test_a_batch_split_plan_of_a_model_with_an_attention_mask_runs_no_collective
                      param_placements={name: [Replicate()] for name, _ in model.named_parameters()})
     assert not plan.collective_summary()
 
-
-class _RowLookup(nn.Module):
-    """One position per row: `x[arange(B), idx]` (sequence classification's last token), or a variant."""
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.how, self.proj = how, nn.Linear(6, 6)
-
-    def forward(self, x, idx):
-        h = self.proj(x)
-        b = torch.arange(h.shape[0])
-        if self.how == "last":  # h [B, S, C], idx [B]
-            picked = h[b, idx]
-        elif self.how == "negative":  # counted from the end
-            picked = h[b, idx - h.shape[1]]
-        elif self.how == "int32":
-            picked = h[b, idx.to(torch.int32)]
-        elif self.how == "one":  # one position for every row: the index broadcasts
-            picked = h[b, idx[:1]]
-        elif self.how == "heads":  # two leading aranges, h [B, H, S, C] viewed, idx [B, 1]
-            g = h.view(h.shape[0], 2, h.shape[1] // 2, 6)
-            picked = g[b[:, None], torch.arange(2)[None, :], idx[:, None] % (h.shape[1] // 2)]
-        elif self.how == "written":  # an index_put of rows, not accumulating
-            picked = h.clone()
-            picked[b, idx] = h[b, idx] * 3.0
-        else:  # "shifted": arange + 1 is no row of its own: stays a gather
-            picked = h[(b + 1) % h.shape[0], idx]
-        return picked
-
-
-@pytest.mark.parametrize("how, rewritten", [("last", True), ("negative", True), ("int32", True), ("one", True),
-                                             ("heads", True), ("written", True), ("shifted", False)])
-def test_a_lookup_of_one_position_per_row_is_a_gather_in_forward_and_backward(how, rewritten):
-    """`x[arange(B), idx]` becomes `gather` along dim 1 (its backward's `index_put`, `scatter_add`), the same
-    values and gradients; a lookup whose rows are not the arange stays."""
-    import torch.nn.functional as F
-
-    from spmd.passes.trace_joint import trace_joint
-
-    torch.manual_seed(0)
-    model = _RowLookup(how)
-    x, idx = torch.randn(4, 8, 6), torch.tensor([3, 7, 0, 5])
-    t = torch.randn(model(x, idx).shape)
-    traced = trace_joint(model, (x, idx, t), F.mse_loss)
-    after = index_by_arange(traced)
-    ops = {n.target for n in after.graph.nodes}
-    assert (aten.index.Tensor not in ops and aten.index_put.default not in ops) == rewritten, after.graph
-    if rewritten:
-        assert aten.gather.default in ops and (aten.scatter_add.default in ops or aten.scatter.src in ops)
-    args = [*(p.detach() for p in model.parameters()), x, idx, t, torch.ones(())]
-    run = lambda traced: torch.fx.Interpreter(traced.gm).run(*args, enable_io_processing=False)  # noqa: E731
-    got, want = run(after), run(traced)
-    assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_a_batch_split_sequence_classifier_gathers_nothing_but_its_loss_count():
-    """transformers' sequence classification picks each row's last token (`logits[arange(batch), last_non_pad]`):
-    inputs split on the batch and weights replicated, the plan reduces the gradients and the loss's sum and count of
-    its targets, and trains equal to one device. Before, it gathered the logits in forward and their gradient in
-    backward (three all_gathers)."""
-    import copy
-
-    import torch.nn.functional as F
-
-    from spmd.runtime.simulate import simulate
-    from tests.support import LATENCY_LINK, check_simulated_training, compile_graph, spec
-
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)
-
-    class Classifier(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = transformers.LlamaForSequenceClassification(cfg)
-
-        def forward(self, ids, mask):
-            return self.m(input_ids=ids, attention_mask=mask).logits
-
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = Classifier().eval()
-        ids = torch.randint(1, 64, (4, 8))
-        ids[0, 5:] = 0
-        ids[2, 3:] = 0
-        mask, labels = (ids != 0).long(), torch.tensor([0, 2, 1, 2])
-        reference = copy.deepcopy(model)
-        loss = F.cross_entropy(reference(ids, mask), labels)
-        loss.backward()
-        c = compile_graph(model, (ids, mask, labels), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.cross_entropy,
-                          in_placements={"ids": [Shard(0)], "mask": [Shard(0)], "target": [Shard(0)]},
-                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives() if not edge.consumer.startswith("output")]
-        assert {kind for kind, _ in inner} == {"all_reduce"} and len(inner) <= 2, inner  # (the loss's sum and count)
-        assert check_simulated_training(c, simulate(c, (ids, mask, labels, torch.ones(()))), loss, reference) > 10
-    finally:
-        torch.set_default_dtype(torch.float32)
