@@ -244,9 +244,11 @@ def test_a_compiled_backward_takes_arguments_laid_out_otherwise():
     x = torch.randn(8, 16)
     c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()),
                      PlanOptions(training=True, stamp_layers=False), RankBinding(0, ("",)), quiet=True)
-    modules = [compiled_module_class(model)(c, None, src_data_rank=None, compile_graphs=backend) for backend in (False, True)]
+    modules = [compiled_module_class(model)(c, None, src_data_rank=None, compile_graphs=backend)
+               for backend in (False, True)]
     steps = [(x, lambda out: out.square().mean()), (x, lambda out: out.sum()),
-             (x, lambda out: (out.t().contiguous() * 2.0).sum()), (torch.randn(16, 8).t(), lambda out: out.square().sum())]
+             (x, lambda out: (out.t().contiguous() * 2.0).sum()),
+             (torch.randn(16, 8).t(), lambda out: out.square().sum())]
     for k, (inputs, loss_of) in enumerate(steps):
         grads = []
         for module in modules:

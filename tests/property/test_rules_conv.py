@@ -79,7 +79,8 @@ def test_each_kind_of_conv(groups, c_out):
     x, w = (4, 8, 6, 6), (c_out, 8 // groups, 3, 3)
     forward = Case(("conv", x, w, groups), (x, w, (c_out,)), frozenset({aten.convolution.default}),
                    lambda x, w, b: aten.convolution(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], groups), "make_fx")
-    backward = Case(("conv_bwd", x, w, groups), ((4, c_out, 6, 6), x, w), frozenset({aten.convolution_backward.default}),
+    backward = Case(("conv_bwd", x, w, groups), ((4, c_out, 6, 6), x, w),
+                    frozenset({aten.convolution_backward.default}),
                     lambda g, x, w_: aten.convolution_backward(g, x, w_, [c_out], [1, 1], [1, 1], [1, 1], False, [0, 0],
                                                               groups, [True, True, True]), "make_fx")
     check_case(forward, 0)

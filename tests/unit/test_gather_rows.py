@@ -107,7 +107,8 @@ def test_a_batch_split_sequence_classifier_gathers_nothing_but_its_loss_count():
         c = compile_graph(model, (ids, mask, labels), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.cross_entropy,
                           in_placements={"ids": [Shard(0)], "mask": [Shard(0)], "target": [Shard(0)]},
                           param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives() if not edge.consumer.startswith("output")]
+        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives()
+                 if not edge.consumer.startswith("output")]
         assert {kind for kind, _ in inner} == {"all_reduce"} and len(inner) <= 2, inner  # (the loss's sum and count)
         assert check_simulated_training(c, simulate(c, (ids, mask, labels, torch.ones(()))), loss, reference) > 10
     finally:

@@ -39,6 +39,10 @@ R, P = Replicate(), Partial()
 
 
 def _kind(x_channels: int, transposed: bool, groups: int) -> str | None:
+    """Which channel rows a conv takes: "dense" (one group), "depthwise" (one input channel per group), or None
+    (transposed, or groups of several channels: DTensor's rows alone). The depthwise row's pieces are whole groups
+    because the expander keeps only even splits of the input's channels (`expand_single_dim`'s callers drop the
+    uneven: 6 channels on 4 ranks keep no channel row)."""
     if transposed:
         return None
     if groups == 1:

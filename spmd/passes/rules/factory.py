@@ -1,6 +1,6 @@
 """Factories (full, arange, zeros, ...): no tensor input. Those whose every element is the same (full, zeros,
-ones, empty, and `empty_permuted`, a channels_last `empty_like`) are built whole or as any piece of themselves, at the piece's size (emit_rank_graph's
-`SHAPE_ARG`); the others (arange, the random draws) whole, Replicate on every rank.
+ones, empty, and `empty_permuted`, a channels_last `empty_like`) are built whole or as any piece of themselves, at
+the piece's size (emit_rank_graph's `SHAPE_ARG`); the others (arange, the random draws) whole, Replicate on every rank.
 
 A consumer that wants a whole-built value sharded takes its local slice for free (R -> S is a view), but an
 op whose strategy function derives its layouts from its inputs' (DTensor's `slice_scatter`: the backward of a
@@ -23,7 +23,8 @@ def factory(inp: RuleInput) -> list[list]:
     return [[Replicate()]]
 
 
-@rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_permuted.default)
+@rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+      aten.empty_permuted.default)
 def constant_factory(inp: RuleInput) -> list[list]:
     """Whole, or split on any dim (each piece is the same constant)."""
     return [[Replicate()]] + [[Shard(d)] for d in range(len(inp.outputs[0].shape))]

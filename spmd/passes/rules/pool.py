@@ -42,6 +42,8 @@ _KERNELS = {
 
 
 def _per_plane(spatial: int, linear: bool):
+    """The rule of a kernel over `spatial` trailing dims: any dim before them splits (an unbatched [C, H, W] input's
+    channels too)."""
     def plane_rule(inp: RuleInput) -> list[list]:
         n_out, n_in = len(inp.outputs), len(inp.inputs)
         rows = [[Shard(d)] * (n_out + n_in) for d in range(len(inp.inputs[0].shape) - spatial)]
