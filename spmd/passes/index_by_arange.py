@@ -11,10 +11,10 @@ hand-written data-parallel model runs no collective at all.
 After: each such index is `unsqueeze`s of its source (a 1 where the broadcast shape has no arange) and a
 contiguous `clone` (an index makes a new tensor), the same values, dtype, shape and strides; the aranges and
 their views that fed nothing else are gone. The rest of the graph, its nodes' names and metadata, is as traced.
-Only what the graph proves is taken: an arange from 0 by 1, moved only through views that add or drop
-dims of size 1, adding 0, or a cast to an integer dtype that holds it; indices in the order of the dims they
-index (a transposing lookup stays a gather), with no `None` (slice) among them; a contiguous source (a lookup
-lays its result out as its source, channels_last too, which the copy would not). A lookup of one position per
+Only what the graph proves is taken: an arange from 0 by 1, moved only through views that add or drop dims of size
+1, adding 0, a clamp to a range that holds it, or a cast to an integer dtype that holds it; indices in the order of
+the dims they index (a transposing lookup stays a gather), with no `None` (slice) among them; a contiguous source (a
+lookup lays its result out as its source, channels_last too, which the copy would not). A lookup of one position per
 row is gather_rows's.
 """
 from __future__ import annotations
@@ -130,6 +130,13 @@ def arange_dim(node: fx.Node, along: dict) -> int | None:
     elif node.target in _PLUS_ZERO:
         proven = isinstance(args[0], fx.Node) and len(args) > 1 and not isinstance(args[1], fx.Node) and \
             args[1] == 0 and kwargs.get("alpha", 1) == 1 and arange_dim(args[0], along) is not None
+    elif node.target is aten.clamp.default:  # (reflection padding's backward clamps its row aranges to their range)
+        low = args[1] if len(args) > 1 else kwargs.get("min")
+        high = args[2] if len(args) > 2 else kwargs.get("max")
+        n = val.shape[wide[0]]
+        proven = isinstance(args[0], fx.Node) and arange_dim(args[0], along) is not None and \
+            not isinstance(low, fx.Node) and not isinstance(high, fx.Node) and \
+            (low is None or low <= 0) and (high is None or high >= n - 1)
     elif node.target in _SAME_VALUES:
         source = args[0] if args and isinstance(args[0], fx.Node) else None
         proven = source is not None and arange_dim(source, along) is not None and \

@@ -34,6 +34,14 @@ class _RowLookup(nn.Module):
         elif self.how == "heads":  # two leading aranges, h [B, H, S, C] viewed, idx [B, 1]
             g = h.view(h.shape[0], 2, h.shape[1] // 2, 6)
             picked = g[b[:, None], torch.arange(2)[None, :], idx[:, None] % (h.shape[1] // 2)]
+        elif self.how == "positions":  # three positions per row: idx [B, 3] -> [B, 3, C]
+            picked = h[b[:, None], torch.stack([idx, idx.flip(0), idx // 2], 1)]
+        elif self.how == "grid":  # positions over two dims of their own: idx [B, 2, 3] -> [B, 2, 3, C]
+            picked = h[b[:, None, None], torch.stack([idx, idx.flip(0), idx // 2], 1)[:, None, :].expand(4, 2, 3) - 1]
+        elif self.how == "clamped":  # reflection padding's backward: rows clamped to their range, positions along S
+            rows = b.clamp(0, h.shape[0] - 1)
+            cols = (torch.arange(-1, h.shape[1] + 1).abs() - (h.shape[1] - 1)).abs().neg() + (h.shape[1] - 1)
+            picked = h[rows[:, None], cols[None, :]]
         elif self.how == "written":  # an index_put of rows, not accumulating
             picked = h.clone()
             picked[b, idx] = h[b, idx] * 3.0
@@ -43,7 +51,8 @@ class _RowLookup(nn.Module):
 
 
 @pytest.mark.parametrize("how, rewritten", [("last", True), ("negative", True), ("int32", True), ("one", True),
-                                             ("heads", True), ("written", True), ("shifted", False)])
+                                             ("heads", True), ("positions", True), ("grid", True), ("clamped", True),
+                                             ("written", True), ("shifted", False)])
 def test_a_lookup_of_one_position_per_row_is_a_gather_in_forward_and_backward(how, rewritten):
     """`x[arange(B), idx]` becomes `gather` along dim 1 (its backward's `index_put`, `scatter_add`), the same
     values and gradients; a lookup whose rows are not the arange stays."""
@@ -111,5 +120,42 @@ def test_a_batch_split_sequence_classifier_gathers_nothing_but_its_loss_count():
                  if not edge.consumer.startswith("output")]
         assert {kind for kind, _ in inner} == {"all_reduce"} and len(inner) <= 2, inner  # (the loss's sum and count)
         assert check_simulated_training(c, simulate(c, (ids, mask, labels, torch.ones(()))), loss, reference) > 10
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_batch_split_reflection_pad_gathers_nothing():
+    """`nn.ReflectionPad1d`'s backward reads its gradient at positions clamped from aranges (several per row):
+    a gather along the positions, split on the batch; it gathered the gradient before."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from spmd.runtime.simulate import simulate
+    from tests.support import LATENCY_LINK, check_simulated_training, compile_graph, spec
+
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv1d(4, 8, 3)
+            self.pad = nn.ReflectionPad1d(1)
+
+        def forward(self, x):
+            return self.c(self.pad(x))
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, x, t = Padded(), torch.randn(4, 4, 10), torch.randn(4, 8, 10)
+        reference = copy.deepcopy(model)
+        loss = F.mse_loss(reference(x), t)
+        loss.backward()
+        c = compile_graph(model, (x, t), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.mse_loss,
+                          in_placements={"x": [Shard(0)], "target": [Shard(0)]},
+                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
+        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives()
+                 if not edge.consumer.startswith("output")]
+        assert not inner, inner
+        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 3
     finally:
         torch.set_default_dtype(torch.float32)
