@@ -3,14 +3,15 @@
 
 Before: a traced graph in which an `aten.index.Tensor` (or the `aten.index_put.default` its backward writes the
 gradient with) may take k leading `arange`s of its source's first k dims, each along its own dim of the indices'
-broadcast shape (which starts with source's first k dims), then one integer index: each row takes one position
-along dim k, or several (the broadcast shape's dims past k; reflection padding's backward reads every row's
-gradient at its padded positions so, its row aranges clamped). transformers'
+broadcast shape (which starts with source's first k dims), then integer indices of the next dims: each row takes
+one position, or several (the broadcast shape's dims past k; reflection padding's backward reads every row's
+gradient at its padded positions so, over one or two dims, its row aranges clamped). transformers'
 sequence classification and reward models pick each row's last token so (`logits[arange(batch), last_non_pad]`).
 The indices are values, so every rule for the lookup wanted its source whole: a batch-split plan of such a model
 gathered the logits in forward and their gradient in backward.
 
-After: each such lookup is `gather(source, k, idx expanded over the other dims)` viewed as the lookup's result,
+After: each such lookup is `gather(source, k, idx expanded over the other dims)` viewed as the lookup's result
+(several indexed dims merged into one, and their indices into one linear index),
 and each such put `scatter_add` (accumulating) or `scatter` (one position per row) of its values; a negative index counts from the end, as
 the lookup's does. Both split on the rows as the index does. The aranges and their views that fed nothing else are
 gone; the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as index_by_arange
@@ -55,15 +56,16 @@ def gather_rows(traced: TracedGraph) -> TracedGraph:
 
 
 def _as_gather_or_scatter(graph: fx.Graph, node: fx.Node, k: int) -> None:
-    """`source[a_0, ..., a_k-1, idx]` as a `gather` along dim k, or its `index_put` as a `scatter_add` / `scatter`
-    (see the module docstring). The indices' broadcast shape is source's first k dims, then the positions each row
-    takes (E, none or more dims): those are flattened into dim k of the gather's index, and the result viewed back."""
+    """`source[a_0, ..., a_k-1, i_0, ..., i_m-1]` as a `gather` along dim k, or its `index_put` as a `scatter_add` /
+    `scatter` (see the module docstring). Source's m indexed dims are merged into one (a contiguous copy first where
+    they are not laid out so) and the indices into one linear index; the positions each row takes (the broadcast
+    shape past its first k dims) are flattened into dim k of the gather's index, and the result viewed back."""
     source, indices = node.args[0], node.args[1]
-    shape = tuple(source.meta["val"].shape)
-    rows, rest = list(shape[:k]), list(shape[k + 1:])
+    val = source.meta["val"]
+    shape, m = tuple(val.shape), len(indices) - k
+    rows, picked_dims, rest = list(shape[:k]), list(shape[k:k + m]), list(shape[k + m:])
     broadcast = list(torch.broadcast_shapes(*(i.meta["val"].shape for i in indices)))
-    positions = math.prod(broadcast[k:])
-    idx = indices[k]
+    positions, length = math.prod(broadcast[k:]), math.prod(picked_dims)
 
     def call(op, *args, **kwargs):
         return call_like(graph, node, op, args, kwargs)
@@ -76,57 +78,76 @@ def _as_gather_or_scatter(graph: fx.Graph, node: fx.Node, k: int) -> None:
         return call(aten.view.default, value, rows + [positions] + trailing)
 
     with graph.inserting_before(node):
-        index = idx if idx.meta["val"].dtype == torch.int64 else call(aten._to_copy.default, idx, dtype=torch.int64)
-        wrapped = call(aten.add.Tensor, index, shape[k])  # (a negative index counts from the end)
-        index = call(aten.where.self, call(aten.lt.Scalar, index, 0), wrapped, index)
-        index = as_rows(index, [])
+        linear = None
+        for j, idx in enumerate(indices[k:]):  # (row-major over the indexed dims; a negative index from the end)
+            index = idx if idx.meta["val"].dtype == torch.int64 else call(aten._to_copy.default, idx, dtype=torch.int64)
+            wrapped = call(aten.add.Tensor, index, picked_dims[j])
+            index = call(aten.where.self, call(aten.lt.Scalar, index, 0), wrapped, index)
+            step = math.prod(picked_dims[j + 1:])
+            index = index if step == 1 else call(aten.mul.Tensor, index, step)
+            linear = index if linear is None else call(aten.add.Tensor, linear, index)
+        index = as_rows(linear, [])
         index = call(aten.view.default, index, rows + [positions] + [1] * len(rest))
         index = call(aten.expand.default, index, rows + [positions] + rest)
+        merged = source
+        if m > 1:
+            if not _mergeable(val, k, m):
+                merged = call(aten.clone.default, merged, memory_format=torch.contiguous_format)
+            merged = call(aten.view.default, merged, rows + [length] + rest)
         if node.target is aten.index.Tensor:
-            picked = call(aten.gather.default, source, k, index)
+            picked = call(aten.gather.default, merged, k, index)
             result = call(aten.view.default, picked, broadcast + rest)
         else:
             values, accumulate = node.args[2], (node.args[3] if len(node.args) > 3 else
                                                 node.kwargs.get("accumulate", False))
             op = aten.scatter_add.default if accumulate else aten.scatter.src
-            result = call(op, source, k, index, as_rows(values, rest))
+            result = call(op, merged, k, index, as_rows(values, rest))
+            if m > 1:
+                result = call(aten.view.default, result, list(shape))
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     for feeder in dict.fromkeys(indices[:k]):  # the aranges and views that fed only this lookup
         erase_unused(graph, feeder)
 
 
+def _mergeable(val: torch.Tensor, k: int, m: int) -> bool:
+    """Whether dims k .. k+m-1 of `val` view as one (each laid out right after the next, sizes of one aside)."""
+    dims = [d for d in range(k, k + m) if val.shape[d] != 1]
+    return all(val.stride(a) == val.stride(b) * val.shape[b] for a, b in zip(dims, dims[1:]))
+
+
 def _row_dim(node: fx.Node, along: dict) -> int | None:
-    """k, for `source[a_0, ..., a_k-1, idx]` (or its index_put) where each `a_j` is `arange(source.shape[j])`
-    along dim j of the indices' broadcast shape, that shape starts with `source.shape[:k]`, and `idx` is an integer
-    tensor (a put that does not accumulate: one position per row, where a repeated one keeps any of its values);
-    else None."""
+    """k, for `source[a_0, ..., a_k-1, i_0, ..., i_m-1]` (or its index_put), k, m >= 1, where each `a_j` is
+    `arange(source.shape[j])` along dim j of the indices' broadcast shape, that shape starts with `source.shape[:k]`,
+    and the `i` are integer tensors (a put that does not accumulate: one position per row, where a repeated one
+    keeps any of its values); else None."""
     source, indices = node.args[0], node.args[1]
     if not isinstance(source, fx.Node) or not isinstance(indices, (list, tuple)) or len(indices) < 2 or \
             any(not isinstance(i, fx.Node) for i in indices):
         return None
     val, vals = source.meta.get("val"), [i.meta.get("val") for i in indices]
-    k = len(indices) - 1
-    if not isinstance(val, torch.Tensor) or val.dim() <= k or not all(isinstance(v, torch.Tensor) for v in vals):
+    if not isinstance(val, torch.Tensor) or val.dim() < len(indices) or \
+            not all(isinstance(v, torch.Tensor) for v in vals):
         return None
     shape = tuple(val.shape)
     try:
         broadcast = tuple(torch.broadcast_shapes(*(v.shape for v in vals)))
     except RuntimeError:
         return None
-    if broadcast[:k] != shape[:k]:
+    k = 0
+    while k < len(indices) - 1:  # (the leading aranges, each along its own dim)
+        p = arange_dim(indices[k], along)
+        if p is None or p + len(broadcast) - vals[k].dim() != k or vals[k].shape[p] != shape[k]:
+            break
+        k += 1
+    if k == 0 or broadcast[:k] != shape[:k]:
         return None
-    for j, (index, arange) in enumerate(zip(indices[:k], vals)):
-        p = arange_dim(index, along)
-        if p is None or p + len(broadcast) - arange.dim() != j or arange.shape[p] != shape[j]:
-            return None
-    idx = vals[k]
-    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype in (torch.bool, torch.uint8):
+    if any(v.dtype.is_floating_point or v.dtype.is_complex or v.dtype in (torch.bool, torch.uint8) for v in vals[k:]):
         return None
     if node.target is aten.index_put.default:
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
         values = node.args[2].meta.get("val") if isinstance(node.args[2], fx.Node) else None
-        result = broadcast + shape[k + 1:]
+        result = broadcast + shape[len(indices):]
         if not isinstance(values, torch.Tensor) or values.dim() > len(result) or \
                 any(n not in (1, result[len(result) - values.dim() + d]) for d, n in enumerate(values.shape)) or \
                 (not accumulate and len(broadcast) > k):

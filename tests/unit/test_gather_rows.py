@@ -38,6 +38,12 @@ class _RowLookup(nn.Module):
             picked = h[b[:, None], torch.stack([idx, idx.flip(0), idx // 2], 1)]
         elif self.how == "grid":  # positions over two dims of their own: idx [B, 2, 3] -> [B, 2, 3, C]
             picked = h[b[:, None, None], torch.stack([idx, idx.flip(0), idx // 2], 1)[:, None, :].expand(4, 2, 3) - 1]
+        elif self.how in ("two", "two-permuted"):  # two indexed dims: merged, one linear index into them
+            g = h.view(4, 2, 4, 6)
+            g = g.permute(0, 2, 1, 3) if self.how == "two-permuted" else g  # (dims not laid out one after the other)
+            i, j = torch.arange(3) - 1, idx[:2] % g.shape[2]  # (i from -1: one counted from the end)
+            picked = g[b[:, None, None], i[None, :, None], j[None, None, :]] if self.how == "two" else \
+                g[b[:, None, None], (torch.arange(2) * 3).flip(0)[None, :, None], i[None, None, :]]
         elif self.how == "clamped":  # reflection padding's backward: rows clamped to their range, positions along S
             rows = b.clamp(0, h.shape[0] - 1)
             cols = (torch.arange(-1, h.shape[1] + 1).abs() - (h.shape[1] - 1)).abs().neg() + (h.shape[1] - 1)
@@ -51,7 +57,8 @@ class _RowLookup(nn.Module):
 
 
 @pytest.mark.parametrize("how, rewritten", [("last", True), ("negative", True), ("int32", True), ("one", True),
-                                             ("heads", True), ("positions", True), ("grid", True), ("clamped", True),
+                                             ("heads", True), ("positions", True), ("grid", True), ("two", True),
+                                             ("two-permuted", True), ("clamped", True),
                                              ("written", True), ("shifted", False)])
 def test_a_lookup_of_one_position_per_row_is_a_gather_in_forward_and_backward(how, rewritten):
     """`x[arange(B), idx]` becomes `gather` along dim 1 (its backward's `index_put`, `scatter_add`), the same
@@ -125,8 +132,9 @@ def test_a_batch_split_sequence_classifier_gathers_nothing_but_its_loss_count():
 
 
 def test_a_batch_split_reflection_pad_gathers_nothing():
-    """`nn.ReflectionPad1d`'s backward reads its gradient at positions clamped from aranges (several per row):
-    a gather along the positions, split on the batch; it gathered the gradient before."""
+    """`nn.ReflectionPad1d`'s and `ReflectionPad2d`'s backwards read their gradient at positions clamped from aranges
+    (several per row, over one or two dims): a gather along the positions, split on the batch; each gathered the
+    activation's gradient before (a CNN with reflection padding in every layer, every layer's)."""
     import copy
 
     import torch.nn.functional as F
@@ -135,27 +143,29 @@ def test_a_batch_split_reflection_pad_gathers_nothing():
     from tests.support import LATENCY_LINK, check_simulated_training, compile_graph, spec
 
     class Padded(nn.Module):
-        def __init__(self):
+        def __init__(self, dims):
             super().__init__()
-            self.c = nn.Conv1d(4, 8, 3)
-            self.pad = nn.ReflectionPad1d(1)
+            self.c = nn.Conv1d(4, 8, 3) if dims == 1 else nn.Conv2d(4, 8, 3)
+            self.pad = nn.ReflectionPad1d(1) if dims == 1 else nn.ReflectionPad2d(1)
 
         def forward(self, x):
             return self.c(self.pad(x))
 
     torch.set_default_dtype(torch.float64)
     try:
-        torch.manual_seed(0)
-        model, x, t = Padded(), torch.randn(4, 4, 10), torch.randn(4, 8, 10)
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
-        c = compile_graph(model, (x, t), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.mse_loss,
-                          in_placements={"x": [Shard(0)], "target": [Shard(0)]},
-                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives()
-                 if not edge.consumer.startswith("output")]
-        assert not inner, inner
-        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 3
+        for dims in (1, 2):
+            torch.manual_seed(0)
+            model = Padded(dims)
+            x, t = torch.randn((4, 4) + (6,) * dims), torch.randn((4, 8) + (6,) * dims)
+            reference = copy.deepcopy(model)
+            loss = F.mse_loss(reference(x), t)
+            loss.backward()
+            c = compile_graph(model, (x, t), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.mse_loss,
+                              in_placements={"x": [Shard(0)], "target": [Shard(0)]},
+                              param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
+            inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives()
+                     if not edge.consumer.startswith("output")]
+            assert not inner, inner
+            assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 3
     finally:
         torch.set_default_dtype(torch.float32)
