@@ -3,19 +3,19 @@
 
 Before: a traced graph in which an `aten.index.Tensor` (or the `aten.index_put.default` its backward writes the
 gradient with) may take k leading `arange`s of its source's first k dims, each along its own dim of the indices'
-broadcast shape (which starts with source's first k dims), then integer indices of the next dims: each row takes
-one position, or several (the broadcast shape's dims past k; reflection padding's backward reads every row's
-gradient at its padded positions so, over one or two dims, its row aranges clamped). transformers'
-sequence classification and reward models pick each row's last token so (`logits[arange(batch), last_non_pad]`).
-The indices are values, so every rule for the lookup wanted its source whole: a batch-split plan of such a model
-gathered the logits in forward and their gradient in backward.
+broadcast shape (which starts with source's first k dims), then integer indices of the next dims: each row takes one
+position, or several (the broadcast shape's dims past k; reflection padding's backward reads every row's gradient at
+its padded positions so, over one or two dims, its row aranges clamped). transformers' sequence classification and
+reward models pick each row's last token so (`logits[arange(batch), last_non_pad]`). The indices are values, so
+every rule for the lookup wanted its source whole: a batch-split plan of such a model gathered the logits in forward
+and their gradient in backward.
 
 After: each such lookup is `gather(source, k, idx expanded over the other dims)` viewed as the lookup's result
-(several indexed dims merged into one, and their indices into one linear index),
-and each such put `scatter_add` (accumulating) or `scatter` (one position per row) of its values; a negative index counts from the end, as
-the lookup's does. Both split on the rows as the index does. The aranges and their views that fed nothing else are
-gone; the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as index_by_arange
-proves one (`arange_dim`).
+(several indexed dims merged into one, and their indices into one linear index), and each such put `scatter_add`
+(accumulating) or `scatter` (one position per row) of its values; a negative index counts from the end, as the
+lookup's does. Both split on the rows as the index does. The aranges and their views that fed nothing else are gone;
+the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as index_by_arange proves one
+(`arange_dim`).
 """
 from __future__ import annotations
 
