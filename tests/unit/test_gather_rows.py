@@ -25,6 +25,8 @@ class _RowLookup(nn.Module):
         b = torch.arange(h.shape[0])
         if self.how == "last":  # h [B, S, C], idx [B]
             picked = h[b, idx]
+        elif self.how == "argmax":  # never negative: no wrap of negative indices
+            picked = h[b, h.sum(-1).argmax(-1)]
         elif self.how == "negative":  # counted from the end
             picked = h[b, idx - h.shape[1]]
         elif self.how == "int32":
@@ -56,7 +58,7 @@ class _RowLookup(nn.Module):
         return picked
 
 
-@pytest.mark.parametrize("how, rewritten", [("last", True), ("negative", True), ("int32", True), ("one", True),
+@pytest.mark.parametrize("how, rewritten", [("last", True), ("argmax", True), ("negative", True), ("int32", True), ("one", True),
                                              ("heads", True), ("positions", True), ("grid", True), ("two", True),
                                              ("two-permuted", True), ("clamped", True),
                                              ("written", True), ("shifted", False)])
@@ -77,6 +79,8 @@ def test_a_lookup_of_one_position_per_row_is_a_gather_in_forward_and_backward(ho
     assert (aten.index.Tensor not in ops and aten.index_put.default not in ops) == rewritten, after.graph
     if rewritten:
         assert aten.gather.default in ops and (aten.scatter_add.default in ops or aten.scatter.src in ops)
+        if how in ("argmax", "last"):  # (an argmax is never negative: no wrap; an input may be)
+            assert (aten.where.self in ops) == (how == "last")
     args = [*(p.detach() for p in model.parameters()), x, idx, t, torch.ones(())]
     run = lambda traced: torch.fx.Interpreter(traced.gm).run(*args, enable_io_processing=False)  # noqa: E731
     got, want = run(after), run(traced)
