@@ -3273,7 +3273,8 @@ class _InductorEmptying:
     activation to its end (a training step's peak 1.19-1.22x the plan's; an MLP's backward 73 MiB against 47
     uncompiled). Compiled at the first call, where the graph's ATen ops are decomposed as inductor wants them
     (traced on fake tensors of the arguments) and lowered by inductor alone (`compile_fx_inner`); random ops
-    draw from torch's generator as eager does (`_runner`). The code is for the strides of that call's arguments:
+    draw from torch's generator as eager does (`_runner`). The code is for the strides of that call's arguments
+    (an expanded one, stride 0, made contiguous first: a probe's `out.sum()` first made every later step fail):
     an argument laid out otherwise at a later call (an expanded incoming gradient, `loss = out.sum()` after
     `out.mean()`; a transposed input saved for backward) is copied into them first, as AOTAutograd does with
     gradients (inductor's code asserted them, and a review's second step failed there). Where torch fails to
@@ -3285,6 +3286,11 @@ class _InductorEmptying:
 
     def __call__(self, args: list):
         if self.compiled is None:
+            from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+            for k, arg in enumerate(args):  # (compiled for layouts a copy can take: an expanded gradient, stride 0,
+                if isinstance(arg, torch.Tensor) and not dense(arg):  # made contiguous; a probe)
+                    args[k] = arg.contiguous()
             self.strides = [tuple(a.stride()) if isinstance(a, torch.Tensor) else None for a in args]
             self.compiled = self._compile(args)
         elif not self.failed:

@@ -229,7 +229,8 @@ def test_a_compiled_backward_takes_arguments_laid_out_otherwise():
     """The compiled backward is compiled for its first call's argument strides; a later incoming gradient laid out
     otherwise (`out.sum()`'s expanded one after `out.square().mean()`, a transposed one) or a transposed input saved
     for backward is copied into them (inductor's code asserted them: a review's second step failed with an
-    AssertionError). Gradients equal the uncompiled module's at every step."""
+    AssertionError); an expanded one at the first call (stride 0) is compiled for as a contiguous copy. Gradients
+    equal the uncompiled module's at every step."""
     import torch
     import torch.nn as nn
 
@@ -244,17 +245,20 @@ def test_a_compiled_backward_takes_arguments_laid_out_otherwise():
     x = torch.randn(8, 16)
     c = run_pipeline(model, (x,), MeshSpec((1,), ("dp",), device=builtin_cpu()),
                      PlanOptions(training=True, stamp_layers=False), RankBinding(0, ("",)), quiet=True)
-    modules = [compiled_module_class(model)(c, None, src_data_rank=None, compile_graphs=backend)
-               for backend in (False, True)]
     steps = [(x, lambda out: out.square().mean()), (x, lambda out: out.sum()),
              (x, lambda out: (out.t().contiguous() * 2.0).sum()),
-             (torch.randn(16, 8).t(), lambda out: out.square().sum())]
-    for k, (inputs, loss_of) in enumerate(steps):
-        grads = []
-        for module in modules:
-            module.zero_grad()
-            loss_of(module(inputs)).backward()
-            grads.append([p.grad.clone() for p in module.parameters()])
-        for uncompiled, compiled in zip(*grads):
-            torch.testing.assert_close(compiled, uncompiled, rtol=1e-5, atol=1e-6, msg=f"step {k}")
-    assert all(not g.failed for _, g in modules[1]._compiled_graphs.values())
+             (torch.randn(16, 8).t(), lambda out: out.square().sum()),
+             (torch.randn(1, 16).expand(8, 16), lambda out: out.square().mean())]
+    # (also from an expanded gradient and input first, stride 0: compiled for those, every later step failed; a probe)
+    for order in (steps, steps[1:2] + steps[4:] + steps[:1] + steps[2:4]):
+        modules = [compiled_module_class(model)(c, None, src_data_rank=None, compile_graphs=backend)
+                   for backend in (False, True)]
+        for k, (inputs, loss_of) in enumerate(order):
+            grads = []
+            for module in modules:
+                module.zero_grad()
+                loss_of(module(inputs)).backward()
+                grads.append([p.grad.clone() for p in module.parameters()])
+            for uncompiled, compiled in zip(*grads):
+                torch.testing.assert_close(compiled, uncompiled, rtol=1e-5, atol=1e-6, msg=f"step {k}")
+        assert all(not g.failed for _, g in modules[1]._compiled_graphs.values())
