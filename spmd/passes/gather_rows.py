@@ -24,7 +24,7 @@ import math
 import torch
 import torch.fx as fx
 
-from spmd.passes.index_by_arange import arange_dim, erase_unused
+from spmd.passes.index_by_arange import arange_dim, erase_unused, lookups
 from spmd.passes.trace_module import TracedGraph, call_like, copy_graph, with_graph
 
 aten = torch.ops.aten
@@ -33,14 +33,7 @@ aten = torch.ops.aten
 def row_lookups(graph: fx.Graph) -> list[tuple[fx.Node, int]]:
     """The `aten.index.Tensor` and `aten.index_put.default` nodes that look up or write one position per row
     (`source[arange(B), idx]`), each with the dim its index picks along."""
-    along: dict[fx.Node, int | None] = {}
-    found = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.index.Tensor, aten.index_put.default):
-            dim = _row_dim(node, along)
-            if dim is not None:
-                found.append((node, dim))
-    return found
+    return lookups(graph, (aten.index.Tensor, aten.index_put.default), _row_dim)
 
 
 def gather_rows(traced: TracedGraph) -> TracedGraph:
@@ -99,16 +92,19 @@ def _as_gather_or_scatter(graph: fx.Graph, node: fx.Node, k: int) -> None:
             picked = call(aten.gather.default, merged, k, index)
             result = call(aten.view.default, picked, broadcast + rest)
         else:
-            values, accumulate = node.args[2], (node.args[3] if len(node.args) > 3 else
-                                                node.kwargs.get("accumulate", False))
-            op = aten.scatter_add.default if accumulate else aten.scatter.src
-            result = call(op, merged, k, index, as_rows(values, rest))
+            op = aten.scatter_add.default if _accumulates(node) else aten.scatter.src
+            result = call(op, merged, k, index, as_rows(node.args[2], rest))
             if m > 1:
                 result = call(aten.view.default, result, list(shape))
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     for feeder in dict.fromkeys(indices[:k]):  # the aranges and views that fed only this lookup
         erase_unused(graph, feeder)
+
+
+def _accumulates(node: fx.Node) -> bool:
+    """Whether an `index_put` adds its values (`accumulate=True`) rather than writing them."""
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
 
 
 def _non_negative(node: fx.Node) -> bool:
@@ -162,11 +158,10 @@ def _row_dim(node: fx.Node, along: dict) -> int | None:
     if any(v.dtype.is_floating_point or v.dtype.is_complex or v.dtype in (torch.bool, torch.uint8) for v in vals[k:]):
         return None
     if node.target is aten.index_put.default:
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
         values = node.args[2].meta.get("val") if isinstance(node.args[2], fx.Node) else None
         result = broadcast + shape[len(indices):]
         if not isinstance(values, torch.Tensor) or values.dim() > len(result) or \
                 any(n not in (1, result[len(result) - values.dim() + d]) for d, n in enumerate(values.shape)) or \
-                (not accumulate and len(broadcast) > k):
+                (not _accumulates(node) and len(broadcast) > k):
             return None
     return k

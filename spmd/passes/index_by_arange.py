@@ -37,13 +37,19 @@ _PLUS_ZERO = frozenset({aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.
 def identity_indexes(graph: fx.Graph) -> list[tuple[fx.Node, tuple[int, ...]]]:
     """The `aten.index.Tensor` nodes this pass rewrites, each with the broadcast dims its indices lie along (the
     pipeline runs the pass where there are some)."""
+    return lookups(graph, (aten.index.Tensor,), _identity_dims)
+
+
+def lookups(graph: fx.Graph, targets: tuple, probe) -> list[tuple[fx.Node, object]]:
+    """Each node of `graph` calling one of `targets` for which `probe(node, along)` finds something (not None),
+    with what it found; `along` keeps the aranges proven so far (`arange_dim`) for the whole graph."""
     along: dict[fx.Node, int | None] = {}
     found = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is aten.index.Tensor:
-            dims = _identity_dims(node, along)
-            if dims is not None:
-                found.append((node, dims))
+        if node.op == "call_function" and node.target in targets:
+            what = probe(node, along)
+            if what is not None:
+                found.append((node, what))
     return found
 
 

@@ -60,16 +60,11 @@ def convolution_backward(draw):
                 fn, "make_fx")
 
 
+@pytest.mark.parametrize("case", [convolution, convolution_backward], ids=lambda case: case.__name__)
 @RUN
 @given(data=st.data())
-def test_convolution(data):
-    check_case(data.draw(convolution(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
-
-
-@RUN
-@given(data=st.data())
-def test_convolution_backward(data):
-    check_case(data.draw(convolution_backward(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
+def test_every_strategy_matches_the_unsharded_op(case, data):
+    check_case(data.draw(case(), label="case"), data.draw(st.integers(0, 2**32 - 1)))
 
 
 @pytest.mark.parametrize("groups, c_out", [(1, 8), (8, 8), (8, 16), (2, 4)])
