@@ -3,7 +3,7 @@
     nn.Module ──trace (find_layer_stacks, trace_module | trace_joint, stamp_layers)──▶ ATen FX graph
        ──index_by_arange──▶ lookups by whole-dim aranges as views ──gather_rows──▶ row lookups as gathers
        ──unmerge_bmm──▶ 4-D matmuls whole again
-       ──kernel_layouts──▶ the kernels' strides
+       ──kernel_layouts──▶ the kernels' strides ──as_strided_views──▶ in-order as_strided as views
        ──merge_tied_parameters──▶ one placeholder per tensor ──find_repeated_blocks──▶ identical layers
        ──enumerate_strategies──▶ candidates per node ──merge_followers (large graphs)──▶ fewer choices
        ──estimate_costs──▶ compute + resharding costs ──solve_placements (budget loop)──▶ Plan
@@ -49,6 +49,7 @@ from spmd.core.errors import SpmdError, SpmdInternalError, describe_node, user_s
 from spmd.core.graph_facts import dropout_p, is_random
 from spmd.core.plan import Plan
 from spmd.cost_model.comm import all_reduce_seconds
+from spmd.passes.as_strided_views import as_strided_views, viewable
 from spmd.passes.bucket_gradients import bucket_gradients, local_bytes
 from spmd.passes.check_dtypes import check_dtypes
 from spmd.passes.check_stamping import check_stamping
@@ -328,6 +329,10 @@ PIPELINE: tuple[Pass, ...] = (
     # random ops' rules read to draw as one device does; only where a kernel lays out otherwise than traced.
     Pass("kernel_layouts", kernel_layouts, ("traced",), "traced", lambda v: bool(laid_out_otherwise(v["traced"].graph)),
          dumps.dump_traced),
+    # An as_strided that reads a tensor of its own in order (pooling over a transposed tensor traces them) is a
+    # view, which splits as its input does, where the as_strided had no rule and ran replicated.
+    Pass("as_strided_views", as_strided_views, ("traced",), "traced", lambda v: bool(viewable(v["traced"].graph)),
+         dumps.dump_traced),
     # Tied weights are one tensor: one placeholder, one gradient (the sum over uses).
     Pass("merge_tied_parameters", merge_tied_parameters, ("traced",), "traced", dump=dumps.dump_traced),
     # On a live mesh, before the first collective: every rank compiled the same graph for the same inputs
@@ -453,7 +458,8 @@ def collector_paused():
 
 
 # The passes between the trace and the strategies that rewrite the traced graph (what a plan's names refer to)
-GRAPH_REWRITES = ("index_by_arange", "gather_rows", "unmerge_bmm", "kernel_layouts", "merge_tied_parameters")
+GRAPH_REWRITES = ("index_by_arange", "gather_rows", "unmerge_bmm", "kernel_layouts", "as_strided_views",
+                  "merge_tied_parameters")
 
 
 def rewritten(traced: TracedGraph) -> TracedGraph:

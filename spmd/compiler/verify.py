@@ -209,7 +209,8 @@ def check_split(pass_name: str, v: dict) -> None:
 
 
 CHECKS = {
-    "trace": check_traced, "kernel_layouts": check_traced, "merge_tied_parameters": check_traced,
+    "trace": check_traced, "index_by_arange": check_traced, "gather_rows": check_traced, "unmerge_bmm": check_traced,
+    "kernel_layouts": check_traced, "as_strided_views": check_traced, "merge_tied_parameters": check_traced,
     "find_repeated_blocks": check_blocks,
     "enumerate_strategies": check_strategies, "merge_followers": check_strategies, "estimate_costs": check_costs,
     "solve_placements": check_plan, "insert_collectives": check_global_graph, "emit_rank_graph": check_rank_graph,

@@ -191,6 +191,32 @@ def test_dense_convs_split_as_megatrons_linears():
         torch.set_default_dtype(torch.float32)
 
 
+class _ConstantScale(nn.Module):
+    """A constant made in forward with `torch.tensor(...)`: `aten.lift_fresh_copy` of it in a training trace
+    (transformers' key/value cache makes `torch.tensor([])`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([[0.5 * k for k in range(8)]] * 4)
+
+
+def test_a_constant_made_in_forward_keeps_the_batch_split():
+    """`lift_fresh_copy` had no rule (an UnknownOpWarning on every transformers causal LM trained with its cache on);
+    it copies its piece."""
+    import warnings
+
+    import spmd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=spmd.UnknownOpWarning)
+        collectives, checked = _data_parallel(_ConstantScale, lambda: torch.randn(4, 8), lambda: torch.randn(4, 8))
+    assert checked == 3
+    assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
+
+
 class _ChannelsLastFill(nn.Module):
     """`torch.empty_like` of a channels_last activation, filled: `aten.empty_permuted` (MobileNetV2 in transformers)."""
 

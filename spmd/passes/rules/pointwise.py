@@ -1,13 +1,14 @@
 """Pointwise ops that are linear in some of their tensor arguments, where DTensor's pointwise rule
 offers no Partial form: `where` (the select of masked_fill, padding masks, nll_loss's ignore_index) and
-gelu_backward (kept whole in the joint graph); and `copy`, which DTensor has no rule for.
+gelu_backward (kept whole in the joint graph); and `copy` and `lift_fresh_copy`, which DTensor has no rule for.
 
 Along one mesh axis:
   * split: the output on any dim d, each input on its matching dim (right-aligned broadcasting) or
     whole where it broadcasts there (size 1 or missing);
   * `copy(self, src)` (a slice assignment's functional form, T5's `_shift_right`) is src broadcast into
     self's shape and dtype: split like any pointwise op (it had no rule, and a batch-split plan gathered
-    the labels; a plan-quality probe);
+    the labels; a plan-quality probe); `lift_fresh_copy(x)`, a copy of a constant the model made with
+    `torch.tensor(...)` (transformers' key/value cache), likewise, where it warned and ran replicated;
   * Partial: `where(c, x, y)` with c whole is linear in (x, y) together, so x and y Partial(sum) ->
     Partial(sum): sum_r where(c, x_r, y_r) = where(c, sum_r x_r, sum_r y_r). A constant branch (the 0 of
     masked_fill) reaches the Partial form locally: Replicate -> Partial(sum) keeps it on one rank and
@@ -59,3 +60,11 @@ def gelu_backward(inp: RuleInput) -> list[list]:
 def copy(inp: RuleInput) -> list[list]:
     destination, source = (t.shape for t in inp.inputs)
     return broadcast_rows(inp.outputs[0].shape, [destination, source])
+
+
+@rule(aten.lift_fresh_copy.default)
+def lift_fresh_copy(inp: RuleInput) -> list[list]:
+    rows = broadcast_rows(inp.outputs[0].shape, [inp.inputs[0].shape])
+    if inp.outputs[0].dtype.is_floating_point:
+        rows.append([Partial(), Partial()])
+    return rows
