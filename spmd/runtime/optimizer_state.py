@@ -91,6 +91,8 @@ def named_state_dict(compiled, optimizer: torch.optim.Optimizer) -> dict:
         piece = compiled.piece(fqn)
         state[fqn] = {}
         for key, value in entries.items():
+            if made_up and key == "step":  # (the mark of an optimizer that had not stepped: `_unstepped`)
+                value = torch.zeros_like(value) if isinstance(value, torch.Tensor) else type(value)(0)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 if tuple(value.shape) != tuple(piece.shape):
                     if cut:  # (Adafactor's row and column factors: not cut like the piece)
@@ -153,6 +155,27 @@ def _by_names(named: dict) -> None:
             "single_device_optimizer)`, or `compiled.optimizer_state_dict(optimizer)` as saved.")
 
 
+def _unstepped(compiled, state: dict) -> bool:
+    """Whether `state` is what `named_state_dict` made up for an optimizer that had not stepped. A counting
+    optimizer's (AdamW, Adagrad, Rprop, ...) says so by every `step` being 0, which `named_state_dict` writes there
+    and a real step never leaves; one that counts nothing (SGD's momentum) by every tensor being zero on every rank,
+    which a step with any gradient does not leave. Loaded as it was, a checkpoint saved before the first step resumed
+    with AdamW's bias corrections one step on (0.0165 off after 3 steps) and SGD's dampening on its first step (0.047;
+    found by a probe)."""
+    entries = [e for e in state.values() if isinstance(e, dict)]
+    if not entries:
+        return False
+    if any("step" in e for e in entries):
+        return all(isinstance(e.get("step"), (torch.Tensor, int, float)) and float(e["step"]) == 0 for e in entries)
+    tensors = [getattr(v, "_local_tensor", v) for e in entries for v in e.values() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return False
+    moved = any(bool(t.any()) for t in tensors)
+    if compiled._on_live_mesh():  # (pieces differ by rank: every rank decides alike)
+        moved = compiled._apart_anywhere(moved, "load_optimizer_state_dict's check of the state's values")
+    return not moved
+
+
 def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dict) -> None:
     refuse_unwritten(named)
     made = made_up_ids(optimizer)
@@ -199,6 +222,8 @@ def load_named_state_dict(compiled, optimizer: torch.optim.Optimizer, named: dic
                             "they were built when saved (their order may differ).")
         groups.append({**{k: v for k, v in group.items() if k not in ("params", SAVED_BY)},
                        "params": [index[n] for n in group_names]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # (saved before its first step: the optimizer starts as that one would have, with its groups' settings)
+    optimizer.load_state_dict({"state": {} if _unstepped(compiled, named["state"]) else state,
+                              "param_groups": groups})
     forget_made_up(optimizer)  # (loaded: the state made up for it, the dict dcp.load filled, is the caller's to drop)
 

@@ -88,6 +88,45 @@ def test_model_and_optimizer_resume_on_another_plan(ranks, tmp_path):
         assert r["fresh"] > 1e-4, r  # (without the optimizer's moments the step is another one)
 
 
+def _resume_before_the_first_step(rank: int, world: int, folder: str) -> dict:
+    """Saved before the optimizer's first step, resumed in another compile: the steps after equal the run's that
+    went on, for AdamW (which counts its steps) and SGD with dampened momentum (which counts nothing)."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_default_dtype(torch.float64)
+    makers = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, dampening=0.5)}
+    off = {}
+    for name, make in makers.items():
+        compiled, inputs = _gpt({"blocks.0.mlp.fc1.weight": [Shard(0)]})
+        opt = make(compiled.parameters())
+        dcp.save({"model": compiled.state_dict(), "opt": compiled.optimizer_state_dict(opt)},
+                 checkpoint_id=f"{folder}/{name}")
+        for _ in range(2):
+            _step(compiled, opt, inputs)
+        went_on = _full(compiled)
+        other, inputs = _gpt({"blocks.0.mlp.fc2.weight": [Shard(1)]})
+        other_opt = make(other.parameters())
+        state = {"model": other.state_dict(), "opt": other.optimizer_state_dict(other_opt)}
+        dcp.load(state, checkpoint_id=f"{folder}/{name}")
+        other.load_state_dict(state["model"])
+        other.load_optimizer_state_dict(other_opt, state["opt"])
+        for _ in range(2):
+            _step(other, other_opt, inputs)
+        off[name] = max(float((_full(other)[k] - v).abs().max()) for k, v in went_on.items())
+    torch.set_default_dtype(torch.float32)
+    return off
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_as_the_run_went_on(ranks, tmp_path):
+    """Found by a probe: the state `optimizer_state_dict` makes up for an optimizer that has not stepped (a step at
+    rate 0: AdamW's count 1, SGD's momentum buffers of zeros) was saved as the optimizer's and loaded as real, so the
+    resumed run took AdamW's bias corrections one step on (0.0165 off after 3 steps) and SGD's dampening on its first
+    step (0.047). Now the optimizer resumes fresh, as the saved one was."""
+    for off in ranks(2).run(_resume_before_the_first_step, str(tmp_path)):
+        assert off["adamw"] < 1e-12 and off["sgd"] < 1e-12, off
+
+
 def _plain_pieces(rank: int, world: int, folder: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
 
