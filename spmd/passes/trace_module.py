@@ -543,6 +543,18 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
                 "model)" + tail)
+    call = re.search(r"\b(\w+)\.forward\(\) (missing \d+ required [\w-]+ arguments?: .+|got an unexpected keyword "
+                     r"argument '\w+'|takes \d+ positional arguments? but \d+ (?:was|were) given)", str(error))
+    # (torch.export binds them first, in inspect's words)
+    bound = re.fullmatch(r"too many positional arguments|missing a required argument: '\w+'|got an unexpected "
+                         r"keyword argument '\w+'", str(error).strip()) if isinstance(error, TypeError) else None
+    if model is not None and (bound or (call and call.group(1) == type(model).__name__)):  # (found by a probe: told to
+        # remove data-dependent control flow)
+        return (f"the example inputs do not match {type(model).__name__}.forward's arguments "
+                f"({call.group(2) if call else bound.group(0)}): spmd.compile "
+                "calls the forward with `example_inputs` (positional) and `example_kwargs` (by keyword), as the "
+                "training loop will; give it one example of each argument the forward takes (with a `loss_fn`, the "
+                "targets come after the model's inputs)")
     return "make the forward traceable by torch.export (no data-dependent Python control flow" + (
         f"; {otherwise})" if otherwise else ")")
 

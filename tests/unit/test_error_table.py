@@ -214,6 +214,12 @@ ROWS = [
     # (found by a probe: Mixtral's `eager` experts were told to write torch.where)
     ("trace-eager-experts", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_eager_experts()),
      [r"What to do: MixtralExperts runs transformers' `eager` experts", r"experts_implementation=\"grouped_mm\""]),
+    # (found by a probe: a forward given too few example inputs was told to remove data-dependent control flow)
+    ("trace-missing-argument", lambda w: _plan(MLP(16, 64), (x16,), loss_fn=F.mse_loss),
+     [r"could not trace the forward\+backward graph of MLP", r"the example inputs do not match MLP.forward's "
+      r"arguments \(missing 1 required positional argument: 'x'\)", r"example_kwargs"]),
+    ("trace-extra-argument", lambda w: _plan(MLP(16, 64), (x16, x16)),
+     [r"the example inputs do not match MLP.forward's arguments \(too many positional arguments\)"]),
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
      [r"torch.export could not trace _Item", r"reads a tensor's values in Python"]),
     ("trace-distribution-validates", lambda w: _validating(lambda: _plan(_Sampler(), (x16,))),
