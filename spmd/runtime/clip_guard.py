@@ -162,7 +162,8 @@ def _refuse(sharded: list[str]) -> None:
             f"pieces of sharded parameters or their gradients ({names}): the norm would be each rank's own, a "
             "different number on each rank, and clipping by it would make the replicas of the parameters drift "
             "apart. What to do: call compiled.clip_grad_norm_(max_norm, norm_type) on the compiled module to clip "
-            "(`also=(other_compiled, plain_module)`: what the same optimizer steps beside it, by one norm), "
+            "(`also=(other_compiled, plain_module)`: what the same optimizer steps beside it, by one norm; "
+            "`parameters=group['params']`: a subset of its parameters, by their own norm), "
             "or compiled.grad_norm(norm_type) for the norm alone (the norm of the full gradients, the same on "
             "every rank).")
 

@@ -696,7 +696,7 @@ class CompiledModule(nn.Module):
 
     @_collective
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None, *, also=()) -> torch.Tensor:
+                        foreach: bool | None = None, *, also=(), parameters=None) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the full gradients: returns their total norm (`grad_norm`,
         the same on every rank, equal to the single-device model's) and scales this rank's gradient shards
         by min(1, max_norm / (norm + 1e-6)) in place. Call it on every rank, after backward.
@@ -705,9 +705,14 @@ class CompiledModule(nn.Module):
         `torch.nn.utils.clip_grad_norm_` over the whole model clips: other compiled modules (a body and a head
         compiled apart), and plain parameters whose gradients are the same on every rank (an eager layer's, kept
         in step as DDP keeps them). Clipping each compiled module by its own norm clipped each by another factor
-        (3.7e-3 off after 3 steps; found by a probe). `foreach`, as torch's: the kernels that scale the gradients
-        (None: torch's choice), the same values either way."""
+        (3.7e-3 off after 3 steps; found by a probe). `parameters`: only these of this module's (its pieces, as
+        `compiled.parameters()` or a param group's `params` hold them), clipped by their own full norm, as
+        `torch.nn.utils.clip_grad_norm_(group["params"], ...)` clips a group on one device (the same subset on
+        every rank). `foreach`, as torch's: the kernels that scale the gradients (None: torch's choice), the same
+        values either way."""
         also = [also] if isinstance(also, (torch.Tensor, nn.Module)) else list(also)  # (a generator, read once)
+        if parameters is not None and not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)
         modules = [self] + [m for m in also if isinstance(m, CompiledModule)]
         plain = [p for m in also if not isinstance(m, CompiledModule)
                  for p in ([m] if isinstance(m, torch.Tensor) else m.parameters() if isinstance(m, nn.Module) else m)]
@@ -715,7 +720,8 @@ class CompiledModule(nn.Module):
         if any(p in clip_guard._watched for p in plain):
             raise SpmdError("clip_grad_norm_(also=...): pass a compiled module itself, not its parameters (this rank's "
                             "pieces: their norm is this rank's own).")
-        norms = [m.grad_norm(norm_type, error_if_nonfinite) for m in modules]
+        norms = [self.grad_norm(norm_type, error_if_nonfinite, parameters=parameters)] + \
+            [m.grad_norm(norm_type, error_if_nonfinite) for m in modules[1:]]
         if plain:
             norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach(), norm_type)
                                                                .to(norms[0].device) for p in plain]), norm_type))
@@ -727,7 +733,8 @@ class CompiledModule(nn.Module):
                                "non-finite, so it cannot be clipped. To disable this error and scale the "
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [g for m in modules for _, g in m._grads()] + [p.grad.detach() for p in plain]
+        grads = [g for _, g in self._grads(parameters)] + [g for m in modules[1:] for _, g in m._grads()] + \
+            [p.grad.detach() for p in plain]
         for (device, _), ([same], _) in _group_tensors_by_device_and_dtype([grads]).items():
             if (foreach is None and _has_foreach_support(same, device)) or (foreach and
                                                                           _device_has_foreach_support(device)):
@@ -795,12 +802,13 @@ class CompiledModule(nn.Module):
             torch.embedding_renorm_(weight, mine, max_norm, norm_type)
 
     @_collective
-    def grad_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, parameters=None) -> torch.Tensor:
         """`torch.nn.utils.get_total_norm` of the full gradients (the norm a training loop logs): the same
         on every rank, equal to the single-device model's. Gradients come out of backward in their
         parameter's placements (Shard or Replicate, never Partial), so each mesh axis that shards some
-        gradient reduces once (`distribute.total_norm`). Call it on every rank, after backward."""
-        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads()]
+        gradient reduces once (`distribute.total_norm`). Call it on every rank, after backward.
+        `parameters`: of those of this module's parameters alone (see `clip_grad_norm_`)."""
+        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads(parameters)]
         if not grads:
             return torch.tensor(0.0)
         # (in the gradients' promoted dtype, as torch's stack of per-tensor norms is: the first gradient's narrowed a
@@ -813,9 +821,23 @@ class CompiledModule(nn.Module):
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return norm
 
-    def _grads(self) -> list[tuple[str, torch.Tensor]]:
-        """(parameter name, this rank's gradient piece), in the model's parameter order."""
+    def _grads(self, parameters=None) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, this rank's gradient piece), in the model's parameter order; of `parameters` alone
+        where given (this module's pieces: another tensor is refused by name)."""
         params = [(fqn, self._get(attr)) for fqn, attr in self._param_names.items()]
+        if parameters is not None:
+            given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            mine = {id(p) for _, p in params}
+            if any(id(p) not in mine for p in given):
+                theirs = clip_guard._of_source(given)
+                raise SpmdError(
+                    f"clip_grad_norm_(parameters=...) / grad_norm(parameters=...) was given "
+                    f"{'the model parameters ' + ', '.join(theirs[:3]) if theirs else 'tensors'} that are not this "
+                    "compiled module's parameters (the pieces it holds and trains). What to do: pass this module's own, "
+                    "from `compiled.parameters()`, `compiled.named_parameters()` or an optimizer's param group over "
+                    "them; another compiled module's go in `also=`.")
+            chosen = {id(p) for p in given}
+            params = [(fqn, p) for fqn, p in params if id(p) in chosen]
         return [(fqn, p.grad) for fqn, p in params if isinstance(p, nn.Parameter) and p.grad is not None]
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:

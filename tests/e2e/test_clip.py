@@ -183,3 +183,63 @@ def test_one_norm_across_compiled_modules_and_plain_parameters(ranks):
     for r in ranks(2).run(_clipped_across_modules):
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-9), r
         assert max(r["ref_norms"]) > 0.1 and r["param_err"] < 1e-9, r
+
+
+def _clipped_by_groups(rank: int, world: int) -> dict:
+    """Each param group clipped by its own norm (`parameters=group["params"]`), as one device clips each group."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+
+    import spmd
+    from tests.models import MLP
+    from tests.support import spec
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = MLP(16, 64)
+        eager = copy.deepcopy(model)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        compiled = spmd.compile(model, spmd.init_mesh((2,), ("tp",)), (x, y), loss_fn=F.mse_loss,
+                                mesh_spec=spec((2,), ("tp",)),
+                                param_placements={"fc1.weight": [Shard(0)], "fc2.weight": [Shard(1)]})
+
+        def groups(named):
+            named = dict(named)
+            return [{"params": [named["fc1.weight"], named["fc1.bias"]]},
+                    {"params": [named["fc2.weight"], named["fc2.bias"]], "lr": 0.2}]
+
+        opt = torch.optim.SGD(groups(compiled.named_parameters()), lr=0.5)
+        ref_opt = torch.optim.SGD(groups(eager.named_parameters()), lr=0.5)
+        norms, ref_norms = [], []
+        for _ in range(3):
+            compiled(*compiled.shard_inputs(x, y)).backward()
+            norms.append([float(compiled.clip_grad_norm_(0.05, parameters=(p for p in g["params"])))
+                          for g in opt.param_groups])
+            opt.step()
+            opt.zero_grad()
+            F.mse_loss(eager(x), y).backward()
+            ref_norms.append([float(torch.nn.utils.clip_grad_norm_(g["params"], 0.05)) for g in ref_opt.param_groups])
+            ref_opt.step()
+            ref_opt.zero_grad()
+        try:
+            compiled.clip_grad_norm_(1.0, parameters=eager.parameters())
+            refused = None
+        except spmd.SpmdError as e:
+            refused = str(e)
+        err = max(float((compiled.full_state_dict()[k] - v).abs().max()) for k, v in eager.state_dict().items())
+        return {"norms": norms, "ref_norms": ref_norms, "param_err": err, "refused": refused}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_each_param_group_clipped_by_its_own_norm(ranks):
+    """Found by a probe: clipping by param group (`clip_grad_norm_(group["params"], ...)`) was refused, and the way
+    out clipped every parameter by one norm. `parameters=` clips a subset by its full norm."""
+    for r in ranks(2).run(_clipped_by_groups):
+        assert sum(r["norms"], []) == pytest.approx(sum(r["ref_norms"], []), rel=1e-9), r
+        assert max(max(n) for n in r["ref_norms"]) > 0.05 and r["param_err"] < 1e-9, r
+        assert "not this compiled module's parameters" in r["refused"], r["refused"]
