@@ -1080,10 +1080,10 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
         owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
     except AttributeError:
         owner = None
-    if isinstance(owner, torch.nn.Embedding) and owner.max_norm is not None:
-        module = fqn.rpartition(".")[0]
-        return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an Embedding with "
-                f"max_norm renormalizes the rows it looks up), and {why}. What to do: compile it without max_norm "
+    if isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and owner.max_norm is not None:
+        module = fqn.rpartition(".")[0]  # (an EmbeddingBag's too: found by a probe, told of weight clipping)
+        return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an "
+                f"{type(owner).__name__} with max_norm renormalizes the rows it looks up), and {why}. What to do: compile it without max_norm "
                 f"(`model.{module}.max_norm = None`) and renormalize before each call, on every rank, with the ids that "
                 f"call looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={owner.max_norm}"
                 f"{'' if owner.norm_type == 2.0 else f', norm_type={owner.norm_type}'})` (the rows any rank looks up, as "

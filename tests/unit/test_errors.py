@@ -55,9 +55,10 @@ def test_unknown_op_falls_back_to_replicate_with_a_warning_naming_op_and_line():
 
 
 class _MaxNorm(nn.Module):
-    def __init__(self):
+    def __init__(self, bag: bool = False):
         super().__init__()
-        self.e, self.l = nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2)
+        self.e = nn.EmbeddingBag(10, 4, max_norm=1.0) if bag else nn.Embedding(10, 4, max_norm=1.0)
+        self.l = nn.Linear(4, 2)
 
     def forward(self, ids):
         return self.l(self.e(ids))
@@ -84,6 +85,9 @@ class _OwnGenerator(nn.Module):
 @pytest.mark.parametrize("case,said", [
     ("max_norm", r"changes parameter e.weight in place \(an Embedding with max_norm.*`model.e.max_norm = None`.*"
                  r"compiled.embedding_renorm_\('e.weight', ids, max_norm=1.0\)"),
+    # (a third probe: an EmbeddingBag's was told of weight clipping)
+    ("bag max_norm", r"changes parameter e.weight in place \(an EmbeddingBag with max_norm.*"
+                     r"compiled.embedding_renorm_\('e.weight', ids, max_norm=1.0\)"),
     ("cumulative", r"What to do: bn: a batch norm with momentum=None.*`momentum=0.1`"),
     ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward"),
     # (a second probe: these were told about an Embedding's max_norm, or to return the new value)
@@ -101,6 +105,8 @@ def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
     with pytest.raises(SpmdError, match=said):
         if case == "max_norm":
             one_device(_MaxNorm(), (torch.randint(0, 10, (6,)), torch.randn(6, 2)), loss_fn=F.mse_loss)
+        elif case == "bag max_norm":  # (bags of 3 ids)
+            one_device(_MaxNorm(bag=True), (torch.randint(0, 10, (6, 3)), torch.randn(6, 2)), loss_fn=F.mse_loss)
         elif case == "cumulative":
             one_device(_CumulativeNorm(), (x, x), loss_fn=F.mse_loss)
         elif case == "generator":
