@@ -341,7 +341,10 @@ class _Recorder(TorchDispatchMode):
                     first = key not in ev.touched
                     if alias is not None and alias.is_write:
                         ev.writes.add(key)
-                        if first and i == 0 and func.overloadpacket in _KILL and _whole(t):
+                        # (an `out=` argument is written whole, its old value unread where the op reads it not
+                        # as an input too (`first`): `nn.init.eye_` writes through `aten.eye.out`, and its weight was
+                        # refused as read before written; found by a probe)
+                        if first and ((i == 0 and func.overloadpacket in _KILL) or a.is_out) and _whole(t):
                             ev.kills.add(key)
                         elif key not in ev.kills:
                             ev.uses.add(key)

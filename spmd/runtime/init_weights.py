@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 import textwrap
 import types
 import warnings
@@ -361,17 +362,16 @@ def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
         lines, start = inspect.getsourcelines(fn)
     except (OSError, TypeError):
         return None
-    called = []
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        tree = None
+    prose = _string_lines(tree)  # (a docstring's example, `>>> model = X.from_pretrained(...)`, writes nothing)
     for k, line in enumerate(lines):
         code = line.split("#", 1)[0]
-        if _INIT_WORDS.search(code):
+        if k not in prose and _INIT_WORDS.search(code):
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
-        statement = _STATEMENT_CALL.match(code)  # (a call for its effect: not `self.init = init_method(0.02)`,
-        if statement is not None and statement.group(2) not in _REPLAYED:  # a factory of what reset_parameters applies)
-            own, name = statement.groups()
-            target = inspect.getattr_static(cls, name, None) if own else fn.__globals__.get(name)
-            called.append(getattr(target, "__func__", target))
-    for target in called:
+    for target in _called(fn, tree, cls):
         if (hit := _writes_values(target, cls, seen)) is not None:
             return f"calls {target.__qualname__}: {hit}"
     for k, line in enumerate(lines):  # (a value written under no_grad in a way none of the words name: `w /= 2`)
@@ -443,9 +443,70 @@ _INIT_WORDS = re.compile(
     r"|\bfrom_pretrained\(|\b_weight\s*="                       # an embedding given its table (no reset)
     r"|self(\.\w+)+\.\w+\s*=\s*(torch\.)?(nn\.)?Parameter\(")  # a submodule's parameter replaced
 _REPLAYED = ("reset_parameters",)  # (what the replay runs itself for any module: init_replay.py)
-# a line of an __init__ that is a call made for its effect: a method through self (`self._init()`), or a plain
-# function by name (`init_linears(self)`)
-_STATEMENT_CALL = re.compile(r"\s*(self\.)?([A-Za-z_]\w*)\(")
+
+
+def _string_lines(tree) -> set[int]:
+    """The lines (0-based) of a parsed function that are a string standing as a statement (its docstring)."""
+    found = set()
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.update(range(node.lineno - 1, node.end_lineno))
+    return found
+
+
+def _called(fn, tree, cls: type) -> list:
+    """The functions `fn` calls as it runs that may be the user's: its methods through `self` (`self._init()`), plain
+    functions by name (`init_linears(self)`) and a module's by its name (`initlib.init_model(self)`), wherever the
+    call stands (`if zero: self._init()`, `_ = self._init()`, after a `;`: a line-start pattern missed them and a
+    helper's `zeros_` went unseen, 0.18 off; found by a probe). Not a call whose result an attribute takes
+    (`self.init = init_method(0.02)`: a factory of what reset_parameters applies), nor one inside a nested function
+    or lambda (not run now), nor `reset_parameters` (the replay runs it)."""
+    if tree is None:
+        return []
+    outer, names = tree.body[0] if tree.body else None, []
+
+    class Calls(ast.NodeVisitor):
+        def visit_FunctionDef(self, node):
+            if node is outer:
+                self.generic_visit(node)
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Lambda(self, node):
+            pass
+
+        def visit_Assign(self, node):
+            if isinstance(node.value, ast.Call) and all(isinstance(t, ast.Attribute) for t in node.targets):
+                for arg in [*node.value.args, *(k.value for k in node.value.keywords)]:
+                    self.visit(arg)
+            else:
+                self.generic_visit(node)
+
+        def visit_Call(self, node):
+            f = node.func
+            if isinstance(f, ast.Name):
+                names.append((None, f.id))
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                names.append((f.value.id, f.attr))
+            self.generic_visit(node)
+
+    Calls().visit(tree)
+    targets = []
+    for owner, name in names:
+        if name in _REPLAYED:
+            continue
+        if owner is None:
+            target = fn.__globals__.get(name)
+        elif owner == "self":
+            target = inspect.getattr_static(cls, name, None)
+        else:
+            module = fn.__globals__.get(owner)
+            target = getattr(module, name, None) if isinstance(module, types.ModuleType) else None
+        target = getattr(target, "__func__", target)
+        if target is not None and target not in targets and \
+                (getattr(target, "__module__", None) or "").split(".")[0] not in sys.stdlib_module_names:
+            targets.append(target)  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
+    return targets
 
 
 def is_transformers(model: nn.Module) -> bool:

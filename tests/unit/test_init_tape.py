@@ -6,6 +6,7 @@ global RNG ends where construction leaves it; no more than about one module is h
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -257,6 +258,41 @@ class _CallsHelper(nn.Module):
         _init_linears(self)
 
 
+_helpers = types.ModuleType("_helpers")  # (a module of the user's, its function called by the module's name)
+_helpers.init_linears = _init_linears
+
+
+class _ZeroesOut(nn.Module):
+    def _zero(self):
+        nn.init.zeros_(self.out.weight)
+
+
+class _HelperInABranch(_ZeroesOut):
+    def __init__(self, zero=True):
+        super().__init__()
+        self.out = nn.Linear(4, 8)
+        if zero: self._zero()  # noqa: E701
+
+
+class _HelperThroughAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 8)
+        _helpers.init_linears(self)
+
+
+class _HelperAfterASemicolon(_ZeroesOut):
+    def __init__(self):
+        super().__init__(); self.out = nn.Linear(4, 8); self._zero()  # noqa: E702
+
+
+class _HelperAssigned(_ZeroesOut):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 8)
+        _ = self._zero()
+
+
 class _Replaces(nn.Module):
     def __init__(self):
         super().__init__()
@@ -379,6 +415,11 @@ class _GivenTable(nn.Module):  # (torch's Embedding does not reset a table it is
     (_Scaled, r"_Scaled.__init__ \(.*: self.out.weight.mul_\(0.01\)\)"),
     (_InheritsInit, r"_AppliesInit.__init__ \(.*: self.apply\(self._init\)\)"),
     (_CallsHelper, r"_CallsHelper.__init__ \(calls _init_linears: .*: nn.init.normal_\(m.weight, std=0.02\)\)"),
+    # (found by a probe: a call not at the start of its line, or through a module's name, was not followed)
+    (_HelperInABranch, r"_HelperInABranch.__init__ \(calls _ZeroesOut._zero: .*nn.init.zeros_\(self.out.weight\)"),
+    (_HelperThroughAModule, r"_HelperThroughAModule.__init__ \(calls _init_linears: .*nn.init.normal_"),
+    (_HelperAfterASemicolon, r"_HelperAfterASemicolon.__init__ \(calls _ZeroesOut._zero: "),
+    (_HelperAssigned, r"_HelperAssigned.__init__ \(calls _ZeroesOut._zero: "),
     (_Replaces, r"_Replaces.__init__ \(.*: self.out.weight = nn.Parameter\(torch.linspace"),
     (_UserResetsPrivately, r"\(calls _UserResetsPrivately._reset_parameters: .*nn.init.zeros_\(self.out.bias\)"),
     (_Siblings, r"_ZeroesInBase.__init__ \(.*nn.init.zeros_\(self.out.bias\)"),

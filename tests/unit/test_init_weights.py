@@ -265,6 +265,25 @@ def test_conv_and_batchnorm_buffers_come_from_reset_parameters():
     check_equal(ConvBN, "mixed", 8)
 
 
+class _Identity(nn.Linear):
+    def reset_parameters(self):
+        nn.init.eye_(self.weight)  # (writes through `aten.eye.out`)
+        nn.init.zeros_(self.bias)
+
+
+class EyeInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = _Identity(8, 8)
+        self.out = nn.Linear(8, 4)
+
+
+def test_an_init_that_writes_through_out_equals_one_device():
+    """Found by a probe: `nn.init.eye_` writes its tensor as `torch.eye`'s `out=`, which the replay counted as a read
+    of the value it replaces ("read by their init before anything wrote them", a refusal with no way out)."""
+    check_equal(EyeInit, "mixed", 8)
+
+
 def test_bf16_meta_model_equals_a_cast_build_with_init_dtype_and_a_bf16_build_without():
     meta = build_meta(gpt1).to(torch.bfloat16)
     ref = build(gpt1, 4).to(torch.bfloat16)
