@@ -10,7 +10,7 @@ replicated: its input gathered on every rank, and the model's head after it run 
 
 After: each such op whose input (for a scatter: the tensor written into) is contiguous over a storage of its own,
 with no offset, and which reads (writes) it all in that order (the contiguous strides of its size, up to dims of
-size 1, as many elements) is a `view` of it (of the source written, made contiguous first where it is not).
+size 1, as many elements) is a `view` of it (of the source written, copied first where it owns no storage).
 The values are the same: such an op reads (writes) the tensor's elements in their flat order. Any other
 `as_strided` stays, and runs replicated as before.
 """
@@ -85,8 +85,8 @@ def as_strided_views(traced: TracedGraph) -> TracedGraph:
             if node.target is aten.as_strided.default:
                 view = call_like(graph, node, aten.view.default, (node.args[0], list(node.args[1])))
             else:
-                src = node.args[1]
-                if not src.meta["val"].is_contiguous():
+                src = node.args[1]  # (a copy unless it owns its storage: a view of `h[1:]` would be read through
+                if not owns_its_storage(src.meta["val"]):  # by a later as_strided; a review)
                     src = call_like(graph, node, aten.clone.default, (src,),
                                     {"memory_format": torch.contiguous_format})
                 view = call_like(graph, node, aten.view.default, (src, list(node.args[0].meta["val"].shape)))

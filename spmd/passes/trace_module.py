@@ -544,11 +544,12 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
                 "model)" + tail)
     call = re.search(r"\b(\w+)\.forward\(\) (missing \d+ required [\w-]+ arguments?: .+|got an unexpected keyword "
-                     r"argument '\w+'|takes \d+ positional arguments? but \d+ (?:was|were) given)", str(error))
+                     r"argument '\w+'|takes (?:from \d+ to )?\d+ positional arguments? but \d+ (?:was|were) given)",
+                     str(error))
     # (torch.export binds them first, in inspect's words)
     bound = re.fullmatch(r"too many positional arguments|missing a required argument: '\w+'|got an unexpected "
                          r"keyword argument '\w+'", str(error).strip()) if isinstance(error, TypeError) else None
-    if model is not None and (bound or (call and call.group(1) == type(model).__name__)):  # (found by a probe: told to
+    if model is not None and (bound or (call and call.group(1) in {c.__name__ for c in type(model).__mro__})):  # (found by a probe: told to
         # remove data-dependent control flow)
         return (f"the example inputs do not match {type(model).__name__}.forward's arguments "
                 f"({call.group(2) if call else bound.group(0)}): spmd.compile "
@@ -1081,10 +1082,10 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
     except AttributeError:
         owner = None
     if isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and owner.max_norm is not None:
-        module = fqn.rpartition(".")[0]  # (an EmbeddingBag's too: found by a probe, told of weight clipping)
+        module = fqn.rpartition(".")[0]  # (an EmbeddingBag's too: a probe found it told of weight clipping)
         return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an "
-                f"{type(owner).__name__} with max_norm renormalizes the rows it looks up), and {why}. What to do: compile it without max_norm "
-                f"(`model.{module}.max_norm = None`) and renormalize before each call, on every rank, with the ids that "
+                f"{type(owner).__name__} with max_norm renormalizes the rows it looks up), and {why}. What to do: "
+                f"compile it without max_norm (`model.{module}.max_norm = None`) and renormalize before each call, on every rank, with the ids that "
                 f"call looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={owner.max_norm}"
                 f"{'' if owner.norm_type == 2.0 else f', norm_type={owner.norm_type}'})` (the rows any rank looks up, as "
                 "one device renormalizes the whole batch's). It needs whole rows on each rank: pin "

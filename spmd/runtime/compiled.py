@@ -551,6 +551,7 @@ class CompiledModule(nn.Module):
             "torch.utils.checkpoint(use_reentrant=True)" if c.traced.reentrant and self.split is not None else None)
         self._reentrant = c.traced.reentrant
         self._flags_differ: dict[tuple, str | None] = {}  # (traced flags, a call's) -> what differs (None: nothing)
+        self._subsets_agreed: set[tuple[str, ...]] = set()  # (`parameters=` subsets every rank named alike)
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
@@ -833,12 +834,32 @@ class CompiledModule(nn.Module):
                 raise SpmdError(
                     f"clip_grad_norm_(parameters=...) / grad_norm(parameters=...) was given "
                     f"{'the model parameters ' + ', '.join(theirs[:3]) if theirs else 'tensors'} that are not this "
-                    "compiled module's parameters (the pieces it holds and trains). What to do: pass this module's own, "
-                    "from `compiled.parameters()`, `compiled.named_parameters()` or an optimizer's param group over "
-                    "them; another compiled module's go in `also=`.")
+                    "compiled module's parameters (the pieces it holds and trains). What to do: pass this module's "
+                    "own, from `compiled.parameters()`, `compiled.named_parameters()` or an optimizer's param group "
+                    "over them; another compiled module's go in `also=`.")
             chosen = {id(p) for p in given}
             params = [(fqn, p) for fqn, p in params if id(p) in chosen]
+            self._agree_on_subset(tuple(fqn for fqn, _ in params))
         return [(fqn, p.grad) for fqn, p in params if isinstance(p, nn.Parameter) and p.grad is not None]
+
+    def _agree_on_subset(self, names: tuple[str, ...]) -> None:
+        """Every rank names the same parameters in `parameters=` (compared once per subset: one all_reduce of two
+        numbers per mesh axis), else every rank raises: the norm reduces over the axes its gradients are cut on, and
+        subsets chosen by a piece's size would issue other collectives on each rank, a hang (a review)."""
+        if names in self._subsets_agreed or not self._on_live_mesh():
+            return
+        import hashlib
+
+        mine = int.from_bytes(hashlib.sha1("\0".join(names).encode()).digest()[:6], "little")
+        both = max_over_mesh(torch.tensor([mine, -mine], dtype=torch.int64, device=self._collective_device()),
+                             self.mesh_spec.shape, self.group_names)
+        if int(both[0]) != -int(both[1]):
+            raise SpmdError(
+                f"clip_grad_norm_(parameters=...) / grad_norm(parameters=...): the ranks name other parameters "
+                f"({len(names)} on this rank: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), so their "
+                "norms would reduce over other mesh axes. What to do: choose the subset by name, the same on every "
+                "rank (`[p for n, p in compiled.named_parameters() if ...]`), not by a piece's size or values.")
+        self._subsets_agreed.add(names)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers (the non-persistent ones too) as DTensors over the runtime mesh (local

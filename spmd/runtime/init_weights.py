@@ -455,17 +455,17 @@ def _string_lines(tree) -> set[int]:
 
 
 def _called(fn, tree, cls: type) -> list:
-    """The functions `fn` calls as it runs that may be the user's: its methods through `self` (`self._init()`), plain
-    functions by name (`init_linears(self)`) and a module's by its name (`initlib.init_model(self)`), wherever the
-    call stands (`if zero: self._init()`, `_ = self._init()`, after a `;`: a line-start pattern missed them and a
-    helper's `zeros_` went unseen, 0.18 off; found by a probe). Not a call whose result an attribute takes
-    (`self.init = init_method(0.02)`: a factory of what reset_parameters applies), nor one inside a nested function
-    or lambda (not run now), nor `reset_parameters` (the replay runs it)."""
+    """The functions `fn` calls for their effect that may be the user's: a call standing as a statement wherever it
+    stands (`if zero: self._init()`, after a `;`, `_ = self._init()`: a line-start pattern missed them and a helper's
+    `zeros_` went unseen, 0.18 off; found by a probe), to a method through `self` or `super()`, a plain function, or a
+    function or static method through a module's or class's name (`initlib.init_model(self)`). Not a call whose result
+    is kept (`init = init_method_normal(0.02)`: a factory of what reset_parameters applies), nor one in a nested
+    function or lambda (not run now), nor `reset_parameters` (the replay runs it), nor Python's own."""
     if tree is None:
         return []
-    outer, names = tree.body[0] if tree.body else None, []
+    outer, found = tree.body[0] if tree.body else None, []
 
-    class Calls(ast.NodeVisitor):
+    class Statements(ast.NodeVisitor):
         def visit_FunctionDef(self, node):
             if node is outer:
                 self.generic_visit(node)
@@ -475,38 +475,49 @@ def _called(fn, tree, cls: type) -> list:
         def visit_Lambda(self, node):
             pass
 
+        def visit_Expr(self, node):
+            if isinstance(node.value, ast.Call):
+                found.append(node.value.func)
+
         def visit_Assign(self, node):
-            if isinstance(node.value, ast.Call) and all(isinstance(t, ast.Attribute) for t in node.targets):
-                for arg in [*node.value.args, *(k.value for k in node.value.keywords)]:
-                    self.visit(arg)
-            else:
-                self.generic_visit(node)
+            if isinstance(node.value, ast.Call) and all(isinstance(t, ast.Name) and t.id == "_" for t in node.targets):
+                found.append(node.value.func)
 
-        def visit_Call(self, node):
-            f = node.func
-            if isinstance(f, ast.Name):
-                names.append((None, f.id))
-            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
-                names.append((f.value.id, f.attr))
-            self.generic_visit(node)
-
-    Calls().visit(tree)
+    Statements().visit(tree)
     targets = []
-    for owner, name in names:
-        if name in _REPLAYED:
+    for f in found:
+        target = None
+        if isinstance(f, ast.Name):
+            target = fn.__globals__.get(f.id)
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+            owner = cls if f.value.id == "self" else fn.__globals__.get(f.value.id)
+            if isinstance(owner, types.ModuleType):
+                target = getattr(owner, f.attr, None)
+            elif isinstance(owner, type):
+                target = inspect.getattr_static(owner, f.attr, None)
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name):
+            if f.value.func.id == "super":
+                target = _after(cls, fn, f.attr)
+            elif f.value.func.id == "type":  # (`type(self)._zero(self)`)
+                target = inspect.getattr_static(cls, f.attr, None)
+        if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in _REPLAYED:
             continue
-        if owner is None:
-            target = fn.__globals__.get(name)
-        elif owner == "self":
-            target = inspect.getattr_static(cls, name, None)
-        else:
-            module = fn.__globals__.get(owner)
-            target = getattr(module, name, None) if isinstance(module, types.ModuleType) else None
         target = getattr(target, "__func__", target)
         if target is not None and target not in targets and \
                 (getattr(target, "__module__", None) or "").split(".")[0] not in sys.stdlib_module_names:
             targets.append(target)  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
     return targets
+
+
+def _after(cls: type, fn, name: str):
+    """What `super().<name>` finds in `fn`, a method of a class along `cls`'s MRO: `name` on the classes after it."""
+    mro = cls.__mro__
+    at = next((k for k, c in enumerate(mro) if inspect.unwrap(getattr(c.__dict__.get(fn.__name__), "__func__",
+                                                                      c.__dict__.get(fn.__name__))) is fn), None)
+    for c in mro[at + 1:] if at is not None else ():
+        if name in c.__dict__:
+            return c.__dict__[name]
+    return None
 
 
 def is_transformers(model: nn.Module) -> bool:

@@ -230,8 +230,14 @@ def _clipped_by_groups(rank: int, world: int) -> dict:
             refused = None
         except spmd.SpmdError as e:
             refused = str(e)
+        named = dict(compiled.named_parameters())
+        try:  # (a subset that differs by rank: refused on every rank, not a hang)
+            compiled.grad_norm(parameters=[named["fc1.weight"] if rank == 0 else named["fc2.weight"]])
+            apart = None
+        except spmd.SpmdError as e:
+            apart = str(e)
         err = max(float((compiled.full_state_dict()[k] - v).abs().max()) for k, v in eager.state_dict().items())
-        return {"norms": norms, "ref_norms": ref_norms, "param_err": err, "refused": refused}
+        return {"norms": norms, "ref_norms": ref_norms, "param_err": err, "refused": refused, "apart": apart}
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -243,3 +249,4 @@ def test_each_param_group_clipped_by_its_own_norm(ranks):
         assert sum(r["norms"], []) == pytest.approx(sum(r["ref_norms"], []), rel=1e-9), r
         assert max(max(n) for n in r["ref_norms"]) > 0.05 and r["param_err"] < 1e-9, r
         assert "not this compiled module's parameters" in r["refused"], r["refused"]
+        assert "the ranks name other parameters" in r["apart"], r["apart"]

@@ -91,3 +91,33 @@ def test_a_batch_split_pooler_over_a_transposed_tensor_gathers_nothing():
         assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 5
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class _WrittenFromAView(nn.Module):
+    """A whole buffer written from a slice (`h[1:]`, a view at an offset), then read by overlapping windows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        buf = torch.as_strided_scatter(torch.zeros(4, 8), h[1:], (4, 8), (8, 1))
+        return buf.as_strided((4, 6, 3), (8, 1, 1)).sum(-1)
+
+
+def test_a_buffer_written_from_a_view_is_a_copy_of_it():
+    """Found by a review: the scatter's source, a view at an offset, became the buffer itself, and the windows' own
+    `as_strided` over it was refused as reading through a view; it trains as one device does."""
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = _WrittenFromAView()
+    x, t = torch.randn(5, 8), torch.randn(4, 6)
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference(x), t).backward()
+    compiled = one_device(model, (x, t), training=True, loss_fn=F.mse_loss)
+    loss = compiled(x, t)
+    loss.backward()
+    torch.testing.assert_close(loss, F.mse_loss(reference(x), t), rtol=0, atol=0)
+    torch.testing.assert_close(compiled.get_parameter("fc.weight").grad, reference.fc.weight.grad, rtol=0, atol=0)

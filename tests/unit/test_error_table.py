@@ -162,6 +162,10 @@ class _Tempered(nn.Module):
         return self.fc(x) / self.temperature
 
 
+class _SubMLP(MLP):  # (its forward is MLP's: torch names MLP.forward)
+    pass
+
+
 def _plan(model, inputs, **kw):
     return spmd.plan(model, TP, inputs, **kw)
 
@@ -218,6 +222,8 @@ ROWS = [
     ("trace-missing-argument", lambda w: _plan(MLP(16, 64), (x16,), loss_fn=F.mse_loss),
      [r"could not trace the forward\+backward graph of MLP", r"the example inputs do not match MLP.forward's "
       r"arguments \(missing 1 required positional argument: 'x'\)", r"example_kwargs"]),
+    ("trace-missing-argument-inherited", lambda w: _plan(_SubMLP(16, 64), (x16,), loss_fn=F.mse_loss),
+     [r"the example inputs do not match _SubMLP.forward's arguments \(missing 1 required positional argument"]),
     ("trace-extra-argument", lambda w: _plan(MLP(16, 64), (x16, x16)),
      [r"the example inputs do not match MLP.forward's arguments \(too many positional arguments\)"]),
     ("trace-item", lambda w: _plan(_Item(), (x16,)),

@@ -348,6 +348,35 @@ class _MegatronStyle(nn.Module):
         self.init_method(self.w)
 
 
+class _MegatronLocal(_MegatronStyle):  # (the factory's result kept in a local first, as Megatron's own code does)
+    def __init__(self):
+        nn.Module.__init__(self)
+        init = _init_method_normal(0.02)
+        self.init_method = init
+        self.w = nn.Parameter(torch.empty(8, 4))
+        self.reset_parameters()
+
+
+class _Zeroes:
+    @staticmethod
+    def out(m):
+        nn.init.zeros_(m.out.weight)
+
+
+class _HelperThroughAClass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 8)
+        _Zeroes.out(self)
+
+
+class _HelperThroughSuper(_ZeroesOut):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(4, 8)
+        super()._zero()
+
+
 class _ResetsItself(nn.Module):
     """Draws in a reset_parameters() its __init__ calls, as torch's own modules do: replayed, not refused."""
 
@@ -420,6 +449,8 @@ class _GivenTable(nn.Module):  # (torch's Embedding does not reset a table it is
     (_HelperThroughAModule, r"_HelperThroughAModule.__init__ \(calls _init_linears: .*nn.init.normal_"),
     (_HelperAfterASemicolon, r"_HelperAfterASemicolon.__init__ \(calls _ZeroesOut._zero: "),
     (_HelperAssigned, r"_HelperAssigned.__init__ \(calls _ZeroesOut._zero: "),
+    (_HelperThroughAClass, r"_HelperThroughAClass.__init__ \(calls _Zeroes.out: "),
+    (_HelperThroughSuper, r"_HelperThroughSuper.__init__ \(calls _ZeroesOut._zero: "),
     (_Replaces, r"_Replaces.__init__ \(.*: self.out.weight = nn.Parameter\(torch.linspace"),
     (_UserResetsPrivately, r"\(calls _UserResetsPrivately._reset_parameters: .*nn.init.zeros_\(self.out.bias\)"),
     (_Siblings, r"_ZeroesInBase.__init__ \(.*nn.init.zeros_\(self.out.bias\)"),
@@ -439,7 +470,7 @@ def test_init_work_the_meta_replay_cannot_see_is_refused_wherever_it_is_written(
     with pytest.raises(SpmdError, match=r"initialize values in __init__ beyond reset_parameters\(\).*" + said):
         plan_init(model, reset_fns={_Declared: lambda m: nn.init.zeros_(m.out.bias)}).check()
     with torch.device("meta"):
-        fine = nn.Sequential(_ResetsItself(), _MegatronStyle())
+        fine = nn.Sequential(_ResetsItself(), _MegatronStyle(), _MegatronLocal())
     plan_init(fine).check()
 
 
