@@ -438,7 +438,6 @@ class CompiledModule(nn.Module):
         self._outputs_made = _OutputsMade()  # (the positions of the outputs calls returned: gather_outputs)
         self._inputs_walked = False  # see _refuse_inputs_from_held_parameters
         self._state_outputs = _outputs_of_state(c)  # {output position: FQN} for a parameter or buffer returned
-        self._warned_state_output: set[int] = set()
         # (output position, the copy the last call returned of a parameter, its version then: held until the next
         # call, as a loop writes into it and lets it go before that)
         self._returned_state: list[tuple] = []
@@ -2032,19 +2031,11 @@ class CompiledModule(nn.Module):
         for t, (k, call) in zip(flat, self._output_positions(flat, spec)):
             ps = self._outputs_made.shapes(call, self._shapes).out_placements.get(k) if k is not None else None
             full.append(gather_full(t, ps, self.mesh_spec, self.coord, self.group_names) if ps is not None else t)
-            if k in self._state_outputs and k not in self._warned_state_output and not _shares(
+            if k in self._state_outputs and full[-1] is not t and not full[-1].is_inference() and not _shares(
                     full[-1], self.piece(self._state_outputs[k])):
-                self._warned_state_output.add(k)
-                fqn = self._state_outputs[k]
-                way_out = (f"write into the parameter itself under torch.no_grad() (`compiled.get_parameter({fqn!r})`; "
-                           "a training call returns a copy of its piece, so that its gradient reaches it)"
-                           if self.split is not None and isinstance(self.piece(fqn), nn.Parameter) else
-                           "update it in the forward (a buffer written in place there is followed), or pin the output "
-                           "Replicate (out_placements) so that the gathered tensor is the buffer's own piece")
-                warnings.warn(
-                    f"gather_outputs: output {k} is the model's {fqn!r} itself (the forward returns "
-                    "it), and its gathered tensor is a new one: writing into it changes nothing in the model, where "
-                    f"eager's output is the tensor itself. What to do: {way_out}.", stacklevel=3)
+                # (the model's own tensor gathered anew: a write into it is refused at the next call, as a write into
+                # the returned copy is; a probe clamped a gathered weight, 0.19 off after 3 steps, silently)
+                self._returned_state.append((k, full[-1].detach(), full[-1]._version, "gathered"))
         return tree_unflatten(full, spec)
 
     def _output_positions(self, flat: list, spec) -> list[tuple[int | None, int]]:
@@ -2730,7 +2721,8 @@ class CompiledModule(nn.Module):
         if self._state_outputs:
             # (detached: the same version counter, without the call's graph and what its forward saved; not an
             # inference tensor, which keeps no version)
-            self._returned_state = [(k, flat[k].detach(), flat[k]._version) for k, fqn in self._state_outputs.items()
+            self._returned_state = [(k, flat[k].detach(), flat[k]._version, "returned")
+                                    for k, fqn in self._state_outputs.items()
                                     if k < len(flat) and isinstance(flat[k], torch.Tensor) and not flat[k].is_inference()
                                     and not _shares(flat[k], self.piece(fqn))]
         return tree_unflatten(list(flat), shapes.out_spec)
@@ -2741,15 +2733,19 @@ class CompiledModule(nn.Module):
         temperature clamped through the output), the write went nowhere (a probe: 0.27 off after 3 steps, silently).
         Refused at the next call, before the write's absence changes anything more."""
         returned, self._returned_state = self._returned_state, []
-        for k, t, version in returned:
+        for k, t, version, how in returned:
             if t._version != version:
                 fqn = self._state_outputs[k]
+                made = ("the compiled module returned a copy of its piece (in training, so that its gradient reaches "
+                        "the parameter)" if how == "returned" else
+                        "gather_outputs gathered it into a new tensor (the module holds pieces)")
+                kind = "parameter" if isinstance(self.piece(fqn), nn.Parameter) else "buffer"
+                way_out = (f"write into the {kind} itself, under torch.no_grad() (`compiled.get_{kind}({fqn!r})`, e.g. "
+                           "`.clamp_(...)`: each rank its piece), or make the change in the forward")
                 raise SpmdError(
                     f"output {k} of the last call, the model's {fqn!r} (the forward returns it), was written into in "
-                    "place since; the compiled module returned a copy of its piece (in training, so that its gradient "
-                    "reaches the parameter), where eager returns the parameter itself, so the write changed nothing in "
-                    f"the model. What to do: write into the parameter itself, under torch.no_grad() "
-                    f"(`compiled.get_parameter({fqn!r})`, e.g. `.clamp_(...)`), or make the change in the forward.")
+                    f"place {'since' if how == 'returned' else 'after gather_outputs'}; {made}, where eager returns "
+                    f"the tensor itself, so the write changed nothing in the model. What to do: {way_out}.")
 
     def _shapes_taking(self, inputs: tuple) -> Shapes:
         """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here

@@ -2064,3 +2064,39 @@ def test_an_eager_layer_on_a_compiled_modules_output_piece_is_named_and_its_way_
     for r in ranks(2).run(_sandwich, True):
         assert r["refused"] is None
         assert r["mid"] < 1e-12 and r["dec"] < 1e-12, r
+
+
+class _ReturnsItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 8)
+
+    def forward(self, u):
+        return self.a(u), self.a.weight
+
+
+def _clamp_the_gathered_weight(rank: int, world: int) -> str | None:
+    """A forward that returns its weight, split on tp: the loop gathers the outputs and clamps the weight."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    compiled = spmd.compile(_ReturnsItsWeight(), spmd.init_mesh((2,), ("tp",)), (x,), training=True,
+                            mesh_spec=spec((2,), ("tp",)), param_placements={"a.weight": [Shard(0)]})
+    full = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    compiled(*compiled.shard_inputs(x))  # (gathered, read, not written: nothing said)
+    full = compiled.gather_outputs(compiled(*compiled.shard_inputs(x)))
+    with torch.no_grad():
+        full[1].clamp_(-0.05, 0.05)
+    try:
+        compiled(*compiled.shard_inputs(x))
+    except spmd.SpmdError as e:
+        return str(e)
+    return None
+
+
+def test_a_write_into_a_gathered_returned_weight_is_refused(ranks):
+    """Found by a probe: `gather_outputs(out)[1].clamp_(...)` on a returned weight split over the ranks wrote into
+    a new tensor, and the model's weight stayed as it was (0.19 off after 3 steps; a warning at most, where the same
+    write into the returned output itself is refused). Refused at the next call, with the way out."""
+    for said in ranks(2).run(_clamp_the_gathered_weight):
+        assert said is not None and "'a.weight'" in said and "after gather_outputs" in said and \
+            "compiled.get_parameter('a.weight')" in said, said

@@ -4082,7 +4082,7 @@ def test_a_write_into_a_returned_parameter_is_refused_where_it_went_nowhere():
     # (a review: the copy is held without the call's graph, and a call in inference mode, whose tensors keep no
     # version, runs as before)
     compiled(x)
-    assert all(t.grad_fn is None for _, t, _ in compiled._returned_state)
+    assert all(t.grad_fn is None for _, t, _, _ in compiled._returned_state)
     with torch.inference_mode():
         compiled(x)
         compiled(x)
