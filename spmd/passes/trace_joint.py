@@ -42,8 +42,8 @@ from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
-                                      _drop_assertions, _drop_effect_tokens, described, distinct_inputs,
-                                      draws_change_the_graph, graph_signature, kernels_kept_whole,
+                                      _drop_assertions, _drop_effect_tokens, dataclass_outputs_registered, described,
+                                      distinct_inputs, draws_change_the_graph, graph_signature, kernels_kept_whole,
                                       parameter_changed_message, parametrizations_uncached, random_draws,
                                       refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
@@ -393,7 +393,9 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     # (mkldnn off: torch's decomposition of aten.lstm picks oneDNN's kernel for an input that needs no gradient
     # and traces it without the workspace its backward takes, so training an nn.LSTM failed in the backward;
     # found by a probe. The regular kernels are what the graph then runs)
-    with _autocast_in_forward(root), _onednn_off():
+    # (a dataclass the model returns, registered with torch's pytree as the forward-only trace does: a training
+    # compile with no loss_fn failed with torch's words unless a forward-only one had run first; found by a probe)
+    with _autocast_in_forward(root), _onednn_off(), dataclass_outputs_registered(model):
         return _either_road_as_eager(model, root, example_inputs, counted, made, stored)
 
 
