@@ -395,7 +395,10 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     # found by a probe. The regular kernels are what the graph then runs)
     # (a dataclass the model returns, registered with torch's pytree as the forward-only trace does: a training
     # compile with no loss_fn failed with torch's words unless a forward-only one had run first; found by a probe)
-    with _autocast_in_forward(root), _onednn_off(), dataclass_outputs_registered(model):
+    # (only where the output leaves the graph as it is: a loss_fn takes it apart itself, and torch's registration is
+    # for good, which a user's own `register_dataclass` of the class after it would find taken; a review)
+    registered = dataclass_outputs_registered(model) if root is model else contextlib.nullcontext()
+    with _autocast_in_forward(root), _onednn_off(), registered:
         return _either_road_as_eager(model, root, example_inputs, counted, made, stored)
 
 

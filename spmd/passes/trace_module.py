@@ -547,9 +547,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                      r"argument '\w+'|takes (?:from \d+ to )?\d+ positional arguments? but \d+ (?:was|were) given)",
                      str(error))
     if re.search(r"must be Tensor, not (list|tuple)", str(error)):  # (found by a probe: `spmd.compile(m, mesh, [x])`)
-        return ("a list or tuple reached an op that takes a tensor: spmd.compile takes the positional example inputs "
-                "as a tuple, `(x,)` or `(x, y)`, and a list given there is one input (`([x1, x2],)` for a forward "
-                "that takes a list)")
+        return ("a list or tuple reached an op that takes a tensor. If the example inputs were given as a list: "
+                "spmd.compile takes the positional example inputs as a tuple, `(x,)` or `(x, y)`, and a list given "
+                "there is one input (`([x1, x2],)` for a forward that takes a list)")
     # (torch.export binds them first, in inspect's words)
     bound = re.fullmatch(r"too many positional arguments|missing a required argument: '\w+'|got an unexpected "
                          r"keyword argument '\w+'", str(error).strip()) if isinstance(error, TypeError) else None

@@ -550,7 +550,6 @@ class CompiledModule(nn.Module):
             "torch.utils.checkpoint(use_reentrant=True)" if c.traced.reentrant and self.split is not None else None)
         self._reentrant = c.traced.reentrant
         self._flags_differ: dict[tuple, str | None] = {}  # (traced flags, a call's) -> what differs (None: nothing)
-        self._subsets_agreed: set[tuple[str, ...]] = set()  # (`parameters=` subsets every rank named alike)
         # plain attributes the forward read (a temperature, a dropout rate): constants of the graph, so a new
         # value set on the model after compiling would reach nothing; each call checks them (a few microseconds)
         self._attributes = AttributeGuard({"": self._source_model, "loss_fn": c.options.loss_fn})
@@ -842,10 +841,11 @@ class CompiledModule(nn.Module):
         return [(fqn, p.grad) for fqn, p in params if isinstance(p, nn.Parameter) and p.grad is not None]
 
     def _agree_on_subset(self, names: tuple[str, ...]) -> None:
-        """Every rank names the same parameters in `parameters=` (compared once per subset: one all_reduce of two
-        numbers per mesh axis), else every rank raises: the norm reduces over the axes its gradients are cut on, and
-        subsets chosen by a piece's size would issue other collectives on each rank, a hang (a review)."""
-        if names in self._subsets_agreed or not self._on_live_mesh():
+        """Every rank names the same parameters in `parameters=` (compared at each call: one all_reduce of two numbers
+        per mesh axis; a subset remembered by one rank and new to another would have skipped it there), else every
+        rank raises: the norm reduces over the axes its gradients are cut on, and subsets chosen by a piece's size
+        would issue other collectives on each rank, a hang (a review)."""
+        if not self._on_live_mesh():
             return
         import hashlib
 
@@ -858,7 +858,6 @@ class CompiledModule(nn.Module):
                 f"({len(names)} on this rank: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), so their "
                 "norms would reduce over other mesh axes. What to do: choose the subset by name, the same on every "
                 "rank (`[p for n, p in compiled.named_parameters() if ...]`), not by a piece's size or values.")
-        self._subsets_agreed.add(names)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers (the non-persistent ones too) as DTensors over the runtime mesh (local
@@ -2034,8 +2033,12 @@ class CompiledModule(nn.Module):
             if k in self._state_outputs and full[-1] is not t and not full[-1].is_inference() and not _shares(
                     full[-1], self.piece(self._state_outputs[k])):
                 # (the model's own tensor gathered anew: a write into it is refused at the next call, as a write into
-                # the returned copy is; a probe clamped a gathered weight, 0.19 off after 3 steps, silently)
-                self._returned_state.append((k, full[-1].detach(), full[-1]._version, "gathered"))
+                # the returned copy is; a probe clamped a gathered weight, 0.19 off after 3 steps, silently). One held
+                # per output, the last gathered, unless an earlier one was written (a review: a loop gathering the
+                # same output again held every copy until the next call)
+                if not any(e[0] == k and e[3] == "gathered" and e[1]._version != e[2] for e in self._returned_state):
+                    self._returned_state = [e for e in self._returned_state if e[0] != k or e[3] != "gathered"]
+                    self._returned_state.append((k, full[-1].detach(), full[-1]._version, "gathered"))
         return tree_unflatten(full, spec)
 
     def _output_positions(self, flat: list, spec) -> list[tuple[int | None, int]]:
@@ -2663,7 +2666,7 @@ class CompiledModule(nn.Module):
             # the user's (`model.eval()` to evaluate with this module), no longer what that compile left
             del _last_compiled_mode[self._source_model]
         self._require_values()
-        if self._returned_state:
+        if self._state_outputs and (self._returned_state or self._on_live_mesh()):  # (a check every rank makes)
             self._refuse_lost_writes()
         self._calls += 1
         if self.split is None and torch.is_grad_enabled() and self._fast_path_warning is None:
@@ -2733,19 +2736,28 @@ class CompiledModule(nn.Module):
         temperature clamped through the output), the write went nowhere (a probe: 0.27 off after 3 steps, silently).
         Refused at the next call, before the write's absence changes anything more."""
         returned, self._returned_state = self._returned_state, []
-        for k, t, version, how in returned:
-            if t._version != version:
-                fqn = self._state_outputs[k]
-                made = ("the compiled module returned a copy of its piece (in training, so that its gradient reaches "
-                        "the parameter)" if how == "returned" else
-                        "gather_outputs gathered it into a new tensor (the module holds pieces)")
-                kind = "parameter" if isinstance(self.piece(fqn), nn.Parameter) else "buffer"
-                way_out = (f"write into the {kind} itself, under torch.no_grad() (`compiled.get_{kind}({fqn!r})`, e.g. "
-                           "`.clamp_(...)`: each rank its piece), or make the change in the forward")
-                raise SpmdError(
-                    f"output {k} of the last call, the model's {fqn!r} (the forward returns it), was written into in "
-                    f"place {'since' if how == 'returned' else 'after gather_outputs'}; {made}, where eager returns "
-                    f"the tensor itself, so the write changed nothing in the model. What to do: {way_out}.")
+        written = [(k, how) for k, t, version, how in returned if t._version != version]
+        # (every rank refuses together: a write on some ranks alone, a loop's rank-0 handling of gathered outputs,
+        # raised there while the others went into the call's collectives; a review)
+        if self._on_live_mesh() and self._apart_anywhere(bool(written), "the check of writes into returned state") \
+                and not written:
+            raise SpmdError("another rank wrote into an output of a call that is the model's own parameter or buffer "
+                            "(after gather_outputs, or the returned copy), which changes nothing in the model. What to "
+                            "do: write into the parameter itself on every rank (`compiled.get_parameter(name)`), or "
+                            "clone the output before writing into it.")
+        for k, how in written[:1]:
+            fqn = self._state_outputs[k]
+            made = ("the compiled module returned a copy of its piece (in training, so that its gradient reaches the "
+                    "parameter)" if how == "returned" else
+                    "gather_outputs gathered it into a new tensor (the module holds pieces)")
+            kind = "parameter" if isinstance(self.piece(fqn), nn.Parameter) else "buffer"
+            when = "since" if how == "returned" else "after gather_outputs"
+            raise SpmdError(
+                f"output {k} of {'the last call' if how == 'returned' else 'a call'}, the model's {fqn!r} (the forward "
+                f"returns it), was written into in place {when}; {made}, where eager returns the tensor itself, so the "
+                f"write changed nothing in the model. What to do: write into the {kind} itself, under "
+                f"torch.no_grad() (`compiled.get_{kind}({fqn!r})`, e.g. `.clamp_(...)`: each rank its piece), or make "
+                "the change in the forward; for a scratch copy, `.clone()` the output before writing into it.")
 
     def _shapes_taking(self, inputs: tuple) -> Shapes:
         """The graphs whose pieces `inputs` are: another set of input shapes' (compiled by `shard_inputs`, or here

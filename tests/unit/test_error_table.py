@@ -225,8 +225,8 @@ ROWS = [
     ("trace-missing-argument-inherited", lambda w: _plan(_SubMLP(16, 64), (x16,), loss_fn=F.mse_loss),
      [r"the example inputs do not match _SubMLP.forward's arguments \(missing 1 required positional argument"]),
     ("trace-inputs-as-a-list", lambda w: _plan(MLP(16, 64), [x16]),
-     [r"a list or tuple reached an op that takes a tensor: spmd.compile takes the positional example inputs as a "
-      r"tuple, `\(x,\)`"]),
+     [r"a list or tuple reached an op that takes a tensor. If the example inputs were given as a list: spmd.compile "
+      r"takes the positional example inputs as a tuple, `\(x,\)`"]),
     ("trace-extra-argument", lambda w: _plan(MLP(16, 64), (x16, x16)),
      [r"the example inputs do not match MLP.forward's arguments \(too many positional arguments\)"]),
     ("trace-item", lambda w: _plan(_Item(), (x16,)),
