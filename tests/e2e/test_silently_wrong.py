@@ -1284,8 +1284,8 @@ def _gather_parts(rank: int, world: int) -> dict:
                       "own structure": compiled.gather_outputs({"h": out[1]})["h"],
                       "whole": compiled.gather_outputs(out)[1],
                       "detached": compiled.gather_outputs(out[1].detach())}
-            compiled.gather_outputs(out[2])
-        state = [str(w.message) for w in caught if "gather_outputs" in str(w.message)]
+            center = compiled.gather_outputs(out[2])
+        said = [str(w.message) for w in caught if "gather_outputs" in str(w.message)]
         errors = {k: float((v - want).abs().max()) if v.shape == want.shape else f"shape {tuple(v.shape)}"
                   for k, v in errors.items()}
         try:
@@ -1293,6 +1293,13 @@ def _gather_parts(rank: int, world: int) -> dict:
             view = None
         except spmd.SpmdError as e:
             view = str(e)
+        with torch.no_grad():  # (the gathered copy of the buffer written into: refused at the next call)
+            center.add_(1.0)
+        try:
+            compiled(*compiled.shard_inputs(x))
+            state = said
+        except spmd.SpmdError as e:
+            state = [*said, str(e)]
         # pinned Replicate, the gathered output is the buffer's own piece: writes into it reach the model
         replicated = spmd.compile(copy.deepcopy(model), mesh, (x,), in_placements={"x": [Shard(0)]},
                                   mesh_spec=spec((2,), ("dp",)), out_placements={2: [Replicate()]})
@@ -1312,12 +1319,14 @@ def test_gather_outputs_of_a_part_of_the_output_gathers_it_in_its_own_layout(ran
     """Found by a probe: `gather_outputs(out[1])` (or `out.logits` of a transformers model with its own loss)
     gathered the tensor in output 0's layout, so it came back as this rank's rows (GPT-2's logits with half the
     vocabulary: an accuracy of 0.59 and 0.00 on the two ranks where one device gives 0.91). The last call's outputs
-    are now found by identity, or by the memory they read (`out.logits.detach()`); a slice of one is refused. An output that is the model's buffer itself warns that its
-    gathered copy is not the buffer (a DINO center updated in place there was lost)."""
+    are now found by identity, or by the memory they read (`out.logits.detach()`); a slice of one is refused. An
+    output that is the model's buffer itself, gathered into a copy and written into there (a DINO center updated in
+    place there was lost), is refused at the next call."""
     for r in ranks(2).run(_gather_parts):
         assert all(isinstance(e, float) and e < 1e-12 for e in r["errors"].values()), r
         assert r["view"] is not None and "is not one of the last call's outputs" in r["view"], r
-        assert len(r["state"]) == 1 and "output 2 is the model's 'center' itself" in r["state"][0], r
+        assert len(r["state"]) == 1 and "output 2 of a call, the model's 'center'" in r["state"][0] and \
+            "after gather_outputs" in r["state"][0] and "compiled.get_buffer('center')" in r["state"][0], r
         assert r["replicated"] == ([], 16.0), r
 
 
