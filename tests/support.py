@@ -132,6 +132,35 @@ def check_simulated_training(c, outs, loss, model) -> int:
     return checked
 
 
+def data_parallel_training(make, x, t, link: LinkProfile = FAST_LINK) -> tuple[list, int]:
+    """`make()`'s model trained with an MSE loss of its output for `t()` on (dp=2), its input `x()` and the target split
+    on the batch, weights replicated: (the plan's collectives as (kind, value, consumer), outputs checked equal to one
+    device by `check_simulated_training`). In float64 (the model and tensors are made in it)."""
+    import copy
+    import inspect
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd.runtime.simulate import simulate
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = make()
+        x, t = x(), t()
+        reference = copy.deepcopy(model)
+        loss = F.mse_loss(reference(x), t)
+        loss.backward()
+        c = compile_graph(model, (x, t), spec((2,), ("dp",), link), loss_fn=F.mse_loss,
+                          in_placements={name: [Shard(0)] for name in (*inspect.signature(model.forward).parameters,
+                                                                       "target")},
+                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
+        checked = check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
+        return [(step.kind, edge.value[0], edge.consumer) for edge, step in c.plan.collectives()], checked
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def train_side_by_side(compiled, reference, inputs: tuple, targets: tuple, loss_fn, steps: int,
                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), before=None):
     """`steps` optimizer steps of `compiled` (compiled with `loss_fn`) and of `reference` on one device, on

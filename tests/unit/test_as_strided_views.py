@@ -11,8 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
-
 from spmd.passes.as_strided_views import as_strided_views
 
 aten = torch.ops.aten
@@ -69,28 +67,15 @@ def test_a_batch_split_pooler_over_a_transposed_tensor_gathers_nothing():
     (no UnknownOpWarning), and training equals one device. Before, the pooled features were gathered at the
     `as_strided` (forward) and its gradient at the `as_strided_scatter` (backward)."""
     import spmd
-    from spmd.runtime.simulate import simulate
-    from tests.support import LATENCY_LINK, check_simulated_training, compile_graph, spec
+    from tests.support import LATENCY_LINK, data_parallel_training
 
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = _Pooled()
-        x, t = torch.randn(4, 6, 8), torch.randn(4, 3)
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", spmd.UnknownOpWarning)
-            c = compile_graph(model, (x, t), spec((2,), ("dp",), LATENCY_LINK), loss_fn=F.mse_loss,
-                              in_placements={"x": [Shard(0)], "target": [Shard(0)]},
-                              param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        inner = [(step.kind, edge.consumer) for edge, step in c.plan.collectives()
-                 if not edge.consumer.startswith("output")]
-        assert not inner, inner
-        assert check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference) == 5
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", spmd.UnknownOpWarning)
+        collectives, checked = data_parallel_training(_Pooled, lambda: torch.randn(4, 6, 8), lambda: torch.randn(4, 3),
+                                                      LATENCY_LINK)
+    inner = [(kind, consumer) for kind, _, consumer in collectives if not consumer.startswith("output")]
+    assert not inner, inner
+    assert checked == 5
 
 
 class _WrittenFromAView(nn.Module):

@@ -4,7 +4,6 @@ is also trained, simulated on every rank, equal to one device."""
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 import torch.nn as nn
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from spmd.runtime.simulate import simulate
-from tests.support import check_simulated_training, compile_graph, spec
+from tests.support import check_simulated_training, compile_graph, data_parallel_training, spec
 
 
 class _ShiftRight(nn.Module):
@@ -42,33 +41,11 @@ class _RotateHalf(nn.Module):
         return h * torch.cat((-h[..., 4:], h[..., :4]), dim=-1)
 
 
-def _data_parallel(make, x, t) -> tuple[list, int]:
-    """`make()`'s model trained with an MSE loss of its output for `t` on (dp=2), input and target split on the
-    batch, weights replicated: (the plan's collectives as (kind, value, consumer), outputs checked equal to one
-    device). In float64."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        model = make()
-        x, t = x(), t()
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
-        c = compile_graph(model, (x, t), spec((2,), ("dp",)), loss_fn=F.mse_loss,
-                          in_placements={name: [Shard(0)] for name in (*inspect.signature(model.forward).parameters,
-                                                                       "target")},
-                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        checked = check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
-        return [(step.kind, edge.value[0], edge.consumer) for edge, step in c.plan.collectives()], checked
-    finally:
-        torch.set_default_dtype(torch.float32)
-
-
 def test_the_backward_of_a_slice_keeps_the_batch_split():
     """`zeros`/`full` may be built as any piece of themselves: the slice's backward (`slice_scatter` into zeros,
     whose strategies follow its inputs') had only the whole layout, and every Llama-family training plan
     gathered rotary's activations in backward, two all_gathers per layer."""
-    collectives, checked = _data_parallel(_RotateHalf, lambda: torch.randn(4, 6, 8), lambda: torch.randn(4, 6, 8))
+    collectives, checked = data_parallel_training(_RotateHalf, lambda: torch.randn(4, 6, 8), lambda: torch.randn(4, 6, 8))
     assert checked == 3
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
 
@@ -76,7 +53,7 @@ def test_the_backward_of_a_slice_keeps_the_batch_split():
 def test_a_slice_assignment_keeps_the_batch_split():
     """`aten.copy` (the functional form of `shifted[..., 1:] = ids[..., :-1]`) splits as a pointwise op: it had no
     rule, so T5's batch-split plan gathered the labels in its forward."""
-    collectives, checked = _data_parallel(_ShiftRight, lambda: torch.randint(0, 16, (4, 6)),
+    collectives, checked = data_parallel_training(_ShiftRight, lambda: torch.randint(0, 16, (4, 6)),
                                           lambda: torch.randn(4, 6, 8))
     assert checked == 2
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
@@ -212,7 +189,7 @@ def test_a_constant_made_in_forward_keeps_the_batch_split():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", category=spmd.UnknownOpWarning)
-        collectives, checked = _data_parallel(_ConstantScale, lambda: torch.randn(4, 8), lambda: torch.randn(4, 8))
+        collectives, checked = data_parallel_training(_ConstantScale, lambda: torch.randn(4, 8), lambda: torch.randn(4, 8))
     assert checked == 3
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
 
@@ -240,7 +217,7 @@ def test_an_empty_permuted_is_built_as_its_piece():
     assert torch.ops.aten.empty_permuted.default in RULES
     with warnings.catch_warnings():
         warnings.simplefilter("error", category=spmd.UnknownOpWarning)
-        collectives, checked = _data_parallel(_ChannelsLastFill, lambda: torch.randn(4, 4, 6, 6),
+        collectives, checked = data_parallel_training(_ChannelsLastFill, lambda: torch.randn(4, 4, 6, 6),
                                               lambda: torch.randn(4, 8, 6, 6))
     assert checked == 3
     assert collectives and all(consumer.startswith("output_") for _, _, consumer in collectives), collectives
