@@ -719,7 +719,8 @@ class CompiledModule(nn.Module):
         if any(p in clip_guard._watched for p in plain):
             raise SpmdError("clip_grad_norm_(also=...): pass a compiled module itself, not its parameters (this rank's "
                             "pieces: their norm is this rank's own).")
-        norms = [self.grad_norm(norm_type, error_if_nonfinite, parameters=parameters)] + \
+        mine = self._grads(parameters)  # (once: a subset's names are compared over the mesh)
+        norms = [self._norm_of(mine, norm_type, error_if_nonfinite)] + \
             [m.grad_norm(norm_type, error_if_nonfinite) for m in modules[1:]]
         if plain:
             norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach(), norm_type)
@@ -732,7 +733,7 @@ class CompiledModule(nn.Module):
                                "non-finite, so it cannot be clipped. To disable this error and scale the "
                                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [g for _, g in self._grads(parameters)] + [g for m in modules[1:] for _, g in m._grads()] + \
+        grads = [g for _, g in mine] + [g for m in modules[1:] for _, g in m._grads()] + \
             [p.grad.detach() for p in plain]
         for (device, _), ([same], _) in _group_tensors_by_device_and_dtype([grads]).items():
             if (foreach is None and _has_foreach_support(same, device)) or (foreach and
@@ -807,7 +808,12 @@ class CompiledModule(nn.Module):
         parameter's placements (Shard or Replicate, never Partial), so each mesh axis that shards some
         gradient reduces once (`distribute.total_norm`). Call it on every rank, after backward.
         `parameters`: of those of this module's parameters alone (see `clip_grad_norm_`)."""
-        grads = [(g, self._state_placements[fqn]) for fqn, g in self._grads(parameters)]
+        return self._norm_of(self._grads(parameters), norm_type, error_if_nonfinite)
+
+    def _norm_of(self, named: list[tuple[str, torch.Tensor]], norm_type: float,
+                 error_if_nonfinite: bool) -> torch.Tensor:
+        """`grad_norm` of the gradient pieces `named` ((name, piece), as `_grads` gives them)."""
+        grads = [(g, self._state_placements[fqn]) for fqn, g in named]
         if not grads:
             return torch.tensor(0.0)
         # (in the gradients' promoted dtype, as torch's stack of per-tensor norms is: the first gradient's narrowed a
