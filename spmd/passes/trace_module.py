@@ -543,18 +543,18 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
                 "model)" + tail)
-    call = re.search(r"\b(\w+)\.forward\(\) (missing \d+ required [\w-]+ arguments?: .+|got an unexpected keyword "
-                     r"argument '\w+'|takes (?:from \d+ to )?\d+ positional arguments? but \d+ (?:was|were) given)",
-                     str(error))
     if re.search(r"must be Tensor, not (list|tuple)", str(error)):  # (found by a probe: `spmd.compile(m, mesh, [x])`)
         return ("a list or tuple reached an op that takes a tensor. If the example inputs were given as a list: "
                 "spmd.compile takes the positional example inputs as a tuple, `(x,)` or `(x, y)`, and a list given "
                 "there is one input (`([x1, x2],)` for a forward that takes a list)")
-    # (torch.export binds them first, in inspect's words)
+    # (example inputs that do not fit the forward, in Python's words or, where torch.export binds them first,
+    # inspect's; found by a probe: told to remove data-dependent control flow)
+    call = re.search(r"\b(\w+)\.forward\(\) (missing \d+ required [\w-]+ arguments?: .+|got an unexpected keyword "
+                     r"argument '\w+'|takes (?:from \d+ to )?\d+ positional arguments? but \d+ (?:was|were) given)",
+                     str(error))
     bound = re.fullmatch(r"too many positional arguments|missing a required argument: '\w+'|got an unexpected "
                          r"keyword argument '\w+'", str(error).strip()) if isinstance(error, TypeError) else None
-    if model is not None and (bound or (call and call.group(1) in {c.__name__ for c in type(model).__mro__})):  # (found by a probe: told to
-        # remove data-dependent control flow)
+    if model is not None and (bound or (call and call.group(1) in {c.__name__ for c in type(model).__mro__})):
         return (f"the example inputs do not match {type(model).__name__}.forward's arguments "
                 f"({call.group(2) if call else bound.group(0)}): spmd.compile "
                 "calls the forward with `example_inputs` (positional) and `example_kwargs` (by keyword), as the "
@@ -1089,8 +1089,8 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
         module = fqn.rpartition(".")[0]  # (an EmbeddingBag's too: a probe found it told of weight clipping)
         return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an "
                 f"{type(owner).__name__} with max_norm renormalizes the rows it looks up), and {why}. What to do: "
-                f"compile it without max_norm (`model.{module}.max_norm = None`) and renormalize before each call, on every rank, with the ids that "
-                f"call looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={owner.max_norm}"
+                f"compile it without max_norm (`model.{module}.max_norm = None`) and renormalize before each call, on "
+                f"every rank, with the ids that call looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={owner.max_norm}"
                 f"{'' if owner.norm_type == 2.0 else f', norm_type={owner.norm_type}'})` (the rows any rank looks up, as "
                 "one device renormalizes the whole batch's). It needs whole rows on each rank: pin "
                 f"`param_placements={{{fqn!r}: [Shard(0)]}}` (or [Replicate()]; one per mesh axis) if the plan cuts them. "

@@ -511,12 +511,12 @@ def _called(fn, tree, cls: type) -> list:
 
 def _after(cls: type, fn, name: str):
     """What `super().<name>` finds in `fn`, a method of a class along `cls`'s MRO: `name` on the classes after it."""
-    mro = cls.__mro__
-    at = next((k for k, c in enumerate(mro) if inspect.unwrap(getattr(c.__dict__.get(fn.__name__), "__func__",
-                                                                      c.__dict__.get(fn.__name__))) is fn), None)
-    for c in mro[at + 1:] if at is not None else ():
-        if name in c.__dict__:
+    past = False
+    for c in cls.__mro__:
+        if past and name in c.__dict__:
             return c.__dict__[name]
+        own = c.__dict__.get(fn.__name__)
+        past = past or (own is not None and inspect.unwrap(getattr(own, "__func__", own)) is fn)
     return None
 
 
