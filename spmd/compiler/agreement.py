@@ -93,6 +93,12 @@ def graph_digest(traced, wiring: bool = False) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
+def placeholder_shapes(traced) -> dict[str, str]:
+    """Each input's, parameter's and buffer's shape and dtype by its name ("tokens": "[4, 8] int64"): what a plan
+    given to compile names where this trace's differ (a wider model, another batch)."""
+    return {gi.name: _shape(traced.tensor_info.get(gi.placeholder)) for gi in traced.inputs if gi.kind != "tangent"}
+
+
 def _shape(info) -> str:
     return f"{list(info.shape)} {str(info.dtype).replace('torch.', '')}" if isinstance(info, TensorInfo) else "-"
 

@@ -6,7 +6,8 @@ the same names.
 
 What is checked: the mesh's shape and axis names; training or not; the digest of the traced ops (each op,
 the numbers it takes, the values it reads and its output shape, in order: `agreement.graph_digest`), which
-the plan keeps from its own trace; a choice for every value the graph makes and none for a node it lacks; the
+the plan keeps from its own trace, with each input's, parameter's and buffer's shape and dtype, named where
+they differ; a choice for every value the graph makes and none for a node it lacks; the
 names of the inputs, parameters and buffers, and each placeholder's shape and dtype; stamped layer stacks
 where the plan stamped them; the pins given with the plan, each met; a memory budget, an optimizer state
 factor and a gradient bucket size given with it, the plan's (`spmd.api` takes the plan's where they are
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from spmd.compiler.agreement import graph_digest
+from spmd.compiler.agreement import graph_digest, placeholder_shapes
 from spmd.compiler.options import PlanOptions
 from spmd.core.errors import SpmdError
 from spmd.core.graph_facts import format_bytes
@@ -59,9 +60,10 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
         problems.append("it keeps no digest of its ops and what each reads (a plan file written before spmd kept "
                         "one), so nothing shows it is this graph's")
     elif digest != graph_digest(traced, wiring=True):
-        problems.append("its ops are not this graph's, or read other values (another model, configuration or "
-                        "forward, other input shapes or dtypes, another loss function, a device whose kernels "
-                        "trace otherwise, or an spmd version that rewrites the traced graph otherwise)")
+        problems += _shapes_differ(plan, traced) or [
+            "its ops are not this graph's, or read other values (another model, configuration or "
+            "forward, other input shapes or dtypes, another loss function, a device whose kernels "
+            "trace otherwise, or an spmd version that rewrites the traced graph otherwise)"]
     problems += _names_differ(plan, traced)
     if not problems:  # (the same ops: the nodes and their names are too, but for what the plan left out)
         problems += _unchosen(plan, traced)
@@ -103,9 +105,24 @@ def _names_differ(plan: Plan, traced) -> list[str]:
     only_here = sorted(set(mine.values()) - set(theirs.values()))
     if not only_plan and not only_here:
         return ["its inputs, parameters and buffers are the same but held by other placeholders (another trace)"]
+    inputs = {gi.name for gi in traced.inputs if gi.kind == "input"}
+    if only_plan and set(only_plan) <= set(plan.stats.get("loss_targets", ())) and set(only_here) <= inputs:
+        # (the targets are named by the loss function's arguments: a probe found another loss_fn told of inputs)
+        return [f"its loss function took the targets as {_few(only_plan)}, this compile's takes them as "
+                f"{_few(only_here)}: another loss_fn (a plan is solved for its loss function)"]
     return _either(only_plan and f"the plan's {_few(only_plan)} are not among this compile's inputs, parameters "
                                  "and buffers",
                    only_here and f"this compile's {_few(only_here)} are not in the plan")
+
+
+def _shapes_differ(plan: Plan, traced) -> list[str]:
+    """The inputs, parameters and buffers of both whose shape or dtype differ (a plan file kept them from its trace;
+    found by a probe: a wider model, another batch or dtype were refused with the digest's words alone)."""
+    planned = plan.stats.get("placeholders") or {}
+    mine = placeholder_shapes(traced)
+    apart = [f"{name} is {was} in the plan, {mine[name]} here" for name, was in planned.items()
+             if name in mine and mine[name] != was]
+    return [f"other shapes or dtypes: {_few(apart)}"] if apart else []
 
 
 def _unchosen(plan: Plan, traced) -> list[str]:

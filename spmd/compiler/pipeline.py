@@ -37,7 +37,7 @@ import torch.fx as fx
 from spmd.compiler import dump as dumps
 from spmd.compiler import fx_sources
 from spmd.compiler.progress import Progress
-from spmd.compiler.agreement import graph_digest, summarize
+from spmd.compiler.agreement import graph_digest, placeholder_shapes, summarize
 from spmd.compiler import axis_search
 from spmd.compiler.budget import solve_within_budget
 from spmd.compiler.dump import Dumper
@@ -220,6 +220,7 @@ def _solve(traced, strategies, costs, options: PlanOptions, blocks, binding, sta
         stats = {"merged_followers": strategies.merged_followers} if strategies.merged_followers else {}
         stats["graph"] = graph_digest(traced)
         stats["wired_graph"] = graph_digest(traced, wiring=True)  # (what a plan given to compile is checked by)
+        stats["placeholders"] = placeholder_shapes(traced)  # (and, where it differs, what it names)
         stats["optimizer_state_factor"] = options.optimizer_state_factor
         if stamp_note:
             stats["stamped_layers"] = stamp_note

@@ -44,7 +44,7 @@ from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
                                       _drop_assertions, _drop_effect_tokens, dataclass_outputs_registered, described,
                                       distinct_inputs, draws_change_the_graph, graph_signature, kernels_kept_whole,
-                                      parameter_changed_message, parametrizations_uncached, random_draws,
+                                      parameter_changed_message, parametrizations_uncached, renormalized, random_draws,
                                       refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
@@ -126,6 +126,11 @@ def _decomposition_table():
     return without_decompositions(table, ATTENTION + KEPT_WHOLE + DRAWN_WHOLE + WRONG_IN_TORCH)
 
 
+def _param_placeholder(target: str):
+    """Whether a joint graph's placeholder is parameter `target`'s (its name as the trace spells it)."""
+    return lambda node: type(node.meta.get("desc")).__name__ == "ParamAOTInput" and node.meta["desc"].target == target
+
+
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
     with kernels_kept_whole(), parametrizations_uncached():
         return _trace_joint(model, example_inputs, loss_fn)
@@ -186,7 +191,8 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
             target = re.search(r"target='([^']+)'", repr(desc.output))
             raise SpmdError(parameter_changed_message(
                 "trace_joint", model, strip(target.group(1)) if target else "?",
-                "a training graph cannot differentiate through a parameter it also updates"))
+                "a training graph cannot differentiate through a parameter it also updates",
+                target and renormalized(gm.graph, _param_placeholder(target.group(1)))))
         else:
             raise SpmdError(f"trace_joint: unsupported graph input {node.name} ({desc}). What to do: report "
                             "this model; inputs that are mutated or tensor subclasses are not supported yet.")
@@ -211,7 +217,8 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
             if mutated == "ParamAOTInput":  # (a frozen one: a target network's momentum update; a probe)
                 raise SpmdError(parameter_changed_message(
                     "trace_joint", model, strip(desc.mutated_input.target),
-                    "a training graph takes its parameters as pieces it only reads"))
+                    "a training graph takes its parameters as pieces it only reads",
+                    renormalized(gm.graph, _param_placeholder(desc.mutated_input.target))))
             what = {"PlainAOTInput": "an input"}.get(mutated, "state")
             raise SpmdError(f"trace_joint: unsupported graph output {k} ({desc}): the model updates {what} in "
                             "place. What to do: return the new value instead of updating in place (buffers may "

@@ -18,7 +18,7 @@ import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -1077,14 +1077,38 @@ def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, 
             f"(`self.{name}.copy_(new)`), or assign a buffer as `self.{name} = new`, which the graph carries out.")
 
 
-def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why: str) -> str:
+def renormalized(graph: torch.fx.Graph, placeholder: Callable[[torch.fx.Node], bool]) -> tuple | None:
+    """(max_norm, norm_type) of an `embedding_renorm` the graph runs on the tensor read from the placeholder that
+    `placeholder` accepts (through its detach: `F.embedding(ids, self.weight, max_norm=1.0)`), or None."""
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target).split(".")[1:2] in (["embedding_renorm"], ["embedding_renorm_"]):
+            source = node.args[0]
+            while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.args:
+                source = source.args[0]
+            if isinstance(source, torch.fx.Node) and source.op == "placeholder" and placeholder(source):
+                return node.args[2], node.args[3]
+    return None
+
+
+def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why: str, renorm: tuple | None = None
+                              ) -> str:
     """The refusal of a forward that changes parameter `fqn` in place (`why` the graph cannot follow it): renormalized
-    by an Embedding with max_norm, or an update of the user's (weight clipping, `.data.mul_`, a target network's
-    momentum step; a probe found those told about max_norm)."""
+    by an Embedding with max_norm, or by `F.embedding(..., max_norm=)` on a parameter of the user's (`renorm`: its
+    max_norm and norm_type, from `renormalized`), or an update of the user's (weight clipping, `.data.mul_`, a target
+    network's momentum step; a probe found those told about max_norm)."""
     try:
         owner = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
     except AttributeError:
         owner = None
+    if renorm is not None and not isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        max_norm, norm_type = renorm
+        return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (`F.embedding` with "
+                f"max_norm renormalizes the rows it looks up), and {why}. What to do: call `F.embedding` without "
+                "max_norm in the forward and renormalize before each call, on every rank, with the ids that call "
+                f"looks up: `compiled.embedding_renorm_({fqn!r}, ids, max_norm={max_norm}"
+                f"{'' if norm_type == 2.0 else f', norm_type={norm_type}'})` (the rows any rank looks up, as one device "
+                f"renormalizes the whole batch's). It needs whole rows on each rank: pin `param_placements={{{fqn!r}: "
+                "[Shard(0)]}` (or [Replicate()]; one per mesh axis) if the plan cuts them.")
     if isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and owner.max_norm is not None:
         module = fqn.rpartition(".")[0]  # (an EmbeddingBag's too: a probe found it told of weight clipping)
         return (f"{where}: the forward of {type(model).__name__} changes parameter {fqn} in place (an "
@@ -1183,8 +1207,10 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
             outputs.append(GraphOutput("output", f"output_{user}"))
             user += 1
         elif spec.kind == OutputKind.PARAMETER_MUTATION:  # (found by a probe: the message named no cause)
-            raise SpmdError(parameter_changed_message("trace_module", model, spec.target,
-                                                      "a compiled module's parameters are pieces the graph only reads"))
+            placeholder = {i.target: i.arg.name for i in sig.input_specs}.get(spec.target)
+            raise SpmdError(parameter_changed_message(
+                "trace_module", model, spec.target, "a compiled module's parameters are pieces the graph only reads",
+                renormalized(ep.graph, lambda n: n.name == placeholder)))
         elif spec.kind == OutputKind.USER_INPUT_MUTATION and (unset := _buffer_names(model, kept.made)):
             # (torch.export's words for a buffer registered as None and assigned in the forward, a cache made
             # at the first call; found by a probe: the message named an input the forward never touched)

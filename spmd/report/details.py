@@ -242,28 +242,33 @@ def compute_details(plan, src) -> PlanDetails:
     reports = []
     for name, ns in table.nodes.items():
         kind = src.kinds.get(name)
-        if kind == "tangent" or local.follower[name] or is_gradient_sink(ns):
-            continue  # tangents and gradient sinks move with their tie partner; views follow their input
-        if name in folded:
-            continue
+        if kind == "tangent" or is_gradient_sink(ns) or name in folded:
+            continue  # tangents and gradient sinks move with their tie partner (shown in its row)
         chosen = plan.choices[name]
         idx = ns.strategies.index(chosen)
+        follower = local.follower[name]  # (a view, or a one-input op that keeps its input's layout: no choice of its
+        # own, its consumers' resharding paid in its producer's row; shown where it computes or holds something,
+        # so that the rows add up to the plan's compute and memory: a probe found bias gradients' sums left out)
         # (a row of repeated layers shows the mean over its layers, so that rows x count add up, and its
         # alternative shifted by as much: the first layer's copy reads the embedding's output, the others their layer's; a probe found a
         # row showing its representative's 9.9 us for a twin that pays 1.0 us)
         members = [name, *copies.get(name, ())]
         own = local.with_tie(name, idx)  # (the best alternative is found, and weighed, at the representative)
         cost = _over(local, table, members, chosen) if len(members) > 1 else own
-        if ns.source not in ("placeholder", "output") and cost.compute == 0.0 and not incoming.intersection(members):
+        if ns.source not in ("placeholder", "output") and cost.compute == 0.0 and cost.memory == 0.0 and \
+                (follower or not incoming.intersection(members)):
             continue
+        if follower:
+            cost = Split(cost.compute, 0.0, 0.0, cost.memory)
         best, best_split = None, None
         for i, s in enumerate(ns.strategies):  # (each layer's would cost a walk of its strategies: seconds)
-            if i == idx:
+            if i == idx or follower:
                 continue
             sp = local.with_tie(name, i)
             if best is None or (sp.time, sp.memory) < (best_split.time, best_split.memory):
                 best, best_split = s, sp
-        why = _why(own, best_split, plan.memory_budget) if best else "the only strategy"
+        why = "follows its input" if follower else _why(own, best_split, plan.memory_budget) if best else \
+            "the only strategy"
         if best is not None and cost != own:  # (shown on the row's basis: the representative's margins)
             best_split = Split(*(getattr(best_split, f) + getattr(cost, f) - getattr(own, f) for f in _SPLIT_FIELDS))
         node = nodes.get(name)

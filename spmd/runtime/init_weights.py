@@ -350,14 +350,16 @@ def _users(obj) -> bool:
     return (getattr(obj, "__module__", None) or "torch").split(".")[0] not in ("torch", "transformers", "builtins")
 
 
-def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
+def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = False) -> str | None:
     """`file:line: code` of the first line of `fn`, or of a function of the user's it calls (its methods through
-    `self`, plain functions by name), that draws or writes values (`_INIT_WORDS`), or None."""
+    `self`, plain functions by name), that draws or writes values (`_INIT_WORDS`), or None. `its_own`: only
+    the lines `fn` runs when called, not those of the functions it defines (a builder whose result is kept, read
+    without the init a factory makes and returns)."""
     seen = set() if seen is None else seen
     fn = inspect.unwrap(fn)
-    if fn in seen or not isinstance(fn, types.FunctionType) or not _users(fn):
+    if (fn, its_own) in seen or not isinstance(fn, types.FunctionType) or not _users(fn):
         return None
-    seen.add(fn)
+    seen.add((fn, its_own))
     try:
         lines, start = inspect.getsourcelines(fn)
     except (OSError, TypeError):
@@ -367,15 +369,17 @@ def _writes_values(fn, cls: type, seen: set | None = None) -> str | None:
     except SyntaxError:
         tree = None
     prose = _string_lines(tree)  # (a docstring's example, `>>> model = X.from_pretrained(...)`, writes nothing)
+    if its_own:
+        prose |= _nested_lines(tree)
     for k, line in enumerate(lines):
         code = line.split("#", 1)[0]
         if k not in prose and _INIT_WORDS.search(code):
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
-    for target in _called(fn, tree, cls):
-        if (hit := _writes_values(target, cls, seen)) is not None:
+    for target, kept in _called(fn, tree, cls):
+        if (hit := _writes_values(target, cls, seen, its_own=kept)) is not None:
             return f"calls {target.__qualname__}: {hit}"
     for k, line in enumerate(lines):  # (a value written under no_grad in a way none of the words name: `w /= 2`)
-        if _NO_GRAD.search(line.split("#", 1)[0]):
+        if k not in prose and _NO_GRAD.search(line.split("#", 1)[0]):
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {line.strip()}"
     return None
 
@@ -454,13 +458,25 @@ def _string_lines(tree) -> set[int]:
     return found
 
 
-def _called(fn, tree, cls: type) -> list:
-    """The functions `fn` calls for their effect that may be the user's: a call standing as a statement wherever it
-    stands (`if zero: self._init()`, after a `;`, `_ = self._init()`: a line-start pattern missed them and a helper's
-    `zeros_` went unseen, 0.18 off; found by a probe), to a method through `self` or `super()`, a plain function, or a
-    function or static method through a module's or class's name (`initlib.init_model(self)`). Not a call whose result
-    is kept (`init = init_method_normal(0.02)`: a factory of what reset_parameters applies), nor one in a nested
-    function or lambda (not run now), nor `reset_parameters` (the replay runs it), nor Python's own."""
+def _nested_lines(tree) -> set[int]:
+    """The lines (0-based) of a parsed function's body that belong to a function, lambda or class it defines."""
+    outer, found = tree.body[0] if tree is not None and tree.body else None, set()
+    for node in ast.walk(tree) if tree is not None else ():
+        if node is not outer and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+            found.update(range(first - 1, node.end_lineno))
+    return found
+
+
+def _called(fn, tree, cls: type) -> list[tuple[Any, bool]]:
+    """The functions `fn` calls that may be the user's, each with whether its result is kept: a call standing as a
+    statement wherever it stands (`if zero: self._init()`, after a `;`, `_ = self._init()`: a line-start pattern
+    missed them and a helper's `zeros_` went unseen, 0.18 off; found by a probe), or assigned (`self.emb =
+    build_emb(cfg)`, a builder that zero-fills a row: unseen before), to a method through `self` or `super()`, a plain
+    function, or a function or static method through a module's or class's name (`initlib.init_model(self)`). A
+    kept call is read without the functions it defines (`init = init_method_normal(0.02)` makes the init that
+    reset_parameters applies, running nothing). Not one in a nested function or lambda (not run now), nor
+    `reset_parameters` (the replay runs it), nor Python's own."""
     if tree is None:
         return []
     outer, found = tree.body[0] if tree.body else None, []
@@ -477,15 +493,20 @@ def _called(fn, tree, cls: type) -> list:
 
         def visit_Expr(self, node):
             if isinstance(node.value, ast.Call):
-                found.append(node.value.func)
+                found.append((node.value.func, False))
 
         def visit_Assign(self, node):
-            if isinstance(node.value, ast.Call) and all(isinstance(t, ast.Name) and t.id == "_" for t in node.targets):
-                found.append(node.value.func)
+            if isinstance(node.value, ast.Call):
+                thrown = all(isinstance(t, ast.Name) and t.id == "_" for t in node.targets)
+                found.append((node.value.func, not thrown))
+
+        def visit_AnnAssign(self, node):
+            if isinstance(node.value, ast.Call):
+                found.append((node.value.func, True))
 
     Statements().visit(tree)
     targets = []
-    for f in found:
+    for f, kept in found:
         target = None
         if isinstance(f, ast.Name):
             target = fn.__globals__.get(f.id)
@@ -503,9 +524,9 @@ def _called(fn, tree, cls: type) -> list:
         if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in _REPLAYED:
             continue
         target = getattr(target, "__func__", target)
-        if target is not None and target not in targets and \
+        if target is not None and (target, kept) not in targets and \
                 (getattr(target, "__module__", None) or "").split(".")[0] not in sys.stdlib_module_names:
-            targets.append(target)  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
+            targets.append((target, kept))  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
     return targets
 
 

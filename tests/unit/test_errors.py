@@ -64,6 +64,15 @@ class _MaxNorm(nn.Module):
         return self.l(self.e(ids))
 
 
+class _FunctionalMaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table, self.l = nn.Parameter(torch.randn(10, 4)), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.l(nn.functional.embedding(ids, self.table, max_norm=1.0, norm_type=3.0))
+
+
 class _CumulativeNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -88,6 +97,10 @@ class _OwnGenerator(nn.Module):
     # (a third probe: an EmbeddingBag's was told of weight clipping)
     ("bag max_norm", r"changes parameter e.weight in place \(an EmbeddingBag with max_norm.*"
                      r"compiled.embedding_renorm_\('e.weight', ids, max_norm=1.0\)"),
+    # (told of weight clipping before: F.embedding with max_norm on a parameter of the user's)
+    ("functional max_norm", r"changes parameter table in place \(`F.embedding` with max_norm.*without max_norm.*"
+                            r"compiled.embedding_renorm_\('table', ids, max_norm=1.0, norm_type=3.0\)"),
+    ("functional max_norm in eval", r"trace_module: .*changes parameter table in place \(`F.embedding` with max_n"),
     ("cumulative", r"What to do: bn: a batch norm with momentum=None.*`momentum=0.1`"),
     ("generator", r"makes or holds an object torch traces as a script object.*seeded outside the forward"),
     # (a second probe: these were told about an Embedding's max_norm, or to return the new value)
@@ -107,6 +120,11 @@ def test_what_a_graph_cannot_hold_is_named_with_the_way_out(case, said):
             one_device(_MaxNorm(), (torch.randint(0, 10, (6,)), torch.randn(6, 2)), loss_fn=F.mse_loss)
         elif case == "bag max_norm":  # (bags of 3 ids)
             one_device(_MaxNorm(bag=True), (torch.randint(0, 10, (6, 3)), torch.randn(6, 2)), loss_fn=F.mse_loss)
+        elif case.startswith("functional max_norm"):
+            ids = torch.randint(0, 10, (6,))
+            if case.endswith("eval"):
+                one_device(_FunctionalMaxNorm(), (ids,), training=False)
+            one_device(_FunctionalMaxNorm(), (ids, torch.randn(6, 2)), loss_fn=F.mse_loss)
         elif case == "cumulative":
             one_device(_CumulativeNorm(), (x, x), loss_fn=F.mse_loss)
         elif case == "generator":

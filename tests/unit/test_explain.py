@@ -173,6 +173,25 @@ def test_rows_of_repeated_layers_add_up_to_the_plans_communication():
     assert abs(sum(r.cost.comm_in * r.count for r in plan.details.nodes) - plan.comm_cost) < 1e-12
 
 
+def test_the_node_rows_add_up_to_the_plans_compute_and_say_what_memory_no_row_holds():
+    """Found by a probe: the Nodes table left out the ops that keep their input's layout (the bias gradients'
+    sums: 21 nodes, 33 us of 15.5 ms), and nodes that computed nothing but held memory, so its rows fell short of the
+    plan's compute and activations (35% of them) while it said it lists every costed node."""
+    from spmd.core.graph_facts import format_bytes
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 8))
+    plan = spmd.plan(GPT(GPTConfig(vocab=64, seq=8, dim=32, heads=4, layers=2)), spec((2, 2), ("dp", "tp")),
+                     (ids, ids), loss_fn=lm_loss)
+    rows = plan.details.nodes
+    assert any(r.reason == "follows its input" and r.op.startswith("sum") for r in rows)
+    assert abs(sum(r.cost.compute * r.count for r in rows) - plan.compute_cost) < 1e-12
+    assert abs(sum(r.cost.comm_in * r.count for r in rows) - plan.comm_cost) < 1e-12
+    unheld = sum(plan.memory.values()) - sum(r.cost.memory * r.count for r in rows)
+    assert unheld > 0 and f"the plan's memory also counts {format_bytes(unheld)} that no node's row holds" in \
+        plan.explain(), plan.explain()[-600:]
+
+
 def test_an_input_split_on_the_batch_but_gathered_before_use_is_not_called_data_parallel(tmp_path):
     """Found by a probe: explain said "batch split on dp (data parallel)" from the input's pin alone, while the plan
     gathered it on dp before its first op and every dp rank computed the whole batch. Here a slow link and a small

@@ -52,12 +52,20 @@ def test_a_plan_of_another_graph_is_refused(gpt):
     model, tokens, planned = gpt
     longer = torch.randint(0, 128, (4, 32))
     said = _refusal(model, (longer, longer), loss_fn=lm_loss, plan=planned)
-    assert "its ops are not this graph's, or read other values (another model, configuration or forward, other " \
-           "input shapes" in said
+    # (the shapes and dtypes that differ are named: a probe found a wider model, another batch or dtype refused
+    # with the digest's words alone)
+    assert "other shapes or dtypes: tokens is [2, 32] int64 in the plan, [4, 32] int64 here, targets is [2, 32] " \
+           "int64 in the plan, [4, 32] int64 here" in said, said
     assert "What to do: plan again from this model with these inputs and options" in said
     torch.manual_seed(0)
     said = _refusal(GPT(GPTConfig(layers=1, heads=2)), (tokens, tokens), loss_fn=lm_loss, plan=planned)
-    assert "its ops are not this graph's" in said
+    assert "its ops are not this graph's, or read other values (another model, configuration or forward" in said
+    said = _refusal(GPT(GPTConfig(layers=1, dim=32)), (tokens, tokens), loss_fn=lm_loss, plan=planned)
+    assert "other shapes or dtypes: tok_emb.weight is [128, 64] float32 in the plan, [128, 32] float32 here" in said
+    said = _refusal(GPT(GPTConfig(layers=1)).double(), (tokens, tokens), loss_fn=lm_loss, plan=planned)
+    assert "tok_emb.weight is [128, 64] float32 in the plan, [128, 64] float64 here" in said
+    said = _refusal(model, (tokens, tokens), loss_fn=lambda logits, t: lm_loss(logits, t) * 2, plan=planned)
+    assert "its loss function took the targets as targets, this compile's takes them as t: another loss_fn" in said
 
 
 def test_a_plan_for_training_is_refused_for_inference(gpt):
@@ -161,7 +169,7 @@ def test_an_input_of_another_shape_behind_the_same_ops_is_refused():
     x = torch.randn(4, 8)
     planned = spmd.plan(Bias(8), TP2, (x,), param_placements={"b": [Shard(0)]})
     said = _refusal(Bias(1), (x,), plan=planned)
-    assert "its ops are not this graph's, or read other values" in said
+    assert "other shapes or dtypes: b is [8] float32 in the plan, [1] float32 here" in said
 
 
 def test_a_stamped_plan_is_refused_where_every_layer_is_traced_with_the_way_out(tmp_path):

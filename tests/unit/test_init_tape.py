@@ -357,6 +357,42 @@ class _MegatronLocal(_MegatronStyle):  # (the factory's result kept in a local f
         self.reset_parameters()
 
 
+def _build_embedding(n, d):  # (a builder whose result the module keeps, zero-filling its padding row)
+    emb = nn.Embedding(n, d)
+    nn.init.zeros_(emb.weight[0])
+    return emb
+
+
+class _KeepsABuild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = _build_embedding(8, 4)
+
+
+class _KeepsTwoBuilds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _build_embedding(8, 4), nn.Linear(4, 4)
+        self.c: nn.Module = _build_embedding(8, 4)
+
+
+class _KeepsABuildAnnotated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb: nn.Embedding = _build_embedding(8, 4)
+
+
+def _plain_embedding(n, d):  # (a builder that only builds: its module's reset_parameters is replayed)
+    return nn.Embedding(n, d)
+
+
+class _KeepsAPlainBuild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = _plain_embedding(8, 4)
+        self.init_method = _init_method_normal(0.02)
+
+
 class _Zeroes:
     @staticmethod
     def out(m):
@@ -454,6 +490,10 @@ class _GivenTable(nn.Module):  # (torch's Embedding does not reset a table it is
     (_Replaces, r"_Replaces.__init__ \(.*: self.out.weight = nn.Parameter\(torch.linspace"),
     (_UserResetsPrivately, r"\(calls _UserResetsPrivately._reset_parameters: .*nn.init.zeros_\(self.out.bias\)"),
     (_Siblings, r"_ZeroesInBase.__init__ \(.*nn.init.zeros_\(self.out.bias\)"),
+    # (a builder whose result is kept: its own lines are read, not those of the functions it makes)
+    (_KeepsABuild, r"_KeepsABuild.__init__ \(calls _build_embedding: .*nn.init.zeros_\(emb.weight\[0\]\)"),
+    (_KeepsTwoBuilds, r"_KeepsTwoBuilds.__init__ \(calls _build_embedding: "),
+    (_KeepsABuildAnnotated, r"_KeepsABuildAnnotated.__init__ \(calls _build_embedding: "),
 ])
 def test_init_work_the_meta_replay_cannot_see_is_refused_wherever_it_is_written(cls, said):
     """Found by a probe: built under torch.device("meta"), these came out 0.25-1.18 off after init_weights,
@@ -461,7 +501,7 @@ def test_init_work_the_meta_replay_cannot_see_is_refused_wherever_it_is_written(
     class (only a class's own was read), the init in a function the __init__ calls, a submodule's parameter
     replaced (its module's reset_parameters covered the name). Then by a review: a user's own
     `_reset_parameters` (the replay runs torch's only), and a base class read first through a sibling that
-    reset_fns declares. A reset_parameters() the __init__ calls, and a helper that makes an init function
+    reset_fns declares; a builder whose result an attribute keeps (`self.emb = build_emb()`). A reset_parameters() the __init__ calls, and a helper that makes an init function
     without running it (Megatron's `init_method_normal`), are not refused."""
     from spmd.runtime.init_weights import plan_init
 
@@ -470,7 +510,7 @@ def test_init_work_the_meta_replay_cannot_see_is_refused_wherever_it_is_written(
     with pytest.raises(SpmdError, match=r"initialize values in __init__ beyond reset_parameters\(\).*" + said):
         plan_init(model, reset_fns={_Declared: lambda m: nn.init.zeros_(m.out.bias)}).check()
     with torch.device("meta"):
-        fine = nn.Sequential(_ResetsItself(), _MegatronStyle(), _MegatronLocal())
+        fine = nn.Sequential(_ResetsItself(), _MegatronStyle(), _MegatronLocal(), _KeepsAPlainBuild())
     plan_init(fine).check()
 
 
