@@ -85,8 +85,16 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
         notes.extend(regions.notes if regions is not None else ())
         targets = set(plan.stats.get("loss_targets", ()))  # (the loss runs outside the model's styles)
         for name, ps in details.inputs.items():
-            if name not in targets and "S(" in ps.strip("[]").split(",")[i]:
+            each = [p.strip() for p in ps.strip("[]").split(",")]
+            if name not in targets and "S(" in each[i]:
                 notes.append(f"input {name!r} is sharded on {axis} ({ps}); the styles assume it replicated there")
+            # (the batch split on another axis: data parallel there, which the styles do not say; a probe found it
+            # left out of the notes)
+            apart = [names[j] for j, p in enumerate(each) if j != i and p.startswith("S(")]
+            if apart and name not in details.inputs_gathered:
+                notes.append(f"input {name!r} is split on {', '.join(apart)} ({ps}): data parallel there, which the "
+                             "styles do not express (give each rank its part of the batch, and average the "
+                             "gradients over that axis: replicate / fully_shard over it)")
     if notes:
         warnings.warn("to_parallelize_plan: not expressed as parallel styles:\n  " + "\n  ".join(notes), stacklevel=3)
     return ParallelizePlan(styles, axis, notes)

@@ -11,7 +11,7 @@ backward, holding their inputs (1.17x on (2,))."""
 import pytest
 
 
-def _step_peak(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dict, recompute) -> dict:
+def _step_peak(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dict, recompute, size: tuple) -> dict:
     import weakref
 
     import torch
@@ -21,7 +21,7 @@ def _step_peak(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dic
     import spmd
     from spmd.core.specs import placement_from_text
     from tests.models import GPT, GPTConfig
-    from tests.support import lm_loss, spec
+    from tests.support import lm_loss, megatron_spec, spec
 
     class Held(TorchDispatchMode):
         """Bytes of the storages alive now, and the most at once."""
@@ -54,12 +54,14 @@ def _step_peak(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dic
             return out
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=512, seq=64, dim=128, heads=4, layers=2))
+    vocab, seq, dim, layers, batch = size
+    model = GPT(GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=4, layers=layers))
     g = torch.Generator().manual_seed(1)
-    tokens, targets = (torch.randint(0, 512, (8, 64), generator=g) for _ in range(2))
+    tokens, targets = (torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(2))
     mesh = spmd.init_mesh(mesh_shape, names)
-    compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=spec(mesh_shape, names),
-                            param_placements={k: [placement_from_text(p) for p in v] for k, v in pins.items()},
+    profile = megatron_spec() if pins is None else spec(mesh_shape, names)  # (None: Megatron's plan by its costs)
+    compiled = spmd.compile(model, mesh, (tokens, targets), loss_fn=lm_loss, mesh_spec=profile,
+                            param_placements={k: [placement_from_text(p) for p in v] for k, v in (pins or {}).items()},
                             recompute=recompute)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     local = compiled.shard_inputs(tokens, targets)
@@ -88,19 +90,23 @@ MEGATRON = {
     **{f"blocks.{i}.mlp.fc1.weight": ["R", "S(0)"] for i in range(2)},
     **{f"blocks.{i}.mlp.fc2.weight": ["R", "S(1)"] for i in range(2)}}
 CASES = {  # (measured / predicted: 0.95, 1.00, 1.00; 1.01-1.02 for the latter two before buckets held the gradients once)
-    "batch split": ((2,), ("dp",), {}, None),
-    "megatron on (2, 2)": ((2, 2), ("dp", "tp"), MEGATRON, None),
-    "megatron on (2, 2), every layer recomputed": ((2, 2), ("dp", "tp"), MEGATRON, True),
+    "batch split": ((2,), ("dp",), {}, None, (512, 64, 128, 2, 8)),
+    "megatron on (2, 2)": ((2, 2), ("dp", "tp"), MEGATRON, None, (512, 64, 128, 2, 8)),
+    "megatron on (2, 2), every layer recomputed": ((2, 2), ("dp", "tp"), MEGATRON, True, (512, 64, 128, 2, 8)),
+    # (a batch of 2: the step peaks where the dp gradient bucket is packed, its flat copy beside the gradients;
+    # 1.21x the prediction before the schedule counted it, found by a memory probe)
+    "megatron's costs on (2, 2), the peak at the bucket's packing": ((2, 2), ("dp", "tp"), None, None,
+                                                                     (256, 32, 64, 4, 2)),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_predicted_peak_is_the_tensors_a_step_holds_at_once(ranks, name):
-    mesh_shape, names, pins, recompute = CASES[name]
+    mesh_shape, names, pins, recompute, size = CASES[name]
     world = 1
     for n in mesh_shape:
         world *= n
-    for rank, r in enumerate(ranks(world).run(_step_peak, mesh_shape, names, pins, recompute)):
+    for rank, r in enumerate(ranks(world).run(_step_peak, mesh_shape, names, pins, recompute, size)):
         ratio = r["measured"] / r["predicted"]
         print(f"{name} rank {rank}: measured {r['measured'] / 2**20:.2f} MiB, predicted "
               f"{r['predicted'] / 2**20:.2f} MiB ({ratio:.3f})")

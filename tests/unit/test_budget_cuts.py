@@ -37,8 +37,10 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
         made.append((point, cut(point, *args, **kwargs)))
         return made[-1][1]
 
-    def spy_temporaries(self, plan, rebuilt=()):
-        got = temporaries(self, plan, rebuilt)
+    def spy_temporaries(self, plan, rebuilt=(), packing=False):
+        got = temporaries(self, plan, rebuilt, packing)
+        if packing:  # (the plan's prediction after the search: not one of the search's plans)
+            return got
         # (what the plan needs whole: the row's kinds, all but the gradients, and what the walk holds beyond)
         plans.append((None, plan, self, sum(b for k, b in plan.memory.items() if k not in ("gradients", "optimizer step")) + got[0]))
         return got
@@ -109,12 +111,14 @@ def test_no_plan_is_over_again_where_the_search_already_cut(monkeypatch):
         mesh = MeshSpec((4,), ("dp",), (link_profile_for("gloo-oversubscribed"),), device.scaled(0.5).in_lockstep(4))
         pins = {"tokens": [Shard(0)]}
         free = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, in_placements=pins)
-        budget = 0.6 * free.predicted_peak_bytes
+        budget = 0.6 * (free.predicted_peak_bytes - free.stats["bucket_packing"])  # (the case as it was built)
         plan = spmd.plan(model, mesh, inputs, loss_fn=lm_loss, in_placements=pins, memory_budget=budget)
     finally:
         torch.set_default_dtype(torch.float32)
 
-    assert plan.predicted_peak_bytes <= budget
+    # (the search does not weigh a gradient bucket's flat copy, alive beside its gradients at its launch: the
+    # prediction counts it, and the budget's warning names it)
+    assert plan.predicted_peak_bytes - plan.stats["bucket_packing"] <= budget
     assert any(e[0] == "round" for e in events), "the case no longer reaches the cut loop: pick a tighter budget"
     cut_before: set = set()  # points cut before the last round
     pending: set = set()

@@ -294,3 +294,16 @@ def test_a_weight_gathered_only_in_backward_is_not_called_fsdp():
     assert p.choices[ph].outputs[0] == (Replicate(), Shard(0))
     line = next(x for x in p.summary().splitlines() if "mlp.fc1" in x)
     assert "column-parallel on tp" in line and "FSDP" not in line, line
+
+
+def test_the_export_notes_the_batch_split_on_another_axis():
+    """Found by a probe: a plan data parallel on dp and tensor parallel on tp exported its tp styles with no word
+    of the dp half (its notes named only parameters sharded on other axes)."""
+    from tests.support import megatron_gpt_plan
+
+    plan = megatron_gpt_plan()
+    with pytest.warns(UserWarning, match="not expressed as parallel styles"):
+        styles = plan.to_parallelize_plan()
+    assert styles.axis == "tp"
+    assert any(n.startswith("input 'tokens' is split on dp ([S(0), R]): data parallel there") for n in styles.notes), \
+        styles.notes

@@ -441,6 +441,10 @@ def test_what_only_the_model_has_is_named_with_the_way_out():
                                              r"read values from the model \(`model\.fc\.in_features`\)"):
         compiled.fc.in_features
     assert not hasattr(compiled.fc, "forward_pre_hook_missing")
+    # (a method that changes values: swa_utils.update_bn over an AveragedModel of the compiled module; a probe)
+    with pytest.raises(AttributeError, match=r"no attribute 'reset_parameters'.*update_bn.*copy them back, run it "
+                                             r"on the model.*compiled\.load_state_dict\(model\.state_dict\(\)\)"):
+        compiled.fc.reset_parameters
 
 
 class _Enc(nn.Module):
