@@ -3114,9 +3114,9 @@ def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> 
             "a loop of compiled calls (docs/huggingface.md, \"Generation\")." if name == "generate" else "")
     if name.startswith("reset_"):  # (found by a probe: swa_utils.update_bn over an AveragedModel of the compiled
         # module resets each batch norm's statistics, and the way out to read them from the model did nothing)
-        mesh = (f" To change the compiled module's values with it (`torch.optim.swa_utils.update_bn` resets a batch "
-                f"norm's statistics, then runs the model): copy them back, run it on the model, and load the "
-                f"model's values into the compiled module, `compiled.load_state_dict(model.state_dict())`.")
+        mesh = (" To change the compiled module's values with it (`torch.optim.swa_utils.update_bn` resets a batch "
+                "norm's statistics, then runs the model): copy them back, run it on the model, and load the "
+                "model's values into the compiled module, `compiled.load_state_dict(model.state_dict())`.")
     return AttributeError(
         f"'{owner}' object has no attribute '{name}'; {whose} ({type(source).__name__}) has one. The compiled module runs the traced forward on this rank's pieces, "
         f"and only that: the model's own methods run the model, whose weights are those it was compiled with. "
