@@ -2689,7 +2689,8 @@ class CompiledModule(nn.Module):
             shapes = self._shapes
         else:
             try:
-                shapes = self._shapes_taking(inputs)
+                with _quiet_meta_failures():
+                    shapes = self._shapes_taking(inputs)
             except Exception:
                 # (a piece laid out otherwise than taken has another local shape: say that, rather than what the
                 # trace of a variant for its shape met; found by a probe. Plain tensors only: a DTensor has its own
@@ -3090,6 +3091,22 @@ class _OutputsMade:
             return self._empty.get(t, {})
         entry = self._by_memory.get(memory)
         return entry[1] if entry is not None and not entry[0].expired() else {}
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures():
+    """torch's fake tensors log each op whose meta function fails with its whole traceback (at ERROR), before
+    the failure propagates: a variant traced for a piece's shape printed two per rank ahead of the refusal that
+    says what happened (found by a probe). The failure itself still propagates."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(was)
 
 
 def _memory_of(t: torch.Tensor) -> tuple | None:
