@@ -142,7 +142,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
         try:
             if binding is not None:
                 root = with_loss(model, options.loss_fn) if options.joint else model  # as `trace` calls it
-                differs = check_stamping(root, example_inputs, model, stacks)
+                differs = check_stamping(root, example_inputs, model, stacks, options.joint)
                 if differs:
                     raise CannotStamp(differs)
             with truncated(model, stacks) as read:
@@ -195,7 +195,8 @@ def stamping_unchecked(model, example_inputs, options: PlanOptions) -> str | Non
     stacks = find_layer_stacks(model) if options.stamp_layers is not False else ()
     if not stacks:
         return None
-    return check_stamping(with_loss(model, options.loss_fn) if options.joint else model, example_inputs, model, stacks)
+    return check_stamping(with_loss(model, options.loss_fn) if options.joint else model, example_inputs, model, stacks,
+                          options.joint)
 
 
 def _stamping(v: dict) -> bool:

@@ -197,7 +197,7 @@ def _run_training(case: TrainCase, steps: int) -> dict:
             "fingerprint": compiled.plan.fingerprint(),
             "collectives": dict(compiled.plan.collective_summary()),
             "budget": budget, "predicted": dict(compiled.plan.memory), "measured": measured,
-            "peak": compiled.plan.predicted_peak_bytes,
+            "peak": compiled.plan.predicted_peak_bytes, "packing": compiled.plan.stats.get("bucket_packing", 0.0),
             "unconstrained": free_memory,
             "placements": placements,  # (a graph the backend failed on runs uncompiled: not counted)
             "compiled_graphs": sorted(k for k, (_, g) in compiled._compiled_graphs.items() if not g.failed)}

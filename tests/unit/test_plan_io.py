@@ -197,9 +197,10 @@ def test_to_parallelize_plan_on_gpt(tmp_path):
     assert styles["blocks.1.mlp.fc2"].input_layouts == (Shard(-1),)
     assert isinstance(styles["lm_head"], ColwiseParallel) and styles["lm_head"].output_layouts == (Replicate(),)
     assert "blocks.0.ln1" not in styles and "tok_emb" not in styles
-    assert len(styles.notes) == 3 and "view" in styles.notes[0] and "each rank's 2" in styles.notes[0]
+    assert len(styles.notes) == 4 and "view" in styles.notes[0] and "each rank's 2" in styles.notes[0]
     assert styles.notes[2] == "the model's output 0 is [S(2)] in the plan (each rank returns its piece); the styles " \
         "return it whole"
+    assert styles.notes[3].startswith("input 'tokens' is split on dp ([S(0), R]): data parallel there")
 
     plan.save(tmp_path / "plan.json")
     with pytest.warns(UserWarning):

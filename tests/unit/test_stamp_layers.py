@@ -376,6 +376,74 @@ def test_a_parent_handing_each_layer_its_own_tensor_is_traced_whole(how):
         torch.testing.assert_close(out[0], local_shard(want.detach(), ps, (2,), (rank,)))
 
 
+class _ScaleBackward(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by a number the forward is given."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, s=1.0):
+        return x + torch.tanh(self.fc(_ScaleBackward.apply(x, s)))
+
+
+class AutogradByIndex(nn.Module):
+    """A parent that treats layer 5 otherwise for autograd alone: the same ops on the same values in its forward."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.layers = how, nn.ModuleList(Scaled() for _ in range(8))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.how == "no_grad" and i == 5:
+                with torch.no_grad():
+                    x = layer(x)
+            elif self.how == "backward only":
+                x = layer(x, 0.5 if i == 5 else 1.0)
+            else:
+                x = layer(x)
+                if i == 5 and x.requires_grad:
+                    x.register_hook(lambda g: g * 3)
+        return x
+
+
+@pytest.mark.parametrize("how", ["no_grad", "backward only", "hook"])
+def test_a_layer_autograd_treats_otherwise_is_not_stamped_in_training(how):
+    """Found by a probe: the stamping check compared the forward's ops alone, under no_grad, so a layer its parent
+    ran under no_grad by its index (no gradients below it), a per-layer value only an autograd.Function's backward
+    reads, or a hook on one layer's output, trained stamped with the middle layer's autograd: 0.24, 0.016 and 0.61
+    off one device. In training the check runs with autograd on and compares it too."""
+    torch.manual_seed(0)
+    model, x, t = AutogradByIndex(how), torch.randn(4, 16), torch.randn(4, 16)
+    stacks = find_layer_stacks(model)
+    assert len(stacks) == 1
+    assert check_stamping(WithLoss(model, F.mse_loss, 1), (x, t), model, stacks, joint=True) is not None
+    assert check_stamping(WithLoss(AutogradByIndex("none"), F.mse_loss, 1), (x, t), model, stacks, joint=True) is None
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, x, t = model.double(), x.double(), t.double()
+        c = compile_graph(model, (x, t), spec((2,), ("dp",)), 0, loss_fn=F.mse_loss)
+        assert c.plan.stats["stamped_layers"].startswith("none:"), c.plan.stats["stamped_layers"]
+        outs = simulate(c, (x, t, torch.ones(())))
+        loss = F.mse_loss(model(x), t)
+        loss.backward()
+        assert check_simulated_training(c, outs, loss, model) > 1
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 class Counts(Stack):
     """A forward that counts its calls in a buffer, in a plain attribute, and decays a buffer in place."""
 
