@@ -234,7 +234,8 @@ def check_stamping(root: torch.nn.Module, inputs: tuple, model: torch.nn.Module,
     except Exception as e:  # the forward does not run on fake tensors: nothing to compare it with
         return f"the forward did not run on fake tensors to check the stamped layers ({type(e).__name__}: {e})"
     if full.get(None, []) != cut.get(None, []):
-        return "the forward outside the layers differs at full depth (it reads the number of layers)"
+        return ("the forward outside the layers differs at full depth (it reads the number of layers, or does "
+                "something between the layers by their index)")
     for s, stack in enumerate(stacks):
         for k in range(stack.depth):
             stands_for = _stands_for(k, stack.depth)

@@ -129,7 +129,9 @@ def _copy_of_counterpart(nodes: dict, candidates, counterparts: list[str], input
     def same_list(mine: Value, theirs: Value) -> bool:  # one strategy list: the same candidates
         return mine[1] == theirs[1] and nodes[mine[0]].variant == nodes[theirs[0]].variant
 
-    for other in (nodes[name] for name in counterparts):
+    # (only those already enumerated: a representative may come after its copy in the graph, as with one weight
+    # tied over three layers, where a probe met a KeyError)
+    for other in (nodes[name] for name in counterparts if name in nodes):
         if len(other.inputs) != len(inputs):
             continue
         if all(mine == theirs or same_list(mine, theirs) or candidates(mine) == candidates(theirs)
