@@ -543,6 +543,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
                 "model)" + tail)
+    attribute = re.search(r"'(?:FakeTensor|FunctionalTensor|Parameter)' object has no attribute '(\w+)'", str(error))
+    if attribute and not attribute.group(1).startswith("_"):  # (found by a probe: told of control flow)
+        line = _model_line(error)
+        return (f"{'`' + line + '` reads' if line else 'the forward reads'} `{attribute.group(1)}`, a Python attribute "
+                "set on a tensor (a parameter's `p.gscale = 0.5`): the trace runs the forward on stand-ins of the "
+                "model's tensors, which do not carry it. Keep such a number on the module (`self.gscale = 0.5`), "
+                "or in a buffer for a tensor" + tail)
     if re.search(r"must be Tensor, not (list|tuple)", str(error)):  # (found by a probe: `spmd.compile(m, mesh, [x])`)
         return ("a list or tuple reached an op that takes a tensor. If the example inputs were given as a list: "
                 "spmd.compile takes the positional example inputs as a tuple, `(x,)` or `(x, y)`, and a list given "

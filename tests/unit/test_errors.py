@@ -330,3 +330,29 @@ def test_a_model_compiled_for_inference_in_train_mode_is_said_to_run_its_dropout
     assert bool(said) == warned
     if warned:
         assert "# DROP" in str(said[0].message) and "model.eval()" in str(said[0].message) and said[0].filename == __file__
+
+
+class _ReadsATensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fc.weight.gscale = 0.5
+
+    def forward(self, x):
+        return self.fc(x) * self.fc.weight.gscale
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_an_attribute_set_on_a_parameter_and_read_in_the_forward_is_named(training):
+    """Found by a probe: `'FakeTensor' object has no attribute 'gscale'`, told to remove data-dependent control flow."""
+    import torch.nn.functional as F
+
+    from tests.support import one_device
+
+    x = torch.randn(4, 4)
+    with pytest.raises(SpmdError, match=r"reads `gscale`, a Python attribute set on a tensor.*Keep such a number on "
+                                        r"the module"):
+        if training:
+            one_device(_ReadsATensorAttribute(), (x, x), loss_fn=F.mse_loss)
+        else:
+            one_device(_ReadsATensorAttribute(), (x,), training=False)
