@@ -333,30 +333,33 @@ class Schedule:
             live -= copy_free.get(i, 0.0)
 
     def _bucket_packing(self, edges) -> dict[int, float]:
-        """Node index -> the bytes of the gradient buckets launched after it: the plan's gradient all_reduces
-        (not shared), grouped as bucket_gradients groups them (per mesh axis, reduction and element size, in the
-        order backward makes the gradients, at most `bucket_bytes` each). `bucket_start` copies a bucket's
-        gradients into one flat buffer while they are alive, so the launch holds them twice (found by a memory
-        probe: a small GPT's step peaked at the launch of its one dp bucket, 1.21x the prediction)."""
+        """Node index -> the bytes of the largest gradient bucket launched after it: the plan's gradient
+        all_reduces (not shared), grouped as bucket_gradients groups them (per mesh axis, reduction and element
+        size, in the order backward makes the gradients, at most `bucket_bytes` each). `bucket_start` copies a
+        bucket's gradients into one flat buffer while they are alive, so the launch holds them twice (found by a
+        memory probe: a small GPT's step peaked at the launch of its one dp bucket, 1.21x the prediction). Of
+        buckets launched at one point the largest counts (each launch frees the gradients it copied before the
+        next copies), and of a gradient reduced on two axes its first all_reduce (the second copies the first's
+        result, after its wait, where the gradient itself is gone): found by a review, twice the copy on (2, 2)."""
         if not self.bucket_bytes:
             return {}
         order = {n.name: i for n, i in self._order.items()}
-        members = sorted((order[e.value[0]], step.axis, step.reduce_op, step.itemsize, step.in_bytes)
+        members = sorted((order[e.value[0]], first.axis, first.reduce_op, first.itemsize, first.in_bytes)
                          for e in edges if e.value[0] in self._exclude and not e.shared and e.value[0] in order
-                         for step in e.steps if step.kind == "all_reduce")
+                         for first in [next((s for s in e.steps if s.kind == "all_reduce"), None)] if first)
         open_: dict[tuple, list] = {}  # (axis, reduction, element size) -> [bytes, index of its last gradient]
         packing: dict[int, float] = {}
         for index, *key, nbytes in members:
             bucket = open_.get(tuple(key))
             if bucket is not None and bucket[0] + nbytes > self.bucket_bytes:
-                packing[bucket[1]] = packing.get(bucket[1], 0.0) + bucket[0]
+                packing[bucket[1]] = max(packing.get(bucket[1], 0.0), bucket[0])
                 bucket = None
             if bucket is None:
                 bucket = open_[tuple(key)] = [0.0, index]
             bucket[0] += nbytes
             bucket[1] = index
         for size, index in open_.values():
-            packing[index] = packing.get(index, 0.0) + size
+            packing[index] = max(packing.get(index, 0.0), size)
         return packing
 
     def point(self, index: int, made: bool) -> LivePoint:

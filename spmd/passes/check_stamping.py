@@ -143,8 +143,19 @@ def _custom_backwards(recorder: _Recorder) -> None:
         node = getattr(t, "grad_fn", None)
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             label, position, output = recorder.made[id(t)]
-            kept = tuple(sorted((k, repr(v)) for k, v in vars(node).items() if not isinstance(v, torch.Tensor)))
+            kept = tuple(sorted((k, _kept_value(v)) for k, v in vars(node).items() if not isinstance(v, torch.Tensor)))
             recorder.ops.setdefault(label, []).append((_AUTOGRAD, type(node).__name__, position, output, kept))
+
+
+def _kept_value(v) -> str:
+    """A value kept on an autograd.Function's `ctx`, as compared: a number, a string or None (and tuples of them) by
+    its value; anything else by its type (a function by its name: a checkpoint's closure made anew for each layer
+    has its own address, which a review found compared, so that layer 0 differed from itself)."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, torch.dtype, torch.device)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return f"{type(v).__name__}({', '.join(map(_kept_value, v))})"
+    return getattr(v, "__qualname__", None) or type(v).__qualname__
 
 
 def _run(root: torch.nn.Module, inputs: tuple, layers: dict[int, tuple], depths: dict[int, int],

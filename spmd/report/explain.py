@@ -180,9 +180,12 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
     # (what no node's row holds: resharded copies kept for backward (an edge's), the schedule's temporaries, less what
     # recomputation frees; a probe summed the rows and found the plan's activations 35% over them)
     unheld = sum(plan.memory.values()) - total["memory"]
-    if plan.memory and abs(unheld) >= 1.0:
+    if plan.memory and unheld >= 1.0:
         lines.append(f"  (the plan's memory also counts {format_bytes(unheld)} that no node's row holds: resharded "
                      "copies kept for backward, the schedule's temporaries, less what recomputation frees)")
+    elif plan.memory and unheld <= -1.0:
+        lines.append(f"  (the rows hold {format_bytes(-unheld)} more than the plan's memory counts: what recomputation "
+                     "frees, less the resharded copies kept for backward and the schedule's temporaries)")
     return "\n".join(lines) + "\n"
 
 

@@ -90,11 +90,15 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
                 notes.append(f"input {name!r} is sharded on {axis} ({ps}); the styles assume it replicated there")
             # (the batch split on another axis: data parallel there, which the styles do not say; a probe found it
             # left out of the notes)
-            apart = [names[j] for j, p in enumerate(each) if j != i and p.startswith("S(")]
-            if apart and name not in details.inputs_gathered:
-                notes.append(f"input {name!r} is split on {', '.join(apart)} ({ps}): data parallel there, which the "
+            batch = [names[j] for j, p in enumerate(each) if j != i and p == "S(0)"]
+            other = [f"{names[j]} (its dim {p[2:-1]})" for j, p in enumerate(each)
+                     if j != i and p.startswith("S(") and p != "S(0)"]
+            if batch and name not in details.inputs_gathered:
+                notes.append(f"input {name!r} is split on {', '.join(batch)} ({ps}): data parallel there, which the "
                              "styles do not express (give each rank its part of the batch, and average the "
                              "gradients over that axis: replicate / fully_shard over it)")
+            if other:
+                notes.append(f"input {name!r} is split on {', '.join(other)} ({ps}), which the styles do not express")
     if notes:
         warnings.warn("to_parallelize_plan: not expressed as parallel styles:\n  " + "\n  ".join(notes), stacklevel=3)
     return ParallelizePlan(styles, axis, notes)
