@@ -543,6 +543,18 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "forward: a check of the inputs (transformers' `labels.max() >= vocab_size`) belongs in the training "
                 "loop, with the loss computed by a `loss_fn` from the model's output (the labels not passed to the "
                 "model)" + tail)
+    if "expected compiled_fn to be GraphModule" in str(error) and model is not None:
+        names: dict[int, list[str]] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            if any(True for _ in m.buffers(recurse=False)):
+                names.setdefault(id(m), []).append(name)
+        shared = [found for found in names.values() if len(found) > 1]
+        if shared:  # (found by a probe: an ALBERT-style shared layer with a batch norm, told of control flow)
+            return (f"{shared[0][0]} is one module under {len(shared[0])} names ({', '.join(shared[0][1:3])}"
+                    f"{', ...' if len(shared[0]) > 3 else ''} too), called more than once, and holds buffers a "
+                    "forward may update in place (a batch norm's statistics): torch.export fails to lower such a "
+                    "forward (its own assertion, above). Give each use a module of its own, or compile in eval mode, "
+                    "where a batch norm updates nothing" + tail)
     attribute = re.search(r"'(?:FakeTensor|FunctionalTensor|Parameter)' object has no attribute '(\w+)'", str(error))
     if attribute and not attribute.group(1).startswith("_"):  # (found by a probe: told of control flow)
         line = _model_line(error)

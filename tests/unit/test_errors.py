@@ -356,3 +356,36 @@ def test_an_attribute_set_on_a_parameter_and_read_in_the_forward_is_named(traini
             one_device(_ReadsATensorAttribute(), (x, x), loss_fn=F.mse_loss)
         else:
             one_device(_ReadsATensorAttribute(), (x,), training=False)
+
+
+class _SharedNormLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return x + torch.tanh(self.bn(self.fc(x)))
+
+
+class _SharedLayers(nn.Module):
+    """ALBERT's layout with a batch norm: one layer object repeated in the list."""
+
+    def __init__(self):
+        super().__init__()
+        layer = _SharedNormLayer()
+        self.layers = nn.ModuleList([layer] * 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_shared_layer_updating_its_buffers_is_named_where_torch_export_fails():
+    """Found by a probe: torch.export's lowering fails on a module called several times that updates its buffers
+    in place ("expected compiled_fn to be GraphModule"), and the model was told to remove control flow."""
+    from tests.support import one_device
+
+    with pytest.raises(SpmdError, match=r"layers.0.bn is one module under 3 names \(layers.1.bn, layers.2.bn too\), "
+                                        r"called more than once.*Give each use a module of its own"):
+        one_device(_SharedLayers(), (torch.randn(6, 4),), training=False)
