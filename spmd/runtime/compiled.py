@@ -1900,9 +1900,12 @@ class CompiledModule(nn.Module):
         parameter and buffer keeps its layout; runtime/shapes.py): the call then runs their graphs, and the
         optimizer steps the same weights. Up to `shapes.MAX_VARIANTS` such sets of shapes, each compiled once."""
         flat = self._call.flatten(full_inputs, full_kwargs, "shard_inputs")
+        known = len(self._variants)
         shapes = self._shapes_of_full(flat)
-        self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts)
-        if not self._shards_agreed or self._check_due(self._shard_calls):
+        self._shard_calls += 1  # (every rank cuts from the same batch: checked at the module's calls' counts, and
+        # where it compiled for new shapes, as every rank did together: each rank's own slices of a batch given as
+        # if whole came as a batch of new shapes, at a call the counts skip, and trained on half of each; a probe)
+        if not self._shards_agreed or len(self._variants) != known or self._check_due(self._shard_calls):
             self._shards_agreed = False  # (until the check passes: asked again at the next call)
             self._agree_on_full_inputs(flat, "shard_inputs", sampled=self._shard_calls > 1)
             self._shards_agreed = True

@@ -254,6 +254,11 @@ def _own_batches_after_a_warm_up(rank: int, world: int) -> dict:
             cut.shard_inputs(own[0] if call == 4 else x)
         except spmd.SpmdError as e:
             seen[f"shard_inputs {call}"] = str(e)
+    cut.shard_inputs(x)  # (call 5: checked, as the check at 4 failed; it passes)
+    try:  # (call 6, not due: each rank's own slice of a batch, of new shapes, given as if whole; a probe)
+        cut.shard_inputs(x[4 * rank:4 * rank + 4])
+    except spmd.SpmdError as e:
+        seen["shard_inputs 6, a slice"] = str(e)
     return seen
 
 
@@ -261,12 +266,16 @@ def test_batches_of_each_ranks_own_after_a_first_call_on_one_are_caught(ranks):
     """Found by a probe: after a warm-up call on one batch, a data-parallel loader fed each rank its own and nothing
     stopped it (the check ran at the first call only): half of each rank's rows were dropped at every step (loss
     4.55533, eager's on rows 0-1 of rank 0's batch and 2-3 of rank 1's). The inputs are compared again at the
-    generators' calls (2, 4, 8, ..., then every k-th), and so are shard_inputs' full inputs."""
+    generators' calls (2, 4, 8, ..., then every k-th), and so are shard_inputs' full inputs, and at any call of
+    shard_inputs that compiles for new shapes (each rank's slice given as if whole: trained on half of it, 0.021
+    off after a step; a probe)."""
     for r in ranks(2).run(_own_batches_after_a_warm_up):
         assert "inputs the plan replicates differ between ranks at call 2 of this module ('input' along 'dp', " \
             "'target' along 'dp')" in r.get("module", ""), r
-        assert list(r) == ["module", "shard_inputs 4"], r
+        assert list(r) == ["module", "shard_inputs 4", "shard_inputs 6, a slice"], r
         assert "shard_inputs's full inputs differ between ranks ('input' along 'dp')" in r["shard_inputs 4"], r
+        # (a call the counts skip, compiling for new shapes: checked there, as every rank compiles together)
+        assert "shard_inputs's full inputs differ between ranks ('input' along 'dp')" in r["shard_inputs 6, a slice"]
 
 
 def _shards_of_own_batches(rank: int, world: int) -> dict:
