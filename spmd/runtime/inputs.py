@@ -143,7 +143,9 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
         if "shard" in fix:  # (found by a probe: transformers' Trainer feeds each rank its own rows)
             todo.append("where each rank already holds its own slice of a larger batch (a distributed sampler, "
                         "transformers' Trainer), compile for the whole batch (all ranks' rows) with the inputs pinned "
-                        "`in_placements={name: [Shard(0)]}`, and pass each rank's slice as it is")
+                        "`in_placements={name: [Shard(0)]}`, and pass each rank's slice as it is (a slice of the "
+                        "compiled whole batch's shape reads as that batch whole: compile for the batch of all the "
+                        "ranks' slices; a probe)")
         if "dtype" in fix:
             todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
         if "device" in fix:
