@@ -2316,12 +2316,18 @@ class CompiledModule(nn.Module):
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             at = f" at call {self._calls} of this module" if self._calls > 1 else ""
+            scalars = [name for name, _ in apart if next((t.dim() for spec, t in zip(specs, inputs)
+                                                          if spec.name == name and isinstance(t, torch.Tensor)), 1) == 0]
+            # (a count such as transformers' `num_items_in_batch`, each rank's own: a number has no slices to pin;
+            # found by a probe, told to pin it sharded)
+            count = (f" A number ({', '.join(map(repr, scalars))}) cannot be split: give every rank the whole "
+                     "batch's (transformers' Trainer does with `average_tokens_across_devices`).") if scalars else ""
             raise SpmdError(
                 f"inputs the plan replicates differ between ranks{at} ({what}): every rank must hold the same full "
                 "value of a replicated input, or the ranks train on other data with weights they hold in common, "
                 "and the replicas drift apart. What to do: give every rank the same global batch and cut it with "
                 "compiled.shard_inputs(...); or, to feed each rank its own slice (a data-parallel loader), pin the "
-                "input sharded on that axis (in_placements={name: [Shard(0), ...]}) and pass each rank's slice.")
+                f"input sharded on that axis (in_placements={{name: [Shard(0), ...]}}) and pass each rank's slice.{count}")
 
     def _agree_on_call(self, inputs) -> None:
         """The same call on every rank of the mesh, at the checked calls of a module whose graph has collectives:

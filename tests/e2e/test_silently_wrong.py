@@ -238,6 +238,35 @@ def test_ranks_fed_batches_of_their_own_for_a_replicated_input_stop_at_the_first
     assert results[0]["loss"] == results[1]["loss"]
 
 
+class _PerCount(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x, count):
+        return self.fc(x).sum() / count
+
+
+def _own_counts(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    x, count = torch.randn(8, 16), torch.tensor(8.0)
+    compiled = spmd.compile(_PerCount(), spmd.init_mesh((2,), ("dp",)), (x, count), training=True,
+                            mesh_spec=spec((2,), ("dp",)), in_placements={"x": [Shard(0)], "count": [Replicate()]})
+    try:  # (each rank its own rows, as a data-parallel loader gives them, with its own count)
+        compiled(x[4 * rank:4 * rank + 4], torch.tensor(4.0 + rank))
+        return {}
+    except spmd.SpmdError as e:
+        return {"refused": str(e)}
+
+
+def test_a_number_each_rank_counts_for_itself_is_told_it_cannot_be_split(ranks):
+    """Found by a probe: transformers' `num_items_in_batch` counted on each rank was refused with the way out to pin
+    it sharded, which a number cannot be."""
+    for r in ranks(2).run(_own_counts):
+        assert "inputs the plan replicates differ between ranks ('count' along 'dp')" in r["refused"], r
+        assert "A number ('count') cannot be split: give every rank the whole batch's" in r["refused"], r
+
+
 def _own_batches_after_a_warm_up(rank: int, world: int) -> dict:
     model, x, y, mesh, compiled = _replicated_mlp()
     g = torch.Generator().manual_seed(rank)
