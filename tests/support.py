@@ -132,30 +132,36 @@ def check_simulated_training(c, outs, loss, model) -> int:
     return checked
 
 
+def mse_training_checked(model, x, t, mesh: MeshSpec, rank: int | None = None, **options) -> tuple[Compilation, int]:
+    """`model` compiled for an MSE loss of its output for `t` (input `x`) and its training step simulated: the
+    compilation, and how many of its outputs equal one device's (`check_simulated_training`)."""
+    import copy
+
+    from spmd.runtime.simulate import simulate
+
+    reference = copy.deepcopy(model)
+    loss = F.mse_loss(reference(x), t)
+    loss.backward()
+    c = compile_graph(model, (x, t), mesh, rank, loss_fn=F.mse_loss, **options)
+    return c, check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
+
+
 def data_parallel_training(make, x, t, link: LinkProfile = FAST_LINK) -> tuple[list, int]:
     """`make()`'s model trained with an MSE loss of its output for `t()` on (dp=2), its input `x()` and the target split
     on the batch, weights replicated: (the plan's collectives as (kind, value, consumer), outputs checked equal to one
     device by `check_simulated_training`). In float64 (the model and tensors are made in it)."""
-    import copy
     import inspect
 
     from torch.distributed.tensor import Replicate, Shard
-
-    from spmd.runtime.simulate import simulate
 
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
         model = make()
-        x, t = x(), t()
-        reference = copy.deepcopy(model)
-        loss = F.mse_loss(reference(x), t)
-        loss.backward()
-        c = compile_graph(model, (x, t), spec((2,), ("dp",), link), loss_fn=F.mse_loss,
-                          in_placements={name: [Shard(0)] for name in (*inspect.signature(model.forward).parameters,
-                                                                       "target")},
-                          param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
-        checked = check_simulated_training(c, simulate(c, (x, t, torch.ones(()))), loss, reference)
+        c, checked = mse_training_checked(
+            model, x(), t(), spec((2,), ("dp",), link),
+            in_placements={name: [Shard(0)] for name in (*inspect.signature(model.forward).parameters, "target")},
+            param_placements={n: [Replicate()] for n, _ in model.named_parameters()})
         return [(step.kind, edge.value[0], edge.consumer) for edge, step in c.plan.collectives()], checked
     finally:
         torch.set_default_dtype(torch.float32)

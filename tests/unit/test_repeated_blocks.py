@@ -169,20 +169,13 @@ class _OneWeightOverEveryLayer(torch.nn.Module):
 def test_one_weight_tied_over_three_or_more_layers_trains_equal_to_one_device():
     """Found by a probe: a weight tied over 3 or more layers (ALBERT-like) failed to compile for training with a
     KeyError from enumerate_strategies (a repeated block's representative came after its copy in the graph)."""
-    import torch.nn.functional as F
-
-    from spmd.runtime.simulate import simulate
-    from tests.support import check_simulated_training, spec
+    from tests.support import mse_training_checked, spec
 
     torch.set_default_dtype(torch.float64)
     try:
         for n in (3, 8):
             torch.manual_seed(0)
             model, x, t = _OneWeightOverEveryLayer(n), torch.randn(4, 8), torch.randn(4, 8)
-            c = compile_graph(model, (x, t), spec((2,), ("dp",)), loss_fn=F.mse_loss)
-            outs = simulate(c, (x, t, torch.ones(())))
-            loss = F.mse_loss(model(x), t)
-            loss.backward()
-            assert check_simulated_training(c, outs, loss, model) > 1
+            assert mse_training_checked(model, x, t, spec((2,), ("dp",)))[1] > 1
     finally:
         torch.set_default_dtype(torch.float32)
