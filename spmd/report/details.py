@@ -261,8 +261,8 @@ def compute_details(plan, src) -> PlanDetails:
         if follower:
             cost = Split(cost.compute, 0.0, 0.0, cost.memory)
         best, best_split = None, None
-        for i, s in enumerate(ns.strategies):  # (each layer's would cost a walk of its strategies: seconds)
-            if i == idx or follower:
+        for i, s in enumerate(() if follower else ns.strategies):  # (each layer's would cost a walk: seconds)
+            if i == idx:
                 continue
             sp = local.with_tie(name, i)
             if best is None or (sp.time, sp.memory) < (best_split.time, best_split.memory):

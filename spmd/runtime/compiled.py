@@ -2316,8 +2316,8 @@ class CompiledModule(nn.Module):
         if not self._inputs_agreed:
             what = ", ".join(f"{name!r} along {axis!r}" for name, axis in apart) or "on other ranks of the mesh"
             at = f" at call {self._calls} of this module" if self._calls > 1 else ""
-            scalars = [name for name, _ in apart if next((t.dim() for spec, t in zip(specs, inputs)
-                                                          if spec.name == name and isinstance(t, torch.Tensor)), 1) == 0]
+            dims = {spec.name: t.dim() for spec, t in zip(specs, inputs) if isinstance(t, torch.Tensor)}
+            scalars = [name for name, _ in apart if dims.get(name) == 0]
             # (a count such as transformers' `num_items_in_batch`, each rank's own: a number has no slices to pin;
             # found by a probe, told to pin it sharded)
             count = (f" A number ({', '.join(map(repr, scalars))}) cannot be split: give every rank the whole "
@@ -3134,13 +3134,13 @@ def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> 
     `owner` does not."""
     whose = f"the model's `{path[:-1]}`" if path else "the model it was compiled from"
     read = f"{_module_ref('model', path[:-1])}.{name}" if path else f"model.{name}"
-    mesh = (" To generate on the mesh with the pieces (a serving probe was sent to the whole model here): a "
+    more = (" To generate on the mesh with the pieces (a serving probe was sent to the whole model here): a "
             "right-padded buffer of the longest length run whole at each step, a static key/value cache in the "
             "model's buffers, or transformers' TorchExportableModuleWithStaticCache compiled around the model, each "
             "a loop of compiled calls (docs/huggingface.md, \"Generation\")." if name == "generate" else "")
     if name.startswith("reset_"):  # (found by a probe: swa_utils.update_bn over an AveragedModel of the compiled
         # module resets each batch norm's statistics, and the way out to read them from the model did nothing)
-        mesh = (" To change the compiled module's values with it (`torch.optim.swa_utils.update_bn` resets a batch "
+        more = (" To change the compiled module's values with it (`torch.optim.swa_utils.update_bn` resets a batch "
                 "norm's statistics, then runs the model): copy them back, run it on the model, and load the "
                 "model's values into the compiled module, `compiled.load_state_dict(model.state_dict())`.")
     return AttributeError(
@@ -3149,7 +3149,7 @@ def _only_the_model_has(owner: str, source: nn.Module, name: str, path: str) -> 
         f"What to do: read values from the model (`{read}`); for its methods with the trained weights "
         f"(`generate`, `save_pretrained`), copy them back first, `{source_guard.COPY_BACK}` "
         f"(every rank then holds the whole model); to change the model (a configuration, gradient checkpointing), "
-        f"change it and compile again.{mesh}")
+        f"change it and compile again.{more}")
 
 
 def _has_static(model: nn.Module, name: str) -> bool:
