@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import types
 import warnings
 
 import torch
@@ -44,8 +45,9 @@ from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
                                       _drop_assertions, _drop_effect_tokens, dataclass_outputs_registered, described,
                                       distinct_inputs, draws_change_the_graph, graph_signature, kernels_kept_whole,
-                                      parameter_changed_message, parametrizations_uncached, renormalized, random_draws,
-                                      refuse_random_draws, shared_names, state_assigned, tensor_infos,
+                                      parameter_changed_message, parametrizations_uncached, partial_graphs_unprinted,
+                                      renormalized, random_draws, refuse_random_draws, shared_names, state_assigned,
+                                      tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
@@ -132,7 +134,7 @@ def _param_placeholder(target: str):
 
 
 def trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn=None) -> TracedGraph:
-    with kernels_kept_whole(), parametrizations_uncached():
+    with kernels_kept_whole(), parametrizations_uncached(), partial_graphs_unprinted():
         return _trace_joint(model, example_inputs, loss_fn)
 
 
@@ -405,7 +407,7 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     # (only where the output leaves the graph as it is: a loss_fn takes it apart itself, and torch's registration is
     # for good, which a user's own `register_dataclass` of the class after it would find taken; a review)
     registered = dataclass_outputs_registered(model) if root is model else contextlib.nullcontext()
-    with _autocast_in_forward(root), _onednn_off(), registered:
+    with _autocast_in_forward(root), _onednn_off(), registered, _masked_writes_as_where():
         return _either_road_as_eager(model, root, example_inputs, counted, made, stored)
 
 
@@ -601,18 +603,30 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
                 names |= loaded(const)
         return names
 
+    def visit(fn, where: str, owner: type, depth: int) -> None:
+        fn = inspect.unwrap(fn)
+        code = getattr(fn, "__code__", None)
+        if code is None or code in seen or (getattr(fn, "__module__", None) or "").startswith("torch"):
+            return
+        seen.add(code)
+        cells = _closure(fn)
+        for name in sorted(loaded(code)):
+            value = cells[name] if name in cells else fn.__globals__.get(name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((where, name, tuple(value.shape)))
+            elif isinstance(value, types.FunctionType) and depth < 3:  # (a helper the forward calls, and its own)
+                visit(value, f"{value.__qualname__}, called from {where.split(',')[0]}", owner, depth + 1)
+        if depth < 3:  # (a method of the module's the forward calls: `self.shuffle(h)`)
+            for name in code.co_names:
+                method = inspect.getattr_static(owner, name, None) if name != "forward" else None
+                if isinstance(method, types.FunctionType):
+                    visit(method, f"{owner.__name__}.{name}, called from {where.split(',')[0]}", owner, depth + 1)
+
     found, seen = [], set()
     for module in model.modules():
-        forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
-        code = getattr(forward, "__code__", None)
-        if code is None or code in seen:
-            continue
-        seen.add(code)
-        cells = _closure(forward)
-        for name in sorted(loaded(code)):
-            value = cells[name] if name in cells else forward.__globals__.get(name)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                found.append((f"{type(module).__name__}.forward", name, tuple(value.shape)))
+        forward = getattr(type(module), "forward", None)
+        if forward is not None:
+            visit(forward, f"{type(module).__name__}.forward", type(module), 0)
     sized = [f for f in found if f"size={f[2]}" in error]
     return [(where, name) for where, name, _ in (sized or found)]
 
@@ -885,6 +899,57 @@ def custom_functions():
         yield applied
     finally:
         torch.autograd.Function.apply = descriptor
+
+
+_masked_lock = threading.Lock()
+_masked_depth = [0]
+
+
+@contextlib.contextmanager
+def _masked_writes_as_where():
+    """While this is open (on any thread: the change is process-wide, counted), `x[mask] = v` (a bool mask over x's
+    first dims, `v` a tensor with a gradient, the same for every position the mask picks: it broadcasts to one
+    position's shape) runs as `x.copy_(torch.where(mask, v, x))`, the same values and gradients. Its own backward
+    (`index_put` by a bool mask) finds the picked positions for v's gradient with `nonzero`, a shape from the mask's
+    values, which a training graph cannot hold (found by a probe: Wav2Vec2's SpecAugment,
+    `hidden_states[mask_time_indices] = self.masked_spec_embed`, refused in training). Anything else goes as it is.
+    (`Tensor.__setitem__` itself, not a TorchFunctionMode: a mode's frame sits under every op, and torch named it as
+    the cause of every data-dependent failure.)"""
+    with _masked_lock:
+        if _masked_depth[0] == 0:
+            torch.Tensor.__setitem__ = _set_masked_as_where
+        _masked_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _masked_lock:
+            _masked_depth[0] -= 1
+            if _masked_depth[0] == 0:
+                del torch.Tensor.__setitem__  # (TensorBase's again)
+
+
+def _set_masked_as_where(x, index, value):
+    mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if not _picks_rows(x, mask, value):
+        return torch._C.TensorBase.__setitem__(x, index, value)
+    where = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
+    x.copy_(torch.where(where, value.to(x.dtype), x))
+
+
+def _picks_rows(x, mask, value) -> bool:
+    """Whether `x[mask] = value` writes one value over every position a bool `mask` of x's first dims picks."""
+    if not (isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
+        return False
+    if not isinstance(value, torch.Tensor) or not value.requires_grad or value.is_complex() != x.is_complex():
+        return False
+    rest = tuple(x.shape[mask.dim():])
+    shape = tuple(value.shape)
+    if len(shape) == len(rest) + 1 and shape[0] == 1:  # (a leading 1 for the picked positions)
+        shape = shape[1:]
+    if len(shape) > len(rest):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(rest)))
 
 
 class _StackTraces(TorchFunctionMode):

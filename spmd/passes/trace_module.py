@@ -7,6 +7,7 @@ stack trace on every call, and one placeholder per parameter, buffer and user in
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -226,6 +227,33 @@ def parametrizations_uncached():
         parametrize._cache_enabled = enabled
 
 
+_quiet_graphs = contextvars.ContextVar("spmd_partial_graphs_unprinted", default=False)
+
+
+def _print_but_partial_graphs(*args, **kwargs):
+    """torch.export's `print` (its module's name for it), but for the partial graph of a failed trace where
+    `partial_graphs_unprinted` is open."""
+    if _quiet_graphs.get() and kwargs.get("file") is sys.stderr and len(args) == 1 and isinstance(args[0], str) \
+            and "def forward(" in args[0]:
+        return
+    print(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def partial_graphs_unprinted():
+    """While this is open (in this thread or task), torch.export does not print its partial graph of a trace that
+    failed to stderr: hundreds of lines before spmd's message for a model's data-dependent branch, once per road
+    (found by a probe: 560 lines before a DeBERTa refusal). The message names the model's line."""
+    import torch.export._trace as export_trace
+
+    export_trace.print = _print_but_partial_graphs  # (shadows the builtin in that module alone; the same each time)
+    token = _quiet_graphs.set(True)
+    try:
+        yield
+    finally:
+        _quiet_graphs.reset(token)
+
+
 @contextlib.contextmanager
 def dataclass_outputs_registered(root: torch.nn.Module):
     """While open, a dataclass the forward returns (alone, or in tuples, lists and dicts) that torch's pytree does
@@ -421,6 +449,42 @@ def _forward_lines(model: torch.nn.Module | None, name: str, pattern: str) -> li
     return found
 
 
+def _unbacked_origin(error: BaseException) -> tuple[str, str | None] | None:
+    """(op, `file:line: code`) of the node whose output shape holds a symbol the failed guard of `error` reads
+    (torch's partial graph of the trace, `partial_fx_graph`): the op whose output shape depends on its input values,
+    where the guard is only where that size met a fixed one (a loss comparing its target's shape)."""
+    seen = set()
+    while error is not None and not hasattr(error, "partial_fx_graph") and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    symbols = set(re.findall(r"\bu\d+\b", str(getattr(error, "cond", ""))))
+    graph = getattr(error, "partial_fx_graph", None)
+    if not symbols or not isinstance(graph, str):
+        return None
+    line = None
+    for text in graph.splitlines():
+        where = re.match(r"\s*# File: (\S+?):(\d+) in \S+, code: (.*)", text)
+        if where:
+            line = f"{where.group(1)}:{where.group(2)}: {where.group(3).strip()}"
+            continue
+        node = re.match(r'\s*\w+: "\w+\[([^\]]*)\]" = torch\.ops\.(\w+\.\w+)\.\w+\(', text)
+        if node and symbols & set(re.findall(r"\bu\d+\b", node.group(1))):
+            return node.group(2), line
+    return None
+
+
+def _layerdrop(model: torch.nn.Module | None) -> tuple[str, float] | None:
+    """(name, value) of a transformers config's LayerDrop probability above 0 (`layerdrop`, `encoder_layerdrop`,
+    `decoder_layerdrop`) in a module of `model` in train mode."""
+    for m in (model.modules() if model is not None else ()):
+        config = getattr(m, "config", None)
+        for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            value = getattr(config, name, None)
+            if m.training and isinstance(value, (int, float)) and value > 0:
+                return name, value
+    return None
+
+
 _PACKING = {"pack_padded_sequence", "pack_sequence", "PackedSequence"}  # (torch.nn.utils.rnn's, as a forward names them)
 
 
@@ -496,6 +560,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "fake tensor among the graph's constants). Update the tensor itself under `torch.no_grad()` "
                 "(`self.ema.mul_(d).add_(...)`, `self.ema.copy_(new)`): the graph carries out in-place updates of "
                 "buffers")
+    dropping = _layerdrop(model) if "data-dependent" in str(error) else None
+    if dropping:  # (found by a probe: BART's encoder_layerdrop, Wav2Vec2's layerdrop, told to write torch.where)
+        line = _model_line(error)
+        return (f"{type(model).__name__} drops whole layers at random in training (LayerDrop: its config's "
+                f"`{dropping[0]}={dropping[1]}`), comparing a draw with it in Python"
+                f"{f' (`{line}`)' if line else ''}, and a graph holds one outcome. Build the model with "
+                f"`{dropping[0]}=0` in its config, or compile it in eval mode" + tail)
     if "data-dependent" in str(error) and "_detect_is_causal_mask" in _frames(error):
         return ("torch's Transformer layers read a mask's values to tell whether it is causal when `is_causal` is "
                 "left None (`_detect_is_causal_mask`), and a graph holds one outcome. Pass it: "
@@ -530,6 +601,14 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
     checks = ([f.name for f in _chain_frames(error) if f.filename.endswith(functional)] or
               re.findall(r"Caused by: \S*nn/functional\.py:\d+ in (\w+)", str(error))) \
         if "data-dependent" in str(error) and "_local_scalar_dense" not in str(error) else []
+    origin = _unbacked_origin(error) if checks and checks[-1].endswith("_loss") else None
+    if origin:  # (found by a probe: `repeat_interleave` by a tensor of counts, told F.mse_loss checked values)
+        op, line = origin
+        return (f"{op}'s output shape depends on its input values{f' ({line})' if line else ''}, and "
+                f"`F.{checks[-1]}` compares that size with a fixed one, which a graph cannot hold. Replace the op with "
+                "ops of a fixed shape (counts known in Python: `index_select` of the positions they repeat, "
+                "`torch.tensor([i for i, k in enumerate(counts) for _ in range(k)])`; `torch.where` over a mask in "
+                "place of indexing by it), or compute it outside the compiled module" + tail)
     if checks and checks[-1].endswith("_loss"):
         return (f"torch's own `F.{checks[-1]}` checks its arguments' values in Python, and a graph holds one "
                 "outcome. Compile with `training=True` and no `loss_fn`, and compute the loss after the call on the "
@@ -1149,7 +1228,7 @@ def parameter_changed_message(where: str, model: torch.nn.Module, fqn: str, why:
 
 
 def trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> TracedGraph:
-    with kernels_kept_whole(), parametrizations_uncached():
+    with kernels_kept_whole(), parametrizations_uncached(), partial_graphs_unprinted():
         return _trace_module(model, example_inputs, example_kwargs)
 
 

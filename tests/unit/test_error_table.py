@@ -8,6 +8,7 @@ import copy
 import datetime
 import json
 import re
+import sys
 import warnings
 
 import pytest
@@ -181,6 +182,19 @@ def _eager_experts():
                                                       "training": True}
 
 
+def _layerdrop():
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=32, d_model=16, encoder_layers=2, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, dropout=0.0,
+                                  attention_dropout=0.0, encoder_layerdrop=0.5, max_position_embeddings=16,
+                                  use_cache=False)
+    ids = torch.randint(3, 32, (2, 8))
+    return transformers.BartForConditionalGeneration(cfg).train(), (), {
+        "example_kwargs": dict(input_ids=ids, labels=ids), "training": True}
+
+
 x16 = torch.randn(4, 16)
 tokens = torch.randint(0, 128, (2, 16))
 
@@ -218,6 +232,11 @@ ROWS = [
     # (found by a probe: Mixtral's `eager` experts were told to write torch.where)
     ("trace-eager-experts", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_eager_experts()),
      [r"What to do: MixtralExperts runs transformers' `eager` experts", r"experts_implementation=\"grouped_mm\""]),
+    # (found by a probe: BART's and Wav2Vec2's LayerDrop were told to write torch.where)
+    ("trace-layerdrop", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_layerdrop()),
+     [r"What to do: BartForConditionalGeneration drops whole layers at random in training \(LayerDrop: its config's "
+      r"`encoder_layerdrop=0.5`\)", r"modeling_bart.py:\d+: if dropout_probability < self.layerdrop",
+      r"Build the model with `encoder_layerdrop=0`"]),
     # (found by a probe: a forward given too few example inputs was told to remove data-dependent control flow)
     ("trace-missing-argument", lambda w: _plan(MLP(16, 64), (x16,), loss_fn=F.mse_loss),
      [r"could not trace the forward\+backward graph of MLP", r"the example inputs do not match MLP.forward's "
@@ -699,6 +718,34 @@ def test_a_tensor_the_forward_captured_is_named_with_the_way_out_in_training():
 _PAD = torch.zeros(1)  # (a global the forward reads only for its shape: not the cause)
 
 
+_ORDER = torch.randperm(8)  # (read by helpers the forward calls)
+
+
+def _shuffled(h):
+    return torch.gather(h, 1, _ORDER.expand(h.shape[0], 8))
+
+
+@pytest.mark.parametrize("through", ["function", "method"])
+def test_a_tensor_a_helper_of_the_forward_captured_is_named_with_the_way_out_in_training(through):
+    """Found by a probe: the same tensor read one call deeper (a module-level helper, or a method of the module's
+    the forward calls) was told torch's words and to remove data-dependent control flow."""
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def shuffle(self, h):
+            return torch.gather(h, 1, _ORDER.expand(h.shape[0], 8))
+
+        def forward(self, x):
+            return self.shuffle(x @ self.w) if through == "method" else _shuffled(x @ self.w)
+
+    where = r"_shuffled" if through == "function" else r"Mixer\.shuffle"
+    with pytest.raises(spmd.SpmdError, match=rf"What to do: the forward reads .*`_ORDER` \({where}, called from "
+                                             r"Mixer\.forward\), .*register_buffer"):
+        spmd.plan(Mixer(), spec((2,), ("dp",)), (torch.randn(4, 8), torch.randn(4, 8)), loss_fn=F.mse_loss)
+
+
 def test_inference_tensors_are_taken_as_examples_and_as_batches_of_other_shapes(world):
     """Found by a probe: a module compiled under `torch.inference_mode` from an inference tensor, or given one of
     new shapes (a generation loop's last output fed back), failed with torch.export's "Inference tensors cannot
@@ -901,6 +948,41 @@ def test_a_loss_fn_of_torch_whose_own_check_reads_values_is_told_to_compute_the_
     assert "torch's own `F.gaussian_nll_loss` checks its arguments' values in Python" in said, said
     assert "Compile with `training=True` and no `loss_fn`" in said and "gather_outputs" in said, said
 
+
+
+def test_a_loss_meeting_a_size_made_from_values_names_the_op_that_made_it():
+    """Found by a probe: `repeat_interleave` by a tensor of counts in the model, then `F.mse_loss`, was told the loss
+    checked its values (the guard failed where the loss compared the data-made size with its target's). It names
+    the op and the model's line now."""
+    from tests.support import one_device
+
+    class Repeats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return (x @ self.w).repeat_interleave(torch.tensor([1, 2, 1, 3, 1, 1, 2, 1]), dim=1)
+
+    with pytest.raises(spmd.SpmdError) as e:
+        one_device(Repeats(), (torch.randn(2, 8, 4), torch.randn(2, 12, 4)), loss_fn=F.mse_loss)
+    said = str(e.value).split("torch's whole message")[0]
+    assert "aten.repeat_interleave's output shape depends on its input values" in said, said
+    assert "test_error_table.py" in said and "repeat_interleave(torch.tensor" in said, said
+    assert "checks its arguments' values" not in said, said
+
+
+def test_torchs_partial_graph_of_a_failed_trace_is_not_printed(capfd):
+    """Found by a probe: torch.export prints its partial graph of a trace that failed to stderr, once per road
+    (560 lines before a DeBERTa refusal); what else is written there still is."""
+    with pytest.raises(spmd.SpmdError, match="reads a tensor's values in Python"):
+        _plan(_Branch(), (x16,), training=True, loss_fn=lambda out: out.sum())
+    with pytest.raises(spmd.SpmdError, match="reads a tensor's values in Python"):
+        _plan(_Branch(), (x16,))
+    err = capfd.readouterr().err
+    assert "def forward(" not in err, err[:2000]
+    print("kept", file=sys.stderr)
+    assert capfd.readouterr().err == "kept\n"
 
 class _Drawn(nn.Module):
     """A draw of integers (mixup's permutation, a sampled class) or a tensor made empty and written (affine_grid)."""

@@ -276,3 +276,40 @@ def test_torch_cond_with_submodules_in_its_branches_trains_equal(sign):
     and inference alike, while torch.export traces it. Each branch, taken, trains equal to one device."""
     _, _, _, checked = _trained_on_two_ranks(lambda: _Branches(sign))
     assert checked == 9
+
+
+class _MaskedEmbed(nn.Module):
+    """Wav2Vec2's SpecAugment with its mask given: `h[mask] = self.masked_spec_embed` (a learned vector written
+    over the picked time steps)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+        self.fc, self.embed = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        h[self.index(mask)] = self.embed.to(h.dtype)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("index", [lambda m: m, lambda m: (m[:, 0],)], ids=["mask", "rows"])
+@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+def test_a_masked_write_of_a_tensor_with_a_gradient_trains_equal(index, shape):
+    """Found by a probe: its backward (`index_put` by a bool mask) finds the picked positions with `nonzero`, so
+    the trace failed (`aten.nonzero.default`, with a way out about losses); traced as a `torch.where`, every rank
+    trains equal to one device, the vector's gradient summed over the picked positions."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _MaskedEmbed(index)
+        x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+        mask = torch.rand(4, 6) < 0.4
+        c = compile_graph(model, (x, mask, t), spec(shape, ("dp", "tp")[:len(shape)]), loss_fn=F.mse_loss)
+        loss = F.mse_loss(model(x, mask), t)
+        loss.backward()
+        assert check_simulated_training(c, simulate(c, (x, mask, t, torch.ones(()))), loss, model) == 4
+        assert model.embed.grad.abs().sum() > 0
+        assert "__setitem__" not in torch.Tensor.__dict__  # (torch's own again after the trace)
+    finally:
+        torch.set_default_dtype(torch.float32)
