@@ -603,10 +603,19 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
                 names |= loaded(const)
         return names
 
-    def visit(fn, where: str, owner: type, depth: int) -> None:
-        fn = inspect.unwrap(fn)
+    def on_self(code) -> set[str]:
+        """The attributes `code` reads from its first argument (`self.shuffle`)."""
+        if not code.co_argcount:
+            return set()
+        ops = list(dis.get_instructions(code))
+        return {b.argval for a, b in zip(ops, ops[1:]) if a.opname == "LOAD_FAST" and a.argval == code.co_varnames[0]
+                and b.opname in ("LOAD_ATTR", "LOAD_METHOD")}
+
+    def visit(fn, where: str, owner: type, depth: int, method: bool = True) -> None:
+        fn = inspect.unwrap(getattr(fn, "__func__", fn))  # (a staticmethod's or classmethod's function)
         code = getattr(fn, "__code__", None)
-        if code is None or code in seen or (getattr(fn, "__module__", None) or "").startswith("torch"):
+        module = getattr(fn, "__module__", None) or ""
+        if code is None or code in seen or module == "torch" or module.startswith("torch."):
             return
         seen.add(code)
         cells = _closure(fn)
@@ -615,11 +624,11 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 found.append((where, name, tuple(value.shape)))
             elif isinstance(value, types.FunctionType) and depth < 3:  # (a helper the forward calls, and its own)
-                visit(value, f"{value.__qualname__}, called from {where.split(',')[0]}", owner, depth + 1)
-        if depth < 3:  # (a method of the module's the forward calls: `self.shuffle(h)`)
-            for name in code.co_names:
-                method = inspect.getattr_static(owner, name, None) if name != "forward" else None
-                if isinstance(method, types.FunctionType):
+                visit(value, f"{value.__qualname__}, called from {where.split(',')[0]}", owner, depth + 1, False)
+        if method and depth < 3:  # (a method of the module's the forward calls: `self.shuffle(h)`)
+            for name in sorted(on_self(code) - {"forward"}):
+                method = inspect.getattr_static(owner, name, None)
+                if isinstance(method, (types.FunctionType, staticmethod, classmethod)):
                     visit(method, f"{owner.__name__}.{name}, called from {where.split(',')[0]}", owner, depth + 1)
 
     found, seen = [], set()
@@ -902,54 +911,64 @@ def custom_functions():
 
 
 _masked_lock = threading.Lock()
-_masked_depth = [0]
+_masked_depth = [0, None]  # (traces open on any thread; the `Tensor.__setitem__` of torch's subclass before the first)
+_masked_here = threading.local()  # (traces open on this thread: only these rewrite)
 
 
 @contextlib.contextmanager
 def _masked_writes_as_where():
-    """While this is open (on any thread: the change is process-wide, counted), `x[mask] = v` (a bool mask over x's
-    first dims, `v` a tensor with a gradient, the same for every position the mask picks: it broadcasts to one
-    position's shape) runs as `x.copy_(torch.where(mask, v, x))`, the same values and gradients. Its own backward
-    (`index_put` by a bool mask) finds the picked positions for v's gradient with `nonzero`, a shape from the mask's
-    values, which a training graph cannot hold (found by a probe: Wav2Vec2's SpecAugment,
+    """While this is open, on this thread, `x[mask] = v` (a bool mask over x's first dims, `v` a tensor of x's dtype
+    with a gradient, the same for every position the mask picks: it broadcasts to one position's shape) runs as
+    `x.copy_(torch.where(mask, v, x))`, the same values and gradients. Its own backward (`index_put` by a bool
+    mask) finds the picked positions for v's gradient with `nonzero`, a shape from the mask's values, which a
+    training graph cannot hold (found by a probe: Wav2Vec2's SpecAugment,
     `hidden_states[mask_time_indices] = self.masked_spec_embed`, refused in training). Anything else goes as it is.
-    (`Tensor.__setitem__` itself, not a TorchFunctionMode: a mode's frame sits under every op, and torch named it as
-    the cause of every data-dependent failure.)"""
+    (`Tensor.__setitem__` itself, set process-wide while any thread traces, counted: not a TorchFunctionMode, whose
+    frame sits under every op, and which torch named as the cause of every data-dependent failure.)"""
     with _masked_lock:
         if _masked_depth[0] == 0:
+            _masked_depth[1] = torch.Tensor.__dict__.get("__setitem__")
             torch.Tensor.__setitem__ = _set_masked_as_where
         _masked_depth[0] += 1
+    _masked_here.depth = getattr(_masked_here, "depth", 0) + 1
     try:
         yield
     finally:
+        _masked_here.depth -= 1
         with _masked_lock:
             _masked_depth[0] -= 1
             if _masked_depth[0] == 0:
-                del torch.Tensor.__setitem__  # (TensorBase's again)
+                if _masked_depth[1] is None:
+                    del torch.Tensor.__setitem__  # (TensorBase's again)
+                else:
+                    torch.Tensor.__setitem__ = _masked_depth[1]
 
 
 def _set_masked_as_where(x, index, value):
     mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
-    if not _picks_rows(x, mask, value):
-        return torch._C.TensorBase.__setitem__(x, index, value)
+    if not getattr(_masked_here, "depth", 0) or not _picks_rows(x, mask, value):
+        return (_masked_depth[1] or torch._C.TensorBase.__setitem__)(x, index, value)
     where = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
-    x.copy_(torch.where(where, value.to(x.dtype), x))
+    x.copy_(torch.where(where, value, x))
 
 
 def _picks_rows(x, mask, value) -> bool:
-    """Whether `x[mask] = value` writes one value over every position a bool `mask` of x's first dims picks."""
+    """Whether `x[mask] = value` writes one value over every position a bool `mask` of x's first dims picks, where
+    eager would write it (no error of its own to keep: the dtypes match, x's elements are each its own memory and
+    the mask is on x's device)."""
     if not (isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
+            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])
+            and mask.device == x.device):
         return False
-    if not isinstance(value, torch.Tensor) or not value.requires_grad or value.is_complex() != x.is_complex():
+    if not isinstance(value, torch.Tensor) or not value.requires_grad or value.dtype != x.dtype:
         return False
     rest = tuple(x.shape[mask.dim():])
     shape = tuple(value.shape)
     if len(shape) == len(rest) + 1 and shape[0] == 1:  # (a leading 1 for the picked positions)
         shape = shape[1:]
-    if len(shape) > len(rest):
+    if len(shape) > len(rest) or not all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(rest))):
         return False
-    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(rest)))
+    return torch._debug_has_internal_overlap(x) == 0  # (an expanded x: eager warns and writes; copy_ refuses)
 
 
 class _StackTraces(TorchFunctionMode):

@@ -452,7 +452,8 @@ def _forward_lines(model: torch.nn.Module | None, name: str, pattern: str) -> li
 def _unbacked_origin(error: BaseException) -> tuple[str, str | None] | None:
     """(op, `file:line: code`) of the node whose output shape holds a symbol the failed guard of `error` reads
     (torch's partial graph of the trace, `partial_fx_graph`): the op whose output shape depends on its input values,
-    where the guard is only where that size met a fixed one (a loss comparing its target's shape)."""
+    where the guard is only where that size met a fixed one (a loss comparing its target's shape). An output of an
+    op with several (`_unique2`'s, taken by `getitem`) is that op's."""
     seen = set()
     while error is not None and not hasattr(error, "partial_fx_graph") and id(error) not in seen:
         seen.add(id(error))
@@ -461,15 +462,24 @@ def _unbacked_origin(error: BaseException) -> tuple[str, str | None] | None:
     graph = getattr(error, "partial_fx_graph", None)
     if not symbols or not isinstance(graph, str):
         return None
-    line = None
+    line, made = None, {}  # (made: variable -> (op, line) of the op that made it)
     for text in graph.splitlines():
-        where = re.match(r"\s*# File: (\S+?):(\d+) in \S+, code: (.*)", text)
-        if where:
-            line = f"{where.group(1)}:{where.group(2)}: {where.group(3).strip()}"
+        if text.lstrip().startswith("#"):  # (each node's comment says where it came from, or that nothing did)
+            where = re.search(r"File: (\S+?):(\d+) in \S+, code: (.*)", text)
+            line = f"{where.group(1)}:{where.group(2)}: {where.group(3).strip()}" if where else None
             continue
-        node = re.match(r'\s*\w+: "\w+\[([^\]]*)\]" = torch\.ops\.(\w+\.\w+)\.\w+\(', text)
-        if node and symbols & set(re.findall(r"\bu\d+\b", node.group(1))):
-            return node.group(2), line
+        node = re.match(r'\s*(\w+)(?:: "([^"]*)")? = (.*)', text)
+        if not node:
+            continue
+        name, annotation, value = node.groups()
+        op = re.match(r"torch\.ops\.(\w+\.\w+)\.\w+\(", value)
+        item = re.match(r"(\w+)\[\d+\]", value)
+        if op:
+            made[name] = (op.group(1), line)
+        elif item and item.group(1) in made:
+            made[name] = made[item.group(1)]
+        if name in made and symbols & set(re.findall(r"\bu\d+\b", annotation or "")):
+            return made[name]
     return None
 
 
@@ -561,8 +571,10 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "(`self.ema.mul_(d).add_(...)`, `self.ema.copy_(new)`): the graph carries out in-place updates of "
                 "buffers")
     dropping = _layerdrop(model) if "data-dependent" in str(error) else None
-    if dropping:  # (found by a probe: BART's encoder_layerdrop, Wav2Vec2's layerdrop, told to write torch.where)
-        line = _model_line(error)
+    line = _model_line(error) if dropping else None
+    if dropping and (line is None or re.search(r"layerdrop|skip_the_layer|dropout_probability", line, re.I)):
+        # (found by a probe: BART's encoder_layerdrop, Wav2Vec2's layerdrop, told to write torch.where; the line is
+        # transformers' comparison, or its flag's test)
         return (f"{type(model).__name__} drops whole layers at random in training (LayerDrop: its config's "
                 f"`{dropping[0]}={dropping[1]}`), comparing a draw with it in Python"
                 f"{f' (`{line}`)' if line else ''}, and a graph holds one outcome. Build the model with "
