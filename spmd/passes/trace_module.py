@@ -670,6 +670,22 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "calls the forward with `example_inputs` (positional) and `example_kwargs` (by keyword), as the "
                 "training loop will; give it one example of each argument the forward takes (with a `loss_fn`, the "
                 "targets come after the model's inputs)")
+    kind = type(error).__name__
+    if kind in ("DataDependentOutputException", "PendingUnbackedSymbolNotFound"):
+        # (found by a probe: torch.cov / torch.corrcoef, which check their weights with `aten.equal`, and
+        # torch.combinations, which selects its pairs with a mask, were told to remove control flow, and no line)
+        line = _model_line(error)
+        where = f"`{line}` runs" if line else "the forward runs"
+        if kind == "DataDependentOutputException":
+            return (f"{where} torch code that calls {getattr(error, 'func', 'an op')}, which gives a Python value "
+                    "made from its inputs' values (torch.cov and torch.corrcoef check their weights with it), and a "
+                    "graph holds one outcome. Write the computation as tensor ops (a covariance of the rows of x: "
+                    "`xc = x - x.mean(1, keepdim=True)`, then `xc @ xc.T / (x.shape[1] - 1)`), or compute it outside "
+                    "the compiled module" + tail)
+        return (f"{where} torch code that makes a shape from its inputs' values on the way (torch.combinations picks "
+                "its pairs with a mask), which torch's tracing cannot follow. Write it with ops of a fixed shape (the "
+                "pairs of n rows: `i, j = torch.triu_indices(n, n, 1)`, then `x[i]`, `x[j]`), or compute it outside "
+                "the compiled module" + tail)
     return "make the forward traceable by torch.export (no data-dependent Python control flow" + (
         f"; {otherwise})" if otherwise else ")")
 

@@ -67,6 +67,18 @@ class _Branch(nn.Module):
         return x * 2 if x.sum() > 0 else x
 
 
+class _TorchReadsValues(nn.Module):
+    """torch's own code reads values on the way: torch.cov checks its weights with `aten.equal`, torch.combinations
+    picks its pairs with a mask."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return torch.cov(x.t()) if self.op == "cov" else torch.combinations(x[0], 2)
+
+
 class _NonZero(nn.Module):
     def forward(self, x):
         return torch.nonzero(x > 0)
@@ -232,6 +244,13 @@ ROWS = [
     # (found by a probe: Mixtral's `eager` experts were told to write torch.where)
     ("trace-eager-experts", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_eager_experts()),
      [r"What to do: MixtralExperts runs transformers' `eager` experts", r"experts_implementation=\"grouped_mm\""]),
+    # (found by a probe: told to remove data-dependent control flow, and no line)
+    ("trace-torch-reads-values", lambda w: _plan(_TorchReadsValues("cov"), (x16,)),
+     [r"What to do: `[^`]*test_error_table.py:\d+: return torch.cov\(x.t\(\)\) if [^`]*` runs torch code that calls "
+      r"aten.equal.default, which gives a Python value", r"xc @ xc.T"]),
+    ("trace-torch-makes-a-shape", lambda w: _plan(_TorchReadsValues("combinations"), (x16,)),
+     [r"What to do: `[^`]*test_error_table.py:\d+: [^`]*` runs torch code that makes a shape from its inputs' values",
+      r"torch.triu_indices\(n, n, 1\)"]),
     # (found by a probe: BART's and Wav2Vec2's LayerDrop were told to write torch.where)
     ("trace-layerdrop", lambda w: (lambda m, i, kw: _plan(m, i, **kw))(*_layerdrop()),
      [r"What to do: BartForConditionalGeneration drops whole layers at random in training \(LayerDrop: its config's "
