@@ -627,9 +627,9 @@ def _forward_captured(model: torch.nn.Module, error: str) -> list[tuple[str, str
                 visit(value, f"{value.__qualname__}, called from {where.split(',')[0]}", owner, depth + 1, False)
         if method and depth < 3:  # (a method of the module's the forward calls: `self.shuffle(h)`)
             for name in sorted(on_self(code) - {"forward"}):
-                method = inspect.getattr_static(owner, name, None)
-                if isinstance(method, (types.FunctionType, staticmethod, classmethod)):
-                    visit(method, f"{owner.__name__}.{name}, called from {where.split(',')[0]}", owner, depth + 1)
+                attr = inspect.getattr_static(owner, name, None)
+                if isinstance(attr, (types.FunctionType, staticmethod, classmethod)):
+                    visit(attr, f"{owner.__name__}.{name}, called from {where.split(',')[0]}", owner, depth + 1)
 
     found, seen = [], set()
     for module in model.modules():

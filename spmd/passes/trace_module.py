@@ -677,8 +677,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         line = _model_line(error)
         where = f"`{line}` runs" if line else "the forward runs"
         if kind == "DataDependentOutputException":
-            return (f"{where} torch code that calls {getattr(error, 'func', 'an op')}, which gives a Python value "
-                    "made from its inputs' values (torch.cov and torch.corrcoef check their weights with it), and a "
+            return (f"{where} {getattr(error, 'func', 'an op')} (itself, or inside torch's own code), which gives a "
+                    "Python value made from its inputs' values (torch.cov and torch.corrcoef check their weights with "
+                    "it), and a "
                     "graph holds one outcome. Write the computation as tensor ops (a covariance of the rows of x: "
                     "`xc = x - x.mean(1, keepdim=True)`, then `xc @ xc.T / (x.shape[1] - 1)`), or compute it outside "
                     "the compiled module" + tail)

@@ -246,8 +246,8 @@ ROWS = [
      [r"What to do: MixtralExperts runs transformers' `eager` experts", r"experts_implementation=\"grouped_mm\""]),
     # (found by a probe: told to remove data-dependent control flow, and no line)
     ("trace-torch-reads-values", lambda w: _plan(_TorchReadsValues("cov"), (x16,)),
-     [r"What to do: `[^`]*test_error_table.py:\d+: return torch.cov\(x.t\(\)\) if [^`]*` runs torch code that calls "
-      r"aten.equal.default, which gives a Python value", r"xc @ xc.T"]),
+     [r"What to do: `[^`]*test_error_table.py:\d+: return torch.cov\(x.t\(\)\) if [^`]*` runs "
+      r"aten.equal.default \(itself, or inside torch's own code\), which gives a Python value", r"xc @ xc.T"]),
     ("trace-torch-makes-a-shape", lambda w: _plan(_TorchReadsValues("combinations"), (x16,)),
      [r"What to do: `[^`]*test_error_table.py:\d+: [^`]*` runs torch code that makes a shape from its inputs' values",
       r"torch.triu_indices\(n, n, 1\)"]),
