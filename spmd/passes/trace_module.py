@@ -478,7 +478,8 @@ def _unbacked_origin(error: BaseException) -> tuple[str, str | None] | None:
             made[name] = (op.group(1), line)
         elif item and item.group(1) in made:
             made[name] = made[item.group(1)]
-        if name in made and symbols & set(re.findall(r"\bu\d+\b", annotation or "")):
+        shape = re.fullmatch(r"\w+\[([^\]]*)\]", annotation or "")  # (a tensor's: `f32[2, u0, 4]`; not a number's)
+        if name in made and shape and symbols & set(re.findall(r"\bu\d+\b", shape.group(1))):
             return made[name]
     return None
 
@@ -535,9 +536,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         # (found by a probe: BartForSequenceClassification's check that every row has as many eos tokens, in its
         # forward, was told to move a loss out; the line it is on is in torch's "Original traceback" text)
         line = _original_line(error)
-        return (f"{getattr(error, 'func', 'the op')}'s output shape depends on its input values"
+        func = str(getattr(error, "func", "the op"))
+        # (found by a probe: a graph network's node degrees by bincount, told of CTC losses alone)
+        fixed = (" (a count per index below n: `torch.zeros(n, dtype=w.dtype).index_add_(0, idx, "
+                 "torch.ones_like(idx, dtype=w.dtype))`, or `scatter_add_`)") if "bincount" in func else ""
+        return (f"{func}'s output shape depends on its input values"
                 f"{f' ({line})' if line else ''}, and torch's tracing has no rule for it. Replace it with ops of a "
-                "fixed shape, or compute it outside the compiled module: a loss such as CTC's from its outputs "
+                f"fixed shape{fixed}, or compute it outside the compiled module: a loss such as CTC's from its outputs "
                 "(compiled with `training=True` and no `loss_fn`, they take `.backward()` from a loss computed after "
                 "the call, on this rank's pieces as the plan lays them out: pin `out_placements` to the layout it "
                 "needs); in a model's own forward, compile the part before it (a transformers model's base, "

@@ -568,8 +568,12 @@ class CompiledModule(nn.Module):
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
         # rank 0 alone for a log)
-        self._draws = (bool(ops & _RANDOM_OPS) or any(may_draw(n) for n in c.traced.graph.nodes if n.op == "call_function")
-                       ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
+        # (the ops named by the refusal where generators differ: a diffusion step's randint and randn_like were told
+        # of dropout masks, found by a probe)
+        self._draw_names = sorted(ops & _RANDOM_OPS | {  # (and attention's dropout inside its kernel, a custom op's)
+            getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+            for n in c.traced.graph.nodes if n.op == "call_function" and may_draw(n)})
+        self._draws = bool(self._draw_names) and self.mesh_spec.size > 1
         self._generators_agreed = not self._draws
         self._warned_plain_pieces = False  # (`_warn_plain_parameters_on_pieces`: said once)
         self._fast_path_warning = None  # (`_warn_fast_path_with_grad`: looked at once)
@@ -2285,8 +2289,9 @@ class CompiledModule(nn.Module):
                 "rank)")
             raise SpmdError(
                 f"the ranks' random generators differ ({seen}){since}, and this graph draws random numbers "
-                "(dropout): each rank draws a mask whole, so replicated values would be dropped differently "
-                "on each rank and the replicas would drift apart. What to do: seed every rank alike before "
+                f"({', '.join(self._draw_names)}): each rank draws them whole, so replicated values (a dropout mask, "
+                "noise, timesteps) would come out differently on each rank and the replicas would drift apart. What to "
+                "do: seed every rank alike before "
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
                 "data shuffling or sampling a torch.Generator of its own.")
 

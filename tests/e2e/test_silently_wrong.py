@@ -118,6 +118,7 @@ def test_ranks_whose_random_generators_differ_stop_before_drawing_different_mask
     for r in results:
         assert r["differs"] and "random generators differ (along mesh axis 'tp', 2 states among 2 ranks: rank 0 | rank 1)" in r["differs"], r
         assert "What to do: seed every rank alike" in r["differs"]
+        assert "draws random numbers (native_dropout): " in r["differs"], r  # (what it draws, by name)
     assert results[0]["loss"] == results[1]["loss"]
 
 

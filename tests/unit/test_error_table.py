@@ -79,6 +79,17 @@ class _TorchReadsValues(nn.Module):
         return torch.cov(x.t()) if self.op == "cov" else torch.combinations(x[0], 2)
 
 
+class _Degrees(nn.Module):
+    """A graph network's mean over each node's edges, its degrees counted by bincount."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, dst):
+        return self.fc(x) / torch.bincount(dst, minlength=4).clamp(min=1).sum()
+
+
 class _NonZero(nn.Module):
     def forward(self, x):
         return torch.nonzero(x > 0)
@@ -281,6 +292,10 @@ ROWS = [
     ("trace-op-without-a-shape-rule", lambda w: _plan(nn.Linear(16, 8), (torch.randn(6, 2, 16), torch.randint(1, 8, (2, 3))),
                                                       loss_fn=_ctc),
      [r"What to do: aten._ctc_loss.Tensor's output shape depends on its input values", r"training=True` and no `loss_fn`"]),
+    # (found by a probe: a graph network's degrees by bincount were told of CTC losses alone)
+    ("trace-bincount", lambda w: _plan(_Degrees(), (x16, torch.randint(0, 4, (8,))), loss_fn=lambda out: out.sum()),
+     [r"What to do: aten.bincount.default's output shape depends on its input values \([^)]*test_error_table.py:\d+",
+      r"index_add_\(0, idx, torch.ones_like\(idx"]),
     ("custom-function-backward-reads-a-value", lambda w: _plan(_WithBadFunction(), (torch.randn(4, 8),) * 2,
                                                                loss_fn=F.mse_loss),
      [r"trace_joint: could not trace the forward\+backward graph of _WithBadFunction: aten._local_scalar_dense"]),
