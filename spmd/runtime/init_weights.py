@@ -855,14 +855,17 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
             accepted.update(id(n) for n in ast.walk(node.value))
         elif t.attr in children:
             steps.append((node.lineno, "child", t.attr, None))
+    def built_after(lineno: int) -> list[str]:  # (children __init__ builds after a draw at `lineno`)
+        return sorted(a for n, k, a, _ in steps if k == "child" and n > lineno)
+
     for node in ast.walk(fn):                    # any other draw: refuse
         word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
         if word is not None and (_RNG_WORDS.fullmatch(word) or word in _RNG_CALLS) and id(node) not in accepted:
             line = src.splitlines()[node.lineno - 1].strip()
-            return _refusing(qual, f"line {first + node.lineno - 1}: {line}")
+            return _refusing(qual, f"line {first + node.lineno - 1}: {line}", built_after(node.lineno))
     helper = _drawing_helper(cls, fn, src, first)
     if helper is not None:
-        return _refusing(qual, helper)
+        return _refusing(qual, helper[0], built_after(helper[1]))
     steps.sort(key=lambda s: s[0])
     if any(isinstance(n, (ast.For, ast.While)) for n in ast.walk(fn)) and any(
             k == "draw" and d[0] in _INPLACE_DRAWS for _, k, _, d in steps):
@@ -879,10 +882,11 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
     return _Draws(pending, before)
 
 
-def _drawing_helper(cls: type, fn: ast.FunctionDef, src: str, first: int) -> str | None:
-    """`line N: code (calls M, which draws)` when `__init__` calls, for its effect, a method through self or a
-    plain function whose source draws random numbers (ViTMAEDecoder's `self.initialize_weights(num_patches)`,
-    whose normal_ moved the generator: 0.11 off on every later weight), or None. post_init is replayed itself."""
+def _drawing_helper(cls: type, fn: ast.FunctionDef, src: str, first: int) -> tuple[str, int] | None:
+    """(`line N: code (calls M, which draws)`, the call's line in `src`) when `__init__` calls, for its effect, a
+    method through self or a plain function whose source draws random numbers (ViTMAEDecoder's
+    `self.initialize_weights(num_patches)`, whose normal_ moved the generator: 0.11 off on every later weight), or
+    None. post_init is replayed itself."""
     lines = src.splitlines()
     for node in ast.walk(fn):
         if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
@@ -902,17 +906,33 @@ def _drawing_helper(cls: type, fn: ast.FunctionDef, src: str, first: int) -> str
         except (OSError, TypeError):
             continue
         if _RNG_WORDS.search("\n".join(line.split("#", 1)[0] for line in body.splitlines())):
-            return f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}, and {target.__qualname__} draws"
+            return (f"line {first + node.lineno - 1}: {lines[node.lineno - 1].strip()}, and {target.__qualname__} "
+                    "draws", node.lineno)
     return None
 
 
-def _refusing(qual: str, why: str) -> Callable:
+def _refusing(qual: str, why: str, built_after: list[str] = ()) -> Callable:
+    """A reset fn that refuses, saying why. `built_after`: the children `__init__` builds after the draw, which no
+    reset fn can stand in for (it runs at the module's own place, not between its children), so its way out is a
+    checkpoint alone; it is kept on the fn (`built_after`), so that one given in reset_fns is refused too (found by a
+    probe: Mamba's `self.init_mamba_weights()`, between dt_proj and out_proj, given as told: 14 tensors up to 4.2
+    off, without a word)."""
+    name = qual.rpartition(".")[2]
+
     def refuse(module: nn.Module) -> None:
+        if built_after:
+            raise SpmdError(
+                f"init_weights: {qual}.__init__ draws random numbers that the replay on meta cannot redo ({why}), "
+                f"before it builds {', '.join(built_after)}, whose own draws follow: no reset_fns entry can stand in "
+                "for it (one runs at the module's own place, not between its children). What to do: load the "
+                "weights from a checkpoint (load_safetensors), or build the model with values on every rank (the "
+                "pieces then come from rank 0's).")
         raise SpmdError(
             f"init_weights: {qual}.__init__ draws random numbers that the replay on meta cannot redo ({why}); on "
             f"one device they move the generator for every later draw. What to do: pass reset_fns={{"
-            f"{qual.rpartition('.')[2]}: fn}}, fn(module) drawing the same numbers in place (torch.randn(shape) is "
+            f"{name}: fn}}, fn(module) drawing the same numbers in place (torch.randn(shape) is "
             "tensor.normal_()), or load the weights from a checkpoint (load_safetensors).")
+    refuse.built_after = tuple(built_after)
     return refuse
 
 

@@ -494,6 +494,25 @@ def test_a_transformers_init_helper_that_draws_is_refused_with_the_way_out():
     check_equal(factory, "mixed", 5, **kw)
 
 
+def test_a_draw_between_a_modules_children_is_refused_even_with_reset_fns():
+    """Found by a probe: MambaMixer's __init__ calls self.init_mamba_weights() after dt_proj and before out_proj.
+    The refusal said to pass reset_fns={MambaMixer: fn}; given so, 14 tensors came out up to 4.2 off one device,
+    without a word (a reset fn runs at the module's own place, not between its children). Refused either way now,
+    with the ways out that work: a checkpoint, or a build with values."""
+    pytest.importorskip("transformers")
+    import transformers
+    from transformers.models.mamba.modeling_mamba import MambaMixer
+
+    cfg = transformers.MambaConfig(vocab_size=32, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2,
+                                   conv_kernel=2, use_cache=False)
+    with torch.device("meta"):
+        meta = transformers.MambaForCausalLM(cfg)
+    refusal = r"MambaMixer.__init__ draws .*init_mamba_weights.*before it builds out_proj.*no reset_fns entry can stand"
+    with pytest.raises(SpmdError, match=refusal):
+        plan_init(meta, **hf_init_kwargs(meta))
+    # (the mark by which `init_weights` refuses a user's reset_fns entry for the class, before joining it)
+    assert hf_init_kwargs(meta)["reset_fns"][MambaMixer].built_after == ("out_proj",)
+
 def test_dry_runs_in_threads_leave_nn_init_as_it_was():
     """A review found two overlapping dry runs leaving `trunc_normal_`'s meta stand-in installed for good: the
     first to enter patches nn.init, the last to leave restores it."""
