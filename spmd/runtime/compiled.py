@@ -2155,7 +2155,8 @@ class CompiledModule(nn.Module):
                 raise SpmdError(
                     f"the model was compiled from the meta device and {len(names)} of its buffers have no values yet "
                     f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}); they are not persistent, so no "
-                    "checkpoint holds them (a rotary embedding's inv_freq is computed in __init__). What to do: "
+                    "checkpoint holds them (computed in __init__: a rotary embedding's inv_freq, a relative position "
+                    "index, position ids). What to do: "
                     "compiled.init_weights(seed=...) first, which computes them (and draws the weights), then load the "
                     "checkpoint: compiled.load_safetensors(path), or torch.distributed.checkpoint's dcp.load into "
                     "compiled.state_dict() (docs/training.md, the whole loop).")

@@ -188,6 +188,14 @@ class InitPlan:
                 ". If their __init__ draws random numbers (torch.randn, nn.init.*_), the replay cannot know and "
                 "every later draw differs from a single-device build: declare reset_fns={Class: fn} that draws "
                 "the same numbers, or reset_fns={Class: None} if __init__ draws none.", stacklevel=3)
+        parametrized = sorted({n.split(".parametrizations.")[0] for n in self.uncovered if ".parametrizations." in n})
+        if parametrized and strict:  # (found by a probe: Wav2Vec2's positional conv under weight_norm)
+            raise SpmdError(
+                "\n".join(problems) + f"\nThey are the tensors of a parametrization (weight_norm's g and v) on "
+                f"{', '.join(parametrized[:3])}: on one device it was registered after the module drew its weight, "
+                "and computed from it, an order the replay on meta cannot redo. What to do: load the weights from a "
+                "checkpoint (load_safetensors), or build the model with values on every rank (the pieces then come "
+                "from rank 0's); or pass strict=False to leave them out of the result.")
         if problems and strict:
             raise SpmdError(
                 "\n".join(problems) + "\nWhat to do: give the module a reset_parameters() that sets them; or pass "

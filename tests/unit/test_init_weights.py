@@ -513,6 +513,21 @@ def test_a_draw_between_a_modules_children_is_refused_even_with_reset_fns():
     # (the mark by which `init_weights` refuses a user's reset_fns entry for the class, before joining it)
     assert hf_init_kwargs(meta)["reset_fns"][MambaMixer].built_after == ("out_proj",)
 
+class _WeightNormed(nn.Module):
+    """Wav2Vec2's positional conv: a Conv1d drawn, then weight_norm's g and v computed from its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3), dim=2)
+
+
+def test_a_parametrization_registered_after_the_draw_is_refused_with_the_ways_out():
+    """Found by a probe: Wav2Vec2 on meta was told to give `ParametrizedConv1d`'s g and v a reset_parameters() or a
+    reset_fns entry, which no fn of the module's could satisfy. The refusal names the parametrization and the ways
+    out that work."""
+    with pytest.raises(SpmdError, match=r"parametrization \(weight_norm's g and v\) on conv: .*load_safetensors"):
+        plan_init(build_meta(_WeightNormed)).check()
+
 def test_dry_runs_in_threads_leave_nn_init_as_it_was():
     """A review found two overlapping dry runs leaving `trunc_normal_`'s meta stand-in installed for good: the
     first to enter patches nn.init, the last to leave restores it."""
