@@ -473,6 +473,9 @@ def _unbacked_origin(error: BaseException) -> tuple[str, str | None] | None:
             continue
         name, annotation, value = node.groups()
         op = re.match(r"torch\.ops\.(\w+\.\w+)\.\w+\(", value)
+        if op and op.group(1) in ("aten.item", "aten._local_scalar_dense") and symbols & set(
+                re.findall(r"\bu\d+\b", annotation or "")):
+            return None  # (a number taken from a tensor's values, `.item()`: its own message; a review)
         item = re.match(r"(\w+)\[\d+\]", value)
         if op:
             made[name] = (op.group(1), line)
@@ -538,8 +541,8 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         line = _original_line(error)
         func = str(getattr(error, "func", "the op"))
         # (found by a probe: a graph network's node degrees by bincount, told of CTC losses alone)
-        fixed = (" (a count per index below n: `torch.zeros(n, dtype=w.dtype).index_add_(0, idx, "
-                 "torch.ones_like(idx, dtype=w.dtype))`, or `scatter_add_`)") if "bincount" in func else ""
+        fixed = (" (a count per index below n: `torch.zeros(n).index_add_(0, idx, torch.ones(len(idx)))`, or "
+                 "`scatter_add_`)") if "bincount" in func else ""
         return (f"{func}'s output shape depends on its input values"
                 f"{f' ({line})' if line else ''}, and torch's tracing has no rule for it. Replace it with ops of a "
                 f"fixed shape{fixed}, or compute it outside the compiled module: a loss such as CTC's from its outputs "
@@ -681,13 +684,17 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
         # torch.combinations, which selects its pairs with a mask, were told to remove control flow, and no line)
         line = _model_line(error)
         where = f"`{line}` runs" if line else "the forward runs"
-        if kind == "DataDependentOutputException":
-            return (f"{where} {getattr(error, 'func', 'an op')} (itself, or inside torch's own code), which gives a "
-                    "Python value made from its inputs' values (torch.cov and torch.corrcoef check their weights with "
-                    "it), and a "
+        if kind == "DataDependentOutputException" and re.search(r"\b(cov|corrcoef)\(", line or ""):
+            return (f"{where} torch code that calls {getattr(error, 'func', 'an op')}, which gives a Python value "
+                    "made from its inputs' values (torch.cov and torch.corrcoef check their weights with it), and a "
                     "graph holds one outcome. Write the computation as tensor ops (a covariance of the rows of x: "
                     "`xc = x - x.mean(1, keepdim=True)`, then `xc @ xc.T / (x.shape[1] - 1)`), or compute it outside "
                     "the compiled module" + tail)
+        if kind == "DataDependentOutputException":  # (the user's own `torch.equal`, `torch.allclose`: a review)
+            return (f"{where} {getattr(error, 'func', 'an op')}, which gives a Python value made from its inputs' "
+                    "values (`torch.equal`, `torch.allclose`), and a graph holds one outcome. Keep it a tensor "
+                    "(`(a == b).all()`, `torch.isclose(a, b).all()`) and choose with `torch.where`, or compute it "
+                    "outside the compiled module" + tail)
         return (f"{where} torch code that makes a shape from its inputs' values on the way (torch.combinations picks "
                 "its pairs with a mask), which torch's tracing cannot follow. Write it with ops of a fixed shape (the "
                 "pairs of n rows: `i, j = torch.triu_indices(n, n, 1)`, then `x[i]`, `x[j]`), or compute it outside "

@@ -189,13 +189,13 @@ class InitPlan:
                 "every later draw differs from a single-device build: declare reset_fns={Class: fn} that draws "
                 "the same numbers, or reset_fns={Class: None} if __init__ draws none.", stacklevel=3)
         parametrized = sorted({n.split(".parametrizations.")[0] for n in self.uncovered if ".parametrizations." in n})
-        if parametrized and strict:  # (found by a probe: Wav2Vec2's positional conv under weight_norm)
-            raise SpmdError(
-                "\n".join(problems) + f"\nThey are the tensors of a parametrization (weight_norm's g and v) on "
-                f"{', '.join(parametrized[:3])}: on one device it was registered after the module drew its weight, "
-                "and computed from it, an order the replay on meta cannot redo. What to do: load the weights from a "
-                "checkpoint (load_safetensors), or build the model with values on every rank (the pieces then come "
-                "from rank 0's); or pass strict=False to leave them out of the result.")
+        if parametrized:  # (found by a probe: Wav2Vec2's positional conv under weight_norm, told only the above)
+            problems.append(
+                f"Among them, the tensors of a parametrization on {', '.join(parametrized[:3])} (weight_norm's g and v, "
+                "say): registered after the module drew its weight and computed from it, which the module's reset "
+                "does not redo (it writes a weight computed from them). A reset_fns entry for the module that holds it "
+                "must draw that weight and set them from it; a checkpoint (load_safetensors), or a build with values "
+                "on every rank (the pieces then come from rank 0's), needs none")
         if problems and strict:
             raise SpmdError(
                 "\n".join(problems) + "\nWhat to do: give the module a reset_parameters() that sets them; or pass "
@@ -863,17 +863,29 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
             accepted.update(id(n) for n in ast.walk(node.value))
         elif t.attr in children:
             steps.append((node.lineno, "child", t.attr, None))
-    def built_after(lineno: int) -> list[str]:  # (children __init__ builds after a draw at `lineno`)
-        return sorted(a for n, k, a, _ in steps if k == "child" and n > lineno)
+    branched: set[int] = set()  # (the lines under an `if`, or in a conditional expression's branches)
+    for b in ast.walk(fn):
+        if isinstance(b, (ast.If, ast.IfExp)):
+            parts = [b.body, b.orelse] if isinstance(b, ast.IfExp) else [*b.body, *b.orelse]
+            branched.update(n.lineno for part in parts for n in ast.walk(part) if hasattr(n, "lineno"))
+
+    def built_after(lineno: int) -> list[str]:
+        """The children holding tensors `__init__` builds after an unconditional draw at `lineno` (a draw under an
+        `if` may not run: Mamba's mixer draws only where its caller asks, and its block does not; a review)."""
+        if lineno in branched:
+            return []
+        return sorted({a for n, k, a, _ in steps if k == "child" and n > lineno and
+                       any(True for _ in module._modules[a].parameters()) if module._modules.get(a) is not None})
 
     for node in ast.walk(fn):                    # any other draw: refuse
         word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
         if word is not None and (_RNG_WORDS.fullmatch(word) or word in _RNG_CALLS) and id(node) not in accepted:
             line = src.splitlines()[node.lineno - 1].strip()
-            return _refusing(qual, f"line {first + node.lineno - 1}: {line}", built_after(node.lineno))
+            return _refusing(qual, f"line {first + node.lineno - 1}: {line}", built_after(node.lineno),
+                             node.lineno in branched)
     helper = _drawing_helper(cls, fn, src, first)
     if helper is not None:
-        return _refusing(qual, helper[0], built_after(helper[1]))
+        return _refusing(qual, helper[0], built_after(helper[1]), helper[1] in branched)
     steps.sort(key=lambda s: s[0])
     if any(isinstance(n, (ast.For, ast.While)) for n in ast.walk(fn)) and any(
             k == "draw" and d[0] in _INPLACE_DRAWS for _, k, _, d in steps):
@@ -919,13 +931,16 @@ def _drawing_helper(cls: type, fn: ast.FunctionDef, src: str, first: int) -> tup
     return None
 
 
-def _refusing(qual: str, why: str, built_after: list[str] = ()) -> Callable:
-    """A reset fn that refuses, saying why. `built_after`: the children `__init__` builds after the draw, which no
-    reset fn can stand in for (it runs at the module's own place, not between its children), so its way out is a
-    checkpoint alone; it is kept on the fn (`built_after`), so that one given in reset_fns is refused too (found by a
-    probe: Mamba's `self.init_mamba_weights()`, between dt_proj and out_proj, given as told: 14 tensors up to 4.2
-    off, without a word)."""
+def _refusing(qual: str, why: str, built_after: list[str] = (), branched: bool = False) -> Callable:
+    """A reset fn that refuses, saying why. `built_after`: the children holding tensors `__init__` builds after the
+    draw, which no reset fn can stand in for (it runs at the module's own place, after its children), so its way out
+    is a checkpoint alone; it is kept on the fn (`built_after`), so that one given in reset_fns is refused too.
+    `branched`: the draw is under a condition, which may not hold in this build (found by a probe: Mamba's mixer,
+    told to pass a fn that draws, was given one, where its block builds it not drawing: 14 tensors up to 4.2 off;
+    `reset_fns={MambaMixer: None}` is its way out)."""
     name = qual.rpartition(".")[2]
+    maybe = (f" It draws under a condition: if that does not hold in this build (an argument its caller passes), "
+             f"reset_fns={{{name}: None}} says so.") if branched else ""
 
     def refuse(module: nn.Module) -> None:
         if built_after:
@@ -939,7 +954,7 @@ def _refusing(qual: str, why: str, built_after: list[str] = ()) -> Callable:
             f"init_weights: {qual}.__init__ draws random numbers that the replay on meta cannot redo ({why}); on "
             f"one device they move the generator for every later draw. What to do: pass reset_fns={{"
             f"{name}: fn}}, fn(module) drawing the same numbers in place (torch.randn(shape) is "
-            "tensor.normal_()), or load the weights from a checkpoint (load_safetensors).")
+            "tensor.normal_()), or load the weights from a checkpoint (load_safetensors)." + maybe)
     refuse.built_after = tuple(built_after)
     return refuse
 
