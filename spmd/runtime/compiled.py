@@ -1566,9 +1566,9 @@ class CompiledModule(nn.Module):
             if has_peft_layers(model):  # (the adapters: wrapped in after the base model was built)
                 for key, value in peft_init_kwargs(model).items():
                     kwargs[key] = {**kwargs.get(key, {}), **value}
-            for cls in (replay.get("reset_fns") or {}):  # (a draw between the module's children: no fn can redo it)
-                ours = (kwargs.get("reset_fns") or {}).get(cls)
-                if getattr(ours, "built_after", None):
+            for cls, ours in (kwargs.get("reset_fns") or {}).items():  # (a draw between the module's children:
+                given = replay.get("reset_fns") or {}                     # no fn of the user's can redo it)
+                if getattr(ours, "built_after", None) and any(isinstance(k, type) and issubclass(cls, k) for k in given):
                     ours(None)  # (raises, naming the draw, the children after it and the way out)
             for key, value in replay.items():     # (the user's reset_fns / init_roots entries join transformers')
                 kwargs[key] = {**kwargs[key], **value} if isinstance(kwargs.get(key), dict) else value
