@@ -874,8 +874,13 @@ def init_draws(cls: type, module: nn.Module) -> Callable:
         `if` may not run: Mamba's mixer draws only where its caller asks, and its block does not; a review)."""
         if lineno in branched:
             return []
-        return sorted({a for n, k, a, _ in steps if k == "child" and n > lineno and
-                       any(True for _ in module._modules[a].parameters()) if module._modules.get(a) is not None})
+
+        def draws(child: nn.Module) -> bool:  # (holds a parameter of a module other than a norm, which draws none)
+            return any(any(True for _ in m.parameters(recurse=False)) and not type(m).__name__.endswith("Norm")
+                       and not isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm))
+                       for m in child.modules())
+        return sorted({a for n, k, a, _ in steps if k == "child" and n > lineno
+                       and module._modules.get(a) is not None and draws(module._modules[a])})
 
     for node in ast.walk(fn):                    # any other draw: refuse
         word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None

@@ -527,6 +527,7 @@ class _DrawsBetween(nn.Module):
         self.scale = nn.Parameter(torch.empty(4))
         self.reset_scale()
         self.act = nn.GELU()
+        self.norm = nn.LayerNorm(4)
         self.b = nn.Linear(4, 4)
 
     def reset_scale(self):
@@ -535,7 +536,7 @@ class _DrawsBetween(nn.Module):
 
 def test_a_draw_between_a_modules_children_is_refused_even_with_reset_fns():
     """A draw in __init__ after some children holding tensors and before others: the refusal names those built after
-    (not a GELU, which holds none) and gives no reset_fns way out, and the fn it returns carries them, by which
+    (not a GELU, which holds none, nor a LayerNorm, whose reset draws none) and gives no reset_fns way out, and the fn it returns carries them, by which
     `init_weights` refuses a user's entry for the class."""
     from spmd.runtime.init_weights import init_draws
 
