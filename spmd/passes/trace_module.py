@@ -308,10 +308,13 @@ def tensor_info_of(node: fx.Node) -> TensorInfo | tuple | None:
 
 def _static_shape(node: fx.Node, val: torch.Tensor) -> tuple[int, ...]:
     if any(isinstance(d, torch.SymInt) for d in val.shape):
+        counts = "bincount" in str(node.target)  # (as the training trace's refusal says it: a review)
         raise SpmdError(
             f"{describe_node(node)} has an output shape that depends on the data ({list(val.shape)}); a plan "
-            "needs every shape known when it is made. What to do: compute a fixed-size result instead (a mask "
-            "and torch.where in place of nonzero or boolean indexing), or run this op outside the compiled model.")
+            "needs every shape known when it is made. What to do: compute a fixed-size result instead (" +
+            ("a count per index below n: `torch.zeros(n).index_add_(0, idx, torch.ones(len(idx)))`" if counts else
+             "a mask and torch.where in place of nonzero or boolean indexing") +
+            "), or run this op outside the compiled model.")
     return tuple(val.shape)
 
 

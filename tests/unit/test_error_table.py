@@ -287,6 +287,8 @@ ROWS = [
         out, y, reduction="sum") / max(1, (y > 0).sum().item())),
      [r"could not trace the forward\+backward graph of MLP", r"What to do: `[^`]*test_error_table.py:\d+: ",
       r"takes a Python number from a tensor's values \(`.item\(\)`", r"\.clamp\(min=1\)"]),
+    ("trace-bincount-inference", lambda w: _plan(_Degrees(), (x16, torch.randint(0, 4, (8,)))),
+     [r"node 'bincount' \(aten.bincount.default\)", r"index_add_\(0, idx, torch.ones\(len\(idx\)\)\)"]),
     ("trace-nonzero", lambda w: _plan(_NonZero(), (x16,)),
      [r"node 'nonzero' \(aten.nonzero.default\)", r"depends on the data", r"torch.where"]),
     ("trace-op-without-a-shape-rule", lambda w: _plan(nn.Linear(16, 8), (torch.randn(6, 2, 16), torch.randint(1, 8, (2, 3))),
