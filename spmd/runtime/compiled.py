@@ -568,12 +568,8 @@ class CompiledModule(nn.Module):
         # generators must agree, which the first call checks (one small all_gather), and calls 2, 4, 8, ... and
         # every `_generator_period`-th after it (a rank that drew numbers its peers did not since: sampling on
         # rank 0 alone for a log)
-        # (the ops named by the refusal where generators differ: a diffusion step's randint and randn_like were told
-        # of dropout masks, found by a probe)
-        self._draw_names = sorted(ops & _RANDOM_OPS | {  # (and attention's dropout inside its kernel, a custom op's)
-            getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
-            for n in c.traced.graph.nodes if n.op == "call_function" and may_draw(n)})
-        self._draws = bool(self._draw_names) and self.mesh_spec.size > 1
+        self._draws = (bool(ops & _RANDOM_OPS) or any(may_draw(n) for n in c.traced.graph.nodes if n.op == "call_function")
+                       ) and self.mesh_spec.size > 1  # (attention's dropout, inside its kernel)
         self._generators_agreed = not self._draws
         self._warned_plain_pieces = False  # (`_warn_plain_parameters_on_pieces`: said once)
         self._fast_path_warning = None  # (`_warn_fast_path_with_grad`: looked at once)
@@ -1566,9 +1562,9 @@ class CompiledModule(nn.Module):
             if has_peft_layers(model):  # (the adapters: wrapped in after the base model was built)
                 for key, value in peft_init_kwargs(model).items():
                     kwargs[key] = {**kwargs.get(key, {}), **value}
+            given = [k for k in (replay.get("reset_fns") or {}) if isinstance(k, type)]
             for cls, ours in (kwargs.get("reset_fns") or {}).items():  # (a draw between the module's children:
-                given = replay.get("reset_fns") or {}                     # no fn of the user's can redo it)
-                if getattr(ours, "built_after", None) and any(isinstance(k, type) and issubclass(cls, k) for k in given):
+                if getattr(ours, "built_after", None) and any(issubclass(cls, k) for k in given):  # no fn redoes it)
                     ours(None)  # (raises, naming the draw, the children after it and the way out)
             for key, value in replay.items():     # (the user's reset_fns / init_roots entries join transformers')
                 kwargs[key] = {**kwargs[key], **value} if isinstance(kwargs.get(key), dict) else value
@@ -2294,7 +2290,7 @@ class CompiledModule(nn.Module):
                 "rank)")
             raise SpmdError(
                 f"the ranks' random generators differ ({seen}){since}, and this graph draws random numbers "
-                f"({', '.join(self._draw_names)}): each rank draws them whole, so replicated values (a dropout mask, "
+                f"({', '.join(_draw_names(self._traced_gm.graph))}): each rank draws them whole, so replicated values (a dropout mask, "
                 "noise, timesteps) would come out differently on each rank and the replicas would drift apart. What to "
                 "do: seed every rank alike before "
                 "the step (torch.manual_seed(seed), the same seed everywhere), and give per-rank work such as "
@@ -3465,6 +3461,14 @@ _RANDOM_OPS = frozenset({"native_dropout", "bernoulli", "rand", "rand_like", "ra
                          "randint_like", "randperm", "normal", "normal_functional", "uniform", "multinomial",
                          "exponential", "poisson", "rrelu_with_noise", "rrelu_with_noise_functional"})
 _DROPOUT_OPS = frozenset({"native_dropout", "bernoulli"})  # (what dropout traces to in train mode)
+
+
+def _draw_names(graph) -> list[str]:
+    """The names of the ops of the graph that draw random numbers (dropout's, attention's inside its kernel, a custom
+    op's), as the refusal where the ranks' generators differ names them (a diffusion step's randint and randn_like were
+    told of dropout masks: found by a probe)."""
+    return sorted(_op_names(graph) & _RANDOM_OPS | {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
+                                                   for n in graph.nodes if n.op == "call_function" and may_draw(n)})
 
 
 def _op_names(graph) -> set[str]:
