@@ -276,17 +276,19 @@ def _lift_constants(gm: torch.fx.GraphModule, inputs: list) -> tuple[list, dict]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     at = next((k for k, gi in enumerate(inputs) if gi.kind == "tangent"), len(inputs))
     anchor = placeholders[at] if at < len(placeholders) else next(n for n in graph.nodes if n.op != "placeholder")
-    constants, new = {}, []
-    for node in lifted:
-        value = getattr(gm, node.target)
-        with graph.inserting_before(anchor):
-            ph = graph.placeholder(node.target)
-        ph.meta = {k: v for k, v in node.meta.items() if k != "partitioner_tag"}  # (an input: forward's)
+    constants, new, placed = {}, [], {}
+    for node in lifted:  # (one constant can be read by several get_attr nodes: a loss_fn's tensor, forward and
+        ph = placed.get(node.target)  # backward; found by a probe, a raw AttributeError at the second)
+        if ph is None:
+            with graph.inserting_before(anchor):
+                ph = placed[node.target] = graph.placeholder(node.target)
+            ph.meta = {k: v for k, v in node.meta.items() if k != "partitioner_tag"}  # (an input: forward's)
+            constants[node.target] = getattr(gm, node.target).detach()
+            new.append(GraphInput(ph.name, "constant", node.target))
         node.replace_all_uses_with(ph)
         graph.erase_node(node)
-        delattr(gm, node.target)
-        constants[node.target] = value.detach()
-        new.append(GraphInput(ph.name, "constant", node.target))
+    for target in placed:
+        delattr(gm, target)
     gm.recompile()
     return inputs[:at] + new + inputs[at:], constants
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -111,8 +112,10 @@ class _Event:
 
 def _default_reset_fns() -> dict[type, Callable | None]:
     # torch modules whose __init__ ends with a private reset (after building their children)
+    # (a parametrization's originals are set from its module's reset: `_through_parametrizations`)
     return {nn.MultiheadAttention: lambda m: m._reset_parameters(),
-            nn.Transformer: lambda m: m._reset_parameters()}
+            nn.Transformer: lambda m: m._reset_parameters(),
+            torch.nn.utils.parametrize.ParametrizationList: None}
 
 
 def _lookup(table: Mapping[type, Any], cls: type):
@@ -169,6 +172,98 @@ def _construction_resets(cls: type) -> str:
     return found
 
 
+_PARAMETRIZING = re.compile(r"\b(weight_norm|spectral_norm|orthogonal|register_parametrization)\b")
+
+
+def _parametrizes(fn, depth: int = 1) -> bool:
+    """Whether `fn`'s source registers a parametrization: names torch's functions that do, calls one under
+    another name (`wn = weight_norm` at module level), or calls a function or class of its module that does
+    (`self.conv = WNConv1d(...)`), `depth` calls deep."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return False
+    if _PARAMETRIZING.search(text):
+        return True
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    scope = getattr(fn, "__globals__", {})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called = scope.get(node.func.id)
+            if getattr(called, "__module__", "") in ("torch.nn.utils.parametrizations", "torch.nn.utils.parametrize") \
+                    and _PARAMETRIZING.search(getattr(called, "__name__", "")):
+                return True
+            if isinstance(called, type) and (called.__module__ or "").split(".")[0] != "torch":
+                called = called.__dict__.get("__init__")
+            if depth and inspect.isfunction(called) and (called.__module__ or "").split(".")[0] != "torch" \
+                    and _parametrizes(called, depth - 1):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _registers_parametrizations(cls: type) -> bool:
+    """Whether building `cls` registers parametrizations on its children (its `__init__` along the MRO does:
+    `_parametrizes`). Only then did a child's reset run before the parametrization came, as Wav2Vec2's
+    positional conv is drawn and then weight-normed; one registered on the built model came after any init of
+    the model's too, which a meta model cannot replay."""
+    return any(_parametrizes(c.__init__) for c in cls.__mro__
+               if c is not nn.Module and c is not object and "__init__" in c.__dict__
+               and (c.__module__ or "").split(".")[0] != "torch")
+
+
+def _through_parametrizations(fn: Callable[[nn.Module], Any], m: nn.Module) -> Callable[[nn.Module], Any]:
+    """`fn` (a module's reset) run as construction ran it, before the parametrizations came: what it writes into
+    a parametrized tensor (`self.weight`) goes to a plain tensor of that tensor's shape, which then sets the
+    parametrization's originals as registering it did (its first parametrization's `right_inverse`:
+    weight_norm's g and v from the drawn weight). A tensor `fn` does not write keeps its originals."""
+    parametrize = torch.nn.utils.parametrize
+    with torch.no_grad():                        # (on the meta model, before any event records)
+        shapes = {name: getattr(m, name).shape for name in m.parametrizations}
+
+    @functools.wraps(fn)
+    def run(m: nn.Module):
+        plains = {}
+        for name, shape in shapes.items():
+            chain = m.parametrizations[name]
+            first = chain.original if chain.is_tensor else chain.original0
+            plains[name] = torch.empty(shape, dtype=first.dtype, device=first.device)
+        keys = [(id(m), name) for name in plains]
+        with parametrize.cached():
+            parametrize._cache.update(zip(keys, plains.values()))
+            try:
+                result = fn(m)
+            finally:
+                for key in keys:
+                    parametrize._cache.pop(key, None)
+        with torch.no_grad():
+            for name, plain in plains.items():
+                if plain._version == 0:
+                    continue
+                chain = m.parametrizations[name]
+                new = plain
+                if hasattr(chain[0], "right_inverse"):
+                    try:
+                        new = chain[0].right_inverse(plain)
+                    except NotImplementedError:
+                        pass
+                if chain.is_tensor:
+                    chain.original.copy_(new)
+                else:
+                    for i, t in enumerate(new):
+                        getattr(chain, f"original{i}").copy_(t)
+        return result
+
+    return run
+
+
 def _join(a: str, b: str) -> str:
     return f"{a}.{b}" if a else b
 
@@ -216,6 +311,10 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
     def reset_event(m, fqn):
         found, fn = reset_fn(m)
         if found and fn is not None:
+            parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
+            if torch.nn.utils.parametrize.is_parametrized(m) and parent is not None \
+                    and _registers_parametrizations(type(parent)):
+                fn = _through_parametrizations(fn, m)
             add("reset", m, fqn, fn)
         elif not found and (any(t is not None for t in m._parameters.values())
                             or any(t is not None for t in m._buffers.values())):

@@ -213,9 +213,10 @@ class _Recorder(TorchDispatchMode):
             raise SpmdError(
                 f"deferred_init: the construction calls {func} ({_user_line(traceback.extract_stack()[:-1])}), "
                 "which swaps or resizes a tensor's storage; the recording cannot follow it (torch.nn.utils."
-                "parametrize does this to register a parametrization). What to do: build the tensor at its final "
-                "size, and register parametrizations after init_weights; or build under torch.device('meta'), "
-                "where init_weights replays each module's reset_parameters().")
+                "parametrize does this to register a parametrization). What to do: build under torch.device('meta'), "
+                "where init_weights replays each module's reset_parameters() and sets the originals of a "
+                "parametrization registered in a module's __init__ (weight_norm) from it; or build the tensor at "
+                "its final size.")
         tape = self.tape
         writes: dict[int, bool] = {}
         reads = set()

@@ -191,11 +191,12 @@ class InitPlan:
         parametrized = sorted({n.split(".parametrizations.")[0] for n in self.uncovered if ".parametrizations." in n})
         if parametrized:  # (found by a probe: Wav2Vec2's positional conv under weight_norm, told only the above)
             problems.append(
-                f"Among them, the tensors of a parametrization on {', '.join(parametrized[:3])} (weight_norm's g and v, "
-                "say): registered after the module drew its weight and computed from it, which the module's reset "
-                "does not redo (it writes a weight computed from them). A reset_fns entry for the module that holds it "
-                "must draw that weight and set them from it; a checkpoint (load_safetensors), or a build with values "
-                "on every rank (the pieces then come from rank 0's), needs none")
+                f"Among them, the tensors of a parametrization on {', '.join(parametrized[:3])}: one registered in a "
+                "module's __init__ (weight_norm in Wav2Vec2's, or in a helper it calls) has its originals set from "
+                "the module's reset, as registering it set them; not one registered on the built model (after its "
+                "init, which a meta model cannot replay), nor the tensors a parametrization draws itself "
+                "(spectral_norm's _u and _v). A checkpoint (load_safetensors), or a build with values on every rank "
+                "(the pieces then come from rank 0's), needs none of this")
         if problems and strict:
             raise SpmdError(
                 "\n".join(problems) + "\nWhat to do: give the module a reset_parameters() that sets them; or pass "
