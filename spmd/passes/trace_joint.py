@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
+from spmd.core.shared_patch import SharedPatch, class_attribute_patch
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
@@ -409,30 +410,19 @@ def _either_road(model: torch.nn.Module, root: torch.nn.Module, example_inputs: 
     # (only where the output leaves the graph as it is: a loss_fn takes it apart itself, and torch's registration is
     # for good, which a user's own `register_dataclass` of the class after it would find taken; a review)
     registered = dataclass_outputs_registered(model) if root is model else contextlib.nullcontext()
-    with _autocast_in_forward(root), _onednn_off(), registered, _masked_writes_as_where():
+    with _autocast_in_forward(root), _ONEDNN_OFF, registered, _masked_writes_as_where():
         return _either_road_as_eager(model, root, example_inputs, counted, made, stored)
 
 
-_onednn_lock = threading.Lock()
-_onednn_depth = [0, True]  # (traces inside, the flag before the first)
+def _onednn_disabled() -> bool:
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    return before
 
 
-@contextlib.contextmanager
-def _onednn_off():
-    """oneDNN's kernels off, and only that (torch.backends.mkldnn.flags also sets its TF32 flag, which warns); put
-    back when the last of overlapping traces ends (two threads' traces left it off for good: a review)."""
-    with _onednn_lock:
-        if _onednn_depth[0] == 0:
-            _onednn_depth[1] = torch._C._get_mkldnn_enabled()
-            torch._C._set_mkldnn_enabled(False)
-        _onednn_depth[0] += 1
-    try:
-        yield
-    finally:
-        with _onednn_lock:
-            _onednn_depth[0] -= 1
-            if _onednn_depth[0] == 0:
-                torch._C._set_mkldnn_enabled(_onednn_depth[1])
+# oneDNN's kernels off, and only that (torch.backends.mkldnn.flags also sets its TF32 flag, which warns); put back
+# when the last of overlapping traces ends (two threads' traces left it off for good: a review)
+_ONEDNN_OFF = SharedPatch(_onednn_disabled, torch._C._set_mkldnn_enabled)
 
 
 @contextlib.contextmanager
@@ -693,21 +683,29 @@ class _DropsBackward(Exception):
     has gradient hooks, which it drops too)."""
 
 
+_hooks_here = threading.local()  # .open: the lists of this thread's open `_tensor_hooks`
+
+
+def _register_hook_noted(self, hook):
+    for hooked in getattr(_hooks_here, "open", ()):
+        hooked.append(True)
+    return _TENSOR_HOOKS.saved(self, hook)
+
+
+_TENSOR_HOOKS = class_attribute_patch(torch.Tensor, "register_hook", _register_hook_noted)
+
+
 @contextlib.contextmanager
 def _tensor_hooks():
-    """Whether the forward registers a gradient hook on a tensor (`tensor.register_hook`) while this is open."""
+    """Whether the forward registers a gradient hook on a tensor (`tensor.register_hook`) while this is open, on
+    this thread."""
     hooked: list[bool] = []
-    register = torch.Tensor.register_hook
-
-    def spy(self, hook):
-        hooked.append(True)
-        return register(self, hook)
-
-    torch.Tensor.register_hook = spy
-    try:
-        yield hooked
-    finally:
-        torch.Tensor.register_hook = register
+    with _TENSOR_HOOKS:
+        _hooks_here.open = getattr(_hooks_here, "open", ()) + (hooked,)
+        try:
+            yield hooked
+        finally:
+            _hooks_here.open = tuple(h for h in _hooks_here.open if h is not hooked)
 
 
 def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
@@ -738,10 +736,66 @@ def _positional(fn) -> list[str]:
         return []
 
 
-_CHECKPOINTS_LOCK = threading.Lock()
-_checkpoints_depth = 0  # traces inside `checkpoints_run_through`, on any thread (the patch is process-wide)
 _checkpoints_here = threading.local()  # .calls: this thread's innermost trace's list, else absent
-_checkpoints_restore: tuple = ()  # torch's own (CheckpointFunction, its own apply, generator) while patched
+
+
+def _checkpoints_patched() -> tuple:
+    """torch.utils.checkpoint made to run its function through (`checkpoints_run_through`) on the threads tracing;
+    returns what puts torch's own back."""
+    import torch.utils.checkpoint as ckpt
+
+    reentrant = ckpt.CheckpointFunction
+    own_apply, torch_apply = reentrant.__dict__.get("apply"), reentrant.apply
+    torch_generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+
+    def apply(cls, function, preserve_rng_state, *args):
+        here = getattr(_checkpoints_here, "calls", None)
+        if here is None:
+            return torch_apply(function, preserve_rng_state, *args)
+        here[0].append(here[1](function))
+        here[0].reentrant = True
+        ckpt.check_backward_validity(args)  # (torch's warning where none requires grad)
+        grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        with _inside_checkpoint(), torch.set_grad_enabled(grad):
+            return function(*args)
+
+    def without_reentrant(function, *args, **kwargs):  # (checkpoint() runs it between its two steps)
+        here = getattr(_checkpoints_here, "calls", None)
+        if here is None:
+            yield from torch_generator(function, *args, **kwargs)
+            return
+        here[0].append(here[1](function))
+        with _inside_checkpoint():
+            yield
+
+    def norm_inside(module, args):
+        here = getattr(_checkpoints_here, "calls", None)
+        if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
+                isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
+
+    reentrant.apply = classmethod(apply)
+    if torch_generator is not None:
+        ckpt._checkpoint_without_reentrant_generator = without_reentrant
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(norm_inside)
+    return reentrant, own_apply, torch_generator, hook
+
+
+def _checkpoints_restored(saved: tuple) -> None:
+    import torch.utils.checkpoint as ckpt
+
+    reentrant, own_apply, torch_generator, hook = saved
+    hook.remove()
+    if own_apply is not None:
+        reentrant.apply = own_apply
+    else:
+        del reentrant.apply
+    if torch_generator is not None:
+        ckpt._checkpoint_without_reentrant_generator = torch_generator
+
+
+# (process-wide while any thread traces; only the tracing threads' checkpoints run through)
+_CHECKPOINTS = SharedPatch(_checkpoints_patched, _checkpoints_restored)
 
 
 @contextlib.contextmanager
@@ -761,9 +815,6 @@ def checkpoints_run_through(root: torch.nn.Module):
     3.3e-3 off after 3 steps); and eager updates a batch norm's running statistics twice per step inside a
     checkpoint (in forward and again in backward's recompute, pytorch/pytorch#96136), where the graph updates
     them once, which is said in a warning (found by a probe)."""
-    global _checkpoints_depth, _checkpoints_restore
-    import torch.utils.checkpoint as ckpt
-
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     calls = _Calls(root)
 
@@ -778,72 +829,24 @@ def checkpoints_run_through(root: torch.nn.Module):
                 return paths[id(candidate.__self__)]
         return ""
 
-    with _CHECKPOINTS_LOCK:
-        if _checkpoints_depth == 0:
-            reentrant = ckpt.CheckpointFunction
-            own_apply, torch_apply = reentrant.__dict__.get("apply"), reentrant.apply
-            torch_generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
-
-            def apply(cls, function, preserve_rng_state, *args):
-                here = getattr(_checkpoints_here, "calls", None)
-                if here is None:
-                    return torch_apply(function, preserve_rng_state, *args)
-                here[0].append(here[1](function))
-                here[0].reentrant = True
-                ckpt.check_backward_validity(args)  # (torch's warning where none requires grad)
-                grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                with _inside_checkpoint(), torch.set_grad_enabled(grad):
-                    return function(*args)
-
-            def without_reentrant(function, *args, **kwargs):  # (checkpoint() runs it between its two steps)
-                here = getattr(_checkpoints_here, "calls", None)
-                if here is None:
-                    yield from torch_generator(function, *args, **kwargs)
-                    return
-                here[0].append(here[1](function))
-                with _inside_checkpoint():
-                    yield
-
-            def norm_inside(module, args):
-                here = getattr(_checkpoints_here, "calls", None)
-                if here is not None and getattr(_checkpoints_here, "inside", 0) and module.training and \
-                        isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-                    here[0].norms.setdefault(here[1](module) or type(module).__name__, type(module).__name__)
-
-            reentrant.apply = classmethod(apply)
-            if torch_generator is not None:
-                ckpt._checkpoint_without_reentrant_generator = without_reentrant
-            hook = torch.nn.modules.module.register_module_forward_pre_hook(norm_inside)
-            _checkpoints_restore = (reentrant, own_apply, torch_generator, hook)
-        _checkpoints_depth += 1
-    outer = getattr(_checkpoints_here, "calls", None)
-    _checkpoints_here.calls = (calls, owner)
-    try:
-        yield calls
-        if calls.norms:
-            named = ", ".join(f"`{path.removeprefix(_PREFIX) if isinstance(root, WithLoss) else path}` ({kind})"
-                              for path, kind in list(calls.norms.items())[:3])
-            warnings.warn(
-                f"{named}{' and more' if len(calls.norms) > 3 else ''} update{'s' if len(calls.norms) == 1 else ''} "
-                "running statistics inside torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
-                "again when backward recomputes the checkpointed part; pytorch/pytorch#96136), the compiled module "
-                "once, as without checkpointing. Losses and gradients are the same; the running statistics (and "
-                "num_batches_tracked) differ from an eager run's.")
-    finally:
-        _checkpoints_here.calls = outer
-        if outer is None:
-            del _checkpoints_here.calls
-        with _CHECKPOINTS_LOCK:
-            _checkpoints_depth -= 1
-            if _checkpoints_depth == 0:
-                reentrant, own_apply, torch_generator, hook = _checkpoints_restore
-                hook.remove()
-                if own_apply is not None:
-                    reentrant.apply = own_apply
-                else:
-                    del reentrant.apply
-                if torch_generator is not None:
-                    ckpt._checkpoint_without_reentrant_generator = torch_generator
+    with _CHECKPOINTS:
+        outer = getattr(_checkpoints_here, "calls", None)
+        _checkpoints_here.calls = (calls, owner)
+        try:
+            yield calls
+            if calls.norms:
+                named = ", ".join(f"`{path.removeprefix(_PREFIX) if isinstance(root, WithLoss) else path}` ({kind})"
+                                  for path, kind in list(calls.norms.items())[:3])
+                warnings.warn(
+                    f"{named}{' and more' if len(calls.norms) > 3 else ''} update{'s' if len(calls.norms) == 1 else ''} "
+                    "running statistics inside torch.utils.checkpoint: eager PyTorch updates them twice per training step there (in forward, and "
+                    "again when backward recomputes the checkpointed part; pytorch/pytorch#96136), the compiled module "
+                    "once, as without checkpointing. Losses and gradients are the same; the running statistics (and "
+                    "num_batches_tracked) differ from an eager run's.")
+        finally:
+            _checkpoints_here.calls = outer
+            if outer is None:
+                del _checkpoints_here.calls
 
 
 class _Calls(list):
@@ -892,28 +895,35 @@ def _writes(t: torch.Tensor) -> tuple[int, int]:
     return t._version, torch._functionalize_mutation_counter(inner) if functional else 0
 
 
+_functions_here = threading.local()  # .open: the sets of this thread's open `custom_functions`
+
+
+def _apply_noted(cls, *args, **kwargs):
+    if not cls.__module__.startswith("torch."):  # (torch's own, a higher-order op's autograd, export keeps)
+        for applied in getattr(_functions_here, "open", ()):
+            applied.add(cls.__qualname__)
+    return _FUNCTION_APPLY.saved.__func__(cls, *args, **kwargs)
+
+
+_FUNCTION_APPLY = class_attribute_patch(torch.autograd.Function, "apply", classmethod(_apply_noted))
+
+
 @contextlib.contextmanager
 def custom_functions():
-    """The names of the user's `torch.autograd.Function`s the model applies while this is open. torch.export
-    (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
-    keeps the backward they define (`trace_joint`'s first road; its second, through torch.export, refuses them)."""
+    """The names of the user's `torch.autograd.Function`s the model applies on this thread while this is open.
+    torch.export (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
+    keeps the backward they define (`trace_joint`'s first road; its second, through torch.export, refuses them).
+    (`Function.apply` is patched process-wide while any thread traces; another thread's Functions are not this
+    trace's: before, a model compiled in one thread was taken to apply the Functions of one another compiled.)"""
     applied: set[str] = set()
-    descriptor = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch."):  # torch's own (a higher-order op's autograd) export keeps
-            applied.add(cls.__qualname__)
-        return descriptor.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield applied
-    finally:
-        torch.autograd.Function.apply = descriptor
+    with _FUNCTION_APPLY:
+        _functions_here.open = getattr(_functions_here, "open", ()) + (applied,)
+        try:
+            yield applied
+        finally:
+            _functions_here.open = tuple(a for a in _functions_here.open if a is not applied)
 
 
-_masked_lock = threading.Lock()
-_masked_depth = [0, None]  # (traces open on any thread; the `Tensor.__setitem__` of torch's subclass before the first)
 _masked_here = threading.local()  # (traces open on this thread: only these rewrite)
 
 
@@ -925,33 +935,26 @@ def _masked_writes_as_where():
     mask) finds the picked positions for v's gradient with `nonzero`, a shape from the mask's values, which a
     training graph cannot hold (found by a probe: Wav2Vec2's SpecAugment,
     `hidden_states[mask_time_indices] = self.masked_spec_embed`, refused in training). Anything else goes as it is.
-    (`Tensor.__setitem__` itself, set process-wide while any thread traces, counted: not a TorchFunctionMode, whose
-    frame sits under every op, and which torch named as the cause of every data-dependent failure.)"""
-    with _masked_lock:
-        if _masked_depth[0] == 0:
-            _masked_depth[1] = torch.Tensor.__dict__.get("__setitem__")
-            torch.Tensor.__setitem__ = _set_masked_as_where
-        _masked_depth[0] += 1
-    _masked_here.depth = getattr(_masked_here, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _masked_here.depth -= 1
-        with _masked_lock:
-            _masked_depth[0] -= 1
-            if _masked_depth[0] == 0:
-                if _masked_depth[1] is None:
-                    del torch.Tensor.__setitem__  # (TensorBase's again)
-                else:
-                    torch.Tensor.__setitem__ = _masked_depth[1]
+    (`Tensor.__setitem__` itself, set process-wide while any thread traces: not a TorchFunctionMode, whose frame
+    sits under every op, and which torch named as the cause of every data-dependent failure.)"""
+    with _MASKED_WRITES:
+        _masked_here.depth = getattr(_masked_here, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _masked_here.depth -= 1
 
 
 def _set_masked_as_where(x, index, value):
     mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
     if not getattr(_masked_here, "depth", 0) or not _picks_rows(x, mask, value):
-        return (_masked_depth[1] or torch._C.TensorBase.__setitem__)(x, index, value)
+        return (_MASKED_WRITES.saved or torch._C.TensorBase.__setitem__)(x, index, value)
     where = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
     x.copy_(torch.where(where, value, x))
+
+
+# (a setitem of torch's own subclass, or a user's, set before: kept, called, and put back)
+_MASKED_WRITES = class_attribute_patch(torch.Tensor, "__setitem__", _set_masked_as_where)
 
 
 def _picks_rows(x, mask, value) -> bool:

@@ -41,6 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmd.core.errors import SpmdError
+from spmd.core.shared_patch import SharedPatch
 
 aten = torch.ops.aten
 
@@ -573,12 +574,45 @@ def _trunc_normal_on_meta(original):
     return trunc_normal
 
 
+_here = threading.local()  # .rec: this thread's dry run's recorder, while it replays
+
+
+def _noted(name: str, original):
+    """nn.init's `name` as the dry run calls it: a call on a meta tensor noted on this thread's recorder."""
+    @functools.wraps(original)
+    def init(tensor, *args, **kwargs):
+        rec = getattr(_here, "rec", None)
+        if rec is not None and rec.event is not None and rec.skipped is None and isinstance(tensor, torch.Tensor) \
+                and tensor.is_meta:
+            rec.skipped = name
+        return original(tensor, *args, **kwargs)
+    return init
+
+
+def _init_patched() -> dict:
+    originals = {name: getattr(nn.init, name) for name in (*_SKIPPED_ON_META, "_no_grad_trunc_normal_")}
+    for name in _SKIPPED_ON_META:
+        setattr(nn.init, name, _noted(name, originals[name]))
+    nn.init._no_grad_trunc_normal_ = _trunc_normal_on_meta(originals["_no_grad_trunc_normal_"])
+    return originals
+
+
+def _init_restored(originals: dict) -> None:
+    for name, original in originals.items():
+        setattr(nn.init, name, original)
+
+
+# (dry runs in two threads: the first to enter patches, the last to leave restores; a review found two overlapping
+# ones leaving trunc_normal_ patched for good)
+_INIT_PATCH = SharedPatch(_init_patched, _init_restored)
+
+
 @contextlib.contextmanager
 def _skips_refused(rec: "_Recorder"):
     """`nn.init.orthogonal_`, `sparse_` and `dirac_` refused on a meta tensor while the dry run replays an event;
     `trunc_normal_` shown as the draw it is (`_trunc_normal_on_meta`, through the module function every binding of
-    `trunc_normal_` calls). For the refusals, two ways: the functions on `nn.init` are replaced for the while (a call
-    from any thread), and, where no profiler runs, a profile function notes a call of their code however it was
+    `trunc_normal_` calls). For the refusals, two ways: the functions on `nn.init` are replaced while any thread's dry run
+    replays (`_INIT_PATCH`; a call noted on this thread's recorder), and, where no profiler runs, a profile function notes a call of their code however it was
     bound (`from torch.nn.init import
     orthogonal_`; transformers' `initialization` keeps torch's own in a table). A profiler that runs (cProfile,
     torch.profiler with stacks: C-level, which a Python profile function cannot chain to) is left alone, and a
@@ -586,52 +620,26 @@ def _skips_refused(rec: "_Recorder"):
     raised once the event's function returns (`_Recorder.skipped`, `_refuse_skipped`)."""
     import sys
 
-    with _patch_lock:  # (torch's own, also while another thread's dry run has them patched)
-        originals = {name: _patched.get(name, getattr(nn.init, name)) for name in _SKIPPED_ON_META}
-        trunc = _patched.get("_no_grad_trunc_normal_", nn.init._no_grad_trunc_normal_)
-    codes = {fn.__code__: name for name, fn in originals.items()}
+    with _INIT_PATCH:
+        originals = _INIT_PATCH.saved  # (torch's own, also while another thread's dry run has them patched)
+        codes = {originals[name].__code__: name for name in _SKIPPED_ON_META}
 
-    def noted(name, original):
-        @functools.wraps(original)
-        def init(tensor, *args, **kwargs):
-            if rec.event is not None and rec.skipped is None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                rec.skipped = name
-            return original(tensor, *args, **kwargs)
-        return init
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code in codes and rec.event is not None and rec.skipped is None:
+                tensor = frame.f_locals.get("tensor")
+                if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                    rec.skipped = codes[frame.f_code]
 
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code in codes and rec.event is not None and rec.skipped is None:
-            tensor = frame.f_locals.get("tensor")
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                rec.skipped = codes[frame.f_code]
-
-    global _patch_depth
-    with _patch_lock:  # (dry runs in two threads: the first to enter patches, the last to leave restores; a
-        if _patch_depth == 0:  # review found two overlapping ones leaving trunc_normal_ patched for good)
-            _patched.update(originals, _no_grad_trunc_normal_=trunc)
-            for name, original in originals.items():
-                setattr(nn.init, name, noted(name, original))
-            nn.init._no_grad_trunc_normal_ = _trunc_normal_on_meta(trunc)
-        _patch_depth += 1
-    watching = sys.getprofile() is None
-    if watching:
-        sys.setprofile(profile)
-    try:
-        yield
-    finally:
+        outer, _here.rec = getattr(_here, "rec", None), rec
+        watching = sys.getprofile() is None
         if watching:
-            sys.setprofile(None)
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                for name, original in _patched.items():
-                    setattr(nn.init, name, original)
-                _patched.clear()
-
-
-_patch_lock = threading.Lock()
-_patch_depth = 0
-_patched: dict = {}  # nn.init's own functions while patched
+            sys.setprofile(profile)
+        try:
+            yield
+        finally:
+            if watching:
+                sys.setprofile(None)
+            _here.rec = outer
 
 
 def _refuse_skipped(rec: "_Recorder") -> None:
