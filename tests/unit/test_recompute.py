@@ -579,3 +579,61 @@ def test_a_buffer_updated_inside_a_checkpointed_module_warns_that_eager_updates_
             warnings.simplefilter("always")
             one_device(model, (x, t), loss_fn=F.mse_loss)
         assert not [w for w in caught if "inside torch.utils.checkpoint" in str(w.message)]
+
+
+class _MemoryLayer(nn.Module):
+    """Transformer-XL's segment recurrence: attends over its memory and the input, then keeps its output as the
+    next call's memory, written into the buffer in place."""
+
+    def __init__(self, d: int = 8, length: int = 8):
+        super().__init__()
+        self.qkv, self.o, self.norm = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d)
+        self.register_buffer("mems", torch.randn(1, length, d))
+
+    def forward(self, x):
+        d = x.shape[-1]
+        both = torch.cat([self.mems, x], 1)
+        q, k, v = self.qkv(x)[..., :d], self.qkv(both)[..., d:2 * d], self.qkv(both)[..., 2 * d:]
+        h = self.norm(x + self.o(F.softmax(q @ k.transpose(-1, -2) / d ** 0.5, -1) @ v))
+        with torch.no_grad():
+            self.mems.copy_(h)
+        return h
+
+
+class _MemoryStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_MemoryLayer(), _MemoryLayer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("recompute", [True, "selective"])
+def test_a_recomputed_layer_reads_its_buffer_as_the_forward_did(recompute):
+    """Found by a probe: a layer backward recomputes reads a buffer its forward then updates in place
+    (Transformer-XL's memory): backward's recompute read the buffer's new value, which the runtime writes into
+    its memory after the forward, and the gradients came out 0.04 off one device's, with no word (the simulated
+    check runs the joint graph and missed it). The forward now saves a copy of such a buffer."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _MemoryStack()
+        reference = copy.deepcopy(model)
+        x, t = torch.randn(1, 8, 8), torch.randn(1, 8, 8)
+        compiled = one_device(model, (x, t), loss_fn=F.mse_loss, recompute=recompute)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert compiled.plan.recompute or compiled.plan.recompute_selective
+    for _ in range(2):  # (the second step reads the memory the first wrote)
+        loss = compiled(*compiled.shard_inputs(x, t))
+        loss.backward()
+        expected = F.mse_loss(reference(x), t)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad, rtol=0, atol=1e-12)
+            p.grad = None
+        compiled.zero_grad()
