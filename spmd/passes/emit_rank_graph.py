@@ -27,7 +27,7 @@ SHAPE_ARG = {
     aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
     aten.view_copy.default: 1, aten.expand_copy.default: 1,
     aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
-    aten.empty_permuted.default: 0,
+    aten.empty_permuted.default: 0, aten._efficientzerotensor.default: 0,
 }
 # resizes' backwards, whose input_size is the gradient's shape (DTensor splits them on batch and channels): it stayed
 # global, and every antialiased resize's backward failed on its piece (found by a probe; the others decompose)

@@ -3447,9 +3447,12 @@ class _OrUncompiled:
 
 
 def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views share their base's)."""
+    """Bytes of the distinct storages behind `tensors` (views share their base's; a tensor with no storage, the
+    efficient zero tensor `torch.func.hessian`'s backward saves, holds none: a probe's first step failed on it)."""
     seen, total = set(), 0
     for t in tensors:
+        if t._is_zerotensor():
+            continue
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
@@ -3549,7 +3552,7 @@ class _RankStep(torch.autograd.Function):
             t, torch.Tensor) and (k not in shapes.refused_grads or not t.is_floating_point())))
         if module._saved_bytes is None:  # parameters saved for backward are counted as parameters, not here
             params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-            module._saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor)
+            module._saved_bytes = _storage_bytes(t for t in saved if isinstance(t, torch.Tensor) and not t._is_zerotensor()
                                                  and t.untyped_storage().data_ptr() not in params)
         return tuple(outs)
 

@@ -2,6 +2,8 @@
 trusted or fails. The model comes back as it was either way, and the graph's source lines are the model's."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -337,3 +339,44 @@ def test_a_constant_read_twice_by_the_joint_graph_is_lifted_once():
     constants = [gi for gi in traced.inputs if gi.kind == "constant"]
     assert len(constants) == 1, constants
     assert torch.equal(traced.state[constants[0].name], _WEIGHTS)
+
+
+class _Curvature(nn.Module):
+    """A physics-informed net's loss term: the Hessian of its output in its input, per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2, 16), nn.Linear(16, 1)
+
+    def u(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def forward(self, x):
+        return torch.func.vmap(torch.func.hessian(lambda xi: self.u(xi).squeeze(-1)))(x).flatten(1)
+
+
+def test_a_hessian_in_the_forward_trains_equal_on_the_runtime():
+    """Found by a probe: `vmap(hessian(...))` in a forward, compiled for training, crashed at its first step with
+    torch's "data pointer on an invalid python storage": the runtime counted the bytes of what the forward saves,
+    and one was an efficient zero tensor, which has no storage (the simulated run, which counts nothing, was
+    equal)."""
+    from tests.support import one_device
+
+    torch.manual_seed(0)
+    model = _Curvature().double()
+    reference = _Curvature().double()
+    reference.load_state_dict(model.state_dict())
+    x, t = torch.randn(8, 2, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (torch.func's zeros have a rule: no warning of an op without)
+        compiled = one_device(model, (x, t), loss_fn=F.mse_loss)
+    loss = compiled(*compiled.shard_inputs(x, t))
+    loss.backward()
+    expected = F.mse_loss(reference(x), t)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    for name, p in reference.named_parameters():
+        got = compiled.get_parameter(name).grad
+        assert (got is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(got, p.grad, rtol=0, atol=1e-12)

@@ -24,7 +24,7 @@ def factory(inp: RuleInput) -> list[list]:
 
 
 @rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-      aten.empty_permuted.default)
+      aten.empty_permuted.default, aten._efficientzerotensor.default)  # (torch.func's zeros: `hessian`'s backward)
 def constant_factory(inp: RuleInput) -> list[list]:
     """Whole, or split on any dim (each piece is the same constant)."""
     return [[Replicate()]] + [[Shard(d)] for d in range(len(inp.outputs[0].shape))]
