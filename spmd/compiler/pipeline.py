@@ -72,8 +72,8 @@ from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
-from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_shared_memory, trace_module,
-                                      warn_module_hooks)
+from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_script_modules, refuse_shared_memory,
+                                      trace_module, warn_module_hooks)
 from spmd.passes.unmerge_bmm import unmerge_bmm, unmergeable
 
 
@@ -130,6 +130,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
                 "block.")
     warn_module_hooks(model)
     refuse_rnn_dropout(model)
+    refuse_script_modules(model)
     refuse_shared_memory(model)
 
     def trace(m):

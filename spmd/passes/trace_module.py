@@ -1015,6 +1015,24 @@ def refuse_rnn_dropout(model: torch.nn.Module) -> None:
                 "set dropout=0.")
 
 
+def refuse_script_modules(model: torch.nn.Module) -> None:
+    """Refuse a TorchScript module in the model (`torch.jit.script(Sub())`, `torch.jit.trace(sub, x)`): neither of
+    the trace's roads goes into one (a probe: a raw TypeError from a ScriptModule's buffer table in training, and
+    advice on Python control flow for inference). Scripted functions (`@torch.jit.script def bias_gelu`) trace."""
+    scripted: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f"{s}.") or s == "" for s in scripted):
+            scripted.append(name)
+    scripted = [name or "the model" for name in scripted]
+    if scripted:
+        shown = ", ".join(f"`{n}`" for n in scripted[:3]) + (" and others" if len(scripted) > 3 else "")
+        raise SpmdError(
+            f"{shown} {'is a TorchScript module' if len(scripted) == 1 else 'are TorchScript modules'} "
+            "(torch.jit.script or torch.jit.trace of a module), which torch.export and AOTAutograd do not trace into. "
+            "What to do: compile the model with the eager module it was made from (leave out the torch.jit call; "
+            "a scripted function, `@torch.jit.script def f(...)`, may stay).")
+
+
 def refuse_shared_memory(model: torch.nn.Module) -> None:
     """Refuse a parameter whose memory overlaps another parameter's or a buffer's without being the same tensor
     (`out.weight = nn.Parameter(emb.weight.data)`; a buffer that views a parameter, `w.detach()[:, :4]`). On one

@@ -190,6 +190,15 @@ class _SubMLP(MLP):  # (its forward is MLP's: torch names MLP.forward)
     pass
 
 
+class _Scripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.jit.script(MLP(16, 64))
+
+    def forward(self, x):
+        return self.body(x)
+
+
 def _plan(model, inputs, **kw):
     return spmd.plan(model, TP, inputs, **kw)
 
@@ -248,6 +257,10 @@ ROWS = [
      [r"holds the text 'S\(0\)'", r"Shard\(0\) there"]),
     ("pin-unknown-output", lambda w: _plan(MLP(16, 64), (x16,), out_placements={3: [Replicate()]}),
      [r"out_placements names output 3", r"numbered \[0\]"]),
+    # (found by a probe: a raw TypeError in training, advice on control flow for inference)
+    ("trace-script-module", lambda w: _plan(_Scripted(), (x16,), loss_fn=F.mse_loss),
+     [r"`body` is a TorchScript module \(torch.jit.script or torch.jit.trace of a module\)",
+      r"compile the model with the eager module it was made from"]),
     ("trace-data-dependent-branch", lambda w: _plan(_Branch(), (x16,)),
      [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: `[^`]*test_error_table.py:\d+: "
       r"return x \* 2 if x.sum\(\) > 0 else x` reads a tensor's values in Python", r"torch\.where", r"loss_fn",
