@@ -52,6 +52,10 @@ def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
             problems.append(f"  input {spec.name!r}: expected a tensor, got {type(t).__name__}")
             missing.append(spec.name)
             continue
+        if t.is_meta:  # (found by a probe: torch's "not on the expected device meta!")
+            problems.append(f"  input {spec.name!r}: on the meta device, which holds no values")
+            missing.append(spec.name)
+            continue
         if t.dtype != spec.dtype:  # (reported beside a shape: a bool mask at a new batch size was told "recompile"
             problems.append(f"  input {spec.name!r}: expected {spec.dtype}, got {t.dtype}")  # alone; a probe)
             dtypes.append(spec.name)
@@ -69,8 +73,8 @@ def check_full(inputs: tuple, specs: list[InputSpec]) -> None:
     if missing:  # (`attention_mask=None` where the example had a mask: not a matter of shapes; found by a probe)
         what, way_out = "as the model was compiled for them", (
             f"the model was compiled with a tensor for {', '.join(map(repr, missing))}, and its graph reads one: pass a "
-            "tensor (an all-ones attention mask where none is meant), or compile another module with example inputs "
-            "that leave it out.")
+            "tensor with values (an all-ones attention mask where none is meant), or compile another module with "
+            "example inputs that leave it out.")
     else:
         what, way_out = "of the shapes the model was compiled for", (
             "recompile with example inputs of these shapes (the plan is for the compiled ones), or pass batches of "
@@ -93,7 +97,8 @@ class LocalCheck:
     def accepts(self, inputs: tuple) -> bool:
         return len(inputs) == len(self.expected) and all(
             isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
-            and (self.device is None or t.device == self.device) and not hasattr(t, "_local_tensor")
+            and (t.device == self.device if self.device is not None else not t.is_meta)
+            and not hasattr(t, "_local_tensor")
             for t, (shape, dtype) in zip(inputs, self.expected))
 
     def __call__(self, inputs: tuple) -> None:
@@ -131,8 +136,9 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
             problems.append(f"{where}: expected {str(spec.dtype).replace('torch.', '')}, got "
                             f"{str(t.dtype).replace('torch.', '')}")
             fix.add("dtype")
-        if device is not None and t.device != device:
-            problems.append(f"{where}: expected it on {device}, got it on {t.device}")
+        if device is not None and t.device != device or device is None and t.is_meta:
+            problems.append(f"{where}: expected it on {device or 'the device it was compiled on'}, got it on "
+                            f"{t.device}" + (", which holds no values" if t.is_meta else ""))
             fix.add("device")
     if problems:
         todo = []
@@ -149,7 +155,7 @@ def check_local(inputs: tuple, specs: list[InputSpec], mesh, rank: int, device: 
         if "dtype" in fix:
             todo.append("convert the input to the compiled dtype (or recompile with inputs of this dtype)")
         if "device" in fix:
-            todo.append(f"move the input to {device}")
+            todo.append(f"move the input to {device}" if device is not None else "pass a tensor with values")
         if "dtensor" in fix:
             todo.append("pass dtensor.full_tensor() through compiled.shard_inputs(...), or dtensor.to_local() where its "
                         "layout is the one the compiled model takes (use_local_output=True in parallelize_module's plan)")

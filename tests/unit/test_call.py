@@ -396,3 +396,15 @@ def test_structures_are_matched_by_what_they_hold():
     _, flat, call = positional_call(_Pairs(), (Pair(a, n),), None)
     assert call.names == ("pair_x", "pair_y") and call.flatten(((a, n),), {}) == (a, n)
     assert type(call.unflatten(flat)[0][0]) is Pair
+
+
+def test_inputs_on_the_meta_device_are_refused_by_name():
+    """Found by a probe: an input on meta (a batch built under `torch.device("meta")` with the model) ran into the
+    graphs and came back as torch's "Tensor on device cpu is not on the expected device meta!"."""
+    compiled = one_device(nn.Linear(8, 4), (torch.randn(4, 8),))
+    x = torch.randn(4, 8, device="meta")
+    with pytest.raises(spmd.SpmdError, match=r"input 'input': on the meta device, which holds no values"):
+        compiled.shard_inputs(x)
+    with pytest.raises(spmd.SpmdError, match=r"input 'input': expected it on the device it was compiled on, got it "
+                                             r"on meta, which holds no values\nWhat to do: pass a tensor with values"):
+        compiled(x)
