@@ -49,6 +49,7 @@ class Call:
     tree: TreeSpec | None = None
     slots: tuple[bool, ...] = ()
     leaves: tuple[str, ...] = ()
+    defaulted: tuple[str, ...] = ()  # constants whose value is the forward's default: a call may leave them out
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -63,11 +64,18 @@ class Call:
             kwargs = dict(kwargs)
             for name, value in self.constants:
                 given = kwargs.pop(name, _MISSING)
+                if given is _MISSING and name in self.defaulted:  # (the forward's default: the traced value)
+                    continue
                 if given is _MISSING or not _same(given, value):
+                    extra = len(args) - len(self.positional)  # (the value passed positionally: found by a probe)
                     raise SpmdError(
                         f"{what}(...): the model was compiled with {name}={value!r}, which holds no tensor, so the "
-                        f"graph was traced for that value; got {'no ' + name if given is _MISSING else repr(given)}. "
-                        f"What to do: pass {name}={value!r}, or compile again with the other value.")
+                        f"graph was traced for that value; got {'no ' + name if given is _MISSING else repr(given)}"
+                        + (f" by keyword, and {extra} positional argument{'s' if extra > 1 else ''} more than the "
+                           f"{len(self.positional)} compiled ({', '.join(self.positional) or 'none'})"
+                           if given is _MISSING and extra > 0 else "") +
+                        f". What to do: pass {name}={value!r} by keyword, as spmd.compile was given it, or compile "
+                        "again with the other value.")
         if not self.keywords and not kwargs and self.tree is None:  # (the targets last already)
             return tuple(args)
         if kwargs and len(args) < len(self.positional):  # (positional inputs given by name: `compiled(x=x)`)
@@ -82,7 +90,9 @@ class Call:
             fixed = [k for k in unknown if _plain(kwargs[k])]
             raise SpmdError(
                 f"{what}(...): the model was compiled for positional ({', '.join(self.positional) or 'none'}) and "
-                f"keyword ({', '.join(self.keywords) or 'none'}) inputs; got {len(args)} positional"
+                f"keyword ({', '.join(self.keywords) or 'none'}) inputs"
+                + (f" (and the values {', '.join(f'{k}={v!r}' for k, v in self.constants)}, fixed when traced)"
+                   if self.constants else "") + f"; got {len(args)} positional"
                 + (f", unknown keywords {unknown}" if unknown else "") + (f", missing {missing}" if missing else "")
                 + ". What to do: pass the same inputs, by the same names, as the example inputs of spmd.compile "
                 "(or compile again for the new ones)"
@@ -238,8 +248,14 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
         slots = tuple(isinstance(t, torch.Tensor) for _, t in paths)
         leaves = _leaf_names(names + keywords, [path for path, t in paths if isinstance(t, torch.Tensor)])
     taken = leaves if tree is not None else names + keywords
+    try:
+        defaults = {p.name: p.default for p in inspect.signature(model.forward).parameters.values()
+                    if p.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        defaults = {}
+    defaulted = tuple(k for k, v in constants if k in defaults and _plain(defaults[k]) and _same(defaults[k], v))
     call = Call(names + tuple(target_names(loss_fn, n_targets, taken)), keywords, constants, n_targets, tree, slots,
-                leaves)
+                leaves, defaulted)
     flat = call.flatten(tuple(args), kwargs, "spmd.compile")
     if not kwargs and not loss_only and tree is None:
         return model, flat, call

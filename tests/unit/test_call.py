@@ -118,6 +118,16 @@ def test_keyword_arguments_that_hold_no_tensor_are_fixed_when_traced():
         with pytest.raises(spmd.SpmdError, match=rf"compiled with scale=2.0, which holds no tensor.*{said}.*What to "
                                                  r"do: pass scale=2.0"):
             call.flatten((x,), wrong)
+    # (found by a probe: the value given positionally was told "got no scale"; left out where the forward's default
+    # is the traced value, refused)
+    with pytest.raises(spmd.SpmdError, match=r"got no scale by keyword, and 1 positional argument more than the 1 "
+                                             r"compiled \(x\)\. What to do: pass scale=2.0 by keyword"):
+        call.flatten((x, 2.0), {})
+    _, _, by_default = positional_call(model, (x,), {"scale": 1.0})
+    assert by_default.flatten((x,), {}) == (x,) and by_default.defaulted == ("scale",)
+    with pytest.raises(spmd.SpmdError, match=r"keyword \(none\) inputs \(and the values scale=1.0, fixed when "
+                                             r"traced\); got 1 positional, unknown keywords \['mask'\]"):
+        by_default.flatten((x,), {"mask": torch.ones(4, 16)})
 
 
 class _ListIndex(nn.Module):
