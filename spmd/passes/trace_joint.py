@@ -712,7 +712,8 @@ def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
     """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
     targets (`target_names`); `arg<i>` for a model without names."""
     n_targets = loss_targets(loss_fn) if loss_fn is not None else 0
-    names = _positional(model.forward)[: n - n_targets]
+    wrapped = getattr(model, "_orig_mod", None)  # (a torch.compile'd model: its forward takes `*args`)
+    names = _positional((wrapped if isinstance(wrapped, torch.nn.Module) else model).forward)[: n - n_targets]
     names += [f"arg{i}" for i in range(len(names), n - n_targets)]
     return names + target_names(loss_fn, n_targets, names)
 
@@ -998,10 +999,15 @@ class _StackTraces(TorchFunctionMode):
         self._held, self._callers = [], set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        fx_traceback.current_meta["stack_trace"] = self._text()
+        return func(*args, **(kwargs or {}))
+
+    @torch._dynamo.disable  # (inside a submodule the user torch.compile'd, dynamo would trace this and guard on
+    def _text(self) -> str:  # the cache's keys of code objects: ~25 lines of guard errors per compile; a probe)
         sites, frame = [], sys._getframe(1)
         while frame is not None and id(frame) not in self._callers:
             code = frame.f_code
-            if not code.co_filename.startswith(TORCH_DIR + os.sep):
+            if not code.co_filename.startswith(TORCH_DIR + os.sep) and code is not _MODE_CODE:
                 sites.append((code, frame.f_lineno))
             frame = frame.f_back
         key = tuple(sites)
@@ -1010,8 +1016,10 @@ class _StackTraces(TorchFunctionMode):
             text = self._formatted[key] = "".join(
                 f'  File "{code.co_filename}", line {line}, in {code.co_name}\n'
                 f'    {linecache.getline(code.co_filename, line).strip()}\n' for code, line in reversed(sites))
-        fx_traceback.current_meta["stack_trace"] = text
-        return func(*args, **(kwargs or {}))
+        return text
+
+
+_MODE_CODE = _StackTraces.__torch_function__.__code__
 
 
 @contextlib.contextmanager

@@ -563,11 +563,19 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "length (`out * (torch.arange(T) < lengths[:, None])[..., None]`), each sequence's last state taken at "
                 "`lengths - 1` (`out.gather`). A bidirectional RNN's backward direction would start in the padding: "
                 "keep it outside the compiled module, or left-align it by flipping each sequence" + tail)
-    # (found by a probe: torch's words, "'NoneType' object has no attribute 'ignore_fresh_unbacked_symbols'")
-    if "higher_order.while_loop" in str(error) or "while_loop" in _frames(error):
-        return ("the forward runs `torch.while_loop`, which torch traces for inference but cannot differentiate: "
-                "a training graph cannot hold it. Unroll the loop in Python where its count is fixed (`for _ in "
-                "range(3): z = body(z)`), or compile the model for inference" + tail)
+    # (found by a probe: torch's words, "'NoneType' object has no attribute 'ignore_fresh_unbacked_symbols'"; torch
+    # differentiates both in eager, but its tracing of their backward fails in the joint trace)
+    loop = "torch.while_loop" if "higher_order.while_loop" in str(error) or "while_loop" in _frames(error) else \
+        "torch's `scan`" if "scan might be aliasing" in str(error) or "higher_order.scan" in str(error) else None
+    if loop:
+        return (f"the forward runs {loop}, whose backward torch's tracing cannot put into a training graph (eager "
+                "PyTorch differentiates it; the joint trace fails). Unroll the loop in Python where its count is "
+                "fixed (`for _ in range(3): z = body(z)`; an `associative_scan`, where the combine is associative, "
+                "trains too), or compile the model for inference" + tail)
+    if "modified by an inplace operation" in str(error):  # (found by a probe: told of torch.export's control flow)
+        return ("the forward changes in place a tensor autograd saved for backward (a buffer updated after a product "
+                "read it), which eager PyTorch refuses too, at its backward. Read a copy where the value is used "
+                "(`h * self.avg.clone()`), or update the tensor after its last use" + tail)
     in_constants = "fake tensor in the exported program constant" in str(error)
     differentiates = _forward_lines(model, "grad", r"autograd\.grad\(|\.backward\(") if in_constants else []
     if differentiates:  # (found by a probe: a force field's -dE/dx, told torch's words and "file an issue")
@@ -1015,6 +1023,16 @@ def refuse_rnn_dropout(model: torch.nn.Module) -> None:
                 "set dropout=0.")
 
 
+def _positional_names(fn, n: int) -> list[str]:
+    """The names of `fn`'s first `n` positional parameters, `arg<i>` past them."""
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n]
+    except (TypeError, ValueError):
+        names = []
+    return names + [f"arg{i}" for i in range(len(names), n)]
+
+
 def refuse_script_modules(model: torch.nn.Module) -> None:
     """Refuse a TorchScript module in the model (`torch.jit.script(Sub())`, `torch.jit.trace(sub, x)`): neither of
     the trace's roads goes into one (a probe: a raw TypeError from a ScriptModule's buffer table in training, and
@@ -1344,6 +1362,11 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     inputs = []
+    # (a torch.compile'd model's forward takes `*args`, which torch.export names args_0, ...: its own names, as
+    # training's trace gives them; found by a probe)
+    wrapped = getattr(model, "_orig_mod", None)
+    n_user = sum(spec.kind == InputKind.USER_INPUT for spec in sig.input_specs)
+    user_names = iter(_positional_names(wrapped.forward, n_user) if isinstance(wrapped, torch.nn.Module) else ())
     for spec in sig.input_specs:
         if spec.kind == InputKind.TOKEN:
             continue  # dropped with the checks it ordered (_drop_effect_tokens)
@@ -1355,7 +1378,7 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
                 "forward (`torch.manual_seed`), not with one the forward makes.")
         if spec.kind not in kinds:
             raise SpmdError(f"trace_module: unsupported graph input kind {spec.kind} for {spec.arg.name}")
-        name = spec.target if spec.kind != InputKind.USER_INPUT else spec.arg.name
+        name = spec.target if spec.kind != InputKind.USER_INPUT else next(user_names, spec.arg.name)
         inputs.append(GraphInput(renamed.get(spec.arg.name, spec.arg.name), kinds[spec.kind], name))
     outputs, user = [], 0
     for spec in sig.output_specs:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.core import collectives as C
 from spmd.core.specs import TensorInfo
@@ -91,3 +91,10 @@ def test_the_rule_knows_every_reduction_a_partial_carries():
     from spmd.passes.rules.cast import REDUCE_OPS
 
     assert set(getattr(Partial, "ALL_REDUCE_OPS", REDUCE_OPS)) == set(REDUCE_OPS)
+
+
+def test_a_python_number_made_a_tensor_is_whole():
+    """`_to_copy` of a Python number (`h.norm() + 1` under vmap traces a tensor made of the 1): whole, where the rule
+    met an IndexError and the warning told the user to write a rule of their own (a probe)."""
+    inp = RuleInput(aten._to_copy.default, (1,), {"dtype": f64}, (), (TensorInfo((), f64),))
+    assert to_copy(inp) == [[Replicate()]]

@@ -161,6 +161,31 @@ class _Looped(nn.Module):
         return z
 
 
+class _Scanned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._higher_order_ops.scan import scan
+
+        _, ys = scan(lambda c, x: (c + x, torch.tanh(c + x)), self.fc(x)[0], self.fc(x))
+        return ys
+
+
+class _ChangesASavedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("avg", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.fc(x)
+        out = h * self.avg
+        self.avg.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return x + out
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -340,7 +365,14 @@ ROWS = [
      [r"mesh_spec names its axes \('tp',\), and the mesh \('dp',\).*What to do: name the spec's axes as the mesh's"]),
     # (found by a probe: "'NoneType' object has no attribute 'ignore_fresh_unbacked_symbols'")
     ("training-while-loop", lambda w: _plan(_Looped(), (torch.randn(4, 8),), training=True),
-     [r"runs `torch.while_loop`, which torch traces for inference but cannot differentiate.*Unroll the loop"]),
+     [r"runs torch.while_loop, whose backward torch's tracing cannot put into a training graph.*Unroll the loop"]),
+    ("training-scan", lambda w: _plan(_Scanned(), (torch.randn(4, 8),), training=True),
+     [r"runs torch's `scan`, whose backward torch's tracing cannot put into a training graph.*`associative_scan`"]),
+    # (found by a probe: told to make the forward traceable by torch.export)
+    ("training-saved-tensor-changed-in-place", lambda w: _plan(_ChangesASavedBuffer(), (x16, torch.randn(4, 16)),
+                                                               loss_fn=F.mse_loss),
+     [r"modified by an inplace operation", r"What to do: the forward changes in place a tensor autograd saved for "
+      r"backward.*eager PyTorch refuses too"]),
     # (found by a probe: torch.export's "fake tensor in the exported program constant's list ... file an issue")
     ("inference-gradient-inside-the-forward", lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),)),
      [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*compile with `training=True` and take "

@@ -380,3 +380,49 @@ def test_a_hessian_in_the_forward_trains_equal_on_the_runtime():
         assert (got is None) == (p.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(got, p.grad, rtol=0, atol=1e-12)
+
+
+class _Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.sub = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.sub(self.pre(x))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_torch_compiled_model_takes_its_own_input_names(training):
+    """Found by a probe: `spmd.compile(torch.compile(model), ...)` named the input `args_0` for inference and `arg0`
+    for training (the compiled module's forward takes `*args`), so the user's pin on `x` was refused in both."""
+    from torch.distributed.tensor import Shard
+
+    x = torch.randn(4, 8)
+    args, opts = ((x, torch.randn(4, 8)), {"loss_fn": F.mse_loss}) if training else ((x,), {})
+    c = compile_graph(torch.compile(_Stem(), backend="eager"), args, spec((2,), ("dp",)),
+                      in_placements={"x": [Shard(0)]}, **opts)
+    assert [gi.name for gi in c.traced.inputs if gi.kind == "input"][0] == "x"
+
+
+def test_a_submodule_the_user_torch_compiled_traces_without_guard_errors():
+    """Found by a probe: dynamo, compiling the user's submodule inside the trace, traced spmd's stack-recording mode
+    too and logged ~25 lines of "Error while creating guard" about its cache of call sites."""
+    import logging
+
+    class Kept(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    kept, logger = Kept(), logging.getLogger("torch._guards")
+    logger.addHandler(kept)
+    try:
+        model = _Stem()
+        model.sub = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), backend="eager")
+        compile_graph(model, (torch.randn(4, 8), torch.randn(4, 8)), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+    finally:
+        logger.removeHandler(kept)
+    assert not kept.messages, kept.messages[:2]

@@ -19,7 +19,7 @@ model's. Here the value is reduced before such a cast, in the dtype the user's p
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from spmd.passes.rules.registry import RuleInput, rule
 
@@ -47,6 +47,8 @@ def partial_passes(reduce_op: str, src: torch.dtype, dst: torch.dtype) -> bool:
 
 @rule(aten._to_copy.default)
 def to_copy(inp: RuleInput) -> list[list]:
+    if not inp.inputs:  # (a Python number made a tensor, `h.norm() + 1` under vmap: whole; a probe met an IndexError)
+        return [[Replicate()]]
     src, out = inp.inputs[0], inp.outputs[0]
     rows = [[Shard(d), Shard(d)] for d in range(len(out.shape))]
     rows += [[Partial(op), Partial(op)] for op in REDUCE_OPS if partial_passes(op, src.dtype, out.dtype)]
