@@ -172,4 +172,6 @@ def refuse_made_snapshots(made: list[tuple], root: torch.nn.Module, model: torch
         "call's weights and batch (an L2-SP anchor made so held the current weights: its penalty was 0, "
         "silently). What to do: make it before compiling, as a "
         f"buffer: `{owner}.register_buffer({key!r}, value)` (after one eager call: "
-        f"`{owner}.register_buffer({key!r}, {owner}.__dict__.pop({key!r}))`), or compute it in every call.")
+        f"`{owner}.register_buffer({key!r}, {owner}.__dict__.pop({key!r}))`), which the forward, where it "
+        f"changes it, updates in place under torch.no_grad() (`self.{key}.copy_(new)`: inference and training "
+        "graphs carry that out); or compute it in every call.")

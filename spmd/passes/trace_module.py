@@ -1246,13 +1246,16 @@ def refuse_state_assigned_in_eval(entries: list[tuple], model: torch.nn.Module, 
                 f"trace_module: the forward gives {fqn}, a plain tensor attribute the graph reads, a new tensor: the "
                 "graph holds the value the trace saw as a constant, so every call would read it (0.065-0.11 off from "
                 f"the second call, in a probe). What to do: register it as a buffer (`self.register_buffer("
-                f"{name!r}, tensor)`) and assign it as `self.{name} = new`, which the graph carries out.")
+                f"{name!r}, tensor)`) and update it in place under torch.no_grad() (`self.{name}.copy_(new)`), which "
+                f"inference and training graphs carry out (an inference graph also carries out `self.{name} = new`; "
+                "a training graph refuses it).")
         what = {"buffer": f"buffer {fqn} a new tensor through `_buffers`", "parameter": f"parameter {fqn} a new tensor"
                 }.get(how, f"{fqn} new `.data`")
         raise SpmdError(
             f"trace_module: the forward gives {what}, which the graph does not carry out: every call would start "
             "from the value the trace saw. What to do: update it in place under torch.no_grad() "
-            f"(`self.{name}.copy_(new)`), or assign a buffer as `self.{name} = new`, which the graph carries out.")
+            f"(`self.{name}.copy_(new)`), which inference and training graphs carry out (an inference graph also "
+            f"carries out a buffer assigned as `self.{name} = new`; a training graph refuses it).")
 
 
 def renormalized(graph: torch.fx.Graph, placeholder: Callable[[torch.fx.Node], bool]) -> tuple | None:
