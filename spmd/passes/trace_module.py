@@ -583,6 +583,13 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "which a graph holds only as part of a training graph, with the gradient's own computation: compile "
                 "with `training=True` and take the gradient with `create_graph=True` (a call need not be followed "
                 "by a backward)")
+    transforms = list(dict.fromkeys(line for name in ("vmap", "jacrev", "jacfwd", "hessian", "grad", "jvp", "vjp")
+                                    for line in _forward_lines(model, name, rf"\b{name}\(")))
+    if transforms and (in_constants or "has no attribute 'constant'" in str(error)):
+        # (found by a probe: told of data-dependent control flow; the same models train equal to one device)
+        return (f"`{transforms[0]}` runs a torch.func transform over the model's weights, which torch.export cannot "
+                "put into a forward-only graph; AOTAutograd, which traces training graphs, can: compile with "
+                "`training=True` (a call under torch.no_grad() then runs the forward alone)")
     through_data = _data_lines(model) if in_constants else []
     if through_data:  # (found by a probe: an EMA buffer updated as `self.ema.data.mul_(d).add_(...)`)
         return (f"`{through_data[0]}` goes through `.data`, which torch.export cannot trace in a forward (it leaves a "

@@ -186,6 +186,15 @@ class _ChangesASavedBuffer(nn.Module):
         return x + out
 
 
+class _Jacobian(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 4)
+
+    def forward(self, x):
+        return torch.func.vmap(torch.func.jacrev(lambda xi: torch.tanh(self.fc(xi))))(x).flatten(1)
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -373,6 +382,10 @@ ROWS = [
                                                                loss_fn=F.mse_loss),
      [r"modified by an inplace operation", r"What to do: the forward changes in place a tensor autograd saved for "
       r"backward.*eager PyTorch refuses too"]),
+    # (found by a probe: told of data-dependent control flow)
+    ("inference-torch-func-transform", lambda w: _plan(_Jacobian(), (torch.randn(8, 2),)),
+     [r"What to do: `[^`]*test_error_table.py:\d+: [^`]*jacrev[^`]*` runs a torch.func transform over the model's "
+      r"weights.*compile with `training=True`"]),
     # (found by a probe: torch.export's "fake tensor in the exported program constant's list ... file an issue")
     ("inference-gradient-inside-the-forward", lambda w: _plan(_Energy().eval(), (torch.randn(4, 8),)),
      [r"torch.autograd.grad\(e, pos, .*differentiates inside the forward.*compile with `training=True` and take "
