@@ -572,6 +572,9 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "PyTorch differentiates it; the joint trace fails). Unroll the loop in Python where its count is "
                 "fixed (`for _ in range(3): z = body(z)`; an `associative_scan`, where the combine is associative, "
                 "trains too), or compile the model for inference" + tail)
+    if "refer to a single memory location" in str(error):
+        return ("the forward writes into a tensor a value that views it (`h[mask] = h[0, 0]`), which eager PyTorch "
+                "refuses too: write a copy (`h[mask] = h[0, 0].clone()`)" + tail)
     if "modified by an inplace operation" in str(error):  # (found by a probe: told of torch.export's control flow)
         return ("the forward changes in place a tensor autograd saved for backward (a buffer updated after a product "
                 "read it), which eager PyTorch refuses too, at its backward. Read a copy where the value is used "

@@ -317,6 +317,31 @@ def test_a_masked_write_of_a_tensor_with_a_gradient_trains_equal(index, shape):
         torch.set_default_dtype(torch.float32)
 
 
+class _WritesItsOwnView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        h[mask] = h[0, 0]
+        return h
+
+
+def test_a_masked_write_of_a_view_of_its_target_is_refused_as_eager_refuses_it():
+    """`h[mask] = h[0, 0]`: eager refuses it (one memory read and written); the rewrite as a `torch.where` wrote it
+    (a review), then torch's own setitem met `nonzero` in its backward. Refused with eager's words and `clone()`."""
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 2] = True
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        _WritesItsOwnView()(x, mask)
+    with pytest.raises(SpmdError, match=r"(?s)refer to a single memory location.*What to do: the forward writes into a "
+                                        r"tensor a value that views it.*\.clone\(\)"):
+        compile_graph(_WritesItsOwnView(), (x.detach(), mask, torch.randn(3, 5, 4)), spec((2,), ("dp",)),
+                      loss_fn=F.mse_loss)
+
+
 _WEIGHTS = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 
 
