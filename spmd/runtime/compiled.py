@@ -3477,8 +3477,13 @@ def _draw_names(graph) -> list[str]:
     """The names of the ops of the graph that draw random numbers (dropout's, attention's inside its kernel, a custom
     op's), as the refusal where the ranks' generators differ names them (a diffusion step's randint and randn_like were
     told of dropout masks: found by a probe)."""
-    return sorted(_op_names(graph) & _RANDOM_OPS | {getattr(n.target, "_opname", None) or getattr(n.target, "__name__", "")
-                                                   for n in graph.nodes if n.op == "call_function" and may_draw(n)})
+    def name(node) -> str:
+        target = node.target
+        if getattr(target, "__name__", "").startswith("auto_functionalized") and node.args:
+            target = node.args[0]  # (a custom op that writes its input: the op itself, not its functional wrapper)
+        return getattr(target, "_opname", None) or getattr(target, "__name__", "")
+
+    return sorted(_op_names(graph) & _RANDOM_OPS | {name(n) for n in graph.nodes if n.op == "call_function" and may_draw(n)})
 
 
 def _op_names(graph) -> set[str]:

@@ -507,6 +507,17 @@ def test_a_custom_op_that_draws_is_kept_not_run_again_in_backward(how):
         torch.testing.assert_close(compiled.get_parameter(name), p, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("mutating", [False, True])
+def test_the_draws_of_a_custom_op_are_named_by_the_op(mutating):
+    """The refusal where the ranks' generators differ names the ops that draw: a custom op that writes its draw into
+    an argument was named `auto_functionalized`, its functional wrapper (session 95's note); now the op."""
+    from spmd.runtime.compiled import _draw_names
+
+    x, t = torch.randn(8, 16), torch.randn(8, 4)
+    c = compile_graph(_NoisyNet(False, mutating=mutating), (x, t), spec((2,), ("dp",)), loss_fn=F.mse_loss)
+    assert _draw_names(c.traced.graph) == ["noisy_" if mutating else "noisy"]
+
+
 def test_a_buffer_updated_inside_a_checkpointed_module_warns_that_eager_updates_it_twice():
     """Found by a probe (a custom op accumulating into a buffer): inside torch.utils.checkpoint eager updates a
     buffer again when backward recomputes the module, and the compiled module once: after 3 steps the buffer was
