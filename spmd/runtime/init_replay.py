@@ -113,10 +113,12 @@ class _Event:
 
 def _default_reset_fns() -> dict[type, Callable | None]:
     # torch modules whose __init__ ends with a private reset (after building their children)
-    # (a parametrization's originals are set from its module's reset: `_through_parametrizations`)
+    # (a parametrization's originals, and spectral_norm's draws, come with its module's reset:
+    # `_through_parametrizations`)
     return {nn.MultiheadAttention: lambda m: m._reset_parameters(),
             nn.Transformer: lambda m: m._reset_parameters(),
-            torch.nn.utils.parametrize.ParametrizationList: None}
+            torch.nn.utils.parametrize.ParametrizationList: None,
+            torch.nn.utils.parametrizations._SpectralNorm: None}
 
 
 def _lookup(table: Mapping[type, Any], cls: type):
@@ -222,9 +224,11 @@ def _registers_parametrizations(cls: type) -> bool:
 
 def _through_parametrizations(fn: Callable[[nn.Module], Any], m: nn.Module) -> Callable[[nn.Module], Any]:
     """`fn` (a module's reset) run as construction ran it, before the parametrizations came: what it writes into
-    a parametrized tensor (`self.weight`) goes to a plain tensor of that tensor's shape, which then sets the
-    parametrization's originals as registering it did (its first parametrization's `right_inverse`:
-    weight_norm's g and v from the drawn weight). A tensor `fn` does not write keeps its originals."""
+    a parametrized tensor (`self.weight`) goes to a plain tensor of that tensor's shape, from which the first
+    parametrization is registered again, on the side (`_registered_again`), and its originals and state copied in:
+    weight_norm's g and v from the drawn weight; spectral_norm's `_u` and `_v` drawn and iterated as its
+    construction did. A tensor `fn` does not write, or whose parametrization holds state of another kind, keeps
+    its originals (and is refused as set by nothing)."""
     parametrize = torch.nn.utils.parametrize
     with torch.no_grad():                        # (on the meta model, before any event records)
         shapes = {name: getattr(m, name).shape for name in m.parametrizations}
@@ -246,23 +250,34 @@ def _through_parametrizations(fn: Callable[[nn.Module], Any], m: nn.Module) -> C
                     parametrize._cache.pop(key, None)
         with torch.no_grad():
             for name, plain in plains.items():
-                if plain._version == 0:
-                    continue
-                chain = m.parametrizations[name]
-                new = plain
-                if hasattr(chain[0], "right_inverse"):
-                    try:
-                        new = chain[0].right_inverse(plain)
-                    except NotImplementedError:
-                        pass
-                if chain.is_tensor:
-                    chain.original.copy_(new)
-                else:
-                    for i, t in enumerate(new):
-                        getattr(chain, f"original{i}").copy_(t)
+                if plain._version:
+                    _registered_again(m.parametrizations[name], plain)
         return result
 
     return run
+
+
+def _registered_again(chain, plain: torch.Tensor) -> None:
+    """`chain`'s originals (and its first parametrization's buffers) as registering that parametrization on
+    `plain` made them: torch's `ParametrizationList` built on the side (its right_inverse, then the consistency
+    check's forward, which moves spectral_norm's power iteration on), the values copied into `chain`'s own."""
+    parametrize = torch.nn.utils.parametrize
+    first = chain[0]
+    if isinstance(first, torch.nn.utils.parametrizations._SpectralNorm):  # (draws its u and v when made)
+        again = type(first)(plain, getattr(first, "n_power_iterations", 1), first.dim, first.eps)
+    elif next(iter(first.parameters()), None) is None and next(iter(first.buffers()), None) is None:
+        again = first                            # (no state: weight_norm's, a user's symmetric map)
+    else:
+        return
+    side = parametrize.ParametrizationList([again], plain, unsafe=chain.unsafe)
+    if chain.is_tensor:
+        chain.original.copy_(side.original)
+    else:
+        for i in range(chain.ntensors):
+            getattr(chain, f"original{i}").copy_(getattr(side, f"original{i}"))
+    if again is not first:
+        for key, value in again.named_buffers():
+            first.get_buffer(key).copy_(value)
 
 
 def _join(a: str, b: str) -> str:

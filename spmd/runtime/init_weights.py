@@ -192,11 +192,11 @@ class InitPlan:
         if parametrized:  # (found by a probe: Wav2Vec2's positional conv under weight_norm, told only the above)
             problems.append(
                 f"Among them, the tensors of a parametrization on {', '.join(parametrized[:3])}: one registered in a "
-                "module's __init__ (weight_norm in Wav2Vec2's, or in a helper it calls) has its originals set from "
-                "the module's reset, as registering it set them; not one registered on the built model (after its "
-                "init, which a meta model cannot replay), nor the tensors a parametrization draws itself "
-                "(spectral_norm's _u and _v). A checkpoint (load_safetensors), or a build with values on every rank "
-                "(the pieces then come from rank 0's), needs none of this")
+                "module's __init__ (weight_norm in Wav2Vec2's, spectral_norm, or either in a helper it calls) has its "
+                "tensors set from the module's reset as registering it set them; not one registered on the built "
+                "model (after its init, which a meta model cannot replay), nor one holding state of its own other "
+                "than spectral_norm's. A checkpoint (load_safetensors), or a build with values on every rank (the "
+                "pieces then come from rank 0's), needs none of this")
         if problems and strict:
             raise SpmdError(
                 "\n".join(problems) + "\nWhat to do: give the module a reset_parameters() that sets them; or pass "

@@ -585,26 +585,35 @@ def _weight_normed_after_the_build():
 
 
 class _SpectralNormed(nn.Module):
+    """A GAN discriminator's layers: spectral_norm draws its power iteration's u and v when registered."""
+
     def __init__(self):
         super().__init__()
-        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 6))
+        self.conv = nn.utils.parametrizations.spectral_norm(nn.ConvTranspose1d(4, 4, 3))
+        self.head = nn.Linear(4, 2)
 
 
-@pytest.mark.parametrize("factory", [_WeightNormed, _WeightNormedByHelper])
-def test_a_parametrization_registered_in_init_gets_its_originals_from_the_modules_reset(factory):
+def _spectral_normed_after_the_build():
+    model = _Conv()
+    nn.utils.parametrizations.spectral_norm(model.conv)
+    return model
+
+
+@pytest.mark.parametrize("factory", [_WeightNormed, _WeightNormedByHelper, _SpectralNormed])
+def test_a_parametrization_registered_in_init_gets_its_tensors_from_the_modules_reset(factory):
     """Found by a probe: Wav2Vec2 and HuBERT on meta were refused (weight_norm's g and v set by nothing). The
-    module's reset now runs as construction ran it, before the parametrization: it draws a plain weight and the
-    parametrization's right_inverse sets g and v from it, bit for bit one device's on every coordinate; the draws
-    after it stay in step (the Linear after the conv)."""
+    module's reset now runs as construction ran it, before the parametrization: it draws a plain weight, and the
+    parametrization registered again on it, on the side, sets g and v (spectral_norm: draws u and v and iterates)
+    bit for bit as one device's on every coordinate; the draws after it stay in step (the Linear after)."""
     check_equal(factory, "mixed", 3)
 
 
-@pytest.mark.filterwarnings("ignore:modules that own tensors")  # (_SpectralNorm's)
-@pytest.mark.parametrize("factory,names", [(_weight_normed_after_the_build, r"on the built model"),
-                                           (_SpectralNormed, r"spectral_norm's _u and _v")])
-def test_a_parametrization_a_meta_model_cannot_replay_is_refused_with_the_ways_out(factory, names):
-    """Registered on the built model (after its init), or one that draws its own tensors: refused, named."""
-    with pytest.raises(SpmdError, match=rf"parametrization on (conv|lin): .*{names}.*load_safetensors"):
+@pytest.mark.parametrize("factory", [_weight_normed_after_the_build, _spectral_normed_after_the_build])
+def test_a_parametrization_registered_on_the_built_model_is_refused_with_the_ways_out(factory):
+    """Registered after the build (after any init of the model's, which a meta model cannot replay): named."""
+    with pytest.raises(SpmdError, match=r"parametrization on conv: .*not one registered on the built model"
+                                        r".*load_safetensors"):
         plan_init(build_meta(factory)).check()
 
 
