@@ -327,9 +327,12 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
     def reset_event(m, fqn):
         found, fn = reset_fn(m)
         if found and fn is not None:
-            parent = model.get_submodule(fqn.rpartition(".")[0]) if fqn else None
-            if torch.nn.utils.parametrize.is_parametrized(m) and parent is not None \
-                    and _registers_parametrizations(type(parent)):
+            # (registered by an ancestor's __init__: the parent's, or, through a ModuleList of weight-normed convs
+            # as HiFi-GAN builds them, the grandparent's)
+            parts = fqn.split(".") if fqn else []
+            ancestors = (model.get_submodule(".".join(parts[:k])) for k in range(len(parts) - 1, -1, -1))
+            if torch.nn.utils.parametrize.is_parametrized(m) and any(_registers_parametrizations(type(a))
+                                                                     for a in ancestors):
                 fn = _through_parametrizations(fn, m)
             add("reset", m, fqn, fn)
         elif not found and (any(t is not None for t in m._parameters.values())

@@ -578,6 +578,16 @@ class _Conv(nn.Module):
         self.head = nn.Linear(4, 2)
 
 
+class _WeightNormedInAList(nn.Module):
+    """HiFi-GAN's residual blocks: weight-normed convs built in a ModuleList, the parametrization registered by the
+    grandparent's __init__."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3)) for _ in range(2)])
+        self.head = nn.Linear(4, 2)
+
+
 def _weight_normed_after_the_build():
     model = _Conv()
     _wn(model.conv, dim=0)
@@ -600,7 +610,7 @@ def _spectral_normed_after_the_build():
     return model
 
 
-@pytest.mark.parametrize("factory", [_WeightNormed, _WeightNormedByHelper, _SpectralNormed])
+@pytest.mark.parametrize("factory", [_WeightNormed, _WeightNormedByHelper, _WeightNormedInAList, _SpectralNormed])
 def test_a_parametrization_registered_in_init_gets_its_tensors_from_the_modules_reset(factory):
     """Found by a probe: Wav2Vec2 and HuBERT on meta were refused (weight_norm's g and v set by nothing). The
     module's reset now runs as construction ran it, before the parametrization: it draws a plain weight, and the
