@@ -127,9 +127,15 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         if made is not None and plan.memory.get("gradients"):
             text += (f"; at the worst point ('{plan.stats.get('peak_live_at')}') backward has made "
                      f"{format_bytes(made)} of the gradients")
+        total = sum(plan.memory.values())
+        if total > plan.predicted_peak_bytes * (1 + 1e-6) + 1:  # (a probe added the terms up and found more)
+            after = " (the optimizer step's temporaries come after backward)" if plan.memory.get("optimizer step") \
+                else ""
+            text += (f"; the terms, each kind's most, add up to {format_bytes(total)}: they are not all alive at the "
+                     f"worst point{after}")
         lines.append(text)
     if plan.recompute or plan.recompute_selective:
-        parts = [f"{len(keys)} layers {how} ({_layer_span(keys)}{note})" for keys, how, note in (
+        parts = [f"{len(keys)} layers {how} ({_layer_span(_as_modules(keys, details))}{note})" for keys, how, note in (
             (plan.recompute, "whole", ""),
             (plan.recompute_selective, "selectively", "; their matmuls and attention stay saved")) if keys]
         lines.append(f"recomputed in backward: {'; '.join(parts)}, +{format_seconds(plan.recompute_cost)} per call, "
@@ -156,6 +162,10 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         rows.append(["total", "", str(sum(r[2] for r in totals)), format_bytes(sum(r[3] for r in totals)),
                      format_seconds(sum(r[4] for r in totals))])
         lines += _table(rows)
+        local = plan.comm_cost - sum(r[4] for r in totals)
+        if local >= 5e-7:  # (found by a probe: the headline's communication was not this total)
+            lines.append(f"  (the headline's communication holds {format_seconds(local)} more: reshardings within a "
+                         "rank, a slice or copy of this rank's part, which send nothing)")
         if plan.recompute or plan.recompute_selective:
             lines.append("  (recomputation launches again, in backward, the reshardings inside the recomputed layers: "
                          "they are not counted here; their time is in the headline's recomputation)")
@@ -187,6 +197,16 @@ def explain(plan, details: PlanDetails | None, detail: bool = True) -> str:
         lines.append(f"  (the rows hold {format_bytes(-unheld)} more than the plan's memory counts: what recomputation "
                      "frees, less the resharded copies kept for backward and the schedule's temporaries)")
     return "\n".join(lines) + "\n"
+
+
+def _as_modules(keys: tuple[str, ...], details: PlanDetails | None) -> tuple[str, ...]:
+    """Layer keys as the model's module paths: a plan traced with a loss_fn keys them under the loss wrapper's
+    `model.` (found by a probe: "model.layers.0-3" for the modules `layers.0`-`layers.3`)."""
+    modules = {p.module for p in details.params} if details is not None else set()
+    if modules and all(k.startswith("model.") for k in keys) and not any(m.startswith("model") for m in modules) \
+            and any(m == k[6:] or m.startswith(k[6:] + ".") for k in keys for m in modules):
+        return tuple(k[6:] for k in keys)
+    return keys
 
 
 def _layer_span(keys: tuple[str, ...]) -> str:
