@@ -60,8 +60,8 @@ def user_source_line(node: fx.Node) -> str:
             lineno = line.split("line ")[1].split(",")[0]
         except IndexError:
             continue
-        if os.path.abspath(path).startswith(TORCH_DIR):
-            continue
+        if os.path.abspath(path).startswith(TORCH_DIR) or path.startswith("<eval_with_key>"):
+            continue  # (a GraphModule's generated code: a torch.cond branch's, found by a probe)
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
         line = f"{path}:{lineno}  {code}".rstrip()
         if os.path.abspath(path).startswith(_SPMD_DIR + os.sep):

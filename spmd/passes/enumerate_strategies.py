@@ -351,9 +351,11 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             # warns, a review)
             if error is not None or not all(len(getattr(t, "shape", (0,))) == 0 for t in (*in_infos, *outs)
                                             if t is not None):
+                qualified = (f"higher_order.{node.target.name()}" if isinstance(node.target, torch._ops.HigherOrderOperator)
+                             else op_name(node.target))  # (a probe: `torch.ops.cond`, which is no op)
                 warnings.warn(UnknownOpWarning(
                     f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: give it "
-                    f"a rule from your own code, `@rule(torch.ops.{op_name(node.target)})` (`from "
+                    f"a rule from your own code, `@rule(torch.ops.{qualified})` (`from "
                     "spmd.passes.rules.registry import rule`: a function of its single-axis placements, as "
                     "spmd/passes/rules/ writes them), or DTensor's `torch.distributed.tensor.experimental."
                     "register_sharding`, which spmd reads too."), stacklevel=2)

@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import linecache
 import itertools
 import os
 import re
@@ -720,8 +721,34 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "its pairs with a mask), which torch's tracing cannot follow. Write it with ops of a fixed shape (the "
                 "pairs of n rows: `i, j = torch.triu_indices(n, n, 1)`, then `x[i]`, `x[j]`), or compute it outside "
                 "the compiled module" + tail)
+    raised = _raised_by_the_model(error)
+    if raised:  # (found by a probe: T5 without decoder_start_token_id, told of torch.export's control flow)
+        return (f"`{raised}` raised it, in the model's own code (or its library's), not in torch's tracing: run the "
+                "model eagerly on the same example inputs; if it fails there too, what it needs is in its inputs or "
+                "config" + tail)
     return "make the forward traceable by torch.export (no data-dependent Python control flow" + (
         f"; {otherwise})" if otherwise else ")")
+
+
+_PLAIN_ERRORS = ("AttributeError", "KeyError", "ValueError", "TypeError", "IndexError", "AssertionError",
+                 "NotImplementedError", "ZeroDivisionError")
+
+
+def _raised_by_the_model(error: BaseException) -> str | None:
+    """`file:line: code` where a plain Python error (an AttributeError, a ValueError, ...) was raised, when that is
+    the model's code (or its library's), not torch's or spmd's, and nothing in it speaks of tracing."""
+    if type(error).__name__ not in _PLAIN_ERRORS or re.search(r"Fake|SymInt|SymBool|Proxy|[Ff]unctional|trac",
+                                                               str(error)):
+        return None
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    path = tb.tb_frame.f_code.co_filename
+    if path.startswith(_torch_and_spmd()) or path.startswith("<"):
+        return None
+    return f"{path}:{tb.tb_lineno}: {linecache.getline(path, tb.tb_lineno).strip()}"
 
 
 def distinct_inputs(example_inputs: tuple, example_kwargs: dict | None = None) -> tuple[tuple, dict]:

@@ -22,6 +22,7 @@ import inspect
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from spmd.api import plan as plan_model
@@ -59,9 +60,9 @@ def load_build(target: str):
         sys.path.insert(0, str(path.parent))  # so the model file can import its neighbours
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        _users(lambda: spec.loader.exec_module(module), f"{where}, run as a module")
     else:
-        module = importlib.import_module(where)
+        module = _users(lambda: importlib.import_module(where), f"import {where}")
     build = getattr(module, fn, None)
     if not callable(build):
         raise SpmdError(f"{target}: {where} has no function {fn!r}")
@@ -74,6 +75,18 @@ def load_build(target: str):
     except ValueError:
         pass  # (no signature to read: a builtin; calling it says what is wrong)
     return build
+
+
+def _users(run, what: str):
+    """`run()`, the user's code: what it raises is said with its type and traceback (a probe's build function that
+    raised ValueError was printed as "spmd plan: boom", taken for spmd's own argument error)."""
+    try:
+        return run()
+    except SpmdError:
+        raise
+    except Exception as e:
+        raise SpmdError(f"{what} raised {type(e).__name__}: {e}\n\n" + "".join(
+            traceback.format_exception(type(e), e, e.__traceback__.tb_next))) from e
 
 
 class Progress:
@@ -120,7 +133,8 @@ def _cmd_plan(args) -> int:
     except ValueError as e:
         raise SpmdError(f"--mesh: {e}") from None
     mesh = MeshSpec(shape, names, _links(args.link, names), device_profile_for(args.device))
-    built = load_build(args.target)()
+    build = load_build(args.target)
+    built = _users(build, f"{args.target}()")
     if not isinstance(built, tuple) or len(built) not in (2, 3):
         raise SpmdError(f"{args.target} returned {type(built).__name__}; expected (model, example_inputs) or "
                         "(model, example_inputs, loss_fn)")

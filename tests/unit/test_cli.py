@@ -82,6 +82,12 @@ def test_user_errors_say_what_to_do(tmp_path, capsys):
     assert "build(width) needs arguments; the build function takes none" in capsys.readouterr().err
     assert cli.main(["plan", f"{tmp_path / 'model.py'}:build", "--mesh", "dp=0"]) == 2
     assert "axis 'dp' has size 0; each axis needs at least one device" in capsys.readouterr().err
+    # (found by a probe: a build that raised ValueError printed as "spmd plan: boom", like an argument of spmd's)
+    (tmp_path / "raises.py").write_text("def build():\n    raise ValueError('boom in the build')\n")
+    assert cli.main(["plan", f"{tmp_path / 'raises.py'}:build", "--mesh", "dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "raises.py:build() raised ValueError: boom in the build" in err and "Traceback" in err \
+        and "raises.py\", line 2, in build" in err
 
 
 def test_bad_plan_files_build_results_and_calibrate_arguments_say_what_to_do(tmp_path, capsys):

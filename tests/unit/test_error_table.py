@@ -195,6 +195,15 @@ class _Jacobian(nn.Module):
         return torch.func.vmap(torch.func.jacrev(lambda xi: torch.tanh(self.fc(xi))))(x).flatten(1)
 
 
+class _OwnError(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.config = nn.Linear(16, 16), object()
+
+    def forward(self, x):
+        return self.fc(x) * self.config.scale
+
+
 class _Searchsorted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -382,6 +391,10 @@ ROWS = [
                                                                loss_fn=F.mse_loss),
      [r"modified by an inplace operation", r"What to do: the forward changes in place a tensor autograd saved for "
       r"backward.*eager PyTorch refuses too"]),
+    # (found by a probe: a model's own AttributeError, told of torch.export's control flow)
+    ("trace-the-models-own-error", lambda w: _plan(_OwnError(), (x16,)),
+     [r"What to do: `[^`]*test_error_table.py:\d+: return self.fc\(x\) \* self.config.scale` raised it, in the "
+      r"model's own code", r"run the model eagerly on the same example inputs"]),
     # (found by a probe: told of data-dependent control flow)
     ("inference-torch-func-transform", lambda w: _plan(_Jacobian(), (torch.randn(8, 2),)),
      [r"What to do: `[^`]*test_error_table.py:\d+: [^`]*jacrev[^`]*` runs a torch.func transform over the model's "
