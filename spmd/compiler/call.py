@@ -64,10 +64,10 @@ class Call:
             kwargs = dict(kwargs)
             for name, value in self.constants:
                 given = kwargs.pop(name, _MISSING)
-                if given is _MISSING and name in self.defaulted:  # (the forward's default: the traced value)
+                extra = len(args) - len(self.positional)  # (the value passed positionally: found by a probe)
+                if given is _MISSING and name in self.defaulted and extra <= 0:  # (the forward's default: traced)
                     continue
                 if given is _MISSING or not _same(given, value):
-                    extra = len(args) - len(self.positional)  # (the value passed positionally: found by a probe)
                     raise SpmdError(
                         f"{what}(...): the model was compiled with {name}={value!r}, which holds no tensor, so the "
                         f"graph was traced for that value; got {'no ' + name if given is _MISSING else repr(given)}"

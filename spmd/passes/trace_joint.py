@@ -951,6 +951,8 @@ def _set_masked_as_where(x, index, value):
     if not getattr(_masked_here, "depth", 0) or not _picks_rows(x, mask, value):
         return (_MASKED_WRITES.saved or torch._C.TensorBase.__setitem__)(x, index, value)
     where = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
+    if torch._C._is_alias_of(value, x):  # (a part of x, `h[mask] = h[0, 0]`: read before the write, as eager reads
+        value = value.clone()            # it; where eager refuses an overlap, it then writes what it read)
     x.copy_(torch.where(where, value, x))
 
 
@@ -974,10 +976,6 @@ def _picks_rows(x, mask, value) -> bool:
         shape = shape[1:]
     if len(shape) > len(rest) or not all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(rest))):
         return False
-    if torch._C._is_alias_of(value, x):  # (a view of x, `h[mask] = h[0, 0]`: eager refuses it, as here; a traced
-        raise RuntimeError(                # setitem met nonzero in its backward instead)
-            "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single "
-            "memory location. Please clone() the tensor before performing the operation.")
     return torch._debug_has_internal_overlap(x) == 0  # (an expanded x: eager warns and writes; copy_ refuses)
 
 

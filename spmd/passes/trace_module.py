@@ -721,7 +721,7 @@ def untraceable_way_out(error: BaseException, otherwise: str = "", model: torch.
                 "its pairs with a mask), which torch's tracing cannot follow. Write it with ops of a fixed shape (the "
                 "pairs of n rows: `i, j = torch.triu_indices(n, n, 1)`, then `x[i]`, `x[j]`), or compute it outside "
                 "the compiled module" + tail)
-    raised = _raised_by_the_model(error)
+    raised = _raised_by_the_model(error, model)
     if raised:  # (found by a probe: T5 without decoder_start_token_id, told of torch.export's control flow)
         return (f"`{raised}` raised it, in the model's own code (or its library's), not in torch's tracing: run the "
                 "model eagerly on the same example inputs; if it fails there too, what it needs is in its inputs or "
@@ -734,19 +734,26 @@ _PLAIN_ERRORS = ("AttributeError", "KeyError", "ValueError", "TypeError", "Index
                  "NotImplementedError", "ZeroDivisionError")
 
 
-def _raised_by_the_model(error: BaseException) -> str | None:
+def _raised_by_the_model(error: BaseException, model: torch.nn.Module | None) -> str | None:
     """`file:line: code` where a plain Python error (an AttributeError, a ValueError, ...) was raised, when that is
-    the model's code (or its library's), not torch's or spmd's, and nothing in it speaks of tracing."""
-    if type(error).__name__ not in _PLAIN_ERRORS or re.search(r"Fake|SymInt|SymBool|Proxy|[Ff]unctional|trac",
-                                                               str(error)):
+    in the model's code or its library's (the package of one of its module classes: transformers for its models; not
+    sympy or the standard library, which torch's tracing calls too; a review), and nothing in it speaks of tracing."""
+    if model is None or type(error).__name__ not in _PLAIN_ERRORS or re.search(
+            r"Fake|SymInt|SymBool|Proxy|[Ff]unctional|trac", str(error)):
         return None
+    roots = set()
+    for cls in {type(m) for m in model.modules()}:
+        top = sys.modules.get((cls.__module__ or "").split(".")[0])
+        where = getattr(top, "__file__", None)
+        if where and top.__name__ != "torch":
+            roots.add(os.path.dirname(where) + os.sep if os.path.basename(where) == "__init__.py" else where)
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is None:
         return None
     path = tb.tb_frame.f_code.co_filename
-    if path.startswith(_torch_and_spmd()) or path.startswith("<"):
+    if path.startswith(_torch_and_spmd()) or not any(path == root or path.startswith(root) for root in roots):
         return None
     return f"{path}:{tb.tb_lineno}: {linecache.getline(path, tb.tb_lineno).strip()}"
 

@@ -203,9 +203,12 @@ def _as_modules(keys: tuple[str, ...], details: PlanDetails | None) -> tuple[str
     """Layer keys as the model's module paths: a plan traced with a loss_fn keys them under the loss wrapper's
     `model.` (found by a probe: "model.layers.0-3" for the modules `layers.0`-`layers.3`)."""
     modules = {p.module for p in details.params} if details is not None else set()
-    if modules and all(k.startswith("model.") for k in keys) and not any(m.startswith("model") for m in modules) \
-            and any(m == k[6:] or m.startswith(k[6:] + ".") for k in keys for m in modules):
-        return tuple(k[6:] for k in keys)
+
+    def is_module(path: str) -> bool:
+        return any(m == path or m.startswith(path + ".") for m in modules)
+
+    if keys and all(k.startswith("model.") and is_module(k[6:]) and not is_module(k) for k in keys):
+        return tuple(k[6:] for k in keys)  # (a transformers model's own `model.` trunk stays: a review)
     return keys
 
 

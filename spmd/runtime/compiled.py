@@ -1962,13 +1962,15 @@ class CompiledModule(nn.Module):
         vkey = key if grad == "on" else (grad, key)
         if vkey in self._refused_shapes:
             raise self._refused_shapes[vkey]
-        empty = [spec.name for spec, t in zip(self._input_specs, flat) if isinstance(t, torch.Tensor) and not t.numel()]
-        if empty and self.split is not None:  # (found by a probe: the trace's "float division by zero", advice on
-            raise SpmdError(                  # torch.export)
-                f"shard_inputs: {', '.join(map(repr, empty))} {'is' if len(empty) == 1 else 'are'} empty (shape "
-                f"{list(flat[[spec.name for spec in self._input_specs].index(empty[0])].shape)}): a training step "
-                "over no examples has nothing to learn from (on one device its mean loss is NaN). What to do: skip "
-                "the empty batch.")
+        # (found by a probe: an empty batch met the trace's "float division by zero" and advice on torch.export; an
+        # input compiled empty, a prefix of length 0, stays allowed: a review)
+        empty = [(spec.name, tuple(t.shape)) for spec, t in zip(self._input_specs, flat)
+                 if isinstance(t, torch.Tensor) and not t.numel() and math.prod(spec.shape)]
+        if empty and self.split is not None:
+            raise SpmdError(
+                f"shard_inputs: {', '.join(repr(name) for name, _ in empty)} {'is' if len(empty) == 1 else 'are'} "
+                f"empty (shape {list(empty[0][1])}): a training step over no examples has nothing to learn from (on "
+                "one device its mean loss is NaN). What to do: skip the empty batch.")
         if len(flat) == len(self._shapes.input_flags):  # (flagged as the example was, not as the call's inputs
             flat = tuple(_flagged(t, flag) for t, flag in zip(flat, self._shapes.input_flags))  # are; a review)
         if grad == "on":

@@ -175,39 +175,42 @@ def _construction_resets(cls: type) -> str:
     return found
 
 
-_PARAMETRIZING = re.compile(r"\b(weight_norm|spectral_norm|orthogonal|register_parametrization)\b")
+_PARAMETRIZING = re.compile(r"^(weight_norm|spectral_norm|orthogonal|register_parametrization)$")
 
 
 def _parametrizes(fn, depth: int = 1) -> bool:
-    """Whether `fn`'s source registers a parametrization: names torch's functions that do, calls one under
-    another name (`wn = weight_norm` at module level), or calls a function or class of its module that does
-    (`self.conv = WNConv1d(...)`), `depth` calls deep."""
+    """Whether `fn` registers a parametrization: calls torch's functions that do by their names (`weight_norm(`,
+    `nn.utils.parametrizations.weight_norm(`, Wav2Vec2's local `weight_norm = ...` then `weight_norm(...)`), or
+    under another (`wn = weight_norm` at module level), or calls a function or class of its module that does
+    (`self.conv = WNConv1d(...)`), `depth` calls deep. Only calls: a flag of that name (`weight_norm=False`, a
+    review) is none."""
     import ast
     import inspect
     import textwrap
 
     try:
-        text = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return False
-    if _PARAMETRIZING.search(text):
-        return True
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
         return False
     scope = getattr(fn, "__globals__", {})
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            called = scope.get(node.func.id)
-            if getattr(called, "__module__", "") in ("torch.nn.utils.parametrizations", "torch.nn.utils.parametrize") \
-                    and _PARAMETRIZING.search(getattr(called, "__name__", "")):
-                return True
-            if isinstance(called, type) and (called.__module__ or "").split(".")[0] != "torch":
-                called = called.__dict__.get("__init__")
-            if depth and inspect.isfunction(called) and (called.__module__ or "").split(".")[0] != "torch" \
-                    and _parametrizes(called, depth - 1):
-                return True
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if _PARAMETRIZING.match(name) and not (isinstance(node.func, ast.Attribute)
+                                               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+            return True
+        if not isinstance(node.func, ast.Name):
+            continue
+        called = scope.get(node.func.id)
+        if getattr(called, "__module__", "") in ("torch.nn.utils.parametrizations", "torch.nn.utils.parametrize") \
+                and _PARAMETRIZING.match(getattr(called, "__name__", "")):
+            return True
+        if isinstance(called, type) and (called.__module__ or "").split(".")[0] != "torch":
+            called = called.__dict__.get("__init__")
+        if depth and inspect.isfunction(called) and (called.__module__ or "").split(".")[0] != "torch" \
+                and _parametrizes(called, depth - 1):
+            return True
     return False
 
 

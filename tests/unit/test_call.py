@@ -125,6 +125,8 @@ def test_keyword_arguments_that_hold_no_tensor_are_fixed_when_traced():
         call.flatten((x, 2.0), {})
     _, _, by_default = positional_call(model, (x,), {"scale": 1.0})
     assert by_default.flatten((x,), {}) == (x,) and by_default.defaulted == ("scale",)
+    with pytest.raises(spmd.SpmdError, match=r"got no scale by keyword, and 1 positional argument more"):
+        by_default.flatten((x, 1.0), {})  # (its default's value, given positionally: a review)
     with pytest.raises(spmd.SpmdError, match=r"keyword \(none\) inputs \(and the values scale=1.0, fixed when "
                                              r"traced\); got 1 positional, unknown keywords \['mask'\]"):
         by_default.flatten((x,), {"mask": torch.ones(4, 16)})

@@ -604,6 +604,20 @@ class _SpectralNormed(nn.Module):
         self.head = nn.Linear(4, 2)
 
 
+class _Flagged(nn.Module):
+    """A config flag named like torch's function (`weight_norm=False`), as audio models have: not a registration."""
+
+    def __init__(self, weight_norm: bool = False):
+        super().__init__()
+        self.conv, self.head, self.weight_norm = nn.Conv1d(4, 4, 3), nn.Linear(4, 2), weight_norm
+
+
+def _flagged_weight_normed_after_the_build():
+    model = _Flagged()
+    _wn(model.conv, dim=0)
+    return model
+
+
 def _spectral_normed_after_the_build():
     model = _Conv()
     nn.utils.parametrizations.spectral_norm(model.conv)
@@ -619,9 +633,12 @@ def test_a_parametrization_registered_in_init_gets_its_tensors_from_the_modules_
     check_equal(factory, "mixed", 3)
 
 
-@pytest.mark.parametrize("factory", [_weight_normed_after_the_build, _spectral_normed_after_the_build])
+@pytest.mark.parametrize("factory", [_weight_normed_after_the_build, _spectral_normed_after_the_build,
+                                     _flagged_weight_normed_after_the_build])
 def test_a_parametrization_registered_on_the_built_model_is_refused_with_the_ways_out(factory):
-    """Registered after the build (after any init of the model's, which a meta model cannot replay): named."""
+    """Registered after the build (after any init of the model's, which a meta model cannot replay): named. A flag
+    named `weight_norm` in the parent's `__init__` took it as registered there, and the replay gave other values than
+    one device's after an init_fn (a review)."""
     with pytest.raises(SpmdError, match=r"parametrization on conv: .*not one registered on the built model"
                                         r".*load_safetensors"):
         plan_init(build_meta(factory)).check()
