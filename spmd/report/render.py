@@ -53,10 +53,16 @@ def find_renderer() -> tuple[str, str] | None:
     return None if found is None else ("graphviz-pure", found)
 
 
+LARGE = 400  # boxes past which `dot`'s layout search is bounded
+
+
 def _render(renderer: tuple[str, str], source: str, fmt: str) -> bytes | str:
     """The picture in `fmt` as bytes, or why the renderer cannot write `fmt` (graphviz-pure and PDF)."""
     name, exe = renderer
-    out = subprocess.run([exe, f"-T{fmt}"], input=source.encode(), capture_output=True, check=False)
+    # (found by a probe: graphviz's crossing minimization ran 6+ minutes on a small T5's training plan, ~800 boxes;
+    # bounded, the layout takes seconds and draws the same graph, with more crossings)
+    bounded = ["-Gnslimit=1", "-Gnslimit1=1", "-Gmclimit=0.1"] if name == "dot" and source.count(" [label=") > LARGE else []
+    out = subprocess.run([exe, f"-T{fmt}", *bounded], input=source.encode(), capture_output=True, check=False)
     if out.returncode == 0:
         return out.stdout
     err = out.stderr.decode(errors="replace").strip()

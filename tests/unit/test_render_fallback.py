@@ -95,3 +95,17 @@ def test_without_any_renderer_writes_the_source_and_says_what_to_install(nowhere
     with pytest.warns(MissingGraphvizWarning, match="shows the source and the plan as text"):
         page = plan.visualize(nowhere / "gpt.html").read_text()
     assert "pip install graphviz-pure" in page and "digraph spmd" in page and "<svg" not in page
+
+
+def test_the_layout_search_of_a_large_graph_is_bounded(monkeypatch):
+    """Found by a probe: `dot` ran 6+ minutes on a small T5's training plan (805 boxes); past `LARGE` boxes its
+    crossing minimization is bounded (15 s there), and a small graph keeps graphviz's own search."""
+    calls = []
+    monkeypatch.setattr(render.subprocess, "run", lambda args, **kw: calls.append(args) or
+                        subprocess.CompletedProcess(args, 0, b"<svg/>", b""))
+    small = "digraph g {\n" + "".join(f"\tn{i} [label=<{i}>]\n" for i in range(10)) + "}"
+    large = "digraph g {\n" + "".join(f"\tn{i} [label=<{i}>]\n" for i in range(render.LARGE + 1)) + "}"
+    for source in (small, large):
+        assert render._render(("dot", "/usr/bin/dot"), source, "svg") == b"<svg/>"
+    assert calls[0] == ["/usr/bin/dot", "-Tsvg"]
+    assert calls[1][:2] == ["/usr/bin/dot", "-Tsvg"] and "-Gmclimit=0.1" in calls[1]
