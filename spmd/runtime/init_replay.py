@@ -176,14 +176,20 @@ def _construction_resets(cls: type) -> str:
 
 
 _PARAMETRIZING = re.compile(r"^(weight_norm|spectral_norm|orthogonal|register_parametrization)$")
+_KINDS = {"weight_norm": "_WeightNorm", "spectral_norm": "_SpectralNorm", "orthogonal": "_Orthogonal",
+          "register_parametrization": "*"}  # (torch's function -> the class of the parametrization it registers)
 
 
-def _parametrizes(fn, depth: int = 1) -> bool:
-    """Whether `fn` registers a parametrization: calls torch's functions that do by their names (`weight_norm(`,
-    `nn.utils.parametrizations.weight_norm(`, Wav2Vec2's local `weight_norm = ...` then `weight_norm(...)`), or
-    under another (`wn = weight_norm` at module level), or calls a function or class of its module that does
-    (`self.conv = WNConv1d(...)`), `depth` calls deep. Only calls: a flag of that name (`weight_norm=False`, a
-    review) is none."""
+def _registrations(fn, depth: int = 1) -> frozenset[tuple[str, str]]:
+    """(parametrization class name, or "*" for any, `self` attribute it goes on) of each parametrization `fn`
+    registers whatever its arguments: a call of torch's function by its name (`weight_norm(`,
+    `nn.utils.parametrizations.weight_norm(`, Wav2Vec2's local `weight_norm = ...` then `weight_norm(...)`), under
+    another (`wn = weight_norm` at module level), or a function or class of its module that makes one
+    (`self.conv = WNConv1d(...)`), `depth` calls deep; the attribute is the assignment's (`self.conv = ...`,
+    `self.convs = nn.ModuleList([...])`) or the call's first argument's (`weight_norm(self.conv)`), "" where neither.
+    Only calls every run makes count: one under an `if` (both branches count where both make it), a conditional
+    expression or `and`/`or` does not, nor a flag of that name (`weight_norm=False`; a review found both taken for
+    registrations, and a parametrization registered after the build replayed at the wrong place, silently)."""
     import ast
     import inspect
     import textwrap
@@ -191,38 +197,79 @@ def _parametrizes(fn, depth: int = 1) -> bool:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return frozenset()
     scope = getattr(fn, "__globals__", {})
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        if _PARAMETRIZING.match(name) and not (isinstance(node.func, ast.Attribute)
-                                               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
-            return True
-        if not isinstance(node.func, ast.Name):
-            continue
-        called = scope.get(node.func.id)
+
+    def self_attr(node) -> str:
+        return node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+            node.value.id == "self" else ""
+
+    def kinds(call: ast.Call) -> set[str]:
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        if _PARAMETRIZING.match(name) and not self_attr(call.func):
+            return {_KINDS[name]}
+        called = scope.get(call.func.id) if isinstance(call.func, ast.Name) else None
         if getattr(called, "__module__", "") in ("torch.nn.utils.parametrizations", "torch.nn.utils.parametrize") \
                 and _PARAMETRIZING.match(getattr(called, "__name__", "")):
-            return True
+            return {_KINDS[called.__name__]}
         if isinstance(called, type) and (called.__module__ or "").split(".")[0] != "torch":
             called = called.__dict__.get("__init__")
-        if depth and inspect.isfunction(called) and (called.__module__ or "").split(".")[0] != "torch" \
-                and _parametrizes(called, depth - 1):
-            return True
-    return False
+        if depth and inspect.isfunction(called) and (called.__module__ or "").split(".")[0] != "torch":
+            return {kind for kind, _ in _registrations(called, depth - 1)}
+        return set()
+
+    def unconditional_calls(node):
+        if isinstance(node, (ast.IfExp, ast.BoolOp, ast.Lambda, ast.FunctionDef)):
+            return
+        if isinstance(node, ast.Call):
+            yield node
+        for child in ast.iter_child_nodes(node):
+            yield from unconditional_calls(child)
+
+    def visit(statements) -> set[tuple[str, str]]:
+        found = set()
+        for st in statements:
+            if isinstance(st, ast.If):
+                found |= visit(st.body) & visit(st.orelse)
+            elif isinstance(st, (ast.With, ast.For, ast.While, ast.Try)):
+                found |= visit(st.body)
+            else:
+                pairs = [(st, "")]
+                if isinstance(st, ast.Assign) and len(st.targets) == 1:
+                    target = st.targets[0]
+                    pairs = list(zip(st.value.elts, target.elts)) if isinstance(target, ast.Tuple) and isinstance(
+                        st.value, ast.Tuple) and len(target.elts) == len(st.value.elts) else [(st.value, target)]
+                    pairs = [(value, self_attr(target)) for value, target in pairs]
+                for part, target in pairs:  # (`self.a, self.b = wn(...), ...`: each value with its target)
+                    for call in unconditional_calls(part):
+                        attr = target or (self_attr(call.args[0]) if call.args else "")
+                        found |= {(kind, attr) for kind in kinds(call)}
+        return found
+
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else tree.body
+    return frozenset(visit(body))
 
 
 @functools.lru_cache(maxsize=None)
-def _registers_parametrizations(cls: type) -> bool:
-    """Whether building `cls` registers parametrizations on its children (its `__init__` along the MRO does:
-    `_parametrizes`). Only then did a child's reset run before the parametrization came, as Wav2Vec2's
-    positional conv is drawn and then weight-normed; one registered on the built model came after any init of
-    the model's too, which a meta model cannot replay."""
-    return any(_parametrizes(c.__init__) for c in cls.__mro__
-               if c is not nn.Module and c is not object and "__init__" in c.__dict__
-               and (c.__module__ or "").split(".")[0] != "torch")
+def _registers_parametrizations(cls: type) -> frozenset[tuple[str, str]]:
+    """What building `cls` registers on its children (`_registrations` of its `__init__`s along the MRO). Only for
+    those did a child's reset run before the parametrization came, as Wav2Vec2's positional conv is drawn and then
+    weight-normed; one registered on the built model came after any init of the model's too, which a meta model
+    cannot replay."""
+    return frozenset().union(*(_registrations(c.__init__) for c in cls.__mro__
+                               if c is not nn.Module and c is not object and "__init__" in c.__dict__
+                               and (c.__module__ or "").split(".")[0] != "torch"))
+
+
+def _registered_when_built(model: nn.Module, m: nn.Module, fqn: str) -> bool:
+    """Whether every parametrization of `m` (at `fqn`) was registered while the model was built: an ancestor's
+    `__init__` registers one of its class on the attribute `m` is under (the parent's `self.conv`, or a
+    grandparent's `self.convs` list of weight-normed convs, as HiFi-GAN builds them)."""
+    parts = fqn.split(".") if fqn else []
+    made = [(parts[k] if k < len(parts) else "", _registers_parametrizations(type(model.get_submodule(".".join(
+        parts[:k]))))) for k in range(len(parts) - 1, -1, -1)]
+    return all(any((kind, attr) in found or ("*", attr) in found for attr, found in made if attr)
+               for kind in {type(chain[0]).__name__ for chain in m.parametrizations.values()})
 
 
 def _through_parametrizations(fn: Callable[[nn.Module], Any], m: nn.Module) -> Callable[[nn.Module], Any]:
@@ -330,12 +377,7 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
     def reset_event(m, fqn):
         found, fn = reset_fn(m)
         if found and fn is not None:
-            # (registered by an ancestor's __init__: the parent's, or, through a ModuleList of weight-normed convs
-            # as HiFi-GAN builds them, the grandparent's)
-            parts = fqn.split(".") if fqn else []
-            ancestors = (model.get_submodule(".".join(parts[:k])) for k in range(len(parts) - 1, -1, -1))
-            if torch.nn.utils.parametrize.is_parametrized(m) and any(_registers_parametrizations(type(a))
-                                                                     for a in ancestors):
+            if torch.nn.utils.parametrize.is_parametrized(m) and _registered_when_built(model, m, fqn):
                 fn = _through_parametrizations(fn, m)
             add("reset", m, fqn, fn)
         elif not found and (any(t is not None for t in m._parameters.values())

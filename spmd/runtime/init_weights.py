@@ -194,8 +194,9 @@ class InitPlan:
                 f"Among them, the tensors of a parametrization on {', '.join(parametrized[:3])}: one registered in a "
                 "module's __init__ (weight_norm in Wav2Vec2's, spectral_norm, or either in a helper it calls) has its "
                 "tensors set from the module's reset as registering it set them; not one registered on the built "
-                "model (after its init, which a meta model cannot replay), nor one holding state of its own other "
-                "than spectral_norm's. A checkpoint (load_safetensors), or a build with values on every rank (the "
+                "model (after its init, which a meta model cannot replay) or under a condition in __init__ (HuBERT's, "
+                "under `if not conv_pos_batch_norm`: a meta model cannot tell it ran), nor one holding state of its "
+                "own other than spectral_norm's. A checkpoint (load_safetensors), or a build with values on every rank (the "
                 "pieces then come from rank 0's), needs none of this")
         if problems and strict:
             raise SpmdError(

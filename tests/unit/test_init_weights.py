@@ -618,6 +618,33 @@ def _flagged_weight_normed_after_the_build():
     return model
 
 
+class _MaybeNormed(nn.Module):
+    """spectral_norm under a flag that is off: no registration when built."""
+
+    def __init__(self, use_sn: bool = False):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3)
+        if use_sn:
+            self.conv = nn.utils.parametrizations.spectral_norm(self.conv)
+        self.head = nn.Linear(4, 2)
+
+
+class _OneChildNormed(nn.Module):
+    """weight_norm registered on `a` when built; `conv` is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.conv, self.head = _wn(nn.Conv1d(4, 4, 3)), nn.Conv1d(4, 4, 3), nn.Linear(4, 2)
+
+
+def _spectral_normed_after(cls):
+    def build():
+        model = cls()
+        nn.utils.parametrizations.spectral_norm(model.conv)
+        return model
+    return build
+
+
 def _spectral_normed_after_the_build():
     model = _Conv()
     nn.utils.parametrizations.spectral_norm(model.conv)
@@ -634,11 +661,13 @@ def test_a_parametrization_registered_in_init_gets_its_tensors_from_the_modules_
 
 
 @pytest.mark.parametrize("factory", [_weight_normed_after_the_build, _spectral_normed_after_the_build,
-                                     _flagged_weight_normed_after_the_build])
+                                     _flagged_weight_normed_after_the_build, _spectral_normed_after(_MaybeNormed),
+                                     _spectral_normed_after(_OneChildNormed)])
 def test_a_parametrization_registered_on_the_built_model_is_refused_with_the_ways_out(factory):
     """Registered after the build (after any init of the model's, which a meta model cannot replay): named. A flag
-    named `weight_norm` in the parent's `__init__` took it as registered there, and the replay gave other values than
-    one device's after an init_fn (a review)."""
+    named `weight_norm` in the parent's `__init__`, a registration under a branch not taken, or one on another
+    child took it as registered there, and the replay drew at the wrong place: other values than one device's
+    (reviews)."""
     with pytest.raises(SpmdError, match=r"parametrization on conv: .*not one registered on the built model"
                                         r".*load_safetensors"):
         plan_init(build_meta(factory)).check()
