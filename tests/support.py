@@ -132,6 +132,24 @@ def check_simulated_training(c, outs, loss, model) -> int:
     return checked
 
 
+def one_step_checked(compiled, reference, x, t, loss_fn=F.mse_loss, atol: float = 1e-12) -> None:
+    """One call and backward of a compiled module (the runtime itself, not `simulate`) against `reference` on one
+    device: the loss and every gradient equal (None where the reference's is None); both sets of gradients cleared
+    after, for the next step."""
+    loss = compiled(*compiled.shard_inputs(x, t))
+    loss.backward()
+    expected = loss_fn(reference(x), t)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=atol)
+    for name, p in reference.named_parameters():
+        got = compiled.get_parameter(name).grad
+        assert (got is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(got, p.grad, rtol=0, atol=atol)
+        p.grad = None
+    compiled.zero_grad()
+
+
 def mse_training_checked(model, x, t, mesh: MeshSpec, rank: int | None = None, **options) -> tuple[Compilation, int]:
     """`model` compiled for an MSE loss of its output for `t` (input `x`) and its training step simulated: the
     compilation, and how many of its outputs equal one device's (`check_simulated_training`)."""

@@ -10,6 +10,7 @@ function it stands in for.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -57,3 +58,15 @@ def class_attribute_patch(owner: type, name: str, replacement: Any) -> SharedPat
             setattr(owner, name, before)
 
     return SharedPatch(make, undo)
+
+
+@contextlib.contextmanager
+def collecting(patch: SharedPatch, here: threading.local, collector):
+    """`patch` held and `collector` open on this thread, in `here.open` beside any outer ones (the patch adds what
+    it sees to each), while the block runs; yields `collector`."""
+    with patch:
+        here.open = getattr(here, "open", ()) + (collector,)
+        try:
+            yield collector
+        finally:
+            here.open = tuple(c for c in here.open if c is not collector)

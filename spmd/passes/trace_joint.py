@@ -40,15 +40,15 @@ from torch.overrides import TorchFunctionMode
 
 from spmd.core.autocast import autocast_off, autocast_on, autocast_state
 from spmd.core.errors import TORCH_DIR, SpmdError, user_stacklevel
-from spmd.core.shared_patch import SharedPatch, class_attribute_patch
+from spmd.core.shared_patch import SharedPatch, class_attribute_patch, collecting
 from spmd.passes.kept_state import _REGISTRIES, refuse_counted, state_kept
 from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
                                       _drop_assertions, _drop_effect_tokens, dataclass_outputs_registered, described,
-                                      distinct_inputs, draws_change_the_graph, graph_signature, kernels_kept_whole,
-                                      parameter_changed_message, parametrizations_uncached, partial_graphs_unprinted,
-                                      renormalized, random_draws, refuse_random_draws, shared_names, state_assigned,
-                                      tensor_infos,
+                                      distinct_inputs, draws_change_the_graph, forward_names, graph_signature,
+                                      kernels_kept_whole, parameter_changed_message, parametrizations_uncached,
+                                      partial_graphs_unprinted, positional, renormalized, random_draws,
+                                      refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
                                       without_decompositions)
 
@@ -695,26 +695,17 @@ def _register_hook_noted(self, hook):
 _TENSOR_HOOKS = class_attribute_patch(torch.Tensor, "register_hook", _register_hook_noted)
 
 
-@contextlib.contextmanager
 def _tensor_hooks():
     """Whether the forward registers a gradient hook on a tensor (`tensor.register_hook`) while this is open, on
-    this thread."""
-    hooked: list[bool] = []
-    with _TENSOR_HOOKS:
-        _hooks_here.open = getattr(_hooks_here, "open", ()) + (hooked,)
-        try:
-            yield hooked
-        finally:
-            _hooks_here.open = tuple(h for h in _hooks_here.open if h is not hooked)
+    this thread (a list that gets an entry per hook)."""
+    return collecting(_TENSOR_HOOKS, _hooks_here, [])
 
 
 def argument_names(model: torch.nn.Module, n: int, loss_fn=None) -> list[str]:
     """Names of the `n` example inputs: the model's own parameter names, then, with a loss_fn, the
     targets (`target_names`); `arg<i>` for a model without names."""
     n_targets = loss_targets(loss_fn) if loss_fn is not None else 0
-    wrapped = getattr(model, "_orig_mod", None)  # (a torch.compile'd model: its forward takes `*args`)
-    names = _positional((wrapped if isinstance(wrapped, torch.nn.Module) else model).forward)[: n - n_targets]
-    names += [f"arg{i}" for i in range(len(names), n - n_targets)]
+    names = forward_names(model, n - n_targets)
     return names + target_names(loss_fn, n_targets, names)
 
 
@@ -723,18 +714,10 @@ def target_names(loss_fn, n_targets: int, taken) -> list[str]:
     `target0`, `target1`, ... for a loss without usable names or with names in `taken` (the model's inputs)."""
     if not n_targets:
         return []
-    targets = _positional(loss_fn)[1: 1 + n_targets]
+    targets = positional(loss_fn)[1: 1 + n_targets]
     if len(targets) != n_targets or set(targets) & set(taken):
         targets = [f"target{i}" for i in range(n_targets)]
     return targets
-
-
-def _positional(fn) -> list[str]:
-    try:
-        return [p.name for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        return []
 
 
 _checkpoints_here = threading.local()  # .calls: this thread's innermost trace's list, else absent
@@ -909,26 +892,18 @@ def _apply_noted(cls, *args, **kwargs):
 _FUNCTION_APPLY = class_attribute_patch(torch.autograd.Function, "apply", classmethod(_apply_noted))
 
 
-@contextlib.contextmanager
 def custom_functions():
     """The names of the user's `torch.autograd.Function`s the model applies on this thread while this is open.
     torch.export (non-strict) inlines their forward and drops their backward; AOTAutograd over the module itself
     keeps the backward they define (`trace_joint`'s first road; its second, through torch.export, refuses them).
     (`Function.apply` is patched process-wide while any thread traces; another thread's Functions are not this
     trace's: before, a model compiled in one thread was taken to apply the Functions of one another compiled.)"""
-    applied: set[str] = set()
-    with _FUNCTION_APPLY:
-        _functions_here.open = getattr(_functions_here, "open", ()) + (applied,)
-        try:
-            yield applied
-        finally:
-            _functions_here.open = tuple(a for a in _functions_here.open if a is not applied)
+    return collecting(_FUNCTION_APPLY, _functions_here, set())
 
 
-_masked_here = threading.local()  # (traces open on this thread: only these rewrite)
+_masked_here = threading.local()  # .open: this thread's open traces (only these rewrite)
 
 
-@contextlib.contextmanager
 def _masked_writes_as_where():
     """While this is open, on this thread, `x[mask] = v` (a bool mask over x's first dims, `v` a tensor of x's dtype
     with a gradient, the same for every position the mask picks: it broadcasts to one position's shape) runs as
@@ -938,17 +913,12 @@ def _masked_writes_as_where():
     `hidden_states[mask_time_indices] = self.masked_spec_embed`, refused in training). Anything else goes as it is.
     (`Tensor.__setitem__` itself, set process-wide while any thread traces: not a TorchFunctionMode, whose frame
     sits under every op, and which torch named as the cause of every data-dependent failure.)"""
-    with _MASKED_WRITES:
-        _masked_here.depth = getattr(_masked_here, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _masked_here.depth -= 1
+    return collecting(_MASKED_WRITES, _masked_here, object())
 
 
 def _set_masked_as_where(x, index, value):
     mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
-    if not getattr(_masked_here, "depth", 0) or not _picks_rows(x, mask, value):
+    if not getattr(_masked_here, "open", ()) or not _picks_rows(x, mask, value):
         return (_MASKED_WRITES.saved or torch._C.TensorBase.__setitem__)(x, index, value)
     where = mask.reshape(tuple(mask.shape) + (1,) * (x.dim() - mask.dim()))
     if torch._C._is_alias_of(value, x):  # (a part of x, `h[mask] = h[0, 0]`: read before the write, as eager reads

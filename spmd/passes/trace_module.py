@@ -1067,13 +1067,20 @@ def refuse_rnn_dropout(model: torch.nn.Module) -> None:
                 "set dropout=0.")
 
 
-def _positional_names(fn, n: int) -> list[str]:
-    """The names of `fn`'s first `n` positional parameters, `arg<i>` past them."""
+def positional(fn) -> list[str]:
+    """The names of `fn`'s positional parameters (none where it has no signature to read)."""
     try:
-        names = [p.name for p in inspect.signature(fn).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n]
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        names = []
+        return []
+
+
+def forward_names(model: torch.nn.Module, n: int) -> list[str]:
+    """The names of the first `n` positional parameters of `model`'s forward, `arg<i>` past them; a torch.compile'd
+    model's (its forward takes `*args`) are the model's it wraps (found by a probe: `args_0` / `arg0`)."""
+    wrapped = getattr(model, "_orig_mod", None)
+    names = positional((wrapped if isinstance(wrapped, torch.nn.Module) else model).forward)[:n]
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
@@ -1410,10 +1417,10 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
     inputs = []
     # (a torch.compile'd model's forward takes `*args`, which torch.export names args_0, ...: its own names, as
-    # training's trace gives them; found by a probe)
-    wrapped = getattr(model, "_orig_mod", None)
+    # training's trace gives them)
     n_user = sum(spec.kind == InputKind.USER_INPUT for spec in sig.input_specs)
-    user_names = iter(_positional_names(wrapped.forward, n_user) if isinstance(wrapped, torch.nn.Module) else ())
+    compiled = isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
+    user_names = iter(forward_names(model, n_user) if compiled else ())
     for spec in sig.input_specs:
         if spec.kind == InputKind.TOKEN:
             continue  # dropped with the checks it ordered (_drop_effect_tokens)

@@ -13,7 +13,7 @@ from spmd.core.errors import SpmdError
 from spmd.core.graph_facts import module_stack, phase_of
 from spmd.report.plan_io import plan_from_json, plan_to_json
 from tests.models import GPT, GPTConfig
-from tests.support import budget_rows, compile_graph, lm_loss, one_device, spec
+from tests.support import budget_rows, compile_graph, lm_loss, one_device, one_step_checked, spec
 
 
 class Block(nn.Module):
@@ -639,12 +639,4 @@ def test_a_recomputed_layer_reads_its_buffer_as_the_forward_did(recompute):
         torch.set_default_dtype(torch.float32)
     assert compiled.plan.recompute or compiled.plan.recompute_selective
     for _ in range(2):  # (the second step reads the memory the first wrote)
-        loss = compiled(*compiled.shard_inputs(x, t))
-        loss.backward()
-        expected = F.mse_loss(reference(x), t)
-        expected.backward()
-        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(compiled.get_parameter(name).grad, p.grad, rtol=0, atol=1e-12)
-            p.grad = None
-        compiled.zero_grad()
+        one_step_checked(compiled, reference, x, t)

@@ -391,7 +391,7 @@ def test_a_hessian_in_the_forward_trains_equal_on_the_runtime():
     torch's "data pointer on an invalid python storage": the runtime counted the bytes of what the forward saves,
     and one was an efficient zero tensor, which has no storage (the simulated run, which counts nothing, was
     equal)."""
-    from tests.support import one_device
+    from tests.support import one_device, one_step_checked
 
     torch.manual_seed(0)
     model = _Curvature().double()
@@ -401,16 +401,7 @@ def test_a_hessian_in_the_forward_trains_equal_on_the_runtime():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # (torch.func's zeros have a rule: no warning of an op without)
         compiled = one_device(model, (x, t), loss_fn=F.mse_loss)
-    loss = compiled(*compiled.shard_inputs(x, t))
-    loss.backward()
-    expected = F.mse_loss(reference(x), t)
-    expected.backward()
-    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
-    for name, p in reference.named_parameters():
-        got = compiled.get_parameter(name).grad
-        assert (got is None) == (p.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(got, p.grad, rtol=0, atol=1e-12)
+    one_step_checked(compiled, reference, x, t)
 
 
 class _Stem(nn.Module):
