@@ -46,7 +46,7 @@ from spmd.passes.made_state import refuse_made_snapshots
 from spmd.passes.trace_module import (DRAWN_WHOLE, WRONG_IN_TORCH, GraphInput, GraphOutput, TracedGraph,
                                       _drop_assertions, _drop_effect_tokens, dataclass_outputs_registered, described,
                                       distinct_inputs, draws_change_the_graph, forward_names, graph_signature,
-                                      kernels_kept_whole, parameter_changed_message, parametrizations_uncached,
+                                      kernels_kept_whole, module_types, parameter_changed_message, parametrizations_uncached,
                                       partial_graphs_unprinted, positional, renormalized, random_draws,
                                       refuse_random_draws, shared_names, state_assigned, tensor_infos,
                                       untraceable_message, untraceable_way_out, user_outputs_first,
@@ -238,7 +238,8 @@ def _trace_joint(model: torch.nn.Module, example_inputs: tuple, loss_fn) -> Trac
     frozen = frozenset(strip(k) for k, v in root.named_parameters(remove_duplicate=False) if not v.requires_grad)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()}, out_spec,
                        None, tensor_info, tuple(outputs), frozen=frozen, joint=True,
-                       aliases=shared_names(root, prefix), custom_functions=tuple(sorted(applied)),
+                       aliases=shared_names(root, prefix), module_types=module_types(root, prefix),
+                       custom_functions=tuple(sorted(applied)),
                        checkpoints=tuple(dict.fromkeys(checkpoints)), reentrant=checkpoints.reentrant,
                        loss=loss_fn is not None)
 

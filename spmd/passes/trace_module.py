@@ -73,6 +73,9 @@ class TracedGraph:
     # "model.layers.7/fwd" -> "model.layers.1/fwd": a layer stamp_layers copied, and the traced layer it
     # copies node for node (find_repeated_blocks then needs no hash or signature of the copy)
     stamped: dict[str, str] = field(default_factory=dict)
+    # module path -> class name for every module of the model, also those whose forward the graph never runs (a
+    # tie's first name, a weight read directly as `F.conv1d(x, self.conv1d.weight)`, a module run inside torch.cond)
+    module_types: dict[str, str] = field(default_factory=dict)
 
     def output_kinds(self) -> list[GraphOutput]:
         flat = flat_outputs(self.graph.output_node())
@@ -1475,7 +1478,7 @@ def _trace_module(model: torch.nn.Module, example_inputs: tuple, example_kwargs:
         outputs = user_outputs_first(ep.graph_module, outputs)
     return TracedGraph(gm, tuple(inputs), {k: v.detach() for k, v in state.items()},
                        call_sig.out_spec, call_sig.in_spec, tensor_info, tuple(outputs) if updates else (),
-                       frozen=frozen, aliases=shared_names(model))
+                       frozen=frozen, aliases=shared_names(model), module_types=module_types(model))
 
 
 def _buffer_names(model: torch.nn.Module, buffers: list[tuple]) -> list[str]:
@@ -1500,6 +1503,21 @@ def _fx_placeholder_names(gm: torch.fx.GraphModule) -> dict[str, str]:
     renamed = {old.name: env[old].name for old in gm.graph.find_nodes(op="placeholder") if env[old].name != old.name}
     gm.graph = graph  # (recompiles)
     return renamed
+
+
+def module_types(model: torch.nn.Module, prefix: str = "") -> dict[str, str]:
+    """module path -> class name, every module under every name; `prefix` (a wrapper's child) stripped and the
+    wrapper itself left out."""
+    out = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        if prefix and path == prefix.rstrip("."):
+            path = ""
+        elif prefix and path.startswith(prefix):
+            path = path[len(prefix):]
+        elif prefix and not path.startswith("loss_fn"):
+            continue
+        out.setdefault(path, type(m).__name__)
+    return out
 
 
 def shared_names(model: torch.nn.Module, prefix: str = "") -> dict[str, str]:

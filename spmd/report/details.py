@@ -65,6 +65,10 @@ class ParamUse:
     module_type: str  # "Linear", "Embedding", "LayerNorm", ...
     placements: str
     roles: tuple[str, ...]  # column-parallel | row-parallel | vocab-parallel | FSDP | replicated | sharded dim d
+    tied: tuple[str, ...] = ()  # the parameter's other names (`lm_head.weight` for a tied `shared.weight`)
+    # the graph runs the module under this path (not: a tie's first name, T5's `shared`, or a module whose weight
+    # the forward reads directly): a parallel style's hooks would run at no call, so none is given
+    called: bool = True
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,8 @@ def _why(chosen: Split, alt: Split, budget: float | None) -> str:
 
 
 def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], types: dict[str, str],
-                 follower: dict[str, bool], backward: frozenset = frozenset()) -> list[ParamUse]:
+                 entered: dict[str, str], follower: dict[str, bool], backward: frozenset = frozenset(),
+                 tied: dict[str, list[str]] | None = None) -> list[ParamUse]:
     """Name each parameter's layout per axis. A sharded weight that is all_gathered on that axis before
     its forward use is FSDP (stored sharded, computed whole); one used sharded is tensor parallelism. (A
     gather only in backward, a column-parallel weight gathered there for another matmul, is not FSDP: a
@@ -219,7 +224,8 @@ def _param_roles(plan, table, fqn_of: dict[str, str], where: dict[str, str], typ
                 roles.append(f"sharded dim {p.dim}")
             else:
                 roles.append(str(p))
-        out.append(ParamUse(fqn, module, mtype, placements_str(ps), tuple(roles)))
+        out.append(ParamUse(fqn, module, mtype, placements_str(ps), tuple(roles), tuple((tied or {}).get(fqn, ())),
+                            module in entered))
     return out
 
 
@@ -227,7 +233,10 @@ def compute_details(plan, src) -> PlanDetails:
     """`src`: the `PlanSources` the plan was solved from (report/result.py)."""
     table, costs = src.tables
     params = {ph: plan.labels[ph] for ph, k in src.kinds.items() if k in ("parameter", "buffer")}
-    where, types = module_paths(src.graph, list(params.values()))
+    where, entered = module_paths(src.graph, list(params.values()))
+    # (with the modules the graph never enters by their own path, named in the table: a tie's first name, a weight
+    # read directly; no parallel style is given to them: its hooks would run at no call, or at another name's)
+    types = {**src.module_types, **entered}
     nodes = {n.name: n for n in src.graph.nodes}
     local = _Local(plan, table, costs)
     incoming = {e.consumer for e in plan.edges}
@@ -292,10 +301,13 @@ def compute_details(plan, src) -> PlanDetails:
     gathered = {plan.labels[ph]: axes for ph, k in src.kinds.items() if k == "input"
                 for axes in [_gathered_on(plan, ph, local.consumers[(ph, 0)])] if axes}
     backward = frozenset(name for name, node in nodes.items() if node is not None and phase_of(node) == "backward")
-    uses = _param_roles(plan, table, params, where, types, local.follower, backward)
+    tied: dict[str, list[str]] = {}
+    for alias, canonical in src.aliases.items():
+        tied.setdefault(canonical, []).append(alias)
+    uses = _param_roles(plan, table, params, where, types, entered, local.follower, backward, tied)
     regions = {}
     for i, axis in enumerate(plan.mesh.axis_names):
-        styles = {p.module: style for p in uses if p.fqn.rsplit(".", 1)[-1] == "weight"
+        styles = {p.module: style for p in uses if p.fqn.rsplit(".", 1)[-1] == "weight" and p.called
                   for style in [style_of(p.module_type, p.roles[i])] if style is not None}
         if styles:
             embeddings = frozenset(p.module for p in uses if p.module in styles and p.module_type == "Embedding")

@@ -110,11 +110,15 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
         return {plan.labels.get(n, n): s for n, s in plan.choices.items() if same_graph or n in plan.labels}
 
     ka, kb = keyed(a), keyed(b)
+    # (on meshes of other shapes, a layout is compared by the pieces it makes: `[R, R]` on (2, 2) is `[R]` on (4,),
+    # `[S(0), S(0)]` is `[S(0)]`; a probe saw every replicated weight listed as changed)
+    same = (lambda sa, sb: sa == sb) if a.mesh.shape == b.mesh.shape else \
+        (lambda sa, sb: _pieces(sa, a.mesh) == _pieces(sb, b.mesh))
     for label, sa in ka.items():
         sb = kb.get(label)
         if sb is None:
             d.only_a.append(label)
-        elif sa != sb:
+        elif not same(sa, sb):
             d.placements.append((label, _show(sa, sb), _show(sb, sa)))
     d.only_b = [label for label in kb if label not in ka]
     how = lambda plan, layer: ("recomputed" if layer in plan.recompute else  # noqa: E731
@@ -132,6 +136,21 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     if a.memory or b.memory:
         d.costs["memory per rank"] = (a.predicted_peak_bytes, b.predicted_peak_bytes)
     return d
+
+
+def _pieces(s: Strategy, mesh) -> tuple:
+    """A strategy as what each of its layouts makes of a tensor, whatever the mesh's shape: per tensor dim the
+    number of pieces, and how many ranks' values a partial one sums (by reduction)."""
+    def one(ps):
+        if ps is None:
+            return None
+        ways: dict[tuple, int] = {}
+        for p, n in zip(ps, mesh.shape):
+            key = ("S", p.dim) if p.is_shard() else ("P", p.reduce_op) if p.is_partial() else None
+            if key is not None and n > 1:
+                ways[key] = ways.get(key, 1) * n
+        return tuple(sorted(ways.items()))
+    return tuple(map(one, s.outputs)), tuple(map(one, s.inputs))
 
 
 def _collective_bytes(plan: Plan) -> dict[tuple[str, str], int]:

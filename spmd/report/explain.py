@@ -43,6 +43,8 @@ def module_summary(details: PlanDetails, axis_names) -> list[tuple[str, str, str
         text = describe_roles(main.roles, axis_names)
         if len(uses) > 1 and any(u.roles != main.roles for u in uses if u is not main):
             text += "; " + ", ".join(f"{u.fqn.rsplit('.', 1)[-1]} {u.placements}" for u in uses if u is not main)
+        if main.tied:  # (a tied head is no row of its own: its weight is this module's)
+            text += "; also " + ", ".join(t.rsplit(".", 1)[0] for t in main.tied) + " (tied)"
         described[module] = (main.module_type, text)
     groups: dict[tuple, list[str]] = {}
     for module, (mtype, text) in described.items():

@@ -59,7 +59,7 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
             kind = weight.module_type if weight else ""
             if regions is not None and module in regions.unstyled:
                 continue  # (its parameter is read elsewhere too: a note says so)
-            name = style_of(kind, role) if role is not None else None
+            name = style_of(kind, role) if role is not None and weight.called else None
             style = None if name is None else ColwiseParallel if name == COLWISE else RowwiseParallel
             if style is not None:
                 layouts = {}
@@ -76,7 +76,9 @@ def to_parallelize_plan(plan: Plan, details: PlanDetails | None, axis: str | Non
             for use in uses.values():
                 if use.roles[i] not in ("replicated",) and style is None:
                     why = "DTensor's styles take nn.Linear and nn.Embedding only (Conv1D holds its weight " \
-                        "transposed)" if use.module_type == "Conv1D" else "no parallel style for it"
+                        "transposed)" if use.module_type == "Conv1D" else "no parallel style for it" if use.called \
+                        else "no parallel style: the forward never calls the module by this name (its weight is " \
+                        "read directly, or the module runs under another name it is tied to)"
                     notes.append(f"{use.fqn} ({use.module_type or 'no module type'}): {use.roles[i]} on {axis}, {why}")
         for p in details.params:
             for j, r in enumerate(p.roles):

@@ -81,7 +81,7 @@ def _details_from(d: dict | None) -> PlanDetails | None:
         r["cost"] = Split(**r["cost"])
         r["alternative_cost"] = Split(**r["alternative_cost"]) if r["alternative_cost"] else None
         nodes.append(NodeReport(**r))
-    params = [ParamUse(**{**p, "roles": tuple(p["roles"])}) for p in d["params"]]
+    params = [ParamUse(**{**p, "roles": tuple(p["roles"]), "tied": tuple(p.get("tied", ()))}) for p in d["params"]]
     regions = d.get("style_regions")
     if regions is not None:
         regions = {axis: StyleRegions(**{k: tuple(v) for k, v in r.items()}) for axis, r in regions.items()}

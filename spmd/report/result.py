@@ -40,6 +40,8 @@ class PlanSources:
     blocks: Any = None  # RepeatedBlocks: repeated layers are reported once, with their count
     # (strategies, costs) where this process did not make them (a rank that took rank 0's plan)
     make_tables: Callable[[], tuple] | None = None
+    module_types: dict[str, str] = field(default_factory=dict)  # module path -> class name, all modules
+    aliases: dict[str, str] = field(default_factory=dict)  # a tied tensor's other name -> its canonical FQN
 
     @functools.cached_property
     def tables(self) -> tuple:
@@ -136,7 +138,8 @@ def report_of(c, request: Request | None = None) -> PlanReport:
     if c.strategies is None:  # this rank took rank 0's plan: the tables are made again if explained
         mesh, options, blocks = c.mesh, c.options, c.blocks
         make_tables = functools.partial(planning_tables, traced, mesh, options, blocks)
-    sources = PlanSources(traced.graph, emitted, c.strategies, c.costs, kinds, traced.joint, c.blocks, make_tables)
+    sources = PlanSources(traced.graph, emitted, c.strategies, c.costs, kinds, traced.joint, c.blocks, make_tables,
+                          traced.module_types, traced.aliases)
     return as_report(plan, sources=sources, request=request)
 
 

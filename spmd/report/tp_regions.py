@@ -88,8 +88,9 @@ def style_regions(graph: fx.Graph, plan, table, styles: dict[str, str], where: d
 
     backward = {n.name for n in graph.nodes if phase_of(n) == "backward"}
     nodes = [n for n in graph.nodes if n.name in table.nodes and n.name not in backward]
-    # the model's outputs (the table's `output_k`), which parallelize_module's user gets whole
-    nodes += [_Output(name) for name, ns in table.nodes.items() if ns.source == "output"
+    # the model's outputs (the table's `output_k`), which parallelize_module's user gets whole (a buffer's new value,
+    # batch norm's running statistics, is no output of the model's: its buffer's layout is noted with the parameters)
+    nodes += [_Output(name) for name, ns in table.nodes.items() if ns.source == "output" and not ns.buffer_update
               and all(v[0] not in backward for v in ns.inputs)]
     # a styled module's parameter read elsewhere (a tied weight, `F.linear(h, self.emb.weight)`) would be a
     # DTensor there: mixed with plain tensors (an error), or a tie broken (parallelize_module replaces one

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from spmd.core.errors import SpmdInternalError, user_source_line
 from spmd.core.mesh import ranks_on_this_host
@@ -249,6 +249,13 @@ class _Lockstep(fx.Interpreter):
         return value
 
 
+def _output_paths(spec) -> list[str]:
+    """Each flat output's path in what the forward returns (`[0]`, `.logits`, `['hidden'][1]`; "" for a tensor
+    alone), so a report names a dataclass's or dict's field rather than a flat position (a probe)."""
+    positions = tree_unflatten(list(range(spec.num_leaves)), spec)
+    return [keystr(path) for path, _ in tree_flatten_with_path(positions)[0]]
+
+
 def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
     """See the module docstring; `module` is a CompiledModule, `full_inputs` are the same on every rank."""
     if mode not in ("auto", "one device", "op by op"):
@@ -390,6 +397,7 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
         last_steps = tree_flatten(module.graph_module.graph.output_node().args[0])[0]
         ref_outputs = tree_flatten(traced_gm.graph.output_node().args[0])[0]
         kinds = module._graph_outputs
+        paths = _output_paths(module._out_spec)
         outputs, grads = [], []
         for k, (value, ref_node) in enumerate(zip(flat_out, ref_outputs)):
             choice = plan.choices.get(f"output_{k}")
@@ -409,7 +417,8 @@ def verify(module, full_inputs: tuple, mode: str = "auto") -> VerifyReport:
             elif kind is not None and kind.kind == "buffer_update":
                 outputs.append(replace(_difference(f"buffer {kind.name}", ref_node, full, ref, tolerances), via=via))
             else:  # (the user's outputs come first: `trace_module.user_outputs_first`)
-                outputs.append(replace(_difference(f"output {k}", ref_node, full, ref, tolerances), via=via))
+                what = f"output {k}" + (f" (out{paths[k]})" if k < len(paths) and paths[k] not in ("", f"[{k}]") else "")
+                outputs.append(replace(_difference(what, ref_node, full, ref, tolerances), via=via))
 
     report = None
     if rank0 and failure:

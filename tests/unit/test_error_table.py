@@ -1135,6 +1135,26 @@ class _Drawn(nn.Module):
         return self.fc(x)
 
 
+def test_verify_names_a_structured_outputs_fields(world):
+    """Found by a probe: a model returning a dict (or a dataclass) had its rows named `output 0`, `output 1` by
+    flat position; each now carries its path in what the forward returns."""
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return {"logits": h, "pooled": h.mean(1)}
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    report = spmd.compile(Heads(), world, (x,)).verify(x)
+    assert report.ok and [d.what for d in report.outputs] == ["output 0 (out['logits'])", "output 1 (out['pooled'])"]
+    plain = spmd.compile(nn.Linear(4, 4), world, (x,)).verify(x)
+    assert [d.what for d in plain.outputs] == ["output 0"], plain
+
+
 @pytest.mark.parametrize("case", ["randperm", "multinomial", "affine_grid"])
 def test_verify_takes_the_ranks_draws_of_integers_and_ignores_uninitialized_memory(world, case):
     """Found by a probe: a permutation or a sample drawn again by verify's reference was compared as floats only,

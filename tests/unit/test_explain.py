@@ -226,3 +226,31 @@ def test_the_headline_names_the_runtimes_time_and_the_predicted_step():
     head = plan.explain(detail=False).splitlines()[0]
     assert head.endswith(f"; with the runtime's 2.000 ms around the graphs, {plan.predicted_step_s * 1e3:.3f} ms per "
                          "call (predicted_step_s)"), head
+
+
+class _TiedAndRead(torch.nn.Module):
+    """A tied head (its weight the embedding's), and a layer whose weight the forward reads without calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = F.linear(self.emb(ids), self.mix.weight)  # (`self.mix` never called: Mamba's conv1d, read so)
+        return self.head(h)
+
+
+def test_the_module_table_names_modules_the_graph_never_enters_and_a_tied_heads_name():
+    """Found by a probe: the module table left the type blank for a module whose weight is read directly or
+    that is a tie's first name (T5's `shared`), and a tied head was listed nowhere."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 8))
+    for training in (False, True):
+        extra = dict(loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())) if training else {}
+        plan = spmd.plan(_TiedAndRead(), spec((2,), ("dp",)), (ids, ids) if training else (ids,), **extra)
+        rows = {line.split()[0]: line for line in plan.explain(detail=False).splitlines()[3:] if line.startswith("  ")}
+        assert rows["mix"].split()[1] == "Linear", rows
+        assert rows["emb"].split()[1] == "Embedding" and rows["emb"].endswith("; also head (tied)"), rows

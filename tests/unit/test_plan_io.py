@@ -254,3 +254,31 @@ def test_diff_matches_parameters_by_name_and_names_recomputation():
     d = spmd.diff_plans(a, again)
     assert d and d.recompute == [("blocks.0", "saved", "recomputed")] and not d.placements
     assert "blocks.0  saved -> recomputed" in str(d)
+
+
+def test_diff_across_meshes_compares_the_pieces_a_layout_makes():
+    """Found by a probe: a data-parallel plan on (2, 2) against the same on (4,) listed every weight as changed,
+    `[R, R] -> [R]`. Across meshes of other shapes a layout is compared by its pieces per dim."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    square = spmd.plan(MLP(16, 64), spec((2, 2), ("dp", "tp")), (x,), in_placements={"x": [Shard(0), Shard(0)]},
+                       param_placements={"fc1.weight": [Replicate(), Replicate()], "fc2.weight": [Replicate(), Shard(1)]})
+    line = spmd.plan(MLP(16, 64), spec((4,), ("dp",)), (x,), in_placements={"x": [Shard(0)]},
+                     param_placements={"fc1.weight": [Replicate()], "fc2.weight": [Replicate()]})
+    d = spmd.diff_plans(square, line)
+    changed = {name: (x, y) for name, x, y in d.placements}
+    assert d.mesh is not None and "x" not in changed and "fc1.weight" not in changed, str(d)
+    assert changed["fc2.weight"] == ("[R, S(1)]", "[R]"), str(d)  # (split in 2 against whole: a change)
+
+
+def test_to_parallelize_plan_leaves_buffer_updates_out_of_the_outputs():
+    """Found by a probe: batch norm's running statistics, updated in place by a train-mode forward, were noted as
+    "the model's output 1 is [S(0)] in the plan"; their buffers' layouts are noted with the parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+    plan = spmd.plan(model, spec((2,), ("tp",)), (torch.randn(8, 16),), training=True,
+                     param_placements={"0.weight": [Shard(0)]})
+    with pytest.warns(UserWarning, match="not expressed as parallel styles"):
+        styles = plan.to_parallelize_plan()
+    assert not any("the model's output" in n for n in styles.notes), styles.notes
+    assert any(n.startswith("1.running_mean (BatchNorm1d)") for n in styles.notes), styles.notes
