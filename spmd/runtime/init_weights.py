@@ -23,6 +23,7 @@ subtree) and ties.
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import re
 import sys
@@ -328,7 +329,8 @@ class InitPlan:
 def plan_init(meta_model: nn.Module, **kwargs) -> InitPlan:
     """The dry run on meta (runtime/init_replay.py), analysed: reusable for every coordinate."""
     plan = InitPlan(meta_model, *dry_run(meta_model, **kwargs))
-    plan.own_inits = own_inits(meta_model, kwargs.get("reset_fns") or {})
+    plan.own_inits = own_inits(meta_model, kwargs.get("reset_fns") or {}) + \
+        built_apart(meta_model, kwargs.get("reset_fns") or {})
     return plan
 
 
@@ -353,6 +355,120 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
             if hit is not None:
                 found.append(f"{cls.__qualname__}.__init__ ({hit})")
     return found
+
+
+def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
+    """`Class.__init__ (file:line: code: why)` for each class of the model's own whose `__init__` builds a module
+    the replay does not walk as one device built it: a submodule a base class's `__init__` built and a subclass's
+    `__init__` builds again (one device drew for the one thrown away: a probe found the init 0.63 off and every
+    later draw shifted), or a deep copy of a built module (`copy.deepcopy(layer)`, torch's `_get_clones`, or a
+    helper of the user's making them: one device copies the values, the replay would reset each copy). torch's
+    TransformerEncoder / TransformerDecoder copies are replayed as copies (init_replay._clones)."""
+    found, seen = [], set()
+    for m in model.modules():
+        cls = type(m)
+        if cls in seen or any(c in reset_fns for c in cls.__mro__):
+            continue
+        seen.add(cls)
+        built: dict[str, tuple[type, str]] = {}  # attribute -> (the class whose __init__ built it first, where)
+        for c in reversed(cls.__mro__):
+            if "__init__" not in c.__dict__ or not _users(c):
+                continue
+            for attr, value, top, where in _self_assignments(c.__init__):
+                if not isinstance(getattr(m, attr, None), nn.Module):
+                    continue
+                if _copies(value, c):
+                    found.append(f"{c.__qualname__}.__init__ ({where}: a copy of a built module, whose values "
+                                 "one device copies and the replay would draw again)")
+                elif attr in built and built[attr][0] is not c:
+                    found.append(f"{c.__qualname__}.__init__ ({where}: builds `{attr}` again, which "
+                                 f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
+                                 "drew for the one thrown away)")
+                elif top and _draws_when_built(value, c):
+                    built.setdefault(attr, (c, where))
+    return list(dict.fromkeys(found))
+
+
+def _self_assignments(fn) -> list[tuple[str, ast.expr, bool, str]]:
+    """(attribute, value, at the top level of `fn`, `file:line: code`) for each `self.<attr> = value` in `fn`
+    (also `self.<attr>.append(value)` / `.extend(value)`)."""
+    try:
+        lines, start = inspect.getsourcelines(inspect.unwrap(fn))
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    init = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    if init is None or not init.args.args:
+        return []
+    me = init.args.args[0].arg
+    top = {id(s) for s in init.body}
+    out = []
+    for node in ast.walk(init):
+        pairs = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            pairs = [(t.attr, node.value) for t in targets if isinstance(t, ast.Attribute)
+                     and isinstance(t.value, ast.Name) and t.value.id == me]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("append", "extend")
+              and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
+              and node.func.value.value.id == me and node.args):
+            pairs = [(node.func.value.attr, node.args[0])]
+        for attr, value in pairs:
+            where = f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"
+            out.append((attr, value, id(node) in top, where))
+    return out
+
+
+def _resolved(node: ast.expr, cls: type):
+    """What a dotted name in `cls`'s source names (its module's globals, then builtins), or None."""
+    parts = _dotted(node).split(".")
+    if "?" in parts:
+        return None
+    scope = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+    value = scope.get(parts[0], getattr(builtins, parts[0], None))
+    for part in parts[1:]:
+        value = getattr(value, part, None)
+    return value
+
+
+def _copies(value: ast.expr, cls: type) -> bool:
+    """Whether `value` copies a module: calls `deepcopy` or torch's `_get_clones`, or a plain function of the
+    user's whose source does (the annotated transformer's `clones(layer, N)`)."""
+    for node in ast.walk(value):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _dotted(node.func).rsplit(".", 1)[-1]
+        if name in ("deepcopy", "_get_clones"):
+            return True
+        helper = _resolved(node.func, cls)
+        if isinstance(helper, types.FunctionType) and _users(helper):
+            try:
+                if re.search(r"\bdeepcopy\(|\b_get_clones\(", inspect.getsource(helper)):
+                    return True
+            except (OSError, TypeError):
+                pass
+    return False
+
+
+def _draws_when_built(value: ast.expr, cls: type) -> bool:
+    """Whether `value` builds a module whose construction draws random numbers: a module class of torch's whose
+    `__init__` or reset draws (Linear, Embedding, Conv; not LayerNorm, Dropout), or any other module class."""
+    if not isinstance(value, ast.Call):
+        return False
+    made = _resolved(value.func, cls)
+    if not (isinstance(made, type) and issubclass(made, nn.Module)):
+        return False
+    if (made.__module__ or "").split(".")[0] != "torch":
+        return True
+    for c in made.__mro__:
+        for fn in ("__init__", "reset_parameters", "_reset_parameters"):
+            if fn in c.__dict__:
+                try:
+                    if _RNG_WORDS.search(inspect.getsource(c.__dict__[fn])):
+                        return True
+                except (OSError, TypeError):
+                    pass
+    return False
 
 
 def _users(obj) -> bool:

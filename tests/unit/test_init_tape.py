@@ -884,3 +884,75 @@ def test_a_generator_from_outside_drawn_by_two_builds_is_refused_unless_seeded_i
     tape, final = tape_of(spmd.deferred_init(_Outside, g))
     pieces = replay_local_shards(tape, final, {"w": (Replicate(), Replicate())}, MESH, (0, 0), seed=1)
     assert torch.equal(pieces["w"], _Outside(torch.Generator().manual_seed(11)).w.detach())
+
+
+class _EncoderStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+
+class _Seq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+
+@pytest.mark.parametrize("cls", [_EncoderStack, _Seq2Seq])
+def test_torchs_transformer_stacks_built_on_meta_copy_their_one_layer_as_one_device(cls):
+    """Found by a probe: nn.TransformerEncoder deep-copies the one layer it is given, so one device draws once and
+    every layer starts equal; the meta replay reset each copy (0.60 off, the generator moved on by the copies'
+    draws). The first copy now stands for the given layer and the others take its values."""
+    from tests.unit.test_init_weights import check_equal
+
+    check_equal(cls, "mixed", 0)
+
+
+class _Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+
+class _Replaces(_Base):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+
+class _ReplacesANorm(_Base):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)  # (LayerNorm draws nothing: the stream is one device's)
+
+
+class _Copies(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([copy.deepcopy(layer) for _ in range(2)])
+        self.settings = copy.deepcopy({"scale": 2.0})
+
+
+@pytest.mark.parametrize("cls,said", [
+    (_Replaces, r"_Replaces.__init__ \(.*self.a = nn.Linear\(8, 8\): builds `a` again, which _Base.__init__ built "),
+    (_Copies, r"_Copies.__init__ \(.*copy.deepcopy\(layer\).*: a copy of a built module"),
+])
+def test_a_meta_built_module_thrown_away_or_copied_in_init_is_refused(cls, said):
+    """Found by a probe: a subclass replacing a layer its base built (one device drew for the thrown-away one: the
+    init 0.63 off and every later draw, dropout's too, shifted), or a deep copy of a built layer (one device copies
+    its values), came out of init_weights on meta silently other than `torch.manual_seed(s); Model()`."""
+    from spmd.runtime.init_weights import plan_init
+
+    with torch.device("meta"):
+        model = cls()
+    with pytest.raises(SpmdError, match=r"initialize values in __init__ beyond reset_parameters\(\).*" + said):
+        plan_init(model).check()
+    plan_init(model, reset_fns={cls: None}).check()  # (declared: the user's word for it)
+    with torch.device("meta"):
+        fine = _ReplacesANorm()
+    plan_init(fine).check()
