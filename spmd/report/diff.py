@@ -86,7 +86,7 @@ class PlanDiff:
 
 def _show(s: Strategy, other: Strategy | None) -> str:
     outs = ", ".join(placements_str(p) for p in s.outputs if p is not None)
-    if other is not None and s.outputs == other.outputs or not outs:
+    if other is not None and s.outputs == other.outputs and s.inputs or not outs:
         return f"{outs} (in {' '.join(placements_str(p) for p in s.inputs)})".lstrip()
     return outs
 
@@ -119,7 +119,10 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
         if sb is None:
             d.only_a.append(label)
         elif not same(sa, sb):
-            d.placements.append((label, _show(sa, sb), _show(sb, sa)))
+            shown = (_show(sa, sb), _show(sb, sa))
+            if shown[0] == shown[1]:  # (the same text on meshes of other sizes: `[S(0)]` in 4 pieces and in 2)
+                shown = (f"{shown[0]} on {a.mesh}", f"{shown[1]} on {b.mesh}")
+            d.placements.append((label, *shown))
     d.only_b = [label for label in kb if label not in ka]
     how = lambda plan, layer: ("recomputed" if layer in plan.recompute else  # noqa: E731
                                "recomputed, matmuls kept" if layer in plan.recompute_selective else "saved")

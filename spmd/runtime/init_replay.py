@@ -106,6 +106,9 @@ class _Event:
     kills: set[int] = field(default_factory=set)
     uses: set[int] = field(default_factory=set)
     rng_ops: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    # a copy's event: it runs with the generator as event `rng_from` had it (the original's draws again, into the
+    # copy's tensors), and leaves the generator where it was (a deep copy draws nothing)
+    rng_from: int | None = None
 
     def describe(self) -> str:
         return f"{self.kind} {self.fqn or '<root>'} ({type(self.module).__name__})"
@@ -343,23 +346,38 @@ def _children(m: nn.Module):
 
 
 def _clones(m: nn.Module) -> dict[int, nn.Module]:
-    """{id(copy): original} for the layers torch's TransformerEncoder / TransformerDecoder deep-copy from the one
-    layer they are given (`_get_clones`): the given layer is built (drawing) before them and kept by none, so the
-    first copy stands for it and the others take its values. Resetting each copy (the replay's walk) drew other
-    values for every layer, and moved the generator on by as many layers (found by a probe: 0.60 off)."""
-    if type(m) not in (nn.TransformerEncoder, nn.TransformerDecoder) or len(m.layers) < 2:
+    """{id(copy): first copy} for the layers torch's TransformerEncoder / TransformerDecoder (or a subclass)
+    deep-copy from the one layer they are given (`_get_clones`): the given layer is built (drawing) before them
+    and kept by none, so the first copy stands for it and the others take its values. Resetting each copy (the
+    replay's walk) drew other values for every layer, and moved the generator on by as many layers (found by a
+    probe: 0.60 off)."""
+    layers = getattr(m, "layers", None)
+    if not isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder)) or not isinstance(layers, nn.ModuleList) \
+            or len(layers) < 2:
         return {}
-    first = m.layers[0]
-    return {id(c): first for c in list(m.layers)[1:] if c is not first}
+    first = layers[0]
+    return {id(c): first for c in list(layers)[1:] if c is not first}
 
 
-def _copy_values(original: nn.Module, copy: nn.Module) -> None:
-    """`copy`'s parameters and buffers given `original`'s values, as `copy.deepcopy(original)` made them."""
-    mine = [*copy.parameters(), *copy.buffers()]
-    theirs = [*original.parameters(), *original.buffers()]
-    with torch.no_grad():
-        for a, b in zip(mine, theirs, strict=True):
-            a.copy_(b)
+def _as_copies(originals: list[_Event], copies: list[_Event], original: nn.Module, copy: nn.Module, fqn: str) -> None:
+    """Mark the events of a copy's walk (`copies`) to run as the original's did: each with the generator of its
+    counterpart (the same draws into the copy's tensors, which are the copy's values without reading the
+    original's: no group joins the layers), leaving the generator where it was. The walks must match, module
+    type and tensor shapes, event for event; a layer changed since it was copied (another module put in, a peft
+    adapter on some layers only) is refused: its values are no copy's."""
+    def shape(ev: _Event):
+        own = [*ev.module._parameters.items(), *ev.module._buffers.items()]
+        return ev.kind, type(ev.module), tuple((n, tuple(t.shape), t.dtype) for n, t in own if t is not None)
+
+    if [shape(e) for e in originals] != [shape(e) for e in copies]:
+        raise SpmdError(
+            f"{fqn} ({type(copy).__name__}) is a deep copy of the first layer of a TransformerEncoder/Decoder, made "
+            "by its __init__, but it is no longer that copy (a module of it replaced or wrapped since), so a model "
+            "built under "
+            "torch.device('meta') cannot tell its values. What to do: build the model with spmd.deferred_init(Model, "
+            "...), which records the whole construction; or load its weights (load_safetensors).")
+    for o, c in zip(originals, copies):
+        c.rng_from = o.index if o.rng_from is None else o.rng_from
 
 
 def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None):
@@ -373,6 +391,7 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
     constructed, initialized = set(), set()
     unknown = defaultdict(list)
     clones = {k: v for x in model.modules() for k, v in _clones(x).items()}
+    spans: dict[int, tuple[int, int]] = {}  # id(module) -> the events its visit added (a clone's original's)
 
     def add(kind, m, fqn, fn):
         events.append(_Event(len(events), kind, m, fqn, fn))
@@ -440,11 +459,13 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
         for name, c in _children(m):
             for fn in early.get(name, ()):
                 add("reset", m, fqn, fn)
-            if id(c) in clones:                  # a deep copy of a built module: its values, no draws
-                constructed.add(id(c))
-                add("reset", c, _join(fqn, name), functools.partial(_copy_values, clones[id(c)]))
-            elif not late or name in wrapped[id(m)][2]:
+            if not late or name in wrapped[id(m)][2]:
+                before = len(events)
                 visit(c, _join(fqn, name))
+                if id(c) in clones:              # a deep copy of a built module: the original's draws again
+                    original, first = clones[id(c)], spans[id(clones[id(c)])]
+                    _as_copies(events[first[0]:first[1]], events[before:], original, c, _join(fqn, name))
+                spans[id(c)] = (before, len(events))
         for fn in tail:
             add("reset", m, fqn, fn)
         if order == "post":

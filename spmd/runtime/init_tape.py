@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import linecache
 import random
+import re
 import sys
 import traceback
 import warnings
@@ -387,12 +389,34 @@ class _Literals(TorchFunctionMode):
             with torch._C.DisableTorchFunction():
                 real = func(*args, **{**kwargs, "device": "cpu"})
             return real.to("meta")
+        if getattr(func, "__self__", None) in (torch._C.TensorBase.is_meta, torch._C.TensorBase.device):
+            _refuse_a_meta_branch(sys._getframe(1), func.__self__ is torch._C.TensorBase.device)
         if getattr(func, "__self__", None) is torch._C.TensorBase.data and len(args) == 2 \
                 and isinstance(args[1], torch.Tensor) and args[0].is_meta and args[1].device.type == "cpu":
             # `p.data = torch.from_numpy(array)` (a CPU tensor no device context reaches), found by a probe to fail
             # with torch's "incompatible tensor type": moved as torch.tensor's values are, so the tape holds them
             return func(args[0], args[1].clone().to("meta"))
         return func(*args, **kwargs)
+
+
+def _refuse_a_meta_branch(frame, device: bool) -> None:
+    """A build of the user's asking whether a tensor is on meta (`if not w.is_meta: nn.init.normal_(w)`, or
+    `w.device.type != "meta"`: a line reading a device and naming "meta") takes, recorded on meta, the branch one
+    device's build does not: the recording would replay other values (a probe: 0.97 off, the generator
+    elsewhere). torch's and transformers' own checks are theirs to make."""
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    if module.split(".")[0] in ("torch", "transformers", __name__.split(".")[0]):
+        return
+    if device and not re.search(r"""["']meta["']""", linecache.getline(frame.f_code.co_filename, frame.f_lineno)):
+        return
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    what = 'its `.device` against "meta"' if device else "`.is_meta`"
+    raise SpmdError(
+        f"deferred_init: the model's construction asks whether a tensor is on the meta device "
+        f"({what}, at {where}); "
+        "recorded on meta, it takes the branch a build on one device does not, and its init would differ. What to "
+        "do: build the model without that branch (its init in reset_parameters(), or in an init_fn given to "
+        "init_weights), or build it for real on every rank (the pieces then come from rank 0's values).")
 
 
 def _other_generators() -> dict[str, object]:

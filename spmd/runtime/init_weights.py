@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import inspect
 import re
 import sys
@@ -280,6 +281,8 @@ class InitPlan:
         rec.forbidden = {StorageWeakRef(i.obj.untyped_storage()): i.fqns[0] for i in self.infos.values()}
         replay_needed = {j for g in self.groups for j in g.replay}
         states: dict[int, torch.Tensor] = {}
+        marked = {ev.rng_from for ev in self.events if ev.rng_from is not None}
+        marks: dict[int, torch.Tensor] = {}  # the generator as an original's event had it, for its copies
         local: dict[int, torch.Tensor] = {}
 
         def empty(k):
@@ -293,14 +296,19 @@ class InitPlan:
                     _malloc_trim()
                     freed = 0
                 state = torch.get_rng_state()
+                if ev.index in marked:
+                    marks[ev.index] = state
+                run_state = state if ev.rng_from is None else marks[ev.rng_from]
                 g = self.group_of_event.get(ev.index)
                 if g is not None and g.events[-1] == ev.index:
                     bufs = {k: empty(k) for k in g.keys}
                     for j in g.replay:
                         torch.set_rng_state(states.pop(j))
                         self._run(self.events[j], bufs, rec)
-                    torch.set_rng_state(state)
+                    torch.set_rng_state(run_state)
                     self._run(ev, bufs, rec)
+                    if ev.rng_from is not None:  # (a copy draws nothing: the generator stays)
+                        torch.set_rng_state(state)
                     for k in g.keys:
                         if k in leave_out:
                             continue
@@ -310,8 +318,8 @@ class InitPlan:
                     freed += g.nbytes
                 else:
                     if ev.index in replay_needed:
-                        states[ev.index] = state
-                    if ev.rng_ops:                 # only to move the RNG on as construction did
+                        states[ev.index] = run_state
+                    if ev.rng_ops and ev.rng_from is None:  # only to move the RNG on as construction did
                         self._run(ev, {k: empty(k) for k in ev.touched}, rec)
                         freed += sum(self.infos[k].nbytes for k in ev.touched)
         _malloc_trim()
@@ -323,7 +331,7 @@ class InitPlan:
 
     def assemble_trace(self) -> list[tuple[str, tuple]]:
         """The RNG ops of the replay, in order (to compare with `rng_trace` of a real build)."""
-        return [op for ev in self.events for op in ev.rng_ops]
+        return [op for ev in self.events if ev.rng_from is None for op in ev.rng_ops]
 
 
 def plan_init(meta_model: nn.Module, **kwargs) -> InitPlan:
@@ -344,6 +352,9 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
     that inherits its base's), and the functions it calls: its own methods (`self._init()`) and plain functions
     of the user's (`my_init(self)`)."""
     found, seen = [], set()
+    # (the classes of the user's own code, not of an installed library's such as peft's: whose methods a call on
+    # a child may run)
+    classes = tuple(dict.fromkeys(type(m) for m in model.modules() if _users(type(m)) and not _installed(type(m))))
     for m in model.modules():
         if any(c in reset_fns for c in type(m).__mro__):
             continue
@@ -351,7 +362,7 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
             if cls in seen or "__init__" not in cls.__dict__ or not _users(cls):
                 continue
             seen.add(cls)
-            hit = _writes_values(cls.__init__, type(m))
+            hit = _writes_values(cls.__init__, type(m), classes=classes)
             if hit is not None:
                 found.append(f"{cls.__qualname__}.__init__ ({hit})")
     return found
@@ -375,12 +386,22 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
             if "__init__" not in c.__dict__ or not _users(c):
                 continue
             for attr, value, top, where in _self_assignments(c.__init__):
-                if not isinstance(getattr(m, attr, None), nn.Module):
-                    continue
-                if _copies(value, c):
+                held = getattr(m, attr, None) if attr else None
+                if not attr:
+                    if top and _draws_when_built(value, c):
+                        found.append(f"{c.__qualname__}.__init__ ({where}: builds a module no attribute keeps; one "
+                                     "device drew for it)")
+                elif isinstance(value, ast.Constant) and value.value is None:
+                    if top and attr in built:
+                        found.append(f"{c.__qualname__}.__init__ ({where}: throws `{attr}` away, which "
+                                     f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
+                                     "drew for it)")
+                elif isinstance(held, nn.Module) and _copies(value, c) and _draws(held):
                     found.append(f"{c.__qualname__}.__init__ ({where}: a copy of a built module, whose values "
                                  "one device copies and the replay would draw again)")
-                elif attr in built and built[attr][0] is not c:
+                elif _reads_self_attr(value, attr):  # (kept inside: `self.fc = weight_norm(self.fc)`, a wrapper)
+                    continue
+                elif top and attr in built and built[attr][1] != where and isinstance(held, nn.Module):
                     found.append(f"{c.__qualname__}.__init__ ({where}: builds `{attr}` again, which "
                                  f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
                                  "drew for the one thrown away)")
@@ -390,8 +411,9 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
 
 
 def _self_assignments(fn) -> list[tuple[str, ast.expr, bool, str]]:
-    """(attribute, value, at the top level of `fn`, `file:line: code`) for each `self.<attr> = value` in `fn`
-    (also `self.<attr>.append(value)` / `.extend(value)`)."""
+    """(attribute, value, at the top level of `fn`, `file:line: code`) for each `self.<attr> = value` in `fn`, in
+    source order (also `self.<attr>.append(value)` / `.extend(value)`; `del self.<attr>` as a value of None; a
+    module built and kept by none, `nn.Linear(4, 4)` as a statement, under the attribute "")."""
     try:
         lines, start = inspect.getsourcelines(inspect.unwrap(fn))
         tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -413,10 +435,15 @@ def _self_assignments(fn) -> list[tuple[str, ast.expr, bool, str]]:
               and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
               and node.func.value.value.id == me and node.args):
             pairs = [(node.func.value.attr, node.args[0])]
+        elif isinstance(node, ast.Delete):
+            pairs = [(t.attr, ast.Constant(None)) for t in node.targets if isinstance(t, ast.Attribute)
+                     and isinstance(t.value, ast.Name) and t.value.id == me]
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            pairs = [("", node.value)]
         for attr, value in pairs:
             where = f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"
-            out.append((attr, value, id(node) in top, where))
-    return out
+            out.append((node.lineno, node.col_offset, attr, value, id(node) in top, where))
+    return [row[2:] for row in sorted(out, key=lambda row: row[:2])]
 
 
 def _resolved(node: ast.expr, cls: type):
@@ -432,34 +459,53 @@ def _resolved(node: ast.expr, cls: type):
 
 
 def _copies(value: ast.expr, cls: type) -> bool:
-    """Whether `value` copies a module: calls `deepcopy` or torch's `_get_clones`, or a plain function of the
-    user's whose source does (the annotated transformer's `clones(layer, N)`)."""
-    for node in ast.walk(value):
-        if not isinstance(node, ast.Call):
-            continue
-        name = _dotted(node.func).rsplit(".", 1)[-1]
-        if name in ("deepcopy", "_get_clones"):
-            return True
-        helper = _resolved(node.func, cls)
-        if isinstance(helper, types.FunctionType) and _users(helper):
-            try:
-                if re.search(r"\bdeepcopy\(|\b_get_clones\(", inspect.getsource(helper)):
-                    return True
-            except (OSError, TypeError):
-                pass
+    """Whether `value` is a copy of a module, or a container of copies: `copy.deepcopy(layer)`, torch's
+    `_get_clones(layer, n)`, `nn.ModuleList([copy.deepcopy(layer) for _ in range(n)])`, or a plain function of the
+    user's returning such (the annotated transformer's `clones(layer, N)`); not a module built from a copied
+    config (`Block(copy.deepcopy(cfg))`)."""
+    if isinstance(value, ast.Starred):
+        return _copies(value.value, cls)
+    if isinstance(value, (ast.List, ast.Tuple)):
+        return any(_copies(e, cls) for e in value.elts)
+    if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
+        return _copies(value.elt, cls)
+    if not isinstance(value, ast.Call):
+        return False
+    name = _dotted(value.func).rsplit(".", 1)[-1]
+    if name in ("deepcopy", "_get_clones"):
+        return True
+    if name in ("ModuleList", "Sequential", "ModuleDict"):
+        return any(_copies(a, cls) for a in value.args)
+    helper = _resolved(value.func, cls)
+    if isinstance(helper, types.FunctionType) and _users(helper):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
+        except (OSError, TypeError, SyntaxError):
+            return False
+        return any(isinstance(n, ast.Return) and n.value is not None and _copies(n.value, helper_scope(helper))
+                   for n in ast.walk(tree))
     return False
 
 
-def _draws_when_built(value: ast.expr, cls: type) -> bool:
-    """Whether `value` builds a module whose construction draws random numbers: a module class of torch's whose
-    `__init__` or reset draws (Linear, Embedding, Conv; not LayerNorm, Dropout), or any other module class."""
-    if not isinstance(value, ast.Call):
-        return False
-    made = _resolved(value.func, cls)
-    if not (isinstance(made, type) and issubclass(made, nn.Module)):
-        return False
-    if (made.__module__ or "").split(".")[0] != "torch":
-        return True
+def helper_scope(fn) -> type:
+    """A stand-in class whose module is `fn`'s, for `_resolved` of the names `fn` uses."""
+    return type("_", (), {"__module__": fn.__module__})
+
+
+def _draws(module: nn.Module) -> bool:
+    """Whether building `module` draws random numbers, by what it holds: a module of torch's whose `__init__` or
+    reset draws (Linear, Embedding, Conv; not LayerNorm, Dropout), or any other module with tensors of its own."""
+    for x in module.modules():
+        own = any(t is not None for t in (*x._parameters.values(), *x._buffers.values()))
+        if not own:
+            continue
+        if (type(x).__module__ or "").split(".")[0] != "torch" or _torch_class_draws(type(x)):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_class_draws(made: type) -> bool:
     for c in made.__mro__:
         for fn in ("__init__", "reset_parameters", "_reset_parameters"):
             if fn in c.__dict__:
@@ -471,16 +517,63 @@ def _draws_when_built(value: ast.expr, cls: type) -> bool:
     return False
 
 
+def _reads_self_attr(value: ast.expr, attr: str) -> bool:
+    """Whether `value` reads `self.<attr>` (`weight_norm(self.fc)`, `Wrapper(self.fc)`): the module is kept."""
+    return any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name)
+               for n in ast.walk(value))
+
+
+def _draws_when_built(value: ast.expr, cls: type, depth: int = 0) -> bool:
+    """Whether `value` builds a module whose construction draws random numbers: a module class of torch's whose
+    `__init__` or reset draws (Linear, Embedding, Conv; not LayerNorm, Dropout), or a class of another's whose
+    `__init__` makes a parameter or draws, or builds (by `self.x = ...`) a module that does."""
+    if not isinstance(value, ast.Call) or depth > 4:
+        return False
+    made = _resolved(value.func, cls)
+    if not (isinstance(made, type) and issubclass(made, nn.Module)):
+        return False
+    if (made.__module__ or "").split(".")[0] == "torch":
+        return _torch_class_draws(made)
+    for c in made.__mro__:
+        if c in (nn.Module, object) or "__init__" not in c.__dict__:
+            continue
+        if (c.__module__ or "").split(".")[0] == "torch":
+            if _torch_class_draws(c):
+                return True
+            continue
+        try:
+            source = inspect.getsource(c.__init__)
+        except (OSError, TypeError):
+            return True
+        if _RNG_WORDS.search(source) or re.search(r"\bParameter\(", source) or \
+                any(_draws_when_built(v, c, depth + 1) for _, v, _, _ in _self_assignments(c.__init__)):
+            return True
+    return False
+
+
+def _installed(cls: type) -> bool:
+    """Whether a class comes from an installed package (site-packages), not the user's own code."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
+    return "site-packages" in path or "dist-packages" in path
+
+
 def _users(obj) -> bool:
     """Whether a class or function is the user's: not torch's, not transformers'."""
     return (getattr(obj, "__module__", None) or "torch").split(".")[0] not in ("torch", "transformers", "builtins")
 
 
-def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = False) -> str | None:
+def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = False,
+                   classes: tuple[type, ...] = ()) -> str | None:
     """`file:line: code` of the first line of `fn`, or of a function of the user's it calls (its methods through
     `self`, plain functions by name), that draws or writes values (`_INIT_WORDS`), or None. `its_own`: only
     the lines `fn` runs when called, not those of the functions it defines (a builder whose result is kept, read
-    without the init a factory makes and returns)."""
+    without the init a factory makes and returns). `classes`: the model's own module classes, whose methods a
+    call on a child (`self.block.init_weights()`, `layer.init_weights()` over `self.layers`) may run.
+
+    Also a hit (each found by a probe, silently other values before): an init of torch's called under another
+    name (`from torch.nn.init import zeros_ as zero_init`, `winit = partial(nn.init.normal_, std=.02)`), an
+    initializer object called (`Initializer()(self)`, its `__call__`), a `reset_parameters` called with arguments
+    or on a child (the replay runs each module's once, with none), and a function whose source cannot be read."""
     seen = set() if seen is None else seen
     fn = inspect.unwrap(fn)
     if (fn, its_own) in seen or not isinstance(fn, types.FunctionType) or not _users(fn):
@@ -489,7 +582,7 @@ def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = Fa
     try:
         lines, start = inspect.getsourcelines(fn)
     except (OSError, TypeError):
-        return None
+        return f"{fn.__qualname__}: its source cannot be read (defined by exec, or at a prompt), so what it does is unknown"
     try:
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except SyntaxError:
@@ -501,8 +594,10 @@ def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = Fa
         code = line.split("#", 1)[0]
         if k not in prose and _INIT_WORDS.search(code):
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
-    for target, kept in _called(fn, tree, cls):
-        if (hit := _writes_values(target, cls, seen, its_own=kept)) is not None:
+    if (hit := _unseen_inits(fn, tree, prose, lines, start)) is not None:
+        return hit
+    for target, kept in _called(fn, tree, cls, classes):
+        if (hit := _writes_values(target, cls, seen, its_own=kept, classes=classes)) is not None:
             return f"calls {target.__qualname__}: {hit}"
     for k, line in enumerate(lines):  # (a value written under no_grad in a way none of the words name: `w /= 2`)
         if k not in prose and _NO_GRAD.search(line.split("#", 1)[0]):
@@ -571,6 +666,7 @@ _INIT_WORDS = re.compile(
     r"|(\.data|\.weight|\.bias)\s*([*/+-]|\*\*)="             # ... or scaled in place (GPT-2's `p.data /= ...`)
     r"|(\.data|\.weight|\.bias)\[[^\]]*\]\s*=[^=]"            # ... or in part (`emb.weight[0] = 0`)
     r"|\bfrom_pretrained\(|\b_weight\s*="                       # an embedding given its table (no reset)
+    r"|\bload_state_dict\(|\b(F|functional)\.\w*dropout\("     # values copied in (MoCo's key encoder); a draw
     r"|self(\.\w+)+\.\w+\s*=\s*(torch\.)?(nn\.)?Parameter\(")  # a submodule's parameter replaced
 _REPLAYED = ("reset_parameters",)  # (what the replay runs itself for any module: init_replay.py)
 
@@ -594,7 +690,40 @@ def _nested_lines(tree) -> set[int]:
     return found
 
 
-def _called(fn, tree, cls: type) -> list[tuple[Any, bool]]:
+def _is_torch_init(obj) -> bool:
+    """An init function of torch's (`torch.nn.init.normal_`), or a partial of one."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    return callable(obj) and getattr(obj, "__module__", None) == "torch.nn.init"
+
+
+def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> str | None:
+    """`file:line: code` of a call in `fn` that no word names: one of torch's inits under another name, or a
+    `reset_parameters` with arguments or on another module than `fn`'s own (see `_writes_values`)."""
+    if tree is None or not tree.body or not isinstance(tree.body[0], ast.FunctionDef):
+        return None
+    outer = tree.body[0]
+    me = outer.args.args[0].arg if outer.args.args else None
+    resets = [n.lineno for n in ast.walk(outer) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and n.func.attr == "reset_parameters" and isinstance(n.func.value, ast.Name) and n.func.value.id == me]
+    for node in ast.walk(outer):
+        if not isinstance(node, ast.Call) or node.lineno - 1 in prose:
+            continue
+        f = node.func
+        hit = isinstance(f, ast.Name) and _is_torch_init(fn.__globals__.get(f.id))
+        if isinstance(f, ast.Attribute) and f.attr == "reset_parameters":
+            own = isinstance(f.value, ast.Name) and f.value.id == me
+            hit = hit or not own or bool(node.args or node.keywords)
+        # (its own reset before a child is built: one device draws it first, the replay after the children)
+        made = _resolved(f, type("_", (), {"__module__": fn.__module__})) if resets else None
+        if isinstance(made, type) and issubclass(made, nn.Module) and any(line < node.lineno for line in resets):
+            hit = True
+        if hit:
+            return f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"
+    return None
+
+
+def _called(fn, tree, cls: type, classes: tuple[type, ...] = ()) -> list[tuple[Any, bool]]:
     """The functions `fn` calls that may be the user's, each with whether its result is kept: a call standing as a
     statement wherever it stands (`if zero: self._init()`, after a `;`, `_ = self._init()`: a line-start pattern
     missed them and a helper's `zeros_` went unseen, 0.18 off; found by a probe), or assigned (`self.emb =
@@ -631,28 +760,37 @@ def _called(fn, tree, cls: type) -> list[tuple[Any, bool]]:
                 found.append((node.value.func, True))
 
     Statements().visit(tree)
+    me = outer.args.args[0].arg if isinstance(outer, ast.FunctionDef) and outer.args.args else "self"
     targets = []
     for f, kept in found:
-        target = None
+        target, more = None, []
         if isinstance(f, ast.Name):
             target = fn.__globals__.get(f.id)
-        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
-            owner = cls if f.value.id == "self" else fn.__globals__.get(f.value.id)
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in (me, "self"):
+            target = inspect.getattr_static(cls, f.attr, None)
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in fn.__globals__:
+            owner = fn.__globals__.get(f.value.id)
             if isinstance(owner, types.ModuleType):
                 target = getattr(owner, f.attr, None)
             elif isinstance(owner, type):
                 target = inspect.getattr_static(owner, f.attr, None)
+        elif isinstance(f, ast.Call) and isinstance(f.func, ast.Name):  # (an initializer object: `Init()(self)`)
+            made = fn.__globals__.get(f.func.id)
+            target = inspect.getattr_static(made, "__call__", None) if isinstance(made, type) else None
         elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Call) and isinstance(f.value.func, ast.Name):
             if f.value.func.id == "super":
                 target = _after(cls, fn, f.attr)
             elif f.value.func.id == "type":  # (`type(self)._zero(self)`)
                 target = inspect.getattr_static(cls, f.attr, None)
+        elif isinstance(f, ast.Attribute):  # (a method of a child, `self.block.init_weights()`: the model's classes')
+            more = [getattr(m, "__func__", m) for c in classes if isinstance(m := inspect.getattr_static(c, f.attr, None),
+                                                                          (types.FunctionType, classmethod, staticmethod))]
         if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in _REPLAYED:
             continue
-        target = getattr(target, "__func__", target)
-        if target is not None and (target, kept) not in targets and \
-                (getattr(target, "__module__", None) or "").split(".")[0] not in sys.stdlib_module_names:
-            targets.append((target, kept))  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
+        for target in [getattr(target, "__func__", target), *more]:
+            if target is not None and (target, kept) not in targets and \
+                    (getattr(target, "__module__", None) or "").split(".")[0] not in sys.stdlib_module_names:
+                targets.append((target, kept))  # (not Python's own: `copy.deepcopy(...)`, `logging.getLogger(...)`)
     return targets
 
 
