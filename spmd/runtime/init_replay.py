@@ -346,13 +346,14 @@ def _children(m: nn.Module):
 
 
 def _clones(m: nn.Module) -> dict[int, nn.Module]:
-    """{id(copy): first copy} for the layers torch's TransformerEncoder / TransformerDecoder (or a subclass)
+    """{id(copy): first copy} for the layers torch's TransformerEncoder / TransformerDecoder
     deep-copy from the one layer they are given (`_get_clones`): the given layer is built (drawing) before them
     and kept by none, so the first copy stands for it and the others take its values. Resetting each copy (the
     replay's walk) drew other values for every layer, and moved the generator on by as many layers (found by a
     probe: 0.60 off)."""
     layers = getattr(m, "layers", None)
-    if not isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder)) or not isinstance(layers, nn.ModuleList) \
+    # (torch's own classes only: a subclass may build its layers itself, each drawing; a review)
+    if type(m) not in (nn.TransformerEncoder, nn.TransformerDecoder) or not isinstance(layers, nn.ModuleList) \
             or len(layers) < 2:
         return {}
     first = layers[0]

@@ -352,9 +352,6 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
     that inherits its base's), and the functions it calls: its own methods (`self._init()`) and plain functions
     of the user's (`my_init(self)`)."""
     found, seen = [], set()
-    # (the classes of the user's own code, not of an installed library's such as peft's: whose methods a call on
-    # a child may run)
-    classes = tuple(dict.fromkeys(type(m) for m in model.modules() if _users(type(m)) and not _installed(type(m))))
     for m in model.modules():
         if any(c in reset_fns for c in type(m).__mro__):
             continue
@@ -362,7 +359,7 @@ def own_inits(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
             if cls in seen or "__init__" not in cls.__dict__ or not _users(cls):
                 continue
             seen.add(cls)
-            hit = _writes_values(cls.__init__, type(m), classes=classes)
+            hit = _writes_values(cls.__init__, type(m), instance=m) or _reset_twice(cls, type(m))
             if hit is not None:
                 found.append(f"{cls.__qualname__}.__init__ ({hit})")
     return found
@@ -392,7 +389,7 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
                         found.append(f"{c.__qualname__}.__init__ ({where}: builds a module no attribute keeps; one "
                                      "device drew for it)")
                 elif isinstance(value, ast.Constant) and value.value is None:
-                    if top and attr in built:
+                    if attr in built and (top or held is None):
                         found.append(f"{c.__qualname__}.__init__ ({where}: throws `{attr}` away, which "
                                      f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
                                      "drew for it)")
@@ -474,6 +471,8 @@ def _copies(value: ast.expr, cls: type) -> bool:
     name = _dotted(value.func).rsplit(".", 1)[-1]
     if name in ("deepcopy", "_get_clones"):
         return True
+    if name in ("TransformerEncoder", "TransformerDecoder") and value.args and isinstance(value.args[0], ast.Attribute):
+        return True  # (torch's stack copying a layer the module keeps too, `TransformerEncoder(self.layer, n)`)
     if name in ("ModuleList", "Sequential", "ModuleDict"):
         return any(_copies(a, cls) for a in value.args)
     helper = _resolved(value.func, cls)
@@ -504,16 +503,36 @@ def _draws(module: nn.Module) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
 def _torch_class_draws(made: type) -> bool:
+    """Whether building a module class of torch's draws: its `__init__` or reset draws (Linear, Embedding,
+    Conv; not LayerNorm, Dropout), or its `__init__` builds a module that does (TransformerEncoderLayer's Linears)."""
+    return _class_draws(made, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_draws(made: type, depth: int) -> bool:
+    """`_draws_when_built` of a module class: torch's by its `__init__` and reset; another's by its `__init__`
+    (a parameter made, a draw, or a module built that draws); unsure (no source): it draws."""
+    torchs = (made.__module__ or "").split(".")[0] == "torch"
     for c in made.__mro__:
-        for fn in ("__init__", "reset_parameters", "_reset_parameters"):
-            if fn in c.__dict__:
-                try:
-                    if _RNG_WORDS.search(inspect.getsource(c.__dict__[fn])):
-                        return True
-                except (OSError, TypeError):
-                    pass
+        if c in (nn.Module, object):
+            continue
+        names = ("__init__", "reset_parameters", "_reset_parameters") if torchs else ("__init__",)
+        for name in names:
+            if name not in c.__dict__:
+                continue
+            fn = c.__dict__[name]
+            try:
+                source = inspect.getsource(fn)
+            except (OSError, TypeError):
+                if not torchs:
+                    return True
+                continue
+            if _RNG_WORDS.search(source) or (not torchs and re.search(r"\bParameter\(", source)):
+                return True
+            if name == "__init__" and depth < 4 and \
+                    any(_draws_when_built(v, c, depth + 1) for _, v, _, _ in _self_assignments(fn)):
+                return True
     return False
 
 
@@ -524,30 +543,14 @@ def _reads_self_attr(value: ast.expr, attr: str) -> bool:
 
 
 def _draws_when_built(value: ast.expr, cls: type, depth: int = 0) -> bool:
-    """Whether `value` builds a module whose construction draws random numbers: a module class of torch's whose
-    `__init__` or reset draws (Linear, Embedding, Conv; not LayerNorm, Dropout), or a class of another's whose
-    `__init__` makes a parameter or draws, or builds (by `self.x = ...`) a module that does."""
-    if not isinstance(value, ast.Call) or depth > 4:
-        return False
-    made = _resolved(value.func, cls)
-    if not (isinstance(made, type) and issubclass(made, nn.Module)):
-        return False
-    if (made.__module__ or "").split(".")[0] == "torch":
-        return _torch_class_draws(made)
-    for c in made.__mro__:
-        if c in (nn.Module, object) or "__init__" not in c.__dict__:
-            continue
-        if (c.__module__ or "").split(".")[0] == "torch":
-            if _torch_class_draws(c):
+    """Whether `value` builds a module whose construction draws random numbers: any call in it (the arguments of
+    a container, `nn.Sequential(nn.Linear(...))`, a list comprehension's element) of a module class that draws
+    (`_class_draws`). Names are resolved in `cls`'s module."""
+    for node in ast.walk(value):
+        if isinstance(node, ast.Call):
+            made = _resolved(node.func, cls)
+            if isinstance(made, type) and issubclass(made, nn.Module) and _class_draws(made, depth):
                 return True
-            continue
-        try:
-            source = inspect.getsource(c.__init__)
-        except (OSError, TypeError):
-            return True
-        if _RNG_WORDS.search(source) or re.search(r"\bParameter\(", source) or \
-                any(_draws_when_built(v, c, depth + 1) for _, v, _, _ in _self_assignments(c.__init__)):
-            return True
     return False
 
 
@@ -563,17 +566,19 @@ def _users(obj) -> bool:
 
 
 def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = False,
-                   classes: tuple[type, ...] = ()) -> str | None:
+                   instance: nn.Module | None = None) -> str | None:
     """`file:line: code` of the first line of `fn`, or of a function of the user's it calls (its methods through
     `self`, plain functions by name), that draws or writes values (`_INIT_WORDS`), or None. `its_own`: only
     the lines `fn` runs when called, not those of the functions it defines (a builder whose result is kept, read
-    without the init a factory makes and returns). `classes`: the model's own module classes, whose methods a
-    call on a child (`self.block.init_weights()`, `layer.init_weights()` over `self.layers`) may run.
+    without the init a factory makes and returns). `instance`: the module being built, whose children's methods a
+    call may run (`self.block.init_weights()`, `layer.init_weights()` in a loop over `self.layers`), looked up on
+    the child's own class where that is the user's code (not an installed library's, such as peft's).
 
     Also a hit (each found by a probe, silently other values before): an init of torch's called under another
     name (`from torch.nn.init import zeros_ as zero_init`, `winit = partial(nn.init.normal_, std=.02)`), an
     initializer object called (`Initializer()(self)`, its `__call__`), a `reset_parameters` called with arguments
-    or on a child (the replay runs each module's once, with none), and a function whose source cannot be read."""
+    or on a child (the replay runs each module's once, with none), a reset run before a child that draws is
+    built. (A function whose source cannot be read, defined at a prompt or by exec, is taken to write nothing.)"""
     seen = set() if seen is None else seen
     fn = inspect.unwrap(fn)
     if (fn, its_own) in seen or not isinstance(fn, types.FunctionType) or not _users(fn):
@@ -582,7 +587,7 @@ def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = Fa
     try:
         lines, start = inspect.getsourcelines(fn)
     except (OSError, TypeError):
-        return f"{fn.__qualname__}: its source cannot be read (defined by exec, or at a prompt), so what it does is unknown"
+        return None
     try:
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except SyntaxError:
@@ -596,8 +601,8 @@ def _writes_values(fn, cls: type, seen: set | None = None, *, its_own: bool = Fa
             return f"{inspect.getsourcefile(fn) or '?'}:{start + k}: {code.strip()}"
     if (hit := _unseen_inits(fn, tree, prose, lines, start)) is not None:
         return hit
-    for target, kept in _called(fn, tree, cls, classes):
-        if (hit := _writes_values(target, cls, seen, its_own=kept, classes=classes)) is not None:
+    for target, kept in _called(fn, tree, cls, instance):
+        if (hit := _writes_values(target, cls, seen, its_own=kept, instance=instance)) is not None:
             return f"calls {target.__qualname__}: {hit}"
     for k, line in enumerate(lines):  # (a value written under no_grad in a way none of the words name: `w /= 2`)
         if k not in prose and _NO_GRAD.search(line.split("#", 1)[0]):
@@ -690,11 +695,43 @@ def _nested_lines(tree) -> set[int]:
     return found
 
 
+def _reset_twice(cls: type, built: type) -> str | None:
+    """`file:line: code` where a class of the user's derived from one of torch's (`class LoRALinear(nn.Linear)`)
+    calls `self.reset_parameters()` in its `__init__`, which torch's `__init__` already called (the override, as
+    loralib's): one device draws twice, the first time before the subclass's own tensors exist, which no replay
+    can redo (found by a review)."""
+    if not any((c.__module__ or "").split(".")[0] == "torch" and c is not nn.Module and "__init__" in c.__dict__
+               and _calls_reset(c.__init__) for c in built.__mro__):
+        return None
+    try:
+        lines, start = inspect.getsourcelines(cls.__init__)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    init = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    me = init.args.args[0].arg if init is not None and init.args.args else None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reset_parameters" \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == me:
+            return (f"{inspect.getsourcefile(cls.__init__) or '?'}:{start + node.lineno - 1}: "
+                    f"{lines[node.lineno - 1].strip()}: reset_parameters() runs twice, torch's __init__ calls it too")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_reset(init) -> bool:
+    try:
+        return "reset_parameters()" in inspect.getsource(init)
+    except (OSError, TypeError):
+        return False
+
+
 def _is_torch_init(obj) -> bool:
     """An init function of torch's (`torch.nn.init.normal_`), or a partial of one."""
     while isinstance(obj, functools.partial):
         obj = obj.func
-    return callable(obj) and getattr(obj, "__module__", None) == "torch.nn.init"
+    return callable(obj) and getattr(obj, "__module__", None) == "torch.nn.init" and \
+        getattr(obj, "__name__", "").endswith("_")  # (an init in place; not `calculate_gain`, a fan's count)
 
 
 def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> str | None:
@@ -715,15 +752,15 @@ def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> st
             own = isinstance(f.value, ast.Name) and f.value.id == me
             hit = hit or not own or bool(node.args or node.keywords)
         # (its own reset before a child is built: one device draws it first, the replay after the children)
-        made = _resolved(f, type("_", (), {"__module__": fn.__module__})) if resets else None
-        if isinstance(made, type) and issubclass(made, nn.Module) and any(line < node.lineno for line in resets):
+        if resets and any(line < node.lineno for line in resets) and \
+                _draws_when_built(node, helper_scope(fn)):
             hit = True
         if hit:
             return f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"
     return None
 
 
-def _called(fn, tree, cls: type, classes: tuple[type, ...] = ()) -> list[tuple[Any, bool]]:
+def _called(fn, tree, cls: type, instance: nn.Module | None = None) -> list[tuple[Any, bool]]:
     """The functions `fn` calls that may be the user's, each with whether its result is kept: a call standing as a
     statement wherever it stands (`if zero: self._init()`, after a `;`, `_ = self._init()`: a line-start pattern
     missed them and a helper's `zeros_` went unseen, 0.18 off; found by a probe), or assigned (`self.emb =
@@ -761,6 +798,22 @@ def _called(fn, tree, cls: type, classes: tuple[type, ...] = ()) -> list[tuple[A
 
     Statements().visit(tree)
     me = outer.args.args[0].arg if isinstance(outer, ast.FunctionDef) and outer.args.args else "self"
+    # a loop variable over a container of the module's (`for layer in self.layers:`): the container's attribute
+    loops = {n.target.id: n.iter.attr for n in ast.walk(tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
+             and isinstance(n.iter, ast.Attribute) and isinstance(n.iter.value, ast.Name) and n.iter.value.id == me}
+
+    def children(receiver: ast.expr) -> list[nn.Module]:
+        """The modules of `instance` a receiver names: `self.block`, or a loop variable over `self.layers`."""
+        if instance is None:
+            return []
+        if isinstance(receiver, ast.Attribute) and isinstance(receiver.value, ast.Name) and receiver.value.id == me:
+            child = getattr(instance, receiver.attr, None)
+            return [child] if isinstance(child, nn.Module) else []
+        if isinstance(receiver, ast.Name) and receiver.id in loops:
+            held = getattr(instance, loops[receiver.id], None)
+            return list(held.children()) if isinstance(held, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) else []
+        return []
+
     targets = []
     for f, kept in found:
         target, more = None, []
@@ -782,9 +835,10 @@ def _called(fn, tree, cls: type, classes: tuple[type, ...] = ()) -> list[tuple[A
                 target = _after(cls, fn, f.attr)
             elif f.value.func.id == "type":  # (`type(self)._zero(self)`)
                 target = inspect.getattr_static(cls, f.attr, None)
-        elif isinstance(f, ast.Attribute):  # (a method of a child, `self.block.init_weights()`: the model's classes')
-            more = [getattr(m, "__func__", m) for c in classes if isinstance(m := inspect.getattr_static(c, f.attr, None),
-                                                                          (types.FunctionType, classmethod, staticmethod))]
+        elif isinstance(f, ast.Attribute):  # (a method of a child, `self.block.init_weights()`, of the user's code)
+            more = [getattr(m, "__func__", m) for c in dict.fromkeys(type(x) for x in children(f.value))
+                    if _users(c) and not _installed(c) and isinstance(
+                        m := inspect.getattr_static(c, f.attr, None), (types.FunctionType, classmethod, staticmethod))]
         if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in _REPLAYED:
             continue
         for target in [getattr(target, "__func__", target), *more]:

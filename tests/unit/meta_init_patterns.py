@@ -1,10 +1,12 @@
 """Model-writing patterns whose init a model built under torch.device("meta") cannot replay, each found by a probe
 (session 97) to come out of `init_weights` silently other than `torch.manual_seed(s); Model()`: now refused, each
 naming its line. Kept in a module of its own: the scan reads their source."""
+import math
 from functools import partial
 
 import torch
 import torch.nn as nn
+from torch.nn.init import _calculate_fan_in_and_fan_out, calculate_gain
 from torch.nn.init import zeros_ as zero_init
 
 winit = partial(nn.init.normal_, std=0.02)
@@ -147,7 +149,59 @@ class KeptByNone(nn.Module):
         self.b = nn.Linear(4, 4)
 
 
-REFUSED = {SetToNone: "throws `a` away", Deleted: "throws `a` away", BuiltTwice: "builds `a` again",
+class MLPBlock(nn.Module):
+    def __init__(self, a=4, b=4):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, a))  # (draws inside a container)
+
+
+class WithHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = MLPBlock()
+
+
+class NewHead(WithHead):
+    def __init__(self):
+        super().__init__()
+        self.head = MLPBlock(4, 8)
+
+
+class NoHead(WithHead):
+    def __init__(self, drop=True):
+        super().__init__()
+        if drop:
+            self.head = None
+
+
+class LoRALinear(nn.Linear):  # loralib's: nn.Linear's __init__ ran the override once, before lora_A existed
+    def __init__(self, a, b):
+        nn.Linear.__init__(self, a, b)
+        self.lora_A = nn.Parameter(torch.empty(2, a))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.Linear.reset_parameters(self)
+        if hasattr(self, "lora_A"):
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+
+class UsesLoRA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = LoRALinear(4, 4)
+
+
+class KeptLayer(nn.Module):  # the layer given to the stack is kept too: the stack's layers are its copies
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(self.layer, 2, enable_nested_tensor=False)
+
+
+REFUSED = {NewHead: "builds `head` again", NoHead: "throws `head` away", UsesLoRA: "runs twice",
+           KeptLayer: "a copy of a built module", SetToNone: "throws `a` away", Deleted: "throws `a` away", BuiltTwice: "builds `a` again",
            KeptByNone: "builds a module no attribute keeps",
            TorchtitanStyle: "calls Layer.init_weights", ChildMethod: "calls Layer.init_weights",
            WithThis: "calls WithThis._init", ResetBeforeChildren: r"self.fc = nn.Linear\(4, 4\)",
@@ -178,3 +232,55 @@ class DeviceRead(nn.Module):  # (a device read for a tensor's placement: fine)
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.register_buffer("pos", torch.arange(4, device=self.fc.weight.device))
+
+
+class ResetThenDropout(nn.Module):  # (its reset before children that draw nothing: the same stream)
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 4))
+        self.reset_parameters()
+        self.drop = nn.Dropout(0.1)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w)
+
+
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = calculate_gain("relu")
+        self.fc = nn.Linear(4, 4)
+
+
+class EqualLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        fan_in, _ = _calculate_fan_in_and_fan_out(self.weight)
+        self.scale = 1 / math.sqrt(fan_in)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight)
+
+
+class Codebook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+
+    @torch.no_grad()
+    def update(self, z):
+        self.embed.weight.mul_(0.99).add_(z, alpha=0.01)
+
+
+class VQ(nn.Module):  # (`cfg.update`: a dict's, not the codebook's)
+    def __init__(self, **kw):
+        super().__init__()
+        cfg = dict(d=4)
+        cfg.update(kw)
+        self.enc = nn.Linear(cfg["d"], cfg["d"])
+        self.codebook = Codebook()
+
+
+FINE = (ResetThenDropout, Gain, EqualLinear, VQ)

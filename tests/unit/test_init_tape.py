@@ -19,6 +19,7 @@ import spmd
 from spmd.core.errors import SpmdError
 from spmd.runtime.init_tape import record_init_fn, replay_local_shards, tape_of
 from tests.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, NanoGPT, ViT, ViTConfig
+from tests.unit import meta_init_patterns
 from tests.unit.test_init_weights import COORDS, MESH, all_tensors, assemble, build, make_placements
 
 
@@ -961,7 +962,8 @@ def test_a_meta_built_module_thrown_away_or_copied_in_init_is_refused(cls, said)
 
 @pytest.mark.parametrize("name", ["TorchtitanStyle", "ChildMethod", "WithThis", "ResetBeforeChildren", "ResetWithArgs",
                                   "PartialAlias", "ZeroAlias", "CallableObject", "MoCo", "ParentResetsChild",
-                                  "DropoutAtInit", "SetToNone", "Deleted", "BuiltTwice", "KeptByNone"])
+                                  "DropoutAtInit", "SetToNone", "Deleted", "BuiltTwice", "KeptByNone", "NewHead",
+                                  "NoHead", "UsesLoRA", "KeptLayer"])
 def test_init_work_the_scan_missed_is_refused(name):
     """Found by a probe: each of these came out of init_weights on meta silently other than one device (0.34 to
     2.85 off): an init in a child's method, a receiver not named `self`, a reset run before a child is built or
@@ -969,7 +971,7 @@ def test_init_work_the_scan_missed_is_refused(name):
     load_state_dict, a draw thrown away; a module built and thrown away (set to None, deleted, built again, kept
     by no attribute)."""
     from spmd.runtime.init_weights import plan_init
-    from tests.unit import meta_init_patterns as P
+    P = meta_init_patterns
 
     cls = getattr(P, name)
     with torch.device("meta"):
@@ -981,7 +983,7 @@ def test_init_work_the_scan_missed_is_refused(name):
 def test_deferred_init_refuses_a_build_that_branches_on_meta():
     """Found by a probe: `if not w.is_meta: nn.init.normal_(w)` (or a device compared with "meta"), recorded on
     meta, skipped the init one device runs: 0.97 off, the generator elsewhere."""
-    from tests.unit import meta_init_patterns as P
+    P = meta_init_patterns
 
     for cls, what in ((P.MetaBranch, "`.is_meta`"), (P.MetaBranchByDevice, 'its `.device` against "meta"')):
         with pytest.raises(SpmdError, match=rf"asks whether a tensor is on the meta device \({re.escape(what)}, at "
@@ -1037,10 +1039,12 @@ class _FromACopiedConfig(nn.Module):
         self.norms = nn.ModuleList([copy.deepcopy(nn.LayerNorm(8)) for _ in range(2)])  # (copies drawing nothing)
 
 
-@pytest.mark.parametrize("cls", [_SwapsAct, _Wraps, _FromACopiedConfig])
+@pytest.mark.parametrize("cls", [_SwapsAct, _Wraps, _FromACopiedConfig, *meta_init_patterns.FINE])
 def test_rebuilds_and_copies_that_draw_nothing_or_keep_the_module_are_not_refused(cls):
-    """A review: a parameterless module swapped, a module wrapped (`weight_norm(self.fc)`), a module built from a
-    copied config, copies of modules that draw nothing were refused though the replay is exact."""
+    """Two reviews: a parameterless module swapped, a module wrapped (`weight_norm(self.fc)`), a module built from a
+    copied config, copies of modules that draw nothing, a reset before children that draw nothing, torch.nn.init's
+    helpers that write nothing (`calculate_gain`), a dict's `update` taken for a module's were refused though the
+    replay is exact."""
     from spmd.runtime.init_weights import plan_init
 
     with torch.device("meta"):
