@@ -346,9 +346,9 @@ def _children(m: nn.Module):
 
 
 def _clones(m: nn.Module) -> dict[int, nn.Module]:
-    """{id(copy): first copy} for the layers torch's TransformerEncoder / TransformerDecoder
-    deep-copy from the one layer they are given (`_get_clones`): the given layer is built (drawing) before them
-    and kept by none, so the first copy stands for it and the others take its values. Resetting each copy (the
+    """{id(copy): first copy} for the layers torch's TransformerEncoder / TransformerDecoder deep-copy from the
+    one layer they are given (`_get_clones`): the given layer is built (drawing) before them and kept by none, so
+    the first copy stands for it and the others draw its numbers again (`_as_copies`). Resetting each copy (the
     replay's walk) drew other values for every layer, and moved the generator on by as many layers (found by a
     probe: 0.60 off)."""
     layers = getattr(m, "layers", None)
@@ -360,7 +360,7 @@ def _clones(m: nn.Module) -> dict[int, nn.Module]:
     return {id(c): first for c in list(layers)[1:] if c is not first}
 
 
-def _as_copies(originals: list[_Event], copies: list[_Event], original: nn.Module, copy: nn.Module, fqn: str) -> None:
+def _as_copies(originals: list[_Event], copies: list[_Event], copy: nn.Module, fqn: str) -> None:
     """Mark the events of a copy's walk (`copies`) to run as the original's did: each with the generator of its
     counterpart (the same draws into the copy's tensors, which are the copy's values without reading the
     original's: no group joins the layers), leaving the generator where it was. The walks must match, module
@@ -374,9 +374,9 @@ def _as_copies(originals: list[_Event], copies: list[_Event], original: nn.Modul
         raise SpmdError(
             f"{fqn} ({type(copy).__name__}) is a deep copy of the first layer of a TransformerEncoder/Decoder, made "
             "by its __init__, but it is no longer that copy (a module of it replaced or wrapped since), so a model "
-            "built under "
-            "torch.device('meta') cannot tell its values. What to do: build the model with spmd.deferred_init(Model, "
-            "...), which records the whole construction; or load its weights (load_safetensors).")
+            "built under torch.device('meta') cannot tell its values. What to do: build the model with "
+            "spmd.deferred_init(Model, ...), which records the whole construction; or load its weights "
+            "(load_safetensors).")
     for o, c in zip(originals, copies):
         c.rng_from = o.index if o.rng_from is None else o.rng_from
 
@@ -464,8 +464,8 @@ def _schedule(model, reset_fns, init_fn, init_roots, order="post", wrapped=None)
                 before = len(events)
                 visit(c, _join(fqn, name))
                 if id(c) in clones:              # a deep copy of a built module: the original's draws again
-                    original, first = clones[id(c)], spans[id(clones[id(c)])]
-                    _as_copies(events[first[0]:first[1]], events[before:], original, c, _join(fqn, name))
+                    first = spans[id(clones[id(c)])]
+                    _as_copies(events[first[0]:first[1]], events[before:], c, _join(fqn, name))
                 spans[id(c)] = (before, len(events))
         for fn in tail:
             add("reset", m, fqn, fn)

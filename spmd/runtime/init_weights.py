@@ -481,12 +481,12 @@ def _copies(value: ast.expr, cls: type) -> bool:
             tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
         except (OSError, TypeError, SyntaxError):
             return False
-        return any(isinstance(n, ast.Return) and n.value is not None and _copies(n.value, helper_scope(helper))
+        return any(isinstance(n, ast.Return) and n.value is not None and _copies(n.value, _scope_of(helper))
                    for n in ast.walk(tree))
     return False
 
 
-def helper_scope(fn) -> type:
+def _scope_of(fn) -> type:
     """A stand-in class whose module is `fn`'s, for `_resolved` of the names `fn` uses."""
     return type("_", (), {"__module__": fn.__module__})
 
@@ -753,7 +753,7 @@ def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> st
             hit = hit or not own or bool(node.args or node.keywords)
         # (its own reset before a child is built: one device draws it first, the replay after the children)
         if resets and any(line < node.lineno for line in resets) and \
-                _draws_when_built(node, helper_scope(fn)):
+                _draws_when_built(node, _scope_of(fn)):
             hit = True
         if hit:
             return f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"

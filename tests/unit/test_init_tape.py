@@ -920,7 +920,7 @@ class _Base(nn.Module):
         self.norm = nn.LayerNorm(8)
 
 
-class _Replaces(_Base):
+class _RebuildsA(_Base):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8)
@@ -941,7 +941,7 @@ class _Copies(nn.Module):
 
 
 @pytest.mark.parametrize("cls,said", [
-    (_Replaces, r"_Replaces.__init__ \(.*self.a = nn.Linear\(8, 8\): builds `a` again, which _Base.__init__ built "),
+    (_RebuildsA, r"_RebuildsA.__init__ \(.*self.a = nn.Linear\(8, 8\): builds `a` again, which _Base.__init__ built "),
     (_Copies, r"_Copies.__init__ \(.*copy.deepcopy\(layer\).*: a copy of a built module"),
 ])
 def test_a_meta_built_module_thrown_away_or_copied_in_init_is_refused(cls, said):
