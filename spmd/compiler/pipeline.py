@@ -72,8 +72,8 @@ from spmd.passes.reduce_in_place import reduce_in_place
 from spmd.passes.split_joint_graph import SplitGraphs, split_joint_graph
 from spmd.passes.stamp_layers import CannotStamp, stamp_layers
 from spmd.passes.trace_joint import loss_targets, refuse_gradient_hooks, trace_joint, with_loss
-from spmd.passes.trace_module import (TracedGraph, refuse_rnn_dropout, refuse_script_modules, refuse_shared_memory,
-                                      trace_module, warn_module_hooks)
+from spmd.passes.trace_module import (TracedGraph, refuse_lazy_modules, refuse_rnn_dropout, refuse_script_modules,
+                                      refuse_shared_memory, trace_module, warn_module_hooks)
 from spmd.passes.unmerge_bmm import unmerge_bmm, unmergeable
 
 
@@ -119,6 +119,7 @@ def _trace(model, example_inputs, options: PlanOptions, stacks, binding) -> tupl
     not chain simply, the whole model traced (the note says why). For a graph that will run (`binding`),
     stamping is checked first against the forward at full depth (`check_stamping`). Hooks are looked at on
     the whole model first (a stamped layer's are not traced)."""
+    refuse_lazy_modules(model)
     if options.joint:
         refuse_gradient_hooks(model)
         parametrize = torch.nn.utils.parametrize  # (found by a probe: fake-tensor words, advice on control flow)

@@ -1105,6 +1105,22 @@ def refuse_script_modules(model: torch.nn.Module) -> None:
             "a scripted function, `@torch.jit.script def f(...)`, may stay).")
 
 
+def refuse_lazy_modules(model: torch.nn.Module) -> None:
+    """Refuse a lazy module whose parameters have no shape yet (`nn.LazyLinear` before its first forward): there is
+    nothing to split (a probe: torch's raw "Attempted to use an uninitialized parameter" from inside the trace,
+    after a warning about the lazy module's own shape-inferring hook)."""
+    from torch.nn.parameter import UninitializedTensorMixin
+
+    lazy = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if any(isinstance(t, UninitializedTensorMixin) for t in (*m._parameters.values(), *m._buffers.values()))]
+    if lazy:
+        raise SpmdError(
+            f"{', '.join(lazy[:3])}{' and others' if len(lazy) > 3 else ''}: a lazy module whose parameters have no "
+            "shape yet (they are made at its first forward). What to do: call the model once on an example batch "
+            "before compiling (`model(x)`; a model built on meta takes inputs on meta), or give the module its sizes "
+            "(`nn.Linear(in_features, out)` for `nn.LazyLinear(out)`).")
+
+
 def refuse_shared_memory(model: torch.nn.Module) -> None:
     """Refuse a parameter whose memory overlaps another parameter's or a buffer's without being the same tensor
     (`out.weight = nn.Parameter(emb.weight.data)`; a buffer that views a parameter, `w.detach()[:, :4]`). On one

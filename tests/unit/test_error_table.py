@@ -304,6 +304,9 @@ ROWS = [
     ("trace-script-module", lambda w: _plan(_Scripted(), (x16,), loss_fn=F.mse_loss),
      [r"`body` is a TorchScript module \(torch.jit.script or torch.jit.trace of a module\)",
       r"compile the model with the eager module it was made from"]),
+    # (found by a probe: torch's raw "Attempted to use an uninitialized parameter", after a hook warning)
+    ("trace-lazy-module", lambda w: _plan(nn.Sequential(nn.LazyLinear(8)), (x16,)),
+     [r"0 \(LazyLinear\): a lazy module whose parameters have no shape yet", r"call the model once on an example batch"]),
     ("trace-data-dependent-branch", lambda w: _plan(_Branch(), (x16,)),
      [r"torch.export could not trace _Branch", r"data-dependent", r"What to do: `[^`]*test_error_table.py:\d+: "
       r"return x \* 2 if x.sum\(\) > 0 else x` reads a tensor's values in Python", r"torch\.where", r"loss_fn",
