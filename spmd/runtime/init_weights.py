@@ -385,7 +385,7 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
             for attr, value, top, where in _self_assignments(c.__init__):
                 held = getattr(m, attr, None) if attr else None
                 if not attr:
-                    if top and _draws_when_built(value, c):
+                    if top and _draws_when_built(value, c.__module__):
                         found.append(f"{c.__qualname__}.__init__ ({where}: builds a module no attribute keeps; one "
                                      "device drew for it)")
                 elif isinstance(value, ast.Constant) and value.value is None:
@@ -393,7 +393,7 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
                         found.append(f"{c.__qualname__}.__init__ ({where}: throws `{attr}` away, which "
                                      f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
                                      "drew for it)")
-                elif isinstance(held, nn.Module) and _copies(value, c) and _draws(held):
+                elif isinstance(held, nn.Module) and _copies(value, c.__module__) and _draws(held):
                     found.append(f"{c.__qualname__}.__init__ ({where}: a copy of a built module, whose values "
                                  "one device copies and the replay would draw again)")
                 elif _reads_self_attr(value, attr):  # (kept inside: `self.fc = weight_norm(self.fc)`, a wrapper)
@@ -402,7 +402,7 @@ def built_apart(model: nn.Module, reset_fns: Mapping[type, Any]) -> list[str]:
                     found.append(f"{c.__qualname__}.__init__ ({where}: builds `{attr}` again, which "
                                  f"{built[attr][0].__qualname__}.__init__ built at {built[attr][1]}; one device "
                                  "drew for the one thrown away)")
-                elif top and _draws_when_built(value, c):
+                elif top and _draws_when_built(value, c.__module__):
                     built.setdefault(attr, (c, where))
     return list(dict.fromkeys(found))
 
@@ -443,29 +443,29 @@ def _self_assignments(fn) -> list[tuple[str, ast.expr, bool, str]]:
     return [row[2:] for row in sorted(out, key=lambda row: row[:2])]
 
 
-def _resolved(node: ast.expr, cls: type):
-    """What a dotted name in `cls`'s source names (its module's globals, then builtins), or None."""
+def _resolved(node: ast.expr, module: str):
+    """What a dotted name in the source of `module` (a module's name) names: its globals', then builtins', or None."""
     parts = _dotted(node).split(".")
     if "?" in parts:
         return None
-    scope = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+    scope = vars(sys.modules[module]) if module in sys.modules else {}
     value = scope.get(parts[0], getattr(builtins, parts[0], None))
     for part in parts[1:]:
         value = getattr(value, part, None)
     return value
 
 
-def _copies(value: ast.expr, cls: type) -> bool:
+def _copies(value: ast.expr, module: str) -> bool:
     """Whether `value` is a copy of a module, or a container of copies: `copy.deepcopy(layer)`, torch's
     `_get_clones(layer, n)`, `nn.ModuleList([copy.deepcopy(layer) for _ in range(n)])`, or a plain function of the
     user's returning such (the annotated transformer's `clones(layer, N)`); not a module built from a copied
     config (`Block(copy.deepcopy(cfg))`)."""
     if isinstance(value, ast.Starred):
-        return _copies(value.value, cls)
+        return _copies(value.value, module)
     if isinstance(value, (ast.List, ast.Tuple)):
-        return any(_copies(e, cls) for e in value.elts)
+        return any(_copies(e, module) for e in value.elts)
     if isinstance(value, (ast.ListComp, ast.GeneratorExp)):
-        return _copies(value.elt, cls)
+        return _copies(value.elt, module)
     if not isinstance(value, ast.Call):
         return False
     name = _dotted(value.func).rsplit(".", 1)[-1]
@@ -474,21 +474,16 @@ def _copies(value: ast.expr, cls: type) -> bool:
     if name in ("TransformerEncoder", "TransformerDecoder") and value.args and isinstance(value.args[0], ast.Attribute):
         return True  # (torch's stack copying a layer the module keeps too, `TransformerEncoder(self.layer, n)`)
     if name in ("ModuleList", "Sequential", "ModuleDict"):
-        return any(_copies(a, cls) for a in value.args)
-    helper = _resolved(value.func, cls)
+        return any(_copies(a, module) for a in value.args)
+    helper = _resolved(value.func, module)
     if isinstance(helper, types.FunctionType) and _users(helper):
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(helper)))
         except (OSError, TypeError, SyntaxError):
             return False
-        return any(isinstance(n, ast.Return) and n.value is not None and _copies(n.value, _scope_of(helper))
+        return any(isinstance(n, ast.Return) and n.value is not None and _copies(n.value, helper.__module__)
                    for n in ast.walk(tree))
     return False
-
-
-def _scope_of(fn) -> type:
-    """A stand-in class whose module is `fn`'s, for `_resolved` of the names `fn` uses."""
-    return type("_", (), {"__module__": fn.__module__})
 
 
 def _draws(module: nn.Module) -> bool:
@@ -498,21 +493,16 @@ def _draws(module: nn.Module) -> bool:
         own = any(t is not None for t in (*x._parameters.values(), *x._buffers.values()))
         if not own:
             continue
-        if (type(x).__module__ or "").split(".")[0] != "torch" or _torch_class_draws(type(x)):
+        if (type(x).__module__ or "").split(".")[0] != "torch" or _class_draws(type(x), 0):
             return True
     return False
 
 
-def _torch_class_draws(made: type) -> bool:
-    """Whether building a module class of torch's draws: its `__init__` or reset draws (Linear, Embedding,
-    Conv; not LayerNorm, Dropout), or its `__init__` builds a module that does (TransformerEncoderLayer's Linears)."""
-    return _class_draws(made, 0)
-
-
 @functools.lru_cache(maxsize=None)
 def _class_draws(made: type, depth: int) -> bool:
-    """`_draws_when_built` of a module class: torch's by its `__init__` and reset; another's by its `__init__`
-    (a parameter made, a draw, or a module built that draws); unsure (no source): it draws."""
+    """Whether building a module class draws: torch's by its `__init__` and reset (Linear, Embedding, Conv; not
+    LayerNorm, Dropout) or a module its `__init__` builds that does (TransformerEncoderLayer's Linears); another's
+    by its `__init__` (a parameter made, a draw, or a module built that draws); unsure (no source): it draws."""
     torchs = (made.__module__ or "").split(".")[0] == "torch"
     for c in made.__mro__:
         if c in (nn.Module, object):
@@ -531,7 +521,7 @@ def _class_draws(made: type, depth: int) -> bool:
             if _RNG_WORDS.search(source) or (not torchs and re.search(r"\bParameter\(", source)):
                 return True
             if name == "__init__" and depth < 4 and \
-                    any(_draws_when_built(v, c, depth + 1) for _, v, _, _ in _self_assignments(fn)):
+                    any(_draws_when_built(v, c.__module__, depth + 1) for _, v, _, _ in _self_assignments(fn)):
                 return True
     return False
 
@@ -542,13 +532,13 @@ def _reads_self_attr(value: ast.expr, attr: str) -> bool:
                for n in ast.walk(value))
 
 
-def _draws_when_built(value: ast.expr, cls: type, depth: int = 0) -> bool:
+def _draws_when_built(value: ast.expr, module: str, depth: int = 0) -> bool:
     """Whether `value` builds a module whose construction draws random numbers: any call in it (the arguments of
     a container, `nn.Sequential(nn.Linear(...))`, a list comprehension's element) of a module class that draws
-    (`_class_draws`). Names are resolved in `cls`'s module."""
+    (`_class_draws`). Names are resolved in `module` (the source's module's name)."""
     for node in ast.walk(value):
         if isinstance(node, ast.Call):
-            made = _resolved(node.func, cls)
+            made = _resolved(node.func, module)
             if isinstance(made, type) and issubclass(made, nn.Module) and _class_draws(made, depth):
                 return True
     return False
@@ -709,13 +699,17 @@ def _reset_twice(cls: type, built: type) -> str | None:
     except (OSError, TypeError, SyntaxError):
         return None
     init = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
-    me = init.args.args[0].arg if init is not None and init.args.args else None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reset_parameters" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == me:
-            return (f"{inspect.getsourcefile(cls.__init__) or '?'}:{start + node.lineno - 1}: "
-                    f"{lines[node.lineno - 1].strip()}: reset_parameters() runs twice, torch's __init__ calls it too")
+    for node in _own_calls(init, "reset_parameters"):
+        return (f"{inspect.getsourcefile(cls.__init__) or '?'}:{start + node.lineno - 1}: "
+                f"{lines[node.lineno - 1].strip()}: reset_parameters() runs twice, torch's __init__ calls it too")
     return None
+
+
+def _own_calls(fn: ast.FunctionDef | None, name: str) -> list[ast.Call]:
+    """The calls in a method's source of its own method `name`, through its first argument (`self.name(...)`)."""
+    me = fn.args.args[0].arg if fn is not None and fn.args.args else None
+    return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == name and isinstance(n.func.value, ast.Name) and n.func.value.id == me] if me else []
 
 
 @functools.lru_cache(maxsize=None)
@@ -741,8 +735,7 @@ def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> st
         return None
     outer = tree.body[0]
     me = outer.args.args[0].arg if outer.args.args else None
-    resets = [n.lineno for n in ast.walk(outer) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-              and n.func.attr == "reset_parameters" and isinstance(n.func.value, ast.Name) and n.func.value.id == me]
+    resets = [n.lineno for n in _own_calls(outer, "reset_parameters")]
     for node in ast.walk(outer):
         if not isinstance(node, ast.Call) or node.lineno - 1 in prose:
             continue
@@ -753,7 +746,7 @@ def _unseen_inits(fn, tree, prose: set[int], lines: list[str], start: int) -> st
             hit = hit or not own or bool(node.args or node.keywords)
         # (its own reset before a child is built: one device draws it first, the replay after the children)
         if resets and any(line < node.lineno for line in resets) and \
-                _draws_when_built(node, _scope_of(fn)):
+                _draws_when_built(node, fn.__module__):
             hit = True
         if hit:
             return f"{inspect.getsourcefile(fn) or '?'}:{start + node.lineno - 1}: {lines[node.lineno - 1].strip()}"
