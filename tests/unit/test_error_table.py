@@ -728,6 +728,29 @@ def test_a_meta_compile_before_init(world):
         compiled(*compiled.shard_inputs(x16))
 
 
+def test_a_lazy_modules_way_out_on_meta_equals_one_device(world):
+    """The lazy module's refusal says to call the model once on an example batch: done on meta (no
+    memory), then `init_weights`, the weights are one device's `torch.manual_seed(0); M(); M(x)`."""
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.LazyLinear(8)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with torch.device("meta"):
+        model = Lazy()
+        model(torch.empty_like(x16, device="meta"))
+    compiled = spmd.compile(model, world, (torch.empty_like(x16, device="meta"),))
+    compiled.init_weights(seed=0)
+    torch.manual_seed(0)
+    eager = Lazy()
+    eager(x16)
+    for name, value in eager.named_parameters():
+        torch.testing.assert_close(compiled.get_parameter(name), value, rtol=0, atol=0)
+    torch.testing.assert_close(compiled(*compiled.shard_inputs(x16)), eager(x16))
+
 
 def test_a_budget_search_out_of_time_says_so_and_not_that_nothing_fits(monkeypatch):
     """When the relaxations at the prices of memory that change the plan run out of time (a 2-layer
