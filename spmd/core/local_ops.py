@@ -22,9 +22,23 @@ def _local_indices(indices: torch.Tensor, start: int, rows: int) -> tuple[torch.
     return (indices - start).masked_fill(outside, 0), outside
 
 
-def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int) -> torch.Tensor:
-    """`aten.embedding` over rows [start, start + len(weight)) of the table: zeros where an index falls
-    outside them."""
+def in_range(indices: torch.Tensor, size: int, what: str) -> None:
+    """Raise as one device's lookup does where an index names no row of the whole table (`size` rows): the
+    masked lookups below would take it for another rank's row, and every rank would add zeros for it (an id past
+    the vocabulary read a zero embedding, a target past the classes a loss, silently; found by a probe). On CUDA,
+    and under torch.compile, a device-side assert, as eager's kernels have: no wait for the device."""
+    if indices.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(((indices >= 0) & (indices < size)).all(), f"{what}: index out of range")
+    elif indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
+        bad = indices[(indices < 0) | (indices >= size)][0]
+        raise IndexError(f"{what}: index {int(bad)} is out of bounds for size {size} (the dim is split over the "
+                         "ranks; one device raises here too)")
+
+
+def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int, total: int) -> torch.Tensor:
+    """`aten.embedding` over rows [start, start + len(weight)) of a table of `total` rows: zeros where an index
+    falls outside them."""
+    in_range(indices, total, "embedding")
     local, outside = _local_indices(indices, start, weight.shape[0])
     return aten.embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0)
 
@@ -38,9 +52,10 @@ def masked_embedding_backward(grad: torch.Tensor, indices: torch.Tensor, rows: i
     return aten.embedding_dense_backward(grad.masked_fill(outside.unsqueeze(-1), 0), local, rows, pad, False)
 
 
-def masked_gather(x: torch.Tensor, dim: int, index: torch.Tensor, start: int) -> torch.Tensor:
-    """`aten.gather(x, dim, index)` where `x` holds entries [start, start + x.shape[dim]) of `dim`: zeros
-    where an index falls outside them (the loss's pick of each target's log-probability)."""
+def masked_gather(x: torch.Tensor, dim: int, index: torch.Tensor, start: int, total: int) -> torch.Tensor:
+    """`aten.gather(x, dim, index)` where `x` holds entries [start, start + x.shape[dim]) of `dim`, `total` in
+    all: zeros where an index falls outside them (the loss's pick of each target's log-probability)."""
+    in_range(index, total, "gather")
     local, outside = _local_indices(index, start, x.shape[dim])
     return aten.gather(x, dim, local).masked_fill(outside, 0)
 

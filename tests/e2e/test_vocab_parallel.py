@@ -36,10 +36,16 @@ def _train(rank: int, world: int, mesh_shape: tuple, names: tuple, pins: dict, v
         losses, ref_losses, _ = train_side_by_side(compiled, reference, (tokens,), (targets,), lm_loss, steps,
                                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
         full = compiled.full_state_dict()
+        refused = []  # an id past the vocabulary, a target past the classes: one device raises (found by a probe:
+        for bad_tokens, bad_targets in ((tokens.clone().fill_(vocab), targets), (tokens, targets.clone().fill_(-3))):
+            try:  # the masked lookups read them as other ranks' rows, and every rank added zeros)
+                compiled(*compiled.shard_inputs(bad_tokens, bad_targets)).backward()
+            except IndexError as e:
+                refused.append(str(e))
         param_err = max(float((full[k] - v).abs().max()) for k, v in reference.named_parameters())
         graph = compiled.plan.sources.graph
         ops = {n.name: str(n.target) for n in graph.nodes if n.op == "call_function"}
-        return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err,
+        return {"losses": losses, "ref_losses": ref_losses, "param_err": param_err, "refused": refused,
                 "choices": {n: str(s) for n, s in compiled.plan.choices.items() if n in ops
                             and ("embedding" in ops[n] or "gather" in ops[n] or "nll" in ops[n])},
                 "code": compiled.code, "table": placements_str(compiled._state_placements["tok_emb.weight"]),
@@ -91,3 +97,6 @@ def test_vocab_parallel_loss_never_gathers_the_logits(ranks, name):
         assert "masked_gather(" in code and "masked_nll_loss_backward(" in code, r["choices"]
         # nothing gathered has the logits' vocab dim (512 split over tp): they stay split
         assert r["gathered"] and not [shape for shape in r["gathered"] if shape[-1] == 256], r["gathered"]
+        assert r["refused"] == ["embedding: index 512 is out of bounds for size 512 (the dim is split over the ranks; "
+                                "one device raises here too)", "gather: index -3 is out of bounds for size 512 (the "
+                                "dim is split over the ranks; one device raises here too)"], r["refused"]

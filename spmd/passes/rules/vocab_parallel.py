@@ -77,7 +77,7 @@ def _embedding(args, strategy, shapes, mesh_shape, coord):
     split = piece_span(strategy.inputs[0], 0, shapes[0][0], mesh_shape, coord)
     if split is None:
         return None
-    return local_ops.masked_embedding, (args[0], args[1]), {"start": split[0]}
+    return local_ops.masked_embedding, (args[0], args[1]), {"start": split[0], "total": shapes[0][0]}
 
 
 @local_rewrite(aten.embedding_dense_backward.default)
@@ -96,7 +96,7 @@ def _gather(args, strategy, shapes, mesh_shape, coord):
     split = piece_span(strategy.inputs[0], dim, shapes[0][dim], mesh_shape, coord)
     if split is None:
         return None
-    return local_ops.masked_gather, (args[0], dim, args[2]), {"start": split[0]}
+    return local_ops.masked_gather, (args[0], dim, args[2]), {"start": split[0], "total": shapes[0][dim]}
 
 
 @local_rewrite(aten.nll_loss_backward.default)
