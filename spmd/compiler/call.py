@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import (TreeSpec, tree_flatten, tree_flatten_with_path, tree_is_leaf, tree_leaves, tree_map,
@@ -50,6 +50,9 @@ class Call:
     slots: tuple[bool, ...] = ()
     leaves: tuple[str, ...] = ()
     defaulted: tuple[str, ...] = ()  # constants whose value is the forward's default: a call may leave them out
+    # the forward's keywords the compile left out, with their plain defaults: a call may pass them at those values
+    # (`attention_mask=None`, found by a probe: refused as an unknown keyword)
+    unset: tuple[tuple[str, object], ...] = field(default=(), compare=False)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -76,6 +79,9 @@ class Call:
                            if given is _MISSING and extra > 0 else "") +
                         f". What to do: pass {name}={value!r} by keyword, as spmd.compile was given it, or compile "
                         "again with the other value.")
+        if self.unset and kwargs:
+            unset = dict(self.unset)
+            kwargs = {k: v for k, v in kwargs.items() if not (k in unset and _same(v, unset[k]))}
         if not self.keywords and not kwargs and self.tree is None:  # (the targets last already)
             return tuple(args)
         if kwargs and len(args) < len(self.positional):  # (positional inputs given by name: `compiled(x=x)`)
@@ -254,8 +260,10 @@ def positional_call(model: torch.nn.Module, args: tuple, kwargs: dict | None, lo
     except (TypeError, ValueError):
         defaults = {}
     defaulted = tuple(k for k, v in constants if k in defaults and _plain(defaults[k]) and _same(defaults[k], v))
+    given = set(names) | set(keywords) | {k for k, _ in constants}
+    unset = tuple((k, v) for k, v in defaults.items() if k not in given and isinstance(v, PLAIN_TYPES))
     call = Call(names + tuple(target_names(loss_fn, n_targets, taken)), keywords, constants, n_targets, tree, slots,
-                leaves, defaulted)
+                leaves, defaulted, unset)
     flat = call.flatten(tuple(args), kwargs, "spmd.compile")
     if not kwargs and not loss_only and tree is None:
         return model, flat, call

@@ -52,6 +52,14 @@ def test_calls_that_do_not_match_the_compiled_names_say_so():
         positional_call(Masked(), (ids,), {"x": ids})
     # positional inputs given by name, as the model's forward takes them
     assert call.flatten((), {"input_ids": ids, "labels": ids, "attention_mask": ids}) == (ids, ids, ids)
+    # a keyword the compile left out, given at the forward's default (found by a probe: `attention_mask=None` was
+    # an unknown keyword); at another value, refused as before
+    _, _, left_out = positional_call(Masked(), (ids,), None)
+    assert left_out.flatten((ids,), {"mask": None}) == (ids,) and left_out.flatten((ids,), {"scale": 1.0}) == (ids,)
+    with pytest.raises(spmd.SpmdError, match=r"unknown keywords \['scale'\]"):
+        left_out.flatten((ids,), {"scale": 2.0})
+    with pytest.raises(spmd.SpmdError, match=r"unknown keywords \['mask'\]"):
+        left_out.flatten((ids,), {"mask": ids})
     # a keyword that holds no tensor, not given to spmd.compile: the way out says to give it there
     with pytest.raises(spmd.SpmdError, match=r"unknown keywords \['use_cache'\].*use_cache=False\) is fixed when "
                                              r"traced, so give it to spmd.compile too \(example_kwargs\)"):
