@@ -113,7 +113,7 @@ def one_device(model, example_inputs, **options):
     return compiled_module_class(model)(c, None, src_data_rank=None)
 
 
-def check_simulated_training(c, outs, loss, model) -> int:
+def check_simulated_training(c, outs, loss, model, rtol: float = 1e-9, atol: float = 1e-10) -> int:
     """Every rank's simulated loss and gradients (`outs`, from `simulate` of a joint compilation `c`)
     equal the eager `loss` (backward already run) and `model`'s gradients (and buffers the forward updated),
     each in the layout the plan gives it. Returns how many outputs were checked."""
@@ -127,7 +127,7 @@ def check_simulated_training(c, outs, loss, model) -> int:
         ps = c.plan.choices[f"output_{k}"].inputs[0]
         for rank, out in enumerate(outs):
             torch.testing.assert_close(out[k], local_shard(want, ps, mesh.shape, mesh.coordinate(rank)),
-                                       rtol=1e-9, atol=1e-10)
+                                       rtol=rtol, atol=atol)
         checked += 1
     return checked
 

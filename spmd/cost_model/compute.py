@@ -63,8 +63,31 @@ def op_name(op) -> str:
     return getattr(packet, "__name__", None) or getattr(op, "__name__", str(op))
 
 
+def _grouped_mm_flops(op, shapes: tuple) -> float | None:
+    """A mixture of experts' grouped matmul (torch's `_grouped_mm`, transformers' `grouped_mm_fallback` and its
+    backward; torch's FLOP counter has none of them, and they were priced as elementwise): every row of the
+    first operand meets one group's matrix. None: not one of them, or a form not modelled."""
+    name = str(op) if getattr(op, "namespace", None) == "transformers" else None
+    if op is aten._grouped_mm.default or name == "transformers.grouped_mm_fallback.default":
+        a, b = shapes[0], shapes[1]
+        if len(a) == 2 and len(b) == 3:  # rows by group (S, K) x (E, K, N): a forward
+            return 2.0 * a[0] * a[1] * b[2]
+        if len(a) == 2 and len(b) == 2:  # (K, S) x (S, N), S cut by group: a weight's gradient (E, K, N)
+            return 2.0 * a[0] * a[1] * b[1]
+        if len(a) == 3 and len(b) == 3:  # a batch of groups
+            return 2.0 * a[0] * a[1] * a[2] * b[2]
+        return None
+    if name == "transformers.grouped_mm_fallback_backward.default":  # dx and dw, each a forward's work
+        x, w = shapes[0], shapes[1]
+        return 4.0 * x[0] * x[1] * w[2]
+    return None
+
+
 def op_flops(op, args_with_shapes: tuple, kwargs: dict, out_shapes: list[tuple[int, ...]]) -> float:
     """FLOPs of `op` when its tensor args have the given (local) shapes."""
+    grouped = _grouped_mm_flops(op, args_with_shapes)
+    if grouped is not None:
+        return grouped
     packet = getattr(op, "overloadpacket", None)
     per_element = _FLOPS_PER_ELEMENT.get(op)
     if per_element is not None:

@@ -22,7 +22,7 @@ from spmd.core.errors import SpmdError, describe_node
 from spmd.core.graph_facts import dropout_p, hashable_args, is_random
 from spmd.core.memo import ByIdentity
 from spmd.passes.check_pins import check_pins
-from spmd.passes.rules import RULES, RuleInput, expand_single_dim
+from spmd.passes.rules import RuleInput, expand_single_dim, rule_for
 from spmd.passes.rules import dtensor_adapter
 from spmd.passes.rules.dtensor_adapter import TensorArg, op_name
 from spmd.passes.trace_module import TracedGraph, flat_outputs
@@ -321,10 +321,11 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
         strategies, source = None, "spmd"
         error = None
         try:
-            if node.target in RULES:
+            ours = rule_for(node.target)
+            if ours is not None:
                 r_args, r_kwargs = tree_map(lambda a: in_infos[a.index] if isinstance(a, TensorArg) else a,
                                             (m_args, m_kwargs), is_leaf=lambda a: isinstance(a, TensorArg))
-                single = RULES[node.target](RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
+                single = ours(RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
                 strategies = expand_single_dim(single, len(outs), mesh.ndim)
             elif is_random(node) or _drops_out(node):
                 # a draw no rule of ours covers (multinomial, randint_like(x, low, high), CUDA attention

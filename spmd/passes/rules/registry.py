@@ -74,8 +74,15 @@ def _registrar(table: dict, ops):
 
 
 def rule(*ops) -> Callable[[SingleDimRule], SingleDimRule]:
-    """Register a single-mesh-axis rule for each ATen overload in `ops`."""
+    """Register a single-mesh-axis rule for each ATen overload in `ops`, or for an op of another library by its
+    name (`"transformers.grouped_mm_fallback.default"`: it exists only once that library is imported)."""
     return _registrar(RULES, ops)
+
+
+def rule_for(op) -> SingleDimRule | None:
+    """The rule registered for `op`, itself or by its name (`rule`)."""
+    found = RULES.get(op)
+    return found if found is not None or not isinstance(op, torch._ops.OpOverload) else RULES.get(str(op))
 
 
 def local_rewrite(*ops) -> Callable[[LocalRewrite], LocalRewrite]:
