@@ -604,7 +604,7 @@ class CompiledModule(nn.Module):
     def _watch_pieces(self) -> None:
         """This module's pieces, known to the guards that catch torch's tools misused on them."""
         if self._state_factor is not None:  # an optimizer keeping other state than planned warns at its first step
-            optimizer_guard.expect(self.parameters(), self._state_factor)
+            optimizer_guard.expect(self.parameters(), self._state_factor, (self.group_names, self.mesh_spec.shape))
         # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm, and
         # GradScaler would skip the step on the ranks whose piece overflowed only
         sharded = {fqn: self._get(attr) for fqn, attr in self._param_names.items()
@@ -762,7 +762,8 @@ class CompiledModule(nn.Module):
                 f"{float(mine):.6g} on this rank, between {-float(both[1]):.6g} and {float(both[0]):.6g} over the "
                 "mesh), so each rank would clip by its own norm and its replicas drift apart. They were computed from "
                 "each rank's own piece (an eager layer on a compiled module's output piece). What to do: sum them over "
-                "the ranks first (`torch.distributed.all_reduce(p.grad)`; or run such layers on whole tensors, "
+                "the ranks holding other pieces first (`torch.distributed.all_reduce(p.grad, group=mesh.get_group(axis))` "
+                "over each mesh axis the output is split on; or run such layers on whole tensors, "
                 "`gather_outputs` then `shard_inputs`).")
 
     @_collective
@@ -2882,8 +2883,10 @@ class CompiledModule(nn.Module):
                     "piece alone, where one device's come from the whole batch, so their replicas drift apart (and "
                     "DDP's average makes them 1/n of one device's: the compiled loss is the whole batch's). What to do: "
                     "run such layers on whole tensors, `this(*this.shard_inputs(layer(other.gather_outputs(out))))`, "
-                    "or sum their gradients over the ranks after backward (`torch.distributed.all_reduce(p.grad)`, a "
-                    f"sum, over {', '.join(split)}).", stacklevel=user_stacklevel())
+                    "or sum their gradients over the ranks holding other pieces after backward, a sum over "
+                    f"{', '.join(split)} (`torch.distributed.all_reduce(p.grad, group=mesh.get_group({split[0]!r}))`"
+                    f"{', and likewise over each axis' if len(split) > 1 else ''}: over the whole world, a "
+                    "replicated axis would count each piece again).", stacklevel=user_stacklevel())
                 return
 
     def _lay_out(self, flat, shapes: Shapes) -> None:

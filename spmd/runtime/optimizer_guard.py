@@ -41,7 +41,8 @@ from spmd.runtime.distribute import same_piece
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
-_expected: dict[int, tuple[weakref.ref, float]] = {}  # id(compiled parameter) -> (ref, the plan's state factor)
+# id(compiled parameter) -> (ref, the plan's state factor, its mesh: (group names per axis, shape))
+_expected: dict[int, tuple[weakref.ref, float, tuple]] = {}
 # optimizer -> how many parameters and step hooks of its own it had when checked (one added since,
 # `add_param_group` as gradual unfreezing does, is checked at the next step)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]]" = weakref.WeakKeyDictionary()
@@ -104,13 +105,14 @@ def _refuse_read_outside(optimizer: torch.optim.Optimizer) -> None:
         "with a loss_fn).")
 
 
-def expect(parameters, state_factor: float) -> None:
+def expect(parameters, state_factor: float, mesh: tuple = ((), ())) -> None:
     """Remember a compiled training module's `parameters` as planned for an optimizer keeping
-    `state_factor` parameter sizes of state per parameter."""
+    `state_factor` parameter sizes of state per parameter, on `mesh` (its group names per axis, its shape)."""
     with _lock:
         for p in parameters:
             key = id(p)
-            _expected[key] = (weakref.ref(p, lambda _, key=key: _expected.pop(key, None)), float(state_factor))
+            _expected[key] = (weakref.ref(p, lambda _, key=key: _expected.pop(key, None)), float(state_factor),
+                              (tuple(mesh[0]), tuple(mesh[1])))
         _install()
 
 
@@ -355,7 +357,51 @@ def state_factor(optimizer: torch.optim.Optimizer) -> float | None:
 
 def _planned(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, float]]:
     """The compiled training modules' parameters `optimizer` steps, each with its plan's state factor."""
-    return [(p, entry[1]) for group in optimizer.param_groups for p in group["params"]
+    return [(p, entry[1]) for p, entry in _planned_entries(optimizer)]
+
+
+def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
+    """Warn where the plain parameters an optimizer steps beside a compiled module's (an eager head, a learnable
+    temperature) have gradients that differ between the module's ranks: they were computed on each rank's piece of
+    a split output, so each holds its own piece's part where one device's holds the whole batch's, and the
+    replicas drift apart (found by a probe: a head on the output piece 0.083 off one device after 3 steps, its
+    replicas 0.23 apart, the backbone 2e-3 off, without a word; a layer between two compiled modules is caught at
+    the second's call). One small all_reduce per mesh axis at the first step, of each gradient's sum of squares."""
+    mine = {entry[2] for _, entry in _planned_entries(optimizer)}
+    if len(mine) != 1:  # (no compiled module, or modules on several meshes: no one set of ranks to compare over)
+        return
+    group_names, shape = mine.pop()
+    if not group_names or all(n == 1 for n in shape):
+        return
+    pieces = [p for p, _ in _planned_entries(optimizer)]
+    steps = {id(p) for p in pieces}
+    # (whether to take part depends on what every rank's optimizer holds alike, never on which gradients came)
+    plain = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in steps]
+    if not plain:
+        return
+    from spmd.runtime.distribute import max_over_mesh
+
+    grads, device = [p.grad for p in plain], pieces[0].device  # (the collectives' device: the pieces')
+    norms = torch.stack([torch.zeros((), dtype=torch.float64, device=device) if g is None or g.is_sparse else
+                         g.detach().double().square().sum().to(device) for g in grads])
+    most, least = max_over_mesh(torch.cat([norms, -norms]), shape, group_names).chunk(2)
+    least = -least
+    apart = [p for p, hi, lo in zip(plain, most.tolist(), least.tolist()) if hi - lo > 1e-6 * hi]
+    if apart:
+        said = ", ".join(str(tuple(p.shape)) for p in apart[:4]) + (", ..." if len(apart) > 4 else "")
+        warnings.warn(
+            f"{type(optimizer).__name__}.step(): {len(apart)} plain parameter(s) beside the compiled module's (shapes "
+            f"{said}) have gradients that differ between its ranks: they were computed on each rank's piece of a "
+            "split output, so each rank's holds its own piece's part alone, where one device's come from the whole "
+            "batch, and their replicas drift apart. What to do: run such layers on whole tensors "
+            "(`compiled.gather_outputs(out)`), compile them with the module (a loss_fn), or sum their gradients "
+            "over the mesh axes the output is split on after backward (`torch.distributed.all_reduce(p.grad, "
+            "group=mesh.get_group(axis))`).", stacklevel=user_stacklevel())
+
+
+def _planned_entries(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, tuple]]:
+    """The compiled training modules' parameters `optimizer` steps, each with its `expect` entry."""
+    return [(p, entry) for group in optimizer.param_groups for p in group["params"]
             if (entry := _expected.get(id(p))) is not None and entry[0]() is p]
 
 
@@ -478,6 +524,8 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _refuse_spreading(optimizer)
     _not_per_element(optimizer)
+    if before is None:
+        _plain_gradients_agree(optimizer)
     _refuse_saved_elsewhere(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)
