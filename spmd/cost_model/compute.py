@@ -76,6 +76,8 @@ def _grouped_mm_flops(op, shapes: tuple) -> float | None:
             return 2.0 * a[0] * a[1] * b[1]
         if len(a) == 3 and len(b) == 3:  # a batch of groups
             return 2.0 * a[0] * a[1] * a[2] * b[2]
+        if len(a) == 3 and len(b) == 2:  # (G, M, K) x (K, N), N cut by group: (M, N)
+            return 2.0 * a[1] * a[2] * b[1]
         return None
     if name == "transformers.grouped_mm_fallback_backward.default":  # dx and dw, each a forward's work
         x, w = shapes[0], shapes[1]

@@ -1004,8 +1004,9 @@ def warn_module_hooks(model: torch.nn.Module) -> None:
             f"{len(names)} forward or backward hook(s) on the model ({', '.join(names[:4])}"
             f"{', ...' if len(names) > 4 else ''}): what they compute into the values is compiled into the "
             "graph, but they ran only while it was traced (several times): a Python number they read or change "
-            "(a counter, a schedule) stays in the graph as the trace left it. Anything else they do (record activations, print, "
-            "count, store an auxiliary loss) will not happen when the compiled module is called. What to do: "
+            "(a counter, a schedule) stays in the graph as the trace left it. Anything else they do (record "
+            "activations, print, count, store an auxiliary loss) will not happen when the compiled module is "
+            "called. What to do: "
             "return such values from the forward.", stacklevel=user_stacklevel())
 
 

@@ -604,7 +604,8 @@ class CompiledModule(nn.Module):
     def _watch_pieces(self) -> None:
         """This module's pieces, known to the guards that catch torch's tools misused on them."""
         if self._state_factor is not None:  # an optimizer keeping other state than planned warns at its first step
-            optimizer_guard.expect(self.parameters(), self._state_factor, (self.group_names, self.mesh_spec.shape))
+            optimizer_guard.expect(self.parameters(), self._state_factor,
+                                   (self.group_names, self.mesh_spec.shape, self._collective_device()))
         # torch's clip_grad_norm_ over pieces of sharded parameters would clip each rank by its own norm, and
         # GradScaler would skip the step on the ranks whose piece overflowed only
         sharded = {fqn: self._get(attr) for fqn, attr in self._param_names.items()
@@ -762,8 +763,9 @@ class CompiledModule(nn.Module):
                 f"{float(mine):.6g} on this rank, between {-float(both[1]):.6g} and {float(both[0]):.6g} over the "
                 "mesh), so each rank would clip by its own norm and its replicas drift apart. They were computed from "
                 "each rank's own piece (an eager layer on a compiled module's output piece). What to do: sum them over "
-                "the ranks holding other pieces first (`torch.distributed.all_reduce(p.grad, group=mesh.get_group(axis))` "
-                "over each mesh axis the output is split on; or run such layers on whole tensors, "
+                "the ranks holding other pieces first (`torch.distributed.all_reduce(p.grad, "
+                "group=mesh.get_group(axis))` over each mesh axis the output is split on; or run such layers on whole "
+                "tensors, "
                 "`gather_outputs` then `shard_inputs`).")
 
     @_collective

@@ -41,7 +41,8 @@ from spmd.runtime.distribute import same_piece
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
-# id(compiled parameter) -> (ref, the plan's state factor, its mesh: (group names per axis, shape))
+# id(compiled parameter) -> (ref, the plan's state factor, its mesh: (group names per axis, shape, the device of its
+# own small collectives))
 _expected: dict[int, tuple[weakref.ref, float, tuple]] = {}
 # optimizer -> how many parameters and step hooks of its own it had when checked (one added since,
 # `add_param_group` as gradual unfreezing does, is checked at the next step)
@@ -105,14 +106,15 @@ def _refuse_read_outside(optimizer: torch.optim.Optimizer) -> None:
         "with a loss_fn).")
 
 
-def expect(parameters, state_factor: float, mesh: tuple = ((), ())) -> None:
+def expect(parameters, state_factor: float, mesh: tuple = ((), (), None)) -> None:
     """Remember a compiled training module's `parameters` as planned for an optimizer keeping
-    `state_factor` parameter sizes of state per parameter, on `mesh` (its group names per axis, its shape)."""
+    `state_factor` parameter sizes of state per parameter, on `mesh` (its group names per axis, its shape, the
+    device its own collectives run on: `distribute.collective_device`)."""
     with _lock:
         for p in parameters:
             key = id(p)
             _expected[key] = (weakref.ref(p, lambda _, key=key: _expected.pop(key, None)), float(state_factor),
-                              (tuple(mesh[0]), tuple(mesh[1])))
+                              (tuple(mesh[0]), tuple(mesh[1]), mesh[2]))
         _install()
 
 
@@ -370,8 +372,10 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     mine = {entry[2] for _, entry in _planned_entries(optimizer)}
     if len(mine) != 1:  # (no compiled module, or modules on several meshes: no one set of ranks to compare over)
         return
-    group_names, shape = mine.pop()
-    if not group_names or all(n == 1 for n in shape):
+    group_names, shape, device = mine.pop()
+    # (the inner optimizer of ZeroRedundancyOptimizer or PostLocalSGDOptimizer holds this rank's share alone, other
+    # on every rank, and the wrapper is checked itself: a review found ranks apart in the collective, a hang)
+    if not group_names or all(n == 1 for n in shape) or _wrapped(optimizer):
         return
     pieces = [p for p, _ in _planned_entries(optimizer)]
     steps = {id(p) for p in pieces}
@@ -381,10 +385,10 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
         return
     from spmd.runtime.distribute import max_over_mesh
 
-    grads, device = [p.grad for p in plain], pieces[0].device  # (the collectives' device: the pieces')
-    norms = torch.stack([torch.zeros((), dtype=torch.float64, device=device) if g is None or g.is_sparse else
-                         g.detach().double().square().sum().to(device) for g in grads])
-    most, least = max_over_mesh(torch.cat([norms, -norms]), shape, group_names).chunk(2)
+    zero = torch.zeros((), dtype=torch.float64)
+    norms = torch.stack([zero if p.grad is None or p.grad.is_sparse else  # (in float64 with no copy of the gradient)
+                         torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).square().cpu() for p in plain])
+    most, least = max_over_mesh(torch.cat([norms, -norms]).to(device or "cpu"), shape, group_names).chunk(2)
     least = -least
     apart = [p for p, hi, lo in zip(plain, most.tolist(), least.tolist()) if hi - lo > 1e-6 * hi]
     if apart:
@@ -394,9 +398,27 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
             f"{said}) have gradients that differ between its ranks: they were computed on each rank's piece of a "
             "split output, so each rank's holds its own piece's part alone, where one device's come from the whole "
             "batch, and their replicas drift apart. What to do: run such layers on whole tensors "
-            "(`compiled.gather_outputs(out)`), compile them with the module (a loss_fn), or sum their gradients "
-            "over the mesh axes the output is split on after backward (`torch.distributed.all_reduce(p.grad, "
-            "group=mesh.get_group(axis))`).", stacklevel=user_stacklevel())
+            "(`compiled.gather_outputs(out)`), or compile them with the module (a loss_fn). Summing their gradients "
+            "over the mesh axes the output is split on (`torch.distributed.all_reduce(p.grad, "
+            "group=mesh.get_group(axis))`) equals one device only where each rank's loss is its piece's part of the "
+            "batch's (a sum over the piece divided by the whole batch's count, not the piece's mean).",
+            stacklevel=user_stacklevel())
+
+
+def _wrapped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is the inner optimizer of a ZeroRedundancyOptimizer or PostLocalSGDOptimizer stepping
+    it (found on the stack above its step, as `_spreading_wrapper` looks)."""
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return False
+        held = frame.f_locals.get("self")
+        if isinstance(held, (PostLocalSGDOptimizer, ZeroRedundancyOptimizer)) and held.optim is optimizer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _planned_entries(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, tuple]]:

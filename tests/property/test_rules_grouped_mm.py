@@ -118,4 +118,5 @@ def test_grouped_matmuls_cost_a_matmuls_flops():
     assert op_flops(forward, ((32, 16), (4, 16, 64), (4,)), {}, [(32, 64)]) == mm
     assert op_flops(aten._grouped_mm.default, ((32, 16), (4, 16, 64), (4,)), {}, [(32, 64)]) == mm
     assert op_flops(aten._grouped_mm.default, ((16, 32), (32, 64), (4,)), {}, [(4, 16, 64)]) == mm  # a weight's gradient
+    assert op_flops(aten._grouped_mm.default, ((4, 32, 16), (16, 64), (4,)), {}, [(32, 64)]) == mm
     assert op_flops(backward, ((32, 16), (4, 16, 64), (4,), (32, 64)), {}, [(32, 16), (4, 16, 64)]) == 2 * mm

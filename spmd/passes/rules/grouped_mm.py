@@ -29,9 +29,16 @@ FORWARD = "transformers.grouped_mm_fallback.default"
 BACKWARD = "transformers.grouped_mm_fallback_backward.default"
 
 
+def _arity(inp: RuleInput, n: int) -> None:
+    """The op's tensors as this rule knows them (another version of transformers may add one: a bias): else the
+    rule fails, and the op runs whole with a warning."""
+    if len(inp.inputs) != n:
+        raise ValueError(f"{inp.op} takes {len(inp.inputs)} tensors, this rule {n}")
+
+
 @rule(FORWARD)
 def grouped_mm(inp: RuleInput) -> list[list]:
-    # out, x, w, offs
+    _arity(inp, 3)  # out, x, w, offs
     return [[Shard(1), Replicate(), Shard(2), Replicate()],
             [Partial(), Shard(1), Shard(1), Replicate()],
             [Partial(), Partial(), Replicate(), Replicate()]]
@@ -39,7 +46,7 @@ def grouped_mm(inp: RuleInput) -> list[list]:
 
 @rule(BACKWARD)
 def grouped_mm_backward(inp: RuleInput) -> list[list]:
-    # dx, dw, x, w, offs, g
+    _arity(inp, 4)  # dx, dw, x, w, offs, g
     return [[Partial(), Shard(2), Replicate(), Shard(2), Replicate(), Shard(1)],
             [Shard(1), Shard(1), Shard(1), Shard(1), Replicate(), Replicate()],
             [Partial(), Partial(), Replicate(), Replicate(), Replicate(), Partial()],
