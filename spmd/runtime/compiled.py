@@ -765,8 +765,7 @@ class CompiledModule(nn.Module):
                 "each rank's own piece (an eager layer on a compiled module's output piece). What to do: sum them over "
                 "the ranks holding other pieces first (`torch.distributed.all_reduce(p.grad, "
                 "group=mesh.get_group(axis))` over each mesh axis the output is split on; or run such layers on whole "
-                "tensors, "
-                "`gather_outputs` then `shard_inputs`).")
+                "tensors, `gather_outputs` then `shard_inputs`).")
 
     @_collective
     def embedding_renorm_(self, name: str, ids: torch.Tensor, max_norm: float, norm_type: float = 2.0) -> None:

@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError, user_stacklevel
-from spmd.runtime.distribute import same_piece
+from spmd.runtime.distribute import max_over_mesh, same_piece
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
@@ -369,7 +369,8 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     replicas drift apart (found by a probe: a head on the output piece 0.083 off one device after 3 steps, its
     replicas 0.23 apart, the backbone 2e-3 off, without a word; a layer between two compiled modules is caught at
     the second's call). One small all_reduce per mesh axis at the first step, of each gradient's sum of squares."""
-    mine = {entry[2] for _, entry in _planned_entries(optimizer)}
+    entries = _planned_entries(optimizer)
+    mine = {entry[2] for _, entry in entries}
     if len(mine) != 1:  # (no compiled module, or modules on several meshes: no one set of ranks to compare over)
         return
     group_names, shape, device = mine.pop()
@@ -377,14 +378,11 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     # on every rank, and the wrapper is checked itself: a review found ranks apart in the collective, a hang)
     if not group_names or all(n == 1 for n in shape) or _wrapped(optimizer):
         return
-    pieces = [p for p, _ in _planned_entries(optimizer)]
-    steps = {id(p) for p in pieces}
+    steps = {id(p) for p, _ in entries}
     # (whether to take part depends on what every rank's optimizer holds alike, never on which gradients came)
     plain = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in steps]
     if not plain:
         return
-    from spmd.runtime.distribute import max_over_mesh
-
     zero = torch.zeros((), dtype=torch.float64)
     norms = torch.stack([zero if p.grad is None or p.grad.is_sparse else  # (in float64 with no copy of the gradient)
                          torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).square().cpu() for p in plain])

@@ -109,7 +109,7 @@ def test_a_mixtral_trains_equal_with_its_experts_split(pins):
 
 def test_grouped_matmuls_cost_a_matmuls_flops():
     """torch's FLOP counter has no grouped matmul: they were priced as elementwise ops of their outputs (a Mixtral
-    layer's experts 1/64th of their work at hidden 64). Each row meets one expert's matrix: an mm's FLOPs."""
+    layer's experts at 1/(2K) of their work, 1/64 at hidden 32). Each row meets one expert's matrix: an mm's FLOPs."""
     from spmd.cost_model.compute import op_flops
 
     aten = torch.ops.aten
