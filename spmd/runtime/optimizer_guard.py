@@ -48,6 +48,9 @@ _expected: dict[int, tuple[weakref.ref, float, tuple]] = {}
 # `add_param_group` as gradual unfreezing does, is checked at the next step)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]]" = weakref.WeakKeyDictionary()
 _loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # (a load post hook registered)
+# optimizers whose plain parameters' gradients were compared over the mesh (once: a check refused and retaken on one
+# rank must not enter the collective alone)
+_plain_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 # a piece sharded over some mesh axis -> (FQN, this rank's coordinate, the mesh's shape, its placements)
 _placed = WeakIdKeyDictionary()
@@ -368,25 +371,40 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     a split output, so each holds its own piece's part where one device's holds the whole batch's, and the
     replicas drift apart (found by a probe: a head on the output piece 0.083 off one device after 3 steps, its
     replicas 0.23 apart, the backbone 2e-3 off, without a word; a layer between two compiled modules is caught at
-    the second's call). One small all_reduce per mesh axis at the first step, of each gradient's sum of squares."""
+    the second's call). Small all_reduces per mesh axis at the first step: of what the plain parameters are (their
+    count and shapes, in order), then, where every rank holds the same, of each gradient's sum of squares.
+
+    Every rank of the mesh takes part where its optimizer holds the same (SPMD code builds it alike); one whose first
+    step comes on another iteration (GradScaler skipping it on one rank alone, `add_param_group` on one rank) meets
+    its peers apart, as the compiled module's own first-call checks would at its next call."""
+    if optimizer in _plain_checked:
+        return
+    _plain_checked.add(optimizer)
     entries = _planned_entries(optimizer)
     mine = {entry[2] for _, entry in entries}
     if len(mine) != 1:  # (no compiled module, or modules on several meshes: no one set of ranks to compare over)
         return
     group_names, shape, device = mine.pop()
-    # (the inner optimizer of ZeroRedundancyOptimizer or PostLocalSGDOptimizer holds this rank's share alone, other
-    # on every rank, and the wrapper is checked itself: a review found ranks apart in the collective, a hang)
-    if not group_names or all(n == 1 for n in shape) or _wrapped(optimizer):
+    # (ZeroRedundancyOptimizer's inner optimizer holds this rank's share alone, other on every rank, and the wrapper
+    # is checked itself: a review found ranks apart in the collective, a hang)
+    if not group_names or all(n == 1 for n in shape) or _inside_zero(optimizer):
         return
     steps = {id(p) for p, _ in entries}
     # (whether to take part depends on what every rank's optimizer holds alike, never on which gradients came)
     plain = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in steps]
     if not plain:
         return
-    zero = torch.zeros((), dtype=torch.float64)
-    norms = torch.stack([zero if p.grad is None or p.grad.is_sparse else  # (in float64 with no copy of the gradient)
-                         torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).square().cpu() for p in plain])
-    most, least = max_over_mesh(torch.cat([norms, -norms]).to(device or "cpu"), shape, group_names).chunk(2)
+    device = device or torch.device("cpu")
+    # the same parameters on every rank, in the same order (a set made into a list orders them per process)
+    said = torch.tensor([len(plain), hash(tuple(tuple(p.shape) for p in plain)) % (1 << 50)], dtype=torch.float64)
+    most, least = max_over_mesh(torch.cat([said, -said]).to(device), shape, group_names).chunk(2)
+    if not torch.equal(most, -least):
+        return
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    # (the norm in the gradient's own dtype, then widened: real for complex gradients, and no float64 copy)
+    norms = torch.stack([zero if p.grad is None or p.grad.is_sparse else
+                         torch.linalg.vector_norm(p.grad.detach()).double().square().to(device) for p in plain])
+    most, least = max_over_mesh(torch.cat([norms, -norms]), shape, group_names).chunk(2)
     least = -least
     apart = [p for p, hi, lo in zip(plain, most.tolist(), least.tolist()) if hi - lo > 1e-6 * hi]
     if apart:
@@ -403,17 +421,18 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
             stacklevel=user_stacklevel())
 
 
-def _wrapped(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is the inner optimizer of a ZeroRedundancyOptimizer or PostLocalSGDOptimizer stepping
-    it (found on the stack above its step, as `_spreading_wrapper` looks)."""
-    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+def _inside_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is the inner optimizer of a ZeroRedundancyOptimizer stepping it (found on the stack above
+    its step, as `_spreading_wrapper` looks). PostLocalSGDOptimizer's inner optimizer holds every parameter on every
+    rank, and is the one its step hooks see (the wrapper has none of its own: a review)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             return False
         held = frame.f_locals.get("self")
-        if isinstance(held, (PostLocalSGDOptimizer, ZeroRedundancyOptimizer)) and held.optim is optimizer:
+        if isinstance(held, ZeroRedundancyOptimizer) and held.optim is optimizer:
             return True
         frame = frame.f_back
     return False
