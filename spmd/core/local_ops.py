@@ -29,7 +29,7 @@ def in_range(indices: torch.Tensor, size: int, what: str) -> None:
     and under torch.compile, a device-side assert, as eager's kernels have: no wait for the device."""
     if indices.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(((indices >= 0) & (indices < size)).all(), f"{what}: index out of range")
-    elif indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
+    elif indices.numel() and ((bounds := torch.aminmax(indices)).min < 0 or bounds.max >= size):
         bad = indices[(indices < 0) | (indices >= size)][0]
         raise IndexError(f"{what}: index {int(bad)} is out of bounds for size {size} (the dim is split over the "
                          "ranks; one device raises here too)")

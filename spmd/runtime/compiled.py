@@ -42,7 +42,7 @@ from spmd.passes.trace_joint import OUTPUT_COPY, with_loss
 from spmd.runtime import checkpoint_guard, clip_guard, compare, optimizer_guard, scaler_guard, source_guard, waiting
 from spmd.runtime.autocast_guard import AutocastGuard
 from spmd.runtime.distribute import collective_device, gather_full, gather_to_first, local_shard, local_slices, \
-    max_over_mesh, same_piece, shard_full, total_norm
+    extremes_over_mesh, max_over_mesh, same_piece, shard_full, total_norm
 from spmd.runtime.distribute import values_digest as _digest
 from spmd.runtime.inputs import CutPieces, InputSpec, check_full
 from spmd.runtime.materialize import is_placeholder_value, local_piece
@@ -756,11 +756,11 @@ class CompiledModule(nn.Module):
             return
         mine = norm.detach().to(self._collective_device(), torch.float64)
         mine = torch.where(torch.isfinite(mine), mine, torch.full_like(mine, float("inf")))  # (NaN, inf: as one)
-        both = max_over_mesh(torch.stack([mine, -mine]), self.mesh_spec.shape, self.group_names)
-        if float(both[0]) != -float(both[1]):  # (a NaN norm everywhere, GradScaler's overflow step, goes on)
+        most, least = extremes_over_mesh(mine, self.mesh_spec.shape, self.group_names)
+        if float(most) != float(least):  # (a NaN norm everywhere, GradScaler's overflow step, goes on)
             raise SpmdError(
                 f"clip_grad_norm_(also=...): the plain parameters' gradients differ between the ranks (their norm is "
-                f"{float(mine):.6g} on this rank, between {-float(both[1]):.6g} and {float(both[0]):.6g} over the "
+                f"{float(mine):.6g} on this rank, between {float(least):.6g} and {float(most):.6g} over the "
                 "mesh), so each rank would clip by its own norm and its replicas drift apart. They were computed from "
                 "each rank's own piece (an eager layer on a compiled module's output piece). What to do: sum them over "
                 "the ranks holding other pieces first (`torch.distributed.all_reduce(p.grad, "
@@ -858,9 +858,9 @@ class CompiledModule(nn.Module):
         import hashlib
 
         mine = int.from_bytes(hashlib.sha1("\0".join(names).encode()).digest()[:6], "little")
-        both = max_over_mesh(torch.tensor([mine, -mine], dtype=torch.int64, device=self._collective_device()),
-                             self.mesh_spec.shape, self.group_names)
-        if int(both[0]) != -int(both[1]):
+        most, least = extremes_over_mesh(torch.tensor(mine, dtype=torch.int64, device=self._collective_device()),
+                                         self.mesh_spec.shape, self.group_names)
+        if int(most) != int(least):
             raise SpmdError(
                 f"clip_grad_norm_(parameters=...) / grad_norm(parameters=...): the ranks name other parameters "
                 f"({len(names)} on this rank: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}), so their "
@@ -2382,10 +2382,10 @@ class CompiledModule(nn.Module):
             return
         shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
         digest = _shapes_digest(shapes)
-        mine = torch.tensor([digest, -digest], dtype=torch.int64, device=self._collective_device())
-        largest, negated_smallest = _first_call(
-            lambda: max_over_mesh(mine, self.mesh_spec.shape, self.group_names), "input shapes").tolist()
-        if largest == -negated_smallest:
+        mine = torch.tensor(digest, dtype=torch.int64, device=self._collective_device())
+        largest, smallest = _first_call(
+            lambda: extremes_over_mesh(mine, self.mesh_spec.shape, self.group_names), "input shapes")
+        if int(largest) == int(smallest):
             return
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, shapes)

@@ -197,6 +197,14 @@ def max_over_mesh(t: torch.Tensor, mesh_shape: tuple[int, ...], group_names: tup
     return t
 
 
+def extremes_over_mesh(t: torch.Tensor, mesh_shape: tuple[int, ...], group_names: tuple[str, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise (maximum, minimum) of `t` over every rank of the mesh, in one all_reduce per axis: whether
+    the ranks agree on a value (equal where they do)."""
+    most, negated_least = max_over_mesh(torch.cat([t.reshape(-1), -t.reshape(-1)]), mesh_shape, group_names).chunk(2)
+    return most.view(t.shape), -negated_least.view(t.shape)
+
+
 def total_norm(tensors: list[tuple[torch.Tensor, Placements]], norm_type: float, mesh_shape: tuple[int, ...],
                group_names: tuple[str, ...]) -> torch.Tensor:
     """The `norm_type`-norm of all the full tensors together (as `torch.nn.utils.get_total_norm` of the

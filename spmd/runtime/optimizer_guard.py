@@ -37,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError, user_stacklevel
-from spmd.runtime.distribute import max_over_mesh, same_piece
+from spmd.runtime.distribute import extremes_over_mesh, same_piece
 
 _lock = threading.Lock()
 _watched: dict[int, tuple[weakref.ref, str, str]] = {}  # id(parameter) -> (ref, FQN, model class)
@@ -229,18 +229,27 @@ _SPREADING = {
 
 
 def _spreading_wrapper(optimizer: torch.optim.Optimizer) -> str | None:
-    """The name of the `_SPREADING` wrapper `optimizer` is, or steps inside: PostLocalSGDOptimizer's inner
-    optimizer alone reaches the step hooks, so that wrapper is found on the stack above its step."""
-    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+    """The name of the `_SPREADING` wrapper `optimizer` is, or steps inside (`_stepped_inside`)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return "ZeroRedundancyOptimizer"
+    return _stepped_inside(optimizer)
+
+
+def _stepped_inside(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the wrapper stepping `optimizer` as its inner one, found on the stack above its step (called from
+    the step hook's checks): PostLocalSGDOptimizer's inner optimizer alone reaches the step hooks; ZeRO's inner one
+    holds this rank's share of the parameters alone."""
+    from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+
     frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             return None
-        if isinstance(held := frame.f_locals.get("self"), PostLocalSGDOptimizer) and held.optim is optimizer:
-            return "PostLocalSGDOptimizer"
+        held = frame.f_locals.get("self")
+        if isinstance(held, (PostLocalSGDOptimizer, ZeroRedundancyOptimizer)) and held.optim is optimizer:
+            return type(held).__name__
         frame = frame.f_back
     return None
 
@@ -387,7 +396,7 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     group_names, shape, device = mine.pop()
     # (ZeroRedundancyOptimizer's inner optimizer holds this rank's share alone, other on every rank, and the wrapper
     # is checked itself: a review found ranks apart in the collective, a hang)
-    if not group_names or all(n == 1 for n in shape) or _inside_zero(optimizer):
+    if not group_names or all(n == 1 for n in shape) or _stepped_inside(optimizer) == "ZeroRedundancyOptimizer":
         return
     steps = {id(p) for p, _ in entries}
     # (whether to take part depends on what every rank's optimizer holds alike, never on which gradients came)
@@ -396,16 +405,16 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
         return
     device = device or torch.device("cpu")
     # the same parameters on every rank, in the same order (a set made into a list orders them per process)
-    said = torch.tensor([len(plain), hash(tuple(tuple(p.shape) for p in plain)) % (1 << 50)], dtype=torch.float64)
-    most, least = max_over_mesh(torch.cat([said, -said]).to(device), shape, group_names).chunk(2)
-    if not torch.equal(most, -least):
+    signature = torch.tensor([len(plain), hash(tuple(tuple(p.shape) for p in plain)) % (1 << 50)],
+                             dtype=torch.float64, device=device)
+    most, least = extremes_over_mesh(signature, shape, group_names)
+    if not torch.equal(most, least):
         return
     zero = torch.zeros((), dtype=torch.float64, device=device)
     # (the norm in the gradient's own dtype, then widened: real for complex gradients, and no float64 copy)
     norms = torch.stack([zero if p.grad is None or p.grad.is_sparse else
                          torch.linalg.vector_norm(p.grad.detach()).double().square().to(device) for p in plain])
-    most, least = max_over_mesh(torch.cat([norms, -norms]), shape, group_names).chunk(2)
-    least = -least
+    most, least = extremes_over_mesh(norms, shape, group_names)
     apart = [p for p, hi, lo in zip(plain, most.tolist(), least.tolist()) if hi - lo > 1e-6 * hi]
     if apart:
         said = ", ".join(str(tuple(p.shape)) for p in apart[:4]) + (", ..." if len(apart) > 4 else "")
@@ -419,23 +428,6 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
             "group=mesh.get_group(axis))`) equals one device only where each rank's loss is its piece's part of the "
             "batch's (a sum over the piece divided by the whole batch's count, not the piece's mean).",
             stacklevel=user_stacklevel())
-
-
-def _inside_zero(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is the inner optimizer of a ZeroRedundancyOptimizer stepping it (found on the stack above
-    its step, as `_spreading_wrapper` looks). PostLocalSGDOptimizer's inner optimizer holds every parameter on every
-    rank, and is the one its step hooks see (the wrapper has none of its own: a review)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return False
-        held = frame.f_locals.get("self")
-        if isinstance(held, ZeroRedundancyOptimizer) and held.optim is optimizer:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _planned_entries(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, tuple]]:
