@@ -13,7 +13,8 @@ and their gradient in backward.
 After: each such lookup is `gather(source, k, idx expanded over the other dims)` viewed as the lookup's result
 (several indexed dims merged into one, and their indices into one linear index), and each such put `scatter_add`
 (accumulating) or `scatter` (one position per row) of its values; a negative index counts from the end, as the
-lookup's does. Both split on the rows as the index does. The aranges and their views that fed nothing else are gone;
+lookup's does, and one outside its dim raises, as the lookup does (gather's bounds error; merged dims, each index checked
+against its own). Both split on the rows as the index does. The aranges and their views that fed nothing else are gone;
 the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as index_by_arange proves one
 (`arange_dim`).
 """
@@ -71,15 +72,22 @@ def _as_gather_or_scatter(graph: fx.Graph, node: fx.Node, k: int) -> None:
         return call(aten.view.default, value, rows + [positions] + trailing)
 
     with graph.inserting_before(node):
-        linear = None
+        linear = outside = None
         for j, idx in enumerate(indices[k:]):  # (row-major over the indexed dims; a negative index from the end)
             index = idx if idx.meta["val"].dtype == torch.int64 else call(aten._to_copy.default, idx, dtype=torch.int64)
             if not _non_negative(idx):
                 wrapped = call(aten.add.Tensor, index, picked_dims[j])
                 index = call(aten.where.self, call(aten.lt.Scalar, index, 0), wrapped, index)
+            if m > 1:  # (past its own dim, an index would land in the merged dim's next row: a neighbour, silently)
+                past = call(aten.ge.Scalar, index, picked_dims[j])
+                if not _non_negative(idx):
+                    past = call(aten.logical_or.default, past, call(aten.lt.Scalar, index, 0))
+                outside = past if outside is None else call(aten.logical_or.default, outside, past)
             step = math.prod(picked_dims[j + 1:])
             index = index if step == 1 else call(aten.mul.Tensor, index, step)
             linear = index if linear is None else call(aten.add.Tensor, linear, index)
+        if outside is not None:  # (the merged dim's length is out of its range: gather raises, as the lookup did)
+            linear = call(aten.masked_fill.Scalar, linear, outside, length)
         index = as_rows(linear, [])
         index = call(aten.view.default, index, rows + [positions] + [1] * len(rest))
         index = call(aten.expand.default, index, rows + [positions] + rest)

@@ -89,6 +89,34 @@ def test_a_lookup_of_one_position_per_row_is_a_gather_in_forward_and_backward(ho
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bad", [8, -9])
+def test_an_index_past_its_own_dim_in_a_merged_lookup_raises_as_the_lookup_does(bad):
+    """`g[arange(B), i, j]` merges the two indexed dims into one: a `j` past its dim of 4 (8 // 2), or before its start
+    (-9 // 2), named a neighbour in the merged dim (row i + 1's, or i - 1's) where one device raises; found while
+    reading. Now the merged index is put past the merged dim there, and the gather raises."""
+    import torch.nn.functional as F
+
+    from spmd.passes.trace_joint import trace_joint
+
+    class TwoDims(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(6, 6)
+
+        def forward(self, x, idx):
+            return self.proj(x).view(4, 2, 4, 6)[torch.arange(4), idx % 2, idx // 2]
+
+    model, x = TwoDims(), torch.randn(4, 8, 6)
+    traced = trace_joint(model, (x, torch.tensor([3, 7, 0, 5]), torch.randn(4, 6)), F.mse_loss)
+    after = gather_rows(traced)
+    assert aten.index.Tensor not in {n.target for n in after.graph.nodes}
+    args = [*(p.detach() for p in model.parameters()), x, torch.tensor([3, bad, 0, 5]), torch.randn(4, 6),
+            torch.ones(())]
+    for graph in (traced, after):
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+            torch.fx.Interpreter(graph.gm).run(*args, enable_io_processing=False)
+
+
 def test_a_batch_split_sequence_classifier_gathers_nothing_but_its_loss_count():
     """transformers' sequence classification picks each row's last token (`logits[arange(batch), last_non_pad]`):
     inputs split on the batch and weights replicated, the plan reduces the gradients and the loss's sum and count of
