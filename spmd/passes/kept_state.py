@@ -3,6 +3,9 @@ forward changed, refused where the graph depends on them (`refuse_counted`). Bot
 graph's (trace_joint) and the forward's (trace_module)."""
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 
 from spmd.core.errors import SpmdError
@@ -13,7 +16,8 @@ class state_kept:
     attributes a forward assigns (`self.last = h.detach()`, a cache made at the first call) would keep
     the tracer's tensors, which broke the model and the road through torch.export after a failed trace
     (torch.export puts them back too). `registered_changed`: some parameter, buffer or submodule had
-    to be put back, so the trace ran on a model that was not the user's."""
+    to be put back, so the trace ran on a model that was not the user's. The plain objects the modules hold
+    (`held_objects`: a cache object and its layers) are put back and watched so too."""
 
     def __init__(self, root: torch.nn.Module):
         self.saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
@@ -25,8 +29,12 @@ class state_kept:
                       if "hooks" in name and isinstance(table, dict)]
         # and the contents of the plain lists and dicts the modules hold (an activation log the forward appends to
         # kept the trace's fake tensors: `torch.stack(model.log)` gave a FakeTensor after compiling; a probe)
+        # and the plain objects the modules hold, their attributes and their lists' and dicts' contents (a
+        # transformers cache kept on the model: its layers' fill level is a Python number the forward advances)
+        self.held = [(o, dict(vars(o))) for o, _ in held_objects(root)]
+        owners = [*(m for m, *_ in self.saved), *(o for o, _ in self.held)]
         self.contents = [(value, list(value) if isinstance(value, list) else dict(value))
-                         for m in root.modules() for name, value in m.__dict__.items()
+                         for o in owners for name, value in vars(o).items()
                          if type(value) in (list, dict) and "hook" not in name and name not in _REGISTRIES]
         self.registered_changed = False
         # (module, buffer name) of the buffers registered as None that the forward gave a tensor (a cache made
@@ -34,14 +42,15 @@ class state_kept:
         self.made: list[tuple] = []
         # (module, attribute, the value one run left or _MISSING): numbers the forward changed, `refuse_counted`
         self.counted: list[tuple] = []
-        # (module, attribute) -> the value one run of the forward left: a flag it flips at each call is back
-        # where it was after the trace's runs, and seen only run by run (the root's hooks)
+        # (id(module), attribute) -> (module, the value one run of the forward left): a flag it flips at each call
+        # is back where it was after the trace's runs, and seen only run by run (the root's hooks)
         self.next_values: dict[tuple, object] = {}
-        self._root, self._hooks, self._modules = root, [], [m for m, *_ in self.saved]
+        self._root, self._hooks, self._owners = root, [], owners
 
     def _numbers(self) -> dict[tuple, object]:
-        return {(m, key): v for m in self._modules for key, v in m.__dict__.items()
-                if type(v) in (int, float, bool) and key != "training"}  # (modes: the holders' business)
+        # (by identity: a held object may be unhashable; modes are their holders' business)
+        return {(id(m), key): (m, v) for m in self._owners for key, v in vars(m).items()
+                if type(v) in (int, float, bool) and key != "training"}
 
     def __enter__(self) -> "state_kept":
         before: list[dict] = []
@@ -52,10 +61,10 @@ class state_kept:
     def _ran(self, before: dict | None) -> None:
         if before is None:
             return
-        for (m, key), was in before.items():
-            now = m.__dict__.get(key, was)
+        for at, (m, was) in before.items():
+            now = vars(m).get(at[1], was)
             if now != was and type(now) is type(was):
-                self.next_values.setdefault((m, key), now)
+                self.next_values.setdefault(at, (m, now))
 
     def __exit__(self, *exc) -> None:
         for hook in self._hooks:
@@ -70,6 +79,10 @@ class state_kept:
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):
                     self.registered_changed |= registered
+        for o, attrs in self.held:
+            counted += [(o, key) for key, before in attrs.items() if type(before) in (int, float)
+                        and type(vars(o).get(key)) in (int, float) and vars(o)[key] != before]
+            _put_back(vars(o), attrs)
         for table, before in self.hooks:
             _put_back(table, before)
         for container, before in self.contents:
@@ -80,8 +93,50 @@ class state_kept:
                 _put_back(container, before)
         # (a number the forward made at its first call, `getattr(self, "calls", 0) + 1`, is gone again after the
         # put-back: not one the model keeps; a review found it crashing the check)
-        counted += [k for k in self.next_values if k not in counted and k[1] in k[0].__dict__]
-        self.counted = [(m, key, self.next_values.get((m, key), _MISSING)) for m, key in counted]
+        seen = {(id(m), key) for m, key in counted}
+        counted += [(m, key) for (_, key), (m, _) in self.next_values.items() if (id(m), key) not in seen
+                    and key in vars(m)]
+        self.counted = [(m, key, self.next_values.get((id(m), key), (m, _MISSING))[1]) for m, key in counted]
+
+
+def held_objects(root: torch.nn.Module) -> list[tuple[object, str]]:
+    """The plain objects `root`'s modules hold, up to three objects deep and through lists, tuples and dicts of at
+    most `_MOST` entries (a transformers cache kept on the model, its layers in a list; a configuration object),
+    each with its path from `root` (`cache.layers[0]`); the first path where one is held twice. Modules, tensors,
+    classes, functions and objects without attributes of their own are not holders."""
+    found: dict[int, tuple[object, str]] = {}
+
+    def visit(value, path: str, depth: int) -> None:
+        if type(value) in (list, tuple, dict):
+            if len(value) <= _MOST:
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for key, item in items:
+                    if isinstance(key, (str, int)):
+                        visit(item, f"{path}[{key!r}]", depth)
+        elif depth < 3 and _holder(value) and id(value) not in found:
+            found[id(value)] = (value, path)
+            for key, item in list(vars(value).items()):
+                visit(item, f"{path}.{key}", depth + 1)
+
+    for path, m in root.named_modules():
+        for key, value in m.__dict__.items():
+            if key not in _REGISTRIES and "hook" not in key:
+                visit(value, f"{path}.{key}" if path else key, 0)
+    return list(found.values())
+
+
+def _holder(value) -> bool:
+    """Whether `value` is a plain object with attributes of its own (not a module, tensor, class, function, ...)."""
+    if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
+                          types.MethodType, types.BuiltinFunctionType, functools.partial)):
+        return False
+    try:
+        return bool(vars(value))
+    except TypeError:  # (no __dict__: numbers, strings, extension types)
+        return False
+
+
+_MOST = 1024  # (a container longer than this holds data, not state: a vocabulary, a table)
 
 
 def _put_back(now: dict, before: dict) -> bool:
@@ -111,12 +166,13 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
     not count on either. A flag flipped at each call, which the trace's runs bring back to its value, is seen run
     by run (`state_kept.next_values`) and traced again at the value the next call would see. Not seen: a branch
     neither the far value nor the next one crosses."""
-    nexts = {}
+    nexts, unique = {}, {}
     for m, key, after in counted:
+        unique.setdefault((id(m), key), (m, key))
         if after is not _MISSING:
-            nexts.setdefault((m, key), after)
-    counted = list(dict.fromkeys((m, key) for m, key, _ in counted))
-    values = [m.__dict__[key] for m, key in counted]
+            nexts.setdefault((id(m), key), after)
+    counted = list(unique.values())
+    values = [vars(m)[key] for m, key in counted]
 
     def traced_with(value_of) -> bool:
         """Whether the graph traced with each number held at `value_of` in every run of the forward differs (held:
@@ -126,7 +182,7 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
 
         def pin(*_):
             for (m, key), value in pinned:
-                m.__dict__[key] = value
+                vars(m)[key] = value
 
         hook = model.register_forward_pre_hook(pin)
         try:
@@ -137,7 +193,7 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
         finally:
             hook.remove()
             for (m, key), was in zip(counted, values):
-                m.__dict__[key] = was
+                vars(m)[key] = was
 
     def far(m, key, was):  # far, and odd: past a threshold, another residue mod 2^k (a flag: flipped)
         return (not was) if type(was) is bool else was + 1_000_003 if type(was) is int else was * 1.5 + 1000.5
@@ -148,10 +204,12 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
     differs = traced_with(far) or traced_with(lambda m, key, was: was)
     # and the value one run of the forward leaves, the next call's: a flag flipped at each call, which the
     # trace's runs bring back (a probe: every other call eager flipped the sequence and the graph did not)
-    if not differs and any(nexts.get(k, v) not in (v, far(*k, v)) for k, v in zip(counted, values)):
-        differs = traced_with(lambda m, key, was: nexts.get((m, key), was))
+    if not differs and any(nexts.get((id(m), key), v) not in (v, far(m, key, v))
+                           for (m, key), v in zip(counted, values)):
+        differs = traced_with(lambda m, key, was: nexts.get((id(m), key), was))
     if differs:
-        paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+        paths = {id(o): path for o, path in held_objects(model)}
+        paths.update({id(m): path for path, m in model.named_modules(remove_duplicate=False)})
         shown = ", ".join(f"`{paths.get(id(m)) or type(m).__name__}.{key}`" for m, key in counted[:3]) + (
             " and others" if len(counted) > 3 else "")
         raise SpmdError(
@@ -159,4 +217,8 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
             "pointer), and the graph depends on their values: the compiled graph fixes what the trace computed "
             "from the values then, and would not count on, silently. What to do: keep such a number in a buffer "
             "updated in place (`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += "
-            "1`), or compute the value outside the model and pass it as an input.")
+            "1`), or compute the value outside the model and pass it as an input." + (
+                " A transformers cache whose layers count in Python (a sliding-window layer's fill level): pass "
+                "`use_cache=False`, or give the cache static layers without a window, as transformers' own export "
+                "wrapper does (generation past the window is then not supported)."
+                if any(type(m).__module__.startswith("transformers.") for m, _ in counted) else ""))

@@ -1566,6 +1566,61 @@ def test_a_branch_taken_at_the_first_call_only_or_a_counter_in_an_inference_forw
         torch.testing.assert_close(compiled(*example), F.mse_loss(model.fc(x), y) if training else model.fc(x))
 
 
+class _SlidingLayer:
+    """A cache layer as transformers' sliding-window one keeps it: a plain object, not a module, its fill level a
+    Python int that picks writing the slot or rolling the window."""
+
+    def __init__(self, window: int):
+        self.window, self.filled = window, 0
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        out = k * (self.filled + 1) if self.filled < self.window else k.roll(1, -1)
+        self.filled += 1
+        return out
+
+
+class _Cache:
+    def __init__(self, layers: int):
+        self.layers, self.calls = [_SlidingLayer(3) for _ in range(layers)], 0
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_number_a_held_object_counts_on_is_refused_and_put_back(training):
+    """Found by a probe: a sliding-window cache kept on the model (transformers' `StaticSlidingWindowLayer` in a
+    `StaticCache` a wrapper holds) advances its fill level, a Python int on a plain object, and picks writing or
+    rolling by it: the graph kept the first call's write, 0.32 off from the second token, then an IndexError with no
+    way out; and the trace left the user's cache one step on. The check watched the modules' own numbers only; it
+    now watches the plain objects they hold (through lists), refuses with their path and puts them back. A count
+    only kept on a held object passes."""
+    class Decoder(nn.Module):
+        def __init__(self, counts_on: bool):
+            super().__init__()
+            self.fc, self.counts_on, self.cache = nn.Linear(4, 4), counts_on, _Cache(2)
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.cache.calls += 1
+            if not self.counts_on:
+                return h
+            for layer in self.cache.layers:
+                h = h + layer.update(h)
+            return h
+
+    x, y = torch.randn(1, 4), torch.randn(1, 4)
+    example, options = ((x, y), {"training": True, "loss_fn": F.mse_loss}) if training else ((x,), {})
+    model = Decoder(counts_on=True).train(training)
+    trace = "trace_joint" if training else "trace_module"
+    with pytest.raises(spmd.SpmdError, match=rf"{trace}: the forward changes `cache.calls`, `cache.layers\[0\].filled`, "
+                                             r"`cache.layers\[1\].filled`, Python numbers"):
+        one_device(model, example, **options)
+    assert [layer.filled for layer in model.cache.layers] == [0, 0] and model.cache.calls == 0
+    model = Decoder(counts_on=False).train(training)
+    compiled = one_device(model, example, **options)
+    assert model.cache.calls == 0
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*example), F.mse_loss(model.fc(x), y) if training else model.fc(x))
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_a_cache_made_at_the_first_call_with_its_length_or_a_flag_still_compiles(training):
     """Found by a review of the check above: an old-style rotary cache (`seq_len_cached` an int, the cache built
