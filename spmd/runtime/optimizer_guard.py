@@ -33,7 +33,7 @@ import warnings
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from spmd.core.errors import SpmdError, user_stacklevel
@@ -51,11 +51,13 @@ _loads_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # 
 # optimizers whose plain parameters' gradients were compared over the mesh (once: a check refused and retaken on one
 # rank must not enter the collective alone)
 _plain_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# optimizers whose first step took a closure: their plain gradients come inside the step, so are compared after it
+_plain_after: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _pieces = WeakIdKeyDictionary()  # this rank's piece of a sharded parameter -> its FQN
 # a piece sharded over some mesh axis -> (FQN, this rank's coordinate, the mesh's shape, its placements)
 _placed = WeakIdKeyDictionary()
 SAVED_BY = "spmd_pieces_of"  # the param group entry `state_dict()` adds: per parameter, whose piece and its layout
-_hook = None
+_hook = _after_hook = None
 
 # torch's optimizers whose update of each element reads only that element's gradient and state
 PER_ELEMENT = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adadelta", "Adagrad", "ASGD", "RMSprop",
@@ -68,9 +70,10 @@ WHOLE = {"Adafactor": ("the row and column means of each matrix's squared gradie
 
 
 def _install() -> None:
-    global _hook
+    global _hook, _after_hook
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(torch.compiler.disable(_check, recursive=True))
+        _after_hook = register_optimizer_step_post_hook(torch.compiler.disable(_after_step, recursive=True))
 
 
 def watch(model: torch.nn.Module) -> None:
@@ -381,7 +384,8 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
     replicas drift apart (found by a probe: a head on the output piece 0.083 off one device after 3 steps, its
     replicas 0.23 apart, the backbone 2e-3 off, without a word; a layer between two compiled modules is caught at
     the second's call). Small all_reduces per mesh axis at the first step: of what the plain parameters are (their
-    count and shapes, in order), then, where every rank holds the same, of each gradient's sum of squares.
+    count and shapes, in order), then, where every rank holds the same, of each gradient's sum of squares. A first
+    step given a closure (LBFGS's) is checked after it: the closure makes the gradients inside the step.
 
     Every rank of the mesh takes part where its optimizer holds the same (SPMD code builds it alike); one whose first
     step comes on another iteration (GradScaler skipping it on one rank alone, `add_param_group` on one rank) meets
@@ -428,6 +432,12 @@ def _plain_gradients_agree(optimizer: torch.optim.Optimizer) -> None:
             "group=mesh.get_group(axis))`) equals one device only where each rank's loss is its piece's part of the "
             "batch's (a sum over the piece divided by the whole batch's count, not the piece's mean).",
             stacklevel=user_stacklevel())
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer in _plain_after:
+        _plain_after.discard(optimizer)
+        _plain_gradients_agree(optimizer)
 
 
 def _planned_entries(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, tuple]]:
@@ -555,8 +565,12 @@ def _check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             f"`{type(optimizer).__name__}(compiled.parameters(), ...)` (each rank's shards).")
     _refuse_spreading(optimizer)
     _not_per_element(optimizer)
-    if before is None:
-        _plain_gradients_agree(optimizer)
+    if before is None:  # (a closure computes the gradients inside the step: LBFGS's; compared after it)
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None:
+            _plain_after.add(optimizer)
+        else:
+            _plain_gradients_agree(optimizer)
     _refuse_saved_elsewhere(optimizer)
     if _state_shapes(optimizer) and optimizer not in _loads_watched:  # (and again after each later load into it)
         optimizer.register_load_state_dict_post_hook(_state_shapes)

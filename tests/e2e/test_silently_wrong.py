@@ -2124,7 +2124,7 @@ def test_an_eager_layer_on_a_compiled_modules_output_piece_is_named_and_its_way_
         assert r["mid"] < 1e-12 and r["dec"] < 1e-12, r
 
 
-def _head_on_piece(rank: int, world: int, gathered: bool, zero: bool = False) -> dict:
+def _head_on_piece(rank: int, world: int, gathered: bool, how: str = "SGD") -> dict:
     import warnings
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -2142,21 +2142,28 @@ def _head_on_piece(rank: int, world: int, gathered: bool, zero: bool = False) ->
         params = [*compiled.parameters(), *head.parameters(), scale]
         # (ZeRO's inner optimizer holds each rank's share alone, other on each rank: checked through the wrapper, or
         # the ranks met apart in the check's collective, a hang; found by a review)
-        opt = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.5) if zero else torch.optim.SGD(params, lr=0.5)
+        opt = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.5) if how == "ZeRO" else \
+            torch.optim.LBFGS(params, lr=0.5, max_iter=2) if how == "LBFGS" else torch.optim.SGD(params, lr=0.5)
         ref_opt = torch.optim.SGD([*ref[0].parameters(), *ref[1].parameters(), ref[2]], lr=0.5)
         said = []
-        for step in range(3):
+
+        def closure():
+            opt.zero_grad()
             out = compiled(*compiled.shard_inputs(x))
             if gathered:  # (the way out: the head on the whole output, the same on every rank)
                 loss = F.mse_loss(head(compiled.gather_outputs(out)) * scale, y)
             else:  # each rank its piece's rows, a loss whose sum over the ranks is the batch's (DDP's way)
                 loss = F.mse_loss(head(out) * scale, y[4 * rank:4 * rank + 4], reduction="sum") / y.numel()
             loss.backward()
+            return loss
+
+        for step in range(3):
+            if how != "LBFGS":
+                closure()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                opt.step()
+                opt.step(*[closure] if how == "LBFGS" else [])
             said += [str(w.message) for w in caught if "plain parameter" in str(w.message)]
-            opt.zero_grad()
             F.mse_loss(ref[1](ref[0](x)) * ref[2], y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
@@ -2178,8 +2185,11 @@ def test_plain_parameters_trained_on_an_output_piece_are_named_at_the_first_step
         assert r["head"] > 1e-3, r
     for r in ranks(2).run(_head_on_piece, True):
         assert r["said"] == [] and r["head"] < 1e-12, r
-    for r in ranks(2).run(_head_on_piece, False, True):  # (the body's pieces are whole: ZeRO may step them)
+    for r in ranks(2).run(_head_on_piece, False, "ZeRO"):  # (the body's pieces are whole: ZeRO may step them)
         assert len(r["said"]) == 1 and r["said"][0].startswith("ZeroRedundancyOptimizer.step(): 3 plain"), r["said"]
+    # (a closure computes the gradients inside the step: compared after it; before, none were there yet)
+    for r in ranks(2).run(_head_on_piece, False, "LBFGS"):
+        assert len(r["said"]) == 1 and r["said"][0].startswith("LBFGS.step(): 3 plain"), r["said"]
 
 
 class _ReturnsItsWeight(torch.nn.Module):
