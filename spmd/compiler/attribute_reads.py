@@ -64,7 +64,8 @@ def _codes(code: types.CodeType):
 
 def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
     """(attributes read through `self`, attributes stored anywhere) in `fn` and the functions nested in it. A
-    read one attribute further (`self.config.pad_token_id`) is "config.pad_token_id" as well as "config"."""
+    read further (`self.config.pad_token_id`, `self.cfg.attn.scale`) is each of its prefixes: "config.pad_token_id"
+    as well as "config", `_CHAIN` attributes deep."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None or not (me or code.co_varnames):
@@ -77,14 +78,19 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
     for c in codes:
         fresh = ({*_packed(c)} | ({*c.co_freevars} & packed)) - rebound  # (this call's own; `kwargs = self.d` not)
         before = previous = None
+        chain = None  # (the attributes read one after another from `self` just before: ["sched", "inner"])
         for ins in dis.get_instructions(c):
             if ins.opname in _ATTR_LOADS and previous is not None and previous.opname in _SELF_LOADS \
                     and previous.argval == me:
                 reads.add(ins.argval)
-            elif ins.opname == "LOAD_ATTR" and previous is not None and previous.opname in _ATTR_LOADS \
-                    and before is not None and before.opname in _SELF_LOADS and before.argval == me:
-                reads.add(f"{previous.argval}.{ins.argval}")
-            elif ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
+                chain = [ins.argval] if ins.opname == "LOAD_ATTR" else None
+            elif ins.opname == "LOAD_ATTR" and chain is not None and previous.opname == "LOAD_ATTR" \
+                    and len(chain) < _CHAIN:
+                chain.append(ins.argval)
+                reads.add(".".join(chain))
+            else:
+                chain = None
+            if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                 writes.add(ins.argval)
             if ins.opname in _ATTR_LOADS and ins.argval in _MUTATORS and previous is not None:
                 if previous.opname in _SELF_LOADS and previous.argval in fresh:
@@ -98,6 +104,9 @@ def _scan(fn, me: str | None = None) -> tuple[set[str], set[str]]:
                 writes.add(CHANGES_CONTAINERS)
             before, previous = previous, ins
     return reads, writes
+
+
+_CHAIN = 4  # (attributes read one after another through `self`: `self.cfg.model.attn.scale`)
 
 
 def _packed(code: types.CodeType) -> tuple[str, ...]:
@@ -455,7 +464,7 @@ _NONE = object()
 def _holder(module, name: str):
     """(the object holding the attribute `name` reads, its last part): `module` itself, or for "config.x" the
     plain object `module.config` (a model's configuration: not a module or tensor, which are watched apart,
-    nor a plain value), or None."""
+    nor a plain value), for "cfg.attn.x" `module.cfg.attn` (each a plain object), or None."""
     first, _, last = name.rpartition(".")
     if not first:
         return module, name
@@ -464,10 +473,14 @@ def _holder(module, name: str):
         if last.startswith("_") or last == "training" or last in _reads_and_writes(type(sub))[1]:
             return None, last
         return sub, last
-    holder = inspect.getattr_static(module, first, _NONE)
-    if holder is _NONE or first not in module.__dict__ or plain(holder) or callable(holder) or \
-            isinstance(holder, (torch.nn.Module, torch.Tensor, type, types.ModuleType, dict, list, set)) \
-            or last.startswith("_"):  # (private: `_attn_implementation` picks a kernel, not a result)
+    holder = module
+    for part in first.split("."):  # (`self.cfg.attn.scale`: through each plain object, as stored)
+        inner = inspect.getattr_static(holder, part, _NONE)
+        if inner is _NONE or part not in getattr(holder, "__dict__", {}) or plain(inner) or callable(inner) or \
+                isinstance(inner, (torch.nn.Module, torch.Tensor, type, types.ModuleType, dict, list, set)):
+            return None, last
+        holder = inner
+    if last.startswith("_"):  # (private: `_attn_implementation` picks a kernel, not a result)
         return None, last
     return holder, last
 

@@ -3,8 +3,8 @@ outputs and no rule of their own. Each trains (or runs) equal to one device."""
 from __future__ import annotations
 
 import copy
-import gc
 import dataclasses
+import gc
 import math
 import operator
 import re
@@ -971,6 +971,43 @@ def test_an_attribute_of_the_models_configuration_changed_is_named():
     with pytest.raises(spmd.SpmdError, match=r"`config\.temperature` \(2\.0 -> 1\.0\) changed after compiling"):
         compiled(x, y)
     model.config.temperature = 2.0
+    torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
+
+
+@dataclasses.dataclass
+class _AttentionConfig:
+    scale: float = 2.0
+    calls: int = 0
+
+
+@dataclasses.dataclass
+class _NestedConfig:
+    attention: _AttentionConfig = dataclasses.field(default_factory=_AttentionConfig)
+
+
+def test_an_attribute_of_an_object_inside_the_configuration_changed_is_named():
+    """Found while reading: the forward's reads were watched one object deep (`self.cfg.scale`), so a dataclass
+    configuration's nested entry (`self.cfg.attention.scale`) set after compiling reached nothing, 2.04 off,
+    silently. Read through each plain object now, four attributes deep; a number the forward keeps there is not."""
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.cfg = nn.Linear(4, 8), _NestedConfig()
+
+        def forward(self, x):
+            self.cfg.attention.calls += 1
+            return self.fc(x) * self.cfg.attention.scale
+
+    model = Nested()
+    x, y = torch.randn(6, 4), torch.randn(6, 8)
+    compiled = one_device(model, (x, y), training=True, loss_fn=F.mse_loss)
+    assert ("", "cfg.attention.scale") in compiled._attributes.watched()
+    assert not any("calls" in name for _, name in compiled._attributes.watched())
+    compiled(x, y)
+    model.cfg.attention.scale = 3.0
+    with pytest.raises(spmd.SpmdError, match=r"`cfg\.attention\.scale` \(2\.0 -> 3\.0\) changed after compiling"):
+        compiled(x, y)
+    model.cfg.attention.scale = 2.0
     torch.testing.assert_close(compiled(x, y), F.mse_loss(model(x), y))
 
 
