@@ -326,6 +326,8 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                 r_args, r_kwargs = tree_map(lambda a: in_infos[a.index] if isinstance(a, TensorArg) else a,
                                             (m_args, m_kwargs), is_leaf=lambda a: isinstance(a, TensorArg))
                 single = ours(RuleInput(node.target, r_args, r_kwargs, in_infos, outs))
+                if not (getattr(ours, "__module__", None) or "").startswith("spmd."):  # (a user's rule)
+                    single = _usable_rows(single, outs, in_infos, node)
                 strategies = expand_single_dim(single, len(outs), mesh.ndim)
             elif is_random(node) or _drops_out(node):
                 # a draw no rule of ours covers (multinomial, randint_like(x, low, high), CUDA attention
@@ -354,12 +356,20 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                                             if t is not None):
                 qualified = (f"higher_order.{node.target.name()}" if isinstance(node.target, torch._ops.HigherOrderOperator)
                              else op_name(node.target))  # (a probe: `torch.ops.cond`, which is no op)
-                warnings.warn(UnknownOpWarning(
+                inner = _functionalized_op(node)
+                if inner is not None:  # (a probe: the warning named torch's wrapper alone, and a rule given for
+                    where += f", which runs `{inner}` (an op writing its inputs in place, written functionally)"
+                warnings.warn(UnknownOpWarning(  # the op itself was never asked for)
                     f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: give it "
                     f"a rule from your own code, `@rule(torch.ops.{qualified})` (`from "
                     "spmd.passes.rules.registry import rule`: a function of its single-axis placements, as "
-                    "spmd/passes/rules/ writes them), or DTensor's `torch.distributed.tensor.experimental."
-                    "register_sharding`, which spmd reads too."), stacklevel=2)
+                    "spmd/passes/rules/ writes them" + (
+                        f"; the wrapper's rule is asked for every such op, so it tells them apart by "
+                        f"`r.args[0]`, here `torch.ops.{inner}`, and each row lists a placement per output of the "
+                        "wrapper's (`r.outputs`), then per tensor input (`r.inputs`)), not a rule for the op itself, "
+                        "which the graph never calls." if inner is not None else
+                        "), or DTensor's `torch.distributed.tensor.experimental.register_sharding`, which spmd reads "
+                        "too.")), stacklevel=2)
             fallbacks.append(where)
             strategies, source = _whole(outs, inputs, mesh.ndim), "fallback"
         producible = [_partials(table.output_candidates(v)) for v in inputs]
@@ -375,3 +385,50 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
             answers[key] = (nodes[node.name].strategies, source, len(usable) - len(kept))
 
     return StrategyTable(nodes, tuple(fallbacks), copied)
+
+
+def _functionalized_op(node: fx.Node) -> str | None:
+    """The op an `auto_functionalized` node runs (a custom op with `mutates_args`, as torch.export writes it), or
+    None."""
+    if getattr(node.target, "__name__", None) not in ("auto_functionalized", "auto_functionalized_v2") or \
+            not node.args:
+        return None
+    return op_name(node.args[0]) if hasattr(node.args[0], "_schema") else None
+
+
+def _usable_rows(single, outs: tuple, in_infos: tuple, node: fx.Node) -> list:
+    """The rows of a user's `@rule` that can be used, a warning naming the first that cannot (a probe: rows of the
+    wrong length, `Shard(5)` on a 2-D tensor or `Shard(-1)` were dropped without a word, the op run replicated
+    with no warning at all where none was left; DTensor's `register_sharding` says so)."""
+    kept, why = [], None
+    for row in single:
+        problem = _row_problem(row, outs, in_infos)
+        if problem is None:
+            kept.append(row)
+        elif why is None:
+            why = problem
+    if why is not None:
+        warnings.warn(UnknownOpWarning(
+            f"{describe_node(node)}: its rule gave {len(single) - len(kept)} row(s) of {len(single)} that cannot be "
+            f"used, dropped ({why})" + ("; it runs replicated on every rank" if not kept else "") + ". What to do: "
+            "each row lists one placement per output, then one per tensor input in the order the op takes them "
+            "(`RuleInput.inputs`), a `Shard(dim)` with 0 <= dim < that tensor's ndim."), stacklevel=3)
+    return kept
+
+
+def _row_problem(row, outs: tuple, in_infos: tuple) -> str | None:
+    """Why a row of a single-axis rule cannot be used, or None."""
+    if not isinstance(row, (list, tuple)):
+        return f"{row!r} is not a list of placements"
+    if len(row) != len(outs) + len(in_infos):
+        return (f"{list(row)} has {len(row)} placement(s), the op {len(outs)} output(s) and {len(in_infos)} tensor "
+                "input(s)")
+    for p, t in zip(row, (*outs, *in_infos)):
+        if p is None and t is None:
+            continue
+        if not isinstance(p, (Shard, Replicate, Partial)):
+            return f"{list(row)} holds {p!r}, not a placement"
+        if isinstance(p, Shard) and (t is None or not 0 <= p.dim < len(t.shape)):
+            held = "a value that is no tensor" if t is None else f"a {len(t.shape)}-d tensor"
+            return f"{list(row)} holds {p} for {held}"
+    return None

@@ -381,8 +381,27 @@ def torch_said(error: BaseException) -> tuple[str, str]:
 
 
 def untraceable_message(head: str, error: BaseException, way_out: str) -> str:
+    unfaked = _no_fake_kernel(error)
+    if unfaked is not None:  # (torch's own message is the op's name alone: a probe was told to look at control flow)
+        error, way_out = unfaked
     gist, whole = torch_said(error)
     return f"{head}: {gist}\nWhat to do: {way_out}." + (f"\n\ntorch's whole message:\n{whole}" if whole else "")
+
+
+def _no_fake_kernel(error: BaseException) -> tuple[BaseException, str] | None:
+    """(torch's error, the way out) where what failed the trace is an op of the user's library with no fake (meta)
+    implementation, deep in the chain under an error that names the op alone; None otherwise."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, NotImplementedError) and "no fake impl or Meta kernel registered" in str(error):
+            op = re.match(r"\s*([\w.]+::[\w.]+):", str(error))
+            name = op.group(1) if op else "your_lib::op"
+            return error, (f"give the op a fake implementation, which computes its outputs' shapes and dtypes: "
+                           f"`@torch.library.register_fake(\"{name}\")` on a function of its arguments (for a "
+                           "`torch.library.custom_op`, `@op.register_fake`)")
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _chain_frames(error: BaseException) -> list:
