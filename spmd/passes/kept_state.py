@@ -3,6 +3,7 @@ forward changed, refused where the graph depends on them (`refuse_counted`). Bot
 graph's (trace_joint) and the forward's (trace_module)."""
 from __future__ import annotations
 
+import enum
 import functools
 import types
 
@@ -35,7 +36,8 @@ class state_kept:
         owners = [*(m for m, *_ in self.saved), *(o for o, _ in self.held)]
         self.contents = [(value, list(value) if isinstance(value, list) else dict(value))
                          for o in owners for name, value in vars(o).items()
-                         if type(value) in (list, dict) and "hook" not in name and name not in _REGISTRIES]
+                         if type(value) in (list, dict) and "hook" not in name and name not in _REGISTRIES
+                         and (isinstance(o, torch.nn.Module) or len(value) <= _MOST)]
         self.registered_changed = False
         # (module, buffer name) of the buffers registered as None that the forward gave a tensor (a cache made
         # at the first call), put back to None
@@ -99,6 +101,20 @@ class state_kept:
         self.counted = [(m, key, self.next_values.get((id(m), key), (m, _MISSING))[1]) for m, key in counted]
 
 
+def _cache_hint(counted: list[tuple]) -> str:
+    """The way out for a transformers cache the model holds, by what its layers changed."""
+    changed = {key for m, key in counted if type(m).__module__.startswith("transformers.")}
+    hints = []
+    if "is_initialized" in changed:  # (a static cache's layers make their tensors at the first call)
+        hints.append("set the cache up before compiling, as transformers' export wrapper does "
+                     "(`cache.early_initialization(batch_size, num_heads, head_dim, dtype, device)`)")
+    if changed - {"is_initialized"}:  # (a sliding-window layer's fill level picks writing or rolling)
+        hints.append("for layers that count in Python (a sliding window's fill level), pass `use_cache=False`, or "
+                     "give the cache static layers without a window, as that wrapper does (generation past the "
+                     "window is then not supported)")
+    return f" A transformers cache on the model: {'; '.join(hints)}." if hints else ""
+
+
 def held_objects(root: torch.nn.Module) -> list[tuple[object, str]]:
     """The plain objects `root`'s modules hold, up to three objects deep and through lists, tuples and dicts of at
     most `_MOST` entries (a transformers cache kept on the model, its layers in a list; a configuration object),
@@ -128,7 +144,8 @@ def held_objects(root: torch.nn.Module) -> list[tuple[object, str]]:
 def _holder(value) -> bool:
     """Whether `value` is a plain object with attributes of its own (not a module, tensor, class, function, ...)."""
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
-                          types.MethodType, types.BuiltinFunctionType, functools.partial)):
+                          types.MethodType, types.BuiltinFunctionType, functools.partial, enum.Enum)) or \
+            type(value).__module__ == "logging":  # (a logger leads to every logger of the process: the program's)
         return False
     try:
         return bool(vars(value))
@@ -217,8 +234,4 @@ def refuse_counted(counted: list[tuple], trace, signature, model: torch.nn.Modul
             "pointer), and the graph depends on their values: the compiled graph fixes what the trace computed "
             "from the values then, and would not count on, silently. What to do: keep such a number in a buffer "
             "updated in place (`self.register_buffer('calls', torch.zeros((), dtype=torch.long))`, `self.calls += "
-            "1`), or compute the value outside the model and pass it as an input." + (
-                " A transformers cache whose layers count in Python (a sliding-window layer's fill level): pass "
-                "`use_cache=False`, or give the cache static layers without a window, as transformers' own export "
-                "wrapper does (generation past the window is then not supported)."
-                if any(type(m).__module__.startswith("transformers.") for m, _ in counted) else ""))
+            "1`), or compute the value outside the model and pass it as an input." + _cache_hint(counted))
