@@ -172,7 +172,14 @@ def shard_local(x: torch.Tensor, dim: int, index: int, world: int) -> torch.Tens
         size = -(-x.shape[dim] // world)
         start = min(index * size, x.shape[dim])
         return x.narrow_copy(dim, start, min(size, x.shape[dim] - start))
-    return x.chunk(world, dim)[index].clone(memory_format=torch.contiguous_format)
+    pieces = x.chunk(world, dim)
+    if index >= len(pieces):  # (a probe: a bare IndexError)
+        raise SpmdError(
+            f"a value of shape {tuple(x.shape)} has no piece {index} of {world} on dim {dim}: it is smaller than the "
+            "traced value this rank's piece was planned from. An op returned another shape than the trace said; "
+            "for an op of your own (`torch.library`), its fake implementation must state the shape its kernel "
+            "returns. `compiled.verify(...)` compares each value with one device's.")
+    return pieces[index].clone(memory_format=torch.contiguous_format)
 
 
 def partial_local(x: torch.Tensor, reduce_op: str, index: int) -> torch.Tensor:

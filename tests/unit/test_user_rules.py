@@ -136,3 +136,14 @@ def test_an_op_writing_its_inputs_is_named_in_the_warning_for_its_wrapper():
     said = [str(w.message) for w in caught if "auto_functionalized" in str(w.message)]
     assert len(said) == 1 and "which runs `spmd_test.running_max_.default`" in said[0], said
     assert "`@rule(torch.ops.higher_order.auto_functionalized_v2)`" in said[0] and "`r.args[0]`" in said[0], said[0]
+
+
+def test_a_value_smaller_than_its_plan_says_names_the_fake_as_the_likely_cause():
+    """Found by a probe: an op's fake stating `[B, H]` where its kernel returns `[B, 1]` crashed one rank with a bare
+    `IndexError` (tuple index out of range) where the plan cut the value for that rank."""
+    from spmd.core.collectives import shard_local
+
+    assert shard_local(torch.arange(8.0).view(4, 2), 1, 1, 2).tolist() == [[1.0], [3.0], [5.0], [7.0]]
+    with pytest.raises(spmd.SpmdError, match=r"a value of shape \(8, 1\) has no piece 1 of 2 on dim 1.*fake "
+                                             r"implementation must state the shape its kernel returns"):
+        shard_local(torch.zeros(8, 1), 1, 1, 2)
