@@ -25,6 +25,7 @@ from spmd.core.graph_facts import format_bytes
 from spmd.core.plan import Plan
 from spmd.core.specs import placements_str
 from spmd.passes.check_pins import check_pins
+from spmd.passes.insert_collectives import unplanned_reshardings
 
 _WAY_OUT = ("What to do: plan again from this model with these inputs and options (`spmd.plan(...)`, then "
             "`plan.save(path)`), or compile without plan= to solve here.")
@@ -69,6 +70,10 @@ def _differences(plan: Plan, traced, mesh, options: PlanOptions, stamp_note: str
         problems += _unchosen(plan, traced)
     if not problems:  # (every pinned value has its choice)
         problems += _pins_unmet(plan, traced, mesh, options)
+    if not problems:  # (a file edited and signed again: a probe's compile ran the old edges beside new choices)
+        disagree = unplanned_reshardings(traced, plan)
+        problems += [f"its edges (the reshardings) disagree with its choices: {'; '.join(disagree[:3])}" +
+                     (f"; and {len(disagree) - 3} more" if len(disagree) > 3 else "")] if disagree else []
     if options.memory_budget is not None and options.memory_budget != plan.memory_budget:
         planned = "no budget" if plan.memory_budget is None else f"a budget of {plan.memory_budget:.0f} bytes"
         problems.append(f"memory_budget={options.memory_budget:.0f} was given, and the plan was solved under "

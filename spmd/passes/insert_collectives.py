@@ -16,8 +16,41 @@ from spmd.core.collectives import STEP_FUNCTIONS
 from spmd.core.errors import SpmdInternalError
 from spmd.core.plan import Plan
 from spmd.core.redistribute import after_step
-from spmd.core.specs import TensorInfo
+from spmd.core.specs import TensorInfo, placements_str
 from spmd.passes.trace_module import TracedGraph, flat_outputs, graph_module
+
+
+def unplanned_reshardings(traced: TracedGraph, plan: Plan) -> list[str]:
+    """Where `plan`'s edges disagree with its choices: a value read in other placements than it is made with and no
+    edge between, or an edge whose ends are not the choices' (a plan file edited and signed again: insert_collectives
+    follows the edges, the pieces the choices). Slots numbered as insert_collectives numbers them."""
+    edges = {(e.consumer, e.slot): e for e in plan.edges}
+    found = []
+
+    def check(consumer: str, slot: int, producer: str) -> None:
+        if consumer not in plan.choices or producer not in plan.choices:
+            return
+        made, needed = plan.choices[producer].outputs[0], plan.choices[consumer].inputs[slot]
+        edge = edges.get((consumer, slot))
+        if edge is None and made != needed:
+            found.append(f"{consumer} reads {producer} as {placements_str(needed)}, made as {placements_str(made)}, "
+                         "and no edge reshards it")
+        elif edge is not None and (edge.src, edge.dst) != (made, needed):
+            found.append(f"the edge into {consumer} (slot {slot}) goes from {placements_str(edge.src)} to "
+                         f"{placements_str(edge.dst)}, the choices from {placements_str(made)} to "
+                         f"{placements_str(needed)}")
+
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            for k, a in enumerate(flat_outputs(node)):
+                if isinstance(a, fx.Node) and isinstance(traced.tensor_info.get(a.name), TensorInfo):
+                    check(f"output_{k}", 0, a.name)
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            slot = iter(range(1 << 30))
+            fx.node.map_aggregate((tuple(node.args), dict(node.kwargs)), lambda a: check(
+                node.name, next(slot), a.name) if isinstance(a, fx.Node) and
+                isinstance(traced.tensor_info.get(a.name), TensorInfo) else None)
+    return found
 
 
 def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
@@ -32,6 +65,11 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         """`node` as consumer input `slot` needs it. The steps run where the consumer runs (`tag`:
         forward or backward), so a saved activation is resharded when backward uses it."""
         edge = edge_by_slot.get((consumer, slot))
+        made, needed = plan.choices[node.name].outputs[0], plan.choices[consumer].inputs[slot]
+        if (edge is None and made != needed) or (edge is not None and (edge.src, edge.dst) != (made, needed)):
+            raise SpmdInternalError(f"insert_collectives: {consumer} reads {node.name} (slot {slot}) as {needed}, made as "
+                                    f"{made}, by {'no edge' if edge is None else f'an edge from {edge.src} to {edge.dst}'}",
+                                    str(src_graph))
         if edge is None:
             return node
         key = (edge.value, edge.dst, tag)  # backward re-gathers rather than keep a forward copy alive

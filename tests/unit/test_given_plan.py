@@ -206,3 +206,41 @@ def test_what_is_not_a_plan_is_refused(gpt, tmp_path):
     (tmp_path / "notes.json").write_text("[1, 2]")
     said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=tmp_path / "notes.json")
     assert "not a plan file (a JSON list, not an object)" in said
+
+
+def test_a_plan_whose_edges_disagree_with_its_choices_is_refused(gpt):
+    """Found by a probe: a plan file edited (a weight's choice made replicated) and signed again compiled, its
+    choices saying one thing and the rank graphs, made from its edges, running the old plan; without the
+    signatures, the ranks failed at the first call on a shape. Each edge's ends are checked against the choices
+    now, and a value read otherwise than it is made needs an edge."""
+    from spmd.core.plan import Plan
+
+    model, tokens, planned = gpt
+    plan = Plan(**{f.name: getattr(planned, f.name) for f in dataclasses.fields(Plan)})
+    weight = next(ph for ph, name in plan.labels.items() if name == "blocks.0.mlp.fc1.weight")
+    assert plan.choices[weight].outputs == ((Shard(0),),)
+    edited = dataclasses.replace(plan, choices={**plan.choices, weight: dataclasses.replace(
+        plan.choices[weight], outputs=((Replicate(),),))})
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=edited)
+    assert "its edges (the reshardings) disagree with its choices: " in said and f"reads {weight} as [S(0)], made " \
+        "as [R], and no edge reshards it" in said, said
+    # (and an edge whose ends are not the choices')
+    edge = plan.edges[0]
+    moved = dataclasses.replace(plan, edges=(dataclasses.replace(edge, src=edge.dst), *plan.edges[1:]))
+    said = _refusal(model, (tokens, tokens), loss_fn=lm_loss, plan=moved)
+    assert f"the edge into {edge.consumer} (slot {edge.slot}) goes from" in said, said
+
+
+def test_a_plan_file_without_its_fingerprint_is_refused_whatever_its_version(gpt, tmp_path):
+    """Found by a probe: a file set to version 1 with its fingerprint and digest taken off loaded unchecked, its
+    edits shown as the plan (predicted memory 123 B) and taken by compile."""
+    import json
+
+    _, _, planned = gpt
+    planned.save(tmp_path / "plan.json")
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    for version in (1, 2):
+        old = {k: v for k, v in doc.items() if k not in ("fingerprint", "digest")}
+        (tmp_path / "old.json").write_text(json.dumps({**old, "version": version}))
+        with pytest.raises(ValueError, match=r"the plan file has no fingerprint"):
+            spmd.load_plan(tmp_path / "old.json")
