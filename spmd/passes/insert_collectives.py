@@ -67,9 +67,9 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         edge = edge_by_slot.get((consumer, slot))
         made, needed = plan.choices[node.name].outputs[0], plan.choices[consumer].inputs[slot]
         if (edge is None and made != needed) or (edge is not None and (edge.src, edge.dst) != (made, needed)):
-            raise SpmdInternalError(f"insert_collectives: {consumer} reads {node.name} (slot {slot}) as {needed}, made as "
-                                    f"{made}, by {'no edge' if edge is None else f'an edge from {edge.src} to {edge.dst}'}",
-                                    str(src_graph))
+            how = "no edge" if edge is None else f"an edge from {edge.src} to {edge.dst}"
+            raise SpmdInternalError(f"insert_collectives: {consumer} reads {node.name} (slot {slot}) as {needed}, "
+                                    f"made as {made}, by {how}", str(src_graph))
         if edge is None:
             return node
         key = (edge.value, edge.dst, tag)  # backward re-gathers rather than keep a forward copy alive
