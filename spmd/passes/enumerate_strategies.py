@@ -356,10 +356,12 @@ def enumerate_strategies(traced: TracedGraph, mesh, pins: Pins | None = None, bl
                                             if t is not None):
                 qualified = (f"higher_order.{node.target.name()}" if isinstance(node.target, torch._ops.HigherOrderOperator)
                              else op_name(node.target))  # (a probe: `torch.ops.cond`, which is no op)
+                # (an op writing its inputs, inside torch's wrapper: a probe was told of the wrapper alone, and
+                # gave the op itself a rule, never asked for)
                 inner = _functionalized_op(node)
-                if inner is not None:  # (a probe: the warning named torch's wrapper alone, and a rule given for
+                if inner is not None:
                     where += f", which runs `{inner}` (an op writing its inputs in place, written functionally)"
-                warnings.warn(UnknownOpWarning(  # the op itself was never asked for)
+                warnings.warn(UnknownOpWarning(
                     f"{where}: {reason}; it runs replicated on every rank (correct, maybe slow). What to do: give it "
                     f"a rule from your own code, `@rule(torch.ops.{qualified})` (`from "
                     "spmd.passes.rules.registry import rule`: a function of its single-axis placements, as "

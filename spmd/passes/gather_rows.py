@@ -14,9 +14,9 @@ After: each such lookup is `gather(source, k, idx expanded over the other dims)`
 (several indexed dims merged into one, and their indices into one linear index), and each such put `scatter_add`
 (accumulating) or `scatter` (one position per row) of its values; a negative index counts from the end, as the
 lookup's does, and one outside its dim raises, as the lookup does (gather's bounds error; merged dims, each index
-checked against its own). Both split on the rows as the index does. The aranges and their views that fed nothing else are gone;
-the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as index_by_arange proves one
-(`arange_dim`).
+checked against its own). Both split on the rows as the index does. The aranges and their views that fed nothing
+else are gone; the rest of the graph, its nodes' names and metadata, is as traced. An arange is taken as
+index_by_arange proves one (`arange_dim`).
 """
 from __future__ import annotations
 

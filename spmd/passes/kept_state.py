@@ -28,12 +28,12 @@ class state_kept:
         # back with the attribute, or a second trace installed them again and every capture came out twice
         self.hooks = [(table, dict(table)) for m in root.modules() for name, table in m.__dict__.items()
                       if "hooks" in name and isinstance(table, dict)]
-        # and the contents of the plain lists and dicts the modules hold (an activation log the forward appends to
-        # kept the trace's fake tensors: `torch.stack(model.log)` gave a FakeTensor after compiling; a probe)
-        # and the plain objects the modules hold, their attributes and their lists' and dicts' contents (a
-        # transformers cache kept on the model: its layers' fill level is a Python number the forward advances)
+        # and the plain objects the modules hold, their attributes (a transformers cache kept on the model: its
+        # layers' fill level is a Python number the forward advances; a probe)
         self.held = [(o, dict(vars(o))) for o, _ in held_objects(root)]
         owners = [*(m for m, *_ in self.saved), *(o for o, _ in self.held)]
+        # and the contents of the plain lists and dicts they hold (an activation log the forward appends to kept
+        # the trace's fake tensors: `torch.stack(model.log)` gave a FakeTensor after compiling; a probe)
         self.contents = [(value, list(value) if isinstance(value, list) else dict(value))
                          for o in owners for name, value in vars(o).items()
                          if type(value) in (list, dict) and "hook" not in name and name not in _REGISTRIES
