@@ -35,10 +35,10 @@ def unplanned_reshardings(traced: TracedGraph, plan: Plan) -> list[str]:
         if edge is None and made != needed:
             found.append(f"{consumer} reads {producer} as {placements_str(needed)}, made as {placements_str(made)}, "
                          "and no edge reshards it")
-        elif edge is not None and (edge.src, edge.dst) != (made, needed):
-            found.append(f"the edge into {consumer} (slot {slot}) goes from {placements_str(edge.src)} to "
-                         f"{placements_str(edge.dst)}, the choices from {placements_str(made)} to "
-                         f"{placements_str(needed)}")
+        elif edge is not None and (edge.value, edge.src, edge.dst) != ((producer, 0), made, needed):
+            found.append(f"the edge into {consumer} (slot {slot}) takes {edge.value[0]} from "
+                         f"{placements_str(edge.src)} to {placements_str(edge.dst)}, the graph and choices "
+                         f"{producer} from {placements_str(made)} to {placements_str(needed)}")
 
     for node in traced.graph.nodes:
         if node.op == "output":
@@ -66,8 +66,9 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         forward or backward), so a saved activation is resharded when backward uses it."""
         edge = edge_by_slot.get((consumer, slot))
         made, needed = plan.choices[node.name].outputs[0], plan.choices[consumer].inputs[slot]
-        if (edge is None and made != needed) or (edge is not None and (edge.src, edge.dst) != (made, needed)):
-            how = "no edge" if edge is None else f"an edge from {edge.src} to {edge.dst}"
+        if (edge is None and made != needed) or \
+                (edge is not None and (edge.value, edge.src, edge.dst) != ((node.name, 0), made, needed)):
+            how = "no edge" if edge is None else f"an edge of {edge.value} from {edge.src} to {edge.dst}"
             raise SpmdInternalError(f"insert_collectives: {consumer} reads {node.name} (slot {slot}) as {needed}, "
                                     f"made as {made}, by {how}", str(src_graph))
         if edge is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import types
 
 import torch
@@ -144,8 +145,9 @@ def held_objects(root: torch.nn.Module) -> list[tuple[object, str]]:
 def _holder(value) -> bool:
     """Whether `value` is a plain object with attributes of its own (not a module, tensor, class, function, ...)."""
     if isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
-                          types.MethodType, types.BuiltinFunctionType, functools.partial, enum.Enum)) or \
-            type(value).__module__ == "logging":  # (a logger leads to every logger of the process: the program's)
+                          types.MethodType, types.BuiltinFunctionType, functools.partial, enum.Enum, logging.Logger,
+                          logging.LoggerAdapter, logging.Handler)) or type(value).__module__ == "logging":
+        # (a logger leads to every logger of the process: the program's, not the model's)
         return False
     try:
         return bool(vars(value))

@@ -15,6 +15,13 @@ slices (`out[:, :, i, j] += g`, the backward of nearest and bilinear upsampling 
 any other dim, values on the matching dim of the index result (`_past_slices`): a batch-split CNN gathered its
 activations there. Other index_put forms stay replicated.
 
+An EmbeddingBag's table split by columns (its hidden dim) looks up and reduces each column apart, in every mode (sum,
+mean, max: a max and its row are per column), so along one mesh axis its output, and its max indices (max mode), split
+on that dim, the indices, offsets and per-sample weights whole; its backward takes the gradient so split, or Partial
+(linear in it), to the table's gradient so; the per-sample weights' gradient (a dot product over the hidden dim) is
+Partial from split gradient and table. Splitting the bags needs their offsets made local, and the rows a masked
+lookup: not done (a probe found every EmbeddingBag run whole on every rank; recommender tables split by columns now).
+
 embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq) is the same
 scatter-add (rows at padding_idx dropped), so along one mesh axis:
   * grad and indices split on the same index dim -> weight gradient Partial (DTensor's rule has this),
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from spmd.core.specs import TensorInfo
 from spmd.passes.rules.registry import RuleInput, rule
 
 aten = torch.ops.aten
@@ -116,3 +124,49 @@ def embedding_dense_backward(inp: RuleInput) -> list[list]:
         rows.append([Shard(0), Replicate(), Replicate()])  # vocab-parallel: each rank its rows (vocab_parallel.py)
     rows.append([Partial(), Partial(), Replicate()])
     return rows
+
+
+def _by_tensor_arg(inp: RuleInput, placement_of) -> list:
+    """One placement per tensor input, in the order the op takes them: `placement_of(position, info)`, position an
+    index into args or a keyword's name."""
+    at = [(i, a) for i, a in enumerate(inp.args) if isinstance(a, TensorInfo)]
+    at += [(k, v) for k, v in inp.kwargs.items() if isinstance(v, TensorInfo)]
+    return [placement_of(position, info) for position, info in at]
+
+
+@rule(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(inp: RuleInput) -> list[list]:
+    """(output, offset2bag, bag_size, max_indices) from (weight, indices, offsets, per_sample_weights)."""
+    hidden = inp.inputs[0].shape[1]
+    outs = [None if o is None else Shard(1) if len(o.shape) == 2 and o.shape[1] == hidden else Replicate()
+            for o in inp.outputs]
+    return [[*outs, *_by_tensor_arg(inp, lambda at, _: Shard(1) if at == 0 else Replicate())]]
+
+
+def _bag_backward(inp: RuleInput, max_indices: int) -> list[list]:
+    """The table's gradient from (grad, ..., maximum_indices at `max_indices`, ..., per_sample_weights)."""
+    def split(at, info):
+        return Shard(1) if at == 0 or (at == max_indices and len(info.shape) == 2) else Replicate()
+
+    return [[Shard(1), *_by_tensor_arg(inp, split)],
+            [Partial(), *_by_tensor_arg(inp, lambda at, _: Partial() if at == 0 else Replicate())]]
+
+
+@rule(aten._embedding_bag_backward.default)
+def embedding_bag_backward(inp: RuleInput) -> list[list]:
+    sparse = inp.args[9] if len(inp.args) > 9 else inp.kwargs.get("sparse", False)
+    if sparse:  # (a sparse gradient: whole)
+        return [[Replicate()] * (1 + len(inp.inputs))]
+    return _bag_backward(inp, 5)
+
+
+@rule(aten._embedding_bag_dense_backward.default)
+def embedding_bag_dense_backward(inp: RuleInput) -> list[list]:
+    return _bag_backward(inp, 4)
+
+
+@rule(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(inp: RuleInput) -> list[list]:
+    """The per-sample weights' gradient, sum over the hidden dim of grad * the looked-up rows: (grad, weight, ...)."""
+    return [[Partial(), *_by_tensor_arg(inp, lambda at, _: Shard(1) if at in (0, 1) else Replicate())],
+            [Partial(), *_by_tensor_arg(inp, lambda at, _: Partial() if at == 0 else Replicate())]]
