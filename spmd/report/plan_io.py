@@ -141,15 +141,6 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
     if doc.get("version") not in READS:
         raise ValueError(f"{where}: plan file version {doc.get('version')}, this spmd reads versions "
                          f"{', '.join(map(str, READS))}. What to do: re-plan with this version (spmd plan ... --json).")
-    # (every file has its fingerprint, version 2's its digest too: a probe took one off a file set to version 1,
-    # and the edited plan loaded unchecked)
-    needed = ("fingerprint", "digest") if doc["version"] >= 2 else ("fingerprint",)
-    if not all(k in doc for k in needed):
-        missing = " and ".join(k for k in needed if k not in doc)
-        raise ValueError(f"{where}: the plan file has no {missing} (edited since it was saved: every version "
-                         f"{doc['version']} file has {' and '.join(needed)}), so nothing shows it describes the plan "
-                         "that was solved. "
-                         "What to do: re-plan (plan.save(path), or `spmd plan ... --json path`).")
     choices = {n: Strategy(tuple(_ps_in(p) for p in c["outputs"]), tuple(_ps_in(p) for p in c["inputs"]))
                for n, c in doc["choices"].items()}
     edges = [Edge((e["value"][0], e["value"][1]), e["consumer"], e["slot"], _ps_in(e["src"]), _ps_in(e["dst"]),
@@ -164,6 +155,15 @@ def plan_from_json(doc: dict, where: str = "plan") -> tuple[Plan, PlanDetails | 
                 tuple(counts) if counts is not None else None, bool(doc.get("joint", False)),
                 tuple(doc.get("recompute", ())), doc.get("recompute_cost", 0.0), doc.get("recomputed_bytes", 0.0),
                 tuple(doc.get("recompute_selective", ())), doc.get("peak_bytes", 0.0))
+    # (every file has its fingerprint, version 2's its digest too: a probe took both off a file set to version 1, and
+    # the edited plan loaded unchecked; asked after the content, whose keys a cut file lacks)
+    needed = ("fingerprint", "digest") if doc["version"] >= 2 else ("fingerprint",)
+    if not all(k in doc for k in needed):
+        missing = " and ".join(k for k in needed if k not in doc)
+        raise ValueError(f"{where}: the plan file has no {missing} (edited since it was saved: every version "
+                         f"{doc['version']} file has {' and '.join(needed)}), so nothing shows it describes the plan "
+                         "that was solved. "
+                         "What to do: re-plan (plan.save(path), or `spmd plan ... --json path`).")
     if plan.fingerprint() != doc["fingerprint"]:
         raise ValueError(f"{where}: the plan does not match its fingerprint (edited by hand, or written by another "
                          "version); re-plan.")
