@@ -28,17 +28,10 @@ def unplanned_reshardings(traced: TracedGraph, plan: Plan) -> list[str]:
     found = []
 
     def check(consumer: str, slot: int, producer: str) -> None:
-        if consumer not in plan.choices or producer not in plan.choices:
-            return
-        made, needed = plan.choices[producer].outputs[0], plan.choices[consumer].inputs[slot]
-        edge = edges.get((consumer, slot))
-        if edge is None and made != needed:
-            found.append(f"{consumer} reads {producer} as {placements_str(needed)}, made as {placements_str(made)}, "
-                         "and no edge reshards it")
-        elif edge is not None and (edge.value, edge.src, edge.dst) != ((producer, 0), made, needed):
-            found.append(f"the edge into {consumer} (slot {slot}) takes {edge.value[0]} from "
-                         f"{placements_str(edge.src)} to {placements_str(edge.dst)}, the graph and choices "
-                         f"{producer} from {placements_str(made)} to {placements_str(needed)}")
+        if consumer in plan.choices and producer in plan.choices:
+            said = _disagreement(plan, edges.get((consumer, slot)), consumer, slot, producer)
+            if said:
+                found.append(said)
 
     for node in traced.graph.nodes:
         if node.op == "output":
@@ -53,6 +46,20 @@ def unplanned_reshardings(traced: TracedGraph, plan: Plan) -> list[str]:
     return found
 
 
+def _disagreement(plan: Plan, edge, consumer: str, slot: int, producer: str) -> str | None:
+    """How the `edge` into `consumer`'s `slot` (or None) disagrees with the plan's choices and the graph, which has
+    `producer` feed that slot; None where it agrees."""
+    made, needed = plan.choices[producer].outputs[0], plan.choices[consumer].inputs[slot]
+    if edge is None:
+        return None if made == needed else (f"{consumer} reads {producer} as {placements_str(needed)}, made as "
+                                            f"{placements_str(made)}, and no edge reshards it")
+    if (edge.value, edge.src, edge.dst) == ((producer, 0), made, needed):
+        return None
+    return (f"the edge into {consumer} (slot {slot}) takes {edge.value[0]} from {placements_str(edge.src)} to "
+            f"{placements_str(edge.dst)}, the graph and choices {producer} from {placements_str(made)} to "
+            f"{placements_str(needed)}")
+
+
 def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
     src_graph = traced.graph
     graph = fx.Graph()
@@ -65,12 +72,9 @@ def insert_collectives(traced: TracedGraph, plan: Plan) -> fx.GraphModule:
         """`node` as consumer input `slot` needs it. The steps run where the consumer runs (`tag`:
         forward or backward), so a saved activation is resharded when backward uses it."""
         edge = edge_by_slot.get((consumer, slot))
-        made, needed = plan.choices[node.name].outputs[0], plan.choices[consumer].inputs[slot]
-        if (edge is None and made != needed) or \
-                (edge is not None and (edge.value, edge.src, edge.dst) != ((node.name, 0), made, needed)):
-            how = "no edge" if edge is None else f"an edge of {edge.value} from {edge.src} to {edge.dst}"
-            raise SpmdInternalError(f"insert_collectives: {consumer} reads {node.name} (slot {slot}) as {needed}, "
-                                    f"made as {made}, by {how}", str(src_graph))
+        said = _disagreement(plan, edge, consumer, slot, node.name)
+        if said:  # (a given plan is checked so before: take_given_plan)
+            raise SpmdInternalError(f"insert_collectives: {said}", str(src_graph))
         if edge is None:
             return node
         key = (edge.value, edge.dst, tag)  # backward re-gathers rather than keep a forward copy alive

@@ -76,15 +76,13 @@ class state_kept:
         for m, attrs, params, buffers, modules in self.saved:
             self.made += [(m, key) for key, before in buffers.items() if before is None
                           and m._buffers.get(key) is not None]
-            counted += [(m, key) for key, before in attrs.items() if type(before) in (int, float)
-                        and type(m.__dict__.get(key)) in (int, float) and m.__dict__[key] != before]
+            counted += _numbers_changed(m, attrs)
             for now, before, registered in ((m._parameters, params, True), (m._buffers, buffers, True),
                                             (m._modules, modules, True), (m.__dict__, attrs, False)):
                 if now is not before and _put_back(now, before):
                     self.registered_changed |= registered
         for o, attrs in self.held:
-            counted += [(o, key) for key, before in attrs.items() if type(before) in (int, float)
-                        and type(vars(o).get(key)) in (int, float) and vars(o)[key] != before]
+            counted += _numbers_changed(o, attrs)
             _put_back(vars(o), attrs)
         for table, before in self.hooks:
             _put_back(table, before)
@@ -100,6 +98,13 @@ class state_kept:
         counted += [(m, key) for (_, key), (m, _) in self.next_values.items() if (id(m), key) not in seen
                     and key in vars(m)]
         self.counted = [(m, key, self.next_values.get((id(m), key), (m, _MISSING))[1]) for m, key in counted]
+
+
+def _numbers_changed(owner, before: dict) -> list[tuple]:
+    """(owner, attribute) of each Python number `owner` held in `before` (its attributes then) that is another now."""
+    now = vars(owner)
+    return [(owner, key) for key, was in before.items() if type(was) in (int, float)
+            and type(now.get(key)) in (int, float) and now[key] != was]
 
 
 def _cache_hint(counted: list[tuple]) -> str:
